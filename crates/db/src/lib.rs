@@ -1,0 +1,255 @@
+//! The one way this service runs SQL.
+//!
+//! The app pool may sit behind PgBouncer in transaction mode, where a server
+//! connection belongs to a client only between `BEGIN` and `COMMIT`. sqlx sends
+//! an extended-protocol statement in two round trips (Parse+Describe+Sync, then
+//! Bind+Execute+Sync); outside a transaction PgBouncer may hand the server
+//! connection to another client between them, and the second client's unnamed
+//! statement then runs with our parameters. Named prepared statements do not
+//! survive a connection change at all.
+//!
+//! So every statement here runs unnamed (`persistent(false)`) inside an explicit
+//! transaction, which pins one server connection from `BEGIN` to `COMMIT`
+//! (docs/adr/0001-pooler-safe-access-path.md). [`Stmt`] is the only statement
+//! type [`Db`] and [`Tx`] accept, and neither hands out the pool or the raw
+//! connection, so a crate cannot run SQL on the app pool any other way.
+//! Migrations are the exception: they need a session ([`migrate`]).
+
+mod migrate;
+mod schema;
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions};
+use sqlx::query::Query;
+use sqlx::{Encode, PgPool, Postgres, Type};
+
+pub use migrate::{MigrateError, MigrationReport, migrate};
+pub use schema::{SchemaError, check_schema_ready};
+pub use sqlx::Row;
+pub use sqlx::postgres::PgRow;
+pub use sqlx::types::Json;
+
+/// Errors from the access path.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The URL does not parse as a Postgres URL.
+    #[error("invalid database URL: {0}")]
+    BadUrl(String),
+    /// A statement or connection failed; the message is the server's or the driver's.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+impl Error {
+    /// The SQLSTATE of a server error, if this is one.
+    pub fn code(&self) -> Option<String> {
+        match self {
+            Error::Sql(sqlx::Error::Database(e)) => e.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+
+    /// The constraint a server error names, if any (map it to a domain error).
+    pub fn constraint(&self) -> Option<&str> {
+        match self {
+            Error::Sql(sqlx::Error::Database(e)) => e.constraint(),
+            _ => None,
+        }
+    }
+
+    /// True when the server cancelled the statement for `statement_timeout`.
+    pub fn is_statement_timeout(&self) -> bool {
+        self.code().as_deref() == Some("57014")
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One SQL statement with its parameters, always sent unnamed.
+#[must_use = "a statement does nothing until a Db or Tx runs it"]
+pub struct Stmt<'q>(Query<'q, Postgres, PgArguments>);
+
+/// Start a statement. The text must be a literal: values go through [`Stmt::bind`].
+pub fn sql(text: &'static str) -> Stmt<'static> {
+    Stmt(sqlx::query(text).persistent(false))
+}
+
+impl<'q> Stmt<'q> {
+    /// Bind the next `$n` parameter.
+    pub fn bind<T>(self, value: T) -> Self
+    where
+        T: 'q + Encode<'q, Postgres> + Type<Postgres> + Send,
+    {
+        Stmt(self.0.bind(value))
+    }
+}
+
+/// The app pool. Cloning is cheap and shares the pool.
+#[derive(Clone)]
+pub struct Db {
+    pool: PgPool,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print options: they hold the password.
+        f.debug_struct("Db").field("size", &self.pool.size()).finish()
+    }
+}
+
+impl Db {
+    /// Open a lazy pool of at most `max_connections` to `url`.
+    ///
+    /// # Errors
+    /// [`Error::BadUrl`] if the URL does not parse; nothing connects until first use.
+    pub fn connect_lazy(url: &str, max_connections: u32) -> Result<Db> {
+        let options: PgConnectOptions = url
+            .parse()
+            .map_err(|e: sqlx::Error| Error::BadUrl(redact_error(&e.to_string(), url)))?;
+        let options = options
+            // Named statements break on a pooled server connection.
+            .statement_cache_capacity(0)
+            // PgBouncer 1.18 refuses this startup parameter unless told to ignore it.
+            .extra_float_digits(None)
+            .application_name("hardcount");
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(options);
+        Ok(Db { pool })
+    }
+
+    /// Begin a transaction on one server connection.
+    pub async fn begin(&self) -> Result<Tx> {
+        Ok(Tx {
+            inner: self.pool.begin().await?,
+        })
+    }
+
+    /// Begin a transaction whose statements the server cancels after `limit`.
+    ///
+    /// `SET LOCAL` lives and dies with the transaction, so no session state
+    /// leaks to the next client of the pooled server connection.
+    pub async fn begin_with_timeout(&self, limit: Duration) -> Result<Tx> {
+        let mut tx = self.begin().await?;
+        tx.execute(
+            sql("SELECT set_config('statement_timeout', $1, true)")
+                .bind(format!("{}ms", limit.as_millis())),
+        )
+        .await?;
+        Ok(tx)
+    }
+
+    /// Run one statement in its own transaction and return its one row.
+    pub async fn fetch_one(&self, stmt: Stmt<'_>) -> Result<PgRow> {
+        let mut tx = self.begin().await?;
+        let row = tx.fetch_one(stmt).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
+    /// Run one statement in its own transaction and return its row, if any.
+    pub async fn fetch_optional(&self, stmt: Stmt<'_>) -> Result<Option<PgRow>> {
+        let mut tx = self.begin().await?;
+        let row = tx.fetch_optional(stmt).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
+    /// Run one statement in its own transaction and return all its rows.
+    pub async fn fetch_all(&self, stmt: Stmt<'_>) -> Result<Vec<PgRow>> {
+        let mut tx = self.begin().await?;
+        let rows = tx.fetch_all(stmt).await?;
+        tx.commit().await?;
+        Ok(rows)
+    }
+
+    /// Run one statement in its own transaction and return the rows it affected.
+    pub async fn execute(&self, stmt: Stmt<'_>) -> Result<u64> {
+        let mut tx = self.begin().await?;
+        let n = tx.execute(stmt).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Close the pool, waiting for connections in use to come back.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// A transaction on the app pool. Dropped without [`Tx::commit`], it rolls back.
+pub struct Tx {
+    inner: sqlx::Transaction<'static, Postgres>,
+}
+
+impl Tx {
+    pub async fn fetch_one(&mut self, stmt: Stmt<'_>) -> Result<PgRow> {
+        Ok(stmt.0.fetch_one(&mut *self.inner).await?)
+    }
+
+    pub async fn fetch_optional(&mut self, stmt: Stmt<'_>) -> Result<Option<PgRow>> {
+        Ok(stmt.0.fetch_optional(&mut *self.inner).await?)
+    }
+
+    pub async fn fetch_all(&mut self, stmt: Stmt<'_>) -> Result<Vec<PgRow>> {
+        Ok(stmt.0.fetch_all(&mut *self.inner).await?)
+    }
+
+    pub async fn execute(&mut self, stmt: Stmt<'_>) -> Result<u64> {
+        Ok(stmt.0.execute(&mut *self.inner).await?.rows_affected())
+    }
+
+    pub async fn commit(self) -> Result<()> {
+        Ok(self.inner.commit().await?)
+    }
+
+    pub async fn rollback(self) -> Result<()> {
+        Ok(self.inner.rollback().await?)
+    }
+}
+
+/// Replace any password in `url` that appears in `text` so it can be logged.
+pub fn redact_error(text: &str, url: &str) -> String {
+    match password_of(url) {
+        Some(p) if !p.is_empty() => text.replace(p, "***"),
+        _ => text.to_owned(),
+    }
+}
+
+/// A URL with its password replaced by `***`, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    match password_of(url) {
+        Some(p) if !p.is_empty() => url.replacen(&format!(":{p}@"), ":***@", 1),
+        _ => url.to_owned(),
+    }
+}
+
+fn password_of(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split_once('@')?.0;
+    Some(userinfo.split_once(':')?.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redact_url_hides_the_password_only() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:6432/x"),
+            "postgres://app:***@db:6432/x"
+        );
+        assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+    }
+
+    #[test]
+    fn a_bad_url_is_a_clear_error_without_the_password() {
+        let err = Db::connect_lazy("postgres://u:hunter2@h:notaport/x", 1).unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("invalid database URL"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+}

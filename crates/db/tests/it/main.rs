@@ -1,0 +1,6 @@
+//! Integration tests for the access path, migrations and the leadership schema.
+//! Run by `scripts/bed test`, once directly and once through PgBouncer.
+
+mod access_path;
+mod migrations;
+mod schema;

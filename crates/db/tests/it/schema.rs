@@ -1,0 +1,176 @@
+//! The leadership schema, exercised as `hardcount_app` through the leg under test.
+
+use db::{Db, Row, sql};
+use testbed::TestDb;
+
+const ROLES: [&str; 5] = ["billing", "dunning", "webhook_outbox", "email_outbox", "webhook_delivery"];
+
+/// Make `role` held by `holder` for `ttl_ms`, the way ACQUIRE does; returns the token.
+async fn hold(db: &Db, role: &str, ttl_ms: f64) -> i64 {
+    let row = db
+        .fetch_one(
+            sql("UPDATE leader_leases SET holder_token = holder_token + 1, holder_id = 'test:1:00000000', \
+                 acquired_at = now(), expires_at = now() + make_interval(secs => $2 / 1000.0) \
+                 WHERE role = $1 RETURNING holder_token")
+            .bind(role.to_owned())
+            .bind(ttl_ms),
+        )
+        .await
+        .unwrap();
+    row.get("holder_token")
+}
+
+async fn fence(db: &Db, role: &str, token: i64) -> bool {
+    db.fetch_one(sql("SELECT leader_fence($1, $2) AS f").bind(role.to_owned()).bind(token))
+        .await
+        .unwrap()
+        .get("f")
+}
+
+#[tokio::test]
+async fn five_rows_are_seeded_with_epoch_millisecond_tokens() {
+    let t = TestDb::new().await;
+    let rows = t
+        .db
+        .fetch_all(sql(
+            "SELECT role, holder_token, (extract(epoch FROM now()) * 1000)::int8 AS now_ms, holder_id \
+             FROM leader_leases ORDER BY role",
+        ))
+        .await
+        .unwrap();
+    let mut roles: Vec<String> = rows.iter().map(|r| r.get("role")).collect();
+    roles.sort();
+    let mut expected: Vec<String> = ROLES.iter().map(|s| s.to_string()).collect();
+    expected.sort();
+    assert_eq!(roles, expected);
+    for r in &rows {
+        let token: i64 = r.get("holder_token");
+        let now_ms: i64 = r.get("now_ms");
+        assert!(now_ms - token >= 0 && now_ms - token < 3_600_000, "token {token} is not recent epoch ms");
+        assert!(r.get::<Option<String>, _>("holder_id").is_none());
+    }
+}
+
+#[tokio::test]
+async fn each_check_rejects_its_bad_row() {
+    let t = TestDb::new().await;
+    let cases = [
+        ("UPDATE leader_leases SET role = 'nosuch' WHERE role = 'billing'", "leader_leases_role_known"),
+        ("UPDATE leader_leases SET holder_id = 'h:1:00000000' WHERE role = 'billing'", "leader_leases_held_has_expiry"),
+        ("UPDATE leader_leases SET expires_at = now() WHERE role = 'billing'", "leader_leases_held_has_expiry"),
+        (
+            "UPDATE leader_leases SET holder_id = 'h:1:00000000', expires_at = now(), paused_at = now() WHERE role = 'billing'",
+            "leader_leases_paused_is_unheld",
+        ),
+    ];
+    for (stmt, constraint) in cases {
+        let err = t.db.execute(sql(stmt)).await.unwrap_err();
+        assert_eq!(err.code().as_deref(), Some("23514"), "{stmt}: {err}");
+        assert_eq!(err.constraint(), Some(constraint), "{stmt}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn the_fence_is_true_only_for_the_current_token_of_a_held_unpaused_unexpired_row() {
+    let t = TestDb::new().await;
+    let token = hold(&t.db, "webhook_outbox", 60_000.0).await;
+    assert!(fence(&t.db, "webhook_outbox", token).await);
+    assert!(!fence(&t.db, "webhook_outbox", token - 1).await, "an older token");
+    assert!(!fence(&t.db, "webhook_outbox", token + 1).await, "a token not yet issued");
+    assert!(!fence(&t.db, "email_outbox", token).await, "another role");
+    // Expired.
+    let short = hold(&t.db, "billing", 1.0).await;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert!(!fence(&t.db, "billing", short).await, "an expired lease");
+    // Released (unheld).
+    t.db.execute(sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL WHERE role = 'webhook_outbox'"))
+        .await
+        .unwrap();
+    assert!(!fence(&t.db, "webhook_outbox", token).await, "a released lease");
+}
+
+#[tokio::test]
+async fn pause_unholds_and_pauses_in_one_statement_and_the_fence_is_false_from_its_commit() {
+    let t = TestDb::new().await;
+    let token = hold(&t.db, "email_outbox", 60_000.0).await;
+    let mut tx = t.db.begin().await.unwrap();
+    tx.execute(sql("SELECT leader_pause('email_outbox', 'ops', 'rotating SMTP key')"))
+        .await
+        .unwrap();
+    // Not yet committed: other sessions still see the lease.
+    assert!(fence(&t.db, "email_outbox", token).await);
+    tx.commit().await.unwrap();
+    assert!(!fence(&t.db, "email_outbox", token).await);
+    let row = t
+        .db
+        .fetch_one(sql(
+            "SELECT holder_id, expires_at IS NULL AS unheld, paused_at IS NOT NULL AS paused, paused_by, pause_reason, state \
+             FROM leader_status WHERE role = 'email_outbox'",
+        ))
+        .await
+        .unwrap();
+    assert!(row.get::<Option<String>, _>("holder_id").is_none());
+    assert!(row.get::<bool, _>("unheld"));
+    assert!(row.get::<bool, _>("paused"));
+    assert_eq!(row.get::<String, _>("paused_by"), "ops");
+    assert_eq!(row.get::<String, _>("pause_reason"), "rotating SMTP key");
+    assert_eq!(row.get::<String, _>("state"), "paused");
+
+    t.db.execute(sql("SELECT leader_unpause('email_outbox')")).await.unwrap();
+    let row = t
+        .db
+        .fetch_one(sql("SELECT paused_at IS NULL AS unpaused, paused_by, state FROM leader_status WHERE role = 'email_outbox'"))
+        .await
+        .unwrap();
+    assert!(row.get::<bool, _>("unpaused"));
+    assert!(row.get::<Option<String>, _>("paused_by").is_none());
+    assert_eq!(row.get::<String, _>("state"), "idle");
+}
+
+#[tokio::test]
+async fn pausing_an_unknown_role_names_it() {
+    let t = TestDb::new().await;
+    for stmt in ["SELECT leader_pause('nosuch', 'ops', 'why')", "SELECT leader_unpause('nosuch')"] {
+        let err = t.db.execute(sql(stmt)).await.unwrap_err().to_string();
+        assert!(err.contains("unknown role \"nosuch\""), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn the_app_role_cannot_insert_delete_truncate_alter_or_drop_and_owns_nothing() {
+    let t = TestDb::new().await;
+    let denied = [
+        // docs/adr/0002: the app never INSERTs a lease row; ACQUIRE is an UPDATE.
+        "INSERT INTO leader_leases (role, holder_token) VALUES ('billing', 1)",
+        "DELETE FROM leader_leases WHERE role = 'billing'",
+        "TRUNCATE leader_leases",
+        "ALTER TABLE leader_leases ADD COLUMN x int",
+        "ALTER TABLE leader_leases DROP CONSTRAINT leader_leases_role_known",
+        "DROP VIEW leader_status",
+        "DROP FUNCTION leader_fence(text, bigint)",
+        "CREATE OR REPLACE FUNCTION leader_fence(p_role text, p_token bigint) RETURNS boolean LANGUAGE sql AS 'SELECT true'",
+        "DROP TABLE leader_leases",
+        "CREATE TABLE sneaky (x int)",
+        "DELETE FROM _sqlx_migrations",
+    ];
+    for stmt in denied {
+        let err = t.db.execute(sql(stmt)).await.unwrap_err();
+        assert_eq!(err.code().as_deref(), Some("42501"), "{stmt} was not refused for lack of privilege: {err}");
+    }
+    let owned = t
+        .db
+        .fetch_one(sql(
+            "SELECT (SELECT count(*) FROM pg_class WHERE relowner = r.oid) \
+                  + (SELECT count(*) FROM pg_proc WHERE proowner = r.oid) \
+                  + (SELECT count(*) FROM pg_namespace WHERE nspowner = r.oid) \
+                  + (SELECT count(*) FROM pg_type WHERE typowner = r.oid) AS n, \
+                    r.rolsuper OR r.rolcreaterole OR r.rolcreatedb AS powerful, \
+                    current_user::text AS me \
+             FROM pg_roles r WHERE r.rolname = 'hardcount_app'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(owned.get::<String, _>("me"), "hardcount_app");
+    assert_eq!(owned.get::<i64, _>("n"), 0, "hardcount_app owns something");
+    assert!(!owned.get::<bool, _>("powerful"));
+}

@@ -1,0 +1,137 @@
+//! Test-only helpers for the cluster that `scripts/bed test` starts.
+//!
+//! The script exports `HARDCOUNT_TEST_PG` (Postgres, direct) and
+//! `HARDCOUNT_TEST_BOUNCER` (PgBouncer in transaction mode in front of it), both
+//! `host:port`, and runs the suite twice with `HARDCOUNT_TEST_LEG` set to
+//! `direct` and then `pgbouncer`. Every [`TestDb`] is a new database, migrated
+//! over a direct superuser session, reached by the app as `hardcount_app`
+//! through the leg under test, and dropped when the value is dropped.
+
+mod smtp;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use db::Db;
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+
+pub use smtp::{SmtpSink, free_port};
+
+/// How the app reaches Postgres in this run of the suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leg {
+    Direct,
+    PgBouncer,
+}
+
+impl Leg {
+    /// The leg this run of the suite tests.
+    pub fn current() -> Leg {
+        match std::env::var("HARDCOUNT_TEST_LEG").as_deref() {
+            Ok("pgbouncer") => Leg::PgBouncer,
+            Ok("direct") | Err(_) => Leg::Direct,
+            Ok(other) => panic!("HARDCOUNT_TEST_LEG={other}: expected direct or pgbouncer"),
+        }
+    }
+
+    pub fn addr(self) -> String {
+        match self {
+            Leg::Direct => required("HARDCOUNT_TEST_PG"),
+            Leg::PgBouncer => required("HARDCOUNT_TEST_BOUNCER"),
+        }
+    }
+}
+
+fn required(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run the suite with `scripts/bed test`, which starts Postgres and PgBouncer")
+    })
+}
+
+/// A fresh, migrated database for one test.
+pub struct TestDb {
+    name: String,
+    /// The app pool as `hardcount_app` through the current leg.
+    pub db: Db,
+}
+
+impl TestDb {
+    /// Create and migrate a new database; connect the app pool (5 connections) through the current leg.
+    pub async fn new() -> TestDb {
+        Self::with_pool(5).await
+    }
+
+    pub async fn with_pool(max_connections: u32) -> TestDb {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "t_{}_{}_{:08x}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed),
+            rand::random::<u32>()
+        );
+        let mut admin = admin_connection("postgres").await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .expect("create test database");
+        let _ = admin.close().await;
+        db::migrate(&superuser_url(&name)).await.expect("migrate test database");
+        let db = Db::connect_lazy(&app_url(Leg::current(), &name), max_connections).unwrap();
+        TestDb { name, db }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `hardcount_app`'s URL for this database through `leg`.
+    pub fn app_url(&self, leg: Leg) -> String {
+        app_url(leg, &self.name)
+    }
+
+    /// A direct superuser URL for this database (setup and inspection only).
+    pub fn superuser_url(&self) -> String {
+        superuser_url(&self.name)
+    }
+
+    /// A direct superuser session on this database, for setup and for holding
+    /// locks or transactions open the way another client would.
+    pub async fn superuser(&self) -> PgConnection {
+        admin_connection(&self.name).await
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Drop runs outside any runtime guarantee; do the cleanup on a thread of its own.
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            if let Ok(rt) = rt {
+                rt.block_on(async {
+                    let mut admin = admin_connection("postgres").await;
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut admin)
+                    .await;
+                });
+            }
+        })
+        .join();
+    }
+}
+
+pub fn app_url(leg: Leg, database: &str) -> String {
+    format!("postgres://hardcount_app@{}/{database}", leg.addr())
+}
+
+pub fn superuser_url(database: &str) -> String {
+    format!("postgres://postgres@{}/{database}", Leg::Direct.addr())
+}
+
+async fn admin_connection(database: &str) -> PgConnection {
+    PgConnection::connect(&superuser_url(database))
+        .await
+        .unwrap_or_else(|e| panic!("connect to the test cluster as postgres: {e}"))
+}

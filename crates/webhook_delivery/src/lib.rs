@@ -1,0 +1,1 @@
+//! The `webhook_delivery` role (being built).
