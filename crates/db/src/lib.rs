@@ -94,7 +94,9 @@ pub struct Db {
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print options: they hold the password.
-        f.debug_struct("Db").field("size", &self.pool.size()).finish()
+        f.debug_struct("Db")
+            .field("size", &self.pool.size())
+            .finish()
     }
 }
 

@@ -64,7 +64,11 @@ pub async fn migrate(url: &str) -> Result<MigrationReport, MigrateError> {
     MIGRATOR.run(&mut conn).await.map_err(classify)?;
     let after = applied_versions(&mut conn).await.map_err(classify_sqlx)?;
     let _ = conn.close().await;
-    let applied = after.iter().copied().filter(|v| !before.contains(v)).collect();
+    let applied = after
+        .iter()
+        .copied()
+        .filter(|v| !before.contains(v))
+        .collect();
     Ok(MigrationReport {
         applied,
         already: before.len(),
@@ -103,7 +107,8 @@ fn classify_sqlx(e: sqlx::Error) -> MigrateError {
 /// names the unsupported feature.
 pub(crate) fn looks_like_transaction_pooler(text: &str) -> bool {
     let t = text.to_ascii_lowercase();
-    (t.contains("prepared statement") && (t.contains("does not exist") || t.contains("already exists")))
+    (t.contains("prepared statement")
+        && (t.contains("does not exist") || t.contains("already exists")))
         || t.contains("unsupported pkt type")
         || t.contains("pgbouncer")
 }
@@ -120,6 +125,8 @@ mod tests {
         assert!(looks_like_transaction_pooler(
             "prepared statement \"sqlx_s_3\" does not exist"
         ));
-        assert!(!looks_like_transaction_pooler("relation \"x\" does not exist"));
+        assert!(!looks_like_transaction_pooler(
+            "relation \"x\" does not exist"
+        ));
     }
 }

@@ -7,7 +7,9 @@ use crate::{Db, sql};
 pub enum SchemaError {
     #[error("the database has no migrations applied; run `hardcount migrate` first")]
     NotMigrated,
-    #[error("the schema is behind this binary: migration {missing} is not applied; run `hardcount migrate`")]
+    #[error(
+        "the schema is behind this binary: migration {missing} is not applied; run `hardcount migrate`"
+    )]
     Behind { missing: String },
     #[error("migration {version} failed part-way; fix it and rerun `hardcount migrate`")]
     Dirty { version: i64 },
@@ -18,7 +20,9 @@ pub enum SchemaError {
 /// Ok when every migration this binary embeds has been applied successfully.
 pub async fn check_schema_ready(db: &Db) -> Result<(), SchemaError> {
     let row = db
-        .fetch_one(sql("SELECT to_regclass('_sqlx_migrations') IS NOT NULL AS present"))
+        .fetch_one(sql(
+            "SELECT to_regclass('_sqlx_migrations') IS NOT NULL AS present",
+        ))
         .await?;
     let present: bool = sqlx::Row::try_get(&row, "present").map_err(crate::Error::from)?;
     if !present {

@@ -1,1 +1,133 @@
-//! Being built.
+//! Leader leases: a row per role, claimed for one tick, fenced by a token.
+//!
+//! This crate knows nothing about billing or webhooks. It owns `leader_leases`'
+//! four statements ([`store`]), the runtime that drives them ([`Manager::lead`]),
+//! and the [`Fence`] a won lease hands to the tick's work.
+//!
+//! ```text
+//!             ACQUIRE (1 row)                 work returns
+//!   idle ───────────────────────▶ leading ─────────────────▶ RELEASE completed
+//!    ▲   0 rows: not due, held,     │  RENEW every heartbeat    (stamps last_tick_*)
+//!    │   paused or cooling down     │
+//!    │                              ├─ shutdown cancels ──────▶ RELEASE interrupted (no cooldown)
+//!    │                              ├─ RENEW 0 rows / abandon ─▶ RELEASE lost (min(interval, 60 s))
+//!    │                              └─ work panics ───────────▶ RELEASE panicked (interval), re-raise
+//!    └──────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! The trust window: the work may act as leader from ACQUIRE until the first of
+//! (a) a RENEW that finds no row of ours, (b) `abandon_after` since the send
+//! instant of the last acknowledged RENEW, measured on the monotonic clock.
+//! Because `abandon_after + statement_timeout < ttl`, no statement of ours is
+//! started or still running on the server when another replica can acquire.
+//! A frozen process (GC pause, SIGSTOP) can outlive that window; that is what
+//! the fence is for: every leader-only claim statement carries
+//! `AND leader_fence($role, $token)` in its innermost WHERE, so a stale leader's
+//! claim returns zero rows in the claim's own snapshot.
+//!
+//! Only a won lease builds a [`Fence`], and leader-only store methods take one
+//! as an argument, so "forgot to fence" does not compile.
+
+mod manager;
+pub mod store;
+mod telemetry;
+mod timing;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use manager::{Fence, LostReason, Manager, Tick, TickOutcome};
+pub use store::{LeaseStatus, StoreError};
+pub use telemetry::Telemetry;
+pub use timing::{Timing, TimingError};
+
+/// The five singleton roles. The migration's CHECK lists the same names, pinned
+/// by `the_role_list_equals_the_check_constraint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Billing,
+    Dunning,
+    WebhookOutbox,
+    EmailOutbox,
+    WebhookDelivery,
+}
+
+impl Role {
+    pub const ALL: [Role; 5] = [
+        Role::Billing,
+        Role::Dunning,
+        Role::WebhookOutbox,
+        Role::EmailOutbox,
+        Role::WebhookDelivery,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Billing => "billing",
+            Role::Dunning => "dunning",
+            Role::WebhookOutbox => "webhook_outbox",
+            Role::EmailOutbox => "email_outbox",
+            Role::WebhookDelivery => "webhook_delivery",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown role name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown role {0:?}: expected one of billing, dunning, webhook_outbox, email_outbox, webhook_delivery"
+)]
+pub struct UnknownRole(pub String);
+
+impl FromStr for Role {
+    type Err = UnknownRole;
+
+    fn from_str(s: &str) -> Result<Role, UnknownRole> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| UnknownRole(s.to_owned()))
+    }
+}
+
+/// `hostname:pid:8hex`, identifying this process as a holder. Observability only.
+pub fn holder_id() -> String {
+    let host = hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown".to_owned());
+    format!(
+        "{host}:{}:{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn role_names_round_trip_and_unknown_names_are_named() {
+        for r in Role::ALL {
+            assert_eq!(r.as_str().parse::<Role>().unwrap(), r);
+        }
+        let err = "biling".parse::<Role>().unwrap_err().to_string();
+        assert!(err.contains("\"biling\""), "{err}");
+    }
+
+    #[test]
+    fn holder_id_is_host_pid_8hex() {
+        let id = holder_id();
+        let parts: Vec<&str> = id.rsplitn(3, ':').collect();
+        assert_eq!(parts[0].len(), 8, "{id}");
+        assert!(parts[0].chars().all(|c| c.is_ascii_hexdigit()), "{id}");
+        assert_eq!(parts[1], std::process::id().to_string());
+    }
+}

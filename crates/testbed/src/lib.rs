@@ -75,7 +75,9 @@ impl TestDb {
             .await
             .expect("create test database");
         let _ = admin.close().await;
-        db::migrate(&superuser_url(&name)).await.expect("migrate test database");
+        db::migrate(&superuser_url(&name))
+            .await
+            .expect("migrate test database");
         let db = Db::connect_lazy(&app_url(Leg::current(), &name), max_connections).unwrap();
         TestDb { name, db }
     }
@@ -106,7 +108,9 @@ impl Drop for TestDb {
         // Drop runs outside any runtime guarantee; do the cleanup on a thread of its own.
         let name = self.name.clone();
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
             if let Ok(rt) = rt {
                 rt.block_on(async {
                     let mut admin = admin_connection("postgres").await;

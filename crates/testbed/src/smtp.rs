@@ -15,7 +15,8 @@ pub struct SmtpSink {
 impl SmtpSink {
     pub fn start() -> SmtpSink {
         let port = free_port();
-        let maildir = std::env::temp_dir().join(format!("hardcount-smtp-{}-{port}", std::process::id()));
+        let maildir =
+            std::env::temp_dir().join(format!("hardcount-smtp-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&maildir).expect("create maildir");
         // The first python3 on PATH may be another interpreter without aiosmtpd.
         let child = Command::new("/usr/bin/python3")
@@ -28,10 +29,17 @@ impl SmtpSink {
             .expect("start aiosmtpd (apt-get install python3-aiosmtpd)");
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "aiosmtpd did not listen on {port} within 10 s");
+            assert!(
+                Instant::now() < deadline,
+                "aiosmtpd did not listen on {port} within 10 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
-        SmtpSink { port, maildir, child }
+        SmtpSink {
+            port,
+            maildir,
+            child,
+        }
     }
 
     /// The raw messages received so far.
@@ -60,5 +68,9 @@ impl Drop for SmtpSink {
 
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }

@@ -139,10 +139,22 @@ mod tests {
     #[test]
     fn bad_secrets_are_rejected_without_echoing_them() {
         let cases = [
-            ("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", SecretError::MissingPrefix),
-            ("WHSEC_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", SecretError::MissingPrefix),
-            ("whsec_MfKQ9r8GKYqr$wjUPD8ILPZIo2LaLaSw", SecretError::InvalidBase64),
-            ("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaS", SecretError::InvalidBase64),
+            (
+                "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                SecretError::MissingPrefix,
+            ),
+            (
+                "WHSEC_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                SecretError::MissingPrefix,
+            ),
+            (
+                "whsec_MfKQ9r8GKYqr$wjUPD8ILPZIo2LaLaSw",
+                SecretError::InvalidBase64,
+            ),
+            (
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaS",
+                SecretError::InvalidBase64,
+            ),
             ("whsec_", SecretError::EmptyKey),
         ];
         for (input, expected) in cases {

@@ -15,24 +15,41 @@ const CONCURRENCY: i64 = 240;
 /// no other text computes, so a statement run with another's parameters shows.
 async fn through_access_path(db: &Db, i: i64) -> Result<(i64, i64), db::Error> {
     let (expected, row) = match i % 6 {
-        0 => (i + 1, db.fetch_one(sql("SELECT $1::int8 + 1 AS v").bind(i)).await?),
-        1 => (i * 3, db.fetch_one(sql("SELECT $1::int8 * 3 AS v").bind(i)).await?),
+        0 => (
+            i + 1,
+            db.fetch_one(sql("SELECT $1::int8 + 1 AS v").bind(i))
+                .await?,
+        ),
+        1 => (
+            i * 3,
+            db.fetch_one(sql("SELECT $1::int8 * 3 AS v").bind(i))
+                .await?,
+        ),
         2 => (
             i * 1000 + 7,
-            db.fetch_one(sql("SELECT $1::int8 * 1000 + $2::int8 AS v").bind(i).bind(7_i64)).await?,
+            db.fetch_one(
+                sql("SELECT $1::int8 * 1000 + $2::int8 AS v")
+                    .bind(i)
+                    .bind(7_i64),
+            )
+            .await?,
         ),
         3 => (
             i - 5,
-            db.fetch_one(sql("SELECT v FROM (SELECT $1::int8 - 5 AS v, pg_sleep(0.001)) s").bind(i))
-                .await?,
+            db.fetch_one(
+                sql("SELECT v FROM (SELECT $1::int8 - 5 AS v, pg_sleep(0.001)) s").bind(i),
+            )
+            .await?,
         ),
         4 => (
             i.to_string().len() as i64,
-            db.fetch_one(sql("SELECT length($1::text)::int8 AS v").bind(i.to_string())).await?,
+            db.fetch_one(sql("SELECT length($1::text)::int8 AS v").bind(i.to_string()))
+                .await?,
         ),
         _ => (
             -i,
-            db.fetch_one(sql("SELECT (-1 * $1::int8) AS v, 'filler'::text AS w").bind(i)).await?,
+            db.fetch_one(sql("SELECT (-1 * $1::int8) AS v, 'filler'::text AS w").bind(i))
+                .await?,
         ),
     };
     Ok((expected, row.try_get::<i64, _>("v")?))
@@ -117,8 +134,14 @@ async fn a_session_advisory_lock_holds_directly_but_not_through_pgbouncer() {
             "SELECT count(*)::text FROM pg_locks WHERE locktype = 'advisory' AND objid = 42 AND pid = pg_backend_pid()",
         )
         .await;
-        assert_eq!(mine, "1", "directly, the lock is held on the next statement");
-        assert_eq!(simple(&mut b, "SELECT pg_try_advisory_lock(42)::text").await, "false");
+        assert_eq!(
+            mine, "1",
+            "directly, the lock is held on the next statement"
+        );
+        assert_eq!(
+            simple(&mut b, "SELECT pg_try_advisory_lock(42)::text").await,
+            "false"
+        );
         simple(&mut a, "SELECT pg_advisory_unlock(42)").await;
     }
     // Through PgBouncer: the lock belongs to whichever server connection ran the
@@ -126,9 +149,16 @@ async fn a_session_advisory_lock_holds_directly_but_not_through_pgbouncer() {
     // connection "takes" the same lock: it protects nothing.
     let mut a = connect(&t.app_url(Leg::PgBouncer)).await;
     let mut b = connect(&t.app_url(Leg::PgBouncer)).await;
-    let a_pid = simple(&mut a, "SELECT pg_backend_pid()::text FROM (SELECT pg_advisory_lock(43)) l").await;
+    let a_pid = simple(
+        &mut a,
+        "SELECT pg_backend_pid()::text FROM (SELECT pg_advisory_lock(43)) l",
+    )
+    .await;
     let b_pid = simple(&mut b, "SELECT pg_backend_pid()::text").await;
-    assert_eq!(a_pid, b_pid, "PgBouncer gave the idle server connection to the next client");
+    assert_eq!(
+        a_pid, b_pid,
+        "PgBouncer gave the idle server connection to the next client"
+    );
     assert_eq!(
         simple(&mut b, "SELECT pg_try_advisory_lock(43)::text").await,
         "true",
@@ -157,23 +187,27 @@ async fn connect(url: &str) -> PgConnection {
 async fn simple(conn: &mut PgConnection, text: &'static str) -> String {
     use sqlx::Row as _;
     let rows = sqlx::raw_sql(text).fetch_all(&mut *conn).await.unwrap();
-    rows.first().and_then(|r| r.try_get::<String, _>(0).ok()).unwrap_or_default()
+    rows.first()
+        .and_then(|r| r.try_get::<String, _>(0).ok())
+        .unwrap_or_default()
 }
 
 #[tokio::test]
 async fn a_statement_timeout_is_enforced_by_the_server_and_leaks_to_no_one() {
     let t = TestDb::with_pool(1).await;
-    let mut tx = t.db.begin_with_timeout(Duration::from_millis(200)).await.unwrap();
+    let mut tx =
+        t.db.begin_with_timeout(Duration::from_millis(200))
+            .await
+            .unwrap();
     let err = tx.execute(sql("SELECT pg_sleep(5)")).await.unwrap_err();
     assert!(err.is_statement_timeout(), "{err}");
     drop(tx);
     // SET LOCAL died with the transaction: the next one, on the same pooled
     // connection, has no timeout.
-    let row = t
-        .db
-        .fetch_one(sql("SELECT current_setting('statement_timeout') AS s"))
-        .await
-        .unwrap();
+    let row =
+        t.db.fetch_one(sql("SELECT current_setting('statement_timeout') AS s"))
+            .await
+            .unwrap();
     assert_eq!(row.try_get::<String, _>("s").unwrap(), "0");
 }
 
@@ -189,18 +223,29 @@ fn only_the_db_crate_runs_sql() {
             continue;
         }
         visit(&entry.path().join("src"), &mut |path, text| {
-            for needle in ["sqlx::query", "sqlx::raw_sql", "PgPool", "query_as(", "query_scalar("] {
+            for needle in [
+                "sqlx::query",
+                "sqlx::raw_sql",
+                "PgPool",
+                "query_as(",
+                "query_scalar(",
+            ] {
                 if text.contains(needle) {
                     offenders.push(format!("{}: {needle}", path.display()));
                 }
             }
         });
     }
-    assert!(offenders.is_empty(), "SQL outside crates/db's access path: {offenders:#?}");
+    assert!(
+        offenders.is_empty(),
+        "SQL outside crates/db's access path: {offenders:#?}"
+    );
 }
 
 fn visit(dir: &std::path::Path, f: &mut dyn FnMut(&std::path::Path, &str)) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let p = e.path();
         if p.is_dir() {

@@ -20,7 +20,10 @@ async fn an_unreachable_database_is_a_clear_error_without_the_password() {
         .unwrap_err();
     let text = err.to_string();
     assert!(matches!(err, MigrateError::Connect { .. }), "{text}");
-    assert!(text.contains("cannot connect to the migration database"), "{text}");
+    assert!(
+        text.contains("cannot connect to the migration database"),
+        "{text}"
+    );
     assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
     assert!(!text.contains("s3cret"), "{text}");
 }
@@ -40,7 +43,11 @@ async fn serve_refuses_an_unmigrated_database_and_names_the_missing_migration() 
         .await
         .unwrap();
     let err = check_schema_ready(&t.db).await.unwrap_err().to_string();
-    assert!(err.contains(&format!("migration {last:04}_")) || err.contains(&format!("migration {last}_")), "{err}");
+    assert!(
+        err.contains(&format!("migration {last:04}_"))
+            || err.contains(&format!("migration {last}_")),
+        "{err}"
+    );
     assert!(err.contains("hardcount migrate"), "{err}");
 }
 
@@ -60,9 +67,16 @@ async fn migrating_through_a_transaction_pooler_is_reported_as_such() {
     }
     let err = saw.expect("three migrate runs through PgBouncer all succeeded");
     let text = err.to_string();
-    assert!(matches!(err, MigrateError::ThroughTransactionPooler { .. }), "{text}");
+    assert!(
+        matches!(err, MigrateError::ThroughTransactionPooler { .. }),
+        "{text}"
+    );
     assert!(text.contains("direct or session-mode connection"), "{text}");
     // Nothing was lost or half-applied: the schema is still complete.
     check_schema_ready(&t.db).await.unwrap();
-    let _ = PgConnection::connect(&t.superuser_url()).await.unwrap().close().await;
+    let _ = PgConnection::connect(&t.superuser_url())
+        .await
+        .unwrap()
+        .close()
+        .await;
 }

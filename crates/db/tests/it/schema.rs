@@ -3,7 +3,13 @@
 use db::{Db, Row, sql};
 use testbed::TestDb;
 
-const ROLES: [&str; 5] = ["billing", "dunning", "webhook_outbox", "email_outbox", "webhook_delivery"];
+const ROLES: [&str; 5] = [
+    "billing",
+    "dunning",
+    "webhook_outbox",
+    "email_outbox",
+    "webhook_delivery",
+];
 
 /// Make `role` held by `holder` for `ttl_ms`, the way ACQUIRE does; returns the token.
 async fn hold(db: &Db, role: &str, ttl_ms: f64) -> i64 {
@@ -21,10 +27,14 @@ async fn hold(db: &Db, role: &str, ttl_ms: f64) -> i64 {
 }
 
 async fn fence(db: &Db, role: &str, token: i64) -> bool {
-    db.fetch_one(sql("SELECT leader_fence($1, $2) AS f").bind(role.to_owned()).bind(token))
-        .await
-        .unwrap()
-        .get("f")
+    db.fetch_one(
+        sql("SELECT leader_fence($1, $2) AS f")
+            .bind(role.to_owned())
+            .bind(token),
+    )
+    .await
+    .unwrap()
+    .get("f")
 }
 
 #[tokio::test]
@@ -46,7 +56,10 @@ async fn five_rows_are_seeded_with_epoch_millisecond_tokens() {
     for r in &rows {
         let token: i64 = r.get("holder_token");
         let now_ms: i64 = r.get("now_ms");
-        assert!(now_ms - token >= 0 && now_ms - token < 3_600_000, "token {token} is not recent epoch ms");
+        assert!(
+            now_ms - token >= 0 && now_ms - token < 3_600_000,
+            "token {token} is not recent epoch ms"
+        );
         assert!(r.get::<Option<String>, _>("holder_id").is_none());
     }
 }
@@ -55,9 +68,18 @@ async fn five_rows_are_seeded_with_epoch_millisecond_tokens() {
 async fn each_check_rejects_its_bad_row() {
     let t = TestDb::new().await;
     let cases = [
-        ("UPDATE leader_leases SET role = 'nosuch' WHERE role = 'billing'", "leader_leases_role_known"),
-        ("UPDATE leader_leases SET holder_id = 'h:1:00000000' WHERE role = 'billing'", "leader_leases_held_has_expiry"),
-        ("UPDATE leader_leases SET expires_at = now() WHERE role = 'billing'", "leader_leases_held_has_expiry"),
+        (
+            "UPDATE leader_leases SET role = 'nosuch' WHERE role = 'billing'",
+            "leader_leases_role_known",
+        ),
+        (
+            "UPDATE leader_leases SET holder_id = 'h:1:00000000' WHERE role = 'billing'",
+            "leader_leases_held_has_expiry",
+        ),
+        (
+            "UPDATE leader_leases SET expires_at = now() WHERE role = 'billing'",
+            "leader_leases_held_has_expiry",
+        ),
         (
             "UPDATE leader_leases SET holder_id = 'h:1:00000000', expires_at = now(), paused_at = now() WHERE role = 'billing'",
             "leader_leases_paused_is_unheld",
@@ -75,8 +97,14 @@ async fn the_fence_is_true_only_for_the_current_token_of_a_held_unpaused_unexpir
     let t = TestDb::new().await;
     let token = hold(&t.db, "webhook_outbox", 60_000.0).await;
     assert!(fence(&t.db, "webhook_outbox", token).await);
-    assert!(!fence(&t.db, "webhook_outbox", token - 1).await, "an older token");
-    assert!(!fence(&t.db, "webhook_outbox", token + 1).await, "a token not yet issued");
+    assert!(
+        !fence(&t.db, "webhook_outbox", token - 1).await,
+        "an older token"
+    );
+    assert!(
+        !fence(&t.db, "webhook_outbox", token + 1).await,
+        "a token not yet issued"
+    );
     assert!(!fence(&t.db, "email_outbox", token).await, "another role");
     // Expired.
     let short = hold(&t.db, "billing", 1.0).await;
@@ -86,7 +114,10 @@ async fn the_fence_is_true_only_for_the_current_token_of_a_held_unpaused_unexpir
     t.db.execute(sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL WHERE role = 'webhook_outbox'"))
         .await
         .unwrap();
-    assert!(!fence(&t.db, "webhook_outbox", token).await, "a released lease");
+    assert!(
+        !fence(&t.db, "webhook_outbox", token).await,
+        "a released lease"
+    );
 }
 
 #[tokio::test]
@@ -94,9 +125,11 @@ async fn pause_unholds_and_pauses_in_one_statement_and_the_fence_is_false_from_i
     let t = TestDb::new().await;
     let token = hold(&t.db, "email_outbox", 60_000.0).await;
     let mut tx = t.db.begin().await.unwrap();
-    tx.execute(sql("SELECT leader_pause('email_outbox', 'ops', 'rotating SMTP key')"))
-        .await
-        .unwrap();
+    tx.execute(sql(
+        "SELECT leader_pause('email_outbox', 'ops', 'rotating SMTP key')",
+    ))
+    .await
+    .unwrap();
     // Not yet committed: other sessions still see the lease.
     assert!(fence(&t.db, "email_outbox", token).await);
     tx.commit().await.unwrap();
@@ -116,7 +149,9 @@ async fn pause_unholds_and_pauses_in_one_statement_and_the_fence_is_false_from_i
     assert_eq!(row.get::<String, _>("pause_reason"), "rotating SMTP key");
     assert_eq!(row.get::<String, _>("state"), "paused");
 
-    t.db.execute(sql("SELECT leader_unpause('email_outbox')")).await.unwrap();
+    t.db.execute(sql("SELECT leader_unpause('email_outbox')"))
+        .await
+        .unwrap();
     let row = t
         .db
         .fetch_one(sql("SELECT paused_at IS NULL AS unpaused, paused_by, state FROM leader_status WHERE role = 'email_outbox'"))
@@ -130,7 +165,10 @@ async fn pause_unholds_and_pauses_in_one_statement_and_the_fence_is_false_from_i
 #[tokio::test]
 async fn pausing_an_unknown_role_names_it() {
     let t = TestDb::new().await;
-    for stmt in ["SELECT leader_pause('nosuch', 'ops', 'why')", "SELECT leader_unpause('nosuch')"] {
+    for stmt in [
+        "SELECT leader_pause('nosuch', 'ops', 'why')",
+        "SELECT leader_unpause('nosuch')",
+    ] {
         let err = t.db.execute(sql(stmt)).await.unwrap_err().to_string();
         assert!(err.contains("unknown role \"nosuch\""), "{err}");
     }
@@ -155,11 +193,14 @@ async fn the_app_role_cannot_insert_delete_truncate_alter_or_drop_and_owns_nothi
     ];
     for stmt in denied {
         let err = t.db.execute(sql(stmt)).await.unwrap_err();
-        assert_eq!(err.code().as_deref(), Some("42501"), "{stmt} was not refused for lack of privilege: {err}");
+        assert_eq!(
+            err.code().as_deref(),
+            Some("42501"),
+            "{stmt} was not refused for lack of privilege: {err}"
+        );
     }
-    let owned = t
-        .db
-        .fetch_one(sql(
+    let owned =
+        t.db.fetch_one(sql(
             "SELECT (SELECT count(*) FROM pg_class WHERE relowner = r.oid) \
                   + (SELECT count(*) FROM pg_proc WHERE proowner = r.oid) \
                   + (SELECT count(*) FROM pg_namespace WHERE nspowner = r.oid) \

@@ -1,0 +1,406 @@
+//! `Manager::lead`: one tick under a lease, with its heartbeat and its release.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use db::Db;
+use futures::FutureExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::store::{self, Acquire, Release, Renew, StoreError};
+use crate::{Role, Telemetry, Timing};
+
+/// Proof of a won lease: the role and the token its ACQUIRE returned.
+///
+/// Only [`Manager::lead`] constructs one, so a store method that takes a
+/// `&Fence` cannot be called outside a tick. A clone that outlives its tick is
+/// harmless: `leader_fence` is false for it once the term has ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    role: Role,
+    token: i64,
+}
+
+impl Fence {
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The role's name, as the SQL `leader_fence($role, $token)` takes it.
+    pub fn role_name(&self) -> &'static str {
+        self.role.as_str()
+    }
+
+    pub fn token(&self) -> i64 {
+        self.token
+    }
+}
+
+/// What the tick's work receives.
+#[derive(Debug, Clone)]
+pub struct Tick {
+    pub fence: Fence,
+    /// Cancelled when the lease is lost or the process shuts down. Work that
+    /// ignores it is dropped after `Timing::cancel_grace`.
+    pub cancel: CancellationToken,
+}
+
+/// Why a lease was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostReason {
+    /// A RENEW found another token (a takeover) or no holder (a release).
+    Superseded,
+    /// A RENEW found the role paused.
+    Paused,
+    /// No RENEW was acknowledged for `abandon_after`.
+    HeartbeatTimeout,
+}
+
+impl LostReason {
+    /// The `reason` label on `hardcount_leader_lease_lost_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LostReason::Superseded => "superseded",
+            LostReason::Paused => "paused",
+            LostReason::HeartbeatTimeout => "heartbeat_timeout",
+        }
+    }
+}
+
+/// How one call of [`Manager::lead`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TickOutcome {
+    /// Not acquired. `retry_in` is when to poll again: the row's own due time on
+    /// the database clock, capped at `max_poll`.
+    NotLed {
+        retry_in: Duration,
+        paused: bool,
+    },
+    Completed,
+    /// Shutdown cancelled the tick.
+    Interrupted,
+    Lost(LostReason),
+}
+
+/// Runs ticks under leases. One per process; cheap to share by reference.
+#[derive(Debug, Clone)]
+pub struct Manager {
+    db: Db,
+    holder_id: String,
+    timing: Timing,
+    telemetry: Telemetry,
+}
+
+impl Manager {
+    pub fn new(db: Db, timing: Timing, telemetry: Telemetry) -> Manager {
+        Manager::with_holder_id(db, timing, telemetry, crate::holder_id())
+    }
+
+    pub fn with_holder_id(
+        db: Db,
+        timing: Timing,
+        telemetry: Telemetry,
+        holder_id: String,
+    ) -> Manager {
+        Manager {
+            db,
+            holder_id,
+            timing,
+            telemetry,
+        }
+    }
+
+    pub fn holder_id(&self) -> &str {
+        &self.holder_id
+    }
+
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    /// ACQUIRE `role`; if won, run `work` under the lease and RELEASE it.
+    ///
+    /// The work runs with a [`Tick`]: the fence to pass to leader-only claims
+    /// and a token cancelled on loss or on `shutdown`. A heartbeat renews the
+    /// lease every `heartbeat`; a RENEW that finds no row of ours, or no
+    /// acknowledged RENEW for `abandon_after`, cancels the work and drops it
+    /// after `cancel_grace`. RELEASE runs on its own `statement_timeout`
+    /// deadline whatever happened to the caller.
+    ///
+    /// # Errors
+    /// Only ACQUIRE's: a database error or a missing lease row. A failed
+    /// RELEASE is logged; the lease then expires on its own.
+    ///
+    /// # Panics
+    /// If `work` panics, the lease is released as panicked (or as lost or
+    /// interrupted, which take precedence) and the panic continues from here.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned future mid-tick skips RELEASE: the lease expires
+    /// after its TTL. Cancel through `shutdown` instead.
+    pub async fn lead<F, Fut>(
+        &self,
+        role: Role,
+        interval: Duration,
+        shutdown: &CancellationToken,
+        work: F,
+    ) -> Result<TickOutcome, StoreError>
+    where
+        F: FnOnce(Tick) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        let t = self.timing;
+        let sent = SystemTime::now();
+        let token = match store::acquire(&self.db, role, &self.holder_id, t.ttl, interval).await? {
+            Acquire::Lost { due_in, paused } => {
+                let retry_in = due_in.unwrap_or(t.max_poll).min(t.max_poll);
+                return Ok(TickOutcome::NotLed { retry_in, paused });
+            }
+            Acquire::Won {
+                token,
+                db_now_epoch,
+            } => {
+                self.observe_drift(role, sent, db_now_epoch);
+                token
+            }
+        };
+        info!(role = %role, token, holder = %self.holder_id, "lease acquired");
+        let started = Instant::now();
+        let fence = Fence { role, token };
+        let cancel = shutdown.child_token();
+        let lost = LostSignal::default();
+        let heartbeat_stop = CancellationToken::new();
+        let heartbeat = tokio::spawn(
+            Heartbeat {
+                db: self.db.clone(),
+                role,
+                token,
+                timing: t,
+                lost: lost.clone(),
+                stop: heartbeat_stop.clone(),
+                manager: self.clone(),
+            }
+            .run(),
+        );
+
+        let mut work = Box::pin(
+            AssertUnwindSafe(work(Tick {
+                fence,
+                cancel: cancel.clone(),
+            }))
+            .catch_unwind(),
+        );
+        let mut result = tokio::select! {
+            r = &mut work => Some(r),
+            _ = lost.token.cancelled() => None,
+            _ = shutdown.cancelled() => None,
+        };
+        if result.is_none() {
+            // Lost or shutting down: ask the work to stop, give it the grace, then drop it.
+            cancel.cancel();
+            result = tokio::time::timeout(t.cancel_grace, &mut work).await.ok();
+            if result.is_none() {
+                warn!(role = %role, token, grace = ?t.cancel_grace, "tick did not return after cancel; dropped");
+            }
+        }
+        drop(work);
+        heartbeat_stop.cancel();
+        let _ = heartbeat.await;
+
+        let panic = match result {
+            Some(Err(payload)) => Some(payload),
+            _ => None,
+        };
+        // Precedence: a lost lease first (reported once), then shutdown, then a panic.
+        let (outcome, release) = if let Some(reason) = lost.reason() {
+            (TickOutcome::Lost(reason), Release::Lost)
+        } else if shutdown.is_cancelled() {
+            (TickOutcome::Interrupted, Release::Interrupted)
+        } else if panic.is_some() {
+            (TickOutcome::Completed, Release::Panicked)
+        } else {
+            (TickOutcome::Completed, Release::Completed)
+        };
+        if panic.is_some() && !matches!(outcome, TickOutcome::Lost(_)) {
+            self.lease_lost(role, "panicked");
+        }
+        if let TickOutcome::Lost(reason) = outcome {
+            self.lease_lost(role, reason.as_str());
+        }
+
+        let released = tokio::time::timeout(
+            t.statement_timeout + Duration::from_millis(500),
+            store::release(
+                &self.db,
+                role,
+                token,
+                release,
+                interval,
+                t.statement_timeout,
+            ),
+        )
+        .await;
+        match released {
+            Ok(Ok(changed)) => info!(
+                role = %role, token, outcome = release.as_str(), changed, elapsed = ?started.elapsed(),
+                "lease released"
+            ),
+            Ok(Err(e)) => {
+                warn!(role = %role, token, outcome = release.as_str(), error = %e, "release failed; the lease will expire")
+            }
+            Err(_) => {
+                warn!(role = %role, token, outcome = release.as_str(), "release timed out; the lease will expire")
+            }
+        }
+        self.telemetry
+            .histogram(
+                "hardcount_leader_tick_duration_seconds",
+                &[("role", role.as_str()), ("outcome", release.as_str())],
+            )
+            .record(started.elapsed().as_secs_f64());
+
+        if let Some(payload) = panic {
+            std::panic::resume_unwind(payload);
+        }
+        Ok(outcome)
+    }
+
+    fn lease_lost(&self, role: Role, reason: &str) {
+        self.telemetry
+            .counter(
+                "hardcount_leader_lease_lost_total",
+                &[("role", role.as_str()), ("reason", reason)],
+            )
+            .increment(1);
+    }
+
+    /// Database clock minus application clock, seen through `RETURNING now()`.
+    /// Exported as a gauge; never used in a decision.
+    fn observe_drift(&self, role: Role, sent: SystemTime, db_now_epoch: f64) {
+        let received = SystemTime::now();
+        let epoch = |s: SystemTime| {
+            s.duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64()
+        };
+        let midpoint = (epoch(sent) + epoch(received)) / 2.0;
+        let drift = db_now_epoch - midpoint;
+        self.telemetry
+            .gauge(
+                "hardcount_leader_clock_drift_seconds",
+                &[("role", role.as_str())],
+            )
+            .set(drift);
+        debug!(role = %role, drift_seconds = drift, "database clock drift");
+    }
+}
+
+/// The first loss the heartbeat saw, and a token cancelled when it did.
+#[derive(Clone, Default)]
+struct LostSignal {
+    token: CancellationToken,
+    reason: Arc<Mutex<Option<LostReason>>>,
+}
+
+impl LostSignal {
+    fn set(&self, reason: LostReason) {
+        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        r.get_or_insert(reason);
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> Option<LostReason> {
+        *self.reason.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+struct Heartbeat {
+    db: Db,
+    role: Role,
+    token: i64,
+    timing: Timing,
+    lost: LostSignal,
+    stop: CancellationToken,
+    manager: Manager,
+}
+
+impl Heartbeat {
+    /// Renew every `heartbeat`. The last acknowledgement is anchored at the
+    /// RENEW's send instant on the monotonic clock, and "abandon" is checked
+    /// before each RENEW is sent, so no statement of ours starts after it.
+    async fn run(self) {
+        let t = self.timing;
+        let mut last_ack = Instant::now(); // ACQUIRE's effect is at least this old.
+        let mut last_sent = last_ack;
+        loop {
+            let next_beat = last_sent + t.heartbeat;
+            let abandon_at = last_ack + t.abandon_after;
+            let wake = next_beat.min(abandon_at);
+            if self
+                .stop
+                .run_until_cancelled(tokio::time::sleep_until(wake.into()))
+                .await
+                .is_none()
+            {
+                return;
+            }
+            if Instant::now() >= abandon_at {
+                warn!(role = %self.role, token = self.token, since_ack = ?last_ack.elapsed(), "no renewal acknowledged in time; abandoning the lease");
+                self.lost.set(LostReason::HeartbeatTimeout);
+                return;
+            }
+            let sent_at = Instant::now();
+            let sent_wall = SystemTime::now();
+            last_sent = sent_at;
+            let renew = store::renew(&self.db, self.role, self.token, t.ttl, t.statement_timeout);
+            // The server cancels the statement at statement_timeout; the client
+            // gives it a little longer to say so.
+            let renew =
+                tokio::time::timeout(t.statement_timeout + Duration::from_millis(250), renew);
+            let outcome = tokio::select! {
+                r = renew => r,
+                _ = self.stop.cancelled() => return,
+            };
+            match outcome {
+                Ok(Ok(Renew::Extended { db_now_epoch })) => {
+                    last_ack = sent_at;
+                    self.manager
+                        .observe_drift(self.role, sent_wall, db_now_epoch);
+                }
+                Ok(Ok(Renew::Gone { paused })) => {
+                    let reason = if paused {
+                        LostReason::Paused
+                    } else {
+                        LostReason::Superseded
+                    };
+                    if paused {
+                        info!(role = %self.role, token = self.token, "role paused; stopping the tick");
+                    }
+                    info!(role = %self.role, token = self.token, reason = reason.as_str(), "lease lost");
+                    self.lost.set(reason);
+                    return;
+                }
+                Ok(Err(e)) => self.missed(&e.to_string()),
+                Err(_) => self.missed("no answer within the statement timeout"),
+            }
+        }
+    }
+
+    fn missed(&self, why: &str) {
+        warn!(role = %self.role, token = self.token, error = why, "lease renewal missed a beat");
+        self.manager
+            .telemetry
+            .counter(
+                "hardcount_leader_heartbeat_missed_total",
+                &[("role", self.role.as_str())],
+            )
+            .increment(1);
+    }
+}

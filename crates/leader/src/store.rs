@@ -1,0 +1,318 @@
+//! All of `leader_leases`' SQL. Each lease statement is one self-contained
+//! statement evaluated on the database clock; none compares a database
+//! timestamp with an application one.
+
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use serde::Serialize;
+
+use crate::Role;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "leader_leases has no row for role {0}: the app never inserts lease rows (docs/adr/0002); \
+         re-run the seed from migrations/0001_leader_leases.sql as the schema owner"
+    )]
+    MissingRow(Role),
+    #[error(
+        "leader_leases is missing rows for {0:?}; re-run the seed from migrations/0001_leader_leases.sql as the schema owner"
+    )]
+    MissingRoles(Vec<String>),
+    #[error(transparent)]
+    Db(#[from] db::Error),
+}
+
+impl StoreError {
+    fn from_row(e: impl Into<db::Error>) -> StoreError {
+        StoreError::Db(e.into())
+    }
+}
+
+/// What ACQUIRE saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Acquire {
+    /// We lead this tick with this token. `db_now` is the database's clock at the claim.
+    Won { token: i64, db_now_epoch: f64 },
+    /// Not due, held, paused or cooling down. `due_in` is how long until the row
+    /// says it could be claimed, on the database clock (None when paused).
+    Lost {
+        due_in: Option<Duration>,
+        paused: bool,
+    },
+}
+
+/// ACQUIRE: claim `role` for one tick if it is unpaused, unheld (or expired),
+/// due by `last_tick_ended_at + interval`, and past `not_before`. Racing
+/// replicas serialize on the row lock and the loser re-evaluates the WHERE
+/// against the winner's row, so at most one wins.
+pub async fn acquire(
+    db: &Db,
+    role: Role,
+    holder: &str,
+    ttl: Duration,
+    interval: Duration,
+) -> Result<Acquire, StoreError> {
+    let row = db
+        .fetch_optional(
+            sql("WITH claimed AS ( \
+                   UPDATE leader_leases \
+                   SET holder_token = holder_token + 1, holder_id = $2, acquired_at = now(), \
+                       expires_at = now() + make_interval(secs => $3) \
+                   WHERE role = $1 \
+                     AND paused_at IS NULL \
+                     AND (expires_at IS NULL OR expires_at <= now()) \
+                     AND (last_tick_ended_at IS NULL OR last_tick_ended_at <= now() - make_interval(secs => $4)) \
+                     AND (not_before IS NULL OR not_before <= now()) \
+                   RETURNING holder_token) \
+                 SELECT (SELECT holder_token FROM claimed) AS token, \
+                        extract(epoch FROM now())::float8 AS db_now, \
+                        l.paused_at IS NOT NULL AS paused, \
+                        extract(epoch FROM GREATEST(l.expires_at, \
+                                                    l.last_tick_ended_at + make_interval(secs => $4), \
+                                                    l.not_before) - now())::float8 AS due_in \
+                 FROM leader_leases l WHERE l.role = $1")
+            .bind(role.as_str())
+            .bind(holder.to_owned())
+            .bind(ttl.as_secs_f64())
+            .bind(interval.as_secs_f64()),
+        )
+        .await?
+        .ok_or(StoreError::MissingRow(role))?;
+    let token: Option<i64> = row.try_get("token").map_err(StoreError::from_row)?;
+    let db_now_epoch: f64 = row.try_get("db_now").map_err(StoreError::from_row)?;
+    if let Some(token) = token {
+        return Ok(Acquire::Won {
+            token,
+            db_now_epoch,
+        });
+    }
+    let paused: bool = row.try_get("paused").map_err(StoreError::from_row)?;
+    let due_in: Option<f64> = row.try_get("due_in").map_err(StoreError::from_row)?;
+    let due_in = if paused {
+        None
+    } else {
+        Some(Duration::from_secs_f64(due_in.unwrap_or(0.0).max(0.0)))
+    };
+    Ok(Acquire::Lost { due_in, paused })
+}
+
+/// What RENEW saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Renew {
+    /// Extended; the database clock at the renewal.
+    Extended { db_now_epoch: f64 },
+    /// No row of ours: taken over, released or paused. Definitive.
+    Gone { paused: bool },
+}
+
+/// RENEW: extend the lease only for this token and a live holder. The server
+/// cancels the statement after `statement_timeout` (`SET LOCAL`), so a blocked
+/// renewal does not linger after we have given up on it.
+pub async fn renew(
+    db: &Db,
+    role: Role,
+    token: i64,
+    ttl: Duration,
+    statement_timeout: Duration,
+) -> Result<Renew, StoreError> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "UPDATE leader_leases SET expires_at = now() + make_interval(secs => $3) \
+                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
+                 RETURNING extract(epoch FROM now())::float8 AS db_now",
+            )
+            .bind(role.as_str())
+            .bind(token)
+            .bind(ttl.as_secs_f64()),
+        )
+        .await?;
+    let out = match row {
+        Some(row) => Renew::Extended {
+            db_now_epoch: row.try_get("db_now").map_err(StoreError::from_row)?,
+        },
+        None => {
+            let paused = tx
+                .fetch_optional(
+                    sql(
+                        "SELECT paused_at IS NOT NULL AS paused FROM leader_leases WHERE role = $1",
+                    )
+                    .bind(role.as_str()),
+                )
+                .await?
+                .map(|r| r.try_get::<bool, _>("paused"))
+                .transpose()
+                .map_err(StoreError::from_row)?
+                .unwrap_or(false);
+            Renew::Gone { paused }
+        }
+    };
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// How a tick ended, as RELEASE records it (docs/adr/0003).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// Stamps `last_tick_ended_at` and `last_tick_holder`, clears `not_before`.
+    Completed,
+    /// Shutdown cancelled the tick: the role stays due, no cooldown.
+    Interrupted,
+    /// The lease was lost: `not_before = now() + min(interval, 60 s)`.
+    Lost,
+    /// The work panicked: `not_before = now() + interval`.
+    Panicked,
+}
+
+impl Release {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Release::Completed => "completed",
+            Release::Interrupted => "interrupted",
+            Release::Lost => "lost",
+            Release::Panicked => "panicked",
+        }
+    }
+}
+
+/// RELEASE: clear the holder if this term still owns the row, recording the
+/// outcome. Returns whether it changed the row (false after a takeover or pause).
+pub async fn release(
+    db: &Db,
+    role: Role,
+    token: i64,
+    outcome: Release,
+    interval: Duration,
+    statement_timeout: Duration,
+) -> Result<bool, StoreError> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL, \
+                   last_tick_ended_at = CASE WHEN $3 = 'completed' THEN now() ELSE last_tick_ended_at END, \
+                   last_tick_holder = CASE WHEN $3 = 'completed' THEN holder_id ELSE last_tick_holder END, \
+                   not_before = CASE $3 \
+                       WHEN 'completed' THEN NULL \
+                       WHEN 'lost' THEN now() + LEAST(make_interval(secs => $4), interval '60 seconds') \
+                       WHEN 'panicked' THEN now() + make_interval(secs => $4) \
+                       ELSE not_before END \
+                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL")
+            .bind(role.as_str())
+            .bind(token)
+            .bind(outcome.as_str())
+            .bind(interval.as_secs_f64()),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n == 1)
+}
+
+/// Pause `role` (any session can do the same with `SELECT leader_pause(...)`).
+pub async fn pause(db: &Db, role: Role, by: &str, reason: &str) -> Result<(), StoreError> {
+    db.execute(
+        sql("SELECT leader_pause($1, $2, $3)")
+            .bind(role.as_str())
+            .bind(by.to_owned())
+            .bind(reason.to_owned()),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Unpause `role`. Leaves `not_before` alone.
+pub async fn unpause(db: &Db, role: Role) -> Result<(), StoreError> {
+    db.execute(sql("SELECT leader_unpause($1)").bind(role.as_str()))
+        .await?;
+    Ok(())
+}
+
+/// One row of `leader_status`, for the CLI and the metrics scrape.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseStatus {
+    pub role: String,
+    pub state: String,
+    pub holder_id: Option<String>,
+    pub holder_token: i64,
+    pub acquired_at: Option<String>,
+    pub expires_at: Option<String>,
+    pub last_tick_ended_at: Option<String>,
+    pub last_tick_holder: Option<String>,
+    /// Seconds since the last completed tick, on the database clock; None if it never completed.
+    pub last_tick_age_seconds: Option<f64>,
+    pub not_before: Option<String>,
+    pub paused_at: Option<String>,
+    pub paused_by: Option<String>,
+    pub pause_reason: Option<String>,
+}
+
+/// Every row of `leader_status`, ordered by role.
+pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
+    let rows = db
+        .fetch_all(sql(
+            "SELECT role, state, holder_id, holder_token, \
+                    acquired_at::text, expires_at::text, last_tick_ended_at::text, last_tick_holder, \
+                    extract(epoch FROM last_tick_age)::float8 AS last_tick_age_seconds, \
+                    not_before::text, paused_at::text, paused_by, pause_reason \
+             FROM leader_status ORDER BY role",
+        ))
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok::<_, db::Error>(LeaseStatus {
+                role: r.try_get("role")?,
+                state: r.try_get("state")?,
+                holder_id: r.try_get("holder_id")?,
+                holder_token: r.try_get("holder_token")?,
+                acquired_at: r.try_get("acquired_at")?,
+                expires_at: r.try_get("expires_at")?,
+                last_tick_ended_at: r.try_get("last_tick_ended_at")?,
+                last_tick_holder: r.try_get("last_tick_holder")?,
+                last_tick_age_seconds: r.try_get("last_tick_age_seconds")?,
+                not_before: r.try_get("not_before")?,
+                paused_at: r.try_get("paused_at")?,
+                paused_by: r.try_get("paused_by")?,
+                pause_reason: r.try_get("pause_reason")?,
+            })
+        })
+        .collect::<Result<_, db::Error>>()
+        .map_err(StoreError::from_row)
+}
+
+/// The boot check (docs/adr/0002): every role has its row.
+pub async fn check_roles_seeded(db: &Db) -> Result<(), StoreError> {
+    let rows = db.fetch_all(sql("SELECT role FROM leader_leases")).await?;
+    let present: Vec<String> = rows
+        .iter()
+        .map(|r| r.try_get::<String, _>("role"))
+        .collect::<Result<_, _>>()
+        .map_err(StoreError::from_row)?;
+    let missing: Vec<String> = Role::ALL
+        .iter()
+        .map(|r| r.as_str().to_owned())
+        .filter(|r| !present.contains(r))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(StoreError::MissingRoles(missing))
+    }
+}
+
+/// The role names the table's CHECK constraint allows, read from the catalog.
+pub async fn roles_allowed_by_check(db: &Db) -> Result<Vec<String>, StoreError> {
+    let row = db
+        .fetch_one(sql(
+            "SELECT pg_get_constraintdef(oid) AS def FROM pg_constraint WHERE conname = 'leader_leases_role_known'",
+        ))
+        .await?;
+    let def: String = row.try_get("def").map_err(StoreError::from_row)?;
+    Ok(def
+        .split('\'')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+        .map(|(_, s)| s.to_owned())
+        .collect())
+}

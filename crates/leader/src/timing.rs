@@ -1,0 +1,162 @@
+//! The lease's runtime constants and the invariant that ties them together.
+
+use std::time::Duration;
+
+/// How long a lease lives, how often it is renewed, and when a leader gives up.
+///
+/// Invariant: `abandon_after + statement_timeout < ttl`. A leader stops starting
+/// statements at `abandon_after` after its last acknowledged renewal; any statement
+/// already sent is cancelled by the server within `statement_timeout`; so nothing
+/// of ours runs when the lease can next be acquired. `heartbeat < abandon_after`
+/// so that at least one renewal is tried before giving up, and `cancel_grace <=
+/// statement_timeout` so the work's wind-down fits in the same margin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    pub ttl: Duration,
+    pub heartbeat: Duration,
+    pub statement_timeout: Duration,
+    pub abandon_after: Duration,
+    pub max_poll: Duration,
+    /// How long cancelled work may take to return before it is dropped.
+    pub cancel_grace: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TimingError {
+    #[error(
+        "abandon_after ({abandon:?}) + statement_timeout ({statement:?}) must be less than ttl ({ttl:?})"
+    )]
+    AbandonTooLate {
+        abandon: Duration,
+        statement: Duration,
+        ttl: Duration,
+    },
+    #[error("heartbeat ({heartbeat:?}) must be less than abandon_after ({abandon:?})")]
+    HeartbeatTooSlow {
+        heartbeat: Duration,
+        abandon: Duration,
+    },
+    #[error("cancel_grace ({grace:?}) must not exceed statement_timeout ({statement:?})")]
+    GraceTooLong {
+        grace: Duration,
+        statement: Duration,
+    },
+    #[error("every duration must be positive")]
+    Zero,
+}
+
+impl Timing {
+    /// ADR-114's compiled-in constants.
+    pub const ADR: Timing = Timing {
+        ttl: Duration::from_secs(10),
+        heartbeat: Duration::from_secs(3),
+        statement_timeout: Duration::from_secs(2),
+        abandon_after: Duration::from_secs(6),
+        max_poll: Duration::from_secs(5),
+        cancel_grace: Duration::from_secs(1),
+    };
+
+    /// Shortened timings for tests and benches, checked against the same invariant.
+    pub fn new(
+        ttl: Duration,
+        heartbeat: Duration,
+        statement_timeout: Duration,
+        abandon_after: Duration,
+        max_poll: Duration,
+    ) -> Result<Timing, TimingError> {
+        Timing {
+            ttl,
+            heartbeat,
+            statement_timeout,
+            abandon_after,
+            max_poll,
+            cancel_grace: statement_timeout.min(Duration::from_secs(1)),
+        }
+        .checked()
+    }
+
+    fn checked(self) -> Result<Timing, TimingError> {
+        let all = [
+            self.ttl,
+            self.heartbeat,
+            self.statement_timeout,
+            self.abandon_after,
+            self.max_poll,
+        ];
+        if all.iter().any(Duration::is_zero) {
+            return Err(TimingError::Zero);
+        }
+        if self.abandon_after + self.statement_timeout >= self.ttl {
+            return Err(TimingError::AbandonTooLate {
+                abandon: self.abandon_after,
+                statement: self.statement_timeout,
+                ttl: self.ttl,
+            });
+        }
+        if self.heartbeat >= self.abandon_after {
+            return Err(TimingError::HeartbeatTooSlow {
+                heartbeat: self.heartbeat,
+                abandon: self.abandon_after,
+            });
+        }
+        if self.cancel_grace > self.statement_timeout {
+            return Err(TimingError::GraceTooLong {
+                grace: self.cancel_grace,
+                statement: self.statement_timeout,
+            });
+        }
+        Ok(self)
+    }
+}
+
+impl Default for Timing {
+    fn default() -> Timing {
+        Timing::ADR
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_adr_constants_keep_abandon_plus_statement_timeout_under_ttl() {
+        let t = Timing::ADR;
+        assert!(t.abandon_after + t.statement_timeout < t.ttl);
+        assert_eq!(t.checked(), Ok(t));
+        assert_eq!(
+            (
+                t.ttl,
+                t.heartbeat,
+                t.statement_timeout,
+                t.abandon_after,
+                t.max_poll
+            ),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(3),
+                Duration::from_secs(2),
+                Duration::from_secs(6),
+                Duration::from_secs(5)
+            )
+        );
+    }
+
+    #[test]
+    fn shortened_timings_are_checked_against_the_same_invariant() {
+        let ms = Duration::from_millis;
+        assert!(Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).is_ok());
+        assert!(matches!(
+            Timing::new(ms(1000), ms(300), ms(400), ms(600), ms(500)),
+            Err(TimingError::AbandonTooLate { .. })
+        ));
+        assert!(matches!(
+            Timing::new(ms(1000), ms(600), ms(200), ms(600), ms(500)),
+            Err(TimingError::HeartbeatTooSlow { .. })
+        ));
+        assert_eq!(
+            Timing::new(ms(0), ms(1), ms(1), ms(1), ms(1)),
+            Err(TimingError::Zero)
+        );
+    }
+}

@@ -1,0 +1,137 @@
+//! Many managers, five roles, short ticks: never two leaders of one role at once.
+
+use std::time::Duration;
+
+use db::{Row, sql};
+use leader::{Role, TickOutcome};
+use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
+
+use crate::{fast, manager};
+
+/// Run `replicas` managers against all five roles for `run_for`, each tick
+/// recording its start and end on the database clock. Then, per role, no two
+/// ticks overlap and every replica led some.
+///
+/// Mutation check: dropping `AND (expires_at IS NULL OR expires_at <= now())`
+/// from ACQUIRE lets a second replica win a held role; this test then fails on
+/// overlapping ticks.
+async fn contend(replicas: usize, run_for: Duration) {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "CREATE TABLE ticks (id bigserial PRIMARY KEY, role text, holder text, token bigint, \
+                             started timestamptz NOT NULL, ended timestamptz); \
+         GRANT SELECT, INSERT, UPDATE ON ticks TO hardcount_app; \
+         GRANT USAGE ON SEQUENCE ticks_id_seq TO hardcount_app",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for r in 0..replicas {
+        // Each replica has its own pool, as separate processes would.
+        let db = db::Db::connect_lazy(&t.app_url(testbed::Leg::current()), 3).unwrap();
+        let (m, _) = manager(&db, fast(), &format!("replica{r}"));
+        for role in Role::ALL {
+            let m = m.clone();
+            let stop = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    let db = m.db().clone();
+                    let holder = m.holder_id().to_owned();
+                    let outcome = m
+                        .lead(role, Duration::ZERO, &stop, |tick| async move {
+                            let row = db
+                                .fetch_one(
+                                    sql("INSERT INTO ticks (role, holder, token, started) \
+                                         VALUES ($1, $2, $3, clock_timestamp()) RETURNING id")
+                                    .bind(role.as_str())
+                                    .bind(holder)
+                                    .bind(tick.fence.token()),
+                                )
+                                .await
+                                .unwrap();
+                            let id: i64 = row.get("id");
+                            tokio::time::sleep(Duration::from_millis(rand::random_range(5..30)))
+                                .await;
+                            db.execute(
+                                sql("UPDATE ticks SET ended = clock_timestamp() WHERE id = $1")
+                                    .bind(id),
+                            )
+                            .await
+                            .unwrap();
+                        })
+                        .await
+                        .unwrap();
+                    // Spread wins: a replica that just led waits a little before polling again.
+                    let pause = match outcome {
+                        TickOutcome::NotLed { retry_in, .. } => {
+                            retry_in.min(Duration::from_millis(20))
+                        }
+                        _ => Duration::from_millis(rand::random_range(10..40)),
+                    };
+                    tokio::time::sleep(pause).await;
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(run_for).await;
+    stop.cancel();
+    for task in tasks {
+        task.await.unwrap();
+    }
+
+    let overlaps = t
+        .db
+        .fetch_one(sql(
+            "SELECT count(*) AS n FROM ticks a JOIN ticks b \
+               ON a.role = b.role AND a.id < b.id \
+              AND tstzrange(a.started, coalesce(a.ended, 'infinity')) && tstzrange(b.started, coalesce(b.ended, 'infinity'))",
+        ))
+        .await
+        .unwrap()
+        .get::<i64, _>("n");
+    let per_role = t
+        .db
+        .fetch_all(sql(
+            "SELECT role, count(*) AS ticks, count(DISTINCT holder) AS holders, count(DISTINCT token) AS tokens \
+             FROM ticks GROUP BY role ORDER BY role",
+        ))
+        .await
+        .unwrap();
+    for r in &per_role {
+        println!(
+            "{replicas} replicas, {}: {} ticks by {} replicas",
+            r.get::<String, _>("role"),
+            r.get::<i64, _>("ticks"),
+            r.get::<i64, _>("holders")
+        );
+    }
+    assert_eq!(overlaps, 0, "two ticks of one role overlapped");
+    assert_eq!(per_role.len(), 5, "every role ticked");
+    for r in &per_role {
+        assert_eq!(
+            r.get::<i64, _>("ticks"),
+            r.get::<i64, _>("tokens"),
+            "each tick had its own token"
+        );
+        assert_eq!(
+            r.get::<i64, _>("holders"),
+            replicas as i64,
+            "every replica led some ticks"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_managers_never_lead_one_role_at_once() {
+    contend(2, Duration::from_secs(30)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_managers_never_lead_one_role_at_once() {
+    contend(10, Duration::from_secs(30)).await;
+}

@@ -1,0 +1,274 @@
+//! Release outcomes: completed, interrupted, lost (paused), panicked, and their precedence.
+
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use leader::{LostReason, Role, TickOutcome};
+use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
+
+use crate::{fast, lease, manager, series};
+
+const LOST: &str = "hardcount_leader_lease_lost_total";
+
+#[tokio::test]
+async fn a_completed_tick_stamps_last_tick_and_the_role_waits_its_interval() {
+    let t = TestDb::new().await;
+    let (m, _) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let out = m
+        .lead(
+            Role::Billing,
+            Duration::from_secs(3600),
+            &shutdown,
+            |_| async {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, TickOutcome::Completed);
+    let l = lease(&t.db, Role::Billing).await;
+    assert!(l.completed && l.holder_id.is_none() && l.cooldown.is_none());
+    // Not due for an hour: the next poll is refused and told to come back at max poll.
+    match m
+        .lead(
+            Role::Billing,
+            Duration::from_secs(3600),
+            &shutdown,
+            |_| async {},
+        )
+        .await
+        .unwrap()
+    {
+        TickOutcome::NotLed {
+            retry_in,
+            paused: false,
+        } => assert_eq!(retry_in, fast().max_poll),
+        other => panic!("expected NotLed, got {other:?}"),
+    }
+}
+
+/// Pause mid-tick: the heartbeat's next RENEW finds the holder gone, the work is
+/// cancelled within one heartbeat, ACQUIRE is refused on every replica; unpause
+/// makes the role due at the next poll, and leaves `not_before` alone.
+///
+/// Mutation check: dropping `AND holder_id IS NOT NULL` from RENEW lets the
+/// paused holder keep renewing; the work is then never cancelled and this fails.
+#[tokio::test]
+async fn pause_mid_tick_cancels_within_a_heartbeat_and_refuses_acquire_everywhere() {
+    let t = TestDb::new().await;
+    let (a, a_metrics) = manager(&t.db, fast(), "a");
+    let (b, _) = manager(&t.db, fast(), "b");
+    let shutdown = CancellationToken::new();
+    let db = t.db.clone();
+    let paused_at = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let cancelled_after = {
+        let paused_at = paused_at.clone();
+        a.lead(
+            Role::EmailOutbox,
+            Duration::ZERO,
+            &shutdown,
+            |tick| async move {
+                leader::store::pause(&db, Role::EmailOutbox, "ops", "rotating SMTP key")
+                    .await
+                    .unwrap();
+                *paused_at.lock().unwrap() = Some(Instant::now());
+                tick.cancel.cancelled().await;
+            },
+        )
+        .await
+        .unwrap()
+    };
+    let took = paused_at.lock().unwrap().unwrap().elapsed();
+    assert_eq!(cancelled_after, TickOutcome::Lost(LostReason::Paused));
+    assert!(
+        took <= fast().heartbeat + fast().statement_timeout,
+        "cancelled {took:?} after the pause"
+    );
+    assert_eq!(
+        series(&a_metrics, LOST, "role=\"email_outbox\",reason=\"paused\""),
+        Some(1.0)
+    );
+
+    for m in [&a, &b] {
+        let out = m
+            .lead(Role::EmailOutbox, Duration::ZERO, &shutdown, |_| async {
+                panic!("ran while paused")
+            })
+            .await;
+        assert!(matches!(
+            out.unwrap(),
+            TickOutcome::NotLed { paused: true, .. }
+        ));
+    }
+    // A cooldown set before the pause survives unpause.
+    let mut su = t.superuser().await;
+    sqlx::raw_sql("UPDATE leader_leases SET not_before = now() + interval '1 hour' WHERE role = 'email_outbox'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    leader::store::unpause(&t.db, Role::EmailOutbox)
+        .await
+        .unwrap();
+    let l = lease(&t.db, Role::EmailOutbox).await;
+    assert!(!l.paused);
+    assert!(
+        l.cooldown.unwrap() > 3500.0,
+        "leader_unpause cleared not_before"
+    );
+    sqlx::raw_sql("UPDATE leader_leases SET not_before = NULL WHERE role = 'email_outbox'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let out = b
+        .lead(Role::EmailOutbox, Duration::ZERO, &shutdown, |_| async {})
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        TickOutcome::Completed,
+        "unpaused role is due at the next poll"
+    );
+}
+
+/// Shutdown mid-tick releases at once, with no cooldown, and another manager
+/// acquires on its next poll (docs/adr/0003).
+#[tokio::test]
+async fn clean_shutdown_releases_at_once_and_another_manager_acquires() {
+    let t = TestDb::new().await;
+    let (a, _) = manager(&t.db, fast(), "a");
+    let (b, _) = manager(&t.db, fast(), "b");
+    let shutdown = CancellationToken::new();
+    let trigger = shutdown.clone();
+    let started = Instant::now();
+    let out = a
+        .lead(
+            Role::WebhookOutbox,
+            Duration::from_secs(60),
+            &shutdown,
+            |tick| async move {
+                trigger.cancel();
+                tick.cancel.cancelled().await;
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, TickOutcome::Interrupted);
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    let l = lease(&t.db, Role::WebhookOutbox).await;
+    assert!(l.holder_id.is_none() && !l.completed && l.cooldown.is_none());
+    let out = b
+        .lead(
+            Role::WebhookOutbox,
+            Duration::from_secs(60),
+            &CancellationToken::new(),
+            |_| async {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, TickOutcome::Completed);
+}
+
+/// A panicking tick is released as not completed, with a full-interval cooldown,
+/// `panicked` counted, and the panic continues to the caller.
+///
+/// Mutation check: releasing a panicked tick as `completed` (the 2026-10-08
+/// defect) stamps `last_tick_ended_at`; this test then fails.
+#[tokio::test]
+async fn a_panicking_tick_is_not_a_completion() {
+    let t = TestDb::new().await;
+    let (m, metrics) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let r = AssertUnwindSafe(m.lead(
+        Role::Billing,
+        Duration::from_secs(600),
+        &shutdown,
+        |_| async { panic!("malformed row 42") },
+    ))
+    .catch_unwind()
+    .await;
+    let payload = r.expect_err("the panic continues to the caller");
+    assert_eq!(payload.downcast_ref::<&str>(), Some(&"malformed row 42"));
+    let l = lease(&t.db, Role::Billing).await;
+    assert!(!l.completed && l.holder_id.is_none());
+    let cooldown = l.cooldown.expect("a cooldown");
+    assert!((590.0..=600.0).contains(&cooldown), "cooldown {cooldown}");
+    assert_eq!(
+        series(&metrics, LOST, "role=\"billing\",reason=\"panicked\""),
+        Some(1.0)
+    );
+}
+
+/// A tick that shutdown cancelled and that then panics is released as
+/// interrupted (a deploy adds no wait), and the panic is still reported.
+#[tokio::test]
+async fn a_panic_after_shutdown_is_released_as_interrupted() {
+    let t = TestDb::new().await;
+    let (m, metrics) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let trigger = shutdown.clone();
+    let r = AssertUnwindSafe(m.lead(
+        Role::Dunning,
+        Duration::from_secs(600),
+        &shutdown,
+        |tick| async move {
+            trigger.cancel();
+            tick.cancel.cancelled().await;
+            panic!("panicked while winding down")
+        },
+    ))
+    .catch_unwind()
+    .await;
+    assert!(r.is_err());
+    let l = lease(&t.db, Role::Dunning).await;
+    assert!(!l.completed && l.holder_id.is_none());
+    assert!(l.cooldown.is_none(), "an interrupted tick gets no cooldown");
+    assert_eq!(
+        series(&metrics, LOST, "role=\"dunning\",reason=\"panicked\""),
+        Some(1.0)
+    );
+}
+
+/// A tick whose lease was lost and whose work then panics reports only the loss.
+#[tokio::test]
+async fn a_panic_after_a_lost_lease_reports_only_the_loss() {
+    let t = TestDb::new().await;
+    let (m, metrics) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let db = t.db.clone();
+    let r = AssertUnwindSafe(m.lead(
+        Role::WebhookDelivery,
+        Duration::from_secs(600),
+        &shutdown,
+        |tick| async move {
+            leader::store::pause(&db, Role::WebhookDelivery, "ops", "test")
+                .await
+                .unwrap();
+            tick.cancel.cancelled().await;
+            panic!("panicked on the cancelled tick")
+        },
+    ))
+    .catch_unwind()
+    .await;
+    assert!(r.is_err(), "the panic still continues");
+    assert_eq!(
+        series(
+            &metrics,
+            LOST,
+            "role=\"webhook_delivery\",reason=\"paused\""
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        series(
+            &metrics,
+            LOST,
+            "role=\"webhook_delivery\",reason=\"panicked\""
+        ),
+        None
+    );
+}
