@@ -1,1 +1,23 @@
-//! Being built.
+//! Role loops, the panic guard and the leader metrics.
+//!
+//! One loop per role per replica ([`run_role`]); each polls ACQUIRE, runs the
+//! role's work under [`leader::Manager::lead`] when it wins, and sleeps until
+//! the row says the role could next be claimed (capped at the max poll). Loops
+//! are independent: a slow billing tick never delays email.
+//!
+//! Panics stop a step, not a tick, and never a loop ([`Panics`], ADR-114's
+//! amendments of 2026-10-08 and 2026-10-19): a step or batch item that panics
+//! is logged once with its stack, the rest run, and the first panic is raised
+//! again at the end of the tick so the lease is released as panicked.
+//!
+//! This crate knows roles and intervals, not invoices.
+
+mod config;
+mod panics;
+mod role_loop;
+mod status;
+
+pub use config::{ConfigError, RoleConfig, default_interval, parse_duration, roles_from_env};
+pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
+pub use role_loop::{RoleSpec, Work, run_role, work};
+pub use status::{export_status, precreate_series, run_status_exporter};

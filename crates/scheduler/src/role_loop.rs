@@ -1,0 +1,69 @@
+//! One role's loop: poll, lead, tick, sleep.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use leader::{Manager, Role, Tick, TickOutcome};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, warn};
+
+use crate::panics::{catch, panic_message};
+
+/// A role's work for one tick.
+pub type Work = Arc<dyn Fn(Tick) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// Wrap an async function of a [`Tick`] as [`Work`].
+pub fn work<F, Fut>(f: F) -> Work
+where
+    F: Fn(Tick) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    Arc::new(move |tick| Box::pin(f(tick)))
+}
+
+/// A role this replica runs.
+#[derive(Clone)]
+pub struct RoleSpec {
+    pub role: Role,
+    pub interval: Duration,
+    pub work: Work,
+}
+
+/// Poll and lead `spec.role` until `shutdown` is cancelled.
+///
+/// After a poll that did not win, sleeps until the row says the role could be
+/// claimed (on the database clock, capped at the max poll) plus up to 5 %
+/// jitter, so idle replicas do not poll in lockstep. After a tick, polls again
+/// at once: ACQUIRE then reports the next due time. A database error backs off
+/// for the max poll. A panic (already logged with its stack by the guard or
+/// the hook) ends the tick, never the loop.
+pub async fn run_role(manager: Manager, spec: RoleSpec, shutdown: CancellationToken) {
+    let role = spec.role;
+    let max_poll = manager.timing().max_poll;
+    while !shutdown.is_cancelled() {
+        let work = spec.work.clone();
+        let lead = manager.lead(role, spec.interval, &shutdown, move |tick| work(tick));
+        let pause = match catch(role.as_str().to_owned(), lead).await {
+            Ok(Ok(TickOutcome::NotLed { retry_in, .. })) => jitter(retry_in),
+            Ok(Ok(_)) => Duration::ZERO,
+            Ok(Err(e)) => {
+                error!(role = %role, error = %e, "lease poll failed; retrying");
+                max_poll
+            }
+            Err(payload) => {
+                warn!(role = %role, panic = %panic_message(&*payload), "tick ended in a panic; the role loop goes on");
+                Duration::ZERO
+            }
+        };
+        if !pause.is_zero() {
+            shutdown.run_until_cancelled(tokio::time::sleep(pause)).await;
+        }
+    }
+}
+
+fn jitter(d: Duration) -> Duration {
+    let extra = d.as_secs_f64() * rand::random_range(0.0..0.05);
+    d + Duration::from_secs_f64(extra)
+}

@@ -1,0 +1,63 @@
+//! Leader metrics read from the table: a cluster fact any replica can export.
+
+use std::time::Duration;
+
+use db::Db;
+use leader::{Role, Telemetry};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+/// Create the series that must exist before anything happens, so an alert on
+/// `increase(...[1h]) > 0` fires on the first event after a start:
+/// `hardcount_leader_lease_lost_total{role, reason="panicked"}` at 0 for every role.
+pub fn precreate_series(telemetry: &Telemetry) {
+    for role in Role::ALL {
+        telemetry
+            .counter("hardcount_leader_lease_lost_total", &[("role", role.as_str()), ("reason", "panicked")])
+            .increment(0);
+    }
+}
+
+/// Export one reading of `leader_status`:
+/// `hardcount_leader_last_tick_age_seconds{role}` (only for a role that has
+/// completed a tick, never negative), `hardcount_leader_last_tick_known{role}`
+/// (0 when the role never completed a tick or the read failed: alert on it
+/// rather than on a missing age), and `hardcount_leader_paused{role}`.
+pub async fn export_status(db: &Db, telemetry: &Telemetry) {
+    match leader::store::status(db).await {
+        Ok(rows) => {
+            for row in rows {
+                let role = row.role.as_str();
+                let known = match row.last_tick_age_seconds {
+                    Some(age) => {
+                        telemetry
+                            .gauge("hardcount_leader_last_tick_age_seconds", &[("role", role)])
+                            .set(age.max(0.0));
+                        1.0
+                    }
+                    None => 0.0,
+                };
+                telemetry.gauge("hardcount_leader_last_tick_known", &[("role", role)]).set(known);
+                let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
+                telemetry.gauge("hardcount_leader_paused", &[("role", role)]).set(paused);
+            }
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot read leader_status for metrics");
+            telemetry.counter("hardcount_leader_status_errors_total", &[]).increment(1);
+            for role in Role::ALL {
+                telemetry.gauge("hardcount_leader_last_tick_known", &[("role", role.as_str())]).set(0.0);
+            }
+        }
+    }
+}
+
+/// Export the status every `every` until shutdown.
+pub async fn run_status_exporter(db: Db, telemetry: Telemetry, every: Duration, shutdown: CancellationToken) {
+    loop {
+        export_status(&db, &telemetry).await;
+        if shutdown.run_until_cancelled(tokio::time::sleep(every)).await.is_none() {
+            return;
+        }
+    }
+}
