@@ -13,7 +13,11 @@ pub enum ConfigError {
     #[error("HARDCOUNT_ROLES is empty: name at least one role, or unset it to run all five")]
     NoRoles,
     #[error("{var}={value:?}: {reason} (expected a duration like 500ms, 30s, 5m or 1h)")]
-    BadInterval { var: String, value: String, reason: &'static str },
+    BadInterval {
+        var: String,
+        value: String,
+        reason: &'static str,
+    },
 }
 
 /// A role this replica runs, and its tick interval.
@@ -33,7 +37,9 @@ pub fn default_interval(role: Role) -> Duration {
 }
 
 /// Read the role list and intervals through `var` (the binary passes `std::env::var`).
-pub fn roles_from_env(var: impl Fn(&str) -> Option<String>) -> Result<Vec<RoleConfig>, ConfigError> {
+pub fn roles_from_env(
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<Vec<RoleConfig>, ConfigError> {
     let roles: Vec<Role> = match var("HARDCOUNT_ROLES") {
         None => Role::ALL.to_vec(),
         Some(list) => {
@@ -56,11 +62,13 @@ pub fn roles_from_env(var: impl Fn(&str) -> Option<String>) -> Result<Vec<RoleCo
             let name = format!("HARDCOUNT_{}_INTERVAL", role.as_str().to_ascii_uppercase());
             let interval = match var(&name) {
                 None => default_interval(role),
-                Some(value) => parse_duration(&value).map_err(|reason| ConfigError::BadInterval {
-                    var: name.clone(),
-                    value: value.clone(),
-                    reason,
-                })?,
+                Some(value) => {
+                    parse_duration(&value).map_err(|reason| ConfigError::BadInterval {
+                        var: name.clone(),
+                        value: value.clone(),
+                        reason,
+                    })?
+                }
             };
             Ok(RoleConfig { role, interval })
         })
@@ -70,7 +78,9 @@ pub fn roles_from_env(var: impl Fn(&str) -> Option<String>) -> Result<Vec<RoleCo
 /// `500ms`, `30s`, `5m`, `1h`, `1d`; whole numbers only, at least one millisecond.
 pub fn parse_duration(text: &str) -> Result<Duration, &'static str> {
     let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).ok_or("missing unit")?;
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or("missing unit")?;
     let (digits, unit) = text.split_at(split);
     let n: u64 = digits.parse().map_err(|_| "missing number")?;
     let ms = match unit {
@@ -94,7 +104,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| map.get(k).cloned()
     }
 
@@ -102,7 +115,13 @@ mod tests {
     fn all_roles_run_by_default_with_billing_hourly() {
         let roles = roles_from_env(env(&[])).unwrap();
         assert_eq!(roles.len(), 5);
-        assert_eq!(roles[0], RoleConfig { role: Role::Billing, interval: Duration::from_secs(3600) });
+        assert_eq!(
+            roles[0],
+            RoleConfig {
+                role: Role::Billing,
+                interval: Duration::from_secs(3600)
+            }
+        );
     }
 
     #[test]
@@ -115,19 +134,35 @@ mod tests {
         assert_eq!(
             roles,
             vec![
-                RoleConfig { role: Role::EmailOutbox, interval: Duration::from_secs(1) },
-                RoleConfig { role: Role::Billing, interval: Duration::from_secs(1800) },
+                RoleConfig {
+                    role: Role::EmailOutbox,
+                    interval: Duration::from_secs(1)
+                },
+                RoleConfig {
+                    role: Role::Billing,
+                    interval: Duration::from_secs(1800)
+                },
             ]
         );
     }
 
     #[test]
     fn bad_configuration_is_named() {
-        let err = roles_from_env(env(&[("HARDCOUNT_ROLES", "billing,emails")])).unwrap_err().to_string();
+        let err = roles_from_env(env(&[("HARDCOUNT_ROLES", "billing,emails")]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("\"emails\""), "{err}");
-        let err = roles_from_env(env(&[("HARDCOUNT_BILLING_INTERVAL", "1 hour")])).unwrap_err().to_string();
-        assert!(err.contains("HARDCOUNT_BILLING_INTERVAL=\"1 hour\""), "{err}");
-        assert_eq!(roles_from_env(env(&[("HARDCOUNT_ROLES", " , ")])), Err(ConfigError::NoRoles));
+        let err = roles_from_env(env(&[("HARDCOUNT_BILLING_INTERVAL", "1 hour")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("HARDCOUNT_BILLING_INTERVAL=\"1 hour\""),
+            "{err}"
+        );
+        assert_eq!(
+            roles_from_env(env(&[("HARDCOUNT_ROLES", " , ")])),
+            Err(ConfigError::NoRoles)
+        );
         assert_eq!(parse_duration("0s"), Err("must be positive"));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
     }

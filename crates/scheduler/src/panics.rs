@@ -86,7 +86,11 @@ impl<F: Future> Future for Guarded<F> {
 /// Run `fut` as the step `step`, returning its panic as a value (for items run
 /// concurrently; hand the payload to [`Panics::record`]).
 pub async fn catch<F: Future>(step: String, fut: F) -> Result<F::Output, Payload> {
-    Guarded { step, inner: Box::pin(fut) }.await
+    Guarded {
+        step,
+        inner: Box::pin(fut),
+    }
+    .await
 }
 
 /// The panics of one tick: run steps and batch items under it, then [`finish`](Panics::finish).
@@ -100,7 +104,11 @@ pub struct Panics {
 impl Panics {
     /// `scope` prefixes each step's name in logs (usually the role).
     pub fn new(scope: impl Into<String>) -> Panics {
-        Panics { scope: scope.into(), first: None, count: 0 }
+        Panics {
+            scope: scope.into(),
+            first: None,
+            count: 0,
+        }
     }
 
     /// Run one step. A panic stops this step only; its value is `None`.
@@ -140,7 +148,12 @@ impl Panics {
     /// Run `each` on every item in order. An item that panics is left out of
     /// the rest of the tick and the others still run. Returns the outputs of
     /// the items that did not panic.
-    pub async fn drain<T, O, F, Fut>(&mut self, items: Vec<T>, label: impl Fn(&T) -> String, mut each: F) -> Vec<O>
+    pub async fn drain<T, O, F, Fut>(
+        &mut self,
+        items: Vec<T>,
+        label: impl Fn(&T) -> String,
+        mut each: F,
+    ) -> Vec<O>
     where
         F: FnMut(T) -> Fut,
         Fut: Future<Output = O>,
@@ -214,10 +227,14 @@ mod tests {
         install_panic_hook();
         let mut p = Panics::new("test");
         let out = p
-            .drain(vec![1, 2, 3, 4, 5], |i| format!("item {i}"), |i| async move {
-                assert_ne!(i, 3, "item 3 is malformed");
-                i * 10
-            })
+            .drain(
+                vec![1, 2, 3, 4, 5],
+                |i| format!("item {i}"),
+                |i| async move {
+                    assert_ne!(i, 3, "item 3 is malformed");
+                    i * 10
+                },
+            )
             .await;
         assert_eq!(out, vec![10, 20, 40, 50]);
         assert_eq!(p.panicked(), 1);
@@ -228,16 +245,24 @@ mod tests {
         install_panic_hook();
         let mut p = Panics::new("test");
         assert_eq!(p.spawn("ok", async { 7 }).await, Some(7));
-        assert_eq!(p.spawn("boom", async { panic!("in a task") }).await, None::<()>);
+        assert_eq!(
+            p.spawn("boom", async { panic!("in a task") }).await,
+            None::<()>
+        );
         assert_eq!(p.panicked(), 1);
     }
 
     /// A panicking job must unwind into the guard, never abort the process.
     #[test]
     fn the_release_profile_does_not_abort_on_panic() {
-        let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.toml")).unwrap();
+        let manifest =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.toml"))
+                .unwrap();
         let compact: String = manifest.chars().filter(|c| !c.is_whitespace()).collect();
-        assert!(!compact.contains("panic=\"abort\""), "the workspace sets panic = \"abort\"");
+        assert!(
+            !compact.contains("panic=\"abort\""),
+            "the workspace sets panic = \"abort\""
+        );
         assert!(cfg!(panic = "unwind"));
     }
 }

@@ -58,7 +58,9 @@ pub async fn run_role(manager: Manager, spec: RoleSpec, shutdown: CancellationTo
             }
         };
         if !pause.is_zero() {
-            shutdown.run_until_cancelled(tokio::time::sleep(pause)).await;
+            shutdown
+                .run_until_cancelled(tokio::time::sleep(pause))
+                .await;
         }
     }
 }

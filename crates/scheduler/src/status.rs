@@ -13,7 +13,10 @@ use tracing::warn;
 pub fn precreate_series(telemetry: &Telemetry) {
     for role in Role::ALL {
         telemetry
-            .counter("hardcount_leader_lease_lost_total", &[("role", role.as_str()), ("reason", "panicked")])
+            .counter(
+                "hardcount_leader_lease_lost_total",
+                &[("role", role.as_str()), ("reason", "panicked")],
+            )
             .increment(0);
     }
 }
@@ -37,26 +40,46 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry) {
                     }
                     None => 0.0,
                 };
-                telemetry.gauge("hardcount_leader_last_tick_known", &[("role", role)]).set(known);
+                telemetry
+                    .gauge("hardcount_leader_last_tick_known", &[("role", role)])
+                    .set(known);
                 let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
-                telemetry.gauge("hardcount_leader_paused", &[("role", role)]).set(paused);
+                telemetry
+                    .gauge("hardcount_leader_paused", &[("role", role)])
+                    .set(paused);
             }
         }
         Err(e) => {
             warn!(error = %e, "cannot read leader_status for metrics");
-            telemetry.counter("hardcount_leader_status_errors_total", &[]).increment(1);
+            telemetry
+                .counter("hardcount_leader_status_errors_total", &[])
+                .increment(1);
             for role in Role::ALL {
-                telemetry.gauge("hardcount_leader_last_tick_known", &[("role", role.as_str())]).set(0.0);
+                telemetry
+                    .gauge(
+                        "hardcount_leader_last_tick_known",
+                        &[("role", role.as_str())],
+                    )
+                    .set(0.0);
             }
         }
     }
 }
 
 /// Export the status every `every` until shutdown.
-pub async fn run_status_exporter(db: Db, telemetry: Telemetry, every: Duration, shutdown: CancellationToken) {
+pub async fn run_status_exporter(
+    db: Db,
+    telemetry: Telemetry,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
     loop {
         export_status(&db, &telemetry).await;
-        if shutdown.run_until_cancelled(tokio::time::sleep(every)).await.is_none() {
+        if shutdown
+            .run_until_cancelled(tokio::time::sleep(every))
+            .await
+            .is_none()
+        {
             return;
         }
     }

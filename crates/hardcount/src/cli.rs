@@ -1,0 +1,160 @@
+//! The command line: `migrate`, `serve`, `leader status|pause|unpause`.
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use db::Db;
+use leader::Role;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hardcount",
+    version,
+    about = "Singleton background jobs for a billing platform, led through Postgres lease rows"
+)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply pending migrations over MIGRATION_DATABASE_URL (or DATABASE_URL). Needs a direct or session-mode connection.
+    Migrate,
+    /// Run the roles named by HARDCOUNT_ROLES (default: all built ones) and serve /healthz, /readyz, /metrics.
+    Serve,
+    /// Inspect or steer leadership.
+    Leader {
+        #[command(subcommand)]
+        command: LeaderCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum LeaderCommand {
+    /// Who leads what, since when, expires when, paused by whom (the leader_status view).
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pause a role cluster-wide: its holder stops within one heartbeat and no replica acquires it.
+    Pause {
+        #[arg(value_parser = parse_role)]
+        role: Role,
+        /// Why, for whoever reads leader_status next.
+        #[arg(long)]
+        reason: String,
+        /// Who is pausing (default: cli@<hostname>).
+        #[arg(long)]
+        by: Option<String>,
+    },
+    /// Unpause a role; it is due at the next poll (a cooldown in not_before still holds).
+    Unpause {
+        #[arg(value_parser = parse_role)]
+        role: Role,
+    },
+}
+
+fn parse_role(s: &str) -> Result<Role, String> {
+    s.parse::<Role>().map_err(|e| e.to_string())
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    match args.command {
+        Command::Migrate => migrate().await,
+        Command::Serve => crate::serve::serve(crate::serve::Config::from_env()?).await,
+        Command::Leader { command } => leader_command(command).await,
+    }
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+pub fn database_url() -> Result<String> {
+    env("DATABASE_URL")
+        .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
+}
+
+async fn migrate() -> Result<()> {
+    let url = match env("MIGRATION_DATABASE_URL") {
+        Some(url) => url,
+        None => {
+            env("DATABASE_URL").context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")?
+        }
+    };
+    let report = db::migrate(&url).await?;
+    if report.applied.is_empty() {
+        println!(
+            "schema is current ({} migrations applied earlier); nothing to do",
+            report.already
+        );
+    } else {
+        println!(
+            "applied {} migration(s): {:?}",
+            report.applied.len(),
+            report.applied
+        );
+    }
+    Ok(())
+}
+
+async fn leader_command(command: LeaderCommand) -> Result<()> {
+    let db = Db::connect_lazy(&database_url()?, 1)?;
+    match command {
+        LeaderCommand::Status { json } => {
+            let rows = leader::store::status(&db).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print_status(&rows);
+            }
+        }
+        LeaderCommand::Pause { role, reason, by } => {
+            if reason.trim().is_empty() {
+                bail!("--reason must say why the role is paused");
+            }
+            let by = by.unwrap_or_else(|| {
+                format!(
+                    "cli@{}",
+                    leader::holder_id().split(':').next().unwrap_or("unknown")
+                )
+            });
+            leader::store::pause(&db, role, &by, &reason).await?;
+            println!("paused {role} (by {by}: {reason}); its holder stops within one heartbeat");
+        }
+        LeaderCommand::Unpause { role } => {
+            leader::store::unpause(&db, role).await?;
+            println!(
+                "unpaused {role}; it is due at the next poll unless a cooldown (not_before) holds"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_status(rows: &[leader::LeaseStatus]) {
+    println!(
+        "{:<17} {:<13} {:<36} {:>12} {}",
+        "ROLE", "STATE", "HOLDER", "LAST TICK", "NOTE"
+    );
+    for r in rows {
+        let age = r
+            .last_tick_age_seconds
+            .map(|s| format!("{s:.0}s ago"))
+            .unwrap_or_else(|| "never".to_owned());
+        let note = match (&r.paused_by, &r.pause_reason, &r.not_before) {
+            (Some(by), reason, _) => format!("paused by {by}: {}", reason.as_deref().unwrap_or("")),
+            (None, _, Some(nb)) if r.state == "cooling_down" => format!("cooling down until {nb}"),
+            _ => String::new(),
+        };
+        println!(
+            "{:<17} {:<13} {:<36} {:>12} {}",
+            r.role,
+            r.state,
+            r.holder_id.as_deref().unwrap_or("-"),
+            age,
+            note
+        );
+    }
+}

@@ -1,0 +1,254 @@
+//! Role loops and the panic guard against real Postgres, in both legs of the bed.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use leader::{Manager, Role, Telemetry, TickOutcome, Timing};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use scheduler::{Panics, RoleSpec, run_role, work};
+use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
+
+fn fast() -> Timing {
+    let ms = Duration::from_millis;
+    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(200)).unwrap()
+}
+
+fn manager(db: &Db) -> (Manager, PrometheusHandle, Telemetry) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let telemetry = Telemetry::new(Arc::new(recorder));
+    (
+        Manager::new(db.clone(), fast(), telemetry.clone()),
+        handle,
+        telemetry,
+    )
+}
+
+fn series(handle: &PrometheusHandle, line_prefix: &str) -> Option<f64> {
+    handle.render().lines().find_map(|l| {
+        l.strip_prefix(line_prefix)
+            .map(|v| v.trim().parse().unwrap())
+    })
+}
+
+async fn lease_state(db: &Db, role: Role) -> (bool, Option<f64>) {
+    let r = db
+        .fetch_one(
+            sql("SELECT last_tick_ended_at IS NOT NULL AS completed, extract(epoch FROM not_before - now())::float8 AS cooldown \
+                 FROM leader_leases WHERE role = $1")
+            .bind(role.as_str()),
+        )
+        .await
+        .unwrap();
+    (r.get("completed"), r.get("cooldown"))
+}
+
+/// ADR-114 amendment 2026-10-19: the third step runs although the second
+/// panicked, and the tick is still released as panicked with the interval as
+/// its cooldown.
+///
+/// Mutation check: making `Panics::finish` return without re-raising releases
+/// the tick as completed; the cooldown assertion then fails.
+#[tokio::test]
+async fn a_tick_whose_second_step_panics_runs_the_third_and_is_released_as_panicked() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let (m, handle, _) = manager(&t.db);
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let r = ran.clone();
+    let out = scheduler::catch(
+        "test".into(),
+        m.lead(
+            Role::Billing,
+            Duration::from_secs(120),
+            &CancellationToken::new(),
+            |_tick| async move {
+                let mut panics = Panics::new("billing");
+                panics
+                    .step("trials", async { r.lock().unwrap().push("trials") })
+                    .await;
+                panics
+                    .step("resumes", async { panic!("nil subscription plan") })
+                    .await;
+                panics
+                    .step("due_billing", async {
+                        r.lock().unwrap().push("due_billing")
+                    })
+                    .await;
+                panics.finish();
+            },
+        ),
+    )
+    .await;
+    assert!(out.is_err(), "the panic reaches the loop");
+    assert_eq!(*ran.lock().unwrap(), vec!["trials", "due_billing"]);
+    let (completed, cooldown) = lease_state(&t.db, Role::Billing).await;
+    assert!(!completed);
+    let cooldown = cooldown.expect("released as panicked");
+    assert!((110.0..=120.0).contains(&cooldown), "{cooldown}");
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_leader_lease_lost_total{role=\"billing\",reason=\"panicked\"} "
+        ),
+        Some(1.0)
+    );
+}
+
+/// A batch with one panicking item processes all the others, and the
+/// lease-lost counter moves by exactly one.
+#[tokio::test]
+async fn a_batch_with_one_panicking_item_processes_all_the_others() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let (m, handle, telemetry) = manager(&t.db);
+    scheduler::precreate_series(&telemetry);
+    let key = "hardcount_leader_lease_lost_total{role=\"dunning\",reason=\"panicked\"} ";
+    assert_eq!(series(&handle, key), Some(0.0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    let out = scheduler::catch(
+        "test".into(),
+        m.lead(
+            Role::Dunning,
+            Duration::from_secs(60),
+            &CancellationToken::new(),
+            |_tick| async move {
+                let mut panics = Panics::new("dunning");
+                let runs: Vec<u32> = (1..=20).collect();
+                panics
+                    .drain(
+                        runs,
+                        |run| format!("run {run}"),
+                        |run| {
+                            let d = d.clone();
+                            async move {
+                                assert_ne!(run, 7, "run 7 has no policy");
+                                d.fetch_add(1, Ordering::SeqCst);
+                            }
+                        },
+                    )
+                    .await;
+                panics.finish();
+            },
+        ),
+    )
+    .await;
+    assert!(out.is_err());
+    assert_eq!(done.load(Ordering::SeqCst), 19);
+    assert_eq!(series(&handle, key), Some(1.0));
+}
+
+/// A role whose every tick panics keeps its loop alive, and another role's
+/// loop on the same replica ticks on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_one_role_leaves_the_other_roles_ticking() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let (m, handle, _) = manager(&t.db);
+    let shutdown = CancellationToken::new();
+    let panicking = Arc::new(AtomicUsize::new(0));
+    let healthy = Arc::new(AtomicUsize::new(0));
+    let p = panicking.clone();
+    let h = healthy.clone();
+    let specs = [
+        RoleSpec {
+            role: Role::EmailOutbox,
+            interval: Duration::from_millis(100),
+            work: work(move |_| {
+                let p = p.clone();
+                async move {
+                    p.fetch_add(1, Ordering::SeqCst);
+                    panic!("bad email row");
+                }
+            }),
+        },
+        RoleSpec {
+            role: Role::WebhookOutbox,
+            interval: Duration::from_millis(100),
+            work: work(move |_| {
+                let h = h.clone();
+                async move {
+                    h.fetch_add(1, Ordering::SeqCst);
+                }
+            }),
+        },
+    ];
+    let loops: Vec<_> = specs
+        .into_iter()
+        .map(|s| tokio::spawn(run_role(m.clone(), s, shutdown.child_token())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    shutdown.cancel();
+    for l in loops {
+        l.await.expect("a role loop died");
+    }
+    let (p, h) = (
+        panicking.load(Ordering::SeqCst),
+        healthy.load(Ordering::SeqCst),
+    );
+    println!("panicking role ticked {p} times, healthy role {h} times in 3 s");
+    assert!(
+        p >= 2,
+        "the panicking role's loop kept polling after its first panic ({p})"
+    );
+    assert!(h >= 10, "the healthy role kept ticking ({h})");
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_leader_lease_lost_total{role=\"webhook_outbox\",reason=\"panicked\"} "
+        ),
+        None
+    );
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_leader_lease_lost_total{role=\"email_outbox\",reason=\"panicked\"} "
+        ),
+        Some(p as f64)
+    );
+}
+
+/// A loop that is not due sleeps until the row's due time, not a fixed poll:
+/// with a 2 s interval and a 200 ms max poll, it polls about every 200 ms,
+/// and ticks about every 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_loop_ticks_once_per_interval() {
+    let t = TestDb::new().await;
+    let (m, _, _) = manager(&t.db);
+    let shutdown = CancellationToken::new();
+    let ticks = Arc::new(AtomicUsize::new(0));
+    let c = ticks.clone();
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval: Duration::from_secs(2),
+        work: work(move |_| {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+            }
+        }),
+    };
+    let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    shutdown.cancel();
+    l.await.unwrap();
+    let n = ticks.load(Ordering::SeqCst);
+    assert!((2..=3).contains(&n), "{n} ticks in 4.5 s at a 2 s interval");
+    let out = m
+        .lead(
+            Role::WebhookDelivery,
+            Duration::from_secs(2),
+            &CancellationToken::new(),
+            |_| async {},
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        out,
+        TickOutcome::NotLed { .. } | TickOutcome::Completed
+    ));
+}
