@@ -41,7 +41,7 @@ pub async fn check_schema_ready(db: &Db) -> Result<(), SchemaError> {
         match applied.get(&m.version) {
             None => {
                 return Err(SchemaError::Behind {
-                    missing: format!("{}_{}", m.version, m.description.replace(' ', "_")),
+                    missing: format!("{:04}_{}", m.version, m.description.replace(' ', "_")),
                 });
             }
             Some(false) => return Err(SchemaError::Dirty { version: m.version }),

@@ -62,6 +62,15 @@ impl TestDb {
     }
 
     pub async fn with_pool(max_connections: u32) -> TestDb {
+        let t = Self::unmigrated(max_connections).await;
+        db::migrate(&superuser_url(&t.name))
+            .await
+            .expect("migrate test database");
+        t
+    }
+
+    /// A new, empty database: nothing migrated. Its app pool cannot do much.
+    pub async fn unmigrated(max_connections: u32) -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "t_{}_{}_{:08x}",
@@ -75,9 +84,6 @@ impl TestDb {
             .await
             .expect("create test database");
         let _ = admin.close().await;
-        db::migrate(&superuser_url(&name))
-            .await
-            .expect("migrate test database");
         let db = Db::connect_lazy(&app_url(Leg::current(), &name), max_connections).unwrap();
         TestDb { name, db }
     }

@@ -1,0 +1,46 @@
+//! The real binary: CLI commands and `hardcount serve` as a child process.
+
+mod cli;
+mod serve;
+
+use std::process::{Command, Output};
+
+pub fn hardcount() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hardcount"));
+    c.env_remove("DATABASE_URL")
+        .env_remove("MIGRATION_DATABASE_URL")
+        .env_remove("HARDCOUNT_ROLES")
+        .env("RUST_LOG", "info");
+    c
+}
+
+/// Run to completion, killing the process if it outlives `limit` (a refusal
+/// that turned into a running server must fail the test, not hang it).
+pub fn run(cmd: &mut Command, limit: std::time::Duration) -> Output {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        if rx.recv_timeout(limit).is_err() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = tx.send(());
+    out
+}
+
+pub fn text(out: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}

@@ -1,0 +1,168 @@
+//! `hardcount serve` as a real process.
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use testbed::{Leg, TestDb};
+
+use crate::hardcount;
+
+pub struct Serve {
+    pub child: Child,
+    pub port: u16,
+}
+
+impl Serve {
+    /// Start `hardcount serve` on `database_url` with extra env; wait for /healthz.
+    pub async fn start(database_url: &str, env: &[(&str, &str)]) -> Serve {
+        let port = testbed::free_port();
+        let mut cmd = hardcount();
+        cmd.arg("serve")
+            .env("DATABASE_URL", database_url)
+            .env("HARDCOUNT_HTTP_ADDR", format!("127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        let serve = Serve { child, port };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = reqwest::get(serve.url("/healthz")).await
+                && r.status().is_success()
+            {
+                return serve;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hardcount serve did not answer /healthz"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let r = reqwest::get(self.url(path)).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig}");
+    }
+
+    /// Wait for the process to exit; its exit code.
+    pub async fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hardcount serve did not exit within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn metric(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
+        .map(|v| v.trim().parse().unwrap())
+}
+
+#[tokio::test]
+async fn metrics_expose_the_leader_series_with_panicked_at_zero_before_any_tick() {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE leader_leases SET last_tick_ended_at = now() - interval '42 seconds' WHERE role = 'billing'; \
+         SELECT leader_pause('dunning', 'oncall', 'card network incident')",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let mut serve = Serve::start(&t.app_url(Leg::current()), &[]).await;
+    assert_eq!(serve.get("/readyz").await.0, 200);
+    let (status, body) = serve.get("/metrics").await;
+    assert_eq!(status, 200);
+    for role in [
+        "billing",
+        "dunning",
+        "webhook_outbox",
+        "email_outbox",
+        "webhook_delivery",
+    ] {
+        let lost =
+            format!("hardcount_leader_lease_lost_total{{role=\"{role}\",reason=\"panicked\"}}");
+        assert_eq!(metric(&body, &lost), Some(0.0), "{lost} in\n{body}");
+        let paused = format!("hardcount_leader_paused{{role=\"{role}\"}}");
+        assert_eq!(
+            metric(&body, &paused),
+            Some(if role == "dunning" { 1.0 } else { 0.0 }),
+            "{paused}"
+        );
+    }
+    let age = metric(
+        &body,
+        "hardcount_leader_last_tick_age_seconds{role=\"billing\"}",
+    )
+    .expect("billing age");
+    assert!((42.0..60.0).contains(&age), "{age}");
+    // A role that never completed a tick has no age, never a negative one, and says so.
+    assert_eq!(
+        metric(
+            &body,
+            "hardcount_leader_last_tick_age_seconds{role=\"email_outbox\"}"
+        ),
+        None
+    );
+    assert_eq!(
+        metric(
+            &body,
+            "hardcount_leader_last_tick_known{role=\"email_outbox\"}"
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&body, "hardcount_leader_last_tick_known{role=\"billing\"}"),
+        Some(1.0)
+    );
+
+    serve.signal("TERM");
+    assert_eq!(serve.wait(Duration::from_secs(10)).await, Some(0));
+}
+
+#[tokio::test]
+async fn readyz_reports_a_database_that_went_away() {
+    let port = testbed::free_port();
+    let t = TestDb::new().await;
+    let serve = Serve::start(&t.app_url(Leg::current()), &[]).await;
+    assert_eq!(serve.get("/readyz").await.0, 200);
+    drop(t); // drops the database under the running server
+    let (status, body) = serve.get("/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.starts_with("not ready"), "{body}");
+    let _ = port;
+}
