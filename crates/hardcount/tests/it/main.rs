@@ -1,6 +1,7 @@
 //! The real binary: CLI commands and `hardcount serve` as a child process.
 
 mod cli;
+mod deploy;
 mod serve;
 
 use std::process::{Command, Output};
