@@ -118,6 +118,9 @@ impl Db {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
+            // A checkout ping is a round trip on every statement; a dead
+            // connection fails its statement instead, which every caller handles.
+            .test_before_acquire(false)
             .connect_lazy_with(options);
         Ok(Db { pool })
     }

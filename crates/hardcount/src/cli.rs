@@ -135,8 +135,8 @@ async fn leader_command(command: LeaderCommand) -> Result<()> {
 
 fn print_status(rows: &[leader::LeaseStatus]) {
     println!(
-        "{:<17} {:<13} {:<36} {:>12} {}",
-        "ROLE", "STATE", "HOLDER", "LAST TICK", "NOTE"
+        "{:<17} {:<13} {:<36} {:>12} NOTE",
+        "ROLE", "STATE", "HOLDER", "LAST TICK"
     );
     for r in rows {
         let age = r

@@ -19,6 +19,10 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
+use webhook_delivery::backoff::RetrySchedule;
+use webhook_delivery::ssrf::Allowlist;
+use webhook_delivery::{Worker, WorkerConfig};
+use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::http::{AppState, router};
 
@@ -28,6 +32,7 @@ pub struct Config {
     pub roles: Vec<RoleConfig>,
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
+    pub webhook_delivery: WorkerConfig,
 }
 
 impl Config {
@@ -39,24 +44,67 @@ impl Config {
             })?,
             None => SocketAddr::from(([0, 0, 0, 0], 8080)),
         };
+        let mut webhook_delivery = WorkerConfig::default();
+        if let Some(v) = var("HARDCOUNT_WEBHOOK_ALLOWLIST") {
+            webhook_delivery.allowlist = Allowlist::parse(&v)
+                .map_err(|e| anyhow::anyhow!("HARDCOUNT_WEBHOOK_ALLOWLIST: {e}"))?;
+        }
+        if let Some(v) = var("HARDCOUNT_WEBHOOK_RETRY_SCHEDULE") {
+            webhook_delivery.retry_schedule = RetrySchedule::parse(&v)
+                .map_err(|e| anyhow::anyhow!("HARDCOUNT_WEBHOOK_RETRY_SCHEDULE: {e}"))?;
+        }
+        if let Some(v) = var("HARDCOUNT_WEBHOOK_TIMEOUT") {
+            webhook_delivery.request_timeout = scheduler::parse_duration(&v)
+                .map_err(|reason| anyhow::anyhow!("HARDCOUNT_WEBHOOK_TIMEOUT={v:?}: {reason}"))?;
+            webhook_delivery.connect_timeout = webhook_delivery
+                .connect_timeout
+                .min(webhook_delivery.request_timeout);
+            webhook_delivery.tick_budget = webhook_delivery
+                .tick_budget
+                .max(webhook_delivery.request_timeout * 2);
+        }
+        webhook_delivery.validate()?;
         Ok(Config {
             database_url: crate::cli::database_url()?,
             http_addr,
             roles: scheduler::roles_from_env(var)?,
             roles_explicit: var("HARDCOUNT_ROLES").is_some(),
+            webhook_delivery,
         })
     }
 }
 
 /// The work of each role this build implements.
-fn work_for(role: Role, _db: &Db, _telemetry: &Telemetry) -> Option<Work> {
-    match role {
-        Role::Billing
-        | Role::Dunning
-        | Role::EmailOutbox
-        | Role::WebhookOutbox
-        | Role::WebhookDelivery => None,
-    }
+fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Result<Option<Work>> {
+    Ok(match role {
+        Role::WebhookOutbox => {
+            let dispatcher = Arc::new(Dispatcher::new(
+                db.clone(),
+                DispatcherConfig::default(),
+                telemetry.clone(),
+            ));
+            Some(scheduler::work(move |tick| {
+                let dispatcher = dispatcher.clone();
+                async move {
+                    dispatcher.run_tick(&tick).await;
+                }
+            }))
+        }
+        Role::WebhookDelivery => {
+            let worker = Arc::new(Worker::new(
+                db.clone(),
+                config.webhook_delivery.clone(),
+                telemetry.clone(),
+            )?);
+            Some(scheduler::work(move |tick| {
+                let worker = worker.clone();
+                async move {
+                    worker.run_tick(&tick).await;
+                }
+            }))
+        }
+        Role::Billing | Role::Dunning | Role::EmailOutbox => None,
+    })
 }
 
 pub async fn serve(config: Config) -> Result<()> {
@@ -81,7 +129,7 @@ pub async fn serve(config: Config) -> Result<()> {
 
     let mut specs = Vec::new();
     for rc in &config.roles {
-        match work_for(rc.role, &db, &telemetry) {
+        match work_for(rc.role, &config, &db, &telemetry)? {
             Some(work) => specs.push(RoleSpec {
                 role: rc.role,
                 interval: rc.interval,

@@ -263,6 +263,6 @@ mod tests {
             !compact.contains("panic=\"abort\""),
             "the workspace sets panic = \"abort\""
         );
-        assert!(cfg!(panic = "unwind"));
+        const { assert!(cfg!(panic = "unwind")) };
     }
 }

@@ -3,16 +3,80 @@
 //! dead-letters a delivery after its last attempt. Targets on private, loopback and
 //! link-local networks are refused unless configuration allows them.
 //!
-//! This crate's pure building blocks, with no database:
+//! ```text
+//!  webhook_deliveries                 Worker::run_tick (leader only)
+//!  status = pending ──claim_due──▶ attempts += 1, next_attempt_at = now() + lease    (fenced,
+//!  next_attempt_at <= now()        │                                                  SKIP LOCKED)
+//!                                  ├─ endpoint disabled ─────────────────▶ dead
+//!                                  ├─ no turn before the start deadline ─▶ handed back (attempts -= 1)
+//!                                  ├─ SSRF guard refuses ────────────────▶ pending (retry) … dead
+//!                                  └─ POST (signed, bounded) ─┬─ 2xx ───▶ delivered
+//!                                                             ├─ 410 ───▶ dead + endpoint disabled
+//!                                                             └─ other / timeout / no connection
+//!                                                                  ─────▶ pending at now() + backoff,
+//!                                                                         dead after the last attempt
+//!   every write above: … WHERE id = $1 AND attempts = $2 AND status = 'pending'
+//! ```
 //!
-//! - [`signature`]: endpoint secrets (`whsec_...`) and the `webhook-*` headers.
-//! - [`ssrf`]: which addresses a delivery may connect to, enforced inside the
-//!   HTTP client's DNS resolution.
-//! - [`backoff`]: the retry schedule and `Retry-After` handling.
+//! Guarantees:
 //!
-//! The store (claims and outcome writes) and the tick that drives a delivery pass
-//! live in their own modules.
+//! - **At-least-once.** A claim moves `next_attempt_at` a lease ahead
+//!   (`request_timeout + claim_margin`) before anything is sent. If the process
+//!   dies, is frozen, or loses its lease mid-attempt, the delivery comes due
+//!   again when the lease ends. Nothing is deleted; a dead delivery stays in the
+//!   table with its last error, counted by `hardcount_webhook_deliveries_dead`.
+//! - **Duplicates** reach a receiver only when an attempt's result was not
+//!   recorded: the receiver took the request but the answer was lost or late
+//!   (a timeout), the outcome write failed, or the process died or was replaced
+//!   between the POST and the write. Every attempt carries the same
+//!   `webhook-id`, so receivers can drop repeats.
+//! - **A late result never overwrites a newer one.** Each claim increments
+//!   `attempts`, and an outcome is written only while the row still holds that
+//!   attempt number and is pending. A result that loses is logged and counted
+//!   as `outcome="stale"`, never applied.
+//! - **A replaced leader claims nothing**: the claim proves
+//!   `leader_fence($role, $token)` in its innermost WHERE, and
+//!   [`Worker::claim_due`] takes a [`leader::Fence`].
+//! - **Bounded**: requests in flight globally and per endpoint, each attempt's
+//!   time (connect and total), the response bytes read, and the tick's time.
+//!
+//! Metrics (through the [`leader::Telemetry`] given to [`Worker::new`]):
+//!
+//! ```text
+//! hardcount_webhook_deliveries_total{outcome}     one per attempt: delivered, retry, dead,
+//!                                                 refused (SSRF, scheduled again), stale
+//! hardcount_webhook_attempt_duration_seconds      histogram, each request made
+//! hardcount_webhook_deliveries_pending            gauges, read at the end of each tick on
+//! hardcount_webhook_deliveries_dead               the database clock; the age counts from
+//! hardcount_webhook_oldest_pending_age_seconds    the delivery's creation (retries included)
+//! ```
+//!
+//! Modules: [`signature`] (secrets and `webhook-*` headers), [`ssrf`] (which
+//! addresses may be connected to, enforced inside the HTTP client's DNS
+//! resolution), [`backoff`] (the retry schedule and `Retry-After`), `store`
+//! (all SQL), the worker (the tick) and [`create_endpoint`]. Outcome choices are
+//! recorded in docs/adr/0006.
 
 pub mod backoff;
+mod endpoint;
+mod send;
 pub mod signature;
 pub mod ssrf;
+mod store;
+mod worker;
+
+pub use endpoint::{
+    Endpoint, EndpointError, MAX_URL_LEN, create_endpoint, parse_endpoint_url, redacted_url,
+};
+pub use worker::{Claimed, ConfigError, Outcome, TickEnd, TickReport, Worker, WorkerConfig};
+
+/// Errors of the delivery worker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot build the webhook HTTP client: {0}")]
+    Client(String),
+    #[error("webhook delivery store: {0}")]
+    Db(#[from] db::Error),
+}

@@ -1,1 +1,113 @@
-//! Being built.
+//! The webhook outbox: events written next to the change that caused them, and
+//! the `webhook_outbox` role that fans each one out into deliveries.
+//!
+//! ```text
+//!  producer's transaction                 webhook_outbox tick (leader only)
+//!  ─────────────────────                  ─────────────────────────────────
+//!  UPDATE invoices …                      BEGIN
+//!  enqueue(tx, tenant, type, json) ──┐      claim ≤ batch undispatched events      (fenced,
+//!  COMMIT                            │        FOR UPDATE SKIP LOCKED, mark them    SKIP LOCKED)
+//!                                    └──▶   insert one delivery per enabled endpoint
+//!                    webhook_events          of the same tenant subscribed to the type
+//!                                            ON CONFLICT (event_id, endpoint_id) DO NOTHING
+//!                                         COMMIT                  ──▶ webhook_deliveries
+//! ```
+//!
+//! Guarantees:
+//!
+//! - **An event exists iff its producer committed.** [`enqueue`] runs inside the
+//!   caller's [`db::Tx`]; a rollback leaves no event, and a payload that is not
+//!   JSON is refused before anything is written.
+//! - **Each event is fanned out once per subscribed endpoint.** Claim, fan-out
+//!   and the `dispatched_at` stamp are one transaction, so a crash leaves the
+//!   batch undispatched and it is claimed again whole. A replayed batch (an
+//!   operator clearing `dispatched_at`, or a stale leader whose transaction
+//!   committed late) adds nothing: `UNIQUE (event_id, endpoint_id)` absorbs it.
+//!   Duplicates to receivers come only from the delivery side (see
+//!   `webhook_delivery`), never from here.
+//! - **A replaced leader claims nothing.** The claim carries
+//!   `AND leader_fence($role, $token)` in its innermost WHERE, and
+//!   [`Dispatcher::dispatch_batch`] takes a [`leader::Fence`], which only a won
+//!   lease can build.
+//!
+//! Subscription is read at dispatch time: an endpoint created or disabled
+//! between the enqueue and the fan-out is taken as it is at the fan-out. An
+//! endpoint with no event types receives every type (docs/adr/0005).
+
+mod dispatcher;
+mod store;
+
+pub use dispatcher::{Dispatcher, DispatcherConfig, TickEnd, TickReport};
+
+/// Why [`enqueue`] refused an event. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    #[error("webhook event has an empty tenant_id")]
+    EmptyTenant,
+    #[error("webhook event has an empty event type")]
+    EmptyEventType,
+    /// The payload is not one JSON value. The message names the line and column.
+    #[error("webhook payload for `{event_type}` is not valid JSON: {problem}")]
+    InvalidJson { event_type: String, problem: String },
+    /// The statement failed. The caller's transaction is aborted: roll it back.
+    #[error("could not enqueue the webhook event: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Errors of the dispatcher's store.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("webhook outbox: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Add a webhook event to the outbox inside the caller's transaction and
+/// return its id. The event is dispatched only if the caller commits.
+///
+/// `payload_json` is the event's `data`: one JSON value (usually an object).
+///
+/// # Errors
+///
+/// [`EnqueueError::InvalidJson`] (with line and column) when `payload_json` is not
+/// JSON, and [`EnqueueError::EmptyTenant`] / [`EnqueueError::EmptyEventType`]; in
+/// these cases nothing was sent to the database and `tx` is still usable.
+/// [`EnqueueError::Db`] when the insert failed, which aborts `tx`.
+pub async fn enqueue(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    event_type: &str,
+    payload_json: &str,
+) -> Result<i64, EnqueueError> {
+    if tenant_id.trim().is_empty() {
+        return Err(EnqueueError::EmptyTenant);
+    }
+    if event_type.trim().is_empty() {
+        return Err(EnqueueError::EmptyEventType);
+    }
+    let invalid = |problem: String| EnqueueError::InvalidJson {
+        event_type: event_type.to_owned(),
+        problem,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(payload_json).map_err(|e| invalid(e.to_string()))?;
+    // JSON allows \u0000 in strings; jsonb refuses it, and would abort `tx`.
+    if contains_nul(&value) {
+        return Err(invalid(
+            "a string contains \\u0000 (NUL), which Postgres jsonb cannot store".to_owned(),
+        ));
+    }
+    store::insert_event(tx, tenant_id, event_type, payload_json)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
+/// True if a string or key anywhere in `value` holds a NUL character.
+fn contains_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(contains_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}

@@ -2,6 +2,7 @@
 
 mod cli;
 mod deploy;
+mod e2e;
 mod serve;
 
 use std::process::{Command, Output};

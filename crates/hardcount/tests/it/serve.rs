@@ -21,7 +21,12 @@ impl Serve {
             .env("DATABASE_URL", database_url)
             .env("HARDCOUNT_HTTP_ADDR", format!("127.0.0.1:{port}"))
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+            // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see the replicas' logs.
+            .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            });
         for (k, v) in env {
             cmd.env(k, v);
         }

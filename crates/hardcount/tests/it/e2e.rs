@@ -1,0 +1,248 @@
+//! Whole replicas: `hardcount serve` processes delivering webhooks to a real
+//! receiver on loopback, stopped with SIGTERM or killed with SIGKILL.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::routing::post;
+use db::{Db, Row, sql};
+use testbed::{Leg, TestDb};
+
+use crate::serve::Serve;
+
+/// Every request the receiver saw: (path, webhook-id).
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<(String, String)>>>);
+
+impl Seen {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn counts(&self) -> HashMap<(String, String), usize> {
+        let mut m = HashMap::new();
+        for k in self.0.lock().unwrap().iter() {
+            *m.entry(k.clone()).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+/// A receiver on loopback: `/hang/...` never answers, anything else answers
+/// 200 after `delay`.
+async fn receiver(delay: Duration) -> (String, Seen) {
+    let seen = Seen::default();
+    async fn handle(
+        State((seen, delay)): State<(Seen, Duration)>,
+        Path(path): Path<String>,
+        headers: HeaderMap,
+    ) -> &'static str {
+        let id = headers
+            .get("webhook-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        seen.0.lock().unwrap().push((path.clone(), id));
+        if path.starts_with("hang") {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(delay).await;
+        "ok"
+    }
+    let app = Router::new()
+        .route("/{*path}", post(handle))
+        .with_state((seen.clone(), delay));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (base, seen)
+}
+
+async fn enqueue(db: &Db, n: usize) {
+    let mut tx = db.begin().await.unwrap();
+    for i in 0..n {
+        webhook_outbox::enqueue(
+            &mut tx,
+            "tenant_a",
+            "invoice.finalized",
+            &format!(r#"{{"invoice":"in_{i}"}}"#),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+async fn holder_of(db: &Db, role: &str) -> (Option<String>, Option<String>, bool, bool) {
+    let r = db
+        .fetch_one(
+            sql("SELECT holder_id, last_tick_holder, last_tick_ended_at IS NOT NULL AS completed, not_before IS NOT NULL AS cooling \
+                 FROM leader_leases WHERE role = $1")
+            .bind(role.to_owned()),
+        )
+        .await
+        .unwrap();
+    (
+        r.get("holder_id"),
+        r.get("last_tick_holder"),
+        r.get("completed"),
+        r.get("cooling"),
+    )
+}
+
+fn is_pid(holder: &Option<String>, pid: u32) -> bool {
+    holder
+        .as_deref()
+        .is_some_and(|h| h.contains(&format!(":{pid}:")))
+}
+
+async fn until<F: AsyncFnMut() -> bool>(limit: Duration, what: &str, mut f: F) -> Duration {
+    let started = Instant::now();
+    while !f().await {
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    started.elapsed()
+}
+
+/// SIGTERM to a replica mid-tick (its delivery hangs on the receiver): the
+/// lease is released at once as interrupted (no cooldown, no completion
+/// stamp), the process exits 0, and a second replica acquires the role on its
+/// next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_poll() {
+    let t = TestDb::new().await;
+    let (base, seen) = receiver(Duration::ZERO).await;
+    webhook_delivery::create_endpoint(
+        &t.db,
+        "tenant_a",
+        &format!("{base}/hang/a"),
+        &["invoice.finalized"],
+    )
+    .await
+    .unwrap();
+    enqueue(&t.db, 1).await;
+    let url = t.app_url(Leg::current());
+    let env = [
+        ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
+        ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
+        ("HARDCOUNT_WEBHOOK_TIMEOUT", "120s"),
+    ];
+    let mut a = Serve::start(&url, &env).await;
+    let a_pid = a.child.id();
+    until(
+        Duration::from_secs(20),
+        "the delivery to hang mid-tick",
+        async || seen.len() >= 1,
+    )
+    .await;
+    let (holder, _, ended_before, _) = holder_of(&t.db, "webhook_delivery").await;
+    assert!(is_pid(&holder, a_pid), "{holder:?}");
+    let b = Serve::start(&url, &[("HARDCOUNT_ROLES", "webhook_delivery")]).await;
+    let b_pid = b.child.id();
+
+    let sent = Instant::now();
+    a.signal("TERM");
+    assert_eq!(a.wait(Duration::from_secs(10)).await, Some(0));
+    let exited = sent.elapsed();
+    let (holder, _, ended_after, cooling) = holder_of(&t.db, "webhook_delivery").await;
+    assert!(
+        !is_pid(&holder, a_pid),
+        "A still holds the role after exiting"
+    );
+    assert_eq!(
+        ended_before, ended_after,
+        "an interrupted tick is not stamped as completed"
+    );
+    assert!(!cooling, "an interrupted tick gets no cooldown");
+    let taken = until(
+        Duration::from_secs(8),
+        "B to lead webhook_delivery",
+        async || {
+            let (h, l, _, _) = holder_of(&t.db, "webhook_delivery").await;
+            is_pid(&h, b_pid) || is_pid(&l, b_pid)
+        },
+    )
+    .await;
+    println!(
+        "SIGTERM: A exited {exited:?} after the signal; B led the role {taken:?} after A exited"
+    );
+    assert!(exited < Duration::from_secs(4), "{exited:?}");
+    drop(b);
+}
+
+/// At-least-once across a crash: a replica delivering 3 endpoints x 60 events
+/// is SIGKILLed mid-batch; another replica finishes. Every event reaches every
+/// endpoint; duplicates come only from deliveries in flight at the kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_reaches_every_endpoint_across_a_sigkill() {
+    let t = TestDb::new().await;
+    let (base, seen) = receiver(Duration::from_millis(40)).await;
+    for ep in ["one", "two", "three"] {
+        webhook_delivery::create_endpoint(
+            &t.db,
+            "tenant_a",
+            &format!("{base}/{ep}"),
+            &["invoice.finalized"],
+        )
+        .await
+        .unwrap();
+    }
+    enqueue(&t.db, 60).await;
+    let expected = 3 * 60;
+    let url = t.app_url(Leg::current());
+    let env = [
+        ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
+        ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
+        ("HARDCOUNT_WEBHOOK_TIMEOUT", "2s"),
+    ];
+    let mut a = Serve::start(&url, &env).await;
+    until(
+        Duration::from_secs(30),
+        "a third of the deliveries",
+        async || seen.len() >= expected / 3,
+    )
+    .await;
+    a.signal("KILL");
+    a.wait(Duration::from_secs(5)).await;
+    let in_flight: i64 = t
+        .db
+        .fetch_one(sql("SELECT count(*) AS n FROM webhook_deliveries WHERE status = 'pending' AND attempts > 0"))
+        .await
+        .unwrap()
+        .get("n");
+    let seen_at_kill = seen.len();
+
+    let _b = Serve::start(&url, &env).await;
+    until(Duration::from_secs(90), "every delivery to be delivered", async || {
+        let r = t
+            .db
+            .fetch_one(sql("SELECT count(*) FILTER (WHERE status = 'delivered') AS d, count(*) AS n FROM webhook_deliveries"))
+            .await
+            .unwrap();
+        r.get::<i64, _>("n") == expected as i64 && r.get::<i64, _>("d") == expected as i64
+    })
+    .await;
+    let counts = seen.counts();
+    let duplicates: usize = counts.values().map(|c| c - 1).sum();
+    println!(
+        "SIGKILL after {seen_at_kill} requests: {in_flight} deliveries in flight at the kill, \
+         {} distinct (endpoint, event) pairs received of {expected}, {duplicates} duplicates",
+        counts.len()
+    );
+    assert_eq!(
+        counts.len(),
+        expected,
+        "an (endpoint, event) pair was never delivered"
+    );
+    assert!(
+        duplicates as i64 <= in_flight,
+        "{duplicates} duplicates but only {in_flight} were in flight"
+    );
+}

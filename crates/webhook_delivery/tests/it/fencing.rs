@@ -1,0 +1,125 @@
+//! The two guards: the fence on the claim, and the compare-and-set on the outcome.
+
+use leader::Role;
+use testbed::TestDb;
+use webhook_delivery::Outcome;
+
+use crate::receiver::Receiver;
+use crate::{as_leader, config, deliveries, endpoint, events, make_due, manager, outcomes, worker};
+
+/// A leader replaced by a takeover claims nothing with its old token, while
+/// the new leader's claim in the same moment takes the due deliveries.
+///
+/// Mutation check: removing `AND leader_fence($1, $2)` from the claim in
+/// `store::claim_due` makes the old token claim all three; this test was run
+/// against that mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn a_stale_token_claims_nothing_after_a_takeover() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 3).await;
+    let (w, _) = worker(&t.db, config());
+    let old = as_leader(
+        &manager(&t.db, "old"),
+        Role::WebhookDelivery,
+        |tick| async move { tick.fence },
+    )
+    .await;
+    let (by_old, by_new) = as_leader(
+        &manager(&t.db, "new"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            let by_old = w.claim_due(&old, 10).await.unwrap().len();
+            let by_new = w.claim_due(&tick.fence, 10).await.unwrap().len();
+            (by_old, by_new)
+        },
+    )
+    .await;
+    assert_eq!((by_old, by_new), (0, 3));
+    assert!(deliveries(&t.db).await.iter().all(|d| d.attempts == 1));
+    assert_eq!(rx.requests().len(), 0);
+}
+
+/// Attempt 1 is claimed, its claim lease runs out (forced here), and attempt 2
+/// is claimed. Attempt 1's result then arrives: the receiver did get the POST,
+/// but the write proving `attempts = 1` matches no row, so nothing is applied
+/// and the attempt is counted as stale. Attempt 2's result is applied.
+///
+/// Mutation check: removing `AND attempts = $2` from `store::record_outcome`
+/// lets attempt 1's late result mark the delivery delivered; this test was run
+/// against that mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let (w, metrics) = worker(&t.db, config());
+
+    let (wr, tr) = (&w, &t);
+    let (first, second) = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let first = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            make_due(tr).await;
+            let second = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            (first, second)
+        },
+    )
+    .await;
+    assert_eq!(
+        (first.id(), first.attempt(), second.attempt()),
+        (second.id(), 1, 2)
+    );
+
+    assert_eq!(w.deliver(first).await, Outcome::Stale);
+    assert_eq!(rx.requests().len(), 1, "the stale attempt was sent");
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!(
+        (d.status.as_str(), d.attempts, d.last_status_code),
+        ("pending", 2, None)
+    );
+    assert!(!d.delivered);
+    assert_eq!(outcomes(&metrics, "stale"), 1.0);
+
+    assert_eq!(w.deliver(second).await, Outcome::Delivered);
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!(
+        (d.status.as_str(), d.attempts, d.last_status_code),
+        ("delivered", 2, Some(200))
+    );
+    assert_eq!(outcomes(&metrics, "delivered"), 1.0);
+}
+
+/// A claim pushes `next_attempt_at` a lease ahead, so a worker that dies
+/// after claiming leaves the delivery to come due again by itself.
+#[tokio::test]
+async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let (w, _) = worker(&t.db, config());
+    let lease = config().claim_lease().as_secs_f64();
+    let wr = &w;
+    let claimed = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move { wr.claim_due(&tick.fence, 10).await.unwrap() },
+    )
+    .await;
+    assert_eq!(claimed.len(), 1);
+    drop(claimed); // the worker "dies" here
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("pending", 1));
+    assert!(d.due_in > lease - 1.0 && d.due_in <= lease, "{d:?}");
+
+    tokio::time::sleep(std::time::Duration::from_secs_f64(d.due_in + 0.05)).await;
+    let report = crate::tick(&t.db, &w).await;
+    assert_eq!(report.delivered, 1, "{report:?}");
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("delivered", 2));
+}

@@ -1,0 +1,250 @@
+//! Webhook delivery against real Postgres (directly and through PgBouncer) and
+//! real HTTP receivers on loopback.
+//!
+//! Each guard test names, in its comment, the mutation that makes it fail and
+//! that it was seen failing under.
+
+mod endpoints;
+mod fencing;
+mod outcomes;
+mod receiver;
+mod wiring;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use db::{Db, Row, sql};
+use hmac::{Hmac, Mac as _};
+use leader::{Manager, Role, Telemetry, Tick, TickOutcome, Timing};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sha2::Sha256;
+use tokio_util::sync::CancellationToken;
+use webhook_delivery::backoff::RetrySchedule;
+use webhook_delivery::ssrf::Allowlist;
+use webhook_delivery::{Endpoint, TickReport, Worker, WorkerConfig, create_endpoint};
+use webhook_outbox::{Dispatcher, DispatcherConfig};
+
+use crate::receiver::Received;
+
+/// Short lease timings with the ADR's proportions (as in the leader's tests).
+pub fn fast() -> Timing {
+    let ms = Duration::from_millis;
+    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
+}
+
+pub fn manager(db: &Db, name: &str) -> Manager {
+    Manager::with_holder_id(
+        db.clone(),
+        fast(),
+        Telemetry::noop(),
+        format!(
+            "{name}:{}:{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ),
+    )
+}
+
+/// Poll `role` like a role loop until this manager leads it, run `work` in
+/// that tick and return what it returned.
+pub async fn as_leader<T, F, Fut>(m: &Manager, role: Role, work: F) -> T
+where
+    F: FnOnce(Tick) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let shutdown = CancellationToken::new();
+    let mut work = Some(work);
+    let out = Arc::new(Mutex::new(None));
+    loop {
+        let slot = out.clone();
+        let w = &mut work;
+        let led = m
+            .lead(role, Duration::ZERO, &shutdown, |tick| async move {
+                let f = w.take().expect("work runs once");
+                let value = f(tick).await;
+                *slot.lock().unwrap() = Some(value);
+            })
+            .await
+            .unwrap();
+        if let Some(value) = out.lock().unwrap().take() {
+            return value;
+        }
+        match led {
+            TickOutcome::NotLed { retry_in, .. } => tokio::time::sleep(retry_in).await,
+            other => panic!("the tick did not complete: {other:?}"),
+        }
+    }
+}
+
+/// Fast settings for tests: loopback allowed, 1 s per request, retries 50 ms apart.
+pub fn config() -> WorkerConfig {
+    WorkerConfig {
+        connect_timeout: Duration::from_millis(500),
+        request_timeout: Duration::from_secs(1),
+        claim_margin: Duration::from_secs(1),
+        tick_budget: Duration::from_secs(5),
+        retry_schedule: RetrySchedule::parse("50ms,50ms,50ms").unwrap(),
+        allowlist: Allowlist::parse("127.0.0.0/8").unwrap(),
+        ..WorkerConfig::default()
+    }
+}
+
+/// A worker with its own metrics.
+pub fn worker(db: &Db, config: WorkerConfig) -> (Worker, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let w = Worker::new(db.clone(), config, Telemetry::new(Arc::new(recorder))).unwrap();
+    (w, handle)
+}
+
+/// The value of one series in a Prometheus text rendering, if present.
+pub fn series(handle: &PrometheusHandle, name: &str, labels: &str) -> Option<f64> {
+    let wanted = if labels.is_empty() {
+        format!("{name} ")
+    } else {
+        format!("{name}{{{labels}}} ")
+    };
+    handle
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&wanted).map(|v| v.trim().parse().unwrap()))
+}
+
+pub fn outcomes(handle: &PrometheusHandle, outcome: &str) -> f64 {
+    series(
+        handle,
+        "hardcount_webhook_deliveries_total",
+        &format!("outcome=\"{outcome}\""),
+    )
+    .unwrap_or(0.0)
+}
+
+pub async fn endpoint(db: &Db, tenant: &str, url: &str) -> Endpoint {
+    create_endpoint(db, tenant, url, &[] as &[&str])
+        .await
+        .unwrap()
+}
+
+/// Enqueue events for `tenant` and fan them out, so each endpoint of the
+/// tenant gets one pending delivery per event. Returns the event ids.
+pub async fn events(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
+    let mut tx = db.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let payload = format!(r#"{{"invoice": "in_{i}", "amount_due": {}}}"#, 1000 + i);
+        ids.push(
+            webhook_outbox::enqueue(&mut tx, tenant, "invoice.finalized", &payload)
+                .await
+                .unwrap(),
+        );
+    }
+    tx.commit().await.unwrap();
+    let dispatcher = Dispatcher::new(db.clone(), DispatcherConfig::default(), Telemetry::noop());
+    as_leader(
+        &manager(db, "outbox"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            dispatcher.run_tick(&tick).await;
+        },
+    )
+    .await;
+    ids
+}
+
+/// One webhook_delivery tick as leader.
+pub async fn tick(db: &Db, w: &Worker) -> TickReport {
+    let w = w.clone();
+    as_leader(
+        &manager(db, "worker"),
+        Role::WebhookDelivery,
+        |tick| async move { w.run_tick(&tick).await },
+    )
+    .await
+}
+
+/// A delivery row, as the tests look at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    pub id: i64,
+    pub endpoint_id: i64,
+    pub status: String,
+    pub attempts: i32,
+    pub last_status_code: Option<i32>,
+    pub last_error: Option<String>,
+    pub delivered: bool,
+    /// `next_attempt_at - now()` in seconds.
+    pub due_in: f64,
+}
+
+pub async fn deliveries(db: &Db) -> Vec<Delivery> {
+    db.fetch_all(sql(
+        "SELECT id, endpoint_id, status, attempts, last_status_code, last_error, \
+                delivered_at IS NOT NULL AS delivered, \
+                extract(epoch FROM next_attempt_at - now())::float8 AS due_in \
+         FROM webhook_deliveries ORDER BY id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| Delivery {
+        id: r.get("id"),
+        endpoint_id: r.get("endpoint_id"),
+        status: r.get("status"),
+        attempts: r.get("attempts"),
+        last_status_code: r.get("last_status_code"),
+        last_error: r.get("last_error"),
+        delivered: r.get("delivered"),
+        due_in: r.get("due_in"),
+    })
+    .collect()
+}
+
+/// Make every pending delivery due now, as time passing would.
+pub async fn make_due(t: &testbed::TestDb) {
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE webhook_deliveries SET next_attempt_at = now() - interval '1 second' \
+         WHERE status = 'pending'",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+}
+
+/// Verify a received delivery the way a receiver would, with hmac, sha2 and
+/// base64 directly (not this crate's `signature::sign`): the signature over
+/// `{id}.{timestamp}.{body}` with the key inside `whsec_`, and a fresh timestamp.
+pub fn verify(secret_text: &str, received: &Received) -> Result<(), String> {
+    let key = STANDARD
+        .decode(
+            secret_text
+                .strip_prefix("whsec_")
+                .ok_or("no whsec_ prefix")?,
+        )
+        .map_err(|e| e.to_string())?;
+    let id = received.header("webhook-id");
+    let timestamp = received.header("webhook-timestamp");
+    let sent_at: i64 = timestamp.parse().map_err(|_| "timestamp is not a number")?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    if (now - sent_at).abs() > 300 {
+        return Err(format!(
+            "timestamp {sent_at} is more than 5 minutes from {now}"
+        ));
+    }
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(format!("{id}.{timestamp}.").as_bytes());
+    mac.update(&received.body);
+    let expected = format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()));
+    let header = received.header("webhook-signature");
+    if header.split(' ').any(|s| s == expected) {
+        Ok(())
+    } else {
+        Err(format!("signature {header} does not match {expected}"))
+    }
+}

@@ -1,0 +1,105 @@
+//! All of the outbox's SQL: the insert producers run in their own transaction,
+//! and the dispatcher's fenced claim and set-based fan-out.
+
+use std::time::Duration;
+
+use db::{Db, Row, Tx, sql};
+use leader::Fence;
+
+use crate::Error;
+
+/// Insert one event inside `tx`. The payload is bound as text and cast, so
+/// the stored jsonb is exactly what the caller validated.
+pub(crate) async fn insert_event(
+    tx: &mut Tx,
+    tenant_id: &str,
+    event_type: &str,
+    payload_json: &str,
+) -> Result<i64, db::Error> {
+    let row = tx
+        .fetch_one(
+            sql(
+                "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+                 VALUES ($1, $2, $3::jsonb) RETURNING id",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(event_type.to_owned())
+            .bind(payload_json.to_owned()),
+        )
+        .await?;
+    Ok(row.try_get("id")?)
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Batch {
+    /// Events claimed and stamped dispatched.
+    pub events: usize,
+    /// Deliveries inserted (conflicts with existing ones are not counted).
+    pub deliveries: u64,
+}
+
+/// The fenced funnel: in one transaction, claim up to `limit` undispatched
+/// events, stamp them dispatched, and insert one pending delivery per enabled
+/// endpoint of the event's tenant subscribed to its type.
+///
+/// Two statements whatever the batch size. The claim proves the fence in its
+/// innermost WHERE, so a stale token claims nothing and inserts nothing; rows
+/// another transaction holds are skipped, not waited for.
+pub(crate) async fn claim_and_fan_out(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<Batch, Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("WITH claimed AS MATERIALIZED ( \
+                   SELECT id FROM webhook_events \
+                   WHERE dispatched_at IS NULL \
+                     AND leader_fence($1, $2) \
+                   ORDER BY id \
+                   LIMIT $3 \
+                   FOR UPDATE SKIP LOCKED) \
+                 UPDATE webhook_events e SET dispatched_at = now() \
+                 FROM claimed WHERE e.id = claimed.id \
+                 RETURNING e.id")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit),
+        )
+        .await?;
+    if rows.is_empty() {
+        tx.commit().await?;
+        return Ok(Batch::default());
+    }
+    let ids = rows
+        .iter()
+        .map(|r| r.try_get::<i64, _>("id"))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(db::Error::from)?;
+    let deliveries = tx
+        .execute(
+            sql(
+                "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+                 SELECT e.tenant_id, e.id, ep.id \
+                 FROM webhook_events e \
+                 JOIN webhook_endpoints ep \
+                   ON ep.tenant_id = e.tenant_id \
+                  AND ep.enabled \
+                  AND (cardinality(ep.event_types) = 0 OR e.event_type = ANY (ep.event_types)) \
+                 WHERE e.id = ANY ($1) \
+                 ORDER BY e.id, ep.id \
+                 ON CONFLICT (event_id, endpoint_id) DO NOTHING",
+            )
+            .bind(ids.clone()),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(Batch {
+        events: ids.len(),
+        deliveries,
+    })
+}

@@ -1,0 +1,112 @@
+//! Producers' side: an event exists iff its transaction committed, and only valid JSON.
+
+use db::{Row, sql};
+use testbed::TestDb;
+use webhook_outbox::{EnqueueError, enqueue};
+
+use crate::count;
+
+#[tokio::test]
+async fn an_event_enqueued_in_a_committed_transaction_is_stored_as_given() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    let id = enqueue(
+        &mut tx,
+        "tenant_a",
+        "invoice.paid",
+        r#"{"invoice": "in_1", "amount": 12345678901234567890, "lines": [1, 2]}"#,
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let row = t
+        .db
+        .fetch_one(
+            sql("SELECT tenant_id, event_type, payload->>'invoice' AS invoice, \
+                        payload->>'amount' AS amount, message_id, dispatched_at IS NULL AS undispatched \
+                 FROM webhook_events WHERE id = $1")
+            .bind(id),
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<String, _>("tenant_id"), "tenant_a");
+    assert_eq!(row.get::<String, _>("event_type"), "invoice.paid");
+    assert_eq!(row.get::<String, _>("invoice"), "in_1");
+    // Big numbers keep every digit: the text is stored, not a float of it.
+    assert_eq!(row.get::<String, _>("amount"), "12345678901234567890");
+    let message_id: String = row.get("message_id");
+    assert!(
+        message_id.starts_with("msg_") && message_id.len() == 36,
+        "{message_id}"
+    );
+    assert!(row.get::<bool, _>("undispatched"));
+}
+
+#[tokio::test]
+async fn enqueue_inside_a_transaction_that_rolls_back_leaves_no_event() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    enqueue(&mut tx, "tenant_a", "invoice.finalized", r#"{"id": 1}"#)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    // Dropped without commit: also a rollback.
+    {
+        let mut tx = t.db.begin().await.unwrap();
+        enqueue(&mut tx, "tenant_a", "invoice.finalized", r#"{"id": 2}"#)
+            .await
+            .unwrap();
+    }
+    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events").await, 0);
+}
+
+#[tokio::test]
+async fn invalid_json_is_refused_with_its_position_and_nothing_is_written() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    let cases: &[(&str, &str, &str, &str)] = &[
+        ("t", "invoice.paid", r#"{"id": 1,}"#, "line 1 column 10"),
+        ("t", "invoice.paid", "", "EOF while parsing"),
+        (
+            "t",
+            "invoice.paid",
+            "{\"a\": 1} trailing",
+            "trailing characters",
+        ),
+        ("t", "invoice.paid", "{'a': 1}", "key must be a string"),
+        (
+            "t",
+            "invoice.paid",
+            r#"{"note": "nul \u0000 here"}"#,
+            "\\u0000 (NUL)",
+        ),
+    ];
+    for (tenant, event_type, payload, expected) in cases {
+        let err = enqueue(&mut tx, tenant, event_type, payload)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, EnqueueError::InvalidJson { .. }),
+            "{payload}: {err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("webhook payload for `invoice.paid` is not valid JSON")
+                && text.contains(expected),
+            "{payload}: {text}"
+        );
+    }
+    assert!(matches!(
+        enqueue(&mut tx, " ", "invoice.paid", "{}").await,
+        Err(EnqueueError::EmptyTenant)
+    ));
+    assert!(matches!(
+        enqueue(&mut tx, "t", "", "{}").await,
+        Err(EnqueueError::EmptyEventType)
+    ));
+    // Refused before reaching the database: the caller's transaction still works.
+    enqueue(&mut tx, "t", "invoice.paid", "{}").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events").await, 1);
+}

@@ -1,0 +1,266 @@
+//! The dispatcher: who gets a delivery, replays, the fence, and draining in batches.
+
+use std::time::{Duration, Instant};
+
+use db::{Row, sql};
+use leader::Role;
+use testbed::TestDb;
+use webhook_outbox::{DispatcherConfig, TickEnd};
+
+use crate::{as_leader, count, deliveries, dispatcher, endpoint, event, manager, series};
+
+#[tokio::test]
+async fn fan_out_gives_one_delivery_per_enabled_subscribed_endpoint_of_the_same_tenant() {
+    let t = TestDb::new().await;
+    let every = endpoint(&t.db, "tenant_a", &[], true).await;
+    let paid_only = endpoint(&t.db, "tenant_a", &["invoice.paid"], true).await;
+    let other_type = endpoint(&t.db, "tenant_a", &["invoice.voided"], true).await;
+    let disabled = endpoint(&t.db, "tenant_a", &[], false).await;
+    let other_tenant = endpoint(&t.db, "tenant_b", &[], true).await;
+    let paid = event(&t.db, "tenant_a", "invoice.paid", r#"{"n": 1}"#).await;
+    let finalized = event(&t.db, "tenant_a", "invoice.finalized", r#"{"n": 2}"#).await;
+    let b_paid = event(&t.db, "tenant_b", "invoice.paid", r#"{"n": 3}"#).await;
+    let lonely = event(&t.db, "tenant_c", "invoice.paid", r#"{"n": 4}"#).await;
+
+    let (d, metrics) = dispatcher(&t.db, DispatcherConfig::default());
+    let m = manager(&t.db, "a");
+    let dispatched = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.dispatch_batch(&tick.fence, 100).await.unwrap()
+    })
+    .await;
+    assert_eq!(
+        dispatched, 4,
+        "every event is dispatched, even one with no endpoint"
+    );
+
+    let a = "tenant_a".to_owned();
+    let expected = vec![
+        (paid, every, a.clone()),
+        (paid, paid_only, a.clone()),
+        (finalized, every, a.clone()),
+        (b_paid, other_tenant, "tenant_b".to_owned()),
+    ];
+    assert_eq!(deliveries(&t.db).await, expected);
+    for unused in [other_type, disabled] {
+        assert!(!deliveries(&t.db).await.iter().any(|(_, e, _)| *e == unused));
+    }
+    let _ = lonely;
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL"
+        )
+        .await,
+        0
+    );
+    let pending = count(
+        &t.db,
+        "SELECT count(*) FROM webhook_deliveries WHERE status = 'pending' AND attempts = 0 \
+         AND next_attempt_at <= now()",
+    )
+    .await;
+    assert_eq!(pending, 4, "new deliveries are pending and due now");
+    assert_eq!(
+        series(&metrics, "hardcount_webhook_events_dispatched_total"),
+        Some(4.0)
+    );
+}
+
+/// An operator (or a stale leader's late commit) replays a batch: the events
+/// are claimed again, and `UNIQUE (event_id, endpoint_id)` adds nothing.
+///
+/// Mutation check: without `ON CONFLICT (event_id, endpoint_id) DO NOTHING`
+/// the replay fails on the unique index (and without the index, duplicates
+/// would appear); this test was run against the first mutation and failed.
+#[tokio::test]
+async fn a_replayed_batch_creates_no_duplicate_deliveries() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t.db, "tenant_a", &["invoice.paid"], true).await;
+    for n in 0..5 {
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await;
+    }
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let m = manager(&t.db, "a");
+    let d1 = d.clone();
+    as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        assert_eq!(d1.dispatch_batch(&tick.fence, 100).await.unwrap(), 5);
+    })
+    .await;
+    let before = deliveries(&t.db).await;
+    assert_eq!(before.len(), 10);
+
+    let mut su = t.superuser().await;
+    sqlx::raw_sql("UPDATE webhook_events SET dispatched_at = NULL")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    // A new endpoint meanwhile: the replay gives it the events, and only it.
+    let late = endpoint(&t.db, "tenant_a", &[], true).await;
+    let replayed = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.dispatch_batch(&tick.fence, 100).await.unwrap()
+    })
+    .await;
+    assert_eq!(replayed, 5);
+    let after = deliveries(&t.db).await;
+    assert_eq!(after.len(), 15);
+    assert!(before.iter().all(|d| after.contains(d)));
+    assert_eq!(after.iter().filter(|(_, e, _)| *e == late).count(), 5);
+}
+
+/// A leader replaced by a takeover claims nothing with its old token, while
+/// the new leader's claim in the same moment takes the events.
+///
+/// Mutation check: removing `AND leader_fence($1, $2)` from the claim in
+/// `store::claim_and_fan_out` makes the old token dispatch the events; this
+/// test was run against that mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn a_stale_token_claims_nothing_after_a_takeover() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    for n in 0..3 {
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await;
+    }
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let old = as_leader(
+        &manager(&t.db, "old"),
+        Role::WebhookOutbox,
+        |tick| async move { tick.fence },
+    )
+    .await;
+    let (by_old, by_new) = as_leader(
+        &manager(&t.db, "new"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            let by_old = d.dispatch_batch(&old, 100).await.unwrap();
+            let by_new = d.dispatch_batch(&tick.fence, 100).await.unwrap();
+            (by_old, by_new)
+        },
+    )
+    .await;
+    assert_eq!((by_old, by_new), (0, 3));
+    assert_eq!(deliveries(&t.db).await.len(), 3);
+}
+
+/// Several hundred events drain in one tick, a handful of statements per
+/// batch of 500 (claim-and-mark, then one INSERT … SELECT), not one per event.
+#[tokio::test]
+async fn a_tick_drains_hundreds_of_events_in_set_based_batches() {
+    let t = TestDb::new().await;
+    for tenant in ["tenant_a", "tenant_b"] {
+        endpoint(&t.db, tenant, &[], true).await;
+        endpoint(&t.db, tenant, &["invoice.paid"], true).await;
+    }
+    let mut tx = t.db.begin().await.unwrap();
+    for n in 0..700 {
+        let tenant = if n % 2 == 0 { "tenant_a" } else { "tenant_b" };
+        let kind = if n % 3 == 0 {
+            "invoice.paid"
+        } else {
+            "invoice.finalized"
+        };
+        webhook_outbox::enqueue(&mut tx, tenant, kind, &format!(r#"{{"n": {n}}}"#))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let (d, metrics) = dispatcher(&t.db, DispatcherConfig::default());
+    let m = manager(&t.db, "a");
+    let started = Instant::now();
+    let report = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.run_tick(&tick).await
+    })
+    .await;
+    println!(
+        "700 events fanned out in {:?} ({report:?})",
+        started.elapsed()
+    );
+    assert!(matches!(report.end, TickEnd::Drained), "{report:?}");
+    assert_eq!((report.batches, report.events), (2, 700));
+    // Every event to its tenant's catch-all endpoint, a third also to the invoice.paid one.
+    let paid = (0..700).filter(|n| n % 3 == 0).count() as u64;
+    assert_eq!(report.deliveries, 700 + paid);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await as u64,
+        700 + paid
+    );
+    assert_eq!(
+        series(&metrics, "hardcount_webhook_events_dispatched_total"),
+        Some(700.0)
+    );
+    let tenants_match =
+        t.db.fetch_one(sql(
+            "SELECT bool_and(d.tenant_id = e.tenant_id AND d.tenant_id = ep.tenant_id) AS ok \
+             FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
+             JOIN webhook_endpoints ep ON ep.id = d.endpoint_id",
+        ))
+        .await
+        .unwrap()
+        .get::<bool, _>("ok");
+    assert!(tenants_match);
+}
+
+/// The budget stops a tick between batches; the next tick goes on where it stopped.
+#[tokio::test]
+async fn a_tick_stops_at_its_budget_and_the_next_one_goes_on() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    for n in 0..30 {
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await;
+    }
+    let config = DispatcherConfig {
+        batch_size: 10,
+        tick_budget: Duration::ZERO,
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    let m = manager(&t.db, "a");
+    let d1 = d.clone();
+    let report = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d1.run_tick(&tick).await
+    })
+    .await;
+    assert!(matches!(report.end, TickEnd::BudgetSpent), "{report:?}");
+    assert_eq!(report.events, 0);
+
+    let config = DispatcherConfig {
+        batch_size: 10,
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    let report = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.run_tick(&tick).await
+    })
+    .await;
+    // 30 events in batches of 10: the fourth claim finds nothing.
+    assert!(matches!(report.end, TickEnd::Drained), "{report:?}");
+    assert_eq!((report.batches, report.events), (3, 30));
+    let undispatched =
+        t.db.fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE dispatched_at IS NULL",
+        ))
+        .await
+        .unwrap()
+        .get::<i64, _>("n");
+    assert_eq!(undispatched, 0);
+}

@@ -1,0 +1,128 @@
+//! The outbox against real Postgres, directly and through PgBouncer.
+//!
+//! Each guard test names, in its comment, the mutation that makes it fail and
+//! that it was seen failing under.
+
+mod enqueue;
+mod fan_out;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use leader::{Manager, Role, Telemetry, Tick, TickOutcome, Timing};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
+use webhook_outbox::{Dispatcher, DispatcherConfig};
+
+/// Short lease timings with the ADR's proportions (as in the leader's tests).
+pub fn fast() -> Timing {
+    let ms = Duration::from_millis;
+    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
+}
+
+pub fn manager(db: &Db, name: &str) -> Manager {
+    Manager::with_holder_id(
+        db.clone(),
+        fast(),
+        Telemetry::noop(),
+        format!(
+            "{name}:{}:{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ),
+    )
+}
+
+/// Poll `role` like a role loop until this manager leads it, run `work` in
+/// that tick and return what it returned.
+pub async fn as_leader<T, F, Fut>(m: &Manager, role: Role, work: F) -> T
+where
+    F: FnOnce(Tick) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let shutdown = CancellationToken::new();
+    let mut work = Some(work);
+    let out = Arc::new(Mutex::new(None));
+    loop {
+        let slot = out.clone();
+        let w = &mut work;
+        let led = m
+            .lead(role, Duration::ZERO, &shutdown, |tick| async move {
+                let f = w.take().expect("work runs once");
+                let value = f(tick).await;
+                *slot.lock().unwrap() = Some(value);
+            })
+            .await
+            .unwrap();
+        if let Some(value) = out.lock().unwrap().take() {
+            return value;
+        }
+        match led {
+            TickOutcome::NotLed { retry_in, .. } => tokio::time::sleep(retry_in).await,
+            other => panic!("the tick did not complete: {other:?}"),
+        }
+    }
+}
+
+/// A dispatcher with its own metrics.
+pub fn dispatcher(db: &Db, config: DispatcherConfig) -> (Dispatcher, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    (
+        Dispatcher::new(db.clone(), config, Telemetry::new(Arc::new(recorder))),
+        handle,
+    )
+}
+
+/// The value of one series in a Prometheus text rendering, if present.
+pub fn series(handle: &PrometheusHandle, name: &str) -> Option<f64> {
+    let wanted = format!("{name} ");
+    handle
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&wanted).map(|v| v.trim().parse().unwrap()))
+}
+
+/// Register an endpoint directly (the outbox does not depend on the delivery crate).
+pub async fn endpoint(db: &Db, tenant: &str, event_types: &[&str], enabled: bool) -> i64 {
+    let types: Vec<String> = event_types.iter().map(|s| s.to_string()).collect();
+    db.fetch_one(
+        sql("INSERT INTO webhook_endpoints (tenant_id, url, secret, event_types, enabled, disabled_reason) \
+             VALUES ($1, 'https://hooks.example.com/x', 'whsec_dGVzdA==', $2, $3, \
+                     CASE WHEN $3 THEN NULL ELSE 'test' END) RETURNING id")
+        .bind(tenant.to_owned())
+        .bind(types)
+        .bind(enabled),
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
+/// Enqueue one event in its own committed transaction.
+pub async fn event(db: &Db, tenant: &str, event_type: &str, payload: &str) -> i64 {
+    let mut tx = db.begin().await.unwrap();
+    let id = webhook_outbox::enqueue(&mut tx, tenant, event_type, payload)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    id
+}
+
+/// (event_id, endpoint_id, tenant_id) of every delivery, sorted.
+pub async fn deliveries(db: &Db) -> Vec<(i64, i64, String)> {
+    db.fetch_all(sql(
+        "SELECT event_id, endpoint_id, tenant_id FROM webhook_deliveries ORDER BY event_id, endpoint_id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get("event_id"), r.get("endpoint_id"), r.get("tenant_id")))
+    .collect()
+}
+
+pub async fn count(db: &Db, query: &'static str) -> i64 {
+    db.fetch_one(sql(query)).await.unwrap().get(0)
+}
