@@ -14,12 +14,7 @@ use leader::{Fence, Manager, Role, Telemetry, Timing};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use testbed::TestDb;
 
-/// Short timings with the ADR's proportions: TTL 1 s, heartbeat 300 ms,
-/// statement timeout 200 ms, abandon after 600 ms, max poll 500 ms.
-pub fn fast() -> Timing {
-    let ms = Duration::from_millis;
-    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
-}
+pub use testbed::leadership::fast_timing as fast;
 
 /// A manager with its own metrics recorder, named `name`.
 pub fn manager(db: &Db, timing: Timing, name: &str) -> (Manager, PrometheusHandle) {

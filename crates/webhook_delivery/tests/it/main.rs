@@ -10,18 +10,16 @@ mod outcomes;
 mod receiver;
 mod wiring;
 
-use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use db::{Db, Row, sql};
 use hmac::{Hmac, Mac as _};
-use leader::{Manager, Role, Telemetry, Tick, TickOutcome, Timing};
+use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sha2::Sha256;
-use tokio_util::sync::CancellationToken;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{Endpoint, TickReport, Worker, WorkerConfig, create_endpoint};
@@ -29,55 +27,7 @@ use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::receiver::Received;
 
-/// Short lease timings with the ADR's proportions (as in the leader's tests).
-pub fn fast() -> Timing {
-    let ms = Duration::from_millis;
-    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
-}
-
-pub fn manager(db: &Db, name: &str) -> Manager {
-    Manager::with_holder_id(
-        db.clone(),
-        fast(),
-        Telemetry::noop(),
-        format!(
-            "{name}:{}:{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ),
-    )
-}
-
-/// Poll `role` like a role loop until this manager leads it, run `work` in
-/// that tick and return what it returned.
-pub async fn as_leader<T, F, Fut>(m: &Manager, role: Role, work: F) -> T
-where
-    F: FnOnce(Tick) -> Fut,
-    Fut: Future<Output = T>,
-{
-    let shutdown = CancellationToken::new();
-    let mut work = Some(work);
-    let out = Arc::new(Mutex::new(None));
-    loop {
-        let slot = out.clone();
-        let w = &mut work;
-        let led = m
-            .lead(role, Duration::ZERO, &shutdown, |tick| async move {
-                let f = w.take().expect("work runs once");
-                let value = f(tick).await;
-                *slot.lock().unwrap() = Some(value);
-            })
-            .await
-            .unwrap();
-        if let Some(value) = out.lock().unwrap().take() {
-            return value;
-        }
-        match led {
-            TickOutcome::NotLed { retry_in, .. } => tokio::time::sleep(retry_in).await,
-            other => panic!("the tick did not complete: {other:?}"),
-        }
-    }
-}
+pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
 
 /// Fast settings for tests: loopback allowed, 1 s per request, retries 50 ms apart.
 pub fn config() -> WorkerConfig {

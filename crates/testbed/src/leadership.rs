@@ -1,0 +1,64 @@
+//! Leases for tests: short timings, named managers, and "run this as the leader".
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use db::Db;
+use leader::{Manager, Role, Telemetry, Tick, TickOutcome, Timing};
+use tokio_util::sync::CancellationToken;
+
+/// Short lease timings with the ADR's proportions: TTL 1 s, heartbeat 300 ms,
+/// statement timeout 200 ms, abandon after 600 ms, max poll 500 ms.
+pub fn fast_timing() -> Timing {
+    let ms = Duration::from_millis;
+    Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
+}
+
+/// A manager whose holder id starts with `name`, with fast timings and no metrics.
+pub fn manager(db: &Db, name: &str) -> Manager {
+    Manager::with_holder_id(
+        db.clone(),
+        fast_timing(),
+        Telemetry::noop(),
+        format!(
+            "{name}:{}:{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ),
+    )
+}
+
+/// Poll `role` like a role loop until `m` leads it, run `work` in that tick
+/// and return what it returned.
+///
+/// # Panics
+/// If the tick is lost or interrupted before `work` returns.
+pub async fn as_leader<T, F, Fut>(m: &Manager, role: Role, work: F) -> T
+where
+    F: FnOnce(Tick) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let shutdown = CancellationToken::new();
+    let mut work = Some(work);
+    let out = Arc::new(Mutex::new(None));
+    loop {
+        let slot = out.clone();
+        let w = &mut work;
+        let led = m
+            .lead(role, Duration::ZERO, &shutdown, |tick| async move {
+                let f = w.take().expect("work runs once");
+                let value = f(tick).await;
+                *slot.lock().unwrap() = Some(value);
+            })
+            .await
+            .unwrap();
+        if let Some(value) = out.lock().unwrap().take() {
+            return value;
+        }
+        match led {
+            TickOutcome::NotLed { retry_in, .. } => tokio::time::sleep(retry_in).await,
+            other => panic!("the tick did not complete: {other:?}"),
+        }
+    }
+}
