@@ -18,14 +18,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use clap::Parser;
 use db::Db;
 use leader::store::{self, Acquire, Release, Renew};
 use leader::{Manager, Role, Telemetry, TickOutcome, Timing};
 use serde_json::{Map, Value, json};
 use sqlx::postgres::PgConnection;
-use sqlx::{Connection, Row};
 use testbed::{Leg, TestDb};
 use tokio_util::sync::CancellationToken;
 
@@ -103,7 +102,7 @@ async fn main() -> Result<()> {
     progress("setup: creating a migrated database on the bed");
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
-    let mut machine = machine(&mut su).await?;
+    let mut machine = benches::machine(&mut su).await?;
 
     let direct = Db::connect_lazy(&t.app_url(Leg::Direct), args.pool)?;
     let bouncer = Db::connect_lazy(&t.app_url(Leg::PgBouncer), args.pool)?;
@@ -145,7 +144,7 @@ async fn main() -> Result<()> {
         d.sort();
         b.sort();
         for p in [50.0, 99.0] {
-            let (dv, bv) = (percentile_ms(d, p), percentile_ms(b, p));
+            let (dv, bv) = (benches::percentile_ms(d, p), benches::percentile_ms(b, p));
             figures.push(Figure::new(format!("{op} p{p}, direct"), dv, "ms"));
             let through = Figure::new(format!("{op} p{p}, PgBouncer"), bv, "ms");
             figures.push(if p == 99.0 {
@@ -202,15 +201,9 @@ async fn main() -> Result<()> {
     );
     settings.insert("idle_window_measured_s".into(), json!(idle.seconds));
 
-    machine.insert("loadavg_at_end".into(), json!(loadavg()));
-    machine.insert("cpu_pressure_at_end".into(), json!(cpu_pressure()));
+    benches::machine_at_end(&mut machine);
     progress("phase 3/3: writing docs/benchmarks/leader.{md,json}");
-    let dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/benchmarks"));
-    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    let dir = dir.canonicalize()?;
+    let dir = benches::report_dir(args.out_dir.clone())?;
     let md = markdown(&args, &figures, &machine, &settings);
     std::fs::write(dir.join("leader.md"), &md)?;
     let records: Vec<Value> = figures
@@ -245,7 +238,16 @@ async fn cycle(db: &Db, samples: Option<&mut Samples>) -> Result<()> {
     const ROLE: Role = Role::Billing;
     let t = Timing::ADR;
     let started = Instant::now();
-    let token = match store::acquire(db, ROLE, "bench", t.ttl, Duration::ZERO).await? {
+    let token = match store::acquire(
+        db,
+        ROLE,
+        "bench",
+        t.ttl,
+        Duration::ZERO,
+        t.statement_timeout,
+    )
+    .await?
+    {
         Acquire::Won { token, .. } => token,
         lost => bail!("ACQUIRE did not win: {lost:?}"),
     };
@@ -272,12 +274,6 @@ async fn cycle(db: &Db, samples: Option<&mut Samples>) -> Result<()> {
         s.renew.push(renew);
     }
     Ok(())
-}
-
-/// Nearest-rank percentile of sorted samples, in milliseconds.
-fn percentile_ms(sorted: &[Duration], p: f64) -> f64 {
-    let rank = ((p / 100.0 * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1].as_secs_f64() * 1e3
 }
 
 #[derive(Default)]
@@ -322,7 +318,7 @@ async fn idle_load(args: &Args) -> Result<Idle> {
     tokio::time::sleep(Duration::from_secs(args.settle_secs)).await;
 
     let mut su = t.superuser().await;
-    let mut admin = bouncer_admin().await;
+    let mut admin = benches::bouncer_admin().await;
     let (x0, p0, c0, t0) = (
         transactions(&mut su).await?,
         pooled_transactions(&mut admin, t.name()).await,
@@ -396,118 +392,34 @@ async fn transactions(su: &mut PgConnection) -> Result<i64> {
     .await?)
 }
 
-/// PgBouncer's admin console (the bed makes `postgres` an admin user).
-async fn bouncer_admin() -> Result<PgConnection> {
-    let url = format!("postgres://postgres@{}/pgbouncer", Leg::PgBouncer.addr());
-    Ok(PgConnection::connect(&url).await?)
-}
-
 /// `total_xact_count` of `database` in PgBouncer's `SHOW STATS`: the transactions
 /// it pooled, a cross-check on `pg_stat_database`, which backends update lazily.
 async fn pooled_transactions(admin: &mut Result<PgConnection>, database: &str) -> Result<i64> {
     let admin = admin.as_mut().map_err(|e| anyhow::anyhow!("{e:#}"))?;
-    for row in sqlx::raw_sql("SHOW STATS").fetch_all(admin).await? {
-        if row.try_get::<String, _>("database")? == database {
-            // A NUMERIC sent as text (simple protocol): read the text, unchecked.
-            let n: String = row.try_get_unchecked("total_xact_count")?;
-            return Ok(n.parse()?);
-        }
-    }
-    bail!("SHOW STATS has no row for {database}")
-}
-
-/// What the figures were measured on.
-async fn machine(su: &mut PgConnection) -> Result<Map<String, Value>> {
-    let postgres: String = sqlx::query_scalar("SHOW server_version")
-        .fetch_one(su)
-        .await?;
-    let version = |bin: &str| {
-        std::process::Command::new(bin)
-            .arg("--version")
-            .output()
-            .map(|o| first_line(&String::from_utf8_lossy(&o.stdout)))
-    };
-    let pgbouncer = version("pgbouncer")
-        .or_else(|_| version("/usr/sbin/pgbouncer"))
-        .unwrap_or_else(|e| format!("unknown ({e})"));
-    // The value after `key:` on the first line of `file` that starts with `key`.
-    let proc_field = |file: &str, key: &str| {
-        let text = std::fs::read_to_string(file).unwrap_or_default();
-        text.lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_once(':'))
-            .map_or_else(|| "unknown".to_owned(), |(_, v)| v.trim().to_owned())
-    };
-    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
-    Ok(Map::from_iter([
-        ("nproc".to_owned(), json!(nproc)),
-        (
-            "cpu_model".to_owned(),
-            json!(proc_field("/proc/cpuinfo", "model name")),
-        ),
-        (
-            "memory".to_owned(),
-            json!(proc_field("/proc/meminfo", "MemTotal")),
-        ),
-        ("loadavg_at_start".to_owned(), json!(loadavg())),
-        ("cpu_pressure_at_start".to_owned(), json!(cpu_pressure())),
-        ("postgres".to_owned(), json!(postgres)),
-        ("pgbouncer".to_owned(), json!(pgbouncer)),
-    ]))
-}
-
-/// Share of time some task waited for a CPU (Linux PSI), averaged over 10, 60 and 300 s.
-fn cpu_pressure() -> String {
-    let s = std::fs::read_to_string("/proc/pressure/cpu").unwrap_or_default();
-    s.lines().next().unwrap_or("unavailable").to_owned()
-}
-
-/// The 1, 5 and 15 minute load averages: how busy the shared machine was.
-fn loadavg() -> String {
-    let s = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-}
-
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or("").trim().to_owned()
+    let stats = benches::bouncer_stats(admin, database).await?;
+    stats
+        .get("total_xact_count")
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("SHOW STATS has no total_xact_count"))
 }
 
 fn settings(args: &Args) -> Map<String, Value> {
-    // The bed's PgBouncer pool size, read from the script that sets it.
-    let bed = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bed");
-    let bouncer_pool = std::fs::read_to_string(bed)
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.trim()
-                    .strip_prefix("default_pool_size = ")
-                    .map(str::to_owned)
-            })
-        })
-        .unwrap_or_else(|| "unknown".to_owned());
     let t = Timing::ADR;
     let mut m = Map::new();
     let mut set = |k: &str, v: Value| {
         m.insert(k.to_owned(), v);
     };
-    set(
-        "build_profile",
-        json!(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        }),
-    );
-    set(
-        "date",
-        json!(chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string()),
-    );
+    set("build_profile", json!(benches::build_profile()));
+    set("date", json!(benches::now_utc()));
     set("latency_iterations_per_path", json!(args.iterations));
     set("latency_warmup_cycles_per_path", json!(args.warmup));
     set("latency_block", json!(args.block));
     set("app_pool_max_connections", json!(args.pool));
     set("pgbouncer_pool_mode", json!("transaction"));
-    set("pgbouncer_default_pool_size", json!(bouncer_pool));
+    set(
+        "pgbouncer_default_pool_size",
+        json!(benches::bed_bouncer_pool_size()),
+    );
     set("idle_replicas", json!(args.replicas));
     set("idle_roles", json!(Role::ALL.len()));
     set("idle_interval_s", json!(IDLE_INTERVAL.as_secs()));
@@ -552,14 +464,6 @@ fn markdown(
     machine: &Map<String, Value>,
     settings: &Map<String, Value>,
 ) -> String {
-    let list = |m: &Map<String, Value>| {
-        m.iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => format!("- {k}: {s}\n"),
-                v => format!("- {k}: {v}\n"),
-            })
-            .collect::<String>()
-    };
     format!(
         "# Leader lease benchmark
 
@@ -617,7 +521,7 @@ how busy the machine was; rerun a few times before reading much into one p99.
         settle = args.settle_secs,
         window = args.window_secs,
         table = table(figures),
-        machine = list(machine),
-        settings = list(settings),
+        machine = benches::markdown_list(machine),
+        settings = benches::markdown_list(settings),
     )
 }

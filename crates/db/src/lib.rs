@@ -233,7 +233,10 @@ pub fn redact_url(url: &str) -> String {
 
 fn password_of(url: &str) -> Option<&str> {
     let rest = url.split_once("://")?.1;
-    let userinfo = rest.split_once('@')?.0;
+    // The authority ends at the first '/' after its last '@': a password may
+    // hold an unencoded '@' or '/', a host cannot.
+    let at = rest.rfind('@')?;
+    let userinfo = &rest[..at];
     Some(userinfo.split_once(':')?.1)
 }
 
@@ -248,6 +251,10 @@ mod tests {
             "postgres://app:***@db:6432/x"
         );
         assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(
+            redact_url("postgres://app:p@ss/w0rd@db:6432/x"),
+            "postgres://app:***@db:6432/x"
+        );
     }
 
     #[test]

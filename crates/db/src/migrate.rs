@@ -34,6 +34,12 @@ pub enum MigrateError {
          MIGRATION_DATABASE_URL at Postgres itself or at a PgBouncer pool in session mode"
     )]
     ThroughTransactionPooler { detail: String },
+    #[error(
+        "migration lock not acquired within 60 s: another `hardcount migrate` is running, or a \
+         run through a transaction pooler left the lock on a pooled server connection (restart \
+         that pool, or find it with `SELECT pid FROM pg_locks WHERE locktype = 'advisory'`)"
+    )]
+    LockTimeout,
     #[error("migration failed: {0}")]
     Failed(#[source] sqlx::migrate::MigrateError),
 }
@@ -60,6 +66,14 @@ pub async fn migrate(url: &str) -> Result<MigrationReport, MigrateError> {
             url: shown.clone(),
             source,
         })?;
+    // sqlx's migrator waits on a session advisory lock. If another migrate
+    // holds it, or a run through a transaction pooler stranded it on a pooled
+    // backend, say so instead of waiting forever. (A session SET: this
+    // connection is direct or session-mode by contract.)
+    sqlx::raw_sql("SET lock_timeout = '60s'")
+        .execute(&mut conn)
+        .await
+        .map_err(classify_sqlx)?;
     let before = applied_versions(&mut conn).await.map_err(classify_sqlx)?;
     MIGRATOR.run(&mut conn).await.map_err(classify)?;
     let after = applied_versions(&mut conn).await.map_err(classify_sqlx)?;
@@ -93,6 +107,8 @@ fn classify(e: sqlx::migrate::MigrateError) -> MigrateError {
     let text = e.to_string();
     if looks_like_transaction_pooler(&text) {
         MigrateError::ThroughTransactionPooler { detail: text }
+    } else if text.contains("lock timeout") {
+        MigrateError::LockTimeout
     } else {
         MigrateError::Failed(e)
     }

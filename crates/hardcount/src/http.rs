@@ -13,6 +13,8 @@ pub struct AppState {
     pub db: Db,
     pub telemetry: Telemetry,
     pub metrics: PrometheusHandle,
+    /// The roles this deployment runs: their last-tick ages are exported.
+    pub roles: Vec<leader::Role>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -33,6 +35,6 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
 
 /// Refresh the cluster facts read from `leader_status`, then render.
 async fn metrics(State(s): State<AppState>) -> String {
-    scheduler::export_status(&s.db, &s.telemetry).await;
+    scheduler::export_status(&s.db, &s.telemetry, &s.roles).await;
     s.metrics.render()
 }

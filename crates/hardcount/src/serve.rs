@@ -143,7 +143,13 @@ pub async fn serve(config: Config) -> Result<()> {
         }
     }
 
-    let manager = Manager::new(db.clone(), Timing::ADR, telemetry.clone());
+    // Lease statements get their own small pool, so a burst of job statements
+    // cannot make a RENEW wait for a connection.
+    let lease_db = Db::connect_lazy(&config.database_url, specs.len() as u32 + 1)?;
+    let manager = Manager::new(lease_db.clone(), Timing::ADR, telemetry.clone());
+    // Handlers first: a SIGTERM from here on releases leases rather than killing the process.
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let root = CancellationToken::new();
     let tracker = TaskTracker::new();
 
@@ -155,6 +161,7 @@ pub async fn serve(config: Config) -> Result<()> {
         db: db.clone(),
         telemetry: telemetry.clone(),
         metrics,
+        roles: specs.iter().map(|s| s.role).collect(),
     });
     let http_stop = root.clone();
     let http = tokio::spawn(async move {
@@ -172,8 +179,6 @@ pub async fn serve(config: Config) -> Result<()> {
     }
     tracker.close();
 
-    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: stopping; running ticks are released as interrupted"),
         _ = int.recv() => info!("SIGINT: stopping; running ticks are released as interrupted"),
@@ -196,6 +201,7 @@ pub async fn serve(config: Config) -> Result<()> {
         warn!("role loops did not stop in time; their leases will expire");
     }
     let _ = http.await;
+    lease_db.close().await;
     db.close().await;
     info!("stopped");
     Ok(())

@@ -17,13 +17,19 @@
 //!
 //! The trust window: the work may act as leader from ACQUIRE until the first of
 //! (a) a RENEW that finds no row of ours, (b) `abandon_after` since the send
-//! instant of the last acknowledged RENEW, measured on the monotonic clock.
-//! Because `abandon_after + statement_timeout < ttl`, no statement of ours is
-//! started or still running on the server when another replica can acquire.
-//! A frozen process (GC pause, SIGSTOP) can outlive that window; that is what
-//! the fence is for: every leader-only claim statement carries
-//! `AND leader_fence($role, $token)` in its innermost WHERE, so a stale leader's
-//! claim returns zero rows in the claim's own snapshot.
+//! instant of the last acknowledged statement that set the expiry (ACQUIRE,
+//! then each RENEW), measured on the monotonic clock. Because `abandon_after +
+//! statement_timeout < ttl`, no lease statement of ours is started or still
+//! running on the server when another replica can acquire, and the work is
+//! cancelled by then.
+//!
+//! The window does not bound the work's own statements: a job's statement may
+//! run on past it (its own timeout, the cancel grace), and a frozen process
+//! (GC pause, SIGSTOP) can outlive it entirely. That is what the fence is for:
+//! every leader-only claim statement carries `AND leader_fence($role, $token)`
+//! in its innermost WHERE, so a stale leader's claim returns zero rows in the
+//! claim's own snapshot, and every completion after a claim lands by a
+//! conditional write that a newer term's claim invalidates.
 //!
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.

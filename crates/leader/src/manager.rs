@@ -99,12 +99,18 @@ impl Manager {
         Manager::with_holder_id(db, timing, telemetry, crate::holder_id())
     }
 
+    /// # Panics
+    /// If `timing` was altered after construction so that it breaks its
+    /// invariant (see [`Timing`]): a programming error, not a runtime state.
     pub fn with_holder_id(
         db: Db,
         timing: Timing,
         telemetry: Telemetry,
         holder_id: String,
     ) -> Manager {
+        if let Err(e) = timing.checked() {
+            panic!("lease timing breaks its invariant: {e}");
+        }
         Manager {
             db,
             holder_id,
@@ -158,7 +164,19 @@ impl Manager {
     {
         let t = self.timing;
         let sent = SystemTime::now();
-        let token = match store::acquire(&self.db, role, &self.holder_id, t.ttl, interval).await? {
+        // The lease's expiry counts from the database's now() inside ACQUIRE, which
+        // is no earlier than this instant: anchor the trust window here.
+        let acquire_sent = Instant::now();
+        let token = match store::acquire(
+            &self.db,
+            role,
+            &self.holder_id,
+            t.ttl,
+            interval,
+            t.statement_timeout,
+        )
+        .await?
+        {
             Acquire::Lost { due_in, paused } => {
                 let retry_in = due_in.unwrap_or(t.max_poll).min(t.max_poll);
                 return Ok(TickOutcome::NotLed { retry_in, paused });
@@ -176,52 +194,100 @@ impl Manager {
         let fence = Fence { role, token };
         let cancel = shutdown.child_token();
         let lost = LostSignal::default();
-        let heartbeat_stop = CancellationToken::new();
-        let heartbeat = tokio::spawn(
+
+        // Build the work before the heartbeat exists, so a closure that panics
+        // while building it leaves nothing running.
+        let work = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            work(Tick {
+                fence,
+                cancel: cancel.clone(),
+            })
+        }));
+        let mut work = match work {
+            Ok(fut) => Some(Box::pin(AssertUnwindSafe(fut).catch_unwind())),
+            Err(payload) => {
+                self.finish(
+                    role,
+                    token,
+                    interval,
+                    started,
+                    Ending::Returned,
+                    Some(payload),
+                    &lost,
+                )
+                .await;
+                unreachable!("finish re-raises the panic");
+            }
+        };
+        // Aborted on drop: if this future is dropped mid-tick, nothing renews the
+        // lease and it expires after its TTL.
+        let heartbeat = AbortOnDrop(tokio::spawn(
             Heartbeat {
                 db: self.db.clone(),
                 role,
                 token,
                 timing: t,
                 lost: lost.clone(),
-                stop: heartbeat_stop.clone(),
                 manager: self.clone(),
+                last_ack: acquire_sent,
             }
             .run(),
-        );
+        ));
 
-        let mut work = Box::pin(
-            AssertUnwindSafe(work(Tick {
-                fence,
-                cancel: cancel.clone(),
-            }))
-            .catch_unwind(),
-        );
-        let mut result = tokio::select! {
-            r = &mut work => Some(r),
-            _ = lost.token.cancelled() => None,
-            _ = shutdown.cancelled() => None,
+        let running = work.as_mut().expect("built above");
+        let (mut ending, mut result) = tokio::select! {
+            r = &mut *running => (Ending::Returned, Some(r)),
+            _ = lost.token.cancelled() => (Ending::Lost, None),
+            _ = shutdown.cancelled() => (Ending::Shutdown, None),
         };
+        // Work that returned once shutdown had begun was cut short by it (its
+        // cancel token is a child of shutdown); work that returned before any
+        // shutdown completed, whatever happens next.
+        if ending == Ending::Returned && shutdown.is_cancelled() {
+            ending = Ending::Shutdown;
+        }
         if result.is_none() {
             // Lost or shutting down: ask the work to stop, give it the grace, then drop it.
             cancel.cancel();
-            result = tokio::time::timeout(t.cancel_grace, &mut work).await.ok();
+            result = tokio::time::timeout(t.cancel_grace, &mut *running)
+                .await
+                .ok();
             if result.is_none() {
                 warn!(role = %role, token, grace = ?t.cancel_grace, "tick did not return after cancel; dropped");
             }
         }
-        drop(work);
-        heartbeat_stop.cancel();
-        let _ = heartbeat.await;
+        drop(work.take());
+        drop(heartbeat);
 
         let panic = match result {
             Some(Err(payload)) => Some(payload),
             _ => None,
         };
-        // Precedence: a lost lease first (reported once), then shutdown, then a panic.
+        Ok(self
+            .finish(role, token, interval, started, ending, panic, &lost)
+            .await)
+    }
+
+    /// Decide the outcome, report it, RELEASE, and re-raise a panic.
+    ///
+    /// Precedence: a lost lease first (reported once), then a shutdown that
+    /// cancelled the tick, then a panic. A tick whose work returned before a
+    /// shutdown arrived is not "interrupted".
+    #[allow(clippy::too_many_arguments)]
+    async fn finish(
+        &self,
+        role: Role,
+        token: i64,
+        interval: Duration,
+        started: Instant,
+        ending: Ending,
+        panic: Option<Box<dyn std::any::Any + Send>>,
+        lost: &LostSignal,
+    ) -> TickOutcome {
+        let t = self.timing;
         let (outcome, release) = if let Some(reason) = lost.reason() {
             (TickOutcome::Lost(reason), Release::Lost)
-        } else if shutdown.is_cancelled() {
+        } else if ending == Ending::Shutdown {
             (TickOutcome::Interrupted, Release::Interrupted)
         } else if panic.is_some() {
             (TickOutcome::Completed, Release::Panicked)
@@ -269,7 +335,7 @@ impl Manager {
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);
         }
-        Ok(outcome)
+        outcome
     }
 
     fn lease_lost(&self, role: Role, reason: &str) {
@@ -302,6 +368,23 @@ impl Manager {
     }
 }
 
+/// Which arm ended the wait for the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Returned,
+    Lost,
+    Shutdown,
+}
+
+/// A task aborted when this handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The first loss the heartbeat saw, and a token cancelled when it did.
 #[derive(Clone, Default)]
 struct LostSignal {
@@ -327,33 +410,27 @@ struct Heartbeat {
     token: i64,
     timing: Timing,
     lost: LostSignal,
-    stop: CancellationToken,
     manager: Manager,
+    /// Send instant of the last acknowledged statement (ACQUIRE at first).
+    last_ack: Instant,
 }
 
 impl Heartbeat {
     /// Renew every `heartbeat`. The last acknowledgement is anchored at the
-    /// RENEW's send instant on the monotonic clock, and "abandon" is checked
-    /// before each RENEW is sent, so no statement of ours starts after it.
+    /// send instant of the statement that set the expiry (ACQUIRE, then each
+    /// acknowledged RENEW) on the monotonic clock; "abandon" is checked before
+    /// each RENEW is sent and raced against one in flight, so no RENEW starts
+    /// after it and the work is cancelled on time even if the database hangs.
     async fn run(self) {
         let t = self.timing;
-        let mut last_ack = Instant::now(); // ACQUIRE's effect is at least this old.
+        let mut last_ack = self.last_ack;
         let mut last_sent = last_ack;
         loop {
             let next_beat = last_sent + t.heartbeat;
             let abandon_at = last_ack + t.abandon_after;
-            let wake = next_beat.min(abandon_at);
-            if self
-                .stop
-                .run_until_cancelled(tokio::time::sleep_until(wake.into()))
-                .await
-                .is_none()
-            {
-                return;
-            }
+            tokio::time::sleep_until(next_beat.min(abandon_at).into()).await;
             if Instant::now() >= abandon_at {
-                warn!(role = %self.role, token = self.token, since_ack = ?last_ack.elapsed(), "no renewal acknowledged in time; abandoning the lease");
-                self.lost.set(LostReason::HeartbeatTimeout);
+                self.abandon(last_ack);
                 return;
             }
             let sent_at = Instant::now();
@@ -361,12 +438,15 @@ impl Heartbeat {
             last_sent = sent_at;
             let renew = store::renew(&self.db, self.role, self.token, t.ttl, t.statement_timeout);
             // The server cancels the statement at statement_timeout; the client
-            // gives it a little longer to say so.
+            // gives it a little longer to say so. Abandon does not wait for it.
             let renew =
                 tokio::time::timeout(t.statement_timeout + Duration::from_millis(250), renew);
             let outcome = tokio::select! {
                 r = renew => r,
-                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep_until(abandon_at.into()) => {
+                    self.abandon(last_ack);
+                    return;
+                }
             };
             match outcome {
                 Ok(Ok(Renew::Extended { db_now_epoch })) => {
@@ -380,9 +460,6 @@ impl Heartbeat {
                     } else {
                         LostReason::Superseded
                     };
-                    if paused {
-                        info!(role = %self.role, token = self.token, "role paused; stopping the tick");
-                    }
                     info!(role = %self.role, token = self.token, reason = reason.as_str(), "lease lost");
                     self.lost.set(reason);
                     return;
@@ -391,6 +468,11 @@ impl Heartbeat {
                 Err(_) => self.missed("no answer within the statement timeout"),
             }
         }
+    }
+
+    fn abandon(&self, last_ack: Instant) {
+        warn!(role = %self.role, token = self.token, since_ack = ?last_ack.elapsed(), "no renewal acknowledged in time; abandoning the lease");
+        self.lost.set(LostReason::HeartbeatTimeout);
     }
 
     fn missed(&self, why: &str) {

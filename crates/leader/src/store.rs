@@ -53,8 +53,12 @@ pub async fn acquire(
     holder: &str,
     ttl: Duration,
     interval: Duration,
+    statement_timeout: Duration,
 ) -> Result<Acquire, StoreError> {
-    let row = db
+    // Under a server timeout: a claim stuck behind a row lock must not come
+    // back long after its own now(), with a lease that is already short.
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
         .fetch_optional(
             sql("WITH claimed AS ( \
                    UPDATE leader_leases \
@@ -80,6 +84,7 @@ pub async fn acquire(
         )
         .await?
         .ok_or(StoreError::MissingRow(role))?;
+    tx.commit().await?;
     let token: Option<i64> = row.try_get("token").map_err(StoreError::from_row)?;
     let db_now_epoch: f64 = row.try_get("db_now").map_err(StoreError::from_row)?;
     if let Some(token) = token {

@@ -7,10 +7,16 @@ use std::time::Duration;
 /// Invariant: `abandon_after + statement_timeout < ttl`. A leader stops starting
 /// statements at `abandon_after` after its last acknowledged renewal; any statement
 /// already sent is cancelled by the server within `statement_timeout`; so nothing
-/// of ours runs when the lease can next be acquired. `heartbeat < abandon_after`
-/// so that at least one renewal is tried before giving up, and `cancel_grace <=
+/// of ours runs when the lease can next be acquired. `heartbeat +
+/// statement_timeout <= abandon_after` so that a renewal sent on time can be
+/// answered before the leader gives up, and `cancel_grace <=
 /// statement_timeout` so the work's wind-down fits in the same margin.
+///
+/// Outside this crate a `Timing` comes only from [`Timing::ADR`] or the checked
+/// [`Timing::new`] (`non_exhaustive` forbids a struct literal), and
+/// `Manager` checks it again, so a value that breaks the invariant cannot lead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Timing {
     pub ttl: Duration,
     pub heartbeat: Duration,
@@ -31,9 +37,13 @@ pub enum TimingError {
         statement: Duration,
         ttl: Duration,
     },
-    #[error("heartbeat ({heartbeat:?}) must be less than abandon_after ({abandon:?})")]
+    #[error(
+        "heartbeat ({heartbeat:?}) + statement_timeout ({statement:?}) must not exceed abandon_after ({abandon:?}): \
+         a renewal sent on time must be able to finish before the leader gives up"
+    )]
     HeartbeatTooSlow {
         heartbeat: Duration,
+        statement: Duration,
         abandon: Duration,
     },
     #[error("cancel_grace ({grace:?}) must not exceed statement_timeout ({statement:?})")]
@@ -75,7 +85,7 @@ impl Timing {
         .checked()
     }
 
-    fn checked(self) -> Result<Timing, TimingError> {
+    pub(crate) fn checked(self) -> Result<Timing, TimingError> {
         let all = [
             self.ttl,
             self.heartbeat,
@@ -93,9 +103,10 @@ impl Timing {
                 ttl: self.ttl,
             });
         }
-        if self.heartbeat >= self.abandon_after {
+        if self.heartbeat + self.statement_timeout > self.abandon_after {
             return Err(TimingError::HeartbeatTooSlow {
                 heartbeat: self.heartbeat,
+                statement: self.statement_timeout,
                 abandon: self.abandon_after,
             });
         }

@@ -36,7 +36,8 @@ pub fn default_interval(role: Role) -> Duration {
     }
 }
 
-/// Read the role list and intervals through `var` (the binary passes `std::env::var`).
+/// Read the role list and intervals through `var`, a lookup the binary builds
+/// over its process environment.
 pub fn roles_from_env(
     var: impl Fn(&str) -> Option<String>,
 ) -> Result<Vec<RoleConfig>, ConfigError> {
@@ -75,14 +76,18 @@ pub fn roles_from_env(
         .collect()
 }
 
-/// `500ms`, `30s`, `5m`, `1h`, `1d`; whole numbers only, at least one millisecond.
+/// `500ms`, `30s`, `5m`, `1h`, `1d`; whole numbers only, from one millisecond
+/// to 30 days (longer would overflow the database's interval arithmetic for no use).
 pub fn parse_duration(text: &str) -> Result<Duration, &'static str> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit())
         .ok_or("missing unit")?;
     let (digits, unit) = text.split_at(split);
-    let n: u64 = digits.parse().map_err(|_| "missing number")?;
+    if digits.is_empty() {
+        return Err("missing number");
+    }
+    let n: u64 = digits.parse().map_err(|_| "too large")?;
     let ms = match unit {
         "ms" => Some(n),
         "s" => n.checked_mul(1000),
@@ -94,6 +99,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, &'static str> {
     .ok_or("too large")?;
     if ms == 0 {
         return Err("must be positive");
+    }
+    if ms > 30 * 86_400_000 {
+        return Err("must be at most 30d");
     }
     Ok(Duration::from_millis(ms))
 }
@@ -165,5 +173,7 @@ mod tests {
         );
         assert_eq!(parse_duration("0s"), Err("must be positive"));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("31d"), Err("must be at most 30d"));
+        assert_eq!(parse_duration("99999999999999999999h"), Err("too large"));
     }
 }

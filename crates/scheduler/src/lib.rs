@@ -20,4 +20,4 @@ mod status;
 pub use config::{ConfigError, RoleConfig, default_interval, parse_duration, roles_from_env};
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
-pub use status::{export_status, precreate_series, run_status_exporter};
+pub use status::{export_status, precreate_series};

@@ -252,17 +252,29 @@ mod tests {
         assert_eq!(p.panicked(), 1);
     }
 
-    /// A panicking job must unwind into the guard, never abort the process.
+    /// A panicking job must unwind into the guard, never abort the process:
+    /// no profile in the workspace manifest, and no cargo config, sets
+    /// `panic = "abort"`.
     #[test]
-    fn the_release_profile_does_not_abort_on_panic() {
-        let manifest =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../Cargo.toml"))
-                .unwrap();
-        let compact: String = manifest.chars().filter(|c| !c.is_whitespace()).collect();
-        assert!(
-            !compact.contains("panic=\"abort\""),
-            "the workspace sets panic = \"abort\""
-        );
-        const { assert!(cfg!(panic = "unwind")) };
+    fn no_profile_aborts_on_panic() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+        for file in ["Cargo.toml", ".cargo/config.toml", ".cargo/config"] {
+            let Ok(text) = std::fs::read_to_string(format!("{root}/{file}")) else {
+                continue;
+            };
+            let compact: String = text
+                .chars()
+                .filter(|c| !c.is_whitespace())
+                .collect::<String>()
+                .replace('\'', "\"");
+            assert!(
+                !compact.contains("panic=\"abort\""),
+                "{file} sets panic = \"abort\""
+            );
+            assert!(
+                !compact.contains("panic=abort"),
+                "{file} passes -C panic=abort"
+            );
+        }
     }
 }

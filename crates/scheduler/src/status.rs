@@ -1,10 +1,7 @@
 //! Leader metrics read from the table: a cluster fact any replica can export.
 
-use std::time::Duration;
-
 use db::Db;
 use leader::{Role, Telemetry};
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 /// Create the series that must exist before anything happens, so an alert on
@@ -26,11 +23,22 @@ pub fn precreate_series(telemetry: &Telemetry) {
 /// completed a tick, never negative), `hardcount_leader_last_tick_known{role}`
 /// (0 when the role never completed a tick or the read failed: alert on it
 /// rather than on a missing age), and `hardcount_leader_paused{role}`.
-pub async fn export_status(db: &Db, telemetry: &Telemetry) {
+///
+/// The ages are exported for `roles` only (the roles the deployment runs), so
+/// a role this build does not run is not reported as stalled; `paused` is
+/// exported for every role.
+pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
     match leader::store::status(db).await {
         Ok(rows) => {
             for row in rows {
                 let role = row.role.as_str();
+                let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
+                telemetry
+                    .gauge("hardcount_leader_paused", &[("role", role)])
+                    .set(paused);
+                if !roles.iter().any(|r| r.as_str() == role) {
+                    continue;
+                }
                 let known = match row.last_tick_age_seconds {
                     Some(age) => {
                         telemetry
@@ -62,25 +70,6 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry) {
                     )
                     .set(0.0);
             }
-        }
-    }
-}
-
-/// Export the status every `every` until shutdown.
-pub async fn run_status_exporter(
-    db: Db,
-    telemetry: Telemetry,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
-    loop {
-        export_status(&db, &telemetry).await;
-        if shutdown
-            .run_until_cancelled(tokio::time::sleep(every))
-            .await
-            .is_none()
-        {
-            return;
         }
     }
 }

@@ -370,8 +370,10 @@ impl Worker {
     ///
     /// # Cancel safety
     /// On `tick.cancel`, attempts not yet started are handed back and no batch
-    /// is claimed; attempts in flight finish. If the future is dropped instead,
-    /// its claimed deliveries come due again when their claim lease ends.
+    /// is claimed; attempts in flight go on. Under `Manager::lead` the tick is
+    /// dropped if it has not returned within the cancel grace (1 s): attempts
+    /// still in flight then stop, and their deliveries come due again when
+    /// their claim lease ends (at-least-once: the receiver may have seen them).
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
         let config = &self.inner.config;
         let started = Instant::now();

@@ -78,7 +78,7 @@ async fn plain_unnamed_statements_go_wrong_through_pgbouncer() {
     let t = TestDb::new().await;
     let options: PgConnectOptions = t.app_url(Leg::PgBouncer).parse().unwrap();
     let pool = PgPoolOptions::new()
-        .max_connections(10)
+        .max_connections(5)
         .connect_with(options.statement_cache_capacity(0).extra_float_digits(None))
         .await
         .unwrap();
@@ -212,7 +212,8 @@ async fn a_statement_timeout_is_enforced_by_the_server_and_leaks_to_no_one() {
 }
 
 /// Architecture invariant: only `crates/db` runs SQL on the app pool. No other
-/// crate's source calls sqlx's query functions or holds a pool.
+/// product crate depends on sqlx at all (test-only crates and dev-dependencies
+/// aside), and none names sqlx's query API or a pool in its source.
 #[test]
 fn only_the_db_crate_runs_sql() {
     let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -222,14 +223,15 @@ fn only_the_db_crate_runs_sql() {
         if name == "db" || name == "testbed" {
             continue;
         }
+        let manifest = std::fs::read_to_string(entry.path().join("Cargo.toml")).unwrap();
+        if normal_dependencies(&manifest)
+            .lines()
+            .any(|l| l.trim_start().starts_with("sqlx"))
+        {
+            offenders.push(format!("crates/{name}/Cargo.toml depends on sqlx"));
+        }
         visit(&entry.path().join("src"), &mut |path, text| {
-            for needle in [
-                "sqlx::query",
-                "sqlx::raw_sql",
-                "PgPool",
-                "query_as(",
-                "query_scalar(",
-            ] {
+            for needle in ["sqlx", "PgPool", "PgConnection"] {
                 if text.contains(needle) {
                     offenders.push(format!("{}: {needle}", path.display()));
                 }
@@ -240,6 +242,41 @@ fn only_the_db_crate_runs_sql() {
         offenders.is_empty(),
         "SQL outside crates/db's access path: {offenders:#?}"
     );
+}
+
+/// Architecture invariant: only `crates/hardcount` reads the environment
+/// (the test-only `testbed` reads the bed's variables).
+#[test]
+fn only_the_binary_reads_the_environment() {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut offenders = Vec::new();
+    for entry in std::fs::read_dir(&crates).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == "hardcount" || name == "testbed" {
+            continue;
+        }
+        visit(&entry.path().join("src"), &mut |path, text| {
+            for needle in ["env::var", "env::vars", "env!(\"HARDCOUNT", "env::args"] {
+                if text.contains(needle) {
+                    offenders.push(format!("{}: {needle}", path.display()));
+                }
+            }
+        });
+    }
+    assert!(
+        offenders.is_empty(),
+        "environment read outside crates/hardcount: {offenders:#?}"
+    );
+}
+
+/// The `[dependencies]` section of a manifest (not dev- or build-dependencies).
+fn normal_dependencies(manifest: &str) -> &str {
+    let Some(start) = manifest.find("\n[dependencies]") else {
+        return "";
+    };
+    let rest = &manifest[start + 1..];
+    let body = &rest[rest.find('\n').map_or(rest.len(), |i| i + 1)..];
+    body.find("\n[").map_or(body, |end| &body[..end])
 }
 
 fn visit(dir: &std::path::Path, f: &mut dyn FnMut(&std::path::Path, &str)) {

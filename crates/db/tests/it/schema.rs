@@ -67,11 +67,18 @@ async fn five_rows_are_seeded_with_epoch_millisecond_tokens() {
 #[tokio::test]
 async fn each_check_rejects_its_bad_row() {
     let t = TestDb::new().await;
+    // The role column is not the app's to write (migration 0003); the owner's
+    // write still meets the CHECK.
+    let mut su = t.superuser().await;
+    let err = sqlx::raw_sql("UPDATE leader_leases SET role = 'nosuch' WHERE role = 'billing'")
+        .execute(&mut su)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("leader_leases_role_known"),
+        "{err}"
+    );
     let cases = [
-        (
-            "UPDATE leader_leases SET role = 'nosuch' WHERE role = 'billing'",
-            "leader_leases_role_known",
-        ),
         (
             "UPDATE leader_leases SET holder_id = 'h:1:00000000' WHERE role = 'billing'",
             "leader_leases_held_has_expiry",
@@ -190,6 +197,7 @@ async fn the_app_role_cannot_insert_delete_truncate_alter_or_drop_and_owns_nothi
         "DROP TABLE leader_leases",
         "CREATE TABLE sneaky (x int)",
         "DELETE FROM _sqlx_migrations",
+        "UPDATE leader_leases SET role = 'dunning2' WHERE role = 'dunning'",
     ];
     for stmt in denied {
         let err = t.db.execute(sql(stmt)).await.unwrap_err();
@@ -214,4 +222,26 @@ async fn the_app_role_cannot_insert_delete_truncate_alter_or_drop_and_owns_nothi
     assert_eq!(owned.get::<String, _>("me"), "hardcount_app");
     assert_eq!(owned.get::<i64, _>("n"), 0, "hardcount_app owns something");
     assert!(!owned.get::<bool, _>("powerful"));
+}
+
+/// Migration 0003: a token only grows, so the app cannot reissue one a fence
+/// already saw. Mutation check: dropping the trigger lets the UPDATE through.
+#[tokio::test]
+async fn a_lease_token_can_only_grow() {
+    let t = TestDb::new().await;
+    let err =
+        t.db.execute(sql(
+            "UPDATE leader_leases SET holder_token = holder_token - 1 WHERE role = 'billing'",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_deref(), Some("23514"), "{err}");
+    assert!(err.to_string().contains("may only grow"), "{err}");
+    let grew =
+        t.db.execute(sql(
+            "UPDATE leader_leases SET holder_token = holder_token + 1 WHERE role = 'billing'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(grew, 1);
 }

@@ -101,14 +101,23 @@ fn metric(body: &str, series: &str) -> Option<f64> {
 async fn metrics_expose_the_leader_series_with_panicked_at_zero_before_any_tick() {
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
+    // webhook_outbox completed a tick 42 s ago and is not due for an hour;
+    // webhook_delivery is paused, so it never completes one here.
     sqlx::raw_sql(
-        "UPDATE leader_leases SET last_tick_ended_at = now() - interval '42 seconds' WHERE role = 'billing'; \
-         SELECT leader_pause('dunning', 'oncall', 'card network incident')",
+        "UPDATE leader_leases SET last_tick_ended_at = now() - interval '42 seconds' WHERE role = 'webhook_outbox'; \
+         SELECT leader_pause('webhook_delivery', 'oncall', 'receiver incident')",
     )
     .execute(&mut su)
     .await
     .unwrap();
-    let mut serve = Serve::start(&t.app_url(Leg::current()), &[]).await;
+    let mut serve = Serve::start(
+        &t.app_url(Leg::current()),
+        &[
+            ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
+            ("HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL", "1h"),
+        ],
+    )
+    .await;
     assert_eq!(serve.get("/readyz").await.0, 200);
     let (status, body) = serve.get("/metrics").await;
     assert_eq!(status, 200);
@@ -123,36 +132,41 @@ async fn metrics_expose_the_leader_series_with_panicked_at_zero_before_any_tick(
             format!("hardcount_leader_lease_lost_total{{role=\"{role}\",reason=\"panicked\"}}");
         assert_eq!(metric(&body, &lost), Some(0.0), "{lost} in\n{body}");
         let paused = format!("hardcount_leader_paused{{role=\"{role}\"}}");
-        assert_eq!(
-            metric(&body, &paused),
-            Some(if role == "dunning" { 1.0 } else { 0.0 }),
-            "{paused}"
-        );
+        let expected = if role == "webhook_delivery" { 1.0 } else { 0.0 };
+        assert_eq!(metric(&body, &paused), Some(expected), "{paused}");
     }
     let age = metric(
         &body,
-        "hardcount_leader_last_tick_age_seconds{role=\"billing\"}",
+        "hardcount_leader_last_tick_age_seconds{role=\"webhook_outbox\"}",
     )
-    .expect("billing age");
+    .expect("webhook_outbox age");
     assert!((42.0..60.0).contains(&age), "{age}");
+    assert_eq!(
+        metric(
+            &body,
+            "hardcount_leader_last_tick_known{role=\"webhook_outbox\"}"
+        ),
+        Some(1.0)
+    );
     // A role that never completed a tick has no age, never a negative one, and says so.
     assert_eq!(
         metric(
             &body,
-            "hardcount_leader_last_tick_age_seconds{role=\"email_outbox\"}"
+            "hardcount_leader_last_tick_age_seconds{role=\"webhook_delivery\"}"
         ),
         None
     );
     assert_eq!(
         metric(
             &body,
-            "hardcount_leader_last_tick_known{role=\"email_outbox\"}"
+            "hardcount_leader_last_tick_known{role=\"webhook_delivery\"}"
         ),
         Some(0.0)
     );
+    // A role this deployment does not run is not reported as stalled.
     assert_eq!(
         metric(&body, "hardcount_leader_last_tick_known{role=\"billing\"}"),
-        Some(1.0)
+        None
     );
 
     serve.signal("TERM");

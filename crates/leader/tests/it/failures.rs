@@ -216,9 +216,10 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
 /// missed beat, and the work is cancelled at `abandon_after`, before the TTL.
 /// Uses the ADR's own timings.
 ///
-/// Mutation check: dropping the `statement_timeout` `SET LOCAL` from RENEW
-/// leaves the blocked UPDATE running on the server; the pg_stat_activity
-/// assertion then fails.
+/// Mutation checks: dropping the `statement_timeout` `SET LOCAL` from RENEW
+/// leaves the blocked UPDATE running on the server (the pg_stat_activity
+/// assertion fails); releasing a lost tick with no cooldown fails the
+/// cooldown assertion.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_before_ttl() {
     let t = TestDb::new().await;
@@ -233,7 +234,7 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
     let out = m
         .lead(
             Role::Billing,
-            Duration::ZERO,
+            Duration::from_secs(120),
             &shutdown,
             |tick| async move {
                 let acquired = Instant::now();
@@ -279,7 +280,8 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
         timing.abandon_after, timing.ttl
     );
     assert!(
-        after >= timing.abandon_after && after < timing.ttl,
+        // The abandon clock starts when ACQUIRE is sent, a little before the work.
+        after >= timing.abandon_after - Duration::from_millis(200) && after < timing.ttl,
         "{after:?}"
     );
     assert!(
@@ -299,4 +301,10 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
         ),
         Some(1.0)
     );
+    // Released as lost (the row lock is gone by then): a cooldown of
+    // min(interval, 60 s), no completion stamp.
+    let l = lease(&t.db, Role::Billing).await;
+    assert!(!l.completed && l.holder_id.is_none());
+    let cooldown = l.cooldown.expect("a lost tick cools down");
+    assert!((50.0..=60.0).contains(&cooldown), "cooldown {cooldown}");
 }
