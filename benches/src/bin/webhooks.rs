@@ -1403,13 +1403,13 @@ rate, and `--path direct` to compare with a direct connection; `--out-dir` write
 reports elsewhere, for experiments.)
 
 **Shape.** One process plays one replica: the `webhook_outbox` and `webhook_delivery` roles
-run in `scheduler::run_role` loops under one `leader::Manager` (ADR timing), with an interval
-of {interval} ms each, on one app pool of {pool} connections as `hardcount_app` through
-{path}; the bed's PgBouncer gives each (database, user) {bouncer} server connections. The
-delivery worker POSTs to an axum receiver on 127.0.0.1 (allowlisted `127.0.0.0/8`) that
-answers 200 at once, records each request's first arrival by (`webhook-id`, path), and keeps
-the first {samples} requests per endpoint, whose Standard Webhooks signatures are verified
-after the phase with an HMAC written here, not the crate's. Everything (loops, HTTP client,
+run in `scheduler::run_role` loops under one `leader::Manager` (ADR timing), with an
+interval of {interval} ms each, on one app pool of {pool} connections as `hardcount_app`
+through {path}; the bed's PgBouncer gives each (database, user) {bouncer} server
+connections. The delivery worker POSTs to an axum receiver on 127.0.0.1 (allowlisted
+`127.0.0.0/8`) that answers 200 at once, records each request's first arrival by
+(`webhook-id`, path), and keeps the first {samples} requests per endpoint, whose Standard
+Webhooks signatures are verified after the phase with an HMAC written here, not the crate's. Everything (loops, HTTP client,
 receiver, producer) shares this process's tokio runtime; Postgres and PgBouncer run on the
 same {nproc} CPUs.
 
