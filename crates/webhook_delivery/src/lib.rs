@@ -15,7 +15,9 @@
 //!                                                             └─ other / timeout / no connection
 //!                                                                  ─────▶ pending at now() + backoff,
 //!                                                                         dead after the last attempt
-//!   every write above: … WHERE id = $1 AND attempts = $2 AND status = 'pending'
+//!   every write above is a compare-and-set on (id, attempt, pending); outcomes are
+//!   written in groups, one statement each (… WHERE d.id = o.id AND d.attempts = o.attempt
+//!   AND d.status = 'pending'), the 410 one on its own with the endpoint's disabling
 //! ```
 //!
 //! Guarantees:
@@ -33,7 +35,11 @@
 //! - **A late result never overwrites a newer one.** Each claim increments
 //!   `attempts`, and an outcome is written only while the row still holds that
 //!   attempt number and is pending. A result that loses is logged and counted
-//!   as `outcome="stale"`, never applied.
+//!   as `outcome="stale"`, never applied. Outcomes are buffered and written in
+//!   groups (up to 64, or after 20 ms, or when the batch has nothing left in
+//!   flight), one statement per group, each row still its own compare-and-set;
+//!   an outcome that cannot be written leaves its delivery to come due again
+//!   after its claim lease.
 //! - **A replaced leader claims nothing**: the claim proves
 //!   `leader_fence($role, $token)` in its innermost WHERE, and
 //!   [`Worker::claim_due`] takes a [`leader::Fence`].

@@ -1,10 +1,12 @@
 //! All of webhook delivery's SQL: creating endpoints, the fenced claim of due
-//! deliveries, the outcome write (a compare-and-set on the attempt number),
+//! deliveries, the outcome writes (one statement per group of outcomes, each
+//! row a compare-and-set on the attempt number),
 //! handing back an unsent claim, and the gauges read at the end of a tick.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
-use db::{Db, PgRow, Row, sql};
+use db::{Db, PgRow, Row, Tx, sql};
 use leader::Fence;
 
 /// A new endpoint row, as inserted.
@@ -148,56 +150,49 @@ pub(crate) struct Observed {
 /// Longest `last_error` kept; the rest is cut at a character boundary.
 const MAX_ERROR_CHARS: usize = 1000;
 
-/// Write an attempt's outcome, only if the delivery is still pending at
-/// exactly `attempt` (no later claim has been made). `disable_endpoint` (a
-/// 410) disables the endpoint in the same transaction, only when the outcome
-/// was applied. Returns false for a stale attempt: nothing was written.
+/// One finished attempt's outcome, waiting to be written.
+#[derive(Debug, Clone)]
+pub(crate) struct OutcomeRow {
+    pub id: i64,
+    pub attempt: i32,
+    pub next: NextState,
+    pub observed: Observed,
+}
+
+/// Write a group of outcomes with one statement in one transaction. Each row
+/// is a compare-and-set of its own: it is applied only if its delivery is
+/// still pending at exactly its `attempt` (no later claim has been made).
+/// Returns the `(id, attempt)` pairs that were applied; a row of `rows` not
+/// among them is stale and nothing was written for it. On an error nothing
+/// was written.
+pub(crate) async fn record_outcomes(
+    db: &Db,
+    rows: &[OutcomeRow],
+    statement_timeout: Duration,
+) -> Result<HashSet<(i64, i32)>, db::Error> {
+    if rows.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let applied = apply_outcomes(&mut tx, rows).await?;
+    tx.commit().await?;
+    Ok(applied)
+}
+
+/// Write one attempt's outcome like [`record_outcomes`]. `disable_endpoint`
+/// (a 410) disables the endpoint in the same transaction, only when the
+/// outcome was applied. Returns false for a stale attempt: nothing was written.
 pub(crate) async fn record_outcome(
     db: &Db,
-    delivery_id: i64,
-    attempt: i32,
-    next: NextState,
-    observed: &Observed,
+    row: &OutcomeRow,
     disable_endpoint: Option<(i64, String)>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
-    let (status, retry_secs) = match next {
-        NextState::Delivered => ("delivered", 0.0),
-        NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
-        NextState::Dead => ("dead", 0.0),
-    };
-    let error = observed
-        .error
-        .as_ref()
-        .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>());
-    let latency_ms = observed
-        .latency
-        .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX));
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let applied = tx
-        .execute(
-            sql("UPDATE webhook_deliveries \
-                 SET status = $3, \
-                     next_attempt_at = CASE WHEN $3 = 'pending' \
-                                            THEN now() + make_interval(secs => $4) \
-                                            ELSE next_attempt_at END, \
-                     delivered_at = CASE WHEN $3 = 'delivered' THEN now() END, \
-                     last_status_code = $5, \
-                     last_error = $6, \
-                     last_latency_ms = $7 \
-                 WHERE id = $1 AND attempts = $2 AND status = 'pending'")
-            .bind(delivery_id)
-            .bind(attempt)
-            .bind(status)
-            .bind(retry_secs)
-            .bind(observed.status_code.map(i32::from))
-            .bind(error)
-            .bind(latency_ms),
-        )
-        .await?;
-    if applied == 1
-        && let Some((endpoint_id, reason)) = disable_endpoint
-    {
+    let applied = apply_outcomes(&mut tx, std::slice::from_ref(row))
+        .await?
+        .contains(&(row.id, row.attempt));
+    if applied && let Some((endpoint_id, reason)) = disable_endpoint {
         tx.execute(
             sql("UPDATE webhook_endpoints \
                  SET enabled = false, disabled_reason = $2, disabled_at = now() \
@@ -208,7 +203,75 @@ pub(crate) async fn record_outcome(
         .await?;
     }
     tx.commit().await?;
-    Ok(applied == 1)
+    Ok(applied)
+}
+
+/// The one outcome statement: `rows` unnested into a relation and joined to
+/// their deliveries by the compare-and-set predicate.
+async fn apply_outcomes(
+    tx: &mut Tx,
+    rows: &[OutcomeRow],
+) -> Result<HashSet<(i64, i32)>, db::Error> {
+    let n = rows.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut states = Vec::with_capacity(n);
+    let mut retry_secs = Vec::with_capacity(n);
+    let mut codes = Vec::with_capacity(n);
+    let mut errors = Vec::with_capacity(n);
+    let mut latencies = Vec::with_capacity(n);
+    for r in rows {
+        let (status, wait) = match r.next {
+            NextState::Delivered => ("delivered", 0.0),
+            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
+            NextState::Dead => ("dead", 0.0),
+        };
+        ids.push(r.id);
+        attempts.push(r.attempt);
+        states.push(status.to_owned());
+        retry_secs.push(wait);
+        codes.push(r.observed.status_code.map(i32::from));
+        errors.push(
+            r.observed
+                .error
+                .as_ref()
+                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
+        );
+        latencies.push(
+            r.observed
+                .latency
+                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
+        );
+    }
+    let applied = tx
+        .fetch_all(
+            sql("UPDATE webhook_deliveries d \
+                 SET status = o.next_state, \
+                     next_attempt_at = CASE WHEN o.next_state = 'pending' \
+                                            THEN now() + make_interval(secs => o.retry_secs) \
+                                            ELSE d.next_attempt_at END, \
+                     delivered_at = CASE WHEN o.next_state = 'delivered' THEN now() END, \
+                     last_status_code = o.status_code, \
+                     last_error = o.error, \
+                     last_latency_ms = o.latency_ms \
+                 FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], \
+                             $5::int4[], $6::text[], $7::int4[]) \
+                      AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms) \
+                 WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = 'pending' \
+                 RETURNING d.id, o.attempt")
+            .bind(ids)
+            .bind(attempts)
+            .bind(states)
+            .bind(retry_secs)
+            .bind(codes)
+            .bind(errors)
+            .bind(latencies),
+        )
+        .await?;
+    applied
+        .iter()
+        .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i32, _>(1)?)))
+        .collect()
 }
 
 /// Hand back a claim that was never sent (the tick ran out of time or was

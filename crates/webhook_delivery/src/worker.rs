@@ -1,5 +1,5 @@
 //! The `webhook_delivery` tick: claim due deliveries, POST them concurrently
-//! under limits, write each outcome by compare-and-set.
+//! under limits, write the outcomes in groups, each row by compare-and-set.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,7 +22,7 @@ use crate::backoff::RetrySchedule;
 use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
 use crate::ssrf::{self, Allowlist};
-use crate::store::{self, ClaimedRow, NextState, Observed};
+use crate::store::{self, ClaimedRow, NextState, Observed, OutcomeRow};
 
 const ROLE: &str = "webhook_delivery";
 
@@ -458,16 +458,43 @@ impl Worker {
     }
 
     /// Make the attempt `claimed` stands for and write its outcome, outside a
-    /// tick (the tick does the same for each delivery it claims). The attempt
-    /// is handed back unsent if it cannot start within the claim margin.
+    /// tick (the tick does the same for each delivery it claims, writing the
+    /// outcomes in groups). The attempt is handed back unsent if it cannot
+    /// start within the claim margin.
     pub async fn deliver(&self, claimed: Claimed) -> Outcome {
         let start_by = StartBy {
             deadline: claimed.claimed_at + self.inner.config.claim_margin,
             cancel: CancellationToken::new(),
         };
-        self.attempt(claimed, &start_by).await
+        match self.attempt(claimed, &start_by).await {
+            Step::Done(outcome) => {
+                self.count(&outcome);
+                outcome
+            }
+            Step::Write(finished) => self
+                .write_outcomes(vec![finished])
+                .await
+                .pop()
+                .map_or(Outcome::Unrecorded, |(_, outcome)| outcome),
+        }
     }
 
+    /// Attempt a claimed batch concurrently and write the outcomes in groups.
+    ///
+    /// Finished attempts are buffered and written with one statement per group
+    /// ([`store::record_outcomes`], each row still its own compare-and-set), in
+    /// a task of its own while the other attempts go on. A group is written
+    /// when it holds [`OUTCOME_GROUP`] outcomes, when its first outcome has
+    /// waited [`OUTCOME_LINGER`], or when no attempt of the batch is left,
+    /// whichever comes first; this returns once every group is written. If
+    /// this future is dropped (the tick is cancelled and then abandoned), the
+    /// groups already handed to their tasks are still written, and so is
+    /// whatever is left in the buffer ([`OutcomeBuffer`]'s `Drop` hands it to
+    /// a task of its own). A buffered outcome that cannot be written (the
+    /// statement fails, or the runtime is gone) is not lost silently: it is
+    /// logged, and its delivery, still `pending` at this attempt, comes due
+    /// again when its claim lease ends (at-least-once: the receiver may see it
+    /// again, with the same `webhook-id`).
     async fn attempt_batch(
         &self,
         claimed: Vec<Claimed>,
@@ -492,41 +519,91 @@ impl Worker {
                 (key, format!("{ROLE}/delivery {}", d.row.id), (d, start_by))
             })
             .collect();
-        let results = each_guarded(items, |(d, start_by)| async move {
+        let mut running = guarded(items, |(d, start_by)| async move {
             self.attempt(d, &start_by).await
-        })
-        .await;
-        for ((id, attempt), result) in results {
-            let outcome = match result {
-                Ok(outcome) => outcome,
-                Err(payload) => {
-                    // Count the panic as a failed attempt, so a delivery that
-                    // panics every time dies after its last attempt.
-                    report.panicked += 1;
-                    let observed = Observed {
-                        error: Some(format!("processing panicked: {}", panic_message(&*payload))),
-                        ..Observed::default()
-                    };
-                    panics.record(payload);
-                    let next = self.next_after_failure(attempt, None);
-                    let outcome = self.record(id, attempt, next, observed, None).await;
-                    self.count(&outcome);
-                    outcome
+        });
+        let mut buffer = OutcomeBuffer {
+            worker: self.clone(),
+            rows: Vec::new(),
+            flush_at: None,
+        };
+        let mut writes = FuturesUnordered::new();
+        loop {
+            let lingered = buffer
+                .flush_at
+                .is_some_and(|at| at <= tokio::time::Instant::now());
+            if buffer.rows.len() >= OUTCOME_GROUP
+                || (!buffer.rows.is_empty() && (running.is_empty() || lingered))
+            {
+                writes.push(buffer.flush());
+            }
+            if running.is_empty() && writes.is_empty() {
+                break;
+            }
+            let flush_at = buffer.flush_at;
+            tokio::select! {
+                Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
+                    match result {
+                        Ok(Step::Done(outcome)) => {
+                            self.count(&outcome);
+                            report.add(&outcome);
+                        }
+                        Ok(Step::Write(finished)) => buffer.push(finished),
+                        Err(payload) => {
+                            // Count the panic as a failed attempt, so a delivery that
+                            // panics every time dies after its last attempt.
+                            report.panicked += 1;
+                            let observed = Observed {
+                                error: Some(format!(
+                                    "processing panicked: {}",
+                                    panic_message(&*payload)
+                                )),
+                                ..Observed::default()
+                            };
+                            panics.record(payload);
+                            let next = self.next_after_failure(attempt, None);
+                            buffer.push(Finished {
+                                row: OutcomeRow { id, attempt, next, observed },
+                                refused: false,
+                            });
+                        }
+                    }
                 }
-            };
-            report.add(&outcome);
+                Some((n, written)) = writes.next(), if !writes.is_empty() => match written {
+                    Ok(outcomes) => {
+                        for (_, outcome) in &outcomes {
+                            report.add(outcome);
+                        }
+                    }
+                    Err(e) => {
+                        warn!(
+                            role = ROLE, outcomes = n, error = %e,
+                            "a webhook outcome write did not finish; its deliveries come due again when their claim leases end"
+                        );
+                        report.unrecorded += n;
+                    }
+                },
+                () = sleep_until_some(flush_at) => {}
+            }
         }
     }
 
-    /// One delivery: wait for its turn, send, record, count.
-    async fn attempt(&self, d: Claimed, start_by: &StartBy) -> Outcome {
-        let outcome = self.attempt_uncounted(d, start_by).await;
-        self.count(&outcome);
-        outcome
-    }
-
-    async fn attempt_uncounted(&self, d: Claimed, start_by: &StartBy) -> Outcome {
+    /// One delivery: wait for its turn and send. The outcome is left to write
+    /// ([`Step::Write`]) unless it was handed back or was a 410 (written at
+    /// once, with the endpoint disabled in the same transaction).
+    async fn attempt(&self, d: Claimed, start_by: &StartBy) -> Step {
         let (id, attempt) = (d.row.id, d.row.attempt);
+        let finished = |next: NextState, observed: Observed| {
+            Step::Write(Finished {
+                row: OutcomeRow {
+                    id,
+                    attempt,
+                    next,
+                    observed,
+                },
+                refused: false,
+            })
+        };
         if !d.row.enabled {
             let reason = d
                 .row
@@ -537,12 +614,10 @@ impl Worker {
                 error: Some(format!("endpoint disabled: {reason}")),
                 ..Observed::default()
             };
-            return self
-                .record(id, attempt, NextState::Dead, observed, None)
-                .await;
+            return finished(NextState::Dead, observed);
         }
         let Some(_permits) = self.wait_turn(d.row.endpoint_id, start_by).await else {
-            return self.release(id, attempt).await;
+            return Step::Done(self.release(id, attempt).await);
         };
         let observed_started = Instant::now();
         let prepared = Url::parse(&d.row.url)
@@ -559,15 +634,7 @@ impl Worker {
                     error: Some(error),
                     ..Observed::default()
                 };
-                return self
-                    .record(
-                        id,
-                        attempt,
-                        self.next_after_failure(attempt, None),
-                        observed,
-                        None,
-                    )
-                    .await;
+                return finished(self.next_after_failure(attempt, None), observed);
             }
         };
         let config = &self.inner.config;
@@ -599,8 +666,7 @@ impl Worker {
                     latency,
                     ..Observed::default()
                 };
-                self.record(id, attempt, NextState::Delivered, observed, None)
-                    .await
+                finished(NextState::Delivered, observed)
             }
             Answer::Status {
                 code: 410, body, ..
@@ -618,14 +684,14 @@ impl Worker {
                     host,
                     "410 Gone: disabling the webhook endpoint"
                 );
-                self.record(
+                let row = OutcomeRow {
                     id,
                     attempt,
-                    NextState::Dead,
+                    next: NextState::Dead,
                     observed,
-                    Some((d.row.endpoint_id, reason)),
-                )
-                .await
+                };
+                let outcome = self.record(row, Some((d.row.endpoint_id, reason))).await;
+                Step::Done(outcome)
             }
             Answer::Status {
                 code,
@@ -646,7 +712,7 @@ impl Worker {
                     code,
                     "webhook receiver answered with a failure"
                 );
-                self.record(id, attempt, next, observed, None).await
+                finished(next, observed)
             }
             Answer::Refused(error) => {
                 warn!(role = ROLE, delivery = id, endpoint = d.row.endpoint_id, error = %error, "webhook target refused by the SSRF guard");
@@ -655,10 +721,15 @@ impl Worker {
                     ..Observed::default()
                 };
                 let next = self.next_after_failure(attempt, None);
-                match self.record(id, attempt, next, observed, None).await {
-                    Outcome::Retry => Outcome::Refused,
-                    other => other,
-                }
+                Step::Write(Finished {
+                    row: OutcomeRow {
+                        id,
+                        attempt,
+                        next,
+                        observed,
+                    },
+                    refused: true,
+                })
             }
             Answer::Failed(error) => {
                 debug!(role = ROLE, delivery = id, endpoint = d.row.endpoint_id, host, error = %error, "webhook attempt failed");
@@ -668,7 +739,7 @@ impl Worker {
                     ..Observed::default()
                 };
                 let next = self.next_after_failure(attempt, None);
-                self.record(id, attempt, next, observed, None).await
+                finished(next, observed)
             }
         }
     }
@@ -732,49 +803,65 @@ impl Worker {
         }
     }
 
-    /// Write the outcome by compare-and-set on (`id`, `attempt`, pending), count it.
-    async fn record(
-        &self,
-        id: i64,
-        attempt: i32,
-        next: NextState,
-        observed: Observed,
-        disable_endpoint: Option<(i64, String)>,
-    ) -> Outcome {
+    /// Write one outcome (a 410's, with its endpoint disabled in the same
+    /// transaction) by compare-and-set on (`id`, `attempt`, pending); not counted.
+    async fn record(&self, row: OutcomeRow, disable_endpoint: Option<(i64, String)>) -> Outcome {
         let written = store::record_outcome(
             &self.inner.db,
-            id,
-            attempt,
-            next,
-            &observed,
+            &row,
             disable_endpoint,
             self.inner.config.statement_timeout,
         )
         .await;
         match written {
-            Ok(true) => match next {
-                NextState::Delivered => Outcome::Delivered,
-                NextState::RetryAfter(_) => Outcome::Retry,
-                NextState::Dead => Outcome::Dead,
-            },
-            Ok(false) => {
-                warn!(
-                    role = ROLE,
-                    delivery = id,
-                    attempt,
-                    "stale webhook attempt: a later claim superseded it, so its result is not written"
-                );
-                Outcome::Stale
-            }
+            Ok(applied) => applied_outcome(&row, false, applied),
             Err(e) => {
                 warn!(
-                    role = ROLE, delivery = id, attempt, error = %e,
+                    role = ROLE, delivery = row.id, attempt = row.attempt, error = %e,
                     "could not record a webhook attempt; the delivery comes due again when its claim lease ends"
                 );
                 Outcome::Unrecorded
             }
         }
     }
+
+    /// Write a group of outcomes with one statement ([`store::record_outcomes`])
+    /// and count each. Returns each one's key and outcome: the ones whose
+    /// compare-and-set matched no row are `Stale`; if the write fails, all
+    /// are `Unrecorded` (their deliveries come due again after their claim lease).
+    async fn write_outcomes(&self, group: Vec<Finished>) -> Written {
+        let rows: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
+        let written =
+            store::record_outcomes(&self.inner.db, &rows, self.inner.config.statement_timeout)
+                .await;
+        let outcomes: Vec<_> = match written {
+            Ok(applied) => group
+                .iter()
+                .map(|f| {
+                    let key = (f.row.id, f.row.attempt);
+                    (
+                        key,
+                        applied_outcome(&f.row, f.refused, applied.contains(&key)),
+                    )
+                })
+                .collect(),
+            Err(e) => {
+                warn!(
+                    role = ROLE, outcomes = group.len(), error = %e,
+                    "could not record webhook attempts; their deliveries come due again when their claim leases end"
+                );
+                group
+                    .iter()
+                    .map(|f| ((f.row.id, f.row.attempt), Outcome::Unrecorded))
+                    .collect()
+            }
+        };
+        for (_, outcome) in &outcomes {
+            self.count(outcome);
+        }
+        outcomes
+    }
+
     async fn release(&self, id: i64, attempt: i32) -> Outcome {
         let statement_timeout = self.inner.config.statement_timeout;
         match store::release_unsent(&self.inner.db, id, attempt, statement_timeout).await {
@@ -828,28 +915,127 @@ impl Worker {
 }
 
 /// Run `each` on every item concurrently, each as its own guarded step
-/// ([`scheduler::catch`]), so one that panics ends only itself. Returns every
+/// ([`scheduler::catch`]), so one that panics ends only itself. Yields every
 /// item's key with its output or its panic, in completion order.
-async fn each_guarded<K, T, O, F, Fut>(
+fn guarded<K, T, O, F, Fut>(
     items: Vec<(K, String, T)>,
     each: F,
-) -> Vec<(K, Result<O, Payload>)>
+) -> FuturesUnordered<impl Future<Output = (K, Result<O, Payload>)>>
 where
     F: Fn(T) -> Fut,
     Fut: Future<Output = O>,
 {
-    let mut running: FuturesUnordered<_> = items
+    items
         .into_iter()
         .map(|(key, step, item)| {
             let guarded = catch(step, each(item));
             async move { (key, guarded.await) }
         })
-        .collect();
-    let mut results = Vec::with_capacity(running.len());
-    while let Some(result) = running.next().await {
-        results.push(result);
+        .collect()
+}
+
+/// Outcomes written with one statement at most this many at a time.
+const OUTCOME_GROUP: usize = 64;
+/// A buffered outcome waits at most this long for others to join its group.
+const OUTCOME_LINGER: Duration = Duration::from_millis(20);
+
+/// Each outcome of a written group, by (id, attempt).
+type Written = Vec<((i64, i32), Outcome)>;
+
+/// What an attempt left to do.
+enum Step {
+    /// Nothing: handed back, or already written (a 410). Not yet counted.
+    Done(Outcome),
+    /// Its outcome is still to be written.
+    Write(Finished),
+}
+
+/// A finished attempt whose outcome is not written yet.
+struct Finished {
+    row: OutcomeRow,
+    /// Refused by the SSRF guard: counted as `refused` when written as a retry.
+    refused: bool,
+}
+
+/// Outcomes waiting for their group's write. Dropped with outcomes still in
+/// it (the tick was abandoned mid-batch), it hands them to a task of their
+/// own, so they are written anyway; only if there is no runtime left are they
+/// not written, and then their deliveries come due again after the claim
+/// lease (at-least-once).
+struct OutcomeBuffer {
+    worker: Worker,
+    rows: Vec<Finished>,
+    /// When the first buffered outcome has waited [`OUTCOME_LINGER`].
+    flush_at: Option<tokio::time::Instant>,
+}
+
+impl OutcomeBuffer {
+    fn push(&mut self, finished: Finished) {
+        if self.rows.is_empty() {
+            self.flush_at = Some(tokio::time::Instant::now() + OUTCOME_LINGER);
+        }
+        self.rows.push(finished);
     }
-    results
+
+    /// Hand the buffered outcomes to a task that writes them; resolves to
+    /// their number and their outcomes (already counted in the metrics).
+    fn flush(
+        &mut self,
+    ) -> impl Future<Output = (usize, Result<Written, tokio::task::JoinError>)> + use<> {
+        let group = std::mem::take(&mut self.rows);
+        self.flush_at = None;
+        let n = group.len();
+        let worker = self.worker.clone();
+        let task = tokio::spawn(async move { worker.write_outcomes(group).await });
+        async move { (n, task.await) }
+    }
+}
+
+impl Drop for OutcomeBuffer {
+    fn drop(&mut self) {
+        if self.rows.is_empty() {
+            return;
+        }
+        let group = std::mem::take(&mut self.rows);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let worker = self.worker.clone();
+                runtime.spawn(async move { worker.write_outcomes(group).await });
+            }
+            Err(_) => warn!(
+                role = ROLE,
+                outcomes = group.len(),
+                "webhook outcomes not written (no runtime); their deliveries come due again when their claim leases end"
+            ),
+        }
+    }
+}
+
+/// Sleeps until `at`, or forever when there is none.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The outcome of a written (`applied`) or stale attempt; logs a stale one.
+fn applied_outcome(row: &OutcomeRow, refused: bool, applied: bool) -> Outcome {
+    if !applied {
+        warn!(
+            role = ROLE,
+            delivery = row.id,
+            attempt = row.attempt,
+            "stale webhook attempt: a later claim superseded it, so its result is not written"
+        );
+        return Outcome::Stale;
+    }
+    match row.next {
+        NextState::Delivered => Outcome::Delivered,
+        NextState::RetryAfter(_) if refused => Outcome::Refused,
+        NextState::RetryAfter(_) => Outcome::Retry,
+        NextState::Dead => Outcome::Dead,
+    }
 }
 
 /// `last_error` for a failure status: the code and the start of the body.
@@ -875,12 +1061,13 @@ mod tests {
         let items = (1..=5)
             .map(|i| (i, format!("test/delivery {i}"), i))
             .collect();
-        let results = each_guarded(items, |i| async move {
+        let results: Vec<_> = guarded(items, |i| async move {
             // Interleave: the panicking item is neither the first to start nor to finish.
             tokio::time::sleep(Duration::from_millis(10 * (5 - i))).await;
             assert_ne!(i, 3, "delivery 3 is poison");
             i * 10
         })
+        .collect()
         .await;
         let mut done: Vec<_> = results
             .iter()

@@ -1,11 +1,16 @@
 //! The two guards: the fence on the claim, and the compare-and-set on the outcome.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use leader::Role;
 use testbed::TestDb;
 use webhook_delivery::Outcome;
 
-use crate::receiver::Receiver;
-use crate::{as_leader, config, deliveries, endpoint, events, make_due, manager, outcomes, worker};
+use crate::receiver::{Receiver, Reply};
+use crate::{
+    as_leader, config, deliveries, endpoint, events, make_due, manager, outcomes, tick, worker,
+};
 
 /// A leader replaced by a takeover claims nothing with its old token, while
 /// the new leader's claim in the same moment takes the due deliveries.
@@ -47,9 +52,10 @@ async fn a_stale_token_claims_nothing_after_a_takeover() {
 /// but the write proving `attempts = 1` matches no row, so nothing is applied
 /// and the attempt is counted as stale. Attempt 2's result is applied.
 ///
-/// Mutation check: removing `AND attempts = $2` from `store::record_outcome`
-/// lets attempt 1's late result mark the delivery delivered; this test was run
-/// against that mutation and failed, then the predicate was restored.
+/// Mutation check: removing `AND d.attempts = o.attempt` from the batched
+/// outcome statement in `store::apply_outcomes` lets attempt 1's late result
+/// mark the delivery delivered; this test was run against that mutation and
+/// failed, then the predicate was restored.
 #[tokio::test]
 async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     let t = TestDb::new().await;
@@ -122,4 +128,57 @@ async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
     assert_eq!(report.delivered, 1, "{report:?}");
     let d = &deliveries(&t.db).await[0];
     assert_eq!((d.status.as_str(), d.attempts), ("delivered", 2));
+}
+
+/// Outcomes that finish together are written as one group (one statement),
+/// and each row of it is still its own compare-and-set: while three attempts
+/// are in flight, a later claim of one of them is forced; that one's result is
+/// refused and counted as stale, the other two are applied.
+#[tokio::test]
+async fn a_grouped_outcome_write_refuses_only_its_stale_rows() {
+    let t = TestDb::new().await;
+    let rx = Arc::new(Receiver::start(|_| Reply::Delayed(Duration::from_millis(300), 200)).await);
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 3).await;
+    let (w, metrics) = worker(&t.db, config());
+    let seen = rx.clone();
+    let mut su = t.superuser().await;
+    let supersede = tokio::spawn(async move {
+        while seen.requests().len() < 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        sqlx::raw_sql(
+            "UPDATE webhook_deliveries SET attempts = attempts + 1 \
+             WHERE id = (SELECT min(id) FROM webhook_deliveries)",
+        )
+        .execute(&mut su)
+        .await
+        .unwrap();
+    });
+    let report = tick(&t.db, &w).await;
+    supersede.await.unwrap();
+    assert_eq!(
+        (report.claimed, report.delivered, report.stale),
+        (3, 2, 1),
+        "{report:?}"
+    );
+    let ds = deliveries(&t.db).await;
+    assert_eq!(
+        (
+            ds[0].status.as_str(),
+            ds[0].attempts,
+            ds[0].last_status_code
+        ),
+        ("pending", 2, None)
+    );
+    assert!(
+        ds[1..]
+            .iter()
+            .all(|d| d.status == "delivered" && d.attempts == 1 && d.last_status_code == Some(200)),
+        "{ds:?}"
+    );
+    assert_eq!(
+        (outcomes(&metrics, "stale"), outcomes(&metrics, "delivered")),
+        (1.0, 2.0)
+    );
 }

@@ -19,6 +19,8 @@ pub enum Reply {
     WithHeaders(u16, Vec<(&'static str, String)>),
     /// Read the request, then never answer (the socket stays open).
     Hang,
+    /// Answer with a status after a pause.
+    Delayed(Duration, u16),
     /// A 200 announcing `len` bytes of body, written in 64 KiB pieces until
     /// done or the client goes away.
     Huge {
@@ -135,6 +137,12 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
             Reply::Hang => {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 return;
+            }
+            Reply::Delayed(pause, code) => {
+                tokio::time::sleep(pause).await;
+                if respond(&mut socket, code, &[], b"").await.is_err() {
+                    return;
+                }
             }
             Reply::Huge { len } => {
                 let head = format!(
