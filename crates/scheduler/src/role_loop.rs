@@ -34,8 +34,8 @@ pub struct RoleSpec {
 /// Poll and lead `spec.role` until `shutdown` is cancelled.
 ///
 /// After a poll that did not win, sleeps until the row says the role could be
-/// claimed (on the database clock, capped at the max poll) plus up to 5 %
-/// jitter, so idle replicas do not poll in lockstep. After a tick, polls again
+/// claimed (on the database clock) plus up to 5 % jitter, so idle replicas
+/// do not poll in lockstep, and never longer than the max poll. After a tick, polls again
 /// at once: ACQUIRE then reports the next due time. A database error backs off
 /// for the max poll. A panic (already logged with its stack by the guard or
 /// the hook) ends the tick, never the loop.
@@ -46,7 +46,7 @@ pub async fn run_role(manager: Manager, spec: RoleSpec, shutdown: CancellationTo
         let work = spec.work.clone();
         let lead = manager.lead(role, spec.interval, &shutdown, move |tick| work(tick));
         let pause = match catch(role.as_str().to_owned(), lead).await {
-            Ok(Ok(TickOutcome::NotLed { retry_in, .. })) => jitter(retry_in),
+            Ok(Ok(TickOutcome::NotLed { retry_in, .. })) => jitter(retry_in).min(max_poll),
             Ok(Ok(_)) => Duration::ZERO,
             Ok(Err(e)) => {
                 error!(role = %role, error = %e, "lease poll failed; retrying");
