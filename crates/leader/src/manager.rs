@@ -204,7 +204,7 @@ impl Manager {
             })
         }));
         let mut work = match work {
-            Ok(fut) => Some(Box::pin(AssertUnwindSafe(fut).catch_unwind())),
+            Ok(fut) => Box::pin(AssertUnwindSafe(fut).catch_unwind()),
             Err(payload) => {
                 self.finish(
                     role,
@@ -234,9 +234,8 @@ impl Manager {
             .run(),
         ));
 
-        let running = work.as_mut().expect("built above");
         let (mut ending, mut result) = tokio::select! {
-            r = &mut *running => (Ending::Returned, Some(r)),
+            r = &mut work => (Ending::Returned, Some(r)),
             _ = lost.token.cancelled() => (Ending::Lost, None),
             _ = shutdown.cancelled() => (Ending::Shutdown, None),
         };
@@ -249,14 +248,12 @@ impl Manager {
         if result.is_none() {
             // Lost or shutting down: ask the work to stop, give it the grace, then drop it.
             cancel.cancel();
-            result = tokio::time::timeout(t.cancel_grace, &mut *running)
-                .await
-                .ok();
+            result = tokio::time::timeout(t.cancel_grace, &mut work).await.ok();
             if result.is_none() {
                 warn!(role = %role, token, grace = ?t.cancel_grace, "tick did not return after cancel; dropped");
             }
         }
-        drop(work.take());
+        drop(work);
         drop(heartbeat);
 
         let panic = match result {
