@@ -22,7 +22,7 @@ use anyhow::{Result, bail, ensure};
 use clap::Parser;
 use db::Db;
 use leader::store::{self, Acquire, Release, Renew};
-use leader::{Manager, Role, Telemetry, TickOutcome, Timing};
+use leader::{Manager, Role, Telemetry, TickEnd, TickOutcome, Timing};
 use serde_json::{Map, Value, json};
 use sqlx::postgres::PgConnection;
 use testbed::{Leg, TestDb};
@@ -265,6 +265,7 @@ async fn cycle(db: &Db, samples: Option<&mut Samples>) -> Result<()> {
         token,
         Release::Completed,
         Duration::ZERO,
+        t.failure_cooldown,
         t.statement_timeout,
     )
     .await?;
@@ -361,7 +362,11 @@ async fn idle_load(args: &Args) -> Result<Idle> {
 /// poll again at once; after an error, back off for the max poll.
 async fn role_loop(m: Manager, role: Role, shutdown: CancellationToken, counts: Arc<Counts>) {
     while !shutdown.is_cancelled() {
-        let outcome = m.lead(role, IDLE_INTERVAL, &shutdown, |_| async {}).await;
+        let outcome = m
+            .lead(role, IDLE_INTERVAL, &shutdown, |_| async {
+                TickEnd::Drained
+            })
+            .await;
         counts.calls.fetch_add(1, Relaxed);
         let pause = match outcome {
             Ok(TickOutcome::NotLed { retry_in, .. }) => {

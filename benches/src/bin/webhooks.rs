@@ -607,6 +607,7 @@ impl Loops {
                         let r = dispatcher.run_tick(&tick).await;
                         t.outbox_ticks.fetch_add(1, Relaxed);
                         t.outbox_events.fetch_add(r.events as u64, Relaxed);
+                        r.end.for_release()
                     }
                 }),
             },
@@ -629,6 +630,7 @@ impl Loops {
                             + r.unrecorded
                             + r.panicked;
                         t.not_delivered.fetch_add(other as u64, Relaxed);
+                        r.end.for_release()
                     }
                 }),
             },

@@ -85,9 +85,7 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
             ));
             Some(scheduler::work(move |tick| {
                 let dispatcher = dispatcher.clone();
-                async move {
-                    dispatcher.run_tick(&tick).await;
-                }
+                async move { dispatcher.run_tick(&tick).await.end.for_release() }
             }))
         }
         Role::WebhookDelivery => {
@@ -98,9 +96,7 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
             )?);
             Some(scheduler::work(move |tick| {
                 let worker = worker.clone();
-                async move {
-                    worker.run_tick(&tick).await;
-                }
+                async move { worker.run_tick(&tick).await.end.for_release() }
             }))
         }
         Role::Billing | Role::Dunning | Role::EmailOutbox => None,

@@ -5,10 +5,12 @@
 //! and the [`Fence`] a won lease hands to the tick's work.
 //!
 //! ```text
-//!             ACQUIRE (1 row)                 work returns
+//!             ACQUIRE (1 row)                 work returns Drained
 //!   idle ───────────────────────▶ leading ─────────────────▶ RELEASE completed
 //!    ▲   0 rows: not due, held,     │  RENEW every heartbeat    (stamps last_tick_*)
 //!    │   paused or cooling down     │
+//!    │                              ├─ work returns MoreWork ─▶ RELEASE more_work (due at once)
+//!    │                              ├─ work returns Failed ───▶ RELEASE failed (min(interval, 30 s))
 //!    │                              ├─ shutdown cancels ──────▶ RELEASE interrupted (no cooldown)
 //!    │                              ├─ RENEW 0 rows / abandon ─▶ RELEASE lost (min(interval, 60 s))
 //!    │                              └─ work panics ───────────▶ RELEASE panicked (interval), re-raise
@@ -42,7 +44,7 @@ mod timing;
 use std::fmt;
 use std::str::FromStr;
 
-pub use manager::{Fence, LostReason, Manager, Tick, TickOutcome};
+pub use manager::{Fence, LostReason, Manager, Tick, TickEnd, TickOutcome};
 pub use store::{LeaseStatus, StoreError};
 pub use telemetry::Telemetry;
 pub use timing::{Timing, TimingError};

@@ -70,6 +70,33 @@ impl LostReason {
     }
 }
 
+/// How a tick's work says it ended; [`Manager::lead`] turns it into a RELEASE
+/// (docs/adr/0007).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "the tick's end decides its release: return it to Manager::lead"]
+pub enum TickEnd {
+    /// Nothing is left: released as completed, due again after the interval.
+    Drained,
+    /// Stopped at its budget with work left: released due again at once,
+    /// without stamping the tick as completed.
+    MoreWork,
+    /// An error the tick could not absorb (a statement timeout, a dropped
+    /// connection, a provider outage): not stamped completed, due again after
+    /// the short failure cooldown (`min(interval, Timing::failure_cooldown)`).
+    Failed(String),
+}
+
+impl TickEnd {
+    /// The `end` label on `hardcount_tick_total` for a tick that returned.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            TickEnd::Drained => "drained",
+            TickEnd::MoreWork => "more_work",
+            TickEnd::Failed(_) => "failed",
+        }
+    }
+}
+
 /// How one call of [`Manager::lead`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TickOutcome {
@@ -79,7 +106,12 @@ pub enum TickOutcome {
         retry_in: Duration,
         paused: bool,
     },
+    /// The work drained its queue; released as completed.
     Completed,
+    /// The work stopped at its budget with work left; released due at once.
+    MoreWork,
+    /// The work failed; released with the failure cooldown.
+    Failed,
     /// Shutdown cancelled the tick.
     Interrupted,
     Lost(LostReason),
@@ -131,7 +163,8 @@ impl Manager {
         &self.db
     }
 
-    /// ACQUIRE `role`; if won, run `work` under the lease and RELEASE it.
+    /// ACQUIRE `role`; if won, run `work` under the lease and RELEASE it as
+    /// the [`TickEnd`] it returns says (docs/adr/0007).
     ///
     /// The work runs with a [`Tick`]: the fence to pass to leader-only claims
     /// and a token cancelled on loss or on `shutdown`. A heartbeat renews the
@@ -160,7 +193,7 @@ impl Manager {
     ) -> Result<TickOutcome, StoreError>
     where
         F: FnOnce(Tick) -> Fut,
-        Fut: Future<Output = ()>,
+        Fut: Future<Output = TickEnd>,
     {
         let t = self.timing;
         let sent = SystemTime::now();
@@ -212,7 +245,7 @@ impl Manager {
                     interval,
                     started,
                     Ending::Returned,
-                    Some(payload),
+                    Err(payload),
                     &lost,
                 )
                 .await;
@@ -256,20 +289,19 @@ impl Manager {
         drop(work);
         drop(heartbeat);
 
-        let panic = match result {
-            Some(Err(payload)) => Some(payload),
-            _ => None,
-        };
+        // No result: the work was dropped after its grace; the ending (lost or
+        // shutdown) decides the release.
+        let result = result.unwrap_or(Ok(TickEnd::Drained));
         Ok(self
-            .finish(role, token, interval, started, ending, panic, &lost)
+            .finish(role, token, interval, started, ending, result, &lost)
             .await)
     }
 
     /// Decide the outcome, report it, RELEASE, and re-raise a panic.
     ///
     /// Precedence: a lost lease first (reported once), then a shutdown that
-    /// cancelled the tick, then a panic. A tick whose work returned before a
-    /// shutdown arrived is not "interrupted".
+    /// cancelled the tick, then a panic, then the work's own [`TickEnd`]. A
+    /// tick whose work returned before a shutdown arrived is not "interrupted".
     #[allow(clippy::too_many_arguments)]
     async fn finish(
         &self,
@@ -278,18 +310,28 @@ impl Manager {
         interval: Duration,
         started: Instant,
         ending: Ending,
-        panic: Option<Box<dyn std::any::Any + Send>>,
+        result: Result<TickEnd, Box<dyn std::any::Any + Send>>,
         lost: &LostSignal,
     ) -> TickOutcome {
         let t = self.timing;
+        let (end, panic) = match result {
+            Ok(end) => (Some(end), None),
+            Err(payload) => (None, Some(payload)),
+        };
         let (outcome, release) = if let Some(reason) = lost.reason() {
             (TickOutcome::Lost(reason), Release::Lost)
         } else if ending == Ending::Shutdown {
             (TickOutcome::Interrupted, Release::Interrupted)
-        } else if panic.is_some() {
-            (TickOutcome::Completed, Release::Panicked)
         } else {
-            (TickOutcome::Completed, Release::Completed)
+            match &end {
+                None => (TickOutcome::Completed, Release::Panicked),
+                Some(TickEnd::Drained) => (TickOutcome::Completed, Release::Completed),
+                Some(TickEnd::MoreWork) => (TickOutcome::MoreWork, Release::MoreWork),
+                Some(TickEnd::Failed(error)) => {
+                    warn!(role = %role, token, %error, "tick failed; released with the failure cooldown");
+                    (TickOutcome::Failed, Release::Failed)
+                }
+            }
         };
         if panic.is_some() && !matches!(outcome, TickOutcome::Lost(_)) {
             self.lease_lost(role, "panicked");
@@ -306,6 +348,7 @@ impl Manager {
                 token,
                 release,
                 interval,
+                t.failure_cooldown,
                 t.statement_timeout,
             ),
         )
@@ -328,6 +371,12 @@ impl Manager {
                 &[("role", role.as_str()), ("outcome", release.as_str())],
             )
             .record(started.elapsed().as_secs_f64());
+        self.telemetry
+            .counter(
+                "hardcount_tick_total",
+                &[("role", role.as_str()), ("end", release.tick_end_label())],
+            )
+            .increment(1);
 
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);

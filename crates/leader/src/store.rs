@@ -170,6 +170,12 @@ pub enum Release {
     Lost,
     /// The work panicked: `not_before = now() + interval`.
     Panicked,
+    /// The work stopped at its budget with work left: not stamped, `not_before`
+    /// cleared, so the role is due again at once (docs/adr/0007).
+    MoreWork,
+    /// The work failed: not stamped, `not_before = now() + min(interval,
+    /// failure cooldown)` (docs/adr/0007).
+    Failed,
 }
 
 impl Release {
@@ -179,6 +185,17 @@ impl Release {
             Release::Interrupted => "interrupted",
             Release::Lost => "lost",
             Release::Panicked => "panicked",
+            Release::MoreWork => "more_work",
+            Release::Failed => "failed",
+        }
+    }
+
+    /// The `end` label on `hardcount_tick_total`: how the tick ended as the
+    /// operator sees it (a completed tick drained its work).
+    pub fn tick_end_label(self) -> &'static str {
+        match self {
+            Release::Completed => "drained",
+            other => other.as_str(),
         }
     }
 }
@@ -191,6 +208,7 @@ pub async fn release(
     token: i64,
     outcome: Release,
     interval: Duration,
+    failure_cooldown: Duration,
     statement_timeout: Duration,
 ) -> Result<bool, StoreError> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -203,12 +221,15 @@ pub async fn release(
                        WHEN 'completed' THEN NULL \
                        WHEN 'lost' THEN now() + LEAST(make_interval(secs => $4), interval '60 seconds') \
                        WHEN 'panicked' THEN now() + make_interval(secs => $4) \
+                       WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \
+                       WHEN 'more_work' THEN NULL \
                        ELSE not_before END \
                  WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL")
             .bind(role.as_str())
             .bind(token)
             .bind(outcome.as_str())
-            .bind(interval.as_secs_f64()),
+            .bind(interval.as_secs_f64())
+            .bind(failure_cooldown.as_secs_f64()),
         )
         .await?;
     tx.commit().await?;

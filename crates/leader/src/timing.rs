@@ -25,6 +25,11 @@ pub struct Timing {
     pub max_poll: Duration,
     /// How long cancelled work may take to return before it is dropped.
     pub cancel_grace: Duration,
+    /// The cooldown after a tick whose work returned `TickEnd::Failed`, capped
+    /// at the role's interval (docs/adr/0007). 30 s: an hourly role retries a
+    /// transient database error within a minute, and a broken one costs at most
+    /// two ticks a minute.
+    pub failure_cooldown: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +69,7 @@ impl Timing {
         abandon_after: Duration::from_secs(6),
         max_poll: Duration::from_secs(5),
         cancel_grace: Duration::from_secs(1),
+        failure_cooldown: Duration::from_secs(30),
     };
 
     /// Shortened timings for tests and benches, checked against the same invariant.
@@ -81,6 +87,16 @@ impl Timing {
             abandon_after,
             max_poll,
             cancel_grace: statement_timeout.min(Duration::from_secs(1)),
+            failure_cooldown: Timing::ADR.failure_cooldown,
+        }
+        .checked()
+    }
+
+    /// The same timings with another failure cooldown (tests shorten it).
+    pub fn with_failure_cooldown(self, cooldown: Duration) -> Result<Timing, TimingError> {
+        Timing {
+            failure_cooldown: cooldown,
+            ..self
         }
         .checked()
     }
@@ -92,6 +108,7 @@ impl Timing {
             self.statement_timeout,
             self.abandon_after,
             self.max_poll,
+            self.failure_cooldown,
         ];
         if all.iter().any(Duration::is_zero) {
             return Err(TimingError::Zero);

@@ -18,6 +18,7 @@ mod role_loop;
 mod status;
 
 pub use config::{ConfigError, RoleConfig, default_interval, parse_duration, roles_from_env};
+pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
 pub use status::{export_status, precreate_series};

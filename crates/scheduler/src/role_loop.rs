@@ -5,20 +5,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use leader::{Manager, Role, Tick, TickOutcome};
+use leader::{Manager, Role, Tick, TickEnd, TickOutcome};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
 use crate::panics::{catch, panic_message};
 
-/// A role's work for one tick.
-pub type Work = Arc<dyn Fn(Tick) -> BoxFuture<'static, ()> + Send + Sync>;
+/// A role's work for one tick. It returns how the tick ended, which decides
+/// the release (drained, more work, failed; docs/adr/0007).
+pub type Work = Arc<dyn Fn(Tick) -> BoxFuture<'static, TickEnd> + Send + Sync>;
 
 /// Wrap an async function of a [`Tick`] as [`Work`].
 pub fn work<F, Fut>(f: F) -> Work
 where
     F: Fn(Tick) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = ()> + Send + 'static,
+    Fut: Future<Output = TickEnd> + Send + 'static,
 {
     Arc::new(move |tick| Box::pin(f(tick)))
 }
@@ -36,7 +37,8 @@ pub struct RoleSpec {
 /// After a poll that did not win, sleeps until the row says the role could be
 /// claimed (on the database clock) plus up to 5 % jitter, so idle replicas
 /// do not poll in lockstep, and never longer than the max poll. After a tick, polls again
-/// at once: ACQUIRE then reports the next due time. A database error backs off
+/// at once: ACQUIRE then reports the next due time (at once after a tick that
+/// stopped with more work, the failure cooldown after a failed one). A database error backs off
 /// for the max poll. A panic (already logged with its stack by the guard or
 /// the hook) ends the tick, never the loop.
 pub async fn run_role(manager: Manager, spec: RoleSpec, shutdown: CancellationToken) {

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use db::Db;
-use leader::{Manager, Role, Telemetry, Tick, TickOutcome, Timing};
+use leader::{Manager, Role, Telemetry, Tick, TickEnd, TickOutcome, Timing};
 use tokio_util::sync::CancellationToken;
 
 /// Short lease timings with the ADR's proportions: TTL 1 s, heartbeat 300 ms,
@@ -50,6 +50,7 @@ where
                 let f = w.take().expect("work runs once");
                 let value = f(tick).await;
                 *slot.lock().unwrap() = Some(value);
+                TickEnd::Drained
             })
             .await
             .unwrap();

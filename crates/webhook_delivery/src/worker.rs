@@ -245,6 +245,18 @@ pub enum TickEnd {
     Failed(Error),
 }
 
+impl TickEnd {
+    /// How the lease manager should release this tick (docs/adr/0007).
+    pub fn for_release(&self) -> leader::TickEnd {
+        match self {
+            TickEnd::BudgetSpent => leader::TickEnd::MoreWork,
+            TickEnd::Failed(e) => leader::TickEnd::Failed(e.to_string()),
+            // A cancelled tick is released as lost or interrupted, whatever it says.
+            _ => leader::TickEnd::Drained,
+        }
+    }
+}
+
 /// What one tick did, per outcome.
 #[derive(Debug)]
 pub struct TickReport {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use db::{Row, sql};
-use leader::{Role, TickOutcome};
+use leader::{Role, TickEnd, TickOutcome};
 use testbed::TestDb;
 use tokio_util::sync::CancellationToken;
 
@@ -72,6 +72,7 @@ async fn contend(replicas: usize, run_for: Duration) {
                             )
                             .await
                             .unwrap();
+                            TickEnd::Drained
                         })
                         .await
                         .unwrap();

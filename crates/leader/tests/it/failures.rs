@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
-use leader::{Fence, LostReason, Role, TickOutcome, Timing};
+use leader::{Fence, LostReason, Role, TickEnd, TickOutcome, Timing};
 use testbed::{Leg, TestDb};
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +20,7 @@ async fn acquire_when_due(m: &leader::Manager, role: Role) -> (Fence, Duration) 
         let out = m
             .lead(role, Duration::ZERO, &shutdown, |tick| async move {
                 *w.lock().unwrap() = Some(tick.fence);
+                TickEnd::Drained
             })
             .await
             .unwrap();
@@ -64,7 +65,7 @@ async fn a_killed_leader_is_replaced_within_ttl_and_its_token_claims_nothing() {
                         &shutdown,
                         |tick| async move {
                             tx.send(tick.fence).unwrap();
-                            std::future::pending::<()>().await
+                            std::future::pending::<TickEnd>().await
                         },
                     )
                     .await;
@@ -114,6 +115,7 @@ async fn a_killed_leader_is_replaced_within_ttl_and_its_token_claims_nothing() {
                     claim_jobs(&db, &old).await,
                     claim_jobs(&db, &tick.fence).await,
                 ));
+                TickEnd::Drained
             },
         )
         .await
@@ -160,6 +162,7 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
                         froze_tx.send(()).unwrap();
                         resume_rx.recv().unwrap(); // frozen here, blocking the runtime
                         *c.lock().unwrap() = Some(claim_jobs(&db, &tick.fence).await);
+                        TickEnd::Drained
                     },
                 )
                 .await
@@ -184,6 +187,7 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
                 resume_tx.send(()).unwrap();
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let _ = db;
+                TickEnd::Drained
             },
         )
         .await
@@ -264,6 +268,7 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
                     .execute(&mut locker)
                     .await
                     .unwrap();
+                TickEnd::Drained
             },
         )
         .await

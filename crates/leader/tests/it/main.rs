@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use leader::{Fence, Manager, Role, Telemetry, Timing};
+use leader::{Fence, Manager, Role, Telemetry, TickEnd, Timing};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use testbed::TestDb;
 
@@ -135,7 +135,9 @@ async fn a_missing_lease_row_is_named_at_boot_and_never_recreated() {
     let (m, _) = manager(&t.db, fast(), "a");
     let shutdown = tokio_util::sync::CancellationToken::new();
     let err = m
-        .lead(Role::Dunning, Duration::ZERO, &shutdown, |_| async {})
+        .lead(Role::Dunning, Duration::ZERO, &shutdown, |_| async {
+            TickEnd::Drained
+        })
         .await
         .unwrap_err()
         .to_string();

@@ -4,7 +4,7 @@ use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use leader::{LostReason, Role, TickOutcome};
+use leader::{LostReason, Role, TickEnd, TickOutcome};
 use testbed::TestDb;
 use tokio_util::sync::CancellationToken;
 
@@ -22,7 +22,7 @@ async fn a_completed_tick_stamps_last_tick_and_the_role_waits_its_interval() {
             Role::Billing,
             Duration::from_secs(3600),
             &shutdown,
-            |_| async {},
+            |_| async { TickEnd::Drained },
         )
         .await
         .unwrap();
@@ -35,7 +35,7 @@ async fn a_completed_tick_stamps_last_tick_and_the_role_waits_its_interval() {
             Role::Billing,
             Duration::from_secs(3600),
             &shutdown,
-            |_| async {},
+            |_| async { TickEnd::Drained },
         )
         .await
         .unwrap()
@@ -74,6 +74,7 @@ async fn pause_mid_tick_cancels_within_a_heartbeat_and_refuses_acquire_everywher
                     .unwrap();
                 *paused_at.lock().unwrap() = Some(Instant::now());
                 tick.cancel.cancelled().await;
+                TickEnd::Drained
             },
         )
         .await
@@ -121,7 +122,9 @@ async fn pause_mid_tick_cancels_within_a_heartbeat_and_refuses_acquire_everywher
         .await
         .unwrap();
     let out = b
-        .lead(Role::EmailOutbox, Duration::ZERO, &shutdown, |_| async {})
+        .lead(Role::EmailOutbox, Duration::ZERO, &shutdown, |_| async {
+            TickEnd::Drained
+        })
         .await
         .unwrap();
     assert_eq!(
@@ -149,6 +152,7 @@ async fn clean_shutdown_releases_at_once_and_another_manager_acquires() {
             |tick| async move {
                 trigger.cancel();
                 tick.cancel.cancelled().await;
+                TickEnd::Drained
             },
         )
         .await
@@ -166,7 +170,7 @@ async fn clean_shutdown_releases_at_once_and_another_manager_acquires() {
             Role::WebhookOutbox,
             Duration::from_secs(60),
             &CancellationToken::new(),
-            |_| async {},
+            |_| async { TickEnd::Drained },
         )
         .await
         .unwrap();

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use leader::{Manager, Role, Telemetry, TickOutcome, Timing};
+use leader::{Manager, Role, Telemetry, TickEnd, TickOutcome, Timing};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use scheduler::{Panics, RoleSpec, run_role, work};
 use testbed::TestDb;
@@ -79,6 +79,7 @@ async fn a_tick_whose_second_step_panics_runs_the_third_and_is_released_as_panic
                     })
                     .await;
                 panics.finish();
+                TickEnd::Drained
             },
         ),
     )
@@ -133,6 +134,7 @@ async fn a_batch_with_one_panicking_item_processes_all_the_others() {
                     )
                     .await;
                 panics.finish();
+                TickEnd::Drained
             },
         ),
     )
@@ -173,6 +175,7 @@ async fn a_panic_in_one_role_leaves_the_other_roles_ticking() {
                 let h = h.clone();
                 async move {
                     h.fetch_add(1, Ordering::SeqCst);
+                    TickEnd::Drained
                 }
             }),
         },
@@ -229,6 +232,7 @@ async fn a_role_loop_ticks_once_per_interval() {
             let c = c.clone();
             async move {
                 c.fetch_add(1, Ordering::SeqCst);
+                TickEnd::Drained
             }
         }),
     };
@@ -243,7 +247,7 @@ async fn a_role_loop_ticks_once_per_interval() {
             Role::WebhookDelivery,
             Duration::from_secs(2),
             &CancellationToken::new(),
-            |_| async {},
+            |_| async { TickEnd::Drained },
         )
         .await
         .unwrap();
@@ -251,4 +255,165 @@ async fn a_role_loop_ticks_once_per_interval() {
         out,
         TickOutcome::NotLed { .. } | TickOutcome::Completed
     ));
+}
+
+/// The claim a failing tick makes: `webhook_events` under a row lock the test
+/// holds, read with a 200 ms server timeout.
+async fn claim_under_timeout(db: &Db) -> Result<(), db::Error> {
+    let mut tx = db.begin_with_timeout(Duration::from_millis(200)).await?;
+    tx.fetch_all(sql(
+        "SELECT id FROM webhook_events WHERE dispatched_at IS NULL FOR UPDATE",
+    ))
+    .await?;
+    tx.commit().await
+}
+
+/// docs/adr/0007: a tick whose claim fails (here the claim's table is locked
+/// past its statement timeout) is not stamped completed and retries after the
+/// failure cooldown (`min(interval, 30 s)`), not after the hourly interval.
+///
+/// Mutation check: releasing `TickEnd::Failed` as completed stamps the tick,
+/// the role then waits an hour, and the second tick never comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_hourly_tick_is_not_a_completion_and_retries_within_a_minute() {
+    let t = TestDb::new().await;
+    let (m, handle, _) = manager(&t.db);
+    // Lock the claim's table from the owner's side for the first tick.
+    let mut owner = t.superuser().await;
+    sqlx::raw_sql("BEGIN; LOCK TABLE webhook_events IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    let ends = Arc::new(Mutex::new(Vec::new()));
+    let (e, db) = (ends.clone(), t.db.clone());
+    let spec = RoleSpec {
+        role: Role::Billing,
+        interval: Duration::from_secs(3600),
+        work: work(move |_| {
+            let (e, db) = (e.clone(), db.clone());
+            async move {
+                let end = match claim_under_timeout(&db).await {
+                    Ok(()) => TickEnd::Drained,
+                    Err(err) => TickEnd::Failed(err.to_string()),
+                };
+                e.lock().unwrap().push(end.clone());
+                end
+            }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let started = std::time::Instant::now();
+    let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
+
+    // The first tick fails: not stamped, a cooldown of about 30 s.
+    while ends.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(ends.lock().unwrap()[0], TickEnd::Failed(_)));
+    let (completed, cooldown) = lease_state(&t.db, Role::Billing).await;
+    assert!(!completed, "a failed tick is not stamped completed");
+    let cooldown = cooldown.expect("released with the failure cooldown");
+    assert!((25.0..=30.0).contains(&cooldown), "cooldown {cooldown}");
+    sqlx::raw_sql("ROLLBACK").execute(&mut owner).await.unwrap();
+
+    // The retry comes after the cooldown and does the work.
+    let deadline = started + Duration::from_secs(60);
+    while ends.lock().unwrap().len() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no retry within a minute of a failed hourly tick"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    l.await.unwrap();
+    let retried_after = started.elapsed();
+    println!("failed hourly tick retried and completed after {retried_after:?}");
+    assert_eq!(ends.lock().unwrap()[1], TickEnd::Drained);
+    assert!(
+        retried_after >= Duration::from_secs(29),
+        "{retried_after:?}"
+    );
+    let (completed, _) = lease_state(&t.db, Role::Billing).await;
+    assert!(completed, "the retry completed the tick");
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_tick_total{role=\"billing\",end=\"failed\"} "
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_tick_total{role=\"billing\",end=\"drained\"} "
+        ),
+        Some(1.0)
+    );
+}
+
+/// docs/adr/0007: a backlog larger than one tick's budget drains in
+/// consecutive ticks with no interval wait between them (the interval here is
+/// an hour), and only the tick that drained it is stamped completed.
+///
+/// Mutation check: releasing `TickEnd::MoreWork` as completed stamps the first
+/// tick, the role waits an hour, and the backlog stays at 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks() {
+    let t = TestDb::new().await;
+    let (m, handle, _) = manager(&t.db);
+    let backlog = Arc::new(AtomicUsize::new(10));
+    let b = backlog.clone();
+    let spec = RoleSpec {
+        role: Role::Dunning,
+        interval: Duration::from_secs(3600),
+        work: work(move |_| {
+            let b = b.clone();
+            async move {
+                // A budget of three items per tick.
+                let left = b.load(Ordering::SeqCst).saturating_sub(3);
+                b.store(left, Ordering::SeqCst);
+                if left > 0 {
+                    TickEnd::MoreWork
+                } else {
+                    TickEnd::Drained
+                }
+            }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let started = std::time::Instant::now();
+    let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
+    while backlog.load(Ordering::SeqCst) > 0 && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let drained_after = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shutdown.cancel();
+    l.await.unwrap();
+    println!("backlog of 4 budgets drained after {drained_after:?}");
+    assert_eq!(
+        backlog.load(Ordering::SeqCst),
+        0,
+        "the backlog drained in consecutive ticks"
+    );
+    assert!(drained_after < Duration::from_secs(5), "{drained_after:?}");
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_tick_total{role=\"dunning\",end=\"more_work\"} "
+        ),
+        Some(3.0)
+    );
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_tick_total{role=\"dunning\",end=\"drained\"} "
+        ),
+        Some(1.0),
+        "no tick after the drained one: it waits the hour"
+    );
+    let (completed, cooldown) = lease_state(&t.db, Role::Dunning).await;
+    assert!(completed && cooldown.is_none());
 }

@@ -26,9 +26,7 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
             interval,
             work: work(move |tick| {
                 let dispatcher = dispatcher.clone();
-                async move {
-                    dispatcher.run_tick(&tick).await;
-                }
+                async move { dispatcher.run_tick(&tick).await.end.for_release() }
             }),
         },
         RoleSpec {
@@ -36,9 +34,7 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
             interval,
             work: work(move |tick| {
                 let w = w.clone();
-                async move {
-                    w.run_tick(&tick).await;
-                }
+                async move { w.run_tick(&tick).await.end.for_release() }
             }),
         },
     ];
