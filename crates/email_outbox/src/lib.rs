@@ -1,5 +1,86 @@
-//! The `email_outbox` role: queued emails sent over SMTP with lettre, marked by CAS.
+//! The email outbox: emails written next to the change that caused them, and the
+//! `email_outbox` role that sends each one over SMTP.
 //!
-//! Not built yet: its issue follows the webhook slice. The test bed can already start
-//! an SMTP sink (`testbed::SmtpSink`). This crate holds no code so that nothing here
-//! pretends to work.
+//! ```text
+//!  producer's transaction             email_outbox tick (leader only)
+//!  ─────────────────────              ────────────────────────────────────────────
+//!  UPDATE invoices …                  claim ≤ batch due queued emails       (fenced,
+//!  enqueue(tx, tenant, email) ──┐       attempts += 1, next_attempt_at       SKIP LOCKED)
+//!  COMMIT                       │       = now() + claim lease
+//!                               └──▶  send each, ≤ max_connections at once, through
+//!                  email_outbox         one pooled lettre transport
+//!                                     ├─ 2xx ───────────────────────────▶ sent
+//!                                     ├─ 4xx, no reply (connect, TLS) ──▶ queued at now() + backoff,
+//!                                     │                                    failed after the last
+//!                                     ├─ 5xx ───────────────────────────▶ failed, reply kept
+//!                                     └─ server unreachable ─▶ the rest handed back unattempted
+//!   every write is a compare-and-set on (id, attempts, queued), in groups, one statement each
+//! ```
+//!
+//! Guarantees:
+//!
+//! - **An email exists iff its producer committed.** [`enqueue`] runs inside the
+//!   caller's [`db::Tx`], and refuses bad input (naming the field) before anything
+//!   is written.
+//! - **At least once, never lost.** A claim moves `next_attempt_at` a lease ahead
+//!   before anything is sent; if the process dies, freezes or loses its lease, the
+//!   email comes due again. Nothing is deleted; a failed email keeps the server's
+//!   last reply.
+//! - **Duplicates** reach a recipient only when a send's result was not recorded
+//!   (the server took the message but the reply was lost, the write failed, or the
+//!   process died between the send and the write). Every attempt carries the
+//!   `Message-ID` fixed at enqueue, so the receiving side can recognise a resend.
+//! - **A late result never overwrites a newer one**: results are written only
+//!   while the row holds the attempt number its claim set.
+//! - **A replaced leader claims nothing**: the claim proves
+//!   `leader_fence('email_outbox', $token)` and takes a [`leader::Fence`].
+//! - **Credentials never reach a log or an error**: `SMTP_URL` is never echoed.
+
+mod config;
+pub mod email;
+mod send;
+pub mod smtp;
+mod store;
+pub mod verdict;
+
+pub use config::{ConfigError, SenderConfig};
+pub use email::{Email, Invalid, MAX_BODY_BYTES};
+pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
+
+/// Why [`enqueue`] refused an email.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    /// Bad input, naming the field. Nothing was sent to the database; the
+    /// caller's transaction is still usable.
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
+    /// The insert failed, which aborts the caller's transaction: roll it back.
+    #[error("could not enqueue the email: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Errors of the sender.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Smtp(#[from] SmtpUrlError),
+    #[error("email outbox store: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Queue `email` for `tenant_id` inside the caller's transaction and return its
+/// id. It is sent only if the caller commits. Its `Message-ID` is fixed here.
+///
+/// # Errors
+/// [`EnqueueError::Invalid`] naming the field (nothing written, `tx` usable);
+/// [`EnqueueError::Db`] when the insert failed (`tx` is aborted).
+pub async fn enqueue(tx: &mut db::Tx, tenant_id: &str, email: &Email) -> Result<i64, EnqueueError> {
+    if tenant_id.trim().is_empty() {
+        return Err(Invalid::EmptyTenant.into());
+    }
+    email.validate()?;
+    let message_id = email::new_message_id(&email.from);
+    Ok(store::insert_email(tx, tenant_id, email, &message_id).await?)
+}

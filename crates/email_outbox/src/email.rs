@@ -1,0 +1,268 @@
+//! An email as producers queue it, its checks, and the MIME message it becomes.
+//! No SQL and no I/O.
+
+use lettre::Message;
+use lettre::message::header::ContentType;
+use lettre::message::{Mailbox, MultiPart, SinglePart};
+
+/// The largest text or HTML body accepted, each: 256 KiB. Receipts and dunning
+/// notices are a few KiB; anything near this is a rendering bug, and refusing it
+/// at enqueue keeps one row from holding a sender's memory or a batch's time.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+/// The most recipients on one email. Billing mail goes to a customer's billing
+/// contacts, a handful at most.
+pub const MAX_RECIPIENTS: usize = 50;
+
+/// The longest subject accepted, in characters.
+pub const MAX_SUBJECT_CHARS: usize = 998;
+
+/// An email to queue. Bodies are rendered before they are queued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Email {
+    /// `billing@example.com` or `Example Billing <billing@example.com>`.
+    pub from: String,
+    /// One or more mailboxes, in the same forms as `from`.
+    pub to: Vec<String>,
+    pub subject: String,
+    pub text: String,
+    /// An HTML alternative to `text`, sent as `multipart/alternative`.
+    pub html: Option<String>,
+}
+
+/// Why an email was refused at enqueue. Nothing was written. Each names the
+/// field; none echoes a body.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("email has an empty tenant_id")]
+    EmptyTenant,
+    #[error("email field `{field}` is not a mailbox ({value:?}): {problem}")]
+    Address {
+        field: &'static str,
+        value: String,
+        problem: String,
+    },
+    #[error("email field `to` is empty: at least one recipient is needed")]
+    NoRecipients,
+    #[error("email field `to` has {count} recipients; at most {MAX_RECIPIENTS} are allowed")]
+    TooManyRecipients { count: usize },
+    #[error("email field `{field}` contains a CR or LF, which would inject a header")]
+    HeaderInjection { field: &'static str },
+    #[error("email field `subject` is empty")]
+    EmptySubject,
+    #[error(
+        "email field `subject` has {chars} characters; at most {MAX_SUBJECT_CHARS} are allowed"
+    )]
+    SubjectTooLong { chars: usize },
+    #[error("email field `{field}` is {bytes} bytes; at most {MAX_BODY_BYTES} are allowed")]
+    BodyTooLarge { field: &'static str, bytes: usize },
+    #[error("email field `{field}` contains a NUL character, which Postgres text cannot store")]
+    Nul { field: &'static str },
+}
+
+impl Email {
+    /// Check every field; the first problem found is returned.
+    ///
+    /// # Errors
+    /// [`Invalid`], naming the field.
+    pub fn validate(&self) -> Result<(), Invalid> {
+        mailbox("from", &self.from)?;
+        if self.to.is_empty() {
+            return Err(Invalid::NoRecipients);
+        }
+        if self.to.len() > MAX_RECIPIENTS {
+            return Err(Invalid::TooManyRecipients {
+                count: self.to.len(),
+            });
+        }
+        for to in &self.to {
+            mailbox("to", to)?;
+        }
+        header_value("subject", &self.subject)?;
+        if self.subject.trim().is_empty() {
+            return Err(Invalid::EmptySubject);
+        }
+        let chars = self.subject.chars().count();
+        if chars > MAX_SUBJECT_CHARS {
+            return Err(Invalid::SubjectTooLong { chars });
+        }
+        body("text", &self.text)?;
+        if let Some(html) = &self.html {
+            body("html", html)?;
+        }
+        Ok(())
+    }
+}
+
+fn header_value(field: &'static str, value: &str) -> Result<(), Invalid> {
+    if value.contains(['\r', '\n']) {
+        return Err(Invalid::HeaderInjection { field });
+    }
+    if value.contains('\0') {
+        return Err(Invalid::Nul { field });
+    }
+    Ok(())
+}
+
+fn mailbox(field: &'static str, value: &str) -> Result<Mailbox, Invalid> {
+    header_value(field, value)?;
+    value.parse::<Mailbox>().map_err(|e| Invalid::Address {
+        field,
+        value: value.to_owned(),
+        problem: e.to_string(),
+    })
+}
+
+fn body(field: &'static str, value: &str) -> Result<(), Invalid> {
+    if value.len() > MAX_BODY_BYTES {
+        return Err(Invalid::BodyTooLarge {
+            field,
+            bytes: value.len(),
+        });
+    }
+    if value.contains('\0') {
+        return Err(Invalid::Nul { field });
+    }
+    Ok(())
+}
+
+/// A `Message-ID` for a new email: random (it reveals no volume), with the
+/// sender's domain on the right as RFC 5322 suggests.
+pub fn new_message_id(from: &str) -> String {
+    let domain = from
+        .parse::<Mailbox>()
+        .map(|m| m.email.domain().to_owned())
+        .unwrap_or_else(|_| "hardcount.invalid".to_owned());
+    format!("<{:032x}@{domain}>", rand::random::<u128>())
+}
+
+/// What a queued row holds, as the claim returns it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Queued {
+    pub id: i64,
+    pub tenant_id: String,
+    /// The claim this send proves in its outcome write.
+    pub attempt: i32,
+    pub message_id: String,
+    pub email: Email,
+}
+
+impl std::fmt::Debug for Queued {
+    // Recipients and bodies are customers' data: keep them out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued")
+            .field("id", &self.id)
+            .field("tenant_id", &self.tenant_id)
+            .field("attempt", &self.attempt)
+            .field("message_id", &self.message_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The MIME message for a queued email: the same `Message-ID` on every attempt.
+///
+/// # Errors
+/// A row that no longer passes the enqueue checks (edited by hand): the
+/// message says which field.
+pub fn message(q: &Queued) -> Result<Message, Invalid> {
+    q.email.validate()?;
+    let mut builder = Message::builder()
+        .from(mailbox("from", &q.email.from)?)
+        .subject(q.email.subject.clone())
+        .message_id(Some(q.message_id.clone()));
+    for to in &q.email.to {
+        builder = builder.to(mailbox("to", to)?);
+    }
+    let built = match &q.email.html {
+        Some(html) => builder.multipart(MultiPart::alternative_plain_html(
+            q.email.text.clone(),
+            html.clone(),
+        )),
+        None => builder.singlepart(
+            SinglePart::builder()
+                .header(ContentType::TEXT_PLAIN)
+                .body(q.email.text.clone()),
+        ),
+    };
+    built.map_err(|e| Invalid::Address {
+        field: "to",
+        value: String::new(),
+        problem: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn email() -> Email {
+        Email {
+            from: "Billing <billing@example.com>".into(),
+            to: vec!["ada@example.org".into()],
+            subject: "Your receipt".into(),
+            text: "Paid: 12.00 EUR".into(),
+            html: Some("<p>Paid: 12.00 EUR</p>".into()),
+        }
+    }
+
+    #[test]
+    fn each_refused_field_is_named() {
+        let cases: Vec<(fn(&mut Email), &str)> = vec![
+            (|e| e.from = "not an address".into(), "`from`"),
+            (|e| e.to = vec!["ada@".into()], "`to`"),
+            (|e| e.to.clear(), "`to` is empty"),
+            (|e| e.to = vec!["x@example.org".into(); 51], "51 recipients"),
+            (
+                |e| e.subject = "Receipt\r\nBcc: all@example.org".into(),
+                "`subject` contains a CR or LF",
+            ),
+            (
+                |e| e.from = "billing@example.com\nBcc: x@example.org".into(),
+                "`from` contains a CR or LF",
+            ),
+            (|e| e.subject = "  ".into(), "`subject` is empty"),
+            (
+                |e| e.text = "x".repeat(MAX_BODY_BYTES + 1),
+                "`text` is 262145 bytes",
+            ),
+            (
+                |e| e.html = Some("x".repeat(MAX_BODY_BYTES + 1)),
+                "`html` is 262145 bytes",
+            ),
+            (|e| e.text = "a\0b".into(), "`text` contains a NUL"),
+        ];
+        for (mutate, expected) in cases {
+            let mut e = email();
+            mutate(&mut e);
+            let err = e.validate().unwrap_err().to_string();
+            assert!(err.contains(expected), "{expected:?} not in {err:?}");
+        }
+        assert_eq!(email().validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_message_carries_its_fixed_message_id_and_both_parts() {
+        let q = Queued {
+            id: 1,
+            tenant_id: "t".into(),
+            attempt: 1,
+            message_id: new_message_id("Billing <billing@example.com>"),
+            email: email(),
+        };
+        assert!(q.message_id.ends_with("@example.com>"), "{}", q.message_id);
+        let raw = String::from_utf8(message(&q).unwrap().formatted()).unwrap();
+        assert!(
+            raw.contains(&format!("Message-ID: {}", q.message_id)),
+            "{raw}"
+        );
+        assert!(raw.contains("multipart/alternative"), "{raw}");
+        assert!(
+            raw.contains("Paid: 12.00 EUR") && raw.contains("<p>Paid"),
+            "{raw}"
+        );
+        assert!(
+            !format!("{q:?}").contains("ada@"),
+            "recipients stay out of Debug"
+        );
+    }
+}
