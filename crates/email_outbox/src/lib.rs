@@ -41,11 +41,13 @@ pub mod email;
 mod send;
 pub mod smtp;
 mod store;
+mod tick;
 pub mod verdict;
 
 pub use config::{ConfigError, SenderConfig};
 pub use email::{Email, Invalid, MAX_BODY_BYTES};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
+pub use tick::{Sender, TickReport};
 
 /// Why [`enqueue`] refused an email.
 #[derive(Debug, thiserror::Error)]

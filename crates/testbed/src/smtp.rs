@@ -1,44 +1,90 @@
-//! A real SMTP server on loopback: Debian's aiosmtpd, keeping messages as maildir files.
+//! A real SMTP server on loopback: Debian's aiosmtpd running `sink/smtp_sink.py`,
+//! keeping messages as maildir files. Tests steer it through recipients
+//! (`reject…@` gets 550, `defer…@` gets 451 once), can stop and restart it on
+//! the same port, and can give it a certificate for STARTTLS ([`TestCa`]).
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/sink/smtp_sink.py");
 
 /// An aiosmtpd process on 127.0.0.1 and a free port; killed on drop.
 pub struct SmtpSink {
     pub port: u16,
     maildir: PathBuf,
-    child: Child,
+    tls: Option<(PathBuf, PathBuf)>,
+    child: Option<Child>,
 }
 
 impl SmtpSink {
+    /// A plain sink (no TLS).
     pub fn start() -> SmtpSink {
+        SmtpSink::launch(None)
+    }
+
+    /// A sink that offers STARTTLS with `ca`'s server certificate and requires it.
+    pub fn start_tls(ca: &TestCa) -> SmtpSink {
+        SmtpSink::launch(Some((ca.server_cert.clone(), ca.server_key.clone())))
+    }
+
+    fn launch(tls: Option<(PathBuf, PathBuf)>) -> SmtpSink {
         let port = free_port();
         let maildir =
             std::env::temp_dir().join(format!("hardcount-smtp-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&maildir).expect("create maildir");
+        let mut sink = SmtpSink {
+            port,
+            maildir,
+            tls,
+            child: None,
+        };
+        sink.restart();
+        sink
+    }
+
+    /// `smtp://127.0.0.1:PORT`, with `?tls=required` for a TLS sink.
+    pub fn url(&self) -> String {
+        match self.tls {
+            Some(_) => format!("smtp://127.0.0.1:{}?tls=required", self.port),
+            None => format!("smtp://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// Stop the server; its port then refuses connections. Messages stay.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Start the server again on the same port (after [`stop`](Self::stop)).
+    pub fn restart(&mut self) {
+        self.stop();
         // The first python3 on PATH may be another interpreter without aiosmtpd.
-        let child = Command::new("/usr/bin/python3")
-            .args(["-m", "aiosmtpd", "-n", "-l", &format!("127.0.0.1:{port}")])
-            .args(["-c", "aiosmtpd.handlers.Mailbox"])
-            .arg(&maildir)
+        let mut cmd = Command::new("/usr/bin/python3");
+        cmd.arg(SCRIPT)
+            .arg(self.port.to_string())
+            .arg(&self.maildir);
+        if let Some((cert, key)) = &self.tls {
+            cmd.arg("--tls-cert").arg(cert).arg("--tls-key").arg(key);
+        }
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("start aiosmtpd (apt-get install python3-aiosmtpd)");
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "aiosmtpd did not listen on {port} within 10 s"
+                "aiosmtpd did not listen on {} within 10 s",
+                self.port
             );
             std::thread::sleep(Duration::from_millis(50));
-        }
-        SmtpSink {
-            port,
-            maildir,
-            child,
         }
     }
 
@@ -60,10 +106,78 @@ impl SmtpSink {
 
 impl Drop for SmtpSink {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
         let _ = std::fs::remove_dir_all(&self.maildir);
     }
+}
+
+/// A throwaway certificate authority and a server certificate it signed for
+/// `127.0.0.1` and `localhost`, made with the `openssl` command. Removed on drop.
+pub struct TestCa {
+    dir: PathBuf,
+    pub ca_cert: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+}
+
+impl TestCa {
+    pub fn new() -> TestCa {
+        let dir = std::env::temp_dir().join(format!(
+            "hardcount-ca-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("create CA dir");
+        let ca = TestCa {
+            ca_cert: dir.join("ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+            dir,
+        };
+        let d = &ca.dir;
+        openssl(d, &["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            "-subj", "/CN=hardcount test CA", "-keyout", "ca.key", "-out", "ca.pem"]);
+        openssl(d, &["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr"]);
+        std::fs::write(
+            d.join("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+        )
+        .expect("write ext.cnf");
+        openssl(d, &["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "server.pem"]);
+        ca
+    }
+
+    /// The CA's certificate, PEM.
+    pub fn ca_pem(&self) -> Vec<u8> {
+        std::fs::read(&self.ca_cert).expect("read ca.pem")
+    }
+}
+
+impl Default for TestCa {
+    fn default() -> TestCa {
+        TestCa::new()
+    }
+}
+
+impl Drop for TestCa {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run openssl (apt-get install openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A port that was free a moment ago on 127.0.0.1.

@@ -1,0 +1,344 @@
+//! The `email_outbox` tick: claim due emails, send them through the pooled
+//! transport at most `max_connections` at a time, write the results in groups.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use db::Db;
+use futures::StreamExt;
+use leader::{Fence, Telemetry, Tick, TickEnd};
+use lettre::{AsyncSmtpTransport, Tokio1Executor};
+use scheduler::Panics;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::email::Queued;
+use crate::store::{self, ResultRow};
+use crate::verdict::{Next, Reply, next_state};
+use crate::{Error, SenderConfig, SmtpUrl, smtp};
+
+const ROLE: &str = "email_outbox";
+
+/// Results written per statement, at most.
+const RESULT_GROUP: usize = 32;
+
+/// What one tick did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct TickReport {
+    pub claimed: usize,
+    pub sent: usize,
+    pub retried: usize,
+    pub failed: usize,
+    /// Results refused by the compare-and-set: the claim was taken over.
+    pub stale: usize,
+    /// Claimed but not sent (server unreachable, out of time, cancelled).
+    pub handed_back: usize,
+    /// Results that could not be written; those emails come due after their lease.
+    pub unrecorded: usize,
+    /// Connections that failed before any SMTP reply.
+    pub unreachable: usize,
+}
+
+/// Sends queued emails. Cheap to clone; clones share the transport.
+#[derive(Clone)]
+pub struct Sender {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    db: Db,
+    config: SenderConfig,
+    transport: AsyncSmtpTransport<Tokio1Executor>,
+    telemetry: Telemetry,
+}
+
+impl std::fmt::Debug for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sender")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sender {
+    /// # Errors
+    /// A config out of range, or a CA that is not PEM.
+    pub fn new(
+        db: Db,
+        config: SenderConfig,
+        smtp_url: &SmtpUrl,
+        ca_pem: Option<&[u8]>,
+        telemetry: Telemetry,
+    ) -> Result<Sender, Error> {
+        config.validate()?;
+        let transport = smtp::transport(smtp_url, ca_pem, config.max_connections, config.send_timeout)?;
+        Ok(Sender {
+            inner: Arc::new(Inner {
+                db,
+                config,
+                transport,
+                telemetry,
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &SenderConfig {
+        &self.inner.config
+    }
+
+    /// One tick: batches until nothing is due ([`TickEnd::Drained`]), the
+    /// budget is spent ([`TickEnd::MoreWork`]), the server is unreachable or a
+    /// claim fails ([`TickEnd::Failed`]: the short cooldown, the rest handed
+    /// back unattempted), or `tick.cancel` fires.
+    ///
+    /// # Panics
+    /// When a send panicked (after the rest of the tick); that email's attempt
+    /// was recorded as failed with no reply.
+    pub async fn run_tick(&self, tick: &Tick) -> (TickEnd, TickReport) {
+        let config = &self.inner.config;
+        let started = Instant::now();
+        let mut panics = Panics::new(ROLE);
+        let mut report = TickReport::default();
+        let end = loop {
+            if tick.cancel.is_cancelled() {
+                break TickEnd::Drained; // released as interrupted or lost
+            }
+            if started.elapsed() >= config.tick_budget {
+                break TickEnd::MoreWork;
+            }
+            let batch = match self.claim_due(&tick.fence, config.batch_size).await {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(role = ROLE, error = %e, "claiming due emails failed");
+                    break TickEnd::Failed(e.to_string());
+                }
+            };
+            let full = batch.len() >= config.batch_size;
+            if batch.is_empty() {
+                break TickEnd::Drained;
+            }
+            let reachable = self
+                .send_batch(batch, &tick.cancel, &mut panics, &mut report)
+                .await;
+            if !reachable {
+                break TickEnd::Failed("the SMTP server is unreachable".to_owned());
+            }
+            if !full {
+                break TickEnd::Drained;
+            }
+        };
+        if !tick.cancel.is_cancelled() {
+            self.refresh_gauges().await;
+        }
+        if report.claimed > 0 {
+            info!(
+                role = ROLE, claimed = report.claimed, sent = report.sent, retried = report.retried,
+                failed = report.failed, stale = report.stale, handed_back = report.handed_back,
+                elapsed = ?started.elapsed(), end = end.as_str(), "emails sent"
+            );
+        } else {
+            debug!(role = ROLE, end = end.as_str(), "no emails due");
+        }
+        panics.finish();
+        (end, report)
+    }
+
+    /// The fenced funnel: claim up to `limit` due emails for one attempt each.
+    ///
+    /// # Errors
+    /// A database error; nothing was claimed.
+    pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Queued>, Error> {
+        let c = &self.inner.config;
+        Ok(store::claim_due(&self.inner.db, fence, limit, c.claim_lease(), c.statement_timeout).await?)
+    }
+
+    /// Send one claimed batch and write its results. The first email goes
+    /// alone: if it gets no reply at all, the server is taken as unreachable,
+    /// the rest are handed back unattempted and this returns false, so a dead
+    /// server costs one connection a tick, not one attempt per email.
+    async fn send_batch(
+        &self,
+        batch: Vec<Queued>,
+        cancel: &CancellationToken,
+        panics: &mut Panics,
+        report: &mut TickReport,
+    ) -> bool {
+        report.claimed += batch.len();
+        let mut rest = batch.into_iter();
+        let Some(first) = rest.next() else {
+            return true;
+        };
+        let (q, reply, panic) = self.attempt(first).await;
+        panics_record(panics, panic);
+        let unreachable = matches!(reply, Reply::NoReply(_));
+        let mut results = vec![self.result(&q, &reply)];
+        if unreachable {
+            report.unreachable += 1;
+            warn!(role = ROLE, error = ?reply, "SMTP server unreachable; handing the batch back");
+            let rest: Vec<Queued> = rest.collect();
+            self.write(&mut results, report).await;
+            self.hand_back(&rest, report).await;
+            return false;
+        }
+        let down = AtomicBool::new(false);
+        let limit = self.inner.config.max_connections as usize;
+        let unsent = std::sync::Mutex::new(Vec::new());
+        let mut sends = futures::stream::iter(rest)
+            .map(|q| {
+                let (down, unsent) = (&down, &unsent);
+                async move {
+                    if cancel.is_cancelled() || down.load(Ordering::Relaxed) {
+                        unsent.lock().unwrap_or_else(|p| p.into_inner()).push(q);
+                        return None;
+                    }
+                    let (q, reply, panic) = self.attempt(q).await;
+                    if matches!(reply, Reply::NoReply(_)) && panic.is_none() {
+                        down.store(true, Ordering::Relaxed);
+                    }
+                    Some((q, reply, panic))
+                }
+            })
+            .buffer_unordered(limit)
+            .ready_chunks(RESULT_GROUP);
+        while let Some(chunk) = sends.next().await {
+            for (q, reply, panic) in chunk.into_iter().flatten() {
+                if matches!(reply, Reply::NoReply(_)) && panic.is_none() {
+                    report.unreachable += 1;
+                }
+                panics_record(panics, panic);
+                results.push(self.result(&q, &reply));
+            }
+            self.write(&mut results, report).await;
+        }
+        drop(sends);
+        let unsent = unsent.into_inner().unwrap_or_else(|p| p.into_inner());
+        self.hand_back(&unsent, report).await;
+        !down.load(Ordering::Relaxed)
+    }
+
+    /// One send under the panic guard: a panic is that email's failed attempt.
+    async fn attempt(&self, q: Queued) -> (Queued, Reply, Option<scheduler::Payload>) {
+        let started = Instant::now();
+        let step = format!("{ROLE}/send email {}", q.id);
+        let deadline = self.inner.config.send_timeout * 4;
+        let out = scheduler::catch(step, crate::send::send(&self.inner.transport, &q, deadline)).await;
+        self.inner
+            .telemetry
+            .histogram("hardcount_email_send_duration_seconds", &[])
+            .record(started.elapsed().as_secs_f64());
+        match out {
+            Ok(reply) => (q, reply, None),
+            Err(payload) => (q, Reply::NoReply("the send panicked".to_owned()), Some(payload)),
+        }
+    }
+
+    fn result(&self, q: &Queued, reply: &Reply) -> ResultRow {
+        let attempt = u32::try_from(q.attempt).unwrap_or(u32::MAX);
+        let jitter = rand::random_range(-1.0..=1.0);
+        let next = next_state(reply, attempt, &self.inner.config.retry_delays, jitter);
+        let (code, text) = match reply {
+            Reply::Accepted { code, text }
+            | Reply::Transient { code, text }
+            | Reply::Permanent { code, text } => (Some(*code).filter(|c| *c > 0), text.clone()),
+            Reply::NoReply(why) => (None, why.clone()),
+        };
+        ResultRow {
+            id: q.id,
+            attempt: q.attempt,
+            next,
+            reply_code: code,
+            reply_text: text,
+        }
+    }
+
+    /// Write the buffered results in one statement; count what was applied.
+    async fn write(&self, results: &mut Vec<ResultRow>, report: &mut TickReport) {
+        if results.is_empty() {
+            return;
+        }
+        let rows = std::mem::take(results);
+        let c = &self.inner.config;
+        match store::record_results(&self.inner.db, &rows, c.statement_timeout).await {
+            Ok(applied) => {
+                for r in &rows {
+                    let class = match r.reply_code {
+                        Some(code) => smtp_class(code),
+                        None => "none",
+                    };
+                    let outcome = if !applied.contains(&(r.id, r.attempt)) {
+                        report.stale += 1;
+                        warn!(role = ROLE, email = r.id, attempt = r.attempt, "stale send result not applied: the claim was taken over");
+                        "stale"
+                    } else {
+                        match r.next {
+                            Next::Sent => {
+                                report.sent += 1;
+                                "sent"
+                            }
+                            Next::RetryAfter(_) => {
+                                report.retried += 1;
+                                "retry"
+                            }
+                            Next::Failed => {
+                                report.failed += 1;
+                                warn!(role = ROLE, email = r.id, code = ?r.reply_code, reply = %r.reply_text, "email failed for good");
+                                "failed"
+                            }
+                        }
+                    };
+                    self.inner
+                        .telemetry
+                        .counter("hardcount_emails_total", &[("outcome", outcome), ("smtp_class", class)])
+                        .increment(1);
+                }
+            }
+            Err(e) => {
+                report.unrecorded += rows.len();
+                warn!(role = ROLE, error = %e, emails = rows.len(), "could not record send results; those emails come due again after their claim lease");
+            }
+        }
+    }
+
+    async fn hand_back(&self, unsent: &[Queued], report: &mut TickReport) {
+        if unsent.is_empty() {
+            return;
+        }
+        let claims: Vec<(i64, i32)> = unsent.iter().map(|q| (q.id, q.attempt)).collect();
+        let c = &self.inner.config;
+        match store::hand_back(&self.inner.db, &claims, c.statement_timeout).await {
+            Ok(n) => report.handed_back += usize::try_from(n).unwrap_or(usize::MAX),
+            Err(e) => warn!(role = ROLE, error = %e, "could not hand back unsent emails; they come due after their claim lease"),
+        }
+    }
+
+    async fn refresh_gauges(&self) {
+        let c = &self.inner.config;
+        match store::backlog(&self.inner.db, c.statement_timeout).await {
+            Ok(b) => {
+                let t = &self.inner.telemetry;
+                t.gauge("hardcount_emails_queued", &[]).set(b.queued as f64);
+                t.gauge("hardcount_emails_failed", &[]).set(b.failed as f64);
+                t.gauge("hardcount_email_oldest_queued_age_seconds", &[])
+                    .set(b.oldest_queued_age);
+            }
+            Err(e) => debug!(role = ROLE, error = %e, "email backlog gauges not refreshed"),
+        }
+    }
+}
+
+fn panics_record(panics: &mut Panics, panic: Option<scheduler::Payload>) {
+    if let Some(p) = panic {
+        panics.record(p);
+    }
+}
+
+/// `2xx`, `4xx` or `5xx`: the `smtp_class` label.
+fn smtp_class(code: u16) -> &'static str {
+    match code {
+        200..=299 => "2xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "none",
+    }
+}
