@@ -63,8 +63,18 @@ impl SenderConfig {
         }
         let s = Duration::from_secs;
         let ranges = [
-            ("send_timeout", self.send_timeout, Duration::from_millis(100), s(300)),
-            ("tick_budget", self.tick_budget, Duration::from_millis(100), s(3600)),
+            (
+                "send_timeout",
+                self.send_timeout,
+                Duration::from_millis(100),
+                s(300),
+            ),
+            (
+                "tick_budget",
+                self.tick_budget,
+                Duration::from_millis(100),
+                s(3600),
+            ),
             (
                 "statement_timeout",
                 self.statement_timeout,

@@ -72,7 +72,12 @@ impl Sender {
         telemetry: Telemetry,
     ) -> Result<Sender, Error> {
         config.validate()?;
-        let transport = smtp::transport(smtp_url, ca_pem, config.max_connections, config.send_timeout)?;
+        let transport = smtp::transport(
+            smtp_url,
+            ca_pem,
+            config.max_connections,
+            config.send_timeout,
+        )?;
         Ok(Sender {
             inner: Arc::new(Inner {
                 db,
@@ -150,7 +155,28 @@ impl Sender {
     /// A database error; nothing was claimed.
     pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Queued>, Error> {
         let c = &self.inner.config;
-        Ok(store::claim_due(&self.inner.db, fence, limit, c.claim_lease(), c.statement_timeout).await?)
+        Ok(store::claim_due(
+            &self.inner.db,
+            fence,
+            limit,
+            c.claim_lease(),
+            c.statement_timeout,
+        )
+        .await?)
+    }
+
+    /// Send emails claimed earlier with [`claim_due`](Self::claim_due) and
+    /// write their results, as a tick does with each batch.
+    ///
+    /// # Panics
+    /// When a send panicked, after the rest of the batch.
+    pub async fn send_claimed(&self, batch: Vec<Queued>) -> TickReport {
+        let mut panics = Panics::new(ROLE);
+        let mut report = TickReport::default();
+        self.send_batch(batch, &CancellationToken::new(), &mut panics, &mut report)
+            .await;
+        panics.finish();
+        report
     }
 
     /// Send one claimed batch and write its results. The first email goes
@@ -222,14 +248,19 @@ impl Sender {
         let started = Instant::now();
         let step = format!("{ROLE}/send email {}", q.id);
         let deadline = self.inner.config.send_timeout * 4;
-        let out = scheduler::catch(step, crate::send::send(&self.inner.transport, &q, deadline)).await;
+        let out =
+            scheduler::catch(step, crate::send::send(&self.inner.transport, &q, deadline)).await;
         self.inner
             .telemetry
             .histogram("hardcount_email_send_duration_seconds", &[])
             .record(started.elapsed().as_secs_f64());
         match out {
             Ok(reply) => (q, reply, None),
-            Err(payload) => (q, Reply::NoReply("the send panicked".to_owned()), Some(payload)),
+            Err(payload) => (
+                q,
+                Reply::NoReply("the send panicked".to_owned()),
+                Some(payload),
+            ),
         }
     }
 
@@ -268,7 +299,12 @@ impl Sender {
                     };
                     let outcome = if !applied.contains(&(r.id, r.attempt)) {
                         report.stale += 1;
-                        warn!(role = ROLE, email = r.id, attempt = r.attempt, "stale send result not applied: the claim was taken over");
+                        warn!(
+                            role = ROLE,
+                            email = r.id,
+                            attempt = r.attempt,
+                            "stale send result not applied: the claim was taken over"
+                        );
                         "stale"
                     } else {
                         match r.next {
@@ -289,7 +325,10 @@ impl Sender {
                     };
                     self.inner
                         .telemetry
-                        .counter("hardcount_emails_total", &[("outcome", outcome), ("smtp_class", class)])
+                        .counter(
+                            "hardcount_emails_total",
+                            &[("outcome", outcome), ("smtp_class", class)],
+                        )
                         .increment(1);
                 }
             }
@@ -308,7 +347,9 @@ impl Sender {
         let c = &self.inner.config;
         match store::hand_back(&self.inner.db, &claims, c.statement_timeout).await {
             Ok(n) => report.handed_back += usize::try_from(n).unwrap_or(usize::MAX),
-            Err(e) => warn!(role = ROLE, error = %e, "could not hand back unsent emails; they come due after their claim lease"),
+            Err(e) => {
+                warn!(role = ROLE, error = %e, "could not hand back unsent emails; they come due after their claim lease")
+            }
         }
     }
 

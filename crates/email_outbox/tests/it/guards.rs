@@ -1,0 +1,123 @@
+//! The guards: the fence on the claim, the compare-and-set on the result, and
+//! the claim lease that brings back what a dead sender claimed.
+
+use std::time::Duration;
+
+use leader::Role;
+use testbed::{SmtpSink, TestDb};
+
+use crate::{as_leader, config, drain, email, make_due, manager, queue, rows, sender};
+
+/// A leader replaced by a takeover claims nothing with its old token, while
+/// the new leader's claim takes the due emails.
+///
+/// Mutation check: removing `AND leader_fence($1, $2)` from `store::claim_due`
+/// makes the old token claim all three; this test was run against that
+/// mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn a_stale_token_claims_nothing_after_a_takeover() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let emails: Vec<_> = (0..3).map(|i| email("ada@example.org", i)).collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let old = as_leader(
+        &manager(&t.db, "old"),
+        Role::EmailOutbox,
+        |tick| async move { tick.fence },
+    )
+    .await;
+    let s2 = s.clone();
+    let (by_old, by_new) = as_leader(
+        &manager(&t.db, "new"),
+        Role::EmailOutbox,
+        |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            let by_old = s2.claim_due(&old, 10).await.unwrap().len();
+            let by_new = s2.claim_due(&tick.fence, 10).await.unwrap().len();
+            (by_old, by_new)
+        },
+    )
+    .await;
+    assert_eq!((by_old, by_new), (0, 3));
+    assert!(rows(&t.db).await.iter().all(|r| r.attempts == 1));
+}
+
+/// Attempt 1 is claimed, its claim lease runs out (forced here) and attempt 2
+/// is claimed and sent. Attempt 1's send then completes: the sink gets a
+/// second copy (at least once), but its result proving `attempts = 1` matches
+/// no row and is counted stale, not applied.
+///
+/// Mutation check: removing `AND m.attempts = o.attempt` from
+/// `store::record_results` lets attempt 1's result be written over attempt
+/// 2's (`stale` stays 0); this test was run against that mutation and failed,
+/// then the predicate was restored.
+#[tokio::test]
+async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let s2 = s.clone();
+    let first = as_leader(&manager(&t.db, "a"), Role::EmailOutbox, |tick| async move {
+        s2.claim_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    make_due(&t).await;
+    let s3 = s.clone();
+    let second = as_leader(&manager(&t.db, "b"), Role::EmailOutbox, |tick| async move {
+        s3.claim_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!((first[0].attempt, second[0].attempt), (1, 2));
+    let newer = s.send_claimed(second).await;
+    assert_eq!(newer.sent, 1);
+    let late = s.send_claimed(first).await;
+    assert_eq!((late.sent, late.stale), (0, 1));
+    let r = &rows(&t.db).await[0];
+    assert_eq!((r.status.as_str(), r.attempts), ("sent", 2));
+    assert_eq!(sink.messages().len(), 2, "both sends reached the server");
+}
+
+/// A sender that dies mid-batch (its tick dropped while sends are in flight)
+/// leaves its claims to their lease; once the lease ends another sender sends
+/// every email. Nothing is lost, and duplicates are bounded by the batch the
+/// dead sender had claimed.
+#[tokio::test]
+async fn a_sender_dropped_mid_batch_loses_nothing() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let emails: Vec<_> = (0..40)
+        .map(|i| email(&format!("r{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 20;
+    c.max_connections = 2;
+    let (s, _) = sender(&t.db, &sink.url(), None, c.clone());
+    let s2 = s.clone();
+    let m = manager(&t.db, "dying");
+    let _ = tokio::time::timeout(
+        Duration::from_millis(150),
+        as_leader(&m, Role::EmailOutbox, |tick| async move {
+            s2.run_tick(&tick).await
+        }),
+    )
+    .await;
+    let before: usize = sink.messages().len();
+    let claimed_unfinished = rows(&t.db)
+        .await
+        .iter()
+        .filter(|r| r.status == "queued" && r.attempts > 0)
+        .count();
+    println!("dying sender: {before} emails reached the sink, {claimed_unfinished} left claimed");
+    assert!(claimed_unfinished <= 20, "at most one batch is in flight");
+    // The lease ends (forced), then another sender takes over.
+    let (s, _) = sender(&t.db, &sink.url(), None, c);
+    drain(&t, &s, 10).await;
+    assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
+    let received = sink.messages().len();
+    let duplicates = received - 40;
+    println!("{received} messages for 40 emails: {duplicates} duplicates");
+    assert!(duplicates <= 20, "duplicates bounded by the claimed batch");
+}

@@ -1,0 +1,130 @@
+//! The email outbox against real Postgres (directly and through PgBouncer) and a
+//! real SMTP server on loopback (the bed's aiosmtpd sink).
+//!
+//! Each guard test names, in its comment, the mutation that makes it fail and
+//! that it was seen failing under.
+
+mod guards;
+mod sending;
+mod tls;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use email_outbox::{Email, Sender, SenderConfig, SmtpUrl, TickReport, enqueue};
+use leader::{Role, Telemetry, TickEnd};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub use testbed::leadership::{as_leader, manager};
+
+/// Fast settings for tests: retries 50 ms apart, three attempts in all.
+pub fn config() -> SenderConfig {
+    SenderConfig {
+        send_timeout: Duration::from_secs(5),
+        tick_budget: Duration::from_secs(10),
+        retry_delays: vec![Duration::from_millis(50), Duration::from_millis(50)],
+        ..SenderConfig::default()
+    }
+}
+
+pub fn sender(
+    db: &Db,
+    url: &str,
+    ca_pem: Option<&[u8]>,
+    config: SenderConfig,
+) -> (Sender, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let url = SmtpUrl::parse(url).unwrap();
+    let s = Sender::new(
+        db.clone(),
+        config,
+        &url,
+        ca_pem,
+        Telemetry::new(Arc::new(recorder)),
+    )
+    .unwrap();
+    (s, handle)
+}
+
+pub fn email(to: &str, n: usize) -> Email {
+    Email {
+        from: "Example Billing <billing@example.com>".into(),
+        to: vec![to.into()],
+        subject: format!("Receipt {n}"),
+        text: format!("Paid invoice {n}: 12.00 EUR"),
+        html: Some(format!("<p>Paid invoice {n}: <b>12.00 EUR</b></p>")),
+    }
+}
+
+/// Queue `emails` for `tenant` in one committed transaction.
+pub async fn queue(db: &Db, tenant: &str, emails: &[Email]) -> Vec<i64> {
+    let mut tx = db.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for e in emails {
+        ids.push(enqueue(&mut tx, tenant, e).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
+/// One tick as the leader of `email_outbox`.
+pub async fn tick(db: &Db, s: &Sender) -> (TickEnd, TickReport) {
+    let s = s.clone();
+    as_leader(
+        &manager(db, "sender"),
+        Role::EmailOutbox,
+        |tick| async move { s.run_tick(&tick).await },
+    )
+    .await
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row_ {
+    pub id: i64,
+    pub status: String,
+    pub attempts: i32,
+    pub reply_code: Option<i32>,
+    pub reply_text: Option<String>,
+    pub message_id: String,
+}
+
+pub async fn rows(db: &Db) -> Vec<Row_> {
+    db.fetch_all(sql(
+        "SELECT id, status, attempts, last_reply_code, last_reply_text, message_id FROM email_outbox ORDER BY id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| Row_ {
+        id: r.get("id"),
+        status: r.get("status"),
+        attempts: r.get("attempts"),
+        reply_code: r.get("last_reply_code"),
+        reply_text: r.get("last_reply_text"),
+        message_id: r.get("message_id"),
+    })
+    .collect()
+}
+
+/// Make every queued email due now (skips a retry's wait).
+pub async fn make_due(t: &testbed::TestDb) {
+    use sqlx::Executor as _;
+    let mut su = t.superuser().await;
+    su.execute("UPDATE email_outbox SET next_attempt_at = now() WHERE status = 'queued'")
+        .await
+        .unwrap();
+}
+
+/// Tick until nothing is queued (at most `ticks` ticks).
+pub async fn drain(t: &testbed::TestDb, s: &Sender, ticks: usize) {
+    for _ in 0..ticks {
+        if rows(&t.db).await.iter().all(|r| r.status != "queued") {
+            return;
+        }
+        make_due(t).await;
+        let _ = tick(&t.db, s).await;
+    }
+    panic!("still queued after {ticks} ticks: {:?}", rows(&t.db).await);
+}

@@ -1,0 +1,174 @@
+//! Sending: what arrives, what the server's replies do, a dead server, bad input.
+
+use email_outbox::{EnqueueError, enqueue};
+use leader::TickEnd;
+use testbed::{SmtpSink, TestDb};
+
+use crate::{config, drain, email, make_due, queue, rows, sender, tick};
+
+#[tokio::test]
+async fn a_queued_email_arrives_with_its_parts_and_its_message_id() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    let (s, handle) = sender(&t.db, &sink.url(), None, config());
+    let (end, report) = tick(&t.db, &s).await;
+    assert_eq!(end, TickEnd::Drained);
+    assert_eq!((report.claimed, report.sent), (1, 1));
+    let row = &rows(&t.db).await[0];
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.reply_code),
+        ("sent", 1, Some(250))
+    );
+    let got = sink.messages();
+    assert_eq!(got.len(), 1);
+    let m = &got[0];
+    for part in [
+        "From: \"Example Billing\" <billing@example.com>",
+        "To: ada@example.org",
+        "Subject: Receipt 1",
+        &format!("Message-ID: {}", row.message_id),
+        "Content-Type: text/plain",
+        "Content-Type: text/html",
+        "Paid invoice 1: 12.00 EUR",
+        "<b>12.00 EUR</b>",
+    ] {
+        assert!(m.contains(part), "{part:?} missing from\n{m}");
+    }
+    let text = handle.render();
+    assert!(
+        text.contains("hardcount_emails_total{outcome=\"sent\",smtp_class=\"2xx\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("hardcount_emails_queued 0"), "{text}");
+}
+
+#[tokio::test]
+async fn a_451_is_retried_and_delivered_and_a_550_fails_at_once_with_its_reply() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let ids = queue(
+        &t.db,
+        "tenant_a",
+        &[
+            email("defer-ada@example.org", 1),
+            email("reject-bob@example.org", 2),
+        ],
+    )
+    .await;
+    let (s, handle) = sender(&t.db, &sink.url(), None, config());
+    let (_, first) = tick(&t.db, &s).await;
+    assert_eq!((first.retried, first.failed, first.sent), (1, 1, 0));
+    let r = rows(&t.db).await;
+    assert_eq!(
+        (r[0].id, r[0].status.as_str(), r[0].reply_code),
+        (ids[0], "queued", Some(451))
+    );
+    assert_eq!(
+        (r[1].status.as_str(), r[1].attempts, r[1].reply_code),
+        ("failed", 1, Some(550))
+    );
+    assert!(
+        r[1].reply_text
+            .as_deref()
+            .unwrap_or("")
+            .contains("mailbox refused"),
+        "{:?}",
+        r[1].reply_text
+    );
+    drain(&t, &s, 5).await;
+    let r = rows(&t.db).await;
+    assert_eq!((r[0].status.as_str(), r[0].attempts), ("sent", 2));
+    assert_eq!(r[1].attempts, 1, "a failed email is not tried again");
+    assert_eq!(sink.messages().len(), 1);
+    let text = handle.render();
+    assert!(
+        text.contains("outcome=\"failed\",smtp_class=\"5xx\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("outcome=\"retry\",smtp_class=\"4xx\"} 1"),
+        "{text}"
+    );
+}
+
+/// The sink stops while ten emails are queued. The tick that meets the dead
+/// server makes one connection attempt (the first email, which counts as a
+/// failed attempt), hands the other nine back unattempted and ends as failed
+/// (the short cooldown). After a restart every email is delivered; none is lost.
+#[tokio::test]
+async fn a_dead_server_costs_one_connection_and_loses_nothing() {
+    let t = TestDb::new().await;
+    let mut sink = SmtpSink::start();
+    let emails: Vec<_> = (0..10)
+        .map(|i| email(&format!("c{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    sink.stop();
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let (end, report) = tick(&t.db, &s).await;
+    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
+    assert_eq!(
+        (
+            report.claimed,
+            report.unreachable,
+            report.retried,
+            report.handed_back
+        ),
+        (10, 1, 1, 9)
+    );
+    let attempts: Vec<i32> = rows(&t.db).await.iter().map(|r| r.attempts).collect();
+    assert_eq!(attempts, [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    sink.restart();
+    drain(&t, &s, 5).await;
+    assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
+    assert_eq!(sink.messages().len(), 10);
+    make_due(&t).await;
+}
+
+#[tokio::test]
+async fn an_enqueue_whose_producer_rolls_back_leaves_nothing_queued() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    enqueue(&mut tx, "tenant_a", &email("ada@example.org", 1))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(rows(&t.db).await.is_empty());
+}
+
+/// Bad input is refused before anything is sent, naming the field, and the
+/// producer's transaction stays usable.
+#[tokio::test]
+async fn bad_input_is_refused_by_field_and_the_transaction_goes_on() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    let mut bad = email("ada@example.org", 1);
+    bad.subject = "Receipt\r\nBcc: everyone@example.org".into();
+    let err = enqueue(&mut tx, "tenant_a", &bad).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::Invalid(_)));
+    assert!(
+        err.to_string().contains("`subject` contains a CR or LF"),
+        "{err}"
+    );
+    let mut bad = email("ada@example", 1);
+    bad.to = vec!["not-an-address".into()];
+    let err = enqueue(&mut tx, "tenant_a", &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`to`") && err.contains("not-an-address"),
+        "{err}"
+    );
+    let err = enqueue(&mut tx, "", &email("ada@example.org", 1))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tenant_id"), "{err}");
+    enqueue(&mut tx, "tenant_a", &email("ada@example.org", 2))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(rows(&t.db).await.len(), 1);
+}
