@@ -238,6 +238,7 @@ impl Sender {
             self.write(&mut results, report).await;
         }
         drop(sends);
+        self.write(&mut results, report).await;
         let unsent = unsent.into_inner().unwrap_or_else(|p| p.into_inner());
         self.hand_back(&unsent, report).await;
         !down.load(Ordering::Relaxed)

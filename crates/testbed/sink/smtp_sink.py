@@ -10,6 +10,7 @@ usage: smtp_sink.py PORT MAILDIR [--tls-cert FILE --tls-key FILE]
 import argparse
 import asyncio
 import mailbox
+import os
 import ssl
 
 from aiosmtpd.controller import Controller
@@ -17,7 +18,9 @@ from aiosmtpd.controller import Controller
 
 class Sink:
     def __init__(self, maildir):
-        self.box = mailbox.Maildir(maildir, create=True)
+        for sub in ("tmp", "new", "cur"):
+            os.makedirs(os.path.join(maildir, sub), exist_ok=True)
+        self.box = mailbox.Maildir(maildir, create=False)
         self.deferred = set()
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options):

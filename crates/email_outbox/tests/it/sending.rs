@@ -14,7 +14,12 @@ async fn a_queued_email_arrives_with_its_parts_and_its_message_id() {
     let (s, handle) = sender(&t.db, &sink.url(), None, config());
     let (end, report) = tick(&t.db, &s).await;
     assert_eq!(end, TickEnd::Drained);
-    assert_eq!((report.claimed, report.sent), (1, 1));
+    assert_eq!(
+        (report.claimed, report.sent),
+        (1, 1),
+        "{report:?} {:?}",
+        rows(&t.db).await
+    );
     let row = &rows(&t.db).await[0];
     assert_eq!(
         (row.status.as_str(), row.attempts, row.reply_code),
