@@ -40,6 +40,21 @@ pub struct TickReport {
     pub unreachable: usize,
 }
 
+impl TickReport {
+    fn add(&mut self, other: &TickReport) {
+        self.sent += other.sent;
+        self.retried += other.retried;
+        self.failed += other.failed;
+        self.stale += other.stale;
+        self.unrecorded += other.unrecorded;
+        self.unreachable += other.unreachable;
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Sends queued emails. Cheap to clone; clones share the transport.
 #[derive(Clone)]
 pub struct Sender {
@@ -207,38 +222,59 @@ impl Sender {
             self.hand_back(&rest, report).await;
             return false;
         }
+        self.write(&mut results, report).await;
         let down = AtomicBool::new(false);
         let limit = self.inner.config.max_connections as usize;
         let unsent = std::sync::Mutex::new(Vec::new());
-        let mut sends = futures::stream::iter(rest)
-            .map(|q| {
-                let (down, unsent) = (&down, &unsent);
-                async move {
-                    if cancel.is_cancelled() || down.load(Ordering::Relaxed) {
-                        unsent.lock().unwrap_or_else(|p| p.into_inner()).push(q);
-                        return None;
+        let caught = std::sync::Mutex::new(Vec::new());
+        // Sends and result writes run side by side: results queue while a group
+        // is being written, and the next write takes up to RESULT_GROUP of them.
+        let (results_tx, mut results_rx) = tokio::sync::mpsc::unbounded_channel();
+        let sends = async {
+            futures::stream::iter(rest)
+                .for_each_concurrent(limit, |q| {
+                    let (down, unsent, caught, results_tx) = (&down, &unsent, &caught, &results_tx);
+                    async move {
+                        if cancel.is_cancelled() || down.load(Ordering::Relaxed) {
+                            lock(unsent).push(q);
+                            return;
+                        }
+                        let (q, reply, panic) = self.attempt(q).await;
+                        let no_reply = matches!(reply, Reply::NoReply(_)) && panic.is_none();
+                        if no_reply {
+                            down.store(true, Ordering::Relaxed);
+                        }
+                        if let Some(p) = panic {
+                            lock(caught).push(p);
+                        }
+                        let _ = results_tx.send((self.result(&q, &reply), no_reply));
                     }
-                    let (q, reply, panic) = self.attempt(q).await;
-                    if matches!(reply, Reply::NoReply(_)) && panic.is_none() {
-                        down.store(true, Ordering::Relaxed);
-                    }
-                    Some((q, reply, panic))
+                })
+                .await;
+            drop(results_tx);
+        };
+        let writes = async {
+            let mut written = TickReport::default();
+            let mut group = Vec::with_capacity(RESULT_GROUP);
+            while let Some((row, no_reply)) = results_rx.recv().await {
+                written.unreachable += usize::from(no_reply);
+                group.push(row);
+                while group.len() < RESULT_GROUP {
+                    let Ok((row, no_reply)) = results_rx.try_recv() else {
+                        break;
+                    };
+                    written.unreachable += usize::from(no_reply);
+                    group.push(row);
                 }
-            })
-            .buffer_unordered(limit)
-            .ready_chunks(RESULT_GROUP);
-        while let Some(chunk) = sends.next().await {
-            for (q, reply, panic) in chunk.into_iter().flatten() {
-                if matches!(reply, Reply::NoReply(_)) && panic.is_none() {
-                    report.unreachable += 1;
-                }
-                panics_record(panics, panic);
-                results.push(self.result(&q, &reply));
+                self.write(&mut group, &mut written).await;
             }
-            self.write(&mut results, report).await;
+            written
+        };
+        let ((), written) = tokio::join!(sends, writes);
+        report.add(&written);
+        for p in caught.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            panics.record(p);
         }
-        drop(sends);
-        self.write(&mut results, report).await;
         let unsent = unsent.into_inner().unwrap_or_else(|p| p.into_inner());
         self.hand_back(&unsent, report).await;
         !down.load(Ordering::Relaxed)
