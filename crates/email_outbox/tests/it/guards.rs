@@ -44,14 +44,15 @@ async fn a_stale_token_claims_nothing_after_a_takeover() {
 }
 
 /// Attempt 1 is claimed, its claim lease runs out (forced here) and attempt 2
-/// is claimed and sent. Attempt 1's send then completes: the sink gets a
-/// second copy (at least once), but its result proving `attempts = 1` matches
-/// no row and is counted stale, not applied.
+/// is claimed. Attempt 1's send then completes while attempt 2 is still out:
+/// the sink gets the message (at least once), but the result proving
+/// `attempts = 1` matches no row and is counted stale, not applied; attempt 2's
+/// result is applied.
 ///
 /// Mutation check: removing `AND m.attempts = o.attempt` from
-/// `store::record_results` lets attempt 1's result be written over attempt
-/// 2's (`stale` stays 0); this test was run against that mutation and failed,
-/// then the predicate was restored.
+/// `store::record_results` lets attempt 1's result mark the email sent while
+/// attempt 2 is out (`stale` stays 0); this test was run against that mutation
+/// and failed, then the predicate was restored.
 #[tokio::test]
 async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     let t = TestDb::new().await;
@@ -70,10 +71,12 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     })
     .await;
     assert_eq!((first[0].attempt, second[0].attempt), (1, 2));
-    let newer = s.send_claimed(second).await;
-    assert_eq!(newer.sent, 1);
     let late = s.send_claimed(first).await;
     assert_eq!((late.sent, late.stale), (0, 1));
+    let r = &rows(&t.db).await[0];
+    assert_eq!((r.status.as_str(), r.attempts), ("queued", 2));
+    let newer = s.send_claimed(second).await;
+    assert_eq!((newer.sent, newer.stale), (1, 0));
     let r = &rows(&t.db).await[0];
     assert_eq!((r.status.as_str(), r.attempts), ("sent", 2));
     assert_eq!(sink.messages().len(), 2, "both sends reached the server");
