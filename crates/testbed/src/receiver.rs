@@ -31,7 +31,9 @@ pub enum Reply {
     Delayed(Duration, u16),
     /// A 200 announcing `len` bytes of body, handed to the connection in
     /// 64 KiB pieces until done or the client goes away.
-    Huge { len: usize },
+    Huge {
+        len: usize,
+    },
 }
 
 /// What the script sees of a request when choosing its answer.
