@@ -153,3 +153,38 @@ fn progress(msg: &str) {
         chrono::Utc::now().format("%H:%M:%S")
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::Args;
+
+    fn methodology() -> String {
+        let doc = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/benchmarks/webhooks.md"
+        );
+        let text = std::fs::read_to_string(doc).unwrap();
+        let end = text
+            .find(benches::GENERATED_BEGIN)
+            .expect("webhooks.md has a generated part");
+        assert!(text.contains(benches::GENERATED_END));
+        text[..end].to_owned()
+    }
+
+    /// A new flag changes what the benchmark does, so the hand-written
+    /// methodology must say what it is for.
+    #[test]
+    fn the_methodology_names_every_flag() {
+        let prose = methodology();
+        for arg in Args::command().get_arguments() {
+            if let Some(long) = arg.get_long().filter(|l| *l != "help") {
+                assert!(
+                    prose.contains(&format!("`--{long}")),
+                    "docs/benchmarks/webhooks.md does not mention --{long}"
+                );
+            }
+        }
+    }
+}
