@@ -288,7 +288,9 @@ impl Pooled {
     }
 
     fn raw(&mut self) -> &mut sqlx::PgConnection {
-        self.conn.as_mut().expect("a Pooled connection is present until dropped")
+        self.conn
+            .as_mut()
+            .expect("a Pooled connection is present until dropped")
     }
 
     /// Send `COMMIT` or `ROLLBACK`; the connection is idle once its reply is read.

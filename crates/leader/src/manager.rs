@@ -178,9 +178,17 @@ impl Manager {
     /// after `cancel_grace`. RELEASE runs on its own `statement_timeout`
     /// deadline whatever happened to the caller.
     ///
+    /// An ACQUIRE answered `abandon_after` or more after it was sent starts no
+    /// work: the lease is released as lost (`LostReason::HeartbeatTimeout`).
+    /// If the heartbeat task ends without a verdict (a panic), the tick is
+    /// abandoned at once (`LostReason::HeartbeatFailed`).
+    ///
     /// # Errors
     /// Only ACQUIRE's: a database error or a missing lease row. A failed
-    /// RELEASE is logged; the lease then expires on its own.
+    /// RELEASE is logged; the lease then expires on its own. A completed tick
+    /// whose RELEASE fails is therefore not stamped and runs again once the
+    /// lease expires: the fence and the claims' CAS guards contain the rerun
+    /// (docs/adr/0008).
     ///
     /// # Panics
     /// If `work` panics, the lease is released as panicked (or as lost or

@@ -19,7 +19,10 @@ pub async fn saturate_bouncer(t: &TestDb) -> Vec<PgConnection> {
         let mut c = PgConnection::connect(&t.app_url(Leg::PgBouncer))
             .await
             .unwrap();
-        sqlx::raw_sql("BEGIN; SELECT 1").execute(&mut c).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT 1")
+            .execute(&mut c)
+            .await
+            .unwrap();
         held.push(c);
     }
     held
@@ -101,7 +104,10 @@ async fn dropped_begins_leave_no_connection_idle_in_transaction() {
             .await
             .unwrap();
         let lag: f64 = row.get("lag");
-        assert!(lag < 0.25, "a transaction began {lag} s before its statement");
+        assert!(
+            lag < 0.25,
+            "a transaction began {lag} s before its statement"
+        );
     }
 }
 
@@ -119,9 +125,8 @@ async fn a_statement_dropped_in_a_transaction_is_rolled_back_before_reuse() {
             .is_err()
     );
     drop(tx);
-    let row = t
-        .db
-        .fetch_one(sql(
+    let row =
+        t.db.fetch_one(sql(
             "SELECT extract(epoch FROM clock_timestamp() - now())::float8 AS lag",
         ))
         .await

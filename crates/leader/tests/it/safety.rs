@@ -29,7 +29,10 @@ async fn saturate_bouncer(t: &TestDb) -> Vec<PgConnection> {
         let mut c = PgConnection::connect(&t.app_url(Leg::PgBouncer))
             .await
             .unwrap();
-        sqlx::raw_sql("BEGIN; SELECT 1").execute(&mut c).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT 1")
+            .execute(&mut c)
+            .await
+            .unwrap();
         held.push(c);
     }
     held
@@ -149,7 +152,10 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
     .fetch_one(&mut su)
     .await
     .unwrap();
-    println!("next ACQUIRE: acquired_at {:.1} ms before clock_timestamp()", lag * 1000.0);
+    println!(
+        "next ACQUIRE: acquired_at {:.1} ms before clock_timestamp()",
+        lag * 1000.0
+    );
     assert!((0.0..0.25).contains(&lag), "acquired_at is {lag} s old");
 }
 
@@ -188,7 +194,10 @@ async fn a_holder_stalled_before_commit_is_replaced_within_ttl_and_pause_answers
         store::renew(&db, role, token, timing.ttl, timing.statement_timeout)
             .await
             .unwrap();
-        let mut tx = db.begin_with_timeout(timing.statement_timeout).await.unwrap();
+        let mut tx = db
+            .begin_with_timeout(timing.statement_timeout)
+            .await
+            .unwrap();
         let n = tx
             .execute(
                 sql("UPDATE leader_leases SET expires_at = statement_timestamp() + make_interval(secs => $3) \
@@ -313,8 +322,12 @@ async fn a_renewal_that_fails_once_is_retried_and_the_tick_keeps_its_lease() {
     assert!(killed.load(Ordering::SeqCst));
     assert_eq!(out, TickOutcome::Completed);
     assert!(
-        series(&metrics, "hardcount_leader_heartbeat_missed_total", "role=\"webhook_delivery\"")
-            .unwrap()
+        series(
+            &metrics,
+            "hardcount_leader_heartbeat_missed_total",
+            "role=\"webhook_delivery\""
+        )
+        .unwrap()
             >= 1.0
     );
     assert!(lease(&t.db, Role::WebhookDelivery).await.completed);
@@ -337,10 +350,15 @@ async fn an_acquire_answered_past_the_abandon_deadline_runs_nothing() {
     let r = ran.clone();
     let lead = tokio::spawn(async move {
         let shutdown = CancellationToken::new();
-        m.lead(Role::EmailOutbox, Duration::ZERO, &shutdown, |_| async move {
-            r.store(true, Ordering::SeqCst);
-            TickEnd::Drained
-        })
+        m.lead(
+            Role::EmailOutbox,
+            Duration::ZERO,
+            &shutdown,
+            |_| async move {
+                r.store(true, Ordering::SeqCst);
+                TickEnd::Drained
+            },
+        )
         .await
         .unwrap()
     });
@@ -348,7 +366,10 @@ async fn an_acquire_answered_past_the_abandon_deadline_runs_nothing() {
     release_bouncer(held).await;
     let out = lead.await.unwrap();
     assert_eq!(out, TickOutcome::Lost(LostReason::HeartbeatTimeout));
-    assert!(!ran.load(Ordering::SeqCst), "the work ran past the abandon deadline");
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "the work ran past the abandon deadline"
+    );
     let l = lease(&t.db, Role::EmailOutbox).await;
     assert!(l.holder_id.is_none() && !l.completed);
     assert_eq!(
@@ -417,18 +438,26 @@ async fn a_panicking_heartbeat_abandons_the_tick() {
     let cancelled_after = Arc::new(Mutex::new(None));
     let c = cancelled_after.clone();
     let out = m
-        .lead(Role::Dunning, Duration::ZERO, &shutdown, |tick| async move {
-            let started = Instant::now();
-            tokio::select! {
-                _ = tick.cancel.cancelled() => *c.lock().unwrap() = Some(started.elapsed()),
-                _ = tokio::time::sleep(timing.ttl * 3) => {}
-            }
-            TickEnd::Drained
-        })
+        .lead(
+            Role::Dunning,
+            Duration::ZERO,
+            &shutdown,
+            |tick| async move {
+                let started = Instant::now();
+                tokio::select! {
+                    _ = tick.cancel.cancelled() => *c.lock().unwrap() = Some(started.elapsed()),
+                    _ = tokio::time::sleep(timing.ttl * 3) => {}
+                }
+                TickEnd::Drained
+            },
+        )
         .await
         .unwrap();
     assert_eq!(out, TickOutcome::Lost(LostReason::HeartbeatFailed));
-    let after = cancelled_after.lock().unwrap().expect("the work was cancelled");
+    let after = cancelled_after
+        .lock()
+        .unwrap()
+        .expect("the work was cancelled");
     assert!(after < timing.ttl, "{after:?}");
 }
 
@@ -469,9 +498,10 @@ async fn a_token_is_never_below_the_epoch_milliseconds_of_its_acquire() {
         panic!("{won:?}")
     };
     assert!(token >= before_ms, "token {token} < epoch ms {before_ms}");
-    let r = t
-        .db
-        .fetch_one(sql("SELECT holder_token FROM leader_leases WHERE role = 'webhook_outbox'"))
+    let r =
+        t.db.fetch_one(sql(
+            "SELECT holder_token FROM leader_leases WHERE role = 'webhook_outbox'",
+        ))
         .await
         .unwrap();
     assert_eq!(r.get::<i64, _>("holder_token"), token);
