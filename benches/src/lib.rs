@@ -3,10 +3,10 @@
 //! where the reports go.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use serde_json::{Map, Value, json};
 use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Row};
@@ -18,6 +18,55 @@ pub fn report_dir(out_dir: Option<PathBuf>) -> Result<PathBuf> {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/benchmarks"));
     std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("create {}: {e}", dir.display()))?;
     Ok(dir.canonicalize()?)
+}
+
+/// Opens the part of a report that the benchmark writes; everything outside the
+/// markers is written by hand and kept as it is.
+pub const GENERATED_BEGIN: &str = "<!-- generated: begin -->";
+/// Closes the generated part of a report.
+pub const GENERATED_END: &str = "<!-- generated: end -->";
+
+/// `doc` with the text between its markers replaced by `generated`.
+///
+/// # Errors
+/// When `doc` lacks either marker, or has them out of order.
+pub fn splice_generated(doc: &str, generated: &str) -> Result<String> {
+    let begin = doc
+        .find(GENERATED_BEGIN)
+        .with_context(|| format!("no `{GENERATED_BEGIN}` line"))?;
+    let end = doc
+        .find(GENERATED_END)
+        .filter(|&end| end > begin)
+        .with_context(|| format!("no `{GENERATED_END}` line after `{GENERATED_BEGIN}`"))?;
+    let head = &doc[..begin + GENERATED_BEGIN.len()];
+    let tail = &doc[end..];
+    let body = generated.trim_matches('\n');
+    Ok(format!("{head}\n{body}\n{tail}"))
+}
+
+/// Replace the generated part of `dir/name` with `generated`, keeping its
+/// hand-written text. When that file does not exist yet (an `--out-dir` for an
+/// experiment), the hand-written text comes from this workspace's copy in
+/// `docs/benchmarks`.
+pub fn write_generated(dir: &Path, name: &str, generated: &str) -> Result<()> {
+    let target = dir.join(name);
+    let source = if target.exists() {
+        target.clone()
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../docs/benchmarks")
+            .join(name)
+    };
+    let doc =
+        std::fs::read_to_string(&source).with_context(|| format!("read {}", source.display()))?;
+    let spliced = splice_generated(&doc, generated)
+        .with_context(|| format!("{}: where does the generated part go?", source.display()))?;
+    std::fs::write(&target, spliced).with_context(|| format!("write {}", target.display()))
+}
+
+/// CPUs this process may run on (1 when unknown).
+pub fn nproc() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// What the figures were measured on: CPU, memory, load at the start, versions.
@@ -341,4 +390,35 @@ fn clock_ticks_per_second() -> f64 {
             .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
             .unwrap_or(100.0)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splicing_replaces_only_the_generated_part() {
+        let doc = format!(
+            "# Title\n\nHand-written.\n\n{GENERATED_BEGIN}\nold table\n{GENERATED_END}\n\nMore prose.\n"
+        );
+        let out = splice_generated(&doc, "\nnew table\n\n").unwrap();
+        assert_eq!(
+            out,
+            format!(
+                "# Title\n\nHand-written.\n\n{GENERATED_BEGIN}\nnew table\n{GENERATED_END}\n\nMore prose.\n"
+            )
+        );
+        assert_eq!(
+            splice_generated(&out, "new table").unwrap(),
+            out,
+            "idempotent"
+        );
+    }
+
+    #[test]
+    fn a_report_without_markers_is_refused() {
+        assert!(splice_generated("# Title\nprose\n", "table").is_err());
+        let reversed = format!("{GENERATED_END}\n{GENERATED_BEGIN}\n");
+        assert!(splice_generated(&reversed, "table").is_err());
+    }
 }

@@ -20,6 +20,7 @@ mod schema;
 
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions};
 use sqlx::query::Query;
 use sqlx::{Encode, PgPool, Postgres, Type};
@@ -126,24 +127,37 @@ impl Db {
     }
 
     /// Begin a transaction on one server connection.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: see [`Db::begin_with_timeout`].
     pub async fn begin(&self) -> Result<Tx> {
-        Ok(Tx {
-            inner: self.pool.begin().await?,
-        })
+        Tx::begin(&self.pool, "BEGIN".to_owned()).await
     }
 
-    /// Begin a transaction whose statements the server cancels after `limit`.
+    /// Begin a transaction whose statements the server cancels after `limit`,
+    /// and which the server ends if the client leaves it idle for longer than
+    /// `limit` (at least [`MIN_IDLE_IN_TRANSACTION`]) between two statements.
     ///
     /// `SET LOCAL` lives and dies with the transaction, so no session state
-    /// leaks to the next client of the pooled server connection.
+    /// leaks to the next client of the pooled server connection. The idle
+    /// bound is what stops a stalled client (SIGSTOP, a VM pause, a partition)
+    /// from holding a row lock until its session ends (docs/adr/0008).
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future at any point never returns a
+    /// connection to the pool inside a transaction it did not finish. Once
+    /// `BEGIN` may have been sent and its reply has not been read, the
+    /// connection's state is unknown and it is closed instead (docs/adr/0008).
     pub async fn begin_with_timeout(&self, limit: Duration) -> Result<Tx> {
-        // One simple-protocol message, one round trip. The only value spliced
-        // in is an integer, so nothing from outside reaches the SQL text.
+        // One simple-protocol message, one round trip. The only values spliced
+        // in are integers, so nothing from outside reaches the SQL text.
         let ms = limit.as_millis().max(1);
-        let begin = format!("BEGIN; SET LOCAL statement_timeout = {ms}");
-        Ok(Tx {
-            inner: self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?,
-        })
+        let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
+        let begin = format!(
+            "BEGIN; SET LOCAL statement_timeout = {ms}; \
+             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
+        );
+        Tx::begin(&self.pool, begin).await
     }
 
     /// Run one statement in its own transaction and return its one row.
@@ -184,34 +198,133 @@ impl Db {
     }
 }
 
+/// The floor of the idle-in-transaction bound [`Db::begin_with_timeout`]
+/// sets: a loaded client's scheduling gap between two statements of a short
+/// transaction is not a stall.
+pub const MIN_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(1);
+
 /// A transaction on the app pool. Dropped without [`Tx::commit`], it rolls back.
+///
+/// sqlx 0.9.0 counts a transaction as begun only once `BEGIN`'s reply has
+/// arrived, so a dropped `begin` future queues no `ROLLBACK` and the pool
+/// takes the connection back "idle in transaction" (sqlx issues 4385, 4393).
+/// `Tx` therefore tracks the transaction itself, on a [`Pooled`] connection
+/// that goes back to the pool only when it is known to be outside a
+/// transaction, and is closed otherwise.
 pub struct Tx {
-    inner: sqlx::Transaction<'static, Postgres>,
+    conn: Pooled,
 }
 
 impl Tx {
+    async fn begin(pool: &PgPool, begin: String) -> Result<Tx> {
+        let mut conn = Pooled::new(pool.acquire().await?);
+        // From the first poll of the BEGIN the connection's state is unknown:
+        // until its reply is read, a drop closes the connection.
+        conn.state = State::Unknown;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
+            .execute(conn.raw())
+            .await?;
+        conn.state = State::InTransaction;
+        Ok(Tx { conn })
+    }
+
     pub async fn fetch_one(&mut self, stmt: Stmt<'_>) -> Result<PgRow> {
-        Ok(stmt.0.fetch_one(&mut *self.inner).await?)
+        Ok(stmt.0.fetch_one(self.conn.raw()).await?)
     }
 
     pub async fn fetch_optional(&mut self, stmt: Stmt<'_>) -> Result<Option<PgRow>> {
-        Ok(stmt.0.fetch_optional(&mut *self.inner).await?)
+        Ok(stmt.0.fetch_optional(self.conn.raw()).await?)
     }
 
     pub async fn fetch_all(&mut self, stmt: Stmt<'_>) -> Result<Vec<PgRow>> {
-        Ok(stmt.0.fetch_all(&mut *self.inner).await?)
+        Ok(stmt.0.fetch_all(self.conn.raw()).await?)
     }
 
     pub async fn execute(&mut self, stmt: Stmt<'_>) -> Result<u64> {
-        Ok(stmt.0.execute(&mut *self.inner).await?.rows_affected())
+        Ok(stmt.0.execute(self.conn.raw()).await?.rows_affected())
     }
 
-    pub async fn commit(self) -> Result<()> {
-        Ok(self.inner.commit().await?)
+    /// # Cancel safety
+    /// Dropped before `COMMIT`'s reply, the connection is closed: the server
+    /// rolls back unless the `COMMIT` already ran.
+    pub async fn commit(mut self) -> Result<()> {
+        self.conn.finish("COMMIT").await
     }
 
-    pub async fn rollback(self) -> Result<()> {
-        Ok(self.inner.rollback().await?)
+    pub async fn rollback(mut self) -> Result<()> {
+        self.conn.finish("ROLLBACK").await
+    }
+}
+
+/// What is known of a pooled connection's transaction state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Outside any transaction, every reply read: safe to pool.
+    Idle,
+    /// A transaction we began and have not ended.
+    InTransaction,
+    /// A statement that may open or close a transaction is in flight.
+    Unknown,
+}
+
+/// A pooled connection that returns to the pool only when [`State::Idle`].
+///
+/// Dropped in a transaction, it is rolled back on a task of its own when a
+/// runtime is there to run one (and closed if that task is dropped or the
+/// `ROLLBACK` fails); dropped in an unknown state, it is detached from the
+/// pool and its socket closed, which ends any transaction on the server
+/// (through PgBouncer, the server connection it held is closed).
+struct Pooled {
+    conn: Option<PoolConnection<Postgres>>,
+    state: State,
+}
+
+impl Pooled {
+    fn new(conn: PoolConnection<Postgres>) -> Pooled {
+        Pooled {
+            conn: Some(conn),
+            state: State::Idle,
+        }
+    }
+
+    fn raw(&mut self) -> &mut sqlx::PgConnection {
+        self.conn
+            .as_mut()
+            .expect("a Pooled connection is present until dropped")
+    }
+
+    /// Send `COMMIT` or `ROLLBACK`; the connection is idle once its reply is read.
+    async fn finish(&mut self, end: &'static str) -> Result<()> {
+        self.state = State::Unknown;
+        sqlx::raw_sql(end).execute(self.raw()).await?;
+        self.state = State::Idle;
+        Ok(())
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else { return };
+        match self.state {
+            State::Idle => drop(conn),
+            State::InTransaction => match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    // Unknown until the ROLLBACK's reply: a task dropped
+                    // before that (a runtime shutting down) closes it.
+                    let mut conn = Pooled {
+                        conn: Some(conn),
+                        state: State::Unknown,
+                    };
+                    rt.spawn(async move {
+                        // Drains any reply still pending from a dropped
+                        // statement, then ends the transaction.
+                        let _ = conn.finish("ROLLBACK").await;
+                    });
+                }
+                Err(_) => drop(conn.detach()),
+            },
+            State::Unknown => drop(conn.detach()),
+        }
     }
 }
 

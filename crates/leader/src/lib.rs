@@ -20,10 +20,25 @@
 //! The trust window: the work may act as leader from ACQUIRE until the first of
 //! (a) a RENEW that finds no row of ours, (b) `abandon_after` since the send
 //! instant of the last acknowledged statement that set the expiry (ACQUIRE,
-//! then each RENEW), measured on the monotonic clock. Because `abandon_after +
+//! then each RENEW), measured on the monotonic clock, (c) the heartbeat task
+//! ending without a verdict (a panic). Because `abandon_after +
 //! statement_timeout < ttl`, no lease statement of ours is started or still
 //! running on the server when another replica can acquire, and the work is
-//! cancelled by then.
+//! cancelled by then. An ACQUIRE answered `abandon_after` or more after its
+//! send opens no window: the work is not started and the lease is released
+//! as lost. A missed beat is retried after `Timing::retry_pause` while a whole
+//! statement still fits before the abandon deadline, so one transient error
+//! does not lose the tick.
+//!
+//! What makes the window hold on the server (docs/adr/0008): each lease
+//! statement runs in a transaction `db` began one round trip earlier on a
+//! connection that is never pooled inside a transaction it did not finish
+//! (a dropped BEGIN closes its connection); expiry is set and compared with
+//! `statement_timestamp()`, and so is the fence; and every lease transaction
+//! is ended by the server if its client stalls for `max(statement_timeout,
+//! 1 s)`, so a frozen holder cannot keep the row locked past its TTL.
+//! Tokens are at least the epoch milliseconds of their ACQUIRE, so they are
+//! not reissued after a restore that lost committed ACQUIREs.
 //!
 //! The window does not bound the work's own statements: a job's statement may
 //! run on past it (its own timeout, the cancel grace), and a frozen process

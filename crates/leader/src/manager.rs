@@ -55,8 +55,12 @@ pub enum LostReason {
     Superseded,
     /// A RENEW found the role paused.
     Paused,
-    /// No RENEW was acknowledged for `abandon_after`.
+    /// No RENEW was acknowledged for `abandon_after`, or ACQUIRE itself was
+    /// answered only after that long.
     HeartbeatTimeout,
+    /// The heartbeat task ended without a verdict (it panicked): nothing
+    /// renews the lease, so the tick is abandoned at once.
+    HeartbeatFailed,
 }
 
 impl LostReason {
@@ -66,6 +70,7 @@ impl LostReason {
             LostReason::Superseded => "superseded",
             LostReason::Paused => "paused",
             LostReason::HeartbeatTimeout => "heartbeat_timeout",
+            LostReason::HeartbeatFailed => "heartbeat_failed",
         }
     }
 }
@@ -173,9 +178,17 @@ impl Manager {
     /// after `cancel_grace`. RELEASE runs on its own `statement_timeout`
     /// deadline whatever happened to the caller.
     ///
+    /// An ACQUIRE answered `abandon_after` or more after it was sent starts no
+    /// work: the lease is released as lost (`LostReason::HeartbeatTimeout`).
+    /// If the heartbeat task ends without a verdict (a panic), the tick is
+    /// abandoned at once (`LostReason::HeartbeatFailed`).
+    ///
     /// # Errors
     /// Only ACQUIRE's: a database error or a missing lease row. A failed
-    /// RELEASE is logged; the lease then expires on its own.
+    /// RELEASE is logged; the lease then expires on its own. A completed tick
+    /// whose RELEASE fails is therefore not stamped and runs again once the
+    /// lease expires: the fence and the claims' CAS guards contain the rerun
+    /// (docs/adr/0008).
     ///
     /// # Panics
     /// If `work` panics, the lease is released as panicked (or as lost or
@@ -222,11 +235,31 @@ impl Manager {
                 token
             }
         };
-        info!(role = %role, token, holder = %self.holder_id, "lease acquired");
         let started = Instant::now();
+        let lost = LostSignal::default();
+        // The trust window counts from ACQUIRE's send. A reply that came back
+        // after the abandon deadline (queued in a pooler, a stalled process)
+        // leaves no window to work in: run nothing and release it as lost.
+        let waited = acquire_sent.elapsed();
+        if waited >= t.abandon_after {
+            warn!(role = %role, token, waited = ?waited, abandon_after = ?t.abandon_after,
+                  "ACQUIRE answered past the abandon deadline; not starting the tick");
+            lost.set(LostReason::HeartbeatTimeout);
+            return Ok(self
+                .finish(
+                    role,
+                    token,
+                    interval,
+                    started,
+                    Ending::Lost,
+                    Ok(TickEnd::Drained),
+                    &lost,
+                )
+                .await);
+        }
+        info!(role = %role, token, holder = %self.holder_id, "lease acquired");
         let fence = Fence { role, token };
         let cancel = shutdown.child_token();
-        let lost = LostSignal::default();
 
         // Build the work before the heartbeat exists, so a closure that panics
         // while building it leaves nothing running.
@@ -267,9 +300,21 @@ impl Manager {
             .run(),
         ));
 
+        let mut heartbeat = heartbeat;
         let (mut ending, mut result) = tokio::select! {
             r = &mut work => (Ending::Returned, Some(r)),
             _ = lost.token.cancelled() => (Ending::Lost, None),
+            ended = &mut heartbeat.0 => {
+                // The heartbeat returns only after reporting a loss. Ending
+                // without one (a panic) leaves nothing renewing the lease, so
+                // nothing would abandon it either: abandon now.
+                if lost.reason().is_none() {
+                    let panicked = ended.as_ref().err().is_some_and(|e| e.is_panic());
+                    warn!(role = %role, token, panicked, "the heartbeat ended without a verdict; abandoning the lease");
+                    lost.set(LostReason::HeartbeatFailed);
+                }
+                (Ending::Lost, None)
+            }
             _ = shutdown.cancelled() => (Ending::Shutdown, None),
         };
         // Work that returned once shutdown had begun was cut short by it (its
@@ -467,21 +512,27 @@ impl Heartbeat {
     /// acknowledged RENEW) on the monotonic clock; "abandon" is checked before
     /// each RENEW is sent and raced against one in flight, so no RENEW starts
     /// after it and the work is cancelled on time even if the database hangs.
+    ///
+    /// A missed beat (an error or no answer) is retried after
+    /// [`Timing::retry_pause`] while a whole statement still fits before the
+    /// abandon deadline, so one transient failure does not lose the lease.
     async fn run(self) {
         let t = self.timing;
         let mut last_ack = self.last_ack;
-        let mut last_sent = last_ack;
+        let mut next_beat = last_ack + t.heartbeat;
+        let mut retrying = false;
         loop {
-            let next_beat = last_sent + t.heartbeat;
             let abandon_at = last_ack + t.abandon_after;
             tokio::time::sleep_until(next_beat.min(abandon_at).into()).await;
-            if Instant::now() >= abandon_at {
+            let now = Instant::now();
+            if now >= abandon_at || (retrying && now + t.statement_timeout >= abandon_at) {
+                // A retry that cannot finish before the deadline is not sent.
+                tokio::time::sleep_until(abandon_at.into()).await;
                 self.abandon(last_ack);
                 return;
             }
             let sent_at = Instant::now();
             let sent_wall = SystemTime::now();
-            last_sent = sent_at;
             let renew = store::renew(&self.db, self.role, self.token, t.ttl, t.statement_timeout);
             // The server cancels the statement at statement_timeout; the client
             // gives it a little longer to say so. Abandon does not wait for it.
@@ -497,6 +548,8 @@ impl Heartbeat {
             match outcome {
                 Ok(Ok(Renew::Extended { db_now_epoch })) => {
                     last_ack = sent_at;
+                    next_beat = sent_at + t.heartbeat;
+                    retrying = false;
                     self.manager
                         .observe_drift(self.role, sent_wall, db_now_epoch);
                 }
@@ -512,6 +565,12 @@ impl Heartbeat {
                 }
                 Ok(Err(e)) => self.missed(&e.to_string()),
                 Err(_) => self.missed("no answer within the statement timeout"),
+            }
+            if last_ack != sent_at {
+                // Missed: retry soon rather than at the next regular beat,
+                // which would land on the abandon deadline.
+                next_beat = Instant::now() + t.retry_pause();
+                retrying = true;
             }
         }
     }

@@ -1,6 +1,10 @@
 //! All of `leader_leases`' SQL. Each lease statement is one self-contained
 //! statement evaluated on the database clock; none compares a database
-//! timestamp with an application one.
+//! timestamp with an application one. ACQUIRE and RENEW read
+//! `statement_timestamp()`, not `now()`: `now()` is the start of the
+//! transaction, and a lease's expiry and its predicates must hold when the
+//! statement runs (docs/adr/0008). RELEASE's stamps keep `now()`, one round
+//! trip older, on the transaction it began itself.
 
 use std::time::Duration;
 
@@ -56,26 +60,31 @@ pub async fn acquire(
     statement_timeout: Duration,
 ) -> Result<Acquire, StoreError> {
     // Under a server timeout: a claim stuck behind a row lock must not come
-    // back long after its own now(), with a lease that is already short.
+    // back long after its own statement_timestamp(), with a lease that is
+    // already short. The token is at least the epoch milliseconds of the claim,
+    // so committed ACQUIREs lost in a failover or restore cannot make a token
+    // be issued twice (the seed uses the same unit).
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
         .fetch_optional(
             sql("WITH claimed AS ( \
                    UPDATE leader_leases \
-                   SET holder_token = holder_token + 1, holder_id = $2, acquired_at = now(), \
-                       expires_at = now() + make_interval(secs => $3) \
+                   SET holder_token = GREATEST(holder_token + 1, \
+                                              (extract(epoch FROM clock_timestamp()) * 1000)::bigint), \
+                       holder_id = $2, acquired_at = statement_timestamp(), \
+                       expires_at = statement_timestamp() + make_interval(secs => $3) \
                    WHERE role = $1 \
                      AND paused_at IS NULL \
-                     AND (expires_at IS NULL OR expires_at <= now()) \
-                     AND (last_tick_ended_at IS NULL OR last_tick_ended_at <= now() - make_interval(secs => $4)) \
-                     AND (not_before IS NULL OR not_before <= now()) \
+                     AND (expires_at IS NULL OR expires_at <= statement_timestamp()) \
+                     AND (last_tick_ended_at IS NULL OR last_tick_ended_at <= statement_timestamp() - make_interval(secs => $4)) \
+                     AND (not_before IS NULL OR not_before <= statement_timestamp()) \
                    RETURNING holder_token) \
                  SELECT (SELECT holder_token FROM claimed) AS token, \
-                        extract(epoch FROM now())::float8 AS db_now, \
+                        extract(epoch FROM statement_timestamp())::float8 AS db_now, \
                         l.paused_at IS NOT NULL AS paused, \
                         extract(epoch FROM GREATEST(l.expires_at, \
                                                     l.last_tick_ended_at + make_interval(secs => $4), \
-                                                    l.not_before) - now())::float8 AS due_in \
+                                                    l.not_before) - statement_timestamp())::float8 AS due_in \
                  FROM leader_leases l WHERE l.role = $1")
             .bind(role.as_str())
             .bind(holder.to_owned())
@@ -126,9 +135,9 @@ pub async fn renew(
     let row = tx
         .fetch_optional(
             sql(
-                "UPDATE leader_leases SET expires_at = now() + make_interval(secs => $3) \
+                "UPDATE leader_leases SET expires_at = statement_timestamp() + make_interval(secs => $3) \
                  WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
-                 RETURNING extract(epoch FROM now())::float8 AS db_now",
+                 RETURNING extract(epoch FROM statement_timestamp())::float8 AS db_now",
             )
             .bind(role.as_str())
             .bind(token)

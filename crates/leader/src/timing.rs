@@ -137,6 +137,17 @@ impl Timing {
     }
 }
 
+impl Timing {
+    /// How long the heartbeat waits after a missed beat before it retries: a
+    /// tenth of the heartbeat (300 ms for the ADR's timings). A retry is sent
+    /// only while `now + statement_timeout` is before the abandon deadline, so
+    /// with the ADR's timings a RENEW that failed fast at 3 s is retried until
+    /// 4 s; one that hung for its whole statement timeout is not.
+    pub fn retry_pause(&self) -> Duration {
+        self.heartbeat / 10
+    }
+}
+
 impl Default for Timing {
     fn default() -> Timing {
         Timing::ADR

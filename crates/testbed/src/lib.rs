@@ -8,7 +8,9 @@
 //! through the leg under test, and dropped when the value is dropped.
 
 pub mod leadership;
+pub mod receiver;
 mod smtp;
+pub mod webhook_verify;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

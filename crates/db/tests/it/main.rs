@@ -2,5 +2,6 @@
 //! Run by `scripts/bed test`, once directly and once through PgBouncer.
 
 mod access_path;
+mod cancel;
 mod migrations;
 mod schema;

@@ -245,3 +245,44 @@ async fn a_lease_token_can_only_grow() {
         .unwrap();
     assert_eq!(grew, 1);
 }
+
+/// Issue 14, item 3 (migration 0004): the fence reads the statement's clock.
+/// A claim in a transaction begun while the lease was live, run after it
+/// expired, finds the fence false, as the same claim in a fresh transaction
+/// does.
+///
+/// Mutation check (`fence_statement_clock` in scripts/mutation-check): going
+/// back to `expires_at > now()` (the transaction's start) makes the stalled
+/// claim pass the fence; checked by hand, this test then fails.
+#[tokio::test]
+async fn the_fence_in_a_transaction_begun_before_expiry_is_false_after_it() {
+    let t = TestDb::new().await;
+    let token = hold(&t.db, "email_outbox", 400.0).await;
+    let mut tx = t.db.begin().await.unwrap();
+    let live: bool = tx
+        .fetch_one(
+            sql("SELECT leader_fence($1, $2) AS f")
+                .bind("email_outbox")
+                .bind(token),
+        )
+        .await
+        .unwrap()
+        .get("f");
+    assert!(live, "the fence holds while the lease is live");
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let stale: bool = tx
+        .fetch_one(
+            sql("SELECT leader_fence($1, $2) AS f")
+                .bind("email_outbox")
+                .bind(token),
+        )
+        .await
+        .unwrap()
+        .get("f");
+    tx.commit().await.unwrap();
+    assert!(
+        !stale,
+        "a claim in a transaction begun before expiry passed the fence after it"
+    );
+    assert!(!fence(&t.db, "email_outbox", token).await);
+}

@@ -5,6 +5,7 @@
 mod contention;
 mod failures;
 mod outcomes;
+mod safety;
 
 use std::sync::Arc;
 use std::time::Duration;

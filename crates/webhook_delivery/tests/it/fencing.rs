@@ -7,10 +7,10 @@ use leader::Role;
 use testbed::TestDb;
 use webhook_delivery::Outcome;
 
-use crate::receiver::{Receiver, Reply};
 use crate::{
     as_leader, config, deliveries, endpoint, events, make_due, manager, outcomes, tick, worker,
 };
+use testbed::receiver::{Receiver, Reply};
 
 /// A leader replaced by a takeover claims nothing with its old token, while
 /// the new leader's claim in the same moment takes the due deliveries.

@@ -7,27 +7,23 @@
 mod endpoints;
 mod fencing;
 mod outcomes;
-mod receiver;
 mod wiring;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD;
 use db::{Db, Row, sql};
-use hmac::{Hmac, Mac as _};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use sha2::Sha256;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{Endpoint, TickReport, Worker, WorkerConfig, create_endpoint};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
-use crate::receiver::Received;
-
 pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
+/// Verify a received delivery the way a receiver would, independently of this
+/// crate's `signature` module: headers, a timestamp fresh at arrival, the HMAC.
+pub use testbed::webhook_verify::verify;
 
 /// Fast settings for tests: loopback allowed, 1 s per request, retries 50 ms apart.
 pub fn config() -> WorkerConfig {
@@ -162,39 +158,4 @@ pub async fn make_due(t: &testbed::TestDb) {
     .execute(&mut su)
     .await
     .unwrap();
-}
-
-/// Verify a received delivery the way a receiver would, with hmac, sha2 and
-/// base64 directly (not this crate's `signature::sign`): the signature over
-/// `{id}.{timestamp}.{body}` with the key inside `whsec_`, and a fresh timestamp.
-pub fn verify(secret_text: &str, received: &Received) -> Result<(), String> {
-    let key = STANDARD
-        .decode(
-            secret_text
-                .strip_prefix("whsec_")
-                .ok_or("no whsec_ prefix")?,
-        )
-        .map_err(|e| e.to_string())?;
-    let id = received.header("webhook-id");
-    let timestamp = received.header("webhook-timestamp");
-    let sent_at: i64 = timestamp.parse().map_err(|_| "timestamp is not a number")?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    if (now - sent_at).abs() > 300 {
-        return Err(format!(
-            "timestamp {sent_at} is more than 5 minutes from {now}"
-        ));
-    }
-    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
-    mac.update(format!("{id}.{timestamp}.").as_bytes());
-    mac.update(&received.body);
-    let expected = format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()));
-    let header = received.header("webhook-signature");
-    if header.split(' ').any(|s| s == expected) {
-        Ok(())
-    } else {
-        Err(format!("signature {header} does not match {expected}"))
-    }
 }

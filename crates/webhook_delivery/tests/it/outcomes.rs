@@ -11,11 +11,11 @@ use tokio_util::sync::CancellationToken;
 use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{TickEnd, WorkerConfig};
 
-use crate::receiver::{Receiver, Reply};
 use crate::{
     as_leader, config, deliveries, endpoint, events, make_due, manager, outcomes, series, tick,
     verify, worker,
 };
+use testbed::receiver::{Receiver, Reply};
 
 #[tokio::test]
 async fn each_delivery_is_signed_and_the_receiver_verifies_it_independently() {
@@ -79,8 +79,8 @@ async fn each_delivery_is_signed_and_the_receiver_verifies_it_independently() {
 #[tokio::test]
 async fn a_500_then_200_is_retried_then_delivered_exactly_once() {
     let t = TestDb::new().await;
-    let rx = Receiver::start(|n| {
-        if n == 0 {
+    let rx = Receiver::start(|r| {
+        if r.n == 0 {
             Reply::Status(500)
         } else {
             Reply::Status(200)

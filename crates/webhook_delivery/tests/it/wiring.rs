@@ -9,8 +9,8 @@ use testbed::TestDb;
 use tokio_util::sync::CancellationToken;
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
-use crate::receiver::Receiver;
 use crate::{config, deliveries, endpoint, manager, verify, worker};
+use testbed::receiver::Receiver;
 
 #[tokio::test]
 async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {

@@ -1,0 +1,184 @@
+//! The flags, and the shape they give the two roles.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use clap::{Parser, ValueEnum};
+use testbed::Leg;
+use webhook_delivery::WorkerConfig;
+use webhook_delivery::ssrf::Allowlist;
+use webhook_outbox::DispatcherConfig;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Path {
+    /// Through PgBouncer in transaction mode: the production shape.
+    Pgbouncer,
+    /// Straight to Postgres: for comparison only.
+    Direct,
+}
+
+impl Path {
+    pub fn leg(self) -> Leg {
+        match self {
+            Path::Pgbouncer => Leg::PgBouncer,
+            Path::Direct => Leg::Direct,
+        }
+    }
+}
+
+/// The other way to reach Postgres, for the comparison run.
+pub fn other(leg: Leg) -> Leg {
+    match leg {
+        Leg::PgBouncer => Leg::Direct,
+        Leg::Direct => Leg::PgBouncer,
+    }
+}
+
+pub fn path_name(leg: Leg) -> &'static str {
+    match leg {
+        Leg::PgBouncer => "PgBouncer (transaction mode)",
+        Leg::Direct => "Postgres directly",
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Throughput and latency of the webhook outbox and delivery roles")]
+pub struct Args {
+    /// Throughput runs; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Events enqueued before each throughput run.
+    #[arg(long, default_value_t = 2000)]
+    pub events: usize,
+    /// Endpoints of the tenant in the throughput runs (each gets every event).
+    #[arg(long, default_value_t = 5)]
+    pub endpoints: usize,
+    /// Events per producer transaction when pre-loading.
+    #[arg(long, default_value_t = 100)]
+    pub events_per_tx: usize,
+    /// Interval of both roles, in milliseconds (the pause after a tick ends).
+    #[arg(long, default_value_t = 50)]
+    pub interval_ms: u64,
+    /// Events claimed per outbox batch (DispatcherConfig::batch_size).
+    #[arg(long, default_value_t = 500)]
+    pub outbox_batch: usize,
+    /// Deliveries claimed per batch (WorkerConfig::batch_size).
+    #[arg(long, default_value_t = 500)]
+    pub batch_size: usize,
+    /// Requests in flight across endpoints (WorkerConfig::max_in_flight).
+    #[arg(long, default_value_t = 16)]
+    pub max_in_flight: usize,
+    /// Requests in flight per endpoint (WorkerConfig::max_in_flight_per_endpoint).
+    #[arg(long, default_value_t = 4)]
+    pub per_endpoint: usize,
+    /// Connections in the roles' app pool (the leader manager shares it).
+    #[arg(long, default_value_t = 8)]
+    pub pool: u32,
+    /// Connections in the latency phase's producer pool.
+    #[arg(long, default_value_t = 4)]
+    pub producer_pool: u32,
+    /// Events per second the latency phase's producer commits.
+    #[arg(long, default_value_t = 200)]
+    pub rate: u32,
+    /// Seconds the latency phase's producer runs.
+    #[arg(long, default_value_t = 30)]
+    pub latency_secs: u64,
+    /// Endpoints of the tenant in the latency phase.
+    #[arg(long, default_value_t = 2)]
+    pub latency_endpoints: usize,
+    /// Interval of the extra latency phase run at production's role interval
+    /// (`HARDCOUNT_WEBHOOK_*_INTERVAL` default); 0 skips it.
+    #[arg(long, default_value_t = 1000)]
+    pub production_interval_ms: u64,
+    /// Skip the extra throughput runs: one with `WorkerConfig::default()`'s batch
+    /// size and concurrency, one straight to Postgres (the other path).
+    #[arg(long)]
+    pub skip_comparison_runs: bool,
+    /// How the app reaches Postgres.
+    #[arg(long, value_enum, default_value = "pgbouncer")]
+    pub path: Path,
+    /// Only the throughput runs.
+    #[arg(long)]
+    pub skip_latency: bool,
+    /// Only the latency phase.
+    #[arg(long)]
+    pub skip_throughput: bool,
+    /// Where to write webhooks.md and webhooks.json (default: the workspace's docs/benchmarks).
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+}
+
+impl Args {
+    /// Refuse flags that would make a phase empty or the worker refuse its config.
+    pub fn validate(&self) -> Result<()> {
+        ensure!(
+            self.runs > 0 && self.events > 0 && self.endpoints > 0 && self.events_per_tx > 0,
+            "runs, events, endpoints and events-per-tx must be positive"
+        );
+        ensure!(
+            self.rate > 0 && self.latency_secs > 0 && self.latency_endpoints > 0,
+            "rate, latency-secs and latency-endpoints must be positive"
+        );
+        self.worker_config().validate()?;
+        Ok(())
+    }
+
+    /// The tuned shape: the benchmark's interval, batch sizes and concurrency.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            interval: Duration::from_millis(self.interval_ms),
+            worker: self.worker_config(),
+            dispatcher: self.dispatcher_config(),
+        }
+    }
+
+    pub fn worker_config(&self) -> WorkerConfig {
+        WorkerConfig {
+            batch_size: self.batch_size,
+            max_in_flight: self.max_in_flight,
+            max_in_flight_per_endpoint: self.per_endpoint,
+            allowlist: Allowlist::parse("127.0.0.0/8").expect("a valid CIDR"),
+            ..WorkerConfig::default()
+        }
+    }
+
+    fn dispatcher_config(&self) -> DispatcherConfig {
+        DispatcherConfig {
+            batch_size: self.outbox_batch,
+            ..DispatcherConfig::default()
+        }
+    }
+}
+
+/// How the two roles run.
+#[derive(Clone)]
+pub struct Shape {
+    pub interval: Duration,
+    pub worker: WorkerConfig,
+    pub dispatcher: DispatcherConfig,
+}
+
+impl Shape {
+    /// This shape with `WorkerConfig::default()`'s batch size and concurrency.
+    pub fn with_default_concurrency(&self) -> Shape {
+        let d = WorkerConfig::default();
+        Shape {
+            worker: WorkerConfig {
+                batch_size: d.batch_size,
+                max_in_flight: d.max_in_flight,
+                max_in_flight_per_endpoint: d.max_in_flight_per_endpoint,
+                ..self.worker.clone()
+            },
+            ..self.clone()
+        }
+    }
+
+    /// This shape with both role intervals at `interval`.
+    pub fn with_interval(&self, interval: Duration) -> Shape {
+        Shape {
+            interval,
+            ..self.clone()
+        }
+    }
+}

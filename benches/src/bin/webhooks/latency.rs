@@ -1,0 +1,266 @@
+//! Latency: a producer commits events at a steady rate while the loops run;
+//! each delivery's latency is its arrival at the receiver minus its event's
+//! commit, both on this process's monotonic clock.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use benches::{CpuSnapshot, CpuUse};
+use db::{Db, Row as _, sql};
+use testbed::receiver::Receiver;
+use testbed::{Leg, TestDb};
+use tokio::task::JoinSet;
+
+use crate::args::{Args, Shape};
+use crate::bouncer::{self, Bouncer, PoolSampler};
+use crate::loops::Loops;
+use crate::progress;
+use crate::report::{Figure, Report, Target, cpu_figures};
+use crate::workload::{Arrivals, EVENT_TYPE, TENANT, endpoints, payload};
+
+/// The issue's target for the p99 at the benchmark's intervals.
+pub const P99_TARGET_MS: f64 = 2000.0;
+/// The loops run this long before the producer starts: first leases, first connections.
+const WARM_UP: Duration = Duration::from_secs(2);
+/// After the producer stops, the phase waits at most this long for the last deliveries.
+const DRAIN: Duration = Duration::from_secs(60);
+
+pub struct Latency {
+    /// Arrival minus commit, one per delivery that arrived, sorted.
+    pub samples: Vec<Duration>,
+    pub expected: usize,
+    committed: usize,
+    produce_secs: f64,
+    /// Producer transactions (BEGIN, enqueue, read message_id, COMMIT), timed whole.
+    commit_times: Vec<Duration>,
+    producer_errors: u64,
+    /// Percentiles on the database clock: delivered_at - the event's created_at.
+    db_p50_ms: f64,
+    db_p99_ms: f64,
+    cpu: CpuUse,
+    wall: f64,
+    bouncer: Option<Bouncer>,
+    verified: usize,
+    requests: usize,
+}
+
+/// What the producer recorded per committed event.
+#[derive(Default)]
+struct Commits {
+    /// message_id -> the instant its transaction's COMMIT returned.
+    at: Mutex<HashMap<String, Instant>>,
+    durations: Mutex<Vec<Duration>>,
+    errors: AtomicU64,
+}
+
+async fn produce_one(db: Db, commits: Arc<Commits>, i: usize) -> Result<()> {
+    let started = Instant::now();
+    let mut tx = db.begin().await?;
+    let id = webhook_outbox::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload(i)).await?;
+    let row = tx
+        .fetch_one(sql("SELECT message_id FROM webhook_events WHERE id = $1").bind(id))
+        .await?;
+    let message_id: String = row.try_get("message_id").map_err(db::Error::from)?;
+    tx.commit().await?;
+    let at = Instant::now();
+    commits.at.lock().unwrap().insert(message_id, at);
+    commits.durations.lock().unwrap().push(at - started);
+    Ok(())
+}
+
+/// One phase on a fresh database, endpoints on the receiver under `/{label}/`.
+pub async fn phase(
+    args: &Args,
+    shape: &Shape,
+    leg: Leg,
+    receiver: &Receiver,
+    label: &str,
+) -> Result<Latency> {
+    let t = TestDb::new().await;
+    let url = t.app_url(leg);
+    let db = Db::connect_lazy(&url, args.pool)?;
+    let producer = Db::connect_lazy(&url, args.producer_pool)?;
+    let endpoints = endpoints(&db, &receiver.base_url(), label, args.latency_endpoints).await?;
+    let mut su = t.superuser().await;
+    let _ = receiver.take();
+
+    let loops = Loops::start(&db, shape)?;
+    tokio::time::sleep(WARM_UP).await;
+
+    let bouncer0 = bouncer::snapshot(leg, t.name()).await;
+    let sampler = PoolSampler::start(leg, t.name());
+    let cpu0 = CpuSnapshot::take();
+    let started = Instant::now();
+    let commits = Arc::new(Commits::default());
+    let mut tasks = JoinSet::new();
+    let mut every = tokio::time::interval(Duration::from_secs(1) / args.rate);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let total = args.rate as usize * args.latency_secs as usize;
+    let mut reported = Instant::now();
+    for i in 0..total {
+        every.tick().await;
+        let (p, c) = (producer.clone(), commits.clone());
+        tasks.spawn(async move {
+            if let Err(e) = produce_one(p, c.clone(), i).await
+                && c.errors.fetch_add(1, Relaxed) == 0
+            {
+                eprintln!("producer transaction failed: {e:#}");
+            }
+        });
+        while tasks.try_join_next().is_some() {}
+        if reported.elapsed() >= Duration::from_secs(5) {
+            reported = Instant::now();
+            progress(&format!(
+                "  {:>4.1} s: {} events committed, {} requests arrived",
+                started.elapsed().as_secs_f64(),
+                commits.at.lock().unwrap().len(),
+                receiver.count()
+            ));
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    let produce_secs = started.elapsed().as_secs_f64();
+    let committed = commits.at.lock().unwrap().len();
+    let expected = committed * args.latency_endpoints;
+    progress(&format!(
+        "  producer done: {committed} events in {produce_secs:.1} s; waiting for {expected} deliveries"
+    ));
+    let drain_until = Instant::now() + DRAIN;
+    loop {
+        let delivered: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM webhook_deliveries WHERE status = 'delivered'",
+        )
+        .fetch_one(&mut su)
+        .await?;
+        if delivered as usize >= expected || Instant::now() > drain_until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = CpuSnapshot::take().since(&cpu0);
+    let sampled = sampler.stop().await;
+    let bouncer = Bouncer::delta(bouncer0, bouncer::snapshot(leg, t.name()).await, sampled);
+    loops.stop().await?;
+
+    let (db_p50, db_p99): (Option<f64>, Option<f64>) = sqlx::query_as(
+        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY x), percentile_disc(0.99) WITHIN GROUP (ORDER BY x) \
+         FROM (SELECT extract(epoch FROM d.delivered_at - e.created_at)::float8 * 1000 AS x \
+               FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
+               WHERE d.status = 'delivered') s",
+    )
+    .fetch_one(&mut su)
+    .await?;
+    let got = Arrivals::of(&receiver.take(), &endpoints)?;
+    let at = std::mem::take(&mut *commits.at.lock().unwrap());
+    let mut samples = Vec::with_capacity(expected);
+    for ((id, _path), arrived) in &got.first {
+        if let Some(committed) = at.get(id) {
+            samples.push(arrived.saturating_duration_since(*committed));
+        }
+    }
+    samples.sort();
+    let mut commit_times = std::mem::take(&mut *commits.durations.lock().unwrap());
+    commit_times.sort();
+    drop(su);
+    db.close().await;
+    producer.close().await;
+    ensure!(
+        samples.len() == expected,
+        "only {} of {expected} deliveries reached the receiver",
+        samples.len()
+    );
+    Ok(Latency {
+        samples,
+        expected,
+        committed,
+        produce_secs,
+        commit_times,
+        producer_errors: commits.errors.load(Relaxed),
+        db_p50_ms: db_p50.unwrap_or(f64::NAN),
+        db_p99_ms: db_p99.unwrap_or(f64::NAN),
+        cpu,
+        wall,
+        bouncer,
+        verified: got.verified,
+        requests: got.requests,
+    })
+}
+
+/// The phase at the benchmark's intervals: percentiles, producer, CPU, PgBouncer.
+pub fn figures(l: &Latency, report: &mut Report) {
+    let p = |q| benches::percentile_ms(&l.samples, q);
+    let figures = &mut report.figures;
+    figures.push(Figure::new(
+        "latency: enqueue-to-delivered p50",
+        p(50.0),
+        "ms",
+    ));
+    figures.push(
+        Figure::new("latency: enqueue-to-delivered p99", p(99.0), "ms")
+            .target(Target::AtMost(P99_TARGET_MS)),
+    );
+    figures.push(Figure::new(
+        "latency: enqueue-to-delivered max",
+        p(100.0),
+        "ms",
+    ));
+    figures.push(Figure::new(
+        "latency: producer rate achieved",
+        l.committed as f64 / l.produce_secs,
+        "events/s",
+    ));
+    figures.push(Figure::new(
+        "latency: producer transaction p99 (BEGIN, enqueue, read message_id, COMMIT)",
+        benches::percentile_ms(&l.commit_times, 99.0),
+        "ms",
+    ));
+    figures.push(Figure::new(
+        "latency, database clock: delivered_at - event created_at, p50",
+        l.db_p50_ms,
+        "ms",
+    ));
+    figures.push(Figure::new(
+        "latency, database clock: delivered_at - event created_at, p99",
+        l.db_p99_ms,
+        "ms",
+    ));
+    cpu_figures("latency", &l.cpu, l.wall, figures);
+    if let Some(b) = &l.bouncer {
+        b.figures("latency", l.expected.max(1), figures);
+    }
+    report.detail(
+        "latency: events committed",
+        format!(
+            "{} in {:.1} s ({} producer errors)",
+            l.committed, l.produce_secs, l.producer_errors
+        ),
+    );
+    report.detail(
+        "latency: deliveries",
+        format!(
+            "{} expected, {} arrived ({} requests in all)",
+            l.expected,
+            l.samples.len(),
+            l.requests
+        ),
+    );
+    report.detail(
+        "latency: signatures of kept requests verified",
+        l.verified.to_string(),
+    );
+}
+
+/// The phase again at production's role interval: its percentiles only.
+pub fn production_figures(l: &Latency, interval_ms: u64, report: &mut Report) {
+    for (q, p) in [("p50", 50.0), ("p99", 99.0), ("max", 100.0)] {
+        report.figures.push(Figure::new(
+            format!("latency at {interval_ms} ms role intervals: enqueue-to-delivered {q}"),
+            benches::percentile_ms(&l.samples, p),
+            "ms",
+        ));
+    }
+}

@@ -1,0 +1,295 @@
+//! Throughput: a backlog enqueued before the loops start, timed until every
+//! delivery is `delivered`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use benches::{CpuSnapshot, CpuUse};
+use db::Db;
+use testbed::receiver::Receiver;
+use testbed::{Leg, TestDb};
+
+use crate::args::{Args, Shape};
+use crate::bouncer::{self, Bouncer, PoolSampler};
+use crate::loops::{Loops, Ticks};
+use crate::progress;
+use crate::report::{Figure, Report, Target, cpu_figures};
+use crate::workload::{Arrivals, endpoints, preload};
+
+/// The issue's target for the median run.
+pub const TARGET: f64 = 2000.0;
+/// How often the run counts delivered rows.
+pub const POLL: Duration = Duration::from_millis(25);
+/// A run that has not drained by then fails.
+const GIVE_UP: Duration = Duration::from_secs(300);
+
+pub struct Run {
+    pub deliveries: usize,
+    /// Until the poll saw every delivery `delivered`.
+    pub wall: Duration,
+    /// The same on the database clock: the last `delivered_at` minus the start.
+    db_wall: f64,
+    /// When the last event was stamped dispatched, on the database clock.
+    pub fanned_out_after: f64,
+    attempts: i64,
+    pub cpu: CpuUse,
+    bouncer: Option<Bouncer>,
+    ticks: Arc<Ticks>,
+    verified: usize,
+}
+
+impl Run {
+    pub fn rate(&self) -> f64 {
+        self.deliveries as f64 / self.wall.as_secs_f64()
+    }
+
+    /// CPU seconds of this process, Postgres and PgBouncer per delivery.
+    pub fn cpu_per_delivery(&self) -> f64 {
+        (self.cpu.this_process + self.cpu.postgres + self.cpu.pgbouncer) / self.deliveries as f64
+    }
+}
+
+/// One run on a fresh database: endpoints on the receiver under `/{label}/`,
+/// the backlog enqueued, then the loops started and the clock with them.
+pub async fn run(
+    args: &Args,
+    shape: &Shape,
+    leg: Leg,
+    receiver: &Receiver,
+    label: &str,
+) -> Result<Run> {
+    let t = TestDb::new().await;
+    let db = Db::connect_lazy(&t.app_url(leg), args.pool)?;
+    let endpoints = endpoints(&db, &receiver.base_url(), label, args.endpoints).await?;
+    preload(&db, args.events, args.events_per_tx).await?;
+    let deliveries = args.events * args.endpoints;
+    let mut su = t.superuser().await;
+    let _ = receiver.take();
+
+    let bouncer0 = bouncer::snapshot(leg, t.name()).await;
+    let sampler = PoolSampler::start(leg, t.name());
+    let cpu0 = CpuSnapshot::take();
+    let db_t0: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+        .fetch_one(&mut su)
+        .await?;
+    let started = Instant::now();
+    let loops = Loops::start(&db, shape)?;
+    let mut reported = Instant::now();
+    let wall = loop {
+        // Cheap enough to poll often: both probes stop at the first row of a
+        // partial index (undispatched events, pending deliveries).
+        let busy: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) \
+                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending')",
+        )
+        .fetch_one(&mut su)
+        .await?;
+        if !busy {
+            break started.elapsed();
+        }
+        if started.elapsed() > GIVE_UP {
+            bail!("not all delivered after {GIVE_UP:?}");
+        }
+        if reported.elapsed() >= Duration::from_secs(1) {
+            reported = Instant::now();
+            progress(&format!(
+                "  {:>5.1} s: {} requests received",
+                started.elapsed().as_secs_f64(),
+                receiver.count()
+            ));
+        }
+        tokio::time::sleep(POLL).await;
+    };
+    let cpu = CpuSnapshot::take().since(&cpu0);
+    let sampled = sampler.stop().await;
+    let bouncer = Bouncer::delta(bouncer0, bouncer::snapshot(leg, t.name()).await, sampled);
+    let ticks = loops.stop().await?;
+
+    let (delivered, dead): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'delivered'), count(*) FILTER (WHERE status = 'dead') \
+         FROM webhook_deliveries",
+    )
+    .fetch_one(&mut su)
+    .await?;
+    ensure!(
+        delivered as usize == deliveries && dead == 0,
+        "{delivered} of {deliveries} delivered and {dead} dead (see last_error)"
+    );
+    let (db_wall, fanned_out_after, attempts): (f64, f64, i64) = sqlx::query_as(
+        "SELECT extract(epoch FROM (SELECT max(delivered_at) FROM webhook_deliveries))::float8 - $1, \
+                extract(epoch FROM (SELECT max(dispatched_at) FROM webhook_events))::float8 - $1, \
+                (SELECT sum(attempts) FROM webhook_deliveries)::int8",
+    )
+    .bind(db_t0)
+    .fetch_one(&mut su)
+    .await?;
+    let got = Arrivals::of(&receiver.take(), &endpoints)?;
+    ensure!(
+        got.first.len() == deliveries,
+        "the receiver saw {} distinct deliveries, expected {deliveries}",
+        got.first.len()
+    );
+    if got.repeats > 0 || got.requests != deliveries {
+        progress(&format!(
+            "  note: {} requests for {deliveries} deliveries ({} repeats)",
+            got.requests, got.repeats
+        ));
+    }
+    drop(su);
+    db.close().await;
+    Ok(Run {
+        deliveries,
+        wall,
+        db_wall,
+        fanned_out_after,
+        attempts,
+        cpu,
+        bouncer,
+        ticks,
+        verified: got.verified,
+    })
+}
+
+/// The median run's figures and details, and every run's rate.
+pub fn figures(args: &Args, runs: &[Run], report: &mut Report) {
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| runs[a].rate().total_cmp(&runs[b].rate()));
+    let m = &runs[order[order.len() / 2]];
+    let name = if runs.len() > 1 {
+        format!(
+            "throughput: signed deliveries/s, median of {} runs",
+            runs.len()
+        )
+    } else {
+        "throughput: signed deliveries/s".to_owned()
+    };
+    let figures = &mut report.figures;
+    figures.push(Figure::new(name, m.rate(), "deliveries/s").target(Target::AtLeast(TARGET)));
+    for (i, r) in runs.iter().enumerate() {
+        figures.push(Figure::new(
+            format!("throughput: run {}: deliveries/s", i + 1),
+            r.rate(),
+            "deliveries/s",
+        ));
+    }
+    let wall = m.wall.as_secs_f64();
+    figures.push(Figure::new(
+        "throughput (median run): wall time, loop start to all delivered (polled)",
+        wall,
+        "s",
+    ));
+    figures.push(Figure::new(
+        "throughput (median run): wall time on the database clock (last delivered_at)",
+        m.db_wall,
+        "s",
+    ));
+    figures.push(Figure::new(
+        "throughput (median run): fan-out done (last dispatched_at)",
+        m.fanned_out_after,
+        "s",
+    ));
+    figures.push(Figure::new(
+        "throughput (median run): attempts per delivery",
+        m.attempts as f64 / m.deliveries as f64,
+        "attempts",
+    ));
+    let batches = m.ticks.delivery_batches.load(Relaxed);
+    figures.push(Figure::new(
+        "throughput (median run): deliveries claimed per batch, mean",
+        m.ticks.claimed.load(Relaxed) as f64 / batches.max(1) as f64,
+        "deliveries",
+    ));
+    let nproc = benches::nproc() as f64;
+    let cpu_per_delivery = m.cpu_per_delivery();
+    figures.push(Figure::new(
+        "throughput (median run): CPU per delivery, this process + Postgres + PgBouncer",
+        cpu_per_delivery * 1e3,
+        "ms",
+    ));
+    figures.push(Figure::new(
+        "throughput (median run): CPU ceiling, all CPUs / CPU per delivery",
+        nproc / cpu_per_delivery,
+        "deliveries/s",
+    ));
+    cpu_figures("throughput (median run)", &m.cpu, wall, figures);
+    if let Some(b) = &m.bouncer {
+        b.figures("throughput (median run)", m.deliveries, figures);
+    }
+
+    let per = |secs: f64| secs / m.deliveries as f64 * 1e3;
+    let c = &m.cpu;
+    let t = &m.ticks;
+    report.detail(
+        "throughput (median run): deliveries",
+        format!(
+            "{} ({} events x {} endpoints) in {wall:.2} s",
+            m.deliveries, args.events, args.endpoints
+        ),
+    );
+    report.detail(
+        "throughput (median run): outbox ticks",
+        format!(
+            "{}, fanning out {} events",
+            t.outbox_ticks.load(Relaxed),
+            t.outbox_events.load(Relaxed)
+        ),
+    );
+    report.detail(
+        "throughput (median run): delivery ticks",
+        format!(
+            "{}, claiming {} deliveries in {batches} batches; {} delivered, {} otherwise",
+            t.delivery_ticks.load(Relaxed),
+            t.claimed.load(Relaxed),
+            t.delivered.load(Relaxed),
+            t.not_delivered.load(Relaxed)
+        ),
+    );
+    report.detail(
+        "throughput (median run): signatures of kept requests verified",
+        m.verified.to_string(),
+    );
+    report.detail(
+        "throughput (median run): CPU per delivery by process",
+        format!(
+            "this process {:.2} ms, Postgres {:.2} ms, PgBouncer {:.2} ms",
+            per(c.this_process),
+            per(c.postgres),
+            per(c.pgbouncer)
+        ),
+    );
+    report.detail(
+        "throughput (median run): CPU seconds",
+        format!(
+            "this process {:.2}, Postgres {:.2}, PgBouncer {:.2}, others {:.2}, of {:.2} available ({nproc} CPUs x wall)",
+            c.this_process, c.postgres, c.pgbouncer, c.others, c.capacity
+        ),
+    );
+    report.detail(
+        "throughput target: most CPU per delivery that meets it on all CPUs",
+        format!(
+            "{:.2} ms ({nproc} CPUs / {TARGET} deliveries/s)",
+            nproc * 1e3 / TARGET
+        ),
+    );
+}
+
+/// The figures of a single comparison run.
+pub fn comparison_figures(what: &str, r: &Run, report: &mut Report) {
+    report.figures.push(Figure::new(
+        format!("throughput, {what} (one run): deliveries/s"),
+        r.rate(),
+        "deliveries/s",
+    ));
+    report.figures.push(Figure::new(
+        format!("throughput, {what} (one run): CPU per delivery"),
+        r.cpu_per_delivery() * 1e3,
+        "ms",
+    ));
+    report.figures.push(Figure::new(
+        format!("throughput, {what} (one run): CPU, other processes"),
+        100.0 * r.cpu.others / r.cpu.capacity.max(f64::MIN_POSITIVE),
+        "% of all CPUs",
+    ));
+}
