@@ -292,8 +292,8 @@ mod tests {
                 "HARDCOUNT_BILLING_INTERVAL is 500ms: a role's interval must be from 1s",
             ),
             (
-                &["--webhook-delivery-interval", "1 hour"],
-                "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL=\"1 hour\": unknown time unit",
+                &["--webhook-delivery-interval", "1 fortnight"],
+                "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL=\"1 fortnight\": unknown time unit",
             ),
             (
                 &["--dunning-interval", "31d"],

@@ -29,13 +29,13 @@ async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancell
     let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
 
     let deadline = Instant::now() + Duration::from_secs(20);
-    let ticked = format!("hardcount_leader_last_tick_known{{role=\"webhook_outbox\"}} 1");
+    let ticked = "hardcount_leader_last_tick_known{role=\"webhook_outbox\"} 1";
     loop {
         let body = match reqwest::get(format!("{base}/metrics")).await {
             Ok(r) if r.status().is_success() => r.text().await.unwrap(),
             _ => String::new(),
         };
-        if body.contains(&ticked) {
+        if body.contains(ticked) {
             break;
         }
         assert!(
