@@ -21,6 +21,7 @@ use crate::serve::Config;
 
 /// Where the database is, and how much to log: every command reads these.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Every command")]
 pub struct Common {
     /// The app pool's URL, as hardcount_app; may point at PgBouncer in transaction mode.
     /// `dev` starts a local Postgres when it is unset.
