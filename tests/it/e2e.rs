@@ -132,7 +132,7 @@ async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_pol
     let env = [
         ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
         ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
-        ("HARDCOUNT_WEBHOOK_TIMEOUT", "120s"),
+        ("HARDCOUNT_WEBHOOK_TIMEOUT", "60s"),
     ];
     let mut a = Serve::start(&url, &env).await;
     let a_pid = a.child.id();
