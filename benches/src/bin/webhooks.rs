@@ -593,7 +593,7 @@ impl Loops {
             telemetry.clone(),
             format!("bench-webhooks-{}", std::process::id()),
         );
-        let dispatcher = Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone());
+        let dispatcher = Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?;
         let worker = Worker::new(db.clone(), shape.worker.clone(), telemetry)?;
         let ticks = Arc::new(Ticks::default());
         let (t1, t2) = (ticks.clone(), ticks.clone());
@@ -607,7 +607,7 @@ impl Loops {
                         let r = dispatcher.run_tick(&tick).await;
                         t.outbox_ticks.fetch_add(1, Relaxed);
                         t.outbox_events.fetch_add(r.events as u64, Relaxed);
-                        r.end.for_release()
+                        r.end
                     }
                 }),
             },
@@ -630,7 +630,7 @@ impl Loops {
                             + r.unrecorded
                             + r.panicked;
                         t.not_delivered.fetch_add(other as u64, Relaxed);
-                        r.end.for_release()
+                        r.end
                     }
                 }),
             },

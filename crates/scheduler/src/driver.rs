@@ -213,3 +213,24 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     panics.finish();
     driven
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stop_maps_to_its_release() {
+        let cases = [
+            (Stop::Drained, TickEnd::Drained),
+            (Stop::Budget, TickEnd::MoreWork),
+            (Stop::Cancelled, TickEnd::MoreWork),
+            (
+                Stop::Failed("statement timeout".into()),
+                TickEnd::Failed("statement timeout".into()),
+            ),
+        ];
+        for (stop, end) in cases {
+            assert_eq!(stop.tick_end(), end, "{stop:?}");
+        }
+    }
+}

@@ -8,9 +8,9 @@ use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tracing::debug;
 
+use crate::Error;
 use crate::config::DispatcherConfig;
 use crate::store::{self, Batch};
-use crate::Error;
 
 /// What one tick did.
 #[derive(Debug)]
@@ -37,7 +37,11 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// # Errors
     /// [`Error::Config`] naming a setting that cannot work.
-    pub fn new(db: Db, config: DispatcherConfig, telemetry: Telemetry) -> Result<Dispatcher, Error> {
+    pub fn new(
+        db: Db,
+        config: DispatcherConfig,
+        telemetry: Telemetry,
+    ) -> Result<Dispatcher, Error> {
         config.validate()?;
         Ok(Dispatcher {
             db,

@@ -26,9 +26,14 @@ async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_th
     endpoint(&t.db, "tenant_a", &[], true).await;
     let mut tx = t.db.begin().await.unwrap();
     for n in 0..200 {
-        webhook_outbox::enqueue(&mut tx, "tenant_a", "invoice.paid", &format!(r#"{{"n": {n}}}"#))
-            .await
-            .unwrap();
+        webhook_outbox::enqueue(
+            &mut tx,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await
+        .unwrap();
     }
     tx.commit().await.unwrap();
     let config = DispatcherConfig {
@@ -62,14 +67,20 @@ async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_th
     shutdown.cancel();
     l.await.unwrap();
     let ends = ends.lock().unwrap().clone();
-    println!("200 events drained after {drained_after:?} in {} ticks", ends.len());
+    println!(
+        "200 events drained after {drained_after:?} in {} ticks",
+        ends.len()
+    );
     assert_eq!(count(&t.db, undispatched).await, 0, "ends: {ends:?}");
     assert!(drained_after < Duration::from_secs(20), "{drained_after:?}");
     assert!(
         ends.iter().filter(|e| **e == TickEnd::MoreWork).count() >= 2,
         "several budget-stopped ticks: {ends:?}"
     );
-    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_deliveries").await, 200);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        200
+    );
 }
 
 /// A claim that cannot take its rows (the table locked past the 200 ms
