@@ -43,10 +43,10 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
                 db.clone(),
                 DispatcherConfig::default(),
                 telemetry.clone(),
-            ));
+            )?);
             Some(scheduler::work(move |tick| {
                 let dispatcher = dispatcher.clone();
-                async move { dispatcher.run_tick(&tick).await.end.for_release() }
+                async move { dispatcher.run_tick(&tick).await.end }
             }))
         }
         Role::WebhookDelivery => {
@@ -57,7 +57,7 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
             )?);
             Some(scheduler::work(move |tick| {
                 let worker = worker.clone();
-                async move { worker.run_tick(&tick).await.end.for_release() }
+                async move { worker.run_tick(&tick).await.end }
             }))
         }
         Role::Billing | Role::Dunning | Role::EmailOutbox => None,

@@ -84,14 +84,6 @@ pub fn roles_from_env(
         .collect()
 }
 
-/// Superseded: the binary parses every duration setting with one parser
-/// (humantime) and passes [`roles_from_env`] durations. Kept only while
-/// `lib.rs` re-exports the name (drop both together); nothing calls it.
-#[doc(hidden)]
-pub fn parse_duration(_text: &str) -> Result<Duration, &'static str> {
-    Err("durations are parsed by the hardcount binary")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
