@@ -12,8 +12,8 @@ use testbed::TestDb;
 use tokio_util::sync::CancellationToken;
 use webhook_delivery::WorkerConfig;
 
-use testbed::receiver::{Receiver, Reply};
 use crate::{as_leader, config, deliveries, endpoint, events, manager, worker};
+use testbed::receiver::{Receiver, Reply};
 
 /// Ten due deliveries, claimed two at a time by a worker whose budget leaves
 /// room for about one batch a tick (a 1.2 s budget, 1 s requests, a receiver
