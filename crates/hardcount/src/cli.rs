@@ -1,9 +1,12 @@
-//! The command line: `migrate`, `serve`, `leader status|pause|unpause`.
+//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause`,
+//! and the commands that are one database call (`migrate`, `leader ...`).
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
 use db::Db;
 use leader::Role;
+
+use crate::settings::{Common, DevSettings, ServeSettings};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -11,17 +14,23 @@ use leader::Role;
     version,
     about = "Singleton background jobs for a billing platform, led through Postgres lease rows"
 )]
-pub struct Args {
+pub struct Cli {
+    #[command(flatten)]
+    pub common: Common,
     #[command(subcommand)]
-    command: Command,
+    pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-enum Command {
+pub enum Command {
     /// Apply pending migrations over MIGRATION_DATABASE_URL (or DATABASE_URL). Needs a direct or session-mode connection.
     Migrate,
     /// Run the roles named by HARDCOUNT_ROLES (default: all built ones) and serve /healthz, /readyz, /metrics.
-    Serve,
+    Serve(ServeSettings),
+    /// Run the service with no configuration: a local Postgres (started and reused under
+    /// HARDCOUNT_DEV_DIR unless DATABASE_URL is set), migrated, a demo tenant whose webhooks
+    /// go to a receiver in this process. Ctrl-C stops everything it started.
+    Dev(DevSettings),
     /// Inspect or steer leadership.
     Leader {
         #[command(subcommand)]
@@ -30,7 +39,7 @@ enum Command {
 }
 
 #[derive(Debug, Subcommand)]
-enum LeaderCommand {
+pub enum LeaderCommand {
     /// Who leads what, since when, expires when, paused by whom (the leader_status view).
     Status {
         /// Print JSON instead of a table.
@@ -59,31 +68,9 @@ fn parse_role(s: &str) -> Result<Role, String> {
     s.parse::<Role>().map_err(|e| e.to_string())
 }
 
-pub async fn run(args: Args) -> Result<()> {
-    match args.command {
-        Command::Migrate => migrate().await,
-        Command::Serve => crate::serve::serve(crate::serve::Config::from_env()?).await,
-        Command::Leader { command } => leader_command(command).await,
-    }
-}
-
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
-pub fn database_url() -> Result<String> {
-    env("DATABASE_URL")
-        .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
-}
-
-async fn migrate() -> Result<()> {
-    let url = match env("MIGRATION_DATABASE_URL") {
-        Some(url) => url,
-        None => {
-            env("DATABASE_URL").context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")?
-        }
-    };
-    let report = db::migrate(&url).await?;
+/// Apply pending migrations over `url`; say what was done.
+pub async fn migrate(url: &str) -> Result<()> {
+    let report = db::migrate(url).await?;
     if report.applied.is_empty() {
         println!(
             "schema is current ({} migrations applied earlier); nothing to do",
@@ -99,8 +86,8 @@ async fn migrate() -> Result<()> {
     Ok(())
 }
 
-async fn leader_command(command: LeaderCommand) -> Result<()> {
-    let db = Db::connect_lazy(&database_url()?, 1)?;
+pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Result<()> {
+    let db = Db::connect_lazy(database_url, 1)?;
     match command {
         LeaderCommand::Status { json } => {
             let rows = leader::store::status(&db).await?;

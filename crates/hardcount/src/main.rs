@@ -1,32 +1,54 @@
-//! `hardcount`: the binary. Reads the environment (the only crate that does),
-//! parses the CLI, and wires the crates together.
+//! The `hardcount` binary: parse the command line, own the signals, and hand
+//! everything else to the library.
+//!
+//! The first SIGTERM or SIGINT cancels the root token: `serve` stops acquiring,
+//! running ticks are released as interrupted, and the process exits 0. A second
+//! signal exits at once (130).
 
-mod cli;
-mod http;
-mod serve;
+use std::process::ExitCode;
 
 use clap::Parser;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-fn main() -> std::process::ExitCode {
-    let args = cli::Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+fn main() -> ExitCode {
+    let cli = hardcount::Cli::parse();
+    hardcount::init_logging(&cli);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
-            return std::process::ExitCode::FAILURE;
+            return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(cli::run(args)) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+    let result = runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        on_signals(shutdown.clone())?;
+        hardcount::execute(cli, shutdown).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
+            ExitCode::FAILURE
         }
     }
+}
+
+/// Cancel `shutdown` on the first SIGTERM or SIGINT; exit at once on the second.
+fn on_signals(shutdown: CancellationToken) -> anyhow::Result<()> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: stopping; running ticks are released as interrupted"),
+            _ = int.recv() => info!("SIGINT: stopping; running ticks are released as interrupted"),
+        }
+        shutdown.cancel();
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        warn!("second signal: exiting at once");
+        std::process::exit(130);
+    });
+    Ok(())
 }

@@ -1,12 +1,12 @@
-//! `hardcount serve`: boot checks, role loops, HTTP, and shutdown.
+//! `hardcount serve`: boot checks, role loops, HTTP, and shutdown, on a listener
+//! and a cancellation token the caller owns.
 //!
-//! Shutdown follows the tokio pattern: one root `CancellationToken` owned here,
-//! a child per role loop, a `TaskTracker` to wait. The first SIGTERM or SIGINT
-//! cancels the root: loops stop acquiring, running ticks are cancelled and
-//! released as interrupted (no cooldown, docs/adr/0003), and the process exits
-//! 0. A second signal exits at once.
+//! Shutdown follows the tokio pattern: the caller's `CancellationToken` is the
+//! root (the binary's `main` cancels it on the first SIGTERM or SIGINT), each role
+//! loop gets a child, a `TaskTracker` waits. On cancel, loops stop acquiring,
+//! running ticks are cancelled and released as interrupted (no cooldown,
+//! docs/adr/0003), and [`run`] returns.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,63 +15,24 @@ use db::Db;
 use leader::{Manager, Role, Telemetry, Timing};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use scheduler::{RoleConfig, RoleSpec, Work};
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
-use webhook_delivery::backoff::RetrySchedule;
-use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{Worker, WorkerConfig};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::http::{AppState, router};
 
+/// What [`run`] runs; built from the environment by `settings`.
+#[derive(Debug, Clone)]
 pub struct Config {
+    /// The app pool's URL, as `hardcount_app`.
     pub database_url: String,
-    pub http_addr: SocketAddr,
     pub roles: Vec<RoleConfig>,
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
     pub webhook_delivery: WorkerConfig,
-}
-
-impl Config {
-    pub fn from_env() -> Result<Config> {
-        let var = |k: &str| std::env::var(k).ok();
-        let http_addr = match var("HARDCOUNT_HTTP_ADDR").filter(|v| !v.is_empty()) {
-            Some(a) => a.parse().with_context(|| {
-                format!("HARDCOUNT_HTTP_ADDR={a:?} is not an address like 0.0.0.0:8080")
-            })?,
-            None => SocketAddr::from(([0, 0, 0, 0], 8080)),
-        };
-        let mut webhook_delivery = WorkerConfig::default();
-        if let Some(v) = var("HARDCOUNT_WEBHOOK_ALLOWLIST") {
-            webhook_delivery.allowlist = Allowlist::parse(&v)
-                .map_err(|e| anyhow::anyhow!("HARDCOUNT_WEBHOOK_ALLOWLIST: {e}"))?;
-        }
-        if let Some(v) = var("HARDCOUNT_WEBHOOK_RETRY_SCHEDULE") {
-            webhook_delivery.retry_schedule = RetrySchedule::parse(&v)
-                .map_err(|e| anyhow::anyhow!("HARDCOUNT_WEBHOOK_RETRY_SCHEDULE: {e}"))?;
-        }
-        if let Some(v) = var("HARDCOUNT_WEBHOOK_TIMEOUT") {
-            webhook_delivery.request_timeout = scheduler::parse_duration(&v)
-                .map_err(|reason| anyhow::anyhow!("HARDCOUNT_WEBHOOK_TIMEOUT={v:?}: {reason}"))?;
-            webhook_delivery.connect_timeout = webhook_delivery
-                .connect_timeout
-                .min(webhook_delivery.request_timeout);
-            webhook_delivery.tick_budget = webhook_delivery
-                .tick_budget
-                .max(webhook_delivery.request_timeout * 2);
-        }
-        webhook_delivery.validate()?;
-        Ok(Config {
-            database_url: crate::cli::database_url()?,
-            http_addr,
-            roles: scheduler::roles_from_env(var)?,
-            roles_explicit: var("HARDCOUNT_ROLES").is_some(),
-            webhook_delivery,
-        })
-    }
 }
 
 /// The work of each role this build implements.
@@ -82,10 +43,10 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
                 db.clone(),
                 DispatcherConfig::default(),
                 telemetry.clone(),
-            ));
+            )?);
             Some(scheduler::work(move |tick| {
                 let dispatcher = dispatcher.clone();
-                async move { dispatcher.run_tick(&tick).await.end.for_release() }
+                async move { dispatcher.run_tick(&tick).await.end }
             }))
         }
         Role::WebhookDelivery => {
@@ -96,14 +57,26 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
             )?);
             Some(scheduler::work(move |tick| {
                 let worker = worker.clone();
-                async move { worker.run_tick(&tick).await.end.for_release() }
+                async move { worker.run_tick(&tick).await.end }
             }))
         }
         Role::Billing | Role::Dunning | Role::EmailOutbox => None,
     })
 }
 
-pub async fn serve(config: Config) -> Result<()> {
+/// Serve `config` on `listener` until `shutdown` is cancelled.
+///
+/// Refuses to start (an `Err` saying why) when the schema is behind or a lease
+/// row is missing. Otherwise runs the role loops and `/healthz`, `/readyz`,
+/// `/metrics` on `listener`; once `shutdown` is cancelled it waits for the loops
+/// to release their leases (bounded by the lease timing), closes its pools and
+/// returns `Ok`.
+///
+/// # Errors
+///
+/// A database that is unreachable or not migrated, a role this build does not
+/// implement named in `HARDCOUNT_ROLES`, an invalid role configuration.
+pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
     scheduler::install_panic_hook();
     let db = Db::connect_lazy(&config.database_url, 10)?;
     db::check_schema_ready(&db)
@@ -143,15 +116,9 @@ pub async fn serve(config: Config) -> Result<()> {
     // cannot make a RENEW wait for a connection.
     let lease_db = Db::connect_lazy(&config.database_url, specs.len() as u32 + 1)?;
     let manager = Manager::new(lease_db.clone(), Timing::ADR, telemetry.clone());
-    // Handlers first: a SIGTERM from here on releases leases rather than killing the process.
-    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
-    let root = CancellationToken::new();
+    let root = shutdown;
     let tracker = TaskTracker::new();
 
-    let listener = tokio::net::TcpListener::bind(config.http_addr)
-        .await
-        .with_context(|| format!("cannot listen on {}", config.http_addr))?;
     info!(addr = %listener.local_addr()?, holder = manager.holder_id(), roles = ?specs.iter().map(|s| s.role.as_str()).collect::<Vec<_>>(), "serving");
     let app = router(AppState {
         db: db.clone(),
@@ -175,16 +142,7 @@ pub async fn serve(config: Config) -> Result<()> {
     }
     tracker.close();
 
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: stopping; running ticks are released as interrupted"),
-        _ = int.recv() => info!("SIGINT: stopping; running ticks are released as interrupted"),
-    }
-    root.cancel();
-    tokio::spawn(async move {
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        warn!("second signal: exiting at once");
-        std::process::exit(130);
-    });
+    root.cancelled().await;
     // Lead gives cancelled work its grace, then releases on its own deadline.
     let t = Timing::ADR;
     if tokio::time::timeout(

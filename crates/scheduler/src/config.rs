@@ -1,6 +1,7 @@
 //! Which roles a replica runs and how often: `HARDCOUNT_ROLES` and
-//! `HARDCOUNT_<ROLE>_INTERVAL`. Only the binary reads the environment; it
-//! passes the lookup in, so this stays testable.
+//! `HARDCOUNT_<ROLE>_INTERVAL`. Only the binary reads the environment (and parses
+//! durations, with one parser for every setting); it passes the values in, so this
+//! stays testable and knows nothing of text formats for time.
 
 use std::time::Duration;
 
@@ -12,13 +13,17 @@ pub enum ConfigError {
     UnknownRole(#[from] leader::UnknownRole),
     #[error("HARDCOUNT_ROLES is empty: name at least one role, or unset it to run all five")]
     NoRoles,
-    #[error("{var}={value:?}: {reason} (expected a duration like 500ms, 30s, 5m or 1h)")]
-    BadInterval {
-        var: String,
-        value: String,
-        reason: &'static str,
-    },
+    #[error("{var} is {interval:?}: a role's interval must be from 1s to 30 days")]
+    BadInterval { var: String, interval: Duration },
 }
+
+/// The shortest tick interval: below it a role would poll its lease row faster
+/// than the heartbeat renews it, for no job that needs it.
+pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The longest tick interval; longer would overflow the database's interval
+/// arithmetic for no use.
+pub const MAX_INTERVAL: Duration = Duration::from_secs(30 * 86_400);
 
 /// A role this replica runs, and its tick interval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,12 +41,19 @@ pub fn default_interval(role: Role) -> Duration {
     }
 }
 
-/// Read the role list and intervals through `var`, a lookup the binary builds
-/// over its process environment.
+/// The variable that sets `role`'s interval: `HARDCOUNT_BILLING_INTERVAL`, ...
+fn interval_var(role: Role) -> String {
+    format!("HARDCOUNT_{}_INTERVAL", role.as_str().to_ascii_uppercase())
+}
+
+/// The roles named by `roles` (the value of `HARDCOUNT_ROLES`; `None` runs all
+/// five) with the interval `interval(role)` gives, or the default. The binary
+/// reads and parses the variables; this checks what they mean.
 pub fn roles_from_env(
-    var: impl Fn(&str) -> Option<String>,
+    roles: Option<&str>,
+    interval: impl Fn(Role) -> Option<Duration>,
 ) -> Result<Vec<RoleConfig>, ConfigError> {
-    let roles: Vec<Role> = match var("HARDCOUNT_ROLES") {
+    let roles: Vec<Role> = match roles {
         None => Role::ALL.to_vec(),
         Some(list) => {
             let mut roles = Vec::new();
@@ -60,68 +72,25 @@ pub fn roles_from_env(
     roles
         .into_iter()
         .map(|role| {
-            let name = format!("HARDCOUNT_{}_INTERVAL", role.as_str().to_ascii_uppercase());
-            let interval = match var(&name) {
-                None => default_interval(role),
-                Some(value) => {
-                    parse_duration(&value).map_err(|reason| ConfigError::BadInterval {
-                        var: name.clone(),
-                        value: value.clone(),
-                        reason,
-                    })?
-                }
-            };
+            let interval = interval(role).unwrap_or_else(|| default_interval(role));
+            if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
+                return Err(ConfigError::BadInterval {
+                    var: interval_var(role),
+                    interval,
+                });
+            }
             Ok(RoleConfig { role, interval })
         })
         .collect()
 }
 
-/// `500ms`, `30s`, `5m`, `1h`, `1d`; whole numbers only, from one millisecond
-/// to 30 days (longer would overflow the database's interval arithmetic for no use).
-pub fn parse_duration(text: &str) -> Result<Duration, &'static str> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or("missing unit")?;
-    let (digits, unit) = text.split_at(split);
-    if digits.is_empty() {
-        return Err("missing number");
-    }
-    let n: u64 = digits.parse().map_err(|_| "too large")?;
-    let ms = match unit {
-        "ms" => Some(n),
-        "s" => n.checked_mul(1000),
-        "m" => n.checked_mul(60_000),
-        "h" => n.checked_mul(3_600_000),
-        "d" => n.checked_mul(86_400_000),
-        _ => return Err("unknown unit"),
-    }
-    .ok_or("too large")?;
-    if ms == 0 {
-        return Err("must be positive");
-    }
-    if ms > 30 * 86_400_000 {
-        return Err("must be at most 30d");
-    }
-    Ok(Duration::from_millis(ms))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
-    }
 
     #[test]
     fn all_roles_run_by_default_with_billing_hourly() {
-        let roles = roles_from_env(env(&[])).unwrap();
+        let roles = roles_from_env(None, |_| None).unwrap();
         assert_eq!(roles.len(), 5);
         assert_eq!(
             roles[0],
@@ -134,10 +103,9 @@ mod tests {
 
     #[test]
     fn roles_and_intervals_come_from_the_environment() {
-        let roles = roles_from_env(env(&[
-            ("HARDCOUNT_ROLES", "email_outbox, billing"),
-            ("HARDCOUNT_BILLING_INTERVAL", "30m"),
-        ]))
+        let roles = roles_from_env(Some("email_outbox, billing, email_outbox"), |role| {
+            (role == Role::Billing).then_some(Duration::from_secs(1800))
+        })
         .unwrap();
         assert_eq!(
             roles,
@@ -156,24 +124,23 @@ mod tests {
 
     #[test]
     fn bad_configuration_is_named() {
-        let err = roles_from_env(env(&[("HARDCOUNT_ROLES", "billing,emails")]))
+        let err = roles_from_env(Some("billing,emails"), |_| None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("\"emails\""), "{err}");
-        let err = roles_from_env(env(&[("HARDCOUNT_BILLING_INTERVAL", "1 hour")]))
+        assert_eq!(
+            roles_from_env(Some(" , "), |_| None),
+            Err(ConfigError::NoRoles)
+        );
+        let err = roles_from_env(Some("billing"), |_| Some(Duration::from_millis(500)))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("HARDCOUNT_BILLING_INTERVAL=\"1 hour\""),
+            err.starts_with("HARDCOUNT_BILLING_INTERVAL is 500ms"),
             "{err}"
         );
-        assert_eq!(
-            roles_from_env(env(&[("HARDCOUNT_ROLES", " , ")])),
-            Err(ConfigError::NoRoles)
-        );
-        assert_eq!(parse_duration("0s"), Err("must be positive"));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("31d"), Err("must be at most 30d"));
-        assert_eq!(parse_duration("99999999999999999999h"), Err("too large"));
+        let month = Duration::from_secs(31 * 86_400);
+        assert!(roles_from_env(Some("billing"), |_| Some(month)).is_err());
+        assert!(roles_from_env(Some("billing"), |_| Some(MIN_INTERVAL)).is_ok());
     }
 }

@@ -10,14 +10,21 @@
 //! is logged once with its stack, the rest run, and the first panic is raised
 //! again at the end of the tick so the lease is released as panicked.
 //!
+//! Roles that drain a queue in fenced batches share one loop ([`drive`]):
+//! each implements [`FencedBatches`] (its claim and how to run a batch) and
+//! the driver stops on a short batch, the budget or a cancel and says how the
+//! tick ended.
+//!
 //! This crate knows roles and intervals, not invoices.
 
 mod config;
+mod driver;
 mod panics;
 mod role_loop;
 mod status;
 
-pub use config::{ConfigError, RoleConfig, default_interval, parse_duration, roles_from_env};
+pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
+pub use driver::{Driven, FencedBatches, Shape, Stop, drive};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};

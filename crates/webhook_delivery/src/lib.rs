@@ -45,6 +45,13 @@
 //!   [`Worker::claim_due`] takes a [`leader::Fence`].
 //! - **Bounded**: requests in flight globally and per endpoint, each attempt's
 //!   time (connect and total), the response bytes read, and the tick's time.
+//! - **A tick's end decides its release.** The tick is the fenced-batch
+//!   driver ([`scheduler::drive`]): a short batch ends it drained (due after
+//!   the interval), too little budget for another attempt ends it with more
+//!   work (due again at once), a failed claim ends it failed (due after the
+//!   short failure cooldown).
+//! - **Bad settings are refused at construction** ([`Worker::new`]), naming
+//!   the setting ([`ConfigError`]); nothing is clamped.
 //!
 //! Metrics (through the [`leader::Telemetry`] given to [`Worker::new`]):
 //!
@@ -57,26 +64,47 @@
 //! hardcount_webhook_oldest_pending_age_seconds    the delivery's creation (retries included)
 //! ```
 //!
-//! Modules: [`signature`] (secrets and `webhook-*` headers), [`ssrf`] (which
-//! addresses may be connected to, enforced inside the HTTP client's DNS
-//! resolution), [`backoff`] (the retry schedule and `Retry-After`), `store`
-//! (all SQL), the worker (the tick) and [`create_endpoint`]. Outcome choices are
-//! recorded in docs/adr/0006.
+//! Modules, the layout every job crate shares:
+//!
+//! ```text
+//! lib.rs        this overview, Error, re-exports
+//! config.rs     WorkerConfig: defaults and validation
+//! store.rs      all SQL: endpoints, the fenced claim (takes &Fence), the CAS outcome writes
+//! tick.rs       Worker::run_tick: the driver's implementation for this role, a batch's loop
+//! attempt.rs    one attempt: its turn under the concurrency limits, the signed POST
+//! outcomes.rs   outcomes buffered and written in groups
+//! delivery.rs   Claimed and Outcome                                  (no SQL, no I/O)
+//! verdict.rs    answer + attempt number + schedule -> next state     (no SQL, no I/O)
+//! ```
+//!
+//! and the building blocks: [`signature`] (secrets and `webhook-*` headers),
+//! [`ssrf`] (which addresses may be connected to, enforced inside the HTTP
+//! client's DNS resolution), [`backoff`] (the retry schedule and
+//! `Retry-After`), `send` (one bounded POST) and [`create_endpoint`]. Outcome
+//! choices are recorded in docs/adr/0006.
 
+mod attempt;
 pub mod backoff;
+mod config;
+mod delivery;
 mod endpoint;
+mod outcomes;
 mod send;
 pub mod signature;
 pub mod ssrf;
 mod store;
-mod worker;
+mod tick;
+mod verdict;
 
+pub use config::{ConfigError, WorkerConfig};
+pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
     Endpoint, EndpointError, MAX_URL_LEN, create_endpoint, parse_endpoint_url, redacted_url,
 };
-pub use worker::{Claimed, ConfigError, Outcome, TickEnd, TickReport, Worker, WorkerConfig};
+pub use tick::{TickReport, Worker};
 
-/// Errors of the delivery worker.
+/// Errors of the delivery worker: a setting refused at construction, the
+/// HTTP client, or its store.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]

@@ -30,14 +30,28 @@
 //!   [`Dispatcher::dispatch_batch`] takes a [`leader::Fence`], which only a won
 //!   lease can build.
 //!
+//! - **A tick's end decides its release.** The tick is the fenced-batch driver
+//!   ([`scheduler::drive`]): a batch shorter than `batch_size` ends it drained
+//!   (due after the interval), the budget with events left ends it with more
+//!   work (due again at once), a failed batch (rolled back) ends it failed
+//!   (due after the short failure cooldown).
+//! - **Bad settings are refused at construction**, by name
+//!   ([`ConfigError`]); nothing is clamped.
+//!
+//! Modules: `config` (defaults and validation), `store` (all SQL: the insert
+//! and the fenced funnel), `tick` ([`Dispatcher`], the driver's implementation
+//! for this role).
+//!
 //! Subscription is read at dispatch time: an endpoint created or disabled
 //! between the enqueue and the fan-out is taken as it is at the fan-out. An
 //! endpoint with no event types receives every type (docs/adr/0005).
 
-mod dispatcher;
+mod config;
 mod store;
+mod tick;
 
-pub use dispatcher::{Dispatcher, DispatcherConfig, TickEnd, TickReport};
+pub use config::{ConfigError, DispatcherConfig};
+pub use tick::{Dispatcher, TickReport};
 
 /// Why [`enqueue`] refused an event. Nothing was written.
 #[derive(Debug, thiserror::Error)]
@@ -54,9 +68,11 @@ pub enum EnqueueError {
     Db(#[from] db::Error),
 }
 
-/// Errors of the dispatcher's store.
+/// Errors of the dispatcher: a setting refused at construction, or its store.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error("webhook outbox: {0}")]
     Db(#[from] db::Error),
 }

@@ -64,7 +64,7 @@ impl Loops {
             telemetry.clone(),
             format!("bench-webhooks-{}", std::process::id()),
         );
-        let dispatcher = Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone());
+        let dispatcher = Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?;
         let worker = Worker::new(db.clone(), shape.worker.clone(), telemetry)?;
         let ticks = Arc::new(Ticks::default());
         let (t1, t2) = (ticks.clone(), ticks.clone());
@@ -77,7 +77,7 @@ impl Loops {
                     async move {
                         let r = dispatcher.run_tick(&tick).await;
                         t.add_outbox(&r);
-                        r.end.for_release()
+                        r.end
                     }
                 }),
             },
@@ -89,7 +89,7 @@ impl Loops {
                     async move {
                         let r = worker.run_tick(&tick).await;
                         t.add_delivery(&r);
-                        r.end.for_release()
+                        r.end
                     }
                 }),
             },

@@ -165,3 +165,67 @@ async fn leader_cli_pauses_shows_and_unpauses_a_role() {
     assert_eq!(out.status.code(), Some(2), "{all}");
     assert!(all.contains("unknown role \"emails\""), "{all}");
 }
+
+#[test]
+fn serve_help_lists_every_variable() {
+    let out = hardcount().args(["serve", "--help"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for var in [
+        "DATABASE_URL",
+        "MIGRATION_DATABASE_URL",
+        "HARDCOUNT_HTTP_ADDR",
+        "HARDCOUNT_ROLES",
+        "HARDCOUNT_BILLING_INTERVAL",
+        "HARDCOUNT_DUNNING_INTERVAL",
+        "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL",
+        "HARDCOUNT_EMAIL_OUTBOX_INTERVAL",
+        "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL",
+        "HARDCOUNT_WEBHOOK_ALLOWLIST",
+        "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
+        "HARDCOUNT_WEBHOOK_TIMEOUT",
+        "RUST_LOG",
+    ] {
+        assert!(
+            help.contains(&format!("[env: {var}")),
+            "{var} missing:\n{help}"
+        );
+    }
+}
+
+#[test]
+fn serve_refuses_nonsense_settings_by_name_before_touching_the_database() {
+    for (var, value, expected) in [
+        (
+            "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL",
+            "100ms",
+            "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL is 100ms",
+        ),
+        (
+            "HARDCOUNT_WEBHOOK_TIMEOUT",
+            "2m",
+            "HARDCOUNT_WEBHOOK_TIMEOUT=\"2m\": must be at most 1m",
+        ),
+        (
+            "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
+            "5s,30d",
+            "must be at most 7days",
+        ),
+        (
+            "HARDCOUNT_HTTP_ADDR",
+            "localhost",
+            "HARDCOUNT_HTTP_ADDR=\"localhost\"",
+        ),
+    ] {
+        let out = run(
+            hardcount()
+                .arg("serve")
+                .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+                .env(var, value),
+            Duration::from_secs(20),
+        );
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        assert!(all.contains(expected), "{var}={value}: {all}");
+    }
+}

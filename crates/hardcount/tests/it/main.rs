@@ -1,9 +1,10 @@
-//! The real binary: CLI commands and `hardcount serve` as a child process.
+//! The crate's own tests: the command line (parsing, refusals, the one-call
+//! commands) as the real binary, and [`hardcount::run`] in-process on a listener
+//! the test bound. Whole replicas (SIGTERM, failover, webhooks end to end, `dev`)
+//! are system tests, in the workspace's top-level `tests/`.
 
 mod cli;
-mod deploy;
-mod e2e;
-mod serve;
+mod in_process;
 
 use std::process::{Command, Output};
 

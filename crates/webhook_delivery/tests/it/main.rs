@@ -7,6 +7,7 @@
 mod endpoints;
 mod fencing;
 mod outcomes;
+mod tick_ends;
 mod wiring;
 
 use std::sync::Arc;
@@ -88,7 +89,8 @@ pub async fn events(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
         );
     }
     tx.commit().await.unwrap();
-    let dispatcher = Dispatcher::new(db.clone(), DispatcherConfig::default(), Telemetry::noop());
+    let dispatcher =
+        Dispatcher::new(db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
     as_leader(
         &manager(db, "outbox"),
         Role::WebhookOutbox,

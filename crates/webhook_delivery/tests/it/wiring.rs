@@ -17,7 +17,8 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
-    let dispatcher = Dispatcher::new(t.db.clone(), DispatcherConfig::default(), Telemetry::noop());
+    let dispatcher =
+        Dispatcher::new(t.db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
     let (w, _) = worker(&t.db, config());
     let interval = Duration::from_millis(100);
     let specs = [
@@ -26,7 +27,7 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
             interval,
             work: work(move |tick| {
                 let dispatcher = dispatcher.clone();
-                async move { dispatcher.run_tick(&tick).await.end.for_release() }
+                async move { dispatcher.run_tick(&tick).await.end }
             }),
         },
         RoleSpec {
@@ -34,7 +35,7 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
             interval,
             work: work(move |tick| {
                 let w = w.clone();
-                async move { w.run_tick(&tick).await.end.for_release() }
+                async move { w.run_tick(&tick).await.end }
             }),
         },
     ];

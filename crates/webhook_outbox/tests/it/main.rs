@@ -5,6 +5,7 @@
 
 mod enqueue;
 mod fan_out;
+mod tick_ends;
 
 use std::sync::Arc;
 
@@ -20,7 +21,7 @@ pub fn dispatcher(db: &Db, config: DispatcherConfig) -> (Dispatcher, PrometheusH
     let recorder = PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     (
-        Dispatcher::new(db.clone(), config, Telemetry::new(Arc::new(recorder))),
+        Dispatcher::new(db.clone(), config, Telemetry::new(Arc::new(recorder))).unwrap(),
         handle,
     )
 }

@@ -74,7 +74,7 @@ fn alert_rules_name_only_metrics_the_service_exports() {
 }
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 fn read(path: &Path) -> String {

@@ -2,63 +2,35 @@
 //! receiver on loopback, stopped with SIGTERM or killed with SIGKILL.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::extract::{Path, State};
-use axum::http::HeaderMap;
-use axum::routing::post;
 use db::{Db, Row, sql};
+use testbed::receiver::{Receiver, Reply};
 use testbed::{Leg, TestDb};
 
 use crate::serve::Serve;
 
-/// Every request the receiver saw: (path, webhook-id).
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, String)>>>);
-
-impl Seen {
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn counts(&self) -> HashMap<(String, String), usize> {
-        let mut m = HashMap::new();
-        for k in self.0.lock().unwrap().iter() {
-            *m.entry(k.clone()).or_insert(0) += 1;
-        }
-        m
-    }
-}
-
 /// A receiver on loopback: `/hang/...` never answers, anything else answers
 /// 200 after `delay`.
-async fn receiver(delay: Duration) -> (String, Seen) {
-    let seen = Seen::default();
-    async fn handle(
-        State((seen, delay)): State<(Seen, Duration)>,
-        Path(path): Path<String>,
-        headers: HeaderMap,
-    ) -> &'static str {
-        let id = headers
-            .get("webhook-id")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
-        seen.0.lock().unwrap().push((path.clone(), id));
-        if path.starts_with("hang") {
-            std::future::pending::<()>().await;
+async fn receiver(delay: Duration) -> Receiver {
+    Receiver::start(move |r| {
+        if r.path.starts_with("/hang/") {
+            Reply::Hang
+        } else {
+            Reply::Delayed(delay, 200)
         }
-        tokio::time::sleep(delay).await;
-        "ok"
+    })
+    .await
+}
+
+/// How many requests each (path, webhook-id) got.
+fn counts(rx: &Receiver) -> HashMap<(String, String), usize> {
+    let mut m = HashMap::new();
+    for r in rx.requests() {
+        let id = r.try_header("webhook-id").unwrap_or("").to_owned();
+        *m.entry((r.path, id)).or_insert(0) += 1;
     }
-    let app = Router::new()
-        .route("/{*path}", post(handle))
-        .with_state((seen.clone(), delay));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (base, seen)
+    m
 }
 
 async fn enqueue(db: &Db, n: usize) {
@@ -118,11 +90,11 @@ async fn until<F: AsyncFnMut() -> bool>(limit: Duration, what: &str, mut f: F) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_poll() {
     let t = TestDb::new().await;
-    let (base, seen) = receiver(Duration::ZERO).await;
+    let rx = receiver(Duration::ZERO).await;
     webhook_delivery::create_endpoint(
         &t.db,
         "tenant_a",
-        &format!("{base}/hang/a"),
+        &rx.url_at("/hang/a"),
         &["invoice.finalized"],
     )
     .await
@@ -132,14 +104,14 @@ async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_pol
     let env = [
         ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
         ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
-        ("HARDCOUNT_WEBHOOK_TIMEOUT", "120s"),
+        ("HARDCOUNT_WEBHOOK_TIMEOUT", "60s"),
     ];
     let mut a = Serve::start(&url, &env).await;
     let a_pid = a.child.id();
     until(
         Duration::from_secs(20),
         "the delivery to hang mid-tick",
-        async || seen.len() >= 1,
+        async || rx.count() >= 1,
     )
     .await;
     let (holder, _, ended_before, _) = holder_of(&t.db, "webhook_delivery").await;
@@ -183,12 +155,12 @@ async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_pol
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_event_reaches_every_endpoint_across_a_sigkill() {
     let t = TestDb::new().await;
-    let (base, seen) = receiver(Duration::from_millis(40)).await;
+    let rx = receiver(Duration::from_millis(40)).await;
     for ep in ["one", "two", "three"] {
         webhook_delivery::create_endpoint(
             &t.db,
             "tenant_a",
-            &format!("{base}/{ep}"),
+            &rx.url_at(&format!("/{ep}")),
             &["invoice.finalized"],
         )
         .await
@@ -206,7 +178,7 @@ async fn every_event_reaches_every_endpoint_across_a_sigkill() {
     until(
         Duration::from_secs(30),
         "a third of the deliveries",
-        async || seen.len() >= expected / 3,
+        async || rx.count() >= expected / 3,
     )
     .await;
     a.signal("KILL");
@@ -217,7 +189,7 @@ async fn every_event_reaches_every_endpoint_across_a_sigkill() {
         .await
         .unwrap()
         .get("n");
-    let seen_at_kill = seen.len();
+    let seen_at_kill = rx.count();
 
     let _b = Serve::start(&url, &env).await;
     until(Duration::from_secs(90), "every delivery to be delivered", async || {
@@ -229,7 +201,7 @@ async fn every_event_reaches_every_endpoint_across_a_sigkill() {
         r.get::<i64, _>("n") == expected as i64 && r.get::<i64, _>("d") == expected as i64
     })
     .await;
-    let counts = seen.counts();
+    let counts = counts(&rx);
     let duplicates: usize = counts.values().map(|c| c - 1).sum();
     println!(
         "SIGKILL after {seen_at_kill} requests: {in_flight} deliveries in flight at the kill, \

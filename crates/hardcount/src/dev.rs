@@ -1,0 +1,86 @@
+//! `hardcount dev`: the service with no configuration.
+//!
+//! Without `DATABASE_URL` it starts (or reuses) a local Postgres 15 under the
+//! state directory, migrates it as the owner, connects as `hardcount_app`,
+//! seeds a demo tenant whose webhook endpoint is a receiver in this process
+//! (127.0.0.1/32 allowlisted for the SSRF guard), enqueues an event every few
+//! seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
+//! stops all of it, including the Postgres it started; the data stays.
+
+mod demo;
+mod postgres;
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use db::Db;
+use tokio_util::sync::CancellationToken;
+
+use crate::settings::{Common, DevSettings};
+use postgres::LocalPostgres;
+
+pub async fn run(
+    common: &Common,
+    mut settings: DevSettings,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let started = Instant::now();
+    let event_every = settings.event_every()?;
+    // Declared first so it is dropped (the server stopped) after everything using it.
+    let mut local = None;
+    let (owner_url, app_url) = match &common.database_url {
+        Some(url) if !url.trim().is_empty() => (common.migration_database_url()?, url.clone()),
+        _ => {
+            let state_dir = absolute(&settings.state_dir)?;
+            let pg = local.insert(LocalPostgres::start(&state_dir)?);
+            println!(
+                "Postgres 15 on 127.0.0.1:{} (data in {})",
+                pg.port(),
+                state_dir.join("postgres/data").display()
+            );
+            (pg.owner_url(), pg.app_url())
+        }
+    };
+    crate::cli::migrate(&owner_url)
+        .await
+        .context("migrating the dev database")?;
+
+    let allow = "127.0.0.1/32";
+    let serve = &mut settings.serve;
+    serve.webhook_allowlist = Some(match serve.webhook_allowlist.take() {
+        Some(list) if !list.trim().is_empty() => format!("{list},{allow}"),
+        _ => allow.to_owned(),
+    });
+    let config = serve.config(app_url.clone())?;
+    let listener = crate::bind(serve).await?;
+    let addr = listener.local_addr()?;
+
+    let demo_stop = CancellationToken::new();
+    let receiver = demo::start_receiver(demo_stop.clone()).await?;
+    let db = Db::connect_lazy(&app_url, 2)?;
+    demo::seed(&db, &receiver).await?;
+    let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
+
+    let host = if addr.ip().is_unspecified() {
+        "127.0.0.1".to_owned()
+    } else {
+        addr.ip().to_string()
+    };
+    println!(
+        "ready in {:.1}s: metrics at http://{host}:{}/metrics; an event every {}; Ctrl-C stops",
+        started.elapsed().as_secs_f64(),
+        addr.port(),
+        humantime::format_duration(event_every)
+    );
+    let served = crate::run(config, listener, shutdown).await;
+    demo_stop.cancel();
+    let _ = trickle.await;
+    db.close().await;
+    drop(local);
+    served
+}
+
+fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf> {
+    std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
+    std::path::absolute(path).with_context(|| format!("{}", path.display()))
+}

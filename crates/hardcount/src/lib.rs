@@ -1,0 +1,81 @@
+//! `hardcount`: the service as a library, with a thin `main`.
+//!
+//! [`run`] serves a [`Config`] on a listener the caller bound until a
+//! cancellation token the caller owns is cancelled, so tests start the real
+//! service in-process on port 0. [`execute`] runs one command line; the binary's
+//! `main` parses it, owns the signals (the first SIGTERM or SIGINT cancels, a
+//! second exits at once) and calls it.
+//!
+//! Modules: `settings` reads the environment (the only code that does, through
+//! clap's `env` attributes so `--help` lists every variable); `cli` is the
+//! command line and the one-call commands; `serve` is [`run`]; `http` the
+//! routes; `dev` the zero-configuration demo (a local Postgres, a demo tenant).
+
+mod cli;
+mod dev;
+mod http;
+mod serve;
+mod settings;
+
+use anyhow::{Context, Result};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use cli::{Cli, Command};
+pub use serve::{Config, run};
+pub use settings::{Common, DevSettings, ServeSettings};
+
+/// Run one parsed command line until it finishes or `shutdown` is cancelled.
+///
+/// # Errors
+///
+/// Whatever the command refuses or fails on, with the setting or thing named.
+pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
+    let common = cli.common;
+    match cli.command {
+        Command::Serve(settings) => {
+            let config = settings.config(common.database_url()?)?;
+            let listener = bind(&settings).await?;
+            run(config, listener, shutdown).await
+        }
+        Command::Dev(settings) => dev::run(&common, settings, shutdown).await,
+        Command::Migrate => {
+            until_cancelled(shutdown, cli::migrate(&common.migration_database_url()?)).await
+        }
+        Command::Leader { command } => {
+            let url = common.database_url()?;
+            until_cancelled(shutdown, cli::leader_command(command, &url)).await
+        }
+    }
+}
+
+/// The tracing subscriber for `RUST_LOG` (`info` when unset or invalid), on stderr.
+pub fn init_logging(cli: &Cli) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(cli.common.rust_log.trim()).unwrap_or_else(|e| {
+            eprintln!("RUST_LOG={:?}: {e}; logging at info", cli.common.rust_log);
+            "info".into()
+        });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Bind `HARDCOUNT_HTTP_ADDR`.
+pub(crate) async fn bind(settings: &ServeSettings) -> Result<TcpListener> {
+    let addr = settings.http_addr()?;
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr} (HARDCOUNT_HTTP_ADDR)"))
+}
+
+async fn until_cancelled(
+    shutdown: CancellationToken,
+    command: impl Future<Output = Result<()>>,
+) -> Result<()> {
+    shutdown
+        .run_until_cancelled(command)
+        .await
+        .unwrap_or_else(|| Err(anyhow::anyhow!("interrupted")))
+}

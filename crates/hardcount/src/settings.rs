@@ -1,0 +1,344 @@
+//! Every setting the process reads from its environment, in one place.
+//!
+//! Each variable is a clap argument with an `env` attribute, so `hardcount serve
+//! --help` lists them all with their defaults. The values arrive as text and are
+//! checked here, so a refusal names the variable and the value it was given.
+//! Durations have one syntax everywhere: humantime's (`500ms`, `30s`, `5m`,
+//! `1h`, `2h 30m`, `1d`).
+
+use std::net::SocketAddr;
+use std::ops::RangeInclusive;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use leader::Role;
+use webhook_delivery::WorkerConfig;
+use webhook_delivery::backoff::RetrySchedule;
+use webhook_delivery::ssrf::Allowlist;
+
+use crate::serve::Config;
+
+/// Where the database is, and how much to log: every command reads these.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Every command")]
+pub struct Common {
+    /// The app pool's URL, as hardcount_app; may point at PgBouncer in transaction mode.
+    /// `dev` starts a local Postgres when it is unset.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    pub database_url: Option<String>,
+    /// A direct or session-mode connection for migrations, as the schema owner
+    /// [default: DATABASE_URL].
+    #[arg(
+        long,
+        env = "MIGRATION_DATABASE_URL",
+        hide_env_values = true,
+        global = true
+    )]
+    pub migration_database_url: Option<String>,
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info,leader=debug`.
+    #[arg(long = "log", env = "RUST_LOG", default_value = "info", global = true)]
+    pub rust_log: String,
+}
+
+impl Common {
+    pub fn database_url(&self) -> Result<String> {
+        non_empty(&self.database_url)
+            .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
+    }
+
+    /// MIGRATION_DATABASE_URL, else DATABASE_URL.
+    pub fn migration_database_url(&self) -> Result<String> {
+        non_empty(&self.migration_database_url)
+            .or_else(|| non_empty(&self.database_url))
+            .context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")
+    }
+}
+
+pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:8080";
+
+/// What `serve` (and `dev`) run: roles, intervals, HTTP, webhook delivery.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeSettings {
+    /// Where /healthz, /readyz and /metrics listen.
+    #[arg(long, env = "HARDCOUNT_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR)]
+    pub http_addr: String,
+    /// Comma-separated roles this replica runs [default: every role this build implements].
+    #[arg(long, env = "HARDCOUNT_ROLES")]
+    pub roles: Option<String>,
+    /// billing's tick interval (1s to 30d) [default: 1h].
+    #[arg(long, env = "HARDCOUNT_BILLING_INTERVAL")]
+    pub billing_interval: Option<String>,
+    /// dunning's tick interval (1s to 30d) [default: 15m].
+    #[arg(long, env = "HARDCOUNT_DUNNING_INTERVAL")]
+    pub dunning_interval: Option<String>,
+    /// webhook_outbox's tick interval (1s to 30d) [default: 1s].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL")]
+    pub webhook_outbox_interval: Option<String>,
+    /// email_outbox's tick interval (1s to 30d) [default: 1s].
+    #[arg(long, env = "HARDCOUNT_EMAIL_OUTBOX_INTERVAL")]
+    pub email_outbox_interval: Option<String>,
+    /// webhook_delivery's tick interval (1s to 30d) [default: 1s].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL")]
+    pub webhook_delivery_interval: Option<String>,
+    /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16` [default: none].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_ALLOWLIST")]
+    pub webhook_allowlist: Option<String>,
+    /// Delays between delivery attempts, each 1s to 7d; dead after the last
+    /// [default: 5s,5m,30m,2h,5h,10h,10h].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE")]
+    pub webhook_retry_schedule: Option<String>,
+    /// One delivery attempt, connect to last byte (1s to 60s) [default: 15s].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_TIMEOUT")]
+    pub webhook_timeout: Option<String>,
+}
+
+/// `dev`: the service on a local Postgres with a demo tenant.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DevSettings {
+    /// Where `dev` keeps its Postgres cluster between runs.
+    #[arg(long, env = "HARDCOUNT_DEV_DIR", default_value = ".hardcount-dev")]
+    pub state_dir: PathBuf,
+    /// How often the demo tenant enqueues a webhook event (100ms to 1h).
+    #[arg(long, env = "HARDCOUNT_DEV_EVENT_EVERY", default_value = "2s")]
+    pub event_every: String,
+    #[command(flatten)]
+    pub serve: ServeSettings,
+}
+
+impl DevSettings {
+    pub fn event_every(&self) -> Result<Duration> {
+        duration(
+            "HARDCOUNT_DEV_EVENT_EVERY",
+            &self.event_every,
+            Duration::from_millis(100)..=Duration::from_secs(3600),
+        )
+    }
+}
+
+/// The bounds of a webhook retry delay: shorter hammers a failing receiver,
+/// longer outlives any receiver's memory of the event.
+pub const RETRY_DELAY: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(7 * 86_400);
+
+/// The bounds of one webhook attempt: a hung receiver must not hold a delivery
+/// (and the tick's budget) for minutes.
+pub const WEBHOOK_TIMEOUT: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(60);
+
+impl ServeSettings {
+    pub fn http_addr(&self) -> Result<SocketAddr> {
+        let addr = match self.http_addr.trim() {
+            "" => DEFAULT_HTTP_ADDR,
+            addr => addr,
+        };
+        addr.parse().map_err(|_| {
+            anyhow!("HARDCOUNT_HTTP_ADDR={addr:?} is not an address like 0.0.0.0:8080")
+        })
+    }
+
+    /// The serve configuration these settings describe, on `database_url`.
+    pub fn config(&self, database_url: String) -> Result<Config> {
+        let roles = non_empty(&self.roles);
+        let mut intervals = Vec::new();
+        for (role, value) in [
+            (Role::Billing, &self.billing_interval),
+            (Role::Dunning, &self.dunning_interval),
+            (Role::WebhookOutbox, &self.webhook_outbox_interval),
+            (Role::EmailOutbox, &self.email_outbox_interval),
+            (Role::WebhookDelivery, &self.webhook_delivery_interval),
+        ] {
+            if let Some(text) = non_empty(value) {
+                let var = format!("HARDCOUNT_{}_INTERVAL", role.as_str().to_ascii_uppercase());
+                // The scheduler owns the bounds (1s to 30d); this only reads the text.
+                let any = Duration::from_millis(1)..=Duration::MAX;
+                intervals.push((role, duration(&var, &text, any)?));
+            }
+        }
+        let roles = scheduler::roles_from_env(roles.as_deref(), |role| {
+            intervals.iter().find(|(r, _)| *r == role).map(|(_, d)| *d)
+        })?;
+
+        let mut webhook_delivery = WorkerConfig::default();
+        if let Some(text) = non_empty(&self.webhook_allowlist) {
+            webhook_delivery.allowlist = Allowlist::parse(&text)
+                .map_err(|e| anyhow!("HARDCOUNT_WEBHOOK_ALLOWLIST={text:?}: {e}"))?;
+        }
+        if let Some(text) = non_empty(&self.webhook_retry_schedule) {
+            webhook_delivery.retry_schedule = retry_schedule(&text)?;
+        }
+        if let Some(text) = non_empty(&self.webhook_timeout) {
+            let timeout = duration("HARDCOUNT_WEBHOOK_TIMEOUT", &text, WEBHOOK_TIMEOUT)?;
+            webhook_delivery.request_timeout = timeout;
+            webhook_delivery.connect_timeout = webhook_delivery.connect_timeout.min(timeout);
+            webhook_delivery.tick_budget = webhook_delivery.tick_budget.max(timeout * 2);
+        }
+        webhook_delivery.validate()?;
+        Ok(Config {
+            database_url,
+            roles_explicit: roles_explicit(&self.roles),
+            roles,
+            webhook_delivery,
+        })
+    }
+}
+
+fn roles_explicit(roles: &Option<String>) -> bool {
+    non_empty(roles).is_some()
+}
+
+/// `HARDCOUNT_WEBHOOK_RETRY_SCHEDULE`: comma-separated delays, each within [`RETRY_DELAY`].
+fn retry_schedule(text: &str) -> Result<RetrySchedule> {
+    const VAR: &str = "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE";
+    let mut delays = Vec::new();
+    for (i, item) in text.split(',').map(str::trim).enumerate() {
+        let delay = duration(VAR, item, RETRY_DELAY)
+            .with_context(|| format!("{VAR}={text:?}: delay {} is wrong", i + 1))?;
+        delays.push(delay);
+    }
+    // RetrySchedule::parse has its own (unbounded) grammar; the list is built here
+    // so every duration setting goes through `duration`.
+    Ok(RetrySchedule(delays))
+}
+
+/// The one duration parser: humantime's syntax, then `bounds`, refusing by name.
+pub fn duration(var: &str, text: &str, bounds: RangeInclusive<Duration>) -> Result<Duration> {
+    let text = text.trim();
+    let value = humantime::parse_duration(text).map_err(|e| {
+        anyhow!("{var}={text:?}: {e} (expected a duration like 500ms, 30s, 5m, 1h or 1d)")
+    })?;
+    let show = |d: &Duration| humantime::format_duration(*d).to_string();
+    if value < *bounds.start() {
+        bail!("{var}={text:?}: must be at least {}", show(bounds.start()));
+    }
+    if value > *bounds.end() {
+        bail!("{var}={text:?}: must be at most {}", show(bounds.end()));
+    }
+    Ok(value)
+}
+
+/// Set and not blank: an empty variable means unset, as it does to a shell user.
+fn non_empty(value: &Option<String>) -> Option<String> {
+    value
+        .as_deref()
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        settings: ServeSettings,
+    }
+
+    /// The configuration `args` (flags standing in for the variables) give, or the refusal.
+    fn check(args: &[&str]) -> Result<Config, String> {
+        let serve = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        serve
+            .settings
+            .config("postgres://x".into())
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    fn refusal(args: &[&str]) -> String {
+        match check(args) {
+            Ok(_) => panic!("{args:?} was accepted"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn defaults_run_every_role_with_the_documented_intervals() {
+        let config = check(&[]).unwrap();
+        assert_eq!(config.roles.len(), 5);
+        assert!(!config.roles_explicit);
+        assert_eq!(config.roles[0].interval, Duration::from_secs(3600));
+        assert_eq!(config.webhook_delivery, WorkerConfig::default());
+    }
+
+    #[test]
+    fn durations_take_humantime_syntax() {
+        let config = check(&[
+            "--billing-interval",
+            "2h 30m",
+            "--webhook-retry-schedule",
+            "1s, 5m,7days",
+            "--webhook-timeout",
+            "60s",
+        ])
+        .unwrap();
+        assert_eq!(config.roles[0].interval, Duration::from_secs(9000));
+        assert_eq!(
+            config.webhook_delivery.retry_schedule.0,
+            [1, 300, 7 * 86_400].map(Duration::from_secs).to_vec()
+        );
+        assert_eq!(
+            config.webhook_delivery.request_timeout,
+            Duration::from_secs(60)
+        );
+    }
+
+    #[test]
+    fn nonsense_is_refused_by_the_setting_s_name() {
+        for (args, expected) in [
+            (
+                &["--billing-interval", "500ms"][..],
+                "HARDCOUNT_BILLING_INTERVAL is 500ms: a role's interval must be from 1s",
+            ),
+            (
+                &["--webhook-delivery-interval", "1 fortnight"],
+                "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL=\"1 fortnight\": unknown time unit",
+            ),
+            (
+                &["--dunning-interval", "31d"],
+                "HARDCOUNT_DUNNING_INTERVAL is 2678400s",
+            ),
+            (
+                &["--webhook-retry-schedule", "5s,500ms"],
+                "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE=\"5s,500ms\": delay 2 is wrong: \
+                 HARDCOUNT_WEBHOOK_RETRY_SCHEDULE=\"500ms\": must be at least 1s",
+            ),
+            (
+                &["--webhook-retry-schedule", "5s,8d"],
+                "\"8d\": must be at most 7days",
+            ),
+            (&["--webhook-retry-schedule", "5s,,5m"], "delay 2 is wrong"),
+            (
+                &["--webhook-timeout", "61s"],
+                "HARDCOUNT_WEBHOOK_TIMEOUT=\"61s\": must be at most 1m",
+            ),
+            (
+                &["--webhook-timeout", "0s"],
+                "HARDCOUNT_WEBHOOK_TIMEOUT=\"0s\": must be at least 1s",
+            ),
+            (
+                &["--webhook-allowlist", "10.0.0.0/99"],
+                "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/99\"",
+            ),
+            (&["--roles", "billing,emails"], "unknown role \"emails\""),
+        ] {
+            let err = refusal(args);
+            assert!(err.contains(expected), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_blank_variable_means_unset() {
+        let config = check(&["--roles", " ", "--webhook-timeout", ""]).unwrap();
+        assert_eq!(config.roles.len(), 5);
+        assert!(!config.roles_explicit);
+        let bad = ServeSettings {
+            http_addr: "8080".into(),
+            ..Serve::try_parse_from(["serve"]).unwrap().settings
+        };
+        let err = bad.http_addr().unwrap_err().to_string();
+        assert!(err.contains("HARDCOUNT_HTTP_ADDR=\"8080\""), "{err}");
+    }
+}

@@ -1,0 +1,236 @@
+//! The fenced-batch driver: the one loop of every role that drains a queue in
+//! fenced batches within a time budget. A role says how to claim a batch and
+//! how to run it ([`FencedBatches`]); [`drive`] decides when to stop and how
+//! the tick ends.
+//!
+//! ```text
+//!  drive(role, tick)
+//!   loop ── tick.cancel fired? ───────────────────────────▶ Stop::Cancelled  → MoreWork ¹
+//!        ── elapsed + reserve ≥ budget? ──────────────────▶ Stop::Budget     → MoreWork
+//!        ── role.claim(&fence, batch_size)   (guarded step)
+//!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
+//!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
+//!             nothing claimed ────────────────────────────▶ Stop::Drained    → Drained
+//!        ── role.run(claim, …)               (guarded step; the role guards each item)
+//!        ── cancel fired? → Cancelled; fewer than batch_size claimed → Drained; else loop
+//!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
+//! ```
+//!
+//! ¹ A cancelled tick is released as lost or interrupted whatever it returns.
+//!
+//! The returned [`TickEnd`] decides the release (docs/adr/0007): a drained
+//! tick waits its interval, a tick stopped by its budget is due again at once,
+//! a failed one waits the short failure cooldown. A panic kept by the guard is
+//! raised again after the log line, so the lease is released as panicked.
+
+use std::fmt;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use leader::{Fence, Role, Tick, TickEnd};
+use tracing::{debug, info};
+
+use crate::panics::{Panics, catch};
+
+/// How a role's ticks are cut into batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Items claimed per batch. A batch that claims fewer means nothing else
+    /// is waiting. Must be at least 1 (each role's config refuses 0).
+    pub batch_size: usize,
+    /// No batch starts once `elapsed + reserve` reaches this.
+    pub budget: Duration,
+    /// How long a batch may run once started (the HTTP timeout of one
+    /// attempt, say); zero for a batch that is one short transaction.
+    pub reserve: Duration,
+}
+
+/// A role that drains its queue in fenced batches. Implemented by each job
+/// crate's `tick.rs`; run with [`drive`].
+pub trait FencedBatches: Sync {
+    /// What one claim returns (the claimed rows, or a finished batch's summary
+    /// when claim and outcome are one transaction).
+    type Claim: Send;
+    /// What the role counts over a tick; logged with the tick and returned.
+    type Counts: Default + fmt::Debug + Send;
+    /// A claim's error; it ends the tick as [`TickEnd::Failed`].
+    type Error: fmt::Display + Send;
+
+    fn role(&self) -> Role;
+
+    fn shape(&self) -> Shape;
+
+    /// The fenced claim of up to `limit` items: its SQL proves
+    /// `leader_fence($role, $token)` in its innermost WHERE.
+    ///
+    /// # Errors
+    /// A database error; the tick stops and is released as failed.
+    fn claim(
+        &self,
+        fence: &Fence,
+        limit: usize,
+    ) -> impl Future<Output = Result<Self::Claim, Self::Error>> + Send;
+
+    /// How many items `claim` holds.
+    fn claimed(claim: &Self::Claim) -> usize;
+
+    /// Run a claimed batch and write its outcomes (each by CAS). Items run
+    /// under `panics` (a panicking item stops itself, not the batch); nothing
+    /// may start that could end after `deadline`. Errors writing an outcome
+    /// are the role's to absorb: the claim's lease brings the item back.
+    fn run(
+        &self,
+        claim: Self::Claim,
+        tick: &Tick,
+        deadline: Instant,
+        panics: &mut Panics,
+        counts: &mut Self::Counts,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// After the last batch, before the log line (gauges, caches).
+    fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+}
+
+/// Why [`drive`] stopped claiming.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// A batch came back short: nothing else was waiting.
+    Drained,
+    /// Too little budget was left for another batch; work may be left.
+    Budget,
+    /// `tick.cancel` fired (lease lost or shutting down).
+    Cancelled,
+    /// A claim failed; nothing of that batch was claimed.
+    Failed(String),
+    /// A claim or a batch panicked outside an item; raised at the end.
+    Panicked,
+}
+
+impl Stop {
+    /// How the lease is released after a tick that stopped this way.
+    pub fn tick_end(&self) -> TickEnd {
+        match self {
+            Stop::Drained => TickEnd::Drained,
+            Stop::Budget => TickEnd::MoreWork,
+            // Released as lost or interrupted whatever it says; work may be left.
+            Stop::Cancelled => TickEnd::MoreWork,
+            Stop::Failed(error) => TickEnd::Failed(error.clone()),
+            // Never returned: Panics::finish raises the panic.
+            Stop::Panicked => TickEnd::Failed("a batch panicked".to_owned()),
+        }
+    }
+}
+
+/// What one driven tick did.
+#[derive(Debug)]
+pub struct Driven<C> {
+    /// The tick's end, for `Manager::lead`: `stop.tick_end()`.
+    pub end: TickEnd,
+    pub stop: Stop,
+    /// Batches that claimed at least one item.
+    pub batches: usize,
+    /// Items claimed over the tick.
+    pub claimed: usize,
+    pub elapsed: Duration,
+    pub counts: C,
+}
+
+/// Run one tick of `role`: claim and run batches until a batch comes back
+/// short, the budget is spent, `tick.cancel` fires or a claim fails.
+///
+/// # Panics
+/// With the first panic the guard kept (in a claim, a batch or an item),
+/// after the rest of the tick and its log line.
+///
+/// # Cancel safety
+/// `tick.cancel` is checked between batches; what a batch does when its
+/// future is dropped is the role's (`run`'s) contract.
+pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts> {
+    let name = role.role();
+    let shape = role.shape();
+    let started = Instant::now();
+    let deadline = started + shape.budget;
+    let mut panics = Panics::new(name.as_str());
+    let mut counts = R::Counts::default();
+    let (mut batches, mut claimed) = (0, 0);
+    let stop = loop {
+        if tick.cancel.is_cancelled() {
+            break Stop::Cancelled;
+        }
+        if started.elapsed() + shape.reserve >= shape.budget {
+            break Stop::Budget;
+        }
+        let claim = match panics
+            .step("claim", role.claim(&tick.fence, shape.batch_size))
+            .await
+        {
+            None => break Stop::Panicked,
+            Some(Err(error)) => break Stop::Failed(error.to_string()),
+            Some(Ok(claim)) => claim,
+        };
+        let n = R::claimed(&claim);
+        if n == 0 {
+            break Stop::Drained;
+        }
+        batches += 1;
+        claimed += n;
+        let ran = catch(
+            format!("{name}/batch"),
+            role.run(claim, tick, deadline, &mut panics, &mut counts),
+        )
+        .await;
+        if let Err(payload) = ran {
+            panics.record(payload);
+            break Stop::Panicked;
+        }
+        if tick.cancel.is_cancelled() {
+            break Stop::Cancelled;
+        }
+        if n < shape.batch_size {
+            break Stop::Drained;
+        }
+    };
+    role.end_tick(tick).await;
+    let driven = Driven {
+        end: stop.tick_end(),
+        stop,
+        batches,
+        claimed,
+        elapsed: started.elapsed(),
+        counts,
+    };
+    if driven.claimed > 0 {
+        info!(
+            role = %name, batches = driven.batches, claimed = driven.claimed,
+            end = driven.end.as_str(), stop = ?driven.stop, elapsed = ?driven.elapsed,
+            counts = ?driven.counts, "tick done"
+        );
+    } else {
+        debug!(role = %name, end = driven.end.as_str(), stop = ?driven.stop, "nothing claimed");
+    }
+    panics.finish();
+    driven
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stop_maps_to_its_release() {
+        let cases = [
+            (Stop::Drained, TickEnd::Drained),
+            (Stop::Budget, TickEnd::MoreWork),
+            (Stop::Cancelled, TickEnd::MoreWork),
+            (
+                Stop::Failed("statement timeout".into()),
+                TickEnd::Failed("statement timeout".into()),
+            ),
+        ];
+        for (stop, end) in cases {
+            assert_eq!(stop.tick_end(), end, "{stop:?}");
+        }
+    }
+}

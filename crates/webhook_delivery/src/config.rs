@@ -1,0 +1,154 @@
+//! How deliveries are sent: the settings, their defaults, and the checks that
+//! refuse, by name, settings that cannot work.
+
+use std::time::Duration;
+
+use crate::backoff::RetrySchedule;
+use crate::ssrf::Allowlist;
+
+/// How deliveries are sent. `Default` is the production setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// Deliveries claimed per batch. Default 32.
+    pub batch_size: usize,
+    /// Requests in flight at once, across endpoints. Default 32.
+    pub max_in_flight: usize,
+    /// Requests in flight at once to one endpoint. Default 4.
+    pub max_in_flight_per_endpoint: usize,
+    /// TCP (and TLS) connect limit. Default 5 s.
+    pub connect_timeout: Duration,
+    /// One attempt, from connecting to the last byte read. Default 15 s.
+    pub request_timeout: Duration,
+    /// A claim holds a delivery for `request_timeout + claim_margin` (default
+    /// 15 s, so 30 s): if this process dies mid-attempt, the delivery is due
+    /// again after that. A claim not started within the margin is handed back.
+    pub claim_margin: Duration,
+    /// No attempt starts that could end after this much of the tick. Default 60 s.
+    pub tick_budget: Duration,
+    /// Bytes of a response read at most; the rest is not read. Default 64 KiB.
+    pub max_response_bytes: usize,
+    /// Delays between attempts; its length + 1 is the number of attempts.
+    pub retry_schedule: RetrySchedule,
+    /// Private ranges re-opened for delivery (default none).
+    pub allowlist: Allowlist,
+    /// The server cancels a store statement after this. Default 5 s.
+    pub statement_timeout: Duration,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            batch_size: 32,
+            max_in_flight: 32,
+            max_in_flight_per_endpoint: 4,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(15),
+            claim_margin: Duration::from_secs(15),
+            tick_budget: Duration::from_secs(60),
+            max_response_bytes: 64 * 1024,
+            retry_schedule: RetrySchedule::default(),
+            allowlist: Allowlist::default(),
+            statement_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A [`WorkerConfig`] that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("webhook delivery setting {0} must be greater than zero")]
+    Zero(&'static str),
+    #[error(
+        "webhook delivery tick budget ({budget:?}) must be longer than the request timeout ({timeout:?})"
+    )]
+    BudgetTooShort { budget: Duration, timeout: Duration },
+    #[error(
+        "webhook delivery connect timeout ({connect:?}) must not exceed the request timeout ({timeout:?})"
+    )]
+    ConnectTooLong {
+        connect: Duration,
+        timeout: Duration,
+    },
+}
+
+impl WorkerConfig {
+    /// Checks the settings against each other.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let counts = [
+            ("batch_size", self.batch_size),
+            ("max_in_flight", self.max_in_flight),
+            (
+                "max_in_flight_per_endpoint",
+                self.max_in_flight_per_endpoint,
+            ),
+            ("max_response_bytes", self.max_response_bytes),
+        ];
+        let durations = [
+            ("connect_timeout", self.connect_timeout),
+            ("request_timeout", self.request_timeout),
+            ("claim_margin", self.claim_margin),
+            ("tick_budget", self.tick_budget),
+            ("statement_timeout", self.statement_timeout),
+        ];
+        if let Some((name, _)) = counts.iter().find(|(_, n)| *n == 0) {
+            return Err(ConfigError::Zero(name));
+        }
+        if let Some((name, _)) = durations.iter().find(|(_, d)| d.is_zero()) {
+            return Err(ConfigError::Zero(name));
+        }
+        if self.tick_budget <= self.request_timeout {
+            return Err(ConfigError::BudgetTooShort {
+                budget: self.tick_budget,
+                timeout: self.request_timeout,
+            });
+        }
+        if self.connect_timeout > self.request_timeout {
+            return Err(ConfigError::ConnectTooLong {
+                connect: self.connect_timeout,
+                timeout: self.request_timeout,
+            });
+        }
+        Ok(())
+    }
+
+    /// How long a claim holds a delivery: `request_timeout + claim_margin`.
+    pub fn claim_lease(&self) -> Duration {
+        self.request_timeout + self.claim_margin
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_config_is_valid_and_nonsense_is_named() {
+        let config = WorkerConfig::default();
+        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(config.claim_lease(), Duration::from_secs(30));
+        assert_eq!(config.request_timeout, Duration::from_secs(15));
+        assert_eq!(config.max_response_bytes, 64 * 1024);
+        let zero = WorkerConfig {
+            max_in_flight_per_endpoint: 0,
+            ..WorkerConfig::default()
+        };
+        assert_eq!(
+            zero.validate(),
+            Err(ConfigError::Zero("max_in_flight_per_endpoint"))
+        );
+        let short = WorkerConfig {
+            tick_budget: Duration::from_secs(10),
+            ..WorkerConfig::default()
+        };
+        let err = short.validate().unwrap_err();
+        assert!(matches!(err, ConfigError::BudgetTooShort { .. }));
+        let text = err.to_string();
+        assert!(
+            text.contains("tick budget (10s)") && text.contains("request timeout (15s)"),
+            "{text}"
+        );
+    }
+}

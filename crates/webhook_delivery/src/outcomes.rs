@@ -1,0 +1,218 @@
+//! Writing attempts' outcomes: each by compare-and-set on (delivery, attempt,
+//! pending), buffered and written in groups, one statement per group.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use crate::delivery::Outcome;
+use crate::store::{self, NextState, OutcomeRow};
+use leader::Role;
+
+use crate::tick::Worker;
+
+impl Worker {
+    /// Write one outcome (a 410's, with its endpoint disabled in the same
+    /// transaction) by compare-and-set on (`id`, `attempt`, pending); not counted.
+    pub(crate) async fn record(
+        &self,
+        row: OutcomeRow,
+        disable_endpoint: Option<(i64, String)>,
+    ) -> Outcome {
+        let written = store::record_outcome(
+            &self.inner.db,
+            &row,
+            disable_endpoint,
+            self.inner.config.statement_timeout,
+        )
+        .await;
+        match written {
+            Ok(applied) => applied_outcome(&row, false, applied),
+            Err(e) => {
+                warn!(
+                    role = %Role::WebhookDelivery, delivery = row.id, attempt = row.attempt, error = %e,
+                    "could not record a webhook attempt; the delivery comes due again when its claim lease ends"
+                );
+                Outcome::Unrecorded
+            }
+        }
+    }
+
+    /// Write a group of outcomes with one statement ([`store::record_outcomes`])
+    /// and count each. Returns each one's key and outcome: the ones whose
+    /// compare-and-set matched no row are `Stale`; if the write fails, all
+    /// are `Unrecorded` (their deliveries come due again after their claim lease).
+    pub(crate) async fn write_outcomes(&self, group: Vec<Finished>) -> Written {
+        let rows: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
+        let written =
+            store::record_outcomes(&self.inner.db, &rows, self.inner.config.statement_timeout)
+                .await;
+        let outcomes: Vec<_> = match written {
+            Ok(applied) => group
+                .iter()
+                .map(|f| {
+                    let key = (f.row.id, f.row.attempt);
+                    (
+                        key,
+                        applied_outcome(&f.row, f.refused, applied.contains(&key)),
+                    )
+                })
+                .collect(),
+            Err(e) => {
+                warn!(
+                    role = %Role::WebhookDelivery, outcomes = group.len(), error = %e,
+                    "could not record webhook attempts; their deliveries come due again when their claim leases end"
+                );
+                group
+                    .iter()
+                    .map(|f| ((f.row.id, f.row.attempt), Outcome::Unrecorded))
+                    .collect()
+            }
+        };
+        for (_, outcome) in &outcomes {
+            self.count(outcome);
+        }
+        outcomes
+    }
+
+    pub(crate) async fn release(&self, id: i64, attempt: i32) -> Outcome {
+        let statement_timeout = self.inner.config.statement_timeout;
+        match store::release_unsent(&self.inner.db, id, attempt, statement_timeout).await {
+            Ok(true) => {
+                debug!(
+                    role = %Role::WebhookDelivery,
+                    delivery = id,
+                    attempt,
+                    "unsent webhook claim handed back"
+                )
+            }
+            Ok(false) => {
+                debug!(
+                    role = %Role::WebhookDelivery,
+                    delivery = id,
+                    attempt,
+                    "unsent webhook claim already superseded"
+                )
+            }
+            Err(e) => warn!(
+                role = %Role::WebhookDelivery, delivery = id, attempt, error = %e,
+                "could not hand back an unsent webhook claim; it comes due when its lease ends"
+            ),
+        }
+        Outcome::Released
+    }
+
+    pub(crate) fn count(&self, outcome: &Outcome) {
+        if let Some(label) = outcome.label() {
+            self.inner
+                .telemetry
+                .counter("hardcount_webhook_deliveries_total", &[("outcome", label)])
+                .increment(1);
+        }
+    }
+}
+
+/// Outcomes written with one statement at most this many at a time.
+pub(crate) const OUTCOME_GROUP: usize = 64;
+/// A buffered outcome waits at most this long for others to join its group.
+pub(crate) const OUTCOME_LINGER: Duration = Duration::from_millis(20);
+
+/// Each outcome of a written group, by (id, attempt).
+type Written = Vec<((i64, i32), Outcome)>;
+
+/// What an attempt left to do.
+pub(crate) enum Step {
+    /// Nothing: handed back, or already written (a 410). Not yet counted.
+    Done(Outcome),
+    /// Its outcome is still to be written.
+    Write(Finished),
+}
+
+/// A finished attempt whose outcome is not written yet.
+pub(crate) struct Finished {
+    pub row: OutcomeRow,
+    /// Refused by the SSRF guard: counted as `refused` when written as a retry.
+    pub refused: bool,
+}
+
+/// Outcomes waiting for their group's write. Dropped with outcomes still in
+/// it (the tick was abandoned mid-batch), it hands them to a task of their
+/// own, so they are written anyway; only if there is no runtime left are they
+/// not written, and then their deliveries come due again after the claim
+/// lease (at-least-once).
+pub(crate) struct OutcomeBuffer {
+    pub worker: Worker,
+    pub rows: Vec<Finished>,
+    /// When the first buffered outcome has waited [`OUTCOME_LINGER`].
+    pub flush_at: Option<tokio::time::Instant>,
+}
+
+impl OutcomeBuffer {
+    pub fn push(&mut self, finished: Finished) {
+        if self.rows.is_empty() {
+            self.flush_at = Some(tokio::time::Instant::now() + OUTCOME_LINGER);
+        }
+        self.rows.push(finished);
+    }
+
+    /// Hand the buffered outcomes to a task that writes them; resolves to
+    /// their number and their outcomes (already counted in the metrics).
+    pub fn flush(
+        &mut self,
+    ) -> impl Future<Output = (usize, Result<Written, tokio::task::JoinError>)> + use<> {
+        let group = std::mem::take(&mut self.rows);
+        self.flush_at = None;
+        let n = group.len();
+        let worker = self.worker.clone();
+        let task = tokio::spawn(async move { worker.write_outcomes(group).await });
+        async move { (n, task.await) }
+    }
+}
+
+impl Drop for OutcomeBuffer {
+    fn drop(&mut self) {
+        if self.rows.is_empty() {
+            return;
+        }
+        let group = std::mem::take(&mut self.rows);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let worker = self.worker.clone();
+                runtime.spawn(async move { worker.write_outcomes(group).await });
+            }
+            Err(_) => warn!(
+                role = %Role::WebhookDelivery,
+                outcomes = group.len(),
+                "webhook outcomes not written (no runtime); their deliveries come due again when their claim leases end"
+            ),
+        }
+    }
+}
+
+/// Sleeps until `at`, or forever when there is none.
+pub(crate) async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The outcome of a written (`applied`) or stale attempt; logs a stale one.
+fn applied_outcome(row: &OutcomeRow, refused: bool, applied: bool) -> Outcome {
+    if !applied {
+        warn!(
+            role = %Role::WebhookDelivery,
+            delivery = row.id,
+            attempt = row.attempt,
+            "stale webhook attempt: a later claim superseded it, so its result is not written"
+        );
+        return Outcome::Stale;
+    }
+    match row.next {
+        NextState::Delivered => Outcome::Delivered,
+        NextState::RetryAfter(_) if refused => Outcome::Refused,
+        NextState::RetryAfter(_) => Outcome::Retry,
+        NextState::Dead => Outcome::Dead,
+    }
+}

@@ -1,0 +1,149 @@
+//! The `webhook_outbox` tick: the fenced-batch driver ([`scheduler::drive`])
+//! over the outbox's one-transaction batch (claim, fan out, stamp dispatched).
+
+use std::time::{Duration, Instant};
+
+use db::Db;
+use leader::{Fence, Role, Telemetry, Tick, TickEnd};
+use scheduler::{FencedBatches, Panics, Shape, Stop};
+use tracing::debug;
+
+use crate::Error;
+use crate::config::DispatcherConfig;
+use crate::store::{self, Batch};
+
+/// What one tick did.
+#[derive(Debug)]
+pub struct TickReport {
+    /// Batches that dispatched at least one event.
+    pub batches: usize,
+    pub events: usize,
+    pub deliveries: u64,
+    pub elapsed: Duration,
+    /// Why the tick stopped claiming.
+    pub stop: Stop,
+    /// How the lease is released (docs/adr/0007).
+    pub end: TickEnd,
+}
+
+/// Fans out outbox events. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Dispatcher {
+    db: Db,
+    config: DispatcherConfig,
+    telemetry: Telemetry,
+}
+
+impl Dispatcher {
+    /// # Errors
+    /// [`Error::Config`] naming a setting that cannot work.
+    pub fn new(
+        db: Db,
+        config: DispatcherConfig,
+        telemetry: Telemetry,
+    ) -> Result<Dispatcher, Error> {
+        config.validate()?;
+        Ok(Dispatcher {
+            db,
+            config,
+            telemetry,
+        })
+    }
+
+    pub fn config(&self) -> &DispatcherConfig {
+        &self.config
+    }
+
+    /// One tick of the role: dispatch batches until the outbox is drained, the
+    /// budget is spent, a batch fails, or `tick.cancel` fires.
+    ///
+    /// # Panics
+    /// When a batch panicked, after the rest of the tick (so the lease is
+    /// released as panicked).
+    ///
+    /// # Cancel safety
+    /// `tick.cancel` is checked between batches. A batch is one transaction:
+    /// dropped mid-way (the lease manager drops a tick that outlives its
+    /// cancel grace), it rolls back and its events are claimed again later.
+    pub async fn run_tick(&self, tick: &Tick) -> TickReport {
+        let driven = scheduler::drive(&Fanout(self), tick).await;
+        TickReport {
+            batches: driven.batches,
+            events: driven.claimed,
+            deliveries: driven.counts,
+            elapsed: driven.elapsed,
+            stop: driven.stop,
+            end: driven.end,
+        }
+    }
+
+    /// The fenced funnel: one transaction that claims up to `limit` events,
+    /// fans them out and marks them dispatched. Returns how many events it
+    /// dispatched; zero when the outbox is empty or `fence` is stale.
+    ///
+    /// # Errors
+    /// A database error; the transaction rolled back and nothing changed.
+    pub async fn dispatch_batch(&self, fence: &Fence, limit: usize) -> Result<usize, Error> {
+        Ok(self.batch(fence, limit).await?.events)
+    }
+
+    async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
+        let batch =
+            store::claim_and_fan_out(&self.db, fence, limit, self.config.statement_timeout).await?;
+        if batch.events > 0 {
+            self.telemetry
+                .counter("hardcount_webhook_events_dispatched_total", &[])
+                .increment(batch.events as u64);
+            debug!(
+                role = %Role::WebhookOutbox,
+                events = batch.events,
+                deliveries = batch.deliveries,
+                "webhook batch fanned out"
+            );
+        }
+        Ok(batch)
+    }
+}
+
+/// The role as the driver sees it. Claim, fan-out and the dispatched stamp are
+/// one transaction, so the claim is the whole batch; running it only counts
+/// its deliveries.
+struct Fanout<'a>(&'a Dispatcher);
+
+impl FencedBatches for Fanout<'_> {
+    type Claim = Batch;
+    /// Deliveries inserted.
+    type Counts = u64;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::WebhookOutbox
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            batch_size: self.0.config.batch_size,
+            budget: self.0.config.tick_budget,
+            reserve: Duration::ZERO,
+        }
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
+        self.0.batch(fence, limit).await
+    }
+
+    fn claimed(batch: &Batch) -> usize {
+        batch.events
+    }
+
+    async fn run(
+        &self,
+        batch: Batch,
+        _tick: &Tick,
+        _deadline: Instant,
+        _panics: &mut Panics,
+        deliveries: &mut u64,
+    ) {
+        *deliveries += batch.deliveries;
+    }
+}

@@ -1,0 +1,128 @@
+//! How a dispatcher tick ends, and what the role loop does with it
+//! (docs/adr/0007): a failed claim ends it failed, a spent budget with events
+//! left ends it with more work, and the loop runs the next tick at once.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use leader::{Role, TickEnd};
+use scheduler::{RoleSpec, Stop, run_role, work};
+use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
+use webhook_outbox::DispatcherConfig;
+
+use crate::{as_leader, count, dispatcher, endpoint, event, manager};
+
+/// A backlog of 200 events with batches of 10 and a 1 ms budget (about one
+/// batch a tick) drains through `scheduler::run_role` with an hourly interval
+/// within seconds: each budget-stopped tick is due again at once.
+///
+/// Mutation check: the driver mapping `Stop::Budget` to `TickEnd::Drained`
+/// stamps the first tick completed, the role waits its hour, and the backlog
+/// stays (seen failing so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_the_interval() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    let mut tx = t.db.begin().await.unwrap();
+    for n in 0..200 {
+        webhook_outbox::enqueue(
+            &mut tx,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let config = DispatcherConfig {
+        batch_size: 10,
+        tick_budget: Duration::from_millis(1),
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    let ends = Arc::new(Mutex::new(Vec::new()));
+    let e = ends.clone();
+    let spec = RoleSpec {
+        role: Role::WebhookOutbox,
+        interval: Duration::from_secs(3600),
+        work: work(move |tick| {
+            let (d, e) = (d.clone(), e.clone());
+            async move {
+                let end = d.run_tick(&tick).await.end;
+                e.lock().unwrap().push(end.clone());
+                end
+            }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let l = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    let undispatched = "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL";
+    while count(&t.db, undispatched).await > 0 && started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drained_after = started.elapsed();
+    shutdown.cancel();
+    l.await.unwrap();
+    let ends = ends.lock().unwrap().clone();
+    println!(
+        "200 events drained after {drained_after:?} in {} ticks",
+        ends.len()
+    );
+    assert_eq!(count(&t.db, undispatched).await, 0, "ends: {ends:?}");
+    assert!(drained_after < Duration::from_secs(20), "{drained_after:?}");
+    assert!(
+        ends.iter().filter(|e| **e == TickEnd::MoreWork).count() >= 2,
+        "several budget-stopped ticks: {ends:?}"
+    );
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        200
+    );
+}
+
+/// A claim that cannot take its rows (the table locked past the 200 ms
+/// statement timeout) ends the tick failed, with the database's error, and
+/// dispatches nothing; once the lock is gone the next tick does the work.
+///
+/// Mutation check: the driver mapping `Stop::Failed` to `TickEnd::Drained`
+/// would release the tick as completed (an hourly role then waits an hour);
+/// this test then fails on the first tick's end (seen failing so).
+#[tokio::test]
+async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    event(&t.db, "tenant_a", "invoice.paid", "{}").await;
+    let config = DispatcherConfig {
+        statement_timeout: Duration::from_millis(200),
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    let m = manager(&t.db, "a");
+    let mut owner = t.superuser().await;
+    sqlx::raw_sql("BEGIN; LOCK TABLE webhook_events IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    let d1 = d.clone();
+    let report = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d1.run_tick(&tick).await
+    })
+    .await;
+    sqlx::raw_sql("ROLLBACK").execute(&mut owner).await.unwrap();
+    let TickEnd::Failed(error) = &report.end else {
+        panic!("a failed claim must end the tick failed: {report:?}");
+    };
+    assert!(error.contains("statement timeout"), "{error}");
+    assert!(matches!(report.stop, Stop::Failed(_)), "{report:?}");
+    assert_eq!((report.batches, report.events), (0, 0));
+
+    let report = as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.run_tick(&tick).await
+    })
+    .await;
+    assert_eq!(report.end, TickEnd::Drained, "{report:?}");
+    assert_eq!(report.events, 1);
+}

@@ -1,0 +1,190 @@
+//! `hardcount dev` as a newcomer runs it: no DATABASE_URL, no Postgres running
+//! for it, an empty state directory (its own, through HARDCOUNT_DEV_DIR).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::hardcount;
+
+/// A running `hardcount dev` whose stdout is collected line by line.
+struct Dev {
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+}
+
+impl Dev {
+    fn start(state_dir: &Path) -> Dev {
+        let mut child = hardcount()
+            .arg("dev")
+            .env("HARDCOUNT_DEV_DIR", state_dir)
+            .env(
+                "HARDCOUNT_HTTP_ADDR",
+                format!("127.0.0.1:{}", testbed::free_port()),
+            )
+            .stdout(Stdio::piped())
+            // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see its logs.
+            .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .unwrap();
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let sink = stdout.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        Dev { child, stdout }
+    }
+
+    fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Wait until stdout has a line containing `what`; how long that took.
+    async fn until_printed(&mut self, what: &str, limit: Duration) -> Duration {
+        let started = Instant::now();
+        while !self.stdout().contains(what) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "dev exited ({status}) before printing {what:?}:\n{}",
+                    self.stdout()
+                );
+            }
+            assert!(
+                started.elapsed() < limit,
+                "dev did not print {what:?} within {limit:?}:\n{}",
+                self.stdout()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        started.elapsed()
+    }
+
+    /// SIGINT (Ctrl-C), then the exit code.
+    async fn interrupt(&mut self) -> Option<i32> {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-INT", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(Instant::now() < deadline, "dev did not exit after SIGINT");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A state directory of its own, removed at the end (its Postgres stopped first
+/// if a failed test left it running).
+struct StateDir(PathBuf);
+
+impl StateDir {
+    fn new() -> StateDir {
+        let dir = std::env::temp_dir().join(format!(
+            "hardcount-dev-test-{}-{}",
+            std::process::id(),
+            testbed::free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        StateDir(dir)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.0.join("postgres/data")
+    }
+
+    /// Postgres runs on the data directory: pg_ctl's own test, the pid file.
+    fn postgres_running(&self) -> bool {
+        self.data().join("postmaster.pid").exists()
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        if self.postgres_running() {
+            let pg_ctl = "/usr/lib/postgresql/15/bin/pg_ctl";
+            let data = self.data();
+            let _ = Command::new("runuser")
+                .args(["-u", "postgres", "--", pg_ctl, "-D"])
+                .arg(&data)
+                .args(["-m", "immediate", "stop"])
+                .status();
+            let _ = Command::new(pg_ctl)
+                .arg("-D")
+                .arg(&data)
+                .args(["-m", "immediate", "stop"])
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a_rerun_reuses_it() {
+    let state = StateDir::new();
+
+    let mut first = Dev::start(&state.0);
+    let cold = first
+        .until_printed("delivered webhook", Duration::from_secs(180))
+        .await;
+    let out = first.stdout();
+    assert!(out.contains("creating a Postgres 15 cluster"), "{out}");
+    assert!(out.contains("/metrics"), "{out}");
+    let endpoint = out
+        .lines()
+        .find_map(|l| l.split("created endpoint #").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no endpoint created:\n{out}"))
+        .to_owned();
+    assert!(state.postgres_running());
+    assert_eq!(first.interrupt().await, Some(0), "{}", first.stdout());
+    assert!(
+        first.stdout().contains("stopped the local Postgres"),
+        "{}",
+        first.stdout()
+    );
+    assert!(!state.postgres_running(), "dev left its Postgres running");
+
+    // A second run reuses the cluster, the database and the demo tenant's endpoint.
+    let mut second = Dev::start(&state.0);
+    let warm = second
+        .until_printed("delivered webhook", Duration::from_secs(60))
+        .await;
+    let out = second.stdout();
+    assert!(!out.contains("creating a Postgres"), "{out}");
+    assert!(
+        out.contains(&format!("reusing endpoint #{endpoint}")),
+        "expected endpoint #{endpoint} reused:\n{out}"
+    );
+    assert!(
+        out.contains("nothing to do"),
+        "migrations ran again:\n{out}"
+    );
+    assert_eq!(second.interrupt().await, Some(0), "{}", second.stdout());
+    assert!(!state.postgres_running(), "dev left its Postgres running");
+    println!("dev: first delivery {cold:?} after start from nothing, {warm:?} on a rerun");
+}
