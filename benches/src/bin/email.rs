@@ -159,7 +159,7 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         interval: Duration::from_secs(1),
         work: work(move |tick| {
             let sender = sender.clone();
-            async move { sender.run_tick(&tick).await.0 }
+            async move { sender.run_tick(&tick).await.end }
         }),
     };
     let loop_ = tokio::spawn(run_role(manager, spec, shutdown.clone()));

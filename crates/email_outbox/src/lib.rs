@@ -47,7 +47,7 @@ pub mod verdict;
 pub use config::{ConfigError, SenderConfig};
 pub use email::{Email, Invalid, MAX_BODY_BYTES};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
-pub use tick::{Sender, TickReport};
+pub use tick::{Sender, Tally, TickReport};
 
 /// Why [`enqueue`] refused an email.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +70,9 @@ pub enum Error {
     Smtp(#[from] SmtpUrlError),
     #[error("email outbox store: {0}")]
     Db(#[from] db::Error),
+    /// A send got no SMTP reply at all; the rest of the batch was handed back.
+    #[error("the SMTP server is unreachable; unsent emails were handed back")]
+    Unreachable,
 }
 
 /// Queue `email` for `tenant_id` inside the caller's transaction and return its

@@ -1,5 +1,6 @@
-//! The `email_outbox` tick: claim due emails, send them through the pooled
-//! transport at most `max_connections` at a time, write the results in groups.
+//! The `email_outbox` tick: the fenced-batch driver ([`scheduler::drive`])
+//! over claimed emails, sent through the pooled transport at most
+//! `max_connections` at a time, results written in groups beside the sends.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,11 +8,11 @@ use std::time::Instant;
 
 use db::Db;
 use futures::StreamExt;
-use leader::{Fence, Telemetry, Tick, TickEnd};
+use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use lettre::{AsyncSmtpTransport, Tokio1Executor};
-use scheduler::Panics;
+use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::email::Queued;
 use crate::store::{self, ResultRow};
@@ -23,32 +24,44 @@ const ROLE: &str = "email_outbox";
 /// Results written per statement, at most.
 const RESULT_GROUP: usize = 32;
 
-/// What one tick did.
+/// What the sends of a tick (or of one [`Sender::send_claimed`]) came to.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct TickReport {
-    pub claimed: usize,
+pub struct Tally {
     pub sent: usize,
     pub retried: usize,
     pub failed: usize,
     /// Results refused by the compare-and-set: the claim was taken over.
     pub stale: usize,
-    /// Claimed but not sent (server unreachable, out of time, cancelled).
+    /// Claimed but not sent (server unreachable, cancelled).
     pub handed_back: usize,
     /// Results that could not be written; those emails come due after their lease.
     pub unrecorded: usize,
-    /// Connections that failed before any SMTP reply.
+    /// Sends that got no SMTP reply at all (connection, TLS, timeout).
     pub unreachable: usize,
 }
 
-impl TickReport {
-    fn add(&mut self, other: &TickReport) {
+impl Tally {
+    fn add(&mut self, other: &Tally) {
         self.sent += other.sent;
         self.retried += other.retried;
         self.failed += other.failed;
         self.stale += other.stale;
+        self.handed_back += other.handed_back;
         self.unrecorded += other.unrecorded;
         self.unreachable += other.unreachable;
     }
+}
+
+/// What one tick did.
+#[derive(Debug)]
+pub struct TickReport {
+    pub batches: usize,
+    pub claimed: usize,
+    pub tally: Tally,
+    /// Why the tick stopped claiming.
+    pub stop: Stop,
+    /// How the lease is released (docs/adr/0007).
+    pub end: TickEnd,
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -115,53 +128,20 @@ impl Sender {
     /// # Panics
     /// When a send panicked (after the rest of the tick); that email's attempt
     /// was recorded as failed with no reply.
-    pub async fn run_tick(&self, tick: &Tick) -> (TickEnd, TickReport) {
-        let config = &self.inner.config;
-        let started = Instant::now();
-        let mut panics = Panics::new(ROLE);
-        let mut report = TickReport::default();
-        let end = loop {
-            if tick.cancel.is_cancelled() {
-                break TickEnd::Drained; // released as interrupted or lost
-            }
-            if started.elapsed() >= config.tick_budget {
-                break TickEnd::MoreWork;
-            }
-            let batch = match self.claim_due(&tick.fence, config.batch_size).await {
-                Ok(b) => b,
-                Err(e) => {
-                    warn!(role = ROLE, error = %e, "claiming due emails failed");
-                    break TickEnd::Failed(e.to_string());
-                }
-            };
-            let full = batch.len() >= config.batch_size;
-            if batch.is_empty() {
-                break TickEnd::Drained;
-            }
-            let reachable = self
-                .send_batch(batch, &tick.cancel, &mut panics, &mut report)
-                .await;
-            if !reachable {
-                break TickEnd::Failed("the SMTP server is unreachable".to_owned());
-            }
-            if !full {
-                break TickEnd::Drained;
-            }
-        };
-        if !tick.cancel.is_cancelled() {
-            self.refresh_gauges().await;
+    ///
+    /// # Cancel safety
+    /// `tick.cancel` is checked before each send: unsent claims are handed
+    /// back. Sends in flight finish. If the tick is dropped instead (after the
+    /// cancel grace), its claims come due when their lease ends.
+    pub async fn run_tick(&self, tick: &Tick) -> TickReport {
+        let driven = scheduler::drive(&Sends(self), tick).await;
+        TickReport {
+            batches: driven.batches,
+            claimed: driven.claimed,
+            tally: driven.counts,
+            stop: driven.stop,
+            end: driven.end,
         }
-        if report.claimed > 0 {
-            info!(
-                role = ROLE, claimed = report.claimed, sent = report.sent, retried = report.retried,
-                failed = report.failed, stale = report.stale, handed_back = report.handed_back,
-                elapsed = ?started.elapsed(), end = end.as_str(), "emails sent"
-            );
-        } else {
-            debug!(role = ROLE, end = end.as_str(), "no emails due");
-        }
-        panics.finish();
-        (end, report)
     }
 
     /// The fenced funnel: claim up to `limit` due emails for one attempt each.
@@ -185,13 +165,13 @@ impl Sender {
     ///
     /// # Panics
     /// When a send panicked, after the rest of the batch.
-    pub async fn send_claimed(&self, batch: Vec<Queued>) -> TickReport {
+    pub async fn send_claimed(&self, batch: Vec<Queued>) -> Tally {
         let mut panics = Panics::new(ROLE);
-        let mut report = TickReport::default();
-        self.send_batch(batch, &CancellationToken::new(), &mut panics, &mut report)
+        let mut tally = Tally::default();
+        self.send_batch(batch, &CancellationToken::new(), &mut panics, &mut tally)
             .await;
         panics.finish();
-        report
+        tally
     }
 
     /// Send one claimed batch and write its results. The first email goes
@@ -203,9 +183,8 @@ impl Sender {
         batch: Vec<Queued>,
         cancel: &CancellationToken,
         panics: &mut Panics,
-        report: &mut TickReport,
+        report: &mut Tally,
     ) -> bool {
-        report.claimed += batch.len();
         let mut rest = batch.into_iter();
         let Some(first) = rest.next() else {
             return true;
@@ -254,7 +233,7 @@ impl Sender {
             drop(results_tx);
         };
         let writes = async {
-            let mut written = TickReport::default();
+            let mut written = Tally::default();
             let mut group = Vec::with_capacity(RESULT_GROUP);
             while let Some((row, no_reply)) = results_rx.recv().await {
                 written.unreachable += usize::from(no_reply);
@@ -321,7 +300,7 @@ impl Sender {
     }
 
     /// Write the buffered results in one statement; count what was applied.
-    async fn write(&self, results: &mut Vec<ResultRow>, report: &mut TickReport) {
+    async fn write(&self, results: &mut Vec<ResultRow>, report: &mut Tally) {
         if results.is_empty() {
             return;
         }
@@ -376,7 +355,7 @@ impl Sender {
         }
     }
 
-    async fn hand_back(&self, unsent: &[Queued], report: &mut TickReport) {
+    async fn hand_back(&self, unsent: &[Queued], report: &mut Tally) {
         if unsent.is_empty() {
             return;
         }
@@ -418,5 +397,58 @@ fn smtp_class(code: u16) -> &'static str {
         400..=499 => "4xx",
         500..=599 => "5xx",
         _ => "none",
+    }
+}
+
+/// The role as the driver sees it.
+struct Sends<'a>(&'a Sender);
+
+impl FencedBatches for Sends<'_> {
+    type Claim = Vec<Queued>;
+    type Counts = Tally;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::EmailOutbox
+    }
+
+    fn shape(&self) -> Shape {
+        let c = &self.0.inner.config;
+        Shape {
+            batch_size: c.batch_size,
+            budget: c.tick_budget,
+            // A batch is bounded by its sends (each under `send_timeout`) and runs
+            // well inside the claim lease; the budget only decides whether to claim.
+            reserve: std::time::Duration::ZERO,
+        }
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Queued>, Error> {
+        self.0.claim_due(fence, limit).await
+    }
+
+    fn claimed(batch: &Vec<Queued>) -> usize {
+        batch.len()
+    }
+
+    async fn run(
+        &self,
+        batch: Vec<Queued>,
+        tick: &Tick,
+        _deadline: Instant,
+        panics: &mut Panics,
+        tally: &mut Tally,
+    ) -> Result<(), Error> {
+        if self.0.send_batch(batch, &tick.cancel, panics, tally).await {
+            Ok(())
+        } else {
+            Err(Error::Unreachable)
+        }
+    }
+
+    async fn end_tick(&self, tick: &Tick) {
+        if !tick.cancel.is_cancelled() {
+            self.0.refresh_gauges().await;
+        }
     }
 }

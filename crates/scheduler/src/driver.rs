@@ -12,6 +12,7 @@
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
 //!             nothing claimed ────────────────────────────▶ Stop::Drained    → Drained
 //!        ── role.run(claim, …)               (guarded step; the role guards each item)
+//!             error (its outside service is down) ────────▶ Stop::Failed(e)  → Failed(e)
 //!        ── cancel fired? → Cancelled; fewer than batch_size claimed → Drained; else loop
 //!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
 //! ```
@@ -78,6 +79,12 @@ pub trait FencedBatches: Sync {
     /// under `panics` (a panicking item stops itself, not the batch); nothing
     /// may start that could end after `deadline`. Errors writing an outcome
     /// are the role's to absorb: the claim's lease brings the item back.
+    ///
+    /// # Errors
+    /// When the role's outside service is down (an SMTP server that does not
+    /// answer, a payment provider outage): the role hands back what it did not
+    /// attempt, and the tick stops and is released as failed, so the role
+    /// retries after the short cooldown instead of burning attempts.
     fn run(
         &self,
         claim: Self::Claim,
@@ -85,7 +92,7 @@ pub trait FencedBatches: Sync {
         deadline: Instant,
         panics: &mut Panics,
         counts: &mut Self::Counts,
-    ) -> impl Future<Output = ()> + Send;
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
     /// After the last batch, before the log line (gauges, caches).
     fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
@@ -181,9 +188,13 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             role.run(claim, tick, deadline, &mut panics, &mut counts),
         )
         .await;
-        if let Err(payload) = ran {
-            panics.record(payload);
-            break Stop::Panicked;
+        match ran {
+            Err(payload) => {
+                panics.record(payload);
+                break Stop::Panicked;
+            }
+            Ok(Err(error)) => break Stop::Failed(error.to_string()),
+            Ok(Ok(())) => {}
         }
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;

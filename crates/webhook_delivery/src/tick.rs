@@ -382,10 +382,11 @@ impl FencedBatches for Deliveries<'_> {
         deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
-    ) {
+    ) -> Result<(), Error> {
         self.0
             .attempt_batch(claimed, deadline, &tick.cancel, panics, tally)
             .await;
+        Ok(())
     }
 
     async fn end_tick(&self, tick: &Tick) {

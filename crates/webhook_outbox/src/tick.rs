@@ -143,7 +143,8 @@ impl FencedBatches for Fanout<'_> {
         _deadline: Instant,
         _panics: &mut Panics,
         deliveries: &mut u64,
-    ) {
+    ) -> Result<(), Error> {
         *deliveries += batch.deliveries;
+        Ok(())
     }
 }

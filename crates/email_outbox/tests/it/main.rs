@@ -72,12 +72,13 @@ pub async fn queue(db: &Db, tenant: &str, emails: &[Email]) -> Vec<i64> {
 /// One tick as the leader of `email_outbox`.
 pub async fn tick(db: &Db, s: &Sender) -> (TickEnd, TickReport) {
     let s = s.clone();
-    as_leader(
+    let report = as_leader(
         &manager(db, "sender"),
         Role::EmailOutbox,
         |tick| async move { s.run_tick(&tick).await },
     )
-    .await
+    .await;
+    (report.end.clone(), report)
 }
 
 #[derive(Debug, Clone, PartialEq)]

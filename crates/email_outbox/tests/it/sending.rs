@@ -15,7 +15,7 @@ async fn a_queued_email_arrives_with_its_parts_and_its_message_id() {
     let (end, report) = tick(&t.db, &s).await;
     assert_eq!(end, TickEnd::Drained);
     assert_eq!(
-        (report.claimed, report.sent),
+        (report.claimed, report.tally.sent),
         (1, 1),
         "{report:?} {:?}",
         rows(&t.db).await
@@ -63,7 +63,10 @@ async fn a_451_is_retried_and_delivered_and_a_550_fails_at_once_with_its_reply()
     .await;
     let (s, handle) = sender(&t.db, &sink.url(), None, config());
     let (_, first) = tick(&t.db, &s).await;
-    assert_eq!((first.retried, first.failed, first.sent), (1, 1, 0));
+    assert_eq!(
+        (first.tally.retried, first.tally.failed, first.tally.sent),
+        (1, 1, 0)
+    );
     let r = rows(&t.db).await;
     assert_eq!(
         (r[0].id, r[0].status.as_str(), r[0].reply_code),
@@ -116,9 +119,9 @@ async fn a_dead_server_costs_one_connection_and_loses_nothing() {
     assert_eq!(
         (
             report.claimed,
-            report.unreachable,
-            report.retried,
-            report.handed_back
+            report.tally.unreachable,
+            report.tally.retried,
+            report.tally.handed_back
         ),
         (10, 1, 1, 9)
     );

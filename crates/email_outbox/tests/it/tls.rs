@@ -13,7 +13,7 @@ async fn starttls_with_the_right_ca_delivers() {
     queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
     let (s, _) = sender(&t.db, &sink.url(), Some(&ca.ca_pem()), config());
     let (end, report) = tick(&t.db, &s).await;
-    assert_eq!((end, report.sent), (TickEnd::Drained, 1));
+    assert_eq!((end, report.tally.sent), (TickEnd::Drained, 1));
     assert_eq!(sink.messages().len(), 1);
 }
 
@@ -28,7 +28,7 @@ async fn starttls_with_the_wrong_ca_is_refused_and_never_sent_in_clear() {
     let (s, _) = sender(&t.db, &sink.url(), Some(&other.ca_pem()), config());
     let (end, report) = tick(&t.db, &s).await;
     assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
-    assert_eq!((report.sent, report.retried), (0, 1));
+    assert_eq!((report.tally.sent, report.tally.retried), (0, 1));
     let r = &rows(&t.db).await[0];
     assert_eq!((r.status.as_str(), r.reply_code), ("queued", None));
     assert!(
