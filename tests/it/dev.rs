@@ -160,6 +160,19 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("no endpoint created:\n{out}"))
         .to_owned();
+    assert!(out.contains("SMTP sink on smtp://127.0.0.1:"), "{out}");
+    // The demo's receipt emails reach the sink's maildir under the state directory.
+    let inbox = state.0.join("mail/new");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(&inbox).map_or(0, |d| d.count()) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no receipt email in {}:\n{}",
+            inbox.display(),
+            first.stdout()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(state.postgres_running());
     assert_eq!(first.interrupt().await, Some(0), "{}", first.stdout());
     assert!(

@@ -18,6 +18,7 @@ pub fn hardcount() -> Command {
         .env_remove("MIGRATION_DATABASE_URL")
         .env_remove("HARDCOUNT_ROLES")
         .env_remove("HARDCOUNT_HTTP_ADDR")
+        .env_remove("SMTP_URL")
         .env("RUST_LOG", "info");
     c
 }

@@ -20,6 +20,9 @@ impl Serve {
         cmd.arg("serve")
             .env("DATABASE_URL", database_url)
             .env("HARDCOUNT_HTTP_ADDR", format!("127.0.0.1:{port}"))
+            // email_outbox runs by default and needs an SMTP_URL; these tests
+            // queue no email, and the transport connects only to send one.
+            .env("SMTP_URL", "smtp://127.0.0.1:9")
             .stdout(Stdio::null())
             // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see the replicas' logs.
             .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {

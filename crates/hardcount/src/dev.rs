@@ -3,12 +3,14 @@
 //! Without `DATABASE_URL` it starts (or reuses) a local Postgres 15 under the
 //! state directory, migrates it as the owner, connects as `hardcount_app`,
 //! seeds a demo tenant whose webhook endpoint is a receiver in this process
-//! (127.0.0.1/32 allowlisted for the SSRF guard), enqueues an event every few
-//! seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
+//! (127.0.0.1/32 allowlisted for the SSRF guard), starts an SMTP sink (aiosmtpd,
+//! mail kept under the state directory) unless `SMTP_URL` is set, enqueues an
+//! event and a receipt email every few seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
 //! stops all of it, including the Postgres it started; the data stays.
 
 mod demo;
 mod postgres;
+mod smtp;
 
 use std::time::Instant;
 
@@ -51,6 +53,22 @@ pub async fn run(
         Some(list) if !list.trim().is_empty() => format!("{list},{allow}"),
         _ => allow.to_owned(),
     });
+    // Declared here so the sink outlives the roles that send to it.
+    let mut sink = None;
+    if serve
+        .smtp_url
+        .as_deref()
+        .is_none_or(|u| u.trim().is_empty())
+    {
+        let s = sink.insert(smtp::LocalSmtp::start(&absolute(&settings.state_dir)?)?);
+        println!(
+            "SMTP sink on {}: received mail lands in {}",
+            s.url(),
+            s.inbox().display()
+        );
+        settings.serve.smtp_url = Some(s.url());
+    }
+    let serve = &mut settings.serve;
     let config = serve.config(app_url.clone())?;
     let listener = crate::bind(serve).await?;
     let addr = listener.local_addr()?;
@@ -76,6 +94,7 @@ pub async fn run(
     demo_stop.cancel();
     let _ = trickle.await;
     db.close().await;
+    drop(sink);
     drop(local);
     served
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use db::Db;
+use email_outbox::{Sender, SenderConfig, SmtpUrl};
 use leader::{Manager, Role, Telemetry, Timing};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use scheduler::{RoleConfig, RoleSpec, Work};
@@ -33,6 +34,17 @@ pub struct Config {
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
     pub webhook_delivery: WorkerConfig,
+    /// SMTP_URL and the sender's settings; None when SMTP_URL is unset.
+    pub email: Option<EmailConfig>,
+}
+
+/// How email_outbox reaches its SMTP server.
+#[derive(Debug, Clone)]
+pub struct EmailConfig {
+    pub url: SmtpUrl,
+    /// The CA for a private relay's certificate, PEM.
+    pub ca_pem: Option<Vec<u8>>,
+    pub sender: SenderConfig,
 }
 
 /// The work of each role this build implements.
@@ -60,7 +72,26 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
                 async move { worker.run_tick(&tick).await.end }
             }))
         }
-        Role::Billing | Role::Dunning | Role::EmailOutbox => None,
+        Role::EmailOutbox => {
+            let Some(email) = &config.email else {
+                bail!(
+                    "email_outbox is among the roles this replica runs (HARDCOUNT_ROLES, default every role) \
+                     but SMTP_URL is not set: set SMTP_URL, or leave email_outbox out of HARDCOUNT_ROLES"
+                );
+            };
+            let sender = Arc::new(Sender::new(
+                db.clone(),
+                email.sender.clone(),
+                &email.url,
+                email.ca_pem.as_deref(),
+                telemetry.clone(),
+            )?);
+            Some(scheduler::work(move |tick| {
+                let sender = sender.clone();
+                async move { sender.run_tick(&tick).await.end }
+            }))
+        }
+        Role::Billing | Role::Dunning => None,
     })
 }
 

@@ -17,7 +17,9 @@ use webhook_delivery::WorkerConfig;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
 
-use crate::serve::Config;
+use email_outbox::{SenderConfig, SmtpUrl};
+
+use crate::serve::{Config, EmailConfig};
 
 /// Where the database is, and how much to log: every command reads these.
 #[derive(Debug, Clone, clap::Args)]
@@ -91,6 +93,19 @@ pub struct ServeSettings {
     /// One delivery attempt, connect to last byte (1s to 60s) [default: 15s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_TIMEOUT")]
     pub webhook_timeout: Option<String>,
+    /// The SMTP server email_outbox sends through: `smtp://host:port` (plain),
+    /// `smtp://host:port?tls=required` (STARTTLS), `smtps://host:port` (implicit
+    /// TLS), with optional `user:password@`. Required when email_outbox runs.
+    #[arg(long, env = "SMTP_URL", hide_env_values = true)]
+    pub smtp_url: Option<String>,
+    /// A PEM file of the CA that signed the SMTP server's certificate, for a
+    /// private relay [default: the public web roots].
+    #[arg(long, env = "HARDCOUNT_SMTP_CA_FILE")]
+    pub smtp_ca_file: Option<PathBuf>,
+    /// SMTP connections email_outbox keeps open, and so sends in flight (1 to 256)
+    /// [default: 16].
+    #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
+    pub email_connections: Option<String>,
 }
 
 /// `dev`: the service on a local Postgres with a demo tenant.
@@ -179,7 +194,41 @@ impl ServeSettings {
             roles_explicit: roles_explicit(&self.roles),
             roles,
             webhook_delivery,
+            email: self.email()?,
         })
+    }
+
+    /// SMTP_URL and the email settings, when SMTP_URL is set. Errors name the
+    /// variable and never echo the URL (it may hold a password).
+    fn email(&self) -> Result<Option<EmailConfig>> {
+        let Some(text) = non_empty(&self.smtp_url) else {
+            return Ok(None);
+        };
+        let url = SmtpUrl::parse(&text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
+        let ca_pem = match &self.smtp_ca_file {
+            Some(path) if !path.as_os_str().is_empty() => {
+                Some(std::fs::read(path).with_context(|| {
+                    format!("HARDCOUNT_SMTP_CA_FILE={}: cannot read it", path.display())
+                })?)
+            }
+            _ => None,
+        };
+        let mut sender = SenderConfig::default();
+        if let Some(text) = non_empty(&self.email_connections) {
+            sender.max_connections = text
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=256).contains(n))
+                .ok_or_else(|| {
+                    anyhow!("HARDCOUNT_EMAIL_CONNECTIONS={text:?}: expected a whole number from 1 to 256")
+                })?;
+        }
+        sender.validate()?;
+        Ok(Some(EmailConfig {
+            url,
+            ca_pem,
+            sender,
+        }))
     }
 }
 
@@ -326,6 +375,51 @@ mod tests {
         ] {
             let err = refusal(args);
             assert!(err.contains(expected), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn smtp_settings_are_checked_by_name_and_never_echo_the_password() {
+        assert!(check(&[]).unwrap().email.is_none());
+        let ok = check(&[
+            "--smtp-url",
+            "smtp://u:hunter2@127.0.0.1:2525",
+            "--email-connections",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(ok.email.unwrap().sender.max_connections, 8);
+        for (args, expected) in [
+            (
+                vec!["--smtp-url", "smtpx://u:hunter2@mail.example.com"],
+                "SMTP_URL: SMTP_URL has the unknown scheme `smtpx`",
+            ),
+            (
+                vec!["--smtp-url", "u:hunter2@mail"],
+                "SMTP_URL: SMTP_URL is not a URL",
+            ),
+            (
+                vec![
+                    "--smtp-url",
+                    "smtp://mail.example.com",
+                    "--email-connections",
+                    "0",
+                ],
+                "HARDCOUNT_EMAIL_CONNECTIONS=\"0\"",
+            ),
+            (
+                vec![
+                    "--smtp-url",
+                    "smtp://mail.example.com",
+                    "--smtp-ca-file",
+                    "/nonexistent/ca.pem",
+                ],
+                "HARDCOUNT_SMTP_CA_FILE=/nonexistent/ca.pem",
+            ),
+        ] {
+            let err = refusal(&args);
+            assert!(err.contains(expected), "{expected:?} not in {err:?}");
+            assert!(!err.contains("hunter2"), "{err}");
         }
     }
 

@@ -1,5 +1,5 @@
 //! The demo tenant: a webhook endpoint on a receiver in this process, and a
-//! trickle of events for it. Seeding is idempotent: a second run reuses the
+//! trickle of events for it, each with a receipt email. Seeding is idempotent: a second run reuses the
 //! tenant's endpoint and points it at this run's receiver.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -102,14 +102,28 @@ pub async fn trickle(db: Db, every: Duration, shutdown: CancellationToken) {
             r#"{{"invoice":"in_demo_{n}","amount":1200,"currency":"eur","enqueued_at_ms":{}}}"#,
             now_ms()
         );
+        // The receipt email goes in the same transaction as the event, as a
+        // billing change would queue both.
+        let receipt = email_outbox::Email {
+            from: "Demo Billing <billing@demo.example>".to_owned(),
+            to: vec!["customer@demo.example".to_owned()],
+            subject: format!("Receipt for in_demo_{n}"),
+            text: format!("We received 12.00 EUR for invoice in_demo_{n}. Thank you."),
+            html: Some(format!(
+                "<p>We received <b>12.00 EUR</b> for invoice in_demo_{n}. Thank you.</p>"
+            )),
+        };
         let enqueued = async {
             let mut tx = db.begin().await?;
             let id = webhook_outbox::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload).await?;
+            let email = email_outbox::enqueue(&mut tx, TENANT, &receipt).await?;
             tx.commit().await?;
-            anyhow::Ok(id)
+            anyhow::Ok((id, email))
         };
         match enqueued.await {
-            Ok(id) => println!("enqueued event #{id} ({EVENT_TYPE})"),
+            Ok((id, email)) => {
+                println!("enqueued event #{id} ({EVENT_TYPE}) and receipt email #{email}")
+            }
             Err(e) => eprintln!("could not enqueue a demo event: {e:#}"),
         }
     }

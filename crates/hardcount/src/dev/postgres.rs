@@ -165,22 +165,28 @@ fn ensure_installed() -> Result<()> {
              `apt-get install postgresql-15` as root, or set DATABASE_URL"
         );
     }
+    apt_install("postgresql-15")
+}
+
+/// `apt-get install PACKAGE` (after an update if the first try fails), with a
+/// progress line: what `dev` does for a package it needs, as root.
+pub(super) fn apt_install(package: &str) -> Result<()> {
     let t = Instant::now();
-    println!("installing postgresql-15 through apt (once; a minute or two)...");
+    println!("installing {package} through apt (once; a minute or two)...");
     let install = || {
         run(Command::new("apt-get")
             .env("DEBIAN_FRONTEND", "noninteractive")
-            .args(["install", "-y", "-q", "postgresql-15"]))
+            .args(["install", "-y", "-q", package]))
     };
     if install().is_err() {
         run(Command::new("apt-get").args(["update", "-q"]))?;
-        install().context("apt-get install postgresql-15")?;
+        install().with_context(|| format!("apt-get install {package}"))?;
     }
     println!("  installed in {:.0}s", t.elapsed().as_secs_f64());
     Ok(())
 }
 
-fn is_root() -> bool {
+pub(super) fn is_root() -> bool {
     // The effective uid, without unsafe code or a libc dependency.
     std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
 }
@@ -215,7 +221,7 @@ fn run(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("no free local port")?;
     Ok(listener.local_addr()?.port())
 }
