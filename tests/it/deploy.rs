@@ -5,9 +5,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Every series the leader layer exports (crates/leader/src/manager.rs,
-/// crates/scheduler/src/status.rs). A rule on any other name never fires.
+/// Every series the rules may name: the leader layer's
+/// (crates/leader/src/manager.rs, crates/scheduler/src/status.rs) and the email
+/// outbox's (crates/email_outbox/src/tick.rs). A rule on any other name never fires.
 const EXPORTED: &[&str] = &[
+    "hardcount_emails_total",
+    "hardcount_email_oldest_queued_age_seconds",
     "hardcount_leader_last_tick_age_seconds",
     "hardcount_leader_last_tick_known",
     "hardcount_leader_paused",

@@ -6,6 +6,7 @@
 mod deploy;
 mod dev;
 mod e2e;
+mod email;
 mod serve;
 
 use std::process::{Command, Output};
