@@ -395,7 +395,7 @@ mod tests {
                 "SMTP_URL: SMTP_URL has the unknown scheme `smtpx`",
             ),
             (
-                vec!["--smtp-url", "u:hunter2@mail"],
+                vec!["--smtp-url", "//u:hunter2@mail.example.com"],
                 "SMTP_URL: SMTP_URL is not a URL",
             ),
             (
