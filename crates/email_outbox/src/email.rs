@@ -207,7 +207,8 @@ mod tests {
 
     #[test]
     fn each_refused_field_is_named() {
-        let cases: Vec<(fn(&mut Email), &str)> = vec![
+        type Mutate = fn(&mut Email);
+        let cases: Vec<(Mutate, &str)> = vec![
             (|e| e.from = "not an address".into(), "`from`"),
             (|e| e.to = vec!["ada@".into()], "`to`"),
             (|e| e.to.clear(), "`to` is empty"),
