@@ -1,5 +1,79 @@
-//! The `billing` role: due billing, trials, pause-collection resumes, auto-charge and
-//! the payment reconciler (`../../../shared/DESIGN.md`, "The five roles").
+//! The `billing` role: each due subscription's period closed once, each closed
+//! period invoiced once, each invoice announced once with `invoice.finalized`.
 //!
-//! Not built yet: its issue comes after the webhook slice. This crate holds no code so
-//! that nothing here pretends to work.
+//! ```text
+//!  billing tick (leader only)
+//!  ──────────────────────────────────────────────────────────────────────────
+//!  claim ≤ batch due subscriptions          status = 'active', next_billing_at <= now(),
+//!    with their plan (the snapshot)          AND leader_fence('billing', $token),
+//!                                            FOR UPDATE OF s SKIP LOCKED      (fenced)
+//!  per subscription, under the panic guard:
+//!    close::close(snapshot)  ── pure: invoice [start, end), next period [end, end')
+//!    panics ──▶ left out for the rest of the tick, raised at the end
+//!  one transaction for the batch:
+//!    1. UPDATE subscriptions … FROM unnest(…)    the compare-and-set, per row:
+//!         WHERE status = $read AND current_period_start = $read
+//!           AND next_billing_at = $read          lost ──▶ nothing written
+//!    2. INSERT invoices … ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup
+//!         DO NOTHING                             hit ──▶ roll back, redo without it
+//!    3. webhook_outbox::enqueue(invoice.finalized) per invoice created
+//!  COMMIT; the next batch, until a short batch, the budget, or cancel
+//! ```
+//!
+//! Built so far: the schema (migration 0006), period math ([`period`]), the
+//! due-billing step. **Not built yet** (docs/adr/0010 and issue 10): expired
+//! trials, pause-collection resumes, auto-charge and the payment provider,
+//! enrolment into dunning, the payment reconciler, plan changes. The tick has
+//! one step until they land; each will run under the panic guard in the order
+//! DESIGN.md gives.
+//!
+//! Guarantees:
+//!
+//! - **Each period is closed once.** The closing's first statement proves the
+//!   (status, period start, watermark) snapshot it was computed from, per row;
+//!   a second closer (a stale leader's in-flight batch, a concurrent tick)
+//!   waits on the row lock, re-checks against the winner's row and writes nothing.
+//! - **Each (subscription, period start) is invoiced once**, by
+//!   `idx_invoices_billing_period_dedup`. A dedup hit writes nothing, not even
+//!   the period advance, and is left out of the tick with a warning.
+//! - **An invoice exists iff its event does**: the period advance, the invoice
+//!   and `invoice.finalized` commit or roll back together.
+//! - **A replaced leader claims nothing**: the funnel proves
+//!   `leader_fence('billing', $token)` and takes a [`leader::Fence`]. Closing
+//!   is not fenced (ADR-114): what a stale leader listed before the takeover
+//!   lands only through the compare-and-set.
+//! - **Periods follow the anchor**, in UTC, clamped at month ends, never
+//!   chained ([`period`]).
+//! - **A row that panics stops itself, not billing**: it is left out, every
+//!   other due subscription is billed in the same tick, and the tick then ends
+//!   as panicked (released with its cooldown, counted on
+//!   `hardcount_leader_lease_lost_total{reason="panicked"}`).
+//! - **Money is integer minor units**, never a float.
+//!
+//! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
+//! ([`Biller`], the driver's implementation), `close` and [`period`] (pure).
+
+pub mod close;
+mod config;
+pub mod period;
+mod store;
+mod tick;
+
+pub use close::{Due, Unbillable};
+pub use config::{BillingConfig, ConfigError};
+pub use store::Closed;
+pub use tick::{Biller, Tally, TickReport};
+
+/// Errors of the billing role.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("billing store: {0}")]
+    Db(#[from] db::Error),
+    #[error(transparent)]
+    Unbillable(#[from] Unbillable),
+    /// `invoice.finalized` was refused; the closing rolled back.
+    #[error("billing could not enqueue invoice.finalized: {0}")]
+    Enqueue(#[from] webhook_outbox::EnqueueError),
+}

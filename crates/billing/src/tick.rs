@@ -1,0 +1,279 @@
+//! The `billing` tick: the fenced-batch driver ([`scheduler::drive`]) over due
+//! subscriptions. Each subscription's closing is computed under the panic
+//! guard; the ones that did not panic are closed together in one transaction.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use db::Db;
+use leader::{Fence, Role, Telemetry, Tick, TickEnd};
+use scheduler::{FencedBatches, Panics, Shape, Stop};
+use tracing::{debug, warn};
+
+use crate::close::{self, Due};
+use crate::store::{self, Closed};
+use crate::{BillingConfig, Error};
+
+/// What the closings of a tick came to.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Tally {
+    /// Periods closed, each with its invoice and `invoice.finalized` event.
+    pub invoiced: usize,
+    /// Closings refused by the compare-and-set: another writer moved the period.
+    pub period_moved: usize,
+    /// Closings whose (subscription, period start) was already invoiced.
+    pub already_invoiced: usize,
+    /// Subscriptions whose closing panicked; left out of the rest of the tick.
+    pub panicked: usize,
+}
+
+/// What one tick did.
+#[derive(Debug)]
+pub struct TickReport {
+    /// Batches that claimed at least one subscription.
+    pub batches: usize,
+    /// Due subscriptions claimed over the tick (one closing each; a
+    /// subscription several periods behind is claimed once per period).
+    pub claimed: usize,
+    pub tally: Tally,
+    pub elapsed: Duration,
+    /// Why the tick stopped claiming.
+    pub stop: Stop,
+    /// How the lease is released (docs/adr/0007).
+    pub end: TickEnd,
+}
+
+/// Closes due billing periods. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Biller {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    db: Db,
+    config: BillingConfig,
+    telemetry: Telemetry,
+}
+
+impl Biller {
+    /// # Errors
+    /// [`Error::Config`] naming a setting out of range.
+    pub fn new(db: Db, config: BillingConfig, telemetry: Telemetry) -> Result<Biller, Error> {
+        config.validate()?;
+        Ok(Biller {
+            inner: Arc::new(Inner {
+                db,
+                config,
+                telemetry,
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &BillingConfig {
+        &self.inner.config
+    }
+
+    /// One tick of the role. Today it has one step, due billing: batches of
+    /// due subscriptions until none is due ([`TickEnd::Drained`]), the budget
+    /// is spent ([`TickEnd::MoreWork`]), a claim or a close fails
+    /// ([`TickEnd::Failed`]) or `tick.cancel` fires. A subscription several
+    /// periods behind is closed once per period, oldest first.
+    ///
+    /// # Panics
+    /// When a subscription's closing panicked, after every other due
+    /// subscription was billed (so the lease is released as panicked).
+    ///
+    /// # Cancel safety
+    /// `tick.cancel` is checked between batches. A batch's close is one
+    /// transaction: dropped mid-way it rolls back, and its subscriptions stay due.
+    pub async fn run_tick(&self, tick: &Tick) -> TickReport {
+        let due_billing = DueBilling {
+            biller: self,
+            left_out: Mutex::new(Vec::new()),
+        };
+        let driven = scheduler::drive(&due_billing, tick).await;
+        TickReport {
+            batches: driven.batches,
+            claimed: driven.claimed,
+            tally: driven.counts,
+            elapsed: driven.elapsed,
+            stop: driven.stop,
+            end: driven.end,
+        }
+    }
+
+    /// The fenced funnel: up to `limit` due subscriptions with the snapshot
+    /// their closing will prove. Empty when nothing is due or `fence` is stale.
+    ///
+    /// # Errors
+    /// A database error; nothing was claimed.
+    pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Due>, Error> {
+        self.claim_due_except(fence, limit, &[]).await
+    }
+
+    async fn claim_due_except(
+        &self,
+        fence: &Fence,
+        limit: usize,
+        except: &[i64],
+    ) -> Result<Vec<Due>, Error> {
+        let timeout = self.inner.config.statement_timeout;
+        Ok(store::claim_due(&self.inner.db, fence, limit, except, timeout).await?)
+    }
+
+    /// Close `due`'s current period from the snapshot it holds: advance the
+    /// period by compare-and-set, create its invoice and enqueue
+    /// `invoice.finalized`, in one transaction. Not fenced: the
+    /// compare-and-set and the dedup index stop a stale or second closer.
+    ///
+    /// # Errors
+    /// [`Error::Unbillable`] when the period cannot be computed (nothing
+    /// written); a database error (rolled back, nothing written).
+    pub async fn close_period(&self, due: &Due) -> Result<Closed, Error> {
+        let closing = close::close(due)?;
+        let timeout = self.inner.config.statement_timeout;
+        let outcomes = store::close_periods(&self.inner.db, &[closing], timeout).await?;
+        Ok(outcomes
+            .first()
+            .map(|(_, c)| *c)
+            .unwrap_or(Closed::PeriodMoved))
+    }
+
+    /// Close a batch: each closing computed under `panics` (a subscription
+    /// whose closing panics is returned in the left-out list), the rest in
+    /// one transaction.
+    async fn close_batch(
+        &self,
+        batch: Vec<Due>,
+        panics: &mut Panics,
+        tally: &mut Tally,
+    ) -> Result<Vec<i64>, Error> {
+        let claimed: Vec<i64> = batch.iter().map(|d| d.subscription_id).collect();
+        let closings = panics
+            .drain(
+                batch,
+                |d| format!("close subscription {}", d.subscription_id),
+                |d| async move {
+                    // A row billing cannot compute is corrupt: raise it under the
+                    // guard, which leaves it out, bills the rest and pages
+                    // (the tick is released as panicked) — docs/adr/0010.
+                    match close::close(&d) {
+                        Ok(c) => c,
+                        Err(e) => panic!(
+                            "subscription {} (tenant {}) cannot be billed: {e}",
+                            d.subscription_id, d.tenant_id
+                        ),
+                    }
+                },
+            )
+            .await;
+        let mut left_out: Vec<i64> = claimed
+            .iter()
+            .copied()
+            .filter(|id| !closings.iter().any(|c| c.subscription_id == *id))
+            .collect();
+        tally.panicked += left_out.len();
+        let timeout = self.inner.config.statement_timeout;
+        let outcomes = store::close_periods(&self.inner.db, &closings, timeout).await?;
+        let t = &self.inner.telemetry;
+        for (subscription, outcome) in outcomes {
+            let label = match outcome {
+                Closed::Invoiced { .. } => {
+                    tally.invoiced += 1;
+                    "invoiced"
+                }
+                Closed::PeriodMoved => {
+                    tally.period_moved += 1;
+                    debug!(role = %Role::Billing, subscription, "period moved under the closing; nothing written");
+                    "period_moved"
+                }
+                Closed::AlreadyInvoiced => {
+                    tally.already_invoiced += 1;
+                    // Still due, and would be listed again at once: leave it out.
+                    left_out.push(subscription);
+                    warn!(role = %Role::Billing, subscription, "period already invoiced but not advanced; left out of this tick");
+                    "already_invoiced"
+                }
+            };
+            t.counter("hardcount_billing_closes_total", &[("outcome", label)])
+                .increment(1);
+        }
+        Ok(left_out)
+    }
+
+    async fn refresh_gauges(&self) {
+        match store::backlog(&self.inner.db, self.inner.config.statement_timeout).await {
+            Ok(b) => {
+                let t = &self.inner.telemetry;
+                t.gauge("hardcount_billing_due_subscriptions", &[])
+                    .set(b.due as f64);
+                t.gauge("hardcount_billing_oldest_due_age_seconds", &[])
+                    .set(b.oldest_due_age);
+            }
+            Err(e) => {
+                debug!(role = %Role::Billing, error = %e, "billing backlog gauges not refreshed")
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The due-billing step as the driver sees it. `left_out` holds the
+/// subscriptions this tick will not list again (their closing panicked, or
+/// their period is already invoiced), so one bad row cannot fill every batch.
+struct DueBilling<'a> {
+    biller: &'a Biller,
+    left_out: Mutex<Vec<i64>>,
+}
+
+impl FencedBatches for DueBilling<'_> {
+    type Claim = Vec<Due>;
+    type Counts = Tally;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::Billing
+    }
+
+    fn shape(&self) -> Shape {
+        let c = &self.biller.inner.config;
+        Shape {
+            batch_size: c.batch_size,
+            budget: c.tick_budget,
+            // A batch is one close transaction under the statement timeout.
+            reserve: Duration::ZERO,
+        }
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Due>, Error> {
+        let except = lock(&self.left_out).clone();
+        self.biller.claim_due_except(fence, limit, &except).await
+    }
+
+    fn claimed(batch: &Vec<Due>) -> usize {
+        batch.len()
+    }
+
+    async fn run(
+        &self,
+        batch: Vec<Due>,
+        _tick: &Tick,
+        _deadline: Instant,
+        panics: &mut Panics,
+        tally: &mut Tally,
+    ) -> Result<(), Error> {
+        let left_out = self.biller.close_batch(batch, panics, tally).await?;
+        lock(&self.left_out).extend(left_out);
+        Ok(())
+    }
+
+    async fn end_tick(&self, tick: &Tick) {
+        if !tick.cancel.is_cancelled() {
+            self.biller.refresh_gauges().await;
+        }
+    }
+}
