@@ -91,7 +91,18 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
                 async move { sender.run_tick(&tick).await.end }
             }))
         }
-        Role::Billing | Role::Dunning => None,
+        Role::Billing => {
+            let biller = Arc::new(billing::Biller::new(
+                db.clone(),
+                billing::BillingConfig::default(),
+                telemetry.clone(),
+            )?);
+            Some(scheduler::work(move |tick| {
+                let biller = biller.clone();
+                async move { biller.run_tick(&tick).await.end }
+            }))
+        }
+        Role::Dunning => None,
     })
 }
 
