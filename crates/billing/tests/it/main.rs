@@ -1,0 +1,168 @@
+//! Billing against real Postgres, directly and through PgBouncer.
+//!
+//! Each guard test names, in its comment, the mutation that makes it fail and
+//! that it was seen failing under (`scripts/mutation-check`).
+
+mod drain;
+mod guards;
+mod periods;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use billing::{Biller, BillingConfig, TickReport};
+use chrono::{DateTime, Utc};
+use db::{Db, Row, sql};
+use leader::{Role, Telemetry};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub use testbed::leadership::{as_leader, manager};
+
+pub fn config() -> BillingConfig {
+    BillingConfig {
+        tick_budget: Duration::from_secs(30),
+        statement_timeout: Duration::from_secs(10),
+        ..BillingConfig::default()
+    }
+}
+
+pub fn biller(db: &Db, config: BillingConfig) -> (Biller, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let b = Biller::new(db.clone(), config, Telemetry::new(Arc::new(recorder))).unwrap();
+    (b, handle)
+}
+
+/// A plan of `amount` EUR minor units every `count` `unit`s, and its id.
+pub async fn plan(db: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
+    db.fetch_one(
+        sql(
+            "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+             VALUES ($1, 'Pro', $2, 'EUR', $3, $4) RETURNING id",
+        )
+        .bind(tenant.to_owned())
+        .bind(amount)
+        .bind(unit.to_owned())
+        .bind(count),
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
+/// An active subscription of a new customer to `plan`, anchored at `anchor`,
+/// in the period `[start, end)` with its watermark at `end`.
+pub async fn subscription(
+    db: &Db,
+    tenant: &str,
+    plan: i64,
+    anchor: DateTime<Utc>,
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+) -> i64 {
+    let customer: i64 = db
+        .fetch_one(
+            sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
+                 VALUES ($1, 'ada@example.org', 'Ada', 'cus_' || md5(random()::text), 'pm_card_visa') \
+                 RETURNING id")
+            .bind(tenant.to_owned()),
+        )
+        .await
+        .unwrap()
+        .get("id");
+    db.fetch_one(
+        sql(
+            "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                        current_period_start, current_period_end, next_billing_at) \
+             VALUES ($1, $2, $3, 'active', $4, $5, $6, $6) RETURNING id",
+        )
+        .bind(tenant.to_owned())
+        .bind(customer)
+        .bind(plan)
+        .bind(anchor)
+        .bind(start)
+        .bind(end),
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
+/// `n` monthly subscriptions whose period ended a minute ago; the next one
+/// ends a month later, so each is due exactly once.
+pub async fn due_monthly(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
+    let p = plan(db, tenant, "month", 1, 1200).await;
+    let end = Utc::now() - chrono::TimeDelta::minutes(1);
+    let start = end - chrono::TimeDelta::days(30);
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        ids.push(subscription(db, tenant, p, start, start, end).await);
+    }
+    ids
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invoice {
+    pub subscription: i64,
+    pub start: DateTime<Utc>,
+    pub end: DateTime<Utc>,
+    pub amount: i64,
+}
+
+pub async fn invoices(db: &Db) -> Vec<Invoice> {
+    db.fetch_all(sql(
+        "SELECT subscription_id, period_start, period_end, amount FROM invoices \
+         ORDER BY subscription_id, period_start",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| Invoice {
+        subscription: r.get("subscription_id"),
+        start: r.get("period_start"),
+        end: r.get("period_end"),
+        amount: r.get("amount"),
+    })
+    .collect()
+}
+
+/// The invoice ids announced by `invoice.finalized` events, in event order.
+pub async fn finalized(db: &Db) -> Vec<i64> {
+    db.fetch_all(sql(
+        "SELECT (payload->>'id')::bigint AS id FROM webhook_events \
+         WHERE event_type = 'invoice.finalized' ORDER BY id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get("id"))
+    .collect()
+}
+
+/// (period start, period end, watermark) of a subscription.
+pub async fn period(db: &Db, id: i64) -> (DateTime<Utc>, DateTime<Utc>, DateTime<Utc>) {
+    let r = db
+        .fetch_one(
+            sql(
+                "SELECT current_period_start, current_period_end, next_billing_at \
+                 FROM subscriptions WHERE id = $1",
+            )
+            .bind(id),
+        )
+        .await
+        .unwrap();
+    (
+        r.get("current_period_start"),
+        r.get("current_period_end"),
+        r.get("next_billing_at"),
+    )
+}
+
+/// One tick as the leader of `billing`.
+pub async fn tick(db: &Db, b: &Biller) -> TickReport {
+    let b = b.clone();
+    as_leader(&manager(db, "biller"), Role::Billing, |tick| async move {
+        b.run_tick(&tick).await
+    })
+    .await
+}
