@@ -69,7 +69,7 @@ pub(crate) async fn claim_due(
         )
         .await?;
     tx.commit().await?;
-    Ok(rows.iter().map(due).collect::<Result<Vec<_>, _>>()?)
+    rows.iter().map(due).collect::<Result<Vec<_>, _>>()
 }
 
 /// What became of one closing.
