@@ -32,24 +32,47 @@ async fn migrate_applies_then_a_second_run_is_a_no_op() {
     );
 }
 
+/// Issue 12, point 4: `hardcount migrate` printed a password given as a query
+/// parameter, and `?application_name=a@b` garbled the redaction. Fails if the
+/// redactor pattern-matches on `@` or ignores the query (checked: the old
+/// `redact_url` printed `hunter2` for the second and third rows).
 #[tokio::test]
 async fn migrate_names_an_unreachable_database_and_hides_its_password() {
     let port = testbed::free_port();
-    let out = hardcount()
-        .arg("migrate")
-        .env(
-            "MIGRATION_DATABASE_URL",
+    let rows = [
+        (
             format!("postgres://owner:hunter2@127.0.0.1:{port}/x"),
-        )
-        .output()
-        .unwrap();
-    let all = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{all}");
-    assert!(
-        all.contains("cannot connect to the migration database at postgres://owner:***@127.0.0.1"),
-        "{all}"
-    );
-    assert!(!all.contains("hunter2"), "{all}");
+            format!("postgres://owner:***@127.0.0.1:{port}/x"),
+        ),
+        (
+            format!("postgres://owner@127.0.0.1:{port}/x?password=hunter2"),
+            format!("postgres://owner@127.0.0.1:{port}/x?password=***"),
+        ),
+        (
+            format!("postgres://owner@127.0.0.1:{port}/x?application_name=a@b&password=hunter2"),
+            format!("postgres://owner@127.0.0.1:{port}/x?application_name=a@b&password=***"),
+        ),
+        (
+            format!("postgres://owner:hunter2@127.0.0.1:{port}/x?application_name=a@b"),
+            format!("postgres://owner:***@127.0.0.1:{port}/x?application_name=a@b"),
+        ),
+    ];
+    for (url, shown) in rows {
+        let out = hardcount()
+            .arg("migrate")
+            .env("MIGRATION_DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        assert!(
+            all.contains(&format!(
+                "cannot connect to the migration database at {shown}:"
+            )),
+            "{url}: {all}"
+        );
+        assert!(!all.contains("hunter2"), "{url}: {all}");
+    }
 }
 
 #[tokio::test]
