@@ -150,6 +150,15 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let root = shutdown;
     let tracker = TaskTracker::new();
 
+    let allowlist = config.webhook_delivery.allowlist.to_string();
+    info!(
+        webhook_allowlist = if allowlist.is_empty() {
+            "none"
+        } else {
+            allowlist.as_str()
+        },
+        "SSRF allowlist (HARDCOUNT_WEBHOOK_ALLOWLIST): forbidden ranges re-opened for webhook delivery"
+    );
     info!(addr = %listener.local_addr()?, holder = manager.holder_id(), roles = ?specs.iter().map(|s| s.role.as_str()).collect::<Vec<_>>(), "serving");
     let app = router(AppState {
         db: db.clone(),

@@ -371,6 +371,14 @@ mod tests {
                 &["--webhook-allowlist", "10.0.0.0/99"],
                 "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/99\"",
             ),
+            (
+                &["--webhook-allowlist", "10.0.0.0/8,0.0.0.0/0"],
+                "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/8,0.0.0.0/0\": invalid SSRF allowlist entry `0.0.0.0/0`: re-opens every IPv4 address",
+            ),
+            (
+                &["--webhook-allowlist", "169.254.169.254/32"],
+                "cloud metadata address",
+            ),
             (&["--roles", "billing,emails"], "unknown role \"emails\""),
         ] {
             let err = refusal(args);

@@ -187,6 +187,18 @@ impl FromStr for Allowlist {
     }
 }
 
+/// The cloud metadata service (169.254.169.254, AWS's fd00:ec2::254) and the IPv6
+/// forms that reach 169.254.169.254 (mapped, compatible, NAT64, 6to4): no
+/// allowlist entry may cover one.
+const METADATA_ADDRESSES: [IpAddr; 6] = [
+    IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+    IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0x2002, 0xa9fe, 0xa9fe, 0, 0, 0, 0, 0)),
+];
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Cidr {
     network: IpAddr,
@@ -212,6 +224,20 @@ impl Cidr {
         let cidr = Self { network, prefix };
         if !cidr.contains(network) {
             return Err("address has bits set beyond the prefix length");
+        }
+        // An allowlist re-opens a few named ranges; one that re-opens everything or
+        // the metadata service turns the guard off (issue 12), so it is refused.
+        if prefix == 0 {
+            return Err(if network.is_ipv4() {
+                "re-opens every IPv4 address (0.0.0.0/0); name the ranges to re-open"
+            } else {
+                "re-opens every IPv6 address (::/0); name the ranges to re-open"
+            });
+        }
+        if METADATA_ADDRESSES.iter().any(|&m| cidr.contains(m)) {
+            return Err(
+                "covers the cloud metadata address 169.254.169.254 (or an IPv6 form of it)",
+            );
         }
         Ok(cidr)
     }
@@ -431,14 +457,36 @@ mod tests {
 
     #[test]
     fn allowlist_parses_addresses_and_blocks() {
-        let allow = Allowlist::parse(" 127.0.0.0/8, ::1/128,10.1.2.3 ,,fd00::/8,").unwrap();
+        let allow = Allowlist::parse(" 127.0.0.0/8, ::1/128,10.1.2.3 ,,fd12::/16,").unwrap();
         assert_eq!(
             allow.to_string(),
-            "127.0.0.0/8,::1/128,10.1.2.3/32,fd00::/8"
+            "127.0.0.0/8,::1/128,10.1.2.3/32,fd12::/16"
         );
         assert_eq!(Allowlist::parse("").unwrap(), Allowlist::default());
-        assert_eq!(Allowlist::parse("0.0.0.0/0").unwrap().ranges.len(), 1);
-        assert_eq!(Allowlist::parse("::/0").unwrap().ranges.len(), 1);
+    }
+
+    /// Issue 12, point 5: `HARDCOUNT_WEBHOOK_ALLOWLIST=0.0.0.0/0` was accepted
+    /// silently and turned the SSRF guard off. Each row is refused, naming the
+    /// entry; fails if the prefix-0 or metadata checks in `Cidr::parse` go
+    /// (checked: these rows parsed before them).
+    #[test]
+    fn an_allowlist_reopening_everything_or_the_metadata_address_is_refused() {
+        for (bad, problem) in [
+            ("0.0.0.0/0", "every IPv4 address"),
+            ("::/0", "every IPv6 address"),
+            ("169.254.169.254", "metadata"),
+            ("169.254.0.0/16", "metadata"),
+            ("128.0.0.0/1", "metadata"),
+            ("::ffff:0:0/96", "metadata"),
+            ("64:ff9b::/96", "metadata"),
+            ("2002::/16", "metadata"),
+            ("fd00::/8", "metadata"),
+        ] {
+            let err = Allowlist::parse(&format!("127.0.0.0/8,{bad}")).unwrap_err();
+            assert_eq!(err.entry, bad);
+            assert!(err.problem.contains(problem), "{bad}: {err}");
+        }
+        assert!(Allowlist::parse("169.254.170.0/24,fd12::/16,10.0.0.0/8").is_ok());
     }
 
     #[test]
@@ -460,7 +508,7 @@ mod tests {
 
     #[test]
     fn allowlist_reopens_only_its_ranges() {
-        let allow = Allowlist::parse("127.0.0.0/8,fd00::/8,10.1.2.3").unwrap();
+        let allow = Allowlist::parse("127.0.0.0/8,fd12::/16,10.1.2.3").unwrap();
         for ip in [
             "127.0.0.1",
             "127.9.9.9",
