@@ -83,7 +83,8 @@ pub struct ServeSettings {
     /// webhook_delivery's tick interval (1s to 30d) [default: 1s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL")]
     pub webhook_delivery_interval: Option<String>,
-    /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16` [default: none].
+    /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16`; one covering
+    /// 0.0.0.0/0, ::/0 or 169.254.169.254 is refused [default: none].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_ALLOWLIST")]
     pub webhook_allowlist: Option<String>,
     /// Delays between delivery attempts, each 1s to 7d; dead after the last
