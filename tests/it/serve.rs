@@ -183,8 +183,21 @@ async fn readyz_reports_a_database_that_went_away() {
     let serve = Serve::start(&t.app_url(Leg::current()), &[]).await;
     assert_eq!(serve.get("/readyz").await.0, 200);
     drop(t); // drops the database under the running server
-    let (status, body) = serve.get("/readyz").await;
-    assert_eq!(status, 503, "{body}");
-    assert!(body.starts_with("not ready"), "{body}");
+    // /readyz reads a snapshot the background check refreshes every 2 s, each
+    // check bounded by 2 s: the loss shows within one cycle, every probe is
+    // answered at once, and the body is generic (the reason is logged).
+    let dropped = Instant::now();
+    let (status, body) = loop {
+        let answer = serve.get("/readyz").await;
+        if answer.0 != 200 || dropped.elapsed() > Duration::from_secs(10) {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!((status, body.as_str()), (503, "not ready\n"));
+    println!(
+        "not ready {:?} after the database went away",
+        dropped.elapsed()
+    );
     let _ = port;
 }

@@ -16,6 +16,7 @@
 //! Migrations are the exception: they need a session ([`migrate`]).
 
 mod migrate;
+mod redact;
 mod schema;
 
 use std::time::Duration;
@@ -26,6 +27,9 @@ use sqlx::query::Query;
 use sqlx::{Encode, PgPool, Postgres, Type};
 
 pub use migrate::{MigrateError, MigrationReport, migrate};
+pub use redact::{
+    REDACTED, UNPARSEABLE, is_secret_parameter, redact_error, redacted, redacted_url,
+};
 pub use schema::{SchemaError, check_schema_ready};
 pub use sqlx::Row;
 pub use sqlx::postgres::PgRow;
@@ -328,47 +332,9 @@ impl Drop for Pooled {
     }
 }
 
-/// Replace any password in `url` that appears in `text` so it can be logged.
-pub fn redact_error(text: &str, url: &str) -> String {
-    match password_of(url) {
-        Some(p) if !p.is_empty() => text.replace(p, "***"),
-        _ => text.to_owned(),
-    }
-}
-
-/// A URL with its password replaced by `***`, for logs and errors.
-pub fn redact_url(url: &str) -> String {
-    match password_of(url) {
-        Some(p) if !p.is_empty() => url.replacen(&format!(":{p}@"), ":***@", 1),
-        _ => url.to_owned(),
-    }
-}
-
-fn password_of(url: &str) -> Option<&str> {
-    let rest = url.split_once("://")?.1;
-    // The authority ends at the first '/' after its last '@': a password may
-    // hold an unencoded '@' or '/', a host cannot.
-    let at = rest.rfind('@')?;
-    let userinfo = &rest[..at];
-    Some(userinfo.split_once(':')?.1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redact_url_hides_the_password_only() {
-        assert_eq!(
-            redact_url("postgres://app:s3cret@db:6432/x"),
-            "postgres://app:***@db:6432/x"
-        );
-        assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
-        assert_eq!(
-            redact_url("postgres://app:p@ss/w0rd@db:6432/x"),
-            "postgres://app:***@db:6432/x"
-        );
-    }
 
     #[test]
     fn a_bad_url_is_a_clear_error_without_the_password() {

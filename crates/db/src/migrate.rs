@@ -4,7 +4,7 @@ use sqlx::Connection;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 
-use crate::redact_url;
+use crate::redacted_url;
 
 /// Every migration in `migrations/`, embedded at build time.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
@@ -52,7 +52,7 @@ pub enum MigrateError {
 /// # Errors
 /// A clear [`MigrateError`] naming the (redacted) URL or the pooler.
 pub async fn migrate(url: &str) -> Result<MigrationReport, MigrateError> {
-    let shown = redact_url(url);
+    let shown = redacted_url(url);
     let options: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| MigrateError::BadUrl {
         url: shown.clone(),
         reason: crate::redact_error(&e.to_string(), url),

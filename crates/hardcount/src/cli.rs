@@ -86,6 +86,11 @@ pub async fn migrate(url: &str) -> Result<()> {
     Ok(())
 }
 
+/// The longest `--reason` kept (migration 0007 backs it with a constraint).
+pub const MAX_REASON_CHARS: usize = 500;
+/// The longest `--by` kept (migration 0007 backs it with a constraint).
+pub const MAX_BY_CHARS: usize = 200;
+
 pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Result<()> {
     let db = Db::connect_lazy(database_url, 1)?;
     match command {
@@ -100,6 +105,18 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
         LeaderCommand::Pause { role, reason, by } => {
             if reason.trim().is_empty() {
                 bail!("--reason must say why the role is paused");
+            }
+            if reason.chars().count() > MAX_REASON_CHARS {
+                bail!(
+                    "--reason is {} characters; at most {MAX_REASON_CHARS} are kept",
+                    reason.chars().count()
+                );
+            }
+            if by
+                .as_ref()
+                .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
+            {
+                bail!("--by is longer than {MAX_BY_CHARS} characters");
             }
             let by = by.unwrap_or_else(|| {
                 format!(
@@ -137,11 +154,41 @@ fn print_status(rows: &[leader::LeaseStatus]) {
         };
         println!(
             "{:<17} {:<13} {:<36} {:>12} {}",
-            r.role,
-            r.state,
-            r.holder_id.as_deref().unwrap_or("-"),
+            printable(&r.role),
+            printable(&r.state),
+            printable(r.holder_id.as_deref().unwrap_or("-")),
             age,
-            note
+            printable(&note)
         );
+    }
+}
+
+/// `text` fit for a terminal: control characters (an escape sequence in a pause
+/// reason would otherwise drive the operator's terminal) and the bidirectional
+/// overrides that reorder what is shown are written as `\u{..}` escapes.
+fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let bidi = matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || bidi {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn printable_escapes_control_and_bidi_characters_only() {
+        assert_eq!(printable("rotating SMTP key"), "rotating SMTP key");
+        assert_eq!(printable("né 支付"), "né 支付");
+        assert_eq!(printable("\u{1b}[2Jgone"), "\\u{1b}[2Jgone");
+        assert_eq!(printable("a\nb\rc"), "a\\u{a}b\\u{d}c");
+        assert_eq!(printable("x\u{202e}y"), "x\\u{202e}y");
     }
 }

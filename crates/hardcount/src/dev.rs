@@ -63,7 +63,7 @@ pub async fn run(
         let s = sink.insert(smtp::LocalSmtp::start(&absolute(&settings.state_dir)?)?);
         println!(
             "SMTP sink on {}: received mail lands in {}",
-            s.url(),
+            db::redacted_url(&s.url()),
             s.inbox().display()
         );
         settings.serve.smtp_url = Some(s.url());

@@ -23,7 +23,7 @@ use tracing::{info, warn};
 use webhook_delivery::{Worker, WorkerConfig};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
-use crate::http::{AppState, router};
+use crate::http::{AppState, StatusSnapshot, refresh_status, router};
 
 /// What [`run`] runs; built from the environment by `settings`.
 #[derive(Debug, Clone)]
@@ -161,13 +161,29 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let root = shutdown;
     let tracker = TaskTracker::new();
 
+    let allowlist = config.webhook_delivery.allowlist.to_string();
+    info!(
+        webhook_allowlist = if allowlist.is_empty() {
+            "none"
+        } else {
+            allowlist.as_str()
+        },
+        "SSRF allowlist (HARDCOUNT_WEBHOOK_ALLOWLIST): forbidden ranges re-opened for webhook delivery"
+    );
     info!(addr = %listener.local_addr()?, holder = manager.holder_id(), roles = ?specs.iter().map(|s| s.role.as_str()).collect::<Vec<_>>(), "serving");
-    let app = router(AppState {
-        db: db.clone(),
-        telemetry: telemetry.clone(),
-        metrics,
-        roles: specs.iter().map(|s| s.role).collect(),
-    });
+    // /readyz and /metrics read a snapshot that one task refreshes on its own
+    // one-connection pool: no request queries, and a flood of probes cannot take
+    // a connection from the roles (issue 12, point 7).
+    let status_db = Db::connect_lazy(&config.database_url, 1)?;
+    let status = Arc::new(StatusSnapshot::default());
+    let refresher = tokio::spawn(refresh_status(
+        status_db.clone(),
+        telemetry.clone(),
+        specs.iter().map(|s| s.role).collect(),
+        status.clone(),
+        root.clone(),
+    ));
+    let app = router(AppState { status, metrics });
     let http_stop = root.clone();
     let http = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -197,6 +213,8 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         warn!("role loops did not stop in time; their leases will expire");
     }
     let _ = http.await;
+    let _ = refresher.await;
+    status_db.close().await;
     lease_db.close().await;
     db.close().await;
     info!("stopped");

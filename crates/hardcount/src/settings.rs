@@ -83,7 +83,8 @@ pub struct ServeSettings {
     /// webhook_delivery's tick interval (1s to 30d) [default: 1s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL")]
     pub webhook_delivery_interval: Option<String>,
-    /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16` [default: none].
+    /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16`; one covering
+    /// 0.0.0.0/0, ::/0 or 169.254.169.254 is refused [default: none].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_ALLOWLIST")]
     pub webhook_allowlist: Option<String>,
     /// Delays between delivery attempts, each 1s to 7d; dead after the last
@@ -370,6 +371,14 @@ mod tests {
             (
                 &["--webhook-allowlist", "10.0.0.0/99"],
                 "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/99\"",
+            ),
+            (
+                &["--webhook-allowlist", "10.0.0.0/8,0.0.0.0/0"],
+                "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/8,0.0.0.0/0\": invalid SSRF allowlist entry `0.0.0.0/0`: re-opens every IPv4 address",
+            ),
+            (
+                &["--webhook-allowlist", "169.254.169.254/32"],
+                "cloud metadata address",
             ),
             (&["--roles", "billing,emails"], "unknown role \"emails\""),
         ] {

@@ -16,6 +16,7 @@ use crate::signature::Secret;
 use crate::store::{NextState, Observed, OutcomeRow};
 use leader::Role;
 
+use crate::failure::Failure;
 use crate::tick::Worker;
 use crate::verdict::{self, Heard, Verdict, status_error};
 
@@ -42,8 +43,9 @@ impl Worker {
                 .disabled_reason
                 .as_deref()
                 .unwrap_or("no reason given");
+            debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, reason, "webhook endpoint disabled; the delivery is dead");
             let observed = Observed {
-                error: Some(format!("endpoint disabled: {reason}")),
+                error: Some(Failure::EndpointDisabled.to_string()),
                 ..Observed::default()
             };
             (Heard::EndpointDisabled, observed)
@@ -89,17 +91,23 @@ impl Worker {
         let id = d.row.id;
         let observed_started = Instant::now();
         let prepared = Url::parse(&d.row.url)
-            .map_err(|e| format!("endpoint URL does not parse: {e}"))
+            .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))
             .and_then(|url| {
                 Secret::parse(&d.row.secret)
                     .map(|secret| (url, secret))
-                    .map_err(|e| format!("endpoint secret is unusable: {e}"))
+                    .map_err(|e| {
+                        (
+                            Failure::BadSecret,
+                            format!("endpoint secret is unusable: {e}"),
+                        )
+                    })
             });
         let (url, secret) = match prepared {
             Ok(p) => p,
-            Err(error) => {
+            Err((category, error)) => {
+                warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %error, "webhook endpoint unusable");
                 let observed = Observed {
-                    error: Some(error),
+                    error: Some(category.to_string()),
                     ..Observed::default()
                 };
                 return (Heard::NoAnswer, observed);
@@ -116,6 +124,7 @@ impl Worker {
             },
             &Limits {
                 allowlist: &config.allowlist,
+                ports: config.ports,
                 timeout: config.request_timeout,
                 max_response_bytes: config.max_response_bytes,
             },
@@ -141,28 +150,29 @@ impl Worker {
                         endpoint = d.row.endpoint_id,
                         host,
                         code,
+                        answer = %status_error(code, &body),
                         "webhook receiver answered with a failure"
                     );
                 }
                 let observed = Observed {
                     status_code: Some(code),
-                    error: failed.then(|| status_error(code, &body)),
+                    error: failed.then(|| Failure::of_status(code).to_string()),
                     latency,
                 };
                 (Heard::Status { code, retry_after }, observed)
             }
-            Answer::Refused(error) => {
-                warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, error = %error, "webhook target refused by the SSRF guard");
+            Answer::Refused { category, detail } => {
+                warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %detail, "webhook target refused by the SSRF guard");
                 let observed = Observed {
-                    error: Some(error),
+                    error: Some(category.to_string()),
                     ..Observed::default()
                 };
                 (Heard::Refused, observed)
             }
-            Answer::Failed(error) => {
-                debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, host, error = %error, "webhook attempt failed");
+            Answer::Failed { category, detail } => {
+                debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, host, %category, error = %detail, "webhook attempt failed");
                 let observed = Observed {
-                    error: Some(error),
+                    error: Some(category.to_string()),
                     latency,
                     ..Observed::default()
                 };

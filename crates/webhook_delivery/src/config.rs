@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::backoff::RetrySchedule;
-use crate::ssrf::Allowlist;
+use crate::ssrf::{Allowlist, Ports};
 
 /// How deliveries are sent. `Default` is the production setting.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +31,8 @@ pub struct WorkerConfig {
     pub retry_schedule: RetrySchedule,
     /// Private ranges re-opened for delivery (default none).
     pub allowlist: Allowlist,
+    /// The ports a webhook may go to (default [`Ports::WEB`]: 80, 443, 1024 up).
+    pub ports: Ports,
     /// The server cancels a store statement after this. Default 5 s.
     pub statement_timeout: Duration,
 }
@@ -48,6 +50,7 @@ impl Default for WorkerConfig {
             max_response_bytes: 64 * 1024,
             retry_schedule: RetrySchedule::default(),
             allowlist: Allowlist::default(),
+            ports: Ports::default(),
             statement_timeout: Duration::from_secs(5),
         }
     }

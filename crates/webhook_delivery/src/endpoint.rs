@@ -56,15 +56,10 @@ impl fmt::Debug for Endpoint {
     }
 }
 
-/// `url` with any password replaced by `***`, for logs and errors.
+/// `url` with its password and secret query parameters replaced by `***`, for
+/// logs and errors (the workspace's one redactor, `db::redacted`).
 pub fn redacted_url(url: &Url) -> String {
-    if url.password().is_some() {
-        let mut shown = url.clone();
-        let _ = shown.set_password(Some("***"));
-        shown.to_string()
-    } else {
-        url.to_string()
-    }
+    db::redacted(url)
 }
 
 /// Check an endpoint URL the way [`create_endpoint`] does: it parses, is http

@@ -88,6 +88,7 @@ pub mod backoff;
 mod config;
 mod delivery;
 mod endpoint;
+mod failure;
 mod outcomes;
 mod send;
 pub mod signature;
@@ -101,6 +102,7 @@ pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
     Endpoint, EndpointError, MAX_URL_LEN, create_endpoint, parse_endpoint_url, redacted_url,
 };
+pub use failure::Failure;
 pub use tick::{TickReport, Worker};
 
 /// Errors of the delivery worker: a setting refused at construction, the

@@ -6,8 +6,9 @@ use reqwest::header::{CONTENT_TYPE, RETRY_AFTER};
 use url::Url;
 
 use crate::backoff::parse_retry_after;
+use crate::failure::Failure;
 use crate::signature::{HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, Secret, sign};
-use crate::ssrf::{Allowlist, SsrfError, check_url};
+use crate::ssrf::{Allowlist, Ports, SsrfError, check_url};
 
 /// What one request produced.
 #[derive(Debug)]
@@ -19,10 +20,12 @@ pub(crate) enum Answer {
         /// The start of the body, at most the configured bound.
         body: Vec<u8>,
     },
-    /// The SSRF guard refused the target; no connection was made to it.
-    Refused(String),
+    /// The SSRF guard refused the target (or its name did not resolve); no
+    /// connection was made to it. `detail` is for the operator log only.
+    Refused { category: Failure, detail: String },
     /// No answer: a timeout, a connection failure, or a broken response.
-    Failed(String),
+    /// `detail` is for the operator log only.
+    Failed { category: Failure, detail: String },
 }
 
 #[derive(Debug)]
@@ -43,6 +46,7 @@ pub(crate) struct Request<'a> {
 /// Limits of one attempt.
 pub(crate) struct Limits<'a> {
     pub allowlist: &'a Allowlist,
+    pub ports: Ports,
     /// From the start of the request until the last byte read.
     pub timeout: Duration,
     pub max_response_bytes: usize,
@@ -53,9 +57,9 @@ pub(crate) struct Limits<'a> {
 /// then stalls, and reading stops after `max_response_bytes`.
 pub(crate) async fn post(client: &reqwest::Client, req: Request<'_>, limits: &Limits<'_>) -> Sent {
     let started = Instant::now();
-    if let Err(refused) = check_url(req.url, limits.allowlist) {
+    if let Err(refused) = check_url(req.url, limits.allowlist, limits.ports) {
         return Sent {
-            answer: Answer::Refused(refused.to_string()),
+            answer: refusal(&refused),
             latency: started.elapsed(),
         };
     }
@@ -76,10 +80,10 @@ pub(crate) async fn post(client: &reqwest::Client, req: Request<'_>, limits: &Li
     let mut response = match tokio::time::timeout_at(deadline, request).await {
         Err(_) => {
             return Sent {
-                answer: Answer::Failed(format!(
-                    "timed out after {:?} without a response",
-                    limits.timeout
-                )),
+                answer: Answer::Failed {
+                    category: Failure::Timeout,
+                    detail: format!("timed out after {:?} without a response", limits.timeout),
+                },
                 latency: started.elapsed(),
             };
         }
@@ -131,23 +135,64 @@ async fn read_bounded(
 }
 
 /// A request error as a refusal (the guard inside the resolver said no) or a
-/// failure described without the URL (the caller logs which endpoint it was).
+/// failure described without the URL (the caller logs which endpoint it was),
+/// each with its [`Failure`] category.
 fn classify(e: reqwest::Error) -> Answer {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    let mut io_kind = None;
     while let Some(err) = source {
         if let Some(refused) = err.downcast_ref::<SsrfError>() {
-            return Answer::Refused(refused.to_string());
+            return refusal(refused);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            io_kind.get_or_insert(io.kind());
         }
         source = err.source();
     }
-    let kind = if e.is_timeout() {
-        "timed out"
-    } else if e.is_connect() {
-        "connection failed"
+    let (timeout, connect) = (e.is_timeout(), e.is_connect());
+    let detail = describe(&e.without_url());
+    let category = if timeout {
+        Failure::Timeout
+    } else if io_kind == Some(std::io::ErrorKind::ConnectionRefused) {
+        Failure::Refused
+    } else if connect && looks_like_tls(&detail, io_kind) {
+        Failure::Tls
+    } else if connect {
+        Failure::Connect
     } else {
-        "request failed"
+        Failure::Request
     };
-    Answer::Failed(format!("{kind}: {}", describe(&e.without_url())))
+    let kind = match category {
+        Failure::Timeout => "timed out",
+        Failure::Request => "request failed",
+        _ => "connection failed",
+    };
+    Answer::Failed {
+        category,
+        detail: format!("{kind}: {detail}"),
+    }
+}
+
+/// rustls reports a failed handshake as an `InvalidData` I/O error under the
+/// connect error; its message names the certificate or TLS.
+fn looks_like_tls(detail: &str, io_kind: Option<std::io::ErrorKind>) -> bool {
+    let detail = detail.to_ascii_lowercase();
+    io_kind == Some(std::io::ErrorKind::InvalidData)
+        || detail.contains("certificate")
+        || detail.contains("tls")
+}
+
+/// The SSRF guard's refusal: a name that did not resolve is `dns`, the rest
+/// (forbidden address, scheme, port) `ssrf_refused`.
+fn refusal(refused: &SsrfError) -> Answer {
+    let category = match refused {
+        SsrfError::Resolve { .. } | SsrfError::NoAddresses { .. } => Failure::Dns,
+        _ => Failure::SsrfRefused,
+    };
+    Answer::Refused {
+        category,
+        detail: refused.to_string(),
+    }
 }
 
 /// An error and its causes, joined, skipping a cause its parent already says.

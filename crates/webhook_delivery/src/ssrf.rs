@@ -32,6 +32,8 @@ pub enum SsrfError {
     UnsupportedScheme(String),
     #[error("webhook URL has no host")]
     MissingHost,
+    #[error("webhook URL port {port} is not allowed ({policy})")]
+    ForbiddenPort { port: u16, policy: Ports },
     #[error(
         "refusing webhook host `{host}`: {} (not in the SSRF allowlist)",
         describe_refused(.refused)
@@ -83,6 +85,7 @@ fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
         (172, 16..=31, _) => "private",
         (192, 0, 0) => "IETF protocol assignments 192.0.0/24",
         (192, 0, 2) | (198, 51, 100) | (203, 0, 113) => "documentation",
+        (192, 88, 99) => "6to4 relay anycast 192.88.99/24",
         (192, 168, _) => "private",
         (198, 18..=19, _) => "benchmarking 198.18/15",
         (224..=239, _, _) => "multicast",
@@ -103,6 +106,9 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         [0, 0, 0, 0, 0, 0, 0, 1] => "loopback ::1",
         // IPv4-mapped ::ffff:a.b.c.d and the deprecated IPv4-compatible ::a.b.c.d.
         [0, 0, 0, 0, 0, 0xffff | 0, hi, lo] => return forbidden_v4(embedded_v4(hi, lo)),
+        // IPv4-translated ::ffff:0:a.b.c.d (SIIT): no webhook lives there, and a
+        // translator would reach the IPv4 inside, so the whole /96 is refused.
+        [0, 0, 0, 0, 0xffff, 0, _, _] => "IPv4-translated ::ffff:0:0/96",
         // NAT64 well-known prefix: the translator connects to the embedded IPv4.
         [0x64, 0xff9b, 0, 0, 0, 0, hi, lo] => return forbidden_v4(embedded_v4(hi, lo)),
         [0x64, 0xff9b, 1, ..] => "NAT64 local-use 64:ff9b:1::/48",
@@ -113,6 +119,7 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         // 6to4 carries an IPv4 address in bits 16..48.
         [0x2002, hi, lo, ..] => return forbidden_v4(embedded_v4(hi, lo)),
         [0x3fff, 0..=0x0fff, ..] => "documentation 3fff::/20",
+        [0x5f00, ..] => "SRv6 SIDs 5f00::/16",
         [0xfc00..=0xfdff, ..] => "unique local fc00::/7",
         [0xfe80..=0xfebf, ..] => "link-local fe80::/10",
         [0xfec0..=0xfeff, ..] => "site-local fec0::/10",
@@ -187,6 +194,18 @@ impl FromStr for Allowlist {
     }
 }
 
+/// The cloud metadata service (169.254.169.254, AWS's fd00:ec2::254) and the IPv6
+/// forms that reach 169.254.169.254 (mapped, compatible, NAT64, 6to4): no
+/// allowlist entry may cover one.
+const METADATA_ADDRESSES: [IpAddr; 6] = [
+    IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+    IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0xa9fe, 0xa9fe)),
+    IpAddr::V6(Ipv6Addr::new(0x2002, 0xa9fe, 0xa9fe, 0, 0, 0, 0, 0)),
+];
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Cidr {
     network: IpAddr,
@@ -212,6 +231,20 @@ impl Cidr {
         let cidr = Self { network, prefix };
         if !cidr.contains(network) {
             return Err("address has bits set beyond the prefix length");
+        }
+        // An allowlist re-opens a few named ranges; one that re-opens everything or
+        // the metadata service turns the guard off (issue 12), so it is refused.
+        if prefix == 0 {
+            return Err(if network.is_ipv4() {
+                "re-opens every IPv4 address (0.0.0.0/0); name the ranges to re-open"
+            } else {
+                "re-opens every IPv6 address (::/0); name the ranges to re-open"
+            });
+        }
+        if METADATA_ADDRESSES.iter().any(|&m| cidr.contains(m)) {
+            return Err(
+                "covers the cloud metadata address 169.254.169.254 (or an IPv6 form of it)",
+            );
         }
         Ok(cidr)
     }
@@ -258,16 +291,63 @@ impl fmt::Display for Cidr {
     }
 }
 
-/// Refuses URLs that are not http(s), have no host, or name a forbidden IP literal.
-/// Host names are left to [`GuardedResolver`], which sees what they resolve to.
+/// The ports a webhook may be sent to. The default, [`Ports::WEB`], is 80, 443
+/// and every port from 1024 up: the well-known ports below 1024 are where a
+/// public host's other services listen (SSH 22, SMTP 25, DNS 53, …), which a
+/// POST from us must not probe. [`Ports::ANY`] turns the policy off (set in
+/// `WorkerConfig::ports`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ports {
+    /// Every port from this one up is allowed, as are 80 and 443.
+    pub lowest_unprivileged: u16,
+}
+
+impl Ports {
+    /// 80, 443 and 1024–65535.
+    pub const WEB: Ports = Ports {
+        lowest_unprivileged: 1024,
+    };
+    /// Every port.
+    pub const ANY: Ports = Ports {
+        lowest_unprivileged: 0,
+    };
+
+    /// Whether a request may go to `port`.
+    pub fn permits(self, port: u16) -> bool {
+        matches!(port, 80 | 443) || port >= self.lowest_unprivileged
+    }
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Ports::WEB
+    }
+}
+
+impl fmt::Display for Ports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "80, 443 and {}-65535", self.lowest_unprivileged)
+    }
+}
+
+/// Refuses URLs that are not http(s), have no host, go to a port `ports` does
+/// not permit, or name a forbidden IP literal. Host names are left to
+/// [`GuardedResolver`], which sees what they resolve to.
 ///
 /// # Errors
 ///
-/// [`SsrfError::UnsupportedScheme`], [`SsrfError::MissingHost`] or
-/// [`SsrfError::Forbidden`].
-pub fn check_url(url: &Url, allow: &Allowlist) -> Result<(), SsrfError> {
+/// [`SsrfError::UnsupportedScheme`], [`SsrfError::MissingHost`],
+/// [`SsrfError::ForbiddenPort`] or [`SsrfError::Forbidden`].
+pub fn check_url(url: &Url, allow: &Allowlist, ports: Ports) -> Result<(), SsrfError> {
     if !matches!(url.scheme(), "http" | "https") {
         return Err(SsrfError::UnsupportedScheme(url.scheme().to_owned()));
+    }
+    let port = url.port_or_known_default().ok_or(SsrfError::MissingHost)?;
+    if !ports.permits(port) {
+        return Err(SsrfError::ForbiddenPort {
+            port,
+            policy: ports,
+        });
     }
     let ip = match url.host().ok_or(SsrfError::MissingHost)? {
         Host::Domain(_) => return Ok(()),
@@ -406,6 +486,16 @@ mod tests {
             ("64:ff9b:1::1", Some("NAT64 local-use 64:ff9b:1::/48")),
             ("2002:7f00:1::1", Some("loopback")),
             ("2002:a9fe:a9fe::1", Some("link-local")),
+            // Issue 12, point 8: these passed before. Fails if their arms go.
+            ("::ffff:0:7f00:1", Some("IPv4-translated ::ffff:0:0/96")),
+            ("::ffff:0:808:808", Some("IPv4-translated ::ffff:0:0/96")),
+            ("192.88.99.1", Some("6to4 relay anycast 192.88.99/24")),
+            ("192.88.99.255", Some("6to4 relay anycast 192.88.99/24")),
+            ("5f00::1", Some("SRv6 SIDs 5f00::/16")),
+            ("5f00:ffff::1", Some("SRv6 SIDs 5f00::/16")),
+            ("192.88.98.255", None),
+            ("192.88.100.1", None),
+            ("5f01::1", None),
             // Public addresses, including near misses of the ranges above.
             ("8.8.8.8", None),
             ("1.1.1.1", None),
@@ -431,14 +521,36 @@ mod tests {
 
     #[test]
     fn allowlist_parses_addresses_and_blocks() {
-        let allow = Allowlist::parse(" 127.0.0.0/8, ::1/128,10.1.2.3 ,,fd00::/8,").unwrap();
+        let allow = Allowlist::parse(" 127.0.0.0/8, ::1/128,10.1.2.3 ,,fd12::/16,").unwrap();
         assert_eq!(
             allow.to_string(),
-            "127.0.0.0/8,::1/128,10.1.2.3/32,fd00::/8"
+            "127.0.0.0/8,::1/128,10.1.2.3/32,fd12::/16"
         );
         assert_eq!(Allowlist::parse("").unwrap(), Allowlist::default());
-        assert_eq!(Allowlist::parse("0.0.0.0/0").unwrap().ranges.len(), 1);
-        assert_eq!(Allowlist::parse("::/0").unwrap().ranges.len(), 1);
+    }
+
+    /// Issue 12, point 5: `HARDCOUNT_WEBHOOK_ALLOWLIST=0.0.0.0/0` was accepted
+    /// silently and turned the SSRF guard off. Each row is refused, naming the
+    /// entry; fails if the prefix-0 or metadata checks in `Cidr::parse` go
+    /// (checked: these rows parsed before them).
+    #[test]
+    fn an_allowlist_reopening_everything_or_the_metadata_address_is_refused() {
+        for (bad, problem) in [
+            ("0.0.0.0/0", "every IPv4 address"),
+            ("::/0", "every IPv6 address"),
+            ("169.254.169.254", "metadata"),
+            ("169.254.0.0/16", "metadata"),
+            ("128.0.0.0/1", "metadata"),
+            ("::ffff:0:0/96", "metadata"),
+            ("64:ff9b::/96", "metadata"),
+            ("2002::/16", "metadata"),
+            ("fd00::/8", "metadata"),
+        ] {
+            let err = Allowlist::parse(&format!("127.0.0.0/8,{bad}")).unwrap_err();
+            assert_eq!(err.entry, bad);
+            assert!(err.problem.contains(problem), "{bad}: {err}");
+        }
+        assert!(Allowlist::parse("169.254.170.0/24,fd12::/16,10.0.0.0/8").is_ok());
     }
 
     #[test]
@@ -460,7 +572,7 @@ mod tests {
 
     #[test]
     fn allowlist_reopens_only_its_ranges() {
-        let allow = Allowlist::parse("127.0.0.0/8,fd00::/8,10.1.2.3").unwrap();
+        let allow = Allowlist::parse("127.0.0.0/8,fd12::/16,10.1.2.3").unwrap();
         for ip in [
             "127.0.0.1",
             "127.9.9.9",
@@ -479,7 +591,9 @@ mod tests {
     #[test]
     fn check_url_refuses_forbidden_literals_and_other_schemes() {
         let none = Allowlist::default();
-        let check = |url: &str, allow: &Allowlist| check_url(&Url::parse(url).unwrap(), allow);
+        let check = |url: &str, allow: &Allowlist| {
+            check_url(&Url::parse(url).unwrap(), allow, Ports::default())
+        };
         assert!(check("https://example.com/hook", &none).is_ok());
         assert!(check("http://8.8.8.8:8080/", &none).is_ok());
         assert!(check("http://[2606:4700::1111]/", &none).is_ok());
@@ -504,6 +618,34 @@ mod tests {
         );
         let loopback = Allowlist::parse("127.0.0.0/8").unwrap();
         assert!(check("http://127.0.0.1:9000/", &loopback).is_ok());
+        // The port policy (issue 12, point 8): 80, 443 and 1024 up by default.
+        for url in [
+            "http://example.com/",
+            "https://example.com/",
+            "http://example.com:443/",
+            "https://example.com:1024/",
+            "http://example.com:65535/",
+        ] {
+            assert!(check(url, &none).is_ok(), "{url}");
+        }
+        for (url, port) in [
+            ("http://example.com:22/", 22),
+            ("https://example.com:25/", 25),
+            ("http://example.com:1023/", 1023),
+            ("http://8.8.8.8:6/", 6),
+        ] {
+            let err = check(url, &none).unwrap_err();
+            assert!(
+                matches!(err, SsrfError::ForbiddenPort { port: p, .. } if p == port),
+                "{url}: {err}"
+            );
+        }
+        let any = check_url(
+            &Url::parse("http://example.com:22/").unwrap(),
+            &none,
+            Ports::ANY,
+        );
+        assert!(any.is_ok());
         assert!(matches!(
             check("ftp://example.com/", &none),
             Err(SsrfError::UnsupportedScheme(s)) if s == "ftp"

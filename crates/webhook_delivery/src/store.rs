@@ -85,11 +85,18 @@ impl ClaimedRow {
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
+///
+/// The ceiling: a due row that has already been claimed `max_attempts` times is
+/// not handed out again; the same statement marks it `dead` with `last_error =
+/// 'attempts_exhausted'` (a worker that dies while attempting, e.g. out of
+/// memory, never writes an outcome, and the claim lease would otherwise bring
+/// the row back to every next leader forever, issue 12).
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
     limit: usize,
     lease: Duration,
+    max_attempts: u32,
     statement_timeout: Duration,
 ) -> Result<Vec<ClaimedRow>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -97,19 +104,25 @@ pub(crate) async fn claim_due(
     let rows = tx
         .fetch_all(
             sql("WITH due AS MATERIALIZED ( \
-                   SELECT id FROM webhook_deliveries \
+                   SELECT id, attempts FROM webhook_deliveries \
                    WHERE status = 'pending' \
                      AND next_attempt_at <= now() \
                      AND leader_fence($1, $2) \
                    ORDER BY next_attempt_at, id \
                    LIMIT $3 \
-                   FOR UPDATE SKIP LOCKED) \
+                   FOR UPDATE SKIP LOCKED), \
+                 exhausted AS ( \
+                   UPDATE webhook_deliveries d \
+                   SET status = 'dead', last_error = 'attempts_exhausted' \
+                   FROM due WHERE d.id = due.id AND due.attempts >= $5 \
+                   RETURNING d.id) \
                  UPDATE webhook_deliveries d \
                  SET attempts = d.attempts + 1, \
                      next_attempt_at = now() + make_interval(secs => $4), \
                      last_attempt_at = now() \
                  FROM due, webhook_events e, webhook_endpoints ep \
-                 WHERE d.id = due.id AND e.id = d.event_id AND ep.id = d.endpoint_id \
+                 WHERE d.id = due.id AND due.attempts < $5 \
+                   AND e.id = d.event_id AND ep.id = d.endpoint_id \
                  RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
                            ep.url, ep.secret, ep.enabled, ep.disabled_reason, \
                            e.event_type, e.message_id, e.payload::text AS payload, \
@@ -118,7 +131,8 @@ pub(crate) async fn claim_due(
             .bind(fence.role_name())
             .bind(fence.token())
             .bind(limit)
-            .bind(lease.as_secs_f64()),
+            .bind(lease.as_secs_f64())
+            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
         )
         .await?;
     tx.commit().await?;

@@ -181,6 +181,7 @@ impl Worker {
             fence,
             limit,
             config.claim_lease(),
+            config.retry_schedule.max_attempts(),
             config.statement_timeout,
         )
         .await?;

@@ -66,7 +66,8 @@ pub(crate) fn verdict(
     }
 }
 
-/// `last_error` for a failure status: the code and the start of the body.
+/// The operator log's line for a failure status: the code and the start of the
+/// body (`last_error` holds only the category, [`crate::failure::Failure`]).
 pub(crate) fn status_error(code: u16, body: &[u8]) -> String {
     const SHOWN: usize = 256;
     let text = String::from_utf8_lossy(&body[..body.len().min(SHOWN)]);

@@ -17,7 +17,8 @@
 //!
 //! - **An event exists iff its producer committed.** [`enqueue`] runs inside the
 //!   caller's [`db::Tx`]; a rollback leaves no event, and a payload that is not
-//!   JSON is refused before anything is written.
+//!   JSON, or is over [`MAX_PAYLOAD_BYTES`], is refused before anything is written
+//!   (a CHECK constraint backs the size limit).
 //! - **Each event is fanned out once per subscribed endpoint.** Claim, fan-out
 //!   and the `dispatched_at` stamp are one transaction, so a crash leaves the
 //!   batch undispatched and it is claimed again whole. A replayed batch (an
@@ -63,10 +64,34 @@ pub enum EnqueueError {
     /// The payload is not one JSON value. The message names the line and column.
     #[error("webhook payload for `{event_type}` is not valid JSON: {problem}")]
     InvalidJson { event_type: String, problem: String },
+    /// The payload's JSON text is larger than [`MAX_PAYLOAD_BYTES`]; nothing was
+    /// sent and `tx` is still usable. (A payload that passes this check but that
+    /// Postgres renders past the `webhook_events_payload_bounded` backstop, e.g.
+    /// `1e300` written out in full, is refused by the insert: [`EnqueueError::Db`].)
+    #[error(
+        "webhook payload for `{event_type}` is {bytes} bytes; at most {max} bytes are accepted"
+    )]
+    PayloadTooLarge {
+        event_type: String,
+        bytes: usize,
+        max: usize,
+    },
     /// The statement failed. The caller's transaction is aborted: roll it back.
     #[error("could not enqueue the webhook event: {0}")]
     Db(#[from] db::Error),
 }
+
+/// The largest payload [`enqueue`] accepts: 256 KiB of JSON text, as given.
+///
+/// Every delivery of an event holds its payload in memory and POSTs it, once per
+/// subscribed endpoint and attempt; an unbounded payload lets one event exhaust
+/// the delivery role's memory on every leader in turn (issue 12). 256 KiB is far
+/// above what a billing event carries (ids and amounts) and matches email's body
+/// limit. Migration 0007 backs it with `webhook_events_payload_bounded`: the
+/// payload as Postgres renders it (what the claim reads and the worker sends) is
+/// at most 1 MiB, which leaves room for jsonb's rendering (a space after each `:`
+/// and `,`, at most 1.5×) and refuses inserts that bypass `enqueue`.
+pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
 
 /// Errors of the dispatcher: a setting refused at construction, or its store.
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +110,8 @@ pub enum Error {
 /// # Errors
 ///
 /// [`EnqueueError::InvalidJson`] (with line and column) when `payload_json` is not
-/// JSON, and [`EnqueueError::EmptyTenant`] / [`EnqueueError::EmptyEventType`]; in
+/// JSON, [`EnqueueError::PayloadTooLarge`] past [`MAX_PAYLOAD_BYTES`], and
+/// [`EnqueueError::EmptyTenant`] / [`EnqueueError::EmptyEventType`]; in
 /// these cases nothing was sent to the database and `tx` is still usable.
 /// [`EnqueueError::Db`] when the insert failed, which aborts `tx`.
 pub async fn enqueue(
@@ -99,6 +125,13 @@ pub async fn enqueue(
     }
     if event_type.trim().is_empty() {
         return Err(EnqueueError::EmptyEventType);
+    }
+    if payload_json.len() > MAX_PAYLOAD_BYTES {
+        return Err(EnqueueError::PayloadTooLarge {
+            event_type: event_type.to_owned(),
+            bytes: payload_json.len(),
+            max: MAX_PAYLOAD_BYTES,
+        });
     }
     let invalid = |problem: String| EnqueueError::InvalidJson {
         event_type: event_type.to_owned(),

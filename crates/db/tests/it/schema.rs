@@ -286,3 +286,83 @@ async fn the_fence_in_a_transaction_begun_before_expiry_is_false_after_it() {
     );
     assert!(!fence(&t.db, "email_outbox", token).await);
 }
+
+/// Issue 12, point 9 (migration 0007): a token past the ceiling (one year of
+/// milliseconds ahead of the clock) is refused, even for the owner, so no one can
+/// wedge a role by setting a token whose successor overflows bigint. Fails
+/// without the `leader_leases_token_bounded` trigger (checked: the UPDATE went
+/// through).
+#[tokio::test]
+async fn a_lease_token_past_the_ceiling_is_refused() {
+    let t = TestDb::new().await;
+    let mut owner = t.superuser().await;
+    let err = sqlx::raw_sql(
+        "UPDATE leader_leases SET holder_token = 9223372036854775807 WHERE role = 'billing'",
+    )
+    .execute(&mut owner)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("past the ceiling"), "{err}");
+    let grew =
+        t.db.execute(sql(
+            "UPDATE leader_leases SET holder_token = \
+             (extract(epoch FROM clock_timestamp()) * 1000)::bigint + 86400000 WHERE role = 'billing'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(grew, 1, "a token a day ahead is within the ceiling");
+}
+
+/// Issue 12, point 9 (migration 0007): every function in the schema has a fixed
+/// `search_path`, and no role but the owner may create objects in `public`.
+/// Fails if an `ALTER FUNCTION … SET search_path` is missing (checked by
+/// dropping one) or a new function is added without one. (The CREATE revoke is
+/// Postgres 15's default for new databases, so on the test bed it pins the
+/// state rather than the statement.)
+#[tokio::test]
+async fn every_function_has_a_fixed_search_path_and_public_takes_no_new_objects() {
+    let t = TestDb::new().await;
+    let loose: Vec<String> =
+        t.db.fetch_all(sql("SELECT p.proname::text AS name FROM pg_proc p \
+             JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = 'public' \
+               AND NOT EXISTS (SELECT 1 FROM unnest(coalesce(p.proconfig, '{}')) c \
+                               WHERE c = 'search_path=pg_catalog, public') \
+             ORDER BY 1"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get("name"))
+            .collect();
+    assert_eq!(
+        loose,
+        Vec::<String>::new(),
+        "functions without a fixed search_path"
+    );
+    let can_create: bool =
+        t.db.fetch_one(sql(
+            "SELECT has_schema_privilege('hardcount_app', 'public', 'CREATE') \
+                 OR has_schema_privilege('public', 'public', 'CREATE') AS c",
+        ))
+        .await
+        .unwrap()
+        .get("c");
+    assert!(!can_create);
+}
+
+/// Issue 12, point 9 (migration 0007): what a pause records is bounded even
+/// when `leader_pause` is called directly. Fails without the constraints.
+#[tokio::test]
+async fn a_pause_reason_past_500_characters_is_refused_by_the_table() {
+    let t = TestDb::new().await;
+    let long = "x".repeat(501);
+    let err =
+        t.db.execute(sql("SELECT leader_pause('billing', 'oncall', $1)").bind(long))
+            .await
+            .unwrap_err();
+    assert_eq!(
+        err.constraint(),
+        Some("leader_leases_pause_reason_bounded"),
+        "{err}"
+    );
+}

@@ -1,3 +1,4 @@
+use db::Row;
 use testbed::{Leg, TestDb};
 
 use std::time::Duration;
@@ -32,24 +33,47 @@ async fn migrate_applies_then_a_second_run_is_a_no_op() {
     );
 }
 
+/// Issue 12, point 4: `hardcount migrate` printed a password given as a query
+/// parameter, and `?application_name=a@b` garbled the redaction. Fails if the
+/// redactor pattern-matches on `@` or ignores the query (checked: the old
+/// `redact_url` printed `hunter2` for the second and third rows).
 #[tokio::test]
 async fn migrate_names_an_unreachable_database_and_hides_its_password() {
     let port = testbed::free_port();
-    let out = hardcount()
-        .arg("migrate")
-        .env(
-            "MIGRATION_DATABASE_URL",
+    let rows = [
+        (
             format!("postgres://owner:hunter2@127.0.0.1:{port}/x"),
-        )
-        .output()
-        .unwrap();
-    let all = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{all}");
-    assert!(
-        all.contains("cannot connect to the migration database at postgres://owner:***@127.0.0.1"),
-        "{all}"
-    );
-    assert!(!all.contains("hunter2"), "{all}");
+            format!("postgres://owner:***@127.0.0.1:{port}/x"),
+        ),
+        (
+            format!("postgres://owner@127.0.0.1:{port}/x?password=hunter2"),
+            format!("postgres://owner@127.0.0.1:{port}/x?password=***"),
+        ),
+        (
+            format!("postgres://owner@127.0.0.1:{port}/x?application_name=a@b&password=hunter2"),
+            format!("postgres://owner@127.0.0.1:{port}/x?application_name=a@b&password=***"),
+        ),
+        (
+            format!("postgres://owner:hunter2@127.0.0.1:{port}/x?application_name=a@b"),
+            format!("postgres://owner:***@127.0.0.1:{port}/x?application_name=a@b"),
+        ),
+    ];
+    for (url, shown) in rows {
+        let out = hardcount()
+            .arg("migrate")
+            .env("MIGRATION_DATABASE_URL", &url)
+            .output()
+            .unwrap();
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        assert!(
+            all.contains(&format!(
+                "cannot connect to the migration database at {shown}:"
+            )),
+            "{url}: {all}"
+        );
+        assert!(!all.contains("hunter2"), "{url}: {all}");
+    }
 }
 
 #[tokio::test]
@@ -164,6 +188,62 @@ async fn leader_cli_pauses_shows_and_unpauses_a_role() {
     let all = text(&out);
     assert_eq!(out.status.code(), Some(2), "{all}");
     assert!(all.contains("unknown role \"emails\""), "{all}");
+}
+
+/// Issue 12, point 9: `leader status` printed `--reason` raw, so a reason
+/// holding an escape sequence drove the operator's terminal; and `--reason` had
+/// no length limit. The reason is set here through `leader_pause` directly (as
+/// any holder of the credential could); the table shows it escaped. Fails
+/// without `printable` in `print_status` (checked: ESC reached stdout) or
+/// without the length check (the 501-character reason was stored).
+#[tokio::test]
+async fn leader_status_escapes_control_characters_and_pause_bounds_its_reason() {
+    let t = TestDb::new().await;
+    let url = t.app_url(Leg::current());
+    let run = |args: &[&str]| {
+        hardcount()
+            .args(args)
+            .env("DATABASE_URL", &url)
+            .output()
+            .unwrap()
+    };
+    t.db.execute(
+        db::sql("SELECT leader_pause('billing', $1, $2)")
+            .bind("oncall\u{1b}]0;owned\u{7}".to_owned())
+            .bind("disk \u{1b}[2J full\nnext line".to_owned()),
+    )
+    .await
+    .unwrap();
+    let out = run(&["leader", "status"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        !out.stdout.iter().any(|b| *b == 0x1b || *b == 0x07),
+        "{}",
+        text(&out)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table
+            .contains("paused by oncall\\u{1b}]0;owned\\u{7}: disk \\u{1b}[2J full\\u{a}next line"),
+        "{table}"
+    );
+
+    let long = "x".repeat(501);
+    let out = run(&["leader", "pause", "email_outbox", "--reason", &long]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(
+        all.contains("--reason is 501 characters; at most 500"),
+        "{all}"
+    );
+    let paused: bool =
+        t.db.fetch_one(db::sql(
+            "SELECT paused_at IS NOT NULL AS p FROM leader_leases WHERE role = 'email_outbox'",
+        ))
+        .await
+        .unwrap()
+        .get("p");
+    assert!(!paused);
 }
 
 #[test]

@@ -63,3 +63,68 @@ async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancell
     assert_eq!(held, 0, "a lease is still held after run returned");
     assert!(reqwest::get(format!("{base}/healthz")).await.is_err());
 }
+
+/// Issue 12, point 7: `/readyz` ran its queries on the app pool per request with
+/// no deadline, and echoed driver errors. Here the schema check is blocked (an
+/// owner holds `_sqlx_migrations` in ACCESS EXCLUSIVE): every probe is still
+/// answered within a second, from the background snapshot, and once the
+/// bounded check has failed the answer is 503 with a generic body. Fails if
+/// `/readyz` queries per request (the probe hangs on the lock; checked), if the
+/// background check is unbounded (mutation `readyz_check_timeout`), or if it
+/// echoes the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
+    let t = TestDb::new().await;
+    let cli = Cli::try_parse_from(["hardcount", "serve", "--roles", "webhook_outbox"]).unwrap();
+    let Command::Serve(settings) = cli.command else {
+        panic!("not serve: {:?}", cli.command)
+    };
+    let config = settings.config(t.app_url(Leg::current())).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/readyz", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let probe = || async {
+        let r = client.get(&url).send().await.expect("answered within 1 s");
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while probe().await.0 != 200 {
+        assert!(Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let mut owner = t.superuser().await;
+    sqlx::raw_sql("BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    // A bounded check fails within one refresh and one check timeout (4 s); a
+    // snapshot left to go stale would take up to 10 s.
+    let deadline = Instant::now() + Duration::from_secs(6);
+    let answer = loop {
+        let answer = probe().await;
+        if answer.0 == 503 {
+            break answer;
+        }
+        assert_eq!(answer, (200, "ready\n".to_owned()));
+        assert!(
+            Instant::now() < deadline,
+            "still ready with the check blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(answer, (503, "not ready\n".to_owned()));
+    sqlx::raw_sql("ROLLBACK").execute(&mut owner).await.unwrap();
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), server)
+        .await
+        .expect("run returns after cancel")
+        .unwrap()
+        .unwrap();
+}

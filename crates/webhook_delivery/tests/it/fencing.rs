@@ -182,3 +182,52 @@ async fn a_grouped_outcome_write_refuses_only_its_stale_rows() {
         (1.0, 2.0)
     );
 }
+
+/// The attempt ceiling lives in the claim itself (issue 12, point 5): a worker
+/// that dies while attempting (a payload that exhausts memory) never writes an
+/// outcome, and the claim lease would bring the row back to every next leader.
+/// A row already claimed `max_attempts` times is marked dead by the claim, with
+/// the category `attempts_exhausted`, and not handed out; a row one below the
+/// ceiling gets its last attempt.
+///
+/// Mutation check: turning the `exhausted` CTE's predicate into `false` (no row
+/// marked dead) leaves the exhausted row pending; this test was run against that
+/// mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 2).await;
+    let cfg = config();
+    let max = i32::try_from(cfg.retry_schedule.max_attempts()).unwrap();
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "UPDATE webhook_deliveries SET attempts = CASE WHEN id = (SELECT min(id) FROM webhook_deliveries) \
+                                                THEN $1 ELSE $1 - 1 END, \
+                next_attempt_at = now() - interval '1 second'",
+    )
+    .bind(max)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (w, _) = worker(&t.db, cfg);
+    let claimed = as_leader(
+        &manager(&t.db, "worker"),
+        Role::WebhookDelivery,
+        |tick| async move { w.claim_due(&tick.fence, 10).await.unwrap().len() },
+    )
+    .await;
+    assert_eq!(claimed, 1);
+    let d = deliveries(&t.db).await;
+    assert_eq!(
+        (
+            d[0].status.as_str(),
+            d[0].attempts,
+            d[0].last_error.as_deref()
+        ),
+        ("dead", max, Some("attempts_exhausted"))
+    );
+    assert_eq!((d[1].status.as_str(), d[1].attempts), ("pending", max));
+    assert_eq!(rx.requests().len(), 0);
+}

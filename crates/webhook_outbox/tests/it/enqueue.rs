@@ -2,7 +2,7 @@
 
 use db::{Row, sql};
 use testbed::TestDb;
-use webhook_outbox::{EnqueueError, enqueue};
+use webhook_outbox::{EnqueueError, MAX_PAYLOAD_BYTES, enqueue};
 
 use crate::count;
 
@@ -109,4 +109,70 @@ async fn invalid_json_is_refused_with_its_position_and_nothing_is_written() {
     enqueue(&mut tx, "t", "invoice.paid", "{}").await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events").await, 1);
+}
+
+/// A JSON object `{"pad":"xxx…"}` of exactly `bytes` bytes.
+fn payload_of(bytes: usize) -> String {
+    let pad = bytes - r#"{"pad":""}"#.len();
+    format!(r#"{{"pad":"{}"}}"#, "x".repeat(pad))
+}
+
+/// Issue 12, point 5: `enqueue` had no size limit, so one 20 MB payload fanned out
+/// to 8 endpoints exhausted the delivery role's memory. A payload one byte over
+/// [`MAX_PAYLOAD_BYTES`] is refused by name before anything is sent (the caller's
+/// transaction still works); one at the limit is stored. Fails if the check in
+/// `enqueue` goes (checked: the oversized payload was stored).
+#[tokio::test]
+async fn a_payload_over_the_size_limit_is_refused_by_name_and_nothing_is_written() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    let err = enqueue(
+        &mut tx,
+        "t",
+        "invoice.paid",
+        &payload_of(MAX_PAYLOAD_BYTES + 1),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, EnqueueError::PayloadTooLarge { bytes, max, .. }
+            if bytes == MAX_PAYLOAD_BYTES + 1 && max == MAX_PAYLOAD_BYTES),
+        "{err}"
+    );
+    assert!(err.to_string().contains("at most 262144 bytes"), "{err}");
+    enqueue(&mut tx, "t", "invoice.paid", &payload_of(MAX_PAYLOAD_BYTES))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events").await, 1);
+}
+
+/// The backstop behind the limit: an insert that bypasses `enqueue` (here as the
+/// schema owner) with a payload Postgres renders past 1 MiB is refused by the
+/// constraint `webhook_events_payload_bounded` (migration 0007). Fails without it
+/// (checked: the 2 MiB row was stored).
+#[tokio::test]
+async fn an_oversized_payload_inserted_around_enqueue_is_refused_by_the_table() {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    let err = sqlx::query(
+        "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+         VALUES ('t', 'invoice.paid', $1::jsonb)",
+    )
+    .bind(payload_of(2 * 1024 * 1024))
+    .execute(&mut su)
+    .await
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("webhook_events_payload_bounded"),
+        "{err}"
+    );
+    sqlx::query(
+        "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+         VALUES ('t', 'invoice.paid', $1::jsonb)",
+    )
+    .bind(payload_of(MAX_PAYLOAD_BYTES))
+    .execute(&mut su)
+    .await
+    .unwrap();
 }
