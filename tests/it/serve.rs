@@ -121,7 +121,13 @@ async fn metrics_expose_the_leader_series_with_panicked_at_zero_before_any_tick(
         ],
     )
     .await;
-    assert_eq!(serve.get("/readyz").await.0, 200);
+    // /readyz answers from a snapshot refreshed in the background: ready once
+    // the first check has run.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while serve.get("/readyz").await.0 != 200 {
+        assert!(Instant::now() < deadline, "/readyz never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let (status, body) = serve.get("/metrics").await;
     assert_eq!(status, 200);
     for role in [

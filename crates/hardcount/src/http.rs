@@ -47,7 +47,7 @@ pub struct StatusSnapshot {
 }
 
 impl StatusSnapshot {
-    fn set(&self, ready: bool) {
+    pub(crate) fn set(&self, ready: bool) {
         let mut at = self.ready_at.lock().unwrap_or_else(|e| e.into_inner());
         *at = ready.then(Instant::now);
     }

@@ -176,6 +176,8 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // a connection from the roles (issue 12, point 7).
     let status_db = Db::connect_lazy(&config.database_url, 1)?;
     let status = Arc::new(StatusSnapshot::default());
+    // The boot checks above just passed: ready until the first refresh says otherwise.
+    status.set(true);
     let refresher = tokio::spawn(refresh_status(
         status_db.clone(),
         telemetry.clone(),
