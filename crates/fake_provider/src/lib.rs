@@ -227,13 +227,17 @@ const KNOWN: [&str; 6] = [
 
 /// The parameters, validated as Stripe would, sorted (the idempotency
 /// fingerprint), or the refusal.
-fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
+fn refuse(code: &str, param: &str, message: String) -> Box<Response> {
+    Box::new(invalid(code, param, message))
+}
+
+fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Box<Response>> {
     let mut params: Vec<(String, String)> = url::form_urlencoded::parse(body)
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect();
     for (k, _) in &params {
         if !KNOWN.contains(&k.as_str()) {
-            return Err(invalid(
+            return Err(refuse(
                 "parameter_unknown",
                 k,
                 format!("Received unknown parameter: {k}"),
@@ -243,7 +247,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
     params.sort();
     for w in params.windows(2) {
         if w[0].0 == w[1].0 {
-            return Err(invalid(
+            return Err(refuse(
                 "parameter_invalid_string",
                 &w[0].0,
                 format!("Received {} more than once", w[0].0),
@@ -265,7 +269,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
         "off_session",
     ] {
         if get(name).is_none_or(str::is_empty) {
-            return Err(invalid(
+            return Err(refuse(
                 "parameter_missing",
                 name,
                 format!("Missing required param: {name}."),
@@ -278,7 +282,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
             .parse::<u64>()
             .map_or(true, |a| !(1..=99_999_999).contains(&a))
     {
-        return Err(invalid(
+        return Err(refuse(
             "parameter_invalid_integer",
             "amount",
             format!("Invalid integer: {amount} (a positive integer of minor units up to 99999999)"),
@@ -286,7 +290,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
     }
     let currency = get("currency").unwrap_or_default();
     if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_lowercase()) {
-        return Err(invalid(
+        return Err(refuse(
             "parameter_invalid_string",
             "currency",
             format!("Invalid currency: {currency} (a lowercase ISO 4217 code)"),
@@ -295,7 +299,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
     for (name, prefix) in [("customer", "cus_"), ("payment_method", "pm_")] {
         let v = get(name).unwrap_or_default();
         if !v.starts_with(prefix) || v.len() == prefix.len() {
-            return Err(invalid(
+            return Err(refuse(
                 "resource_missing",
                 name,
                 format!("No such {name}: '{v}'"),
@@ -304,7 +308,7 @@ fn validate(body: &[u8]) -> Result<Vec<(String, String)>, Response> {
     }
     for name in ["confirm", "off_session"] {
         if get(name) != Some("true") {
-            return Err(invalid(
+            return Err(refuse(
                 "parameter_invalid_boolean",
                 name,
                 format!("{name} must be true for an off-session charge of a saved card"),
@@ -358,7 +362,7 @@ async fn create_payment_intent(
     };
     let params = match validate(&body) {
         Ok(p) => p,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let customer = value(&params, "customer").to_owned();
     let (behaviour, intent) = {
