@@ -53,15 +53,19 @@
 //! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
 //! ([`Biller`], the driver's implementation), `close` and [`period`] (pure).
 
+mod charge;
 pub mod close;
 mod config;
 pub mod period;
+pub mod provider;
 mod store;
 mod tick;
 
+pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Unbillable};
 pub use config::{BillingConfig, ConfigError};
-pub use store::Closed;
+pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
+pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 
 /// Errors of the billing role.
@@ -76,4 +80,7 @@ pub enum Error {
     /// `invoice.finalized` was refused; the closing rolled back.
     #[error("billing could not enqueue invoice.finalized: {0}")]
     Enqueue(#[from] webhook_outbox::EnqueueError),
+    /// A receipt or payment-failed email was refused; the settling rolled back.
+    #[error("billing could not enqueue an email: {0}")]
+    EmailEnqueue(#[from] email_outbox::EnqueueError),
 }
