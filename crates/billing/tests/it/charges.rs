@@ -237,3 +237,29 @@ async fn the_same_key_with_another_amount_is_refused_by_the_provider() {
     );
     assert_eq!(p.total_charges(), 1);
 }
+
+/// A leader replaced by a takeover claims no invoice to charge with its old
+/// token, while the new leader's funnel claims it.
+///
+/// Mutation check: removing `AND leader_fence($1, $2)` from
+/// `store::claim_charges` lets the old token claim the invoice; this test was
+/// run against that mutation and failed.
+#[tokio::test]
+async fn a_stale_token_claims_no_invoice_to_charge() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoice(&t.db).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let old = as_leader(&manager(&t.db, "old"), Role::Billing, |tick| async move {
+        tick.fence
+    })
+    .await;
+    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::Billing, |tick| async move {
+        let by_old = b.claim_charges(&old, 10).await.unwrap().len();
+        let by_new = b.claim_charges(&tick.fence, 10).await.unwrap().len();
+        (by_old, by_new)
+    })
+    .await;
+    assert_eq!((by_old, by_new), (0, 1));
+    assert_eq!(p.total_charges(), 0);
+}
