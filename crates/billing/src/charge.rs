@@ -132,7 +132,7 @@ impl Biller {
                 payment_intent,
             } => {
                 let pi = payment_intent.as_deref();
-                match store::settle_declined(db, claim, attempt, seq, &code, pi, from, timeout)
+                match store::settle_declined(db, claim, attempt, seq, (&code, pi), from, timeout)
                     .await?
                 {
                     Settled::Written => Charged::Declined { code },

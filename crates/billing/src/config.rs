@@ -115,7 +115,7 @@ impl ProviderConfig {
             || !url.username().is_empty()
             || url.password().is_some()
             || url.query().is_some()
-            || url.path().trim_end_matches('/') != ""
+            || !url.path().trim_end_matches('/').is_empty()
         {
             return Err(bad());
         }

@@ -490,8 +490,7 @@ pub(crate) async fn settle_declined(
     claim: &ChargeClaim,
     attempt_id: i64,
     attempt_seq: i32,
-    decline_code: &str,
-    payment_intent: Option<&str>,
+    (decline_code, payment_intent): (&str, Option<&str>),
     email_from: &str,
     statement_timeout: Duration,
 ) -> Result<Settled, Error> {
