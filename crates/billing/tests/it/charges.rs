@@ -164,8 +164,11 @@ async fn a_5xx_leaves_the_attempt_unknown_and_charges_nothing() {
 }
 
 /// The old leader claimed the invoice before a takeover and charges it from
-/// that claim, at the same time as the new leader's tick: the new leader
-/// leaves the claimed invoice alone, and the provider charged it once.
+/// that claim after the new leader's tick ran: the new leader leaves the
+/// claimed invoice alone, and the provider charged it once. (Run with the
+/// charge spawned concurrently, the old charge usually writes its attempt
+/// first and the no-attempt predicate alone hides the invoice, so the lease
+/// would go untested: the order here is the one only the lease covers.)
 ///
 /// Mutation check: removing the lease predicate
 /// (`AND (i.auto_charge_claimed_until IS NULL OR …)`) from
@@ -184,12 +187,11 @@ async fn a_stale_leader_and_the_new_leader_charging_one_invoice_charge_it_once()
     })
     .await;
     assert_eq!(held.len(), 1);
-    let old = {
-        let b = b.clone();
-        tokio::spawn(async move { b.charge(&held[0]).await.unwrap() })
-    };
+    // The new leader's whole tick runs while the old claim is held and its
+    // charge not yet made (the old leader is paused mid-tick, say); then
+    // the old leader goes on with the charge it claimed.
     let new = tick(&t.db, &b).await;
-    let old = old.await.unwrap();
+    let old = b.charge(&held[0]).await.unwrap();
     assert!(matches!(old, Charged::Paid { .. }), "{old:?}");
     assert_eq!((new.charge_claimed, new.charges.paid), (0, 0), "{new:?}");
     // The replaced leader's fence claims nothing more.
