@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::provider::ProviderConfig;
+
 /// How a `billing` tick is shaped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BillingConfig {
@@ -12,6 +14,13 @@ pub struct BillingConfig {
     pub tick_budget: Duration,
     /// The server cancels a store statement after this. Default 30 s.
     pub statement_timeout: Duration,
+    /// The payment provider auto-charge calls; `None` skips the charge step.
+    pub provider: Option<ProviderConfig>,
+    /// How long an auto-charge claim holds an invoice. Default 10 min; must
+    /// exceed twice the provider timeout, so a claim outlives its call.
+    pub charge_lease: Duration,
+    /// The sender of receipts and payment-failed emails.
+    pub email_from: String,
 }
 
 impl Default for BillingConfig {
@@ -20,6 +29,9 @@ impl Default for BillingConfig {
             batch_size: 500,
             tick_budget: Duration::from_secs(600),
             statement_timeout: Duration::from_secs(30),
+            provider: None,
+            charge_lease: Duration::from_secs(600),
+            email_from: "Billing <billing@example.com>".to_owned(),
         }
     }
 }
@@ -36,6 +48,20 @@ pub enum ConfigError {
         min: Duration,
         max: Duration,
     },
+    #[error(
+        "billing provider base URL must be an http(s) URL without a path, query or credentials, not {0:?}"
+    )]
+    ProviderUrl(String),
+    #[error("billing provider secret key must be a non-empty `sk_…` key (value not shown)")]
+    ProviderSecretKey,
+    #[error(
+        "billing charge_lease ({lease:?}) must be at least twice the provider timeout ({timeout:?})"
+    )]
+    ChargeLease { lease: Duration, timeout: Duration },
+    #[error("billing email_from is empty")]
+    EmailFrom,
+    #[error("billing provider client: {0}")]
+    ProviderClient(String),
 }
 
 impl BillingConfig {
@@ -50,6 +76,7 @@ impl BillingConfig {
         let ranges = [
             ("tick_budget", self.tick_budget, ms(100), s(3600)),
             ("statement_timeout", self.statement_timeout, ms(100), s(300)),
+            ("charge_lease", self.charge_lease, s(1), s(86_400)),
         ];
         for (field, value, min, max) in ranges {
             if value < min || value > max {
@@ -60,6 +87,50 @@ impl BillingConfig {
                     max,
                 });
             }
+        }
+        if self.email_from.trim().is_empty() {
+            return Err(ConfigError::EmailFrom);
+        }
+        if let Some(p) = &self.provider {
+            p.validate()?;
+            if self.charge_lease < p.timeout * 2 {
+                return Err(ConfigError::ChargeLease {
+                    lease: self.charge_lease,
+                    timeout: p.timeout,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ProviderConfig {
+    /// # Errors
+    /// The first setting out of range, never echoing the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = || ConfigError::ProviderUrl(self.base_url.clone());
+        let url = url::Url::parse(&self.base_url).map_err(|_| bad())?;
+        if !matches!(url.scheme(), "http" | "https")
+            || url.host_str().is_none()
+            || !url.username().is_empty()
+            || url.password().is_some()
+            || url.query().is_some()
+            || !url.path().trim_end_matches('/').is_empty()
+        {
+            return Err(bad());
+        }
+        let key = self.secret_key.expose();
+        if !key.starts_with("sk_") || key.len() < 4 || key.chars().any(|c| c.is_whitespace()) {
+            return Err(ConfigError::ProviderSecretKey);
+        }
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(120));
+        if self.timeout < min || self.timeout > max {
+            return Err(ConfigError::Duration {
+                field: "provider timeout",
+                value: self.timeout,
+                min,
+                max,
+            });
         }
         Ok(())
     }
@@ -102,6 +173,32 @@ mod tests {
                 "statement_timeout",
             ),
         ];
+        let provider = |url: &str, key: &str, timeout: u64| BillingConfig {
+            provider: Some(ProviderConfig {
+                base_url: url.to_owned(),
+                secret_key: crate::provider::SecretKey::new(key),
+                timeout: Duration::from_secs(timeout),
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            provider("http://127.0.0.1:9", "sk_test_x", 30).validate(),
+            Ok(())
+        );
+        let bad = bad.into_iter().chain([
+            (provider("ftp://x", "sk_test_x", 30), "base URL"),
+            (provider("http://u:p@x", "sk_test_x", 30), "base URL"),
+            (provider("http://x/v1", "sk_test_x", 30), "base URL"),
+            (provider("http://x", "pk_test_x", 30), "secret key"),
+            (provider("http://x", "sk_test_x", 0), "provider timeout"),
+            (
+                BillingConfig {
+                    charge_lease: Duration::from_secs(100),
+                    ..provider("http://x", "sk_test_x", 60)
+                },
+                "charge_lease",
+            ),
+        ]);
         for (config, field) in bad {
             let err = config.validate().unwrap_err().to_string();
             assert!(err.contains(field), "{field} not in {err}");

@@ -20,12 +20,25 @@
 //!  COMMIT; the next batch, until a short batch, the budget, or cancel
 //! ```
 //!
+//! Then auto-charge (`charge`, docs/adr/0011), when a provider is configured:
+//!
+//! ```text
+//!  claim ≤ 50 open automatic invoices       lease free or expired, no attempt yet,
+//!    lease = now() + charge_lease            AND leader_fence('billing', $token)  (fenced)
+//!  per invoice, under the panic guard:
+//!    INSERT attempt 1 (unknown, key)         only while our claim holds the invoice
+//!    POST /v1/payment_intents, Idempotency-Key = (invoice, attempt)
+//!      succeeded ─▶ open → paid by CAS (claim still ours) + invoice.paid,
+//!                   payment.succeeded, receipt email            (one transaction)
+//!      declined  ─▶ attempt declined(code), payment.failed, email (one transaction)
+//!      unknown   ─▶ attempt stays unknown; lease expires; the reconciler's
+//! ```
+//!
 //! Built so far: the schema (migration 0006), period math ([`period`]), the
-//! due-billing step. **Not built yet** (docs/adr/0010 and issue 10): expired
-//! trials, pause-collection resumes, auto-charge and the payment provider,
-//! enrolment into dunning, the payment reconciler, plan changes. The tick has
-//! one step until they land; each will run under the panic guard in the order
-//! DESIGN.md gives.
+//! due-billing step, auto-charge and the provider client ([`provider`]).
+//! **Not built yet** (docs/adr/0010 and issue 10): expired trials,
+//! pause-collection resumes, enrolment into dunning, the payment reconciler,
+//! plan changes. Each will run under the panic guard in the order DESIGN.md gives.
 //!
 //! Guarantees:
 //!
@@ -49,19 +62,31 @@
 //!   as panicked (released with its cooldown, counted on
 //!   `hardcount_leader_lease_lost_total{reason="panicked"}`).
 //! - **Money is integer minor units**, never a float.
+//! - **An invoice is charged once**: one claim holds it at a time (the lease),
+//!   the attempt row is written before the call and is unique per (invoice,
+//!   attempt), and the provider's idempotency key is fixed by that pair.
+//! - **A charge's result and its announcements commit together**: paid with
+//!   `invoice.paid`, `payment.succeeded` and the receipt; declined with
+//!   `payment.failed` and its email; only while the claim still holds it.
+//! - **The secret key is never shown**: not in logs, errors or `Debug`.
 //!
 //! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
-//! ([`Biller`], the driver's implementation), `close` and [`period`] (pure).
+//! ([`Biller`], the driver's implementation), `charge` (the auto-charge step),
+//! [`provider`] (the HTTP client), `close` and [`period`] (pure).
 
+mod charge;
 pub mod close;
 mod config;
 pub mod period;
+pub mod provider;
 mod store;
 mod tick;
 
+pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Unbillable};
 pub use config::{BillingConfig, ConfigError};
-pub use store::Closed;
+pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
+pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 
 /// Errors of the billing role.
@@ -76,4 +101,7 @@ pub enum Error {
     /// `invoice.finalized` was refused; the closing rolled back.
     #[error("billing could not enqueue invoice.finalized: {0}")]
     Enqueue(#[from] webhook_outbox::EnqueueError),
+    /// A receipt or payment-failed email was refused; the settling rolled back.
+    #[error("billing could not enqueue an email: {0}")]
+    EmailEnqueue(#[from] email_outbox::EnqueueError),
 }

@@ -289,3 +289,342 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         oldest_due_age: row.try_get("age")?,
     })
 }
+
+/// An open automatic invoice this worker holds the auto-charge claim of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeClaim {
+    pub invoice_id: i64,
+    pub tenant_id: String,
+    pub subscription_id: i64,
+    /// Integer minor units.
+    pub amount: i64,
+    pub currency: String,
+    pub email: String,
+    /// `cus_…`
+    pub provider_customer: String,
+    /// `pm_…`
+    pub payment_method: String,
+    /// This claim's identity, written to `auto_charge_claimed_by`.
+    pub claimed_by: String,
+}
+
+/// The fenced auto-charge funnel: up to `limit` open automatic invoices that
+/// have never been attempted, whose customer has a saved card and whose
+/// subscription's collection is not paused, and whose claim lease is free or
+/// expired; each taken by the conditional UPDATE that sets the lease.
+///
+/// The lease predicate sits in the locking subquery: a row a concurrent claim
+/// just took is re-checked after its lock and left alone.
+pub(crate) async fn claim_charges(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+    statement_timeout: Duration,
+) -> Result<Vec<ChargeClaim>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql(
+                "WITH picked AS ( \
+                   SELECT i.id FROM invoices i \
+                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+                     AND s.pause_collection_behavior IS NULL \
+                     AND c.payment_method_id IS NOT NULL \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
+                     AND leader_fence($1, $2) \
+                   ORDER BY i.id \
+                   LIMIT $3 \
+                   FOR UPDATE OF i SKIP LOCKED \
+                 ), claimed AS ( \
+                   UPDATE invoices i \
+                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+                       auto_charge_claimed_by = $5 \
+                   FROM picked WHERE i.id = picked.id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency \
+                 ) \
+                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
+                        c.email, c.provider_customer_id, c.payment_method_id \
+                 FROM claimed k \
+                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                 ORDER BY k.id",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit)
+            .bind(lease.as_secs_f64())
+            .bind(claimed_by.to_owned()),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| {
+            Ok(ChargeClaim {
+                invoice_id: r.try_get("id")?,
+                tenant_id: r.try_get("tenant_id")?,
+                subscription_id: r.try_get("subscription_id")?,
+                amount: r.try_get("amount")?,
+                currency: r.try_get("currency")?,
+                email: r.try_get("email")?,
+                provider_customer: r.try_get("provider_customer_id")?,
+                payment_method: r.try_get("payment_method_id")?,
+                claimed_by: claimed_by.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// Record attempt `attempt_seq` (as `unknown`, before the call) if the claim
+/// still holds the invoice. `None`: the claim was lost or the attempt exists.
+pub(crate) async fn start_attempt(
+    db: &Db,
+    claim: &ChargeClaim,
+    attempt_seq: i32,
+    idempotency_key: &str,
+    statement_timeout: Duration,
+) -> Result<Option<i64>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                               amount, currency) \
+                 SELECT i.tenant_id, i.id, $2, $3, i.amount, i.currency FROM invoices i \
+                 WHERE i.id = $1 AND i.status = 'open' \
+                   AND i.auto_charge_claimed_by = $4 AND i.auto_charge_claimed_until > now() \
+                 ON CONFLICT DO NOTHING \
+                 RETURNING id",
+            )
+            .bind(claim.invoice_id)
+            .bind(attempt_seq)
+            .bind(idempotency_key.to_owned())
+            .bind(claim.claimed_by.clone()),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(row.map(|r| r.try_get("id")).transpose()?)
+}
+
+/// How a charge's answer was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Written,
+    /// The claim no longer holds the invoice, or the attempt was settled by
+    /// someone else: nothing written (the reconciler settles the attempt).
+    Lost,
+}
+
+/// The charge succeeded: the invoice open → paid by compare-and-set (only
+/// while this claim holds it), the attempt unknown → succeeded, and
+/// `invoice.paid`, `payment.succeeded` and the receipt, in one transaction.
+pub(crate) async fn settle_paid(
+    db: &Db,
+    claim: &ChargeClaim,
+    attempt_id: i64,
+    attempt_seq: i32,
+    payment_intent: &str,
+    email_from: &str,
+    statement_timeout: Duration,
+) -> Result<Settled, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let paid = tx
+        .execute(
+            sql("UPDATE invoices SET status = 'paid', paid_at = now(), \
+                        auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2")
+            .bind(claim.invoice_id)
+            .bind(claim.claimed_by.clone()),
+        )
+        .await?;
+    if paid == 0
+        || !resolve_attempt(&mut tx, attempt_id, "succeeded", None, Some(payment_intent)).await?
+    {
+        tx.rollback().await?;
+        return Ok(Settled::Lost);
+    }
+    let invoice = serde_json::json!({
+        "object": "invoice",
+        "id": claim.invoice_id,
+        "subscription": claim.subscription_id,
+        "status": "paid",
+        "amount_paid": claim.amount,
+        "currency": claim.currency,
+        "payment_intent": payment_intent,
+    });
+    webhook_outbox::enqueue(
+        &mut tx,
+        &claim.tenant_id,
+        "invoice.paid",
+        &invoice.to_string(),
+    )
+    .await?;
+    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
+    webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.succeeded", &payment).await?;
+    let receipt = email_outbox::Email {
+        from: email_from.to_owned(),
+        to: vec![claim.email.clone()],
+        subject: format!("Receipt for invoice {}", claim.invoice_id),
+        text: format!(
+            "We received your payment of {} for invoice {}. Thank you.\n",
+            money(claim.amount, &claim.currency),
+            claim.invoice_id
+        ),
+        html: None,
+    };
+    email_outbox::enqueue(&mut tx, &claim.tenant_id, &receipt).await?;
+    tx.commit().await?;
+    Ok(Settled::Written)
+}
+
+/// The charge was declined: the attempt unknown → declined with its code,
+/// the claim released (the invoice stays open, for dunning), and
+/// `payment.failed` and the payment-failed email, in one transaction.
+pub(crate) async fn settle_declined(
+    db: &Db,
+    claim: &ChargeClaim,
+    attempt_id: i64,
+    attempt_seq: i32,
+    (decline_code, payment_intent): (&str, Option<&str>),
+    email_from: &str,
+    statement_timeout: Duration,
+) -> Result<Settled, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let released = tx
+        .execute(
+            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2")
+            .bind(claim.invoice_id)
+            .bind(claim.claimed_by.clone()),
+        )
+        .await?;
+    if released == 0
+        || !resolve_attempt(
+            &mut tx,
+            attempt_id,
+            "declined",
+            Some(decline_code),
+            payment_intent,
+        )
+        .await?
+    {
+        tx.rollback().await?;
+        return Ok(Settled::Lost);
+    }
+    let payment = payment_payload(claim, attempt_seq, payment_intent, Some(decline_code));
+    webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.failed", &payment).await?;
+    let failed = email_outbox::Email {
+        from: email_from.to_owned(),
+        to: vec![claim.email.clone()],
+        subject: format!("Your payment for invoice {} failed", claim.invoice_id),
+        text: format!(
+            "We could not charge {} for invoice {} to your saved card ({}). \
+             Please update your payment method.\n",
+            money(claim.amount, &claim.currency),
+            claim.invoice_id,
+            decline_code
+        ),
+        html: None,
+    };
+    email_outbox::enqueue(&mut tx, &claim.tenant_id, &failed).await?;
+    tx.commit().await?;
+    Ok(Settled::Written)
+}
+
+/// The outcome is unknown: keep the attempt `unknown` with why, for the
+/// reconciler. The invoice stays open and its claim expires on its own.
+pub(crate) async fn note_unknown(
+    db: &Db,
+    attempt_id: i64,
+    reason: &str,
+    statement_timeout: Duration,
+) -> Result<(), db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    tx.execute(
+        sql("UPDATE payment_attempts SET last_error = $2 WHERE id = $1 AND provider_status = 'unknown'")
+            .bind(attempt_id)
+            .bind(reason.to_owned()),
+    )
+    .await?;
+    tx.commit().await
+}
+
+/// Give back claims this tick will not attempt (out of budget).
+pub(crate) async fn release_unattempted(
+    db: &Db,
+    invoice_ids: &[i64],
+    claimed_by: &str,
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 WHERE id = ANY($1) AND auto_charge_claimed_by = $2 \
+                   AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = invoices.id)")
+            .bind(invoice_ids.to_vec())
+            .bind(claimed_by.to_owned()),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
+
+async fn resolve_attempt(
+    tx: &mut db::Tx,
+    attempt_id: i64,
+    status: &str,
+    decline_code: Option<&str>,
+    payment_intent: Option<&str>,
+) -> Result<bool, db::Error> {
+    let n = tx
+        .execute(
+            sql(
+                "UPDATE payment_attempts SET provider_status = $2, decline_code = $3, \
+                        provider_payment_intent = $4, resolved_at = now(), last_checked_at = now() \
+                 WHERE id = $1 AND provider_status = 'unknown'",
+            )
+            .bind(attempt_id)
+            .bind(status.to_owned())
+            .bind(decline_code.map(str::to_owned))
+            .bind(payment_intent.map(str::to_owned)),
+        )
+        .await?;
+    Ok(n == 1)
+}
+
+fn payment_payload(
+    claim: &ChargeClaim,
+    attempt_seq: i32,
+    payment_intent: Option<&str>,
+    decline_code: Option<&str>,
+) -> String {
+    serde_json::json!({
+        "object": "payment",
+        "invoice": claim.invoice_id,
+        "attempt": attempt_seq,
+        "amount": claim.amount,
+        "currency": claim.currency,
+        "payment_intent": payment_intent,
+        "decline_code": decline_code,
+    })
+    .to_string()
+}
+
+/// `12.00 EUR` for 1200 minor units; `1200 JPY` for a zero-decimal currency.
+fn money(amount: i64, currency: &str) -> String {
+    const ZERO_DECIMAL: [&str; 16] = [
+        "BIF", "CLP", "DJF", "GNF", "JPY", "KMF", "KRW", "MGA", "PYG", "RWF", "UGX", "VND", "VUV",
+        "XAF", "XOF", "XPF",
+    ];
+    if ZERO_DECIMAL.contains(&currency) {
+        format!("{amount} {currency}")
+    } else {
+        format!("{}.{:02} {currency}", amount / 100, amount % 100)
+    }
+}

@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use crate::charge::{AutoCharge, ChargeTally};
 use crate::close::{self, Due};
+use crate::provider::Provider;
 use crate::store::{self, Closed};
 use crate::{BillingConfig, Error};
 
@@ -36,6 +38,10 @@ pub struct TickReport {
     /// subscription several periods behind is claimed once per period).
     pub claimed: usize,
     pub tally: Tally,
+    /// Invoices auto-charge claimed, and what became of them (zero when no
+    /// provider is configured).
+    pub charge_claimed: usize,
+    pub charges: ChargeTally,
     pub elapsed: Duration,
     /// Why the tick stopped claiming.
     pub stop: Stop,
@@ -46,14 +52,16 @@ pub struct TickReport {
 /// Closes due billing periods. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Biller {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 #[derive(Debug)]
-struct Inner {
-    db: Db,
-    config: BillingConfig,
-    telemetry: Telemetry,
+pub(crate) struct Inner {
+    pub(crate) db: Db,
+    pub(crate) config: BillingConfig,
+    pub(crate) telemetry: Telemetry,
+    /// `None` when no provider is configured: the charge step is skipped.
+    pub(crate) provider: Option<Provider>,
 }
 
 impl Biller {
@@ -61,11 +69,19 @@ impl Biller {
     /// [`Error::Config`] naming a setting out of range.
     pub fn new(db: Db, config: BillingConfig, telemetry: Telemetry) -> Result<Biller, Error> {
         config.validate()?;
+        let provider = match &config.provider {
+            Some(p) => Some(Provider::new(p.clone()).map_err(crate::ConfigError::ProviderClient)?),
+            None => {
+                info!(role = %Role::Billing, "no payment provider configured (BILLING_PROVIDER_URL): the auto-charge step is skipped");
+                None
+            }
+        };
         Ok(Biller {
             inner: Arc::new(Inner {
                 db,
                 config,
                 telemetry,
+                provider,
             }),
         })
     }
@@ -92,14 +108,56 @@ impl Biller {
             biller: self,
             left_out: Mutex::new(Vec::new()),
         };
-        let driven = scheduler::drive(&due_billing, tick).await;
+        let started = Instant::now();
+        // Each step is its own driven pass under the guard: a panic in due
+        // billing still lets auto-charge run, and is raised after it.
+        let billed = scheduler::catch(
+            "billing/due_billing".to_owned(),
+            scheduler::drive(&due_billing, tick),
+        )
+        .await;
+        let charged = if self.inner.provider.is_some() {
+            let step = AutoCharge { biller: self };
+            Some(
+                scheduler::catch(
+                    "billing/auto_charge".to_owned(),
+                    scheduler::drive(&step, tick),
+                )
+                .await,
+            )
+        } else {
+            None
+        };
+        let (billed, charged) = match (billed, charged) {
+            (Err(payload), _) | (Ok(_), Some(Err(payload))) => std::panic::resume_unwind(payload),
+            (Ok(b), Some(Ok(c))) => (b, Some(c)),
+            (Ok(b), None) => (b, None),
+        };
+        let (mut stop, mut end) = (billed.stop, billed.end);
+        let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
+        if let Some(c) = charged {
+            charge_claimed = c.claimed;
+            charges = c.counts;
+            // The tick ends as its worst step did: failed, then more work, then drained.
+            let rank = |e: &TickEnd| match e {
+                TickEnd::Failed(_) => 2,
+                TickEnd::MoreWork => 1,
+                _ => 0,
+            };
+            if rank(&c.end) > rank(&end) {
+                stop = c.stop;
+                end = c.end;
+            }
+        }
         TickReport {
-            batches: driven.batches,
-            claimed: driven.claimed,
-            tally: driven.counts,
-            elapsed: driven.elapsed,
-            stop: driven.stop,
-            end: driven.end,
+            batches: billed.batches,
+            claimed: billed.claimed,
+            tally: billed.counts,
+            charge_claimed,
+            charges,
+            elapsed: started.elapsed(),
+            stop,
+            end,
         }
     }
 

@@ -36,6 +36,8 @@ pub struct Config {
     pub webhook_delivery: WorkerConfig,
     /// SMTP_URL and the sender's settings; None when SMTP_URL is unset.
     pub email: Option<EmailConfig>,
+    /// Billing's settings, with the payment provider when one is configured.
+    pub billing: billing::BillingConfig,
 }
 
 /// How email_outbox reaches its SMTP server.
@@ -94,7 +96,7 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
         Role::Billing => {
             let biller = Arc::new(billing::Biller::new(
                 db.clone(),
-                billing::BillingConfig::default(),
+                config.billing.clone(),
                 telemetry.clone(),
             )?);
             Some(scheduler::work(move |tick| {

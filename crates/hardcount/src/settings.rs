@@ -107,6 +107,13 @@ pub struct ServeSettings {
     /// [default: 16].
     #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
     pub email_connections: Option<String>,
+    /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
+    /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
+    #[arg(long, env = "BILLING_PROVIDER_URL")]
+    pub billing_provider_url: Option<String>,
+    /// The provider's secret key (`sk_…`); never logged. Required with BILLING_PROVIDER_URL.
+    #[arg(long, env = "BILLING_PROVIDER_SECRET_KEY", hide_env_values = true)]
+    pub billing_provider_secret_key: Option<String>,
 }
 
 /// `dev`: the service on a local Postgres with a demo tenant.
@@ -196,7 +203,26 @@ impl ServeSettings {
             roles,
             webhook_delivery,
             email: self.email()?,
+            billing: self.billing()?,
         })
+    }
+
+    /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is
+    /// set. Errors name the variable and never echo the key.
+    fn billing(&self) -> Result<billing::BillingConfig> {
+        let mut config = billing::BillingConfig::default();
+        if let Some(url) = non_empty(&self.billing_provider_url) {
+            let key = non_empty(&self.billing_provider_secret_key).ok_or_else(|| {
+                anyhow!("BILLING_PROVIDER_SECRET_KEY is required when BILLING_PROVIDER_URL is set")
+            })?;
+            let provider = billing::ProviderConfig::new(url, billing::SecretKey::new(key));
+            provider
+                .validate()
+                .map_err(|e| anyhow!("BILLING_PROVIDER_URL / BILLING_PROVIDER_SECRET_KEY: {e}"))?;
+            config.provider = Some(provider);
+        }
+        config.validate()?;
+        Ok(config)
     }
 
     /// SMTP_URL and the email settings, when SMTP_URL is set. Errors name the

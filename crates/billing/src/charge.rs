@@ -1,0 +1,267 @@
+//! Auto-charge, a step of the billing tick after due billing: open automatic
+//! invoices never attempted are claimed (a lease per invoice, fenced funnel),
+//! an attempt row is written before the provider call, and the answer is
+//! settled by compare-and-set while the claim still holds the invoice.
+//!
+//! ```text
+//!  claim ≤ batch invoices   status open, automatic, lease free or expired, no attempt,
+//!                           AND leader_fence('billing', $token) → lease = now() + charge_lease
+//!  per invoice, under the panic guard:
+//!    INSERT attempt 1 (unknown, key = (invoice, 1))   only while the claim holds it
+//!    POST /v1/payment_intents with that Idempotency-Key
+//!      succeeded ─▶ invoice open → paid (claim still ours), attempt → succeeded,
+//!                   invoice.paid + payment.succeeded + receipt email        (one transaction)
+//!      declined  ─▶ attempt → declined(code), claim released,
+//!                   payment.failed + payment-failed email                  (one transaction)
+//!      unknown   ─▶ attempt stays unknown with its reason; the lease expires;
+//!                   the reconciler asks the provider by key
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use leader::{Fence, Role, Tick};
+use scheduler::{FencedBatches, Panics, Shape};
+use tracing::{info, warn};
+
+use crate::provider::{self, ChargeOutcome, PaymentRequest};
+use crate::store::{self, ChargeClaim, Settled};
+use crate::{Biller, Error};
+
+/// Auto-charge's attempt sequence: the first attempt of an invoice. Later
+/// attempts (dunning's retries) take the next numbers.
+pub const AUTO_CHARGE_ATTEMPT: i32 = 1;
+
+/// What became of one claimed invoice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Charged {
+    /// Charged; the invoice is paid and announced.
+    Paid { payment_intent: String },
+    /// Declined; recorded with its code and announced.
+    Declined { code: String },
+    /// No answer to rely on; the attempt is left unknown for the reconciler.
+    Unknown { reason: String },
+    /// The claim no longer held the invoice (or the attempt existed): not
+    /// charged, or charged but left for the reconciler to settle.
+    ClaimLost,
+    /// No provider is configured.
+    NoProvider,
+}
+
+/// What auto-charge came to over a tick.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ChargeTally {
+    pub paid: usize,
+    pub declined: usize,
+    pub unknown: usize,
+    pub claim_lost: usize,
+    /// Claims given back unattempted at the end of the budget.
+    pub released: usize,
+    pub panicked: usize,
+}
+
+static CLAIMS: AtomicU64 = AtomicU64::new(0);
+
+/// A claim identity no other claim shares: the fence's token, this process
+/// and a per-process sequence.
+fn claim_identity(fence: &Fence) -> String {
+    let n = CLAIMS.fetch_add(1, Ordering::Relaxed);
+    format!("billing:{}:{}:{n}", fence.token(), std::process::id())
+}
+
+impl Biller {
+    /// The fenced auto-charge funnel: up to `limit` invoices, each under a
+    /// fresh claim lease. Empty when `fence` is stale.
+    ///
+    /// # Errors
+    /// A database error; nothing was claimed.
+    pub async fn claim_charges(
+        &self,
+        fence: &Fence,
+        limit: usize,
+    ) -> Result<Vec<ChargeClaim>, Error> {
+        let c = &self.inner.config;
+        Ok(store::claim_charges(
+            &self.inner.db,
+            fence,
+            limit,
+            &claim_identity(fence),
+            c.charge_lease,
+            c.statement_timeout,
+        )
+        .await?)
+    }
+
+    /// Charge one claimed invoice and settle the answer.
+    ///
+    /// # Errors
+    /// A database error or a refused event or email; the settling rolled
+    /// back, and the attempt (if written) stays unknown for the reconciler.
+    pub async fn charge(&self, claim: &ChargeClaim) -> Result<Charged, Error> {
+        let Some(provider) = &self.inner.provider else {
+            return Ok(Charged::NoProvider);
+        };
+        let c = &self.inner.config;
+        let timeout = c.statement_timeout;
+        let seq = AUTO_CHARGE_ATTEMPT;
+        let key = provider::idempotency_key(claim.invoice_id, seq);
+        let db = &self.inner.db;
+        let Some(attempt) = store::start_attempt(db, claim, seq, &key, timeout).await? else {
+            return Ok(Charged::ClaimLost);
+        };
+        let req = PaymentRequest {
+            invoice_id: claim.invoice_id,
+            amount: claim.amount,
+            currency: claim.currency.clone(),
+            customer: claim.provider_customer.clone(),
+            payment_method: claim.payment_method.clone(),
+        };
+        let outcome = provider.create_payment_intent(&req, seq).await;
+        let from = &c.email_from;
+        Ok(match outcome {
+            ChargeOutcome::Succeeded { payment_intent } => {
+                match store::settle_paid(db, claim, attempt, seq, &payment_intent, from, timeout)
+                    .await?
+                {
+                    Settled::Written => Charged::Paid { payment_intent },
+                    Settled::Lost => Charged::ClaimLost,
+                }
+            }
+            ChargeOutcome::Declined {
+                code,
+                payment_intent,
+            } => {
+                let pi = payment_intent.as_deref();
+                match store::settle_declined(db, claim, attempt, seq, (&code, pi), from, timeout)
+                    .await?
+                {
+                    Settled::Written => Charged::Declined { code },
+                    Settled::Lost => Charged::ClaimLost,
+                }
+            }
+            ChargeOutcome::Unknown { reason } => {
+                store::note_unknown(db, attempt, &reason, timeout).await?;
+                Charged::Unknown { reason }
+            }
+        })
+    }
+}
+
+/// The auto-charge step as the driver sees it.
+pub(crate) struct AutoCharge<'a> {
+    pub biller: &'a Biller,
+}
+
+impl FencedBatches for AutoCharge<'_> {
+    type Claim = Vec<ChargeClaim>;
+    type Counts = ChargeTally;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::Billing
+    }
+
+    fn shape(&self) -> Shape {
+        let c = &self.biller.inner.config;
+        Shape {
+            // Calls are sequential; a smaller batch keeps each claim's lease short of its calls.
+            batch_size: c.batch_size.min(50),
+            budget: c.tick_budget,
+            // One provider call must fit before the budget ends.
+            reserve: c.provider.as_ref().map(|p| p.timeout).unwrap_or_default(),
+        }
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<ChargeClaim>, Error> {
+        self.biller.claim_charges(fence, limit).await
+    }
+
+    fn claimed(batch: &Vec<ChargeClaim>) -> usize {
+        batch.len()
+    }
+
+    async fn run(
+        &self,
+        batch: Vec<ChargeClaim>,
+        tick: &Tick,
+        deadline: Instant,
+        panics: &mut Panics,
+        tally: &mut ChargeTally,
+    ) -> Result<(), Error> {
+        let call = self
+            .biller
+            .inner
+            .config
+            .provider
+            .as_ref()
+            .map(|p| p.timeout)
+            .unwrap_or_default();
+        let claimed: Vec<i64> = batch.iter().map(|c| c.invoice_id).collect();
+        let claimed_by = batch
+            .first()
+            .map(|c| c.claimed_by.clone())
+            .unwrap_or_default();
+        let biller = self.biller;
+        let results = panics
+            .drain(
+                batch,
+                |c| format!("charge invoice {}", c.invoice_id),
+                |c| async move {
+                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
+                        return (c.invoice_id, None);
+                    }
+                    (c.invoice_id, Some(biller.charge(&c).await))
+                },
+            )
+            .await;
+        let t = &biller.inner.telemetry;
+        let mut unattempted = Vec::new();
+        for (invoice, result) in &results {
+            let label = match result {
+                None => {
+                    unattempted.push(*invoice);
+                    continue;
+                }
+                Some(Ok(Charged::Paid { .. })) => {
+                    tally.paid += 1;
+                    "succeeded"
+                }
+                Some(Ok(Charged::Declined { code })) => {
+                    tally.declined += 1;
+                    info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
+                    "declined"
+                }
+                Some(Ok(Charged::Unknown { reason })) => {
+                    tally.unknown += 1;
+                    warn!(role = %Role::Billing, invoice, reason = %reason, "charge outcome unknown; left for the reconciler");
+                    "unknown"
+                }
+                Some(Ok(Charged::ClaimLost | Charged::NoProvider)) => {
+                    tally.claim_lost += 1;
+                    "claim_lost"
+                }
+                Some(Err(e)) => {
+                    tally.unknown += 1;
+                    warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
+                    "error"
+                }
+            };
+            t.counter("hardcount_billing_charges_total", &[("outcome", label)])
+                .increment(1);
+        }
+        let panicked = claimed.len() - results.len();
+        tally.panicked += panicked;
+        if !unattempted.is_empty() {
+            let c = &biller.inner.config;
+            let n = store::release_unattempted(
+                &biller.inner.db,
+                &unattempted,
+                &claimed_by,
+                c.statement_timeout,
+            )
+            .await?;
+            tally.released += usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        Ok(())
+    }
+}

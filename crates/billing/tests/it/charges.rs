@@ -1,0 +1,267 @@
+//! Auto-charge against the fake provider over real HTTP: one charge per
+//! invoice, its settlement and announcements, declines, unknown outcomes, and
+//! a stale leader racing the new one on the same invoice.
+
+use std::time::Duration;
+
+use billing::{BillingConfig, Charged, ProviderConfig, SecretKey};
+use db::{Db, Row, sql};
+use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+use leader::Role;
+use testbed::TestDb;
+
+use crate::{as_leader, biller, config, due_monthly, manager, tick};
+
+fn charging(p: &FakeProvider, timeout: Duration) -> BillingConfig {
+    BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout,
+        }),
+        ..config()
+    }
+}
+
+/// One open automatic invoice of 1200 EUR (billed by a tick without a
+/// provider), and its customer's `cus_…`.
+async fn open_invoice(db: &Db) -> (i64, String) {
+    due_monthly(db, "tenant_a", 1).await;
+    let (b, _) = biller(db, config());
+    assert_eq!(tick(db, &b).await.tally.invoiced, 1);
+    let r = db
+        .fetch_one(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
+             JOIN subscriptions s ON s.id = i.subscription_id \
+             JOIN customers c ON c.id = s.customer_id"))
+        .await
+        .unwrap();
+    (r.get("id"), r.get("provider_customer_id"))
+}
+
+async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    db.fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect()
+}
+
+async fn events(db: &Db) -> Vec<String> {
+    strings(
+        db,
+        "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized' ORDER BY id",
+    )
+    .await
+}
+
+async fn emails(db: &Db) -> Vec<String> {
+    strings(db, "SELECT subject FROM email_outbox ORDER BY id").await
+}
+
+async fn invoice_status(db: &Db, id: i64) -> String {
+    db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(id))
+        .await
+        .unwrap()
+        .get("status")
+}
+
+/// (status, decline code, idempotency key) of each attempt.
+async fn attempts(db: &Db) -> Vec<(String, Option<String>, String)> {
+    db.fetch_all(sql(
+        "SELECT provider_status, decline_code, idempotency_key FROM payment_attempts ORDER BY id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2)))
+    .collect()
+}
+
+#[tokio::test]
+async fn a_paid_invoice_is_charged_once_announced_and_receipted() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, _) = open_invoice(&t.db).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 1, "{report:?}");
+    assert_eq!(p.total_charges(), 1);
+    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    assert_eq!(p.charges().get(&key), Some(&1));
+    assert_eq!(invoice_status(&t.db, invoice).await, "paid");
+    assert_eq!(attempts(&t.db).await, vec![("succeeded".into(), None, key)]);
+    assert_eq!(
+        events(&t.db).await,
+        vec!["invoice.paid", "payment.succeeded"]
+    );
+    assert_eq!(
+        emails(&t.db).await,
+        vec![format!("Receipt for invoice {invoice}")]
+    );
+    // A paid invoice is never claimed again.
+    let again = tick(&t.db, &b).await;
+    assert_eq!((again.charge_claimed, p.total_charges()), (0, 1));
+}
+
+#[tokio::test]
+async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(&customer, Behaviour::Decline("insufficient_funds".into()));
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.declined, 1, "{report:?}");
+    assert_eq!(p.total_charges(), 0);
+    assert_eq!(invoice_status(&t.db, invoice).await, "open");
+    let a = attempts(&t.db).await;
+    assert_eq!(
+        (a[0].0.as_str(), a[0].1.as_deref()),
+        ("declined", Some("insufficient_funds"))
+    );
+    assert_eq!(events(&t.db).await, vec!["payment.failed"]);
+    assert_eq!(
+        emails(&t.db).await,
+        vec![format!("Your payment for invoice {invoice} failed")]
+    );
+    // Declined once: auto-charge does not retry it (dunning will).
+    assert_eq!(tick(&t.db, &b).await.charge_claimed, 0);
+}
+
+#[tokio::test]
+async fn a_provider_that_times_out_leaves_the_attempt_unknown_and_the_invoice_open_charged_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(&customer, Behaviour::Hang);
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_millis(300)));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.unknown, 1, "{report:?}");
+    assert_eq!(invoice_status(&t.db, invoice).await, "open");
+    let a = attempts(&t.db).await;
+    assert_eq!((a.len(), a[0].0.as_str()), (1, "unknown"));
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(events(&t.db).await, Vec::<String>::new());
+    assert_eq!(emails(&t.db).await, Vec::<String>::new());
+    // The attempt exists: auto-charge leaves it to the reconciler.
+    assert_eq!(tick(&t.db, &b).await.charge_claimed, 0);
+    assert_eq!(p.total_charges(), 1);
+}
+
+#[tokio::test]
+async fn a_5xx_leaves_the_attempt_unknown_and_charges_nothing() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(&customer, Behaviour::ServerError(500));
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.unknown, 1, "{report:?}");
+    assert_eq!(invoice_status(&t.db, invoice).await, "open");
+    assert_eq!(attempts(&t.db).await[0].0, "unknown");
+    assert_eq!(p.total_charges(), 0);
+}
+
+/// The old leader claimed the invoice before a takeover and charges it from
+/// that claim after the new leader's tick ran: the new leader leaves the
+/// claimed invoice alone, and the provider charged it once. (Run with the
+/// charge spawned concurrently, the old charge usually writes its attempt
+/// first and the no-attempt predicate alone hides the invoice, so the lease
+/// would go untested: the order here is the one only the lease covers.)
+///
+/// Mutation check: removing the lease predicate
+/// (`AND (i.auto_charge_claimed_until IS NULL OR …)`) from
+/// `store::claim_charges` lets the new leader claim and charge the invoice
+/// the old one holds; this test was run against that mutation and failed.
+#[tokio::test]
+async fn a_stale_leader_and_the_new_leader_charging_one_invoice_charge_it_once() {
+    let t = TestDb::with_pool(8).await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, _) = open_invoice(&t.db).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let b2 = b.clone();
+    let (old_fence, held) = as_leader(&manager(&t.db, "old"), Role::Billing, |tick| async move {
+        let held = b2.claim_charges(&tick.fence, 10).await.unwrap();
+        (tick.fence, held)
+    })
+    .await;
+    assert_eq!(held.len(), 1);
+    // The new leader's whole tick runs while the old claim is held and its
+    // charge not yet made (the old leader is paused mid-tick, say); then
+    // the old leader goes on with the charge it claimed.
+    let new = tick(&t.db, &b).await;
+    let old = b.charge(&held[0]).await.unwrap();
+    assert!(matches!(old, Charged::Paid { .. }), "{old:?}");
+    assert_eq!((new.charge_claimed, new.charges.paid), (0, 0), "{new:?}");
+    // The replaced leader's fence claims nothing more.
+    assert!(b.claim_charges(&old_fence, 10).await.unwrap().is_empty());
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(invoice_status(&t.db, invoice).await, "paid");
+    assert_eq!(
+        events(&t.db).await,
+        vec!["invoice.paid", "payment.succeeded"]
+    );
+    assert_eq!(emails(&t.db).await.len(), 1);
+}
+
+/// The same idempotency key with another amount is refused by the provider
+/// and charges nothing, as Stripe refuses it.
+#[tokio::test]
+async fn the_same_key_with_another_amount_is_refused_by_the_provider() {
+    let p = FakeProvider::start().await.unwrap();
+    let provider = billing::Provider::new(ProviderConfig::new(
+        p.base_url(),
+        SecretKey::new(TEST_SECRET_KEY),
+    ))
+    .unwrap();
+    let mut req = billing::provider::PaymentRequest {
+        invoice_id: 42,
+        amount: 1200,
+        currency: "EUR".into(),
+        customer: "cus_ada".into(),
+        payment_method: "pm_card_visa".into(),
+    };
+    let first = provider.create_payment_intent(&req, 1).await;
+    assert!(
+        matches!(first, billing::ChargeOutcome::Succeeded { .. }),
+        "{first:?}"
+    );
+    assert_eq!(provider.create_payment_intent(&req, 1).await, first);
+    req.amount = 1300;
+    let other = provider.create_payment_intent(&req, 1).await;
+    assert_eq!(
+        other,
+        billing::ChargeOutcome::Declined {
+            code: "idempotency_error".into(),
+            payment_intent: None
+        }
+    );
+    assert_eq!(p.total_charges(), 1);
+}
+
+/// A leader replaced by a takeover claims no invoice to charge with its old
+/// token, while the new leader's funnel claims it.
+///
+/// Mutation check: removing `AND leader_fence($1, $2)` from
+/// `store::claim_charges` lets the old token claim the invoice; this test was
+/// run against that mutation and failed.
+#[tokio::test]
+async fn a_stale_token_claims_no_invoice_to_charge() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoice(&t.db).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let old = as_leader(&manager(&t.db, "old"), Role::Billing, |tick| async move {
+        tick.fence
+    })
+    .await;
+    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::Billing, |tick| async move {
+        let by_old = b.claim_charges(&old, 10).await.unwrap().len();
+        let by_new = b.claim_charges(&tick.fence, 10).await.unwrap().len();
+        (by_old, by_new)
+    })
+    .await;
+    assert_eq!((by_old, by_new), (0, 1));
+    assert_eq!(p.total_charges(), 0);
+}
