@@ -100,7 +100,8 @@ mod verdict;
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
-    Endpoint, EndpointError, MAX_URL_LEN, create_endpoint, parse_endpoint_url, redacted_url,
+    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, RotateError, create_endpoint,
+    parse_endpoint_url, redacted_url, rotate_secret,
 };
 pub use failure::Failure;
 pub use tick::{TickReport, Worker};
