@@ -26,7 +26,8 @@ fn signatures(r: &testbed::receiver::Received) -> Vec<String> {
 /// Catches: dropping the previous secret's signature (`rotation_both_signatures`,
 /// only the new one is sent), the claim not returning the previous secret
 /// (`rotation_claim_previous`), and a rotation whose overlap is ignored
-/// (`rotation_overlap`, the previous secret expires at once).
+/// (`rotation_overlap`, the previous secret expires at once; the stored expiry
+/// is checked first). Each was run and seen failing.
 #[tokio::test]
 async fn during_the_overlap_a_delivery_carries_both_signatures_and_verifies_with_either_secret() {
     let t = TestDb::new().await;
