@@ -113,6 +113,15 @@ impl Worker {
                 return (Heard::NoAnswer, observed);
             }
         };
+        // A previous secret that no longer parses (stored before keys had to be
+        // 24 bytes) is left out: the delivery goes out signed with the current one.
+        let previous = d.row.previous_secret.as_deref().and_then(|text| {
+            Secret::parse(text)
+                .inspect_err(|e| {
+                    warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
+                })
+                .ok()
+        });
         let config = &self.inner.config;
         let sent = send::post(
             &self.inner.client,
@@ -120,6 +129,7 @@ impl Worker {
                 url: &url,
                 message_id: &d.row.message_id,
                 secret: &secret,
+                previous_secret: previous.as_ref(),
                 body: d.body(),
             },
             &Limits {

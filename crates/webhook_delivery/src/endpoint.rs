@@ -1,6 +1,7 @@
 //! Registering a tenant's webhook endpoint.
 
 use std::fmt;
+use std::time::Duration;
 
 use db::Db;
 use url::Url;
@@ -129,6 +130,57 @@ pub async fn create_endpoint<S: AsRef<str>>(
         event_types,
         enabled: row.enabled,
     })
+}
+
+/// Longest overlap [`rotate_secret`] accepts: the previous secret keeps signing
+/// for at most this long.
+pub const MAX_ROTATION_OVERLAP: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// Why a secret was not rotated. Never contains a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum RotateError {
+    #[error("webhook endpoint {endpoint_id} of tenant {tenant_id:?} does not exist")]
+    NotFound { tenant_id: String, endpoint_id: i64 },
+    #[error(
+        "webhook secret rotation overlap of {overlap:?} is longer than the {MAX_ROTATION_OVERLAP:?} allowed"
+    )]
+    OverlapTooLong { overlap: Duration },
+    #[error("could not rotate the webhook secret: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Rotate an endpoint's signing secret (Standard Webhooks): a fresh secret
+/// becomes current, and the one it replaces stays as the previous secret
+/// until `now() + overlap` on the database clock. Until then every delivery
+/// carries both signatures, `v1,<sig-new> v1,<sig-old>`, so the receiver can
+/// move to the new secret when it is ready; after it, only the new one. A
+/// previous secret still in its overlap is dropped by a second rotation.
+///
+/// Returns the new secret: show it to the endpoint's owner once
+/// ([`Secret::expose`]); never log it.
+///
+/// # Errors
+/// [`RotateError::NotFound`] when `tenant_id` has no endpoint `endpoint_id`,
+/// [`RotateError::OverlapTooLong`] past [`MAX_ROTATION_OVERLAP`],
+/// [`RotateError::Db`] if the update fails.
+pub async fn rotate_secret(
+    db: &Db,
+    tenant_id: &str,
+    endpoint_id: i64,
+    overlap: Duration,
+) -> Result<Secret, RotateError> {
+    if overlap > MAX_ROTATION_OVERLAP {
+        return Err(RotateError::OverlapTooLong { overlap });
+    }
+    let secret = Secret::generate();
+    if store::rotate_secret(db, tenant_id, endpoint_id, &secret.expose(), overlap).await? {
+        Ok(secret)
+    } else {
+        Err(RotateError::NotFound {
+            tenant_id: tenant_id.to_owned(),
+            endpoint_id,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -50,6 +50,16 @@
 //!   the interval), too little budget for another attempt ends it with more
 //!   work (due again at once), a failed claim ends it failed (due after the
 //!   short failure cooldown).
+//! - **Signing secrets rotate without a gap** (Standard Webhooks):
+//!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
+//!   as the endpoint's `previous_secret` until `now() + overlap` (migration
+//!   0008). The claim returns the previous secret only while that expiry is
+//!   ahead of its own `now()`, on the database clock, and while it does every
+//!   delivery is signed with both, new first, space-separated
+//!   (`webhook-signature: v1,<sig-new> v1,<sig-old>`), so a receiver verifies
+//!   with either secret; after it, with the new one only. Keys shorter than 24
+//!   bytes are refused ([`signature::SecretError::KeyTooShort`]): such an
+//!   endpoint's deliveries are not sent (`bad_secret`).
 //! - **Bad settings are refused at construction** ([`Worker::new`]), naming
 //!   the setting ([`ConfigError`]); nothing is clamped.
 //!
@@ -100,7 +110,8 @@ mod verdict;
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
-    Endpoint, EndpointError, MAX_URL_LEN, create_endpoint, parse_endpoint_url, redacted_url,
+    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, RotateError, create_endpoint,
+    parse_endpoint_url, redacted_url, rotate_secret,
 };
 pub use failure::Failure;
 pub use tick::{TickReport, Worker};

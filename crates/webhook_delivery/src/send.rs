@@ -7,7 +7,7 @@ use url::Url;
 
 use crate::backoff::parse_retry_after;
 use crate::failure::Failure;
-use crate::signature::{HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, Secret, sign};
+use crate::signature::{HEADER_ID, HEADER_SIGNATURE, HEADER_TIMESTAMP, Secret, sign_all};
 use crate::ssrf::{Allowlist, Ports, SsrfError, check_url};
 
 /// What one request produced.
@@ -40,6 +40,8 @@ pub(crate) struct Request<'a> {
     pub url: &'a Url,
     pub message_id: &'a str,
     pub secret: &'a Secret,
+    /// The previous secret while a rotation's overlap lasts: signed with too.
+    pub previous_secret: Option<&'a Secret>,
     pub body: Vec<u8>,
 }
 
@@ -68,7 +70,10 @@ pub(crate) async fn post(client: &reqwest::Client, req: Request<'_>, limits: &Li
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let timestamp = i64::try_from(timestamp).unwrap_or(i64::MAX);
-    let signature = sign(req.secret, req.message_id, timestamp, &req.body);
+    let secrets: Vec<&Secret> = std::iter::once(req.secret)
+        .chain(req.previous_secret)
+        .collect();
+    let signature = sign_all(&secrets, req.message_id, timestamp, &req.body);
     let request = client
         .post(req.url.clone())
         .header(CONTENT_TYPE, "application/json")

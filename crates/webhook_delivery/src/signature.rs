@@ -9,6 +9,13 @@
 //! webhook-signature: v1,<base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))>
 //! ```
 //!
+//! While an endpoint's secret is being rotated ([`crate::rotate_secret`]) the
+//! header carries one signature per secret, space-separated, the new one first
+//! (`v1,<sig-new> v1,<sig-old>`, [`sign_all`]); the spec's verifiers accept a
+//! request when any one of them matches.
+//!
+//! A key must be at least [`MIN_KEY_LEN`] (24) bytes, as the spec asks.
+//!
 //! The endpoint secret is `whsec_` followed by the standard base64 of the key
 //! bytes. A [`Secret`] never prints itself: its `Debug` is `Secret(***)` and its
 //! parse errors do not echo the input, so it cannot leak through a log line.
@@ -30,6 +37,8 @@ pub const HEADER_SIGNATURE: &str = "webhook-signature";
 const SECRET_PREFIX: &str = "whsec_";
 /// Key length of generated secrets; the spec asks for 24 to 64 bytes.
 const GENERATED_KEY_LEN: usize = 24;
+/// The shortest key [`Secret::parse`] accepts: Standard Webhooks asks for 24 to 64 bytes.
+pub const MIN_KEY_LEN: usize = 24;
 
 /// Why a `whsec_...` string was rejected. Never contains the secret text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +50,10 @@ pub enum SecretError {
     InvalidBase64,
     #[error("webhook secret has an empty key after `whsec_`")]
     EmptyKey,
+    #[error(
+        "webhook secret key is {len} bytes long; Standard Webhooks asks for at least {MIN_KEY_LEN}"
+    )]
+    KeyTooShort { len: usize },
 }
 
 /// An endpoint's signing key.
@@ -54,8 +67,9 @@ impl Secret {
     ///
     /// # Errors
     ///
-    /// [`SecretError`] when the prefix is missing, the base64 is invalid or the key
-    /// is empty. The error never includes the input.
+    /// [`SecretError`] when the prefix is missing, the base64 is invalid, or the
+    /// key is empty or shorter than [`MIN_KEY_LEN`] bytes
+    /// ([`SecretError::KeyTooShort`]). The error never includes the input.
     pub fn parse(text: &str) -> Result<Self, SecretError> {
         let encoded = text
             .strip_prefix(SECRET_PREFIX)
@@ -65,6 +79,9 @@ impl Secret {
             .map_err(|_| SecretError::InvalidBase64)?;
         if key.is_empty() {
             return Err(SecretError::EmptyKey);
+        }
+        if key.len() < MIN_KEY_LEN {
+            return Err(SecretError::KeyTooShort { len: key.len() });
         }
         Ok(Self { key })
     }
@@ -103,6 +120,17 @@ pub fn sign(secret: &Secret, msg_id: &str, timestamp_secs: i64, body: &[u8]) -> 
     mac.update(b".");
     mac.update(body);
     format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()))
+}
+
+/// The `webhook-signature` header value for one attempt signed with each of
+/// `secrets`, in order, space-separated: `v1,<sig-new> v1,<sig-old>` during a
+/// rotation's overlap (the current secret first, then the previous one).
+pub fn sign_all(secrets: &[&Secret], msg_id: &str, timestamp_secs: i64, body: &[u8]) -> String {
+    secrets
+        .iter()
+        .map(|secret| sign(secret, msg_id, timestamp_secs, body))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]
@@ -156,6 +184,11 @@ mod tests {
                 SecretError::InvalidBase64,
             ),
             ("whsec_", SecretError::EmptyKey),
+            // 23 bytes: one short of the spec's minimum.
+            (
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaQ=",
+                SecretError::KeyTooShort { len: 23 },
+            ),
         ];
         for (input, expected) in cases {
             let err = Secret::parse(input).unwrap_err();
@@ -163,6 +196,38 @@ mod tests {
             let shown = format!("{err} {err:?}");
             assert!(!shown.contains("MfKQ9r8G"), "{shown}");
         }
+    }
+
+    #[test]
+    fn keys_shorter_than_24_bytes_are_refused_by_name() {
+        for len in [1, 4, 16, MIN_KEY_LEN - 1] {
+            let text = format!("{SECRET_PREFIX}{}", STANDARD.encode(vec![7u8; len]));
+            assert_eq!(
+                Secret::parse(&text).unwrap_err(),
+                SecretError::KeyTooShort { len }
+            );
+        }
+        let text = format!("{SECRET_PREFIX}{}", STANDARD.encode([7u8; MIN_KEY_LEN]));
+        assert!(Secret::parse(&text).is_ok());
+    }
+
+    #[test]
+    fn sign_all_joins_one_signature_per_secret_current_first() {
+        let current = Secret::generate();
+        let previous = Secret::parse(SPEC_SECRET).unwrap();
+        let both = sign_all(&[&current, &previous], "msg_1", 1, b"{}");
+        assert_eq!(
+            both,
+            format!(
+                "{} {}",
+                sign(&current, "msg_1", 1, b"{}"),
+                sign(&previous, "msg_1", 1, b"{}")
+            )
+        );
+        assert_eq!(
+            sign_all(&[&current], "msg_1", 1, b"{}"),
+            sign(&current, "msg_1", 1, b"{}")
+        );
     }
 
     #[test]

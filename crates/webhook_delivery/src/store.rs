@@ -40,6 +40,34 @@ pub(crate) async fn insert_endpoint(
     })
 }
 
+/// Store `new_secret` as the endpoint's current secret and keep the one it
+/// replaces as `previous_secret` until `now() + overlap` on the database clock,
+/// in one statement (the right-hand `secret` is the row's old value). A
+/// previous secret still held is dropped. Returns whether the endpoint (of
+/// this tenant) exists.
+pub(crate) async fn rotate_secret(
+    db: &Db,
+    tenant_id: &str,
+    endpoint_id: i64,
+    new_secret: &str,
+    overlap: Duration,
+) -> Result<bool, db::Error> {
+    let rotated = db
+        .execute(
+            sql("UPDATE webhook_endpoints \
+                 SET previous_secret = secret, \
+                     previous_secret_expires_at = now() + make_interval(secs => $4), \
+                     secret = $3 \
+                 WHERE tenant_id = $1 AND id = $2")
+            .bind(tenant_id.to_owned())
+            .bind(endpoint_id)
+            .bind(new_secret.to_owned())
+            .bind(overlap.as_secs_f64()),
+        )
+        .await?;
+    Ok(rotated == 1)
+}
+
 /// One claimed delivery with what its attempt needs, as the claim returned it.
 pub(crate) struct ClaimedRow {
     pub id: i64,
@@ -49,6 +77,9 @@ pub(crate) struct ClaimedRow {
     pub attempt: i32,
     pub url: String,
     pub secret: String,
+    /// The previous secret while its rotation overlap lasts (decided by the
+    /// claim on the database clock); `None` otherwise.
+    pub previous_secret: Option<String>,
     pub enabled: bool,
     pub disabled_reason: Option<String>,
     pub event_type: String,
@@ -67,6 +98,7 @@ impl ClaimedRow {
             attempt: r.try_get("attempts")?,
             url: r.try_get("url")?,
             secret: r.try_get("secret")?,
+            previous_secret: r.try_get("previous_secret")?,
             enabled: r.try_get("enabled")?,
             disabled_reason: r.try_get("disabled_reason")?,
             event_type: r.try_get("event_type")?,
@@ -85,6 +117,9 @@ impl ClaimedRow {
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
+///
+/// The previous secret of an endpoint being rotated is returned only while its
+/// `previous_secret_expires_at` is ahead of the claim's `now()`.
 ///
 /// The ceiling: a due row that has already been claimed `max_attempts` times is
 /// not handed out again; the same statement marks it `dead` with `last_error =
@@ -125,6 +160,8 @@ pub(crate) async fn claim_due(
                    AND e.id = d.event_id AND ep.id = d.endpoint_id \
                  RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
                            ep.url, ep.secret, ep.enabled, ep.disabled_reason, \
+                           CASE WHEN ep.previous_secret_expires_at > now() \
+                                THEN ep.previous_secret END AS previous_secret, \
                            e.event_type, e.message_id, e.payload::text AS payload, \
                            to_char(e.created_at AT TIME ZONE 'UTC', \
                                    'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time")

@@ -7,6 +7,7 @@
 mod endpoints;
 mod fencing;
 mod outcomes;
+mod rotation;
 mod ssrf_table;
 mod tick_ends;
 mod wiring;
