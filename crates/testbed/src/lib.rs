@@ -7,6 +7,7 @@
 //! over a direct superuser session, reached by the app as `hardcount_app`
 //! through the leg under test, and dropped when the value is dropped.
 
+pub mod bouncer;
 pub mod leadership;
 pub mod receiver;
 mod smtp;

@@ -3,49 +3,7 @@
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
-use sqlx::Connection;
-use sqlx::postgres::PgConnection;
-use testbed::{Leg, TestDb};
-
-/// PgBouncer's server pool per (database, user) in the bed.
-pub const BOUNCER_POOL: usize = 4;
-
-/// Hold every server connection PgBouncer has for `hardcount_app` on this
-/// database, each inside an open transaction, so the next client's `BEGIN`
-/// waits in PgBouncer's queue. Roll them back (or drop them) to let it run.
-pub async fn saturate_bouncer(t: &TestDb) -> Vec<PgConnection> {
-    let mut held = Vec::new();
-    for _ in 0..BOUNCER_POOL {
-        let mut c = PgConnection::connect(&t.app_url(Leg::PgBouncer))
-            .await
-            .unwrap();
-        sqlx::raw_sql("BEGIN; SELECT 1")
-            .execute(&mut c)
-            .await
-            .unwrap();
-        held.push(c);
-    }
-    held
-}
-
-pub async fn release_bouncer(held: Vec<PgConnection>) {
-    for mut c in held {
-        sqlx::raw_sql("ROLLBACK").execute(&mut c).await.unwrap();
-        let _ = c.close().await;
-    }
-}
-
-/// `hardcount_app` backends on this database that sit idle in a transaction.
-pub async fn idle_in_transaction(su: &mut PgConnection) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE usename = 'hardcount_app' AND datname = current_database() \
-           AND state LIKE 'idle in transaction%'",
-    )
-    .fetch_one(su)
-    .await
-    .unwrap()
-}
+use testbed::{Leg, TestDb, bouncer};
 
 /// Issue 14, item 1: `begin` futures dropped while their `BEGIN` waits in
 /// PgBouncer's queue (its server pool held by four open transactions) leave
@@ -64,7 +22,7 @@ async fn dropped_begins_leave_no_connection_idle_in_transaction() {
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), 3).unwrap();
-    let held = saturate_bouncer(&t).await;
+    let held = bouncer::saturate(&t).await;
     let dropped = futures::future::join_all((0..3).map(|i| {
         let db = db.clone();
         async move {
@@ -85,12 +43,12 @@ async fn dropped_begins_leave_no_connection_idle_in_transaction() {
         dropped.iter().all(|d| *d),
         "every BEGIN waited in the queue"
     );
-    release_bouncer(held).await;
+    bouncer::release(held).await;
     // Let anything still queued reach the server, then look, several times.
     let until = Instant::now() + Duration::from_millis(800);
     while Instant::now() < until {
         assert_eq!(
-            idle_in_transaction(&mut su).await,
+            bouncer::idle_in_transaction(&mut su).await,
             0,
             "a dropped BEGIN left a backend idle in transaction"
         );
@@ -132,5 +90,5 @@ async fn a_statement_dropped_in_a_transaction_is_rolled_back_before_reuse() {
         .await
         .unwrap();
     assert!(row.get::<f64, _>("lag") < 0.25);
-    assert_eq!(idle_in_transaction(&mut su).await, 0);
+    assert_eq!(bouncer::idle_in_transaction(&mut su).await, 0);
 }

@@ -13,49 +13,12 @@ use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, Share
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
-use testbed::{Leg, TestDb};
+use testbed::{Leg, TestDb, bouncer};
 use tokio_util::sync::CancellationToken;
 
 use crate::{fast, lease, manager, series};
 
 /// PgBouncer's server pool per (database, user) in the bed.
-const BOUNCER_POOL: usize = 4;
-
-/// Hold every PgBouncer server connection for `hardcount_app` on this database
-/// inside an open transaction: the next client's BEGIN waits in the queue.
-async fn saturate_bouncer(t: &TestDb) -> Vec<PgConnection> {
-    let mut held = Vec::new();
-    for _ in 0..BOUNCER_POOL {
-        let mut c = PgConnection::connect(&t.app_url(Leg::PgBouncer))
-            .await
-            .unwrap();
-        sqlx::raw_sql("BEGIN; SELECT 1")
-            .execute(&mut c)
-            .await
-            .unwrap();
-        held.push(c);
-    }
-    held
-}
-
-async fn release_bouncer(held: Vec<PgConnection>) {
-    for mut c in held {
-        sqlx::raw_sql("ROLLBACK").execute(&mut c).await.unwrap();
-        let _ = c.close().await;
-    }
-}
-
-async fn idle_in_transaction(su: &mut PgConnection) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE usename = 'hardcount_app' AND datname = current_database() \
-           AND state LIKE 'idle in transaction%'",
-    )
-    .fetch_one(su)
-    .await
-    .unwrap()
-}
-
 /// Item 1: ACQUIRE, RENEW and RELEASE futures dropped while their BEGIN waits
 /// in PgBouncer's queue leave no backend idle in transaction once the queue
 /// drains, and the next ACQUIRE's `acquired_at` is the database's present.
@@ -83,7 +46,7 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
     .unwrap() else {
         panic!("the idle role is acquired")
     };
-    let held = saturate_bouncer(&t).await;
+    let held = bouncer::saturate(&t).await;
     let patience = Duration::from_millis(400);
     let (a, r, l) = tokio::join!(
         tokio::time::timeout(
@@ -124,11 +87,11 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
         a.is_err() && r.is_err() && l.is_err(),
         "each statement waited in the queue"
     );
-    release_bouncer(held).await;
+    bouncer::release(held).await;
     let until = Instant::now() + Duration::from_millis(1000);
     while Instant::now() < until {
         assert_eq!(
-            idle_in_transaction(&mut su).await,
+            bouncer::idle_in_transaction(&mut su).await,
             0,
             "a dropped lease statement left a backend idle in transaction"
         );
@@ -345,7 +308,7 @@ async fn an_acquire_answered_past_the_abandon_deadline_runs_nothing() {
     let timing = fast();
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), 2).unwrap();
     let (m, metrics) = manager(&db, timing, "late");
-    let held = saturate_bouncer(&t).await;
+    let held = bouncer::saturate(&t).await;
     let ran = Arc::new(AtomicBool::new(false));
     let r = ran.clone();
     let lead = tokio::spawn(async move {
@@ -363,7 +326,7 @@ async fn an_acquire_answered_past_the_abandon_deadline_runs_nothing() {
         .unwrap()
     });
     tokio::time::sleep(timing.abandon_after + Duration::from_millis(400)).await;
-    release_bouncer(held).await;
+    bouncer::release(held).await;
     let out = lead.await.unwrap();
     assert_eq!(out, TickOutcome::Lost(LostReason::HeartbeatTimeout));
     assert!(
