@@ -344,16 +344,8 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
         m["loadavg_at_end"].as_str().unwrap_or("?"),
         report["settings"],
     );
-    let path = dir.join("email.md");
-    let old = std::fs::read_to_string(&path).unwrap_or_else(|_| {
-        "# Email benchmark\n\n<!-- generated: begin -->\n<!-- generated: end -->\n".to_owned()
-    });
-    let (begin, end) = ("<!-- generated: begin -->\n", "<!-- generated: end -->");
-    let text = match (old.find(begin), old.find(end)) {
-        (Some(b), Some(e)) if b < e => format!("{}{begin}{generated}{}", &old[..b], &old[e..]),
-        _ => format!("{old}\n{begin}{generated}{end}\n"),
-    };
-    std::fs::write(&path, text).context("write email.md")?;
-    progress(&format!("wrote {}", path.display()));
+    // The hand-written methodology above the markers stays; only the results change.
+    benches::write_generated(&dir, "email.md", &generated)?;
+    progress(&format!("wrote {}/email.{{md,json}}", dir.display()));
     Ok(())
 }

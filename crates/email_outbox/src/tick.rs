@@ -190,7 +190,9 @@ impl Sender {
             return true;
         };
         let (q, reply, panic) = self.attempt(first).await;
-        panics_record(panics, panic);
+        if let Some(p) = panic {
+            panics.record(p);
+        }
         let unreachable = matches!(reply, Reply::NoReply(_));
         let mut results = vec![self.result(&q, &reply)];
         if unreachable {
@@ -381,12 +383,6 @@ impl Sender {
             }
             Err(e) => debug!(role = ROLE, error = %e, "email backlog gauges not refreshed"),
         }
-    }
-}
-
-fn panics_record(panics: &mut Panics, panic: Option<scheduler::Payload>) {
-    if let Some(p) = panic {
-        panics.record(p);
     }
 }
 
