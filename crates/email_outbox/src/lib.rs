@@ -38,6 +38,7 @@
 
 mod config;
 pub mod email;
+mod pool;
 mod send;
 pub mod smtp;
 mod store;

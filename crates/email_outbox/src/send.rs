@@ -1,20 +1,15 @@
-//! One SMTP send through the pooled transport, turned into a [`Reply`].
+//! One SMTP send through the pool, turned into a [`Reply`].
 
 use std::time::Duration;
 
-use lettre::{AsyncSmtpTransport, AsyncTransport, Tokio1Executor};
-
 use crate::email::{Queued, message};
+use crate::pool::{Failure, Pool};
 use crate::verdict::Reply;
 
 /// Send `q` once. Never panics on the server's behalf: every failure becomes
 /// a [`Reply`]. A row that no longer builds a message (edited by hand) is a
 /// permanent failure (code 0) with the reason.
-pub(crate) async fn send(
-    transport: &AsyncSmtpTransport<Tokio1Executor>,
-    q: &Queued,
-    deadline: Duration,
-) -> Reply {
+pub(crate) async fn send(pool: &Pool, q: &Queued, deadline: Duration) -> Reply {
     let msg = match message(q) {
         Ok(m) => m,
         Err(e) => {
@@ -24,13 +19,15 @@ pub(crate) async fn send(
             };
         }
     };
-    match tokio::time::timeout(deadline, transport.send(msg)).await {
+    let body = msg.formatted();
+    match tokio::time::timeout(deadline, pool.send(msg.envelope(), &body)).await {
         Err(_) => Reply::NoReply(format!("no answer within {deadline:?}")),
         Ok(Ok(response)) => Reply::Accepted {
             code: u16::from(response.code()),
             text: response.message().collect::<Vec<_>>().join(" "),
         },
-        Ok(Err(e)) => match e.status() {
+        Ok(Err(Failure::Connect(why))) => Reply::NoReply(why),
+        Ok(Err(Failure::Smtp(e))) => match e.status() {
             Some(code) if e.is_permanent() => Reply::Permanent {
                 code: u16::from(code),
                 text: e.to_string(),

@@ -1,4 +1,5 @@
-//! `SMTP_URL` and the one pooled lettre transport built from it.
+//! `SMTP_URL` and how one SMTP connection is opened from it (the pool that
+//! keeps them is [`crate::pool`]).
 //!
 //! | URL | connection |
 //! |---|---|
@@ -13,13 +14,25 @@
 //! echoed, only its scheme or the part that is wrong.
 
 use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use lettre::transport::smtp::PoolConfig;
-use lettre::transport::smtp::authentication::Credentials;
-use lettre::transport::smtp::client::{Certificate, Tls, TlsParameters};
-use lettre::{AsyncSmtpTransport, Tokio1Executor};
+use lettre::transport::smtp::authentication::{Credentials, DEFAULT_MECHANISMS};
+#[allow(deprecated)]
+use lettre::transport::smtp::client::AsyncNetworkStream;
+use lettre::transport::smtp::client::{
+    AsyncSmtpConnection, AsyncTokioStream, Certificate, TlsParameters,
+};
+use lettre::transport::smtp::extension::ClientId;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt};
 use url::Url;
+
+use crate::pool::Failure;
 
 /// How TLS is used on the connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,47 +150,170 @@ fn percent_decode(s: &str) -> Option<String> {
         .map(|c| c.into_owned())
 }
 
-/// The pooled transport: at most `max_connections` connections are kept open,
-/// and the sender never runs more sends than that at once, so the pool never
-/// has to open a connection beyond its size.
-///
-/// # Errors
-/// A CA that is not PEM, or TLS parameters lettre refuses.
-pub fn transport(
-    url: &SmtpUrl,
-    ca_pem: Option<&[u8]>,
-    max_connections: u32,
+/// How to open one SMTP connection: TCP with `TCP_NODELAY`, TLS as the URL
+/// says, EHLO, and AUTH when the URL has credentials. `Debug` never shows the
+/// password.
+pub(crate) struct Connector {
+    host: String,
+    port: u16,
+    tls: Tls,
+    credentials: Option<Credentials>,
+    hello: ClientId,
     timeout: Duration,
-) -> Result<AsyncSmtpTransport<Tokio1Executor>, SmtpUrlError> {
-    let params = || -> Result<TlsParameters, SmtpUrlError> {
-        let mut b = TlsParameters::builder(url.host.clone());
-        if let Some(pem) = ca_pem {
-            let cert =
-                Certificate::from_pem(pem).map_err(|e| SmtpUrlError::BadCa(e.to_string()))?;
-            b = b.add_root_certificate(cert);
-        }
-        b.build_rustls()
-            .map_err(|e| SmtpUrlError::BadCa(e.to_string()))
-    };
-    let tls = match url.tls {
-        TlsMode::None => Tls::None,
-        TlsMode::StartTlsRequired => Tls::Required(params()?),
-        TlsMode::StartTlsOpportunistic => Tls::Opportunistic(params()?),
-        TlsMode::Implicit => Tls::Wrapper(params()?),
-    };
-    let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(url.host.clone())
-        .port(url.port)
-        .tls(tls)
-        .timeout(Some(timeout))
-        .pool_config(
-            PoolConfig::new()
-                .max_size(max_connections.max(1))
-                .idle_timeout(Duration::from_secs(30)),
-        );
-    if let (Some(user), Some(password)) = (&url.user, &url.password) {
-        builder = builder.credentials(Credentials::new(user.clone(), password.clone()));
+}
+
+enum Tls {
+    None,
+    StartTls {
+        params: TlsParameters,
+        required: bool,
+    },
+    Implicit(TlsParameters),
+}
+
+impl Connector {
+    /// # Errors
+    /// A CA that is not PEM, or TLS parameters lettre refuses.
+    pub(crate) fn new(
+        url: &SmtpUrl,
+        ca_pem: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<Connector, SmtpUrlError> {
+        let params = || -> Result<TlsParameters, SmtpUrlError> {
+            let mut b = TlsParameters::builder(url.host.clone());
+            if let Some(pem) = ca_pem {
+                let cert =
+                    Certificate::from_pem(pem).map_err(|e| SmtpUrlError::BadCa(e.to_string()))?;
+                b = b.add_root_certificate(cert);
+            }
+            b.build_rustls()
+                .map_err(|e| SmtpUrlError::BadCa(e.to_string()))
+        };
+        let tls = match url.tls {
+            TlsMode::None => Tls::None,
+            TlsMode::StartTlsRequired => Tls::StartTls {
+                params: params()?,
+                required: true,
+            },
+            TlsMode::StartTlsOpportunistic => Tls::StartTls {
+                params: params()?,
+                required: false,
+            },
+            TlsMode::Implicit => Tls::Implicit(params()?),
+        };
+        let credentials = match (&url.user, &url.password) {
+            (Some(user), Some(password)) => Some(Credentials::new(user.clone(), password.clone())),
+            _ => None,
+        };
+        Ok(Connector {
+            host: url.host.clone(),
+            port: url.port,
+            tls,
+            credentials,
+            hello: ClientId::default(),
+            timeout,
+        })
     }
-    Ok(builder.build())
+
+    /// One SMTP command's timeout; a whole connect is bounded by it too.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Open, secure, greet and authenticate one connection.
+    pub(crate) async fn connect(&self) -> Result<AsyncSmtpConnection, Failure> {
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|e| Failure::Connect(format!("cannot connect: {e}")))?;
+        // lettre 0.11.23 leaves Nagle on: the message's final "." would wait
+        // for the server's delayed ACK, about 40 ms a message (docs/adr/0016).
+        tcp.set_nodelay(true)
+            .map_err(|e| Failure::Connect(format!("cannot set TCP_NODELAY: {e}")))?;
+        let stream: Box<dyn AsyncTokioStream> = match &self.tls {
+            Tls::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
+            _ => Box::new(tcp),
+        };
+        let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)
+            .await
+            .map_err(Failure::Smtp)?;
+        match &self.tls {
+            Tls::StartTls { params, required } if *required || conn.can_starttls() => conn
+                .starttls(params.clone(), &self.hello)
+                .await
+                .map_err(Failure::Smtp)?,
+            _ => {}
+        }
+        if let Some(credentials) = &self.credentials {
+            conn.auth(DEFAULT_MECHANISMS, credentials)
+                .await
+                .map_err(Failure::Smtp)?;
+        }
+        Ok(conn)
+    }
+}
+
+impl fmt::Debug for Connector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connector")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("auth", &self.credentials.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Implicit TLS (`smtps://`) on a TCP stream we connected (so `TCP_NODELAY`
+/// is set), made by lettre's own TLS code with the same parameters as
+/// STARTTLS, and handed back to lettre as a pre-connected stream. lettre has
+/// no other way to start a session on a stream that is already TLS; the
+/// stream type it uses for that is public but deprecated (docs/adr/0016).
+#[allow(deprecated)]
+async fn implicit_tls(tcp: TcpStream, params: TlsParameters) -> Result<TlsOverTcp, Failure> {
+    let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(tcp));
+    stream
+        .upgrade_tls(params)
+        .await
+        .map_err(|e| Failure::Connect(format!("TLS failed: {e}")))?;
+    Ok(TlsOverTcp(stream.compat()))
+}
+
+/// lettre's TLS stream (futures-io) seen as a tokio stream.
+#[allow(deprecated)]
+#[derive(Debug)]
+struct TlsOverTcp(Compat<AsyncNetworkStream>);
+
+impl AsyncRead for TlsOverTcp {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsOverTcp {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
+
+impl AsyncTokioStream for TlsOverTcp {
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.0.get_ref().peer_addr()
+    }
 }
 
 #[cfg(test)]

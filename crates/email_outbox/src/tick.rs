@@ -9,15 +9,16 @@ use std::time::Instant;
 use db::Db;
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use lettre::{AsyncSmtpTransport, Tokio1Executor};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::email::Queued;
+use crate::pool::Pool;
+use crate::smtp::Connector;
 use crate::store::{self, ResultRow};
 use crate::verdict::{Next, Reply, next_state};
-use crate::{Error, SenderConfig, SmtpUrl, smtp};
+use crate::{Error, SenderConfig, SmtpUrl};
 
 const ROLE: &str = "email_outbox";
 
@@ -68,7 +69,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Sends queued emails. Cheap to clone; clones share the transport.
+/// Sends queued emails. Cheap to clone; clones share the connection pool.
 #[derive(Clone)]
 pub struct Sender {
     inner: Arc<Inner>,
@@ -77,7 +78,7 @@ pub struct Sender {
 struct Inner {
     db: Db,
     config: SenderConfig,
-    transport: AsyncSmtpTransport<Tokio1Executor>,
+    pool: Pool,
     telemetry: Telemetry,
 }
 
@@ -100,17 +101,13 @@ impl Sender {
         telemetry: Telemetry,
     ) -> Result<Sender, Error> {
         config.validate()?;
-        let transport = smtp::transport(
-            smtp_url,
-            ca_pem,
-            config.max_connections,
-            config.send_timeout,
-        )?;
+        let connector = Connector::new(smtp_url, ca_pem, config.send_timeout)?;
+        let pool = Pool::new(connector, config.max_connections);
         Ok(Sender {
             inner: Arc::new(Inner {
                 db,
                 config,
-                transport,
+                pool,
                 telemetry,
             }),
         })
@@ -266,8 +263,7 @@ impl Sender {
         let started = Instant::now();
         let step = format!("{ROLE}/send email {}", q.id);
         let deadline = self.inner.config.send_timeout * 4;
-        let out =
-            scheduler::catch(step, crate::send::send(&self.inner.transport, &q, deadline)).await;
+        let out = scheduler::catch(step, crate::send::send(&self.inner.pool, &q, deadline)).await;
         self.inner
             .telemetry
             .histogram("hardcount_email_send_duration_seconds", &[])
@@ -444,6 +440,7 @@ impl FencedBatches for Sends<'_> {
 
     async fn end_tick(&self, tick: &Tick) {
         if !tick.cancel.is_cancelled() {
+            self.0.inner.pool.close_idle().await;
             self.0.refresh_gauges().await;
         }
     }

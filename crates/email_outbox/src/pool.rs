@@ -1,0 +1,123 @@
+//! The SMTP connection pool: at most `max_connections` connections open at
+//! once (docs/adr/0016), each with `TCP_NODELAY`, reused while healthy.
+//!
+//! A send holds one permit of a semaphore sized `max_connections` from before
+//! it takes a connection until after it has put it back (or closed it). It
+//! reuses an idle connection when there is one (after a `NOOP`), and opens a
+//! new one only when none is idle, so the connections open — idle plus in
+//! use — never exceed the permits. A connection lettre marks broken (any
+//! error mid-transaction) is closed, never reused; dropping one (a send
+//! cancelled or timed out) closes its socket at once.
+
+use std::future::Future;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use lettre::address::Envelope;
+use lettre::transport::smtp::client::AsyncSmtpConnection;
+use lettre::transport::smtp::response::Response;
+use tokio::sync::Semaphore;
+
+use crate::smtp::Connector;
+
+/// An idle connection older than this is closed instead of reused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a send got no SMTP answer to its message.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// No usable connection: refused, unreachable, a TLS handshake or the
+    /// greeting failed, or nothing answered in time.
+    Connect(String),
+    /// The server answered with an error, or the connection broke mid-send.
+    Smtp(lettre::transport::smtp::Error),
+}
+
+pub(crate) struct Pool {
+    connector: Connector,
+    permits: Semaphore,
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    conn: AsyncSmtpConnection,
+    since: Instant,
+}
+
+impl Pool {
+    pub(crate) fn new(connector: Connector, max_connections: u32) -> Pool {
+        Pool {
+            connector,
+            permits: Semaphore::new(max_connections.max(1) as usize),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Send one message on a pooled connection.
+    pub(crate) async fn send(&self, envelope: &Envelope, body: &[u8]) -> Result<Response, Failure> {
+        // The semaphore is never closed.
+        let _permit = self.permits.acquire().await.ok();
+        let mut conn = self.checkout().await?;
+        let result = conn.send(envelope, body).await;
+        if !conn.has_broken() {
+            self.lock().push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+        result.map_err(Failure::Smtp)
+    }
+
+    /// An idle connection that still answers `NOOP`, or a new one.
+    async fn checkout(&self) -> Result<AsyncSmtpConnection, Failure> {
+        let timeout = self.connector.timeout();
+        loop {
+            let idle = self.lock().pop();
+            let Some(Idle { mut conn, since }) = idle else {
+                return within(timeout, self.connector.connect()).await;
+            };
+            if since.elapsed() < IDLE_TIMEOUT
+                && tokio::time::timeout(timeout, conn.test_connected())
+                    .await
+                    .unwrap_or(false)
+            {
+                return Ok(conn);
+            }
+            // Dropped: its socket closes now, before a new one is opened.
+        }
+    }
+
+    /// Close connections idle for longer than the idle timeout, with a `QUIT`
+    /// each (bounded by one command timeout in all).
+    pub(crate) async fn close_idle(&self) {
+        let stale: Vec<Idle> = {
+            let mut idle = self.lock();
+            let (stale, fresh) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|i| i.since.elapsed() >= IDLE_TIMEOUT);
+            *idle = fresh;
+            stale
+        };
+        if stale.is_empty() {
+            return;
+        }
+        let quits = stale.into_iter().map(|mut i| async move {
+            let _ = i.conn.quit().await;
+        });
+        let _ =
+            tokio::time::timeout(self.connector.timeout(), futures::future::join_all(quits)).await;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+async fn within<T>(
+    timeout: Duration,
+    f: impl Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    tokio::time::timeout(timeout, f)
+        .await
+        .unwrap_or_else(|_| Err(Failure::Connect(format!("no answer within {timeout:?}"))))
+}
