@@ -1,0 +1,179 @@
+//! The connection pool: a hard bound on open SMTP connections, and a send that
+//! panics mid-transaction stopping only itself.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::FutureExt;
+use leader::{Manager, Role, Telemetry};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use testbed::leadership::fast_timing;
+use testbed::{SmtpSink, TestDb};
+use tokio_util::sync::CancellationToken;
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::{Layer, Registry};
+
+use crate::{as_leader, config, drain, email, manager, queue, rows, sender};
+
+/// Established IPv4 connections to `port` on loopback, client side
+/// (`/proc/net/tcp`: remote address ends in the port, state 01).
+fn established_to(port: u16) -> usize {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let want = format!(":{port:04X}");
+    text.lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[2].ends_with(&want) && f[3] == "01"
+        })
+        .count()
+}
+
+/// Two batches sent at once through one sender, with
+/// `max_connections = 3`: sends in flight could reach six, but connections
+/// open to the sink (sampled every millisecond) never exceed three, and
+/// every email is sent.
+///
+/// Mutation check (`email_pool_bound`): removing the pool's permit lets the
+/// two batches open six connections at once; this test was run against that
+/// mutation and failed, then the permit was restored.
+#[tokio::test]
+async fn open_connections_never_exceed_the_bound() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let emails: Vec<_> = (0..60)
+        .map(|i| email(&format!("r{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.max_connections = 3;
+    let (s, _) = sender(&t.db, &sink.url(), None, c);
+    let s2 = s.clone();
+    let (a, b) = as_leader(&manager(&t.db, "a"), Role::EmailOutbox, |tick| async move {
+        let a = s2.claim_due(&tick.fence, 30).await.unwrap();
+        let b = s2.claim_due(&tick.fence, 30).await.unwrap();
+        (a, b)
+    })
+    .await;
+    assert_eq!((a.len(), b.len()), (30, 30));
+    let (peak, done) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let sampler = {
+        let (peak, done, port) = (peak.clone(), done.clone(), sink.port);
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                peak.fetch_max(established_to(port), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let (ta, tb) = tokio::join!(s.send_claimed(a), s.send_claimed(b));
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    assert_eq!(ta.sent + tb.sent, 60, "{ta:?} {tb:?}");
+    let peak = peak.load(Ordering::Relaxed);
+    println!("peak open SMTP connections: {peak} (bound 3)");
+    assert!((1..=3).contains(&peak), "peak {peak} connections, bound 3");
+    assert_eq!(sink.messages().len(), 60);
+}
+
+/// A tracing layer that panics when lettre writes `RCPT TO:<explode…`: a
+/// panic inside the send, mid-SMTP-transaction, with a connection checked out.
+struct Bomb;
+
+impl<S: tracing::Subscriber> Layer<S> for Bomb {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        struct Message(String);
+        impl Visit for Message {
+            fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut m = Message(String::new());
+        event.record(&mut m);
+        if m.0.contains("RCPT TO:<explode") {
+            panic!("injected: the send of explode@ panicked");
+        }
+    }
+}
+
+/// Five emails in one batch; the third one's send panics (injected while
+/// lettre writes its RCPT). The panic guard catches it: the other four are
+/// sent in the same tick, the third is a failed attempt with no reply
+/// ("the send panicked") and due again, and the tick ends panicked (the
+/// lease manager counts `reason="panicked"`). The pool is not left short: the
+/// next tick, without the injection, sends the third.
+///
+/// Mutation check (`email_send_unguarded`): sending outside
+/// `scheduler::catch` lets the panic take the whole batch down (the other
+/// emails are not recorded sent); this test was run against that mutation and
+/// failed, then the guard was restored.
+#[tokio::test]
+async fn a_panicking_send_is_that_emails_failed_attempt_and_the_batch_goes_on() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let to = [
+        "ada@example.org",
+        "bob@example.org",
+        "explode@example.org",
+        "cy@example.org",
+        "di@example.org",
+    ];
+    let emails: Vec<_> = to.iter().enumerate().map(|(i, a)| email(a, i)).collect();
+    let ids = queue(&t.db, "tenant_a", &emails).await;
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let metrics = recorder.handle();
+    let m = Manager::with_holder_id(
+        t.db.clone(),
+        fast_timing(),
+        Telemetry::new(Arc::new(recorder)),
+        "panicky:1:00000000".to_owned(),
+    );
+    let shutdown = CancellationToken::new();
+    let s2 = s.clone();
+    let led = {
+        // The current-thread test runtime polls every send on this thread.
+        let _bomb = tracing::subscriber::set_default(Registry::default().with(Bomb));
+        AssertUnwindSafe(m.lead(
+            Role::EmailOutbox,
+            Duration::ZERO,
+            &shutdown,
+            |tick| async move { s2.run_tick(&tick).await.end },
+        ))
+        .catch_unwind()
+        .await
+    };
+    let payload = led.expect_err("the tick's panic reaches the lease manager");
+    assert!(
+        scheduler::panic_message(&*payload).contains("injected"),
+        "{}",
+        scheduler::panic_message(&*payload)
+    );
+    let r = rows(&t.db).await;
+    let status: Vec<&str> = r.iter().map(|r| r.status.as_str()).collect();
+    assert_eq!(status, ["sent", "sent", "queued", "sent", "sent"]);
+    let third = &r[2];
+    assert_eq!(third.id, ids[2]);
+    assert_eq!((third.attempts, third.reply_code), (1, None));
+    assert_eq!(third.reply_text.as_deref(), Some("the send panicked"));
+    assert_eq!(sink.messages().len(), 4);
+    let rendered = metrics.render();
+    assert!(
+        rendered.lines().any(|l| l.starts_with(
+            "hardcount_leader_lease_lost_total{role=\"email_outbox\",reason=\"panicked\"}"
+        ) && l.ends_with(" 1")),
+        "{rendered}"
+    );
+    drain(&t, &s, 3).await;
+    assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
+    assert_eq!(sink.messages().len(), 5);
+}
