@@ -7,8 +7,8 @@ use std::time::Duration;
 pub struct SenderConfig {
     /// Emails claimed per batch. Default 100.
     pub batch_size: usize,
-    /// SMTP connections open at once, and so sends in flight at once. Default 16:
-    /// one pooled connection carries a few dozen messages a second (docs/adr/0009).
+    /// SMTP connections open at once (in use or idle), and so sends in flight at
+    /// once: a hard bound (docs/adr/0016). Default 16.
     pub max_connections: u32,
     /// One SMTP command's timeout (connect, each reply). Default 30 s.
     pub send_timeout: Duration,

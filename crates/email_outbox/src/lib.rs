@@ -7,8 +7,8 @@
 //!  UPDATE invoices …                  claim ≤ batch due queued emails       (fenced,
 //!  enqueue(tx, tenant, email) ──┐       attempts += 1, next_attempt_at       SKIP LOCKED)
 //!  COMMIT                       │       = now() + claim lease
-//!                               └──▶  send each, ≤ max_connections at once, through
-//!                  email_outbox         one pooled lettre transport
+//!                               └──▶  send each through the pool: ≤ max_connections
+//!                  email_outbox         open at once, TCP_NODELAY (docs/adr/0016)
 //!                                     ├─ 2xx ───────────────────────────▶ sent
 //!                                     ├─ 4xx, no reply (connect, TLS) ──▶ queued at now() + backoff,
 //!                                     │                                    failed after the last

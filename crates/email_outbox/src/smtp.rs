@@ -156,13 +156,14 @@ fn percent_decode(s: &str) -> Option<String> {
 pub(crate) struct Connector {
     host: String,
     port: u16,
-    tls: Tls,
+    security: Security,
     credentials: Option<Credentials>,
     hello: ClientId,
     timeout: Duration,
 }
 
-enum Tls {
+/// How the connection is secured.
+enum Security {
     None,
     StartTls {
         params: TlsParameters,
@@ -189,17 +190,17 @@ impl Connector {
             b.build_rustls()
                 .map_err(|e| SmtpUrlError::BadCa(e.to_string()))
         };
-        let tls = match url.tls {
-            TlsMode::None => Tls::None,
-            TlsMode::StartTlsRequired => Tls::StartTls {
+        let security = match url.tls {
+            TlsMode::None => Security::None,
+            TlsMode::StartTlsRequired => Security::StartTls {
                 params: params()?,
                 required: true,
             },
-            TlsMode::StartTlsOpportunistic => Tls::StartTls {
+            TlsMode::StartTlsOpportunistic => Security::StartTls {
                 params: params()?,
                 required: false,
             },
-            TlsMode::Implicit => Tls::Implicit(params()?),
+            TlsMode::Implicit => Security::Implicit(params()?),
         };
         let credentials = match (&url.user, &url.password) {
             (Some(user), Some(password)) => Some(Credentials::new(user.clone(), password.clone())),
@@ -208,7 +209,7 @@ impl Connector {
         Ok(Connector {
             host: url.host.clone(),
             port: url.port,
-            tls,
+            security,
             credentials,
             hello: ClientId::default(),
             timeout,
@@ -229,15 +230,15 @@ impl Connector {
         // for the server's delayed ACK, about 40 ms a message (docs/adr/0016).
         tcp.set_nodelay(true)
             .map_err(|e| Failure::Connect(format!("cannot set TCP_NODELAY: {e}")))?;
-        let stream: Box<dyn AsyncTokioStream> = match &self.tls {
-            Tls::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
+        let stream: Box<dyn AsyncTokioStream> = match &self.security {
+            Security::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
             _ => Box::new(tcp),
         };
         let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)
             .await
             .map_err(Failure::Smtp)?;
-        match &self.tls {
-            Tls::StartTls { params, required } if *required || conn.can_starttls() => conn
+        match &self.security {
+            Security::StartTls { params, required } if *required || conn.can_starttls() => conn
                 .starttls(params.clone(), &self.hello)
                 .await
                 .map_err(Failure::Smtp)?,

@@ -103,8 +103,8 @@ pub struct ServeSettings {
     /// private relay [default: the public web roots].
     #[arg(long, env = "HARDCOUNT_SMTP_CA_FILE")]
     pub smtp_ca_file: Option<PathBuf>,
-    /// SMTP connections email_outbox keeps open, and so sends in flight (1 to 256)
-    /// [default: 16].
+    /// SMTP connections email_outbox may have open at once, in use or idle, and so
+    /// sends in flight (1 to 256) [default: 16].
     #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
     pub email_connections: Option<String>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
