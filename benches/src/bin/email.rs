@@ -1,5 +1,6 @@
 //! Email benchmark (issue 9, item 7): emails per second from the `email_outbox`
-//! role to a local SMTP sink, the peak number of SMTP connections it opened, and,
+//! role to a local SMTP sink, the peak number of SMTP connections it had open
+//! (refused above `max_connections`, docs/adr/0016), and,
 //! in the same run, the sink's own ceiling: what a minimal SMTP client reaches
 //! against the same sink with the same number of connections.
 //!
@@ -190,7 +191,13 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         .await?
         .try_get("n")?;
     ensure!(failed == 0, "{failed} emails not sent");
-    Ok((n as f64 / elapsed, peak.load(Ordering::Relaxed)))
+    let peak = peak.load(Ordering::Relaxed);
+    ensure!(
+        peak <= config.max_connections as usize,
+        "{peak} SMTP connections open at once, above the bound {}",
+        config.max_connections
+    );
+    Ok((n as f64 / elapsed, peak))
 }
 
 /// Established IPv4 TCP connections whose remote port is `port` (/proc/net/tcp).
@@ -320,11 +327,12 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
     )
     .context("write email.json")?;
     let mut table = String::from(
-        "| sink | email_outbox role, emails/s (median) | sink ceiling, minimal client, emails/s | ratio | peak SMTP connections |\n|---|---|---|---|---|\n",
+        "| sink | email_outbox role, emails/s (median) | sink ceiling, minimal client, emails/s | ratio | peak SMTP connections (bound) |\n|---|---|---|---|---|\n",
     );
+    let bound = &report["settings"]["max_connections"];
     for s in report["sinks"].as_array().into_iter().flatten() {
         table.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2} | {} |\n",
+            "| {} | {:.0} | {:.0} | {:.2} | {} ({bound}) |\n",
             s["sink"].as_str().unwrap_or("?"),
             s["role_emails_per_s_median"].as_f64().unwrap_or(0.0),
             s["ceiling_emails_per_s_median"].as_f64().unwrap_or(0.0),
