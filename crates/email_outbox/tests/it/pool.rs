@@ -143,6 +143,9 @@ async fn a_panicking_send_is_that_emails_failed_attempt_and_the_batch_goes_on() 
     let led = {
         // The current-thread test runtime polls every send on this thread.
         let _bomb = tracing::subscriber::set_default(Registry::default().with(Bomb));
+        // Other tests hitting lettre's log line while the layer was being set
+        // may have cached it as disabled; recompute with the layer in place.
+        tracing::callsite::rebuild_interest_cache();
         AssertUnwindSafe(m.lead(
             Role::EmailOutbox,
             Duration::ZERO,
@@ -152,7 +155,12 @@ async fn a_panicking_send_is_that_emails_failed_attempt_and_the_batch_goes_on() 
         .catch_unwind()
         .await
     };
-    let payload = led.expect_err("the tick's panic reaches the lease manager");
+    let Err(payload) = led else {
+        panic!(
+            "the tick's panic must reach the lease manager: {led:?}, {:?}",
+            rows(&t.db).await
+        );
+    };
     assert!(
         scheduler::panic_message(&*payload).contains("injected"),
         "{}",
