@@ -185,3 +185,34 @@ async fn a_panicking_send_is_that_emails_failed_attempt_and_the_batch_goes_on() 
     assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
     assert_eq!(sink.messages().len(), 5);
 }
+
+/// `TCP_NODELAY`: sixty emails down one connection take well under a second.
+/// With Nagle's algorithm on, each message's final "." waits for the server's
+/// delayed ACK (40 ms on Linux), so sixty would take at least 2.4 s.
+///
+/// Mutation check (`email_nodelay`): `set_nodelay(false)` makes this take
+/// about 3 s; this test was run against that mutation and failed, then the
+/// option was restored.
+#[tokio::test]
+async fn one_connection_is_not_held_back_by_nagle() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let emails: Vec<_> = (0..60)
+        .map(|i| email(&format!("r{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.max_connections = 1;
+    let (s, _) = sender(&t.db, &sink.url(), None, c);
+    let s2 = s.clone();
+    let batch = as_leader(&manager(&t.db, "a"), Role::EmailOutbox, |tick| async move {
+        s2.claim_due(&tick.fence, 60).await.unwrap()
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let tally = s.send_claimed(batch).await;
+    let took = started.elapsed();
+    println!("60 emails over one connection in {took:?}");
+    assert_eq!(tally.sent, 60);
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+}
