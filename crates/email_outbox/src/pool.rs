@@ -88,19 +88,19 @@ impl Pool {
     }
 
     /// Close connections idle for longer than the idle timeout, with a `QUIT`
-    /// each (bounded by one command timeout in all).
+    /// each (bounded by one command timeout in all). Their permits are held
+    /// meanwhile, so the bound stays exact; when sends hold them, next time.
     pub(crate) async fn close_idle(&self) {
-        let stale: Vec<Idle> = {
-            let mut idle = self.lock();
-            let (stale, fresh) = std::mem::take(&mut *idle)
-                .into_iter()
-                .partition(|i| i.since.elapsed() >= IDLE_TIMEOUT);
-            *idle = fresh;
-            stale
-        };
-        if stale.is_empty() {
+        let expired = |i: &Idle| i.since.elapsed() >= IDLE_TIMEOUT;
+        let n = self.lock().iter().filter(|i| expired(i)).count();
+        let Some(_permits) = u32::try_from(n)
+            .ok()
+            .filter(|n| *n > 0)
+            .and_then(|n| self.permits.try_acquire_many(n).ok())
+        else {
             return;
-        }
+        };
+        let stale: Vec<Idle> = self.lock().extract_if(.., |i| expired(i)).take(n).collect();
         let quits = stale.into_iter().map(|mut i| async move {
             let _ = i.conn.quit().await;
         });

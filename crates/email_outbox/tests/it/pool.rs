@@ -141,11 +141,13 @@ async fn a_panicking_send_is_that_emails_failed_attempt_and_the_batch_goes_on() 
     let shutdown = CancellationToken::new();
     let s2 = s.clone();
     let led = {
+        // tracing decides once, when a log line is first hit, whether it is
+        // enabled. With a single subscriber registered it asks the hitting
+        // thread's, so another test's thread could hit lettre's line first and
+        // cache it as disabled. With two registered it asks them all.
+        let _second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
         // The current-thread test runtime polls every send on this thread.
         let _bomb = tracing::subscriber::set_default(Registry::default().with(Bomb));
-        // Other tests hitting lettre's log line while the layer was being set
-        // may have cached it as disabled; recompute with the layer in place.
-        tracing::callsite::rebuild_interest_cache();
         AssertUnwindSafe(m.lead(
             Role::EmailOutbox,
             Duration::ZERO,
