@@ -77,13 +77,19 @@
 mod charge;
 pub mod close;
 mod config;
+mod lifecycle;
 pub mod period;
+mod plan_change;
 pub mod provider;
+mod reconcile;
 mod store;
 mod tick;
 
 pub use charge::{ChargeTally, Charged};
-pub use close::{Due, Unbillable};
+pub use close::{Due, Plan, Unbillable};
+pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
+pub use plan_change::{PlanChange, PlanChanged};
+pub use reconcile::{ReconcileTally, Resolution};
 pub use config::{BillingConfig, ConfigError};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use store::{ChargeClaim, Closed};
@@ -104,4 +110,36 @@ pub enum Error {
     /// A receipt or payment-failed email was refused; the settling rolled back.
     #[error("billing could not enqueue an email: {0}")]
     EmailEnqueue(#[from] email_outbox::EnqueueError),
+    /// Every provider call of a batch found the provider down (connection
+    /// refused or 5xx): the tick stops and is released as failed.
+    #[error("payment provider outage: all {calls} calls of the batch failed ({last})")]
+    ProviderOutage { calls: usize, last: String },
+    /// A plan change found the period moved since its snapshot (the tick
+    /// closed it, or another change truncated it): nothing was written.
+    /// Code `subscription_period_moved` (HTTP 409 once the API exists).
+    #[error("subscription {subscription} period moved under the plan change; nothing written")]
+    SubscriptionPeriodMoved { subscription: i64 },
+    /// A plan change named no active subscription of the tenant, or a plan
+    /// not of the tenant. Code `subscription_not_found`.
+    #[error("no active subscription {subscription} with plan {plan} in tenant {tenant}")]
+    SubscriptionNotFound {
+        tenant: String,
+        subscription: i64,
+        plan: i64,
+    },
+}
+
+impl Error {
+    /// A stable machine-readable code, for the API's error bodies.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Config(_) => "billing_config",
+            Error::Db(_) => "billing_store",
+            Error::Unbillable(_) => "subscription_unbillable",
+            Error::Enqueue(_) | Error::EmailEnqueue(_) => "billing_enqueue",
+            Error::ProviderOutage { .. } => "payment_provider_outage",
+            Error::SubscriptionPeriodMoved { .. } => "subscription_period_moved",
+            Error::SubscriptionNotFound { .. } => "subscription_not_found",
+        }
+    }
 }

@@ -89,6 +89,11 @@ pub fn end_after(
     interval: Interval,
     after: DateTime<Utc>,
 ) -> Option<DateTime<Utc>> {
+    boundary(anchor, interval, index_after(anchor, interval, after)?)
+}
+
+/// The k of [`end_after`]: the least k with `boundary(k) > after`.
+fn index_after(anchor: DateTime<Utc>, interval: Interval, after: DateTime<Utc>) -> Option<u32> {
     if interval.count == 0 {
         return None;
     }
@@ -105,12 +110,40 @@ pub fn end_after(
     };
     let mut k = u32::try_from(estimate.max(0)).ok()?;
     loop {
-        let b = boundary(anchor, interval, k)?;
-        if b > after {
-            return Some(b);
+        if boundary(anchor, interval, k)? > after {
+            return Some(k);
         }
         k = k.checked_add(1)?;
     }
+}
+
+/// The period of `anchor`'s grid that contains `at`: `(b_k, b_k+1)` with
+/// `b_k <= at < b_k+1`. Before the anchor it is the grid's first period.
+/// `None` when a boundary is past chrono's range.
+pub fn containing(
+    anchor: DateTime<Utc>,
+    interval: Interval,
+    at: DateTime<Utc>,
+) -> Option<(DateTime<Utc>, DateTime<Utc>)> {
+    let k = index_after(anchor, interval, at)?.max(1);
+    Some((
+        boundary(anchor, interval, k - 1)?,
+        boundary(anchor, interval, k)?,
+    ))
+}
+
+/// `amount` × `used` / `full`, in integer minor units, **rounded half up**
+/// (half a minor unit or more rounds up; never a float). `used` is clamped
+/// to `[0, full]`; a zero or negative `full` charges the whole amount.
+pub fn pro_rata(amount: i64, used: TimeDelta, full: TimeDelta) -> i64 {
+    let full = i128::from(full.num_milliseconds());
+    if full <= 0 {
+        return amount;
+    }
+    let used = i128::from(used.num_milliseconds()).clamp(0, full);
+    let amount = i128::from(amount);
+    let rounded = (2 * amount * used + full) / (2 * full);
+    i64::try_from(rounded).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
