@@ -6,6 +6,8 @@
 mod charges;
 mod drain;
 mod guards;
+mod lifecycle;
+mod reconcile;
 mod periods;
 
 use std::sync::Arc;
