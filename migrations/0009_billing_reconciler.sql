@@ -15,3 +15,10 @@ ALTER TABLE payment_attempts
 -- The stale-hold sweep: claims by expiry, oldest first.
 CREATE INDEX invoices_auto_charge_claims ON invoices (auto_charge_claimed_until)
     WHERE auto_charge_claimed_until IS NOT NULL;
+
+-- A plan may also bill every N minutes, so the local run (`hardcount dev`) shows
+-- invoices, charges and receipts within minutes (docs/adr/0012). Minutes are a
+-- fixed 60 s, like hours, days and weeks.
+ALTER TABLE plans DROP CONSTRAINT plans_interval_unit_known;
+ALTER TABLE plans ADD CONSTRAINT plans_interval_unit_known
+    CHECK (interval_unit IN ('minute', 'hour', 'day', 'week', 'month', 'year'));

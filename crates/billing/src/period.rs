@@ -2,8 +2,8 @@
 //!
 //! Every boundary is computed from the subscription's **anchor**, in UTC, as
 //! `anchor + k × count × unit` for k = 0, 1, 2, … — never by adding one interval
-//! to the previous boundary. For hours, days and weeks a unit is a fixed length
-//! (3600 s, 86 400 s, 604 800 s; UTC has no daylight saving). For months and
+//! to the previous boundary. For minutes, hours, days and weeks a unit is a fixed length
+//! (60 s, 3600 s, 86 400 s, 604 800 s; UTC has no daylight saving). For months and
 //! years the date moves by whole calendar months, and a day that does not exist
 //! in the target month is clamped to its last day, keeping the time of day:
 //!
@@ -20,6 +20,8 @@ use chrono::{DateTime, Datelike, Months, TimeDelta, Utc};
 /// The unit of a plan's interval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
+    /// For short demo plans (the local run); 60 s.
+    Minute,
     Hour,
     Day,
     Week,
@@ -31,6 +33,7 @@ impl Unit {
     /// The unit as the `plans.interval_unit` column spells it.
     pub fn parse(s: &str) -> Option<Unit> {
         Some(match s {
+            "minute" => Unit::Minute,
             "hour" => Unit::Hour,
             "day" => Unit::Day,
             "week" => Unit::Week,
@@ -45,13 +48,14 @@ impl Unit {
         match self {
             Unit::Month => Some(1),
             Unit::Year => Some(12),
-            Unit::Hour | Unit::Day | Unit::Week => None,
+            Unit::Minute | Unit::Hour | Unit::Day | Unit::Week => None,
         }
     }
 
     /// Seconds per unit, for the fixed-length units.
     fn seconds(self) -> Option<i64> {
         match self {
+            Unit::Minute => Some(60),
             Unit::Hour => Some(3600),
             Unit::Day => Some(86_400),
             Unit::Week => Some(7 * 86_400),
