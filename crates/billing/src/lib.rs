@@ -34,11 +34,32 @@
 //!      unknown   ─▶ attempt stays unknown; lease expires; the reconciler's
 //! ```
 //!
-//! Built so far: the schema (migration 0006), period math ([`period`]), the
-//! due-billing step, auto-charge and the provider client ([`provider`]).
-//! **Not built yet** (docs/adr/0010 and issue 10): expired trials,
-//! pause-collection resumes, enrolment into dunning, the payment reconciler,
-//! plan changes. Each will run under the panic guard in the order DESIGN.md gives.
+//! The tick's steps, in this order, each a driven pass under the panic guard
+//! (a panic in one lets the later ones run and is raised after the last):
+//!
+//! 1. **expired trials** activate by compare-and-set on status (and the trial
+//!    end read) with `subscription.trial_ended`; a trial that ends off the
+//!    anchor's grid starts a partial period (`lifecycle`);
+//! 2. **lifted pause-collections** resume by compare-and-set on the pause read,
+//!    with `subscription.collection_resumed` in the same transaction;
+//! 3. **due billing** (above); a partial period is invoiced pro rata, rounded
+//!    half up ([`period::pro_rata`], [`close`]);
+//! 4. **auto-charge** (above), `charge_concurrency` calls at a time;
+//! 5. **the payment reconciler** (`reconcile`): unknown attempts whose claim has
+//!    expired are looked up by repeating their request under the same key and
+//!    settled as auto-charge settles; every checked row is stamped, a panicked
+//!    one too; expired claims are freed.
+//!
+//! A plan change ([`Biller::change_plan`]) truncates the current period through
+//! the closing's compare-and-set and invoices the used part pro rata; it fails
+//! with [`Error::SubscriptionPeriodMoved`] (`subscription_period_moved`) and
+//! writes nothing when the watermark moved.
+//!
+//! **Dunning enrolment is not billing's**: an open invoice whose attempt was
+//! declined is the hand-off; the dunning crate enrols such invoices as the
+//! first step of its own tick (docs/adr/0012), through the `pub(crate)` store
+//! functions `claim_charges`, `start_attempt`, `settle_paid`, `settle_declined` and
+//! `note_unknown`.
 //!
 //! Guarantees:
 //!
@@ -69,10 +90,16 @@
 //!   `invoice.paid`, `payment.succeeded` and the receipt; declined with
 //!   `payment.failed` and its email; only while the claim still holds it.
 //! - **The secret key is never shown**: not in logs, errors or `Debug`.
+//! - **An unknown outcome is settled by its key, once**: the reconciler looks it
+//!   up only after the claim that made the call expired, under its own claim;
+//!   a refusal of the key is not taken for a decline.
+//! - **A provider outage fails the tick** (every call of a batch refused or
+//!   5xx): released as failed, retried after the short cooldown.
 //!
 //! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
-//! ([`Biller`], the driver's implementation), `charge` (the auto-charge step),
-//! [`provider`] (the HTTP client), `close` and [`period`] (pure).
+//! ([`Biller`], the driver's implementation), `lifecycle` (trials, resumes),
+//! `charge` (the auto-charge step), `reconcile` (the payment reconciler),
+//! `plan_change`, [`provider`] (the HTTP client), [`close`] and [`period`] (pure).
 
 mod charge;
 pub mod close;
