@@ -104,9 +104,15 @@ async fn trials_that_end_mid_period_bill_the_right_periods() {
     for (p, anchor, trial_end, _) in &cases {
         subs.push(trialing(&t.db, *p, *anchor, *trial_end).await);
     }
-    let (b, _) = biller(&t.db, config());
+    let (b, metrics) = biller(&t.db, config());
     let first = tick(&t.db, &b).await;
     assert_eq!(first.lifecycle.trials_ended, 4, "{first:?}");
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(r#"hardcount_billing_invoices_created_total{source="tick"} 4"#)
+            && rendered.contains("hardcount_billing_trials_ended_total 4"),
+        "{rendered}"
+    );
     tick(&t.db, &b).await;
     let all = invoices(&t.db).await;
     for (sub, (_, _, _, want)) in subs.iter().zip(&cases) {

@@ -60,7 +60,7 @@ async fn a_provider_timeout_is_settled_by_key_and_charged_once() {
     let open = open_invoices(&t.db, 1).await;
     let (invoice, customer) = open[0].clone();
     p.set_behaviour(&customer, Behaviour::Hang);
-    let (b, _) = biller(
+    let (b, metrics) = biller(
         &t.db,
         charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
     );
@@ -73,6 +73,13 @@ async fn a_provider_timeout_is_settled_by_key_and_charged_once() {
     let second = tick(&t.db, &b).await;
     assert_eq!(second.reconciled.paid, 1, "{second:?}");
     assert_eq!(p.total_charges(), 1);
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(
+            r#"hardcount_billing_reconciler_resolutions_total{sweep="unknown",outcome="paid"} 1"#
+        ),
+        "{rendered}"
+    );
     let key = format!("hardcount-invoice-{invoice}-attempt-1");
     assert_eq!(p.charges().get(&key), Some(&1));
     assert_eq!(
@@ -164,7 +171,7 @@ async fn a_batch_is_charged_concurrently_each_invoice_once() {
     let t = TestDb::with_pool(16).await;
     let p = FakeProvider::start().await.unwrap();
     open_invoices(&t.db, 60).await;
-    let (b, _) = biller(
+    let (b, metrics) = biller(
         &t.db,
         BillingConfig {
             charge_concurrency: 8,
@@ -173,6 +180,11 @@ async fn a_batch_is_charged_concurrently_each_invoice_once() {
     );
     let report = tick(&t.db, &b).await;
     assert_eq!(report.charges.paid, 60, "{report:?}");
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(r#"hardcount_billing_charges_total{outcome="succeeded"} 60"#),
+        "{rendered}"
+    );
     assert_eq!(p.total_charges(), 60);
     assert!(p.charges().values().all(|n| *n == 1));
     assert_eq!(
