@@ -114,7 +114,10 @@ async fn main() -> Result<()> {
             provider.total_charges()
         );
         let s = charged.elapsed.as_secs_f64();
-        progress(&format!("charged {paid} in {s:.2} s: {:.0} charges/s", paid as f64 / s));
+        progress(&format!(
+            "charged {paid} in {s:.2} s: {:.0} charges/s",
+            paid as f64 / s
+        ));
         charges = json!({
             "charges": paid,
             "tick_seconds": s,
@@ -157,9 +160,11 @@ async fn seed(db: &Db, n: usize) -> Result<()> {
     ))
     .await?;
     tx.execute(
-        sql("INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+        sql(
+            "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
              SELECT 'tenant_bench', 'c' || g || '@example.org', 'cus_bench' || g, 'pm_card_visa' \
-             FROM generate_series(1, $1) g")
+             FROM generate_series(1, $1) g",
+        )
         .bind(n),
     )
     .await?;
@@ -182,9 +187,11 @@ async fn seed(db: &Db, n: usize) -> Result<()> {
 async fn one_tick(db: &Db, biller: &Biller) -> TickReport {
     let b = Arc::new(biller.clone());
     let m = testbed::leadership::manager(db, "bench");
-    testbed::leadership::as_leader(&m, Role::Billing, |tick| async move {
-        b.run_tick(&tick).await
-    })
+    testbed::leadership::as_leader(
+        &m,
+        Role::Billing,
+        |tick| async move { b.run_tick(&tick).await },
+    )
     .await
 }
 

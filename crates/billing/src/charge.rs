@@ -204,22 +204,21 @@ impl FencedBatches for AutoCharge<'_> {
         // Concurrent, bounded; each charge its own guarded step, so one that
         // panics ends only itself (its attempt, if written, stays unknown for
         // the reconciler, and its claim lease expires).
-        let results: Vec<Guarded<Charged>> =
-            stream::iter(batch)
-                .map(|claim| {
-                    let step = format!("{}/charge invoice {}", Role::Billing, claim.invoice_id);
-                    let invoice = claim.invoice_id;
-                    let charge = async move {
-                        if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
-                            return None;
-                        }
-                        Some(biller.charge(&claim).await)
-                    };
-                    async move { (invoice, catch(step, charge).await) }
-                })
-                .buffer_unordered(c.charge_concurrency)
-                .collect()
-                .await;
+        let results: Vec<Guarded<Charged>> = stream::iter(batch)
+            .map(|claim| {
+                let step = format!("{}/charge invoice {}", Role::Billing, claim.invoice_id);
+                let invoice = claim.invoice_id;
+                let charge = async move {
+                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
+                        return None;
+                    }
+                    Some(biller.charge(&claim).await)
+                };
+                async move { (invoice, catch(step, charge).await) }
+            })
+            .buffer_unordered(c.charge_concurrency)
+            .collect()
+            .await;
         let t = &biller.inner.telemetry;
         let mut unattempted = Vec::new();
         let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());

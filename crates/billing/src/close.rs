@@ -248,7 +248,8 @@ mod tests {
         d = due(at(2023, 1, 31), at(2023, 2, 15), at(2023, 2, 28));
         assert_eq!(close(&d).unwrap().amount, 557);
         // Exactly half a minor unit rounds up: 1 × 1 / 2 = 0.5 → 1.
-        let half = crate::period::pro_rata(1, chrono::TimeDelta::days(1), chrono::TimeDelta::days(2));
+        let half =
+            crate::period::pro_rata(1, chrono::TimeDelta::days(1), chrono::TimeDelta::days(2));
         assert_eq!(half, 1);
         // A whole period is the plan's amount.
         d = due(at(2024, 1, 31), at(2024, 2, 29), at(2024, 3, 31));
@@ -268,8 +269,20 @@ mod tests {
         // Used 10 of March's 31 days on the old plan: 1200 × 10 / 31 = 387.1 → 387.
         let c = truncate(&d, &yearly, at(2024, 3, 10)).unwrap();
         assert_eq!(
-            (c.period_start, c.next_start, c.next_end, c.amount, c.plan_id),
-            (at(2024, 2, 29), at(2024, 3, 10), at(2025, 1, 31), 387, Some(9))
+            (
+                c.period_start,
+                c.next_start,
+                c.next_end,
+                c.amount,
+                c.plan_id
+            ),
+            (
+                at(2024, 2, 29),
+                at(2024, 3, 10),
+                at(2025, 1, 31),
+                387,
+                Some(9)
+            )
         );
         assert_eq!(c.watermark, at(2024, 3, 31));
     }

@@ -114,11 +114,11 @@ mod tick;
 
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
+pub use config::{BillingConfig, ConfigError};
 pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
 pub use plan_change::{PlanChange, PlanChanged};
-pub use reconcile::{ReconcileTally, Resolution};
-pub use config::{BillingConfig, ConfigError};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
+pub use reconcile::{ReconcileTally, Resolution};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 

@@ -96,7 +96,14 @@ impl FencedBatches for Trials<'_> {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let c = &self.biller.inner.config;
-        Ok(store::claim_trials(&self.biller.inner.db, fence, limit, &except, c.statement_timeout).await?)
+        Ok(store::claim_trials(
+            &self.biller.inner.db,
+            fence,
+            limit,
+            &except,
+            c.statement_timeout,
+        )
+        .await?)
     }
 
     fn claimed(batch: &Vec<TrialEnded>) -> usize {
@@ -168,7 +175,10 @@ impl FencedBatches for Resumes<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<LiftedPause>, Error> {
         let c = &self.biller.inner.config;
-        Ok(store::claim_lifted_pauses(&self.biller.inner.db, fence, limit, c.statement_timeout).await?)
+        Ok(
+            store::claim_lifted_pauses(&self.biller.inner.db, fence, limit, c.statement_timeout)
+                .await?,
+        )
     }
 
     fn claimed(batch: &Vec<LiftedPause>) -> usize {
@@ -184,7 +194,8 @@ impl FencedBatches for Resumes<'_> {
         tally: &mut LifecycleTally,
     ) -> Result<(), Error> {
         let b = &self.biller.inner;
-        let resumed = store::resume_lifted_pauses(&b.db, &batch, b.config.statement_timeout).await?;
+        let resumed =
+            store::resume_lifted_pauses(&b.db, &batch, b.config.statement_timeout).await?;
         tally.resumed += resumed.len();
         tally.lost += batch.len() - resumed.len();
         b.telemetry
@@ -206,7 +217,8 @@ impl Biller {
         limit: usize,
     ) -> Result<Vec<EndedTrial>, Error> {
         let c = &self.inner.config;
-        let rows = store::claim_trials(&self.inner.db, fence, limit, &[], c.statement_timeout).await?;
+        let rows =
+            store::claim_trials(&self.inner.db, fence, limit, &[], c.statement_timeout).await?;
         Ok(rows.into_iter().map(EndedTrial).collect())
     }
 
@@ -221,7 +233,9 @@ impl Biller {
             rows.push((t.0.clone(), first_period_end(&t.0)?));
         }
         let timeout = self.inner.config.statement_timeout;
-        Ok(store::activate_trials(&self.inner.db, &rows, timeout).await?.len())
+        Ok(store::activate_trials(&self.inner.db, &rows, timeout)
+            .await?
+            .len())
     }
 
     /// The fenced resume funnel (for tests and tools).
@@ -234,7 +248,8 @@ impl Biller {
         limit: usize,
     ) -> Result<Vec<LiftedCollectionPause>, Error> {
         let c = &self.inner.config;
-        let rows = store::claim_lifted_pauses(&self.inner.db, fence, limit, c.statement_timeout).await?;
+        let rows =
+            store::claim_lifted_pauses(&self.inner.db, fence, limit, c.statement_timeout).await?;
         Ok(rows.into_iter().map(LiftedCollectionPause).collect())
     }
 
@@ -243,10 +258,15 @@ impl Biller {
     ///
     /// # Errors
     /// A database error.
-    pub async fn resume_collections(&self, pauses: &[LiftedCollectionPause]) -> Result<usize, Error> {
+    pub async fn resume_collections(
+        &self,
+        pauses: &[LiftedCollectionPause],
+    ) -> Result<usize, Error> {
         let rows: Vec<LiftedPause> = pauses.iter().map(|p| p.0.clone()).collect();
         let timeout = self.inner.config.statement_timeout;
-        Ok(store::resume_lifted_pauses(&self.inner.db, &rows, timeout).await?.len())
+        Ok(store::resume_lifted_pauses(&self.inner.db, &rows, timeout)
+            .await?
+            .len())
     }
 }
 

@@ -123,14 +123,20 @@ impl Biller {
                 false => Err(moved),
             };
         }
-        let outcomes =
-            store::close_periods(&self.inner.db, std::slice::from_ref(&change.closing), timeout)
-                .await?;
+        let outcomes = store::close_periods(
+            &self.inner.db,
+            std::slice::from_ref(&change.closing),
+            timeout,
+        )
+        .await?;
         match outcomes.first().map(|(_, c)| *c) {
             Some(Closed::Invoiced { invoice_id }) => {
                 self.inner
                     .telemetry
-                    .counter("hardcount_billing_invoices_created_total", &[("source", "plan_change")])
+                    .counter(
+                        "hardcount_billing_invoices_created_total",
+                        &[("source", "plan_change")],
+                    )
                     .increment(1);
                 Ok(PlanChanged {
                     invoice_id: Some(invoice_id),

@@ -193,22 +193,21 @@ impl FencedBatches for UnknownSweep<'_> {
             .first()
             .map(|u| u.claim.claimed_by.clone())
             .unwrap_or_default();
-        let results: Vec<Guarded<Resolution>> =
-            stream::iter(batch)
-                .map(|u| {
-                    let step = format!("{}/reconcile attempt {}", Role::Billing, u.attempt_id);
-                    let id = u.attempt_id;
-                    let check = async move {
-                        if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
-                            return None;
-                        }
-                        Some(biller.resolve(&u).await)
-                    };
-                    async move { (id, catch(step, check).await) }
-                })
-                .buffer_unordered(c.charge_concurrency)
-                .collect()
-                .await;
+        let results: Vec<Guarded<Resolution>> = stream::iter(batch)
+            .map(|u| {
+                let step = format!("{}/reconcile attempt {}", Role::Billing, u.attempt_id);
+                let id = u.attempt_id;
+                let check = async move {
+                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
+                        return None;
+                    }
+                    Some(biller.resolve(&u).await)
+                };
+                async move { (id, catch(step, check).await) }
+            })
+            .buffer_unordered(c.charge_concurrency)
+            .collect()
+            .await;
         let t = &biller.inner.telemetry;
         let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
         for (attempt, result) in results {

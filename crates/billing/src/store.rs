@@ -662,8 +662,7 @@ pub(crate) async fn claim_trials(
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql(
-                "SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
+            sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
                         p.interval_unit, p.interval_count \
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
@@ -672,8 +671,7 @@ pub(crate) async fn claim_trials(
                    AND leader_fence($1, $2) \
                  ORDER BY s.trial_end, s.id \
                  LIMIT $4 \
-                 FOR UPDATE OF s SKIP LOCKED",
-            )
+                 FOR UPDATE OF s SKIP LOCKED")
             .bind(fence.role_name())
             .bind(fence.token())
             .bind(except.to_vec())
@@ -718,7 +716,12 @@ pub(crate) async fn activate_trials(
                       AS i(id, trial_end, period_end) \
                  WHERE s.id = i.id AND s.status = 'trialing' AND s.trial_end = i.trial_end \
                  RETURNING s.id, s.tenant_id, s.current_period_start, s.current_period_end")
-            .bind(trials.iter().map(|(t, _)| t.subscription_id).collect::<Vec<_>>())
+            .bind(
+                trials
+                    .iter()
+                    .map(|(t, _)| t.subscription_id)
+                    .collect::<Vec<_>>(),
+            )
             .bind(trials.iter().map(|(t, _)| t.trial_end).collect::<Vec<_>>())
             .bind(trials.iter().map(|(_, end)| *end).collect::<Vec<_>>()),
         )
@@ -772,16 +775,14 @@ pub(crate) async fn claim_lifted_pauses(
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql(
-                "SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
+            sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
                         s.pause_collection_resumes_at, s.pause_collection_set_by \
                  FROM subscriptions s \
                  WHERE s.pause_collection_resumes_at <= now() \
                    AND leader_fence($1, $2) \
                  ORDER BY s.pause_collection_resumes_at, s.id \
                  LIMIT $3 \
-                 FOR UPDATE OF s SKIP LOCKED",
-            )
+                 FOR UPDATE OF s SKIP LOCKED")
             .bind(fence.role_name())
             .bind(fence.token())
             .bind(limit),
@@ -966,8 +967,10 @@ pub(crate) async fn stamp_checked(
     )
     .await?;
     tx.execute(
-        sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-             WHERE id = ANY($1) AND auto_charge_claimed_by = $2")
+        sql(
+            "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+             WHERE id = ANY($1) AND auto_charge_claimed_by = $2",
+        )
         .bind(invoice_ids.to_vec())
         .bind(claimed_by.to_owned()),
     )

@@ -13,8 +13,8 @@ use tracing::{debug, info, warn};
 use crate::charge::{AutoCharge, ChargeTally};
 use crate::close::{self, Due};
 use crate::lifecycle::{LifecycleTally, Resumes, Trials};
-use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
 use crate::provider::Provider;
+use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
 use crate::store::{self, Closed};
 use crate::{BillingConfig, Error};
 
@@ -134,8 +134,14 @@ impl Biller {
         let resumes = Resumes { biller: self };
         let mut lifecycle = LifecycleTally::default();
         for (name, driven) in [
-            ("billing/trials", step("billing/trials", &trials, tick).await),
-            ("billing/resumes", step("billing/resumes", &resumes, tick).await),
+            (
+                "billing/trials",
+                step("billing/trials", &trials, tick).await,
+            ),
+            (
+                "billing/resumes",
+                step("billing/resumes", &resumes, tick).await,
+            ),
         ] {
             keep(
                 name,
@@ -208,7 +214,13 @@ impl Biller {
         };
         let (stop, end) = ends
             .into_iter()
-            .reduce(|worst, e| if rank(&e.1) > rank(&worst.1) { e } else { worst })
+            .reduce(|worst, e| {
+                if rank(&e.1) > rank(&worst.1) {
+                    e
+                } else {
+                    worst
+                }
+            })
             .unwrap_or((Stop::Drained, TickEnd::Drained));
         TickReport {
             lifecycle,
@@ -302,8 +314,11 @@ impl Biller {
             let label = match outcome {
                 Closed::Invoiced { .. } => {
                     tally.invoiced += 1;
-                    t.counter("hardcount_billing_invoices_created_total", &[("source", "tick")])
-                        .increment(1);
+                    t.counter(
+                        "hardcount_billing_invoices_created_total",
+                        &[("source", "tick")],
+                    )
+                    .increment(1);
                     "invoiced"
                 }
                 Closed::PeriodMoved => {

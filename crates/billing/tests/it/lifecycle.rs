@@ -164,9 +164,11 @@ async fn racing_activations_of_one_listed_trial_activate_it_once() {
 
 async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
     db.execute(
-        sql("UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft', \
+        sql(
+            "UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft', \
                     pause_collection_resumes_at = $2, pause_collection_set_by = 'ops' \
-             WHERE id = $1")
+             WHERE id = $1",
+        )
         .bind(sub)
         .bind(resumes_at),
     )
@@ -175,12 +177,10 @@ async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
 }
 
 async fn paused(db: &Db, sub: i64) -> Option<String> {
-    db.fetch_one(
-        sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub),
-    )
-    .await
-    .unwrap()
-    .get(0)
+    db.fetch_one(sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub))
+        .await
+        .unwrap()
+        .get(0)
 }
 
 /// A lifted pause resumes once with its event; a pause changed after it was
@@ -210,7 +210,10 @@ async fn a_lifted_pause_resumes_once_and_a_changed_pause_is_left_alone() {
     assert_eq!(b.resume_collections(&listed).await.unwrap(), 1);
     assert_eq!(b.resume_collections(&listed).await.unwrap(), 0);
     assert_eq!(paused(&t.db, subs[0]).await, None);
-    assert_eq!(paused(&t.db, subs[1]).await.as_deref(), Some("keep_as_draft"));
+    assert_eq!(
+        paused(&t.db, subs[1]).await.as_deref(),
+        Some("keep_as_draft")
+    );
     assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
     // The tick's own resume step finds nothing more to do.
     let report = tick(&t.db, &b).await;
@@ -267,7 +270,10 @@ async fn a_plan_change_racing_the_tick_one_wins_the_other_writes_nothing() {
     })
     .await;
     let err = b.apply_plan_change(&change).await.unwrap_err();
-    assert!(matches!(err, Error::SubscriptionPeriodMoved { .. }), "{err:?}");
+    assert!(
+        matches!(err, Error::SubscriptionPeriodMoved { .. }),
+        "{err:?}"
+    );
     assert_eq!(err.code(), "subscription_period_moved");
     assert_eq!(plan_of(&t.db, subs[0]).await, old_plan);
 
@@ -277,7 +283,10 @@ async fn a_plan_change_racing_the_tick_one_wins_the_other_writes_nothing() {
         b2.claim_due(&tick.fence, 10).await.unwrap()
     })
     .await;
-    let due = due.into_iter().find(|d| d.subscription_id == subs[1]).unwrap();
+    let due = due
+        .into_iter()
+        .find(|d| d.subscription_id == subs[1])
+        .unwrap();
     let changed = b.change_plan("tenant_a", subs[1], pro).await.unwrap();
     assert!(changed.invoice_id.is_some());
     assert_eq!(b.close_period(&due).await.unwrap(), Closed::PeriodMoved);
@@ -315,10 +324,16 @@ async fn a_plan_change_invoices_the_used_part_pro_rata() {
     let changed = b.apply_plan_change(&change).await.unwrap();
     let all = invoices(&t.db).await;
     assert_eq!(all.len(), 1);
-    assert_eq!((all[0].start, all[0].end, all[0].amount), (start, change.at, want));
+    assert_eq!(
+        (all[0].start, all[0].end, all[0].amount),
+        (start, change.at, want)
+    );
     assert_eq!(finalized(&t.db).await, vec![changed.invoice_id.unwrap()]);
     let (s, e, w) = crate::period(&t.db, sub).await;
-    assert_eq!((s, e, w), (change.at, change.next_period().1, change.next_period().1));
+    assert_eq!(
+        (s, e, w),
+        (change.at, change.next_period().1, change.next_period().1)
+    );
     assert_eq!(plan_of(&t.db, sub).await, pro);
     // An unknown plan or subscription is named, not a 409.
     let err = b.change_plan("tenant_a", sub, 999_999).await.unwrap_err();

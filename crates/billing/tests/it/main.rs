@@ -7,8 +7,8 @@ mod charges;
 mod drain;
 mod guards;
 mod lifecycle;
-mod reconcile;
 mod periods;
+mod reconcile;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -137,9 +137,8 @@ async fn a_5xx_is_charged_once_by_the_reconciler_when_the_provider_is_back() {
         "{second:?}"
     );
     assert_eq!(p.total_charges(), 1);
-    let stamped: i64 = t
-        .db
-        .fetch_one(sql(
+    let stamped: i64 =
+        t.db.fetch_one(sql(
             "SELECT count(*) FROM payment_attempts WHERE last_checked_at IS NOT NULL",
         ))
         .await

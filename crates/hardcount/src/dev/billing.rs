@@ -144,8 +144,10 @@ pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
     }
     let endpoint = tx
         .fetch_optional(
-            sql("SELECT id FROM webhook_endpoints WHERE tenant_id = $1 AND event_types @> $2 \
-                 ORDER BY id LIMIT 1")
+            sql(
+                "SELECT id FROM webhook_endpoints WHERE tenant_id = $1 AND event_types @> $2 \
+                 ORDER BY id LIMIT 1",
+            )
             .bind(TENANT)
             .bind(vec!["invoice.paid".to_owned()]),
         )
