@@ -191,3 +191,41 @@ async fn a_batch_is_charged_concurrently_each_invoice_once() {
         vec!["paid"]
     );
 }
+
+/// A claim that expired without an attempt (its holder died before the call)
+/// is freed by the stale-hold sweep; the invoice is then charged once.
+#[tokio::test]
+async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoices(&t.db, 1).await;
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let b2 = b.clone();
+    let held = crate::as_leader(
+        &crate::manager(&t.db, "dead"),
+        leader::Role::Billing,
+        |tick| async move { b2.claim_charges(&tick.fence, 10).await.unwrap() },
+    )
+    .await;
+    assert_eq!(held.len(), 1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A tick without a provider runs only the stale-hold sweep of the reconciler.
+    let (plain, _) = biller(&t.db, config());
+    let report = tick(&t.db, &plain).await;
+    assert_eq!(report.reconciled.holds_freed, 1, "{report:?}");
+    let holders: Vec<Option<String>> = t
+        .db
+        .fetch_all(sql("SELECT auto_charge_claimed_by FROM invoices"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(holders, vec![None]);
+    let charged = tick(&t.db, &b).await;
+    assert_eq!(charged.charges.paid, 1, "{charged:?}");
+    assert_eq!(p.total_charges(), 1);
+}
