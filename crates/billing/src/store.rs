@@ -871,7 +871,10 @@ pub(crate) struct UnknownAttempt {
 
 /// The fenced unknown-outcome funnel: up to `limit` unknown attempts of open
 /// invoices whose auto-charge claim is free or expired (so no call of
-/// theirs can still be in flight), least recently checked first; each
+/// theirs can still be in flight), least recently checked first, only the
+/// earliest unknown attempt of an invoice (a later one is looked up only once
+/// the earlier is settled declined: were the earlier one paid, the invoice is
+/// no longer open and the later key is never sent again); each
 /// invoice taken under a fresh claim lease by the same conditional UPDATE
 /// auto-charge uses.
 pub(crate) async fn claim_unknown(
@@ -897,6 +900,10 @@ pub(crate) async fn claim_unknown(
                      AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
                      AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
                      AND a.id <> ALL ($6) \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
+                                     WHERE e.invoice_id = a.invoice_id \
+                                       AND e.provider_status = 'unknown' \
+                                       AND e.attempt_seq < a.attempt_seq) \
                      AND leader_fence($1, $2) \
                    ORDER BY a.last_checked_at NULLS FIRST, a.id \
                    LIMIT $3 \
