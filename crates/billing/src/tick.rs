@@ -120,10 +120,11 @@ impl Biller {
         let started = Instant::now();
         let mut panic = None;
         let mut ends: Vec<(Stop, TickEnd)> = Vec::new();
-        let mut keep = |name: &str, r: Result<(Stop, TickEnd), scheduler::Payload>| match r {
+        // A step's end, or its panic (logged by the hook with the step's name;
+        // the first is raised after the last step).
+        let mut keep = |r: Result<(Stop, TickEnd), scheduler::Payload>| match r {
             Ok(end) => ends.push(end),
             Err(payload) => {
-                debug!(role = %Role::Billing, step = name, "step panicked; raised at the end of the tick");
                 panic.get_or_insert(payload);
             }
         };
@@ -133,26 +134,17 @@ impl Biller {
         };
         let resumes = Resumes { biller: self };
         let mut lifecycle = LifecycleTally::default();
-        for (name, driven) in [
-            (
-                "billing/trials",
-                step("billing/trials", &trials, tick).await,
-            ),
-            (
-                "billing/resumes",
-                step("billing/resumes", &resumes, tick).await,
-            ),
+        for driven in [
+            step("billing/trials", &trials, tick).await,
+            step("billing/resumes", &resumes, tick).await,
         ] {
-            keep(
-                name,
-                driven.map(|d| {
-                    lifecycle.trials_ended += d.counts.trials_ended;
-                    lifecycle.resumed += d.counts.resumed;
-                    lifecycle.lost += d.counts.lost;
-                    lifecycle.panicked += d.counts.panicked;
-                    (d.stop, d.end)
-                }),
-            );
+            keep(driven.map(|d| {
+                lifecycle.trials_ended += d.counts.trials_ended;
+                lifecycle.resumed += d.counts.resumed;
+                lifecycle.lost += d.counts.lost;
+                lifecycle.panicked += d.counts.panicked;
+                (d.stop, d.end)
+            }));
         }
         let due_billing = DueBilling {
             biller: self,
@@ -160,7 +152,6 @@ impl Biller {
         };
         let (mut batches, mut claimed, mut tally) = (0, 0, Tally::default());
         keep(
-            "billing/due_billing",
             step("billing/due_billing", &due_billing, tick)
                 .await
                 .map(|d| {
@@ -173,7 +164,6 @@ impl Biller {
         if self.inner.provider.is_some() {
             let auto_charge = AutoCharge { biller: self };
             keep(
-                "billing/auto_charge",
                 step("billing/auto_charge", &auto_charge, tick)
                     .await
                     .map(|d| {
@@ -186,7 +176,6 @@ impl Biller {
                 checked: Mutex::new(Vec::new()),
             };
             keep(
-                "billing/reconcile_unknown",
                 step("billing/reconcile_unknown", &unknown, tick)
                     .await
                     .map(|d| {
@@ -196,13 +185,10 @@ impl Biller {
             );
         }
         let stale = StaleHolds { biller: self };
-        keep(
-            "billing/stale_holds",
-            step("billing/stale_holds", &stale, tick).await.map(|d| {
-                reconciled.holds_freed += d.counts.holds_freed;
-                (d.stop, d.end)
-            }),
-        );
+        keep(step("billing/stale_holds", &stale, tick).await.map(|d| {
+            reconciled.holds_freed += d.counts.holds_freed;
+            (d.stop, d.end)
+        }));
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);
         }

@@ -216,14 +216,13 @@ async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
     let (plain, _) = biller(&t.db, config());
     let report = tick(&t.db, &plain).await;
     assert_eq!(report.reconciled.holds_freed, 1, "{report:?}");
-    let holders: Vec<Option<String>> = t
-        .db
-        .fetch_all(sql("SELECT auto_charge_claimed_by FROM invoices"))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let holders: Vec<Option<String>> =
+        t.db.fetch_all(sql("SELECT auto_charge_claimed_by FROM invoices"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
     assert_eq!(holders, vec![None]);
     let charged = tick(&t.db, &b).await;
     assert_eq!(charged.charges.paid, 1, "{charged:?}");
