@@ -23,15 +23,16 @@
 //! Then auto-charge (`charge`, docs/adr/0011), when a provider is configured:
 //!
 //! ```text
-//!  claim ≤ 50 open automatic invoices       lease free or expired, no attempt yet,
+//!  claim ≤ 8 × charge_concurrency invoices lease free or expired, no attempt yet,
 //!    lease = now() + charge_lease            AND leader_fence('billing', $token)  (fenced)
-//!  per invoice, under the panic guard:
+//!  per invoice, charge_concurrency at a time, each under the panic guard:
 //!    INSERT attempt 1 (unknown, key)         only while our claim holds the invoice
 //!    POST /v1/payment_intents, Idempotency-Key = (invoice, attempt)
 //!      succeeded ─▶ open → paid by CAS (claim still ours) + invoice.paid,
 //!                   payment.succeeded, receipt email            (one transaction)
 //!      declined  ─▶ attempt declined(code), payment.failed, email (one transaction)
 //!      unknown   ─▶ attempt stays unknown; lease expires; the reconciler's
+//!  every call of the batch an outage (refused, 5xx) ─▶ the tick ends as failed
 //! ```
 //!
 //! The tick's steps, in this order, each a driven pass under the panic guard
