@@ -234,11 +234,17 @@ async fn close_once(
             .collect();
         return Ok(Attempt::Deduplicated(hits));
     }
-    for c in &winners {
-        let invoice_id = invoice_of[&c.subscription_id];
-        let payload = finalized_payload(invoice_id, c);
-        webhook_outbox::enqueue(&mut tx, &c.tenant_id, "invoice.finalized", &payload).await?;
-    }
+    // One invoice.finalized per invoice created, with one statement.
+    let payloads: Vec<String> = winners
+        .iter()
+        .map(|c| finalized_payload(invoice_of[&c.subscription_id], c))
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = winners
+        .iter()
+        .zip(&payloads)
+        .map(|(c, p)| (c.tenant_id.as_str(), "invoice.finalized", p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(&mut tx, &events).await?;
     tx.commit().await?;
     Ok(Attempt::Committed(
         closings
