@@ -469,15 +469,17 @@ pub(crate) async fn settle_paid(
         "currency": claim.currency,
         "payment_intent": payment_intent,
     });
-    webhook_outbox::enqueue(
+    let invoice = invoice.to_string();
+    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
+    let tenant = claim.tenant_id.as_str();
+    webhook_outbox::enqueue_many(
         &mut tx,
-        &claim.tenant_id,
-        "invoice.paid",
-        &invoice.to_string(),
+        &[
+            (tenant, "invoice.paid", &invoice),
+            (tenant, "payment.succeeded", &payment),
+        ],
     )
     .await?;
-    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
-    webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.succeeded", &payment).await?;
     let receipt = email_outbox::Email {
         from: email_from.to_owned(),
         to: vec![claim.email.clone()],
