@@ -16,7 +16,7 @@
 //!           AND next_billing_at = $read          lost ──▶ nothing written
 //!    2. INSERT invoices … ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup
 //!         DO NOTHING                             hit ──▶ roll back, redo without it
-//!    3. webhook_outbox::enqueue(invoice.finalized) per invoice created
+//!    3. webhook_outbox::enqueue_many: invoice.finalized per invoice created (one statement)
 //!  COMMIT; the next batch, until a short batch, the budget, or cancel
 //! ```
 //!

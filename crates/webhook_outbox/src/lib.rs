@@ -15,7 +15,8 @@
 //!
 //! Guarantees:
 //!
-//! - **An event exists iff its producer committed.** [`enqueue`] runs inside the
+//! - **An event exists iff its producer committed.** [`enqueue`] (and
+//!   [`enqueue_many`], many events with one statement) runs inside the
 //!   caller's [`db::Tx`]; a rollback leaves no event, and a payload that is not
 //!   JSON, or is over [`MAX_PAYLOAD_BYTES`], is refused before anything is written
 //!   (a CHECK constraint backs the size limit).
