@@ -228,3 +228,54 @@ async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
     assert_eq!(charged.charges.paid, 1, "{charged:?}");
     assert_eq!(p.total_charges(), 1);
 }
+
+/// A lookup the provider refuses as a reused key (the attempt predates
+/// migration 0009, and the customer's card changed since) is not a decline:
+/// the first request may have charged. The attempt stays unknown, flagged for
+/// a person, and nothing is announced.
+#[tokio::test]
+async fn a_refused_lookup_is_not_taken_for_a_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Hang);
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    let mut su = t.superuser().await;
+    for q in [
+        "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL",
+        "UPDATE customers SET payment_method_id = 'pm_card_mastercard'",
+    ] {
+        sqlx::query(q).execute(&mut su).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.reconciled.still_unknown, report.reconciled.declined),
+        (1, 0),
+        "{report:?}"
+    );
+    let (status, error): (String, Option<String>) = {
+        let r =
+            t.db.fetch_one(sql(
+                "SELECT provider_status, last_error FROM payment_attempts",
+            ))
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(status, "unknown");
+    assert!(error.unwrap_or_default().contains("settle by hand"));
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized'"
+        )
+        .await,
+        Vec::<String>::new()
+    );
+    assert_eq!(p.total_charges(), 1);
+}
