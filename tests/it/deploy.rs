@@ -7,7 +7,9 @@ use std::process::Command;
 
 /// Every series the rules may name: the leader layer's
 /// (crates/leader/src/manager.rs, crates/scheduler/src/status.rs) and the email
-/// outbox's (crates/email_outbox/src/tick.rs). A rule on any other name never fires.
+/// outbox's (crates/email_outbox/src/tick.rs) and billing's (crates/billing/src:
+/// tick.rs, charge.rs, reconcile.rs, lifecycle.rs, plan_change.rs). A rule on any
+/// other name never fires.
 const EXPORTED: &[&str] = &[
     "hardcount_emails_total",
     "hardcount_email_oldest_queued_age_seconds",
@@ -19,6 +21,14 @@ const EXPORTED: &[&str] = &[
     "hardcount_leader_tick_duration_seconds",
     "hardcount_leader_clock_drift_seconds",
     "hardcount_leader_status_errors_total",
+    "hardcount_billing_due_subscriptions",
+    "hardcount_billing_oldest_due_age_seconds",
+    "hardcount_billing_invoices_created_total",
+    "hardcount_billing_closes_total",
+    "hardcount_billing_charges_total",
+    "hardcount_billing_reconciler_resolutions_total",
+    "hardcount_billing_trials_ended_total",
+    "hardcount_billing_collections_resumed_total",
 ];
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
@@ -31,6 +41,7 @@ const PAGED_ON: &[&str] = &[
     "hardcount_leader_paused",
     "hardcount_leader_lease_lost_total",
     "hardcount_leader_status_errors_total",
+    "hardcount_billing_oldest_due_age_seconds",
 ];
 
 const RULES: &str = "deploy/prometheus/rules.yml";

@@ -161,6 +161,12 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
         .unwrap_or_else(|| panic!("no endpoint created:\n{out}"))
         .to_owned();
     assert!(out.contains("SMTP sink on smtp://127.0.0.1:"), "{out}");
+    // Billing's demo: the fake provider in process and the seeded subscriptions.
+    assert!(
+        out.contains("fake payment provider on http://127.0.0.1:"),
+        "{out}"
+    );
+    assert!(out.contains("demo billing: plan"), "{out}");
     // The demo's receipt emails reach the sink's maildir under the state directory.
     let inbox = state.0.join("mail/new");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -189,6 +195,7 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
         .await;
     let out = second.stdout();
     assert!(!out.contains("creating a Postgres"), "{out}");
+    assert!(out.contains("3 from the last run canceled"), "{out}");
     assert!(
         out.contains(&format!("reusing endpoint #{endpoint}")),
         "expected endpoint #{endpoint} reused:\n{out}"

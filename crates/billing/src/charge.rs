@@ -20,8 +20,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use futures::stream::{self, StreamExt};
 use leader::{Fence, Role, Tick};
-use scheduler::{FencedBatches, Panics, Shape};
+use scheduler::{FencedBatches, Panics, Payload, Shape, catch};
 use tracing::{info, warn};
 
 use crate::provider::{self, ChargeOutcome, PaymentRequest};
@@ -59,6 +60,10 @@ pub struct ChargeTally {
     pub released: usize,
     pub panicked: usize,
 }
+
+/// One concurrently run item of a batch: its id, and its result (`None`:
+/// not started, out of budget) or its panic.
+pub(crate) type Guarded<T> = (i64, Result<Option<Result<T, Error>>, Payload>);
 
 static CLAIMS: AtomicU64 = AtomicU64::new(0);
 
@@ -164,8 +169,9 @@ impl FencedBatches for AutoCharge<'_> {
     fn shape(&self) -> Shape {
         let c = &self.biller.inner.config;
         Shape {
-            // Calls are sequential; a smaller batch keeps each claim's lease short of its calls.
-            batch_size: c.batch_size.min(50),
+            // Calls run `charge_concurrency` at a time; a batch of at most eight
+            // rounds keeps each claim's lease well past its calls.
+            batch_size: c.batch_size.min(c.charge_concurrency * 8),
             budget: c.tick_budget,
             // One provider call must fit before the budget ends.
             reserve: c.provider.as_ref().map(|p| p.timeout).unwrap_or_default(),
@@ -188,59 +194,71 @@ impl FencedBatches for AutoCharge<'_> {
         panics: &mut Panics,
         tally: &mut ChargeTally,
     ) -> Result<(), Error> {
-        let call = self
-            .biller
-            .inner
-            .config
-            .provider
-            .as_ref()
-            .map(|p| p.timeout)
-            .unwrap_or_default();
-        let claimed: Vec<i64> = batch.iter().map(|c| c.invoice_id).collect();
+        let biller = self.biller;
+        let c = &biller.inner.config;
+        let call = c.provider.as_ref().map(|p| p.timeout).unwrap_or_default();
         let claimed_by = batch
             .first()
             .map(|c| c.claimed_by.clone())
             .unwrap_or_default();
-        let biller = self.biller;
-        let results = panics
-            .drain(
-                batch,
-                |c| format!("charge invoice {}", c.invoice_id),
-                |c| async move {
+        // Concurrent, bounded; each charge its own guarded step, so one that
+        // panics ends only itself (its attempt, if written, stays unknown for
+        // the reconciler, and its claim lease expires).
+        let results: Vec<Guarded<Charged>> = stream::iter(batch)
+            .map(|claim| {
+                let step = format!("{}/charge invoice {}", Role::Billing, claim.invoice_id);
+                let invoice = claim.invoice_id;
+                let charge = async move {
                     if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
-                        return (c.invoice_id, None);
+                        return None;
                     }
-                    (c.invoice_id, Some(biller.charge(&c).await))
-                },
-            )
+                    Some(biller.charge(&claim).await)
+                };
+                async move { (invoice, catch(step, charge).await) }
+            })
+            .buffer_unordered(c.charge_concurrency)
+            .collect()
             .await;
         let t = &biller.inner.telemetry;
         let mut unattempted = Vec::new();
-        for (invoice, result) in &results {
+        let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
+        for (invoice, result) in results {
             let label = match result {
-                None => {
-                    unattempted.push(*invoice);
+                Err(payload) => {
+                    tally.panicked += 1;
+                    panics.record(payload);
+                    "panicked"
+                }
+                Ok(None) => {
+                    unattempted.push(invoice);
                     continue;
                 }
-                Some(Ok(Charged::Paid { .. })) => {
+                Ok(Some(Ok(Charged::Paid { .. }))) => {
+                    calls += 1;
                     tally.paid += 1;
                     "succeeded"
                 }
-                Some(Ok(Charged::Declined { code })) => {
+                Ok(Some(Ok(Charged::Declined { code }))) => {
+                    calls += 1;
                     tally.declined += 1;
                     info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
                     "declined"
                 }
-                Some(Ok(Charged::Unknown { reason })) => {
+                Ok(Some(Ok(Charged::Unknown { reason }))) => {
+                    calls += 1;
                     tally.unknown += 1;
+                    if provider::is_outage_reason(&reason) {
+                        outages += 1;
+                        last_outage.clone_from(&reason);
+                    }
                     warn!(role = %Role::Billing, invoice, reason = %reason, "charge outcome unknown; left for the reconciler");
                     "unknown"
                 }
-                Some(Ok(Charged::ClaimLost | Charged::NoProvider)) => {
+                Ok(Some(Ok(Charged::ClaimLost | Charged::NoProvider))) => {
                     tally.claim_lost += 1;
                     "claim_lost"
                 }
-                Some(Err(e)) => {
+                Ok(Some(Err(e))) => {
                     tally.unknown += 1;
                     warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
                     "error"
@@ -249,10 +267,7 @@ impl FencedBatches for AutoCharge<'_> {
             t.counter("hardcount_billing_charges_total", &[("outcome", label)])
                 .increment(1);
         }
-        let panicked = claimed.len() - results.len();
-        tally.panicked += panicked;
         if !unattempted.is_empty() {
-            let c = &biller.inner.config;
             let n = store::release_unattempted(
                 &biller.inner.db,
                 &unattempted,
@@ -261,6 +276,12 @@ impl FencedBatches for AutoCharge<'_> {
             )
             .await?;
             tally.released += usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if calls > 0 && outages == calls {
+            return Err(Error::ProviderOutage {
+                calls,
+                last: last_outage,
+            });
         }
         Ok(())
     }

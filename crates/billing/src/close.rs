@@ -2,8 +2,17 @@
 //! follows and the invoice for the one that ended. Pure: no SQL, no I/O.
 //!
 //! Billing is in arrears: closing the period `[start, end)` invoices exactly
-//! that period, at the plan's amount, and the next period runs from `end` to
-//! the next boundary of the anchor's grid ([`crate::period::end_after`]).
+//! that period, and the next period runs from `end` to the next boundary of
+//! the anchor's grid ([`crate::period::end_after`]).
+//!
+//! **Pro rata.** A period that is a whole period of the anchor's grid is
+//! invoiced at the plan's amount. A partial one (it starts off the grid
+//! because a trial ended or a plan changed mid-period, or it was truncated by
+//! a plan change) is invoiced `amount × used / full`, where `full` is the
+//! length of the grid period containing its start and `used` its own length,
+//! both in milliseconds, **rounded half up to the minor unit**
+//! ([`crate::period::pro_rata`]). A partial February of an anchor on the
+//! 31st is measured against February's own length (28 or 29 days).
 
 use chrono::{DateTime, Utc};
 
@@ -44,6 +53,20 @@ pub struct Closing {
     pub amount: i64,
     pub currency: String,
     pub collection_method: String,
+    /// The plan the next period is on, when it changes (a plan change);
+    /// `None` keeps the subscription's plan.
+    pub plan_id: Option<i64>,
+}
+
+/// A plan a subscription changes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub id: i64,
+    pub interval_unit: String,
+    pub interval_count: i32,
+    /// Integer minor units of `currency`.
+    pub amount: i64,
+    pub currency: String,
 }
 
 /// Why a due subscription cannot be closed. Billing treats these as corrupt
@@ -62,20 +85,11 @@ pub enum Unbillable {
 /// [`Unbillable`] for an interval the schema should have refused, or a next
 /// period end past chrono's range (about year 262 000).
 pub fn close(due: &Due) -> Result<Closing, Unbillable> {
-    let bad = || Unbillable::Interval {
-        unit: due.interval_unit.clone(),
-        count: due.interval_count,
-    };
-    let interval = Interval {
-        unit: Unit::parse(&due.interval_unit).ok_or_else(bad)?,
-        count: u32::try_from(due.interval_count)
-            .ok()
-            .filter(|c| *c > 0)
-            .ok_or_else(bad)?,
-    };
+    let interval = interval(&due.interval_unit, due.interval_count)?;
     let next_start = due.current_period_end;
     let next_end = period::end_after(due.billing_anchor, interval, next_start)
         .ok_or(Unbillable::OutOfRange(next_start))?;
+    let amount = amount_for(due, interval, due.current_period_start, next_start)?;
     Ok(Closing {
         subscription_id: due.subscription_id,
         tenant_id: due.tenant_id.clone(),
@@ -84,10 +98,67 @@ pub fn close(due: &Due) -> Result<Closing, Unbillable> {
         watermark: due.next_billing_at,
         next_start,
         next_end,
-        amount: due.amount,
+        amount,
         currency: due.currency.clone(),
         collection_method: due.collection_method.clone(),
+        plan_id: None,
     })
+}
+
+/// A plan change at `at`: the current period truncated to `[start, at)` and
+/// invoiced pro rata on the old plan; the next period `[at, end)` on `plan`,
+/// ending at the next boundary of the anchor's grid for `plan`'s interval.
+///
+/// # Errors
+/// [`Unbillable`] for an interval that is not one, or a period end out of range.
+pub fn truncate(due: &Due, plan: &Plan, at: DateTime<Utc>) -> Result<Closing, Unbillable> {
+    let old = interval(&due.interval_unit, due.interval_count)?;
+    let new = interval(&plan.interval_unit, plan.interval_count)?;
+    let next_end =
+        period::end_after(due.billing_anchor, new, at).ok_or(Unbillable::OutOfRange(at))?;
+    let amount = amount_for(due, old, due.current_period_start, at)?;
+    Ok(Closing {
+        subscription_id: due.subscription_id,
+        tenant_id: due.tenant_id.clone(),
+        status: due.status.clone(),
+        period_start: due.current_period_start,
+        watermark: due.next_billing_at,
+        next_start: at,
+        next_end,
+        amount,
+        currency: due.currency.clone(),
+        collection_method: due.collection_method.clone(),
+        plan_id: Some(plan.id),
+    })
+}
+
+fn interval(unit: &str, count: i32) -> Result<Interval, Unbillable> {
+    let bad = || Unbillable::Interval {
+        unit: unit.to_owned(),
+        count,
+    };
+    Ok(Interval {
+        unit: Unit::parse(unit).ok_or_else(bad)?,
+        count: u32::try_from(count)
+            .ok()
+            .filter(|c| *c > 0)
+            .ok_or_else(bad)?,
+    })
+}
+
+/// The invoice amount of `[start, end)` on `due`'s plan: whole or pro rata.
+fn amount_for(
+    due: &Due,
+    interval: Interval,
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+) -> Result<i64, Unbillable> {
+    let (b, b_next) = period::containing(due.billing_anchor, interval, start)
+        .ok_or(Unbillable::OutOfRange(start))?;
+    if start == b && end >= b_next {
+        return Ok(due.amount);
+    }
+    Ok(period::pro_rata(due.amount, end - start, b_next - b))
 }
 
 #[cfg(test)]
@@ -165,5 +236,54 @@ mod tests {
         d.interval_unit = "year".into();
         d.interval_count = 1000;
         assert!(matches!(close(&d), Err(Unbillable::OutOfRange(_))));
+    }
+
+    #[test]
+    fn a_partial_period_is_invoiced_pro_rata_rounded_half_up() {
+        // Anchor Jan 31 2024, a period that starts Feb 15 (a trial ended):
+        // 14 of February's 29 days; 1200 × 14 / 29 = 579.31 → 579.
+        let mut d = due(at(2024, 1, 31), at(2024, 2, 15), at(2024, 2, 29));
+        assert_eq!(close(&d).unwrap().amount, 579);
+        // The same in 2023: 13 of 28 days, 1200 × 13 / 28 = 557.14 → 557.
+        d = due(at(2023, 1, 31), at(2023, 2, 15), at(2023, 2, 28));
+        assert_eq!(close(&d).unwrap().amount, 557);
+        // Exactly half a minor unit rounds up: 1 × 1 / 2 = 0.5 → 1.
+        let half =
+            crate::period::pro_rata(1, chrono::TimeDelta::days(1), chrono::TimeDelta::days(2));
+        assert_eq!(half, 1);
+        // A whole period is the plan's amount.
+        d = due(at(2024, 1, 31), at(2024, 2, 29), at(2024, 3, 31));
+        assert_eq!(close(&d).unwrap().amount, 1200);
+    }
+
+    #[test]
+    fn a_plan_change_truncates_the_period_and_starts_the_next_on_the_new_plan() {
+        let d = due(at(2024, 1, 31), at(2024, 2, 29), at(2024, 3, 31));
+        let yearly = Plan {
+            id: 9,
+            interval_unit: "year".into(),
+            interval_count: 1,
+            amount: 12_000,
+            currency: "EUR".into(),
+        };
+        // Used 10 of March's 31 days on the old plan: 1200 × 10 / 31 = 387.1 → 387.
+        let c = truncate(&d, &yearly, at(2024, 3, 10)).unwrap();
+        assert_eq!(
+            (
+                c.period_start,
+                c.next_start,
+                c.next_end,
+                c.amount,
+                c.plan_id
+            ),
+            (
+                at(2024, 2, 29),
+                at(2024, 3, 10),
+                at(2025, 1, 31),
+                387,
+                Some(9)
+            )
+        );
+        assert_eq!(c.watermark, at(2024, 3, 31));
     }
 }

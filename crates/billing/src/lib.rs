@@ -16,29 +16,51 @@
 //!           AND next_billing_at = $read          lost ──▶ nothing written
 //!    2. INSERT invoices … ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup
 //!         DO NOTHING                             hit ──▶ roll back, redo without it
-//!    3. webhook_outbox::enqueue(invoice.finalized) per invoice created
+//!    3. webhook_outbox::enqueue_many: invoice.finalized per invoice created (one statement)
 //!  COMMIT; the next batch, until a short batch, the budget, or cancel
 //! ```
 //!
 //! Then auto-charge (`charge`, docs/adr/0011), when a provider is configured:
 //!
 //! ```text
-//!  claim ≤ 50 open automatic invoices       lease free or expired, no attempt yet,
+//!  claim ≤ 8 × charge_concurrency invoices lease free or expired, no attempt yet,
 //!    lease = now() + charge_lease            AND leader_fence('billing', $token)  (fenced)
-//!  per invoice, under the panic guard:
+//!  per invoice, charge_concurrency at a time, each under the panic guard:
 //!    INSERT attempt 1 (unknown, key)         only while our claim holds the invoice
 //!    POST /v1/payment_intents, Idempotency-Key = (invoice, attempt)
 //!      succeeded ─▶ open → paid by CAS (claim still ours) + invoice.paid,
 //!                   payment.succeeded, receipt email            (one transaction)
 //!      declined  ─▶ attempt declined(code), payment.failed, email (one transaction)
 //!      unknown   ─▶ attempt stays unknown; lease expires; the reconciler's
+//!  every call of the batch an outage (refused, 5xx) ─▶ the tick ends as failed
 //! ```
 //!
-//! Built so far: the schema (migration 0006), period math ([`period`]), the
-//! due-billing step, auto-charge and the provider client ([`provider`]).
-//! **Not built yet** (docs/adr/0010 and issue 10): expired trials,
-//! pause-collection resumes, enrolment into dunning, the payment reconciler,
-//! plan changes. Each will run under the panic guard in the order DESIGN.md gives.
+//! The tick's steps, in this order, each a driven pass under the panic guard
+//! (a panic in one lets the later ones run and is raised after the last):
+//!
+//! 1. **expired trials** activate by compare-and-set on status (and the trial
+//!    end read) with `subscription.trial_ended`; a trial that ends off the
+//!    anchor's grid starts a partial period (`lifecycle`);
+//! 2. **lifted pause-collections** resume by compare-and-set on the pause read,
+//!    with `subscription.collection_resumed` in the same transaction;
+//! 3. **due billing** (above); a partial period is invoiced pro rata, rounded
+//!    half up ([`period::pro_rata`], [`close`]);
+//! 4. **auto-charge** (above), `charge_concurrency` calls at a time;
+//! 5. **the payment reconciler** (`reconcile`): unknown attempts whose claim has
+//!    expired are looked up by repeating their request under the same key and
+//!    settled as auto-charge settles; every checked row is stamped, a panicked
+//!    one too; expired claims are freed.
+//!
+//! A plan change ([`Biller::change_plan`]) truncates the current period through
+//! the closing's compare-and-set and invoices the used part pro rata; it fails
+//! with [`Error::SubscriptionPeriodMoved`] (`subscription_period_moved`) and
+//! writes nothing when the watermark moved.
+//!
+//! **Dunning enrolment is not billing's**: an open invoice whose attempt was
+//! declined is the hand-off; the dunning crate enrols such invoices as the
+//! first step of its own tick (docs/adr/0012), through the `pub(crate)` store
+//! functions `claim_charges`, `start_attempt`, `settle_paid`, `settle_declined` and
+//! `note_unknown`.
 //!
 //! Guarantees:
 //!
@@ -69,23 +91,35 @@
 //!   `invoice.paid`, `payment.succeeded` and the receipt; declined with
 //!   `payment.failed` and its email; only while the claim still holds it.
 //! - **The secret key is never shown**: not in logs, errors or `Debug`.
+//! - **An unknown outcome is settled by its key, once**: the reconciler looks it
+//!   up only after the claim that made the call expired, under its own claim;
+//!   a refusal of the key is not taken for a decline.
+//! - **A provider outage fails the tick** (every call of a batch refused or
+//!   5xx): released as failed, retried after the short cooldown.
 //!
 //! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
-//! ([`Biller`], the driver's implementation), `charge` (the auto-charge step),
-//! [`provider`] (the HTTP client), `close` and [`period`] (pure).
+//! ([`Biller`], the driver's implementation), `lifecycle` (trials, resumes),
+//! `charge` (the auto-charge step), `reconcile` (the payment reconciler),
+//! `plan_change`, [`provider`] (the HTTP client), [`close`] and [`period`] (pure).
 
 mod charge;
 pub mod close;
 mod config;
+mod lifecycle;
 pub mod period;
+mod plan_change;
 pub mod provider;
+mod reconcile;
 mod store;
 mod tick;
 
 pub use charge::{ChargeTally, Charged};
-pub use close::{Due, Unbillable};
+pub use close::{Due, Plan, Unbillable};
 pub use config::{BillingConfig, ConfigError};
+pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
+pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
+pub use reconcile::{ReconcileTally, Resolution};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 
@@ -104,4 +138,36 @@ pub enum Error {
     /// A receipt or payment-failed email was refused; the settling rolled back.
     #[error("billing could not enqueue an email: {0}")]
     EmailEnqueue(#[from] email_outbox::EnqueueError),
+    /// Every provider call of a batch found the provider down (connection
+    /// refused or 5xx): the tick stops and is released as failed.
+    #[error("payment provider outage: all {calls} calls of the batch failed ({last})")]
+    ProviderOutage { calls: usize, last: String },
+    /// A plan change found the period moved since its snapshot (the tick
+    /// closed it, or another change truncated it): nothing was written.
+    /// Code `subscription_period_moved` (HTTP 409 once the API exists).
+    #[error("subscription {subscription} period moved under the plan change; nothing written")]
+    SubscriptionPeriodMoved { subscription: i64 },
+    /// A plan change named no active subscription of the tenant, or a plan
+    /// not of the tenant. Code `subscription_not_found`.
+    #[error("no active subscription {subscription} with plan {plan} in tenant {tenant}")]
+    SubscriptionNotFound {
+        tenant: String,
+        subscription: i64,
+        plan: i64,
+    },
+}
+
+impl Error {
+    /// A stable machine-readable code, for the API's error bodies.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Config(_) => "billing_config",
+            Error::Db(_) => "billing_store",
+            Error::Unbillable(_) => "subscription_unbillable",
+            Error::Enqueue(_) | Error::EmailEnqueue(_) => "billing_enqueue",
+            Error::ProviderOutage { .. } => "payment_provider_outage",
+            Error::SubscriptionPeriodMoved { .. } => "subscription_period_moved",
+            Error::SubscriptionNotFound { .. } => "subscription_not_found",
+        }
+    }
 }

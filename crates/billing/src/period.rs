@@ -2,8 +2,8 @@
 //!
 //! Every boundary is computed from the subscription's **anchor**, in UTC, as
 //! `anchor + k × count × unit` for k = 0, 1, 2, … — never by adding one interval
-//! to the previous boundary. For hours, days and weeks a unit is a fixed length
-//! (3600 s, 86 400 s, 604 800 s; UTC has no daylight saving). For months and
+//! to the previous boundary. For minutes, hours, days and weeks a unit is a fixed length
+//! (60 s, 3600 s, 86 400 s, 604 800 s; UTC has no daylight saving). For months and
 //! years the date moves by whole calendar months, and a day that does not exist
 //! in the target month is clamped to its last day, keeping the time of day:
 //!
@@ -20,6 +20,8 @@ use chrono::{DateTime, Datelike, Months, TimeDelta, Utc};
 /// The unit of a plan's interval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unit {
+    /// For short demo plans (the local run); 60 s.
+    Minute,
     Hour,
     Day,
     Week,
@@ -31,6 +33,7 @@ impl Unit {
     /// The unit as the `plans.interval_unit` column spells it.
     pub fn parse(s: &str) -> Option<Unit> {
         Some(match s {
+            "minute" => Unit::Minute,
             "hour" => Unit::Hour,
             "day" => Unit::Day,
             "week" => Unit::Week,
@@ -45,13 +48,14 @@ impl Unit {
         match self {
             Unit::Month => Some(1),
             Unit::Year => Some(12),
-            Unit::Hour | Unit::Day | Unit::Week => None,
+            Unit::Minute | Unit::Hour | Unit::Day | Unit::Week => None,
         }
     }
 
     /// Seconds per unit, for the fixed-length units.
     fn seconds(self) -> Option<i64> {
         match self {
+            Unit::Minute => Some(60),
             Unit::Hour => Some(3600),
             Unit::Day => Some(86_400),
             Unit::Week => Some(7 * 86_400),
@@ -89,6 +93,11 @@ pub fn end_after(
     interval: Interval,
     after: DateTime<Utc>,
 ) -> Option<DateTime<Utc>> {
+    boundary(anchor, interval, index_after(anchor, interval, after)?)
+}
+
+/// The k of [`end_after`]: the least k with `boundary(k) > after`.
+fn index_after(anchor: DateTime<Utc>, interval: Interval, after: DateTime<Utc>) -> Option<u32> {
     if interval.count == 0 {
         return None;
     }
@@ -105,12 +114,40 @@ pub fn end_after(
     };
     let mut k = u32::try_from(estimate.max(0)).ok()?;
     loop {
-        let b = boundary(anchor, interval, k)?;
-        if b > after {
-            return Some(b);
+        if boundary(anchor, interval, k)? > after {
+            return Some(k);
         }
         k = k.checked_add(1)?;
     }
+}
+
+/// The period of `anchor`'s grid that contains `at`: `(b_k, b_k+1)` with
+/// `b_k <= at < b_k+1`. Before the anchor it is the grid's first period.
+/// `None` when a boundary is past chrono's range.
+pub fn containing(
+    anchor: DateTime<Utc>,
+    interval: Interval,
+    at: DateTime<Utc>,
+) -> Option<(DateTime<Utc>, DateTime<Utc>)> {
+    let k = index_after(anchor, interval, at)?.max(1);
+    Some((
+        boundary(anchor, interval, k - 1)?,
+        boundary(anchor, interval, k)?,
+    ))
+}
+
+/// `amount` × `used` / `full`, in integer minor units, **rounded half up**
+/// (half a minor unit or more rounds up; never a float). `used` is clamped
+/// to `[0, full]`; a zero or negative `full` charges the whole amount.
+pub fn pro_rata(amount: i64, used: TimeDelta, full: TimeDelta) -> i64 {
+    let full = i128::from(full.num_milliseconds());
+    if full <= 0 {
+        return amount;
+    }
+    let used = i128::from(used.num_milliseconds()).clamp(0, full);
+    let amount = i128::from(amount);
+    let rounded = (2 * amount * used + full) / (2 * full);
+    i64::try_from(rounded).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -132,6 +132,16 @@ impl Provider {
         attempt_seq: i32,
     ) -> ChargeOutcome {
         let key = idempotency_key(req.invoice_id, attempt_seq);
+        self.payment_intent_with_key(req, &key).await
+    }
+
+    /// The same request under an explicit `Idempotency-Key`. This is also
+    /// the **lookup by key** (docs/adr/0012): Stripe has no endpoint that
+    /// finds a request by its key, but the same key with the same parameters
+    /// answers the stored result without charging again (within Stripe's
+    /// 24-hour key window), and executes the charge once if the first request
+    /// never ran.
+    pub async fn payment_intent_with_key(&self, req: &PaymentRequest, key: &str) -> ChargeOutcome {
         let body = url::form_urlencoded::Serializer::new(String::new())
             .append_pair("amount", &req.amount.to_string())
             .append_pair("currency", &req.currency.to_ascii_lowercase())
@@ -148,7 +158,7 @@ impl Provider {
             .client
             .post(url)
             .bearer_auth(self.config.secret_key.expose())
-            .header("idempotency-key", &key)
+            .header("idempotency-key", key)
             .header("content-type", "application/x-www-form-urlencoded")
             .body(body)
             .send()
@@ -172,6 +182,24 @@ impl Provider {
         };
         classify(status, &text)
     }
+}
+
+/// The reason prefixes of an unknown outcome that says the provider is down
+/// (no connection, or a 5xx), as opposed to one slow or odd answer.
+const OUTAGE: [&str; 2] = ["connection failed", "HTTP 5"];
+
+impl ChargeOutcome {
+    /// Whether this answer says the provider is down: the connection was
+    /// refused or failed, or it answered 5xx. A timeout is not counted: the
+    /// call may have reached a slow provider.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, ChargeOutcome::Unknown { reason } if is_outage_reason(reason))
+    }
+}
+
+/// [`ChargeOutcome::is_outage`] on the reason an unknown outcome recorded.
+pub fn is_outage_reason(reason: &str) -> bool {
+    OUTAGE.iter().any(|p| reason.starts_with(p))
 }
 
 /// A transport error without the URL's secrets (there are none in the URL,
@@ -220,6 +248,7 @@ pub(crate) fn classify(status: u16, body: &str) -> ChargeOutcome {
             payment_intent: None,
         },
         _ => ChargeOutcome::Unknown {
+            // "HTTP 5…" is an outage (`is_outage_reason`).
             reason: format!("HTTP {status} from the payment provider"),
         },
     }

@@ -146,10 +146,11 @@ async fn close_once(
                  SET current_period_start = i.next_start, \
                      current_period_end = i.next_end, \
                      next_billing_at = i.next_end, \
+                     plan_id = COALESCE(i.plan_id, s.plan_id), \
                      updated_at = now() \
                  FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::timestamptz[], \
-                             $5::timestamptz[], $6::timestamptz[]) \
-                      AS i(id, status, period_start, watermark, next_start, next_end) \
+                             $5::timestamptz[], $6::timestamptz[], $7::bigint[]) \
+                      AS i(id, status, period_start, watermark, next_start, next_end, plan_id) \
                  WHERE s.id = i.id \
                    AND s.status = i.status \
                    AND s.current_period_start = i.period_start \
@@ -160,7 +161,8 @@ async fn close_once(
             .bind(col(|c| c.period_start))
             .bind(col(|c| c.watermark))
             .bind(col(|c| c.next_start))
-            .bind(col(|c| c.next_end)),
+            .bind(col(|c| c.next_end))
+            .bind(closings.iter().map(|c| c.plan_id).collect::<Vec<_>>()),
         )
         .await?;
     let won: HashSet<i64> = won
@@ -232,11 +234,17 @@ async fn close_once(
             .collect();
         return Ok(Attempt::Deduplicated(hits));
     }
-    for c in &winners {
-        let invoice_id = invoice_of[&c.subscription_id];
-        let payload = finalized_payload(invoice_id, c);
-        webhook_outbox::enqueue(&mut tx, &c.tenant_id, "invoice.finalized", &payload).await?;
-    }
+    // One invoice.finalized per invoice created, with one statement.
+    let payloads: Vec<String> = winners
+        .iter()
+        .map(|c| finalized_payload(invoice_of[&c.subscription_id], c))
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = winners
+        .iter()
+        .zip(&payloads)
+        .map(|(c, p)| (c.tenant_id.as_str(), "invoice.finalized", p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(&mut tx, &events).await?;
     tx.commit().await?;
     Ok(Attempt::Committed(
         closings
@@ -394,8 +402,9 @@ pub(crate) async fn start_attempt(
         .fetch_optional(
             sql(
                 "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                               amount, currency) \
-                 SELECT i.tenant_id, i.id, $2, $3, i.amount, i.currency FROM invoices i \
+                                               amount, currency, provider_customer_id, \
+                                               payment_method_id) \
+                 SELECT i.tenant_id, i.id, $2, $3, i.amount, i.currency, $5, $6 FROM invoices i \
                  WHERE i.id = $1 AND i.status = 'open' \
                    AND i.auto_charge_claimed_by = $4 AND i.auto_charge_claimed_until > now() \
                  ON CONFLICT DO NOTHING \
@@ -404,7 +413,9 @@ pub(crate) async fn start_attempt(
             .bind(claim.invoice_id)
             .bind(attempt_seq)
             .bind(idempotency_key.to_owned())
-            .bind(claim.claimed_by.clone()),
+            .bind(claim.claimed_by.clone())
+            .bind(claim.provider_customer.clone())
+            .bind(claim.payment_method.clone()),
         )
         .await?;
     tx.commit().await?;
@@ -437,7 +448,8 @@ pub(crate) async fn settle_paid(
         .execute(
             sql("UPDATE invoices SET status = 'paid', paid_at = now(), \
                         auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2")
+                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2 \
+                   AND auto_charge_claimed_until > now()")
             .bind(claim.invoice_id)
             .bind(claim.claimed_by.clone()),
         )
@@ -457,15 +469,17 @@ pub(crate) async fn settle_paid(
         "currency": claim.currency,
         "payment_intent": payment_intent,
     });
-    webhook_outbox::enqueue(
+    let invoice = invoice.to_string();
+    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
+    let tenant = claim.tenant_id.as_str();
+    webhook_outbox::enqueue_many(
         &mut tx,
-        &claim.tenant_id,
-        "invoice.paid",
-        &invoice.to_string(),
+        &[
+            (tenant, "invoice.paid", &invoice),
+            (tenant, "payment.succeeded", &payment),
+        ],
     )
     .await?;
-    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
-    webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.succeeded", &payment).await?;
     let receipt = email_outbox::Email {
         from: email_from.to_owned(),
         to: vec![claim.email.clone()],
@@ -498,7 +512,8 @@ pub(crate) async fn settle_declined(
     let released = tx
         .execute(
             sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2")
+                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2 \
+                   AND auto_charge_claimed_until > now()")
             .bind(claim.invoice_id)
             .bind(claim.claimed_by.clone()),
         )
@@ -627,4 +642,454 @@ fn money(amount: i64, currency: &str) -> String {
     } else {
         format!("{}.{:02} {currency}", amount / 100, amount % 100)
     }
+}
+
+/// A trialing subscription whose trial has ended, as the trial funnel read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TrialEnded {
+    pub subscription_id: i64,
+    pub tenant_id: String,
+    pub billing_anchor: DateTime<Utc>,
+    /// The trial end as read: proven by the activation, and where the first
+    /// paid period starts.
+    pub trial_end: DateTime<Utc>,
+    pub interval_unit: String,
+    pub interval_count: i32,
+}
+
+/// The fenced trial funnel: up to `limit` trialing subscriptions whose trial
+/// ended, oldest first, leaving out `except`.
+pub(crate) async fn claim_trials(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    except: &[i64],
+    statement_timeout: Duration,
+) -> Result<Vec<TrialEnded>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
+                        p.interval_unit, p.interval_count \
+                 FROM subscriptions s \
+                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
+                 WHERE s.status = 'trialing' AND s.trial_end <= now() \
+                   AND s.id <> ALL ($3) \
+                   AND leader_fence($1, $2) \
+                 ORDER BY s.trial_end, s.id \
+                 LIMIT $4 \
+                 FOR UPDATE OF s SKIP LOCKED")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(except.to_vec())
+            .bind(limit),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| {
+            Ok(TrialEnded {
+                subscription_id: r.try_get("id")?,
+                tenant_id: r.try_get("tenant_id")?,
+                billing_anchor: r.try_get("billing_anchor")?,
+                trial_end: r.try_get("trial_end")?,
+                interval_unit: r.try_get("interval_unit")?,
+                interval_count: r.try_get("interval_count")?,
+            })
+        })
+        .collect()
+}
+
+/// Activate ended trials, one transaction: per row, trialing → active by
+/// compare-and-set on the status and the trial end read, the first paid
+/// period `[trial_end, period_end)`, and `subscription.trial_ended`. Returns
+/// the subscriptions activated; a lost compare-and-set writes nothing.
+pub(crate) async fn activate_trials(
+    db: &Db,
+    trials: &[(TrialEnded, DateTime<Utc>)],
+    statement_timeout: Duration,
+) -> Result<Vec<i64>, Error> {
+    if trials.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE subscriptions s \
+                 SET status = 'active', current_period_start = i.trial_end, \
+                     current_period_end = i.period_end, next_billing_at = i.period_end, \
+                     updated_at = now() \
+                 FROM unnest($1::bigint[], $2::timestamptz[], $3::timestamptz[]) \
+                      AS i(id, trial_end, period_end) \
+                 WHERE s.id = i.id AND s.status = 'trialing' AND s.trial_end = i.trial_end \
+                 RETURNING s.id, s.tenant_id, s.current_period_start, s.current_period_end")
+            .bind(
+                trials
+                    .iter()
+                    .map(|(t, _)| t.subscription_id)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(trials.iter().map(|(t, _)| t.trial_end).collect::<Vec<_>>())
+            .bind(trials.iter().map(|(_, end)| *end).collect::<Vec<_>>()),
+        )
+        .await?;
+    let mut activated = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(db::Error::from)?;
+        let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
+        let start: DateTime<Utc> = r.try_get("current_period_start").map_err(db::Error::from)?;
+        let end: DateTime<Utc> = r.try_get("current_period_end").map_err(db::Error::from)?;
+        let payload = serde_json::json!({
+            "object": "subscription",
+            "id": id,
+            "status": "active",
+            "trial_end": start.to_rfc3339(),
+            "current_period_start": start.to_rfc3339(),
+            "current_period_end": end.to_rfc3339(),
+        });
+        webhook_outbox::enqueue(
+            &mut tx,
+            &tenant,
+            "subscription.trial_ended",
+            &payload.to_string(),
+        )
+        .await?;
+        activated.push(id);
+    }
+    tx.commit().await?;
+    Ok(activated)
+}
+
+/// A pause-collection whose resume time has passed, as the resume funnel read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LiftedPause {
+    pub subscription_id: i64,
+    pub tenant_id: String,
+    pub behavior: String,
+    pub resumes_at: DateTime<Utc>,
+    pub set_by: Option<String>,
+}
+
+/// The fenced resume funnel: up to `limit` subscriptions whose
+/// pause-collection resume time has passed, oldest first.
+pub(crate) async fn claim_lifted_pauses(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<Vec<LiftedPause>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
+                        s.pause_collection_resumes_at, s.pause_collection_set_by \
+                 FROM subscriptions s \
+                 WHERE s.pause_collection_resumes_at <= now() \
+                   AND leader_fence($1, $2) \
+                 ORDER BY s.pause_collection_resumes_at, s.id \
+                 LIMIT $3 \
+                 FOR UPDATE OF s SKIP LOCKED")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| {
+            Ok(LiftedPause {
+                subscription_id: r.try_get("id")?,
+                tenant_id: r.try_get("tenant_id")?,
+                behavior: r.try_get("pause_collection_behavior")?,
+                resumes_at: r.try_get("pause_collection_resumes_at")?,
+                set_by: r.try_get("pause_collection_set_by")?,
+            })
+        })
+        .collect()
+}
+
+/// Resume collection, one transaction: per row, the pause cleared by
+/// compare-and-set on the pause as read (behaviour, resume time, setter),
+/// and `subscription.collection_resumed` in the same transaction. Returns the
+/// subscriptions resumed; a lost compare-and-set writes and announces nothing.
+pub(crate) async fn resume_lifted_pauses(
+    db: &Db,
+    pauses: &[LiftedPause],
+    statement_timeout: Duration,
+) -> Result<Vec<i64>, Error> {
+    if pauses.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE subscriptions s \
+                 SET pause_collection_behavior = NULL, pause_collection_resumes_at = NULL, \
+                     pause_collection_set_by = NULL, updated_at = now() \
+                 FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::text[]) \
+                      AS i(id, behavior, resumes_at, set_by) \
+                 WHERE s.id = i.id \
+                   AND s.pause_collection_behavior = i.behavior AND s.pause_collection_resumes_at = i.resumes_at AND s.pause_collection_set_by IS NOT DISTINCT FROM i.set_by \
+                 RETURNING s.id, s.tenant_id")
+            .bind(pauses.iter().map(|p| p.subscription_id).collect::<Vec<_>>())
+            .bind(pauses.iter().map(|p| p.behavior.clone()).collect::<Vec<_>>())
+            .bind(pauses.iter().map(|p| p.resumes_at).collect::<Vec<_>>())
+            .bind(pauses.iter().map(|p| p.set_by.clone()).collect::<Vec<_>>()),
+        )
+        .await?;
+    let mut resumed = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let id: i64 = r.try_get("id").map_err(db::Error::from)?;
+        let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
+        let p = pauses.iter().find(|p| p.subscription_id == id);
+        let payload = serde_json::json!({
+            "object": "subscription",
+            "id": id,
+            "pause_collection": null,
+            "previous_pause_collection": p.map(|p| serde_json::json!({
+                "behavior": p.behavior,
+                "resumes_at": p.resumes_at.to_rfc3339(),
+            })),
+        });
+        webhook_outbox::enqueue(
+            &mut tx,
+            &tenant,
+            "subscription.collection_resumed",
+            &payload.to_string(),
+        )
+        .await?;
+        resumed.push(id);
+    }
+    tx.commit().await?;
+    Ok(resumed)
+}
+
+/// An attempt whose outcome is unknown, with the claim the reconciler took
+/// on its invoice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UnknownAttempt {
+    pub attempt_id: i64,
+    pub attempt_seq: i32,
+    pub idempotency_key: String,
+    /// Amount, currency, customer and card as the attempt was sent.
+    pub claim: ChargeClaim,
+}
+
+/// The fenced unknown-outcome funnel: up to `limit` unknown attempts of open
+/// invoices whose auto-charge claim is free or expired (so no call of
+/// theirs can still be in flight), least recently checked first, only the
+/// earliest unknown attempt of an invoice (a later one is looked up only once
+/// the earlier is settled declined: were the earlier one paid, the invoice is
+/// no longer open and the later key is never sent again); each
+/// invoice taken under a fresh claim lease by the same conditional UPDATE
+/// auto-charge uses.
+pub(crate) async fn claim_unknown(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    except: &[i64],
+    claimed_by: &str,
+    lease: Duration,
+    statement_timeout: Duration,
+) -> Result<Vec<UnknownAttempt>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql(
+                "WITH picked AS ( \
+                   SELECT a.id AS attempt_id, i.id FROM payment_attempts a \
+                   JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
+                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   WHERE a.provider_status = 'unknown' AND i.status = 'open' \
+                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+                     AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
+                     AND a.id <> ALL ($6) \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
+                                     WHERE e.invoice_id = a.invoice_id \
+                                       AND e.provider_status = 'unknown' \
+                                       AND e.attempt_seq < a.attempt_seq) \
+                     AND leader_fence($1, $2) \
+                   ORDER BY a.last_checked_at NULLS FIRST, a.id \
+                   LIMIT $3 \
+                   FOR UPDATE OF i SKIP LOCKED \
+                 ), claimed AS ( \
+                   UPDATE invoices i \
+                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+                       auto_charge_claimed_by = $5 \
+                   FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id \
+                 ) \
+                 SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
+                        k.id, k.tenant_id, k.subscription_id, c.email, \
+                        COALESCE(a.provider_customer_id, c.provider_customer_id) AS customer, \
+                        COALESCE(a.payment_method_id, c.payment_method_id) AS card \
+                 FROM claimed k \
+                 JOIN picked p ON p.id = k.id \
+                 JOIN payment_attempts a ON a.id = p.attempt_id \
+                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                 ORDER BY a.last_checked_at NULLS FIRST, a.id",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit)
+            .bind(lease.as_secs_f64())
+            .bind(claimed_by.to_owned())
+            .bind(except.to_vec()),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| {
+            Ok(UnknownAttempt {
+                attempt_id: r.try_get("attempt_id")?,
+                attempt_seq: r.try_get("attempt_seq")?,
+                idempotency_key: r.try_get("idempotency_key")?,
+                claim: ChargeClaim {
+                    invoice_id: r.try_get("id")?,
+                    tenant_id: r.try_get("tenant_id")?,
+                    subscription_id: r.try_get("subscription_id")?,
+                    amount: r.try_get("amount")?,
+                    currency: r.try_get("currency")?,
+                    email: r.try_get("email")?,
+                    provider_customer: r.try_get("customer")?,
+                    payment_method: r.try_get("card")?,
+                    claimed_by: claimed_by.to_owned(),
+                },
+            })
+        })
+        .collect()
+}
+
+/// After the unknown-outcome checks of a batch: stamp every checked attempt
+/// (settled, still unknown, or whose check panicked) so it goes to the back
+/// of the sweep, and give back the claims the checks still hold.
+pub(crate) async fn stamp_checked(
+    db: &Db,
+    attempt_ids: &[i64],
+    invoice_ids: &[i64],
+    claimed_by: &str,
+    statement_timeout: Duration,
+) -> Result<(), db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    tx.execute(
+        sql("UPDATE payment_attempts SET last_checked_at = now() WHERE id = ANY($1)")
+            .bind(attempt_ids.to_vec()),
+    )
+    .await?;
+    tx.execute(
+        sql(
+            "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+             WHERE id = ANY($1) AND auto_charge_claimed_by = $2",
+        )
+        .bind(invoice_ids.to_vec())
+        .bind(claimed_by.to_owned()),
+    )
+    .await?;
+    tx.commit().await
+}
+
+/// The stale-hold sweep, fenced: free up to `limit` auto-charge claims past
+/// their expiry, the longest expired first. One statement; a freed row
+/// leaves the sweep, so no row can hold up the ones behind it.
+pub(crate) async fn free_stale_holds(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 WHERE id IN (SELECT id FROM invoices \
+                              WHERE auto_charge_claimed_until <= now() AND leader_fence($1, $2) \
+                              ORDER BY auto_charge_claimed_until, id LIMIT $3 \
+                              FOR UPDATE SKIP LOCKED) \
+                   AND auto_charge_claimed_until <= now()")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
+
+/// A subscription's fresh snapshot for a plan change, the new plan, and the
+/// database's now.
+pub(crate) async fn plan_change_snapshot(
+    db: &Db,
+    tenant_id: &str,
+    subscription_id: i64,
+    plan_id: i64,
+    statement_timeout: Duration,
+) -> Result<Option<(Due, crate::close::Plan, DateTime<Utc>)>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
+                        s.current_period_end, s.next_billing_at, s.collection_method, \
+                        p.interval_unit, p.interval_count, p.amount, p.currency, \
+                        n.id AS new_id, n.interval_unit AS new_unit, \
+                        n.interval_count AS new_count, n.amount AS new_amount, \
+                        n.currency AS new_currency, now() AS at \
+                 FROM subscriptions s \
+                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
+                 JOIN plans n ON n.tenant_id = s.tenant_id AND n.id = $3 \
+                 WHERE s.tenant_id = $1 AND s.id = $2 AND s.status = 'active'",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription_id)
+            .bind(plan_id),
+        )
+        .await?;
+    tx.commit().await?;
+    row.map(|r| {
+        Ok((
+            due(&r)?,
+            crate::close::Plan {
+                id: r.try_get("new_id")?,
+                interval_unit: r.try_get("new_unit")?,
+                interval_count: r.try_get("new_count")?,
+                amount: r.try_get("new_amount")?,
+                currency: r.try_get("new_currency")?,
+            },
+            r.try_get("at")?,
+        ))
+    })
+    .transpose()
+}
+
+/// A plan change with nothing of the period used: the same compare-and-set,
+/// no invoice. `false` when the snapshot no longer holds (nothing written).
+pub(crate) async fn switch_plan(
+    db: &Db,
+    c: &Closing,
+    statement_timeout: Duration,
+) -> Result<bool, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE subscriptions s \
+                 SET current_period_end = $5, next_billing_at = $5, \
+                     plan_id = COALESCE($6, s.plan_id), updated_at = now() \
+                 WHERE s.id = $1 AND s.status = $2 AND s.current_period_start = $3 \
+                   AND s.next_billing_at = $4")
+            .bind(c.subscription_id)
+            .bind(c.status.clone())
+            .bind(c.period_start)
+            .bind(c.watermark)
+            .bind(c.next_end)
+            .bind(c.plan_id),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n == 1)
 }

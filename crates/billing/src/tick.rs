@@ -12,7 +12,9 @@ use tracing::{debug, info, warn};
 
 use crate::charge::{AutoCharge, ChargeTally};
 use crate::close::{self, Due};
+use crate::lifecycle::{LifecycleTally, Resumes, Trials};
 use crate::provider::Provider;
+use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
 use crate::store::{self, Closed};
 use crate::{BillingConfig, Error};
 
@@ -32,6 +34,8 @@ pub struct Tally {
 /// What one tick did.
 #[derive(Debug)]
 pub struct TickReport {
+    /// Trials ended and pause-collections resumed.
+    pub lifecycle: LifecycleTally,
     /// Batches that claimed at least one subscription.
     pub batches: usize,
     /// Due subscriptions claimed over the tick (one closing each; a
@@ -42,6 +46,8 @@ pub struct TickReport {
     /// provider is configured).
     pub charge_claimed: usize,
     pub charges: ChargeTally,
+    /// What the payment reconciler resolved.
+    pub reconciled: ReconcileTally,
     pub elapsed: Duration,
     /// Why the tick stopped claiming.
     pub stop: Stop,
@@ -90,71 +96,126 @@ impl Biller {
         &self.inner.config
     }
 
-    /// One tick of the role. Today it has one step, due billing: batches of
-    /// due subscriptions until none is due ([`TickEnd::Drained`]), the budget
-    /// is spent ([`TickEnd::MoreWork`]), a claim or a close fails
-    /// ([`TickEnd::Failed`]) or `tick.cancel` fires. A subscription several
-    /// periods behind is closed once per period, oldest first.
+    /// One tick of the role: its steps in order, each a driven pass under
+    /// the panic guard (a panic in one still lets the later ones run, and is
+    /// raised after the last): expired trials, lifted pause-collection
+    /// resumes, due billing, auto-charge, then the payment reconciler's
+    /// unknown-outcome and stale-hold sweeps (auto-charge and the
+    /// unknown-outcome sweep only when a provider is configured). Due
+    /// billing closes batches of due subscriptions, a subscription several
+    /// periods behind once per period, oldest first.
+    ///
+    /// The tick ends as its worst step did: [`TickEnd::Failed`] (a claim or a
+    /// write failed, or the provider is down), then [`TickEnd::MoreWork`]
+    /// (a budget ran out), else [`TickEnd::Drained`].
     ///
     /// # Panics
-    /// When a subscription's closing panicked, after every other due
-    /// subscription was billed (so the lease is released as panicked).
+    /// When a step or a row panicked, after every other step ran (so the
+    /// lease is released as panicked).
     ///
     /// # Cancel safety
     /// `tick.cancel` is checked between batches. A batch's close is one
     /// transaction: dropped mid-way it rolls back, and its subscriptions stay due.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
+        let started = Instant::now();
+        let mut panic = None;
+        let mut ends: Vec<(Stop, TickEnd)> = Vec::new();
+        // A step's end, or its panic (logged by the hook with the step's name;
+        // the first is raised after the last step).
+        let mut keep = |r: Result<(Stop, TickEnd), scheduler::Payload>| match r {
+            Ok(end) => ends.push(end),
+            Err(payload) => {
+                panic.get_or_insert(payload);
+            }
+        };
+        let trials = Trials {
+            biller: self,
+            left_out: Mutex::new(Vec::new()),
+        };
+        let resumes = Resumes { biller: self };
+        let mut lifecycle = LifecycleTally::default();
+        for driven in [
+            step("billing/trials", &trials, tick).await,
+            step("billing/resumes", &resumes, tick).await,
+        ] {
+            keep(driven.map(|d| {
+                lifecycle.trials_ended += d.counts.trials_ended;
+                lifecycle.resumed += d.counts.resumed;
+                lifecycle.lost += d.counts.lost;
+                lifecycle.panicked += d.counts.panicked;
+                (d.stop, d.end)
+            }));
+        }
         let due_billing = DueBilling {
             biller: self,
             left_out: Mutex::new(Vec::new()),
         };
-        let started = Instant::now();
-        // Each step is its own driven pass under the guard: a panic in due
-        // billing still lets auto-charge run, and is raised after it.
-        let billed = scheduler::catch(
-            "billing/due_billing".to_owned(),
-            scheduler::drive(&due_billing, tick),
-        )
-        .await;
-        let charged = if self.inner.provider.is_some() {
-            let step = AutoCharge { biller: self };
-            Some(
-                scheduler::catch(
-                    "billing/auto_charge".to_owned(),
-                    scheduler::drive(&step, tick),
-                )
-                .await,
-            )
-        } else {
-            None
-        };
-        let (billed, charged) = match (billed, charged) {
-            (Err(payload), _) | (Ok(_), Some(Err(payload))) => std::panic::resume_unwind(payload),
-            (Ok(b), Some(Ok(c))) => (b, Some(c)),
-            (Ok(b), None) => (b, None),
-        };
-        let (mut stop, mut end) = (billed.stop, billed.end);
+        let (mut batches, mut claimed, mut tally) = (0, 0, Tally::default());
+        keep(
+            step("billing/due_billing", &due_billing, tick)
+                .await
+                .map(|d| {
+                    (batches, claimed, tally) = (d.batches, d.claimed, d.counts);
+                    (d.stop, d.end)
+                }),
+        );
         let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
-        if let Some(c) = charged {
-            charge_claimed = c.claimed;
-            charges = c.counts;
-            // The tick ends as its worst step did: failed, then more work, then drained.
-            let rank = |e: &TickEnd| match e {
-                TickEnd::Failed(_) => 2,
-                TickEnd::MoreWork => 1,
-                _ => 0,
+        let mut reconciled = ReconcileTally::default();
+        if self.inner.provider.is_some() {
+            let auto_charge = AutoCharge { biller: self };
+            keep(
+                step("billing/auto_charge", &auto_charge, tick)
+                    .await
+                    .map(|d| {
+                        (charge_claimed, charges) = (d.claimed, d.counts);
+                        (d.stop, d.end)
+                    }),
+            );
+            let unknown = UnknownSweep {
+                biller: self,
+                checked: Mutex::new(Vec::new()),
             };
-            if rank(&c.end) > rank(&end) {
-                stop = c.stop;
-                end = c.end;
-            }
+            keep(
+                step("billing/reconcile_unknown", &unknown, tick)
+                    .await
+                    .map(|d| {
+                        reconciled = d.counts;
+                        (d.stop, d.end)
+                    }),
+            );
         }
+        let stale = StaleHolds { biller: self };
+        keep(step("billing/stale_holds", &stale, tick).await.map(|d| {
+            reconciled.holds_freed += d.counts.holds_freed;
+            (d.stop, d.end)
+        }));
+        if let Some(payload) = panic {
+            std::panic::resume_unwind(payload);
+        }
+        // The tick ends as its worst step did: failed, then more work, then drained.
+        let rank = |e: &TickEnd| match e {
+            TickEnd::Failed(_) => 2,
+            TickEnd::MoreWork => 1,
+            _ => 0,
+        };
+        let (stop, end) = ends
+            .into_iter()
+            .reduce(|worst, e| {
+                if rank(&e.1) > rank(&worst.1) {
+                    e
+                } else {
+                    worst
+                }
+            })
+            .unwrap_or((Stop::Drained, TickEnd::Drained));
         TickReport {
-            batches: billed.batches,
-            claimed: billed.claimed,
-            tally: billed.counts,
+            lifecycle,
+            batches,
+            claimed,
+            tally,
             charge_claimed,
             charges,
+            reconciled,
             elapsed: started.elapsed(),
             stop,
             end,
@@ -239,6 +300,11 @@ impl Biller {
             let label = match outcome {
                 Closed::Invoiced { .. } => {
                     tally.invoiced += 1;
+                    t.counter(
+                        "hardcount_billing_invoices_created_total",
+                        &[("source", "tick")],
+                    )
+                    .increment(1);
                     "invoiced"
                 }
                 Closed::PeriodMoved => {
@@ -274,6 +340,15 @@ impl Biller {
             }
         }
     }
+}
+
+/// One step of the tick: a driven pass under the panic guard.
+async fn step<R: FencedBatches>(
+    name: &str,
+    role: &R,
+    tick: &Tick,
+) -> Result<scheduler::Driven<R::Counts>, scheduler::Payload> {
+    scheduler::catch(name.to_owned(), scheduler::drive(role, tick)).await
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -25,6 +25,12 @@
 //! `true` (the only flow billing uses), and a 5xx is injected before
 //! execution, so it is not stored and a retry with the same key charges.
 //!
+//! **Lookup by key** is the replay: billing's payment reconciler asks about an
+//! attempt whose outcome it does not know by sending the same request with the
+//! same key (Stripe has no endpoint that finds a request by its key; see
+//! docs/adr/0012). A stored result answers without charging again; a key never
+//! executed (a 5xx, a request that never arrived) executes once.
+//!
 //! Guarantees the tests rely on: [`FakeProvider::charges`] counts each
 //! successful execution per key; a replay is not counted.
 

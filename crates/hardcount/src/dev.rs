@@ -8,6 +8,7 @@
 //! event and a receipt email every few seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
 //! stops all of it, including the Postgres it started; the data stays.
 
+mod billing;
 mod demo;
 mod postgres;
 mod smtp;
@@ -68,6 +69,8 @@ pub async fn run(
         );
         settings.serve.smtp_url = Some(s.url());
     }
+    // Declared here so the provider outlives the billing role that charges it.
+    let _provider = billing::start_provider(&mut settings.serve).await?;
     let serve = &mut settings.serve;
     let config = serve.config(app_url.clone())?;
     let listener = crate::bind(serve).await?;
@@ -77,6 +80,7 @@ pub async fn run(
     let receiver = demo::start_receiver(demo_stop.clone()).await?;
     let db = Db::connect_lazy(&app_url, 2)?;
     demo::seed(&db, &receiver).await?;
+    billing::seed(&db, &receiver).await?;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
 
     let host = if addr.ip().is_unspecified() {

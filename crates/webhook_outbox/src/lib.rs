@@ -15,7 +15,8 @@
 //!
 //! Guarantees:
 //!
-//! - **An event exists iff its producer committed.** [`enqueue`] runs inside the
+//! - **An event exists iff its producer committed.** [`enqueue`] (and
+//!   [`enqueue_many`], many events with one statement) runs inside the
 //!   caller's [`db::Tx`]; a rollback leaves no event, and a payload that is not
 //!   JSON, or is over [`MAX_PAYLOAD_BYTES`], is refused before anything is written
 //!   (a CHECK constraint backs the size limit).
@@ -120,6 +121,34 @@ pub async fn enqueue(
     event_type: &str,
     payload_json: &str,
 ) -> Result<i64, EnqueueError> {
+    check(tenant_id, event_type, payload_json)?;
+    store::insert_event(tx, tenant_id, event_type, payload_json)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
+/// One event for [`enqueue_many`]: (tenant, event type, payload JSON).
+pub type NewEvent<'a> = (&'a str, &'a str, &'a str);
+
+/// [`enqueue`] for many events with one statement (a producer that announces
+/// a batch, such as billing's closing); returns how many were added. Every
+/// event is checked first, as [`enqueue`] checks it.
+///
+/// # Errors
+/// The first event [`enqueue`] would refuse, before anything was sent (`tx`
+/// is still usable); [`EnqueueError::Db`] when the insert failed (`tx` is
+/// aborted: roll it back).
+pub async fn enqueue_many(tx: &mut db::Tx, events: &[NewEvent<'_>]) -> Result<u64, EnqueueError> {
+    for (tenant_id, event_type, payload_json) in events {
+        check(tenant_id, event_type, payload_json)?;
+    }
+    store::insert_events(tx, events)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
+/// What [`enqueue`] refuses before it sends anything.
+fn check(tenant_id: &str, event_type: &str, payload_json: &str) -> Result<(), EnqueueError> {
     if tenant_id.trim().is_empty() {
         return Err(EnqueueError::EmptyTenant);
     }
@@ -145,9 +174,7 @@ pub async fn enqueue(
             "a string contains \\u0000 (NUL), which Postgres jsonb cannot store".to_owned(),
         ));
     }
-    store::insert_event(tx, tenant_id, event_type, payload_json)
-        .await
-        .map_err(EnqueueError::Db)
+    Ok(())
 }
 
 /// True if a string or key anywhere in `value` holds a NUL character.

@@ -30,6 +30,30 @@ pub(crate) async fn insert_event(
     Ok(row.try_get("id")?)
 }
 
+/// Insert many events inside `tx` with one statement; how many.
+pub(crate) async fn insert_events(
+    tx: &mut Tx,
+    events: &[crate::NewEvent<'_>],
+) -> Result<u64, db::Error> {
+    if events.is_empty() {
+        return Ok(0);
+    }
+    let tenants: Vec<String> = events.iter().map(|e| e.0.to_owned()).collect();
+    let types: Vec<String> = events.iter().map(|e| e.1.to_owned()).collect();
+    let payloads: Vec<String> = events.iter().map(|e| e.2.to_owned()).collect();
+    tx.execute(
+        sql(
+            "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+             SELECT tenant_id, event_type, payload::jsonb \
+             FROM unnest($1::text[], $2::text[], $3::text[]) AS e(tenant_id, event_type, payload)",
+        )
+        .bind(tenants)
+        .bind(types)
+        .bind(payloads),
+    )
+    .await
+}
+
 /// What one batch did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Batch {

@@ -6,7 +6,9 @@
 mod charges;
 mod drain;
 mod guards;
+mod lifecycle;
 mod periods;
+mod reconcile;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -176,3 +176,29 @@ async fn an_oversized_payload_inserted_around_enqueue_is_refused_by_the_table() 
     .await
     .unwrap();
 }
+
+/// `enqueue_many` writes every event with one statement, and refuses a batch
+/// with one bad event before sending anything (the transaction still works).
+#[tokio::test]
+async fn enqueue_many_writes_all_or_refuses_before_sending() {
+    let t = TestDb::new().await;
+    let mut tx = t.db.begin().await.unwrap();
+    let bad = [
+        ("t", "invoice.paid", r#"{"id": 1}"#),
+        ("t", "invoice.paid", r#"{"id": 2,}"#),
+    ];
+    let err = webhook_outbox::enqueue_many(&mut tx, &bad)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EnqueueError::InvalidJson { .. }), "{err}");
+    let good = [
+        ("t", "invoice.paid", r#"{"id": 1}"#),
+        ("u", "invoice.finalized", r#"{"id": 2}"#),
+    ];
+    assert_eq!(
+        webhook_outbox::enqueue_many(&mut tx, &good).await.unwrap(),
+        2
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events").await, 2);
+}

@@ -1,0 +1,242 @@
+//! Billing benchmark (issue 10, item 9): due subscriptions billed in one tick
+//! through PgBouncer (invoices per second, tick duration), then the invoices
+//! it made charged against the fake provider on loopback (charges per second).
+//!
+//! ```sh
+//! scripts/bed run cargo run --release -p benches --bin billing -- --subscriptions 100000
+//! ```
+//!
+//! Writes `docs/benchmarks/billing.md` (between the markers) and `billing.json`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use billing::{Biller, BillingConfig, ProviderConfig, SecretKey, TickReport};
+use clap::Parser;
+use db::{Db, Row as _, sql};
+use fake_provider::{FakeProvider, TEST_SECRET_KEY};
+use leader::{Role, Telemetry};
+use serde_json::{Value, json};
+use testbed::{Leg, TestDb};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Due subscriptions billed in one tick (and then charged).
+    #[arg(long, default_value_t = 2000)]
+    subscriptions: usize,
+    /// Due subscriptions closed per batch; default: the shipped default.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Charges in flight; default: the shipped default.
+    #[arg(long)]
+    charge_concurrency: Option<usize>,
+    /// Skip the charge phase.
+    #[arg(long)]
+    no_charges: bool,
+    /// App pool size (connections to PgBouncer).
+    #[arg(long, default_value_t = 40)]
+    pool: u32,
+    /// Where the report goes (default docs/benchmarks).
+    #[arg(long)]
+    out_dir: Option<std::path::PathBuf>,
+}
+
+fn progress(msg: &str) {
+    eprintln!("[billing bench] {msg}");
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(args.subscriptions > 0, "--subscriptions must be positive");
+    let mut config = BillingConfig {
+        tick_budget: Duration::from_secs(3600),
+        statement_timeout: Duration::from_secs(300),
+        ..BillingConfig::default()
+    };
+    if let Some(b) = args.batch_size {
+        config.batch_size = b;
+    }
+    if let Some(c) = args.charge_concurrency {
+        config.charge_concurrency = c;
+    }
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    let mut machine = benches::machine(&mut su).await?;
+    let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), args.pool)?;
+
+    progress(&format!("seeding {} due subscriptions", args.subscriptions));
+    seed(&db, args.subscriptions).await?;
+
+    progress("billing: one tick");
+    let biller = Biller::new(db.clone(), config.clone(), Telemetry::noop())?;
+    let billed = one_tick(&db, &biller).await;
+    let invoices = count(&db, "SELECT count(*) FROM invoices").await?;
+    let events = count(
+        &db,
+        "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.finalized'",
+    )
+    .await?;
+    ensure!(
+        billed.tally.invoiced == args.subscriptions
+            && usize::try_from(invoices)? == args.subscriptions
+            && usize::try_from(events)? == args.subscriptions,
+        "one tick billed {} of {} ({invoices} invoices, {events} events): {billed:?}",
+        billed.tally.invoiced,
+        args.subscriptions
+    );
+    let tick_s = billed.elapsed.as_secs_f64();
+    let invoices_per_s = args.subscriptions as f64 / tick_s;
+    progress(&format!(
+        "billed {} in {tick_s:.2} s: {invoices_per_s:.0} invoices/s",
+        args.subscriptions
+    ));
+
+    let mut charges = Value::Null;
+    if !args.no_charges {
+        let provider = FakeProvider::start().await?;
+        let charging = BillingConfig {
+            provider: Some(ProviderConfig::new(
+                provider.base_url(),
+                SecretKey::new(TEST_SECRET_KEY),
+            )),
+            ..config.clone()
+        };
+        progress("charging: one tick against the fake provider");
+        let biller = Biller::new(db.clone(), charging, Telemetry::noop())?;
+        let charged = one_tick(&db, &biller).await;
+        let paid = charged.charges.paid;
+        ensure!(
+            paid == args.subscriptions && provider.total_charges() as usize == paid,
+            "charged {paid} of {} ({} at the provider): {charged:?}",
+            args.subscriptions,
+            provider.total_charges()
+        );
+        let s = charged.elapsed.as_secs_f64();
+        progress(&format!(
+            "charged {paid} in {s:.2} s: {:.0} charges/s",
+            paid as f64 / s
+        ));
+        charges = json!({
+            "charges": paid,
+            "tick_seconds": s,
+            "charges_per_s": paid as f64 / s,
+        });
+    }
+
+    benches::machine_at_end(&mut machine);
+    let report = json!({
+        "machine": machine,
+        "settings": {
+            "subscriptions": args.subscriptions,
+            "path": "app pool through PgBouncer (transaction mode)",
+            "app_pool": args.pool,
+            "bouncer_pool": benches::bed_bouncer_pool_size(),
+            "batch_size": config.batch_size,
+            "charge_concurrency": config.charge_concurrency,
+            "build": benches::build_profile(),
+        },
+        "billing": {
+            "invoices": args.subscriptions,
+            "tick_seconds": tick_s,
+            "invoices_per_s": invoices_per_s,
+            "batches": billed.batches,
+        },
+        "charging": charges,
+    });
+    write_report(&report, args.out_dir)?;
+    Ok(())
+}
+
+/// `n` active monthly subscriptions (each its own customer with a saved card)
+/// whose period ended a minute ago: due once each.
+async fn seed(db: &Db, n: usize) -> Result<()> {
+    let n = i64::try_from(n)?;
+    let mut tx = db.begin().await?;
+    tx.execute(sql(
+        "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+         VALUES ('tenant_bench', 'Pro', 1200, 'EUR', 'month', 1)",
+    ))
+    .await?;
+    tx.execute(
+        sql(
+            "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+             SELECT 'tenant_bench', 'c' || g || '@example.org', 'cus_bench' || g, 'pm_card_visa' \
+             FROM generate_series(1, $1) g",
+        )
+        .bind(n),
+    )
+    .await?;
+    tx.execute(sql(
+        "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, next_billing_at) \
+         SELECT c.tenant_id, c.id, p.id, 'active', b.start, b.start, b.end_, b.end_ \
+         FROM customers c \
+         CROSS JOIN (SELECT id FROM plans WHERE tenant_id = 'tenant_bench') p \
+         CROSS JOIN (SELECT now() - interval '1 month 1 minute' AS start, \
+                            now() - interval '1 minute' AS end_) b \
+         WHERE c.tenant_id = 'tenant_bench'",
+    ))
+    .await?;
+    tx.commit().await?;
+    db.execute(sql("ANALYZE")).await.ok();
+    Ok(())
+}
+
+async fn one_tick(db: &Db, biller: &Biller) -> TickReport {
+    let b = Arc::new(biller.clone());
+    let m = testbed::leadership::manager(db, "bench");
+    testbed::leadership::as_leader(
+        &m,
+        Role::Billing,
+        |tick| async move { b.run_tick(&tick).await },
+    )
+    .await
+}
+
+async fn count(db: &Db, q: &'static str) -> Result<i64> {
+    Ok(db.fetch_one(sql(q)).await?.try_get(0)?)
+}
+
+fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<()> {
+    let dir = benches::report_dir(out_dir)?;
+    std::fs::write(
+        dir.join("billing.json"),
+        serde_json::to_string_pretty(report)? + "\n",
+    )
+    .context("write billing.json")?;
+    let (b, c, m) = (&report["billing"], &report["charging"], &report["machine"]);
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let charges = if c.is_null() {
+        "not measured (--no-charges)".to_owned()
+    } else {
+        format!(
+            "{} charges in {:.2} s: **{:.0} charges/s**",
+            c["charges"],
+            f(&c["tick_seconds"]),
+            f(&c["charges_per_s"])
+        )
+    };
+    let generated = format!(
+        "| measure | result |\n|---|---|\n\
+         | due subscriptions billed in one tick | {} in {:.2} s: **{:.0} invoices/s** ({} batches) |\n\
+         | charges against the fake provider | {charges} |\n\n\
+         Machine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
+        b["invoices"],
+        f(&b["tick_seconds"]),
+        f(&b["invoices_per_s"]),
+        b["batches"],
+        m["nproc"],
+        m["cpu_model"].as_str().unwrap_or("?"),
+        m["memory"].as_str().unwrap_or("?"),
+        m["postgres"].as_str().unwrap_or("?"),
+        m["pgbouncer"].as_str().unwrap_or("?"),
+        m["loadavg_at_start"].as_str().unwrap_or("?"),
+        m["loadavg_at_end"].as_str().unwrap_or("?"),
+        report["settings"],
+    );
+    benches::write_generated(&dir, "billing.md", &generated)?;
+    progress(&format!("wrote {}/billing.{{md,json}}", dir.display()));
+    Ok(())
+}

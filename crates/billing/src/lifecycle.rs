@@ -1,0 +1,291 @@
+//! The first two steps of the billing tick: expired trials and lifted
+//! pause-collections. Each is a fenced listing and a compare-and-set on what
+//! was listed, with its event in the same transaction.
+//!
+//! ```text
+//!  trials   status = 'trialing', trial_end <= now()  AND leader_fence  (fenced)
+//!           per row, under the panic guard: the first paid period
+//!             [trial_end, end_after(anchor, trial_end))    (pure)
+//!           UPDATE … SET status = 'active', period, watermark
+//!             WHERE status = 'trialing' AND trial_end = $read       CAS
+//!           + subscription.trial_ended                  (one transaction)
+//!  resumes  pause_collection_resumes_at <= now()      AND leader_fence  (fenced)
+//!           UPDATE … SET pause_collection_* = NULL
+//!             WHERE behaviour, resumes_at, set_by = $read           CAS
+//!           + subscription.collection_resumed           (one transaction)
+//! ```
+//!
+//! A trial that ends mid-period starts a partial first period, from the
+//! trial end to the next boundary of the anchor's grid, which the due-billing
+//! step invoices pro rata ([`crate::close`]).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use leader::{Fence, Role, Tick};
+use scheduler::{FencedBatches, Panics, Shape};
+
+use crate::close::Unbillable;
+use crate::period::{self, Interval, Unit};
+use crate::store::{self, LiftedPause, TrialEnded};
+use crate::{Biller, Error};
+
+/// What the trial and resume steps came to over a tick.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LifecycleTally {
+    /// Trials activated, each with `subscription.trial_ended`.
+    pub trials_ended: usize,
+    /// Pauses cleared, each with `subscription.collection_resumed`.
+    pub resumed: usize,
+    /// Listed rows another writer changed first: nothing written.
+    pub lost: usize,
+    /// Trials whose first period could not be computed; left out.
+    pub panicked: usize,
+}
+
+/// The first paid period's end of an ended trial.
+fn first_period_end(t: &TrialEnded) -> Result<chrono::DateTime<chrono::Utc>, Unbillable> {
+    let bad = || Unbillable::Interval {
+        unit: t.interval_unit.clone(),
+        count: t.interval_count,
+    };
+    let interval = Interval {
+        unit: Unit::parse(&t.interval_unit).ok_or_else(bad)?,
+        count: u32::try_from(t.interval_count)
+            .ok()
+            .filter(|c| *c > 0)
+            .ok_or_else(bad)?,
+    };
+    period::end_after(t.billing_anchor, interval, t.trial_end)
+        .ok_or(Unbillable::OutOfRange(t.trial_end))
+}
+
+fn lifecycle_shape(biller: &Biller) -> Shape {
+    let c = &biller.inner.config;
+    Shape {
+        batch_size: c.batch_size,
+        budget: c.tick_budget,
+        reserve: Duration::ZERO,
+    }
+}
+
+/// The trial step as the driver sees it.
+pub(crate) struct Trials<'a> {
+    pub biller: &'a Biller,
+    /// Trials whose activation panicked: not listed again this tick.
+    pub left_out: Mutex<Vec<i64>>,
+}
+
+impl FencedBatches for Trials<'_> {
+    type Claim = Vec<TrialEnded>;
+    type Counts = LifecycleTally;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::Billing
+    }
+
+    fn shape(&self) -> Shape {
+        lifecycle_shape(self.biller)
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<TrialEnded>, Error> {
+        let except = self
+            .left_out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let c = &self.biller.inner.config;
+        Ok(store::claim_trials(
+            &self.biller.inner.db,
+            fence,
+            limit,
+            &except,
+            c.statement_timeout,
+        )
+        .await?)
+    }
+
+    fn claimed(batch: &Vec<TrialEnded>) -> usize {
+        batch.len()
+    }
+
+    async fn run(
+        &self,
+        batch: Vec<TrialEnded>,
+        _tick: &Tick,
+        _deadline: Instant,
+        panics: &mut Panics,
+        tally: &mut LifecycleTally,
+    ) -> Result<(), Error> {
+        let claimed: Vec<i64> = batch.iter().map(|t| t.subscription_id).collect();
+        let activations = panics
+            .drain(
+                batch,
+                |t| format!("end trial of subscription {}", t.subscription_id),
+                |t| async move {
+                    match first_period_end(&t) {
+                        Ok(end) => (t, end),
+                        Err(e) => panic!(
+                            "subscription {} (tenant {}) cannot start its first period: {e}",
+                            t.subscription_id, t.tenant_id
+                        ),
+                    }
+                },
+            )
+            .await;
+        let panicked: Vec<i64> = claimed
+            .into_iter()
+            .filter(|id| !activations.iter().any(|(t, _)| t.subscription_id == *id))
+            .collect();
+        tally.panicked += panicked.len();
+        self.left_out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(panicked);
+        let b = &self.biller.inner;
+        let activated =
+            store::activate_trials(&b.db, &activations, b.config.statement_timeout).await?;
+        tally.trials_ended += activated.len();
+        tally.lost += activations.len() - activated.len();
+        b.telemetry
+            .counter("hardcount_billing_trials_ended_total", &[])
+            .increment(activated.len() as u64);
+        Ok(())
+    }
+}
+
+/// The resume step as the driver sees it.
+pub(crate) struct Resumes<'a> {
+    pub biller: &'a Biller,
+}
+
+impl FencedBatches for Resumes<'_> {
+    type Claim = Vec<LiftedPause>;
+    type Counts = LifecycleTally;
+    type Error = Error;
+
+    fn role(&self) -> Role {
+        Role::Billing
+    }
+
+    fn shape(&self) -> Shape {
+        lifecycle_shape(self.biller)
+    }
+
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<LiftedPause>, Error> {
+        let c = &self.biller.inner.config;
+        Ok(
+            store::claim_lifted_pauses(&self.biller.inner.db, fence, limit, c.statement_timeout)
+                .await?,
+        )
+    }
+
+    fn claimed(batch: &Vec<LiftedPause>) -> usize {
+        batch.len()
+    }
+
+    async fn run(
+        &self,
+        batch: Vec<LiftedPause>,
+        _tick: &Tick,
+        _deadline: Instant,
+        _panics: &mut Panics,
+        tally: &mut LifecycleTally,
+    ) -> Result<(), Error> {
+        let b = &self.biller.inner;
+        let resumed =
+            store::resume_lifted_pauses(&b.db, &batch, b.config.statement_timeout).await?;
+        tally.resumed += resumed.len();
+        tally.lost += batch.len() - resumed.len();
+        b.telemetry
+            .counter("hardcount_billing_collections_resumed_total", &[])
+            .increment(resumed.len() as u64);
+        Ok(())
+    }
+}
+
+impl Biller {
+    /// The fenced trial funnel (for tests and tools): up to `limit` ended
+    /// trials, as the activation will prove them.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn claim_ended_trials(
+        &self,
+        fence: &Fence,
+        limit: usize,
+    ) -> Result<Vec<EndedTrial>, Error> {
+        let c = &self.inner.config;
+        let rows =
+            store::claim_trials(&self.inner.db, fence, limit, &[], c.statement_timeout).await?;
+        Ok(rows.into_iter().map(EndedTrial).collect())
+    }
+
+    /// Activate `trials` from the snapshot they hold; returns how many this
+    /// call activated (a lost compare-and-set writes nothing).
+    ///
+    /// # Errors
+    /// [`Error::Unbillable`] (nothing written), or a database error.
+    pub async fn end_trials(&self, trials: &[EndedTrial]) -> Result<usize, Error> {
+        let mut rows = Vec::with_capacity(trials.len());
+        for t in trials {
+            rows.push((t.0.clone(), first_period_end(&t.0)?));
+        }
+        let timeout = self.inner.config.statement_timeout;
+        Ok(store::activate_trials(&self.inner.db, &rows, timeout)
+            .await?
+            .len())
+    }
+
+    /// The fenced resume funnel (for tests and tools).
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn claim_lifted_pauses(
+        &self,
+        fence: &Fence,
+        limit: usize,
+    ) -> Result<Vec<LiftedCollectionPause>, Error> {
+        let c = &self.inner.config;
+        let rows =
+            store::claim_lifted_pauses(&self.inner.db, fence, limit, c.statement_timeout).await?;
+        Ok(rows.into_iter().map(LiftedCollectionPause).collect())
+    }
+
+    /// Resume `pauses` from the snapshot they hold; returns how many this
+    /// call resumed.
+    ///
+    /// # Errors
+    /// A database error.
+    pub async fn resume_collections(
+        &self,
+        pauses: &[LiftedCollectionPause],
+    ) -> Result<usize, Error> {
+        let rows: Vec<LiftedPause> = pauses.iter().map(|p| p.0.clone()).collect();
+        let timeout = self.inner.config.statement_timeout;
+        Ok(store::resume_lifted_pauses(&self.inner.db, &rows, timeout)
+            .await?
+            .len())
+    }
+}
+
+/// An ended trial as listed (opaque: its activation proves it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedTrial(TrialEnded);
+
+impl EndedTrial {
+    pub fn subscription_id(&self) -> i64 {
+        self.0.subscription_id
+    }
+}
+
+/// A lifted pause-collection as listed (opaque: its clear proves it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiftedCollectionPause(LiftedPause);
+
+impl LiftedCollectionPause {
+    pub fn subscription_id(&self) -> i64 {
+        self.0.subscription_id
+    }
+}

@@ -1,0 +1,148 @@
+//! A plan change (the function the HTTP API will call): the current period
+//! truncated at the change, through the same compare-and-set as a closing.
+//!
+//! ```text
+//!  fresh snapshot: the active subscription, its plan, the new plan, now()
+//!  close::truncate (pure): invoice [period start, now) pro rata on the old plan
+//!                          next period [now, end_after(anchor, new interval)) on the new plan
+//!  one transaction (store::close_periods, as the tick's closing):
+//!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
+//!    2. INSERT the invoice under idx_invoices_billing_period_dedup
+//!    3. invoice.finalized
+//!  CAS lost ─▶ Error::SubscriptionPeriodMoved (`subscription_period_moved`, 409); nothing written
+//! ```
+//!
+//! Rounding: the used part is `amount × used / full` in milliseconds, rounded
+//! half up to the minor unit ([`crate::period::pro_rata`]). Nothing is
+//! credited for the unused part: billing is in arrears, so the unused part
+//! was never invoiced.
+
+use chrono::{DateTime, Utc};
+
+use crate::close::{self, Closing, Due, Plan};
+use crate::store::{self, Closed};
+use crate::{Biller, Error};
+
+/// A plan change computed from a fresh snapshot, not yet written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanChange {
+    /// The snapshot the change proves.
+    pub due: Due,
+    pub plan: Plan,
+    /// When the old plan stops (the database's now at the snapshot).
+    pub at: DateTime<Utc>,
+    closing: Closing,
+}
+
+impl PlanChange {
+    /// The truncated period's invoice amount (old plan, pro rata).
+    pub fn amount(&self) -> i64 {
+        self.closing.amount
+    }
+
+    /// The new period `[at, end)`.
+    pub fn next_period(&self) -> (DateTime<Utc>, DateTime<Utc>) {
+        (self.closing.next_start, self.closing.next_end)
+    }
+}
+
+/// What a plan change wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanChanged {
+    /// The invoice of the used part; `None` when nothing of the period was used.
+    pub invoice_id: Option<i64>,
+}
+
+impl Biller {
+    /// Change `subscription`'s plan to `plan` now: truncate the current
+    /// period, invoice its used part pro rata, start the next period on the
+    /// new plan. One transaction; see [`Biller::apply_plan_change`].
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionNotFound`], [`Error::SubscriptionPeriodMoved`]
+    /// (nothing written), [`Error::Unbillable`], or a database error.
+    pub async fn change_plan(
+        &self,
+        tenant_id: &str,
+        subscription: i64,
+        plan: i64,
+    ) -> Result<PlanChanged, Error> {
+        let change = self.plan_change(tenant_id, subscription, plan).await?;
+        self.apply_plan_change(&change).await
+    }
+
+    /// Read a fresh snapshot and compute the change, writing nothing.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionNotFound`], [`Error::Unbillable`], or a database error.
+    pub async fn plan_change(
+        &self,
+        tenant_id: &str,
+        subscription: i64,
+        plan: i64,
+    ) -> Result<PlanChange, Error> {
+        let timeout = self.inner.config.statement_timeout;
+        let Some((due, new_plan, now)) =
+            store::plan_change_snapshot(&self.inner.db, tenant_id, subscription, plan, timeout)
+                .await?
+        else {
+            return Err(Error::SubscriptionNotFound {
+                tenant: tenant_id.to_owned(),
+                subscription,
+                plan,
+            });
+        };
+        // A change inside the period: never before its start (a clock step
+        // back), never past its end (the tick closes that first).
+        let at = now.clamp(due.current_period_start, due.current_period_end);
+        let closing = close::truncate(&due, &new_plan, at)?;
+        Ok(PlanChange {
+            due,
+            plan: new_plan,
+            at,
+            closing,
+        })
+    }
+
+    /// Write `change` if its snapshot still holds: the compare-and-set on
+    /// (status, period start, watermark) first, then the invoice and
+    /// `invoice.finalized`, in one transaction.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionPeriodMoved`] when the snapshot no longer holds or
+    /// the period is already invoiced (nothing written); a database error.
+    pub async fn apply_plan_change(&self, change: &PlanChange) -> Result<PlanChanged, Error> {
+        let timeout = self.inner.config.statement_timeout;
+        let moved = Error::SubscriptionPeriodMoved {
+            subscription: change.due.subscription_id,
+        };
+        if change.at == change.due.current_period_start {
+            // Nothing used: no invoice, only the plan and the next period.
+            return match store::switch_plan(&self.inner.db, &change.closing, timeout).await? {
+                true => Ok(PlanChanged { invoice_id: None }),
+                false => Err(moved),
+            };
+        }
+        let outcomes = store::close_periods(
+            &self.inner.db,
+            std::slice::from_ref(&change.closing),
+            timeout,
+        )
+        .await?;
+        match outcomes.first().map(|(_, c)| *c) {
+            Some(Closed::Invoiced { invoice_id }) => {
+                self.inner
+                    .telemetry
+                    .counter(
+                        "hardcount_billing_invoices_created_total",
+                        &[("source", "plan_change")],
+                    )
+                    .increment(1);
+                Ok(PlanChanged {
+                    invoice_id: Some(invoice_id),
+                })
+            }
+            _ => Err(moved),
+        }
+    }
+}

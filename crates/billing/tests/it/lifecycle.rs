@@ -1,0 +1,341 @@
+//! Trials ending, pause-collections resuming and plan changes: each a
+//! compare-and-set on what was read, its event in the same transaction.
+
+use billing::{Closed, Error};
+use chrono::{DateTime, SubsecRound, TimeDelta, TimeZone, Utc};
+use db::{Db, Row, sql};
+use leader::Role;
+use testbed::TestDb;
+
+use crate::{as_leader, biller, config, due_monthly, finalized, invoices, manager, plan, tick};
+
+fn at(y: i32, m: u32, d: u32) -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(y, m, d, 0, 0, 0).unwrap()
+}
+
+/// A trialing subscription to `plan`, anchored at `anchor`, whose trial ends at `trial_end`.
+async fn trialing(db: &Db, plan: i64, anchor: DateTime<Utc>, trial_end: DateTime<Utc>) -> i64 {
+    let customer: i64 = db
+        .fetch_one(sql(
+            "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+             VALUES ('tenant_a', 'ada@example.org', 'cus_' || md5(random()::text), 'pm_card_visa') \
+             RETURNING id",
+        ))
+        .await
+        .unwrap()
+        .get("id");
+    db.fetch_one(
+        sql(
+            "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                        current_period_start, current_period_end, trial_end) \
+             VALUES ('tenant_a', $1, $2, 'trialing', $3, $3, $4, $4) RETURNING id",
+        )
+        .bind(customer)
+        .bind(plan)
+        .bind(anchor)
+        .bind(trial_end),
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
+async fn count(db: &Db, event: &str) -> i64 {
+    db.fetch_one(
+        sql("SELECT count(*) AS n FROM webhook_events WHERE event_type = $1")
+            .bind(event.to_owned()),
+    )
+    .await
+    .unwrap()
+    .get("n")
+}
+
+/// Trials that end mid-period start a partial first period, from the trial
+/// end to the next boundary of the anchor's grid, invoiced pro rata (half
+/// up); the periods after it are whole. Month-end anchors and leap years:
+/// February 2024 has 29 days, February 2023 has 28, and a yearly anchor on
+/// 29 February measures its first year to 28 February 2025.
+#[tokio::test]
+async fn trials_that_end_mid_period_bill_the_right_periods() {
+    let t = TestDb::new().await;
+    let monthly = plan(&t.db, "tenant_a", "month", 1, 1200).await;
+    let yearly = plan(&t.db, "tenant_a", "year", 1, 12_000).await;
+    let cases = [
+        // (plan, anchor, trial end, first two invoices (start, end, amount))
+        (
+            monthly,
+            at(2024, 1, 31),
+            at(2024, 2, 15),
+            [
+                (at(2024, 2, 15), at(2024, 2, 29), 579), // 1200 × 14/29 = 579.3
+                (at(2024, 2, 29), at(2024, 3, 31), 1200),
+            ],
+        ),
+        (
+            monthly,
+            at(2023, 1, 31),
+            at(2023, 2, 15),
+            [
+                (at(2023, 2, 15), at(2023, 2, 28), 557), // 1200 × 13/28 = 557.1
+                (at(2023, 2, 28), at(2023, 3, 31), 1200),
+            ],
+        ),
+        (
+            yearly,
+            at(2024, 2, 29),
+            at(2025, 1, 1),
+            [
+                (at(2025, 1, 1), at(2025, 2, 28), 1907), // 12000 × 58/365 = 1906.8
+                (at(2025, 2, 28), at(2026, 2, 28), 12_000),
+            ],
+        ),
+        (
+            // A trial that ends on a boundary: whole periods from the start.
+            monthly,
+            at(2024, 1, 31),
+            at(2024, 2, 29),
+            [
+                (at(2024, 2, 29), at(2024, 3, 31), 1200),
+                (at(2024, 3, 31), at(2024, 4, 30), 1200),
+            ],
+        ),
+    ];
+    let mut subs = Vec::new();
+    for (p, anchor, trial_end, _) in &cases {
+        subs.push(trialing(&t.db, *p, *anchor, *trial_end).await);
+    }
+    let (b, metrics) = biller(&t.db, config());
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.lifecycle.trials_ended, 4, "{first:?}");
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(r#"hardcount_billing_invoices_created_total{source="tick"} 4"#)
+            && rendered.contains("hardcount_billing_trials_ended_total 4"),
+        "{rendered}"
+    );
+    tick(&t.db, &b).await;
+    let all = invoices(&t.db).await;
+    for (sub, (_, _, _, want)) in subs.iter().zip(&cases) {
+        let got: Vec<_> = all
+            .iter()
+            .filter(|i| i.subscription == *sub)
+            .take(2)
+            .map(|i| (i.start, i.end, i.amount))
+            .collect();
+        assert_eq!(got, want.to_vec(), "subscription {sub}");
+    }
+    // Announced once each, however many ticks run.
+    tick(&t.db, &b).await;
+    assert_eq!(count(&t.db, "subscription.trial_ended").await, 4);
+}
+
+/// Ten activations of one listed trial race: exactly one activates it and
+/// announces `subscription.trial_ended`; the others write nothing.
+///
+/// Mutation check: removing `AND s.status = 'trialing'` from
+/// `store::activate_trials` lets every racer activate it again and announce
+/// it (`trial_cas` in scripts/mutation-check); this test was run against that
+/// mutation and failed.
+#[tokio::test]
+async fn racing_activations_of_one_listed_trial_activate_it_once() {
+    let t = TestDb::with_pool(12).await;
+    let p = plan(&t.db, "tenant_a", "month", 1, 1200).await;
+    trialing(&t.db, p, at(2024, 1, 31), Utc::now() - TimeDelta::hours(1)).await;
+    let (b, _) = biller(&t.db, config());
+    let b2 = b.clone();
+    let listed = as_leader(&manager(&t.db, "a"), Role::Billing, |tick| async move {
+        b2.claim_ended_trials(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!(listed.len(), 1);
+    let racers: Vec<_> = (0..10)
+        .map(|_| {
+            let (b, l) = (b.clone(), listed.clone());
+            tokio::spawn(async move { b.end_trials(&l).await.unwrap() })
+        })
+        .collect();
+    let mut won = 0;
+    for r in racers {
+        won += r.await.unwrap();
+    }
+    assert_eq!(won, 1);
+    assert_eq!(count(&t.db, "subscription.trial_ended").await, 1);
+}
+
+async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
+    db.execute(
+        sql(
+            "UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft', \
+                    pause_collection_resumes_at = $2, pause_collection_set_by = 'ops' \
+             WHERE id = $1",
+        )
+        .bind(sub)
+        .bind(resumes_at),
+    )
+    .await
+    .unwrap();
+}
+
+async fn paused(db: &Db, sub: i64) -> Option<String> {
+    db.fetch_one(sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub))
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A lifted pause resumes once with its event; a pause changed after it was
+/// listed (an operator extended it) is left alone, and so is a second resume
+/// of the same listing.
+///
+/// Mutation check: replacing the compare-and-set on the pause read in
+/// `store::resume_lifted_pauses` with `true` (`resume_cas`) clears the
+/// extended pause and announces twice; this test was run against that
+/// mutation and failed.
+#[tokio::test]
+async fn a_lifted_pause_resumes_once_and_a_changed_pause_is_left_alone() {
+    let t = TestDb::new().await;
+    let subs = due_monthly(&t.db, "tenant_a", 2).await;
+    let past = Utc::now() - TimeDelta::minutes(5);
+    pause(&t.db, subs[0], past).await;
+    pause(&t.db, subs[1], past).await;
+    let (b, _) = biller(&t.db, config());
+    let b2 = b.clone();
+    let listed = as_leader(&manager(&t.db, "a"), Role::Billing, |tick| async move {
+        b2.claim_lifted_pauses(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!(listed.len(), 2);
+    // The operator extends the second pause after the listing.
+    pause(&t.db, subs[1], Utc::now() + TimeDelta::days(7)).await;
+    assert_eq!(b.resume_collections(&listed).await.unwrap(), 1);
+    assert_eq!(b.resume_collections(&listed).await.unwrap(), 0);
+    assert_eq!(paused(&t.db, subs[0]).await, None);
+    assert_eq!(
+        paused(&t.db, subs[1]).await.as_deref(),
+        Some("keep_as_draft")
+    );
+    assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
+    // The tick's own resume step finds nothing more to do.
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.lifecycle.resumed, 0, "{report:?}");
+    assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
+}
+
+/// A tick resumes a lifted pause as its second step.
+#[tokio::test]
+async fn the_tick_resumes_a_lifted_pause() {
+    let t = TestDb::new().await;
+    let sub = due_monthly(&t.db, "tenant_a", 1).await[0];
+    pause(&t.db, sub, Utc::now() - TimeDelta::minutes(1)).await;
+    let (b, _) = biller(&t.db, config());
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.lifecycle.resumed, 1, "{report:?}");
+    assert_eq!(paused(&t.db, sub).await, None);
+    assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
+}
+
+async fn plan_of(db: &Db, sub: i64) -> i64 {
+    db.fetch_one(sql("SELECT plan_id FROM subscriptions WHERE id = $1").bind(sub))
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A plan change racing the tick on one due subscription, both ways round:
+/// whichever commits first wins, the other writes nothing (one invoice, one
+/// `invoice.finalized`), and a plan change that lost says
+/// `subscription_period_moved`.
+///
+/// Mutation check: removing the snapshot proof from the closing's UPDATE
+/// (`plan_change_cas`, the same CAS the plan change goes through) lets the
+/// tick's stale closing past the plan change, which the dedup index then
+/// refuses as `AlreadyInvoiced`, not `PeriodMoved`; this test was run against
+/// that mutation and failed.
+#[tokio::test]
+async fn a_plan_change_racing_the_tick_one_wins_the_other_writes_nothing() {
+    let t = TestDb::new().await;
+    let subs = due_monthly(&t.db, "tenant_a", 2).await;
+    let pro = plan(&t.db, "tenant_a", "month", 1, 4800).await;
+    let (b, _) = biller(&t.db, config());
+
+    // The plan change read first, the tick committed first: the change loses.
+    let change = b.plan_change("tenant_a", subs[0], pro).await.unwrap();
+    let old_plan = plan_of(&t.db, subs[0]).await;
+    let (b2, first) = (b.clone(), subs[0]);
+    as_leader(&manager(&t.db, "a"), Role::Billing, |tick| async move {
+        let due = b2.claim_due(&tick.fence, 10).await.unwrap();
+        let due = due.iter().find(|d| d.subscription_id == first).unwrap();
+        let closed = b2.close_period(due).await.unwrap();
+        assert!(matches!(closed, Closed::Invoiced { .. }), "{closed:?}");
+    })
+    .await;
+    let err = b.apply_plan_change(&change).await.unwrap_err();
+    assert!(
+        matches!(err, Error::SubscriptionPeriodMoved { .. }),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), "subscription_period_moved");
+    assert_eq!(plan_of(&t.db, subs[0]).await, old_plan);
+
+    // The tick read first, the plan change committed first: the tick loses.
+    let b2 = b.clone();
+    let due = as_leader(&manager(&t.db, "b"), Role::Billing, |tick| async move {
+        b2.claim_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    let due = due
+        .into_iter()
+        .find(|d| d.subscription_id == subs[1])
+        .unwrap();
+    let changed = b.change_plan("tenant_a", subs[1], pro).await.unwrap();
+    assert!(changed.invoice_id.is_some());
+    assert_eq!(b.close_period(&due).await.unwrap(), Closed::PeriodMoved);
+    assert_eq!(plan_of(&t.db, subs[1]).await, pro);
+
+    let all = invoices(&t.db).await;
+    for sub in &subs {
+        assert_eq!(all.iter().filter(|i| i.subscription == *sub).count(), 1);
+    }
+    assert_eq!(finalized(&t.db).await.len(), 2);
+}
+
+/// A plan change mid-period invoices the used part pro rata on the old plan
+/// and starts the next period on the new plan at the change.
+#[tokio::test]
+async fn a_plan_change_invoices_the_used_part_pro_rata() {
+    let t = TestDb::new().await;
+    let basic = plan(&t.db, "tenant_a", "month", 1, 3100).await;
+    let pro = plan(&t.db, "tenant_a", "year", 1, 50_000).await;
+    let start = (Utc::now() - TimeDelta::days(10)).trunc_subsecs(0);
+    let end = billing::period::end_after(
+        start,
+        billing::period::Interval {
+            unit: billing::period::Unit::Month,
+            count: 1,
+        },
+        start,
+    )
+    .unwrap();
+    let sub = crate::subscription(&t.db, "tenant_a", basic, start, start, end).await;
+    let (b, _) = biller(&t.db, config());
+    let change = b.plan_change("tenant_a", sub, pro).await.unwrap();
+    let want = billing::period::pro_rata(3100, change.at - start, end - start);
+    assert_eq!(change.amount(), want);
+    let changed = b.apply_plan_change(&change).await.unwrap();
+    let all = invoices(&t.db).await;
+    assert_eq!(all.len(), 1);
+    assert_eq!(
+        (all[0].start, all[0].end, all[0].amount),
+        (start, change.at, want)
+    );
+    assert_eq!(finalized(&t.db).await, vec![changed.invoice_id.unwrap()]);
+    let (s, e, w) = crate::period(&t.db, sub).await;
+    assert_eq!(
+        (s, e, w),
+        (change.at, change.next_period().1, change.next_period().1)
+    );
+    assert_eq!(plan_of(&t.db, sub).await, pro);
+    // An unknown plan or subscription is named, not a 409.
+    let err = b.change_plan("tenant_a", sub, 999_999).await.unwrap_err();
+    assert_eq!(err.code(), "subscription_not_found");
+}

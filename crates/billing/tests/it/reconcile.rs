@@ -1,0 +1,281 @@
+//! The payment reconciler against the fake provider: unknown outcomes settled
+//! by key, charged once; provider outages end the tick as failed.
+
+use std::time::Duration;
+
+use billing::{BillingConfig, ProviderConfig, SecretKey};
+use db::{Db, Row, sql};
+use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+use leader::TickEnd;
+use testbed::TestDb;
+
+use crate::{biller, config, due_monthly, tick};
+
+fn charging(p: &FakeProvider, timeout: Duration, lease: Duration) -> BillingConfig {
+    BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout,
+        }),
+        charge_lease: lease,
+        ..config()
+    }
+}
+
+/// `n` open automatic invoices (billed by a tick without a provider) and
+/// their customers' `cus_…`.
+async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
+    due_monthly(db, "tenant_a", n).await;
+    let (b, _) = biller(db, config());
+    assert_eq!(tick(db, &b).await.tally.invoiced, n);
+    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
+         JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    db.fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect()
+}
+
+/// The provider charges and then hangs: the attempt is unknown, its claim
+/// lease expires, and the reconciler asks the provider by key (the same
+/// request, same key): the stored charge answers, the invoice is settled
+/// paid with the same announcements as auto-charge, and the provider counted
+/// exactly one charge.
+#[tokio::test]
+async fn a_provider_timeout_is_settled_by_key_and_charged_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let (invoice, customer) = open[0].clone();
+    p.set_behaviour(&customer, Behaviour::Hang);
+    let (b, metrics) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.unknown, 1, "{first:?}");
+    // The claim still holds the invoice: the reconciler leaves it alone.
+    assert_eq!(first.reconciled.paid, 0, "{first:?}");
+    assert_eq!(p.total_charges(), 1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let second = tick(&t.db, &b).await;
+    assert_eq!(second.reconciled.paid, 1, "{second:?}");
+    assert_eq!(p.total_charges(), 1);
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(
+            r#"hardcount_billing_reconciler_resolutions_total{sweep="unknown",outcome="paid"} 1"#
+        ),
+        "{rendered}"
+    );
+    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    assert_eq!(p.charges().get(&key), Some(&1));
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        vec!["paid"]
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT provider_status FROM payment_attempts").await,
+        vec!["succeeded"]
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized' ORDER BY id"
+        )
+        .await,
+        vec!["invoice.paid", "payment.succeeded"]
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT subject FROM email_outbox").await,
+        vec![format!("Receipt for invoice {invoice}")]
+    );
+    // Settled: nothing more to reconcile, nothing charged again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let third = tick(&t.db, &b).await;
+    assert_eq!(third.reconciled, billing::ReconcileTally::default());
+    assert_eq!(p.total_charges(), 1);
+}
+
+/// A 5xx charged nothing; once the provider is back, the reconciler's
+/// lookup by key executes the charge, once. A lookup that is still unknown
+/// is stamped, so it goes behind the attempts never checked.
+#[tokio::test]
+async fn a_5xx_is_charged_once_by_the_reconciler_when_the_provider_is_back() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 2).await;
+    for (_, customer) in &open {
+        p.set_behaviour(customer, Behaviour::ServerError(503));
+    }
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.unknown, 2, "{first:?}");
+    assert_eq!(p.total_charges(), 0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // The first invoice's customer is still failing, the second's is back.
+    p.set_behaviour(&open[1].1, Behaviour::Succeed);
+    let second = tick(&t.db, &b).await;
+    assert_eq!(
+        (second.reconciled.paid, second.reconciled.still_unknown),
+        (1, 1),
+        "{second:?}"
+    );
+    assert_eq!(p.total_charges(), 1);
+    let stamped: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM payment_attempts WHERE last_checked_at IS NOT NULL",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stamped, 2);
+}
+
+/// A provider outage (nothing listening: connection refused on every call)
+/// ends the tick as failed, so the role retries after the short cooldown,
+/// and each attempt is left unknown for the reconciler.
+#[tokio::test]
+async fn a_provider_outage_ends_the_tick_as_failed() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let config = charging(&p, Duration::from_millis(500), Duration::from_secs(1));
+    drop(p);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    open_invoices(&t.db, 3).await;
+    let (b, _) = biller(&t.db, config);
+    let report = tick(&t.db, &b).await;
+    assert!(matches!(report.end, TickEnd::Failed(_)), "{report:?}");
+    assert_eq!(report.charges.unknown, 3, "{report:?}");
+}
+
+/// A batch charged concurrently: each invoice charged once, each settled.
+#[tokio::test]
+async fn a_batch_is_charged_concurrently_each_invoice_once() {
+    let t = TestDb::with_pool(16).await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoices(&t.db, 60).await;
+    let (b, metrics) = biller(
+        &t.db,
+        BillingConfig {
+            charge_concurrency: 8,
+            ..charging(&p, Duration::from_secs(5), Duration::from_secs(60))
+        },
+    );
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 60, "{report:?}");
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains(r#"hardcount_billing_charges_total{outcome="succeeded"} 60"#),
+        "{rendered}"
+    );
+    assert_eq!(p.total_charges(), 60);
+    assert!(p.charges().values().all(|n| *n == 1));
+    assert_eq!(
+        strings(&t.db, "SELECT DISTINCT status FROM invoices").await,
+        vec!["paid"]
+    );
+}
+
+/// A claim that expired without an attempt (its holder died before the call)
+/// is freed by the stale-hold sweep; the invoice is then charged once.
+#[tokio::test]
+async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoices(&t.db, 1).await;
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let b2 = b.clone();
+    let held = crate::as_leader(
+        &crate::manager(&t.db, "dead"),
+        leader::Role::Billing,
+        |tick| async move { b2.claim_charges(&tick.fence, 10).await.unwrap() },
+    )
+    .await;
+    assert_eq!(held.len(), 1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A tick without a provider runs only the stale-hold sweep of the reconciler.
+    let (plain, _) = biller(&t.db, config());
+    let report = tick(&t.db, &plain).await;
+    assert_eq!(report.reconciled.holds_freed, 1, "{report:?}");
+    let holders: Vec<Option<String>> =
+        t.db.fetch_all(sql("SELECT auto_charge_claimed_by FROM invoices"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    assert_eq!(holders, vec![None]);
+    let charged = tick(&t.db, &b).await;
+    assert_eq!(charged.charges.paid, 1, "{charged:?}");
+    assert_eq!(p.total_charges(), 1);
+}
+
+/// A lookup the provider refuses as a reused key (the attempt predates
+/// migration 0009, and the customer's card changed since) is not a decline:
+/// the first request may have charged. The attempt stays unknown, flagged for
+/// a person, and nothing is announced.
+#[tokio::test]
+async fn a_refused_lookup_is_not_taken_for_a_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Hang);
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    let mut su = t.superuser().await;
+    for q in [
+        "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL",
+        "UPDATE customers SET payment_method_id = 'pm_card_mastercard'",
+    ] {
+        sqlx::query(q).execute(&mut su).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.reconciled.still_unknown, report.reconciled.declined),
+        (1, 0),
+        "{report:?}"
+    );
+    let (status, error): (String, Option<String>) = {
+        let r =
+            t.db.fetch_one(sql(
+                "SELECT provider_status, last_error FROM payment_attempts",
+            ))
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(status, "unknown");
+    assert!(error.unwrap_or_default().contains("settle by hand"));
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized'"
+        )
+        .await,
+        Vec::<String>::new()
+    );
+    assert_eq!(p.total_charges(), 1);
+}

@@ -1,0 +1,180 @@
+//! Billing in the local run: the fake payment provider in this process, and a
+//! demo plan billed every two minutes with three subscriptions, one of which
+//! declines, so a newcomer sees invoices, charges, receipts and `invoice.*`
+//! webhooks within a few minutes.
+//!
+//! Each run cancels the previous run's demo subscriptions and seeds new ones
+//! whose first periods end 30, 60 and 90 seconds after the start (a fresh
+//! fake provider knows none of the old charges). Unless set, billing ticks
+//! every 10 seconds (`HARDCOUNT_BILLING_INTERVAL`).
+
+use anyhow::{Context, Result};
+use db::{Db, Row, sql};
+use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+
+use super::demo::TENANT;
+use crate::settings::ServeSettings;
+
+const PLAN: &str = "Demo (every 2 minutes)";
+
+/// The billing events the demo's second endpoint receives (the first, the
+/// demo's own, already receives `invoice.finalized`).
+const EVENTS: [&str; 5] = [
+    "invoice.paid",
+    "payment.succeeded",
+    "payment.failed",
+    "subscription.trial_ended",
+    "subscription.collection_resumed",
+];
+
+/// (name, email, provider customer, how the fake answers its charges)
+const CUSTOMERS: [(&str, &str, &str, Option<&str>); 3] = [
+    ("Ada", "ada@example.org", "cus_demo_ada", None),
+    ("Grace", "grace@example.org", "cus_demo_grace", None),
+    (
+        "Mallory",
+        "mallory@example.org",
+        "cus_demo_mallory",
+        Some("insufficient_funds"),
+    ),
+];
+
+/// Start the fake provider unless a provider is configured, and point
+/// billing at it; tick billing every 10 s unless its interval is set.
+pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<FakeProvider>> {
+    if serve.billing_interval.is_none() {
+        serve.billing_interval = Some("10s".to_owned());
+    }
+    if serve
+        .billing_provider_url
+        .as_deref()
+        .is_some_and(|u| !u.trim().is_empty())
+    {
+        return Ok(None);
+    }
+    let provider = FakeProvider::start()
+        .await
+        .context("start the fake payment provider")?;
+    for (_, _, customer, decline) in CUSTOMERS {
+        if let Some(code) = decline {
+            provider.set_behaviour(customer, Behaviour::Decline(code.to_owned()));
+        }
+    }
+    serve.billing_provider_url = Some(provider.base_url());
+    serve.billing_provider_secret_key = Some(TEST_SECRET_KEY.to_owned());
+    println!(
+        "fake payment provider on {} (charges of {} decline)",
+        provider.base_url(),
+        CUSTOMERS
+            .iter()
+            .filter(|c| c.3.is_some())
+            .map(|c| c.0)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(Some(provider))
+}
+
+/// The demo plan, its customers and three fresh subscriptions, and an
+/// endpoint on `receiver_url` for the billing events.
+pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
+    let mut tx = db.begin().await?;
+    let plan: i64 = match tx
+        .fetch_optional(
+            sql("SELECT id FROM plans WHERE tenant_id = $1 AND name = $2 ORDER BY id LIMIT 1")
+                .bind(TENANT)
+                .bind(PLAN),
+        )
+        .await?
+    {
+        Some(r) => r.try_get("id")?,
+        None => tx
+            .fetch_one(
+                sql("INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+                     VALUES ($1, $2, 1200, 'EUR', 'minute', 2) RETURNING id")
+                .bind(TENANT)
+                .bind(PLAN),
+            )
+            .await?
+            .try_get("id")?,
+    };
+    let canceled = tx
+        .execute(
+            sql("UPDATE subscriptions SET status = 'canceled', canceled_at = now(), updated_at = now() \
+                 WHERE tenant_id = $1 AND plan_id = $2 AND status <> 'canceled'")
+            .bind(TENANT)
+            .bind(plan),
+        )
+        .await?;
+    for (i, (name, email, customer, _)) in CUSTOMERS.iter().enumerate() {
+        let id: i64 = match tx
+            .fetch_optional(
+                sql("SELECT id FROM customers WHERE tenant_id = $1 AND provider_customer_id = $2")
+                    .bind(TENANT)
+                    .bind(*customer),
+            )
+            .await?
+        {
+            Some(r) => r.try_get("id")?,
+            None => tx
+                .fetch_one(
+                    sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
+                         VALUES ($1, $2, $3, $4, 'pm_card_visa') RETURNING id")
+                    .bind(TENANT)
+                    .bind(*email)
+                    .bind(*name)
+                    .bind(*customer),
+                )
+                .await?
+                .try_get("id")?,
+        };
+        // First periods end 30, 60 and 90 s from now; then every 2 minutes.
+        let ends_in = 30.0 * (i as f64 + 1.0);
+        tx.execute(
+            sql("INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                            current_period_start, current_period_end, next_billing_at) \
+                 SELECT $1, $2, $3, 'active', a, a, a + interval '2 minutes', a + interval '2 minutes' \
+                 FROM (SELECT now() + make_interval(secs => $4) - interval '2 minutes' AS a) t")
+            .bind(TENANT)
+            .bind(id)
+            .bind(plan)
+            .bind(ends_in),
+        )
+        .await?;
+    }
+    let endpoint = tx
+        .fetch_optional(
+            sql(
+                "SELECT id FROM webhook_endpoints WHERE tenant_id = $1 AND event_types @> $2 \
+                 ORDER BY id LIMIT 1",
+            )
+            .bind(TENANT)
+            .bind(vec!["invoice.paid".to_owned()]),
+        )
+        .await?;
+    if let Some(r) = &endpoint {
+        let id: i64 = r.try_get("id")?;
+        tx.execute(
+            sql("UPDATE webhook_endpoints SET url = $2 WHERE id = $1")
+                .bind(id)
+                .bind(receiver_url.to_owned()),
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    if endpoint.is_none() {
+        webhook_delivery::create_endpoint(db, TENANT, receiver_url, &EVENTS)
+            .await
+            .context("create the demo billing endpoint")?;
+    }
+    println!(
+        "demo billing: plan {PLAN:?} (12.00 EUR), subscriptions for {} billed from 30 s on{}",
+        CUSTOMERS.map(|c| c.0).join(", "),
+        if canceled > 0 {
+            format!(" ({canceled} from the last run canceled)")
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
