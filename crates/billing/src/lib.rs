@@ -79,6 +79,7 @@ pub mod close;
 mod config;
 pub mod period;
 pub mod provider;
+mod retry;
 mod store;
 mod tick;
 
@@ -86,6 +87,7 @@ pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Unbillable};
 pub use config::{BillingConfig, ConfigError};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
+pub use retry::{NotCharged, Retried};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 
