@@ -78,7 +78,10 @@ impl Policy {
                     .filter(|d| *d > TimeDelta::zero())
                     .and_then(|d| first_declined_at.checked_add_signed(d))
                     .unwrap_or_else(|| {
-                        panic!("dunning policy offset {secs} s (retry {}) is out of range", n + 1)
+                        panic!(
+                            "dunning policy offset {secs} s (retry {}) is out of range",
+                            n + 1
+                        )
                     });
                 AfterDecline::Next { at }
             }
@@ -110,8 +113,14 @@ mod tests {
         let t0: DateTime<Utc> = "2026-01-31T10:00:00Z".parse().unwrap();
         let day = TimeDelta::days(1);
         // Retry 1 declined → retry 2 at day 3, not day 1 + 3.
-        assert_eq!(p.after_decline(t0, 1), AfterDecline::Next { at: t0 + day * 3 });
-        assert_eq!(p.after_decline(t0, 3), AfterDecline::Next { at: t0 + day * 7 });
+        assert_eq!(
+            p.after_decline(t0, 1),
+            AfterDecline::Next { at: t0 + day * 3 }
+        );
+        assert_eq!(
+            p.after_decline(t0, 3),
+            AfterDecline::Next { at: t0 + day * 7 }
+        );
         assert_eq!(p.after_decline(t0, 4), AfterDecline::Exhausted);
         assert!(p.warns_after(1) && !p.warns_after(2));
     }

@@ -284,8 +284,10 @@ pub(crate) async fn recover(
     attempt: i32,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
-    let update = sql("UPDATE dunning_runs SET status = 'recovered', ended_at = now(), updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2")
+    let update = sql(
+        "UPDATE dunning_runs SET status = 'recovered', ended_at = now(), updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
     .bind(run.id)
     .bind(attempt);
     let event = payload(run, "recovered", attempt, serde_json::json!({}));
@@ -310,9 +312,11 @@ pub(crate) async fn decline(
     email: Option<email_outbox::Email>,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
-    let update = sql("UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
+    let update = sql(
+        "UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
                              updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2")
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
     .bind(run.id)
     .bind(attempt)
     .bind(next)
@@ -340,9 +344,11 @@ pub(crate) async fn exhaust(
     email: Option<email_outbox::Email>,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
-    let update = sql("UPDATE dunning_runs SET status = 'exhausted', ended_at = now(), \
+    let update = sql(
+        "UPDATE dunning_runs SET status = 'exhausted', ended_at = now(), \
                              next_attempt_at = now(), last_decline_code = $3, updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2")
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
     .bind(run.id)
     .bind(attempt)
     .bind(code.to_owned());
@@ -376,8 +382,10 @@ pub(crate) async fn stop(
     } else {
         ("stopped", "dunning.stopped")
     };
-    let update = sql("UPDATE dunning_runs SET status = $3, ended_at = now(), updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2")
+    let update = sql(
+        "UPDATE dunning_runs SET status = $3, ended_at = now(), updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
     .bind(run.id)
     .bind(run.attempt_count)
     .bind(status);
@@ -417,8 +425,10 @@ pub(crate) async fn final_action(
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let stamped = tx
         .execute(
-            sql("UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
-                 WHERE id = $1 AND status = 'exhausted' AND final_action_at IS NULL")
+            sql(
+                "UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
+                 WHERE id = $1 AND status = 'exhausted' AND final_action_at IS NULL",
+            )
             .bind(run.id),
         )
         .await?;
@@ -431,12 +441,14 @@ pub(crate) async fn final_action(
         // own, an operator's) or a settled invoice writes nothing.
         FinalAction::PauseCollection => (
             tx.execute(
-                sql("UPDATE subscriptions s SET pause_collection_behavior = 'keep_as_draft', \
+                sql(
+                    "UPDATE subscriptions s SET pause_collection_behavior = 'keep_as_draft', \
                             pause_collection_set_by = 'dunning', updated_at = now() \
                      FROM invoices i \
                      WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                        AND i.status = 'open' AND s.status <> 'canceled' \
-                       AND s.pause_collection_behavior IS NULL")
+                       AND s.pause_collection_behavior IS NULL",
+                )
                 .bind(run.invoice_id),
             )
             .await?,
@@ -447,11 +459,13 @@ pub(crate) async fn final_action(
         ),
         FinalAction::CancelSubscription => (
             tx.execute(
-                sql("UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
+                sql(
+                    "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
                             updated_at = now() \
                      FROM invoices i \
                      WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                       AND i.status = 'open' AND s.status <> 'canceled'")
+                       AND i.status = 'open' AND s.status <> 'canceled'",
+                )
                 .bind(run.invoice_id),
             )
             .await?,
@@ -462,8 +476,10 @@ pub(crate) async fn final_action(
         ),
         FinalAction::MarkUncollectible => (
             tx.execute(
-                sql("UPDATE invoices SET status = 'uncollectible', closed_at = now() \
-                     WHERE id = $1 AND status = 'open'")
+                sql(
+                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                     WHERE id = $1 AND status = 'open'",
+                )
                 .bind(run.invoice_id),
             )
             .await?,

@@ -25,7 +25,10 @@ pub enum Retry {
     /// A definite decline; the next retry is scheduled.
     Declined { code: String },
     /// The last retry was declined; the run is exhausted and its final action ran.
-    Exhausted { code: String, final_action: FinalActed },
+    Exhausted {
+        code: String,
+        final_action: FinalActed,
+    },
     /// No definite answer (timeout, 5xx, a lost or held claim, an error):
     /// the attempt was rewound, the run is as it was listed.
     Rewound { why: String },
@@ -127,8 +130,11 @@ impl Dunner {
             dunner: self,
             left_out: Mutex::new(Vec::new()),
         };
-        let driven =
-            scheduler::catch("dunning/retries".to_owned(), scheduler::drive(&retries, tick)).await;
+        let driven = scheduler::catch(
+            "dunning/retries".to_owned(),
+            scheduler::drive(&retries, tick),
+        )
+        .await;
         let (enrolled, driven) = match (enrolled, driven) {
             (Err(payload), _) | (_, Err(payload)) => std::panic::resume_unwind(payload),
             (Ok(e), Ok(d)) => (e, d),
@@ -239,7 +245,11 @@ impl Dunner {
         let plan = run.policy.after_decline(run.first_declined_at, attempt);
         let t = &self.inner.telemetry;
         let claimed_by = claim_identity(run);
-        let retried = self.inner.biller.retry_charge(run.invoice_id, &claimed_by).await;
+        let retried = self
+            .inner
+            .biller
+            .retry_charge(run.invoice_id, &claimed_by)
+            .await;
         let label = match &retried {
             Ok(Retried::Paid { .. }) => "succeeded",
             Ok(Retried::Declined { .. }) => "declined",
@@ -298,11 +308,13 @@ impl Dunner {
 
     async fn rewound(&self, run: &Run, held: DateTime<Utc>, why: String) -> Result<Retry, Error> {
         let timeout = self.inner.config.statement_timeout;
-        Ok(if store::rewind(&self.inner.db, run, held, timeout).await? {
-            Retry::Rewound { why }
-        } else {
-            Retry::Lost
-        })
+        Ok(
+            if store::rewind(&self.inner.db, run, held, timeout).await? {
+                Retry::Rewound { why }
+            } else {
+                Retry::Lost
+            },
+        )
     }
 
     /// Rewind the attempt a retry recorded and could not finish (it failed,
@@ -313,8 +325,12 @@ impl Dunner {
         let timeout = self.inner.config.statement_timeout;
         match store::rewind(&self.inner.db, run, hold, timeout).await {
             Ok(true) => debug!(role = %Role::Dunning, run = run.id, "attempt rewound"),
-            Ok(false) => debug!(role = %Role::Dunning, run = run.id, "nothing to rewind: the run moved on"),
-            Err(e) => warn!(role = %Role::Dunning, run = run.id, error = %e, "rewind failed; the run comes back after its hold"),
+            Ok(false) => {
+                debug!(role = %Role::Dunning, run = run.id, "nothing to rewind: the run moved on")
+            }
+            Err(e) => {
+                warn!(role = %Role::Dunning, run = run.id, error = %e, "rewind failed; the run comes back after its hold")
+            }
         }
     }
 
@@ -387,7 +403,13 @@ impl Dunner {
 
     /// How long one retry may run: the provider call and a few statements.
     fn call_reserve(&self) -> Duration {
-        self.inner.biller.config().provider.as_ref().map(|p| p.timeout).unwrap_or_default()
+        self.inner
+            .biller
+            .config()
+            .provider
+            .as_ref()
+            .map(|p| p.timeout)
+            .unwrap_or_default()
     }
 
     async fn refresh_gauges(&self) {
@@ -434,7 +456,10 @@ fn warning(run: &Run, from: &str, code: &str, next: DateTime<Utc>) -> email_outb
     email_outbox::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
-        subject: format!("Payment for invoice {} failed: we will retry", run.invoice_id),
+        subject: format!(
+            "Payment for invoice {} failed: we will retry",
+            run.invoice_id
+        ),
         text: format!(
             "We could not charge your saved card for invoice {} ({code}). \
              We will try again on {}. Please update your payment method.\n",
