@@ -19,6 +19,7 @@ const EXPORTED: &[&str] = &[
     "hardcount_leader_tick_duration_seconds",
     "hardcount_leader_clock_drift_seconds",
     "hardcount_leader_status_errors_total",
+    "hardcount_dunning_attempts_total",
 ];
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
@@ -31,6 +32,7 @@ const PAGED_ON: &[&str] = &[
     "hardcount_leader_paused",
     "hardcount_leader_lease_lost_total",
     "hardcount_leader_status_errors_total",
+    "hardcount_dunning_attempts_total",
 ];
 
 const RULES: &str = "deploy/prometheus/rules.yml";

@@ -11,7 +11,7 @@ use db::Db;
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::policy::AfterDecline;
 use crate::store::{self, FinalActed, Run};
@@ -97,6 +97,9 @@ impl Dunner {
         telemetry: Telemetry,
     ) -> Result<Dunner, Error> {
         config.validate()?;
+        if biller.config().provider.is_none() {
+            info!(role = %Role::Dunning, "no payment provider configured (BILLING_PROVIDER_URL): dunning enrols declined invoices but retries nothing");
+        }
         Ok(Dunner {
             inner: Arc::new(Inner {
                 db,
@@ -130,11 +133,23 @@ impl Dunner {
             dunner: self,
             left_out: Mutex::new(Vec::new()),
         };
-        let driven = scheduler::catch(
-            "dunning/retries".to_owned(),
-            scheduler::drive(&retries, tick),
-        )
-        .await;
+        // Without a provider nothing can be retried: enrolment only.
+        let driven = if self.inner.biller.config().provider.is_some() {
+            scheduler::catch(
+                "dunning/retries".to_owned(),
+                scheduler::drive(&retries, tick),
+            )
+            .await
+        } else {
+            Ok(scheduler::Driven {
+                end: TickEnd::Drained,
+                stop: Stop::Drained,
+                batches: 0,
+                claimed: 0,
+                elapsed: Duration::ZERO,
+                counts: Tally::default(),
+            })
+        };
         let (enrolled, driven) = match (enrolled, driven) {
             (Err(payload), _) | (_, Err(payload)) => std::panic::resume_unwind(payload),
             (Ok(e), Ok(d)) => (e, d),
