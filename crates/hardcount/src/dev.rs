@@ -9,6 +9,7 @@
 //! stops all of it, including the Postgres it started; the data stays.
 
 mod demo;
+mod dunning;
 mod postgres;
 mod smtp;
 
@@ -68,6 +69,7 @@ pub async fn run(
         );
         settings.serve.smtp_url = Some(s.url());
     }
+    let dunning_demo = dunning::prepare(&mut settings.serve).await?;
     let serve = &mut settings.serve;
     let config = serve.config(app_url.clone())?;
     let listener = crate::bind(serve).await?;
@@ -77,6 +79,7 @@ pub async fn run(
     let receiver = demo::start_receiver(demo_stop.clone()).await?;
     let db = Db::connect_lazy(&app_url, 2)?;
     demo::seed(&db, &receiver).await?;
+    dunning_demo.seed(&db, demo_stop.clone()).await?;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
 
     let host = if addr.ip().is_unspecified() {
