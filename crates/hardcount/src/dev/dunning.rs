@@ -89,10 +89,12 @@ impl Demo {
         let mut tx = db.begin().await?;
         let tenant = super::demo::TENANT;
         tx.execute(
-            sql("INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
+            sql(
+                "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
                                                warn_after, final_notice, is_default) \
                  VALUES ($1, 'Demo', '{20, 40, 60}', 'pause_collection', '{1}', true, true) \
-                 ON CONFLICT (tenant_id) WHERE is_default DO NOTHING")
+                 ON CONFLICT (tenant_id) WHERE is_default DO NOTHING",
+            )
             .bind(tenant),
         )
         .await?;
