@@ -224,7 +224,8 @@ impl Dunner {
         let held = Mutex::new(None);
         let result = self.retry_holding(run, &held).await;
         if result.is_err() {
-            self.rewind_if_held(run, &held).await;
+            let hold = *lock(&held);
+            self.rewind_held(run, hold).await;
         }
         result
     }
@@ -335,8 +336,8 @@ impl Dunner {
     /// Rewind the attempt a retry recorded and could not finish (it failed,
     /// panicked or was dropped). Logged, never raised: the hold brings the
     /// run back if the rewind itself fails.
-    async fn rewind_if_held(&self, run: &Run, held: &Mutex<Option<DateTime<Utc>>>) {
-        let Some(hold) = *lock(held) else { return };
+    async fn rewind_held(&self, run: &Run, held: Option<DateTime<Utc>>) {
+        let Some(hold) = held else { return };
         let timeout = self.inner.config.statement_timeout;
         match store::rewind(&self.inner.db, run, hold, timeout).await {
             Ok(true) => debug!(role = %Role::Dunning, run = run.id, "attempt rewound"),
@@ -382,7 +383,7 @@ impl Dunner {
                     tally.panicked += 1;
                     left_out.push(run.id);
                     if hold.is_some() {
-                        self.rewind_if_held(&run, &Mutex::new(hold)).await;
+                        self.rewind_held(&run, hold).await;
                     }
                     panics.record(payload);
                     continue;
@@ -391,7 +392,7 @@ impl Dunner {
                     tally.errors += 1;
                     left_out.push(run.id);
                     warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed; rewound");
-                    self.rewind_if_held(&run, &Mutex::new(hold)).await;
+                    self.rewind_held(&run, hold).await;
                     continue;
                 }
                 Ok(Ok(retry)) => retry,
