@@ -139,3 +139,81 @@ async fn a_final_action_owed_after_a_crash_runs_once_under_a_race() {
     assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 1);
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }
+
+/// A final action owed (cancel the subscription) on an invoice that was paid
+/// in the meantime writes nothing: the subscription stays active, nothing is
+/// announced, and the step is stamped so it is not owed again.
+#[tokio::test]
+async fn a_final_action_finds_the_invoice_paid_and_writes_nothing() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    as_leader(
+        &manager(&t.db, "enroller"),
+        Role::Dunning,
+        |tick| async move { d2.enrol(&tick.fence).await.unwrap() },
+    )
+    .await;
+    t.db.execute(
+        sql(
+            "UPDATE dunning_runs SET status = 'exhausted', attempt_count = 1, ended_at = now() \
+             WHERE invoice_id = $1",
+        )
+        .bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    t.db.execute(
+        sql("UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.final_actions, 1, "{r:?}");
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "active");
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// The cancel final action, owed and open: the subscription is canceled once
+/// and `subscription.canceled` announced once, however often the step runs.
+#[tokio::test]
+async fn a_cancel_final_action_cancels_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("expired_card".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    t.db.execute(
+        sql("UPDATE dunning_runs SET final_action_at = NULL WHERE invoice_id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    assert_eq!(tick(&t.db, &d).await.tally.final_actions, 1);
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "canceled");
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "dunning.exhausted",
+            "subscription.canceled"
+        ]
+    );
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+}
