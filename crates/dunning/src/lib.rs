@@ -61,10 +61,12 @@
 //!   tick goes on; a panic is raised at the end (released as panicked).
 //!
 //! Modules: `config` (defaults and validation), [`policy`] (pure: schedules
-//! and final actions), `store` (all SQL), `tick` ([`Dunner`], the driver's
-//! implementation). The charge itself is billing's (`billing::Biller::retry_charge`).
+//! and final actions), `notices` (pure: the customer's emails), `store` (all
+//! SQL), `tick` ([`Dunner`], the driver's implementation). The charge itself
+//! is billing's (`billing::Biller::retry_charge`).
 
 mod config;
+mod notices;
 pub mod policy;
 mod store;
 mod tick;

@@ -13,6 +13,7 @@ use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tracing::{debug, info, warn};
 
+use crate::notices::{final_notice, warning};
 use crate::policy::AfterDecline;
 use crate::store::{self, FinalActed, Run};
 use crate::{DunningConfig, Error};
@@ -466,40 +467,6 @@ fn claim_identity(run: &Run) -> String {
         run.attempt_count + 1,
         std::process::id()
     )
-}
-
-fn warning(run: &Run, from: &str, code: &str, next: DateTime<Utc>) -> email_outbox::Email {
-    email_outbox::Email {
-        from: from.to_owned(),
-        to: vec![run.email.clone()],
-        subject: format!(
-            "Payment for invoice {} failed: we will retry",
-            run.invoice_id
-        ),
-        text: format!(
-            "We could not charge your saved card for invoice {} ({code}). \
-             We will try again on {}. Please update your payment method.\n",
-            run.invoice_id,
-            next.format("%Y-%m-%d %H:%M UTC")
-        ),
-        html: None,
-    }
-}
-
-fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
-    email_outbox::Email {
-        from: from.to_owned(),
-        to: vec![run.email.clone()],
-        subject: format!("Final notice for invoice {}", run.invoice_id),
-        text: format!(
-            "We could not collect invoice {} after {} retries. \
-             Your subscription's billing has been stopped ({}).\n",
-            run.invoice_id,
-            run.policy.offsets_secs.len(),
-            run.policy.final_action.as_str().replace('_', " ")
-        ),
-        html: None,
-    }
 }
 
 /// The retry step as the driver sees it. `left_out` holds runs this tick
