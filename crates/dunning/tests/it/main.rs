@@ -6,6 +6,7 @@
 
 mod final_action;
 mod guards;
+mod reconcile;
 mod runs;
 
 use std::sync::Arc;
@@ -28,17 +29,9 @@ pub fn config() -> DunningConfig {
     }
 }
 
-/// A dunner charging `provider` (timeout `timeout`), and its metrics.
-pub fn dunner(
-    db: &Db,
-    provider: &FakeProvider,
-    timeout: Duration,
-    config: DunningConfig,
-) -> (Dunner, PrometheusHandle) {
-    let recorder = PrometheusBuilder::new().build_recorder();
-    let handle = recorder.handle();
-    let telemetry = Telemetry::new(Arc::new(recorder));
-    let billing = BillingConfig {
+/// Billing's settings charging `provider` with this call timeout.
+pub fn billing(provider: &FakeProvider, timeout: Duration) -> BillingConfig {
+    BillingConfig {
         statement_timeout: Duration::from_secs(10),
         provider: Some(ProviderConfig {
             base_url: provider.base_url(),
@@ -46,7 +39,28 @@ pub fn dunner(
             timeout,
         }),
         ..BillingConfig::default()
-    };
+    }
+}
+
+/// A dunner charging `provider` (timeout `timeout`), and its metrics.
+pub fn dunner(
+    db: &Db,
+    provider: &FakeProvider,
+    timeout: Duration,
+    config: DunningConfig,
+) -> (Dunner, PrometheusHandle) {
+    dunner_with(db, billing(provider, timeout), config)
+}
+
+/// A dunner whose retries charge with `billing`'s settings, and its metrics.
+pub fn dunner_with(
+    db: &Db,
+    billing: BillingConfig,
+    config: DunningConfig,
+) -> (Dunner, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let telemetry = Telemetry::new(Arc::new(recorder));
     let biller = Biller::new(db.clone(), billing, telemetry.clone()).unwrap();
     let d = Dunner::new(db.clone(), config, biller, telemetry).unwrap();
     (d, handle)
