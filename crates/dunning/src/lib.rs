@@ -56,6 +56,10 @@
 //!   in force and the invoice is still open; a retried step writes nothing.
 //! - **A replaced leader lists nothing**: enrolment and the funnel prove
 //!   `leader_fence('dunning', $token)` and take a [`leader::Fence`].
+//! - **A provider outage stops the tick, not the runs' counts**: a batch in
+//!   which the provider answered none of at least [`OUTAGE_UNANSWERED`]
+//!   retries (all rewound) ends the tick as failed, retried after the short
+//!   cooldown, instead of timing out on every due run.
 //! - **One tenant's failing runs never stop another's**: each run is retried
 //!   under the guard, a failing run is rewound and left out of the tick, and the
 //!   tick goes on; a panic is raised at the end (released as panicked).
@@ -74,7 +78,7 @@ mod tick;
 pub use config::{ConfigError, DunningConfig};
 pub use policy::{AfterDecline, FinalAction, Policy};
 pub use store::{FinalActed, Run};
-pub use tick::{Dunner, Retry, Tally, TickReport};
+pub use tick::{Dunner, OUTAGE_UNANSWERED, Retry, Tally, TickReport};
 
 /// Errors of the dunning role.
 #[derive(Debug, thiserror::Error)]
@@ -93,4 +97,10 @@ pub enum Error {
     /// A warning or final-notice email was refused; the transition rolled back.
     #[error("dunning could not enqueue an email: {0}")]
     EmailEnqueue(#[from] email_outbox::EnqueueError),
+    /// The provider answered none of a batch's retries (timeouts, 5xx): each
+    /// was rewound, and the tick stops as failed to retry after the cooldown.
+    #[error(
+        "the payment provider answered none of {unanswered} dunning retries in a batch; the tick stops"
+    )]
+    ProviderOutage { unanswered: usize },
 }

@@ -18,6 +18,10 @@ use crate::policy::AfterDecline;
 use crate::store::{self, FinalActed, Run};
 use crate::{DunningConfig, Error};
 
+/// A batch with at least this many retries the provider did not answer, and
+/// none it did, is taken for an outage: the tick stops as failed.
+pub const OUTAGE_UNANSWERED: usize = 3;
+
 /// What became of one listed run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Retry {
@@ -31,8 +35,9 @@ pub enum Retry {
         final_action: FinalActed,
     },
     /// No definite answer (timeout, 5xx, a lost or held claim, an error):
-    /// the attempt was rewound, the run is as it was listed.
-    Rewound { why: String },
+    /// the attempt was rewound, the run is as it was listed. `unanswered`:
+    /// the provider was asked and gave no answer to rely on.
+    Rewound { why: String, unanswered: bool },
     /// The invoice was settled elsewhere; the run ended without a charge.
     Stopped { invoice_status: String },
     /// An exhausted run's owed final action ran (after a crash between the
@@ -50,6 +55,8 @@ pub struct Tally {
     pub declined: usize,
     pub exhausted: usize,
     pub rewound: usize,
+    /// Of the rewound: the provider gave no answer to rely on.
+    pub unanswered: usize,
     pub stopped: usize,
     pub final_actions: usize,
     pub lost: usize,
@@ -314,20 +321,26 @@ impl Dunner {
                     Retry::Exhausted { code, final_action }
                 }
             },
-            Retried::Unknown { reason, .. } => self.rewound(run, hold, reason).await?,
+            Retried::Unknown { reason, .. } => self.rewound(run, hold, reason, true).await?,
             Retried::NotCharged(NotCharged::InvoiceClosed { status }) => {
-                self.rewound(run, hold, String::new()).await?;
+                self.rewound(run, hold, String::new(), false).await?;
                 stopped(store::stop(db, run, &status, timeout).await?, &status)
             }
-            Retried::NotCharged(why) => self.rewound(run, hold, format!("{why:?}")).await?,
+            Retried::NotCharged(why) => self.rewound(run, hold, format!("{why:?}"), false).await?,
         })
     }
 
-    async fn rewound(&self, run: &Run, held: DateTime<Utc>, why: String) -> Result<Retry, Error> {
+    async fn rewound(
+        &self,
+        run: &Run,
+        held: DateTime<Utc>,
+        why: String,
+        unanswered: bool,
+    ) -> Result<Retry, Error> {
         let timeout = self.inner.config.statement_timeout;
         Ok(
             if store::rewind(&self.inner.db, run, held, timeout).await? {
-                Retry::Rewound { why }
+                Retry::Rewound { why, unanswered }
             } else {
                 Retry::Lost
             },
@@ -352,7 +365,9 @@ impl Dunner {
     }
 
     /// Retry a listed batch, at most `concurrency` at once, each under the
-    /// guard. Returns the runs to leave out of the rest of the tick.
+    /// guard. Returns the runs to leave out of the rest of the tick, and
+    /// whether the batch looks like a provider outage: at least
+    /// [`OUTAGE_UNANSWERED`] retries without an answer and none answered.
     async fn retry_batch(
         &self,
         batch: Vec<Run>,
@@ -360,7 +375,7 @@ impl Dunner {
         deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
-    ) -> Vec<i64> {
+    ) -> (Vec<i64>, Option<usize>) {
         let reserve = self.call_reserve();
         let results: Vec<_> = futures::stream::iter(batch)
             .map(|run| async move {
@@ -377,6 +392,7 @@ impl Dunner {
             .collect()
             .await;
         let mut left_out = Vec::new();
+        let (mut answered, mut unanswered) = (0, 0);
         for (run, hold, result) in results {
             let Some(result) = result else { continue };
             let retry = match result {
@@ -399,11 +415,27 @@ impl Dunner {
                 Ok(Ok(retry)) => retry,
             };
             match retry {
-                Retry::Recovered => tally.recovered += 1,
-                Retry::Declined { .. } => tally.declined += 1,
-                Retry::Exhausted { .. } => tally.exhausted += 1,
-                Retry::Rewound { why } => {
+                Retry::Recovered => {
+                    tally.recovered += 1;
+                    answered += 1;
+                }
+                Retry::Declined { .. } => {
+                    tally.declined += 1;
+                    answered += 1;
+                }
+                Retry::Exhausted { .. } => {
+                    tally.exhausted += 1;
+                    answered += 1;
+                }
+                Retry::Rewound {
+                    why,
+                    unanswered: no_answer,
+                } => {
                     tally.rewound += 1;
+                    if no_answer {
+                        tally.unanswered += 1;
+                        unanswered += 1;
+                    }
                     left_out.push(run.id);
                     debug!(role = %Role::Dunning, run = run.id, why = %why, "no definite answer; attempt rewound");
                 }
@@ -415,7 +447,8 @@ impl Dunner {
                 }
             }
         }
-        left_out
+        let outage = (unanswered >= OUTAGE_UNANSWERED && answered == 0).then_some(unanswered);
+        (left_out, outage)
     }
 
     /// How long one retry may run: the provider call and a few statements.
@@ -512,12 +545,17 @@ impl FencedBatches for Retries<'_> {
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
-        let left_out = self
+        let (left_out, outage) = self
             .dunner
             .retry_batch(batch, tick, deadline, panics, tally)
             .await;
         lock(&self.left_out).extend(left_out);
-        Ok(())
+        match outage {
+            // Stop the tick as failed (short cooldown) rather than time out on
+            // every due run: each was rewound, nothing is counted.
+            Some(unanswered) => Err(Error::ProviderOutage { unanswered }),
+            None => Ok(()),
+        }
     }
 
     async fn end_tick(&self, tick: &Tick) {

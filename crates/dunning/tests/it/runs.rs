@@ -258,3 +258,33 @@ async fn a_retry_that_panics_is_rewound_and_the_other_runs_go_on() {
         "{rendered}"
     );
 }
+
+/// The provider answers 503 to every retry: each run's attempt is rewound
+/// (nothing counted), and the tick stops as failed so the role retries after
+/// the short cooldown instead of timing out on every due run.
+#[tokio::test]
+async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let mut runs = Vec::new();
+    for _ in 0..dunning::OUTAGE_UNANSWERED {
+        let a = declined_invoice(&t.db, "tenant_a").await;
+        p.set_behaviour(&a.customer, Behaviour::ServerError(503));
+        runs.push(a);
+    }
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+    assert_eq!(r.tally.unanswered, runs.len(), "{r:?}");
+    for a in &runs {
+        assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    }
+    assert_eq!(p.total_charges(), 0);
+    let rendered = metrics.render();
+    let line = format!(
+        "hardcount_dunning_attempts_total{{outcome=\"unknown\"}} {}",
+        runs.len()
+    );
+    assert!(rendered.contains(&line), "{rendered}");
+}
