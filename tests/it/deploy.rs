@@ -29,6 +29,7 @@ const EXPORTED: &[&str] = &[
     "hardcount_billing_reconciler_resolutions_total",
     "hardcount_billing_trials_ended_total",
     "hardcount_billing_collections_resumed_total",
+    "hardcount_dunning_attempts_total",
 ];
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
@@ -42,6 +43,7 @@ const PAGED_ON: &[&str] = &[
     "hardcount_leader_lease_lost_total",
     "hardcount_leader_status_errors_total",
     "hardcount_billing_oldest_due_age_seconds",
+    "hardcount_dunning_attempts_total",
 ];
 
 const RULES: &str = "deploy/prometheus/rules.yml";

@@ -5,6 +5,7 @@
 
 mod deploy;
 mod dev;
+mod dunning;
 mod e2e;
 mod email;
 mod serve;

@@ -110,6 +110,7 @@ pub mod period;
 mod plan_change;
 pub mod provider;
 mod reconcile;
+mod retry;
 mod store;
 mod tick;
 
@@ -120,6 +121,7 @@ pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
 pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use reconcile::{ReconcileTally, Resolution};
+pub use retry::{NotCharged, Retried};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 

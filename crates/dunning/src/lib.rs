@@ -1,4 +1,106 @@
-//! The `dunning` role: retry runs for unpaid invoices and their final actions.
+//! The `dunning` role: retry runs for declined invoices, each attempt counted
+//! once, charged once, and each run ended by its final action once.
 //!
-//! Not built yet: its issue comes after billing. This crate holds no code so that
-//! nothing here pretends to work.
+//! ```text
+//!  dunning tick (leader only)
+//!  ──────────────────────────────────────────────────────────────────────────────
+//!  1. enrol (fenced, one transaction)   open automatic invoices whose latest
+//!       payment attempt billing recorded as declined, with no run yet
+//!       → a run with the tenant's default policy (ON CONFLICT (invoice) DO NOTHING;
+//!         the built-in default policy is created for a tenant without one)
+//!       + dunning.started
+//!  2. list ≤ batch runs (fenced)        active and due, or exhausted with the final
+//!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED
+//!  per run, ≤ concurrency at once, each under the panic guard:
+//!     invoice not open ─▶ run recovered (paid) / stopped, no charge
+//!     record:  attempt_count = n + 1, next_attempt_at = now() + hold
+//!              WHERE status = 'active' AND attempt_count = n     lost ─▶ nothing
+//!     plan what a decline would do (pure; a corrupt policy panics here)
+//!     billing::Biller::retry_charge(invoice)   claim lease, attempt (invoice, seq),
+//!                                              provider call, settle
+//!       paid        ─▶ run recovered + dunning.recovered              (one transaction)
+//!       declined    ─▶ next attempt from the policy + dunning.attempt_failed
+//!                      (+ warning email), or, after the last retry:
+//!                      run exhausted + dunning.exhausted (+ final notice),
+//!                      then the final action step
+//!       unknown, not charged, error, panic
+//!                   ─▶ rewind: attempt_count = n, next_attempt_at as listed
+//!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold
+//!  final action step (one transaction): final_action_at stamped only if unset,
+//!     then pause / cancel / write off by a conditional write, announced only
+//!     if it changed a row
+//! ```
+//!
+//! The hand-off from billing (docs/adr/0013): billing records a declined
+//! attempt (`payment_attempts.provider_status = 'declined'`) and leaves the
+//! invoice open; dunning's enrolment, the first step of its tick, turns that
+//! into a run. Billing never writes `dunning_runs`.
+//!
+//! Guarantees:
+//!
+//! - **An attempt is counted once**: the record proves the count it read
+//!   (`AND attempt_count = $expected`); a stale leader's in-flight retry, or a
+//!   second worker, finds another count and writes nothing.
+//! - **A card is charged once per attempt**: billing's claim lease holds the
+//!   invoice during the call, the attempt's idempotency key is fixed by
+//!   (invoice, attempt sequence), and no retry claims an invoice whose last
+//!   attempt's outcome is unknown: the reconciler settles it by its key first.
+//! - **Only a definite decline counts.** A timeout, a 5xx, a lost or held claim,
+//!   an error or a panic rewinds the attempt through the same compare-and-set;
+//!   the run is as it was listed (ADR-114, amendment of 2026-10-19).
+//! - **Effects only with their transition**: `dunning.*` events and the warning
+//!   and final-notice emails are queued in the transaction of the transition
+//!   that caused them, and only when it changed the row.
+//! - **The final action runs once**: its step stamps the run first (only if
+//!   unstamped), and writes the pause, cancel or write-off only if not already
+//!   in force and the invoice is still open; a retried step writes nothing.
+//! - **A replaced leader lists nothing**: enrolment and the funnel prove
+//!   `leader_fence('dunning', $token)` and take a [`leader::Fence`].
+//! - **A provider outage stops the tick, not the runs' counts**: a batch in
+//!   which the provider answered none of at least [`OUTAGE_UNANSWERED`]
+//!   retries (all rewound) ends the tick as failed, retried after the short
+//!   cooldown, instead of timing out on every due run.
+//! - **One tenant's failing runs never stop another's**: each run is retried
+//!   under the guard, a failing run is rewound and left out of the tick, and the
+//!   tick goes on; a panic is raised at the end (released as panicked).
+//!
+//! Modules: `config` (defaults and validation), [`policy`] (pure: schedules
+//! and final actions), `notices` (pure: the customer's emails), `store` (all
+//! SQL), `tick` ([`Dunner`], the driver's implementation). The charge itself
+//! is billing's (`billing::Biller::retry_charge`).
+
+mod config;
+mod notices;
+pub mod policy;
+mod store;
+mod tick;
+
+pub use config::{ConfigError, DunningConfig};
+pub use policy::{AfterDecline, FinalAction, Policy};
+pub use store::{FinalActed, Run};
+pub use tick::{Dunner, OUTAGE_UNANSWERED, Retry, Tally, TickReport};
+
+/// Errors of the dunning role.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("dunning store: {0}")]
+    Db(#[from] db::Error),
+    /// The retry charge failed (billing's error); its attempt row, if written,
+    /// stays unknown for the reconciler.
+    #[error("dunning retry charge: {0}")]
+    Billing(#[from] billing::Error),
+    /// A `dunning.*` event was refused; the transition rolled back.
+    #[error("dunning could not enqueue an event: {0}")]
+    Enqueue(#[from] webhook_outbox::EnqueueError),
+    /// A warning or final-notice email was refused; the transition rolled back.
+    #[error("dunning could not enqueue an email: {0}")]
+    EmailEnqueue(#[from] email_outbox::EnqueueError),
+    /// The provider answered none of a batch's retries (timeouts, 5xx): each
+    /// was rewound, and the tick stops as failed to retry after the cooldown.
+    #[error(
+        "the payment provider answered none of {unanswered} dunning retries in a batch; the tick stops"
+    )]
+    ProviderOutage { unanswered: usize },
+}

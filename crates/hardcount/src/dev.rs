@@ -10,6 +10,7 @@
 
 mod billing;
 mod demo;
+mod dunning;
 mod postgres;
 mod smtp;
 
@@ -71,6 +72,7 @@ pub async fn run(
     }
     // Declared here so the provider outlives the billing role that charges it.
     let _provider = billing::start_provider(&mut settings.serve).await?;
+    let dunning_demo = dunning::prepare(&mut settings.serve).await?;
     let serve = &mut settings.serve;
     let config = serve.config(app_url.clone())?;
     let listener = crate::bind(serve).await?;
@@ -81,6 +83,7 @@ pub async fn run(
     let db = Db::connect_lazy(&app_url, 2)?;
     demo::seed(&db, &receiver).await?;
     billing::seed(&db, &receiver).await?;
+    dunning_demo.seed(&db, demo_stop.clone()).await?;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
 
     let host = if addr.ip().is_unspecified() {

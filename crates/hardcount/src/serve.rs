@@ -104,7 +104,25 @@ fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Resu
                 async move { biller.run_tick(&tick).await.end }
             }))
         }
-        Role::Dunning => None,
+        Role::Dunning => {
+            // Retries charge through billing's client, claim lease and sender.
+            let biller =
+                billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
+            let dunning_config = dunning::DunningConfig {
+                email_from: config.billing.email_from.clone(),
+                ..dunning::DunningConfig::default()
+            };
+            let dunner = Arc::new(dunning::Dunner::new(
+                db.clone(),
+                dunning_config,
+                biller,
+                telemetry.clone(),
+            )?);
+            Some(scheduler::work(move |tick| {
+                let dunner = dunner.clone();
+                async move { dunner.run_tick(&tick).await.end }
+            }))
+        }
     })
 }
 

@@ -1,0 +1,145 @@
+//! Dunning policies and what a decline does to a run: pure, no I/O.
+
+use chrono::{DateTime, TimeDelta, Utc};
+
+/// What exhaustion does, once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalAction {
+    /// The subscription → `canceled`.
+    CancelSubscription,
+    /// The subscription's collection paused (`keep_as_draft`), set by dunning.
+    PauseCollection,
+    /// The invoice → `uncollectible`.
+    MarkUncollectible,
+}
+
+impl FinalAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinalAction::CancelSubscription => "cancel_subscription",
+            FinalAction::PauseCollection => "pause_collection",
+            FinalAction::MarkUncollectible => "mark_uncollectible",
+        }
+    }
+
+    /// The column's value; `None` for a value the CHECK does not allow.
+    pub fn parse(s: &str) -> Option<FinalAction> {
+        Some(match s {
+            "cancel_subscription" => FinalAction::CancelSubscription,
+            "pause_collection" => FinalAction::PauseCollection,
+            "mark_uncollectible" => FinalAction::MarkUncollectible,
+            _ => return None,
+        })
+    }
+}
+
+/// A tenant's retry policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// Retry n (1-based) is due `offsets_secs[n - 1]` seconds after the first decline.
+    pub offsets_secs: Vec<i64>,
+    pub final_action: FinalAction,
+    /// Retries whose decline sends a warning email (1-based).
+    pub warn_after: Vec<i32>,
+    /// Whether exhaustion sends a final-notice email.
+    pub final_notice: bool,
+}
+
+/// The built-in default a tenant without a policy gets at its first
+/// enrolment: retries 1, 3, 5 and 7 days after the first decline, a warning
+/// after the first three, a final notice, and the invoice written off.
+pub const DEFAULT_OFFSETS_SECS: [i64; 4] = [86_400, 3 * 86_400, 5 * 86_400, 7 * 86_400];
+pub const DEFAULT_WARN_AFTER: [i32; 3] = [1, 2, 3];
+pub const DEFAULT_FINAL_ACTION: FinalAction = FinalAction::MarkUncollectible;
+
+/// What a decline of retry `attempt` (1-based) leads to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterDecline {
+    /// The next retry, at this time.
+    Next { at: DateTime<Utc> },
+    /// That was the last retry: the run is exhausted.
+    Exhausted,
+}
+
+impl Policy {
+    /// What a decline of retry `attempt` (1-based) leads to. Planned before
+    /// the charge, from the run as listed.
+    ///
+    /// # Panics
+    /// When the next offset is out of range for a time: the policy row is
+    /// corrupt (the schema bounds the count, not each value). The panic guard
+    /// rewinds the attempt and leaves the run out of the tick.
+    pub fn after_decline(&self, first_declined_at: DateTime<Utc>, attempt: i32) -> AfterDecline {
+        let n = usize::try_from(attempt).unwrap_or(0);
+        match self.offsets_secs.get(n) {
+            None => AfterDecline::Exhausted,
+            Some(&secs) => {
+                let at = TimeDelta::try_seconds(secs)
+                    .filter(|d| *d > TimeDelta::zero())
+                    .and_then(|d| first_declined_at.checked_add_signed(d))
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "dunning policy offset {secs} s (retry {}) is out of range",
+                            n + 1
+                        )
+                    });
+                AfterDecline::Next { at }
+            }
+        }
+    }
+
+    /// Whether a decline of retry `attempt` sends a warning email.
+    pub fn warns_after(&self, attempt: i32) -> bool {
+        self.warn_after.contains(&attempt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(offsets: &[i64]) -> Policy {
+        Policy {
+            offsets_secs: offsets.to_vec(),
+            final_action: FinalAction::PauseCollection,
+            warn_after: vec![1],
+            final_notice: true,
+        }
+    }
+
+    #[test]
+    fn each_decline_schedules_from_the_first_decline_until_the_last_retry() {
+        let p = policy(&DEFAULT_OFFSETS_SECS);
+        let t0: DateTime<Utc> = "2026-01-31T10:00:00Z".parse().unwrap();
+        let day = TimeDelta::days(1);
+        // Retry 1 declined → retry 2 at day 3, not day 1 + 3.
+        assert_eq!(
+            p.after_decline(t0, 1),
+            AfterDecline::Next { at: t0 + day * 3 }
+        );
+        assert_eq!(
+            p.after_decline(t0, 3),
+            AfterDecline::Next { at: t0 + day * 7 }
+        );
+        assert_eq!(p.after_decline(t0, 4), AfterDecline::Exhausted);
+        assert!(p.warns_after(1) && !p.warns_after(2));
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn a_corrupt_offset_panics_rather_than_schedules() {
+        policy(&[60, i64::MAX]).after_decline(Utc::now(), 1);
+    }
+
+    #[test]
+    fn final_actions_round_trip_their_column_values() {
+        for a in [
+            FinalAction::CancelSubscription,
+            FinalAction::PauseCollection,
+            FinalAction::MarkUncollectible,
+        ] {
+            assert_eq!(FinalAction::parse(a.as_str()), Some(a));
+        }
+        assert_eq!(FinalAction::parse("refund"), None);
+    }
+}

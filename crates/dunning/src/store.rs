@@ -1,0 +1,512 @@
+//! All of dunning's SQL: enrolment and the due-run listing (both fenced), the
+//! attempt compare-and-set and its rewind, the transitions with their events
+//! and emails, and the final action.
+//!
+//! Every run write proves `status` and the `attempt_count` it was derived
+//! from; an event or email is queued in the write's transaction and only when
+//! the write changed the row.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use db::{Db, PgRow, Row, Tx, sql};
+use leader::Fence;
+
+use crate::Error;
+use crate::policy::{self, FinalAction, Policy};
+
+/// A run as the funnel listed it: the snapshot every write of this retry proves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    pub id: i64,
+    pub tenant_id: String,
+    pub invoice_id: i64,
+    pub subscription_id: i64,
+    /// `active`, or `exhausted` with its final action still owed.
+    pub status: String,
+    pub attempt_count: i32,
+    pub first_declined_at: DateTime<Utc>,
+    pub next_attempt_at: DateTime<Utc>,
+    /// The invoice's status when listed.
+    pub invoice_status: String,
+    pub amount: i64,
+    pub currency: String,
+    pub email: String,
+    pub policy: Policy,
+}
+
+fn run(r: &PgRow) -> Result<Run, db::Error> {
+    let action: String = r.try_get("final_action")?;
+    Ok(Run {
+        id: r.try_get("id")?,
+        tenant_id: r.try_get("tenant_id")?,
+        invoice_id: r.try_get("invoice_id")?,
+        subscription_id: r.try_get("subscription_id")?,
+        status: r.try_get("status")?,
+        attempt_count: r.try_get("attempt_count")?,
+        first_declined_at: r.try_get("first_declined_at")?,
+        next_attempt_at: r.try_get("next_attempt_at")?,
+        invoice_status: r.try_get("invoice_status")?,
+        amount: r.try_get("amount")?,
+        currency: r.try_get("currency")?,
+        email: r.try_get("email")?,
+        policy: Policy {
+            offsets_secs: r.try_get("retry_offsets_secs")?,
+            // The CHECK allows only the three; anything else is a corrupt row.
+            final_action: FinalAction::parse(&action).unwrap_or_else(|| {
+                panic!("dunning policy final_action {action:?} is not one of the three")
+            }),
+            warn_after: r.try_get("warn_after")?,
+            final_notice: r.try_get("final_notice")?,
+        },
+    })
+}
+
+/// Enrol, fenced: create the built-in default policy for tenants without one,
+/// then a run for up to `limit` enrollable invoices with their tenant's
+/// default policy (one per invoice, `ON CONFLICT DO NOTHING`), and
+/// `dunning.started` for each run created; one transaction.
+pub(crate) async fn enrol(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<usize, Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    tx.execute(
+        sql("INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
+                                           warn_after, final_notice, is_default) \
+             SELECT DISTINCT i.tenant_id, 'Default', $3, $4, $5, true, true \
+             FROM invoices i \
+             JOIN LATERAL (SELECT a.provider_status FROM payment_attempts a \
+                           WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
+             WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+               AND l.provider_status = 'declined' \
+               AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
+               AND NOT EXISTS (SELECT 1 FROM dunning_policies p \
+                               WHERE p.tenant_id = i.tenant_id AND p.is_default) \
+               AND leader_fence($1, $2) \
+             ON CONFLICT (tenant_id) WHERE is_default DO NOTHING")
+        .bind(fence.role_name())
+        .bind(fence.token())
+        .bind(policy::DEFAULT_OFFSETS_SECS.to_vec())
+        .bind(policy::DEFAULT_FINAL_ACTION.as_str())
+        .bind(policy::DEFAULT_WARN_AFTER.to_vec()),
+    )
+    .await?;
+    let rows = tx
+        .fetch_all(
+            sql("INSERT INTO dunning_runs (tenant_id, invoice_id, policy_id, first_declined_at, \
+                                           next_attempt_at) \
+                 SELECT i.tenant_id, i.id, p.id, l.declined_at, \
+                        l.declined_at + make_interval(secs => p.retry_offsets_secs[1]::float8) \
+                 FROM invoices i \
+                 JOIN LATERAL (SELECT a.provider_status, COALESCE(a.resolved_at, a.created_at) AS declined_at \
+                               FROM payment_attempts a \
+                               WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
+                 JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \
+                 WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+                   AND l.provider_status = 'declined' \
+                   AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
+                   AND leader_fence($1, $2) \
+                 ORDER BY i.id \
+                 LIMIT $3 \
+                 ON CONFLICT (invoice_id) DO NOTHING \
+                 RETURNING id, tenant_id, invoice_id, next_attempt_at")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit),
+        )
+        .await?;
+    for r in &rows {
+        let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
+        let next: DateTime<Utc> = r.try_get("next_attempt_at").map_err(db::Error::from)?;
+        let payload = serde_json::json!({
+            "object": "dunning_run",
+            "id": r.try_get::<i64, _>("id").map_err(db::Error::from)?,
+            "invoice": r.try_get::<i64, _>("invoice_id").map_err(db::Error::from)?,
+            "status": "active",
+            "attempt_count": 0,
+            "next_attempt_at": next.to_rfc3339(),
+        });
+        webhook_outbox::enqueue(&mut tx, &tenant, "dunning.started", &payload.to_string()).await?;
+    }
+    tx.commit().await?;
+    Ok(rows.len())
+}
+
+/// The fenced funnel: up to `limit` runs that are due (active, next attempt
+/// passed) or owe their final action (exhausted, not yet acted), oldest first,
+/// leaving out `except` (runs this tick already left out). A listing, not a
+/// lease: the attempt compare-and-set decides who retries.
+pub(crate) async fn list_due(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    except: &[i64],
+    statement_timeout: Duration,
+) -> Result<Vec<Run>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql("SELECT r.id, r.tenant_id, r.invoice_id, r.status, r.attempt_count, \
+                        r.first_declined_at, r.next_attempt_at, \
+                        i.status AS invoice_status, i.subscription_id, i.amount, i.currency, c.email, \
+                        p.retry_offsets_secs, p.final_action, p.warn_after, p.final_notice \
+                 FROM dunning_runs r \
+                 JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
+                 JOIN invoices i ON i.tenant_id = r.tenant_id AND i.id = r.invoice_id \
+                 JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
+                        OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
+                   AND r.id <> ALL ($3) \
+                   AND leader_fence($1, $2) \
+                 ORDER BY r.next_attempt_at, r.id \
+                 LIMIT $4 \
+                 FOR UPDATE OF r SKIP LOCKED")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(except.to_vec())
+            .bind(limit),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter().map(run).collect()
+}
+
+/// The attempt compare-and-set: count retry `attempt_count + 1` of the run as
+/// listed, and hold its next attempt `hold` ahead. `Some(held)` (the
+/// `next_attempt_at` it wrote, which the rewind proves) when this call counted it.
+pub(crate) async fn record_attempt(
+    db: &Db,
+    run: &Run,
+    hold: Duration,
+    statement_timeout: Duration,
+) -> Result<Option<DateTime<Utc>>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql("UPDATE dunning_runs \
+                 SET attempt_count = attempt_count + 1, \
+                     next_attempt_at = now() + make_interval(secs => $3), updated_at = now() \
+                 WHERE id = $1 AND status = 'active' AND attempt_count = $2 \
+                 RETURNING next_attempt_at")
+            .bind(run.id)
+            .bind(run.attempt_count)
+            .bind(hold.as_secs_f64()),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(row.map(|r| r.try_get("next_attempt_at")).transpose()?)
+}
+
+/// Undo [`record_attempt`] through the same compare-and-set: the run is again
+/// as it was listed. Proves the count and the hold that call wrote, so it
+/// undoes only that attempt, and nothing once a transition moved the run.
+pub(crate) async fn rewind(
+    db: &Db,
+    run: &Run,
+    held: DateTime<Utc>,
+    statement_timeout: Duration,
+) -> Result<bool, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE dunning_runs SET attempt_count = $2, next_attempt_at = $3, updated_at = now() \
+                 WHERE id = $1 AND status = 'active' AND attempt_count = $2 + 1 \
+                   AND next_attempt_at = $4")
+            .bind(run.id)
+            .bind(run.attempt_count)
+            .bind(run.next_attempt_at)
+            .bind(held),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n == 1)
+}
+
+fn payload(run: &Run, status: &str, attempt: i32, extra: serde_json::Value) -> String {
+    let mut p = serde_json::json!({
+        "object": "dunning_run",
+        "id": run.id,
+        "invoice": run.invoice_id,
+        "subscription": run.subscription_id,
+        "status": status,
+        "attempt_count": attempt,
+    });
+    if let (Some(p), serde_json::Value::Object(extra)) = (p.as_object_mut(), extra) {
+        p.extend(extra);
+    }
+    p.to_string()
+}
+
+/// Apply one transition of the run (a statement proving `status = 'active'`
+/// and `attempt_count = $2`, whose other binds `bind` adds), and if it applied,
+/// queue `event` and `email` in its transaction.
+async fn transition(
+    db: &Db,
+    statement_timeout: Duration,
+    update: db::Stmt<'static>,
+    run: &Run,
+    event: (&str, String),
+    email: Option<email_outbox::Email>,
+) -> Result<bool, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    if tx.execute(update).await? != 1 {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    announce(&mut tx, run, event, email).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+async fn announce(
+    tx: &mut Tx,
+    run: &Run,
+    (event_type, payload): (&str, String),
+    email: Option<email_outbox::Email>,
+) -> Result<(), Error> {
+    webhook_outbox::enqueue(tx, &run.tenant_id, event_type, &payload).await?;
+    if let Some(email) = email {
+        email_outbox::enqueue(tx, &run.tenant_id, &email).await?;
+    }
+    Ok(())
+}
+
+/// Retry `attempt` paid the invoice: the run → recovered, `dunning.recovered`.
+pub(crate) async fn recover(
+    db: &Db,
+    run: &Run,
+    attempt: i32,
+    statement_timeout: Duration,
+) -> Result<bool, Error> {
+    let update = sql(
+        "UPDATE dunning_runs SET status = 'recovered', ended_at = now(), updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
+    .bind(run.id)
+    .bind(attempt);
+    let event = payload(run, "recovered", attempt, serde_json::json!({}));
+    transition(
+        db,
+        statement_timeout,
+        update,
+        run,
+        ("dunning.recovered", event),
+        None,
+    )
+    .await
+}
+
+/// Retry `attempt` was declined and another follows at `next`:
+/// `dunning.attempt_failed`, and the warning email if the policy sends one.
+pub(crate) async fn decline(
+    db: &Db,
+    run: &Run,
+    attempt: i32,
+    (code, next): (&str, DateTime<Utc>),
+    email: Option<email_outbox::Email>,
+    statement_timeout: Duration,
+) -> Result<bool, Error> {
+    let update = sql(
+        "UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
+                             updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
+    .bind(run.id)
+    .bind(attempt)
+    .bind(next)
+    .bind(code.to_owned());
+    let extra = serde_json::json!({"decline_code": code, "next_attempt_at": next.to_rfc3339()});
+    let event = payload(run, "active", attempt, extra);
+    transition(
+        db,
+        statement_timeout,
+        update,
+        run,
+        ("dunning.attempt_failed", event),
+        email,
+    )
+    .await
+}
+
+/// The last retry was declined: the run → exhausted (its final action owed),
+/// `dunning.exhausted`, and the final notice if the policy sends one.
+pub(crate) async fn exhaust(
+    db: &Db,
+    run: &Run,
+    attempt: i32,
+    code: &str,
+    email: Option<email_outbox::Email>,
+    statement_timeout: Duration,
+) -> Result<bool, Error> {
+    let update = sql(
+        "UPDATE dunning_runs SET status = 'exhausted', ended_at = now(), \
+                             next_attempt_at = now(), last_decline_code = $3, updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
+    .bind(run.id)
+    .bind(attempt)
+    .bind(code.to_owned());
+    let extra = serde_json::json!({
+        "decline_code": code,
+        "final_action": run.policy.final_action.as_str(),
+    });
+    let event = payload(run, "exhausted", attempt, extra);
+    transition(
+        db,
+        statement_timeout,
+        update,
+        run,
+        ("dunning.exhausted", event),
+        email,
+    )
+    .await
+}
+
+/// The invoice was settled elsewhere (paid by hand or by billing, voided,
+/// written off): the run ends without a charge, `recovered` if the invoice
+/// is paid (`dunning.recovered`), else `stopped` (`dunning.stopped`).
+pub(crate) async fn stop(
+    db: &Db,
+    run: &Run,
+    invoice_status: &str,
+    statement_timeout: Duration,
+) -> Result<bool, Error> {
+    let (status, event_type) = if invoice_status == "paid" {
+        ("recovered", "dunning.recovered")
+    } else {
+        ("stopped", "dunning.stopped")
+    };
+    let update = sql(
+        "UPDATE dunning_runs SET status = $3, ended_at = now(), updated_at = now() \
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
+    .bind(run.id)
+    .bind(run.attempt_count)
+    .bind(status);
+    let extra = serde_json::json!({"invoice_status": invoice_status, "settled_elsewhere": true});
+    let event = payload(run, status, run.attempt_count, extra);
+    transition(
+        db,
+        statement_timeout,
+        update,
+        run,
+        (event_type, event),
+        None,
+    )
+    .await
+}
+
+/// What the final-action step wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalActed {
+    /// This call took the action and announced it.
+    Written,
+    /// The action was already in force (the pause held, the subscription
+    /// canceled) or the invoice is no longer open: nothing written.
+    NothingToDo,
+    /// Another call already ran the step: nothing written.
+    Lost,
+}
+
+/// The final-action step of an exhausted run, one transaction: first the
+/// run's stamp (`final_action_at`, only if unset: one step per run), then the
+/// action itself by a conditional write, announced only if it changed a row.
+pub(crate) async fn final_action(
+    db: &Db,
+    run: &Run,
+    statement_timeout: Duration,
+) -> Result<FinalActed, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let stamped = tx
+        .execute(
+            sql(
+                "UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
+                 WHERE id = $1 AND status = 'exhausted' AND final_action_at IS NULL",
+            )
+            .bind(run.id),
+        )
+        .await?;
+    if stamped != 1 {
+        tx.rollback().await?;
+        return Ok(FinalActed::Lost);
+    }
+    let (written, event_type, object) = match run.policy.final_action {
+        // Written only if this call paused it: a pause in force (dunning's
+        // own, an operator's) or a settled invoice writes nothing.
+        FinalAction::PauseCollection => (
+            tx.execute(
+                sql(
+                    "UPDATE subscriptions s SET pause_collection_behavior = 'keep_as_draft', \
+                            pause_collection_set_by = 'dunning', updated_at = now() \
+                     FROM invoices i \
+                     WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                       AND i.status = 'open' AND s.status <> 'canceled' \
+                       AND s.pause_collection_behavior IS NULL",
+                )
+                .bind(run.invoice_id),
+            )
+            .await?,
+            "subscription.collection_paused",
+            serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                               "pause_collection": {"behavior": "keep_as_draft"},
+                               "invoice": run.invoice_id, "dunning_run": run.id}),
+        ),
+        FinalAction::CancelSubscription => (
+            tx.execute(
+                sql(
+                    "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
+                            updated_at = now() \
+                     FROM invoices i \
+                     WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                       AND i.status = 'open' AND s.status <> 'canceled'",
+                )
+                .bind(run.invoice_id),
+            )
+            .await?,
+            "subscription.canceled",
+            serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                               "status": "canceled", "invoice": run.invoice_id,
+                               "dunning_run": run.id}),
+        ),
+        FinalAction::MarkUncollectible => (
+            tx.execute(
+                sql(
+                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                     WHERE id = $1 AND status = 'open'",
+                )
+                .bind(run.invoice_id),
+            )
+            .await?,
+            "invoice.marked_uncollectible",
+            serde_json::json!({"object": "invoice", "id": run.invoice_id,
+                               "subscription": run.subscription_id, "status": "uncollectible",
+                               "dunning_run": run.id}),
+        ),
+    };
+    let acted = if written == 1 {
+        webhook_outbox::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string()).await?;
+        FinalActed::Written
+    } else {
+        FinalActed::NothingToDo
+    };
+    tx.commit().await?;
+    Ok(acted)
+}
+
+/// Active runs, for the gauge.
+pub(crate) async fn active_runs(db: &Db, statement_timeout: Duration) -> Result<i64, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_one(sql(
+            "SELECT count(*) AS n FROM dunning_runs WHERE status = 'active'",
+        ))
+        .await?;
+    tx.commit().await?;
+    Ok(row.try_get("n")?)
+}

@@ -1,0 +1,219 @@
+//! Exhaustion: the final action runs once, also when its step is retried
+//! after a crash between the exhaustion and the action.
+
+use std::time::Duration;
+
+use db::{Row, sql};
+use fake_provider::{Behaviour, FakeProvider};
+use leader::Role;
+use testbed::TestDb;
+
+use crate::{
+    as_leader, config, declined_invoice, dunner, dunning_emails, events, invoice_status, manager,
+    policy, run_of, tick,
+};
+
+const CALL: Duration = Duration::from_secs(5);
+
+async fn paused_by(db: &db::Db, subscription: i64) -> Option<String> {
+    db.fetch_one(
+        sql("SELECT pause_collection_set_by FROM subscriptions WHERE id = $1").bind(subscription),
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Two retries, both declined: the run is exhausted and pauses collection
+/// once, with one `subscription.collection_paused`, one final notice.
+/// The step retried (its stamp cleared, as if it had never committed) finds
+/// the pause in force and writes nothing.
+#[tokio::test]
+async fn exhaustion_runs_the_final_action_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("card_declined".into()));
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.tally.declined, 1);
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("exhausted".to_owned(), 2));
+    assert_eq!(
+        paused_by(&t.db, a.subscription).await.as_deref(),
+        Some("dunning")
+    );
+    t.db.execute(
+        sql("UPDATE dunning_runs SET final_action_at = NULL WHERE invoice_id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.final_actions, 1, "{r:?}");
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "dunning.attempt_failed",
+            "dunning.exhausted",
+            "subscription.collection_paused"
+        ]
+    );
+    assert_eq!(
+        dunning_emails(&t.db).await,
+        [
+            format!("Payment for invoice {} failed: we will retry", a.invoice),
+            format!("Final notice for invoice {}", a.invoice)
+        ]
+    );
+    assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 3);
+    let rendered = metrics.render();
+    assert!(
+        rendered
+            .contains("hardcount_dunning_exhaustions_total{final_action=\"pause_collection\"} 1"),
+        "{rendered}"
+    );
+}
+
+/// A crash after the exhaustion committed and before its final action: the
+/// run is exhausted with the action owed. The old leader (from its listing)
+/// and the new leader's tick run the step concurrently: the invoice is
+/// written off once, announced once; nothing is charged.
+#[tokio::test]
+async fn a_final_action_owed_after_a_crash_runs_once_under_a_race() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    as_leader(
+        &manager(&t.db, "enroller"),
+        Role::Dunning,
+        |tick| async move { d2.enrol(&tick.fence).await.unwrap() },
+    )
+    .await;
+    // What the exhaustion's transaction leaves behind.
+    t.db.execute(
+        sql(
+            "UPDATE dunning_runs SET status = 'exhausted', attempt_count = 2, ended_at = now(), \
+                    last_decline_code = 'card_declined' WHERE invoice_id = $1",
+        )
+        .bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    let d2 = d.clone();
+    let stale = as_leader(&manager(&t.db, "old"), Role::Dunning, |tick| async move {
+        d2.list_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!(stale.len(), 1);
+    let d2 = d.clone();
+    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::Dunning, |tick| async move {
+        tokio::join!(d2.retry(&stale[0]), d2.run_tick(&tick))
+    })
+    .await;
+    let by_old = by_old.unwrap();
+    assert!(
+        matches!(by_old, dunning::Retry::FinalAction(_)),
+        "{by_old:?}"
+    );
+    // The new tick listed the run only if the old step had not committed yet.
+    assert!(
+        by_new.tally.final_actions + by_new.tally.lost <= 1,
+        "{by_new:?}"
+    );
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "uncollectible");
+    let written: i64 = t
+        .db
+        .fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'invoice.marked_uncollectible'",
+        ))
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(written, 1);
+    assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 1);
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// A final action owed (cancel the subscription) on an invoice that was paid
+/// in the meantime writes nothing: the subscription stays active, nothing is
+/// announced, and the step is stamped so it is not owed again.
+#[tokio::test]
+async fn a_final_action_finds_the_invoice_paid_and_writes_nothing() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    as_leader(
+        &manager(&t.db, "enroller"),
+        Role::Dunning,
+        |tick| async move { d2.enrol(&tick.fence).await.unwrap() },
+    )
+    .await;
+    t.db.execute(
+        sql(
+            "UPDATE dunning_runs SET status = 'exhausted', attempt_count = 1, ended_at = now() \
+             WHERE invoice_id = $1",
+        )
+        .bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    t.db.execute(
+        sql("UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.final_actions, 1, "{r:?}");
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "active");
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// The cancel final action, owed and open: the subscription is canceled once
+/// and `subscription.canceled` announced once, however often the step runs.
+#[tokio::test]
+async fn a_cancel_final_action_cancels_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("expired_card".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    t.db.execute(
+        sql("UPDATE dunning_runs SET final_action_at = NULL WHERE invoice_id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    assert_eq!(tick(&t.db, &d).await.tally.final_actions, 1);
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "canceled");
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "dunning.exhausted",
+            "subscription.canceled"
+        ]
+    );
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+}

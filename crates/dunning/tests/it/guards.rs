@@ -1,0 +1,111 @@
+//! The guards: the fence on enrolment and the funnel, and the attempt
+//! compare-and-set (a stale leader racing the new one on the same run).
+
+use std::time::Duration;
+
+use fake_provider::{Behaviour, FakeProvider};
+use leader::Role;
+use testbed::TestDb;
+
+use crate::{
+    as_leader, config, declined_invoice, dunner, dunning_emails, events, manager, policy, run_of,
+};
+
+const CALL: Duration = Duration::from_secs(5);
+
+/// A leader replaced by a takeover lists and enrols nothing with its old
+/// token, while the new leader's funnel lists the due run.
+///
+/// Mutation check: `dunning_funnel_fence` (removing `AND leader_fence($1, $2)`
+/// from `store::list_due`) makes the old token list the run; seen failing
+/// under it.
+#[tokio::test]
+async fn a_stale_token_lists_and_enrols_nothing_after_a_takeover() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    declined_invoice(&t.db, "tenant_a").await;
+    let second = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    let old = as_leader(&manager(&t.db, "old"), Role::Dunning, |tick| async move {
+        assert_eq!(d2.enrol(&tick.fence).await.unwrap(), 2);
+        tick.fence
+    })
+    .await;
+    // A decline after the takeover: only the new leader enrols it.
+    sqlx::query("DELETE FROM dunning_runs WHERE invoice_id = $1")
+        .bind(second.invoice)
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    let (listed_old, enrolled_old, listed_new, enrolled_new) =
+        as_leader(&manager(&t.db, "new"), Role::Dunning, |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            let listed_old = d.list_due(&old, 10).await.unwrap().len();
+            let enrolled_old = d.enrol(&old).await.unwrap();
+            let enrolled_new = d.enrol(&tick.fence).await.unwrap();
+            let listed_new = d.list_due(&tick.fence, 10).await.unwrap().len();
+            (listed_old, enrolled_old, listed_new, enrolled_new)
+        })
+        .await;
+    assert_eq!(
+        (listed_old, enrolled_old, listed_new, enrolled_new),
+        (0, 0, 2, 1)
+    );
+    assert_eq!(p.total_charges(), 0);
+}
+
+/// The old leader listed a due run before it was replaced and retries it
+/// from that listing, concurrently with the new leader retrying the same run
+/// (which declines): one attempt recorded, one request to the provider, one
+/// warning email, one `dunning.attempt_failed`. Then the old leader retries
+/// again from its listing and writes nothing.
+///
+/// Mutation check: `dunning_attempt_cas` (removing `AND attempt_count = $2`
+/// from `store::record_attempt`) lets both count an attempt and the second
+/// charge the card again; seen failing under it.
+#[tokio::test]
+async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("insufficient_funds".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    let stale = as_leader(&manager(&t.db, "old"), Role::Dunning, |tick| async move {
+        d2.enrol(&tick.fence).await.unwrap();
+        d2.list_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!(stale.len(), 1);
+    let again = stale[0].clone();
+    let d2 = d.clone();
+    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::Dunning, |tick| async move {
+        let fresh = d2.list_due(&tick.fence, 10).await.unwrap();
+        assert_eq!(fresh, stale);
+        tokio::join!(d2.retry(&stale[0]), d2.retry(&fresh[0]))
+    })
+    .await;
+    let outcomes = [by_old.unwrap(), by_new.unwrap()];
+    assert_eq!(
+        outcomes
+            .iter()
+            .filter(|o| matches!(o, dunning::Retry::Declined { .. }))
+            .count(),
+        1,
+        "{outcomes:?}"
+    );
+    // A retry after the first one, from the same stale listing, finds another count.
+    assert_eq!(d.retry(&again).await.unwrap(), dunning::Retry::Lost);
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    // One request to the provider (billing's attempt 1 plus one retry).
+    assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 2);
+    assert!(!p.has_result(&format!("hardcount-invoice-{}-attempt-3", a.invoice)));
+    assert_eq!(dunning_emails(&t.db).await.len(), 1);
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.attempt_failed"]
+    );
+}

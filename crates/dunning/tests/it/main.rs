@@ -1,0 +1,230 @@
+//! Dunning against real Postgres and the fake provider over HTTP, directly and
+//! through PgBouncer.
+//!
+//! Each guard test names, in its comment, the mutation that makes it fail and
+//! that it was seen failing under (`scripts/mutation-check`).
+
+mod final_action;
+mod guards;
+mod reconcile;
+mod runs;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use billing::{Biller, BillingConfig, ProviderConfig, SecretKey};
+use db::{Db, Row, sql};
+use dunning::{Dunner, DunningConfig, TickReport};
+use fake_provider::{FakeProvider, TEST_SECRET_KEY};
+use leader::{Role, Telemetry};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub use testbed::leadership::{as_leader, manager};
+
+pub fn config() -> DunningConfig {
+    DunningConfig {
+        tick_budget: Duration::from_secs(30),
+        statement_timeout: Duration::from_secs(10),
+        ..DunningConfig::default()
+    }
+}
+
+/// Billing's settings charging `provider` with this call timeout.
+pub fn billing(provider: &FakeProvider, timeout: Duration) -> BillingConfig {
+    BillingConfig {
+        statement_timeout: Duration::from_secs(10),
+        provider: Some(ProviderConfig {
+            base_url: provider.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout,
+        }),
+        ..BillingConfig::default()
+    }
+}
+
+/// A dunner charging `provider` (timeout `timeout`), and its metrics.
+pub fn dunner(
+    db: &Db,
+    provider: &FakeProvider,
+    timeout: Duration,
+    config: DunningConfig,
+) -> (Dunner, PrometheusHandle) {
+    dunner_with(db, billing(provider, timeout), config)
+}
+
+/// A dunner whose retries charge with `billing`'s settings, and its metrics.
+pub fn dunner_with(
+    db: &Db,
+    billing: BillingConfig,
+    config: DunningConfig,
+) -> (Dunner, PrometheusHandle) {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let telemetry = Telemetry::new(Arc::new(recorder));
+    let biller = Biller::new(db.clone(), billing, telemetry.clone()).unwrap();
+    let d = Dunner::new(db.clone(), config, biller, telemetry).unwrap();
+    (d, handle)
+}
+
+/// One tick as the leader of `dunning`.
+pub async fn tick(db: &Db, d: &Dunner) -> TickReport {
+    let d = d.clone();
+    as_leader(&manager(db, "dunner"), Role::Dunning, |tick| async move {
+        d.run_tick(&tick).await
+    })
+    .await
+}
+
+/// `tenant`'s default policy: retries 60, 120, … s after the first decline
+/// (`retries` of them), a warning after retry 1, a final notice, `action`.
+pub async fn policy(db: &Db, tenant: &str, retries: usize, action: &str) -> i64 {
+    let offsets: Vec<i64> = (1..=retries as i64).map(|n| 60 * n).collect();
+    db.fetch_one(
+        sql(
+            "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
+                                           warn_after, final_notice, is_default) \
+             VALUES ($1, 'Test', $2, $3, '{1}', true, true) RETURNING id",
+        )
+        .bind(tenant.to_owned())
+        .bind(offsets)
+        .bind(action.to_owned()),
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
+/// An open automatic invoice of 1200 EUR whose first attempt billing
+/// recorded as declined an hour ago (so every retry of a test policy is due).
+#[derive(Debug, Clone)]
+pub struct Declined {
+    pub invoice: i64,
+    pub subscription: i64,
+    /// The customer's `cus_…`, to tell the fake provider how to answer.
+    pub customer: String,
+}
+
+pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
+    let tenant = tenant.to_owned();
+    let c = db
+        .fetch_one(
+            sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
+                 VALUES ($1, 'ada@example.org', 'Ada', 'cus_' || md5(random()::text), 'pm_card_visa') \
+                 RETURNING id, provider_customer_id")
+            .bind(tenant.clone()),
+        )
+        .await
+        .unwrap();
+    let plan: i64 = db
+        .fetch_one(
+            sql("INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+                 VALUES ($1, 'Pro', 1200, 'EUR', 'month', 1) RETURNING id")
+            .bind(tenant.clone()),
+        )
+        .await
+        .unwrap()
+        .get("id");
+    let subscription: i64 = db
+        .fetch_one(
+            sql("INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                            current_period_start, current_period_end, next_billing_at) \
+                 VALUES ($1, $2, $3, 'active', now() - interval '30 days', now(), \
+                         now() + interval '30 days', now() + interval '30 days') RETURNING id")
+            .bind(tenant.clone())
+            .bind(c.get::<i64, _>("id"))
+            .bind(plan),
+        )
+        .await
+        .unwrap()
+        .get("id");
+    let invoice: i64 = db
+        .fetch_one(
+            sql("INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
+                                       currency, collection_method) \
+                 VALUES ($1, $2, now() - interval '30 days', now(), 1200, 'EUR', 'automatic') \
+                 RETURNING id")
+            .bind(tenant.clone())
+            .bind(subscription),
+        )
+        .await
+        .unwrap()
+        .get("id");
+    db.execute(
+        sql("INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                           amount, currency, provider_status, decline_code, resolved_at) \
+             VALUES ($1, $2, 1, 'hardcount-invoice-' || $2 || '-attempt-1', 1200, 'EUR', \
+                     'declined', 'insufficient_funds', now() - interval '1 hour')")
+        .bind(tenant)
+        .bind(invoice),
+    )
+    .await
+    .unwrap();
+    Declined {
+        invoice,
+        subscription,
+        customer: c.get("provider_customer_id"),
+    }
+}
+
+/// (status, attempt_count) of the run of `invoice`.
+pub async fn run_of(db: &Db, invoice: i64) -> (String, i32) {
+    let r = db
+        .fetch_one(
+            sql("SELECT status, attempt_count FROM dunning_runs WHERE invoice_id = $1")
+                .bind(invoice),
+        )
+        .await
+        .unwrap();
+    (r.get("status"), r.get("attempt_count"))
+}
+
+pub async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    db.fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect()
+}
+
+/// Event types other than billing's, in order.
+pub async fn events(db: &Db) -> Vec<String> {
+    strings(
+        db,
+        "SELECT event_type FROM webhook_events \
+         WHERE event_type NOT IN ('payment.failed', 'payment.succeeded', 'invoice.paid') ORDER BY id",
+    )
+    .await
+}
+
+/// Subjects of dunning's own emails (warnings and final notices), in order.
+pub async fn dunning_emails(db: &Db) -> Vec<String> {
+    strings(
+        db,
+        "SELECT subject FROM email_outbox \
+         WHERE subject LIKE '%we will retry' OR subject LIKE 'Final notice%' ORDER BY id",
+    )
+    .await
+}
+
+pub async fn invoice_status(db: &Db, id: i64) -> String {
+    db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(id))
+        .await
+        .unwrap()
+        .get("status")
+}
+
+/// The attempt sequences of `invoice` the provider was asked about, in order
+/// (the first is billing's, written by the fixture).
+pub async fn attempts(db: &Db, invoice: i64) -> Vec<(i32, String)> {
+    db.fetch_all(
+        sql("SELECT attempt_seq, provider_status FROM payment_attempts \
+             WHERE invoice_id = $1 ORDER BY attempt_seq")
+        .bind(invoice),
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}

@@ -1,0 +1,290 @@
+//! A run's life: enrolment, declines, recovery, a run whose invoice was paid
+//! elsewhere, a timeout, and a retry that panics.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use db::{Row, sql};
+use fake_provider::{Behaviour, FakeProvider};
+use futures::FutureExt;
+use leader::{Manager, Role, Telemetry};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use testbed::TestDb;
+use testbed::leadership::fast_timing;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config, declined_invoice, dunner, dunning_emails, events, invoice_status, policy, run_of, tick,
+};
+
+const CALL: Duration = Duration::from_secs(5);
+
+/// A tenant without a policy gets the built-in default at its first
+/// enrolment; each invoice is enrolled once, however many ticks see it.
+#[tokio::test]
+async fn enrolment_takes_each_declined_invoice_once_with_the_built_in_default() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.enrolled, 1);
+    assert_eq!(tick(&t.db, &d).await.enrolled, 0);
+    let r =
+        t.db.fetch_one(
+            sql(
+                "SELECT p.retry_offsets_secs, p.final_action, r.next_attempt_at > now() AS later \
+                 FROM dunning_runs r JOIN dunning_policies p ON p.id = r.policy_id \
+                 WHERE r.invoice_id = $1",
+            )
+            .bind(a.invoice),
+        )
+        .await
+        .unwrap();
+    let offsets: Vec<i64> = r.get("retry_offsets_secs");
+    assert_eq!(offsets, dunning::policy::DEFAULT_OFFSETS_SECS.to_vec());
+    assert_eq!(r.get::<String, _>("final_action"), "mark_uncollectible");
+    // The first retry is a day after the decline: not yet.
+    assert!(r.get::<bool, _>("later"));
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert_eq!(p.total_charges(), 0);
+}
+
+/// Declined, declined, then paid: recovered after the third retry, the
+/// invoice paid once, each attempt charged once under its own key, the
+/// subscription still active.
+#[tokio::test]
+async fn decline_decline_success_recovers_after_the_third_retry() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 4, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("insufficient_funds".into()));
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    for expected in 1..=2 {
+        let r = tick(&t.db, &d).await;
+        assert_eq!(r.tally.declined, 1, "{r:?}");
+        assert_eq!(
+            run_of(&t.db, a.invoice).await,
+            ("active".to_owned(), expected)
+        );
+        // The next retry is 60 s × n after the first decline, an hour ago: due now.
+    }
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.recovered, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("recovered".to_owned(), 3));
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+    // One request per retry, each under its own key; money moved once.
+    let declined = |seq: i32| (seq, "declined".to_owned());
+    assert_eq!(
+        crate::attempts(&t.db, a.invoice).await,
+        [
+            declined(1),
+            declined(2),
+            declined(3),
+            (4, "succeeded".to_owned())
+        ]
+    );
+    for seq in 2..=4 {
+        assert!(p.has_result(&format!("hardcount-invoice-{}-attempt-{seq}", a.invoice)));
+    }
+    let charges = p.charges();
+    assert_eq!(p.total_charges(), 1, "{charges:?}");
+    assert_eq!(
+        charges.get(&format!("hardcount-invoice-{}-attempt-4", a.invoice)),
+        Some(&1)
+    );
+    let paid: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'invoice.paid'",
+        ))
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(paid, 1);
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "active");
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "dunning.attempt_failed",
+            "dunning.attempt_failed",
+            "dunning.recovered"
+        ]
+    );
+    // The policy warns after retry 1 only.
+    assert_eq!(dunning_emails(&t.db).await.len(), 1);
+    let rendered = metrics.render();
+    for line in [
+        "hardcount_dunning_attempts_total{outcome=\"declined\"} 2",
+        "hardcount_dunning_attempts_total{outcome=\"succeeded\"} 1",
+        "hardcount_dunning_recoveries_total 1",
+    ] {
+        assert!(rendered.contains(line), "{line} not in {rendered}");
+    }
+}
+
+/// An invoice paid by hand (or by billing) after enrolment: the run stops as
+/// recovered without a charge, announced once.
+#[tokio::test]
+async fn a_run_whose_invoice_was_paid_elsewhere_stops_without_charging() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    let enrolled = crate::as_leader(
+        &crate::manager(&t.db, "enroller"),
+        Role::Dunning,
+        |tick| async move { d2.enrol(&tick.fence).await.unwrap() },
+    )
+    .await;
+    assert_eq!(enrolled, 1);
+    t.db.execute(
+        sql("UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = $1").bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.stopped, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("recovered".to_owned(), 0));
+    assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 1);
+    assert_eq!(p.total_charges(), 0);
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.recovered"]
+    );
+    // Ended: a later tick lists nothing.
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// The provider times out: the attempt is unknown, the run is rewound (count
+/// as listed) and no later retry charges the invoice while the attempt's
+/// outcome is unknown: the fake provider counted one charge.
+#[tokio::test]
+async fn a_timeout_rewinds_the_attempt_and_blocks_retries_until_settled() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Hang);
+    let (d, metrics) = dunner(&t.db, &p, Duration::from_millis(300), config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.rewound, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    let r = tick(&t.db, &d).await;
+    assert_eq!(
+        r.tally.rewound, 1,
+        "held while the attempt is unknown: {r:?}"
+    );
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("hardcount_dunning_attempts_total{outcome=\"unknown\"} 1"),
+        "{rendered}"
+    );
+}
+
+/// Three runs of three tenants in one batch; the first tenant's policy is
+/// corrupt (a second offset no time can hold), so its first retry panics
+/// after its attempt was recorded, planning what a decline would do, before
+/// the charge. That attempt is rewound
+/// (count unchanged, nothing charged), the other two tenants' runs are
+/// retried in the same tick, and the tick is released as panicked.
+///
+/// Mutation check: `dunning_panic_rewind` (the panic path's rewind removed
+/// from `retry_batch`) leaves the count at 1; seen failing under it.
+#[tokio::test]
+async fn a_retry_that_panics_is_rewound_and_the_other_runs_go_on() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let bad_policy = policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    sqlx::query("UPDATE dunning_policies SET retry_offsets_secs = '{60, 9223372036854775807}' WHERE id = $1")
+        .bind(bad_policy)
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    policy(&t.db, "tenant_b", 2, "pause_collection").await;
+    policy(&t.db, "tenant_c", 2, "pause_collection").await;
+    let bad = declined_invoice(&t.db, "tenant_a").await;
+    let b = declined_invoice(&t.db, "tenant_b").await;
+    let c = declined_invoice(&t.db, "tenant_c").await;
+    p.set_behaviour(&b.customer, Behaviour::Decline("do_not_honor".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let lease_metrics = recorder.handle();
+    let m = Manager::with_holder_id(
+        t.db.clone(),
+        fast_timing(),
+        Telemetry::new(Arc::new(recorder)),
+        "panicky:1:00000000".to_owned(),
+    );
+    let shutdown = CancellationToken::new();
+    let led = AssertUnwindSafe(m.lead(
+        Role::Dunning,
+        Duration::ZERO,
+        &shutdown,
+        |tick| async move { d.run_tick(&tick).await.end },
+    ))
+    .catch_unwind()
+    .await;
+    let payload = led.expect_err("the tick's panic reaches the lease manager");
+    let message = scheduler::panic_message(&*payload);
+    assert!(message.contains("out of range"), "{message}");
+    assert_eq!(run_of(&t.db, bad.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(run_of(&t.db, b.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(run_of(&t.db, c.invoice).await, ("recovered".to_owned(), 1));
+    // Nothing asked of the provider for the bad run; one charge (tenant c).
+    assert_eq!(crate::attempts(&t.db, bad.invoice).await.len(), 1);
+    assert_eq!(crate::attempts(&t.db, b.invoice).await.len(), 2);
+    assert_eq!(p.total_charges(), 1, "{:?}", p.charges());
+    let rendered = lease_metrics.render();
+    assert!(
+        rendered.lines().any(|l| l.starts_with(
+            "hardcount_leader_lease_lost_total{role=\"dunning\",reason=\"panicked\"}"
+        ) && l.ends_with(" 1")),
+        "{rendered}"
+    );
+}
+
+/// The provider answers 503 to every retry: each run's attempt is rewound
+/// (nothing counted), and the tick stops as failed so the role retries after
+/// the short cooldown instead of timing out on every due run.
+#[tokio::test]
+async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let mut runs = Vec::new();
+    for _ in 0..dunning::OUTAGE_UNANSWERED {
+        let a = declined_invoice(&t.db, "tenant_a").await;
+        p.set_behaviour(&a.customer, Behaviour::ServerError(503));
+        runs.push(a);
+    }
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+    assert_eq!(r.tally.unanswered, runs.len(), "{r:?}");
+    for a in &runs {
+        assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    }
+    assert_eq!(p.total_charges(), 0);
+    let rendered = metrics.render();
+    let line = format!(
+        "hardcount_dunning_attempts_total{{outcome=\"unknown\"}} {}",
+        runs.len()
+    );
+    assert!(rendered.contains(&line), "{rendered}");
+}

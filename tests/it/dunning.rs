@@ -1,0 +1,73 @@
+//! `hardcount serve` runs the dunning role when HARDCOUNT_ROLES names it,
+//! charging the provider billing reads (BILLING_PROVIDER_URL).
+
+use std::time::{Duration, Instant};
+
+use db::{Row, sql};
+use fake_provider::{FakeProvider, TEST_SECRET_KEY};
+use testbed::{Leg, TestDb};
+
+use crate::serve::Serve;
+
+/// An invoice billing declined an hour ago, a policy retrying a second after
+/// the decline, a card that now succeeds: the served dunning role enrols the
+/// invoice, retries it and recovers the run, and /metrics counts it.
+#[tokio::test]
+async fn serve_runs_dunning_and_a_declined_invoice_recovers() {
+    let t = TestDb::new().await;
+    let provider = FakeProvider::start().await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, is_default) \
+           VALUES ('tenant_a', 'Fast', '{1, 2}', 'pause_collection', true); \
+         INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+           VALUES ('tenant_a', 'ada@example.org', 'cus_ada', 'pm_card_visa'); \
+         INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+           VALUES ('tenant_a', 'Pro', 1200, 'EUR', 'month', 1); \
+         INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, next_billing_at) \
+           SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
+                  now() + interval '30 days' FROM customers c, plans p; \
+         INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
+                               collection_method) \
+           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic' \
+           FROM subscriptions; \
+         INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
+                                       currency, provider_status, decline_code, resolved_at) \
+           SELECT 'tenant_a', id, 1, 'hardcount-invoice-' || id || '-attempt-1', 1200, 'EUR', \
+                  'declined', 'insufficient_funds', now() - interval '1 hour' FROM invoices",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let url = provider.base_url();
+    let serve = Serve::start(
+        &t.app_url(Leg::current()),
+        &[
+            ("HARDCOUNT_ROLES", "dunning"),
+            ("HARDCOUNT_DUNNING_INTERVAL", "1s"),
+            ("BILLING_PROVIDER_URL", url.as_str()),
+            ("BILLING_PROVIDER_SECRET_KEY", TEST_SECRET_KEY),
+        ],
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status: Option<String> =
+            t.db.fetch_optional(sql("SELECT status FROM dunning_runs"))
+                .await
+                .unwrap()
+                .map(|r| r.get("status"));
+        if status.as_deref() == Some("recovered") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovered run: {status:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(provider.total_charges(), 1);
+    let (code, body) = serve.get("/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        body.contains("hardcount_dunning_recoveries_total 1"),
+        "{body}"
+    );
+}
