@@ -107,6 +107,11 @@ pub struct ServeSettings {
     /// [default: 16].
     #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
     pub email_connections: Option<String>,
+    /// A session-capable URL (Postgres directly, or PgBouncer's session-mode
+    /// alias) on which webhook_outbox and webhook_delivery LISTEN, so a commit
+    /// wakes them within milliseconds [default: unset, they poll at their interval].
+    #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
+    pub listen_url: Option<String>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
@@ -204,7 +209,20 @@ impl ServeSettings {
             webhook_delivery,
             email: self.email()?,
             billing: self.billing()?,
+            listen_url: self.listen_url()?,
         })
+    }
+
+    /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never
+    /// echoes it (it may hold a password).
+    fn listen_url(&self) -> Result<Option<String>> {
+        let Some(url) = non_empty(&self.listen_url) else {
+            return Ok(None);
+        };
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            bail!("HARDCOUNT_LISTEN_URL must be a postgres:// or postgresql:// URL");
+        }
+        Ok(Some(url))
     }
 
     /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is

@@ -32,6 +32,7 @@ use leader::{Fence, Role, Tick, TickEnd};
 use tracing::{debug, info};
 
 use crate::panics::{Panics, catch};
+use crate::wake::Wake;
 
 /// How a role's ticks are cut into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +94,22 @@ pub trait FencedBatches: Sync {
         panics: &mut Panics,
         counts: &mut Self::Counts,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The role's wake-up signal, if it has one (docs/adr/0014). While it is
+    /// listening, a short batch does not end the tick: the driver waits for a
+    /// wake-up or the signal's poll interval and claims again, until the
+    /// budget. Default: none.
+    fn wake(&self) -> Option<&Wake> {
+        None
+    }
+
+    /// Whether a tick that claimed anything and then drained is followed at
+    /// once by the next ([`TickEnd::DrainedDueNow`]) instead of after the
+    /// interval: for queues whose producers commit at any time, so work that
+    /// arrived during a tick does not wait an interval. Default: false.
+    fn due_again_after_work(&self) -> bool {
+        false
+    }
 
     /// After the last batch, before the log line (gauges, caches).
     fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
@@ -162,12 +179,31 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let mut panics = Panics::new(name.as_str());
     let mut counts = R::Counts::default();
     let (mut batches, mut claimed) = (0, 0);
+    // The last claim came back short: the queue was drained.
+    let mut drained = false;
+    // The tick was kept open by a listening wake at least once.
+    let mut listened = false;
+    let listening = || role.wake().is_some_and(Wake::is_listening);
     let stop = loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
         }
         if started.elapsed() + shape.reserve >= shape.budget {
-            break Stop::Budget;
+            break if drained { Stop::Drained } else { Stop::Budget };
+        }
+        if drained && let Some(wake) = role.wake() {
+            // Only a listening role gets here (below): wait for a wake-up,
+            // the poll interval or the budget, whichever comes first, then
+            // claim again. A listener that went down meanwhile pokes too: the
+            // claim after it finds what was missed, then the tick ends.
+            listened = true;
+            let left = shape
+                .budget
+                .saturating_sub(started.elapsed() + shape.reserve);
+            tokio::select! {
+                _ = wake.wait(wake.poll().min(left)) => {}
+                () = tick.cancel.cancelled() => break Stop::Cancelled,
+            }
         }
         let claim = match panics
             .step("claim", role.claim(&tick.fence, shape.batch_size))
@@ -178,34 +214,41 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             Some(Ok(claim)) => claim,
         };
         let n = R::claimed(&claim);
-        if n == 0 {
-            break Stop::Drained;
-        }
-        batches += 1;
-        claimed += n;
-        let ran = catch(
-            format!("{name}/batch"),
-            role.run(claim, tick, deadline, &mut panics, &mut counts),
-        )
-        .await;
-        match ran {
-            Err(payload) => {
-                panics.record(payload);
-                break Stop::Panicked;
+        drained = n < shape.batch_size;
+        if n > 0 {
+            batches += 1;
+            claimed += n;
+            let ran = catch(
+                format!("{name}/batch"),
+                role.run(claim, tick, deadline, &mut panics, &mut counts),
+            )
+            .await;
+            match ran {
+                Err(payload) => {
+                    panics.record(payload);
+                    break Stop::Panicked;
+                }
+                Ok(Err(error)) => break Stop::Failed(error.to_string()),
+                Ok(Ok(())) => {}
             }
-            Ok(Err(error)) => break Stop::Failed(error.to_string()),
-            Ok(Ok(())) => {}
+            if tick.cancel.is_cancelled() {
+                break Stop::Cancelled;
+            }
         }
-        if tick.cancel.is_cancelled() {
-            break Stop::Cancelled;
-        }
-        if n < shape.batch_size {
+        if drained && !listening() {
             break Stop::Drained;
         }
     };
+    // A drained tick that listened, or that found work in a role that asks
+    // for it, is due again at once (docs/adr/0014); else after the interval.
+    let due_now = listened || (claimed > 0 && role.due_again_after_work());
+    let end = match &stop {
+        Stop::Drained if due_now => TickEnd::DrainedDueNow,
+        other => other.tick_end(),
+    };
     role.end_tick(tick).await;
     let driven = Driven {
-        end: stop.tick_end(),
+        end,
         stop,
         batches,
         claimed,

@@ -22,6 +22,7 @@ mod driver;
 mod panics;
 mod role_loop;
 mod status;
+mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{Driven, FencedBatches, Shape, Stop, drive};
@@ -29,3 +30,4 @@ pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
 pub use status::{export_status, precreate_series};
+pub use wake::{Wake, listen, wake_channel};

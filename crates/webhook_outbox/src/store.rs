@@ -4,12 +4,15 @@
 use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
-use leader::Fence;
+use leader::{Fence, Role};
+use scheduler::wake_channel;
 
 use crate::Error;
 
-/// Insert one event inside `tx`. The payload is bound as text and cast, so
-/// the stored jsonb is exactly what the caller validated.
+/// Insert one event inside `tx` and wake the `webhook_outbox` role
+/// (`pg_notify`, sent only if `tx` commits; docs/adr/0014), in one statement.
+/// The payload is bound as text and cast, so the stored jsonb is exactly what
+/// the caller validated.
 pub(crate) async fn insert_event(
     tx: &mut Tx,
     tenant_id: &str,
@@ -18,13 +21,15 @@ pub(crate) async fn insert_event(
 ) -> Result<i64, db::Error> {
     let row = tx
         .fetch_one(
-            sql(
-                "INSERT INTO webhook_events (tenant_id, event_type, payload) \
-                 VALUES ($1, $2, $3::jsonb) RETURNING id",
-            )
+            sql("WITH e AS ( \
+                   INSERT INTO webhook_events (tenant_id, event_type, payload) \
+                   VALUES ($1, $2, $3::jsonb) RETURNING id), \
+                 wake AS (SELECT pg_notify($4, '')) \
+                 SELECT e.id FROM e, wake")
             .bind(tenant_id.to_owned())
             .bind(event_type.to_owned())
-            .bind(payload_json.to_owned()),
+            .bind(payload_json.to_owned())
+            .bind(wake_channel(Role::WebhookOutbox)),
         )
         .await?;
     Ok(row.try_get("id")?)
@@ -80,23 +85,31 @@ pub(crate) async fn claim_and_fan_out(
         .map(|r| r.try_get::<i64, _>("id"))
         .collect::<Result<Vec<_>, _>>()
         .map_err(db::Error::from)?;
-    let deliveries = tx
-        .execute(
-            sql(
-                "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
-                 SELECT e.tenant_id, e.id, ep.id \
-                 FROM webhook_events e \
-                 JOIN webhook_endpoints ep \
-                   ON ep.tenant_id = e.tenant_id \
-                  AND ep.enabled \
-                  AND (cardinality(ep.event_types) = 0 OR e.event_type = ANY (ep.event_types)) \
-                 WHERE e.id = ANY ($1) \
-                 ORDER BY e.id, ep.id \
-                 ON CONFLICT (event_id, endpoint_id) DO NOTHING",
-            )
-            .bind(ids.clone()),
+    // The inserted deliveries wake the `webhook_delivery` role when this
+    // transaction commits (docs/adr/0014).
+    let inserted = tx
+        .fetch_one(
+            sql("WITH ins AS ( \
+                   INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+                   SELECT e.tenant_id, e.id, ep.id \
+                   FROM webhook_events e \
+                   JOIN webhook_endpoints ep \
+                     ON ep.tenant_id = e.tenant_id \
+                    AND ep.enabled \
+                    AND (cardinality(ep.event_types) = 0 OR e.event_type = ANY (ep.event_types)) \
+                   WHERE e.id = ANY ($1) \
+                   ORDER BY e.id, ep.id \
+                   ON CONFLICT (event_id, endpoint_id) DO NOTHING \
+                   RETURNING 1), \
+                 wake AS (SELECT pg_notify($2, '') WHERE EXISTS (SELECT 1 FROM ins)) \
+                 SELECT (SELECT count(*) FROM ins) AS inserted, \
+                        (SELECT count(*) FROM wake) AS woken")
+            .bind(ids.clone())
+            .bind(wake_channel(Role::WebhookDelivery)),
         )
         .await?;
+    let deliveries: i64 = inserted.try_get("inserted").map_err(db::Error::from)?;
+    let deliveries = u64::try_from(deliveries).unwrap_or(0);
     tx.commit().await?;
     Ok(Batch {
         events: ids.len(),
