@@ -488,4 +488,17 @@ mod tests {
         let err = bad.http_addr().unwrap_err().to_string();
         assert!(err.contains("HARDCOUNT_HTTP_ADDR=\"8080\""), "{err}");
     }
+
+    #[test]
+    fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
+        assert_eq!(check(&[]).unwrap().listen_url, None);
+        let url = "postgres://app:pw@db:5432/hardcount";
+        let config = check(&["--listen-url", url]).unwrap();
+        assert_eq!(config.listen_url.as_deref(), Some(url));
+        let err = check(&["--listen-url", "mysql://u:hunter2@db/x"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("HARDCOUNT_LISTEN_URL must be"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
 }
