@@ -5,8 +5,9 @@
 //!
 //! ```text
 //!  webhook_deliveries                 Worker::run_tick (leader only)
-//!  status = pending ──claim_due──▶ attempts += 1, next_attempt_at = now() + lease    (fenced,
-//!  next_attempt_at <= now()        │                                                  SKIP LOCKED)
+//!  status = pending ──claim_due──▶ attempts += 1, claimed_until = now() + lease      (fenced,
+//!  next_attempt_at <= now()        │   (a HOT update: no indexed column)              SKIP LOCKED)
+//!  claimed_until null or passed    │
 //!                                  ├─ endpoint disabled ─────────────────▶ dead
 //!                                  ├─ no turn before the start deadline ─▶ handed back (attempts -= 1)
 //!                                  ├─ SSRF guard refuses ────────────────▶ pending (retry) … dead
@@ -22,7 +23,7 @@
 //!
 //! Guarantees:
 //!
-//! - **At-least-once.** A claim moves `next_attempt_at` a lease ahead
+//! - **At-least-once.** A claim sets `claimed_until` a lease ahead
 //!   (`request_timeout + claim_margin`) before anything is sent. If the process
 //!   dies, is frozen, or loses its lease mid-attempt, the delivery comes due
 //!   again when the lease ends. Nothing is deleted; a dead delivery stays in the

@@ -125,7 +125,8 @@ pub struct Delivery {
     pub last_status_code: Option<i32>,
     pub last_error: Option<String>,
     pub delivered: bool,
-    /// `next_attempt_at - now()` in seconds.
+    /// Seconds until it is due: the later of `next_attempt_at` and its claim's
+    /// lease (`claimed_until`), minus `now()`.
     pub due_in: f64,
 }
 
@@ -133,7 +134,7 @@ pub async fn deliveries(db: &Db) -> Vec<Delivery> {
     db.fetch_all(sql(
         "SELECT id, endpoint_id, status, attempts, last_status_code, last_error, \
                 delivered_at IS NOT NULL AS delivered, \
-                extract(epoch FROM next_attempt_at - now())::float8 AS due_in \
+                extract(epoch FROM GREATEST(next_attempt_at, claimed_until) - now())::float8 AS due_in \
          FROM webhook_deliveries ORDER BY id",
     ))
     .await
@@ -156,7 +157,8 @@ pub async fn deliveries(db: &Db) -> Vec<Delivery> {
 pub async fn make_due(t: &testbed::TestDb) {
     let mut su = t.superuser().await;
     sqlx::raw_sql(
-        "UPDATE webhook_deliveries SET next_attempt_at = now() - interval '1 second' \
+        "UPDATE webhook_deliveries SET next_attempt_at = now() - interval '1 second', \
+                claimed_until = NULL \
          WHERE status = 'pending'",
     )
     .execute(&mut su)
