@@ -7,22 +7,30 @@
 //!  drive(role, tick)
 //!   loop ── tick.cancel fired? ───────────────────────────▶ Stop::Cancelled  → MoreWork ¹
 //!        ── elapsed + reserve ≥ budget? ──────────────────▶ Stop::Budget     → MoreWork
+//!                                     (after a short batch: Stop::Drained → see ²)
+//!        ── after a short batch (only when kept open, below): wait for a wake-up
+//!           or the wake's poll interval (listening), or BUSY_POLL (busy, no listener)
 //!        ── role.claim(&fence, batch_size)   (guarded step)
 //!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
-//!             nothing claimed ────────────────────────────▶ Stop::Drained    → Drained
-//!        ── role.run(claim, …)               (guarded step; the role guards each item)
+//!        ── role.run(claim, …) if it claimed any (guarded step; the role guards each item)
 //!             error (its outside service is down) ────────▶ Stop::Failed(e)  → Failed(e)
-//!        ── cancel fired? → Cancelled; fewer than batch_size claimed → Drained; else loop
+//!        ── cancel fired? → Cancelled
+//!        ── fewer than batch_size claimed:
+//!             the role's wake listens, or it is busy and this claim found work → loop (kept open)
+//!             else ───────────────────────────────────────▶ Stop::Drained    → ²
 //!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
 //! ```
 //!
 //! ¹ A cancelled tick is released as lost or interrupted whatever it returns.
+//! ² `DrainedDueNow` (due again at once) if the tick listened, or found work
+//!   in a busy role ([`FencedBatches::due_again_after_work`]); else `Drained`.
 //!
-//! The returned [`TickEnd`] decides the release (docs/adr/0007): a drained
-//! tick waits its interval, a tick stopped by its budget is due again at once,
-//! a failed one waits the short failure cooldown. A panic kept by the guard is
-//! raised again after the log line, so the lease is released as panicked.
+//! The returned [`TickEnd`] decides the release (docs/adr/0007, 0014): a
+//! drained tick waits its interval (or not, ²), a tick stopped by its budget
+//! is due again at once, a failed one waits the short failure cooldown. A
+//! panic kept by the guard is raised again after the log line, so the lease is
+//! released as panicked.
 
 use std::fmt;
 use std::future::Future;
@@ -33,6 +41,12 @@ use tracing::{debug, info};
 
 use crate::panics::{Panics, catch};
 use crate::wake::Wake;
+
+/// How long a tick of a busy role ([`FencedBatches::due_again_after_work`])
+/// without wake-ups waits after a short batch that found work before it
+/// claims again: a steady stream waits at most this per role, not the
+/// interval, and costs at most 20 claims a second while it flows.
+pub const BUSY_POLL: Duration = Duration::from_millis(50);
 
 /// How a role's ticks are cut into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,10 +117,14 @@ pub trait FencedBatches: Sync {
         None
     }
 
-    /// Whether a tick that claimed anything and then drained is followed at
-    /// once by the next ([`TickEnd::DrainedDueNow`]) instead of after the
-    /// interval: for queues whose producers commit at any time, so work that
-    /// arrived during a tick does not wait an interval. Default: false.
+    /// Whether the role's queue fills at any time (producers commit whenever
+    /// they like), so that work found means more is likely on its way. If
+    /// so, without a listening wake a short batch that found work does not
+    /// end the tick: the driver waits [`BUSY_POLL`] and claims again, until a
+    /// claim finds nothing or the budget is spent; and a tick that found work
+    /// is followed at once by the next ([`TickEnd::DrainedDueNow`]) instead of
+    /// after the interval. An idle role still polls at its interval. Default:
+    /// false.
     fn due_again_after_work(&self) -> bool {
         false
     }
@@ -181,9 +199,12 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let (mut batches, mut claimed) = (0, 0);
     // The last claim came back short: the queue was drained.
     let mut drained = false;
+    // The last claim found work.
+    let mut found: bool;
     // The tick was kept open by a listening wake at least once.
     let mut listened = false;
     let listening = || role.wake().is_some_and(Wake::is_listening);
+    let busy = role.due_again_after_work();
     let stop = loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
@@ -191,17 +212,27 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
         if started.elapsed() + shape.reserve >= shape.budget {
             break if drained { Stop::Drained } else { Stop::Budget };
         }
-        if drained && let Some(wake) = role.wake() {
-            // Only a listening role gets here (below): wait for a wake-up,
-            // the poll interval or the budget, whichever comes first, then
-            // claim again. A listener that went down meanwhile pokes too: the
-            // claim after it finds what was missed, then the tick ends.
-            listened = true;
+        if drained {
+            // Only a listening role, or a busy one whose last claim found
+            // work, gets here (below). A listening one waits for a wake-up or
+            // its poll interval (a listener that goes down pokes too: the
+            // claim after it finds what was missed, then the tick ends); a
+            // busy one waits BUSY_POLL. Neither waits past the budget.
             let left = shape
                 .budget
                 .saturating_sub(started.elapsed() + shape.reserve);
+            let pause = match role.wake().filter(|w| w.is_listening()) {
+                Some(wake) => {
+                    listened = true;
+                    futures::future::Either::Left(wake.wait(wake.poll().min(left)))
+                }
+                None => futures::future::Either::Right(async move {
+                    tokio::time::sleep(BUSY_POLL.min(left)).await;
+                    false
+                }),
+            };
             tokio::select! {
-                _ = wake.wait(wake.poll().min(left)) => {}
+                _ = pause => {}
                 () = tick.cancel.cancelled() => break Stop::Cancelled,
             }
         }
@@ -215,6 +246,7 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
         };
         let n = R::claimed(&claim);
         drained = n < shape.batch_size;
+        found = n > 0;
         if n > 0 {
             batches += 1;
             claimed += n;
@@ -235,13 +267,13 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
                 break Stop::Cancelled;
             }
         }
-        if drained && !listening() {
+        if drained && !listening() && !(busy && found) {
             break Stop::Drained;
         }
     };
     // A drained tick that listened, or that found work in a role that asks
     // for it, is due again at once (docs/adr/0014); else after the interval.
-    let due_now = listened || (claimed > 0 && role.due_again_after_work());
+    let due_now = listened || (claimed > 0 && busy);
     let end = match &stop {
         Stop::Drained if due_now => TickEnd::DrainedDueNow,
         other => other.tick_end(),
