@@ -43,10 +43,21 @@ async fn one_delivery(t: &TestDb, rx: &Receiver, n: usize) -> Duration {
     started.elapsed()
 }
 
-async fn until_held_by(t: &TestDb, pid: u32, limit: Duration) {
+/// Until replica `pid` has led both webhook roles for over a second without a
+/// break: its ticks stay open, so they listen. (A tick that started before the
+/// replica's listener was up ends at once, as without one.)
+async fn until_listening_leader(t: &TestDb, pid: u32, limit: Duration) {
     let started = Instant::now();
-    while !held_by(&holders(t).await, pid) {
-        assert!(started.elapsed() < limit, "replica {pid} never led both webhook roles");
+    let mut since: Option<Instant> = None;
+    loop {
+        if held_by(&holders(t).await, pid) {
+            if since.get_or_insert_with(Instant::now).elapsed() > Duration::from_millis(1200) {
+                return;
+            }
+        } else {
+            since = None;
+        }
+        assert!(started.elapsed() < limit, "replica {pid} never kept both webhook roles");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -68,15 +79,13 @@ async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_del
     ];
     let url = t.app_url(Leg::current());
     let mut a = Serve::start(&url, &env).await;
-    until_held_by(&t, a.child.id(), Duration::from_secs(20)).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    until_listening_leader(&t, a.child.id(), Duration::from_secs(30)).await;
     let first = one_delivery(&t, &rx, 0).await;
     let b = Serve::start(&url, &env).await;
     a.signal("KILL");
     a.wait(Duration::from_secs(5)).await;
     // The killed leases expire after their TTL (10 s); B then leads both roles.
-    until_held_by(&t, b.child.id(), Duration::from_secs(40)).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    until_listening_leader(&t, b.child.id(), Duration::from_secs(60)).await;
     let mut after = Vec::new();
     for n in 1..=3 {
         after.push(one_delivery(&t, &rx, n).await);

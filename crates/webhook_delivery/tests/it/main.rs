@@ -28,14 +28,16 @@ pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
 /// crate's `signature` module: headers, a timestamp fresh at arrival, the HMAC.
 pub use testbed::webhook_verify::verify;
 
-/// Fast settings for tests: loopback allowed, 1 s per request, retries 50 ms apart.
+/// Fast settings for tests: loopback allowed, 1 s per request, retries 200 ms
+/// apart: longer than the driver's `BUSY_POLL` (50 ms) plus jitter, so a retry
+/// is not attempted again within the tick that scheduled it.
 pub fn config() -> WorkerConfig {
     WorkerConfig {
         connect_timeout: Duration::from_millis(500),
         request_timeout: Duration::from_secs(1),
         claim_margin: Duration::from_secs(1),
         tick_budget: Duration::from_secs(5),
-        retry_schedule: RetrySchedule::parse("50ms,50ms,50ms").unwrap(),
+        retry_schedule: RetrySchedule::parse("200ms,200ms,200ms").unwrap(),
         allowlist: Allowlist::parse("127.0.0.0/8").unwrap(),
         ..WorkerConfig::default()
     }

@@ -14,9 +14,11 @@ use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::{count, dispatcher, endpoint, event, manager};
 
-/// The role loop of `d` with `interval`, and a listener for `wake` on the
-/// bed's Postgres directly, until `shutdown`.
-fn spawn_listening(
+/// A listener for `wake` on the bed's Postgres directly, and once it listens,
+/// the role loop of `d` with `interval`, until `shutdown`. (A tick that
+/// starts before the listener is up ends drained as without one: the role
+/// listens from its next tick, one interval later.)
+async fn spawn_listening(
     t: &TestDb,
     d: Dispatcher,
     wake: &Wake,
@@ -32,15 +34,15 @@ fn spawn_listening(
             async move { d.run_tick(&tick).await.end }
         }),
     };
-    vec![
-        tokio::spawn(listen(
-            t.app_url(Leg::Direct),
-            vec![wake.clone()],
-            Duration::from_millis(200),
-            shutdown.child_token(),
-        )),
-        tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token())),
-    ]
+    let listener = tokio::spawn(listen(
+        t.app_url(Leg::Direct),
+        vec![wake.clone()],
+        Duration::from_millis(200),
+        shutdown.child_token(),
+    ));
+    until(Duration::from_secs(10), "the listener", async || wake.is_listening()).await;
+    let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    vec![listener, role]
 }
 
 async fn dispatched_at(db: &Db, id: i64) -> bool {
@@ -77,8 +79,7 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
     let interval = Duration::from_secs(5);
     let wake = Wake::new(Role::WebhookOutbox, interval);
     let shutdown = CancellationToken::new();
-    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown);
-    until(Duration::from_secs(10), "the listener", async || wake.is_listening()).await;
+    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
     // Let the first tick drain the empty outbox and go idle.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut waits = Vec::new();
@@ -114,8 +115,7 @@ async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost(
     let interval = Duration::from_secs(1);
     let wake = Wake::new(Role::WebhookOutbox, interval);
     let shutdown = CancellationToken::new();
-    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown);
-    until(Duration::from_secs(10), "the listener", async || wake.is_listening()).await;
+    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
     let mut admin = t.superuser().await;
     let total = 300;
     let mut kills = 0;
