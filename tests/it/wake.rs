@@ -11,20 +11,20 @@ use testbed::{Leg, TestDb};
 use crate::serve::Serve;
 
 async fn holders(t: &TestDb) -> Vec<Option<String>> {
-    t.db.fetch_all(sql(
-        "SELECT holder_id FROM leader_leases \
-         WHERE role IN ('webhook_outbox', 'webhook_delivery') ORDER BY role",
-    ))
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| r.get("holder_id"))
-    .collect()
+    t.db.fetch_all(sql("SELECT holder_id FROM leader_leases \
+         WHERE role IN ('webhook_outbox', 'webhook_delivery') ORDER BY role"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get("holder_id"))
+        .collect()
 }
 
 fn held_by(holders: &[Option<String>], pid: u32) -> bool {
     let pid = format!(":{pid}:");
-    holders.iter().all(|h| h.as_deref().is_some_and(|h| h.contains(&pid)))
+    holders
+        .iter()
+        .all(|h| h.as_deref().is_some_and(|h| h.contains(&pid)))
 }
 
 /// Enqueue one event and return how long until the receiver had its POST.
@@ -32,12 +32,20 @@ async fn one_delivery(t: &TestDb, rx: &Receiver, n: usize) -> Duration {
     let before = rx.count();
     let started = Instant::now();
     let mut tx = t.db.begin().await.unwrap();
-    webhook_outbox::enqueue(&mut tx, "tenant_a", "invoice.paid", &format!(r#"{{"n":{n}}}"#))
-        .await
-        .unwrap();
+    webhook_outbox::enqueue(
+        &mut tx,
+        "tenant_a",
+        "invoice.paid",
+        &format!(r#"{{"n":{n}}}"#),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     while rx.count() == before {
-        assert!(started.elapsed() < Duration::from_secs(30), "event {n} never delivered");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "event {n} never delivered"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     started.elapsed()
@@ -57,7 +65,10 @@ async fn until_listening_leader(t: &TestDb, pid: u32, limit: Duration) {
         } else {
             since = None;
         }
-        assert!(started.elapsed() < limit, "replica {pid} never kept both webhook roles");
+        assert!(
+            started.elapsed() < limit,
+            "replica {pid} never kept both webhook roles"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -94,6 +105,9 @@ async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_del
     println!("commit to POST: {first:?} from the first leader, {after:?} from the next");
     // Polling alone would take up to two 5 s intervals; woken, milliseconds.
     assert!(first < Duration::from_secs(1), "{first:?}");
-    assert!(after.iter().all(|w| *w < Duration::from_secs(1)), "{after:?}");
+    assert!(
+        after.iter().all(|w| *w < Duration::from_secs(1)),
+        "{after:?}"
+    );
     drop(b);
 }

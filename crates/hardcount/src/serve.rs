@@ -161,7 +161,8 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let mut wakes = Vec::new();
     for rc in &config.roles {
         let listens = matches!(rc.role, Role::WebhookOutbox | Role::WebhookDelivery);
-        let wake = (config.listen_url.is_some() && listens).then(|| Wake::new(rc.role, rc.interval));
+        let wake =
+            (config.listen_url.is_some() && listens).then(|| Wake::new(rc.role, rc.interval));
         wakes.extend(wake.clone());
         match work_for(rc.role, &config, &db, &telemetry, wake)? {
             Some(work) => specs.push(RoleSpec {

@@ -376,9 +376,7 @@ impl Manager {
             match &end {
                 None => (TickOutcome::Completed, Release::Panicked),
                 Some(TickEnd::Drained) => (TickOutcome::Completed, Release::Completed),
-                Some(TickEnd::DrainedDueNow) => {
-                    (TickOutcome::Completed, Release::CompletedDueNow)
-                }
+                Some(TickEnd::DrainedDueNow) => (TickOutcome::Completed, Release::CompletedDueNow),
                 Some(TickEnd::MoreWork) => (TickOutcome::MoreWork, Release::MoreWork),
                 Some(TickEnd::Failed(error)) => {
                     warn!(role = %role, token, %error, "tick failed; released with the failure cooldown");

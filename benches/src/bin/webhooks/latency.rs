@@ -256,7 +256,11 @@ pub fn figures(l: &Latency, report: &mut Report) {
 
 /// The phase again at production's role interval: its percentiles only.
 pub fn production_figures(l: &Latency, interval_ms: u64, report: &mut Report) {
-    interval_figures(l, &format!("latency at {interval_ms} ms role intervals"), report);
+    interval_figures(
+        l,
+        &format!("latency at {interval_ms} ms role intervals"),
+        report,
+    );
 }
 
 /// The latency phase with wake-ups (`HARDCOUNT_LISTEN_URL`) at `interval_ms`.

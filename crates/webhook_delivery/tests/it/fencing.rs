@@ -129,7 +129,10 @@ async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
     assert_eq!((d.status.as_str(), d.attempts), ("pending", 1));
     assert!(d.due_in > lease - 1.0 && d.due_in <= lease, "{d:?}");
     let report = crate::tick(&t.db, &w).await;
-    assert_eq!(report.claimed, 0, "claimed again inside its lease: {report:?}");
+    assert_eq!(
+        report.claimed, 0,
+        "claimed again inside its lease: {report:?}"
+    );
 
     tokio::time::sleep(std::time::Duration::from_secs_f64(d.due_in + 0.05)).await;
     let report = crate::tick(&t.db, &w).await;

@@ -40,7 +40,10 @@ async fn spawn_listening(
         Duration::from_millis(200),
         shutdown.child_token(),
     ));
-    until(Duration::from_secs(10), "the listener", async || wake.is_listening()).await;
+    until(Duration::from_secs(10), "the listener", async || {
+        wake.is_listening()
+    })
+    .await;
     let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
     vec![listener, role]
 }
@@ -57,7 +60,10 @@ async fn dispatched_at(db: &Db, id: i64) -> bool {
 async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) -> Duration {
     let started = Instant::now();
     while !f().await {
-        assert!(started.elapsed() < limit, "timed out after {limit:?}: {what}");
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?}: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     started.elapsed()
@@ -84,7 +90,13 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut waits = Vec::new();
     for n in 0..5 {
-        let id = event(&t.db, "tenant_a", "invoice.paid", &format!(r#"{{"n":{n}}}"#)).await;
+        let id = event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await;
         let waited = until(Duration::from_secs(20), "the fan-out", async || {
             dispatched_at(&t.db, id).await
         })
@@ -101,7 +113,10 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
     );
-    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_deliveries").await, 5);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        5
+    );
 }
 
 /// Events enqueued every few milliseconds while the listener's connection is
@@ -120,7 +135,13 @@ async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost(
     let total = 300;
     let mut kills = 0;
     for n in 0..total {
-        event(&t.db, "tenant_a", "invoice.paid", &format!(r#"{{"n":{n}}}"#)).await;
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await;
         if n % 100 == 50 {
             let killed: i64 = sqlx::query_scalar(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
@@ -135,16 +156,23 @@ async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost(
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     let undispatched = "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL";
-    let drained = until(Duration::from_secs(20), "every event dispatched", async || {
-        count(&t.db, undispatched).await == 0
+    let drained = until(
+        Duration::from_secs(20),
+        "every event dispatched",
+        async || count(&t.db, undispatched).await == 0,
+    )
+    .await;
+    until(Duration::from_secs(10), "the listener back", async || {
+        wake.is_listening()
     })
     .await;
-    until(Duration::from_secs(10), "the listener back", async || wake.is_listening()).await;
     shutdown.cancel();
     for task in tasks {
         task.await.unwrap();
     }
-    println!("{kills} listener connections killed; the rest dispatched {drained:?} after the last enqueue");
+    println!(
+        "{kills} listener connections killed; the rest dispatched {drained:?} after the last enqueue"
+    );
     assert!(kills >= 2, "the listener was killed {kills} times");
     assert_eq!(
         count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
