@@ -10,6 +10,7 @@ mod outcomes;
 mod rotation;
 mod ssrf_table;
 mod tick_ends;
+mod wake;
 mod wiring;
 
 use std::sync::Arc;

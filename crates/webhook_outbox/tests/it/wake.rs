@@ -76,7 +76,8 @@ async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) ->
 /// Mutation check: the driver ending a drained tick although its wake listens
 /// (`if drained && !listening()` → `if drained`) leaves the role polling at
 /// its 5 s interval, and this test fails (scripts/mutation-check
-/// `driver_listens_outbox`).
+/// `driver_listens_outbox`); so does `enqueue` without its `pg_notify`
+/// (`enqueue_notify`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_milliseconds() {
     let t = TestDb::new().await;
