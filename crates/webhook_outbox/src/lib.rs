@@ -4,13 +4,13 @@
 //! ```text
 //!  producer's transaction                 webhook_outbox tick (leader only)
 //!  ─────────────────────                  ─────────────────────────────────
-//!  UPDATE invoices …                      BEGIN
+//!  UPDATE invoices …                      BEGIN, then one statement:
 //!  enqueue(tx, tenant, type, json) ──┐      claim ≤ batch undispatched events      (fenced,
-//!    (+ pg_notify, sent at commit)   │
-//!  COMMIT                            │        FOR UPDATE SKIP LOCKED, mark them    SKIP LOCKED)
-//!                                    └──▶   insert one delivery per enabled endpoint
-//!                    webhook_events          of the same tenant subscribed to the type
-//!                                            ON CONFLICT (event_id, endpoint_id) DO NOTHING
+//!    (+ pg_notify, sent at commit)   │        FOR UPDATE SKIP LOCKED, mark them    SKIP LOCKED)
+//!  COMMIT                            │      insert one delivery per enabled endpoint
+//!                                    └──▶     of the same tenant subscribed to the type
+//!                    webhook_events          ON CONFLICT (event_id, endpoint_id) DO NOTHING
+//!                                           pg_notify(webhook_delivery) if any inserted
 //!                                         COMMIT                  ──▶ webhook_deliveries
 //! ```
 //!
