@@ -9,6 +9,7 @@ mod dunning;
 mod e2e;
 mod email;
 mod serve;
+mod wake;
 
 use std::process::{Command, Output};
 
@@ -21,6 +22,7 @@ pub fn hardcount() -> Command {
         .env_remove("HARDCOUNT_ROLES")
         .env_remove("HARDCOUNT_HTTP_ADDR")
         .env_remove("SMTP_URL")
+        .env_remove("HARDCOUNT_LISTEN_URL")
         .env("RUST_LOG", "info");
     c
 }

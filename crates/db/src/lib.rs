@@ -15,6 +15,7 @@
 //! connection, so a crate cannot run SQL on the app pool any other way.
 //! Migrations are the exception: they need a session ([`migrate`]).
 
+mod listen;
 mod migrate;
 mod redact;
 mod schema;
@@ -26,6 +27,7 @@ use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions};
 use sqlx::query::Query;
 use sqlx::{Encode, PgPool, Postgres, Type};
 
+pub use listen::{LISTEN_APPLICATION_NAME, Listener};
 pub use migrate::{MigrateError, MigrationReport, migrate};
 pub use redact::{
     REDACTED, UNPARSEABLE, is_secret_parameter, redact_error, redacted, redacted_url,

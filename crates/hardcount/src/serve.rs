@@ -15,7 +15,7 @@ use db::Db;
 use email_outbox::{Sender, SenderConfig, SmtpUrl};
 use leader::{Manager, Role, Telemetry, Timing};
 use metrics_exporter_prometheus::PrometheusBuilder;
-use scheduler::{RoleConfig, RoleSpec, Work};
+use scheduler::{RoleConfig, RoleSpec, Wake, Work};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -38,6 +38,10 @@ pub struct Config {
     pub email: Option<EmailConfig>,
     /// Billing's settings, with the payment provider when one is configured.
     pub billing: billing::BillingConfig,
+    /// `HARDCOUNT_LISTEN_URL`: a session-capable connection (Postgres directly,
+    /// or a session-mode pooler) on which the webhook roles LISTEN for
+    /// wake-ups (docs/adr/0014). None: they poll at their interval.
+    pub listen_url: Option<String>,
 }
 
 /// How email_outbox reaches its SMTP server.
@@ -50,25 +54,36 @@ pub struct EmailConfig {
 }
 
 /// The work of each role this build implements.
-fn work_for(role: Role, config: &Config, db: &Db, telemetry: &Telemetry) -> Result<Option<Work>> {
+fn work_for(
+    role: Role,
+    config: &Config,
+    db: &Db,
+    telemetry: &Telemetry,
+    wake: Option<Wake>,
+) -> Result<Option<Work>> {
     Ok(match role {
         Role::WebhookOutbox => {
-            let dispatcher = Arc::new(Dispatcher::new(
-                db.clone(),
-                DispatcherConfig::default(),
-                telemetry.clone(),
-            )?);
+            let mut dispatcher =
+                Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?;
+            if let Some(wake) = wake {
+                dispatcher = dispatcher.with_wake(wake);
+            }
+            let dispatcher = Arc::new(dispatcher);
             Some(scheduler::work(move |tick| {
                 let dispatcher = dispatcher.clone();
                 async move { dispatcher.run_tick(&tick).await.end }
             }))
         }
         Role::WebhookDelivery => {
-            let worker = Arc::new(Worker::new(
+            let mut worker = Worker::new(
                 db.clone(),
                 config.webhook_delivery.clone(),
                 telemetry.clone(),
-            )?);
+            )?;
+            if let Some(wake) = wake {
+                worker = worker.with_wake(wake);
+            }
+            let worker = Arc::new(worker);
             Some(scheduler::work(move |tick| {
                 let worker = worker.clone();
                 async move { worker.run_tick(&tick).await.end }
@@ -159,8 +174,15 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     scheduler::precreate_series(&telemetry);
 
     let mut specs = Vec::new();
+    // With HARDCOUNT_LISTEN_URL, the webhook roles are woken by their
+    // producers' pg_notify instead of waiting for their interval.
+    let mut wakes = Vec::new();
     for rc in &config.roles {
-        match work_for(rc.role, &config, &db, &telemetry)? {
+        let listens = matches!(rc.role, Role::WebhookOutbox | Role::WebhookDelivery);
+        let wake =
+            (config.listen_url.is_some() && listens).then(|| Wake::new(rc.role, rc.interval));
+        wakes.extend(wake.clone());
+        match work_for(rc.role, &config, &db, &telemetry, wake)? {
             Some(work) => specs.push(RoleSpec {
                 role: rc.role,
                 interval: rc.interval,
@@ -213,6 +235,15 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
             .await
     });
 
+    if let Some(url) = config.listen_url.clone().filter(|_| !wakes.is_empty()) {
+        info!(roles = ?wakes.iter().map(Wake::channel).collect::<Vec<_>>(), "wake-ups on (HARDCOUNT_LISTEN_URL)");
+        tracker.spawn(scheduler::listen(
+            url,
+            wakes,
+            Timing::ADR.max_poll,
+            root.child_token(),
+        ));
+    }
     for spec in specs {
         tracker.spawn(scheduler::run_role(
             manager.clone(),

@@ -107,6 +107,11 @@ pub struct ServeSettings {
     /// sends in flight (1 to 256) [default: 16].
     #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
     pub email_connections: Option<String>,
+    /// A session-capable URL (Postgres directly, or PgBouncer's session-mode
+    /// alias) on which webhook_outbox and webhook_delivery LISTEN, so a commit
+    /// wakes them within milliseconds [default: unset, they poll at their interval].
+    #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
+    pub listen_url: Option<String>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
@@ -204,7 +209,20 @@ impl ServeSettings {
             webhook_delivery,
             email: self.email()?,
             billing: self.billing()?,
+            listen_url: self.listen_url()?,
         })
+    }
+
+    /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never
+    /// echoes it (it may hold a password).
+    fn listen_url(&self) -> Result<Option<String>> {
+        let Some(url) = non_empty(&self.listen_url) else {
+            return Ok(None);
+        };
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            bail!("HARDCOUNT_LISTEN_URL must be a postgres:// or postgresql:// URL");
+        }
+        Ok(Some(url))
     }
 
     /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is
@@ -469,5 +487,18 @@ mod tests {
         };
         let err = bad.http_addr().unwrap_err().to_string();
         assert!(err.contains("HARDCOUNT_HTTP_ADDR=\"8080\""), "{err}");
+    }
+
+    #[test]
+    fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
+        assert_eq!(check(&[]).unwrap().listen_url, None);
+        let url = "postgres://app:pw@db:5432/hardcount";
+        let config = check(&["--listen-url", url]).unwrap();
+        assert_eq!(config.listen_url.as_deref(), Some(url));
+        let err = check(&["--listen-url", "mysql://u:hunter2@db/x"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("HARDCOUNT_LISTEN_URL must be"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
     }
 }

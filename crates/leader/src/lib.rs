@@ -9,6 +9,8 @@
 //!   idle ───────────────────────▶ leading ─────────────────▶ RELEASE completed
 //!    ▲   0 rows: not due, held,     │  RENEW every heartbeat    (stamps last_tick_*)
 //!    │   paused or cooling down     │
+//!    │                              ├─ work returns DrainedDueNow ─▶ RELEASE completed_due_now
+//!    │                              │     (stamped one interval back: due at once, docs/adr/0014)
 //!    │                              ├─ work returns MoreWork ─▶ RELEASE more_work (due at once)
 //!    │                              ├─ work returns Failed ───▶ RELEASE failed (min(interval, 30 s))
 //!    │                              ├─ shutdown cancels ──────▶ RELEASE interrupted (no cooldown)

@@ -89,13 +89,18 @@ pub enum TickEnd {
     /// connection, a provider outage): not stamped completed, due again after
     /// the short failure cooldown (`min(interval, Timing::failure_cooldown)`).
     Failed(String),
+    /// Nothing is left, but the role wants to run again at once: it found
+    /// work this tick (more may have come meanwhile) or it listens for
+    /// wake-ups and keeps a tick open. Released as completed, stamped one
+    /// interval back so it is due at once (docs/adr/0014).
+    DrainedDueNow,
 }
 
 impl TickEnd {
     /// The `end` label on `hardcount_tick_total` for a tick that returned.
     pub fn as_str(&self) -> &'static str {
         match self {
-            TickEnd::Drained => "drained",
+            TickEnd::Drained | TickEnd::DrainedDueNow => "drained",
             TickEnd::MoreWork => "more_work",
             TickEnd::Failed(_) => "failed",
         }
@@ -371,6 +376,7 @@ impl Manager {
             match &end {
                 None => (TickOutcome::Completed, Release::Panicked),
                 Some(TickEnd::Drained) => (TickOutcome::Completed, Release::Completed),
+                Some(TickEnd::DrainedDueNow) => (TickOutcome::Completed, Release::CompletedDueNow),
                 Some(TickEnd::MoreWork) => (TickOutcome::MoreWork, Release::MoreWork),
                 Some(TickEnd::Failed(error)) => {
                     warn!(role = %role, token, %error, "tick failed; released with the failure cooldown");

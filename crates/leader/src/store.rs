@@ -185,6 +185,11 @@ pub enum Release {
     /// The work failed: not stamped, `not_before = now() + min(interval,
     /// failure cooldown)` (docs/adr/0007).
     Failed,
+    /// The work drained its queue and asks to be due again at once (it found
+    /// work, or it listens for wake-ups): stamped like [`Release::Completed`]
+    /// but one interval back, `now() - interval`, so the due predicate
+    /// `last_tick_ended_at + interval <= now()` holds at once (docs/adr/0014).
+    CompletedDueNow,
 }
 
 impl Release {
@@ -196,6 +201,7 @@ impl Release {
             Release::Panicked => "panicked",
             Release::MoreWork => "more_work",
             Release::Failed => "failed",
+            Release::CompletedDueNow => "completed_due_now",
         }
     }
 
@@ -203,7 +209,7 @@ impl Release {
     /// operator sees it (a completed tick drained its work).
     pub fn tick_end_label(self) -> &'static str {
         match self {
-            Release::Completed => "drained",
+            Release::Completed | Release::CompletedDueNow => "drained",
             other => other.as_str(),
         }
     }
@@ -224,10 +230,15 @@ pub async fn release(
     let n = tx
         .execute(
             sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL, \
-                   last_tick_ended_at = CASE WHEN $3 = 'completed' THEN now() ELSE last_tick_ended_at END, \
-                   last_tick_holder = CASE WHEN $3 = 'completed' THEN holder_id ELSE last_tick_holder END, \
+                   last_tick_ended_at = CASE $3 \
+                       WHEN 'completed' THEN now() \
+                       WHEN 'completed_due_now' THEN now() - make_interval(secs => $4) \
+                       ELSE last_tick_ended_at END, \
+                   last_tick_holder = CASE WHEN $3 IN ('completed', 'completed_due_now') \
+                                           THEN holder_id ELSE last_tick_holder END, \
                    not_before = CASE $3 \
                        WHEN 'completed' THEN NULL \
+                       WHEN 'completed_due_now' THEN NULL \
                        WHEN 'lost' THEN now() + LEAST(make_interval(secs => $4), interval '60 seconds') \
                        WHEN 'panicked' THEN now() + make_interval(secs => $4) \
                        WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \

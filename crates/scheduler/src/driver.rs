@@ -7,22 +7,30 @@
 //!  drive(role, tick)
 //!   loop ── tick.cancel fired? ───────────────────────────▶ Stop::Cancelled  → MoreWork ¹
 //!        ── elapsed + reserve ≥ budget? ──────────────────▶ Stop::Budget     → MoreWork
+//!                                     (after a short batch: Stop::Drained → see ²)
+//!        ── after a short batch (only when kept open, below): wait for a wake-up
+//!           or the wake's poll interval (listening), or BUSY_POLL (busy, no listener)
 //!        ── role.claim(&fence, batch_size)   (guarded step)
 //!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
-//!             nothing claimed ────────────────────────────▶ Stop::Drained    → Drained
-//!        ── role.run(claim, …)               (guarded step; the role guards each item)
+//!        ── role.run(claim, …) if it claimed any (guarded step; the role guards each item)
 //!             error (its outside service is down) ────────▶ Stop::Failed(e)  → Failed(e)
-//!        ── cancel fired? → Cancelled; fewer than batch_size claimed → Drained; else loop
+//!        ── cancel fired? → Cancelled
+//!        ── fewer than batch_size claimed:
+//!             the role's wake listens, or it is busy and this claim found work → loop (kept open)
+//!             else ───────────────────────────────────────▶ Stop::Drained    → ²
 //!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
 //! ```
 //!
 //! ¹ A cancelled tick is released as lost or interrupted whatever it returns.
+//! ² `DrainedDueNow` (due again at once) if the tick listened, or found work
+//!   in a busy role ([`FencedBatches::due_again_after_work`]); else `Drained`.
 //!
-//! The returned [`TickEnd`] decides the release (docs/adr/0007): a drained
-//! tick waits its interval, a tick stopped by its budget is due again at once,
-//! a failed one waits the short failure cooldown. A panic kept by the guard is
-//! raised again after the log line, so the lease is released as panicked.
+//! The returned [`TickEnd`] decides the release (docs/adr/0007, 0014): a
+//! drained tick waits its interval (or not, ²), a tick stopped by its budget
+//! is due again at once, a failed one waits the short failure cooldown. A
+//! panic kept by the guard is raised again after the log line, so the lease is
+//! released as panicked.
 
 use std::fmt;
 use std::future::Future;
@@ -32,6 +40,13 @@ use leader::{Fence, Role, Tick, TickEnd};
 use tracing::{debug, info};
 
 use crate::panics::{Panics, catch};
+use crate::wake::Wake;
+
+/// How long a tick of a busy role ([`FencedBatches::due_again_after_work`])
+/// without wake-ups waits after a short batch that found work before it
+/// claims again: a steady stream waits at most this per role, not the
+/// interval, and costs at most 20 claims a second while it flows.
+pub const BUSY_POLL: Duration = Duration::from_millis(50);
 
 /// How a role's ticks are cut into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +108,26 @@ pub trait FencedBatches: Sync {
         panics: &mut Panics,
         counts: &mut Self::Counts,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The role's wake-up signal, if it has one (docs/adr/0014). While it is
+    /// listening, a short batch does not end the tick: the driver waits for a
+    /// wake-up or the signal's poll interval and claims again, until the
+    /// budget. Default: none.
+    fn wake(&self) -> Option<&Wake> {
+        None
+    }
+
+    /// Whether the role's queue fills at any time (producers commit whenever
+    /// they like), so that work found means more is likely on its way. If
+    /// so, without a listening wake a short batch that found work does not
+    /// end the tick: the driver waits [`BUSY_POLL`] and claims again, until a
+    /// claim finds nothing or the budget is spent; and a tick that found work
+    /// is followed at once by the next ([`TickEnd::DrainedDueNow`]) instead of
+    /// after the interval. An idle role still polls at its interval. Default:
+    /// false.
+    fn due_again_after_work(&self) -> bool {
+        false
+    }
 
     /// After the last batch, before the log line (gauges, caches).
     fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
@@ -162,12 +197,44 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let mut panics = Panics::new(name.as_str());
     let mut counts = R::Counts::default();
     let (mut batches, mut claimed) = (0, 0);
+    // The last claim came back short: the queue was drained.
+    let mut drained = false;
+    // The last claim found work.
+    let mut found: bool;
+    // The tick was kept open by a listening wake at least once.
+    let mut listened = false;
+    let listening = || role.wake().is_some_and(Wake::is_listening);
+    let busy = role.due_again_after_work();
     let stop = loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
         }
         if started.elapsed() + shape.reserve >= shape.budget {
-            break Stop::Budget;
+            break if drained { Stop::Drained } else { Stop::Budget };
+        }
+        if drained {
+            // Only a listening role, or a busy one whose last claim found
+            // work, gets here (below). A listening one waits for a wake-up or
+            // its poll interval (a listener that goes down pokes too: the
+            // claim after it finds what was missed, then the tick ends); a
+            // busy one waits BUSY_POLL. Neither waits past the budget.
+            let left = shape
+                .budget
+                .saturating_sub(started.elapsed() + shape.reserve);
+            let pause = match role.wake().filter(|w| w.is_listening()) {
+                Some(wake) => {
+                    listened = true;
+                    futures::future::Either::Left(wake.wait(wake.poll().min(left)))
+                }
+                None => futures::future::Either::Right(async move {
+                    tokio::time::sleep(BUSY_POLL.min(left)).await;
+                    false
+                }),
+            };
+            tokio::select! {
+                _ = pause => {}
+                () = tick.cancel.cancelled() => break Stop::Cancelled,
+            }
         }
         let claim = match panics
             .step("claim", role.claim(&tick.fence, shape.batch_size))
@@ -178,34 +245,42 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             Some(Ok(claim)) => claim,
         };
         let n = R::claimed(&claim);
-        if n == 0 {
-            break Stop::Drained;
-        }
-        batches += 1;
-        claimed += n;
-        let ran = catch(
-            format!("{name}/batch"),
-            role.run(claim, tick, deadline, &mut panics, &mut counts),
-        )
-        .await;
-        match ran {
-            Err(payload) => {
-                panics.record(payload);
-                break Stop::Panicked;
+        drained = n < shape.batch_size;
+        found = n > 0;
+        if n > 0 {
+            batches += 1;
+            claimed += n;
+            let ran = catch(
+                format!("{name}/batch"),
+                role.run(claim, tick, deadline, &mut panics, &mut counts),
+            )
+            .await;
+            match ran {
+                Err(payload) => {
+                    panics.record(payload);
+                    break Stop::Panicked;
+                }
+                Ok(Err(error)) => break Stop::Failed(error.to_string()),
+                Ok(Ok(())) => {}
             }
-            Ok(Err(error)) => break Stop::Failed(error.to_string()),
-            Ok(Ok(())) => {}
+            if tick.cancel.is_cancelled() {
+                break Stop::Cancelled;
+            }
         }
-        if tick.cancel.is_cancelled() {
-            break Stop::Cancelled;
-        }
-        if n < shape.batch_size {
+        if drained && !listening() && !(busy && found) {
             break Stop::Drained;
         }
     };
+    // A drained tick that listened, or that found work in a role that asks
+    // for it, is due again at once (docs/adr/0014); else after the interval.
+    let due_now = listened || (claimed > 0 && busy);
+    let end = match &stop {
+        Stop::Drained if due_now => TickEnd::DrainedDueNow,
+        other => other.tick_end(),
+    };
     role.end_tick(tick).await;
     let driven = Driven {
-        end: stop.tick_end(),
+        end,
         stop,
         batches,
         claimed,

@@ -15,6 +15,13 @@
 //! the driver stops on a short batch, the budget or a cancel and says how the
 //! tick ended.
 //!
+//! Wake-ups ([`Wake`], [`listen`], docs/adr/0014): a role given a listening
+//! wake keeps its tick open after a short batch and claims again on a
+//! notification from its producers (or its interval); a role that says it is
+//! busy ([`FencedBatches::due_again_after_work`]) claims again every
+//! [`BUSY_POLL`] while claims find work, and a tick that found work is due
+//! again at once.
+//!
 //! This crate knows roles and intervals, not invoices.
 
 mod config;
@@ -22,10 +29,12 @@ mod driver;
 mod panics;
 mod role_loop;
 mod status;
+mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{Driven, FencedBatches, Shape, Stop, drive};
+pub use driver::{BUSY_POLL, Driven, FencedBatches, Shape, Stop, drive};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
 pub use status::{export_status, precreate_series};
+pub use wake::{Wake, listen, wake_channel};

@@ -5,8 +5,9 @@
 //!
 //! ```text
 //!  webhook_deliveries                 Worker::run_tick (leader only)
-//!  status = pending ──claim_due──▶ attempts += 1, next_attempt_at = now() + lease    (fenced,
-//!  next_attempt_at <= now()        │                                                  SKIP LOCKED)
+//!  status = pending ──claim_due──▶ attempts += 1, claimed_until = now() + lease      (fenced,
+//!  next_attempt_at <= now()        │   (a HOT update: no indexed column)              SKIP LOCKED)
+//!  claimed_until null or passed    │
 //!                                  ├─ endpoint disabled ─────────────────▶ dead
 //!                                  ├─ no turn before the start deadline ─▶ handed back (attempts -= 1)
 //!                                  ├─ SSRF guard refuses ────────────────▶ pending (retry) … dead
@@ -22,7 +23,7 @@
 //!
 //! Guarantees:
 //!
-//! - **At-least-once.** A claim moves `next_attempt_at` a lease ahead
+//! - **At-least-once.** A claim sets `claimed_until` a lease ahead
 //!   (`request_timeout + claim_margin`) before anything is sent. If the process
 //!   dies, is frozen, or loses its lease mid-attempt, the delivery comes due
 //!   again when the lease ends. Nothing is deleted; a dead delivery stays in the
@@ -46,10 +47,15 @@
 //! - **Bounded**: requests in flight globally and per endpoint, each attempt's
 //!   time (connect and total), the response bytes read, and the tick's time.
 //! - **A tick's end decides its release.** The tick is the fenced-batch
-//!   driver ([`scheduler::drive`]): a short batch ends it drained (due after
-//!   the interval), too little budget for another attempt ends it with more
-//!   work (due again at once), a failed claim ends it failed (due after the
-//!   short failure cooldown).
+//!   driver ([`scheduler::drive`]): a claim that finds nothing ends it drained
+//!   (due after the interval, or at once if the tick found work), too little
+//!   budget for another attempt ends it with more work (due again at once), a
+//!   failed claim ends it failed (due after the short failure cooldown).
+//! - **Woken by the fan-out** (docs/adr/0014): a [`Worker`] given a listening
+//!   [`scheduler::Wake`] ([`Worker::with_wake`]) keeps its tick open and
+//!   claims when the outbox's fan-out commits (its `pg_notify`), or every
+//!   interval; without one, a tick that finds work claims again every
+//!   [`scheduler::BUSY_POLL`] until a claim finds nothing.
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration

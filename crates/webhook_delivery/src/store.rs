@@ -111,9 +111,11 @@ impl ClaimedRow {
 
 /// The fenced funnel: claim up to `limit` due pending deliveries in one
 /// `UPDATE … RETURNING`. Each claimed row's `attempts` goes up by one (the
-/// attempt number its outcome must prove) and its `next_attempt_at` moves
+/// attempt number its outcome must prove) and its `claimed_until` is set
 /// `lease` ahead, so if this process dies before writing an outcome the
-/// delivery comes due again by itself.
+/// delivery comes due again by itself. A row is due when `next_attempt_at`
+/// and its `claimed_until` (if any) have passed. The claim writes no indexed
+/// column, so it is a HOT update (migration 0011, docs/adr/0014).
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
@@ -142,6 +144,7 @@ pub(crate) async fn claim_due(
                    SELECT id, attempts FROM webhook_deliveries \
                    WHERE status = 'pending' \
                      AND next_attempt_at <= now() \
+                     AND (claimed_until IS NULL OR claimed_until <= now()) \
                      AND leader_fence($1, $2) \
                    ORDER BY next_attempt_at, id \
                    LIMIT $3 \
@@ -153,7 +156,7 @@ pub(crate) async fn claim_due(
                    RETURNING d.id) \
                  UPDATE webhook_deliveries d \
                  SET attempts = d.attempts + 1, \
-                     next_attempt_at = now() + make_interval(secs => $4), \
+                     claimed_until = now() + make_interval(secs => $4), \
                      last_attempt_at = now() \
                  FROM due, webhook_events e, webhook_endpoints ep \
                  WHERE d.id = due.id AND due.attempts < $5 \
@@ -298,6 +301,7 @@ async fn apply_outcomes(
         .fetch_all(
             sql("UPDATE webhook_deliveries d \
                  SET status = o.next_state, \
+                     claimed_until = NULL, \
                      next_attempt_at = CASE WHEN o.next_state = 'pending' \
                                             THEN now() + make_interval(secs => o.retry_secs) \
                                             ELSE d.next_attempt_at END, \
@@ -326,7 +330,8 @@ async fn apply_outcomes(
 }
 
 /// Hand back a claim that was never sent (the tick ran out of time or was
-/// cancelled before its turn): due now, and the attempt not counted. The same
+/// cancelled before its turn): due now (its lease cleared; `next_attempt_at`
+/// had passed when it was claimed), and the attempt not counted. The same
 /// compare-and-set as an outcome, so a claim taken over meanwhile is left alone.
 /// Returns whether the claim was handed back.
 pub(crate) async fn release_unsent(
@@ -339,7 +344,7 @@ pub(crate) async fn release_unsent(
     let released = tx
         .execute(
             sql("UPDATE webhook_deliveries \
-                 SET attempts = attempts - 1, next_attempt_at = now() \
+                 SET attempts = attempts - 1, claimed_until = NULL \
                  WHERE id = $1 AND attempts = $2 AND status = 'pending'")
             .bind(delivery_id)
             .bind(attempt),

@@ -12,7 +12,7 @@ use db::Db;
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Payload, Shape, Stop, catch, panic_message};
+use scheduler::{FencedBatches, Panics, Payload, Shape, Stop, Wake, catch, panic_message};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -79,6 +79,7 @@ impl Tally {
 #[derive(Clone)]
 pub struct Worker {
     pub(crate) inner: Arc<Inner>,
+    wake: Option<Wake>,
 }
 
 pub(crate) struct Inner {
@@ -122,7 +123,17 @@ impl Worker {
                 telemetry,
                 per_endpoint: Mutex::new(HashMap::new()),
             }),
+            wake: None,
         })
+    }
+
+    /// Listen for wake-ups (docs/adr/0014): while `wake` is listening, a tick
+    /// that drained stays open and claims again when the outbox's fan-out
+    /// commits (or at `wake`'s poll interval) until its budget.
+    #[must_use]
+    pub fn with_wake(mut self, wake: Wake) -> Worker {
+        self.wake = Some(wake);
+        self
     }
 
     pub fn config(&self) -> &WorkerConfig {
@@ -374,6 +385,16 @@ impl FencedBatches for Deliveries<'_> {
 
     fn claimed(claim: &Vec<Claimed>) -> usize {
         claim.len()
+    }
+
+    fn wake(&self) -> Option<&Wake> {
+        self.0.wake.as_ref()
+    }
+
+    /// Deliveries are fanned out at any time: a tick that delivered some is
+    /// followed at once by the next, not after the interval.
+    fn due_again_after_work(&self) -> bool {
+        true
     }
 
     async fn run(

@@ -4,12 +4,13 @@
 //! ```text
 //!  producer's transaction                 webhook_outbox tick (leader only)
 //!  ─────────────────────                  ─────────────────────────────────
-//!  UPDATE invoices …                      BEGIN
+//!  UPDATE invoices …                      BEGIN, then one statement:
 //!  enqueue(tx, tenant, type, json) ──┐      claim ≤ batch undispatched events      (fenced,
-//!  COMMIT                            │        FOR UPDATE SKIP LOCKED, mark them    SKIP LOCKED)
-//!                                    └──▶   insert one delivery per enabled endpoint
-//!                    webhook_events          of the same tenant subscribed to the type
-//!                                            ON CONFLICT (event_id, endpoint_id) DO NOTHING
+//!    (+ pg_notify, sent at commit)   │        FOR UPDATE SKIP LOCKED, mark them    SKIP LOCKED)
+//!  COMMIT                            │      insert one delivery per enabled endpoint
+//!                                    └──▶     of the same tenant subscribed to the type
+//!                    webhook_events          ON CONFLICT (event_id, endpoint_id) DO NOTHING
+//!                                           pg_notify(webhook_delivery) if any inserted
 //!                                         COMMIT                  ──▶ webhook_deliveries
 //! ```
 //!
@@ -33,10 +34,17 @@
 //!   lease can build.
 //!
 //! - **A tick's end decides its release.** The tick is the fenced-batch driver
-//!   ([`scheduler::drive`]): a batch shorter than `batch_size` ends it drained
-//!   (due after the interval), the budget with events left ends it with more
-//!   work (due again at once), a failed batch (rolled back) ends it failed
-//!   (due after the short failure cooldown).
+//!   ([`scheduler::drive`]): a claim that finds nothing ends it drained (due
+//!   after the interval, or at once if the tick found work), the budget with
+//!   events left ends it with more work (due again at once), a failed batch
+//!   (rolled back) ends it failed (due after the short failure cooldown).
+//! - **Woken, not only polled** (docs/adr/0014). [`enqueue`] also sends
+//!   `pg_notify` on the role's channel ([`scheduler::wake_channel`]) in the
+//!   producer's transaction, and the fan-out notifies `webhook_delivery` when
+//!   it inserted deliveries. A [`Dispatcher`] given a listening
+//!   [`scheduler::Wake`] ([`Dispatcher::with_wake`]) keeps its tick open
+//!   between notifications; without one, a tick that finds work claims again
+//!   every [`scheduler::BUSY_POLL`] until a claim finds nothing.
 //! - **Bad settings are refused at construction**, by name
 //!   ([`ConfigError`]); nothing is clamped.
 //!

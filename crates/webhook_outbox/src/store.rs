@@ -4,12 +4,15 @@
 use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
-use leader::Fence;
+use leader::{Fence, Role};
+use scheduler::wake_channel;
 
 use crate::Error;
 
-/// Insert one event inside `tx`. The payload is bound as text and cast, so
-/// the stored jsonb is exactly what the caller validated.
+/// Insert one event inside `tx` and wake the `webhook_outbox` role
+/// (`pg_notify`, sent only if `tx` commits; docs/adr/0014), in one statement.
+/// The payload is bound as text and cast, so the stored jsonb is exactly what
+/// the caller validated.
 pub(crate) async fn insert_event(
     tx: &mut Tx,
     tenant_id: &str,
@@ -18,13 +21,15 @@ pub(crate) async fn insert_event(
 ) -> Result<i64, db::Error> {
     let row = tx
         .fetch_one(
-            sql(
-                "INSERT INTO webhook_events (tenant_id, event_type, payload) \
-                 VALUES ($1, $2, $3::jsonb) RETURNING id",
-            )
+            sql("WITH e AS ( \
+                   INSERT INTO webhook_events (tenant_id, event_type, payload) \
+                   VALUES ($1, $2, $3::jsonb) RETURNING id), \
+                 wake AS (SELECT pg_notify($4, '')) \
+                 SELECT e.id FROM e, wake")
             .bind(tenant_id.to_owned())
             .bind(event_type.to_owned())
-            .bind(payload_json.to_owned()),
+            .bind(payload_json.to_owned())
+            .bind(wake_channel(Role::WebhookOutbox)),
         )
         .await?;
     Ok(row.try_get("id")?)
@@ -63,13 +68,15 @@ pub(crate) struct Batch {
     pub deliveries: u64,
 }
 
-/// The fenced funnel: in one transaction, claim up to `limit` undispatched
-/// events, stamp them dispatched, and insert one pending delivery per enabled
-/// endpoint of the event's tenant subscribed to its type.
+/// The fenced funnel: in one transaction and one statement, claim up to
+/// `limit` undispatched events, stamp them dispatched, insert one pending
+/// delivery per enabled endpoint of the event's tenant subscribed to its type,
+/// and, if any was inserted, wake the `webhook_delivery` role (`pg_notify`,
+/// sent at commit; docs/adr/0014).
 ///
-/// Two statements whatever the batch size. The claim proves the fence in its
-/// innermost WHERE, so a stale token claims nothing and inserts nothing; rows
-/// another transaction holds are skipped, not waited for.
+/// One round trip for the statement whatever the batch size. The claim proves
+/// the fence in its innermost WHERE, so a stale token claims nothing and
+/// inserts nothing; rows another transaction holds are skipped, not waited for.
 pub(crate) async fn claim_and_fan_out(
     db: &Db,
     fence: &Fence,
@@ -78,52 +85,47 @@ pub(crate) async fn claim_and_fan_out(
 ) -> Result<Batch, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let rows = tx
-        .fetch_all(
+    let row = tx
+        .fetch_one(
             sql("WITH claimed AS MATERIALIZED ( \
                    SELECT id FROM webhook_events \
                    WHERE dispatched_at IS NULL \
                      AND leader_fence($1, $2) \
                    ORDER BY id \
                    LIMIT $3 \
-                   FOR UPDATE SKIP LOCKED) \
-                 UPDATE webhook_events e SET dispatched_at = now() \
-                 FROM claimed WHERE e.id = claimed.id \
-                 RETURNING e.id")
+                   FOR UPDATE SKIP LOCKED), \
+                 stamped AS ( \
+                   UPDATE webhook_events e SET dispatched_at = now() \
+                   FROM claimed WHERE e.id = claimed.id \
+                   RETURNING e.id, e.tenant_id, e.event_type), \
+                 ins AS ( \
+                   INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+                   SELECT s.tenant_id, s.id, ep.id \
+                   FROM stamped s \
+                   JOIN webhook_endpoints ep \
+                     ON ep.tenant_id = s.tenant_id \
+                    AND ep.enabled \
+                    AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
+                   ORDER BY s.id, ep.id \
+                   ON CONFLICT (event_id, endpoint_id) DO NOTHING \
+                   RETURNING 1), \
+                 wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
+                 SELECT (SELECT count(*) FROM stamped) AS events, \
+                        (SELECT count(*) FROM ins) AS inserted, \
+                        (SELECT count(*) FROM wake) AS woken")
             .bind(fence.role_name())
             .bind(fence.token())
-            .bind(limit),
-        )
-        .await?;
-    if rows.is_empty() {
-        tx.commit().await?;
-        return Ok(Batch::default());
-    }
-    let ids = rows
-        .iter()
-        .map(|r| r.try_get::<i64, _>("id"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(db::Error::from)?;
-    let deliveries = tx
-        .execute(
-            sql(
-                "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
-                 SELECT e.tenant_id, e.id, ep.id \
-                 FROM webhook_events e \
-                 JOIN webhook_endpoints ep \
-                   ON ep.tenant_id = e.tenant_id \
-                  AND ep.enabled \
-                  AND (cardinality(ep.event_types) = 0 OR e.event_type = ANY (ep.event_types)) \
-                 WHERE e.id = ANY ($1) \
-                 ORDER BY e.id, ep.id \
-                 ON CONFLICT (event_id, endpoint_id) DO NOTHING",
-            )
-            .bind(ids.clone()),
+            .bind(limit)
+            .bind(wake_channel(Role::WebhookDelivery)),
         )
         .await?;
     tx.commit().await?;
+    let count = |column: &str| -> Result<u64, Error> {
+        let n: i64 = row.try_get(column).map_err(db::Error::from)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
     Ok(Batch {
-        events: ids.len(),
-        deliveries,
+        events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
+        deliveries: count("inserted")?,
     })
 }

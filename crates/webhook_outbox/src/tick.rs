@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Shape, Stop};
+use scheduler::{FencedBatches, Panics, Shape, Stop, Wake};
 use tracing::debug;
 
 use crate::Error;
@@ -32,6 +32,7 @@ pub struct Dispatcher {
     db: Db,
     config: DispatcherConfig,
     telemetry: Telemetry,
+    wake: Option<Wake>,
 }
 
 impl Dispatcher {
@@ -47,7 +48,17 @@ impl Dispatcher {
             db,
             config,
             telemetry,
+            wake: None,
         })
+    }
+
+    /// Listen for wake-ups (docs/adr/0014): while `wake` is listening, a tick
+    /// that drained stays open and claims again when a producer's enqueue
+    /// commits (or at `wake`'s poll interval) until its budget.
+    #[must_use]
+    pub fn with_wake(mut self, wake: Wake) -> Dispatcher {
+        self.wake = Some(wake);
+        self
     }
 
     pub fn config(&self) -> &DispatcherConfig {
@@ -134,6 +145,16 @@ impl FencedBatches for Fanout<'_> {
 
     fn claimed(batch: &Batch) -> usize {
         batch.events
+    }
+
+    fn wake(&self) -> Option<&Wake> {
+        self.0.wake.as_ref()
+    }
+
+    /// Producers commit at any time: a tick that dispatched some is followed
+    /// at once by the next, not after the interval.
+    fn due_again_after_work(&self) -> bool {
+        true
     }
 
     async fn run(

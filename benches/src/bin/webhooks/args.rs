@@ -54,6 +54,11 @@ pub struct Args {
     /// Endpoints of the tenant in the throughput runs (each gets every event).
     #[arg(long, default_value_t = 5)]
     pub endpoints: usize,
+    /// Enqueue the throughput runs' events before the clock starts (the
+    /// figures of issue 5); by default they are enqueued inside it, while the
+    /// roles run, like for like with a job queue whose insert is timed.
+    #[arg(long)]
+    pub enqueue_outside_clock: bool,
     /// Events per producer transaction when pre-loading.
     #[arg(long, default_value_t = 100)]
     pub events_per_tx: usize,
@@ -91,6 +96,11 @@ pub struct Args {
     /// (`HARDCOUNT_WEBHOOK_*_INTERVAL` default); 0 skips it.
     #[arg(long, default_value_t = 1000)]
     pub production_interval_ms: u64,
+    /// Skip the latency phase with wake-ups: both roles LISTEN on a session
+    /// connection straight to Postgres (`HARDCOUNT_LISTEN_URL`), at production's
+    /// role interval.
+    #[arg(long)]
+    pub skip_listen: bool,
     /// Skip the extra throughput runs: one with `WorkerConfig::default()`'s batch
     /// size and concurrency, one straight to Postgres (the other path).
     #[arg(long)]
@@ -130,6 +140,7 @@ impl Args {
             interval: Duration::from_millis(self.interval_ms),
             worker: self.worker_config(),
             dispatcher: self.dispatcher_config(),
+            listen: false,
         }
     }
 
@@ -157,6 +168,8 @@ pub struct Shape {
     pub interval: Duration,
     pub worker: WorkerConfig,
     pub dispatcher: DispatcherConfig,
+    /// Both roles LISTEN for wake-ups on a direct session connection.
+    pub listen: bool,
 }
 
 impl Shape {
@@ -170,6 +183,14 @@ impl Shape {
                 max_in_flight_per_endpoint: d.max_in_flight_per_endpoint,
                 ..self.worker.clone()
             },
+            ..self.clone()
+        }
+    }
+
+    /// This shape with wake-ups on.
+    pub fn listening(&self) -> Shape {
+        Shape {
+            listen: true,
             ..self.clone()
         }
     }

@@ -87,7 +87,7 @@ pub async fn phase(
     let mut su = t.superuser().await;
     let _ = receiver.take();
 
-    let loops = Loops::start(&db, shape)?;
+    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct))?;
     tokio::time::sleep(WARM_UP).await;
 
     let bouncer0 = bouncer::snapshot(leg, t.name()).await;
@@ -256,9 +256,26 @@ pub fn figures(l: &Latency, report: &mut Report) {
 
 /// The phase again at production's role interval: its percentiles only.
 pub fn production_figures(l: &Latency, interval_ms: u64, report: &mut Report) {
+    interval_figures(
+        l,
+        &format!("latency at {interval_ms} ms role intervals"),
+        report,
+    );
+}
+
+/// The latency phase with wake-ups (`HARDCOUNT_LISTEN_URL`) at `interval_ms`.
+pub fn listen_figures(l: &Latency, interval_ms: u64, report: &mut Report) {
+    interval_figures(
+        l,
+        &format!("latency with wake-ups (listen URL), {interval_ms} ms role intervals"),
+        report,
+    );
+}
+
+fn interval_figures(l: &Latency, what: &str, report: &mut Report) {
     for (q, p) in [("p50", 50.0), ("p99", 99.0), ("max", 100.0)] {
         report.figures.push(Figure::new(
-            format!("latency at {interval_ms} ms role intervals: enqueue-to-delivered {q}"),
+            format!("{what}: enqueue-to-delivered {q}"),
             benches::percentile_ms(&l.samples, p),
             "ms",
         ));

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use anyhow::{Context, Result};
 use db::Db;
 use leader::{Manager, Role, Telemetry, Timing};
-use scheduler::{RoleSpec, run_role, work};
+use scheduler::{RoleSpec, Wake, listen, run_role, work};
 use tokio_util::sync::CancellationToken;
 use webhook_delivery::Worker;
 use webhook_outbox::Dispatcher;
@@ -55,8 +55,9 @@ pub struct Loops {
 
 impl Loops {
     /// Both roles on one replica: one `leader::Manager` with the ADR timing,
-    /// one `scheduler::run_role` loop per role, on `db`.
-    pub fn start(db: &Db, shape: &Shape) -> Result<Loops> {
+    /// one `scheduler::run_role` loop per role, on `db`; with `shape.listen`,
+    /// woken through a listener on `listen_url` (as `HARDCOUNT_LISTEN_URL`).
+    pub fn start(db: &Db, shape: &Shape, listen_url: &str) -> Result<Loops> {
         let telemetry = Telemetry::noop();
         let manager = Manager::with_holder_id(
             db.clone(),
@@ -64,8 +65,23 @@ impl Loops {
             telemetry.clone(),
             format!("bench-webhooks-{}", std::process::id()),
         );
-        let dispatcher = Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?;
-        let worker = Worker::new(db.clone(), shape.worker.clone(), telemetry)?;
+        let mut dispatcher =
+            Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?;
+        let mut worker = Worker::new(db.clone(), shape.worker.clone(), telemetry)?;
+        let shutdown = CancellationToken::new();
+        let mut handles = Vec::new();
+        if shape.listen {
+            let wakes = [Role::WebhookOutbox, Role::WebhookDelivery]
+                .map(|role| Wake::new(role, shape.interval));
+            dispatcher = dispatcher.with_wake(wakes[0].clone());
+            worker = worker.with_wake(wakes[1].clone());
+            handles.push(tokio::spawn(listen(
+                listen_url.to_owned(),
+                wakes.to_vec(),
+                Timing::ADR.max_poll,
+                shutdown.clone(),
+            )));
+        }
         let ticks = Arc::new(Ticks::default());
         let (t1, t2) = (ticks.clone(), ticks.clone());
         let specs = [
@@ -94,11 +110,11 @@ impl Loops {
                 }),
             },
         ];
-        let shutdown = CancellationToken::new();
-        let handles = specs
-            .into_iter()
-            .map(|spec| tokio::spawn(run_role(manager.clone(), spec, shutdown.clone())))
-            .collect();
+        handles.extend(
+            specs
+                .into_iter()
+                .map(|spec| tokio::spawn(run_role(manager.clone(), spec, shutdown.clone()))),
+        );
         Ok(Loops {
             shutdown,
             handles,
@@ -106,7 +122,7 @@ impl Loops {
         })
     }
 
-    /// Cancel both loops and wait for them; the ticks' sums.
+    /// Cancel both loops (and the listener) and wait for them; the ticks' sums.
     pub async fn stop(self) -> Result<Arc<Ticks>> {
         self.shutdown.cancel();
         for h in self.handles {

@@ -23,6 +23,7 @@ mod args;
 mod bouncer;
 mod latency;
 mod loops;
+mod pgwork;
 mod report;
 mod throughput;
 mod workload;
@@ -131,6 +132,23 @@ async fn main() -> Result<()> {
             ensure!(
                 l.samples.len() == l.expected,
                 "{} of {} deliveries arrived at {interval} ms intervals",
+                l.samples.len(),
+                l.expected,
+            );
+        }
+        if !args.skip_listen {
+            let interval = args.production_interval_ms.max(args.interval_ms);
+            progress(&format!(
+                "phase 4/5: latency with wake-ups (listen URL), {interval} ms role intervals"
+            ));
+            let woken = shape
+                .with_interval(Duration::from_millis(interval))
+                .listening();
+            let l = latency::phase(&args, &woken, leg, &receiver, "listen").await?;
+            latency::listen_figures(&l, interval, &mut report);
+            ensure!(
+                l.samples.len() == l.expected,
+                "{} of {} deliveries arrived with wake-ups",
                 l.samples.len(),
                 l.expected,
             );

@@ -14,6 +14,7 @@ use testbed::{Leg, TestDb};
 use crate::args::{Args, Shape};
 use crate::bouncer::{self, Bouncer, PoolSampler};
 use crate::loops::{Loops, Ticks};
+use crate::pgwork::PgWork;
 use crate::progress;
 use crate::report::{Figure, Report, Target, cpu_figures};
 use crate::workload::{Arrivals, endpoints, preload};
@@ -38,6 +39,8 @@ pub struct Run {
     bouncer: Option<Bouncer>,
     ticks: Arc<Ticks>,
     verified: usize,
+    /// Postgres work per delivery.
+    pub pg: PgWork,
 }
 
 impl Run {
@@ -61,12 +64,21 @@ pub async fn run(
     label: &str,
 ) -> Result<Run> {
     let t = TestDb::new().await;
+    // Three pools, so each one's work is counted where it belongs: setup
+    // (closed before the first reading of the Postgres counters), producers
+    // and the roles' (closed before the second).
+    let setup = Db::connect_lazy(&t.app_url(leg), 2)?;
+    let endpoints = endpoints(&setup, &receiver.base_url(), label, args.endpoints).await?;
+    if args.enqueue_outside_clock {
+        preload(&setup, args.events, args.events_per_tx).await?;
+    }
+    setup.close().await;
     let db = Db::connect_lazy(&t.app_url(leg), args.pool)?;
-    let endpoints = endpoints(&db, &receiver.base_url(), label, args.endpoints).await?;
-    preload(&db, args.events, args.events_per_tx).await?;
+    let producers = Db::connect_lazy(&t.app_url(leg), args.producer_pool)?;
     let deliveries = args.events * args.endpoints;
     let mut su = t.superuser().await;
     let _ = receiver.take();
+    let pg0 = PgWork::take(&mut su).await?;
 
     let bouncer0 = bouncer::snapshot(leg, t.name()).await;
     let sampler = PoolSampler::start(leg, t.name());
@@ -75,7 +87,12 @@ pub async fn run(
         .fetch_one(&mut su)
         .await?;
     let started = Instant::now();
-    let loops = Loops::start(&db, shape)?;
+    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct))?;
+    if !args.enqueue_outside_clock {
+        // Like for like with a job queue whose insert is timed: the events are
+        // enqueued inside the clock, while the roles run.
+        preload(&producers, args.events, args.events_per_tx).await?;
+    }
     let mut reported = Instant::now();
     let wall = loop {
         // Cheap enough to poll often: both probes stop at the first row of a
@@ -137,8 +154,10 @@ pub async fn run(
             got.requests, got.repeats
         ));
     }
-    drop(su);
     db.close().await;
+    producers.close().await;
+    let pg = pg0.per_delivery(&PgWork::take(&mut su).await?, deliveries);
+    drop(su);
     Ok(Run {
         deliveries,
         wall,
@@ -149,6 +168,7 @@ pub async fn run(
         bouncer,
         ticks,
         verified: got.verified,
+        pg,
     })
 }
 
@@ -213,7 +233,14 @@ pub fn figures(args: &Args, runs: &[Run], report: &mut Report) {
         nproc / cpu_per_delivery,
         "deliveries/s",
     ));
+    figures.push(Figure::new(
+        "throughput (median run): Postgres CPU per delivery",
+        m.cpu.postgres / m.deliveries as f64 * 1e3,
+        "ms",
+    ));
     cpu_figures("throughput (median run)", &m.cpu, wall, figures);
+    m.pg.figures("throughput (median run)", report);
+    let figures = &mut report.figures;
     if let Some(b) = &m.bouncer {
         b.figures("throughput (median run)", m.deliveries, figures);
     }
@@ -287,6 +314,12 @@ pub fn comparison_figures(what: &str, r: &Run, report: &mut Report) {
         r.cpu_per_delivery() * 1e3,
         "ms",
     ));
+    report.figures.push(Figure::new(
+        format!("throughput, {what} (one run): Postgres CPU per delivery"),
+        r.cpu.postgres / r.deliveries as f64 * 1e3,
+        "ms",
+    ));
+    r.pg.figures(&format!("throughput, {what} (one run)"), report);
     report.figures.push(Figure::new(
         format!("throughput, {what} (one run): CPU, other processes"),
         100.0 * r.cpu.others / r.cpu.capacity.max(f64::MIN_POSITIVE),

@@ -264,6 +264,7 @@ fn serve_help_lists_every_variable() {
         "HARDCOUNT_WEBHOOK_ALLOWLIST",
         "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
         "HARDCOUNT_WEBHOOK_TIMEOUT",
+        "HARDCOUNT_LISTEN_URL",
         "RUST_LOG",
     ] {
         assert!(

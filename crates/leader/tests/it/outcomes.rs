@@ -276,3 +276,44 @@ async fn a_panic_after_a_lost_lease_reports_only_the_loss() {
         None
     );
 }
+
+/// `TickEnd::DrainedDueNow` (docs/adr/0014) is released as completed (stamped,
+/// no cooldown) and leaves the role due at once: an hourly role is acquired
+/// again by the next poll, and after a plain `Drained` it is not.
+///
+/// Mutation check: releasing it as `Completed` (stamped now) makes the second
+/// poll wait the hour and this test fails (scripts/mutation-check
+/// `due_now_as_completed`).
+#[tokio::test]
+async fn a_tick_drained_due_now_is_stamped_completed_and_due_again_at_once() {
+    let t = TestDb::new().await;
+    let (m, _) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let hour = Duration::from_secs(3600);
+    let out = m
+        .lead(Role::Billing, hour, &shutdown, |_| async {
+            TickEnd::DrainedDueNow
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, TickOutcome::Completed);
+    let l = lease(&t.db, Role::Billing).await;
+    assert!(l.completed && l.holder_id.is_none() && l.cooldown.is_none());
+    let again = m
+        .lead(Role::Billing, hour, &shutdown, |_| async {
+            TickEnd::Drained
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, TickOutcome::Completed, "due again at once");
+    let after_drained = m
+        .lead(Role::Billing, hour, &shutdown, |_| async {
+            TickEnd::Drained
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(after_drained, TickOutcome::NotLed { .. }),
+        "{after_drained:?}"
+    );
+}

@@ -100,8 +100,14 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     assert_eq!(outcomes(&metrics, "delivered"), 1.0);
 }
 
-/// A claim pushes `next_attempt_at` a lease ahead, so a worker that dies
-/// after claiming leaves the delivery to come due again by itself.
+/// A claim sets `claimed_until` a lease ahead, so a worker that dies after
+/// claiming leaves the delivery to come due again by itself, and not before:
+/// a tick right after the claim finds nothing due.
+///
+/// Mutation check: the claim without its lease predicate (`AND
+/// (claimed_until IS NULL OR claimed_until <= now())` removed) hands the
+/// delivery out again at once and this test fails (scripts/mutation-check
+/// `claim_lease`).
 #[tokio::test]
 async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
     let t = TestDb::new().await;
@@ -122,6 +128,11 @@ async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
     let d = &deliveries(&t.db).await[0];
     assert_eq!((d.status.as_str(), d.attempts), ("pending", 1));
     assert!(d.due_in > lease - 1.0 && d.due_in <= lease, "{d:?}");
+    let report = crate::tick(&t.db, &w).await;
+    assert_eq!(
+        report.claimed, 0,
+        "claimed again inside its lease: {report:?}"
+    );
 
     tokio::time::sleep(std::time::Duration::from_secs_f64(d.due_in + 0.05)).await;
     let report = crate::tick(&t.db, &w).await;

@@ -10,6 +10,7 @@ mod outcomes;
 mod rotation;
 mod ssrf_table;
 mod tick_ends;
+mod wake;
 mod wiring;
 
 use std::sync::Arc;
@@ -28,14 +29,16 @@ pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
 /// crate's `signature` module: headers, a timestamp fresh at arrival, the HMAC.
 pub use testbed::webhook_verify::verify;
 
-/// Fast settings for tests: loopback allowed, 1 s per request, retries 50 ms apart.
+/// Fast settings for tests: loopback allowed, 1 s per request, retries 200 ms
+/// apart: longer than the driver's `BUSY_POLL` (50 ms) plus jitter, so a retry
+/// is not attempted again within the tick that scheduled it.
 pub fn config() -> WorkerConfig {
     WorkerConfig {
         connect_timeout: Duration::from_millis(500),
         request_timeout: Duration::from_secs(1),
         claim_margin: Duration::from_secs(1),
         tick_budget: Duration::from_secs(5),
-        retry_schedule: RetrySchedule::parse("50ms,50ms,50ms").unwrap(),
+        retry_schedule: RetrySchedule::parse("200ms,200ms,200ms").unwrap(),
         allowlist: Allowlist::parse("127.0.0.0/8").unwrap(),
         ..WorkerConfig::default()
     }
@@ -125,7 +128,8 @@ pub struct Delivery {
     pub last_status_code: Option<i32>,
     pub last_error: Option<String>,
     pub delivered: bool,
-    /// `next_attempt_at - now()` in seconds.
+    /// Seconds until it is due: the later of `next_attempt_at` and its claim's
+    /// lease (`claimed_until`), minus `now()`.
     pub due_in: f64,
 }
 
@@ -133,7 +137,7 @@ pub async fn deliveries(db: &Db) -> Vec<Delivery> {
     db.fetch_all(sql(
         "SELECT id, endpoint_id, status, attempts, last_status_code, last_error, \
                 delivered_at IS NOT NULL AS delivered, \
-                extract(epoch FROM next_attempt_at - now())::float8 AS due_in \
+                extract(epoch FROM GREATEST(next_attempt_at, claimed_until) - now())::float8 AS due_in \
          FROM webhook_deliveries ORDER BY id",
     ))
     .await
@@ -156,7 +160,8 @@ pub async fn deliveries(db: &Db) -> Vec<Delivery> {
 pub async fn make_due(t: &testbed::TestDb) {
     let mut su = t.superuser().await;
     sqlx::raw_sql(
-        "UPDATE webhook_deliveries SET next_attempt_at = now() - interval '1 second' \
+        "UPDATE webhook_deliveries SET next_attempt_at = now() - interval '1 second', \
+                claimed_until = NULL \
          WHERE status = 'pending'",
     )
     .execute(&mut su)

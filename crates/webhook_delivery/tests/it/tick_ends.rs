@@ -120,7 +120,7 @@ async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
         w.run_tick(&tick).await
     })
     .await;
-    assert_eq!(report.end, TickEnd::Drained, "{report:?}");
+    assert_eq!(report.end, TickEnd::DrainedDueNow, "{report:?}");
     assert_eq!(report.delivered, 1, "{report:?}");
     let attempts: i32 =
         t.db.fetch_one(db::sql("SELECT attempts FROM webhook_deliveries"))

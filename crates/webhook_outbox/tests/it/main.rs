@@ -6,6 +6,7 @@
 mod enqueue;
 mod fan_out;
 mod tick_ends;
+mod wake;
 
 use std::sync::Arc;
 

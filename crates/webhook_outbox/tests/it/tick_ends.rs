@@ -123,6 +123,47 @@ async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
         d.run_tick(&tick).await
     })
     .await;
-    assert_eq!(report.end, TickEnd::Drained, "{report:?}");
+    assert_eq!(report.end, TickEnd::DrainedDueNow, "{report:?}");
     assert_eq!(report.events, 1);
+}
+
+/// Without wake-ups (no listener), a tick that found work is followed at once
+/// by the next, which finds nothing and ends drained; an idle role then waits
+/// its (hourly) interval.
+///
+/// Mutation check: the driver ignoring work found (`let due_now = listened
+/// || (claimed > 0 && role.due_again_after_work());` → `let due_now =
+/// listened;`) ends the first tick drained and no second tick runs within the
+/// hour: this test fails (scripts/mutation-check `driver_due_after_work`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tick_that_found_work_is_followed_at_once_and_an_idle_one_waits_its_interval() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    event(&t.db, "tenant_a", "invoice.paid", r#"{"n": 1}"#).await;
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let ends = Arc::new(Mutex::new(Vec::new()));
+    let e = ends.clone();
+    let spec = RoleSpec {
+        role: Role::WebhookOutbox,
+        interval: Duration::from_secs(3600),
+        work: work(move |tick| {
+            let (d, e) = (d.clone(), e.clone());
+            async move {
+                let end = d.run_tick(&tick).await.end;
+                e.lock().unwrap().push(end.clone());
+                end
+            }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let l = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    shutdown.cancel();
+    l.await.unwrap();
+    let ends = ends.lock().unwrap().clone();
+    assert_eq!(ends, vec![TickEnd::DrainedDueNow, TickEnd::Drained]);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        1
+    );
 }

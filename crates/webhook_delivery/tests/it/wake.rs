@@ -1,0 +1,78 @@
+//! Wake-ups of the delivery role (docs/adr/0014): the fan-out's `pg_notify`
+//! wakes the idle, led, listening role (listener on the bed's Postgres
+//! directly), which delivers within milliseconds instead of its interval.
+
+use std::time::{Duration, Instant};
+
+use leader::Role;
+use scheduler::{RoleSpec, Wake, listen, run_role, work};
+use testbed::Leg;
+use testbed::TestDb;
+use testbed::receiver::Receiver;
+use tokio_util::sync::CancellationToken;
+
+use crate::{config, endpoint, events, manager, worker};
+
+/// With a 5 s interval, each of three events fanned out while the listening
+/// role is idle reaches the receiver within 500 ms of the fan-out's commit.
+///
+/// Mutation check: the fan-out without its `pg_notify` leaves the role to its
+/// interval poll and this test fails (scripts/mutation-check `fanout_notify`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fanned_out_delivery_wakes_the_idle_listening_role_within_milliseconds() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let interval = Duration::from_secs(5);
+    let wake = Wake::new(Role::WebhookDelivery, interval);
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let shutdown = CancellationToken::new();
+    let listener = tokio::spawn(listen(
+        t.app_url(Leg::Direct),
+        vec![wake.clone()],
+        Duration::from_millis(200),
+        shutdown.child_token(),
+    ));
+    let started = Instant::now();
+    while !wake.is_listening() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never listening"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval,
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 1..=3 {
+        // Enqueued and fanned out (the fan-out commits with its pg_notify).
+        events(&t.db, "tenant_a", 1).await;
+        let committed = Instant::now();
+        while rx.count() < n {
+            assert!(
+                committed.elapsed() < Duration::from_secs(20),
+                "never delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        waits.push(committed.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    listener.await.unwrap();
+    role.await.unwrap();
+    println!("fan-out commit to POST: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+}

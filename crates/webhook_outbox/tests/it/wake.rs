@@ -1,0 +1,182 @@
+//! Wake-ups (docs/adr/0014): with a listener on the bed's Postgres directly
+//! (the session a LISTEN needs, whichever leg the app pool uses), an enqueue
+//! wakes the led, idle role within milliseconds; a listener whose connection
+//! is killed falls back to polling and loses nothing.
+
+use std::time::{Duration, Instant};
+
+use db::{Db, Row, sql};
+use leader::Role;
+use scheduler::{RoleSpec, Wake, listen, run_role, work};
+use testbed::{Leg, TestDb};
+use tokio_util::sync::CancellationToken;
+use webhook_outbox::{Dispatcher, DispatcherConfig};
+
+use crate::{count, dispatcher, endpoint, event, manager};
+
+/// A listener for `wake` on the bed's Postgres directly, and once it listens,
+/// the role loop of `d` with `interval`, until `shutdown`. (A tick that
+/// starts before the listener is up ends drained as without one: the role
+/// listens from its next tick, one interval later.)
+async fn spawn_listening(
+    t: &TestDb,
+    d: Dispatcher,
+    wake: &Wake,
+    interval: Duration,
+    shutdown: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let d = d.with_wake(wake.clone());
+    let spec = RoleSpec {
+        role: Role::WebhookOutbox,
+        interval,
+        work: work(move |tick| {
+            let d = d.clone();
+            async move { d.run_tick(&tick).await.end }
+        }),
+    };
+    let listener = tokio::spawn(listen(
+        t.app_url(Leg::Direct),
+        vec![wake.clone()],
+        Duration::from_millis(200),
+        shutdown.child_token(),
+    ));
+    until(Duration::from_secs(10), "the listener", async || {
+        wake.is_listening()
+    })
+    .await;
+    let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    vec![listener, role]
+}
+
+async fn dispatched_at(db: &Db, id: i64) -> bool {
+    db.fetch_one(
+        sql("SELECT dispatched_at IS NOT NULL AS d FROM webhook_events WHERE id = $1").bind(id),
+    )
+    .await
+    .unwrap()
+    .get("d")
+}
+
+async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !f().await {
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    started.elapsed()
+}
+
+/// With a 5 s interval, an event enqueued into the idle, led, listening role
+/// is fanned out within 500 ms (each of five, one after another); without
+/// wake-ups it would wait for the interval.
+///
+/// Mutation check: the driver ending a drained tick although its wake listens
+/// (`if drained && !listening()` → `if drained`) leaves the role polling at
+/// its 5 s interval, and this test fails (scripts/mutation-check
+/// `driver_listens_outbox`); so does `enqueue` without its `pg_notify`
+/// (`enqueue_notify`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_milliseconds() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let interval = Duration::from_secs(5);
+    let wake = Wake::new(Role::WebhookOutbox, interval);
+    let shutdown = CancellationToken::new();
+    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
+    // Let the first tick drain the empty outbox and go idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 0..5 {
+        let id = event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await;
+        let waited = until(Duration::from_secs(20), "the fan-out", async || {
+            dispatched_at(&t.db, id).await
+        })
+        .await;
+        waits.push(waited);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    println!("commit to dispatched: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        5
+    );
+}
+
+/// Events enqueued every few milliseconds while the listener's connection is
+/// terminated twice: the role falls back to polling its 1 s interval, the
+/// listener reconnects, and every event is fanned out exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost() {
+    let t = TestDb::new().await;
+    endpoint(&t.db, "tenant_a", &[], true).await;
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let interval = Duration::from_secs(1);
+    let wake = Wake::new(Role::WebhookOutbox, interval);
+    let shutdown = CancellationToken::new();
+    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
+    let mut admin = t.superuser().await;
+    let total = 300;
+    let mut kills = 0;
+    for n in 0..total {
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await;
+        if n % 100 == 50 {
+            let killed: i64 = sqlx::query_scalar(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND datname = current_database()",
+            )
+            .bind(db::LISTEN_APPLICATION_NAME)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
+            kills += killed;
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let undispatched = "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL";
+    let drained = until(
+        Duration::from_secs(20),
+        "every event dispatched",
+        async || count(&t.db, undispatched).await == 0,
+    )
+    .await;
+    until(Duration::from_secs(10), "the listener back", async || {
+        wake.is_listening()
+    })
+    .await;
+    shutdown.cancel();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    println!(
+        "{kills} listener connections killed; the rest dispatched {drained:?} after the last enqueue"
+    );
+    assert!(kills >= 2, "the listener was killed {kills} times");
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        total
+    );
+}

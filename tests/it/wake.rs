@@ -1,0 +1,113 @@
+//! Wake-ups across a crash (docs/adr/0014): the replica listening for
+//! wake-ups is SIGKILLed; the next leader listens in its turn and delivers
+//! within milliseconds, not after its 5 s intervals.
+
+use std::time::{Duration, Instant};
+
+use db::{Row, sql};
+use testbed::receiver::Receiver;
+use testbed::{Leg, TestDb};
+
+use crate::serve::Serve;
+
+async fn holders(t: &TestDb) -> Vec<Option<String>> {
+    t.db.fetch_all(sql("SELECT holder_id FROM leader_leases \
+         WHERE role IN ('webhook_outbox', 'webhook_delivery') ORDER BY role"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get("holder_id"))
+        .collect()
+}
+
+fn held_by(holders: &[Option<String>], pid: u32) -> bool {
+    let pid = format!(":{pid}:");
+    holders
+        .iter()
+        .all(|h| h.as_deref().is_some_and(|h| h.contains(&pid)))
+}
+
+/// Enqueue one event and return how long until the receiver had its POST.
+async fn one_delivery(t: &TestDb, rx: &Receiver, n: usize) -> Duration {
+    let before = rx.count();
+    let started = Instant::now();
+    let mut tx = t.db.begin().await.unwrap();
+    webhook_outbox::enqueue(
+        &mut tx,
+        "tenant_a",
+        "invoice.paid",
+        &format!(r#"{{"n":{n}}}"#),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    while rx.count() == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "event {n} never delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    started.elapsed()
+}
+
+/// Until replica `pid` has led both webhook roles for over a second without a
+/// break: its ticks stay open, so they listen. (A tick that started before the
+/// replica's listener was up ends at once, as without one.)
+async fn until_listening_leader(t: &TestDb, pid: u32, limit: Duration) {
+    let started = Instant::now();
+    let mut since: Option<Instant> = None;
+    loop {
+        if held_by(&holders(t).await, pid) {
+            if since.get_or_insert_with(Instant::now).elapsed() > Duration::from_millis(1200) {
+                return;
+            }
+        } else {
+            since = None;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "replica {pid} never kept both webhook roles"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_delivers() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    webhook_delivery::create_endpoint(&t.db, "tenant_a", &rx.url_at("/a"), &["invoice.paid"])
+        .await
+        .unwrap();
+    let listen_url = t.app_url(Leg::Direct);
+    let env = [
+        ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
+        ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
+        ("HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL", "5s"),
+        ("HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL", "5s"),
+        ("HARDCOUNT_LISTEN_URL", listen_url.as_str()),
+    ];
+    let url = t.app_url(Leg::current());
+    let mut a = Serve::start(&url, &env).await;
+    until_listening_leader(&t, a.child.id(), Duration::from_secs(30)).await;
+    let first = one_delivery(&t, &rx, 0).await;
+    let b = Serve::start(&url, &env).await;
+    a.signal("KILL");
+    a.wait(Duration::from_secs(5)).await;
+    // The killed leases expire after their TTL (10 s); B then leads both roles.
+    until_listening_leader(&t, b.child.id(), Duration::from_secs(60)).await;
+    let mut after = Vec::new();
+    for n in 1..=3 {
+        after.push(one_delivery(&t, &rx, n).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("commit to POST: {first:?} from the first leader, {after:?} from the next");
+    // Polling alone would take up to two 5 s intervals; woken, milliseconds.
+    assert!(first < Duration::from_secs(1), "{first:?}");
+    assert!(
+        after.iter().all(|w| *w < Duration::from_secs(1)),
+        "{after:?}"
+    );
+    drop(b);
+}
