@@ -100,6 +100,7 @@ mod delivery;
 mod endpoint;
 mod failure;
 mod outcomes;
+pub mod sealed;
 mod send;
 pub mod signature;
 pub mod ssrf;
@@ -110,9 +111,11 @@ mod verdict;
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
-    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, RotateError, create_endpoint,
-    parse_endpoint_url, redacted_url, rotate_secret,
+    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
+    SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url,
+    reseal_secrets, rotate_secret,
 };
+pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use failure::Failure;
 pub use tick::{TickReport, Worker};
 
