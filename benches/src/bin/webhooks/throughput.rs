@@ -62,7 +62,7 @@ pub async fn run(
 ) -> Result<Run> {
     let t = TestDb::new().await;
     let db = Db::connect_lazy(&t.app_url(leg), args.pool)?;
-    let endpoints = endpoints(&db, &receiver.base_url(), label, args.endpoints).await?;
+    let endpoints = endpoints(&t.api(), &receiver.base_url(), label, args.endpoints).await?;
     preload(&db, args.events, args.events_per_tx).await?;
     let deliveries = args.events * args.endpoints;
     let mut su = t.superuser().await;
