@@ -93,6 +93,18 @@ async fn each_check_rejects_its_bad_row() {
         ),
     ];
     for (stmt, constraint) in cases {
+        // paused_at is no longer the app's to write (migration 0012): the
+        // operator's leader_pause writes it, as the owner.
+        if stmt.contains("paused_at") {
+            let err = sqlx::raw_sql(sqlx::AssertSqlSafe(stmt))
+                .execute(&mut su)
+                .await
+                .unwrap_err();
+            let err = err.as_database_error().expect("a server error");
+            assert_eq!(err.code().as_deref(), Some("23514"), "{stmt}: {err}");
+            assert_eq!(err.constraint(), Some(constraint), "{stmt}: {err}");
+            continue;
+        }
         let err = t.db.execute(sql(stmt)).await.unwrap_err();
         assert_eq!(err.code().as_deref(), Some("23514"), "{stmt}: {err}");
         assert_eq!(err.constraint(), Some(constraint), "{stmt}: {err}");
