@@ -120,9 +120,9 @@ pub async fn secrets_command(command: SecretsCommand, common: &Common) -> Result
             println!("{}", entry.as_str());
         }
         SecretsCommand::RotateKey => {
-            let keyring = common
-                .keyring()?
-                .with_context(|| format!("{SECRETS_KEY_VAR} is not set: it holds the key to seal with"))?;
+            let keyring = common.keyring()?.with_context(|| {
+                format!("{SECRETS_KEY_VAR} is not set: it holds the key to seal with")
+            })?;
             let owner = Db::connect_lazy(&common.migration_database_url()?, 1)?;
             let report = webhook_delivery::reseal_secrets(&owner, &keyring).await?;
             owner.close().await;
@@ -140,7 +140,8 @@ pub async fn secrets_command(command: SecretsCommand, common: &Common) -> Result
 
 /// What to say when the operator statement is refused for want of a right.
 fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
-    let denied = matches!(&e, leader::store::StoreError::Db(d) if d.code().as_deref() == Some("42501"));
+    let denied =
+        matches!(&e, leader::store::StoreError::Db(d) if d.code().as_deref() == Some("42501"));
     let e = anyhow::Error::new(e);
     if denied {
         e.context(

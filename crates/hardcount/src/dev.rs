@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use db::Db;
-use webhook_delivery::Keyring;
 use tokio_util::sync::CancellationToken;
+use webhook_delivery::Keyring;
 
 use crate::settings::{Common, DevSettings};
 use postgres::LocalPostgres;
@@ -130,7 +130,8 @@ fn dev_key(state_dir: &std::path::Path) -> Result<Keyring> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     let text = zeroize::Zeroizing::new(
-        std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?,
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?,
     );
     Keyring::parse(text.trim()).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }

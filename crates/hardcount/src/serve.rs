@@ -142,7 +142,11 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
 
     // Only the delivery worker opens webhook secrets, so only a replica that
     // runs it needs (and is refused without) HARDCOUNT_SECRETS_KEY.
-    if config.roles.iter().any(|rc| rc.role == Role::WebhookDelivery) {
+    if config
+        .roles
+        .iter()
+        .any(|rc| rc.role == Role::WebhookDelivery)
+    {
         webhook_delivery::check_secrets(&db, config.webhook_delivery.secrets.as_ref())
             .await
             .context("refusing to serve")?;

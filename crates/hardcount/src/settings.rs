@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use leader::Role;
-use webhook_delivery::{Keyring, WorkerConfig};
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
+use webhook_delivery::{Keyring, WorkerConfig};
 
 use email_outbox::{SenderConfig, SmtpUrl};
 
@@ -51,7 +51,12 @@ pub struct Common {
     /// The keys that seal webhook signing secrets: `<id>:<base64 of 32 bytes>`, more
     /// comma-separated during a key rotation (the first seals, all open); make one with
     /// `hardcount secrets generate-key`. Required by webhook_delivery once endpoints exist.
-    #[arg(long, env = "HARDCOUNT_SECRETS_KEY", hide_env_values = true, global = true)]
+    #[arg(
+        long,
+        env = "HARDCOUNT_SECRETS_KEY",
+        hide_env_values = true,
+        global = true
+    )]
     pub secrets_key: Option<String>,
     /// Log filter (tracing's EnvFilter syntax), e.g. `info,leader=debug`.
     #[arg(long = "log", env = "RUST_LOG", default_value = "info", global = true)]

@@ -11,8 +11,8 @@ use url::Url;
 
 use crate::delivery::Claimed;
 use crate::outcomes::{Finished, Step};
-use crate::send::{self, Answer, Limits, Request};
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
+use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
 use crate::store::{NextState, Observed, OutcomeRow};
 use leader::Role;
@@ -258,7 +258,8 @@ fn open_secret(
     sealed: Option<&Sealed>,
 ) -> Result<Secret, String> {
     let keyring = keyring.ok_or_else(|| format!("{SECRETS_KEY_VAR} is not set"))?;
-    let sealed = sealed.ok_or("the secret is stored in clear: run `hardcount secrets rotate-key`")?;
+    let sealed =
+        sealed.ok_or("the secret is stored in clear: run `hardcount secrets rotate-key`")?;
     keyring
         .open(tenant_id, &sealed.key_id, &sealed.ciphertext)
         .map_err(|e: OpenError| e.to_string())

@@ -119,8 +119,8 @@ pub async fn create_endpoint<S: AsRef<str>>(
     }
     let secret = Secret::generate();
     let sealed = keyring.seal(tenant_id, &secret);
-    let row = store::insert_endpoint(db, tenant_id, url.as_str(), &sealed, event_types.clone())
-        .await?;
+    let row =
+        store::insert_endpoint(db, tenant_id, url.as_str(), &sealed, event_types.clone()).await?;
     Ok(Endpoint {
         id: row.id,
         tenant_id: tenant_id.to_owned(),
@@ -272,7 +272,9 @@ pub async fn reseal_secrets(owner: &Db, keyring: &Keyring) -> Result<ResealRepor
         };
         after = last.id;
         for row in &rows {
-            let open = |clear: &Option<String>, sealed: &Option<Sealed>| -> Result<Option<Secret>, SecretsError> {
+            let open = |clear: &Option<String>,
+                        sealed: &Option<Sealed>|
+             -> Result<Option<Secret>, SecretsError> {
                 let opened = match (clear, sealed) {
                     (_, Some(s)) => Some(keyring.open(&row.tenant_id, &s.key_id, &s.ciphertext)),
                     (Some(text), None) => Some(Secret::parse(text).map_err(OpenError::from)),

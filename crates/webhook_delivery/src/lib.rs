@@ -112,11 +112,11 @@ pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
     Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
-    SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url,
-    reseal_secrets, rotate_secret,
+    SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url, reseal_secrets,
+    rotate_secret,
 };
-pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use failure::Failure;
+pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use tick::{TickReport, Worker};
 
 /// Errors of the delivery worker: a setting refused at construction, the

@@ -58,7 +58,9 @@ pub enum KeyringError {
 pub enum OpenError {
     #[error("sealed with key {0:?}, which {SECRETS_KEY_VAR} does not hold")]
     UnknownKey(String),
-    #[error("sealed secret does not open with key {0:?} (wrong key, or altered or moved ciphertext)")]
+    #[error(
+        "sealed secret does not open with key {0:?} (wrong key, or altered or moved ciphertext)"
+    )]
     Corrupt(String),
     #[error(transparent)]
     Secret(#[from] SecretError),
@@ -258,7 +260,8 @@ impl Keyring {
                 )
                 .map_err(|_| OpenError::Corrupt(key_id.to_owned()))?,
         );
-        let text = std::str::from_utf8(&plain).map_err(|_| OpenError::Corrupt(key_id.to_owned()))?;
+        let text =
+            std::str::from_utf8(&plain).map_err(|_| OpenError::Corrupt(key_id.to_owned()))?;
         Ok(Secret::parse(text)?)
     }
 }
@@ -334,7 +337,10 @@ mod tests {
             assert_eq!(err, expected, "{text}");
             let shown = err.to_string();
             assert!(shown.contains(SECRETS_KEY_VAR), "{shown}");
-            assert!(!shown.contains("AAEC") && !shown.contains("c2hvcnQ"), "{shown}");
+            assert!(
+                !shown.contains("AAEC") && !shown.contains("c2hvcnQ"),
+                "{shown}"
+            );
         }
         let shown = format!("{:?}", Keyring::parse(K1).unwrap());
         assert_eq!(shown, "Keyring([\"k1\"])");

@@ -26,11 +26,9 @@ pub(crate) async fn insert_endpoint(
 ) -> Result<NewEndpoint, db::Error> {
     let row = db
         .fetch_one(
-            sql(
-                "INSERT INTO webhook_endpoints \
+            sql("INSERT INTO webhook_endpoints \
                      (tenant_id, url, secret_ciphertext, secret_key_id, event_types) \
-                 VALUES ($1, $2, $3, $4, $5) RETURNING id, enabled",
-            )
+                 VALUES ($1, $2, $3, $4, $5) RETURNING id, enabled")
             .bind(tenant_id.to_owned())
             .bind(url.to_owned())
             .bind(secret.ciphertext.clone())
@@ -136,7 +134,8 @@ pub(crate) async fn secrets_to_reseal(
 ) -> Result<Vec<StoredSecrets>, db::Error> {
     let rows = tx
         .fetch_all(
-            sql("SELECT id, tenant_id, secret, secret_ciphertext, secret_key_id, previous_secret, \
+            sql(
+                "SELECT id, tenant_id, secret, secret_ciphertext, secret_key_id, previous_secret, \
                         previous_secret_ciphertext, previous_secret_key_id, \
                         coalesce(previous_secret_expires_at <= now(), false) AS previous_expired \
                  FROM webhook_endpoints \
@@ -144,7 +143,8 @@ pub(crate) async fn secrets_to_reseal(
                    AND (secret IS NOT NULL OR previous_secret IS NOT NULL \
                         OR secret_key_id <> $1 OR previous_secret_key_id <> $1 \
                         OR previous_secret_expires_at <= now()) \
-                 ORDER BY id LIMIT $3 FOR UPDATE")
+                 ORDER BY id LIMIT $3 FOR UPDATE",
+            )
             .bind(current_key.to_owned())
             .bind(after_id)
             .bind(limit),

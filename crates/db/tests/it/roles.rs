@@ -255,7 +255,10 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
     .collect();
     want.sort();
     assert_eq!(endpoints, want.iter().collect::<Vec<_>>());
-    let functions: Vec<&String> = granted.iter().filter(|g| g.ends_with("():EXECUTE")).collect();
+    let functions: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.ends_with("():EXECUTE"))
+        .collect();
     assert_eq!(functions, ["leader_fence():EXECUTE"]);
     let lease_writes: Vec<&String> = granted
         .iter()
@@ -274,7 +277,9 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         ]
     );
     assert!(
-        !granted.iter().any(|g| g.contains(":DELETE") || g.contains(":TRUNCATE")),
+        !granted
+            .iter()
+            .any(|g| g.contains(":DELETE") || g.contains(":TRUNCATE")),
         "{granted:?}"
     );
     refused(

@@ -179,10 +179,11 @@ async fn pause_unholds_and_pauses_in_one_statement_and_the_fence_is_false_from_i
         .execute(sql("SELECT leader_unpause('email_outbox')"))
         .await
         .unwrap();
-    let row = t
-        .db
-        .fetch_one(sql("SELECT paused_at IS NULL AS unpaused, paused_by, paused_by_role, state \
-                        FROM leader_status WHERE role = 'email_outbox'"))
+    let row =
+        t.db.fetch_one(sql(
+            "SELECT paused_at IS NULL AS unpaused, paused_by, paused_by_role, state \
+                        FROM leader_status WHERE role = 'email_outbox'",
+        ))
         .await
         .unwrap();
     assert!(row.get::<bool, _>("unpaused"));
@@ -198,7 +199,12 @@ async fn pausing_an_unknown_role_names_it() {
         "SELECT leader_pause('nosuch', 'ops', 'why')",
         "SELECT leader_unpause('nosuch')",
     ] {
-        let err = t.operator().execute(sql(stmt)).await.unwrap_err().to_string();
+        let err = t
+            .operator()
+            .execute(sql(stmt))
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("unknown role \"nosuch\""), "{err}");
     }
 }
@@ -378,10 +384,11 @@ async fn every_function_has_a_fixed_search_path_and_public_takes_no_new_objects(
 async fn a_pause_reason_past_500_characters_is_refused_by_the_table() {
     let t = TestDb::new().await;
     let long = "x".repeat(501);
-    let err =
-        t.operator().execute(sql("SELECT leader_pause('billing', 'oncall', $1)").bind(long))
-            .await
-            .unwrap_err();
+    let err = t
+        .operator()
+        .execute(sql("SELECT leader_pause('billing', 'oncall', $1)").bind(long))
+        .await
+        .unwrap_err();
     assert_eq!(
         err.constraint(),
         Some("leader_leases_pause_reason_bounded"),

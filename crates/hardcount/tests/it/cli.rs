@@ -219,13 +219,14 @@ async fn leader_status_escapes_control_characters_and_pause_bounds_its_reason() 
             .output()
             .unwrap()
     };
-    t.operator().execute(
-        db::sql("SELECT leader_pause('billing', $1, $2)")
-            .bind("oncall\u{1b}]0;owned\u{7}".to_owned())
-            .bind("disk \u{1b}[2J full\nnext line".to_owned()),
-    )
-    .await
-    .unwrap();
+    t.operator()
+        .execute(
+            db::sql("SELECT leader_pause('billing', $1, $2)")
+                .bind("oncall\u{1b}]0;owned\u{7}".to_owned())
+                .bind("disk \u{1b}[2J full\nnext line".to_owned()),
+        )
+        .await
+        .unwrap();
     let out = run(&["leader", "status"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
@@ -374,12 +375,11 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let stored = async |su: &mut sqlx::PgConnection| -> (Option<String>, String, Vec<u8>) {
-        let row = sqlx::query(
-            "SELECT secret, secret_key_id, secret_ciphertext FROM webhook_endpoints",
-        )
-        .fetch_one(su)
-        .await
-        .unwrap();
+        let row =
+            sqlx::query("SELECT secret, secret_key_id, secret_ciphertext FROM webhook_endpoints")
+                .fetch_one(su)
+                .await
+                .unwrap();
         (row.get(0), row.get(1), row.get(2))
     };
 
@@ -392,14 +392,23 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
     );
 
     let said = secrets(&["rotate-key"], testbed::SECRETS_KEY);
-    assert!(said.contains("resealed the secrets of 1 webhook endpoint"), "{said}");
+    assert!(
+        said.contains("resealed the secrets of 1 webhook endpoint"),
+        "{said}"
+    );
     let (in_clear, key_id, sealed) = stored(&mut su).await;
     assert_eq!((in_clear, key_id.as_str()), (None, "test"));
     let test_key = Keyring::parse(testbed::SECRETS_KEY).unwrap();
-    assert_eq!(test_key.open("tenant_a", "test", &sealed).unwrap().expose(), clear);
+    assert_eq!(
+        test_key.open("tenant_a", "test", &sealed).unwrap().expose(),
+        clear
+    );
     // A second run has nothing to do.
     let said = secrets(&["rotate-key"], testbed::SECRETS_KEY);
-    assert!(said.contains("resealed the secrets of 0 webhook endpoint"), "{said}");
+    assert!(
+        said.contains("resealed the secrets of 0 webhook endpoint"),
+        "{said}"
+    );
 
     // Rotate to a new key: listed first, the old one after it.
     let k2 = secrets(&["generate-key", "--id", "k2"], testbed::SECRETS_KEY);
@@ -409,7 +418,10 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
     let (_, key_id, sealed) = stored(&mut su).await;
     assert_eq!(key_id, "k2");
     let new_key = Keyring::parse(k2).unwrap();
-    assert_eq!(new_key.open("tenant_a", "k2", &sealed).unwrap().expose(), clear);
+    assert_eq!(
+        new_key.open("tenant_a", "k2", &sealed).unwrap().expose(),
+        clear
+    );
 
     let all = serve(Some(testbed::SECRETS_KEY));
     assert!(

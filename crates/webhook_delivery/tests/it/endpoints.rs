@@ -32,8 +32,10 @@ async fn create_endpoint_stores_a_fresh_secret_that_debug_never_shows() {
 
     let row =
         t.db.fetch_one(
-            sql("SELECT tenant_id, url, secret_ciphertext, secret_key_id, event_types \
-                 FROM webhook_endpoints WHERE id = $1")
+            sql(
+                "SELECT tenant_id, url, secret_ciphertext, secret_key_id, event_types \
+                 FROM webhook_endpoints WHERE id = $1",
+            )
             .bind(ep.id),
         )
         .await

@@ -19,9 +19,9 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use testbed::TestDb;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
-use testbed::TestDb;
 use webhook_delivery::{Endpoint, Keyring, TickReport, Worker, WorkerConfig, create_endpoint};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 

@@ -417,12 +417,7 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_has_not_sent() {
 async fn last_error_is_a_category_and_a_low_port_is_refused_without_connecting() {
     let t = TestDb::new().await;
     let closed = testbed::free_port();
-    endpoint(
-        &t,
-        "tenant_a",
-        &format!("http://127.0.0.1:{closed}/hook"),
-    )
-    .await;
+    endpoint(&t, "tenant_a", &format!("http://127.0.0.1:{closed}/hook")).await;
     endpoint(&t, "tenant_a", "http://127.0.0.1:1/hook").await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(&t.db, config());

@@ -59,18 +59,24 @@ async fn during_the_overlap_a_delivery_carries_both_signatures_and_verifies_with
     assert_ne!(new, old);
     let row =
         t.db.fetch_one(
-            sql("SELECT secret_ciphertext, secret_key_id, previous_secret_ciphertext, \
+            sql(
+                "SELECT secret_ciphertext, secret_key_id, previous_secret_ciphertext, \
                         previous_secret_key_id, \
                         extract(epoch FROM previous_secret_expires_at - now())::float8 AS left \
-                 FROM webhook_endpoints WHERE id = $1")
+                 FROM webhook_endpoints WHERE id = $1",
+            )
             .bind(ep.id),
         )
         .await
         .unwrap();
     let open = |ct: &str, id: &str| {
-        keys.open("tenant_a", &row.get::<String, _>(id), &row.get::<Vec<u8>, _>(ct))
-            .unwrap()
-            .expose()
+        keys.open(
+            "tenant_a",
+            &row.get::<String, _>(id),
+            &row.get::<Vec<u8>, _>(ct),
+        )
+        .unwrap()
+        .expose()
     };
     assert_eq!(open("secret_ciphertext", "secret_key_id"), new);
     assert_eq!(
@@ -108,18 +114,25 @@ async fn after_the_expiry_a_delivery_carries_only_the_new_signature() {
     let rx = Receiver::answering(204).await;
     let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     let old = ep.secret.expose();
-    let new = rotate_secret(&t.api(), &keyring(), "tenant_a", ep.id, Duration::from_secs(3600))
-        .await
-        .unwrap()
-        .expose();
-    // The overlap has passed, as time passing would make it.
-    t.api().execute(
-        sql("UPDATE webhook_endpoints \
-             SET previous_secret_expires_at = now() - interval '1 second' WHERE id = $1")
-        .bind(ep.id),
+    let new = rotate_secret(
+        &t.api(),
+        &keyring(),
+        "tenant_a",
+        ep.id,
+        Duration::from_secs(3600),
     )
     .await
-    .unwrap();
+    .unwrap()
+    .expose();
+    // The overlap has passed, as time passing would make it.
+    t.api()
+        .execute(
+            sql("UPDATE webhook_endpoints \
+             SET previous_secret_expires_at = now() - interval '1 second' WHERE id = $1")
+            .bind(ep.id),
+        )
+        .await
+        .unwrap();
 
     events(&t.db, "tenant_a", 1).await;
     let (w, _metrics) = worker(&t.db, config());

@@ -27,11 +27,17 @@ async fn a_dump_of_the_endpoints_holds_no_usable_secret() {
     .await
     .unwrap();
     assert!(dump.contains("secret_ciphertext"), "{dump}");
-    assert!(!dump.contains(key_b64) && !dump.contains("whsec_"), "{dump}");
+    assert!(
+        !dump.contains(key_b64) && !dump.contains("whsec_"),
+        "{dump}"
+    );
 
     for column in ["secret", "previous_secret"] {
         let err = match column {
-            "secret" => t.db.fetch_one(sql("SELECT secret FROM webhook_endpoints")).await,
+            "secret" => {
+                t.db.fetch_one(sql("SELECT secret FROM webhook_endpoints"))
+                    .await
+            }
             _ => {
                 t.db.fetch_one(sql("SELECT previous_secret FROM webhook_endpoints"))
                     .await
@@ -74,7 +80,11 @@ async fn a_sealed_secret_copied_to_another_tenant_does_not_open() {
     events(&t.db, "tenant_b", 1).await;
     let (w, _m) = worker(&t.db, config());
     tick(&t.db, &w).await;
-    assert_eq!(rx.connections(), 0, "a webhook went out with another tenant's key");
+    assert_eq!(
+        rx.connections(),
+        0,
+        "a webhook went out with another tenant's key"
+    );
     let ds = deliveries(&t.db).await;
     assert_eq!(ds[0].last_error.as_deref(), Some("bad_secret"), "{ds:?}");
 

@@ -9,10 +9,10 @@ mod tick_ends;
 
 use std::sync::Arc;
 
-use testbed::TestDb;
 use db::{Db, Row, sql};
 use leader::Telemetry;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use testbed::TestDb;
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
@@ -40,18 +40,21 @@ pub fn series(handle: &PrometheusHandle, name: &str) -> Option<f64> {
 /// on the delivery crate; the sealed secret is a placeholder it never opens).
 pub async fn endpoint(t: &TestDb, tenant: &str, event_types: &[&str], enabled: bool) -> i64 {
     let types: Vec<String> = event_types.iter().map(|s| s.to_string()).collect();
-    t.api().fetch_one(
-        sql("INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id, \
+    t.api()
+        .fetch_one(
+            sql(
+                "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id, \
                                             event_types, enabled, disabled_reason) \
              VALUES ($1, 'https://hooks.example.com/x', decode(repeat('00', 64), 'hex'), 'test', \
-                     $2, $3, CASE WHEN $3 THEN NULL ELSE 'test' END) RETURNING id")
-        .bind(tenant.to_owned())
-        .bind(types)
-        .bind(enabled),
-    )
-    .await
-    .unwrap()
-    .get("id")
+                     $2, $3, CASE WHEN $3 THEN NULL ELSE 'test' END) RETURNING id",
+            )
+            .bind(tenant.to_owned())
+            .bind(types)
+            .bind(enabled),
+        )
+        .await
+        .unwrap()
+        .get("id")
 }
 
 /// Enqueue one event in its own committed transaction.
