@@ -60,6 +60,14 @@
 //!   with either secret; after it, with the new one only. Keys shorter than 24
 //!   bytes are refused ([`signature::SecretError::KeyTooShort`]): such an
 //!   endpoint's deliveries are not sent (`bad_secret`).
+//! - **Signing secrets are sealed at rest** ([`sealed`], migration 0012):
+//!   XChaCha20-Poly1305 under the application key (`HARDCOUNT_SECRETS_KEY`,
+//!   [`WorkerConfig::secrets`]), the key id stored with each ciphertext and the
+//!   tenant bound into it. [`create_endpoint`] and [`rotate_secret`] seal (as
+//!   `hardcount_api`); only an attempt opens, into buffers wiped when it ends.
+//!   A secret that does not open is not sent (`bad_secret`).
+//!   [`check_secrets`] is `serve`'s boot check; [`reseal_secrets`] (as the
+//!   owner) seals old clear rows and moves every secret to the current key.
 //! - **Bad settings are refused at construction** ([`Worker::new`]), naming
 //!   the setting ([`ConfigError`]); nothing is clamped.
 //!
@@ -88,6 +96,7 @@
 //! ```
 //!
 //! and the building blocks: [`signature`] (secrets and `webhook-*` headers),
+//! [`sealed`] (secrets sealed at rest under the application key),
 //! [`ssrf`] (which addresses may be connected to, enforced inside the HTTP
 //! client's DNS resolution), [`backoff`] (the retry schedule and
 //! `Retry-After`), `send` (one bounded POST) and [`create_endpoint`]. Outcome
