@@ -92,7 +92,8 @@ async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_pol
     let t = TestDb::new().await;
     let rx = receiver(Duration::ZERO).await;
     webhook_delivery::create_endpoint(
-        &t.db,
+        &t.api(),
+        &webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap(),
         "tenant_a",
         &rx.url_at("/hang/a"),
         &["invoice.finalized"],
@@ -158,7 +159,8 @@ async fn every_event_reaches_every_endpoint_across_a_sigkill() {
     let rx = receiver(Duration::from_millis(40)).await;
     for ep in ["one", "two", "three"] {
         webhook_delivery::create_endpoint(
-            &t.db,
+            &t.api(),
+            &webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap(),
             "tenant_a",
             &rx.url_at(&format!("/{ep}")),
             &["invoice.finalized"],

@@ -23,6 +23,8 @@ pub fn hardcount() -> Command {
         .env_remove("HARDCOUNT_HTTP_ADDR")
         .env_remove("SMTP_URL")
         .env_remove("HARDCOUNT_LISTEN_URL")
+        .env_remove("HARDCOUNT_SECRETS_KEY")
+        .env_remove("HARDCOUNT_OPERATOR_DATABASE_URL")
         .env("RUST_LOG", "info");
     c
 }

@@ -23,6 +23,9 @@ impl Serve {
             // email_outbox runs by default and needs an SMTP_URL; these tests
             // queue no email, and the transport connects only to send one.
             .env("SMTP_URL", "smtp://127.0.0.1:9")
+            // The key the tests' endpoints are sealed with (webhook_delivery
+            // refuses to start without it once endpoints exist).
+            .env("HARDCOUNT_SECRETS_KEY", testbed::SECRETS_KEY)
             .stdout(Stdio::null())
             // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see the replicas' logs.
             .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {

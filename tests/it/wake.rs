@@ -77,9 +77,15 @@ async fn until_listening_leader(t: &TestDb, pid: u32, limit: Duration) {
 async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_delivers() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    webhook_delivery::create_endpoint(&t.db, "tenant_a", &rx.url_at("/a"), &["invoice.paid"])
-        .await
-        .unwrap();
+    webhook_delivery::create_endpoint(
+        &t.api(),
+        &webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap(),
+        "tenant_a",
+        &rx.url_at("/a"),
+        &["invoice.paid"],
+    )
+    .await
+    .unwrap();
     let listen_url = t.app_url(Leg::Direct);
     let env = [
         ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),

@@ -1,10 +1,12 @@
 //! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause`,
-//! and the commands that are one database call (`migrate`, `leader ...`).
+//! `secrets generate-key|rotate-key`, and the commands that are one database
+//! call (`migrate`, `leader ...`, `secrets rotate-key`).
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use db::Db;
 use leader::Role;
+use webhook_delivery::{Keyring, SECRETS_KEY_VAR};
 
 use crate::settings::{Common, DevSettings, ServeSettings};
 
@@ -31,11 +33,30 @@ pub enum Command {
     /// HARDCOUNT_DEV_DIR unless DATABASE_URL is set), migrated, a demo tenant whose webhooks
     /// go to a receiver in this process. Ctrl-C stops everything it started.
     Dev(DevSettings),
-    /// Inspect or steer leadership.
+    /// Inspect or steer leadership, over HARDCOUNT_OPERATOR_DATABASE_URL (or DATABASE_URL).
     Leader {
         #[command(subcommand)]
         command: LeaderCommand,
     },
+    /// The application key that seals webhook signing secrets (HARDCOUNT_SECRETS_KEY).
+    Secrets {
+        #[command(subcommand)]
+        command: SecretsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SecretsCommand {
+    /// Print a fresh key entry, `<id>:<base64 of 32 random bytes>`, for HARDCOUNT_SECRETS_KEY.
+    GenerateKey {
+        /// The key's id, stored beside every secret it seals (1 to 32 of A-Z a-z 0-9 _ -).
+        #[arg(long, default_value = "k1")]
+        id: String,
+    },
+    /// Reseal every webhook secret under the first key of HARDCOUNT_SECRETS_KEY (secrets
+    /// still in clear, or sealed under an older key listed after it), as the schema owner
+    /// over MIGRATION_DATABASE_URL (or DATABASE_URL). Safe to run again.
+    RotateKey,
 }
 
 #[derive(Debug, Subcommand)]
@@ -91,6 +112,47 @@ pub const MAX_REASON_CHARS: usize = 500;
 /// The longest `--by` kept (migration 0007 backs it with a constraint).
 pub const MAX_BY_CHARS: usize = 200;
 
+/// `hardcount secrets …`.
+pub async fn secrets_command(command: SecretsCommand, common: &Common) -> Result<()> {
+    match command {
+        SecretsCommand::GenerateKey { id } => {
+            let entry = Keyring::generate_entry(&id).map_err(|e| anyhow::anyhow!("--id: {e}"))?;
+            println!("{}", entry.as_str());
+        }
+        SecretsCommand::RotateKey => {
+            let keyring = common.keyring()?.with_context(|| {
+                format!("{SECRETS_KEY_VAR} is not set: it holds the key to seal with")
+            })?;
+            let owner = Db::connect_lazy(&common.migration_database_url()?, 1)?;
+            let report = webhook_delivery::reseal_secrets(&owner, &keyring).await?;
+            owner.close().await;
+            println!(
+                "resealed the secrets of {} webhook endpoint(s) under key {:?} ({} expired previous secret(s) dropped); \
+                 keys listed after it can now be removed from {SECRETS_KEY_VAR}",
+                report.resealed,
+                keyring.current_id(),
+                report.expired_dropped
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What to say when the operator statement is refused for want of a right.
+fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
+    let denied =
+        matches!(&e, leader::store::StoreError::Db(d) if d.code().as_deref() == Some("42501"));
+    let e = anyhow::Error::new(e);
+    if denied {
+        e.context(
+            "the database role cannot do this: `hardcount leader pause|unpause` needs the operator role \
+             (hardcount_operator) through HARDCOUNT_OPERATOR_DATABASE_URL",
+        )
+    } else {
+        e
+    }
+}
+
 pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Result<()> {
     let db = Db::connect_lazy(database_url, 1)?;
     match command {
@@ -124,11 +186,15 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                     leader::holder_id().split(':').next().unwrap_or("unknown")
                 )
             });
-            leader::store::pause(&db, role, &by, &reason).await?;
+            leader::store::pause(&db, role, &by, &reason)
+                .await
+                .map_err(operator_denied)?;
             println!("paused {role} (by {by}: {reason}); its holder stops within one heartbeat");
         }
         LeaderCommand::Unpause { role } => {
-            leader::store::unpause(&db, role).await?;
+            leader::store::unpause(&db, role)
+                .await
+                .map_err(operator_denied)?;
             println!(
                 "unpaused {role}; it is due at the next poll unless a cooldown (not_before) holds"
             );

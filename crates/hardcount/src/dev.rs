@@ -2,7 +2,8 @@
 //!
 //! Without `DATABASE_URL` it starts (or reuses) a local Postgres 15 under the
 //! state directory, migrates it as the owner, connects as `hardcount_app`,
-//! seeds a demo tenant whose webhook endpoint is a receiver in this process
+//! seals webhook secrets with HARDCOUNT_SECRETS_KEY or a key it keeps in
+//! `<state dir>/secrets-key`, seeds a demo tenant whose webhook endpoint is a receiver in this process
 //! (127.0.0.1/32 allowlisted for the SSRF guard), starts an SMTP sink (aiosmtpd,
 //! mail kept under the state directory) unless `SMTP_URL` is set, enqueues an
 //! event and a receipt email every few seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
@@ -19,6 +20,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use db::Db;
 use tokio_util::sync::CancellationToken;
+use webhook_delivery::Keyring;
 
 use crate::settings::{Common, DevSettings};
 use postgres::LocalPostgres;
@@ -48,6 +50,18 @@ pub async fn run(
     crate::cli::migrate(&owner_url)
         .await
         .context("migrating the dev database")?;
+    // The key that seals the demo endpoint's secret: HARDCOUNT_SECRETS_KEY, or
+    // one kept beside the cluster. Secrets stored in clear by an older dev run
+    // are sealed with it now.
+    let keyring = match common.keyring()? {
+        Some(keyring) => keyring,
+        None => dev_key(&absolute(&settings.state_dir)?)?,
+    };
+    // dev plays the API too: it seeds the demo endpoint as the owner.
+    let owner = Db::connect_lazy(&owner_url, 1)?;
+    webhook_delivery::reseal_secrets(&owner, &keyring)
+        .await
+        .context("sealing the dev database's webhook secrets")?;
 
     let allow = "127.0.0.1/32";
     let serve = &mut settings.serve;
@@ -74,15 +88,16 @@ pub async fn run(
     let _provider = billing::start_provider(&mut settings.serve).await?;
     let dunning_demo = dunning::prepare(&mut settings.serve).await?;
     let serve = &mut settings.serve;
-    let config = serve.config(app_url.clone())?;
+    let config = serve.config(app_url.clone(), Some(keyring.clone()))?;
     let listener = crate::bind(serve).await?;
     let addr = listener.local_addr()?;
 
     let demo_stop = CancellationToken::new();
     let receiver = demo::start_receiver(demo_stop.clone()).await?;
     let db = Db::connect_lazy(&app_url, 2)?;
-    demo::seed(&db, &receiver).await?;
-    billing::seed(&db, &receiver).await?;
+    demo::seed(&owner, &keyring, &receiver).await?;
+    billing::seed(&owner, &keyring, &receiver).await?;
+    owner.close().await;
     dunning_demo.seed(&db, demo_stop.clone()).await?;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
 
@@ -104,6 +119,28 @@ pub async fn run(
     drop(sink);
     drop(local);
     served
+}
+
+/// The dev key under `state_dir` (`secrets-key`, owner-only), made on first use.
+fn dev_key(state_dir: &std::path::Path) -> Result<Keyring> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = state_dir.join("secrets-key");
+    if !path.exists() {
+        let entry = Keyring::generate_entry("dev").map_err(|e| anyhow::anyhow!("{e}"))?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut f| f.write_all(entry.as_bytes()))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let text = zeroize::Zeroizing::new(
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?,
+    );
+    Keyring::parse(text.trim()).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
 fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf> {

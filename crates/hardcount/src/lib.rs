@@ -34,7 +34,7 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
     let common = cli.common;
     match cli.command {
         Command::Serve(settings) => {
-            let config = settings.config(common.database_url()?)?;
+            let config = settings.config(common.database_url()?, common.keyring()?)?;
             let listener = bind(&settings).await?;
             run(config, listener, shutdown).await
         }
@@ -43,8 +43,11 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
             until_cancelled(shutdown, cli::migrate(&common.migration_database_url()?)).await
         }
         Command::Leader { command } => {
-            let url = common.database_url()?;
+            let url = common.operator_database_url()?;
             until_cancelled(shutdown, cli::leader_command(command, &url)).await
+        }
+        Command::Secrets { command } => {
+            until_cancelled(shutdown, cli::secrets_command(command, &common)).await
         }
     }
 }

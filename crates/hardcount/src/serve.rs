@@ -173,6 +173,18 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let telemetry = Telemetry::new(Arc::new(recorder));
     scheduler::precreate_series(&telemetry);
 
+    // Only the delivery worker opens webhook secrets, so only a replica that
+    // runs it needs (and is refused without) HARDCOUNT_SECRETS_KEY.
+    if config
+        .roles
+        .iter()
+        .any(|rc| rc.role == Role::WebhookDelivery)
+    {
+        webhook_delivery::check_secrets(&db, config.webhook_delivery.secrets.as_ref())
+            .await
+            .context("refusing to serve")?;
+    }
+
     let mut specs = Vec::new();
     // With HARDCOUNT_LISTEN_URL, the webhook roles are woken by their
     // producers' pg_notify instead of waiting for their interval.

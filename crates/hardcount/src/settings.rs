@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use leader::Role;
-use webhook_delivery::WorkerConfig;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
+use webhook_delivery::{Keyring, WorkerConfig};
 
 use email_outbox::{SenderConfig, SmtpUrl};
 
@@ -38,6 +38,26 @@ pub struct Common {
         global = true
     )]
     pub migration_database_url: Option<String>,
+    /// The operator's URL, as hardcount_operator (reads leader_status, pauses and
+    /// unpauses roles), for `hardcount leader …` [default: DATABASE_URL, which can
+    /// read the status but not pause].
+    #[arg(
+        long,
+        env = "HARDCOUNT_OPERATOR_DATABASE_URL",
+        hide_env_values = true,
+        global = true
+    )]
+    pub operator_database_url: Option<String>,
+    /// The keys that seal webhook signing secrets: `<id>:<base64 of 32 bytes>`, more
+    /// comma-separated during a key rotation (the first seals, all open); make one with
+    /// `hardcount secrets generate-key`. Required by webhook_delivery once endpoints exist.
+    #[arg(
+        long,
+        env = "HARDCOUNT_SECRETS_KEY",
+        hide_env_values = true,
+        global = true
+    )]
+    pub secrets_key: Option<String>,
     /// Log filter (tracing's EnvFilter syntax), e.g. `info,leader=debug`.
     #[arg(long = "log", env = "RUST_LOG", default_value = "info", global = true)]
     pub rust_log: String,
@@ -47,6 +67,22 @@ impl Common {
     pub fn database_url(&self) -> Result<String> {
         non_empty(&self.database_url)
             .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
+    }
+
+    /// HARDCOUNT_OPERATOR_DATABASE_URL, else DATABASE_URL.
+    pub fn operator_database_url(&self) -> Result<String> {
+        non_empty(&self.operator_database_url)
+            .or_else(|| non_empty(&self.database_url))
+            .context("neither HARDCOUNT_OPERATOR_DATABASE_URL nor DATABASE_URL is set")
+    }
+
+    /// HARDCOUNT_SECRETS_KEY parsed, when set. The error names the variable
+    /// and never shows a key.
+    pub fn keyring(&self) -> Result<Option<Keyring>> {
+        non_empty(&self.secrets_key)
+            .map(|text| Keyring::parse(&text))
+            .transpose()
+            .map_err(|e| anyhow!("{e}"))
     }
 
     /// MIGRATION_DATABASE_URL, else DATABASE_URL.
@@ -165,8 +201,9 @@ impl ServeSettings {
         })
     }
 
-    /// The serve configuration these settings describe, on `database_url`.
-    pub fn config(&self, database_url: String) -> Result<Config> {
+    /// The serve configuration these settings describe, on `database_url`,
+    /// opening webhook secrets with `secrets` (HARDCOUNT_SECRETS_KEY).
+    pub fn config(&self, database_url: String, secrets: Option<Keyring>) -> Result<Config> {
         let roles = non_empty(&self.roles);
         let mut intervals = Vec::new();
         for (role, value) in [
@@ -187,7 +224,10 @@ impl ServeSettings {
             intervals.iter().find(|(r, _)| *r == role).map(|(_, d)| *d)
         })?;
 
-        let mut webhook_delivery = WorkerConfig::default();
+        let mut webhook_delivery = WorkerConfig {
+            secrets,
+            ..WorkerConfig::default()
+        };
         if let Some(text) = non_empty(&self.webhook_allowlist) {
             webhook_delivery.allowlist = Allowlist::parse(&text)
                 .map_err(|e| anyhow!("HARDCOUNT_WEBHOOK_ALLOWLIST={text:?}: {e}"))?;
@@ -337,7 +377,7 @@ mod tests {
             .map_err(|e| e.to_string())?;
         serve
             .settings
-            .config("postgres://x".into())
+            .config("postgres://x".into(), None)
             .map_err(|e| format!("{e:#}"))
     }
 

@@ -101,6 +101,28 @@ impl TestDb {
         app_url(leg, &self.name)
     }
 
+    /// The API role's pool (`hardcount_api`: creates endpoints, rotates
+    /// secrets) through the current leg.
+    pub fn api(&self) -> Db {
+        Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &self.name), 2).unwrap()
+    }
+
+    /// The operator role's pool (`hardcount_operator`: `leader_status`,
+    /// `leader_pause`, `leader_unpause`) through the current leg.
+    pub fn operator(&self) -> Db {
+        Db::connect_lazy(&self.operator_url(Leg::current()), 1).unwrap()
+    }
+
+    /// `hardcount_operator`'s URL for this database through `leg`.
+    pub fn operator_url(&self, leg: Leg) -> String {
+        role_url("hardcount_operator", leg, &self.name)
+    }
+
+    /// `role`'s URL for this database through `leg` (no password: the bed trusts).
+    pub fn role_url(&self, role: &str, leg: Leg) -> String {
+        role_url(role, leg, &self.name)
+    }
+
     /// A direct superuser URL for this database (setup and inspection only).
     pub fn superuser_url(&self) -> String {
         superuser_url(&self.name)
@@ -137,8 +159,17 @@ impl Drop for TestDb {
 }
 
 pub fn app_url(leg: Leg, database: &str) -> String {
-    format!("postgres://hardcount_app@{}/{database}", leg.addr())
+    role_url("hardcount_app", leg, database)
 }
+
+fn role_url(role: &str, leg: Leg, database: &str) -> String {
+    format!("postgres://{role}@{}/{database}", leg.addr())
+}
+
+/// The application key tests seal webhook secrets with
+/// (`HARDCOUNT_SECRETS_KEY`'s syntax: `<id>:<base64 of 32 bytes>`). A test key
+/// only: production keys come from `hardcount secrets generate-key`.
+pub const SECRETS_KEY: &str = "test:dGhpcyBpcyB0aGUgdGVzdCBiZWQncyBvbmx5IGtleSE=";
 
 pub fn superuser_url(database: &str) -> String {
     format!("postgres://postgres@{}/{database}", Leg::Direct.addr())

@@ -11,6 +11,7 @@ use url::Url;
 
 use crate::delivery::Claimed;
 use crate::outcomes::{Finished, Step};
+use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
 use crate::store::{NextState, Observed, OutcomeRow};
@@ -90,10 +91,11 @@ impl Worker {
     async fn send(&self, d: &Claimed) -> (Heard, Observed) {
         let id = d.row.id;
         let observed_started = Instant::now();
+        let keyring = self.inner.config.secrets.as_ref();
         let prepared = Url::parse(&d.row.url)
             .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))
             .and_then(|url| {
-                Secret::parse(&d.row.secret)
+                open_secret(keyring, &d.row.tenant_id, d.row.secret.as_ref())
                     .map(|secret| (url, secret))
                     .map_err(|e| {
                         (
@@ -113,10 +115,11 @@ impl Worker {
                 return (Heard::NoAnswer, observed);
             }
         };
-        // A previous secret that no longer parses (stored before keys had to be
-        // 24 bytes) is left out: the delivery goes out signed with the current one.
-        let previous = d.row.previous_secret.as_deref().and_then(|text| {
-            Secret::parse(text)
+        // A previous secret that does not open or parse (a key under 24 bytes,
+        // stored before they were refused) is left out: the delivery goes out
+        // signed with the current one. Both are wiped when this attempt ends.
+        let previous = d.row.previous_secret.as_ref().and_then(|sealed| {
+            open_secret(keyring, &d.row.tenant_id, Some(sealed))
                 .inspect_err(|e| {
                     warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
                 })
@@ -246,4 +249,18 @@ impl Worker {
             _ => NextState::Dead,
         }
     }
+}
+
+/// Open a claimed endpoint's sealed secret in this worker's memory only.
+fn open_secret(
+    keyring: Option<&Keyring>,
+    tenant_id: &str,
+    sealed: Option<&Sealed>,
+) -> Result<Secret, String> {
+    let keyring = keyring.ok_or_else(|| format!("{SECRETS_KEY_VAR} is not set"))?;
+    let sealed =
+        sealed.ok_or("the secret is stored in clear: run `hardcount secrets rotate-key`")?;
+    keyring
+        .open(tenant_id, &sealed.key_id, &sealed.ciphertext)
+        .map_err(|e: OpenError| e.to_string())
 }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::backoff::RetrySchedule;
+use crate::sealed::Keyring;
 use crate::ssrf::{Allowlist, Ports};
 
 /// How deliveries are sent. `Default` is the production setting.
@@ -39,6 +40,9 @@ pub struct WorkerConfig {
     pub ports: Ports,
     /// The server cancels a store statement after this. Default 5 s.
     pub statement_timeout: Duration,
+    /// The keys that open the sealed signing secrets (`HARDCOUNT_SECRETS_KEY`);
+    /// default none, and then no delivery is signed (`bad_secret`).
+    pub secrets: Option<Keyring>,
 }
 
 impl Default for WorkerConfig {
@@ -56,6 +60,7 @@ impl Default for WorkerConfig {
             allowlist: Allowlist::default(),
             ports: Ports::default(),
             statement_timeout: Duration::from_secs(5),
+            secrets: None,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use db::Db;
 use url::Url;
 
+use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::signature::Secret;
 use crate::store;
 
@@ -89,15 +90,18 @@ pub fn parse_endpoint_url(url: &str) -> Result<Url, EndpointError> {
     Ok(parsed)
 }
 
-/// Register an endpoint for `tenant_id` with a fresh `whsec_` secret. It
-/// receives the events whose type is in `event_types`, or every event when
-/// the list is empty, from the next fan-out on.
+/// Register an endpoint for `tenant_id` with a fresh `whsec_` secret, stored
+/// sealed under `keyring`'s current key. It receives the events whose type is
+/// in `event_types`, or every event when the list is empty, from the next
+/// fan-out on. `db` is the API role's pool (`hardcount_api`): the role loops'
+/// role cannot create endpoints.
 ///
 /// # Errors
 /// [`EndpointError`] for an empty tenant or event type, or a URL that does not
 /// parse or is not http(s); [`EndpointError::Db`] if the insert fails.
 pub async fn create_endpoint<S: AsRef<str>>(
     db: &Db,
+    keyring: &Keyring,
     tenant_id: &str,
     url: &str,
     event_types: &[S],
@@ -114,14 +118,9 @@ pub async fn create_endpoint<S: AsRef<str>>(
         return Err(EndpointError::EmptyEventType);
     }
     let secret = Secret::generate();
-    let row = store::insert_endpoint(
-        db,
-        tenant_id,
-        url.as_str(),
-        &secret.expose(),
-        event_types.clone(),
-    )
-    .await?;
+    let sealed = keyring.seal(tenant_id, &secret);
+    let row =
+        store::insert_endpoint(db, tenant_id, url.as_str(), &sealed, event_types.clone()).await?;
     Ok(Endpoint {
         id: row.id,
         tenant_id: tenant_id.to_owned(),
@@ -160,11 +159,13 @@ pub enum RotateError {
 /// ([`Secret::expose`]); never log it.
 ///
 /// # Errors
-/// [`RotateError::NotFound`] when `tenant_id` has no endpoint `endpoint_id`,
+/// [`RotateError::NotFound`] when `tenant_id` has no endpoint `endpoint_id`
+/// (or its secret is still in clear: `hardcount secrets rotate-key` first),
 /// [`RotateError::OverlapTooLong`] past [`MAX_ROTATION_OVERLAP`],
 /// [`RotateError::Db`] if the update fails.
 pub async fn rotate_secret(
     db: &Db,
+    keyring: &Keyring,
     tenant_id: &str,
     endpoint_id: i64,
     overlap: Duration,
@@ -173,13 +174,133 @@ pub async fn rotate_secret(
         return Err(RotateError::OverlapTooLong { overlap });
     }
     let secret = Secret::generate();
-    if store::rotate_secret(db, tenant_id, endpoint_id, &secret.expose(), overlap).await? {
+    let sealed = keyring.seal(tenant_id, &secret);
+    if store::rotate_secret(db, tenant_id, endpoint_id, &sealed, overlap).await? {
         Ok(secret)
     } else {
         Err(RotateError::NotFound {
             tenant_id: tenant_id.to_owned(),
             endpoint_id,
         })
+    }
+}
+
+/// Why `serve` refuses to run webhook delivery with the stored secrets.
+/// Names the setting or the command; never shows a secret or a key.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretsError {
+    #[error(
+        "{SECRETS_KEY_VAR} is not set, and {0} webhook endpoint(s) exist whose signing secrets \
+         are sealed with it: set {SECRETS_KEY_VAR} (the key that sealed them), or leave \
+         webhook_delivery out of HARDCOUNT_ROLES"
+    )]
+    NoKey(i64),
+    #[error(
+        "{0} webhook endpoint(s) still hold a signing secret in clear: run \
+         `hardcount secrets rotate-key` (as the schema owner, MIGRATION_DATABASE_URL) to seal them"
+    )]
+    InClear(i64),
+    #[error(
+        "webhook signing secrets are sealed with key id(s) {0:?}, which {SECRETS_KEY_VAR} does not hold: \
+         list those keys after the current one until `hardcount secrets rotate-key` has resealed them"
+    )]
+    MissingKeys(Vec<String>),
+    #[error("could not reseal webhook secrets: endpoint {endpoint_id}: {error}")]
+    Open { endpoint_id: i64, error: OpenError },
+    #[error("could not read the stored webhook secrets: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// The boot check of a replica that runs webhook delivery: every stored
+/// secret is sealed, and under a key `keyring` holds. With no keyring it
+/// passes only while there is no endpoint.
+///
+/// # Errors
+/// A [`SecretsError`] saying what to set or run.
+pub async fn check_secrets(db: &Db, keyring: Option<&Keyring>) -> Result<(), SecretsError> {
+    let census = store::secrets_census(db).await?;
+    let Some(keyring) = keyring else {
+        return match census.endpoints {
+            0 => Ok(()),
+            n => Err(SecretsError::NoKey(n)),
+        };
+    };
+    if census.in_clear > 0 {
+        return Err(SecretsError::InClear(census.in_clear));
+    }
+    let missing: Vec<String> = census
+        .key_ids
+        .into_iter()
+        .filter(|id| !keyring.holds(id))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(SecretsError::MissingKeys(missing))
+    }
+}
+
+/// What [`reseal_secrets`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResealReport {
+    /// Endpoints whose secrets were written again under the current key.
+    pub resealed: u64,
+    /// Previous secrets dropped because their overlap was over.
+    pub expired_dropped: u64,
+}
+
+/// Seal every webhook secret under `keyring`'s current key: secrets still in
+/// clear (stored before migration 0012) and secrets sealed under an older key
+/// listed after it. Previous secrets past their overlap are dropped. In
+/// batches of 100 endpoints, each batch one transaction with its rows locked,
+/// so a rotation running meanwhile waits rather than being overwritten.
+/// `owner` must be the schema owner's pool (only it reads the clear columns);
+/// it may be run again at any time, and then does nothing.
+///
+/// # Errors
+/// [`SecretsError::Open`] when a sealed secret does not open with any key
+/// listed (nothing of that batch is written), [`SecretsError::Db`].
+pub async fn reseal_secrets(owner: &Db, keyring: &Keyring) -> Result<ResealReport, SecretsError> {
+    let mut report = ResealReport::default();
+    let mut after = 0;
+    loop {
+        let mut tx = owner.begin().await?;
+        let rows = store::secrets_to_reseal(&mut tx, keyring.current_id(), after, 100).await?;
+        let Some(last) = rows.last() else {
+            tx.commit().await?;
+            return Ok(report);
+        };
+        after = last.id;
+        for row in &rows {
+            let open = |clear: &Option<String>,
+                        sealed: &Option<Sealed>|
+             -> Result<Option<Secret>, SecretsError> {
+                let opened = match (clear, sealed) {
+                    (_, Some(s)) => Some(keyring.open(&row.tenant_id, &s.key_id, &s.ciphertext)),
+                    (Some(text), None) => Some(Secret::parse(text).map_err(OpenError::from)),
+                    (None, None) => None,
+                };
+                opened.transpose().map_err(|error| SecretsError::Open {
+                    endpoint_id: row.id,
+                    error,
+                })
+            };
+            let current = open(&row.clear, &row.sealed)?.ok_or(SecretsError::Open {
+                endpoint_id: row.id,
+                error: OpenError::Corrupt("none".into()),
+            })?;
+            let previous = if row.previous_expired {
+                report.expired_dropped += 1;
+                None
+            } else {
+                open(&row.previous_clear, &row.previous_sealed)?
+            };
+            let current = keyring.seal(&row.tenant_id, &current);
+            let previous = previous.map(|p| keyring.seal(&row.tenant_id, &p));
+            store::store_resealed(&mut tx, row.id, &current, previous.as_ref()).await?;
+            report.resealed += 1;
+        }
+        tx.commit().await?;
     }
 }
 

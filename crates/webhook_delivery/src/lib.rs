@@ -66,6 +66,14 @@
 //!   with either secret; after it, with the new one only. Keys shorter than 24
 //!   bytes are refused ([`signature::SecretError::KeyTooShort`]): such an
 //!   endpoint's deliveries are not sent (`bad_secret`).
+//! - **Signing secrets are sealed at rest** ([`sealed`], migration 0012):
+//!   XChaCha20-Poly1305 under the application key (`HARDCOUNT_SECRETS_KEY`,
+//!   [`WorkerConfig::secrets`]), the key id stored with each ciphertext and the
+//!   tenant bound into it. [`create_endpoint`] and [`rotate_secret`] seal (as
+//!   `hardcount_api`); only an attempt opens, into buffers wiped when it ends.
+//!   A secret that does not open is not sent (`bad_secret`).
+//!   [`check_secrets`] is `serve`'s boot check; [`reseal_secrets`] (as the
+//!   owner) seals old clear rows and moves every secret to the current key.
 //! - **Bad settings are refused at construction** ([`Worker::new`]), naming
 //!   the setting ([`ConfigError`]); nothing is clamped.
 //!
@@ -94,6 +102,7 @@
 //! ```
 //!
 //! and the building blocks: [`signature`] (secrets and `webhook-*` headers),
+//! [`sealed`] (secrets sealed at rest under the application key),
 //! [`ssrf`] (which addresses may be connected to, enforced inside the HTTP
 //! client's DNS resolution), [`backoff`] (the retry schedule and
 //! `Retry-After`), `send` (one bounded POST) and [`create_endpoint`]. Outcome
@@ -106,6 +115,7 @@ mod delivery;
 mod endpoint;
 mod failure;
 mod outcomes;
+pub mod sealed;
 mod send;
 pub mod signature;
 pub mod ssrf;
@@ -116,10 +126,12 @@ mod verdict;
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
-    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, RotateError, create_endpoint,
-    parse_endpoint_url, redacted_url, rotate_secret,
+    Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
+    SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url, reseal_secrets,
+    rotate_secret,
 };
 pub use failure::Failure;
+pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use tick::{TickReport, Worker};
 
 /// Errors of the delivery worker: a setting refused at construction, the

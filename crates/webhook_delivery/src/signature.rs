@@ -26,6 +26,7 @@ use hmac::{Hmac, Mac as _};
 use rand::RngCore as _;
 use sha2::Sha256;
 use std::fmt;
+use zeroize::Zeroizing;
 
 /// Header carrying the message id; the same on every attempt so receivers can dedupe.
 pub const HEADER_ID: &str = "webhook-id";
@@ -56,10 +57,10 @@ pub enum SecretError {
     KeyTooShort { len: usize },
 }
 
-/// An endpoint's signing key.
+/// An endpoint's signing key, wiped from memory when dropped.
 #[derive(Clone)]
 pub struct Secret {
-    key: Vec<u8>,
+    key: Zeroizing<Vec<u8>>,
 }
 
 impl Secret {
@@ -74,9 +75,11 @@ impl Secret {
         let encoded = text
             .strip_prefix(SECRET_PREFIX)
             .ok_or(SecretError::MissingPrefix)?;
-        let key = STANDARD
-            .decode(encoded)
-            .map_err(|_| SecretError::InvalidBase64)?;
+        let key = Zeroizing::new(
+            STANDARD
+                .decode(encoded)
+                .map_err(|_| SecretError::InvalidBase64)?,
+        );
         if key.is_empty() {
             return Err(SecretError::EmptyKey);
         }
@@ -88,7 +91,7 @@ impl Secret {
 
     /// A fresh secret of 24 random bytes from the thread-local CSPRNG.
     pub fn generate() -> Self {
-        let mut key = vec![0; GENERATED_KEY_LEN];
+        let mut key = Zeroizing::new(vec![0; GENERATED_KEY_LEN]);
         rand::rng().fill_bytes(&mut key);
         Self { key }
     }
@@ -96,7 +99,7 @@ impl Secret {
     /// The `whsec_...` text, to store or to show the endpoint owner once.
     /// Named so that every place that reveals the secret is easy to find.
     pub fn expose(&self) -> String {
-        format!("{SECRET_PREFIX}{}", STANDARD.encode(&self.key))
+        format!("{SECRET_PREFIX}{}", STANDARD.encode(self.key.as_slice()))
     }
 }
 

@@ -150,6 +150,7 @@ impl Args {
             max_in_flight: self.max_in_flight,
             max_in_flight_per_endpoint: self.per_endpoint,
             allowlist: Allowlist::parse("127.0.0.0/8").expect("a valid CIDR"),
+            secrets: Some(crate::workload::bench_keyring()),
             ..WorkerConfig::default()
         }
     }

@@ -83,7 +83,13 @@ pub async fn phase(
     let url = t.app_url(leg);
     let db = Db::connect_lazy(&url, args.pool)?;
     let producer = Db::connect_lazy(&url, args.producer_pool)?;
-    let endpoints = endpoints(&db, &receiver.base_url(), label, args.latency_endpoints).await?;
+    let endpoints = endpoints(
+        &t.api(),
+        &receiver.base_url(),
+        label,
+        args.latency_endpoints,
+    )
+    .await?;
     let mut su = t.superuser().await;
     let _ = receiver.take();
 

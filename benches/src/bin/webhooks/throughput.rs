@@ -68,7 +68,8 @@ pub async fn run(
     // (closed before the first reading of the Postgres counters), producers
     // and the roles' (closed before the second).
     let setup = Db::connect_lazy(&t.app_url(leg), 2)?;
-    let endpoints = endpoints(&setup, &receiver.base_url(), label, args.endpoints).await?;
+    // Endpoints are written by the API role, the only one that may (docs/adr/0015).
+    let endpoints = endpoints(&t.api(), &receiver.base_url(), label, args.endpoints).await?;
     if args.enqueue_outside_clock {
         preload(&setup, args.events, args.events_per_tx).await?;
     }

@@ -27,13 +27,18 @@ pub async fn endpoints(db: &Db, base_url: &str, prefix: &str, n: usize) -> Resul
     for i in 0..n {
         let path = format!("/{prefix}/ep{i}");
         let url = format!("{base_url}{path}");
-        let ep = create_endpoint(db, TENANT, &url, &[] as &[&str]).await?;
+        let ep = create_endpoint(db, &bench_keyring(), TENANT, &url, &[] as &[&str]).await?;
         out.push(Endpoint {
             path,
             secret: ep.secret.expose(),
         });
     }
     Ok(out)
+}
+
+/// The key the bench seals its endpoints' secrets with (the test bed's).
+pub fn bench_keyring() -> webhook_delivery::Keyring {
+    webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).expect("the test bed's key parses")
 }
 
 /// An invoice-shaped payload of about 200 bytes.

@@ -4,4 +4,5 @@
 mod access_path;
 mod cancel;
 mod migrations;
+mod roles;
 mod schema;

@@ -76,8 +76,9 @@ pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<FakeProv
 }
 
 /// The demo plan, its customers and three fresh subscriptions, and an
-/// endpoint on `receiver_url` for the billing events.
-pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
+/// endpoint on `receiver_url` for the billing events. `db` is the owner's:
+/// only the owner writes an endpoint's sealed secret here (docs/adr/0015).
+pub async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &str) -> Result<()> {
     let mut tx = db.begin().await?;
     let plan: i64 = match tx
         .fetch_optional(
@@ -163,7 +164,7 @@ pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
     }
     tx.commit().await?;
     if endpoint.is_none() {
-        webhook_delivery::create_endpoint(db, TENANT, receiver_url, &EVENTS)
+        webhook_delivery::create_endpoint(db, keyring, TENANT, receiver_url, &EVENTS)
             .await
             .context("create the demo billing endpoint")?;
     }

@@ -59,7 +59,7 @@ pub async fn start_receiver(shutdown: CancellationToken) -> Result<String> {
 }
 
 /// The demo tenant's endpoint, created once and pointed at `receiver_url`.
-pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
+pub async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &str) -> Result<()> {
     let existing = db
         .fetch_optional(
             sql("SELECT id FROM webhook_endpoints WHERE tenant_id = $1 ORDER BY id LIMIT 1")
@@ -79,7 +79,7 @@ pub async fn seed(db: &Db, receiver_url: &str) -> Result<()> {
         }
         None => {
             let endpoint =
-                webhook_delivery::create_endpoint(db, TENANT, receiver_url, &[EVENT_TYPE])
+                webhook_delivery::create_endpoint(db, keyring, TENANT, receiver_url, &[EVENT_TYPE])
                     .await
                     .context("create the demo endpoint")?;
             println!(

@@ -142,10 +142,22 @@ async fn serve_refuses_a_schema_behind_and_names_the_missing_migration() {
 async fn leader_cli_pauses_shows_and_unpauses_a_role() {
     let t = TestDb::new().await;
     let url = t.app_url(Leg::current());
+    // The role loops' credential can read the status but not pause (migration
+    // 0012); the refusal names the setting that fixes it.
+    let out = hardcount()
+        .args(["leader", "pause", "email_outbox", "--reason", "x"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("HARDCOUNT_OPERATOR_DATABASE_URL"), "{all}");
+    let operator = t.operator_url(Leg::current());
     let run = |args: &[&str]| {
         hardcount()
             .args(args)
             .env("DATABASE_URL", &url)
+            .env("HARDCOUNT_OPERATOR_DATABASE_URL", &operator)
             .output()
             .unwrap()
     };
@@ -199,21 +211,22 @@ async fn leader_cli_pauses_shows_and_unpauses_a_role() {
 #[tokio::test]
 async fn leader_status_escapes_control_characters_and_pause_bounds_its_reason() {
     let t = TestDb::new().await;
-    let url = t.app_url(Leg::current());
+    let url = t.operator_url(Leg::current());
     let run = |args: &[&str]| {
         hardcount()
             .args(args)
-            .env("DATABASE_URL", &url)
+            .env("HARDCOUNT_OPERATOR_DATABASE_URL", &url)
             .output()
             .unwrap()
     };
-    t.db.execute(
-        db::sql("SELECT leader_pause('billing', $1, $2)")
-            .bind("oncall\u{1b}]0;owned\u{7}".to_owned())
-            .bind("disk \u{1b}[2J full\nnext line".to_owned()),
-    )
-    .await
-    .unwrap();
+    t.operator()
+        .execute(
+            db::sql("SELECT leader_pause('billing', $1, $2)")
+                .bind("oncall\u{1b}]0;owned\u{7}".to_owned())
+                .bind("disk \u{1b}[2J full\nnext line".to_owned()),
+        )
+        .await
+        .unwrap();
     let out = run(&["leader", "status"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
@@ -261,6 +274,8 @@ fn serve_help_lists_every_variable() {
         "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL",
         "HARDCOUNT_EMAIL_OUTBOX_INTERVAL",
         "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL",
+        "HARDCOUNT_OPERATOR_DATABASE_URL",
+        "HARDCOUNT_SECRETS_KEY",
         "HARDCOUNT_WEBHOOK_ALLOWLIST",
         "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
         "HARDCOUNT_WEBHOOK_TIMEOUT",
@@ -309,4 +324,110 @@ fn serve_refuses_nonsense_settings_by_name_before_touching_the_database() {
         assert_eq!(out.status.code(), Some(1), "{all}");
         assert!(all.contains(expected), "{var}={value}: {all}");
     }
+}
+
+/// Issue 12, point 2: a secret stored in clear (before migration 0012) keeps
+/// webhook delivery from starting until `hardcount secrets rotate-key` seals
+/// it; a key rotation reseals every secret under the new key; `serve` refuses
+/// to run webhook delivery without the key, or without a key a secret is
+/// sealed under, naming HARDCOUNT_SECRETS_KEY each time. The secret itself
+/// never changes (receivers notice nothing).
+///
+/// Catches: serve not checking the stored secrets (`serve_secrets_check`:
+/// the refusals turn into a running server, killed by the limit).
+#[tokio::test]
+async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_key() {
+    use webhook_delivery::Keyring;
+    let t = TestDb::new().await;
+    let clear = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('tenant_a', 'https://a.example.com/', $1)",
+    )
+    .bind(clear)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let serve = |key: Option<&str>| {
+        let mut cmd = hardcount();
+        cmd.arg("serve")
+            .env("DATABASE_URL", t.app_url(Leg::current()))
+            .env("HARDCOUNT_ROLES", "webhook_delivery")
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0");
+        if let Some(key) = key {
+            cmd.env("HARDCOUNT_SECRETS_KEY", key);
+        }
+        let out = run(&mut cmd, Duration::from_secs(20));
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        assert!(all.contains("refusing to serve"), "{all}");
+        all
+    };
+    let secrets = |args: &[&str], key: &str| {
+        let out = run(
+            hardcount()
+                .arg("secrets")
+                .args(args)
+                .env("MIGRATION_DATABASE_URL", t.superuser_url())
+                .env("HARDCOUNT_SECRETS_KEY", key),
+            Duration::from_secs(20),
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let stored = async |su: &mut sqlx::PgConnection| -> (Option<String>, String, Vec<u8>) {
+        let row =
+            sqlx::query("SELECT secret, secret_key_id, secret_ciphertext FROM webhook_endpoints")
+                .fetch_one(su)
+                .await
+                .unwrap();
+        (row.get(0), row.get(1), row.get(2))
+    };
+
+    let all = serve(None);
+    assert!(all.contains("HARDCOUNT_SECRETS_KEY is not set"), "{all}");
+    let all = serve(Some(testbed::SECRETS_KEY));
+    assert!(
+        all.contains("in clear") && all.contains("hardcount secrets rotate-key"),
+        "{all}"
+    );
+
+    let said = secrets(&["rotate-key"], testbed::SECRETS_KEY);
+    assert!(
+        said.contains("resealed the secrets of 1 webhook endpoint"),
+        "{said}"
+    );
+    let (in_clear, key_id, sealed) = stored(&mut su).await;
+    assert_eq!((in_clear, key_id.as_str()), (None, "test"));
+    let test_key = Keyring::parse(testbed::SECRETS_KEY).unwrap();
+    assert_eq!(
+        test_key.open("tenant_a", "test", &sealed).unwrap().expose(),
+        clear
+    );
+    // A second run has nothing to do.
+    let said = secrets(&["rotate-key"], testbed::SECRETS_KEY);
+    assert!(
+        said.contains("resealed the secrets of 0 webhook endpoint"),
+        "{said}"
+    );
+
+    // Rotate to a new key: listed first, the old one after it.
+    let k2 = secrets(&["generate-key", "--id", "k2"], testbed::SECRETS_KEY);
+    let k2 = k2.trim();
+    assert!(k2.starts_with("k2:") && !k2.contains(','), "{k2}");
+    secrets(&["rotate-key"], &format!("{k2},{}", testbed::SECRETS_KEY));
+    let (_, key_id, sealed) = stored(&mut su).await;
+    assert_eq!(key_id, "k2");
+    let new_key = Keyring::parse(k2).unwrap();
+    assert_eq!(
+        new_key.open("tenant_a", "k2", &sealed).unwrap().expose(),
+        clear
+    );
+
+    let all = serve(Some(testbed::SECRETS_KEY));
+    assert!(
+        all.contains("key id(s) [\"k2\"]") && all.contains("HARDCOUNT_SECRETS_KEY does not hold"),
+        "{all}"
+    );
+    assert!(!all.contains(k2.split(':').nth(1).unwrap()), "{all}");
 }

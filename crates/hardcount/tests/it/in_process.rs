@@ -22,7 +22,7 @@ async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancell
     let Command::Serve(settings) = cli.command else {
         panic!("not serve: {:?}", cli.command)
     };
-    let config = settings.config(t.app_url(Leg::current())).unwrap();
+    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();
@@ -79,7 +79,7 @@ async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
     let Command::Serve(settings) = cli.command else {
         panic!("not serve: {:?}", cli.command)
     };
-    let config = settings.config(t.app_url(Leg::current())).unwrap();
+    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/readyz", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();

@@ -13,6 +13,8 @@ pub fn hardcount() -> Command {
     c.env_remove("DATABASE_URL")
         .env_remove("MIGRATION_DATABASE_URL")
         .env_remove("HARDCOUNT_ROLES")
+        .env_remove("HARDCOUNT_OPERATOR_DATABASE_URL")
+        .env_remove("HARDCOUNT_SECRETS_KEY")
         .env("RUST_LOG", "info");
     c
 }

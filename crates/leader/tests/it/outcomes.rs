@@ -60,7 +60,8 @@ async fn pause_mid_tick_cancels_within_a_heartbeat_and_refuses_acquire_everywher
     let (a, a_metrics) = manager(&t.db, fast(), "a");
     let (b, _) = manager(&t.db, fast(), "b");
     let shutdown = CancellationToken::new();
-    let db = t.db.clone();
+    // Pausing is the operator role's (migration 0012).
+    let db = t.operator();
     let paused_at = std::sync::Arc::new(std::sync::Mutex::new(None));
     let cancelled_after = {
         let paused_at = paused_at.clone();
@@ -108,7 +109,7 @@ async fn pause_mid_tick_cancels_within_a_heartbeat_and_refuses_acquire_everywher
         .execute(&mut su)
         .await
         .unwrap();
-    leader::store::unpause(&t.db, Role::EmailOutbox)
+    leader::store::unpause(&t.operator(), Role::EmailOutbox)
         .await
         .unwrap();
     let l = lease(&t.db, Role::EmailOutbox).await;
@@ -243,7 +244,7 @@ async fn a_panic_after_a_lost_lease_reports_only_the_loss() {
     let t = TestDb::new().await;
     let (m, metrics) = manager(&t.db, fast(), "a");
     let shutdown = CancellationToken::new();
-    let db = t.db.clone();
+    let db = t.operator();
     let r = AssertUnwindSafe(m.lead(
         Role::WebhookDelivery,
         Duration::from_secs(600),

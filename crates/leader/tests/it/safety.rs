@@ -202,7 +202,7 @@ async fn a_holder_stalled_before_commit_is_replaced_within_ttl_and_pause_answers
         let started = Instant::now();
         let r = tokio::time::timeout(
             Duration::from_secs(8),
-            store::pause(&t.db, Role::Dunning, "ops", "stalled holder"),
+            store::pause(&t.operator(), Role::Dunning, "ops", "stalled holder"),
         )
         .await;
         (r, started.elapsed())

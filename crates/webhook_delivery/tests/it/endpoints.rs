@@ -5,11 +5,15 @@ use testbed::TestDb;
 use webhook_delivery::signature::Secret;
 use webhook_delivery::{EndpointError, create_endpoint};
 
+use crate::{endpoint, keyring};
+
 #[tokio::test]
 async fn create_endpoint_stores_a_fresh_secret_that_debug_never_shows() {
     let t = TestDb::new().await;
+    let api = t.api();
     let ep = create_endpoint(
-        &t.db,
+        &api,
+        &keyring(),
         "tenant_a",
         "https://hooks.example.com/billing",
         &["invoice.paid", "invoice.finalized"],
@@ -28,8 +32,11 @@ async fn create_endpoint_stores_a_fresh_secret_that_debug_never_shows() {
 
     let row =
         t.db.fetch_one(
-            sql("SELECT tenant_id, url, secret, event_types FROM webhook_endpoints WHERE id = $1")
-                .bind(ep.id),
+            sql(
+                "SELECT tenant_id, url, secret_ciphertext, secret_key_id, event_types \
+                 FROM webhook_endpoints WHERE id = $1",
+            )
+            .bind(ep.id),
         )
         .await
         .unwrap();
@@ -38,13 +45,18 @@ async fn create_endpoint_stores_a_fresh_secret_that_debug_never_shows() {
         row.get::<String, _>("url"),
         "https://hooks.example.com/billing"
     );
-    assert_eq!(row.get::<String, _>("secret"), secret);
+    // Stored sealed under the current key, and it opens to the secret shown.
+    assert_eq!(row.get::<String, _>("secret_key_id"), "test");
+    let sealed: Vec<u8> = row.get("secret_ciphertext");
+    let opened = keyring().open("tenant_a", "test", &sealed).unwrap();
+    assert_eq!(opened.expose(), secret);
     assert_eq!(
         row.get::<Vec<String>, _>("event_types"),
         vec!["invoice.paid", "invoice.finalized"]
     );
     let other = create_endpoint(
-        &t.db,
+        &api,
+        &keyring(),
         "tenant_a",
         "https://hooks.example.com/billing",
         &[] as &[&str],
@@ -61,6 +73,7 @@ async fn create_endpoint_stores_a_fresh_secret_that_debug_never_shows() {
 #[tokio::test]
 async fn create_endpoint_refuses_bad_input_with_a_clear_error_and_stores_nothing() {
     let t = TestDb::new().await;
+    let (api, keys) = (t.api(), keyring());
     let none: &[&str] = &[];
     let cases: Vec<(&str, &str, &[&str], &str)> = vec![
         (
@@ -96,12 +109,12 @@ async fn create_endpoint_refuses_bad_input_with_a_clear_error_and_stores_nothing
         ("", "https://hooks.example.com/x", none, "empty tenant_id"),
     ];
     for (tenant, url, types, expected) in cases {
-        let err = create_endpoint(&t.db, tenant, url, types)
+        let err = create_endpoint(&api, &keys, tenant, url, types)
             .await
             .unwrap_err();
         assert!(err.to_string().contains(expected), "{url}: {err}");
     }
-    let err = create_endpoint(&t.db, "t", "https://user:hunter2@exa mple.com/", none)
+    let err = create_endpoint(&api, &keys, "t", "https://user:hunter2@exa mple.com/", none)
         .await
         .unwrap_err();
     assert!(matches!(err, EndpointError::InvalidUrl { .. }));
@@ -120,9 +133,10 @@ async fn create_endpoint_refuses_bad_input_with_a_clear_error_and_stores_nothing
 async fn the_schema_refuses_bad_urls_and_cross_tenant_deliveries() {
     let t = TestDb::new().await;
     let err = t
-        .db
+        .api()
         .execute(sql(
-            "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('a', 'gopher://x', 'whsec_AA==')",
+            "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id) \
+             VALUES ('a', 'gopher://x', decode(repeat('00', 64), 'hex'), 'k')",
         ))
         .await
         .unwrap_err();
@@ -132,9 +146,7 @@ async fn the_schema_refuses_bad_urls_and_cross_tenant_deliveries() {
         "{err}"
     );
 
-    let ep = create_endpoint(&t.db, "tenant_a", "https://a.example.com/", &[] as &[&str])
-        .await
-        .unwrap();
+    let ep = endpoint(&t, "tenant_a", "https://a.example.com/").await;
     let mut tx = t.db.begin().await.unwrap();
     let event = webhook_outbox::enqueue(&mut tx, "tenant_b", "invoice.paid", "{}")
         .await

@@ -22,7 +22,7 @@ use testbed::receiver::{Receiver, Reply};
 async fn a_stale_token_claims_nothing_after_a_takeover() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 3).await;
     let (w, _) = worker(&t.db, config());
     let old = as_leader(
@@ -60,7 +60,7 @@ async fn a_stale_token_claims_nothing_after_a_takeover() {
 async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, metrics) = worker(&t.db, config());
 
@@ -112,7 +112,7 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
 async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(&t.db, config());
     let lease = config().claim_lease().as_secs_f64();
@@ -149,7 +149,7 @@ async fn a_claim_that_is_never_finished_comes_due_again_after_its_lease() {
 async fn a_grouped_outcome_write_refuses_only_its_stale_rows() {
     let t = TestDb::new().await;
     let rx = Arc::new(Receiver::start(|_| Reply::Delayed(Duration::from_millis(300), 200)).await);
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 3).await;
     let (w, metrics) = worker(&t.db, config());
     let seen = rx.clone();
@@ -208,7 +208,7 @@ async fn a_grouped_outcome_write_refuses_only_its_stale_rows() {
 async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 2).await;
     let cfg = config();
     let max = i32::try_from(cfg.retry_schedule.max_attempts()).unwrap();

@@ -8,6 +8,7 @@ mod endpoints;
 mod fencing;
 mod outcomes;
 mod rotation;
+mod sealed;
 mod ssrf_table;
 mod tick_ends;
 mod wake;
@@ -19,9 +20,10 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use testbed::TestDb;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
-use webhook_delivery::{Endpoint, TickReport, Worker, WorkerConfig, create_endpoint};
+use webhook_delivery::{Endpoint, Keyring, TickReport, Worker, WorkerConfig, create_endpoint};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
@@ -40,6 +42,7 @@ pub fn config() -> WorkerConfig {
         tick_budget: Duration::from_secs(5),
         retry_schedule: RetrySchedule::parse("200ms,200ms,200ms").unwrap(),
         allowlist: Allowlist::parse("127.0.0.0/8").unwrap(),
+        secrets: Some(keyring()),
         ..WorkerConfig::default()
     }
 }
@@ -74,8 +77,14 @@ pub fn outcomes(handle: &PrometheusHandle, outcome: &str) -> f64 {
     .unwrap_or(0.0)
 }
 
-pub async fn endpoint(db: &Db, tenant: &str, url: &str) -> Endpoint {
-    create_endpoint(db, tenant, url, &[] as &[&str])
+/// The test bed's application key ([`testbed::SECRETS_KEY`]).
+pub fn keyring() -> Keyring {
+    Keyring::parse(testbed::SECRETS_KEY).unwrap()
+}
+
+/// An endpoint of `tenant`, created as the API role creates it.
+pub async fn endpoint(t: &TestDb, tenant: &str, url: &str) -> Endpoint {
+    create_endpoint(&t.api(), &keyring(), tenant, url, &[] as &[&str])
         .await
         .unwrap()
 }

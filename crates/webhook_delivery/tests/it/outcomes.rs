@@ -22,7 +22,7 @@ use testbed::receiver::{Receiver, Reply};
 async fn each_delivery_is_signed_and_the_receiver_verifies_it_independently() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(204).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     let ids = events(&t.db, "tenant_a", 3).await;
     let (w, metrics) = worker(&t.db, config());
 
@@ -88,7 +88,7 @@ async fn a_500_then_200_is_retried_then_delivered_exactly_once() {
         }
     })
     .await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, metrics) = worker(&t.db, config());
 
@@ -140,7 +140,7 @@ async fn retry_after_postpones_the_next_attempt() {
     let t = TestDb::new().await;
     let rx =
         Receiver::start(|_| Reply::WithHeaders(429, vec![("retry-after", "120".into())])).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(&t.db, config());
     tick(&t.db, &w).await;
@@ -168,7 +168,7 @@ async fn a_hanging_receiver_times_out_is_retried_and_the_tick_keeps_its_budget()
         }
     })
     .await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 6).await;
     let budget = Duration::from_millis(1000);
     let config = WorkerConfig {
@@ -234,7 +234,7 @@ async fn a_10_mb_answer_is_read_only_up_to_the_bound_in_one_attempt() {
     const TEN_MB: usize = 10 * 1024 * 1024;
     let t = TestDb::new().await;
     let rx = Receiver::start(|_| Reply::Huge { len: TEN_MB }).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(&t.db, config());
 
@@ -265,7 +265,7 @@ async fn a_10_mb_answer_is_read_only_up_to_the_bound_in_one_attempt() {
 async fn a_410_kills_the_delivery_and_disables_the_endpoint() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(410).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 3).await;
     let config = WorkerConfig {
         batch_size: 1,
@@ -319,9 +319,9 @@ async fn a_410_kills_the_delivery_and_disables_the_endpoint() {
 async fn a_private_target_without_allowlist_is_refused_without_connecting() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     endpoint(
-        &t.db,
+        &t,
         "tenant_a",
         &format!("http://localhost:{}/hooks/in", rx.port()),
     )
@@ -367,7 +367,7 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_has_not_sent() {
     let t = TestDb::new().await;
     let rx = Arc::new(Receiver::start(|_| Reply::Hang).await);
     let seen = rx.clone();
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 4).await;
     let config = WorkerConfig {
         max_in_flight_per_endpoint: 1,
@@ -417,13 +417,8 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_has_not_sent() {
 async fn last_error_is_a_category_and_a_low_port_is_refused_without_connecting() {
     let t = TestDb::new().await;
     let closed = testbed::free_port();
-    endpoint(
-        &t.db,
-        "tenant_a",
-        &format!("http://127.0.0.1:{closed}/hook"),
-    )
-    .await;
-    endpoint(&t.db, "tenant_a", "http://127.0.0.1:1/hook").await;
+    endpoint(&t, "tenant_a", &format!("http://127.0.0.1:{closed}/hook")).await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:1/hook").await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(&t.db, config());
     let report = tick(&t.db, &w).await;

@@ -10,7 +10,7 @@ use testbed::receiver::Receiver;
 use testbed::webhook_verify::verify_signature;
 use webhook_delivery::{MAX_ROTATION_OVERLAP, RotateError, rotate_secret};
 
-use crate::{config, deliveries, endpoint, events, tick, verify, worker};
+use crate::{config, deliveries, endpoint, events, keyring, tick, verify, worker};
 
 /// The `webhook-signature` values of a received request, in order.
 fn signatures(r: &testbed::receiver::Received) -> Vec<String> {
@@ -32,16 +32,18 @@ fn signatures(r: &testbed::receiver::Received) -> Vec<String> {
 async fn during_the_overlap_a_delivery_carries_both_signatures_and_verifies_with_either_secret() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(204).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     let old = ep.secret.expose();
 
     // Another tenant cannot rotate it, nor can anyone keep a previous secret for months.
-    let err = rotate_secret(&t.db, "tenant_b", ep.id, Duration::from_secs(3600))
+    let (api, keys) = (t.api(), keyring());
+    let err = rotate_secret(&api, &keys, "tenant_b", ep.id, Duration::from_secs(3600))
         .await
         .unwrap_err();
     assert!(matches!(err, RotateError::NotFound { .. }), "{err}");
     let err = rotate_secret(
-        &t.db,
+        &api,
+        &keys,
         "tenant_a",
         ep.id,
         MAX_ROTATION_OVERLAP + Duration::from_secs(1),
@@ -50,24 +52,36 @@ async fn during_the_overlap_a_delivery_carries_both_signatures_and_verifies_with
     .unwrap_err();
     assert!(matches!(err, RotateError::OverlapTooLong { .. }), "{err}");
 
-    let new = rotate_secret(&t.db, "tenant_a", ep.id, Duration::from_secs(3600))
+    let new = rotate_secret(&api, &keys, "tenant_a", ep.id, Duration::from_secs(3600))
         .await
         .unwrap()
         .expose();
     assert_ne!(new, old);
     let row =
         t.db.fetch_one(
-            sql("SELECT secret, previous_secret, \
+            sql(
+                "SELECT secret_ciphertext, secret_key_id, previous_secret_ciphertext, \
+                        previous_secret_key_id, \
                         extract(epoch FROM previous_secret_expires_at - now())::float8 AS left \
-                 FROM webhook_endpoints WHERE id = $1")
+                 FROM webhook_endpoints WHERE id = $1",
+            )
             .bind(ep.id),
         )
         .await
         .unwrap();
-    assert_eq!(row.get::<String, _>("secret"), new);
+    let open = |ct: &str, id: &str| {
+        keys.open(
+            "tenant_a",
+            &row.get::<String, _>(id),
+            &row.get::<Vec<u8>, _>(ct),
+        )
+        .unwrap()
+        .expose()
+    };
+    assert_eq!(open("secret_ciphertext", "secret_key_id"), new);
     assert_eq!(
-        row.get::<Option<String>, _>("previous_secret"),
-        Some(old.clone())
+        open("previous_secret_ciphertext", "previous_secret_key_id"),
+        old
     );
     let left: f64 = row.get("left");
     assert!((3590.0..=3600.0).contains(&left), "expires in {left} s");
@@ -98,20 +112,27 @@ async fn during_the_overlap_a_delivery_carries_both_signatures_and_verifies_with
 async fn after_the_expiry_a_delivery_carries_only_the_new_signature() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(204).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     let old = ep.secret.expose();
-    let new = rotate_secret(&t.db, "tenant_a", ep.id, Duration::from_secs(3600))
-        .await
-        .unwrap()
-        .expose();
-    // The overlap has passed, as time passing would make it.
-    t.db.execute(
-        sql("UPDATE webhook_endpoints \
-             SET previous_secret_expires_at = now() - interval '1 second' WHERE id = $1")
-        .bind(ep.id),
+    let new = rotate_secret(
+        &t.api(),
+        &keyring(),
+        "tenant_a",
+        ep.id,
+        Duration::from_secs(3600),
     )
     .await
-    .unwrap();
+    .unwrap()
+    .expose();
+    // The overlap has passed, as time passing would make it.
+    t.api()
+        .execute(
+            sql("UPDATE webhook_endpoints \
+             SET previous_secret_expires_at = now() - interval '1 second' WHERE id = $1")
+            .bind(ep.id),
+        )
+        .await
+        .unwrap();
 
     events(&t.db, "tenant_a", 1).await;
     let (w, _metrics) = worker(&t.db, config());
@@ -136,13 +157,18 @@ async fn after_the_expiry_a_delivery_carries_only_the_new_signature() {
 async fn a_secret_shorter_than_24_bytes_is_refused_and_nothing_is_sent() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(204).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     // Stored around create_endpoint (which generates 24 bytes): "test", 4 bytes.
-    t.db.execute(
-        sql("UPDATE webhook_endpoints SET secret = 'whsec_dGVzdA==' WHERE id = $1").bind(ep.id),
-    )
-    .await
-    .unwrap();
+    let short = keyring().seal_text("tenant_a", "whsec_dGVzdA==");
+    t.api()
+        .execute(
+            sql("UPDATE webhook_endpoints SET secret_ciphertext = $2, secret_key_id = $3 WHERE id = $1")
+                .bind(ep.id)
+                .bind(short.ciphertext)
+                .bind(short.key_id),
+        )
+        .await
+        .unwrap();
 
     events(&t.db, "tenant_a", 1).await;
     let (w, _metrics) = worker(&t.db, config());
@@ -161,23 +187,30 @@ async fn a_secret_shorter_than_24_bytes_is_refused_and_nothing_is_sent() {
         ds[0]
     );
 
-    let err =
-        t.db.execute(
-            sql("UPDATE webhook_endpoints \
-                 SET previous_secret = 'sk_not_a_webhook_secret', \
-                     previous_secret_expires_at = now() + interval '1 hour' WHERE id = $1")
-            .bind(ep.id),
-        )
-        .await
-        .unwrap_err();
+    // The clear column (the owner's, for rows older than migration 0012)
+    // keeps its format check.
+    let mut owner = t.superuser().await;
+    let err = sqlx::query(
+        "UPDATE webhook_endpoints \
+         SET previous_secret = 'sk_not_a_webhook_secret', \
+             previous_secret_expires_at = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(ep.id)
+    .execute(&mut owner)
+    .await
+    .unwrap_err();
     assert_eq!(
-        err.constraint(),
+        err.as_database_error().and_then(|e| e.constraint()),
         Some("webhook_endpoints_previous_secret_format"),
         "{err}"
     );
-    let err =
-        t.db.execute(
-            sql("UPDATE webhook_endpoints SET previous_secret = secret WHERE id = $1").bind(ep.id),
+    let err = t
+        .api()
+        .execute(
+            sql("UPDATE webhook_endpoints \
+                 SET previous_secret_ciphertext = secret_ciphertext, \
+                     previous_secret_key_id = secret_key_id WHERE id = $1")
+            .bind(ep.id),
         )
         .await
         .unwrap_err();

@@ -28,7 +28,7 @@ use testbed::receiver::{Receiver, Reply};
 async fn a_backlog_larger_than_one_budget_is_delivered_in_consecutive_ticks_without_the_interval() {
     let t = TestDb::new().await;
     let rx = Receiver::start(|_| Reply::Delayed(Duration::from_millis(250), 200)).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 10).await;
     let (w, _) = worker(
         &t.db,
@@ -87,7 +87,7 @@ async fn a_backlog_larger_than_one_budget_is_delivered_in_consecutive_ticks_with
 async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, _) = worker(
         &t.db,

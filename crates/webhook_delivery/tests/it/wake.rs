@@ -22,7 +22,7 @@ use crate::{config, endpoint, events, manager, worker};
 async fn a_fanned_out_delivery_wakes_the_idle_listening_role_within_milliseconds() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    endpoint(&t.db, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
     let interval = Duration::from_secs(5);
     let wake = Wake::new(Role::WebhookDelivery, interval);
     let (w, _) = worker(&t.db, config());

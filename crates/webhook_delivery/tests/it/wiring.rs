@@ -16,7 +16,7 @@ use testbed::receiver::Receiver;
 async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
-    let ep = endpoint(&t.db, "tenant_a", &rx.url()).await;
+    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     let dispatcher =
         Dispatcher::new(t.db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
     let (w, _) = worker(&t.db, config());

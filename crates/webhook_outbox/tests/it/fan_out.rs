@@ -12,11 +12,11 @@ use crate::{as_leader, count, deliveries, dispatcher, endpoint, event, manager, 
 #[tokio::test]
 async fn fan_out_gives_one_delivery_per_enabled_subscribed_endpoint_of_the_same_tenant() {
     let t = TestDb::new().await;
-    let every = endpoint(&t.db, "tenant_a", &[], true).await;
-    let paid_only = endpoint(&t.db, "tenant_a", &["invoice.paid"], true).await;
-    let other_type = endpoint(&t.db, "tenant_a", &["invoice.voided"], true).await;
-    let disabled = endpoint(&t.db, "tenant_a", &[], false).await;
-    let other_tenant = endpoint(&t.db, "tenant_b", &[], true).await;
+    let every = endpoint(&t, "tenant_a", &[], true).await;
+    let paid_only = endpoint(&t, "tenant_a", &["invoice.paid"], true).await;
+    let other_type = endpoint(&t, "tenant_a", &["invoice.voided"], true).await;
+    let disabled = endpoint(&t, "tenant_a", &[], false).await;
+    let other_tenant = endpoint(&t, "tenant_b", &[], true).await;
     let paid = event(&t.db, "tenant_a", "invoice.paid", r#"{"n": 1}"#).await;
     let finalized = event(&t.db, "tenant_a", "invoice.finalized", r#"{"n": 2}"#).await;
     let b_paid = event(&t.db, "tenant_b", "invoice.paid", r#"{"n": 3}"#).await;
@@ -75,8 +75,8 @@ async fn fan_out_gives_one_delivery_per_enabled_subscribed_endpoint_of_the_same_
 #[tokio::test]
 async fn a_replayed_batch_creates_no_duplicate_deliveries() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
-    endpoint(&t.db, "tenant_a", &["invoice.paid"], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &["invoice.paid"], true).await;
     for n in 0..5 {
         event(
             &t.db,
@@ -102,7 +102,7 @@ async fn a_replayed_batch_creates_no_duplicate_deliveries() {
         .await
         .unwrap();
     // A new endpoint meanwhile: the replay gives it the events, and only it.
-    let late = endpoint(&t.db, "tenant_a", &[], true).await;
+    let late = endpoint(&t, "tenant_a", &[], true).await;
     let replayed = as_leader(&m, Role::WebhookOutbox, |tick| async move {
         d.dispatch_batch(&tick.fence, 100).await.unwrap()
     })
@@ -123,7 +123,7 @@ async fn a_replayed_batch_creates_no_duplicate_deliveries() {
 #[tokio::test]
 async fn a_stale_token_claims_nothing_after_a_takeover() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     for n in 0..3 {
         event(
             &t.db,
@@ -161,8 +161,8 @@ async fn a_stale_token_claims_nothing_after_a_takeover() {
 async fn a_tick_drains_hundreds_of_events_in_set_based_batches() {
     let t = TestDb::new().await;
     for tenant in ["tenant_a", "tenant_b"] {
-        endpoint(&t.db, tenant, &[], true).await;
-        endpoint(&t.db, tenant, &["invoice.paid"], true).await;
+        endpoint(&t, tenant, &[], true).await;
+        endpoint(&t, tenant, &["invoice.paid"], true).await;
     }
     let mut tx = t.db.begin().await.unwrap();
     for n in 0..700 {
@@ -219,7 +219,7 @@ async fn a_tick_drains_hundreds_of_events_in_set_based_batches() {
 #[tokio::test]
 async fn a_tick_stops_at_its_budget_and_the_next_one_goes_on() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     for n in 0..30 {
         event(
             &t.db,

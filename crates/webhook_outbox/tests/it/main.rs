@@ -13,6 +13,7 @@ use std::sync::Arc;
 use db::{Db, Row, sql};
 use leader::Telemetry;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use testbed::TestDb;
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
@@ -36,20 +37,25 @@ pub fn series(handle: &PrometheusHandle, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(&wanted).map(|v| v.trim().parse().unwrap()))
 }
 
-/// Register an endpoint directly (the outbox does not depend on the delivery crate).
-pub async fn endpoint(db: &Db, tenant: &str, event_types: &[&str], enabled: bool) -> i64 {
+/// Register an endpoint directly, as the API role (the outbox does not depend
+/// on the delivery crate; the sealed secret is a placeholder it never opens).
+pub async fn endpoint(t: &TestDb, tenant: &str, event_types: &[&str], enabled: bool) -> i64 {
     let types: Vec<String> = event_types.iter().map(|s| s.to_string()).collect();
-    db.fetch_one(
-        sql("INSERT INTO webhook_endpoints (tenant_id, url, secret, event_types, enabled, disabled_reason) \
-             VALUES ($1, 'https://hooks.example.com/x', 'whsec_dGVzdA==', $2, $3, \
-                     CASE WHEN $3 THEN NULL ELSE 'test' END) RETURNING id")
-        .bind(tenant.to_owned())
-        .bind(types)
-        .bind(enabled),
-    )
-    .await
-    .unwrap()
-    .get("id")
+    t.api()
+        .fetch_one(
+            sql(
+                "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id, \
+                                            event_types, enabled, disabled_reason) \
+             VALUES ($1, 'https://hooks.example.com/x', decode(repeat('00', 64), 'hex'), 'test', \
+                     $2, $3, CASE WHEN $3 THEN NULL ELSE 'test' END) RETURNING id",
+            )
+            .bind(tenant.to_owned())
+            .bind(types)
+            .bind(enabled),
+        )
+        .await
+        .unwrap()
+        .get("id")
 }
 
 /// Enqueue one event in its own committed transaction.

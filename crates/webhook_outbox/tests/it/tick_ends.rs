@@ -23,7 +23,7 @@ use crate::{as_leader, count, dispatcher, endpoint, event, manager};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_the_interval() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     let mut tx = t.db.begin().await.unwrap();
     for n in 0..200 {
         webhook_outbox::enqueue(
@@ -93,7 +93,7 @@ async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_th
 #[tokio::test]
 async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     event(&t.db, "tenant_a", "invoice.paid", "{}").await;
     let config = DispatcherConfig {
         statement_timeout: Duration::from_millis(200),
@@ -138,7 +138,7 @@ async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tick_that_found_work_is_followed_at_once_and_an_idle_one_waits_its_interval() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     event(&t.db, "tenant_a", "invoice.paid", r#"{"n": 1}"#).await;
     let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
     let ends = Arc::new(Mutex::new(Vec::new()));

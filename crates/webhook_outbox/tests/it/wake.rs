@@ -81,7 +81,7 @@ async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_milliseconds() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
     let interval = Duration::from_secs(5);
     let wake = Wake::new(Role::WebhookOutbox, interval);
@@ -126,7 +126,7 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost() {
     let t = TestDb::new().await;
-    endpoint(&t.db, "tenant_a", &[], true).await;
+    endpoint(&t, "tenant_a", &[], true).await;
     let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
     let interval = Duration::from_secs(1);
     let wake = Wake::new(Role::WebhookOutbox, interval);

@@ -1,0 +1,338 @@
+//! A database role per duty (issue 12, point 1; migration 0012). Each test
+//! connects as the role, lists what it may do from the catalog, compares that
+//! with the grants its statements need, and tries statements it must not run.
+
+use db::{Db, Row, sql};
+use testbed::TestDb;
+
+/// Every privilege `current_user` holds on `public`'s tables, views and
+/// functions, as `relation:PRIV` (table-wide), `relation.column:PRIV` (a
+/// column grant not implied by a table-wide one) and `function():EXECUTE`
+/// (trigger functions left out: they cannot be called), sorted.
+async fn privileges(db: &Db) -> Vec<String> {
+    let rows = db
+        .fetch_all(sql(
+            "WITH rel AS (SELECT c.oid, c.relname FROM pg_class c \
+                          WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'v', 'p')), \
+                  priv(p) AS (VALUES ('SELECT'), ('INSERT'), ('UPDATE'), ('DELETE'), ('TRUNCATE'), \
+                                     ('REFERENCES'), ('TRIGGER')) \
+             SELECT relname || ':' || p AS g FROM rel, priv \
+             WHERE has_table_privilege(current_user, rel.oid, p) \
+             UNION ALL \
+             SELECT relname || '.' || a.attname || ':' || p FROM rel \
+             JOIN pg_attribute a ON a.attrelid = rel.oid AND a.attnum > 0 AND NOT a.attisdropped, priv \
+             WHERE p IN ('SELECT', 'INSERT', 'UPDATE', 'REFERENCES') \
+               AND has_column_privilege(current_user, rel.oid, a.attnum, p) \
+               AND NOT has_table_privilege(current_user, rel.oid, p) \
+             UNION ALL \
+             SELECT proname || '():EXECUTE' FROM pg_proc \
+             WHERE pronamespace = 'public'::regnamespace AND prorettype <> 'trigger'::regtype \
+               AND has_function_privilege(current_user, oid, 'EXECUTE') \
+             ORDER BY 1",
+        ))
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.get::<String, _>("g")).collect()
+}
+
+async fn me(db: &Db) -> String {
+    db.fetch_one(sql("SELECT current_user::text AS me"))
+        .await
+        .unwrap()
+        .get("me")
+}
+
+/// Each statement is refused for want of a privilege (SQLSTATE 42501).
+async fn refused(db: &Db, role: &str, statements: &[&'static str]) {
+    for stmt in statements {
+        let err = db.execute(sql(stmt)).await.unwrap_err();
+        assert_eq!(
+            err.code().as_deref(),
+            Some("42501"),
+            "{role}: `{stmt}` was not refused for lack of privilege: {err}"
+        );
+    }
+}
+
+fn expect(list: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+    v.sort();
+    v
+}
+
+/// hardcount_operator reads leader_status and pauses or unpauses; nothing else.
+///
+/// Catches: leader_pause running as its caller (`pause_security_definer`:
+/// the operator then needs UPDATE on leader_leases and the pause is refused).
+#[tokio::test]
+async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
+    let t = TestDb::new().await;
+    let op = t.operator();
+    assert_eq!(me(&op).await, "hardcount_operator");
+    assert_eq!(
+        privileges(&op).await,
+        expect(&[
+            "leader_pause():EXECUTE",
+            "leader_status:SELECT",
+            "leader_unpause():EXECUTE",
+        ])
+    );
+    op.execute(sql("SELECT leader_pause('dunning', 'oncall', 'drill')"))
+        .await
+        .unwrap();
+    op.execute(sql("SELECT leader_unpause('dunning')"))
+        .await
+        .unwrap();
+    let n: i64 = op
+        .fetch_one(sql("SELECT count(*) AS n FROM leader_status"))
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(n, 5);
+    refused(
+        &op,
+        "hardcount_operator",
+        &[
+            "SELECT * FROM leader_leases",
+            "UPDATE leader_leases SET paused_at = now()",
+            "SELECT leader_fence('billing', 1)",
+            "SELECT * FROM webhook_endpoints",
+            "SELECT id FROM webhook_deliveries",
+            "INSERT INTO webhook_events (tenant_id, event_type, payload) VALUES ('t', 'x', '{}')",
+            "SELECT * FROM customers",
+            "SELECT * FROM _sqlx_migrations",
+            "CREATE TABLE sneaky (x int)",
+        ],
+    )
+    .await;
+}
+
+/// hardcount_api writes what tenants write: endpoints (sealed secrets only),
+/// customers, plans, subscriptions; it reads their results, and nothing of
+/// leadership, email or a secret in clear.
+#[tokio::test]
+async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
+    let t = TestDb::new().await;
+    let api = t.api();
+    assert_eq!(me(&api).await, "hardcount_api");
+    let endpoint_cols = [
+        "id",
+        "tenant_id",
+        "url",
+        "event_types",
+        "enabled",
+        "disabled_reason",
+        "disabled_at",
+        "created_at",
+        "secret_ciphertext",
+        "secret_key_id",
+        "previous_secret_ciphertext",
+        "previous_secret_key_id",
+        "previous_secret_expires_at",
+    ];
+    let mut want: Vec<String> = endpoint_cols
+        .iter()
+        .map(|c| format!("webhook_endpoints.{c}:SELECT"))
+        .collect();
+    for c in [
+        "tenant_id",
+        "url",
+        "event_types",
+        "enabled",
+        "disabled_reason",
+        "disabled_at",
+        "secret_ciphertext",
+        "secret_key_id",
+    ] {
+        want.push(format!("webhook_endpoints.{c}:INSERT"));
+    }
+    for c in [
+        "url",
+        "event_types",
+        "enabled",
+        "disabled_reason",
+        "disabled_at",
+        "secret_ciphertext",
+        "secret_key_id",
+        "previous_secret_ciphertext",
+        "previous_secret_key_id",
+        "previous_secret_expires_at",
+    ] {
+        want.push(format!("webhook_endpoints.{c}:UPDATE"));
+    }
+    for t in ["customers", "plans", "subscriptions"] {
+        want.push(format!("{t}:SELECT"));
+        want.push(format!("{t}:INSERT"));
+    }
+    for c in ["email", "name", "payment_method_id"] {
+        want.push(format!("customers.{c}:UPDATE"));
+    }
+    want.push("plans.name:UPDATE".into());
+    for c in [
+        "plan_id",
+        "status",
+        "trial_end",
+        "collection_method",
+        "pause_collection_behavior",
+        "pause_collection_resumes_at",
+        "pause_collection_set_by",
+        "canceled_at",
+        "updated_at",
+    ] {
+        want.push(format!("subscriptions.{c}:UPDATE"));
+    }
+    for t in [
+        "invoices",
+        "payment_attempts",
+        "webhook_events",
+        "webhook_deliveries",
+        "_sqlx_migrations",
+    ] {
+        want.push(format!("{t}:SELECT"));
+    }
+    want.sort();
+    assert_eq!(privileges(&api).await, want);
+    refused(
+        &api,
+        "hardcount_api",
+        &[
+            "SELECT secret FROM webhook_endpoints",
+            "SELECT previous_secret FROM webhook_endpoints",
+            "UPDATE webhook_endpoints SET secret = 'whsec_AAAA'",
+            "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('t', 'https://x/', 'whsec_AAAA')",
+            "DELETE FROM webhook_endpoints",
+            "INSERT INTO webhook_events (tenant_id, event_type, payload) VALUES ('t', 'x', '{}')",
+            "UPDATE webhook_deliveries SET status = 'delivered'",
+            "UPDATE invoices SET status = 'paid'",
+            "SELECT * FROM email_outbox",
+            "SELECT * FROM leader_status",
+            "SELECT leader_pause('billing', 'x', 'y')",
+            "UPDATE leader_leases SET holder_id = NULL",
+            "DELETE FROM customers",
+            "CREATE TABLE sneaky (x int)",
+        ],
+    )
+    .await;
+}
+
+/// hardcount_app, the role loops' role, lost what no loop uses: it reads a
+/// webhook secret only sealed, creates and repoints no endpoint, rotates no
+/// secret and pauses no role.
+///
+/// Catches: the app keeping its table-wide SELECT on webhook_endpoints
+/// (`app_reads_clear_secret`: `SELECT secret` is allowed again).
+#[tokio::test]
+async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_pause() {
+    let t = TestDb::new().await;
+    assert_eq!(me(&t.db).await, "hardcount_app");
+    let granted = privileges(&t.db).await;
+    let endpoints: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.starts_with("webhook_endpoints"))
+        .collect();
+    let mut want: Vec<String> = [
+        "id",
+        "tenant_id",
+        "url",
+        "event_types",
+        "enabled",
+        "disabled_reason",
+        "disabled_at",
+        "created_at",
+        "secret_ciphertext",
+        "secret_key_id",
+        "previous_secret_ciphertext",
+        "previous_secret_key_id",
+        "previous_secret_expires_at",
+    ]
+    .iter()
+    .map(|c| format!("webhook_endpoints.{c}:SELECT"))
+    .chain(
+        ["enabled", "disabled_reason", "disabled_at"]
+            .iter()
+            .map(|c| format!("webhook_endpoints.{c}:UPDATE")),
+    )
+    .collect();
+    want.sort();
+    assert_eq!(endpoints, want.iter().collect::<Vec<_>>());
+    let functions: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.ends_with("():EXECUTE"))
+        .collect();
+    assert_eq!(functions, ["leader_fence():EXECUTE"]);
+    let lease_writes: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.starts_with("leader_leases") && !g.ends_with(":SELECT"))
+        .collect();
+    assert_eq!(
+        lease_writes,
+        [
+            "leader_leases.acquired_at:UPDATE",
+            "leader_leases.expires_at:UPDATE",
+            "leader_leases.holder_id:UPDATE",
+            "leader_leases.holder_token:UPDATE",
+            "leader_leases.last_tick_ended_at:UPDATE",
+            "leader_leases.last_tick_holder:UPDATE",
+            "leader_leases.not_before:UPDATE",
+        ]
+    );
+    assert!(
+        !granted
+            .iter()
+            .any(|g| g.contains(":DELETE") || g.contains(":TRUNCATE")),
+        "{granted:?}"
+    );
+    refused(
+        &t.db,
+        "hardcount_app",
+        &[
+            "SELECT secret FROM webhook_endpoints",
+            "SELECT previous_secret FROM webhook_endpoints",
+            "SELECT * FROM webhook_endpoints",
+            "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id) \
+             VALUES ('t', 'https://x/', decode(repeat('00', 64), 'hex'), 'k')",
+            "UPDATE webhook_endpoints SET url = 'https://attacker.example/'",
+            "UPDATE webhook_endpoints SET event_types = '{}'",
+            "UPDATE webhook_endpoints SET secret_ciphertext = NULL",
+            "UPDATE webhook_endpoints SET previous_secret_expires_at = now()",
+            "SELECT leader_pause('billing', 'x', 'y')",
+            "SELECT leader_unpause('billing')",
+            "UPDATE leader_leases SET paused_at = now(), paused_by = 'x'",
+        ],
+    )
+    .await;
+}
+
+/// No role but the owner (and superusers, and Postgres's predefined
+/// `pg_read_all_data`, which only a superuser can grant) can read a webhook
+/// secret in clear: asked of every role in the cluster, from the catalog.
+#[tokio::test]
+async fn no_role_but_the_owner_can_read_a_clear_secret() {
+    let t = TestDb::new().await;
+    let rows = t
+        .db
+        .fetch_all(sql(
+            "SELECT r.rolname::text AS r FROM pg_roles r \
+             WHERE NOT r.rolsuper AND r.rolname NOT LIKE 'pg\\_%' \
+               AND r.oid <> (SELECT relowner FROM pg_class WHERE oid = 'webhook_endpoints'::regclass) \
+               AND (has_column_privilege(r.oid, 'webhook_endpoints', 'secret', 'SELECT') \
+                    OR has_column_privilege(r.oid, 'webhook_endpoints', 'previous_secret', 'SELECT'))",
+        ))
+        .await
+        .unwrap();
+    let readers: Vec<String> = rows.iter().map(|r| r.get("r")).collect();
+    assert!(readers.is_empty(), "{readers:?} can read a clear secret");
+    // The roles exist, log in, and hold no power over the cluster.
+    let row = t
+        .db
+        .fetch_one(sql(
+            "SELECT count(*) AS n, bool_and(rolcanlogin) AS login, \
+                    bool_or(rolsuper OR rolcreaterole OR rolcreatedb OR rolinherit) AS power \
+             FROM pg_roles WHERE rolname IN ('hardcount_app', 'hardcount_api', 'hardcount_operator')",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(row.get::<i64, _>("n"), 3);
+    assert!(row.get::<bool, _>("login"));
+    assert!(!row.get::<bool, _>("power"));
+}
