@@ -20,11 +20,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use futures::stream::{self, StreamExt};
 use leader::{Fence, Role, Tick};
-use scheduler::{FencedBatches, Panics, Payload, Shape, catch};
+use scheduler::{FencedBatches, Panics, Payload, Shape};
 use tracing::{info, warn};
 
+use crate::batch::{self, Answer, Started};
 use crate::provider::{self, ChargeOutcome, PaymentRequest};
 use crate::store::{self, ChargeClaim, Settled};
 use crate::{Biller, Error};
@@ -56,7 +56,9 @@ pub struct ChargeTally {
     pub declined: usize,
     pub unknown: usize,
     pub claim_lost: usize,
-    /// Claims given back unattempted at the end of the budget.
+    /// Attempts recorded but not sent (the budget ended, or the tick was
+    /// cancelled, during the batch): their claims were given back and the
+    /// reconciler sends each by its key.
     pub released: usize,
     pub panicked: usize,
 }
@@ -152,13 +154,15 @@ impl Biller {
     }
 }
 
-/// The auto-charge step as the driver sees it.
+/// The auto-charge step as the driver sees it: per batch, one transaction
+/// claims the invoices and records their attempts, the calls run
+/// concurrently, and one transaction settles every answer (`crate::batch`).
 pub(crate) struct AutoCharge<'a> {
     pub biller: &'a Biller,
 }
 
 impl FencedBatches for AutoCharge<'_> {
-    type Claim = Vec<ChargeClaim>;
+    type Claim = Vec<Started>;
     type Counts = ChargeTally;
     type Error = Error;
 
@@ -178,17 +182,30 @@ impl FencedBatches for AutoCharge<'_> {
         }
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<ChargeClaim>, Error> {
-        self.biller.claim_charges(fence, limit).await
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Started>, Error> {
+        let b = &self.biller.inner;
+        let c = &b.config;
+        if b.provider.is_none() {
+            return Ok(Vec::new());
+        }
+        Ok(store::claim_and_start(
+            &b.db,
+            fence,
+            limit,
+            &claim_identity(fence),
+            c.charge_lease,
+            c.statement_timeout,
+        )
+        .await?)
     }
 
-    fn claimed(batch: &Vec<ChargeClaim>) -> usize {
+    fn claimed(batch: &Vec<Started>) -> usize {
         batch.len()
     }
 
     async fn run(
         &self,
-        batch: Vec<ChargeClaim>,
+        batch: Vec<Started>,
         tick: &Tick,
         deadline: Instant,
         panics: &mut Panics,
@@ -196,86 +213,93 @@ impl FencedBatches for AutoCharge<'_> {
     ) -> Result<(), Error> {
         let biller = self.biller;
         let c = &biller.inner.config;
-        let call = c.provider.as_ref().map(|p| p.timeout).unwrap_or_default();
-        let claimed_by = batch
-            .first()
-            .map(|c| c.claimed_by.clone())
-            .unwrap_or_default();
-        // Concurrent, bounded; each charge its own guarded step, so one that
-        // panics ends only itself (its attempt, if written, stays unknown for
-        // the reconciler, and its claim lease expires).
-        let results: Vec<Guarded<Charged>> = stream::iter(batch)
-            .map(|claim| {
-                let step = format!("{}/charge invoice {}", Role::Billing, claim.invoice_id);
-                let invoice = claim.invoice_id;
-                let charge = async move {
-                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
-                        return None;
-                    }
-                    Some(biller.charge(&claim).await)
-                };
-                async move { (invoice, catch(step, charge).await) }
-            })
-            .buffer_unordered(c.charge_concurrency)
-            .collect()
-            .await;
-        let t = &biller.inner.telemetry;
-        let mut unattempted = Vec::new();
-        let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
-        for (invoice, result) in results {
-            let label = match result {
-                Err(payload) => {
+        let Some(provider) = &biller.inner.provider else {
+            return Ok(());
+        };
+        // Each call its own guarded step: one that panics ends only itself
+        // (its attempt stays unknown for the reconciler, its lease expires).
+        let called = batch::call_all(
+            provider,
+            batch,
+            c.charge_concurrency,
+            deadline,
+            || tick.cancel.is_cancelled(),
+            |s| format!("{}/charge invoice {}", Role::Billing, s.claim.invoice_id),
+        )
+        .await;
+        let mut answered = Vec::with_capacity(called.len());
+        for (started, result) in &called {
+            match result {
+                Ok(answer) => answered.push((started, answer)),
+                Err(_) => {
                     tally.panicked += 1;
-                    panics.record(payload);
-                    "panicked"
+                    biller
+                        .inner
+                        .telemetry
+                        .counter(
+                            "hardcount_billing_charges_total",
+                            &[("outcome", "panicked")],
+                        )
+                        .increment(1);
                 }
-                Ok(None) => {
-                    unattempted.push(invoice);
+            }
+        }
+        let settled = batch::settle_all(
+            &biller.inner.db,
+            &answered,
+            &c.email_from,
+            c.statement_timeout,
+        )
+        .await;
+        let t = &biller.inner.telemetry;
+        let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
+        for ((started, answer), settled) in answered.iter().zip(settled) {
+            let invoice = started.claim.invoice_id;
+            let label = match (answer, settled) {
+                (Answer::NotSent, _) => {
+                    tally.released += 1;
                     continue;
                 }
-                Ok(Some(Ok(Charged::Paid { .. }))) => {
+                (_, Err(e)) => {
+                    tally.unknown += 1;
+                    warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
+                    "error"
+                }
+                (Answer::Called(ChargeOutcome::Unknown { reason }), Ok(_)) => {
+                    calls += 1;
+                    tally.unknown += 1;
+                    if provider::is_outage_reason(reason) {
+                        outages += 1;
+                        last_outage.clone_from(reason);
+                    }
+                    warn!(role = %Role::Billing, invoice, reason = %reason, "charge outcome unknown; left for the reconciler");
+                    "unknown"
+                }
+                (Answer::Called(_), Ok(Settled::Lost)) => {
+                    calls += 1;
+                    tally.claim_lost += 1;
+                    "claim_lost"
+                }
+                (Answer::Called(ChargeOutcome::Succeeded { .. }), Ok(Settled::Written)) => {
                     calls += 1;
                     tally.paid += 1;
                     "succeeded"
                 }
-                Ok(Some(Ok(Charged::Declined { code }))) => {
+                (Answer::Called(ChargeOutcome::Declined { code, .. }), Ok(Settled::Written)) => {
                     calls += 1;
                     tally.declined += 1;
                     info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
                     "declined"
                 }
-                Ok(Some(Ok(Charged::Unknown { reason }))) => {
-                    calls += 1;
-                    tally.unknown += 1;
-                    if provider::is_outage_reason(&reason) {
-                        outages += 1;
-                        last_outage.clone_from(&reason);
-                    }
-                    warn!(role = %Role::Billing, invoice, reason = %reason, "charge outcome unknown; left for the reconciler");
-                    "unknown"
-                }
-                Ok(Some(Ok(Charged::ClaimLost | Charged::NoProvider))) => {
-                    tally.claim_lost += 1;
-                    "claim_lost"
-                }
-                Ok(Some(Err(e))) => {
-                    tally.unknown += 1;
-                    warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
-                    "error"
-                }
             };
             t.counter("hardcount_billing_charges_total", &[("outcome", label)])
                 .increment(1);
         }
-        if !unattempted.is_empty() {
-            let n = store::release_unattempted(
-                &biller.inner.db,
-                &unattempted,
-                &claimed_by,
-                c.statement_timeout,
-            )
-            .await?;
-            tally.released += usize::try_from(n).unwrap_or(usize::MAX);
+        // The panics are raised at the tick's end, after the others settled.
+        for (_, result) in called {
+            if let Err(payload) = result {
+                panics.record(payload);
+            }
         }
         if calls > 0 && outages == calls {
             return Err(Error::ProviderOutage {

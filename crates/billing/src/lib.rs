@@ -102,6 +102,7 @@
 //! `charge` (the auto-charge step), `reconcile` (the payment reconciler),
 //! `plan_change`, [`provider`] (the HTTP client), [`close`] and [`period`] (pure).
 
+pub mod batch;
 mod charge;
 pub mod close;
 mod config;

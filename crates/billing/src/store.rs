@@ -331,8 +331,43 @@ pub(crate) async fn claim_charges(
     lease: Duration,
     statement_timeout: Duration,
 ) -> Result<Vec<ChargeClaim>, db::Error> {
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
+    tx.commit().await?;
+    Ok(claims)
+}
+
+/// [`claim_charges`] and, in the same transaction, attempt 1 of every
+/// invoice claimed (`batch::start_attempts_in`): the batch's claims and
+/// attempts with two statements. Only a claimed invoice whose attempt was
+/// written is returned; the call may be made for it.
+pub(crate) async fn claim_and_start(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+    statement_timeout: Duration,
+) -> Result<Vec<crate::batch::Started>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
+    let attempts: Vec<(ChargeClaim, i32)> = claims
+        .into_iter()
+        .map(|c| (c, crate::charge::AUTO_CHARGE_ATTEMPT))
+        .collect();
+    let started = crate::batch::start_attempts_in(&mut tx, &attempts).await?;
+    tx.commit().await?;
+    Ok(started)
+}
+
+async fn claim_charges_in(
+    tx: &mut db::Tx,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+) -> Result<Vec<ChargeClaim>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
         .fetch_all(
             sql(
@@ -370,7 +405,6 @@ pub(crate) async fn claim_charges(
             .bind(claimed_by.to_owned()),
         )
         .await?;
-    tx.commit().await?;
     rows.iter()
         .map(|r| {
             Ok(ChargeClaim {
@@ -460,16 +494,7 @@ pub(crate) async fn settle_paid(
         tx.rollback().await?;
         return Ok(Settled::Lost);
     }
-    let invoice = serde_json::json!({
-        "object": "invoice",
-        "id": claim.invoice_id,
-        "subscription": claim.subscription_id,
-        "status": "paid",
-        "amount_paid": claim.amount,
-        "currency": claim.currency,
-        "payment_intent": payment_intent,
-    });
-    let invoice = invoice.to_string();
+    let invoice = paid_payload(claim, payment_intent);
     let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
     let tenant = claim.tenant_id.as_str();
     webhook_outbox::enqueue_many(
@@ -480,17 +505,7 @@ pub(crate) async fn settle_paid(
         ],
     )
     .await?;
-    let receipt = email_outbox::Email {
-        from: email_from.to_owned(),
-        to: vec![claim.email.clone()],
-        subject: format!("Receipt for invoice {}", claim.invoice_id),
-        text: format!(
-            "We received your payment of {} for invoice {}. Thank you.\n",
-            money(claim.amount, &claim.currency),
-            claim.invoice_id
-        ),
-        html: None,
-    };
+    let receipt = receipt(claim, email_from);
     email_outbox::enqueue(&mut tx, &claim.tenant_id, &receipt).await?;
     tx.commit().await?;
     Ok(Settled::Written)
@@ -533,19 +548,7 @@ pub(crate) async fn settle_declined(
     }
     let payment = payment_payload(claim, attempt_seq, payment_intent, Some(decline_code));
     webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.failed", &payment).await?;
-    let failed = email_outbox::Email {
-        from: email_from.to_owned(),
-        to: vec![claim.email.clone()],
-        subject: format!("Your payment for invoice {} failed", claim.invoice_id),
-        text: format!(
-            "We could not charge {} for invoice {} to your saved card ({}). \
-             Please update your payment method.\n",
-            money(claim.amount, &claim.currency),
-            claim.invoice_id,
-            decline_code
-        ),
-        html: None,
-    };
+    let failed = failed_email(claim, decline_code, email_from);
     email_outbox::enqueue(&mut tx, &claim.tenant_id, &failed).await?;
     tx.commit().await?;
     Ok(Settled::Written)
@@ -569,8 +572,8 @@ pub(crate) async fn note_unknown(
     tx.commit().await
 }
 
-/// Give back claims this tick will not attempt (out of budget).
-pub(crate) async fn release_unattempted(
+/// Give back claims this worker still holds, attempted or not.
+pub(crate) async fn release_claims(
     db: &Db,
     invoice_ids: &[i64],
     claimed_by: &str,
@@ -580,8 +583,7 @@ pub(crate) async fn release_unattempted(
     let n = tx
         .execute(
             sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = ANY($1) AND auto_charge_claimed_by = $2 \
-                   AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = invoices.id)")
+                 WHERE id = ANY($1) AND auto_charge_claimed_by = $2")
             .bind(invoice_ids.to_vec())
             .bind(claimed_by.to_owned()),
         )
@@ -613,7 +615,53 @@ async fn resolve_attempt(
     Ok(n == 1)
 }
 
-fn payment_payload(
+/// `invoice.paid`'s data.
+pub(crate) fn paid_payload(c: &ChargeClaim, payment_intent: &str) -> String {
+    serde_json::json!({
+        "object": "invoice",
+        "id": c.invoice_id,
+        "subscription": c.subscription_id,
+        "status": "paid",
+        "amount_paid": c.amount,
+        "currency": c.currency,
+        "payment_intent": payment_intent,
+    })
+    .to_string()
+}
+
+/// The receipt of a paid charge.
+pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
+    email_outbox::Email {
+        from: from.to_owned(),
+        to: vec![c.email.clone()],
+        subject: format!("Receipt for invoice {}", c.invoice_id),
+        text: format!(
+            "We received your payment of {} for invoice {}. Thank you.\n",
+            money(c.amount, &c.currency),
+            c.invoice_id
+        ),
+        html: None,
+    }
+}
+
+/// The payment-failed email of a declined charge.
+pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_outbox::Email {
+    email_outbox::Email {
+        from: from.to_owned(),
+        to: vec![c.email.clone()],
+        subject: format!("Your payment for invoice {} failed", c.invoice_id),
+        text: format!(
+            "We could not charge {} for invoice {} to your saved card ({}). \
+             Please update your payment method.\n",
+            money(c.amount, &c.currency),
+            c.invoice_id,
+            code
+        ),
+        html: None,
+    }
+}
+
+pub(crate) fn payment_payload(
     claim: &ChargeClaim,
     attempt_seq: i32,
     payment_intent: Option<&str>,
@@ -632,7 +680,7 @@ fn payment_payload(
 }
 
 /// `12.00 EUR` for 1200 minor units; `1200 JPY` for a zero-decimal currency.
-fn money(amount: i64, currency: &str) -> String {
+pub(crate) fn money(amount: i64, currency: &str) -> String {
     const ZERO_DECIMAL: [&str; 16] = [
         "BIF", "CLP", "DJF", "GNF", "JPY", "KMF", "KRW", "MGA", "PYG", "RWF", "UGX", "VND", "VUV",
         "XAF", "XOF", "XPF",

@@ -36,6 +36,7 @@
 //!   `leader_fence('email_outbox', $token)` and takes a [`leader::Fence`].
 //! - **Credentials never reach a log or an error**: `SMTP_URL` is never echoed.
 
+mod batch;
 mod config;
 pub mod email;
 mod pool;
@@ -45,6 +46,7 @@ mod store;
 mod tick;
 pub mod verdict;
 
+pub use batch::enqueue_many;
 pub use config::{ConfigError, SenderConfig};
 pub use email::{Email, Invalid, MAX_BODY_BYTES};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
