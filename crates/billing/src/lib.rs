@@ -122,7 +122,7 @@ pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
 pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use reconcile::{ReconcileTally, Resolution};
-pub use retry::{NotCharged, Retried};
+pub use retry::{NotCharged, Retried, RetryRequest, StartedRetry};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
 

@@ -18,8 +18,13 @@
 //! compare-and-set decide who retries; this lease only stops two workers
 //! charging one invoice at once (ADR-114's effect table).
 
-use db::{Row, sql};
+use std::collections::HashMap;
+use std::time::Instant;
 
+use db::{Row, sql};
+use scheduler::Payload;
+
+use crate::batch::{self, Answer};
 use crate::provider::{self, ChargeOutcome, PaymentRequest};
 use crate::store::{self, ChargeClaim, Settled};
 use crate::{Biller, Error};
@@ -207,4 +212,227 @@ async fn claim_retry(
         claimed_by: claimed_by.to_owned(),
     };
     Ok(Ok((claim, r.try_get("next_seq")?)))
+}
+
+/// One invoice a caller (dunning) wants retried, under its own claim identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryRequest {
+    pub invoice_id: i64,
+    /// An identity no other claim shares.
+    pub claimed_by: String,
+}
+
+/// A retry claimed and recorded by [`Biller::start_retries_in`], not yet called.
+pub type StartedRetry = batch::Started;
+
+impl Biller {
+    /// The batched first half of [`retry_charge`](Biller::retry_charge), in
+    /// the caller's transaction (so the caller's own compare-and-set commits
+    /// with it): every invoice of `wanted` claimed by the same conditional
+    /// UPDATE as `retry_charge` (one statement for the batch), then attempt
+    /// `max(attempt_seq) + 1` of each claimed invoice recorded (one
+    /// statement). Per request, in order: the started retry, or why nothing
+    /// will be charged for it.
+    ///
+    /// # Errors
+    /// A database error: the caller's transaction is aborted, roll it back.
+    pub async fn start_retries_in(
+        &self,
+        tx: &mut db::Tx,
+        wanted: &[RetryRequest],
+    ) -> Result<Vec<Result<StartedRetry, NotCharged>>, Error> {
+        if self.inner.provider.is_none() {
+            return Ok(wanted.iter().map(|_| Err(NotCharged::NoProvider)).collect());
+        }
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let c = &self.inner.config;
+        let ids: Vec<i64> = wanted.iter().map(|w| w.invoice_id).collect();
+        let rows = tx
+            .fetch_all(
+                sql(
+                    "WITH u AS ( \
+                       SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
+                     ), picked AS ( \
+                       SELECT i.id, u.claimed_by FROM invoices i \
+                       JOIN u ON u.invoice_id = i.id \
+                       JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                       JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                       WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+                         AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+                         AND s.pause_collection_behavior IS NULL \
+                         AND c.payment_method_id IS NOT NULL \
+                         AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                                         WHERE a.invoice_id = i.id AND a.provider_status = 'unknown') \
+                       FOR UPDATE OF i SKIP LOCKED \
+                     ), claimed AS ( \
+                       UPDATE invoices i \
+                       SET auto_charge_claimed_until = now() + make_interval(secs => $3), \
+                           auto_charge_claimed_by = picked.claimed_by \
+                       FROM picked WHERE i.id = picked.id \
+                       RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
+                                 i.auto_charge_claimed_by \
+                     ) \
+                     SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
+                            k.auto_charge_claimed_by, \
+                            c.email, c.provider_customer_id, c.payment_method_id, \
+                            (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
+                             WHERE a.invoice_id = k.id) AS next_seq \
+                     FROM claimed k \
+                     JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id",
+                )
+                .bind(ids.clone())
+                .bind(wanted.iter().map(|w| w.claimed_by.clone()).collect::<Vec<_>>())
+                .bind(c.charge_lease.as_secs_f64()),
+            )
+            .await?;
+        let mut attempts = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let claim = ChargeClaim {
+                invoice_id: r.try_get("id").map_err(db::Error::from)?,
+                tenant_id: r.try_get("tenant_id").map_err(db::Error::from)?,
+                subscription_id: r.try_get("subscription_id").map_err(db::Error::from)?,
+                amount: r.try_get("amount").map_err(db::Error::from)?,
+                currency: r.try_get("currency").map_err(db::Error::from)?,
+                email: r.try_get("email").map_err(db::Error::from)?,
+                provider_customer: r.try_get("provider_customer_id").map_err(db::Error::from)?,
+                payment_method: r.try_get("payment_method_id").map_err(db::Error::from)?,
+                claimed_by: r
+                    .try_get("auto_charge_claimed_by")
+                    .map_err(db::Error::from)?,
+            };
+            let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
+            attempts.push((claim, seq));
+        }
+        let started = batch::start_attempts_in(tx, &attempts).await?;
+        let claimed: HashMap<i64, ()> = attempts.iter().map(|(c, _)| (c.invoice_id, ())).collect();
+        let mut started: HashMap<i64, StartedRetry> = started
+            .into_iter()
+            .map(|s| (s.claim.invoice_id, s))
+            .collect();
+        // Why the others were not claimed: the invoice closed, or held.
+        let unclaimed: Vec<i64> = ids
+            .iter()
+            .copied()
+            .filter(|id| !claimed.contains_key(id))
+            .collect();
+        let mut closed: HashMap<i64, String> = HashMap::new();
+        if !unclaimed.is_empty() {
+            let rows = tx
+                .fetch_all(
+                    sql("SELECT id, status FROM invoices WHERE id = ANY($1) AND status <> 'open'")
+                        .bind(unclaimed),
+                )
+                .await?;
+            for r in &rows {
+                closed.insert(
+                    r.try_get("id").map_err(db::Error::from)?,
+                    r.try_get("status").map_err(db::Error::from)?,
+                );
+            }
+        }
+        Ok(wanted
+            .iter()
+            .map(|w| match started.remove(&w.invoice_id) {
+                Some(s) => Ok(s),
+                None if claimed.contains_key(&w.invoice_id) => Err(NotCharged::ClaimLost),
+                None => Err(match closed.remove(&w.invoice_id) {
+                    Some(status) => NotCharged::InvoiceClosed { status },
+                    None => NotCharged::Held,
+                }),
+            })
+            .collect())
+    }
+
+    /// The batched second half of [`retry_charge`](Biller::retry_charge):
+    /// the calls of `started`, `charge_concurrency` at once, each under the
+    /// panic guard (`step` names it; a call that would start after
+    /// `deadline` or once `cancelled` is not made and stays unknown for the
+    /// reconciler), then every answer settled in one transaction
+    /// (`invoice.paid`, `payment.succeeded` and the receipt; `payment.failed`
+    /// and its email), each row by its own compare-and-set. Per started
+    /// retry: what it came to, or its panic (its attempt stays unknown for the
+    /// reconciler, its claim lease expires).
+    pub async fn finish_retries(
+        &self,
+        started: Vec<StartedRetry>,
+        deadline: Instant,
+        cancelled: impl Fn() -> bool + Copy,
+        step: impl Fn(&StartedRetry) -> String + Copy,
+    ) -> Vec<(StartedRetry, Result<Result<Retried, Error>, Payload>)> {
+        let Some(provider) = &self.inner.provider else {
+            return started
+                .into_iter()
+                .map(|s| (s, Ok(Ok(Retried::NotCharged(NotCharged::NoProvider)))))
+                .collect();
+        };
+        let c = &self.inner.config;
+        let called = batch::call_all(
+            provider,
+            started,
+            c.charge_concurrency,
+            deadline,
+            cancelled,
+            step,
+        )
+        .await;
+        let answered: Vec<(&StartedRetry, &Answer)> = called
+            .iter()
+            .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))
+            .collect();
+        let mut settled = batch::settle_all(
+            &self.inner.db,
+            &answered,
+            &c.email_from,
+            c.statement_timeout,
+        )
+        .await
+        .into_iter();
+        called
+            .into_iter()
+            .map(|(s, r)| {
+                let out = match r {
+                    Err(payload) => Err(payload),
+                    Ok(answer) => {
+                        let settled = settled.next().unwrap_or_else(|| Ok(Settled::Lost));
+                        Ok(settled.map(|w| retried(s.attempt_seq, answer, w)))
+                    }
+                };
+                (s, out)
+            })
+            .collect()
+    }
+}
+
+/// A settled answer as [`Retried`].
+fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
+    match (answer, settled) {
+        (Answer::Called(ChargeOutcome::Succeeded { payment_intent }), Settled::Written) => {
+            Retried::Paid {
+                attempt_seq,
+                payment_intent,
+            }
+        }
+        (Answer::Called(ChargeOutcome::Succeeded { .. }), Settled::Lost) => Retried::Unknown {
+            attempt_seq,
+            reason: "charged, but the claim was lost before settling".to_owned(),
+        },
+        (Answer::Called(ChargeOutcome::Declined { code, .. }), Settled::Written) => {
+            Retried::Declined { attempt_seq, code }
+        }
+        (Answer::Called(ChargeOutcome::Declined { .. }), Settled::Lost) => Retried::Unknown {
+            attempt_seq,
+            reason: "declined, but the claim was lost before settling".to_owned(),
+        },
+        (Answer::Called(ChargeOutcome::Unknown { reason }), _) => Retried::Unknown {
+            attempt_seq,
+            reason,
+        },
+        (Answer::NotSent, _) => Retried::Unknown {
+            attempt_seq,
+            reason: batch::NOT_SENT.to_owned(),
+        },
+    }
 }

@@ -97,6 +97,10 @@ pub enum Error {
     /// A warning or final-notice email was refused; the transition rolled back.
     #[error("dunning could not enqueue an email: {0}")]
     EmailEnqueue(#[from] email_outbox::EnqueueError),
+    /// The transaction that counts a batch's attempts and claims their
+    /// invoices failed: it rolled back, nothing of the batch was counted.
+    #[error("dunning batch not started (rolled back, nothing counted): {0}")]
+    BatchNotStarted(String),
     /// The provider answered none of a batch's retries (timeouts, 5xx): each
     /// was rewound, and the tick stops as failed to retry after the cooldown.
     #[error(

@@ -6,6 +6,7 @@
 //! from; an event or email is queued in the write's transaction and only when
 //! the write changed the row.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -177,33 +178,7 @@ pub(crate) async fn list_due(
     rows.iter().map(run).collect()
 }
 
-/// The attempt compare-and-set: count retry `attempt_count + 1` of the run as
-/// listed, and hold its next attempt `hold` ahead. `Some(held)` (the
-/// `next_attempt_at` it wrote, which the rewind proves) when this call counted it.
-pub(crate) async fn record_attempt(
-    db: &Db,
-    run: &Run,
-    hold: Duration,
-    statement_timeout: Duration,
-) -> Result<Option<DateTime<Utc>>, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let row = tx
-        .fetch_optional(
-            sql("UPDATE dunning_runs \
-                 SET attempt_count = attempt_count + 1, \
-                     next_attempt_at = now() + make_interval(secs => $3), updated_at = now() \
-                 WHERE id = $1 AND status = 'active' AND attempt_count = $2 \
-                 RETURNING next_attempt_at")
-            .bind(run.id)
-            .bind(run.attempt_count)
-            .bind(hold.as_secs_f64()),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(row.map(|r| r.try_get("next_attempt_at")).transpose()?)
-}
-
-/// Undo [`record_attempt`] through the same compare-and-set: the run is again
+/// Undo [`record_attempts_in`] for one run through the same compare-and-set: the run is again
 /// as it was listed. Proves the count and the hold that call wrote, so it
 /// undoes only that attempt, and nothing once a transition moved the run.
 pub(crate) async fn rewind(
@@ -226,6 +201,117 @@ pub(crate) async fn rewind(
         .await?;
     tx.commit().await?;
     Ok(n == 1)
+}
+
+/// [`record_attempt`] for a batch, one statement in the caller's transaction:
+/// each run counted only if it still has the count it was listed with
+/// (`attempt_count = $expected`, per row). Returns the runs counted, with the
+/// hold each was given (which [`rewind_in`] proves).
+pub(crate) async fn record_attempts_in(
+    tx: &mut Tx,
+    runs: &[&Run],
+    hold: Duration,
+) -> Result<HashMap<i64, DateTime<Utc>>, db::Error> {
+    if runs.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE dunning_runs r \
+                 SET attempt_count = r.attempt_count + 1, \
+                     next_attempt_at = now() + make_interval(secs => $3), updated_at = now() \
+                 FROM unnest($1::bigint[], $2::int4[]) AS u(id, expected) \
+                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.expected \
+                 RETURNING r.id, r.next_attempt_at")
+            .bind(runs.iter().map(|r| r.id).collect::<Vec<_>>())
+            .bind(runs.iter().map(|r| r.attempt_count).collect::<Vec<_>>())
+            .bind(hold.as_secs_f64()),
+        )
+        .await?;
+    let mut held = HashMap::with_capacity(rows.len());
+    for r in &rows {
+        held.insert(r.try_get("id")?, r.try_get("next_attempt_at")?);
+    }
+    Ok(held)
+}
+
+/// [`rewind`] for a batch, one statement in the caller's transaction: each
+/// run back to its listed count and next attempt, only while it holds the
+/// count and the hold its record wrote. Returns the runs rewound.
+pub(crate) async fn rewind_in(
+    tx: &mut Tx,
+    runs: &[(&Run, DateTime<Utc>)],
+) -> Result<HashSet<i64>, db::Error> {
+    if runs.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE dunning_runs r \
+                 SET attempt_count = u.listed, next_attempt_at = u.listed_at, updated_at = now() \
+                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::timestamptz[]) \
+                      AS u(id, listed, listed_at, held) \
+                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.listed + 1 \
+                   AND r.next_attempt_at = u.held \
+                 RETURNING r.id")
+            .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
+            .bind(
+                runs.iter()
+                    .map(|(r, _)| r.attempt_count)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                runs.iter()
+                    .map(|(r, _)| r.next_attempt_at)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(runs.iter().map(|(_, h)| *h).collect::<Vec<_>>()),
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| r.try_get("id"))
+        .collect::<Result<_, _>>()?)
+}
+
+/// [`recover`] for a batch, in the caller's transaction: each run (whose
+/// retry `attempt` paid its invoice) → recovered only while it holds that
+/// count, with one statement, and `dunning.recovered` for each run that
+/// changed, with one more. Returns the runs recovered.
+pub(crate) async fn recover_in(tx: &mut Tx, runs: &[(&Run, i32)]) -> Result<HashSet<i64>, Error> {
+    if runs.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE dunning_runs r \
+                 SET status = 'recovered', ended_at = now(), updated_at = now() \
+                 FROM unnest($1::bigint[], $2::int4[]) AS u(id, attempt) \
+                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
+                 RETURNING r.id")
+            .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
+            .bind(runs.iter().map(|(_, a)| *a).collect::<Vec<_>>()),
+        )
+        .await?;
+    let won: HashSet<i64> = rows
+        .iter()
+        .map(|r| r.try_get("id"))
+        .collect::<Result<_, _>>()
+        .map_err(db::Error::from)?;
+    let payloads: Vec<(&str, String)> = runs
+        .iter()
+        .filter(|(r, _)| won.contains(&r.id))
+        .map(|(r, a)| {
+            let p = payload(r, "recovered", *a, serde_json::json!({}));
+            (r.tenant_id.as_str(), p)
+        })
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+        .iter()
+        .map(|(t, p)| (*t, "dunning.recovered", p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &events).await?;
+    Ok(won)
 }
 
 fn payload(run: &Run, status: &str, attempt: i32, extra: serde_json::Value) -> String {

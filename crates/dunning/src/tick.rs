@@ -2,10 +2,11 @@
 //! ([`scheduler::drive`]) over due runs, each run retried under the panic
 //! guard, a bounded number at once.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use billing::{Biller, NotCharged, Retried};
+use billing::{Biller, NotCharged, Retried, RetryRequest, StartedRetry};
 use chrono::{DateTime, Utc};
 use db::Db;
 use futures::StreamExt;
@@ -21,6 +22,10 @@ use crate::{DunningConfig, Error};
 /// A batch with at least this many retries the provider did not answer, and
 /// none it did, is taken for an outage: the tick stops as failed.
 pub const OUTAGE_UNANSWERED: usize = 3;
+
+/// What one listed run of a batch came to: `None` when it was not started
+/// (out of budget, cancelled); else its result, or its panic.
+type Outcome = Option<Result<Result<Retry, Error>, scheduler::Payload>>;
 
 /// What became of one listed run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,129 +227,388 @@ impl Dunner {
         Ok(store::list_due(&self.inner.db, fence, limit, except, timeout).await?)
     }
 
-    /// Retry one listed run. Not fenced: every write proves the run's status
-    /// and attempt count as listed, so a stale or second worker writes nothing.
+    /// Retry one listed run: [`retry_batch`](Dunner::retry_batch)'s path for
+    /// a batch of one. Not fenced: every write proves the run's status and
+    /// attempt count as listed, so a stale or second worker writes nothing.
     ///
     /// # Errors
     /// A database error or a refused event or email; a recorded attempt
     /// was rewound (the run is as listed).
+    ///
+    /// # Panics
+    /// When the retry panicked, after its attempt was rewound.
     pub async fn retry(&self, run: &Run) -> Result<Retry, Error> {
-        let held = Mutex::new(None);
-        let result = self.retry_holding(run, &held).await;
-        if result.is_err() {
-            let hold = *lock(&held);
-            self.rewind_held(run, hold).await;
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        let mut out = self.retry_runs(vec![run.clone()], far, || false).await;
+        match out.pop().and_then(|(_, outcome)| outcome) {
+            Some(Ok(result)) => result,
+            Some(Err(payload)) => std::panic::resume_unwind(payload),
+            None => Ok(Retry::Lost),
         }
-        result
     }
 
-    /// [`retry`](Dunner::retry), writing the recorded attempt's hold to
-    /// `held` so the caller can rewind it if this future panics or is dropped.
-    async fn retry_holding(
+    /// Retry a listed batch (docs/adr/0017): per run, under the guard, what a
+    /// decline would do is planned; then ONE transaction counts every run's
+    /// attempt by its compare-and-set, has billing claim the invoices and
+    /// record their attempts, and rewinds the runs that panicked or found
+    /// their invoice held; then billing's calls (concurrent) and its one
+    /// settling transaction; then one transaction recovers the paid runs and
+    /// rewinds those without a definite answer. Declines, exhausted runs and
+    /// runs whose invoice was settled elsewhere take their own transactions.
+    ///
+    /// Per run, in the batch's order: `None` when not started (out of budget,
+    /// cancelled); else its result, or its panic (the attempt rewound).
+    async fn retry_runs(
         &self,
-        run: &Run,
-        held: &Mutex<Option<DateTime<Utc>>>,
-    ) -> Result<Retry, Error> {
-        let db = &self.inner.db;
+        runs: Vec<Run>,
+        deadline: Instant,
+        cancelled: impl Fn() -> bool + Copy,
+    ) -> Vec<(Run, Outcome)> {
         let c = &self.inner.config;
-        let timeout = c.statement_timeout;
+        let reserve = self.call_reserve();
+        let mut out: Vec<(Run, Outcome)> = Vec::with_capacity(runs.len());
+        let (mut single, mut charge) = (Vec::new(), Vec::new());
+        for run in runs {
+            if Instant::now() + reserve > deadline || cancelled() {
+                out.push((run, None));
+            } else if run.status == "exhausted" || run.invoice_status != "open" {
+                single.push(run);
+            } else {
+                charge.push(run);
+            }
+        }
+        // Exhausted runs owing their final action, and runs whose invoice was
+        // settled elsewhere: their own transactions, each under the guard.
+        let singles: Vec<(Run, Outcome)> = futures::stream::iter(single)
+            .map(|run| async move {
+                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+                let result = scheduler::catch(step, self.settled_elsewhere(&run)).await;
+                (run, Some(result))
+            })
+            .buffer_unordered(c.concurrency.max(1))
+            .collect()
+            .await;
+        out.extend(singles);
+        if !charge.is_empty() {
+            out.extend(self.charge_runs(charge, deadline, cancelled).await);
+        }
+        out
+    }
+
+    /// A run that is not charged: its owed final action, or its end because
+    /// the invoice was settled elsewhere.
+    async fn settled_elsewhere(&self, run: &Run) -> Result<Retry, Error> {
+        let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
         if run.status == "exhausted" {
             return Ok(Retry::FinalAction(
                 store::final_action(db, run, timeout).await?,
             ));
         }
-        if run.invoice_status != "open" {
-            return Ok(stopped(
-                store::stop(db, run, &run.invoice_status, timeout).await?,
-                &run.invoice_status,
-            ));
-        }
-        let attempt = run.attempt_count + 1;
-        let Some(hold) = store::record_attempt(db, run, c.attempt_hold, timeout).await? else {
-            return Ok(Retry::Lost);
-        };
-        *lock(held) = Some(hold);
-        // Planned before the charge, from the listing: a corrupt policy panics
-        // here, under the guard, which rewinds the attempt.
-        let plan = run.policy.after_decline(run.first_declined_at, attempt);
+        Ok(stopped(
+            store::stop(db, run, &run.invoice_status, timeout).await?,
+            &run.invoice_status,
+        ))
+    }
+
+    /// The charged path of [`retry_runs`](Dunner::retry_runs) for active runs
+    /// whose invoice was listed open.
+    async fn charge_runs(
+        &self,
+        runs: Vec<Run>,
+        deadline: Instant,
+        cancelled: impl Fn() -> bool + Copy,
+    ) -> Vec<(Run, Outcome)> {
+        let db = &self.inner.db;
+        let c = &self.inner.config;
         let t = &self.inner.telemetry;
-        let claimed_by = claim_identity(run);
-        let retried = self
-            .inner
-            .biller
-            .retry_charge(run.invoice_id, &claimed_by)
-            .await;
-        let label = match &retried {
-            Ok(Retried::Paid { .. }) => "succeeded",
-            Ok(Retried::Declined { .. }) => "declined",
-            Ok(Retried::Unknown { .. }) => "unknown",
-            Ok(Retried::NotCharged(_)) => "not_charged",
-            Err(_) => "error",
+        let biller = &self.inner.biller;
+        let timeout = c.statement_timeout;
+        let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
+        // Per run, under the guard: what a decline would do (pure; a corrupt
+        // policy panics here, before anything of this run is charged).
+        let mut planned: HashMap<i64, AfterDecline> = HashMap::new();
+        let mut panicked: Vec<(i64, scheduler::Payload)> = Vec::new();
+        // 1. One transaction: the attempt compare-and-set of every run, the
+        //    plan under the guard, billing's claims and attempts, and the
+        //    rewind of the runs that cannot be charged now.
+        let first = async {
+            let mut tx = db.begin_with_timeout(timeout).await?;
+            let refs: Vec<&Run> = runs.iter().collect();
+            let held = store::record_attempts_in(&mut tx, &refs, c.attempt_hold).await?;
+            let mut wanted = Vec::new();
+            for run in runs.iter().filter(|r| held.contains_key(&r.id)) {
+                let attempt = run.attempt_count + 1;
+                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+                let plan = scheduler::catch(step, async {
+                    run.policy.after_decline(run.first_declined_at, attempt)
+                })
+                .await;
+                match plan {
+                    Ok(plan) => {
+                        planned.insert(run.id, plan);
+                        wanted.push((
+                            run,
+                            RetryRequest {
+                                invoice_id: run.invoice_id,
+                                claimed_by: claim_identity(run),
+                            },
+                        ));
+                    }
+                    Err(payload) => panicked.push((run.id, payload)),
+                }
+            }
+            let requests: Vec<RetryRequest> = wanted.iter().map(|(_, w)| w.clone()).collect();
+            let started = biller.start_retries_in(&mut tx, &requests).await?;
+            let mut to_rewind: Vec<(&Run, DateTime<Utc>)> = Vec::new();
+            let mut charged = Vec::new();
+            let mut not_charged = Vec::new();
+            for ((run, _), s) in wanted.into_iter().zip(started) {
+                match s {
+                    Ok(s) => charged.push((run, s)),
+                    Err(why) => {
+                        to_rewind.push((run, held[&run.id]));
+                        not_charged.push((run, why));
+                    }
+                }
+            }
+            // The runs whose planning panicked: rewound in this transaction.
+            for (id, _) in &panicked {
+                if let Some(run) = runs.iter().find(|r| r.id == *id) {
+                    to_rewind.push((run, held[&run.id]));
+                }
+            }
+            store::rewind_in(&mut tx, &to_rewind).await?;
+            tx.commit().await?;
+            Ok::<_, Error>((held, charged, not_charged))
         };
-        t.counter("hardcount_dunning_attempts_total", &[("outcome", label)])
+        let (held, charged, not_charged) = match first.await {
+            Ok(x) => x,
+            Err(e) => {
+                // Rolled back: nothing of this batch was counted or claimed.
+                warn!(role = %Role::Dunning, error = %e, runs = runs.len(), "batch not started; nothing counted");
+                let why = e.to_string();
+                let mut result: Vec<(Run, Outcome)> = Vec::with_capacity(runs.len());
+                let mut panicked: HashMap<i64, scheduler::Payload> = panicked.into_iter().collect();
+                for run in runs {
+                    let outcome = match panicked.remove(&run.id) {
+                        Some(p) => Err(p),
+                        None => Ok(Err(Error::BatchNotStarted(why.clone()))),
+                    };
+                    result.push((run, Some(outcome)));
+                }
+                return result;
+            }
+        };
+        for run in runs.iter().filter(|r| !held.contains_key(&r.id)) {
+            out.insert(run.id, Some(Ok(Ok(Retry::Lost))));
+        }
+        for (id, payload) in panicked {
+            out.insert(id, Some(Err(payload)));
+        }
+        for (run, why) in not_charged {
+            t.counter(
+                "hardcount_dunning_attempts_total",
+                &[("outcome", "not_charged")],
+            )
             .increment(1);
+            let result = match why {
+                NotCharged::InvoiceClosed { status } => store::stop(db, run, &status, timeout)
+                    .await
+                    .map(|applied| stopped(applied, &status)),
+                why => Ok(Retry::Rewound {
+                    why: format!("{why:?}"),
+                    unanswered: false,
+                }),
+            };
+            out.insert(run.id, Some(Ok(result)));
+        }
+        // 2. Billing's calls, concurrent, and its one settling transaction.
+        let run_of: HashMap<i64, &Run> = charged
+            .iter()
+            .map(|(r, s)| (s.claim.invoice_id, *r))
+            .collect();
+        let started: Vec<StartedRetry> = charged.into_iter().map(|(_, s)| s).collect();
+        let finished = biller
+            .finish_retries(started, deadline, cancelled, |s| {
+                format!(
+                    "dunning/charge invoice {} (tenant {})",
+                    s.claim.invoice_id, s.claim.tenant_id
+                )
+            })
+            .await;
+        // 3. The outcomes: recoveries and rewinds in one transaction; each
+        //    decline in its own (its email and schedule differ per run).
+        let mut recover: Vec<(&Run, i32)> = Vec::new();
+        let mut rewind: Vec<(&Run, DateTime<Utc>, Outcome)> = Vec::new();
+        let mut declined: Vec<(Run, String)> = Vec::new();
+        for (s, result) in finished {
+            let Some(&run) = run_of.get(&s.claim.invoice_id) else {
+                continue;
+            };
+            let hold = held[&run.id];
+            let label = match &result {
+                Ok(Ok(Retried::Paid { .. })) => "succeeded",
+                Ok(Ok(Retried::Declined { .. })) => "declined",
+                Ok(Ok(Retried::Unknown { .. })) => "unknown",
+                Ok(Ok(Retried::NotCharged(_))) => "not_charged",
+                Ok(Err(_)) => "error",
+                Err(_) => "panicked",
+            };
+            t.counter("hardcount_dunning_attempts_total", &[("outcome", label)])
+                .increment(1);
+            match result {
+                Ok(Ok(Retried::Paid { .. })) => recover.push((run, run.attempt_count + 1)),
+                Ok(Ok(Retried::Declined { code, .. })) => declined.push((run.clone(), code)),
+                Ok(Ok(Retried::Unknown { reason, .. })) => {
+                    let unanswered = reason != billing::batch::NOT_SENT;
+                    let r = Retry::Rewound {
+                        why: reason,
+                        unanswered,
+                    };
+                    rewind.push((run, hold, Some(Ok(Ok(r)))));
+                }
+                Ok(Ok(Retried::NotCharged(why))) => {
+                    let r = Retry::Rewound {
+                        why: format!("{why:?}"),
+                        unanswered: false,
+                    };
+                    rewind.push((run, hold, Some(Ok(Ok(r)))));
+                }
+                Ok(Err(e)) => rewind.push((run, hold, Some(Ok(Err(Error::Billing(e)))))),
+                Err(payload) => rewind.push((run, hold, Some(Err(payload)))),
+            }
+        }
+        let pairs: Vec<(&Run, DateTime<Utc>)> = rewind.iter().map(|(r, h, _)| (*r, *h)).collect();
+        let last = async {
+            let mut tx = db.begin_with_timeout(timeout).await?;
+            let recovered = store::recover_in(&mut tx, &recover).await?;
+            let rewound = store::rewind_in(&mut tx, &pairs).await?;
+            tx.commit().await?;
+            Ok::<_, Error>((recovered, rewound))
+        };
+        let (recovered, rewound) = match last.await {
+            Ok(x) => x,
+            Err(e) => {
+                // One at a time, as before batching.
+                debug!(role = %Role::Dunning, error = %e, "batched recovery failed; one run at a time");
+                let mut recovered = HashSet::new();
+                for (run, attempt) in &recover {
+                    match store::recover(db, run, *attempt, timeout).await {
+                        Ok(true) => {
+                            recovered.insert(run.id);
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            out.insert(run.id, Some(Ok(Err(e))));
+                        }
+                    }
+                }
+                let mut rewound = HashSet::new();
+                for (run, hold) in &pairs {
+                    if let Ok(true) = store::rewind(db, run, *hold, timeout).await {
+                        rewound.insert(run.id);
+                    }
+                }
+                (recovered, rewound)
+            }
+        };
+        for (run, _) in recover {
+            if out.contains_key(&run.id) {
+                continue;
+            }
+            let r = if recovered.contains(&run.id) {
+                t.counter("hardcount_dunning_recoveries_total", &[])
+                    .increment(1);
+                Retry::Recovered
+            } else {
+                Retry::Lost
+            };
+            out.insert(run.id, Some(Ok(Ok(r))));
+        }
+        for (run, _, outcome) in rewind {
+            let outcome = match outcome {
+                // A rewind that found the run moved: another worker's.
+                Some(Ok(Ok(Retry::Rewound { .. }))) if !rewound.contains(&run.id) => {
+                    Some(Ok(Ok(Retry::Lost)))
+                }
+                other => other,
+            };
+            out.insert(run.id, outcome);
+        }
+        let declined: Vec<(Run, String, Option<AfterDecline>, DateTime<Utc>)> = declined
+            .into_iter()
+            .map(|(run, code)| {
+                let plan = planned.get(&run.id).cloned();
+                let hold = held[&run.id];
+                (run, code, plan, hold)
+            })
+            .collect();
+        let declines: Vec<(i64, Outcome)> = futures::stream::iter(declined)
+            .map(|(run, code, plan, hold)| async move {
+                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+                let result = scheduler::catch(step, self.after_decline(&run, code, plan)).await;
+                if !matches!(result, Ok(Ok(_))) {
+                    self.rewind_held(&run, Some(hold)).await;
+                }
+                (run.id, Some(result))
+            })
+            .buffer_unordered(c.concurrency.max(1))
+            .collect()
+            .await;
+        out.extend(declines);
+        runs.into_iter()
+            .map(|run| {
+                let outcome = out.remove(&run.id).unwrap_or(None);
+                (run, outcome)
+            })
+            .collect()
+    }
+
+    /// A definite decline of retry `attempt_count + 1`: the next retry
+    /// scheduled, or the run exhausted and its final action run.
+    async fn after_decline(
+        &self,
+        run: &Run,
+        code: String,
+        plan: Option<AfterDecline>,
+    ) -> Result<Retry, Error> {
+        let db = &self.inner.db;
+        let c = &self.inner.config;
+        let t = &self.inner.telemetry;
+        let timeout = c.statement_timeout;
         let from = &c.email_from;
-        Ok(match retried? {
-            Retried::Paid { .. } => {
-                if store::recover(db, run, attempt, timeout).await? {
-                    t.counter("hardcount_dunning_recoveries_total", &[])
-                        .increment(1);
-                    Retry::Recovered
+        let attempt = run.attempt_count + 1;
+        let plan = match plan {
+            Some(p) => p,
+            None => run.policy.after_decline(run.first_declined_at, attempt),
+        };
+        Ok(match plan {
+            AfterDecline::Next { at } => {
+                let email = run
+                    .policy
+                    .warns_after(attempt)
+                    .then(|| warning(run, from, &code, at));
+                if store::decline(db, run, attempt, (&code, at), email, timeout).await? {
+                    Retry::Declined { code }
                 } else {
                     Retry::Lost
                 }
             }
-            Retried::Declined { code, .. } => match plan {
-                AfterDecline::Next { at } => {
-                    let email = run
-                        .policy
-                        .warns_after(attempt)
-                        .then(|| warning(run, from, &code, at));
-                    if store::decline(db, run, attempt, (&code, at), email, timeout).await? {
-                        Retry::Declined { code }
-                    } else {
-                        Retry::Lost
-                    }
+            AfterDecline::Exhausted => {
+                let email = run.policy.final_notice.then(|| final_notice(run, from));
+                if !store::exhaust(db, run, attempt, &code, email, timeout).await? {
+                    return Ok(Retry::Lost);
                 }
-                AfterDecline::Exhausted => {
-                    let email = run.policy.final_notice.then(|| final_notice(run, from));
-                    if !store::exhaust(db, run, attempt, &code, email, timeout).await? {
-                        return Ok(Retry::Lost);
-                    }
-                    let action = run.policy.final_action.as_str();
-                    t.counter(
-                        "hardcount_dunning_exhaustions_total",
-                        &[("final_action", action)],
-                    )
-                    .increment(1);
-                    let final_action = store::final_action(db, run, timeout).await?;
-                    Retry::Exhausted { code, final_action }
-                }
-            },
-            Retried::Unknown { reason, .. } => self.rewound(run, hold, reason, true).await?,
-            Retried::NotCharged(NotCharged::InvoiceClosed { status }) => {
-                self.rewound(run, hold, String::new(), false).await?;
-                stopped(store::stop(db, run, &status, timeout).await?, &status)
+                let action = run.policy.final_action.as_str();
+                t.counter(
+                    "hardcount_dunning_exhaustions_total",
+                    &[("final_action", action)],
+                )
+                .increment(1);
+                let final_action = store::final_action(db, run, timeout).await?;
+                Retry::Exhausted { code, final_action }
             }
-            Retried::NotCharged(why) => self.rewound(run, hold, format!("{why:?}"), false).await?,
         })
-    }
-
-    async fn rewound(
-        &self,
-        run: &Run,
-        held: DateTime<Utc>,
-        why: String,
-        unanswered: bool,
-    ) -> Result<Retry, Error> {
-        let timeout = self.inner.config.statement_timeout;
-        Ok(
-            if store::rewind(&self.inner.db, run, held, timeout).await? {
-                Retry::Rewound { why, unanswered }
-            } else {
-                Retry::Lost
-            },
-        )
     }
 
     /// Rewind the attempt a retry recorded and could not finish (it failed,
@@ -364,8 +628,8 @@ impl Dunner {
         }
     }
 
-    /// Retry a listed batch, at most `concurrency` at once, each under the
-    /// guard. Returns the runs to leave out of the rest of the tick, and
+    /// Retry a listed batch ([`retry_runs`](Dunner::retry_runs)) and count
+    /// it. Returns the runs to leave out of the rest of the tick, and
     /// whether the batch looks like a provider outage: at least
     /// [`OUTAGE_UNANSWERED`] retries without an answer and none answered.
     async fn retry_batch(
@@ -376,32 +640,18 @@ impl Dunner {
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> (Vec<i64>, Option<usize>) {
-        let reserve = self.call_reserve();
-        let results: Vec<_> = futures::stream::iter(batch)
-            .map(|run| async move {
-                if Instant::now() + reserve > deadline || tick.cancel.is_cancelled() {
-                    return (run, None, None);
-                }
-                let held = Mutex::new(None);
-                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
-                let result = scheduler::catch(step, self.retry_holding(&run, &held)).await;
-                let hold = *lock(&held);
-                (run, hold, Some(result))
-            })
-            .buffer_unordered(self.inner.config.concurrency)
-            .collect()
+        let results = self
+            .retry_runs(batch, deadline, || tick.cancel.is_cancelled())
             .await;
         let mut left_out = Vec::new();
         let (mut answered, mut unanswered) = (0, 0);
-        for (run, hold, result) in results {
+        for (run, result) in results {
             let Some(result) = result else { continue };
             let retry = match result {
                 Err(payload) => {
+                    // Rewound in the batch's own transactions.
                     tally.panicked += 1;
                     left_out.push(run.id);
-                    if hold.is_some() {
-                        self.rewind_held(&run, hold).await;
-                    }
                     panics.record(payload);
                     continue;
                 }
@@ -409,7 +659,6 @@ impl Dunner {
                     tally.errors += 1;
                     left_out.push(run.id);
                     warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed; rewound");
-                    self.rewind_held(&run, hold).await;
                     continue;
                 }
                 Ok(Ok(retry)) => retry,
