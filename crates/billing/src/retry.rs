@@ -347,7 +347,7 @@ impl Biller {
     }
 
     /// The batched second half of [`retry_charge`](Biller::retry_charge):
-    /// the calls of `started`, `charge_concurrency` at once, each under the
+    /// the calls of `started`, `concurrency` at once (the caller's setting), each under the
     /// panic guard (`step` names it; a call that would start after
     /// `deadline` or once `cancelled` is not made and stays unknown for the
     /// reconciler), then every answer settled in one transaction
@@ -358,6 +358,7 @@ impl Biller {
     pub async fn finish_retries(
         &self,
         started: Vec<StartedRetry>,
+        concurrency: usize,
         deadline: Instant,
         cancelled: impl Fn() -> bool + Copy,
         step: impl Fn(&StartedRetry) -> String + Copy,
@@ -369,15 +370,8 @@ impl Biller {
                 .collect();
         };
         let c = &self.inner.config;
-        let called = batch::call_all(
-            provider,
-            started,
-            c.charge_concurrency,
-            deadline,
-            cancelled,
-            step,
-        )
-        .await;
+        let called =
+            batch::call_all(provider, started, concurrency, deadline, cancelled, step).await;
         let answered: Vec<(&StartedRetry, &Answer)> = called
             .iter()
             .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))

@@ -215,6 +215,10 @@ pub(crate) async fn record_attempts_in(
     if runs.is_empty() {
         return Ok(HashMap::new());
     }
+    // In id order, so two workers counting overlapping batches lock their
+    // rows in one order rather than deadlocking.
+    let mut runs = runs.to_vec();
+    runs.sort_by_key(|r| r.id);
     let rows = tx
         .fetch_all(
             sql("UPDATE dunning_runs r \

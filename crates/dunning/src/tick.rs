@@ -429,7 +429,7 @@ impl Dunner {
             .collect();
         let started: Vec<StartedRetry> = charged.into_iter().map(|(_, s)| s).collect();
         let finished = biller
-            .finish_retries(started, deadline, cancelled, |s| {
+            .finish_retries(started, c.concurrency, deadline, cancelled, |s| {
                 format!(
                     "dunning/charge invoice {} (tenant {})",
                     s.claim.invoice_id, s.claim.tenant_id
