@@ -3,6 +3,7 @@
 //! Each guard test names, in its comment, the mutation that makes it fail and
 //! that it was seen failing under (`scripts/mutation-check`).
 
+mod batch;
 mod charges;
 mod drain;
 mod guards;

@@ -1,0 +1,193 @@
+//! The set-based charge path (docs/adr/0017): one batch's answers settled in
+//! one transaction, each row by its own condition.
+
+use std::time::{Duration, Instant};
+
+use billing::{BillingConfig, ProviderConfig, Retried, RetryRequest, SecretKey};
+use db::{Db, Row, sql};
+use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+use testbed::TestDb;
+
+use crate::{biller, config, due_monthly, tick};
+
+fn charging(p: &FakeProvider) -> BillingConfig {
+    BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout: Duration::from_secs(5),
+        }),
+        ..config()
+    }
+}
+
+/// (invoice, `cus_…`) of every invoice, in id order, after a tick without a
+/// provider billed `n` subscriptions.
+async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
+    due_monthly(db, "tenant_a", n).await;
+    let (b, _) = biller(db, config());
+    assert_eq!(tick(db, &b).await.tally.invoiced, n);
+    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
+         JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get("id"), r.get("provider_customer_id")))
+        .collect()
+}
+
+async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    let mut v: Vec<String> = db
+        .fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect();
+    v.sort();
+    v
+}
+
+async fn status_of(db: &Db, table: &'static str, invoice: i64) -> String {
+    let q = match table {
+        "invoices" => "SELECT status FROM invoices WHERE id = $1",
+        _ => "SELECT provider_status FROM payment_attempts WHERE invoice_id = $1",
+    };
+    db.fetch_one(sql(q).bind(invoice)).await.unwrap().get(0)
+}
+
+/// Three invoices charged in one batch of one tick: one paid, one declined,
+/// one answered 503. Each is settled as it would have been alone: the paid
+/// one with `invoice.paid`, `payment.succeeded` and its receipt, the declined
+/// one with `payment.failed` and its email, the unknown one with nothing but
+/// its reason; one charge at the provider.
+#[tokio::test]
+async fn one_batch_settles_a_paid_a_declined_and_an_unknown_charge_each_as_alone() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let inv = open_invoices(&t.db, 3).await;
+    p.set_behaviour(&inv[1].1, Behaviour::Decline("insufficient_funds".into()));
+    p.set_behaviour(&inv[2].1, Behaviour::ServerError(503));
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    let c = &report.charges;
+    assert_eq!((c.paid, c.declined, c.unknown), (1, 1, 1), "{report:?}");
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(status_of(&t.db, "invoices", inv[0].0).await, "paid");
+    assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "open");
+    assert_eq!(status_of(&t.db, "invoices", inv[2].0).await, "open");
+    assert_eq!(status_of(&t.db, "attempts", inv[0].0).await, "succeeded");
+    assert_eq!(status_of(&t.db, "attempts", inv[1].0).await, "declined");
+    assert_eq!(status_of(&t.db, "attempts", inv[2].0).await, "unknown");
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type || ' ' || (COALESCE(payload->>'invoice', payload->>'id')) \
+             FROM webhook_events WHERE event_type <> 'invoice.finalized'"
+        )
+        .await,
+        {
+            let mut v = vec![
+                format!("invoice.paid {}", inv[0].0),
+                format!("payment.succeeded {}", inv[0].0),
+                format!("payment.failed {}", inv[1].0),
+            ];
+            v.sort();
+            v
+        }
+    );
+    assert_eq!(strings(&t.db, "SELECT subject FROM email_outbox").await, {
+        let mut v = vec![
+            format!("Receipt for invoice {}", inv[0].0),
+            format!("Your payment for invoice {} failed", inv[1].0),
+        ];
+        v.sort();
+        v
+    });
+    let why: Option<String> =
+        t.db.fetch_one(
+            sql("SELECT last_error FROM payment_attempts WHERE invoice_id = $1").bind(inv[2].0),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        why.is_some_and(|w| w.contains("503")),
+        "last_error names the 5xx"
+    );
+}
+
+/// Two retries started in one transaction; before their answers come back,
+/// the claim lease of the first expires. The batch's settling writes nothing
+/// for it (invoice open, attempt unknown, no event, no email: the reconciler
+/// settles it by key) and settles the second, paid and announced.
+///
+/// Mutation check: `batch_settle_lease` (the lease expiry dropped from the
+/// paid rows' condition in `batch::settle_once`) pays the first invoice;
+/// seen failing under it.
+#[tokio::test]
+async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let inv = open_invoices(&t.db, 2).await;
+    let (b, _) = biller(&t.db, charging(&p));
+    let wanted: Vec<RetryRequest> = inv
+        .iter()
+        .map(|(id, _)| RetryRequest {
+            invoice_id: *id,
+            claimed_by: format!("test:{id}"),
+        })
+        .collect();
+    let mut tx = t.db.begin().await.unwrap();
+    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
+    tx.commit().await.unwrap();
+    let started: Vec<_> = started.into_iter().map(|s| s.unwrap()).collect();
+    assert_eq!(started.len(), 2);
+    t.db.execute(
+        sql(
+            "UPDATE invoices SET auto_charge_claimed_until = now() - interval '1 second' \
+             WHERE id = $1",
+        )
+        .bind(inv[0].0),
+    )
+    .await
+    .unwrap();
+    let far = Instant::now() + Duration::from_secs(600);
+    let done = b
+        .finish_retries(
+            started,
+            4,
+            far,
+            || false,
+            |s| format!("test {}", s.claim.invoice_id),
+        )
+        .await;
+    for (s, result) in done {
+        let retried = result.expect("no panic").expect("no error");
+        if s.claim.invoice_id == inv[0].0 {
+            assert!(
+                matches!(&retried, Retried::Unknown { reason, .. } if reason.contains("claim was lost")),
+                "{retried:?}"
+            );
+        } else {
+            assert!(matches!(retried, Retried::Paid { .. }), "{retried:?}");
+        }
+    }
+    assert_eq!(p.total_charges(), 2, "both were charged at the provider");
+    assert_eq!(status_of(&t.db, "invoices", inv[0].0).await, "open");
+    assert_eq!(status_of(&t.db, "attempts", inv[0].0).await, "unknown");
+    assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "paid");
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized'"
+        )
+        .await,
+        vec!["invoice.paid", "payment.succeeded"]
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT subject FROM email_outbox").await,
+        vec![format!("Receipt for invoice {}", inv[1].0)]
+    );
+}
