@@ -1,20 +1,23 @@
 //! Auto-charge, a step of the billing tick after due billing: open automatic
 //! invoices never attempted are claimed (a lease per invoice, fenced funnel),
 //! an attempt row is written before the provider call, and the answer is
-//! settled by compare-and-set while the claim still holds the invoice.
+//! settled by compare-and-set while the claim still holds the invoice. The
+//! tick does this a batch at a time (`crate::batch`, docs/adr/0017);
+//! [`Biller::charge`] is the same for one claimed invoice.
 //!
 //! ```text
 //!  claim ≤ batch invoices   status open, automatic, lease free or expired, no attempt,
 //!                           AND leader_fence('billing', $token) → lease = now() + charge_lease
-//!  per invoice, under the panic guard:
-//!    INSERT attempt 1 (unknown, key = (invoice, 1))   only while the claim holds it
-//!    POST /v1/payment_intents with that Idempotency-Key
+//!  INSERT attempt 1 (unknown, key = (invoice, 1))   only while the claim holds it
+//!                           (the batch: in the claim's transaction, one statement)
+//!  POST /v1/payment_intents with that Idempotency-Key   (each under the panic guard)
 //!      succeeded ─▶ invoice open → paid (claim still ours), attempt → succeeded,
 //!                   invoice.paid + payment.succeeded + receipt email        (one transaction)
 //!      declined  ─▶ attempt → declined(code), claim released,
 //!                   payment.failed + payment-failed email                  (one transaction)
 //!      unknown   ─▶ attempt stays unknown with its reason; the lease expires;
 //!                   the reconciler asks the provider by key
+//!  (the batch: every answer settled in one transaction, each row by its own CAS)
 //! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};

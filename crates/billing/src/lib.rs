@@ -20,18 +20,23 @@
 //!  COMMIT; the next batch, until a short batch, the budget, or cancel
 //! ```
 //!
-//! Then auto-charge (`charge`, docs/adr/0011), when a provider is configured:
+//! Then auto-charge (`charge`, docs/adr/0011), a batch at a time through the
+//! set-based primitives of [`batch`] (docs/adr/0017), when a provider is configured:
 //!
 //! ```text
-//!  claim ≤ 8 × charge_concurrency invoices lease free or expired, no attempt yet,
-//!    lease = now() + charge_lease            AND leader_fence('billing', $token)  (fenced)
-//!  per invoice, charge_concurrency at a time, each under the panic guard:
-//!    INSERT attempt 1 (unknown, key)         only while our claim holds the invoice
-//!    POST /v1/payment_intents, Idempotency-Key = (invoice, attempt)
-//!      succeeded ─▶ open → paid by CAS (claim still ours) + invoice.paid,
-//!                   payment.succeeded, receipt email            (one transaction)
-//!      declined  ─▶ attempt declined(code), payment.failed, email (one transaction)
-//!      unknown   ─▶ attempt stays unknown; lease expires; the reconciler's
+//!  one transaction:
+//!    claim ≤ 8 × charge_concurrency invoices  lease free or expired, no attempt yet,
+//!      lease = now() + charge_lease            AND leader_fence('billing', $token)  (fenced)
+//!    INSERT attempt 1 (unknown, key) per invoice  only while that row's claim holds it
+//!  POST /v1/payment_intents, Idempotency-Key = (invoice, attempt),
+//!    charge_concurrency at a time, each call under the panic guard
+//!  one transaction for every answer of the batch, each row by its own CAS:
+//!      succeeded ─▶ open → paid (claim still ours, unexpired), attempt succeeded
+//!      declined  ─▶ claim released, attempt declined(code)
+//!      unknown   ─▶ attempt stays unknown with its reason; lease expires; the reconciler's
+//!    + invoice.paid, payment.succeeded, payment.failed (enqueue_many) and the receipts
+//!      and payment-failed emails (email_outbox::enqueue_many) of the rows that won
+//!    (failing whole, it is redone one row at a time)
 //!  every call of the batch an outage (refused, 5xx) ─▶ the tick ends as failed
 //! ```
 //!
@@ -58,9 +63,9 @@
 //!
 //! **Dunning enrolment is not billing's**: an open invoice whose attempt was
 //! declined is the hand-off; the dunning crate enrols such invoices as the
-//! first step of its own tick (docs/adr/0012), through the `pub(crate)` store
-//! functions `claim_charges`, `start_attempt`, `settle_paid`, `settle_declined` and
-//! `note_unknown`.
+//! first step of its own tick (docs/adr/0012), and charges its retries through
+//! [`Biller::start_retries_in`] and [`Biller::finish_retries`] (a batch; `retry`)
+//! or [`Biller::retry_charge`] (one).
 //!
 //! Guarantees:
 //!

@@ -17,6 +17,12 @@
 //! The claim is not fenced: the dunning role's funnel and its run
 //! compare-and-set decide who retries; this lease only stops two workers
 //! charging one invoice at once (ADR-114's effect table).
+//!
+//! [`Biller::retry_charge`] retries one invoice; dunning's tick retries a batch
+//! (docs/adr/0017) with [`Biller::start_retries_in`] (the claims and attempts,
+//! set-based, in dunning's own transaction, so its attempt compare-and-set
+//! commits with them) and [`Biller::finish_retries`] (the calls, concurrent,
+//! and one settling transaction for the batch, `crate::batch`).
 
 use std::collections::HashMap;
 use std::time::Instant;

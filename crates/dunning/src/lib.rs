@@ -11,18 +11,25 @@
 //!       + dunning.started
 //!  2. list ≤ batch runs (fenced)        active and due, or exhausted with the final
 //!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED
-//!  per run, ≤ concurrency at once, each under the panic guard:
-//!     invoice not open ─▶ run recovered (paid) / stopped, no charge
-//!     record:  attempt_count = n + 1, next_attempt_at = now() + hold
-//!              WHERE status = 'active' AND attempt_count = n     lost ─▶ nothing
-//!     plan what a decline would do (pure; a corrupt policy panics here)
-//!     billing::Biller::retry_charge(invoice)   claim lease, attempt (invoice, seq),
-//!                                              provider call, settle
-//!       paid        ─▶ run recovered + dunning.recovered              (one transaction)
+//!  per batch (docs/adr/0017):
+//!     exhausted, or invoice not open ─▶ final action / run recovered (paid) or
+//!                      stopped, no charge; each its own transaction, under the guard
+//!     ONE transaction for the others:
+//!       record:  attempt_count = n + 1, next_attempt_at = now() + hold
+//!                WHERE status = 'active' AND attempt_count = n  (per row, one
+//!                UPDATE … FROM unnest)                        lost ─▶ nothing
+//!       plan what a decline would do, per run under the guard (pure; a corrupt
+//!                policy panics here: that run is rewound in this transaction)
+//!       billing::Biller::start_retries_in   claim leases, attempts (invoice, seq)
+//!       rewind the runs that panicked or whose invoice is held
+//!     billing::Biller::finish_retries   calls, ≤ concurrency at once, each under
+//!                the guard; one settling transaction for the batch
+//!       paid        ─▶ run recovered + dunning.recovered  (one transaction for the
+//!                      batch's recoveries and rewinds, per row compare-and-set)
 //!       declined    ─▶ next attempt from the policy + dunning.attempt_failed
 //!                      (+ warning email), or, after the last retry:
 //!                      run exhausted + dunning.exhausted (+ final notice),
-//!                      then the final action step
+//!                      then the final action step           (per run)
 //!       unknown, not charged, error, panic
 //!                   ─▶ rewind: attempt_count = n, next_attempt_at as listed
 //!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold
@@ -67,7 +74,7 @@
 //! Modules: `config` (defaults and validation), [`policy`] (pure: schedules
 //! and final actions), `notices` (pure: the customer's emails), `store` (all
 //! SQL), `tick` ([`Dunner`], the driver's implementation). The charge itself
-//! is billing's (`billing::Biller::retry_charge`).
+//! is billing's (`billing::Biller::start_retries_in` / `finish_retries`).
 
 mod config;
 mod notices;
