@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use db::{Db, Row, Tx, sql};
 use futures::stream::{self, StreamExt};
 use scheduler::{Payload, catch};
+use tracing::warn;
 
 use crate::Error;
 use crate::provider::{self, ChargeOutcome, PaymentRequest, Provider};
@@ -188,7 +189,10 @@ pub(crate) async fn settle_all(
                     .collect();
             }
             Ok(Once::RolledBack(bad)) => lost.extend(bad),
-            Err(_) => break,
+            Err(e) => {
+                warn!(rows = pending.len(), error = %e, "batch settling failed whole; settling one row at a time");
+                break;
+            }
         }
     }
     // One at a time: each row in its own transaction, as before batching.

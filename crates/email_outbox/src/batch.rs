@@ -61,3 +61,90 @@ pub async fn enqueue_many(tx: &mut Tx, emails: &[(&str, &Email)]) -> Result<u64,
         .await?;
     Ok(n)
 }
+
+#[cfg(test)]
+mod tests {
+    use db::{Row, sql};
+    use testbed::TestDb;
+
+    use super::enqueue_many;
+    use crate::{Email, EnqueueError};
+
+    fn email(to: &[&str], subject: &str) -> Email {
+        Email {
+            from: "billing@example.com".to_owned(),
+            to: to.iter().map(|s| (*s).to_owned()).collect(),
+            subject: subject.to_owned(),
+            text: "body\n".to_owned(),
+            html: None,
+        }
+    }
+
+    /// Each email keeps its own recipients (a slice of the flat array), its
+    /// own tenant and a Message-ID of its own.
+    #[tokio::test]
+    async fn many_emails_in_one_statement_keep_their_own_recipients() {
+        let t = TestDb::new().await;
+        let a = email(&["a@example.com", "b@example.com"], "two");
+        let b = email(&["c@example.com"], "one");
+        let c = email(
+            &["d@example.com", "e@example.com", "f@example.com"],
+            "three",
+        );
+        let mut tx = t.db.begin().await.unwrap();
+        let n = enqueue_many(&mut tx, &[("t1", &a), ("t2", &b), ("t1", &c)])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(n, 3);
+        let rows =
+            t.db.fetch_all(sql(
+                "SELECT tenant_id, recipients, subject, message_id FROM email_outbox ORDER BY id",
+            ))
+            .await
+            .unwrap();
+        let got: Vec<(String, Vec<String>, String)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        let v = |s: &[&str]| s.iter().map(|x| (*x).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "t1".into(),
+                    v(&["a@example.com", "b@example.com"]),
+                    "two".into()
+                ),
+                ("t2".into(), v(&["c@example.com"]), "one".into()),
+                (
+                    "t1".into(),
+                    v(&["d@example.com", "e@example.com", "f@example.com"]),
+                    "three".into()
+                ),
+            ]
+        );
+        let ids: std::collections::HashSet<String> = rows.iter().map(|r| r.get(3)).collect();
+        assert_eq!(ids.len(), 3, "each email its own Message-ID");
+    }
+
+    /// A bad email anywhere in the batch refuses the batch, naming the field,
+    /// before anything is sent: the transaction is still usable.
+    #[tokio::test]
+    async fn one_bad_email_refuses_the_batch_before_anything_is_written() {
+        let t = TestDb::new().await;
+        let good = email(&["a@example.com"], "fine");
+        let bad = email(&[], "nobody");
+        let mut tx = t.db.begin().await.unwrap();
+        let e = enqueue_many(&mut tx, &[("t1", &good), ("t1", &bad)])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EnqueueError::Invalid(_)), "{e}");
+        let left = tx
+            .fetch_one(sql("SELECT count(*) AS n FROM email_outbox"))
+            .await
+            .unwrap();
+        assert_eq!(left.get::<i64, _>("n"), 0);
+        tx.commit().await.unwrap();
+    }
+}
