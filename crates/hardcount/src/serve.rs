@@ -38,6 +38,8 @@ pub struct Config {
     pub email: Option<EmailConfig>,
     /// Billing's settings, with the payment provider when one is configured.
     pub billing: billing::BillingConfig,
+    /// Dunning's settings (HARDCOUNT_DUNNING_*); its email sender is billing's.
+    pub dunning: dunning::DunningConfig,
     /// `HARDCOUNT_LISTEN_URL`: a session-capable connection (Postgres directly,
     /// or a session-mode pooler) on which the webhook roles LISTEN for
     /// wake-ups (docs/adr/0014). None: they poll at their interval.
@@ -125,7 +127,7 @@ fn work_for(
                 billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
             let dunning_config = dunning::DunningConfig {
                 email_from: config.billing.email_from.clone(),
-                ..dunning::DunningConfig::default()
+                ..config.dunning.clone()
             };
             let dunner = Arc::new(dunning::Dunner::new(
                 db.clone(),

@@ -110,6 +110,15 @@ pub struct ServeSettings {
     /// dunning's tick interval (1s to 30d) [default: 15m].
     #[arg(long, env = "HARDCOUNT_DUNNING_INTERVAL")]
     pub dunning_interval: Option<String>,
+    /// Due dunning runs listed per batch (1 to 10000) [default: 500].
+    #[arg(long, env = "HARDCOUNT_DUNNING_BATCH_SIZE")]
+    pub dunning_batch_size: Option<String>,
+    /// Dunning provider calls in flight at once (1 to 1000) [default: 32].
+    #[arg(long, env = "HARDCOUNT_DUNNING_CONCURRENCY")]
+    pub dunning_concurrency: Option<String>,
+    /// How long a dunning tick lists batches (100ms to 1h) [default: 5m].
+    #[arg(long, env = "HARDCOUNT_DUNNING_TICK_BUDGET")]
+    pub dunning_tick_budget: Option<String>,
     /// webhook_outbox's tick interval (1s to 30d) [default: 1s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL")]
     pub webhook_outbox_interval: Option<String>,
@@ -249,6 +258,7 @@ impl ServeSettings {
             webhook_delivery,
             email: self.email()?,
             billing: self.billing()?,
+            dunning: self.dunning()?,
             listen_url: self.listen_url()?,
         })
     }
@@ -281,6 +291,63 @@ impl ServeSettings {
         }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Dunning's HARDCOUNT_DUNNING_* settings; a value out of the range
+    /// `DunningConfig` accepts is refused by its variable's name.
+    fn dunning(&self) -> Result<dunning::DunningConfig> {
+        let mut d = dunning::DunningConfig::default();
+        for (var, value, slot) in [
+            (
+                "HARDCOUNT_DUNNING_BATCH_SIZE",
+                &self.dunning_batch_size,
+                &mut d.batch_size,
+            ),
+            (
+                "HARDCOUNT_DUNNING_CONCURRENCY",
+                &self.dunning_concurrency,
+                &mut d.concurrency,
+            ),
+        ] {
+            if let Some(text) = non_empty(value) {
+                *slot = text
+                    .parse()
+                    .map_err(|_| anyhow!("{var}={text:?}: expected a whole number"))?;
+            }
+        }
+        if let Some(text) = non_empty(&self.dunning_tick_budget) {
+            // DunningConfig owns the bounds; this only reads the text.
+            let any = Duration::ZERO..=Duration::MAX;
+            d.tick_budget = duration("HARDCOUNT_DUNNING_TICK_BUDGET", &text, any)?;
+        }
+        d.validate().map_err(|e| match e {
+            dunning::ConfigError::Count {
+                field,
+                value,
+                min,
+                max,
+            } => anyhow!(
+                "HARDCOUNT_DUNNING_{}={value}: must be from {min} to {max}",
+                field.to_ascii_uppercase()
+            ),
+            dunning::ConfigError::Duration {
+                field,
+                value,
+                min,
+                max,
+            } => {
+                let show = |d: Duration| humantime::format_duration(d).to_string();
+                anyhow!(
+                    "HARDCOUNT_DUNNING_{}={}: must be from {} to {}",
+                    field.to_ascii_uppercase(),
+                    show(value),
+                    show(min),
+                    show(max)
+                )
+            }
+            other => anyhow!(other),
+        })?;
+        Ok(d)
     }
 
     /// SMTP_URL and the email settings, when SMTP_URL is set. Errors name the
@@ -433,6 +500,22 @@ mod tests {
             (
                 &["--dunning-interval", "31d"],
                 "HARDCOUNT_DUNNING_INTERVAL is 2678400s",
+            ),
+            (
+                &["--dunning-batch-size", "0"],
+                "HARDCOUNT_DUNNING_BATCH_SIZE=0: must be from 1 to 10000",
+            ),
+            (
+                &["--dunning-concurrency", "many"],
+                "HARDCOUNT_DUNNING_CONCURRENCY=\"many\": expected a whole number",
+            ),
+            (
+                &["--dunning-concurrency", "1001"],
+                "HARDCOUNT_DUNNING_CONCURRENCY=1001: must be from 1 to 1000",
+            ),
+            (
+                &["--dunning-tick-budget", "2h"],
+                "HARDCOUNT_DUNNING_TICK_BUDGET=2h: must be from 100ms to 1h",
             ),
             (
                 &["--webhook-retry-schedule", "5s,500ms"],
