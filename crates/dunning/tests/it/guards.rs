@@ -62,9 +62,9 @@ async fn a_stale_token_lists_and_enrols_nothing_after_a_takeover() {
 /// warning email, one `dunning.attempt_failed`. Then the old leader retries
 /// again from its listing and writes nothing.
 ///
-/// Mutation check: `dunning_attempt_cas` (removing `AND attempt_count = $2`
-/// from `store::record_attempt`) lets both count an attempt and the second
-/// charge the card again; seen failing under it.
+/// Mutation check: `dunning_attempt_cas` (removing `AND r.attempt_count =
+/// u.expected` from `store::record_attempts_in`) lets both count an attempt;
+/// seen failing under it.
 #[tokio::test]
 async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {
     let t = TestDb::new().await;
@@ -108,4 +108,60 @@ async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {
         events(&t.db).await,
         ["dunning.started", "dunning.attempt_failed"]
     );
+}
+
+/// Three runs listed by a leader that was then replaced; the new leader's
+/// tick retries them as one batch while the old leader retries each from its
+/// listing. Every retry succeeds at the provider. Each run is counted once,
+/// charged once (three charges at the provider), recovered once, with one
+/// `dunning.recovered` and one receipt each.
+///
+/// Mutation check: `dunning_batch_cas` (the batched compare-and-set without
+/// its count) counts a run twice.
+#[tokio::test]
+async fn a_stale_leaders_retries_racing_the_new_leaders_batch_charge_each_run_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let mut invoices = Vec::new();
+    for _ in 0..3 {
+        invoices.push(declined_invoice(&t.db, "tenant_a").await.invoice);
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let d2 = d.clone();
+    let stale = as_leader(&manager(&t.db, "old"), Role::Dunning, |tick| async move {
+        d2.enrol(&tick.fence).await.unwrap();
+        d2.list_due(&tick.fence, 10).await.unwrap()
+    })
+    .await;
+    assert_eq!(stale.len(), 3);
+    let d2 = d.clone();
+    let (by_old, report) = as_leader(&manager(&t.db, "new"), Role::Dunning, |tick| async move {
+        let old = futures::future::join_all(stale.iter().map(|r| d2.retry(r)));
+        tokio::join!(old, d2.run_tick(&tick))
+    })
+    .await;
+    let recovered_by_old = by_old
+        .into_iter()
+        .filter(|r| matches!(r, Ok(dunning::Retry::Recovered)))
+        .count();
+    assert_eq!(recovered_by_old + report.tally.recovered, 3, "{report:?}");
+    for invoice in &invoices {
+        assert_eq!(run_of(&t.db, *invoice).await, ("recovered".to_owned(), 1));
+        // Billing's declined attempt 1 and one retry.
+        assert_eq!(crate::attempts(&t.db, *invoice).await.len(), 2);
+    }
+    assert_eq!(p.total_charges(), 3, "{:?}", p.charges());
+    let events = events(&t.db).await;
+    assert_eq!(
+        events.iter().filter(|e| *e == "dunning.recovered").count(),
+        3,
+        "{events:?}"
+    );
+    let receipts = crate::strings(
+        &t.db,
+        "SELECT subject FROM email_outbox WHERE subject LIKE 'Receipt%'",
+    )
+    .await;
+    assert_eq!(receipts.len(), 3, "{receipts:?}");
 }
