@@ -116,8 +116,10 @@ async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {
 /// charged once (three charges at the provider), recovered once, with one
 /// `dunning.recovered` and one receipt each.
 ///
-/// Mutation check: `dunning_batch_cas` (the batched compare-and-set without
-/// its count) counts a run twice.
+/// Not a mutation pin: whichever retry counts a run first, its hold keeps the
+/// run out of the other's listing, so the compare-and-set is not always what
+/// stops the second (`a_stale_leader_and_the_new_leader_retry_the_same_run_once`
+/// pins it, through the same batched statement).
 #[tokio::test]
 async fn a_stale_leaders_retries_racing_the_new_leaders_batch_charge_each_run_once() {
     let t = TestDb::new().await;
