@@ -227,7 +227,7 @@ impl Dunner {
         Ok(store::list_due(&self.inner.db, fence, limit, except, timeout).await?)
     }
 
-    /// Retry one listed run: [`retry_batch`](Dunner::retry_batch)'s path for
+    /// Retry one listed run: the tick's batch path (`retry_batch`) for
     /// a batch of one. Not fenced: every write proves the run's status and
     /// attempt count as listed, so a stale or second worker writes nothing.
     ///

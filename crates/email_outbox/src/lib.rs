@@ -19,7 +19,8 @@
 //!
 //! Guarantees:
 //!
-//! - **An email exists iff its producer committed.** [`enqueue`] runs inside the
+//! - **An email exists iff its producer committed.** [`enqueue`] (and
+//!   [`enqueue_many`], a batch in one statement) runs inside the
 //!   caller's [`db::Tx`], and refuses bad input (naming the field) before anything
 //!   is written.
 //! - **At least once, never lost.** A claim moves `next_attempt_at` a lease ahead
