@@ -118,19 +118,22 @@ async fn one_batch_settles_a_paid_a_declined_and_an_unknown_charge_each_as_alone
     );
 }
 
-/// Two retries started in one transaction; before their answers come back,
-/// the claim lease of the first expires. The batch's settling writes nothing
-/// for it (invoice open, attempt unknown, no event, no email: the reconciler
-/// settles it by key) and settles the second, paid and announced.
+/// Three retries started in one transaction; before their answers come back,
+/// the claim leases of the first (which the provider charges) and the second
+/// (which it declines) expire. The batch's settling writes nothing for them
+/// (invoices open, attempts unknown, no event, no email: the reconciler
+/// settles them by key) and settles the third, paid and announced.
 ///
 /// Mutation check: `batch_settle_lease` (the lease expiry dropped from the
-/// paid rows' condition in `batch::settle_once`) pays the first invoice;
-/// seen failing under it.
+/// paid rows' condition in `batch::settle_once`) pays the first invoice, and
+/// `batch_settle_lease_declined` (dropped from the declined rows') records
+/// the second's decline; seen failing under each.
 #[tokio::test]
 async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let inv = open_invoices(&t.db, 2).await;
+    let inv = open_invoices(&t.db, 3).await;
+    p.set_behaviour(&inv[1].1, Behaviour::Decline("insufficient_funds".into()));
     let (b, _) = biller(&t.db, charging(&p));
     let wanted: Vec<RetryRequest> = inv
         .iter()
@@ -143,13 +146,13 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
     tx.commit().await.unwrap();
     let started: Vec<_> = started.into_iter().map(|s| s.unwrap()).collect();
-    assert_eq!(started.len(), 2);
+    assert_eq!(started.len(), 3);
     t.db.execute(
         sql(
             "UPDATE invoices SET auto_charge_claimed_until = now() - interval '1 second' \
-             WHERE id = $1",
+             WHERE id = ANY($1)",
         )
-        .bind(inv[0].0),
+        .bind(vec![inv[0].0, inv[1].0]),
     )
     .await
     .unwrap();
@@ -165,7 +168,7 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
         .await;
     for (s, result) in done {
         let retried = result.expect("no panic").expect("no error");
-        if s.claim.invoice_id == inv[0].0 {
+        if s.claim.invoice_id != inv[2].0 {
             assert!(
                 matches!(&retried, Retried::Unknown { reason, .. } if reason.contains("claim was lost")),
                 "{retried:?}"
@@ -174,10 +177,12 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
             assert!(matches!(retried, Retried::Paid { .. }), "{retried:?}");
         }
     }
-    assert_eq!(p.total_charges(), 2, "both were charged at the provider");
-    assert_eq!(status_of(&t.db, "invoices", inv[0].0).await, "open");
-    assert_eq!(status_of(&t.db, "attempts", inv[0].0).await, "unknown");
-    assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "paid");
+    assert_eq!(p.total_charges(), 2, "the first and the third were charged");
+    for expired in [inv[0].0, inv[1].0] {
+        assert_eq!(status_of(&t.db, "invoices", expired).await, "open");
+        assert_eq!(status_of(&t.db, "attempts", expired).await, "unknown");
+    }
+    assert_eq!(status_of(&t.db, "invoices", inv[2].0).await, "paid");
     assert_eq!(
         strings(
             &t.db,
@@ -188,6 +193,6 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     );
     assert_eq!(
         strings(&t.db, "SELECT subject FROM email_outbox").await,
-        vec![format!("Receipt for invoice {}", inv[1].0)]
+        vec![format!("Receipt for invoice {}", inv[2].0)]
     );
 }
