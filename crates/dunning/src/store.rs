@@ -318,6 +318,98 @@ pub(crate) async fn recover_in(tx: &mut Tx, runs: &[(&Run, i32)]) -> Result<Hash
     Ok(won)
 }
 
+/// A definite decline of a run's retry, as [`decline_in`] writes it.
+pub(crate) struct Decline<'a> {
+    pub run: &'a Run,
+    /// The retry declined: the count [`record_attempts_in`] wrote.
+    pub attempt: i32,
+    pub code: String,
+    /// The next retry; `None`: this was the last, the run is exhausted.
+    pub next: Option<DateTime<Utc>>,
+    /// The warning (or, exhausted, the final notice) if the policy sends one.
+    pub email: Option<email_outbox::Email>,
+}
+
+/// [`decline`] and [`exhaust`] for a batch, in the caller's transaction: one
+/// statement for the runs whose next retry is scheduled, one for the runs
+/// exhausted, each run only while it holds the count its retry wrote; then
+/// `dunning.attempt_failed` / `dunning.exhausted` and the emails of the runs
+/// that changed, with one statement each. Returns the runs that changed (an
+/// exhausted one still owes its final action).
+pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<HashSet<i64>, Error> {
+    let (next, last): (Vec<&Decline<'_>>, Vec<&Decline<'_>>) =
+        rows.iter().partition(|d| d.next.is_some());
+    let mut won: HashSet<i64> = HashSet::new();
+    if !next.is_empty() {
+        let changed = tx
+            .fetch_all(
+                sql("UPDATE dunning_runs r \
+                     SET next_attempt_at = u.next, last_decline_code = u.code, updated_at = now() \
+                     FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[]) \
+                          AS u(id, attempt, next, code) \
+                     WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
+                     RETURNING r.id")
+                .bind(next.iter().map(|d| d.run.id).collect::<Vec<_>>())
+                .bind(next.iter().map(|d| d.attempt).collect::<Vec<_>>())
+                .bind(next.iter().map(|d| d.next).collect::<Vec<_>>())
+                .bind(next.iter().map(|d| d.code.clone()).collect::<Vec<_>>()),
+            )
+            .await?;
+        for r in &changed {
+            won.insert(r.try_get("id").map_err(db::Error::from)?);
+        }
+    }
+    if !last.is_empty() {
+        let changed = tx
+            .fetch_all(
+                sql("UPDATE dunning_runs r \
+                     SET status = 'exhausted', ended_at = now(), next_attempt_at = now(), \
+                         last_decline_code = u.code, updated_at = now() \
+                     FROM unnest($1::bigint[], $2::int4[], $3::text[]) AS u(id, attempt, code) \
+                     WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
+                     RETURNING r.id")
+                .bind(last.iter().map(|d| d.run.id).collect::<Vec<_>>())
+                .bind(last.iter().map(|d| d.attempt).collect::<Vec<_>>())
+                .bind(last.iter().map(|d| d.code.clone()).collect::<Vec<_>>()),
+            )
+            .await?;
+        for r in &changed {
+            won.insert(r.try_get("id").map_err(db::Error::from)?);
+        }
+    }
+    let applied: Vec<&Decline<'_>> = rows.iter().filter(|d| won.contains(&d.run.id)).collect();
+    let payloads: Vec<(&str, &'static str, String)> = applied
+        .iter()
+        .map(|d| {
+            let tenant = d.run.tenant_id.as_str();
+            match d.next {
+                Some(at) => {
+                    let extra = serde_json::json!({"decline_code": d.code, "next_attempt_at": at.to_rfc3339()});
+                    (tenant, "dunning.attempt_failed", payload(d.run, "active", d.attempt, extra))
+                }
+                None => {
+                    let extra = serde_json::json!({
+                        "decline_code": d.code,
+                        "final_action": d.run.policy.final_action.as_str(),
+                    });
+                    (tenant, "dunning.exhausted", payload(d.run, "exhausted", d.attempt, extra))
+                }
+            }
+        })
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+        .iter()
+        .map(|(t, e, p)| (*t, *e, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &events).await?;
+    let emails: Vec<(&str, &email_outbox::Email)> = applied
+        .iter()
+        .filter_map(|d| d.email.as_ref().map(|e| (d.run.tenant_id.as_str(), e)))
+        .collect();
+    email_outbox::enqueue_many(tx, &emails).await?;
+    Ok(won)
+}
+
 fn payload(run: &Run, status: &str, attempt: i32, extra: serde_json::Value) -> String {
     let mut p = serde_json::json!({
         "object": "dunning_run",

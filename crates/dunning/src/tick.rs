@@ -436,11 +436,11 @@ impl Dunner {
                 )
             })
             .await;
-        // 3. The outcomes: recoveries and rewinds in one transaction; each
-        //    decline in its own (its email and schedule differ per run).
+        // 3. The outcomes: recoveries, declines (the next retry scheduled, or
+        //    the run exhausted) and rewinds in one transaction.
         let mut recover: Vec<(&Run, i32)> = Vec::new();
         let mut rewind: Vec<(&Run, DateTime<Utc>, Outcome)> = Vec::new();
-        let mut declined: Vec<(Run, String)> = Vec::new();
+        let mut declined: Vec<(&Run, String)> = Vec::new();
         for (s, result) in finished {
             let Some(&run) = run_of.get(&s.claim.invoice_id) else {
                 continue;
@@ -458,7 +458,7 @@ impl Dunner {
                 .increment(1);
             match result {
                 Ok(Ok(Retried::Paid { .. })) => recover.push((run, run.attempt_count + 1)),
-                Ok(Ok(Retried::Declined { code, .. })) => declined.push((run.clone(), code)),
+                Ok(Ok(Retried::Declined { code, .. })) => declined.push((run, code)),
                 Ok(Ok(Retried::Unknown { reason, .. })) => {
                     let unanswered = reason != billing::batch::NOT_SENT;
                     let r = Retry::Rewound {
@@ -478,19 +478,78 @@ impl Dunner {
                 Err(payload) => rewind.push((run, hold, Some(Err(payload)))),
             }
         }
+        // Per declined run, under the guard: the transition it takes (from the
+        // plan made before the charge) and its email; a panic here rewinds
+        // that run with the others.
+        let from = &c.email_from;
+        let mut declines: Vec<store::Decline<'_>> = Vec::new();
+        for (run, code) in declined {
+            let attempt = run.attempt_count + 1;
+            let plan = planned.get(&run.id).cloned();
+            let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+            let prepared = scheduler::catch(step, async {
+                let plan = plan
+                    .unwrap_or_else(|| run.policy.after_decline(run.first_declined_at, attempt));
+                match plan {
+                    AfterDecline::Next { at } => {
+                        let email = run
+                            .policy
+                            .warns_after(attempt)
+                            .then(|| warning(run, from, &code, at));
+                        (Some(at), email)
+                    }
+                    AfterDecline::Exhausted => (
+                        None,
+                        run.policy.final_notice.then(|| final_notice(run, from)),
+                    ),
+                }
+            })
+            .await;
+            match prepared {
+                Ok((next, email)) => declines.push(store::Decline {
+                    run,
+                    attempt,
+                    code,
+                    next,
+                    email,
+                }),
+                Err(payload) => rewind.push((run, held[&run.id], Some(Err(payload)))),
+            }
+        }
         let pairs: Vec<(&Run, DateTime<Utc>)> = rewind.iter().map(|(r, h, _)| (*r, *h)).collect();
         let last = async {
             let mut tx = db.begin_with_timeout(timeout).await?;
             let recovered = store::recover_in(&mut tx, &recover).await?;
+            let declined = store::decline_in(&mut tx, &declines).await?;
             let rewound = store::rewind_in(&mut tx, &pairs).await?;
             tx.commit().await?;
-            Ok::<_, Error>((recovered, rewound))
+            Ok::<_, Error>((recovered, declined, rewound))
         };
-        let (recovered, rewound) = match last.await {
+        let (recovered, declined, rewound) = match last.await {
             Ok(x) => x,
             Err(e) => {
                 // One at a time, as before batching.
-                debug!(role = %Role::Dunning, error = %e, "batched recovery failed; one run at a time");
+                debug!(role = %Role::Dunning, error = %e, "batched transitions failed; one run at a time");
+                let mut declined = HashSet::new();
+                for d in &declines {
+                    let email = d.email.clone();
+                    let applied = match d.next {
+                        Some(at) => {
+                            store::decline(db, d.run, d.attempt, (&d.code, at), email, timeout)
+                                .await
+                        }
+                        None => store::exhaust(db, d.run, d.attempt, &d.code, email, timeout).await,
+                    };
+                    match applied {
+                        Ok(true) => {
+                            declined.insert(d.run.id);
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            out.insert(d.run.id, Some(Ok(Err(e))));
+                        }
+                    }
+                }
                 let mut recovered = HashSet::new();
                 for (run, attempt) in &recover {
                     match store::recover(db, run, *attempt, timeout).await {
@@ -509,7 +568,7 @@ impl Dunner {
                         rewound.insert(run.id);
                     }
                 }
-                (recovered, rewound)
+                (recovered, declined, rewound)
             }
         };
         for (run, _) in recover {
@@ -535,97 +594,41 @@ impl Dunner {
             };
             out.insert(run.id, outcome);
         }
-        let declined: Vec<(Run, String, Option<AfterDecline>, DateTime<Utc>)> = declined
-            .into_iter()
-            .map(|(run, code)| {
-                let plan = planned.get(&run.id).cloned();
-                let hold = held[&run.id];
-                (run, code, plan, hold)
-            })
-            .collect();
-        let declines: Vec<(i64, Outcome)> = futures::stream::iter(declined)
-            .map(|(run, code, plan, hold)| async move {
-                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
-                let result = scheduler::catch(step, self.after_decline(&run, code, plan)).await;
-                if !matches!(result, Ok(Ok(_))) {
-                    self.rewind_held(&run, Some(hold)).await;
+        // The declines that applied; an exhausted run's final action is its
+        // own transaction (stamped once; a crash before it is finished by the
+        // next tick's funnel).
+        for d in declines {
+            let id = d.run.id;
+            if out.contains_key(&id) {
+                continue;
+            }
+            let outcome = match (declined.contains(&id), d.next) {
+                (false, _) => Ok(Ok(Retry::Lost)),
+                (true, Some(_)) => Ok(Ok(Retry::Declined { code: d.code })),
+                (true, None) => {
+                    let action = d.run.policy.final_action.as_str();
+                    t.counter(
+                        "hardcount_dunning_exhaustions_total",
+                        &[("final_action", action)],
+                    )
+                    .increment(1);
+                    let step = format!("dunning/run {} (tenant {})", id, d.run.tenant_id);
+                    let code = d.code;
+                    scheduler::catch(step, async {
+                        let final_action = store::final_action(db, d.run, timeout).await?;
+                        Ok(Retry::Exhausted { code, final_action })
+                    })
+                    .await
                 }
-                (run.id, Some(result))
-            })
-            .buffer_unordered(c.concurrency.max(1))
-            .collect()
-            .await;
-        out.extend(declines);
+            };
+            out.insert(id, Some(outcome));
+        }
         runs.into_iter()
             .map(|run| {
                 let outcome = out.remove(&run.id).unwrap_or(None);
                 (run, outcome)
             })
             .collect()
-    }
-
-    /// A definite decline of retry `attempt_count + 1`: the next retry
-    /// scheduled, or the run exhausted and its final action run.
-    async fn after_decline(
-        &self,
-        run: &Run,
-        code: String,
-        plan: Option<AfterDecline>,
-    ) -> Result<Retry, Error> {
-        let db = &self.inner.db;
-        let c = &self.inner.config;
-        let t = &self.inner.telemetry;
-        let timeout = c.statement_timeout;
-        let from = &c.email_from;
-        let attempt = run.attempt_count + 1;
-        let plan = match plan {
-            Some(p) => p,
-            None => run.policy.after_decline(run.first_declined_at, attempt),
-        };
-        Ok(match plan {
-            AfterDecline::Next { at } => {
-                let email = run
-                    .policy
-                    .warns_after(attempt)
-                    .then(|| warning(run, from, &code, at));
-                if store::decline(db, run, attempt, (&code, at), email, timeout).await? {
-                    Retry::Declined { code }
-                } else {
-                    Retry::Lost
-                }
-            }
-            AfterDecline::Exhausted => {
-                let email = run.policy.final_notice.then(|| final_notice(run, from));
-                if !store::exhaust(db, run, attempt, &code, email, timeout).await? {
-                    return Ok(Retry::Lost);
-                }
-                let action = run.policy.final_action.as_str();
-                t.counter(
-                    "hardcount_dunning_exhaustions_total",
-                    &[("final_action", action)],
-                )
-                .increment(1);
-                let final_action = store::final_action(db, run, timeout).await?;
-                Retry::Exhausted { code, final_action }
-            }
-        })
-    }
-
-    /// Rewind the attempt a retry recorded and could not finish (it failed,
-    /// panicked or was dropped). Logged, never raised: the hold brings the
-    /// run back if the rewind itself fails.
-    async fn rewind_held(&self, run: &Run, held: Option<DateTime<Utc>>) {
-        let Some(hold) = held else { return };
-        let timeout = self.inner.config.statement_timeout;
-        match store::rewind(&self.inner.db, run, hold, timeout).await {
-            Ok(true) => debug!(role = %Role::Dunning, run = run.id, "attempt rewound"),
-            Ok(false) => {
-                debug!(role = %Role::Dunning, run = run.id, "nothing to rewind: the run moved on")
-            }
-            Err(e) => {
-                warn!(role = %Role::Dunning, run = run.id, error = %e, "rewind failed; the run comes back after its hold")
-            }
-        }
     }
 
     /// Retry a listed batch ([`retry_runs`](Dunner::retry_runs)) and count
