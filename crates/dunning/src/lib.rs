@@ -24,12 +24,13 @@
 //!       rewind the runs that panicked or whose invoice is held
 //!     billing::Biller::finish_retries   calls, ≤ concurrency at once, each under
 //!                the guard; one settling transaction for the batch
-//!       paid        ─▶ run recovered + dunning.recovered  (one transaction for the
-//!                      batch's recoveries and rewinds, per row compare-and-set)
+//!     ONE transaction for the batch's outcomes, each run by its compare-and-set
+//!                on the count its retry wrote:
+//!       paid        ─▶ run recovered + dunning.recovered
 //!       declined    ─▶ next attempt from the policy + dunning.attempt_failed
 //!                      (+ warning email), or, after the last retry:
 //!                      run exhausted + dunning.exhausted (+ final notice),
-//!                      then the final action step           (per run)
+//!                      then the final action step           (per run, after it)
 //!       unknown, not charged, error, panic
 //!                   ─▶ rewind: attempt_count = n, next_attempt_at as listed
 //!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold

@@ -252,9 +252,10 @@ impl Dunner {
     /// attempt by its compare-and-set, has billing claim the invoices and
     /// record their attempts, and rewinds the runs that panicked or found
     /// their invoice held; then billing's calls (concurrent) and its one
-    /// settling transaction; then one transaction recovers the paid runs and
-    /// rewinds those without a definite answer. Declines, exhausted runs and
-    /// runs whose invoice was settled elsewhere take their own transactions.
+    /// settling transaction; then one transaction recovers the paid runs,
+    /// schedules or exhausts the declined ones and rewinds those without a
+    /// definite answer. Final actions, and runs whose invoice was settled
+    /// elsewhere, take their own transactions.
     ///
     /// Per run, in the batch's order: `None` when not started (out of budget,
     /// cancelled); else its result, or its panic (the attempt rewound).
