@@ -134,6 +134,20 @@ pub use failure::Failure;
 pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use tick::{TickReport, Worker};
 
+impl Worker {
+    /// Probe while idle (docs/adr/0019): a tick that drained stays open until
+    /// its budget and asks every `every` (`scheduler::IDLE_PROBE` in
+    /// `hardcount serve`) whether a delivery is due, one index read, and
+    /// claims when one is; the next tick follows at once. A fanned-out
+    /// delivery then waits about `every` without a listener, not the
+    /// interval. With a listening wake, the wake decides instead.
+    #[must_use]
+    pub fn with_idle_probe(mut self, every: std::time::Duration) -> Worker {
+        self.idle_probe = Some(every);
+        self
+    }
+}
+
 /// Errors of the delivery worker: a setting refused at construction, the
 /// HTTP client, or its store.
 #[derive(Debug, thiserror::Error)]

@@ -318,6 +318,22 @@ pub(crate) async fn claim_due(
     Ok(claimed)
 }
 
+/// Whether any delivery is due: one read of the partial index
+/// `webhook_deliveries_due`, exactly the claim's predicate without its fence
+/// and lock (it claims nothing; rows whose claim lease runs are skipped as
+/// the claim skips them). An idle probing tick runs it every
+/// `scheduler::IDLE_PROBE` (docs/adr/0019).
+pub(crate) async fn any_due(db: &Db) -> Result<bool, db::Error> {
+    let row = db
+        .fetch_one(sql("SELECT EXISTS ( \
+                   SELECT 1 FROM webhook_deliveries \
+                   WHERE status = 'pending' \
+                     AND next_attempt_at <= now() \
+                     AND (claimed_until IS NULL OR claimed_until <= now())) AS due"))
+        .await?;
+    Ok(row.try_get("due")?)
+}
+
 /// The state an attempt leaves its delivery in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum NextState {
