@@ -504,7 +504,10 @@ pub(crate) async fn release_unsent(
     Ok(released == 1)
 }
 
-/// The backlog, read on the database clock through the partial indexes.
+/// The backlog, read on the database clock through the partial indexes: the
+/// pending count and the oldest pending delivery in one pass over
+/// `webhook_deliveries_due` (migration 0015 dropped the index that served the
+/// age alone), the dead count through `webhook_deliveries_dead`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Backlog {
     pub pending: i64,
@@ -516,13 +519,11 @@ pub(crate) struct Backlog {
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
-        .fetch_one(sql(
-            "SELECT (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending') AS pending, \
+        .fetch_one(sql("SELECT p.pending, \
                     (SELECT count(*) FROM webhook_deliveries WHERE status = 'dead') AS dead, \
-                    coalesce(extract(epoch FROM now() - \
-                        (SELECT min(created_at) FROM webhook_deliveries WHERE status = 'pending')), \
-                        0)::float8 AS oldest",
-        ))
+                    coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest \
+             FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created \
+                   FROM webhook_deliveries WHERE status = 'pending') p"))
         .await?;
     tx.commit().await?;
     Ok(Backlog {
