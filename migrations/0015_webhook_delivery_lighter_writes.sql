@@ -43,20 +43,30 @@ ALTER TABLE webhook_deliveries
     DROP CONSTRAINT webhook_deliveries_event_same_tenant,
     DROP CONSTRAINT webhook_deliveries_endpoint_same_tenant;
 
+-- The checks run through EXECUTE, so each is planned for the sizes of this
+-- statement and table: a plan kept by the session (PL/pgSQL keeps them) and
+-- made while the table was small scans it whole for every inserted row (seen:
+-- 230 ms for 2,500 rows).
 CREATE FUNCTION webhook_deliveries_check_tenants() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, public AS $$
+DECLARE
+    bad boolean;
 BEGIN
-    IF EXISTS (SELECT 1 FROM inserted n
-               WHERE NOT EXISTS (SELECT 1 FROM webhook_events e
-                                 WHERE e.id = n.event_id AND e.tenant_id = n.tenant_id)) THEN
+    EXECUTE 'SELECT EXISTS (SELECT 1 FROM inserted n
+                            WHERE NOT EXISTS (SELECT 1 FROM webhook_events e
+                                              WHERE e.id = n.event_id AND e.tenant_id = n.tenant_id))'
+        INTO bad;
+    IF bad THEN
         RAISE EXCEPTION 'webhook delivery refers to no event of its tenant'
             USING ERRCODE = 'foreign_key_violation',
                   CONSTRAINT = 'webhook_deliveries_event_same_tenant',
                   TABLE = 'webhook_deliveries';
     END IF;
-    IF EXISTS (SELECT 1 FROM inserted n
-               WHERE NOT EXISTS (SELECT 1 FROM webhook_endpoints ep
-                                 WHERE ep.id = n.endpoint_id AND ep.tenant_id = n.tenant_id)) THEN
+    EXECUTE 'SELECT EXISTS (SELECT 1 FROM inserted n
+                            WHERE NOT EXISTS (SELECT 1 FROM webhook_endpoints ep
+                                              WHERE ep.id = n.endpoint_id AND ep.tenant_id = n.tenant_id))'
+        INTO bad;
+    IF bad THEN
         RAISE EXCEPTION 'webhook delivery refers to no endpoint of its tenant'
             USING ERRCODE = 'foreign_key_violation',
                   CONSTRAINT = 'webhook_deliveries_endpoint_same_tenant',
