@@ -55,7 +55,10 @@
 //!   [`scheduler::Wake`] ([`Worker::with_wake`]) keeps its tick open and
 //!   claims when the outbox's fan-out commits (its `pg_notify`), or every
 //!   interval; without one, a tick that finds work claims again every
-//!   [`scheduler::BUSY_POLL`] until a claim finds nothing.
+//!   [`scheduler::BUSY_POLL`], and a [`Worker`] that probes
+//!   ([`Worker::with_idle_probe`], docs/adr/0019) keeps its drained tick open
+//!   too, asking every [`scheduler::IDLE_PROBE`] with one index read whether a
+//!   delivery is due, until its budget.
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration
