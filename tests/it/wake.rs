@@ -1,6 +1,7 @@
 //! Wake-ups across a crash (docs/adr/0014): the replica listening for
 //! wake-ups is SIGKILLed; the next leader listens in its turn and delivers
-//! within milliseconds, not after its 5 s intervals.
+//! within milliseconds, not after its 5 s intervals. Without a listener, the
+//! served roles' idle probes deliver within about two probes (docs/adr/0019).
 
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,7 @@ async fn one_delivery(t: &TestDb, rx: &Receiver, n: usize) -> Duration {
 }
 
 /// Until replica `pid` has led both webhook roles for over a second without a
-/// break: its ticks stay open, so they listen. (A tick that started before the
+/// break: its ticks stay open, so they listen (or, without a listener, probe). (A tick that started before the
 /// replica's listener was up ends at once, as without one.)
 async fn until_listening_leader(t: &TestDb, pid: u32, limit: Duration) {
     let started = Instant::now();
@@ -109,11 +110,59 @@ async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_del
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("commit to POST: {first:?} from the first leader, {after:?} from the next");
-    // Polling alone would take up to two 5 s intervals; woken, milliseconds.
-    assert!(first < Duration::from_secs(1), "{first:?}");
+    // Polling at the 5 s intervals would take seconds, and the idle probes
+    // (docs/adr/0019) up to about 200 ms, rarely under 40 ms three times of
+    // four; woken, milliseconds.
+    let waits: Vec<Duration> = std::iter::once(first).chain(after).collect();
     assert!(
-        after.iter().all(|w| *w < Duration::from_secs(1)),
-        "{after:?}"
+        waits.iter().all(|w| *w < Duration::from_secs(1)),
+        "{waits:?}"
     );
+    let quick = waits
+        .iter()
+        .filter(|w| **w < Duration::from_millis(40))
+        .count();
+    assert!(quick >= 3, "woken, not probed: {waits:?}");
     drop(b);
+}
+
+/// Without `HARDCOUNT_LISTEN_URL`, the leader's idle ticks probe (docs/adr/0019):
+/// an event into idle roles with 5 s intervals is delivered well inside one
+/// interval, each of three.
+///
+/// Mutation check: `serve` building the dispatcher without
+/// `with_idle_probe` leaves the outbox to its 5 s interval and this test
+/// fails (scripts/mutation-check `serve_probes`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_listen_url_an_event_into_idle_served_roles_is_delivered_within_probes() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    webhook_delivery::create_endpoint(
+        &t.api(),
+        &webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap(),
+        "tenant_a",
+        &rx.url_at("/a"),
+        &["invoice.paid"],
+    )
+    .await
+    .unwrap();
+    let env = [
+        ("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery"),
+        ("HARDCOUNT_WEBHOOK_ALLOWLIST", "127.0.0.0/8"),
+        ("HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL", "5s"),
+        ("HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL", "5s"),
+    ];
+    let a = Serve::start(&t.app_url(Leg::current()), &env).await;
+    until_listening_leader(&t, a.child.id(), Duration::from_secs(30)).await;
+    let mut waits = Vec::new();
+    for n in 0..3 {
+        waits.push(one_delivery(&t, &rx, n).await);
+        tokio::time::sleep(Duration::from_millis(70)).await;
+    }
+    println!("commit to POST without a listener: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(1000)),
+        "{waits:?}"
+    );
+    drop(a);
 }

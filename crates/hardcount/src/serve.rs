@@ -65,8 +65,10 @@ fn work_for(
 ) -> Result<Option<Work>> {
     Ok(match role {
         Role::WebhookOutbox => {
+            // Without a listener an idle tick probes (docs/adr/0019).
             let mut dispatcher =
-                Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?;
+                Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?
+                    .with_idle_probe(scheduler::IDLE_PROBE);
             if let Some(wake) = wake {
                 dispatcher = dispatcher.with_wake(wake);
             }
@@ -81,7 +83,8 @@ fn work_for(
                 db.clone(),
                 config.webhook_delivery.clone(),
                 telemetry.clone(),
-            )?;
+            )?
+            .with_idle_probe(scheduler::IDLE_PROBE);
             if let Some(wake) = wake {
                 worker = worker.with_wake(wake);
             }

@@ -9,7 +9,9 @@
 //!        ── elapsed + reserve ≥ budget? ──────────────────▶ Stop::Budget     → MoreWork
 //!                                     (after a short batch: Stop::Drained → see ²)
 //!        ── after a short batch (only when kept open, below): wait for a wake-up
-//!           or the wake's poll interval (listening), or BUSY_POLL (busy, no listener)
+//!           or the wake's poll interval (listening), or BUSY_POLL (busy and the
+//!           last claim found work), or else probe every idle_probe until a
+//!           probe says work is waiting (probing; a failed probe → Stop::Failed)
 //!        ── role.claim(&fence, batch_size)   (guarded step)
 //!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
@@ -17,14 +19,16 @@
 //!             error (its outside service is down) ────────▶ Stop::Failed(e)  → Failed(e)
 //!        ── cancel fired? → Cancelled
 //!        ── fewer than batch_size claimed:
-//!             the role's wake listens, or it is busy and this claim found work → loop (kept open)
+//!             the role's wake listens, or it is busy and this claim found work,
+//!             or it probes (idle_probe) → loop (kept open)
 //!             else ───────────────────────────────────────▶ Stop::Drained    → ²
 //!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
 //! ```
 //!
 //! ¹ A cancelled tick is released as lost or interrupted whatever it returns.
-//! ² `DrainedDueNow` (due again at once) if the tick listened, or found work
-//!   in a busy role ([`FencedBatches::due_again_after_work`]); else `Drained`.
+//! ² `DrainedDueNow` (due again at once) if the tick listened or probed, or
+//!   found work in a busy role ([`FencedBatches::due_again_after_work`]);
+//!   else `Drained`.
 //!
 //! The returned [`TickEnd`] decides the release (docs/adr/0007, 0014): a
 //! drained tick waits its interval (or not, ²), a tick stopped by its budget
@@ -47,6 +51,12 @@ use crate::wake::Wake;
 /// claims again: a steady stream waits at most this per role, not the
 /// interval, and costs at most 20 claims a second while it flows.
 pub const BUSY_POLL: Duration = Duration::from_millis(50);
+
+/// How often an idle tick of a probing role ([`FencedBatches::idle_probe`])
+/// asks whether new work is waiting, while it holds the lease and no listener
+/// wakes it (docs/adr/0019): an event waits at most about this per role, not
+/// the interval; an idle role costs one cheap read per role per probe.
+pub const IDLE_PROBE: Duration = Duration::from_millis(100);
 
 /// How a role's ticks are cut into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,6 +139,28 @@ pub trait FencedBatches: Sync {
         false
     }
 
+    /// How often a drained tick asks [`probe`](Self::probe) whether new work
+    /// is waiting instead of ending (docs/adr/0019); `None` (the default)
+    /// ends it. A probing tick without a listening wake stays open until its
+    /// budget, probing every this long and claiming when a probe says so, and
+    /// is then due again at once ([`TickEnd::DrainedDueNow`]): the role leads
+    /// without a gap and an event waits about one probe, not an interval.
+    /// Every claim is still fenced and the lease still renewed; a cancel
+    /// (lease lost, paused, shutting down) ends the wait at once.
+    fn idle_probe(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Whether a claim now would find work: one cheap read (an index probe)
+    /// that claims nothing, so it needs no fence. Default: true (a role that
+    /// probes without one claims every probe).
+    ///
+    /// # Errors
+    /// A database error; the tick stops and is released as failed.
+    fn probe(&self) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        async { Ok(true) }
+    }
+
     /// After the last batch, before the log line (gauges, caches).
     fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
         async {}
@@ -200,12 +232,13 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     // The last claim came back short: the queue was drained.
     let mut drained = false;
     // The last claim found work.
-    let mut found: bool;
-    // The tick was kept open by a listening wake at least once.
-    let mut listened = false;
+    let mut found = false;
+    // The tick was kept open by a listening wake, or by probing, at least once.
+    let mut kept_open = false;
     let listening = || role.wake().is_some_and(Wake::is_listening);
     let busy = role.due_again_after_work();
-    let stop = loop {
+    let probe_every = role.idle_probe();
+    let stop = 'ticks: loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
         }
@@ -213,27 +246,49 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             break if drained { Stop::Drained } else { Stop::Budget };
         }
         if drained {
-            // Only a listening role, or a busy one whose last claim found
-            // work, gets here (below). A listening one waits for a wake-up or
-            // its poll interval (a listener that goes down pokes too: the
-            // claim after it finds what was missed, then the tick ends); a
-            // busy one waits BUSY_POLL. Neither waits past the budget.
-            let left = shape
-                .budget
-                .saturating_sub(started.elapsed() + shape.reserve);
-            let pause = match role.wake().filter(|w| w.is_listening()) {
-                Some(wake) => {
-                    listened = true;
-                    futures::future::Either::Left(wake.wait(wake.poll().min(left)))
-                }
-                None => futures::future::Either::Right(async move {
-                    tokio::time::sleep(BUSY_POLL.min(left)).await;
-                    false
-                }),
+            // Only a listening role, a busy one whose last claim found work,
+            // or a probing one gets here (below). A listening one waits for a
+            // wake-up or its poll interval (a listener that goes down pokes
+            // too: the claim after it finds what was missed); a busy one waits
+            // BUSY_POLL; a probing one probes every `probe_every` until a
+            // probe finds work. None waits past the budget.
+            let left = || {
+                shape
+                    .budget
+                    .saturating_sub(started.elapsed() + shape.reserve)
             };
-            tokio::select! {
-                _ = pause => {}
-                () = tick.cancel.cancelled() => break Stop::Cancelled,
+            if let Some(wake) = role.wake().filter(|w| w.is_listening()) {
+                kept_open = true;
+                tokio::select! {
+                    _ = wake.wait(wake.poll().min(left())) => {}
+                    () = tick.cancel.cancelled() => break Stop::Cancelled,
+                }
+            } else if let Some(every) = probe_every.filter(|_| !(busy && found)) {
+                loop {
+                    kept_open = true;
+                    tokio::select! {
+                        () = tokio::time::sleep(every.min(left())) => {}
+                        () = tick.cancel.cancelled() => break 'ticks Stop::Cancelled,
+                    }
+                    if left().is_zero() {
+                        break 'ticks Stop::Drained;
+                    }
+                    // A listener that came up meanwhile takes over at the claim.
+                    if listening() {
+                        break;
+                    }
+                    match panics.step("probe", role.probe()).await {
+                        None => break 'ticks Stop::Panicked,
+                        Some(Err(error)) => break 'ticks Stop::Failed(error.to_string()),
+                        Some(Ok(true)) => break,
+                        Some(Ok(false)) => {}
+                    }
+                }
+            } else {
+                tokio::select! {
+                    () = tokio::time::sleep(BUSY_POLL.min(left())) => {}
+                    () = tick.cancel.cancelled() => break Stop::Cancelled,
+                }
             }
         }
         let claim = match panics
@@ -267,13 +322,14 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
                 break Stop::Cancelled;
             }
         }
-        if drained && !listening() && !(busy && found) {
+        if drained && !listening() && !(busy && found) && probe_every.is_none() {
             break Stop::Drained;
         }
     };
-    // A drained tick that listened, or that found work in a role that asks
-    // for it, is due again at once (docs/adr/0014); else after the interval.
-    let due_now = listened || (claimed > 0 && busy);
+    // A drained tick that listened or probed, or that found work in a role
+    // that asks for it, is due again at once (docs/adr/0014, 0019); else
+    // after the interval.
+    let due_now = kept_open || (claimed > 0 && busy);
     let end = match &stop {
         Stop::Drained if due_now => TickEnd::DrainedDueNow,
         other => other.tick_end(),

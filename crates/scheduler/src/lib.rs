@@ -20,7 +20,10 @@
 //! notification from its producers (or its interval); a role that says it is
 //! busy ([`FencedBatches::due_again_after_work`]) claims again every
 //! [`BUSY_POLL`] while claims find work, and a tick that found work is due
-//! again at once.
+//! again at once. Without a listener, a role that probes
+//! ([`FencedBatches::idle_probe`], docs/adr/0019) keeps its drained tick open
+//! until its budget too, asking every [`IDLE_PROBE`] with one cheap read
+//! whether work is waiting, so an event waits about a probe, not an interval.
 //!
 //! This crate knows roles and intervals, not invoices.
 
@@ -32,7 +35,7 @@ mod status;
 mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{BUSY_POLL, Driven, FencedBatches, Shape, Stop, drive};
+pub use driver::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, Shape, Stop, drive};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};

@@ -37,7 +37,7 @@
 //!   `attempts`, and an outcome is written only while the row still holds that
 //!   attempt number and is pending. A result that loses is logged and counted
 //!   as `outcome="stale"`, never applied. Outcomes are buffered and written in
-//!   groups (up to 64, or after 20 ms, or when the batch has nothing left in
+//!   groups (up to 256, or after 20 ms, or when the batch has nothing left in
 //!   flight), one statement per group, each row still its own compare-and-set;
 //!   an outcome that cannot be written leaves its delivery to come due again
 //!   after its claim lease.
@@ -55,7 +55,10 @@
 //!   [`scheduler::Wake`] ([`Worker::with_wake`]) keeps its tick open and
 //!   claims when the outbox's fan-out commits (its `pg_notify`), or every
 //!   interval; without one, a tick that finds work claims again every
-//!   [`scheduler::BUSY_POLL`] until a claim finds nothing.
+//!   [`scheduler::BUSY_POLL`], and a [`Worker`] that probes
+//!   ([`Worker::with_idle_probe`], docs/adr/0019) keeps its drained tick open
+//!   too, asking every [`scheduler::IDLE_PROBE`] with one index read whether a
+//!   delivery is due, until its budget.
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration
@@ -133,6 +136,20 @@ pub use endpoint::{
 pub use failure::Failure;
 pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use tick::{TickReport, Worker};
+
+impl Worker {
+    /// Probe while idle (docs/adr/0019): a tick that drained stays open until
+    /// its budget and asks every `every` (`scheduler::IDLE_PROBE` in
+    /// `hardcount serve`) whether a delivery is due, one index read, and
+    /// claims when one is; the next tick follows at once. A fanned-out
+    /// delivery then waits about `every` without a listener, not the
+    /// interval. With a listening wake, the wake decides instead.
+    #[must_use]
+    pub fn with_idle_probe(mut self, every: std::time::Duration) -> Worker {
+        self.idle_probe = Some(every);
+        self
+    }
+}
 
 /// Errors of the delivery worker: a setting refused at construction, the
 /// HTTP client, or its store.

@@ -318,6 +318,22 @@ pub(crate) async fn claim_due(
     Ok(claimed)
 }
 
+/// Whether any delivery is due: one read of the partial index
+/// `webhook_deliveries_due`, exactly the claim's predicate without its fence
+/// and lock (it claims nothing; rows whose claim lease runs are skipped as
+/// the claim skips them). An idle probing tick runs it every
+/// `scheduler::IDLE_PROBE` (docs/adr/0019).
+pub(crate) async fn any_due(db: &Db) -> Result<bool, db::Error> {
+    let row = db
+        .fetch_one(sql("SELECT EXISTS ( \
+                   SELECT 1 FROM webhook_deliveries \
+                   WHERE status = 'pending' \
+                     AND next_attempt_at <= now() \
+                     AND (claimed_until IS NULL OR claimed_until <= now())) AS due"))
+        .await?;
+    Ok(row.try_get("due")?)
+}
+
 /// The state an attempt leaves its delivery in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum NextState {
@@ -488,7 +504,10 @@ pub(crate) async fn release_unsent(
     Ok(released == 1)
 }
 
-/// The backlog, read on the database clock through the partial indexes.
+/// The backlog, read on the database clock through the partial indexes: the
+/// pending count and the oldest pending delivery in one pass over
+/// `webhook_deliveries_due` (migration 0015 dropped the index that served the
+/// age alone), the dead count through `webhook_deliveries_dead`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Backlog {
     pub pending: i64,
@@ -500,13 +519,11 @@ pub(crate) struct Backlog {
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
-        .fetch_one(sql(
-            "SELECT (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending') AS pending, \
+        .fetch_one(sql("SELECT p.pending, \
                     (SELECT count(*) FROM webhook_deliveries WHERE status = 'dead') AS dead, \
-                    coalesce(extract(epoch FROM now() - \
-                        (SELECT min(created_at) FROM webhook_deliveries WHERE status = 'pending')), \
-                        0)::float8 AS oldest",
-        ))
+                    coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest \
+             FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created \
+                   FROM webhook_deliveries WHERE status = 'pending') p"))
         .await?;
     tx.commit().await?;
     Ok(Backlog {

@@ -80,6 +80,8 @@ impl Tally {
 pub struct Worker {
     pub(crate) inner: Arc<Inner>,
     wake: Option<Wake>,
+    /// Set by `with_idle_probe` (lib.rs).
+    pub(crate) idle_probe: Option<Duration>,
 }
 
 pub(crate) struct Inner {
@@ -124,6 +126,7 @@ impl Worker {
                 per_endpoint: Mutex::new(HashMap::new()),
             }),
             wake: None,
+            idle_probe: None,
         })
     }
 
@@ -389,6 +392,14 @@ impl FencedBatches for Deliveries<'_> {
 
     fn wake(&self) -> Option<&Wake> {
         self.0.wake.as_ref()
+    }
+
+    fn idle_probe(&self) -> Option<Duration> {
+        self.0.idle_probe
+    }
+
+    async fn probe(&self) -> Result<bool, Error> {
+        Ok(store::any_due(&self.0.inner.db).await?)
     }
 
     /// Deliveries are fanned out at any time: a tick that delivered some is

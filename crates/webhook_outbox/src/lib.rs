@@ -44,7 +44,12 @@
 //!   it inserted deliveries. A [`Dispatcher`] given a listening
 //!   [`scheduler::Wake`] ([`Dispatcher::with_wake`]) keeps its tick open
 //!   between notifications; without one, a tick that finds work claims again
-//!   every [`scheduler::BUSY_POLL`] until a claim finds nothing.
+//!   every [`scheduler::BUSY_POLL`], and a [`Dispatcher`] that probes
+//!   ([`Dispatcher::with_idle_probe`], docs/adr/0019) keeps its drained tick
+//!   open too, asking every [`scheduler::IDLE_PROBE`] with one index read
+//!   whether an event waits, until its budget.
+//! - **Deliveries stay inside their tenant**: the insert's tenant check runs
+//!   once per statement over every row it inserted (migration 0015).
 //! - **Bad settings are refused at construction**, by name
 //!   ([`ConfigError`]); nothing is clamped.
 //!

@@ -59,6 +59,19 @@ pub(crate) async fn insert_events(
     .await
 }
 
+/// Whether any event waits to be fanned out: one read of the partial index
+/// `webhook_events_undispatched`, exactly the claim's predicate without its
+/// fence and lock (it claims nothing). An idle probing tick runs it every
+/// `scheduler::IDLE_PROBE` (docs/adr/0019).
+pub(crate) async fn any_undispatched(db: &Db) -> Result<bool, db::Error> {
+    let row = db
+        .fetch_one(sql(
+            "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) AS waiting",
+        ))
+        .await?;
+    Ok(row.try_get("waiting")?)
+}
+
 /// What one batch did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Batch {

@@ -33,6 +33,7 @@ pub struct Dispatcher {
     config: DispatcherConfig,
     telemetry: Telemetry,
     wake: Option<Wake>,
+    idle_probe: Option<Duration>,
 }
 
 impl Dispatcher {
@@ -49,6 +50,7 @@ impl Dispatcher {
             config,
             telemetry,
             wake: None,
+            idle_probe: None,
         })
     }
 
@@ -58,6 +60,18 @@ impl Dispatcher {
     #[must_use]
     pub fn with_wake(mut self, wake: Wake) -> Dispatcher {
         self.wake = Some(wake);
+        self
+    }
+
+    /// Probe while idle (docs/adr/0019): a tick that drained stays open until
+    /// its budget and asks every `every` (`scheduler::IDLE_PROBE` in
+    /// `hardcount serve`) whether an event is waiting, one index read, and
+    /// claims when one is; the next tick follows at once. An event then waits
+    /// about `every` for the fan-out without a listener, not the interval.
+    /// With a listening wake, the wake decides instead.
+    #[must_use]
+    pub fn with_idle_probe(mut self, every: Duration) -> Dispatcher {
+        self.idle_probe = Some(every);
         self
     }
 
@@ -149,6 +163,14 @@ impl FencedBatches for Fanout<'_> {
 
     fn wake(&self) -> Option<&Wake> {
         self.0.wake.as_ref()
+    }
+
+    fn idle_probe(&self) -> Option<Duration> {
+        self.0.idle_probe
+    }
+
+    async fn probe(&self) -> Result<bool, Error> {
+        Ok(store::any_undispatched(&self.0.db).await?)
     }
 
     /// Producers commit at any time: a tick that dispatched some is followed

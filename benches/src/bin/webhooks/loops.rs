@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use anyhow::{Context, Result};
 use db::Db;
 use leader::{Manager, Role, Telemetry, Timing};
-use scheduler::{RoleSpec, Wake, listen, run_role, work};
+use scheduler::{IDLE_PROBE, RoleSpec, Wake, listen, run_role, work};
 use tokio_util::sync::CancellationToken;
 use webhook_delivery::Worker;
 use webhook_outbox::Dispatcher;
@@ -65,9 +65,12 @@ impl Loops {
             telemetry.clone(),
             format!("bench-webhooks-{}", std::process::id()),
         );
+        // As `hardcount serve`: an idle tick probes (docs/adr/0019).
         let mut dispatcher =
-            Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?;
-        let mut worker = Worker::new(db.clone(), shape.worker.clone(), telemetry)?;
+            Dispatcher::new(db.clone(), shape.dispatcher.clone(), telemetry.clone())?
+                .with_idle_probe(IDLE_PROBE);
+        let mut worker =
+            Worker::new(db.clone(), shape.worker.clone(), telemetry)?.with_idle_probe(IDLE_PROBE);
         let shutdown = CancellationToken::new();
         let mut handles = Vec::new();
         if shape.listen {

@@ -7,6 +7,7 @@
 mod endpoints;
 mod fencing;
 mod outcomes;
+mod probe;
 mod rotation;
 mod sealed;
 mod ssrf_table;

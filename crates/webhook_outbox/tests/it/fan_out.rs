@@ -267,3 +267,82 @@ async fn a_tick_stops_at_its_budget_and_the_next_one_goes_on() {
         .get::<i64, _>("n");
     assert_eq!(undispatched, 0);
 }
+
+/// The tenant check of migration 0015 (docs/adr/0019) runs once per
+/// statement, over every row it inserted: one cross-tenant row among good
+/// ones refuses the whole insert, by the foreign key's old name. A delivery's
+/// target never changes, and an event or endpoint with deliveries cannot be
+/// deleted or moved to another tenant, even by the owner; one without can.
+///
+/// Mutation check: the statement check without its tenant comparison for
+/// events (`tenant_check_event`) lets the mixed insert through and this test
+/// fails; so does the referents' trigger without its event branch
+/// (`referent_kept`).
+#[tokio::test]
+async fn the_tenant_check_covers_every_row_of_a_statement_and_referents_stay() {
+    let t = TestDb::new().await;
+    let ep_a = endpoint(&t, "tenant_a", &[], true).await;
+    let ep_b = endpoint(&t, "tenant_b", &[], true).await;
+    let a1 = event(&t.db, "tenant_a", "invoice.paid", "{}").await;
+    let a2 = event(&t.db, "tenant_a", "invoice.paid", "{}").await;
+    let b1 = event(&t.db, "tenant_b", "invoice.paid", "{}").await;
+    let insert = "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+                  SELECT 'tenant_a', e, $2 FROM unnest($1::int8[]) e";
+    let err =
+        t.db.execute(sql(insert).bind(vec![a1, b1, a2]).bind(ep_a))
+            .await
+            .unwrap_err();
+    assert_eq!(
+        err.constraint(),
+        Some("webhook_deliveries_event_same_tenant"),
+        "{err}"
+    );
+    assert_eq!(err.code().as_deref(), Some("23503"), "{err}");
+    let err =
+        t.db.execute(sql(insert).bind(vec![a1, a2]).bind(ep_b))
+            .await
+            .unwrap_err();
+    assert_eq!(
+        err.constraint(),
+        Some("webhook_deliveries_endpoint_same_tenant"),
+        "{err}"
+    );
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        0
+    );
+    t.db.execute(sql(insert).bind(vec![a1, a2]).bind(ep_a))
+        .await
+        .unwrap();
+
+    let mut owner = t.superuser().await;
+    let refused = [
+        format!("UPDATE webhook_deliveries SET endpoint_id = {ep_b} WHERE event_id = {a1}"),
+        format!("UPDATE webhook_deliveries SET tenant_id = 'tenant_b' WHERE event_id = {a1}"),
+        format!("DELETE FROM webhook_events WHERE id = {a1}"),
+        format!("UPDATE webhook_events SET tenant_id = 'tenant_b' WHERE id = {a2}"),
+        format!("DELETE FROM webhook_endpoints WHERE id = {ep_a}"),
+        format!("UPDATE webhook_endpoints SET tenant_id = 'tenant_b' WHERE id = {ep_a}"),
+    ];
+    for statement in refused {
+        let err = sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+            .execute(&mut owner)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("never change")
+                || err.to_string().contains("has webhook deliveries"),
+            "{statement}: {err}"
+        );
+    }
+    // Without deliveries, the owner may delete an event and an endpoint.
+    for statement in [
+        format!("DELETE FROM webhook_events WHERE id = {b1}"),
+        format!("DELETE FROM webhook_endpoints WHERE id = {ep_b}"),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&mut owner)
+            .await
+            .unwrap();
+    }
+}

@@ -5,6 +5,7 @@
 
 mod enqueue;
 mod fan_out;
+mod probe;
 mod tick_ends;
 mod wake;
 

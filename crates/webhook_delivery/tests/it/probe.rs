@@ -1,0 +1,60 @@
+//! Idle probes of the delivery role (docs/adr/0019): without a listener, the
+//! idle, led role asks every `scheduler::IDLE_PROBE` whether a delivery is
+//! due and delivers a fanned-out one within about a probe, not the interval.
+
+use std::time::{Duration, Instant};
+
+use leader::Role;
+use scheduler::{IDLE_PROBE, RoleSpec, run_role, work};
+use testbed::TestDb;
+use testbed::receiver::Receiver;
+use tokio_util::sync::CancellationToken;
+
+use crate::{config, endpoint, events, manager, worker};
+
+/// With a 5 s interval and no listener, each of three deliveries fanned out
+/// while the role is idle reaches the receiver within 500 ms of the fan-out's
+/// commit.
+///
+/// Mutation check: a probe that never sees a due delivery leaves the role to
+/// its budget and this test fails (scripts/mutation-check `delivery_probe`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_interval() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_idle_probe(IDLE_PROBE);
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval: Duration::from_secs(5),
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 1..=3 {
+        events(&t.db, "tenant_a", 1).await;
+        let committed = Instant::now();
+        while rx.count() < n {
+            assert!(
+                committed.elapsed() < Duration::from_secs(20),
+                "never delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        waits.push(committed.elapsed());
+        tokio::time::sleep(Duration::from_millis(70)).await;
+    }
+    shutdown.cancel();
+    role.await.unwrap();
+    println!("fan-out commit to POST: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+}
