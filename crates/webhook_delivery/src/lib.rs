@@ -110,10 +110,12 @@
 
 mod attempt;
 pub mod backoff;
+mod breaker;
 mod config;
 mod delivery;
 mod endpoint;
 mod failure;
+mod fairness;
 mod outcomes;
 pub mod sealed;
 mod send;

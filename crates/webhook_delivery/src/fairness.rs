@@ -1,0 +1,234 @@
+//! Fair shares of the requests in flight (issue 12, point 6; docs/adr/0018).
+//!
+//! An attempt sends only with four permits, taken in this order, each held
+//! until the attempt ends:
+//!
+//! ```text
+//!  endpoint (max_in_flight_per_endpoint)      its own endpoint's queue
+//!  tenant (max_in_flight_per_tenant)          all of the tenant's endpoints
+//!  destination (max_in_flight_per_destination) the resolved address and port,
+//!                                             whatever names and tenants lead there
+//!  global (max_in_flight)                     the worker
+//! ```
+//!
+//! Waiting for a permit holds only the ones before it (the order is fixed, so
+//! no two attempts wait on each other in a cycle), and never a global one: a
+//! tenant whose endpoints hang holds at most its share of the global slots,
+//! and the rest stay free for other tenants. With `max_in_flight` at least
+//! twice `max_in_flight_per_tenant`, one tenant's tarpit leaves another tenant
+//! every slot its own share allows.
+//!
+//! The destination is looked up with the SSRF guard's resolver
+//! ([`GuardedResolver`]), which refuses the same addresses the HTTP client's
+//! does; the first permitted address, with the URL's port, is the key. The
+//! client resolves again when it opens a connection: a name that changes
+//! between the two lookups is counted at the address seen first (the tenant
+//! share still bounds it). An address that cannot be looked up takes no
+//! destination permit; the request then fails in the client the same way.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use url::{Host, Url};
+
+use crate::config::WorkerConfig;
+use crate::ssrf::GuardedResolver;
+
+/// The permits of one attempt's turn; dropping it frees them.
+pub(crate) struct Turn {
+    _permits: Vec<OwnedSemaphorePermit>,
+}
+
+/// One semaphore of `size` permits per key, made on first use.
+#[derive(Debug)]
+struct Keyed<K> {
+    size: usize,
+    map: Mutex<HashMap<K, Arc<Semaphore>>>,
+}
+
+impl<K: Eq + Hash> Keyed<K> {
+    fn new(size: usize) -> Keyed<K> {
+        Keyed {
+            size,
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn get(&self, key: K) -> Arc<Semaphore> {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(key)
+            .or_insert_with(|| Arc::new(Semaphore::new(self.size)))
+            .clone()
+    }
+
+    /// Forget the semaphores no attempt holds or waits on.
+    fn prune(&self) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, s| Arc::strong_count(s) > 1);
+    }
+}
+
+/// The worker's concurrency limits, shared by its clones.
+#[derive(Debug)]
+pub(crate) struct Limits {
+    global: Arc<Semaphore>,
+    endpoint: Keyed<i64>,
+    tenant: Keyed<String>,
+    destination: Keyed<SocketAddr>,
+    resolver: GuardedResolver,
+    lookup_timeout: Duration,
+}
+
+impl Limits {
+    pub fn new(config: &WorkerConfig) -> Limits {
+        Limits {
+            global: Arc::new(Semaphore::new(config.max_in_flight)),
+            endpoint: Keyed::new(config.max_in_flight_per_endpoint),
+            tenant: Keyed::new(config.max_in_flight_per_tenant),
+            destination: Keyed::new(config.max_in_flight_per_destination),
+            resolver: GuardedResolver::new(config.allowlist.clone()),
+            lookup_timeout: config.connect_timeout,
+        }
+    }
+
+    /// Wait for all four permits, in order. Cancel safe: a dropped wait holds
+    /// nothing. `None` only if a semaphore was closed (never, here).
+    pub async fn turn(&self, endpoint: i64, tenant: &str, url: &str) -> Option<Turn> {
+        let mut permits = Vec::with_capacity(4);
+        permits.push(self.endpoint.get(endpoint).acquire_owned().await.ok()?);
+        permits.push(
+            self.tenant
+                .get(tenant.to_owned())
+                .acquire_owned()
+                .await
+                .ok()?,
+        );
+        if let Some(addr) = self.destination(url).await {
+            permits.push(self.destination.get(addr).acquire_owned().await.ok()?);
+        }
+        permits.push(self.global.clone().acquire_owned().await.ok()?);
+        Some(Turn { _permits: permits })
+    }
+
+    /// Where a request to `url` connects: the first address the guarded
+    /// resolver permits (or the literal), with the URL's port.
+    async fn destination(&self, url: &str) -> Option<SocketAddr> {
+        let url = Url::parse(url).ok()?;
+        let port = url.port_or_known_default()?;
+        let ip = match url.host()? {
+            Host::Ipv4(v4) => IpAddr::V4(v4),
+            Host::Ipv6(v6) => IpAddr::V6(v6),
+            Host::Domain(name) => {
+                let lookup = self.resolver.resolve_host(name);
+                let addrs = tokio::time::timeout(self.lookup_timeout, lookup)
+                    .await
+                    .ok()?
+                    .ok()?;
+                addrs.first()?.ip()
+            }
+        };
+        Some(SocketAddr::new(ip, port))
+    }
+
+    /// Forget the per-key semaphores nothing holds.
+    pub fn prune(&self) {
+        self.endpoint.prune();
+        self.tenant.prune();
+        self.destination.prune();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ssrf::Allowlist;
+
+    fn limits() -> Limits {
+        Limits::new(&WorkerConfig {
+            max_in_flight: 4,
+            max_in_flight_per_endpoint: 2,
+            max_in_flight_per_tenant: 2,
+            max_in_flight_per_destination: 2,
+            allowlist: Allowlist::parse("127.0.0.0/8").unwrap(),
+            ..WorkerConfig::default()
+        })
+    }
+
+    /// Whether a turn comes within a moment.
+    async fn gets_turn(l: &Limits, endpoint: i64, tenant: &str, url: &str) -> Option<Turn> {
+        tokio::time::timeout(Duration::from_millis(50), l.turn(endpoint, tenant, url))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Each limit, alone binding: a third attempt waits while two hold the
+    /// share, and others go on. Fails if a level's acquire is removed from
+    /// `Limits::turn` (the third attempt then gets its turn).
+    #[tokio::test]
+    async fn each_share_binds_its_own_key_only() {
+        let l = limits();
+        let a = "http://127.0.0.1:9001/";
+        // Per endpoint: same endpoint, different tenants and destinations.
+        let e1 = gets_turn(&l, 1, "t1", a).await.unwrap();
+        let e2 = gets_turn(&l, 1, "t2", "http://127.0.0.2:9001/")
+            .await
+            .unwrap();
+        assert!(
+            gets_turn(&l, 1, "t3", "http://127.0.0.3:9001/")
+                .await
+                .is_none()
+        );
+        drop((e1, e2));
+        // Per tenant: different endpoints and destinations.
+        let t1 = gets_turn(&l, 1, "t", "http://127.0.0.1:9001/")
+            .await
+            .unwrap();
+        let t2 = gets_turn(&l, 2, "t", "http://127.0.0.2:9001/")
+            .await
+            .unwrap();
+        assert!(
+            gets_turn(&l, 3, "t", "http://127.0.0.3:9001/")
+                .await
+                .is_none()
+        );
+        assert!(
+            gets_turn(&l, 3, "u", "http://127.0.0.3:9001/")
+                .await
+                .is_some()
+        );
+        drop((t1, t2));
+        // Per destination: a name and a literal that reach the same address
+        // and port count together; another port is another destination.
+        let d1 = gets_turn(&l, 1, "t1", "http://127.0.0.1:9001/")
+            .await
+            .unwrap();
+        let d2 = gets_turn(&l, 2, "t2", "http://localhost:9001/")
+            .await
+            .unwrap();
+        assert!(
+            gets_turn(&l, 3, "t3", "http://127.0.0.1:9001/")
+                .await
+                .is_none()
+        );
+        let other_port = gets_turn(&l, 3, "t3", "http://127.0.0.1:9002/")
+            .await
+            .unwrap();
+        // Global: four in all.
+        let g = gets_turn(&l, 4, "t4", "http://127.0.0.4:9001/")
+            .await
+            .unwrap();
+        assert!(
+            gets_turn(&l, 5, "t5", "http://127.0.0.5:9001/")
+                .await
+                .is_none()
+        );
+        drop((d1, d2, other_port, g));
+        l.prune();
+        assert!(l.tenant.map.lock().unwrap().is_empty());
+    }
+}
