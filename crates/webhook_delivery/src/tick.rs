@@ -14,6 +14,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -182,6 +183,7 @@ impl Worker {
         let deliveries = Deliveries {
             worker: self,
             carried: Mutex::new(Running::new()),
+            waits: AtomicUsize::new(0),
         };
         let driven = scheduler::drive(&deliveries, tick).await;
         let mut t = driven.counts;
@@ -196,8 +198,9 @@ impl Worker {
         self.end_of_tick();
         panics.finish();
         TickReport {
-            batches: driven.batches,
-            claimed: driven.claimed,
+            // Less the empty claims that only waited for carried attempts.
+            batches: driven.batches - deliveries.waits.load(Relaxed),
+            claimed: driven.claimed - deliveries.waits.load(Relaxed),
             delivered: t.delivered,
             retried: t.retried,
             dead: t.dead,
@@ -303,6 +306,18 @@ impl Worker {
         report: &mut Tally,
     ) {
         let config = &self.inner.config;
+        let carry_after = CARRY_AFTER.min(config.request_timeout / 2);
+        if claimed.is_empty() {
+            // Nothing claimed, attempts carried: collect them for a while.
+            let running = std::mem::take(carried);
+            let carry = (
+                tokio::time::Instant::now() + carry_after,
+                CancellationToken::new(),
+            );
+            self.collect(running, carried, Some(carry), panics, report)
+                .await;
+            return;
+        }
         let now = Instant::now();
         let (open, claimed): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|d| {
             d.row.enabled
@@ -345,7 +360,7 @@ impl Worker {
                 spawn_guarded(key, step, async move { worker.attempt(d, &start_by).await })
             })
             .collect();
-        let carry_at = tokio::time::Instant::now() + CARRY_AFTER;
+        let carry_at = tokio::time::Instant::now() + carry_after;
         self.collect(running, carried, Some((carry_at, busy)), panics, report)
             .await;
     }
@@ -496,9 +511,10 @@ impl Worker {
     }
 }
 
-/// A batch does not wait longer than this for its slow attempts: the rest are
-/// carried, and the driver claims again. Long against a receiver that answers
-/// (milliseconds), short against the request timeout (15 s by default).
+/// A batch does not wait longer than this (or half the request timeout, if
+/// shorter) for its slow attempts: the rest are carried, and the driver claims
+/// again. Long against a receiver that answers (milliseconds), short against
+/// the request timeout (15 s by default).
 pub(crate) const CARRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Attempts carried across batches at most, so claimed deliveries do not pile
@@ -515,9 +531,23 @@ pub(crate) type Guarded<K, O> = Pin<Box<dyn Future<Output = (K, Result<O, Payloa
 /// The role as the driver sees it: a claim is [`Worker::claim_due`], a batch
 /// is [`Worker::attempt_batch`]; attempts carried past their batches wait in
 /// `carried` for the next batch or the tick's end.
+///
+/// While attempts are carried, a claim that finds nothing still counts as one
+/// item (`Batch::waits`), so the driver runs a batch that only collects them
+/// and then claims again (after `BUSY_POLL`, or a wake-up) instead of ending
+/// the tick: deliveries that come due while a tarpit's requests hang are
+/// claimed then, not after them.
 struct Deliveries<'a> {
     worker: &'a Worker,
     carried: Mutex<Running>,
+    /// Empty claims counted as one item, taken off the tick's report.
+    waits: AtomicUsize,
+}
+
+/// A claim: the deliveries claimed, or none while attempts are carried.
+struct Batch {
+    claimed: Vec<Claimed>,
+    waits: bool,
 }
 
 impl Deliveries<'_> {
@@ -527,7 +557,7 @@ impl Deliveries<'_> {
 }
 
 impl FencedBatches for Deliveries<'_> {
-    type Claim = Vec<Claimed>;
+    type Claim = Batch;
     type Counts = Tally;
     type Error = Error;
 
@@ -545,12 +575,22 @@ impl FencedBatches for Deliveries<'_> {
         }
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Claimed>, Error> {
-        self.worker.claim_due(fence, limit).await
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
+        let claimed = self.worker.claim_due(fence, limit).await?;
+        let waits = claimed.is_empty()
+            && !self
+                .carried
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+        if waits {
+            self.waits.fetch_add(1, Relaxed);
+        }
+        Ok(Batch { claimed, waits })
     }
 
-    fn claimed(claim: &Vec<Claimed>) -> usize {
-        claim.len()
+    fn claimed(claim: &Batch) -> usize {
+        claim.claimed.len().max(usize::from(claim.waits))
     }
 
     fn wake(&self) -> Option<&Wake> {
@@ -565,7 +605,7 @@ impl FencedBatches for Deliveries<'_> {
 
     async fn run(
         &self,
-        claimed: Vec<Claimed>,
+        batch: Batch,
         tick: &Tick,
         deadline: Instant,
         panics: &mut Panics,
@@ -573,7 +613,14 @@ impl FencedBatches for Deliveries<'_> {
     ) -> Result<(), Error> {
         let mut carried = self.take_carried();
         self.worker
-            .attempt_batch(claimed, deadline, &tick.cancel, &mut carried, panics, tally)
+            .attempt_batch(
+                batch.claimed,
+                deadline,
+                &tick.cancel,
+                &mut carried,
+                panics,
+                tally,
+            )
             .await;
         *self.carried.lock().unwrap_or_else(|p| p.into_inner()) = carried;
         Ok(())

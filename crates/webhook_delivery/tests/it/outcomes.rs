@@ -177,13 +177,21 @@ async fn a_hanging_receiver_times_out_is_retried_and_the_tick_keeps_its_budget()
         tick_budget: budget,
         batch_size: 2,
         retry_schedule: "1s,1s".parse().unwrap(),
+        // Six timeouts in a row would open the circuit breaker (fairness.rs
+        // pins it); here the retry path is under test.
+        breaker_timeouts: 100,
         ..config()
     };
     let (w, metrics) = worker(&t.db, config);
 
     let report = tick(&t.db, &w).await;
     println!("hanging receiver: {report:?}");
-    assert!(matches!(report.end, TickEnd::MoreWork), "{report:?}");
+    // Batches do not wait for their hung attempts (they are carried), so the
+    // six may all be tried before the budget ends the tick.
+    assert!(
+        matches!(report.end, TickEnd::MoreWork) || report.claimed == 6,
+        "{report:?}"
+    );
     // Only database writes may run past the budget, never an attempt.
     assert!(
         report.elapsed <= budget + Duration::from_millis(300),
