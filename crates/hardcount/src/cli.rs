@@ -213,13 +213,14 @@ fn print_status(rows: &[leader::LeaseStatus]) {
             .last_tick_age_seconds
             .map(|s| format!("{s:.0}s ago"))
             .unwrap_or_else(|| "never".to_owned());
+        let note = status_note(r);
         println!(
             "{:<17} {:<13} {:<36} {:>12} {}",
             printable(&r.role),
             printable(&r.state),
             printable(r.holder_id.as_deref().unwrap_or("-")),
             age,
-            printable(&status_note(r))
+            printable(&note)
         );
     }
 }

@@ -99,16 +99,12 @@ impl Limits {
     /// nothing. `None` only if a semaphore was closed (never, here).
     pub async fn turn(&self, endpoint: i64, tenant: &str, url: &str) -> Option<Turn> {
         let mut permits = Vec::with_capacity(4);
-        permits.push(self.endpoint.get(endpoint).acquire_owned().await.ok()?);
-        permits.push(
-            self.tenant
-                .get(tenant.to_owned())
-                .acquire_owned()
-                .await
-                .ok()?,
-        );
+        let (endpoint, tenant) = (self.endpoint.get(endpoint), self.tenant.get(tenant.into()));
+        permits.push(endpoint.acquire_owned().await.ok()?);
+        permits.push(tenant.acquire_owned().await.ok()?);
         if let Some(addr) = self.destination(url).await {
-            permits.push(self.destination.get(addr).acquire_owned().await.ok()?);
+            let destination = self.destination.get(addr);
+            permits.push(destination.acquire_owned().await.ok()?);
         }
         permits.push(self.global.clone().acquire_owned().await.ok()?);
         Some(Turn { _permits: permits })

@@ -136,9 +136,10 @@ async fn a_tenants_tarpit_holds_only_its_share_and_another_tenant_is_delivered_p
 /// it half-opens); after the cool-off exactly one trial goes out while the
 /// others wait, and its timeout opens the breaker again for twice as long.
 ///
-/// Mutation check: without the breaker's checks in `Worker::attempt`
-/// (`breaker_admit`), the second tick sends every due delivery to the tarpit
-/// and burns their attempts.
+/// Mutation check: a breaker that never opens (`breaker_opens`) lets the
+/// second tick send every due delivery to the tarpit and burn their
+/// attempts; an admission that ignores the half-open hold (`breaker_admit`)
+/// sends all five in the third tick instead of one trial.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_breaker_opens_after_consecutive_timeouts_and_the_endpoints_deliveries_wait_until_it_half_opens()
  {
