@@ -25,18 +25,23 @@
 //! between the two lookups is counted at the address seen first (the tenant
 //! share still bounds it). An address that cannot be looked up takes no
 //! destination permit; the request then fails in the client the same way.
+//! A name's address is remembered for [`LOOKUP_TTL`], so a busy endpoint
+//! costs one lookup per TTL here, not one per delivery.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use url::{Host, Url};
 
 use crate::config::WorkerConfig;
 use crate::ssrf::GuardedResolver;
+
+/// How long a looked-up destination address is used for its name.
+pub(crate) const LOOKUP_TTL: Duration = Duration::from_secs(10);
 
 /// The permits of one attempt's turn; dropping it frees them.
 pub(crate) struct Turn {
@@ -81,6 +86,8 @@ pub(crate) struct Limits {
     destination: Keyed<SocketAddr>,
     resolver: GuardedResolver,
     lookup_timeout: Duration,
+    /// Host name -> the address it led to, and when it was looked up.
+    looked_up: Mutex<HashMap<String, (IpAddr, Instant)>>,
 }
 
 impl Limits {
@@ -92,6 +99,7 @@ impl Limits {
             destination: Keyed::new(config.max_in_flight_per_destination),
             resolver: GuardedResolver::new(config.allowlist.clone()),
             lookup_timeout: config.connect_timeout,
+            looked_up: Mutex::new(HashMap::new()),
         }
     }
 
@@ -119,22 +127,36 @@ impl Limits {
             Host::Ipv4(v4) => IpAddr::V4(v4),
             Host::Ipv6(v6) => IpAddr::V6(v6),
             Host::Domain(name) => {
-                let lookup = self.resolver.resolve_host(name);
-                let addrs = tokio::time::timeout(self.lookup_timeout, lookup)
-                    .await
-                    .ok()?
-                    .ok()?;
-                addrs.first()?.ip()
+                let remembered = self.lookups().get(name).copied();
+                match remembered {
+                    Some((ip, at)) if at.elapsed() < LOOKUP_TTL => ip,
+                    _ => {
+                        let lookup = self.resolver.resolve_host(name);
+                        let addrs = tokio::time::timeout(self.lookup_timeout, lookup)
+                            .await
+                            .ok()?
+                            .ok()?;
+                        let ip = addrs.first()?.ip();
+                        self.lookups().insert(name.to_owned(), (ip, Instant::now()));
+                        ip
+                    }
+                }
             }
         };
         Some(SocketAddr::new(ip, port))
     }
 
-    /// Forget the per-key semaphores nothing holds.
+    fn lookups(&self) -> std::sync::MutexGuard<'_, HashMap<String, (IpAddr, Instant)>> {
+        self.looked_up.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forget the per-key semaphores nothing holds, and expired lookups.
     pub fn prune(&self) {
         self.endpoint.prune();
         self.tenant.prune();
         self.destination.prune();
+        self.lookups()
+            .retain(|_, (_, at)| at.elapsed() < LOOKUP_TTL);
     }
 }
 
