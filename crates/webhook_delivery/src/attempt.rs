@@ -11,7 +11,7 @@ use url::Url;
 
 use crate::breaker::Admit;
 use crate::delivery::{Claimed, Outcome};
-use crate::fairness::Turn;
+use crate::fairness::{Stalled, Turn};
 use crate::outcomes::{Finished, Step};
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::send::{self, Answer, Limits, Request};
@@ -57,6 +57,9 @@ enum Waited {
     OutOfTime,
     /// The batch moved on: hold it briefly.
     Busy,
+    /// A share it waited on made no progress for this long: hold it for
+    /// about twice that (at least [`BUSY_HOLD`], at most the request timeout).
+    Stalled(Duration),
 }
 
 impl Worker {
@@ -84,6 +87,11 @@ impl Worker {
                         attempt,
                         wait: BUSY_HOLD,
                     };
+                }
+                Waited::Stalled(quiet) => {
+                    let timeout = self.inner.config.request_timeout;
+                    let wait = (quiet * 2).clamp(BUSY_HOLD, timeout.max(BUSY_HOLD));
+                    return Attempted::Hold { id, attempt, wait };
                 }
             };
             let admitted = breakers.admit(endpoint, Instant::now());
@@ -297,8 +305,9 @@ impl Worker {
             _ = start_by.cancel.cancelled() => Waited::OutOfTime,
             _ = start_by.busy.cancelled() => Waited::Busy,
             turn = tokio::time::timeout_at(deadline, turn) => match turn {
-                Ok(Some(turn)) => Waited::Turn(turn),
-                _ => Waited::OutOfTime,
+                Ok(Ok(turn)) => Waited::Turn(turn),
+                Ok(Err(Stalled(quiet))) => Waited::Stalled(quiet),
+                Err(_) => Waited::OutOfTime,
             },
         }
     }

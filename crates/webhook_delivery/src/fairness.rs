@@ -27,6 +27,13 @@
 //! destination permit; the request then fails in the client the same way.
 //! A name's address is remembered for [`LOOKUP_TTL`], so a busy endpoint
 //! costs one lookup per TTL here, not one per delivery.
+//!
+//! A wait lasts while its share makes progress: when none of the share's
+//! permits has changed hands for [`STALL`] (its holders all hang, say at a
+//! tarpit), the waiting attempt gives up ([`Stalled`]) and is held back in the
+//! table for a while, instead of sitting claimed behind requests that will
+//! time out. A share whose requests answer changes hands every few
+//! milliseconds, so its queue waits its turn.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -35,6 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
 use url::{Host, Url};
 
 use crate::config::WorkerConfig;
@@ -43,16 +51,88 @@ use crate::ssrf::GuardedResolver;
 /// How long a looked-up destination address is used for its name.
 pub(crate) const LOOKUP_TTL: Duration = Duration::from_secs(10);
 
+/// A share none of whose permits changed hands for this long is stalled: an
+/// attempt waiting on it gives up.
+pub(crate) const STALL: Duration = Duration::from_millis(250);
+
+/// A wait given up: the share had been quiet this long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stalled(pub Duration);
+
 /// The permits of one attempt's turn; dropping it frees them.
 pub(crate) struct Turn {
-    _permits: Vec<OwnedSemaphorePermit>,
+    _permits: Vec<Held>,
 }
 
-/// One semaphore of `size` permits per key, made on first use.
+/// One limit's permits, and when one last changed hands.
+#[derive(Debug)]
+struct Share {
+    permits: Arc<Semaphore>,
+    moved: Mutex<Instant>,
+}
+
+impl Share {
+    fn new(size: usize) -> Arc<Share> {
+        Arc::new(Share {
+            permits: Arc::new(Semaphore::new(size)),
+            moved: Mutex::new(Instant::now()),
+        })
+    }
+
+    fn stamp(&self) {
+        *self.moved.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    /// Since a permit was last taken or given back.
+    fn quiet(&self) -> Duration {
+        self.moved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+    }
+
+    /// Wait for a permit while the share makes progress; give up when none
+    /// changed hands for [`STALL`]. Cancel safe.
+    async fn acquire(self: Arc<Share>) -> Result<Held, Stalled> {
+        loop {
+            match tokio::time::timeout(STALL, self.permits.clone().acquire_owned()).await {
+                Ok(Ok(permit)) => {
+                    self.stamp();
+                    return Ok(Held {
+                        _permit: permit,
+                        share: self,
+                    });
+                }
+                // Closed: never, these semaphores are not closed.
+                Ok(Err(_)) => return Err(Stalled(Duration::ZERO)),
+                Err(_) => {
+                    let quiet = self.quiet();
+                    if quiet >= STALL {
+                        return Err(Stalled(quiet));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A permit of a share; giving it back stamps the share.
+struct Held {
+    _permit: OwnedSemaphorePermit,
+    share: Arc<Share>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.share.stamp();
+    }
+}
+
+/// One share of `size` permits per key, made on first use.
 #[derive(Debug)]
 struct Keyed<K> {
     size: usize,
-    map: Mutex<HashMap<K, Arc<Semaphore>>>,
+    map: Mutex<HashMap<K, Arc<Share>>>,
 }
 
 impl<K: Eq + Hash> Keyed<K> {
@@ -63,10 +143,10 @@ impl<K: Eq + Hash> Keyed<K> {
         }
     }
 
-    fn get(&self, key: K) -> Arc<Semaphore> {
+    fn get(&self, key: K) -> Arc<Share> {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(key)
-            .or_insert_with(|| Arc::new(Semaphore::new(self.size)))
+            .or_insert_with(|| Share::new(self.size))
             .clone()
     }
 
@@ -80,7 +160,7 @@ impl<K: Eq + Hash> Keyed<K> {
 /// The worker's concurrency limits, shared by its clones.
 #[derive(Debug)]
 pub(crate) struct Limits {
-    global: Arc<Semaphore>,
+    global: Arc<Share>,
     endpoint: Keyed<i64>,
     tenant: Keyed<String>,
     destination: Keyed<SocketAddr>,
@@ -93,7 +173,7 @@ pub(crate) struct Limits {
 impl Limits {
     pub fn new(config: &WorkerConfig) -> Limits {
         Limits {
-            global: Arc::new(Semaphore::new(config.max_in_flight)),
+            global: Share::new(config.max_in_flight),
             endpoint: Keyed::new(config.max_in_flight_per_endpoint),
             tenant: Keyed::new(config.max_in_flight_per_tenant),
             destination: Keyed::new(config.max_in_flight_per_destination),
@@ -103,19 +183,22 @@ impl Limits {
         }
     }
 
-    /// Wait for all four permits, in order. Cancel safe: a dropped wait holds
-    /// nothing. `None` only if a semaphore was closed (never, here).
-    pub async fn turn(&self, endpoint: i64, tenant: &str, url: &str) -> Option<Turn> {
+    /// Wait for all four permits, in order, each while its share makes
+    /// progress. Cancel safe: a dropped wait holds nothing.
+    ///
+    /// # Errors
+    /// [`Stalled`] when a share's permits did not change hands for [`STALL`].
+    pub async fn turn(&self, endpoint: i64, tenant: &str, url: &str) -> Result<Turn, Stalled> {
         let mut permits = Vec::with_capacity(4);
         let (endpoint, tenant) = (self.endpoint.get(endpoint), self.tenant.get(tenant.into()));
-        permits.push(endpoint.acquire_owned().await.ok()?);
-        permits.push(tenant.acquire_owned().await.ok()?);
+        permits.push(endpoint.acquire().await?);
+        permits.push(tenant.acquire().await?);
         if let Some(addr) = self.destination(url).await {
             let destination = self.destination.get(addr);
-            permits.push(destination.acquire_owned().await.ok()?);
+            permits.push(destination.acquire().await?);
         }
-        permits.push(self.global.clone().acquire_owned().await.ok()?);
-        Some(Turn { _permits: permits })
+        permits.push(self.global.clone().acquire().await?);
+        Ok(Turn { _permits: permits })
     }
 
     /// Where a request to `url` connects: the first address the guarded
@@ -181,7 +264,7 @@ mod tests {
         tokio::time::timeout(Duration::from_millis(50), l.turn(endpoint, tenant, url))
             .await
             .ok()
-            .flatten()
+            .and_then(Result::ok)
     }
 
     /// Each limit, alone binding: a third attempt waits while two hold the
@@ -248,5 +331,41 @@ mod tests {
         drop((d1, d2, other_port, g));
         l.prune();
         assert!(l.tenant.map.lock().unwrap().is_empty());
+    }
+
+    /// A wait goes on while the share's permits change hands, even past
+    /// `STALL` in all, and gives up once none has for `STALL`, saying how long.
+    /// Fails if `Share::acquire` gives up at the first `STALL` (the last
+    /// waiters then stall) or never gives up.
+    #[tokio::test]
+    async fn a_wait_lasts_while_its_share_moves_and_gives_up_when_it_stalls() {
+        let l = Arc::new(limits());
+        let url = "http://127.0.0.1:9001/";
+        // Endpoint 1's share of 2, passed along every STALL / 2 by 8 attempts.
+        let started = Instant::now();
+        let waiters: Vec<_> = (0..8)
+            .map(|_| {
+                let l = l.clone();
+                tokio::spawn(async move {
+                    let turn = l.turn(1, "t", url).await;
+                    tokio::time::sleep(STALL / 2).await;
+                    turn.is_ok()
+                })
+            })
+            .collect();
+        for w in waiters {
+            assert!(w.await.unwrap(), "a waiter gave up while the share moved");
+        }
+        assert!(started.elapsed() >= STALL * 2, "{:?}", started.elapsed());
+        // Stalled: both permits held, nothing moves.
+        let (_a, _b) = (
+            l.turn(1, "t", url).await.unwrap(),
+            l.turn(1, "t", url).await.unwrap(),
+        );
+        let waited = Instant::now();
+        let Err(Stalled(quiet)) = l.turn(1, "t", url).await else {
+            panic!("a stalled share gave a turn");
+        };
+        assert!(quiet >= STALL && waited.elapsed() < STALL * 3, "{quiet:?}");
     }
 }

@@ -491,10 +491,13 @@ pub(crate) async fn release_unsent(
 
 /// Hand back claims that were not sent and must not come due at once (their
 /// endpoint's circuit breaker is open, or their turn did not come while the
-/// batch ran): the attempt not counted, like [`release_unsent`], and the claim
-/// lease moved to `now() + hold` on the database clock, so the claim skips
-/// them until then. One statement for the group, each row the same
-/// compare-and-set as an outcome. Returns how many were held.
+/// batch ran): the attempt not counted, like [`release_unsent`], and due again
+/// at `now() + hold` on the database clock (`next_attempt_at`, never brought
+/// forward; the claim lease cleared), so the claim skips them until then and
+/// then hands out deliveries that were due before them first. One statement
+/// for the group, each row the same compare-and-set as an outcome. Returns how
+/// many were held. Not a HOT update (`next_attempt_at` is indexed); holds
+/// happen only while an endpoint or tenant is saturated.
 pub(crate) async fn hold_unsent(
     db: &Db,
     held: &[(i64, i32, Duration)],
@@ -511,7 +514,9 @@ pub(crate) async fn hold_unsent(
         .execute(
             sql("UPDATE webhook_deliveries d \
                  SET attempts = d.attempts - 1, \
-                     claimed_until = now() + make_interval(secs => h.secs) \
+                     claimed_until = NULL, \
+                     next_attempt_at = GREATEST(d.next_attempt_at, \
+                                                now() + make_interval(secs => h.secs)) \
                  FROM unnest($1::int8[], $2::int4[], $3::float8[]) AS h(id, attempt, secs) \
                  WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = 'pending'")
             .bind(ids)

@@ -367,11 +367,16 @@ impl Worker {
 
     /// Collect the attempts of `running` (and of `carried`, as they finish):
     /// count them, write their outcomes and holds in groups. Returns when
-    /// `running` is empty and every group is written. With `carry`, at its
-    /// instant the attempts left in `running` are moved to `carried` and its
-    /// token fires (so those still waiting for a turn are held), unless
-    /// `carried` would then hold more than [`MAX_CARRIED`]: it is tried again
-    /// [`CARRY_AFTER`] later.
+    /// `running` is empty and every group is written, or when `running` is
+    /// carried. With `carry`:
+    ///
+    /// - once no attempt of `running` has finished for [`CARRY_QUIET`] (what
+    ///   is left hangs, or waits on shares that other attempts hold), its
+    ///   attempts are moved to `carried` as they are, unless `carried` would
+    ///   then hold more than two batches: the waiting ones go on waiting there
+    ///   (each gives up once its share stalls, `fairness::STALL`);
+    /// - at its instant, its token fires (so the attempts still waiting for a
+    ///   turn are held at once) and the rest are moved to `carried`.
     async fn collect(
         &self,
         mut running: Running,
@@ -387,6 +392,8 @@ impl Worker {
         };
         let mut holds: Vec<(i64, i32, Duration)> = Vec::new();
         let mut writes = FuturesUnordered::new();
+        // The last time an attempt of `running` finished.
+        let mut progress = tokio::time::Instant::now();
         loop {
             let lingered = buffer
                 .flush_at
@@ -403,9 +410,19 @@ impl Worker {
                 break;
             }
             let flush_at = buffer.flush_at;
-            let carry_at = carry.as_ref().map(|(at, _)| *at);
+            // Carried at the batch's deadline, or as it is once nothing of it
+            // has finished for CARRY_QUIET (if not too much is carried already).
+            let early = running.len() + carried.len() <= 2 * self.inner.config.batch_size;
+            let carry_at = carry.as_ref().map(|(at, _)| {
+                if early {
+                    (*at).min(progress + CARRY_QUIET)
+                } else {
+                    *at
+                }
+            });
             tokio::select! {
                 Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
+                    progress = tokio::time::Instant::now();
                     self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
                 }
                 Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() => {
@@ -427,14 +444,11 @@ impl Worker {
                 },
                 () = sleep_until_some(flush_at) => {}
                 () = sleep_until_some(carry_at) => {
-                    if let Some((at, busy)) = carry.as_mut() {
-                        if running.len() + carried.len() <= MAX_CARRIED {
+                    if let Some((at, busy)) = carry.take() {
+                        if tokio::time::Instant::now() >= at {
                             busy.cancel();
-                            carried.extend(std::mem::take(&mut running));
-                            carry = None;
-                        } else {
-                            *at += CARRY_AFTER;
                         }
+                        carried.extend(std::mem::take(&mut running));
                     }
                 }
             }
@@ -517,9 +531,10 @@ impl Worker {
 /// the request timeout (15 s by default).
 pub(crate) const CARRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Attempts carried across batches at most, so claimed deliveries do not pile
-/// up in memory (each holds its payload): past it a batch waits.
-pub(crate) const MAX_CARRIED: usize = 256;
+/// A batch none of whose attempts finished for this long is carried as it
+/// is, and the driver claims again: a receiver that answers finishes an
+/// attempt every few milliseconds.
+pub(crate) const CARRY_QUIET: Duration = Duration::from_millis(50);
 
 /// Attempts running as tasks of their own, each yielding its delivery's key
 /// and what the attempt left, or its panic. Dropping it aborts them.

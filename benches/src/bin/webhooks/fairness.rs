@@ -43,7 +43,7 @@ pub struct Flags {
     #[arg(long)]
     pub skip_fairness: bool,
     /// Events of the healthy tenant in each fairness run (each to its 2 endpoints).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 10_000)]
     pub fairness_events: usize,
 }
 
