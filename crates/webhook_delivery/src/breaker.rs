@@ -15,8 +15,8 @@
 //!               └──────── trial answered (any status) or failed otherwise ┘
 //! ```
 //!
-//! A delivery the breaker holds is handed back unsent with its claim lease
-//! moved to when the breaker lets an attempt through (`store::hold_unsent`):
+//! A delivery the breaker holds is handed back unsent, due again when the
+//! breaker lets an attempt through (`store::hold_unsent`):
 //! its attempt is not counted, so the attempts ceiling counts only requests
 //! made, and it is not claimed again until then.
 //!

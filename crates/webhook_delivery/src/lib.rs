@@ -10,8 +10,9 @@
 //!  claimed_until null or passed    │
 //!                                  ├─ endpoint disabled ─────────────────▶ dead
 //!                                  ├─ its circuit breaker open ──────────▶ held (attempts -= 1,
-//!                                  │                                         claimed_until = reopening)
-//!                                  ├─ no turn before the batch moves on ─▶ held for 1 s (attempts -= 1)
+//!                                  │                                    next_attempt_at = reopening)
+//!                                  ├─ its turn's share stalls, or the ───▶ held 1 s or more
+//!                                  │  batch moves on without it           (attempts -= 1)
 //!                                  ├─ no turn before the start deadline ─▶ handed back (attempts -= 1)
 //!                                  ├─ SSRF guard refuses ────────────────▶ pending (retry) … dead
 //!                                  └─ POST (signed, bounded) ─┬─ 2xx ───▶ delivered
@@ -53,8 +54,9 @@
 //! - **Fair** (docs/adr/0018): an attempt waits for its endpoint's, its
 //!   tenant's and its destination's permits before a global one
 //!   (`fairness.rs`), so a tenant whose endpoints hang holds at most its share
-//!   of the slots; a batch carries its slow attempts after 1 s and the next
-//!   claim goes on, so a hung request delays no other tenant's deliveries; an
+//!   of the slots, and a waiting attempt gives up (is held) when its share
+//!   stops moving; a batch whose attempts stop finishing is carried and the
+//!   next claim goes on, so a hung request delays no other tenant's deliveries; an
 //!   endpoint that times out `breaker_timeouts` times in a row is backed off by
 //!   its circuit breaker (`breaker.rs`, in memory): its deliveries are held
 //!   in the table, unsent and their attempts not counted, until one trial

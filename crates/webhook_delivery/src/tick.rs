@@ -2,11 +2,11 @@
 //! over this role's claim ([`Worker::claim_due`]) and batch (attempts run
 //! concurrently under limits, outcomes written in groups by compare-and-set).
 //!
-//! A batch does not wait for its slow attempts: after [`CARRY_AFTER`] the
-//! attempts still sending are carried (they go on, each in a task of its own,
-//! and later batches collect their outcomes), the ones still waiting for a
-//! turn are held for [`crate::attempt::BUSY_HOLD`], and the driver claims
-//! again. So a tenant whose endpoints hang costs other tenants' deliveries
+//! A batch does not wait for its slow attempts: once none of them has
+//! finished for [`CARRY_QUIET`] they are carried as they are (they go on, each
+//! in a task of its own, and later batches collect their outcomes), and after
+//! [`CARRY_AFTER`] at the latest, when the ones still waiting for a turn are
+//! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a tenant whose endpoints hang costs other tenants' deliveries
 //! neither slots (the per-tenant share, [`crate::fairness`]) nor time (the
 //! next claim does not wait for the hung requests). The tick collects every
 //! carried attempt before it ends.
@@ -274,11 +274,9 @@ impl Worker {
     ///
     /// Deliveries of an endpoint whose circuit breaker is open are held at
     /// once, in one statement. The rest run as tasks of their own; this
-    /// returns when they are all done, or after [`CARRY_AFTER`]: then the
-    /// attempts still sending are moved to `carried` (later batches and the
-    /// tick's end collect them) and the ones still waiting for a turn are held
-    /// (`StartBy::busy`). Attempts carried from earlier batches are collected
-    /// here too.
+    /// returns when they are all done, or when they are carried (see
+    /// [`Worker::collect`]; later batches and the tick's end collect them).
+    /// Attempts carried from earlier batches are collected here too.
     ///
     /// Finished attempts are buffered and written in groups, one statement
     /// per group ([`store::record_outcomes`], each row still its own

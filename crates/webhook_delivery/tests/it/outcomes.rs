@@ -187,7 +187,8 @@ async fn a_hanging_receiver_times_out_is_retried_and_the_tick_keeps_its_budget()
     let report = tick(&t.db, &w).await;
     println!("hanging receiver: {report:?}");
     // Batches do not wait for their hung attempts (they are carried), so the
-    // six may all be tried before the budget ends the tick.
+    // six may all be claimed before the budget ends the tick; those that find
+    // the endpoint's 4 slots hung are held, not attempted (docs/adr/0018).
     assert!(
         matches!(report.end, TickEnd::MoreWork) || report.claimed == 6,
         "{report:?}"
@@ -197,15 +198,15 @@ async fn a_hanging_receiver_times_out_is_retried_and_the_tick_keeps_its_budget()
         report.elapsed <= budget + Duration::from_millis(300),
         "{report:?}"
     );
-    // Batches of 2 at 300 ms each: three fit in the budget on an idle machine.
     assert!(report.claimed >= 4, "{report:?}");
-    assert_eq!(report.retried, report.claimed, "{report:?}");
+    assert!(report.retried >= 2, "{report:?}");
+    assert_eq!(report.retried + report.held, report.claimed, "{report:?}");
     let tried: Vec<_> = deliveries(&t.db)
         .await
         .into_iter()
         .filter(|d| d.attempts == 1)
         .collect();
-    assert_eq!(tried.len(), report.claimed);
+    assert_eq!(tried.len(), report.retried);
     for d in tried {
         assert_eq!(d.status, "pending", "{d:?}");
         let error = d.last_error.unwrap();
