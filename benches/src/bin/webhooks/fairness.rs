@@ -45,6 +45,10 @@ pub struct Flags {
     /// Events of the healthy tenant in each fairness run (each to its 2 endpoints).
     #[arg(long, default_value_t = 10_000)]
     pub fairness_events: usize,
+    /// Pairs of fairness runs (alone, then beside the tarpit), interleaved; the
+    /// median of each is reported.
+    #[arg(long, default_value_t = 3)]
+    pub fairness_runs: usize,
 }
 
 /// The worker's settings for both runs: the benchmark's shape with
@@ -76,21 +80,44 @@ impl Run {
     }
 }
 
-/// Both runs, alone first.
+/// `--fairness-runs` pairs of runs, alone then beside the tarpit,
+/// interleaved so that the machine's drift falls on both; every run, in order.
 pub async fn phase(
     flags: &Flags,
     shape: &Shape,
     leg: Leg,
     receiver: &Receiver,
-) -> Result<(Run, Run)> {
+) -> Result<(Vec<Run>, Vec<Run>)> {
+    ensure!(
+        flags.fairness_runs > 0 && flags.fairness_events > 0,
+        "fairness-runs and fairness-events must be positive"
+    );
     let shape = Shape {
         worker: worker(shape),
         ..shape.clone()
     };
-    let alone = run(flags, &shape, leg, receiver, None).await?;
     let tarpit = Tarpit::start().await?;
-    let beside = run(flags, &shape, leg, receiver, Some(&tarpit)).await?;
+    let (mut alone, mut beside) = (Vec::new(), Vec::new());
+    for i in 1..=flags.fairness_runs {
+        let a = run(flags, &shape, leg, receiver, None).await?;
+        let b = run(flags, &shape, leg, receiver, Some(&tarpit)).await?;
+        progress(&format!(
+            "fairness: pair {i}/{}: alone {:.0}/s, beside the tarpit {:.0}/s",
+            flags.fairness_runs,
+            a.rate(),
+            b.rate()
+        ));
+        alone.push(a);
+        beside.push(b);
+    }
     Ok((alone, beside))
+}
+
+/// The run with the median rate.
+fn median(runs: &[Run]) -> &Run {
+    let mut order: Vec<&Run> = runs.iter().collect();
+    order.sort_by(|a, b| a.rate().total_cmp(&b.rate()));
+    order[order.len() / 2]
 }
 
 /// One run on a fresh database: the tarpit tenant's backlog (if any) and then
@@ -202,31 +229,46 @@ impl Tarpit {
     }
 }
 
-/// The phase's figures.
-pub fn figures(alone: &Run, beside: &Run, report: &mut Report) {
+/// The phase's figures: the medians, and every pair.
+pub fn figures(alone: &[Run], beside: &[Run], report: &mut Report) {
+    let rates = |runs: &[Run]| {
+        runs.iter()
+            .map(|r| format!("{:.0}", r.rate()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    report.detail(
+        "fairness, every run (deliveries/s)",
+        format!(
+            "alone {}; beside the tarpit {}",
+            rates(alone),
+            rates(beside)
+        ),
+    );
+    let (alone, beside) = (median(alone), median(beside));
     let kept = beside.rate() / alone.rate();
     report.figures.push(
         Figure::new(
-            "fairness: healthy tenant's throughput beside a tarpit tenant, share of alone",
+            "fairness: healthy tenant's throughput beside a tarpit tenant, share of alone (medians)",
             100.0 * kept,
             "%",
         )
         .target(Target::AtLeast(100.0 * TARGET)),
     );
     report.figures.push(Figure::new(
-        "fairness: healthy tenant alone: deliveries/s",
+        "fairness: healthy tenant alone: deliveries/s, median",
         alone.rate(),
         "deliveries/s",
     ));
     report.figures.push(Figure::new(
-        "fairness: healthy tenant beside 8 tarpit endpoints: deliveries/s",
+        "fairness: healthy tenant beside 8 tarpit endpoints: deliveries/s, median",
         beside.rate(),
         "deliveries/s",
     ));
     report.detail(
         "fairness",
         format!(
-            "{} healthy deliveries per run; alone {:.2} s, beside the tarpit {:.2} s; \
+            "{} healthy deliveries per run; median runs: alone {:.2} s, beside the tarpit {:.2} s; \
              the tarpit held at most {} connections at once ({} endpoints, {} events)",
             alone.deliveries,
             alone.wall.as_secs_f64(),

@@ -120,8 +120,8 @@ async fn main() -> Result<()> {
 
     if !args.fairness.skip_fairness {
         progress(&format!(
-            "fairness: {} events x 2 endpoints, alone and beside 8 tarpit endpoints",
-            args.fairness.fairness_events
+            "fairness: {} pairs of runs, {} events x 2 endpoints, alone and beside 8 tarpit endpoints",
+            args.fairness.fairness_runs, args.fairness.fairness_events
         ));
         let (alone, beside) = fairness::phase(&args.fairness, &shape, leg, &receiver).await?;
         fairness::figures(&alone, &beside, &mut report);
