@@ -29,11 +29,12 @@
 //! costs one lookup per TTL here, not one per delivery.
 //!
 //! A wait lasts while its share makes progress: when none of the share's
-//! permits has changed hands for [`STALL`] (its holders all hang, say at a
+//! permits has changed hands for [`STALL`], or for twice the time its permits
+//! are typically held if that is longer (its holders all hang, say at a
 //! tarpit), the waiting attempt gives up ([`Stalled`]) and is held back in the
 //! table for a while, instead of sitting claimed behind requests that will
-//! time out. A share whose requests answer changes hands every few
-//! milliseconds, so its queue waits its turn.
+//! time out. A share whose requests answer changes hands often enough, so its
+//! queue waits its turn, however slow its receiver is.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -64,50 +65,77 @@ pub(crate) struct Turn {
     _permits: Vec<Held>,
 }
 
-/// One limit's permits, and when one last changed hands.
+/// One limit's permits, when one last changed hands, and how long a permit
+/// is typically held.
 #[derive(Debug)]
 struct Share {
     permits: Arc<Semaphore>,
-    moved: Mutex<Instant>,
+    moved: Mutex<Moved>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Moved {
+    at: Instant,
+    /// A moving average of how long permits were held; zero before any
+    /// was given back.
+    typical: Duration,
 }
 
 impl Share {
     fn new(size: usize) -> Arc<Share> {
         Arc::new(Share {
             permits: Arc::new(Semaphore::new(size)),
-            moved: Mutex::new(Instant::now()),
+            moved: Mutex::new(Moved {
+                at: Instant::now(),
+                typical: Duration::ZERO,
+            }),
         })
     }
 
-    fn stamp(&self) {
-        *self.moved.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    fn lock(&self) -> std::sync::MutexGuard<'_, Moved> {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Since a permit was last taken or given back.
-    fn quiet(&self) -> Duration {
-        self.moved
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .elapsed()
+    /// A permit held for `held` was given back (`None`: one was taken).
+    fn stamp(&self, held: Option<Duration>) {
+        let mut m = self.lock();
+        m.at = Instant::now();
+        if let Some(held) = held {
+            m.typical = if m.typical.is_zero() {
+                held
+            } else {
+                m.typical * 7 / 8 + held / 8
+            };
+        }
+    }
+
+    /// Since a permit was last taken or given back, and how quiet this
+    /// share may be before it counts as stalled: [`STALL`], or twice the
+    /// time its permits are typically held if longer (a receiver that
+    /// answers slowly is not a tarpit).
+    fn quiet(&self) -> (Duration, Duration) {
+        let m = *self.lock();
+        (m.at.elapsed(), STALL.max(m.typical * 2))
     }
 
     /// Wait for a permit while the share makes progress; give up when none
-    /// changed hands for [`STALL`]. Cancel safe.
+    /// changed hands for longer than the share's stall window. Cancel safe.
     async fn acquire(self: Arc<Share>) -> Result<Held, Stalled> {
         loop {
             match tokio::time::timeout(STALL, self.permits.clone().acquire_owned()).await {
                 Ok(Ok(permit)) => {
-                    self.stamp();
+                    self.stamp(None);
                     return Ok(Held {
                         _permit: permit,
                         share: self,
+                        taken: Instant::now(),
                     });
                 }
                 // Closed: never, these semaphores are not closed.
                 Ok(Err(_)) => return Err(Stalled(Duration::ZERO)),
                 Err(_) => {
-                    let quiet = self.quiet();
-                    if quiet >= STALL {
+                    let (quiet, window) = self.quiet();
+                    if quiet >= window {
                         return Err(Stalled(quiet));
                     }
                 }
@@ -120,11 +148,12 @@ impl Share {
 struct Held {
     _permit: OwnedSemaphorePermit,
     share: Arc<Share>,
+    taken: Instant,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.share.stamp();
+        self.share.stamp(Some(self.taken.elapsed()));
     }
 }
 
@@ -367,5 +396,22 @@ mod tests {
             panic!("a stalled share gave a turn");
         };
         assert!(quiet >= STALL && waited.elapsed() < STALL * 3, "{quiet:?}");
+    }
+
+    /// A share whose permits are typically held long (a slow receiver) may
+    /// be quiet for twice that before a waiter gives up.
+    #[tokio::test]
+    async fn a_slow_share_is_not_taken_for_a_stalled_one() {
+        let share = Share::new(1);
+        let held = share.clone().acquire().await.unwrap();
+        tokio::time::sleep(STALL * 2).await;
+        drop(held); // typical: 2 x STALL
+        let _held = share.clone().acquire().await.unwrap();
+        let waited = Instant::now();
+        let Err(Stalled(quiet)) = share.clone().acquire().await else {
+            panic!("a stalled share gave a permit");
+        };
+        assert!(quiet >= STALL * 4, "gave up after {quiet:?}");
+        assert!(waited.elapsed() < STALL * 6, "{:?}", waited.elapsed());
     }
 }
