@@ -6,10 +6,11 @@
 //! finished for [`CARRY_QUIET`] they are carried as they are (they go on, each
 //! in a task of its own, and later batches collect their outcomes), and after
 //! [`CARRY_AFTER`] at the latest, when the ones still waiting for a turn are
-//! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a tenant whose endpoints hang costs other tenants' deliveries
-//! neither slots (the per-tenant share, [`crate::fairness`]) nor time (the
-//! next claim does not wait for the hung requests). The tick collects every
-//! carried attempt before it ends.
+//! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a
+//! tenant whose endpoints hang costs other tenants' deliveries neither slots
+//! (the per-tenant share, [`crate::fairness`]) nor time (the next claim does
+//! not wait for the hung requests). The tick collects every carried attempt
+//! before it ends.
 
 use std::fmt;
 use std::future::Future;
