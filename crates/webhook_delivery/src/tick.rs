@@ -391,6 +391,8 @@ impl Worker {
         };
         let mut holds: Vec<(i64, i32, Duration)> = Vec::new();
         let mut writes = FuturesUnordered::new();
+        // Hold groups written by tasks of their own, like outcome groups.
+        let mut held = FuturesUnordered::new();
         // The last time an attempt of `running` finished.
         let mut progress = tokio::time::Instant::now();
         loop {
@@ -403,9 +405,13 @@ impl Worker {
                 writes.push(buffer.flush());
             }
             if !holds.is_empty() && (running.is_empty() || holds.len() >= OUTCOME_GROUP) {
-                report.held += self.hold(&std::mem::take(&mut holds)).await;
+                let group = std::mem::take(&mut holds);
+                let worker = self.clone();
+                held.push(AbortOnDropHandle::new(tokio::spawn(async move {
+                    worker.hold(&group).await
+                })));
             }
-            if running.is_empty() && writes.is_empty() {
+            if running.is_empty() && writes.is_empty() && held.is_empty() {
                 break;
             }
             let flush_at = buffer.flush_at;
@@ -441,6 +447,10 @@ impl Worker {
                         report.unrecorded += n;
                     }
                 },
+                Some(n) = held.next(), if !held.is_empty() => {
+                    // A task that did not finish left its claims to their leases.
+                    report.held += n.unwrap_or(0);
+                }
                 () = sleep_until_some(flush_at) => {}
                 () = sleep_until_some(carry_at) => {
                     if let Some((at, busy)) = carry.take() {

@@ -47,7 +47,7 @@ pub struct Flags {
     pub fairness_events: usize,
     /// Pairs of fairness runs (alone, then beside the tarpit), interleaved; the
     /// median of each is reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     pub fairness_runs: usize,
 }
 
