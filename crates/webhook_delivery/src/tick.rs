@@ -307,12 +307,10 @@ impl Worker {
         let config = &self.inner.config;
         let carry_after = CARRY_AFTER.min(config.request_timeout / 2);
         if claimed.is_empty() {
-            // Nothing claimed, attempts carried: collect them for a while.
+            // Nothing claimed, attempts carried: collect those that are done
+            // and go back to claiming (after BUSY_POLL, or a wake-up).
             let running = std::mem::take(carried);
-            let carry = (
-                tokio::time::Instant::now() + carry_after,
-                CancellationToken::new(),
-            );
+            let carry = (tokio::time::Instant::now(), CancellationToken::new());
             self.collect(running, carried, Some(carry), panics, report)
                 .await;
             return;
@@ -426,6 +424,8 @@ impl Worker {
                 }
             });
             tokio::select! {
+                // In this order: what finished first, the carry timer last.
+                biased;
                 Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
                     progress = tokio::time::Instant::now();
                     self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
