@@ -213,11 +213,7 @@ fn print_status(rows: &[leader::LeaseStatus]) {
             .last_tick_age_seconds
             .map(|s| format!("{s:.0}s ago"))
             .unwrap_or_else(|| "never".to_owned());
-        let note = match (&r.paused_by, &r.pause_reason, &r.not_before) {
-            (Some(by), reason, _) => format!("paused by {by}: {}", reason.as_deref().unwrap_or("")),
-            (None, _, Some(nb)) if r.state == "cooling_down" => format!("cooling down until {nb}"),
-            _ => String::new(),
-        };
+        let note = status_note(r);
         println!(
             "{:<17} {:<13} {:<36} {:>12} {}",
             printable(&r.role),
@@ -226,6 +222,21 @@ fn print_status(rows: &[leader::LeaseStatus]) {
             age,
             printable(&note)
         );
+    }
+}
+
+/// The NOTE column: who paused the role (the self-declared name and the
+/// login, `paused_by_role`) and why, or until when it cools down. Raw: the
+/// caller escapes it.
+fn status_note(r: &leader::LeaseStatus) -> String {
+    match (&r.paused_by, &r.pause_reason, &r.not_before) {
+        (Some(by), reason, _) => format!(
+            "paused by {by}: {} (login {})",
+            reason.as_deref().unwrap_or(""),
+            r.paused_by_role.as_deref().unwrap_or("unknown"),
+        ),
+        (None, _, Some(nb)) if r.state == "cooling_down" => format!("cooling down until {nb}"),
+        _ => String::new(),
     }
 }
 
@@ -247,7 +258,33 @@ fn printable(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{printable, status_note};
+
+    /// `leader status` shows the login that paused beside the declared name,
+    /// each escaped like the other fields.
+    #[test]
+    fn a_paused_role_shows_who_paused_it_and_the_login_escaped() {
+        let row = leader::LeaseStatus {
+            role: "billing".into(),
+            state: "paused".into(),
+            holder_id: None,
+            holder_token: 0,
+            acquired_at: None,
+            expires_at: None,
+            last_tick_ended_at: None,
+            last_tick_holder: None,
+            last_tick_age_seconds: None,
+            not_before: None,
+            paused_at: Some("2026-12-01 02:00:00+00".into()),
+            paused_by: Some("cli@ops\u{1b}[2J".into()),
+            pause_reason: Some("rotating SMTP key".into()),
+            paused_by_role: Some("hardcount_operator\u{202e}".into()),
+        };
+        assert_eq!(
+            printable(&status_note(&row)),
+            "paused by cli@ops\\u{1b}[2J: rotating SMTP key (login hardcount_operator\\u{202e})"
+        );
+    }
 
     #[test]
     fn printable_escapes_control_and_bidi_characters_only() {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use leader::Role;
 use webhook_delivery::backoff::RetrySchedule;
-use webhook_delivery::ssrf::Allowlist;
+use webhook_delivery::ssrf::{Allowlist, Ports};
 use webhook_delivery::{Keyring, WorkerConfig};
 
 use email_outbox::{SenderConfig, SmtpUrl};
@@ -139,6 +139,33 @@ pub struct ServeSettings {
     /// One delivery attempt, connect to last byte (1s to 60s) [default: 15s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_TIMEOUT")]
     pub webhook_timeout: Option<String>,
+    /// Webhook requests in flight at once, across tenants (1 to 1024) [default: 32].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT")]
+    pub webhook_max_in_flight: Option<String>,
+    /// Webhook requests in flight at once to one endpoint (1 to 1024) [default: 4].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT")]
+    pub webhook_max_in_flight_per_endpoint: Option<String>,
+    /// Webhook requests in flight at once for one tenant, across its endpoints (1 to
+    /// 1024); at most half of HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT keeps one tenant's hung
+    /// endpoints from taking the slots another tenant needs [default: 8].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT")]
+    pub webhook_max_in_flight_per_tenant: Option<String>,
+    /// Webhook requests in flight at once to one resolved address and port, across
+    /// tenants (1 to 1024) [default: 16].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION")]
+    pub webhook_max_in_flight_per_destination: Option<String>,
+    /// Consecutive timeouts that open an endpoint's circuit breaker (1 to 1000)
+    /// [default: 5].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS")]
+    pub webhook_breaker_timeouts: Option<String>,
+    /// How long an open breaker holds the endpoint's deliveries before one trial
+    /// (1s to 1h; doubled after each failed trial, up to 16 times it) [default: 30s].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF")]
+    pub webhook_breaker_cooloff: Option<String>,
+    /// The lowest port a webhook may go to besides 80 and 443, which are always
+    /// allowed (1 to 65535; 1 allows every port) [default: 1024].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_MIN_PORT")]
+    pub webhook_min_port: Option<String>,
     /// The SMTP server email_outbox sends through: `smtp://host:port` (plain),
     /// `smtp://host:port?tls=required` (STARTTLS), `smtps://host:port` (implicit
     /// TLS), with optional `user:password@`. Required when email_outbox runs.
@@ -199,6 +226,14 @@ pub const RETRY_DELAY: RangeInclusive<Duration> =
 pub const WEBHOOK_TIMEOUT: RangeInclusive<Duration> =
     Duration::from_secs(1)..=Duration::from_secs(60);
 
+/// The bounds of each webhook concurrency setting.
+pub const WEBHOOK_IN_FLIGHT: RangeInclusive<usize> = 1..=1024;
+
+/// The bounds of the breaker's cool-off: shorter is no back-off at all,
+/// longer (16 times, after failed trials) outlives the retry schedule.
+pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(3600);
+
 impl ServeSettings {
     pub fn http_addr(&self) -> Result<SocketAddr> {
         let addr = match self.http_addr.trim() {
@@ -249,6 +284,47 @@ impl ServeSettings {
             webhook_delivery.request_timeout = timeout;
             webhook_delivery.connect_timeout = webhook_delivery.connect_timeout.min(timeout);
             webhook_delivery.tick_budget = webhook_delivery.tick_budget.max(timeout * 2);
+        }
+        let w = &mut webhook_delivery;
+        for (var, value, slot) in [
+            (
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT",
+                &self.webhook_max_in_flight,
+                &mut w.max_in_flight,
+            ),
+            (
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT",
+                &self.webhook_max_in_flight_per_endpoint,
+                &mut w.max_in_flight_per_endpoint,
+            ),
+            (
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
+                &self.webhook_max_in_flight_per_tenant,
+                &mut w.max_in_flight_per_tenant,
+            ),
+            (
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION",
+                &self.webhook_max_in_flight_per_destination,
+                &mut w.max_in_flight_per_destination,
+            ),
+        ] {
+            if let Some(text) = non_empty(value) {
+                *slot = whole(var, &text, WEBHOOK_IN_FLIGHT)?;
+            }
+        }
+        if let Some(text) = non_empty(&self.webhook_breaker_timeouts) {
+            let n = whole("HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS", &text, 1..=1000)?;
+            w.breaker_timeouts = u32::try_from(n).unwrap_or(u32::MAX);
+        }
+        if let Some(text) = non_empty(&self.webhook_breaker_cooloff) {
+            w.breaker_cooloff =
+                duration("HARDCOUNT_WEBHOOK_BREAKER_COOLOFF", &text, BREAKER_COOLOFF)?;
+        }
+        if let Some(text) = non_empty(&self.webhook_min_port) {
+            let port = whole("HARDCOUNT_WEBHOOK_MIN_PORT", &text, 1..=65535)?;
+            w.ports = Ports {
+                lowest_unprivileged: u16::try_from(port).unwrap_or(u16::MAX),
+            };
         }
         webhook_delivery.validate()?;
         Ok(Config {
@@ -418,6 +494,21 @@ pub fn duration(var: &str, text: &str, bounds: RangeInclusive<Duration>) -> Resu
     Ok(value)
 }
 
+/// A whole number within `bounds`, refusing by name.
+fn whole(var: &str, text: &str, bounds: RangeInclusive<usize>) -> Result<usize> {
+    let text = text.trim();
+    text.parse::<usize>()
+        .ok()
+        .filter(|n| bounds.contains(n))
+        .ok_or_else(|| {
+            anyhow!(
+                "{var}={text:?}: expected a whole number from {} to {}",
+                bounds.start(),
+                bounds.end()
+            )
+        })
+}
+
 /// Set and not blank: an empty variable means unset, as it does to a shell user.
 fn non_empty(value: &Option<String>) -> Option<String> {
     value
@@ -548,10 +639,84 @@ mod tests {
                 "cloud metadata address",
             ),
             (&["--roles", "billing,emails"], "unknown role \"emails\""),
+            (
+                &["--webhook-max-in-flight-per-tenant", "0"],
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT=\"0\": expected a whole number from 1 to 1024",
+            ),
+            (
+                &["--webhook-max-in-flight", "many"],
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT=\"many\": expected a whole number",
+            ),
+            (
+                &["--webhook-max-in-flight-per-destination", "2000"],
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION=\"2000\"",
+            ),
+            (
+                &["--webhook-max-in-flight-per-endpoint", "1.5"],
+                "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT=\"1.5\"",
+            ),
+            (
+                &["--webhook-breaker-timeouts", "0"],
+                "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS=\"0\": expected a whole number from 1 to 1000",
+            ),
+            (
+                &["--webhook-breaker-cooloff", "500ms"],
+                "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF=\"500ms\": must be at least 1s",
+            ),
+            (
+                &["--webhook-breaker-cooloff", "2h"],
+                "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF=\"2h\": must be at most 1h",
+            ),
+            (
+                &["--webhook-min-port", "0"],
+                "HARDCOUNT_WEBHOOK_MIN_PORT=\"0\": expected a whole number from 1 to 65535",
+            ),
+            (
+                &["--webhook-min-port", "https"],
+                "HARDCOUNT_WEBHOOK_MIN_PORT=\"https\"",
+            ),
         ] {
             let err = refusal(args);
             assert!(err.contains(expected), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn the_fairness_breaker_and_port_settings_reach_the_worker_config() {
+        let w = check(&[
+            "--webhook-max-in-flight",
+            "64",
+            "--webhook-max-in-flight-per-endpoint",
+            "2",
+            "--webhook-max-in-flight-per-tenant",
+            "16",
+            "--webhook-max-in-flight-per-destination",
+            "24",
+            "--webhook-breaker-timeouts",
+            "3",
+            "--webhook-breaker-cooloff",
+            "2m",
+            "--webhook-min-port",
+            "8000",
+        ])
+        .unwrap()
+        .webhook_delivery;
+        assert_eq!(
+            (
+                w.max_in_flight,
+                w.max_in_flight_per_endpoint,
+                w.max_in_flight_per_tenant,
+                w.max_in_flight_per_destination,
+                w.breaker_timeouts,
+                w.breaker_cooloff,
+            ),
+            (64, 2, 16, 24, 3, Duration::from_secs(120))
+        );
+        assert!(w.ports.permits(443) && w.ports.permits(8000) && !w.ports.permits(7999));
+        let every = check(&["--webhook-min-port", "1"])
+            .unwrap()
+            .webhook_delivery;
+        assert!(every.ports.permits(22));
     }
 
     #[test]

@@ -292,6 +292,9 @@ pub struct LeaseStatus {
     pub paused_at: Option<String>,
     pub paused_by: Option<String>,
     pub pause_reason: Option<String>,
+    /// The login that paused (`session_user`, migration 0012), beside the
+    /// self-declared `paused_by`.
+    pub paused_by_role: Option<String>,
 }
 
 /// Every row of `leader_status`, ordered by role.
@@ -301,7 +304,7 @@ pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
             "SELECT role, state, holder_id, holder_token, \
                     acquired_at::text, expires_at::text, last_tick_ended_at::text, last_tick_holder, \
                     extract(epoch FROM last_tick_age)::float8 AS last_tick_age_seconds, \
-                    not_before::text, paused_at::text, paused_by, pause_reason \
+                    not_before::text, paused_at::text, paused_by, pause_reason, paused_by_role \
              FROM leader_status ORDER BY role",
         ))
         .await?;
@@ -321,6 +324,7 @@ pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
                 paused_at: r.try_get("paused_at")?,
                 paused_by: r.try_get("paused_by")?,
                 pause_reason: r.try_get("pause_reason")?,
+                paused_by_role: r.try_get("paused_by_role")?,
             })
         })
         .collect::<Result<_, db::Error>>()

@@ -1,43 +1,116 @@
-//! One delivery's attempt: wait for a turn under the concurrency limits, sign
-//! and POST it, and turn the answer into the outcome to write ([`verdict`]).
+//! One delivery's attempt: wait for a turn under the concurrency limits
+//! ([`crate::fairness`]), ask the endpoint's circuit breaker
+//! ([`crate::breaker`]), sign and POST it, and turn the answer into the
+//! outcome to write ([`verdict`]).
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 use url::Url;
 
-use crate::delivery::Claimed;
+use crate::breaker::Admit;
+use crate::delivery::{Claimed, Outcome};
+use crate::fairness::{Stalled, Turn};
 use crate::outcomes::{Finished, Step};
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
-use crate::store::{NextState, Observed, OutcomeRow};
+use crate::store::{self, NextState, Observed, OutcomeRow};
 use leader::Role;
 
 use crate::failure::Failure;
 use crate::tick::Worker;
 use crate::verdict::{self, Heard, Verdict, status_error};
 
+/// A claim whose turn did not come before its batch moved on is held this
+/// long, then claimed again (its endpoint, tenant or destination is busy).
+pub(crate) const BUSY_HOLD: Duration = Duration::from_secs(1);
+
 /// When an attempt must have started, and what stops it from starting.
 pub(crate) struct StartBy {
     pub deadline: Instant,
     pub cancel: CancellationToken,
+    /// Fires when the batch moves on (its slow attempts carried, the next
+    /// claim made): an attempt still waiting for its turn is then held for
+    /// [`BUSY_HOLD`] instead of queueing, so a busy tenant's backlog does not
+    /// sit in memory claimed.
+    pub busy: CancellationToken,
+}
+
+/// What an attempt left to do.
+pub(crate) enum Attempted {
+    /// An outcome (written or to write), or handed back to come due at once.
+    Step(Step),
+    /// Not sent: hand it back to come due after `wait` (attempt not counted).
+    Hold {
+        id: i64,
+        attempt: i32,
+        wait: Duration,
+    },
+}
+
+/// How waiting for a turn ended.
+enum Waited {
+    Turn(Turn),
+    /// The start deadline passed, or the tick was cancelled: hand it back.
+    OutOfTime,
+    /// The batch moved on: hold it briefly.
+    Busy,
+    /// A share it waited on made no progress for this long: hold it for
+    /// about twice that (at least [`BUSY_HOLD`], at most the request timeout).
+    Stalled(Duration),
 }
 
 impl Worker {
-    /// One delivery: wait for its turn and send. The outcome is left to write
-    /// ([`Step::Write`]) unless it was handed back or was a 410 (written at
-    /// once, with the endpoint disabled in the same transaction).
-    pub(crate) async fn attempt(&self, d: Claimed, start_by: &StartBy) -> Step {
+    /// One delivery: wait for its turn and send, unless its endpoint's breaker
+    /// is open (held until the breaker lets a trial through). The outcome is
+    /// left to write ([`Step::Write`]) unless it was handed back, held, or was
+    /// a 410 (written at once, with the endpoint disabled in the same
+    /// transaction).
+    pub(crate) async fn attempt(&self, d: Claimed, start_by: &StartBy) -> Attempted {
         let (id, attempt) = (d.row.id, d.row.attempt);
+        let endpoint = d.row.endpoint_id;
         let (heard, observed) = if d.row.enabled {
-            let Some(_permits) = self.wait_turn(d.row.endpoint_id, start_by).await else {
-                return Step::Done(self.release(id, attempt).await);
+            let breakers = &self.inner.breakers;
+            if let Some(wait) = breakers.open_for(endpoint, Instant::now()) {
+                return Attempted::Hold { id, attempt, wait };
+            }
+            let turn = match self.wait_turn(&d, start_by).await {
+                Waited::Turn(turn) => turn,
+                Waited::OutOfTime => {
+                    return Attempted::Step(Step::Done(self.release(id, attempt).await));
+                }
+                Waited::Busy => {
+                    return Attempted::Hold {
+                        id,
+                        attempt,
+                        wait: BUSY_HOLD,
+                    };
+                }
+                Waited::Stalled(quiet) => {
+                    let timeout = self.inner.config.request_timeout;
+                    let wait = (quiet * 2).clamp(BUSY_HOLD, timeout.max(BUSY_HOLD));
+                    return Attempted::Hold { id, attempt, wait };
+                }
             };
-            self.send(&d).await
+            let admitted = breakers.admit(endpoint, Instant::now());
+            if let Admit::Hold(wait) = admitted {
+                return Attempted::Hold { id, attempt, wait };
+            }
+            let (heard, observed) = self.send(&d).await;
+            drop(turn);
+            let timed_out = observed.error.as_deref() == Some(Failure::Timeout.as_str());
+            if let Some(cooloff) = breakers.record(endpoint, admitted, timed_out, Instant::now()) {
+                warn!(
+                    role = %Role::WebhookDelivery,
+                    endpoint,
+                    tenant = %d.row.tenant_id,
+                    cooloff = ?cooloff,
+                    "webhook endpoint keeps timing out: circuit breaker open, its deliveries wait"
+                );
+            }
+            (heard, observed)
         } else {
             let reason = d
                 .row
@@ -73,10 +146,10 @@ impl Worker {
                     observed,
                 };
                 let outcome = self.record(row, Some((d.row.endpoint_id, reason))).await;
-                return Step::Done(outcome);
+                return Attempted::Step(Step::Done(outcome));
             }
         };
-        Step::Write(Finished {
+        Attempted::Step(Step::Write(Finished {
             row: OutcomeRow {
                 id,
                 attempt,
@@ -84,7 +157,32 @@ impl Worker {
                 observed,
             },
             refused: heard == Heard::Refused,
-        })
+        }))
+    }
+
+    /// Hand back unsent claims to come due after their waits, in one statement
+    /// ([`store::hold_unsent`]); counts each held one. Returns how many were
+    /// held (a claim superseded meanwhile is left alone). If the write fails,
+    /// the claims come due when their claim leases end.
+    pub(crate) async fn hold(&self, held: &[(i64, i32, Duration)]) -> usize {
+        let statement_timeout = self.inner.config.statement_timeout;
+        match store::hold_unsent(&self.inner.db, held, statement_timeout).await {
+            Ok(n) => {
+                let n = usize::try_from(n).unwrap_or(usize::MAX);
+                for _ in 0..n {
+                    self.count(&Outcome::Held);
+                }
+                debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
+                n
+            }
+            Err(e) => {
+                warn!(
+                    role = %Role::WebhookDelivery, claims = held.len(), error = %e,
+                    "could not hand back unsent webhook claims; they come due when their leases end"
+                );
+                0
+            }
+        }
     }
 
     /// Sign and POST one claimed delivery; what it heard, and what to keep of it.
@@ -194,49 +292,24 @@ impl Worker {
         }
     }
 
-    /// Both permits (the endpoint's first, so a slow endpoint's queue does not
-    /// hold the global ones), or `None` if the start deadline or a cancel comes first.
-    async fn wait_turn(
-        &self,
-        endpoint_id: i64,
-        start_by: &StartBy,
-    ) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
-        let endpoint = self.endpoint_limit(endpoint_id);
-        let global = self.inner.in_flight.clone();
-        let both = async move {
-            let e = endpoint.acquire_owned().await.ok()?;
-            let g = global.acquire_owned().await.ok()?;
-            Some((e, g))
-        };
+    /// The four permits ([`crate::fairness::Limits::turn`]), unless the start
+    /// deadline or a cancel comes first, or the batch moves on.
+    async fn wait_turn(&self, d: &Claimed, start_by: &StartBy) -> Waited {
+        let turn = self
+            .inner
+            .limits
+            .turn(d.row.endpoint_id, &d.row.tenant_id, &d.row.url);
         let deadline = tokio::time::Instant::from_std(start_by.deadline);
         tokio::select! {
             biased;
-            _ = start_by.cancel.cancelled() => None,
-            permits = tokio::time::timeout_at(deadline, both) => permits.ok().flatten(),
+            _ = start_by.cancel.cancelled() => Waited::OutOfTime,
+            _ = start_by.busy.cancelled() => Waited::Busy,
+            turn = tokio::time::timeout_at(deadline, turn) => match turn {
+                Ok(Ok(turn)) => Waited::Turn(turn),
+                Ok(Err(Stalled(quiet))) => Waited::Stalled(quiet),
+                Err(_) => Waited::OutOfTime,
+            },
         }
-    }
-
-    fn endpoint_limit(&self, endpoint_id: i64) -> Arc<Semaphore> {
-        let mut map = self
-            .inner
-            .per_endpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        map.entry(endpoint_id)
-            .or_insert_with(|| {
-                Arc::new(Semaphore::new(self.inner.config.max_in_flight_per_endpoint))
-            })
-            .clone()
-    }
-
-    /// Forget the limits of endpoints nothing is waiting on.
-    pub(crate) fn prune_endpoint_limits(&self) {
-        let mut map = self
-            .inner
-            .per_endpoint
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        map.retain(|_, s| Arc::strong_count(s) > 1);
     }
 
     /// The next state after a failed attempt that heard nothing (its

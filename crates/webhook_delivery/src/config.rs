@@ -20,6 +20,20 @@ pub struct WorkerConfig {
     pub max_in_flight: usize,
     /// Requests in flight at once to one endpoint. Default 4.
     pub max_in_flight_per_endpoint: usize,
+    /// Requests in flight at once for one tenant, across its endpoints.
+    /// Default 8: a quarter of `max_in_flight`, so a tenant whose endpoints
+    /// all hang holds at most a quarter of the slots (docs/adr/0018).
+    pub max_in_flight_per_tenant: usize,
+    /// Requests in flight at once to one resolved address and port, across
+    /// tenants and host names. Default 16.
+    pub max_in_flight_per_destination: usize,
+    /// Consecutive timeouts of an endpoint that open its circuit breaker.
+    /// Default 5.
+    pub breaker_timeouts: u32,
+    /// How long an opened breaker holds the endpoint's deliveries before one
+    /// trial attempt; doubled after each failed trial, up to 16 times this.
+    /// Default 30 s.
+    pub breaker_cooloff: Duration,
     /// TCP (and TLS) connect limit. Default 5 s.
     pub connect_timeout: Duration,
     /// One attempt, from connecting to the last byte read. Default 15 s.
@@ -51,6 +65,10 @@ impl Default for WorkerConfig {
             batch_size: 256,
             max_in_flight: 32,
             max_in_flight_per_endpoint: 4,
+            max_in_flight_per_tenant: 8,
+            max_in_flight_per_destination: 16,
+            breaker_timeouts: 5,
+            breaker_cooloff: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(15),
             claim_margin: Duration::from_secs(15),
@@ -96,6 +114,12 @@ impl WorkerConfig {
                 "max_in_flight_per_endpoint",
                 self.max_in_flight_per_endpoint,
             ),
+            ("max_in_flight_per_tenant", self.max_in_flight_per_tenant),
+            (
+                "max_in_flight_per_destination",
+                self.max_in_flight_per_destination,
+            ),
+            ("breaker_timeouts", self.breaker_timeouts as usize),
             ("max_response_bytes", self.max_response_bytes),
         ];
         let durations = [
@@ -104,6 +128,7 @@ impl WorkerConfig {
             ("claim_margin", self.claim_margin),
             ("tick_budget", self.tick_budget),
             ("statement_timeout", self.statement_timeout),
+            ("breaker_cooloff", self.breaker_cooloff),
         ];
         if let Some((name, _)) = counts.iter().find(|(_, n)| *n == 0) {
             return Err(ConfigError::Zero(name));

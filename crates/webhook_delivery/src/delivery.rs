@@ -78,6 +78,9 @@ pub enum Outcome {
     Stale,
     /// Never sent (out of time, or cancelled): handed back, attempt not counted.
     Released,
+    /// Never sent, and handed back to come due later (its endpoint's circuit
+    /// breaker is open, or no turn came while its batch ran): attempt not counted.
+    Held,
     /// Sent, but the outcome could not be written; the claim's lease brings
     /// the delivery back (the receiver may see it again).
     Unrecorded,
@@ -92,6 +95,7 @@ impl Outcome {
             Outcome::Dead => "dead",
             Outcome::Refused => "refused",
             Outcome::Stale => "stale",
+            Outcome::Held => "held",
             Outcome::Released | Outcome::Unrecorded => return None,
         })
     }

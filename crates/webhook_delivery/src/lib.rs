@@ -9,6 +9,10 @@
 //!  next_attempt_at <= now()        │   (a HOT update: no indexed column)              SKIP LOCKED)
 //!  claimed_until null or passed    │
 //!                                  ├─ endpoint disabled ─────────────────▶ dead
+//!                                  ├─ its circuit breaker open ──────────▶ held (attempts -= 1,
+//!                                  │                                    next_attempt_at = reopening)
+//!                                  ├─ its turn's share stalls, or the ───▶ held 1 s or more
+//!                                  │  batch moves on without it           (attempts -= 1)
 //!                                  ├─ no turn before the start deadline ─▶ handed back (attempts -= 1)
 //!                                  ├─ SSRF guard refuses ────────────────▶ pending (retry) … dead
 //!                                  └─ POST (signed, bounded) ─┬─ 2xx ───▶ delivered
@@ -44,8 +48,19 @@
 //! - **A replaced leader claims nothing**: the claim proves
 //!   `leader_fence($role, $token)` in its innermost WHERE, and
 //!   [`Worker::claim_due`] takes a [`leader::Fence`].
-//! - **Bounded**: requests in flight globally and per endpoint, each attempt's
-//!   time (connect and total), the response bytes read, and the tick's time.
+//! - **Bounded**: requests in flight globally, per endpoint, per tenant and
+//!   per resolved destination, each attempt's time (connect and total), the
+//!   response bytes read, and the tick's time.
+//! - **Fair** (docs/adr/0018): an attempt waits for its endpoint's, its
+//!   tenant's and its destination's permits before a global one
+//!   (`fairness.rs`), so a tenant whose endpoints hang holds at most its share
+//!   of the slots, and a waiting attempt gives up (is held) when its share
+//!   stops moving; a batch whose attempts stop finishing is carried and the
+//!   next claim goes on, so a hung request delays no other tenant's deliveries; an
+//!   endpoint that times out `breaker_timeouts` times in a row is backed off by
+//!   its circuit breaker (`breaker.rs`, in memory): its deliveries are held
+//!   in the table, unsent and their attempts not counted, until one trial
+//!   goes through. Held deliveries are neither burned nor lost.
 //! - **A tick's end decides its release.** The tick is the fenced-batch
 //!   driver ([`scheduler::drive`]): a claim that finds nothing ends it drained
 //!   (due after the interval, or at once if the tick found work), too little
@@ -84,7 +99,9 @@
 //!
 //! ```text
 //! hardcount_webhook_deliveries_total{outcome}     one per attempt: delivered, retry, dead,
-//!                                                 refused (SSRF, scheduled again), stale
+//!                                                 refused (SSRF, scheduled again), stale;
+//!                                                 and held (not sent, due again later)
+//! hardcount_webhook_breakers_open                 gauge, endpoints backed off, at each tick's end
 //! hardcount_webhook_attempt_duration_seconds      histogram, each request made
 //! hardcount_webhook_deliveries_pending            gauges, read at the end of each tick on
 //! hardcount_webhook_deliveries_dead               the database clock; the age counts from
@@ -97,8 +114,11 @@
 //! lib.rs        this overview, Error, re-exports
 //! config.rs     WorkerConfig: defaults and validation
 //! store.rs      all SQL: endpoints, the fenced claim (takes &Fence), the CAS outcome writes
-//! tick.rs       Worker::run_tick: the driver's implementation for this role, a batch's loop
-//! attempt.rs    one attempt: its turn under the concurrency limits, the signed POST
+//! tick.rs       Worker::run_tick: the driver's implementation for this role, a batch's loop,
+//!               attempts carried across batches
+//! attempt.rs    one attempt: its turn under the concurrency limits, the breaker, the signed POST
+//! fairness.rs   the four permits of a turn: endpoint, tenant, destination, global
+//! breaker.rs    each endpoint's circuit breaker                      (no SQL, no I/O)
 //! outcomes.rs   outcomes buffered and written in groups
 //! delivery.rs   Claimed and Outcome                                  (no SQL, no I/O)
 //! verdict.rs    answer + attempt number + schedule -> next state     (no SQL, no I/O)
@@ -113,10 +133,12 @@
 
 mod attempt;
 pub mod backoff;
+mod breaker;
 mod config;
 mod delivery;
 mod endpoint;
 mod failure;
+mod fairness;
 mod outcomes;
 pub mod sealed;
 mod send;

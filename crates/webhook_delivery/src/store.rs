@@ -1,7 +1,8 @@
 //! All of webhook delivery's SQL: creating endpoints, the fenced claim of due
 //! deliveries, the outcome writes (one statement per group of outcomes, each
 //! row a compare-and-set on the attempt number),
-//! handing back an unsent claim, and the gauges read at the end of a tick.
+//! handing back an unsent claim (at once, or held until later), and the
+//! gauges read at the end of a tick.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -502,6 +503,45 @@ pub(crate) async fn release_unsent(
         .await?;
     tx.commit().await?;
     Ok(released == 1)
+}
+
+/// Hand back claims that were not sent and must not come due at once (their
+/// endpoint's circuit breaker is open, or their turn did not come while the
+/// batch ran): the attempt not counted, like [`release_unsent`], and due again
+/// at `now() + hold` on the database clock (`next_attempt_at`, never brought
+/// forward; the claim lease cleared), so the claim skips them until then and
+/// then hands out deliveries that were due before them first. One statement
+/// for the group, each row the same compare-and-set as an outcome. Returns how
+/// many were held. Not a HOT update (`next_attempt_at` is indexed); holds
+/// happen only while an endpoint or tenant is saturated.
+pub(crate) async fn hold_unsent(
+    db: &Db,
+    held: &[(i64, i32, Duration)],
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    if held.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
+    let attempts: Vec<i32> = held.iter().map(|h| h.1).collect();
+    let secs: Vec<f64> = held.iter().map(|h| h.2.as_secs_f64()).collect();
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE webhook_deliveries d \
+                 SET attempts = d.attempts - 1, \
+                     claimed_until = NULL, \
+                     next_attempt_at = GREATEST(d.next_attempt_at, \
+                                                now() + make_interval(secs => h.secs)) \
+                 FROM unnest($1::int8[], $2::int4[], $3::float8[]) AS h(id, attempt, secs) \
+                 WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = 'pending'")
+            .bind(ids)
+            .bind(attempts)
+            .bind(secs),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n)
 }
 
 /// The backlog, read on the database clock through the partial indexes: the

@@ -1,10 +1,21 @@
 //! The `webhook_delivery` tick: the fenced-batch driver ([`scheduler::drive`])
 //! over this role's claim ([`Worker::claim_due`]) and batch (attempts run
 //! concurrently under limits, outcomes written in groups by compare-and-set).
+//!
+//! A batch does not wait for its slow attempts: once none of them has
+//! finished for [`CARRY_QUIET`] they are carried as they are (they go on, each
+//! in a task of its own, and later batches collect their outcomes), and after
+//! [`CARRY_AFTER`] at the latest, when the ones still waiting for a turn are
+//! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a
+//! tenant whose endpoints hang costs other tenants' deliveries neither slots
+//! (the per-tenant share, [`crate::fairness`]) nor time (the next claim does
+//! not wait for the hung requests). The tick collects every carried attempt
+//! before it ends.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,14 +24,16 @@ use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Payload, Shape, Stop, Wake, catch, panic_message};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::warn;
 
 use crate::Error;
-use crate::attempt::StartBy;
+use crate::attempt::{Attempted, StartBy};
+use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
 use crate::delivery::{Claimed, Outcome};
+use crate::fairness::Limits;
 use crate::outcomes::{Finished, OUTCOME_GROUP, OutcomeBuffer, Step, sleep_until_some};
 use crate::ssrf;
 use crate::store::{self, Observed, OutcomeRow};
@@ -36,6 +49,9 @@ pub struct TickReport {
     pub refused: usize,
     pub stale: usize,
     pub released: usize,
+    /// Handed back unsent to come due later: their endpoint's circuit breaker
+    /// was open, or no turn came while their batch ran.
+    pub held: usize,
     pub unrecorded: usize,
     /// Deliveries whose processing panicked (recorded as failed attempts).
     pub panicked: usize,
@@ -55,6 +71,7 @@ pub(crate) struct Tally {
     refused: usize,
     stale: usize,
     released: usize,
+    held: usize,
     unrecorded: usize,
     panicked: usize,
 }
@@ -68,6 +85,7 @@ impl Tally {
             Outcome::Refused => &mut self.refused,
             Outcome::Stale => &mut self.stale,
             Outcome::Released => &mut self.released,
+            Outcome::Held => &mut self.held,
             Outcome::Unrecorded => &mut self.unrecorded,
         };
         *slot += 1;
@@ -89,8 +107,8 @@ pub(crate) struct Inner {
     pub config: WorkerConfig,
     pub client: reqwest::Client,
     pub telemetry: Telemetry,
-    pub in_flight: Arc<Semaphore>,
-    pub per_endpoint: Mutex<HashMap<i64, Arc<Semaphore>>>,
+    pub limits: Limits,
+    pub breakers: Breakers,
 }
 
 impl fmt::Debug for Worker {
@@ -119,11 +137,15 @@ impl Worker {
         Ok(Worker {
             inner: Arc::new(Inner {
                 db,
-                in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+                limits: Limits::new(&config),
+                breakers: Breakers::new(
+                    config.breaker_timeouts,
+                    config.breaker_cooloff,
+                    config.request_timeout,
+                ),
                 config,
                 client,
                 telemetry,
-                per_endpoint: Mutex::new(HashMap::new()),
             }),
             wake: None,
             idle_probe: None,
@@ -162,17 +184,34 @@ impl Worker {
     /// still in flight then stop, and their deliveries come due again when
     /// their claim lease ends (at-least-once: the receiver may have seen them).
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let driven = scheduler::drive(&Deliveries(self), tick).await;
-        let t = driven.counts;
+        let deliveries = Deliveries {
+            worker: self,
+            carried: Mutex::new(Running::new()),
+            waits: AtomicUsize::new(0),
+        };
+        let driven = scheduler::drive(&deliveries, tick).await;
+        let mut t = driven.counts;
+        // Collect the attempts carried past their batches; a panic among them
+        // is raised after the count, as the driver raises its own.
+        let carried = deliveries.take_carried();
+        let mut panics = Panics::new(Role::WebhookDelivery.as_str());
+        if !carried.is_empty() {
+            self.collect(carried, &mut Running::new(), None, &mut panics, &mut t)
+                .await;
+        }
+        self.end_of_tick();
+        panics.finish();
         TickReport {
-            batches: driven.batches,
-            claimed: driven.claimed,
+            // Less the empty claims that only waited for carried attempts.
+            batches: driven.batches - deliveries.waits.load(Relaxed),
+            claimed: driven.claimed - deliveries.waits.load(Relaxed),
             delivered: t.delivered,
             retried: t.retried,
             dead: t.dead,
             refused: t.refused,
             stale: t.stale,
             released: t.released,
+            held: t.held,
             unrecorded: t.unrecorded,
             panicked: t.panicked,
             elapsed: driven.elapsed,
@@ -213,29 +252,45 @@ impl Worker {
         let start_by = StartBy {
             deadline: claimed.claimed_at + self.inner.config.claim_margin,
             cancel: CancellationToken::new(),
+            busy: CancellationToken::new(),
         };
         match self.attempt(claimed, &start_by).await {
-            Step::Done(outcome) => {
+            Attempted::Step(Step::Done(outcome)) => {
                 self.count(&outcome);
                 outcome
             }
-            Step::Write(finished) => self
+            Attempted::Step(Step::Write(finished)) => self
                 .write_outcomes(vec![finished])
                 .await
                 .pop()
                 .map_or(Outcome::Unrecorded, |(_, outcome)| outcome),
+            Attempted::Hold { id, attempt, wait } => {
+                if self.hold(&[(id, attempt, wait)]).await == 1 {
+                    Outcome::Held
+                } else {
+                    Outcome::Released
+                }
+            }
         }
     }
 
     /// Attempt a claimed batch concurrently and write the outcomes in groups.
     ///
-    /// Finished attempts are buffered and written with one statement per group
-    /// ([`store::record_outcomes`], each row still its own compare-and-set), in
-    /// a task of its own while the other attempts go on. A group is written
-    /// when it holds [`OUTCOME_GROUP`] outcomes, when its first outcome has
-    /// waited [`OUTCOME_LINGER`](crate::outcomes::OUTCOME_LINGER), or when no attempt of the batch is left,
-    /// whichever comes first; this returns once every group is written. If
-    /// this future is dropped (the tick is cancelled and then abandoned), the
+    /// Deliveries of an endpoint whose circuit breaker is open are held at
+    /// once, in one statement. The rest run as tasks of their own; this
+    /// returns when they are all done, or when they are carried (see
+    /// [`Worker::collect`]; later batches and the tick's end collect them).
+    /// Attempts carried from earlier batches are collected here too.
+    ///
+    /// Finished attempts are buffered and written in groups, one statement
+    /// per group ([`store::record_outcomes`], each row still its own
+    /// compare-and-set), in a task of its own while the other attempts go on.
+    /// A group is written when it holds [`OUTCOME_GROUP`] outcomes, when its
+    /// first outcome has waited
+    /// [`OUTCOME_LINGER`](crate::outcomes::OUTCOME_LINGER), or when no
+    /// attempt of the batch is left, whichever comes first; this returns once
+    /// every group is written. If this future is dropped (the tick is
+    /// cancelled and then abandoned), the attempts' tasks are aborted, the
     /// groups already handed to their tasks are still written, and so is
     /// whatever is left in the buffer ([`OutcomeBuffer`]'s `Drop` hands it to
     /// a task of its own). A buffered outcome that cannot be written (the
@@ -248,11 +303,46 @@ impl Worker {
         claimed: Vec<Claimed>,
         tick_deadline: Instant,
         cancel: &CancellationToken,
+        carried: &mut Running,
         panics: &mut Panics,
         report: &mut Tally,
     ) {
         let config = &self.inner.config;
-        let items = claimed
+        let carry_after = CARRY_AFTER.min(config.request_timeout / 2);
+        if claimed.is_empty() {
+            // Nothing claimed, attempts carried: collect those that are done
+            // and go back to claiming (after BUSY_POLL, or a wake-up).
+            let running = std::mem::take(carried);
+            let carry = (tokio::time::Instant::now(), CancellationToken::new());
+            self.collect(running, carried, Some(carry), panics, report)
+                .await;
+            return;
+        }
+        let now = Instant::now();
+        let (open, claimed): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|d| {
+            d.row.enabled
+                && self
+                    .inner
+                    .breakers
+                    .open_for(d.row.endpoint_id, now)
+                    .is_some()
+        });
+        if !open.is_empty() {
+            let held: Vec<_> = open
+                .iter()
+                .map(|d| {
+                    let wait = self
+                        .inner
+                        .breakers
+                        .open_for(d.row.endpoint_id, now)
+                        .unwrap_or_default();
+                    (d.row.id, d.row.attempt, wait)
+                })
+                .collect();
+            report.held += self.hold(&held).await;
+        }
+        let busy = CancellationToken::new();
+        let running: Running = claimed
             .into_iter()
             .map(|d| {
                 // Start only what can finish before both the tick and the claim end.
@@ -262,24 +352,50 @@ impl Worker {
                         .checked_sub(config.request_timeout)
                         .unwrap_or(d.claimed_at),
                     cancel: cancel.clone(),
+                    busy: busy.clone(),
                 };
                 let key = (d.row.id, d.row.attempt);
-                (
-                    key,
-                    format!("{}/delivery {}", Role::WebhookDelivery, d.row.id),
-                    (d, start_by),
-                )
+                let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
+                let worker = self.clone();
+                spawn_guarded(key, step, async move { worker.attempt(d, &start_by).await })
             })
             .collect();
-        let mut running = guarded(items, |(d, start_by)| async move {
-            self.attempt(d, &start_by).await
-        });
+        let carry_at = tokio::time::Instant::now() + carry_after;
+        self.collect(running, carried, Some((carry_at, busy)), panics, report)
+            .await;
+    }
+
+    /// Collect the attempts of `running` (and of `carried`, as they finish):
+    /// count them, write their outcomes and holds in groups. Returns when
+    /// `running` is empty and every group is written, or when `running` is
+    /// carried. With `carry`:
+    ///
+    /// - once no attempt of `running` has finished for [`CARRY_QUIET`] (what
+    ///   is left hangs, or waits on shares that other attempts hold), its
+    ///   attempts are moved to `carried` as they are, unless `carried` would
+    ///   then hold more than two batches: the waiting ones go on waiting there
+    ///   (each gives up once its share stalls, `fairness::STALL`);
+    /// - at its instant, its token fires (so the attempts still waiting for a
+    ///   turn are held at once) and the rest are moved to `carried`.
+    async fn collect(
+        &self,
+        mut running: Running,
+        carried: &mut Running,
+        mut carry: Option<(tokio::time::Instant, CancellationToken)>,
+        panics: &mut Panics,
+        report: &mut Tally,
+    ) {
         let mut buffer = OutcomeBuffer {
             worker: self.clone(),
             rows: Vec::new(),
             flush_at: None,
         };
+        let mut holds: Vec<(i64, i32, Duration)> = Vec::new();
         let mut writes = FuturesUnordered::new();
+        // Hold groups written by tasks of their own, like outcome groups.
+        let mut held = FuturesUnordered::new();
+        // The last time an attempt of `running` finished.
+        let mut progress = tokio::time::Instant::now();
         loop {
             let lingered = buffer
                 .flush_at
@@ -289,37 +405,36 @@ impl Worker {
             {
                 writes.push(buffer.flush());
             }
-            if running.is_empty() && writes.is_empty() {
+            if !holds.is_empty() && (running.is_empty() || holds.len() >= OUTCOME_GROUP) {
+                let group = std::mem::take(&mut holds);
+                let worker = self.clone();
+                held.push(AbortOnDropHandle::new(tokio::spawn(async move {
+                    worker.hold(&group).await
+                })));
+            }
+            if running.is_empty() && writes.is_empty() && held.is_empty() {
                 break;
             }
             let flush_at = buffer.flush_at;
+            // Carried at the batch's deadline, or as it is once nothing of it
+            // has finished for CARRY_QUIET (if not too much is carried already).
+            let early = running.len() + carried.len() <= 2 * self.inner.config.batch_size;
+            let carry_at = carry.as_ref().map(|(at, _)| {
+                if early {
+                    (*at).min(progress + CARRY_QUIET)
+                } else {
+                    *at
+                }
+            });
             tokio::select! {
+                // In this order: what finished first, the carry timer last.
+                biased;
                 Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
-                    match result {
-                        Ok(Step::Done(outcome)) => {
-                            self.count(&outcome);
-                            report.add(&outcome);
-                        }
-                        Ok(Step::Write(finished)) => buffer.push(finished),
-                        Err(payload) => {
-                            // Count the panic as a failed attempt, so a delivery that
-                            // panics every time dies after its last attempt.
-                            report.panicked += 1;
-                            let observed = Observed {
-                                error: Some(format!(
-                                    "processing panicked: {}",
-                                    panic_message(&*payload)
-                                )),
-                                ..Observed::default()
-                            };
-                            panics.record(payload);
-                            let next = self.after_failure(attempt);
-                            buffer.push(Finished {
-                                row: OutcomeRow { id, attempt, next, observed },
-                                refused: false,
-                            });
-                        }
-                    }
+                    progress = tokio::time::Instant::now();
+                    self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
+                }
+                Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() => {
+                    self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
                 }
                 Some((n, written)) = writes.next(), if !writes.is_empty() => match written {
                     Ok(outcomes) => {
@@ -335,9 +450,72 @@ impl Worker {
                         report.unrecorded += n;
                     }
                 },
+                Some(n) = held.next(), if !held.is_empty() => {
+                    // A task that did not finish left its claims to their leases.
+                    report.held += n.unwrap_or(0);
+                }
                 () = sleep_until_some(flush_at) => {}
+                () = sleep_until_some(carry_at) => {
+                    if let Some((at, busy)) = carry.take() {
+                        if tokio::time::Instant::now() >= at {
+                            busy.cancel();
+                        }
+                        carried.extend(std::mem::take(&mut running));
+                    }
+                }
             }
         }
+    }
+
+    /// Take in one finished attempt: count it, or buffer its outcome or hold.
+    #[allow(clippy::too_many_arguments)]
+    fn finished(
+        &self,
+        id: i64,
+        attempt: i32,
+        result: Result<Attempted, Payload>,
+        buffer: &mut OutcomeBuffer,
+        holds: &mut Vec<(i64, i32, Duration)>,
+        panics: &mut Panics,
+        report: &mut Tally,
+    ) {
+        match result {
+            Ok(Attempted::Step(Step::Done(outcome))) => {
+                self.count(&outcome);
+                report.add(&outcome);
+            }
+            Ok(Attempted::Step(Step::Write(finished))) => buffer.push(finished),
+            Ok(Attempted::Hold { id, attempt, wait }) => holds.push((id, attempt, wait)),
+            Err(payload) => {
+                // Count the panic as a failed attempt, so a delivery that
+                // panics every time dies after its last attempt.
+                report.panicked += 1;
+                let observed = Observed {
+                    error: Some(format!("processing panicked: {}", panic_message(&*payload))),
+                    ..Observed::default()
+                };
+                panics.record(payload);
+                let next = self.after_failure(attempt);
+                buffer.push(Finished {
+                    row: OutcomeRow {
+                        id,
+                        attempt,
+                        next,
+                        observed,
+                    },
+                    refused: false,
+                });
+            }
+        }
+    }
+
+    /// At a tick's end: forget the limits nothing holds, set the breaker gauge.
+    fn end_of_tick(&self) {
+        self.inner.limits.prune();
+        self.inner
+            .telemetry
+            .gauge("hardcount_webhook_breakers_open", &[])
+            .set(self.inner.breakers.open_count() as f64);
     }
 
     /// Read the backlog gauges on the database clock.
@@ -359,12 +537,54 @@ impl Worker {
     }
 }
 
+/// A batch does not wait longer than this (or half the request timeout, if
+/// shorter) for its slow attempts: the rest are carried, and the driver claims
+/// again. Long against a receiver that answers (milliseconds), short against
+/// the request timeout (15 s by default).
+pub(crate) const CARRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A batch none of whose attempts finished for this long is carried as it
+/// is, and the driver claims again: a receiver that answers finishes an
+/// attempt every few milliseconds.
+pub(crate) const CARRY_QUIET: Duration = Duration::from_millis(50);
+
+/// Attempts running as tasks of their own, each yielding its delivery's key
+/// and what the attempt left, or its panic. Dropping it aborts them.
+pub(crate) type Running = FuturesUnordered<Guarded<(i64, i32), Attempted>>;
+
+/// A guarded task's key and its output or its panic.
+pub(crate) type Guarded<K, O> = Pin<Box<dyn Future<Output = (K, Result<O, Payload>)> + Send>>;
+
 /// The role as the driver sees it: a claim is [`Worker::claim_due`], a batch
-/// is [`Worker::attempt_batch`]; the gauges are read after the last batch.
-struct Deliveries<'a>(&'a Worker);
+/// is [`Worker::attempt_batch`]; attempts carried past their batches wait in
+/// `carried` for the next batch or the tick's end.
+///
+/// While attempts are carried, a claim that finds nothing still counts as one
+/// item (`Batch::waits`), so the driver runs a batch that only collects them
+/// and then claims again (after `BUSY_POLL`, or a wake-up) instead of ending
+/// the tick: deliveries that come due while a tarpit's requests hang are
+/// claimed then, not after them.
+struct Deliveries<'a> {
+    worker: &'a Worker,
+    carried: Mutex<Running>,
+    /// Empty claims counted as one item, taken off the tick's report.
+    waits: AtomicUsize,
+}
+
+/// A claim: the deliveries claimed, or none while attempts are carried.
+struct Batch {
+    claimed: Vec<Claimed>,
+    waits: bool,
+}
+
+impl Deliveries<'_> {
+    fn take_carried(&self) -> Running {
+        std::mem::take(&mut *self.carried.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
 
 impl FencedBatches for Deliveries<'_> {
-    type Claim = Vec<Claimed>;
+    type Claim = Batch;
     type Counts = Tally;
     type Error = Error;
 
@@ -373,7 +593,7 @@ impl FencedBatches for Deliveries<'_> {
     }
 
     fn shape(&self) -> Shape {
-        let config = &self.0.inner.config;
+        let config = &self.worker.inner.config;
         Shape {
             batch_size: config.batch_size,
             budget: config.tick_budget,
@@ -382,16 +602,26 @@ impl FencedBatches for Deliveries<'_> {
         }
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Claimed>, Error> {
-        self.0.claim_due(fence, limit).await
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
+        let claimed = self.worker.claim_due(fence, limit).await?;
+        let waits = claimed.is_empty()
+            && !self
+                .carried
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+        if waits {
+            self.waits.fetch_add(1, Relaxed);
+        }
+        Ok(Batch { claimed, waits })
     }
 
-    fn claimed(claim: &Vec<Claimed>) -> usize {
-        claim.len()
+    fn claimed(claim: &Batch) -> usize {
+        claim.claimed.len().max(usize::from(claim.waits))
     }
 
     fn wake(&self) -> Option<&Wake> {
-        self.0.wake.as_ref()
+        self.worker.wake.as_ref()
     }
 
     fn idle_probe(&self) -> Option<Duration> {
@@ -410,44 +640,55 @@ impl FencedBatches for Deliveries<'_> {
 
     async fn run(
         &self,
-        claimed: Vec<Claimed>,
+        batch: Batch,
         tick: &Tick,
         deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
-        self.0
-            .attempt_batch(claimed, deadline, &tick.cancel, panics, tally)
+        let mut carried = self.take_carried();
+        self.worker
+            .attempt_batch(
+                batch.claimed,
+                deadline,
+                &tick.cancel,
+                &mut carried,
+                panics,
+                tally,
+            )
             .await;
+        *self.carried.lock().unwrap_or_else(|p| p.into_inner()) = carried;
         Ok(())
     }
 
     async fn end_tick(&self, tick: &Tick) {
         if !tick.cancel.is_cancelled() {
-            self.0.refresh_gauges().await;
+            self.worker.refresh_gauges().await;
         }
-        self.0.prune_endpoint_limits();
     }
 }
 
-/// Run `each` on every item concurrently, each as its own guarded step
-/// ([`scheduler::catch`]), so one that panics ends only itself. Yields every
-/// item's key with its output or its panic, in completion order.
-fn guarded<K, T, O, F, Fut>(
-    items: Vec<(K, String, T)>,
-    each: F,
-) -> FuturesUnordered<impl Future<Output = (K, Result<O, Payload>)>>
+/// Run `attempt` as a task of its own, as a guarded step
+/// ([`scheduler::catch`]), so one that panics ends only itself; yields `key`
+/// with its output or its panic. The task is aborted if this is dropped.
+fn spawn_guarded<K, O>(
+    key: K,
+    step: String,
+    attempt: impl Future<Output = O> + Send + 'static,
+) -> Guarded<K, O>
 where
-    F: Fn(T) -> Fut,
-    Fut: Future<Output = O>,
+    K: Send + 'static,
+    O: Send + 'static,
 {
-    items
-        .into_iter()
-        .map(|(key, step, item)| {
-            let guarded = catch(step, each(item));
-            async move { (key, guarded.await) }
-        })
-        .collect()
+    let task = AbortOnDropHandle::new(tokio::spawn(catch(step, attempt)));
+    Box::pin(async move {
+        let result = match task.await {
+            Ok(result) => result,
+            // Only a runtime shutting down aborts it (a panic is caught inside).
+            Err(join) => Err(Box::new(format!("attempt task ended: {join}")) as Payload),
+        };
+        (key, result)
+    })
 }
 
 #[cfg(test)]
@@ -458,17 +699,17 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_delivery_ends_only_itself_and_the_tick_raises_it_at_the_end() {
         scheduler::install_panic_hook();
-        let items = (1..=5)
-            .map(|i| (i, format!("test/delivery {i}"), i))
+        let running: FuturesUnordered<_> = (1..=5)
+            .map(|i| {
+                spawn_guarded(i, format!("test/delivery {i}"), async move {
+                    // Interleave: the panicking item is neither the first to start nor to finish.
+                    tokio::time::sleep(Duration::from_millis(10 * (5 - i))).await;
+                    assert_ne!(i, 3, "delivery 3 is poison");
+                    i * 10
+                })
+            })
             .collect();
-        let results: Vec<_> = guarded(items, |i| async move {
-            // Interleave: the panicking item is neither the first to start nor to finish.
-            tokio::time::sleep(Duration::from_millis(10 * (5 - i))).await;
-            assert_ne!(i, 3, "delivery 3 is poison");
-            i * 10
-        })
-        .collect()
-        .await;
+        let results: Vec<_> = running.collect().await;
         let mut done: Vec<_> = results
             .iter()
             .filter_map(|(k, r)| r.as_ref().ok().map(|v| (*k, *v)))

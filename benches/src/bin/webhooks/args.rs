@@ -117,6 +117,8 @@ pub struct Args {
     /// Where to write webhooks.md and webhooks.json (default: the workspace's docs/benchmarks).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub fairness: crate::fairness::Flags,
 }
 
 impl Args {
@@ -149,6 +151,10 @@ impl Args {
             batch_size: self.batch_size,
             max_in_flight: self.max_in_flight,
             max_in_flight_per_endpoint: self.per_endpoint,
+            // One tenant: its share and its one receiver's are the whole
+            // worker's, as before they existed (the fairness phase sets them).
+            max_in_flight_per_tenant: self.max_in_flight,
+            max_in_flight_per_destination: self.max_in_flight,
             allowlist: Allowlist::parse("127.0.0.0/8").expect("a valid CIDR"),
             secrets: Some(crate::workload::bench_keyring()),
             ..WorkerConfig::default()
@@ -182,6 +188,8 @@ impl Shape {
                 batch_size: d.batch_size,
                 max_in_flight: d.max_in_flight,
                 max_in_flight_per_endpoint: d.max_in_flight_per_endpoint,
+                max_in_flight_per_tenant: d.max_in_flight_per_tenant,
+                max_in_flight_per_destination: d.max_in_flight_per_destination,
                 ..self.worker.clone()
             },
             ..self.clone()

@@ -15,12 +15,13 @@
 //!
 //! One concern per module: `args` (flags, the roles' shape), `loops` (the two
 //! role loops: the only calls into the roles' tick code), `workload` (endpoints
-//! and events in, arrivals and signatures out), `throughput` and `latency` (the
-//! phases and their figures), `bouncer` (PgBouncer's counters), `report` (the
+//! and events in, arrivals and signatures out), `throughput`, `fairness` and
+//! `latency` (the phases and their figures), `bouncer` (PgBouncer's counters), `report` (the
 //! table, the generated markdown, the JSON).
 
 mod args;
 mod bouncer;
+mod fairness;
 mod latency;
 mod loops;
 mod pgwork;
@@ -86,8 +87,11 @@ async fn main() -> Result<()> {
             let comparisons = [
                 (
                     format!(
-                        "WorkerConfig::default() batch {} / in flight {} / per endpoint {}",
-                        d.batch_size, d.max_in_flight, d.max_in_flight_per_endpoint
+                        "WorkerConfig::default() batch {} / in flight {} / per endpoint {} / per tenant {}",
+                        d.batch_size,
+                        d.max_in_flight,
+                        d.max_in_flight_per_endpoint,
+                        d.max_in_flight_per_tenant
                     ),
                     shape.with_default_concurrency(),
                     leg,
@@ -112,6 +116,15 @@ async fn main() -> Result<()> {
                 throughput::comparison_figures(&what, &r, &mut report);
             }
         }
+    }
+
+    if !args.fairness.skip_fairness {
+        progress(&format!(
+            "fairness: {} pairs of runs, {} events x 2 endpoints, alone and beside 8 tarpit endpoints",
+            args.fairness.fairness_runs, args.fairness.fairness_events
+        ));
+        let (alone, beside) = fairness::phase(&args.fairness, &shape, leg, &receiver).await?;
+        fairness::figures(&alone, &beside, &mut report);
     }
 
     if !args.skip_latency {

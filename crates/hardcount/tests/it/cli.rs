@@ -180,10 +180,12 @@ async fn leader_cli_pauses_shows_and_unpauses_a_role() {
     assert_eq!(email["state"], "paused");
     assert_eq!(email["paused_by"], "oncall");
     assert_eq!(email["pause_reason"], "rotating SMTP key");
+    // The login that paused, recorded by the database (migration 0012).
+    assert_eq!(email["paused_by_role"], "hardcount_operator");
     let table = run(&["leader", "status"]);
     let table = String::from_utf8_lossy(&table.stdout).into_owned();
     assert!(
-        table.contains("paused by oncall: rotating SMTP key"),
+        table.contains("paused by oncall: rotating SMTP key (login hardcount_operator)"),
         "{table}"
     );
 

@@ -5,6 +5,7 @@
 //! that it was seen failing under.
 
 mod endpoints;
+mod fairness;
 mod fencing;
 mod outcomes;
 mod probe;

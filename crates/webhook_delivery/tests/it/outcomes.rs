@@ -177,27 +177,36 @@ async fn a_hanging_receiver_times_out_is_retried_and_the_tick_keeps_its_budget()
         tick_budget: budget,
         batch_size: 2,
         retry_schedule: "1s,1s".parse().unwrap(),
+        // Six timeouts in a row would open the circuit breaker (fairness.rs
+        // pins it); here the retry path is under test.
+        breaker_timeouts: 100,
         ..config()
     };
     let (w, metrics) = worker(&t.db, config);
 
     let report = tick(&t.db, &w).await;
     println!("hanging receiver: {report:?}");
-    assert!(matches!(report.end, TickEnd::MoreWork), "{report:?}");
+    // Batches do not wait for their hung attempts (they are carried), so the
+    // six may all be claimed before the budget ends the tick; those that find
+    // the endpoint's 4 slots hung are held, not attempted (docs/adr/0018).
+    assert!(
+        matches!(report.end, TickEnd::MoreWork) || report.claimed == 6,
+        "{report:?}"
+    );
     // Only database writes may run past the budget, never an attempt.
     assert!(
         report.elapsed <= budget + Duration::from_millis(300),
         "{report:?}"
     );
-    // Batches of 2 at 300 ms each: three fit in the budget on an idle machine.
     assert!(report.claimed >= 4, "{report:?}");
-    assert_eq!(report.retried, report.claimed, "{report:?}");
+    assert!(report.retried >= 2, "{report:?}");
+    assert_eq!(report.retried + report.held, report.claimed, "{report:?}");
     let tried: Vec<_> = deliveries(&t.db)
         .await
         .into_iter()
         .filter(|d| d.attempts == 1)
         .collect();
-    assert_eq!(tried.len(), report.claimed);
+    assert_eq!(tried.len(), report.retried);
     for d in tried {
         assert_eq!(d.status, "pending", "{d:?}");
         let error = d.last_error.unwrap();
