@@ -625,11 +625,11 @@ impl FencedBatches for Deliveries<'_> {
     }
 
     fn idle_probe(&self) -> Option<Duration> {
-        self.0.idle_probe
+        self.worker.idle_probe
     }
 
     async fn probe(&self) -> Result<bool, Error> {
-        Ok(store::any_due(&self.0.inner.db).await?)
+        Ok(store::any_due(&self.worker.inner.db).await?)
     }
 
     /// Deliveries are fanned out at any time: a tick that delivered some is
