@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use clap::{Parser, ValueEnum};
+use leader::Role;
 use testbed::Leg;
 use webhook_delivery::WorkerConfig;
 use webhook_delivery::ssrf::Allowlist;
@@ -62,19 +63,20 @@ pub struct Args {
     /// Events per producer transaction when pre-loading.
     #[arg(long, default_value_t = 100)]
     pub events_per_tx: usize,
-    /// Interval of both roles, in milliseconds (the pause after a tick ends).
+    /// The tuned shape (its throughput row, the latency and fairness phases):
+    /// interval of both roles, in milliseconds (the pause after a tick ends).
     #[arg(long, default_value_t = 50)]
     pub interval_ms: u64,
-    /// Events claimed per outbox batch (DispatcherConfig::batch_size).
+    /// The tuned shape: events claimed per outbox batch (DispatcherConfig::batch_size).
     #[arg(long, default_value_t = 500)]
     pub outbox_batch: usize,
-    /// Deliveries claimed per batch (WorkerConfig::batch_size).
+    /// The tuned shape: deliveries claimed per batch (WorkerConfig::batch_size).
     #[arg(long, default_value_t = 500)]
     pub batch_size: usize,
-    /// Requests in flight across endpoints (WorkerConfig::max_in_flight).
+    /// The tuned shape: requests in flight across endpoints (WorkerConfig::max_in_flight).
     #[arg(long, default_value_t = 16)]
     pub max_in_flight: usize,
-    /// Requests in flight per endpoint (WorkerConfig::max_in_flight_per_endpoint).
+    /// The tuned shape: requests in flight per endpoint (WorkerConfig::max_in_flight_per_endpoint).
     #[arg(long, default_value_t = 4)]
     pub per_endpoint: usize,
     /// Connections in the roles' app pool (the leader manager shares it).
@@ -101,8 +103,8 @@ pub struct Args {
     /// role interval.
     #[arg(long)]
     pub skip_listen: bool,
-    /// Skip the extra throughput runs: one with `WorkerConfig::default()`'s batch
-    /// size and concurrency, one straight to Postgres (the other path).
+    /// Skip the extra throughput runs: one with the tuned shape, one with the
+    /// shipped defaults over the other path.
     #[arg(long)]
     pub skip_comparison_runs: bool,
     /// How the app reaches Postgres.
@@ -134,6 +136,24 @@ impl Args {
         );
         self.worker_config().validate()?;
         Ok(())
+    }
+
+    /// The shipped shape, the main throughput runs': what `hardcount serve`
+    /// runs with no tuning (`WorkerConfig::default()`, `DispatcherConfig::default()`,
+    /// the roles' default interval), with the benchmark's allowlist and keys.
+    pub fn shipped_shape(&self) -> Shape {
+        let interval = scheduler::default_interval(Role::WebhookDelivery);
+        debug_assert_eq!(interval, scheduler::default_interval(Role::WebhookOutbox));
+        Shape {
+            interval,
+            worker: WorkerConfig {
+                allowlist: Allowlist::parse("127.0.0.0/8").expect("a valid CIDR"),
+                secrets: Some(crate::workload::bench_keyring()),
+                ..WorkerConfig::default()
+            },
+            dispatcher: DispatcherConfig::default(),
+            listen: false,
+        }
     }
 
     /// The tuned shape: the benchmark's interval, batch sizes and concurrency.
@@ -180,20 +200,20 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// This shape with `WorkerConfig::default()`'s batch size and concurrency.
-    pub fn with_default_concurrency(&self) -> Shape {
-        let d = WorkerConfig::default();
-        Shape {
-            worker: WorkerConfig {
-                batch_size: d.batch_size,
-                max_in_flight: d.max_in_flight,
-                max_in_flight_per_endpoint: d.max_in_flight_per_endpoint,
-                max_in_flight_per_tenant: d.max_in_flight_per_tenant,
-                max_in_flight_per_destination: d.max_in_flight_per_destination,
-                ..self.worker.clone()
-            },
-            ..self.clone()
-        }
+    /// How the throughput rows name this shape: its interval, batch sizes and
+    /// concurrency.
+    pub fn describe(&self) -> String {
+        let w = &self.worker;
+        format!(
+            "interval {} ms, outbox batch {}, batch {} / in flight {} / per endpoint {} / per tenant {} / per destination {}",
+            self.interval.as_millis(),
+            self.dispatcher.batch_size,
+            w.batch_size,
+            w.max_in_flight,
+            w.max_in_flight_per_endpoint,
+            w.max_in_flight_per_tenant,
+            w.max_in_flight_per_destination
+        )
     }
 
     /// This shape with wake-ups on.

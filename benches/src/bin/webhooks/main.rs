@@ -36,7 +36,6 @@ use clap::Parser as _;
 use serde_json::json;
 use testbed::TestDb;
 use testbed::receiver::Receiver;
-use webhook_delivery::WorkerConfig;
 
 use crate::args::{Args, other, path_name};
 use crate::report::Report;
@@ -63,14 +62,15 @@ async fn main() -> Result<()> {
     };
 
     let shape = args.shape();
+    let shipped = args.shipped_shape();
     if !args.skip_throughput {
         let mut runs = Vec::new();
         for run in 1..=args.runs {
             progress(&format!(
-                "phase 1/5: throughput run {run}/{}: {} events x {} endpoints",
+                "phase 1/5: throughput run {run}/{} at the shipped defaults: {} events x {} endpoints",
                 args.runs, args.events, args.endpoints
             ));
-            let r = throughput::run(&args, &shape, leg, &receiver, &format!("run{run}")).await?;
+            let r = throughput::run(&args, &shipped, leg, &receiver, &format!("run{run}")).await?;
             progress(&format!(
                 "phase 1/5: run {run}: {} deliveries in {:.2} s = {:.0} deliveries/s (fan-out done at {:.2} s)",
                 r.deliveries,
@@ -80,32 +80,25 @@ async fn main() -> Result<()> {
             ));
             runs.push(r);
         }
-        throughput::figures(&args, &runs, &mut report);
+        throughput::figures(&args, &shipped, &runs, &mut report);
 
         if !args.skip_comparison_runs {
-            let d = WorkerConfig::default();
             let comparisons = [
                 (
-                    format!(
-                        "WorkerConfig::default() batch {} / in flight {} / per endpoint {} / per tenant {}",
-                        d.batch_size,
-                        d.max_in_flight,
-                        d.max_in_flight_per_endpoint,
-                        d.max_in_flight_per_tenant
-                    ),
-                    shape.with_default_concurrency(),
+                    format!("tuned: {}", shape.describe()),
+                    shape.clone(),
                     leg,
-                    "defaults",
+                    "tuned",
                 ),
                 (
-                    format!("{}, same settings", path_name(other(leg))),
-                    shape.clone(),
+                    format!("shipped defaults, {}", path_name(other(leg))),
+                    shipped.clone(),
                     other(leg),
                     "other-path",
                 ),
             ];
             for (what, s, l, label) in comparisons {
-                progress(&format!("phase 2/5: one throughput run with {what}"));
+                progress(&format!("phase 2/5: one throughput run, {what}"));
                 let r = throughput::run(&args, &s, l, &receiver, label).await?;
                 progress(&format!(
                     "phase 2/5: {} deliveries in {:.2} s = {:.0} deliveries/s",

@@ -192,6 +192,11 @@ pub fn settings(args: &Args, leg: Leg) -> Map<String, Value> {
     );
     set("app_pool_max_connections", json!(args.pool));
     set("producer_pool_max_connections", json!(args.producer_pool));
+    set(
+        "throughput_shipped_shape",
+        json!(args.shipped_shape().describe()),
+    );
+    // The tuned shape: its throughput row, the latency and fairness phases.
     set("role_interval_ms", json!(args.interval_ms));
     set("outbox_batch_size", json!(args.outbox_batch));
     set("delivery_batch_size", json!(w.batch_size));

@@ -174,17 +174,17 @@ pub async fn run(
 }
 
 /// The median run's figures and details, and every run's rate.
-pub fn figures(args: &Args, runs: &[Run], report: &mut Report) {
+pub fn figures(args: &Args, shape: &Shape, runs: &[Run], report: &mut Report) {
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by(|&a, &b| runs[a].rate().total_cmp(&runs[b].rate()));
     let m = &runs[order[order.len() / 2]];
     let name = if runs.len() > 1 {
         format!(
-            "throughput: signed deliveries/s, median of {} runs",
+            "throughput at the shipped defaults: signed deliveries/s, median of {} runs",
             runs.len()
         )
     } else {
-        "throughput: signed deliveries/s".to_owned()
+        "throughput at the shipped defaults: signed deliveries/s".to_owned()
     };
     let figures = &mut report.figures;
     figures.push(Figure::new(name, m.rate(), "deliveries/s").target(Target::AtLeast(TARGET)));
@@ -249,6 +249,7 @@ pub fn figures(args: &Args, runs: &[Run], report: &mut Report) {
     let per = |secs: f64| secs / m.deliveries as f64 * 1e3;
     let c = &m.cpu;
     let t = &m.ticks;
+    report.detail("throughput: the shipped defaults", shape.describe());
     report.detail(
         "throughput (median run): deliveries",
         format!(
