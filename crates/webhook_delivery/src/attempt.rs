@@ -3,6 +3,7 @@
 //! ([`crate::breaker`]), sign and POST it, and turn the answer into the
 //! outcome to write ([`verdict`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -16,7 +17,7 @@ use crate::outcomes::{Finished, Step};
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
-use crate::store::{self, NextState, Observed, OutcomeRow};
+use crate::store::{self, ClaimedRow, NextState, Observed, OutcomeRow};
 use leader::Role;
 
 use crate::failure::Failure;
@@ -26,6 +27,19 @@ use crate::verdict::{self, Heard, Verdict, status_error};
 /// A claim whose turn did not come before its batch moved on is held this
 /// long, then claimed again (its endpoint, tenant or destination is busy).
 pub(crate) const BUSY_HOLD: Duration = Duration::from_secs(1);
+
+/// An endpoint's parsed URL and opened signing secrets, or why it is unusable
+/// (its failure category and the operator-log detail). A batch prepares one
+/// per endpoint and shares it among its attempts to that endpoint
+/// (docs/adr/0020): the secrets are wiped when the last of them ends.
+pub(crate) type Prepared = Result<Target, (Failure, String)>;
+
+pub(crate) struct Target {
+    url: Url,
+    secret: Secret,
+    /// The previous secret while a rotation's overlap lasts.
+    previous: Option<Secret>,
+}
 
 /// When an attempt must have started, and what stops it from starting.
 pub(crate) struct StartBy {
@@ -68,7 +82,15 @@ impl Worker {
     /// left to write ([`Step::Write`]) unless it was handed back, held, or was
     /// a 410 (written at once, with the endpoint disabled in the same
     /// transaction).
-    pub(crate) async fn attempt(&self, d: Claimed, start_by: &StartBy) -> Attempted {
+    ///
+    /// `target` is the endpoint's [`Prepared`] URL and secrets when the batch
+    /// prepared them; without it the attempt prepares its own.
+    pub(crate) async fn attempt(
+        &self,
+        d: Claimed,
+        target: Option<Arc<Prepared>>,
+        start_by: &StartBy,
+    ) -> Attempted {
         let (id, attempt) = (d.row.id, d.row.attempt);
         let endpoint = d.row.endpoint_id;
         let (heard, observed) = if d.row.enabled {
@@ -98,7 +120,9 @@ impl Worker {
             if let Admit::Hold(wait) = admitted {
                 return Attempted::Hold { id, attempt, wait };
             }
-            let (heard, observed) = self.send(&d).await;
+            let target = target.unwrap_or_else(|| Arc::new(self.prepare(&d.row)));
+            let (heard, observed) = self.send(&d, &target).await;
+            drop(target);
             drop(turn);
             let timed_out = observed.error.as_deref() == Some(Failure::Timeout.as_str());
             if let Some(cooloff) = breakers.record(endpoint, admitted, timed_out, Instant::now()) {
@@ -185,25 +209,45 @@ impl Worker {
         }
     }
 
-    /// Sign and POST one claimed delivery; what it heard, and what to keep of it.
-    async fn send(&self, d: &Claimed) -> (Heard, Observed) {
+    /// Parse `row`'s endpoint URL and open its secrets (in this worker's
+    /// memory only). A previous secret that does not open or parse (a key
+    /// under 24 bytes, stored before they were refused) is left out: the
+    /// deliveries go out signed with the current one.
+    pub(crate) fn prepare(&self, row: &ClaimedRow) -> Prepared {
+        let keyring = self.inner.config.secrets.as_ref();
+        let url = Url::parse(&row.url)
+            .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))?;
+        let secret = open_secret(keyring, &row.tenant_id, row.secret.as_ref()).map_err(|e| {
+            (
+                Failure::BadSecret,
+                format!("endpoint secret is unusable: {e}"),
+            )
+        })?;
+        let previous = row.previous_secret.as_ref().and_then(|sealed| {
+            open_secret(keyring, &row.tenant_id, Some(sealed))
+                .inspect_err(|e| {
+                    warn!(role = %Role::WebhookDelivery, endpoint = row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
+                })
+                .ok()
+        });
+        Ok(Target {
+            url,
+            secret,
+            previous,
+        })
+    }
+
+    /// Sign and POST one claimed delivery to its prepared endpoint; what it
+    /// heard, and what to keep of it.
+    async fn send(&self, d: &Claimed, target: &Prepared) -> (Heard, Observed) {
         let id = d.row.id;
         let observed_started = Instant::now();
-        let keyring = self.inner.config.secrets.as_ref();
-        let prepared = Url::parse(&d.row.url)
-            .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))
-            .and_then(|url| {
-                open_secret(keyring, &d.row.tenant_id, d.row.secret.as_ref())
-                    .map(|secret| (url, secret))
-                    .map_err(|e| {
-                        (
-                            Failure::BadSecret,
-                            format!("endpoint secret is unusable: {e}"),
-                        )
-                    })
-            });
-        let (url, secret) = match prepared {
-            Ok(p) => p,
+        let Target {
+            url,
+            secret,
+            previous,
+        } = match target {
+            Ok(t) => t,
             Err((category, error)) => {
                 warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %error, "webhook endpoint unusable");
                 let observed = Observed {
@@ -213,23 +257,13 @@ impl Worker {
                 return (Heard::NoAnswer, observed);
             }
         };
-        // A previous secret that does not open or parse (a key under 24 bytes,
-        // stored before they were refused) is left out: the delivery goes out
-        // signed with the current one. Both are wiped when this attempt ends.
-        let previous = d.row.previous_secret.as_ref().and_then(|sealed| {
-            open_secret(keyring, &d.row.tenant_id, Some(sealed))
-                .inspect_err(|e| {
-                    warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
-                })
-                .ok()
-        });
         let config = &self.inner.config;
         let sent = send::post(
             &self.inner.client,
             Request {
-                url: &url,
+                url,
                 message_id: &d.row.message_id,
-                secret: &secret,
+                secret,
                 previous_secret: previous.as_ref(),
                 body: d.body(),
             },

@@ -88,7 +88,9 @@
 //!   XChaCha20-Poly1305 under the application key (`HARDCOUNT_SECRETS_KEY`,
 //!   [`WorkerConfig::secrets`]), the key id stored with each ciphertext and the
 //!   tenant bound into it. [`create_endpoint`] and [`rotate_secret`] seal (as
-//!   `hardcount_api`); only an attempt opens, into buffers wiped when it ends.
+//!   `hardcount_api`); only the worker opens, once per endpoint per claimed
+//!   batch, into buffers shared by that batch's attempts to the endpoint and
+//!   wiped when the last of them ends (docs/adr/0020).
 //!   A secret that does not open is not sent (`bad_secret`).
 //!   [`check_secrets`] is `serve`'s boot check; [`reseal_secrets`] (as the
 //!   owner) seals old clear rows and moves every secret to the current key.

@@ -12,6 +12,7 @@
 //! not wait for the hung requests). The tick collects every carried attempt
 //! before it ends.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -29,7 +30,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::warn;
 
 use crate::Error;
-use crate::attempt::{Attempted, StartBy};
+use crate::attempt::{Attempted, Prepared, StartBy};
 use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
 use crate::delivery::{Claimed, Outcome};
@@ -254,7 +255,7 @@ impl Worker {
             cancel: CancellationToken::new(),
             busy: CancellationToken::new(),
         };
-        match self.attempt(claimed, &start_by).await {
+        match self.attempt(claimed, None, &start_by).await {
             Attempted::Step(Step::Done(outcome)) => {
                 self.count(&outcome);
                 outcome
@@ -342,6 +343,8 @@ impl Worker {
             report.held += self.hold(&held).await;
         }
         let busy = CancellationToken::new();
+        // Each endpoint's URL and secrets, prepared once for this batch.
+        let mut targets: HashMap<i64, Arc<Prepared>> = HashMap::new();
         let running: Running = claimed
             .into_iter()
             .map(|d| {
@@ -356,8 +359,16 @@ impl Worker {
                 };
                 let key = (d.row.id, d.row.attempt);
                 let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
+                let target = d.row.enabled.then(|| {
+                    targets
+                        .entry(d.row.endpoint_id)
+                        .or_insert_with(|| Arc::new(self.prepare(&d.row)))
+                        .clone()
+                });
                 let worker = self.clone();
-                spawn_guarded(key, step, async move { worker.attempt(d, &start_by).await })
+                spawn_guarded(key, step, async move {
+                    worker.attempt(d, target, &start_by).await
+                })
             })
             .collect();
         let carry_at = tokio::time::Instant::now() + carry_after;
