@@ -10,11 +10,11 @@ use crate::ssrf::{Allowlist, Ports};
 /// How deliveries are sent. `Default` is the production setting.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
-    /// Deliveries claimed per batch. Default 256: a batch waits for its
+    /// Deliveries claimed per batch. Default 500: a batch waits for its
     /// slowest attempt and the next claim runs alone, so small batches cost
-    /// throughput; at the benchmark's small scale (issue 13) 32 was the
-    /// slowest of 32, 256 and 500 in each of three interleaved runs, and used
-    /// the most Postgres CPU per delivery (docs/adr/0014).
+    /// throughput; at the benchmark's scale (issue 13) 500 beat 256 in each
+    /// of six interleaved runs at the shipped 1 s interval, with no more
+    /// Postgres CPU per delivery (docs/adr/0014, docs/adr/0020).
     pub batch_size: usize,
     /// Requests in flight at once, across endpoints. Default 32.
     pub max_in_flight: usize,
@@ -62,7 +62,7 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            batch_size: 256,
+            batch_size: 500,
             max_in_flight: 32,
             max_in_flight_per_endpoint: 4,
             max_in_flight_per_tenant: 8,
