@@ -60,9 +60,14 @@ pub struct Args {
     /// roles run, like for like with a job queue whose insert is timed.
     #[arg(long)]
     pub enqueue_outside_clock: bool,
-    /// Events per producer transaction when pre-loading.
+    /// Events per producer transaction in the throughput runs.
     #[arg(long, default_value_t = 100)]
     pub events_per_tx: usize,
+    /// Enqueue the throughput runs' events with one `enqueue` statement each;
+    /// by default each transaction's events go in one `enqueue_many` statement,
+    /// like for like with the peer's bulk insert.
+    #[arg(long)]
+    pub enqueue_each: bool,
     /// The tuned shape (its throughput row, the latency and fairness phases):
     /// interval of both roles, in milliseconds (the pause after a tick ends).
     #[arg(long, default_value_t = 50)]

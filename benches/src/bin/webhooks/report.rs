@@ -226,6 +226,14 @@ pub fn settings(args: &Args, leg: Leg) -> Map<String, Value> {
         "throughput_preload_events_per_tx",
         json!(args.events_per_tx),
     );
+    set(
+        "throughput_enqueue",
+        json!(if args.enqueue_each {
+            "enqueue, one statement per event"
+        } else {
+            "enqueue_many, one statement per transaction"
+        }),
+    );
     set("latency_rate_events_per_s", json!(args.rate));
     set("latency_producer_secs", json!(args.latency_secs));
     set("latency_endpoints", json!(args.latency_endpoints));

@@ -71,7 +71,7 @@ pub async fn run(
     // Endpoints are written by the API role, the only one that may (docs/adr/0015).
     let endpoints = endpoints(&t.api(), &receiver.base_url(), label, args.endpoints).await?;
     if args.enqueue_outside_clock {
-        preload(&setup, args.events, args.events_per_tx).await?;
+        preload(&setup, args.events, args.events_per_tx, args.enqueue_each).await?;
     }
     setup.close().await;
     let db = Db::connect_lazy(&t.app_url(leg), args.pool)?;
@@ -92,7 +92,13 @@ pub async fn run(
     if !args.enqueue_outside_clock {
         // Like for like with a job queue whose insert is timed: the events are
         // enqueued inside the clock, while the roles run.
-        preload(&producers, args.events, args.events_per_tx).await?;
+        preload(
+            &producers,
+            args.events,
+            args.events_per_tx,
+            args.enqueue_each,
+        )
+        .await?;
     }
     let mut reported = Instant::now();
     let wall = loop {

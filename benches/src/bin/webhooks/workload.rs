@@ -50,16 +50,28 @@ pub fn payload(i: usize) -> String {
     )
 }
 
-/// Enqueue `events` events with `webhook_outbox::enqueue`, `per_tx` to a transaction.
-pub async fn preload(db: &Db, events: usize, per_tx: usize) -> Result<()> {
+/// Enqueue `events` events, `per_tx` to a transaction: each transaction's with
+/// one `webhook_outbox::enqueue_many` statement, or with `webhook_outbox::enqueue`
+/// once per event when `each`.
+pub async fn preload(db: &Db, events: usize, per_tx: usize, each: bool) -> Result<()> {
     let mut next = 0;
     while next < events {
+        let end = (next + per_tx).min(events);
         let mut tx = db.begin().await?;
-        for i in next..(next + per_tx).min(events) {
-            webhook_outbox::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload(i)).await?;
+        if each {
+            for i in next..end {
+                webhook_outbox::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload(i)).await?;
+            }
+        } else {
+            let payloads: Vec<String> = (next..end).map(payload).collect();
+            let batch: Vec<webhook_outbox::NewEvent<'_>> = payloads
+                .iter()
+                .map(|p| (TENANT, EVENT_TYPE, p.as_str()))
+                .collect();
+            webhook_outbox::enqueue_many(&mut tx, &batch).await?;
         }
         tx.commit().await?;
-        next += per_tx;
+        next = end;
     }
     Ok(())
 }
