@@ -1,6 +1,7 @@
 //! Idle probes of the delivery role (docs/adr/0019): without a listener, the
 //! idle, led role asks every `scheduler::IDLE_PROBE` whether a delivery is
-//! due and delivers a fanned-out one within about a probe, not the interval.
+//! due and delivers a fanned-out one within about a probe, not the interval;
+//! a fan-out in the same process ends the probe's pause at once (docs/adr/0020).
 
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,54 @@ async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_int
         while rx.count() < n {
             assert!(
                 committed.elapsed() < Duration::from_secs(20),
+                "never delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        waits.push(committed.elapsed());
+        tokio::time::sleep(Duration::from_millis(70)).await;
+    }
+    shutdown.cancel();
+    role.await.unwrap();
+    println!("fan-out commit to POST: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+}
+
+/// With the probe 10 s apart (and the interval 5 s), each of three deliveries
+/// fanned out in this process while the role is idle reaches the receiver
+/// within 500 ms of the fan-out's commit: the outbox's in-process hint
+/// (`webhook_outbox::fanned_out()`, docs/adr/0020) ends the probe's pause.
+///
+/// Mutation check: a fan-out that does not notify leaves the role to its next
+/// probe and this test fails (scripts/mutation-check `fanout_hint`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_in_this_process_wakes_the_probing_role_before_its_next_probe() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_idle_probe(Duration::from_secs(10));
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval: Duration::from_secs(5),
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 1..=3 {
+        events(&t.db, "tenant_a", 1).await;
+        let committed = Instant::now();
+        while rx.count() < n {
+            assert!(
+                committed.elapsed() < Duration::from_secs(30),
                 "never delivered"
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
