@@ -41,7 +41,6 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use leader::{Fence, Role, Tick, TickEnd};
-use tokio::sync::Notify;
 use tracing::{debug, info};
 
 use crate::panics::{Panics, catch};
@@ -152,17 +151,6 @@ pub trait FencedBatches: Sync {
         None
     }
 
-    /// A hint from inside this process that work may be waiting, such as the
-    /// outbox's fan-out having committed in this replica (docs/adr/0020):
-    /// while an idle tick without a listening wake pauses between probes, a
-    /// notification ends the pause at once and the tick probes. Only a hint:
-    /// a missed one costs at most the pause. The [`BUSY_POLL`] wait of a busy
-    /// tick is not cut short (claiming more often in smaller batches cost the
-    /// fairness benchmark's share). Default: none.
-    fn local_hint(&self) -> Option<&Notify> {
-        None
-    }
-
     /// Whether a claim now would find work: one cheap read (an index probe)
     /// that claims nothing, so it needs no fence. Default: true (a role that
     /// probes without one claims every probe).
@@ -250,13 +238,6 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let listening = || role.wake().is_some_and(Wake::is_listening);
     let busy = role.due_again_after_work();
     let probe_every = role.idle_probe();
-    // Ends a probe's pause early when this process hints that work is waiting.
-    let hinted = || async {
-        match role.local_hint() {
-            Some(hint) => hint.notified().await,
-            None => std::future::pending().await,
-        }
-    };
     let stop = 'ticks: loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
@@ -287,7 +268,6 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
                     kept_open = true;
                     tokio::select! {
                         () = tokio::time::sleep(every.min(left())) => {}
-                        () = hinted() => {}
                         () = tick.cancel.cancelled() => break 'ticks Stop::Cancelled,
                     }
                     if left().is_zero() {

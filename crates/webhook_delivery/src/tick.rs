@@ -643,11 +643,6 @@ impl FencedBatches for Deliveries<'_> {
         Ok(store::any_due(&self.worker.inner.db).await?)
     }
 
-    /// This process's outbox fanned out: a probing tick probes at once.
-    fn local_hint(&self) -> Option<&tokio::sync::Notify> {
-        self.worker.idle_probe.map(|_| webhook_outbox::fanned_out())
-    }
-
     /// Deliveries are fanned out at any time: a tick that delivered some is
     /// followed at once by the next, not after the interval.
     fn due_again_after_work(&self) -> bool {

@@ -66,7 +66,7 @@ mod store;
 mod tick;
 
 pub use config::{ConfigError, DispatcherConfig};
-pub use tick::{Dispatcher, TickReport, fanned_out};
+pub use tick::{Dispatcher, TickReport};
 
 /// Why [`enqueue`] refused an event. Nothing was written.
 #[derive(Debug, thiserror::Error)]

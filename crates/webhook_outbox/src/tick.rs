@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop, Wake};
-use tokio::sync::Notify;
 use tracing::debug;
 
 use crate::Error;
@@ -116,9 +115,6 @@ impl Dispatcher {
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
         let batch =
             store::claim_and_fan_out(&self.db, fence, limit, self.config.statement_timeout).await?;
-        if batch.deliveries > 0 {
-            fanned_out().notify_one();
-        }
         if batch.events > 0 {
             self.telemetry
                 .counter("hardcount_webhook_events_dispatched_total", &[])
@@ -132,16 +128,6 @@ impl Dispatcher {
         }
         Ok(batch)
     }
-}
-
-/// Notified each time a fan-out that inserted deliveries commits in this
-/// process: the delivery role of the same replica takes it as a hint
-/// (`scheduler::FencedBatches::local_hint`, docs/adr/0020) to claim at once
-/// instead of at its next probe. One permit is kept while nobody waits, so a
-/// fan-out that commits during the delivery tick's own probe is not missed.
-pub fn fanned_out() -> &'static Notify {
-    static FANNED_OUT: Notify = Notify::const_new();
-    &FANNED_OUT
 }
 
 /// The role as the driver sees it. Claim, fan-out and the dispatched stamp are
