@@ -64,8 +64,8 @@
 //! **Dunning enrolment is not billing's**: an open invoice whose attempt was
 //! declined is the hand-off; the dunning crate enrols such invoices as the
 //! first step of its own tick (docs/adr/0012), and charges its retries through
-//! [`Biller::start_retries_in`] and [`Biller::finish_retries`] (a batch; `retry`)
-//! or [`Biller::retry_charge`] (one).
+//! [`Biller::start_retries_in`] and [`Biller::finish_retries`] (a batch, of
+//! one or many; `retry`).
 //!
 //! Guarantees:
 //!
