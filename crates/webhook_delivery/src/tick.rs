@@ -9,8 +9,11 @@
 //! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a
 //! tenant whose endpoints hang costs other tenants' deliveries neither slots
 //! (the per-tenant share, [`crate::fairness`]) nor time (the next claim does
-//! not wait for the hung requests). The tick collects every carried attempt
-//! before it ends.
+//! not wait for the hung requests). A full batch (more is probably waiting)
+//! carries its second half as soon as its first half has finished, so the
+//! next claim and the last outcome write overlap the requests still running
+//! instead of leaving the HTTP slots idle (docs/adr/0021). The tick collects
+//! every carried attempt before it ends.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -197,8 +200,15 @@ impl Worker {
         let carried = deliveries.take_carried();
         let mut panics = Panics::new(Role::WebhookDelivery.as_str());
         if !carried.is_empty() {
-            self.collect(carried, &mut Running::new(), None, &mut panics, &mut t)
-                .await;
+            self.collect(
+                carried,
+                &mut Running::new(),
+                None,
+                None,
+                &mut panics,
+                &mut t,
+            )
+            .await;
         }
         self.end_of_tick();
         panics.finish();
@@ -315,10 +325,13 @@ impl Worker {
             // and go back to claiming (after BUSY_POLL, or a wake-up).
             let running = std::mem::take(carried);
             let carry = (tokio::time::Instant::now(), CancellationToken::new());
-            self.collect(running, carried, Some(carry), panics, report)
+            self.collect(running, carried, Some(carry), None, panics, report)
                 .await;
             return;
         }
+        // A full batch means more is probably waiting: the next claim is made
+        // once half of this one has finished, while the other half runs.
+        let full = claimed.len() >= config.batch_size;
         let now = Instant::now();
         let (open, claimed): (Vec<_>, Vec<_>) = claimed.into_iter().partition(|d| {
             d.row.enabled
@@ -372,8 +385,16 @@ impl Worker {
             })
             .collect();
         let carry_at = tokio::time::Instant::now() + carry_after;
-        self.collect(running, carried, Some((carry_at, busy)), panics, report)
-            .await;
+        let pipeline = full.then(|| running.len() / 2);
+        self.collect(
+            running,
+            carried,
+            Some((carry_at, busy)),
+            pipeline,
+            panics,
+            report,
+        )
+        .await;
     }
 
     /// Collect the attempts of `running` (and of `carried`, as they finish):
@@ -387,12 +408,18 @@ impl Worker {
     ///   then hold more than two batches: the waiting ones go on waiting there
     ///   (each gives up once its share stalls, `fairness::STALL`);
     /// - at its instant, its token fires (so the attempts still waiting for a
-    ///   turn are held at once) and the rest are moved to `carried`.
+    ///   turn are held at once) and the rest are moved to `carried`;
+    /// - with `pipeline`, once no more than that many attempts of `running`
+    ///   are left, they are moved to `carried` as they are (they keep their
+    ///   places in the shares' queues; the token still fires at its instant),
+    ///   so the driver's next claim runs while they finish instead of after
+    ///   them.
     async fn collect(
         &self,
         mut running: Running,
         carried: &mut Running,
         mut carry: Option<(tokio::time::Instant, CancellationToken)>,
+        pipeline: Option<usize>,
         panics: &mut Panics,
         report: &mut Tally,
     ) {
@@ -443,8 +470,21 @@ impl Worker {
                 Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
                     progress = tokio::time::Instant::now();
                     self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
+                    if pipeline.is_some_and(|left| running.len() <= left)
+                        && let Some((at, busy)) = carry.take()
+                    {
+                        // What still waits for a turn at the batch's carry
+                        // instant is held then, as if it had not been carried.
+                        tokio::spawn(async move {
+                            tokio::time::sleep_until(at).await;
+                            busy.cancel();
+                        });
+                        carried.extend(std::mem::take(&mut running));
+                    }
                 }
-                Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() => {
+                // Only while this batch runs: once it is done or carried, the
+                // rest wait for the next batch (a late one would be written alone).
+                Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() && !running.is_empty() => {
                     self.finished(id, attempt, result, &mut buffer, &mut holds, panics, report);
                 }
                 Some((n, written)) = writes.next(), if !writes.is_empty() => match written {
