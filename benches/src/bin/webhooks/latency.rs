@@ -40,6 +40,9 @@ pub struct Latency {
     /// Percentiles on the database clock: delivered_at - the event's created_at.
     db_p50_ms: f64,
     db_p99_ms: f64,
+    /// Where the time went, on the database clock (each stamp is its
+    /// transaction's start): (stage, p50 ms, p99 ms).
+    stages: Vec<(&'static str, f64, f64)>,
     cpu: CpuUse,
     wall: f64,
     bouncer: Option<Bouncer>,
@@ -70,6 +73,15 @@ async fn produce_one(db: Db, commits: Arc<Commits>, i: usize) -> Result<()> {
     commits.durations.lock().unwrap().push(at - started);
     Ok(())
 }
+
+/// The stages of a delivery's wait, each between two stamps taken at the start
+/// of their transactions (`now()`): the producer's, the fan-out's, the claim's
+/// (its attempt), the outcome's. Single attempts only in these phases.
+const STAGES: [(&str, &str, &str); 3] = [
+    ("event to fan-out", "e.created_at", "e.dispatched_at"),
+    ("fan-out to claim", "e.dispatched_at", "d.last_attempt_at"),
+    ("claim to outcome", "d.last_attempt_at", "d.delivered_at"),
+];
 
 /// One phase on a fresh database, endpoints on the receiver under `/{label}/`.
 pub async fn phase(
@@ -160,6 +172,19 @@ pub async fn phase(
     )
     .fetch_one(&mut su)
     .await?;
+    let mut stages = Vec::new();
+    for (stage, from, to) in STAGES {
+        let (p50, p99): (Option<f64>, Option<f64>) = sqlx::query_as(&format!(
+            "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY x), \
+                    percentile_disc(0.99) WITHIN GROUP (ORDER BY x) \
+             FROM (SELECT extract(epoch FROM {to} - {from})::float8 * 1000 AS x \
+                   FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
+                   WHERE d.status = 'delivered') s"
+        ))
+        .fetch_one(&mut su)
+        .await?;
+        stages.push((stage, p50.unwrap_or(f64::NAN), p99.unwrap_or(f64::NAN)));
+    }
     let got = Arrivals::of(&receiver.take(), &endpoints)?;
     let at = std::mem::take(&mut *commits.at.lock().unwrap());
     let mut samples = Vec::with_capacity(expected);
@@ -188,6 +213,7 @@ pub async fn phase(
         producer_errors: commits.errors.load(Relaxed),
         db_p50_ms: db_p50.unwrap_or(f64::NAN),
         db_p99_ms: db_p99.unwrap_or(f64::NAN),
+        stages,
         cpu,
         wall,
         bouncer,
@@ -258,6 +284,7 @@ pub fn figures(l: &Latency, report: &mut Report) {
         "latency: signatures of kept requests verified",
         l.verified.to_string(),
     );
+    stage_details(l, "latency", report);
 }
 
 /// The phase again at production's role interval: its percentiles only.
@@ -286,4 +313,18 @@ fn interval_figures(l: &Latency, what: &str, report: &mut Report) {
             "ms",
         ));
     }
+    stage_details(l, what, report);
+}
+
+/// The stages on the database clock, one detail line.
+fn stage_details(l: &Latency, what: &str, report: &mut Report) {
+    let stages: Vec<String> = l
+        .stages
+        .iter()
+        .map(|(stage, p50, p99)| format!("{stage} {p50:.1} / {p99:.1}"))
+        .collect();
+    report.detail(
+        &format!("{what}: stages on the database clock, p50 / p99 ms"),
+        stages.join("; "),
+    );
 }
