@@ -75,13 +75,10 @@ async fn produce_one(db: Db, commits: Arc<Commits>, i: usize) -> Result<()> {
 }
 
 /// The stages of a delivery's wait, each between two stamps taken at the start
-/// of their transactions (`now()`): the producer's, the fan-out's, the claim's
-/// (its attempt), the outcome's. Single attempts only in these phases.
-const STAGES: [(&str, &str, &str); 3] = [
-    ("event to fan-out", "e.created_at", "e.dispatched_at"),
-    ("fan-out to claim", "e.dispatched_at", "d.last_attempt_at"),
-    ("claim to outcome", "d.last_attempt_at", "d.delivered_at"),
-];
+/// of their transactions (`now()`): the producer's (`created_at`), the
+/// fan-out's (`dispatched_at`), the claim's (`last_attempt_at`; single
+/// attempts only in these phases), the outcome's (`delivered_at`).
+const STAGES: [&str; 3] = ["event to fan-out", "fan-out to claim", "claim to outcome"];
 
 /// One phase on a fresh database, endpoints on the receiver under `/{label}/`.
 pub async fn phase(
@@ -172,19 +169,32 @@ pub async fn phase(
     )
     .fetch_one(&mut su)
     .await?;
-    let mut stages = Vec::new();
-    for (stage, from, to) in STAGES {
-        let (p50, p99): (Option<f64>, Option<f64>) = sqlx::query_as(&format!(
-            "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY x), \
-                    percentile_disc(0.99) WITHIN GROUP (ORDER BY x) \
-             FROM (SELECT extract(epoch FROM {to} - {from})::float8 * 1000 AS x \
-                   FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
-                   WHERE d.status = 'delivered') s"
-        ))
-        .fetch_one(&mut su)
-        .await?;
-        stages.push((stage, p50.unwrap_or(f64::NAN), p99.unwrap_or(f64::NAN)));
-    }
+    type Six = (
+        Option<f64>,
+        Option<f64>,
+        Option<f64>,
+        Option<f64>,
+        Option<f64>,
+        Option<f64>,
+    );
+    let q: Six = sqlx::query_as(
+        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY a), percentile_disc(0.99) WITHIN GROUP (ORDER BY a), \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY b), percentile_disc(0.99) WITHIN GROUP (ORDER BY b), \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY c), percentile_disc(0.99) WITHIN GROUP (ORDER BY c) \
+         FROM (SELECT extract(epoch FROM e.dispatched_at - e.created_at)::float8 * 1000 AS a, \
+                      extract(epoch FROM d.last_attempt_at - e.dispatched_at)::float8 * 1000 AS b, \
+                      extract(epoch FROM d.delivered_at - d.last_attempt_at)::float8 * 1000 AS c \
+               FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
+               WHERE d.status = 'delivered') s",
+    )
+    .fetch_one(&mut su)
+    .await?;
+    let ms = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    let stages = vec![
+        (STAGES[0], ms(q.0), ms(q.1)),
+        (STAGES[1], ms(q.2), ms(q.3)),
+        (STAGES[2], ms(q.4), ms(q.5)),
+    ];
     let got = Arrivals::of(&receiver.take(), &endpoints)?;
     let at = std::mem::take(&mut *commits.at.lock().unwrap());
     let mut samples = Vec::with_capacity(expected);
