@@ -35,7 +35,9 @@ pub(crate) async fn insert_event(
     Ok(row.try_get("id")?)
 }
 
-/// Insert many events inside `tx` with one statement; how many.
+/// Insert many events inside `tx` and wake the `webhook_outbox` role, in one
+/// statement (`pg_notify`, sent only if `tx` commits; docs/adr/0014); how
+/// many.
 pub(crate) async fn insert_events(
     tx: &mut Tx,
     events: &[crate::NewEvent<'_>],
@@ -46,17 +48,23 @@ pub(crate) async fn insert_events(
     let tenants: Vec<String> = events.iter().map(|e| e.0.to_owned()).collect();
     let types: Vec<String> = events.iter().map(|e| e.1.to_owned()).collect();
     let payloads: Vec<String> = events.iter().map(|e| e.2.to_owned()).collect();
-    tx.execute(
-        sql(
-            "INSERT INTO webhook_events (tenant_id, event_type, payload) \
-             SELECT tenant_id, event_type, payload::jsonb \
-             FROM unnest($1::text[], $2::text[], $3::text[]) AS e(tenant_id, event_type, payload)",
+    let row = tx
+        .fetch_one(
+            sql("WITH ins AS ( \
+                   INSERT INTO webhook_events (tenant_id, event_type, payload) \
+                   SELECT tenant_id, event_type, payload::jsonb \
+                   FROM unnest($1::text[], $2::text[], $3::text[]) AS e(tenant_id, event_type, payload) \
+                   RETURNING 1), \
+                 notify AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
+                 SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM notify) AS woken")
+            .bind(tenants)
+            .bind(types)
+            .bind(payloads)
+            .bind(wake_channel(Role::WebhookOutbox)),
         )
-        .bind(tenants)
-        .bind(types)
-        .bind(payloads),
-    )
-    .await
+        .await?;
+    let inserted: i64 = row.try_get("inserted")?;
+    Ok(u64::try_from(inserted).unwrap_or(0))
 }
 
 /// Whether any event waits to be fanned out: one read of the partial index

@@ -120,6 +120,66 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
     );
 }
 
+/// Events enqueued in bulk (`enqueue_many`, as billing's closing announces its
+/// invoices) wake the idle, led, listening role like a single `enqueue`: with
+/// a 5 s interval, each of three batches is fanned out within 500 ms.
+///
+/// Mutation check: `enqueue_many` without its `pg_notify` leaves the role
+/// polling at its 5 s interval, and this test fails (scripts/mutation-check
+/// `enqueue_many_notify`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_enqueued_in_bulk_wake_the_idle_listening_role() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", &[], true).await;
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let interval = Duration::from_secs(5);
+    let wake = Wake::new(Role::WebhookOutbox, interval);
+    let shutdown = CancellationToken::new();
+    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
+    // Let the first tick drain the empty outbox and go idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 0..3 {
+        let payloads: Vec<String> = (0..4).map(|i| format!(r#"{{"n":{n},"i":{i}}}"#)).collect();
+        let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+            .iter()
+            .map(|p| ("tenant_a", "invoice.paid", p.as_str()))
+            .collect();
+        let mut tx = t.db.begin().await.unwrap();
+        assert_eq!(
+            webhook_outbox::enqueue_many(&mut tx, &events)
+                .await
+                .unwrap(),
+            4
+        );
+        tx.commit().await.unwrap();
+        let waited = until(Duration::from_secs(20), "the fan-out", async || {
+            count(
+                &t.db,
+                "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL",
+            )
+            .await
+                == 0
+        })
+        .await;
+        waits.push(waited);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    println!("commit to dispatched: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        12
+    );
+}
+
 /// Events enqueued every few milliseconds while the listener's connection is
 /// terminated twice: the role falls back to polling its 1 s interval, the
 /// listener reconnects, and every event is fanned out exactly once.
