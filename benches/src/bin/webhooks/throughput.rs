@@ -337,24 +337,59 @@ pub fn figures(args: &Args, shape: &Shape, runs: &[Run], report: &mut Report) {
 /// The figures of a single comparison run.
 pub fn comparison_figures(what: &str, r: &Run, report: &mut Report) {
     report.figures.push(Figure::new(
-        format!("throughput, {what} (one run): deliveries/s"),
+        format!("throughput, {what}: deliveries/s"),
         r.rate(),
         "deliveries/s",
     ));
     report.figures.push(Figure::new(
-        format!("throughput, {what} (one run): CPU per delivery"),
+        format!("throughput, {what}: CPU per delivery"),
         r.cpu_per_delivery() * 1e3,
         "ms",
     ));
     report.figures.push(Figure::new(
-        format!("throughput, {what} (one run): Postgres CPU per delivery"),
+        format!("throughput, {what}: Postgres CPU per delivery"),
         r.cpu.postgres / r.deliveries as f64 * 1e3,
         "ms",
     ));
-    r.pg.figures(&format!("throughput, {what} (one run)"), report);
+    r.pg.figures(&format!("throughput, {what}"), report);
     report.figures.push(Figure::new(
-        format!("throughput, {what} (one run): CPU, other processes"),
+        format!("throughput, {what}: CPU, other processes"),
         100.0 * r.cpu.others / r.cpu.capacity.max(f64::MIN_POSITIVE),
         "% of all CPUs",
     ));
+}
+
+/// The tuned runs (interleaved with the shipped ones): their median run's
+/// figures, every run's rate, and the shipped defaults' median as a share of
+/// the tuned median against the target.
+pub fn tuned_figures(what: &str, shipped: &[Run], tuned: &[Run], report: &mut Report) {
+    let Some(m) = median_run(tuned) else {
+        return;
+    };
+    comparison_figures(&format!("{what} (median of {})", tuned.len()), m, report);
+    let rates: Vec<String> = tuned.iter().map(|r| format!("{:.0}", r.rate())).collect();
+    report.detail(
+        &format!("throughput, {what}: every run (deliveries/s)"),
+        rates.join(", "),
+    );
+    if let Some(s) = median_run(shipped) {
+        report.figures.push(
+            Figure::new(
+                "throughput at the shipped defaults, share of the tuned shape's (medians of interleaved runs)",
+                100.0 * s.rate() / m.rate(),
+                "%",
+            )
+            .target(Target::AtLeast(DEFAULTS_SHARE_TARGET)),
+        );
+    }
+}
+
+/// The target for the shipped defaults against the tuned shape, in %.
+pub const DEFAULTS_SHARE_TARGET: f64 = 90.0;
+
+/// The run of median rate (the upper one of an even count).
+fn median_run(runs: &[Run]) -> Option<&Run> {
+    let mut order: Vec<&Run> = runs.iter().collect();
+    order.sort_by(|a, b| a.rate().total_cmp(&b.rate()));
+    order.get(order.len() / 2).copied()
 }
