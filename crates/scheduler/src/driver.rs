@@ -10,8 +10,10 @@
 //!                                     (after a short batch: Stop::Drained → see ²)
 //!        ── after a short batch (only when kept open, below): wait for a wake-up
 //!           or the wake's poll interval (listening), or BUSY_POLL (busy and the
-//!           last claim found work), or else probe every idle_probe until a
-//!           probe says work is waiting (probing; a failed probe → Stop::Failed)
+//!           last claim found work), or else probe until a probe says work is
+//!           waiting (probing: pauses from idle_probe / PROBE_BACKOFF after the
+//!           start or after work, doubling up to idle_probe; a failed probe →
+//!           Stop::Failed)
 //!        ── role.claim(&fence, batch_size)   (guarded step)
 //!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
@@ -57,6 +59,14 @@ pub const BUSY_POLL: Duration = Duration::from_millis(50);
 /// wakes it (docs/adr/0019): an event waits at most about this per role, not
 /// the interval; an idle role costs one cheap read per role per probe.
 pub const IDLE_PROBE: Duration = Duration::from_millis(100);
+
+/// The first probe after a tick's start or after a claim that found work
+/// waits the probe period divided by this; each next one waits twice as long
+/// as the last, up to the period (docs/adr/0022). Work that follows work (a
+/// burst that the other webhook role is still fanning out, a producer that
+/// commits just after the first claim) waits milliseconds, not a period; an
+/// idle role soon probes at the period again.
+pub const PROBE_BACKOFF: u32 = 8;
 
 /// How a role's ticks are cut into batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +248,10 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let listening = || role.wake().is_some_and(Wake::is_listening);
     let busy = role.due_again_after_work();
     let probe_every = role.idle_probe();
+    // The next probe's pause: short after the start or after work, then
+    // doubling up to `probe_every`.
+    let first_pause = probe_every.map(|every| every / PROBE_BACKOFF);
+    let mut pause = first_pause;
     let stop = 'ticks: loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
@@ -266,8 +280,10 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             } else if let Some(every) = probe_every.filter(|_| !(busy && found)) {
                 loop {
                     kept_open = true;
+                    let wait = pause.unwrap_or(every).min(every);
+                    pause = Some((wait * 2).min(every));
                     tokio::select! {
-                        () = tokio::time::sleep(every.min(left())) => {}
+                        () = tokio::time::sleep(wait.min(left())) => {}
                         () = tick.cancel.cancelled() => break 'ticks Stop::Cancelled,
                     }
                     if left().is_zero() {
@@ -302,6 +318,9 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
         let n = R::claimed(&claim);
         drained = n < shape.batch_size;
         found = n > 0;
+        if found {
+            pause = first_pause;
+        }
         if n > 0 {
             batches += 1;
             claimed += n;

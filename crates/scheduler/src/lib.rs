@@ -35,7 +35,7 @@ mod status;
 mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, Shape, Stop, drive};
+pub use driver::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop, drive};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
