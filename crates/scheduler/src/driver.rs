@@ -250,7 +250,7 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
     let probe_every = role.idle_probe();
     // The next probe's pause: short after the start or after work, then
     // doubling up to `probe_every`.
-    let first_pause = probe_every.map(|every| every / PROBE_BACKOFF);
+    let first_pause = probe_every.unwrap_or_default() / PROBE_BACKOFF;
     let mut pause = first_pause;
     let stop = 'ticks: loop {
         if tick.cancel.is_cancelled() {
@@ -280,8 +280,8 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
             } else if let Some(every) = probe_every.filter(|_| !(busy && found)) {
                 loop {
                     kept_open = true;
-                    let wait = pause.unwrap_or(every).min(every);
-                    pause = Some((wait * 2).min(every));
+                    let wait = pause.min(every);
+                    pause = (wait * 2).min(every);
                     tokio::select! {
                         () = tokio::time::sleep(wait.min(left())) => {}
                         () = tick.cancel.cancelled() => break 'ticks Stop::Cancelled,

@@ -57,6 +57,8 @@ pub(crate) async fn insert_events(
                    RETURNING 1), \
                  notify AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
                  SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM notify) AS woken")
+            // `woken` is read only so that the `notify` CTE runs: Postgres
+            // skips a read-only CTE that nothing references.
             .bind(tenants)
             .bind(types)
             .bind(payloads)

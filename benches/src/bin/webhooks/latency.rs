@@ -161,27 +161,14 @@ pub async fn phase(
     let bouncer = Bouncer::delta(bouncer0, bouncer::snapshot(leg, t.name()).await, sampled);
     loops.stop().await?;
 
-    let (db_p50, db_p99): (Option<f64>, Option<f64>) = sqlx::query_as(
-        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY x), percentile_disc(0.99) WITHIN GROUP (ORDER BY x) \
-         FROM (SELECT extract(epoch FROM d.delivered_at - e.created_at)::float8 * 1000 AS x \
-               FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
-               WHERE d.status = 'delivered') s",
-    )
-    .fetch_one(&mut su)
-    .await?;
-    type Six = (
-        Option<f64>,
-        Option<f64>,
-        Option<f64>,
-        Option<f64>,
-        Option<f64>,
-        Option<f64>,
-    );
-    let q: Six = sqlx::query_as(
-        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY a), percentile_disc(0.99) WITHIN GROUP (ORDER BY a), \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY b), percentile_disc(0.99) WITHIN GROUP (ORDER BY b), \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY c), percentile_disc(0.99) WITHIN GROUP (ORDER BY c) \
-         FROM (SELECT extract(epoch FROM e.dispatched_at - e.created_at)::float8 * 1000 AS a, \
+    // The cross-check and the stages, in one pass over the delivered rows.
+    let row = sqlx::query(
+        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY x) AS x50, percentile_disc(0.99) WITHIN GROUP (ORDER BY x) AS x99, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY a) AS a50, percentile_disc(0.99) WITHIN GROUP (ORDER BY a) AS a99, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY b) AS b50, percentile_disc(0.99) WITHIN GROUP (ORDER BY b) AS b99, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY c) AS c50, percentile_disc(0.99) WITHIN GROUP (ORDER BY c) AS c99 \
+         FROM (SELECT extract(epoch FROM d.delivered_at - e.created_at)::float8 * 1000 AS x, \
+                      extract(epoch FROM e.dispatched_at - e.created_at)::float8 * 1000 AS a, \
                       extract(epoch FROM d.last_attempt_at - e.dispatched_at)::float8 * 1000 AS b, \
                       extract(epoch FROM d.delivered_at - d.last_attempt_at)::float8 * 1000 AS c \
                FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id \
@@ -189,11 +176,14 @@ pub async fn phase(
     )
     .fetch_one(&mut su)
     .await?;
-    let ms = |v: Option<f64>| v.unwrap_or(f64::NAN);
+    let ms = |column: &str| -> Result<f64> {
+        Ok(row.try_get::<Option<f64>, _>(column)?.unwrap_or(f64::NAN))
+    };
+    let (db_p50_ms, db_p99_ms) = (ms("x50")?, ms("x99")?);
     let stages = vec![
-        (STAGES[0], ms(q.0), ms(q.1)),
-        (STAGES[1], ms(q.2), ms(q.3)),
-        (STAGES[2], ms(q.4), ms(q.5)),
+        (STAGES[0], ms("a50")?, ms("a99")?),
+        (STAGES[1], ms("b50")?, ms("b99")?),
+        (STAGES[2], ms("c50")?, ms("c99")?),
     ];
     let got = Arrivals::of(&receiver.take(), &endpoints)?;
     let at = std::mem::take(&mut *commits.at.lock().unwrap());
@@ -221,8 +211,8 @@ pub async fn phase(
         produce_secs,
         commit_times,
         producer_errors: commits.errors.load(Relaxed),
-        db_p50_ms: db_p50.unwrap_or(f64::NAN),
-        db_p99_ms: db_p99.unwrap_or(f64::NAN),
+        db_p50_ms,
+        db_p99_ms,
         stages,
         cpu,
         wall,

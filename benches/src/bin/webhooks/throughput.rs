@@ -195,9 +195,9 @@ pub async fn run(
 
 /// The median run's figures and details, and every run's rate.
 pub fn figures(args: &Args, shape: &Shape, runs: &[Run], report: &mut Report) {
-    let mut order: Vec<usize> = (0..runs.len()).collect();
-    order.sort_by(|&a, &b| runs[a].rate().total_cmp(&runs[b].rate()));
-    let m = &runs[order[order.len() / 2]];
+    let Some(m) = median_run(runs) else {
+        return;
+    };
     let name = if runs.len() > 1 {
         format!(
             "throughput at the shipped defaults: signed deliveries/s, median of {} runs",

@@ -5,7 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use db::{Db, Row, sql};
 use leader::Role;
 use scheduler::{RoleSpec, Wake, listen, run_role, work};
 use testbed::{Leg, TestDb};
@@ -48,13 +47,42 @@ async fn spawn_listening(
     vec![listener, role]
 }
 
-async fn dispatched_at(db: &Db, id: i64) -> bool {
-    db.fetch_one(
-        sql("SELECT dispatched_at IS NOT NULL AS d FROM webhook_events WHERE id = $1").bind(id),
-    )
-    .await
-    .unwrap()
-    .get("d")
+/// With a 5 s interval and a listener, the idle, led role: `rounds` times,
+/// `enqueue(n)` commits events and the wait until none is left undispatched
+/// is timed. Returns the waits, once the role and the listener have stopped.
+async fn waits_to_fan_out(
+    t: &TestDb,
+    rounds: usize,
+    mut enqueue: impl AsyncFnMut(usize),
+) -> Vec<Duration> {
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let interval = Duration::from_secs(5);
+    let wake = Wake::new(Role::WebhookOutbox, interval);
+    let shutdown = CancellationToken::new();
+    let tasks = spawn_listening(t, d, &wake, interval, &shutdown).await;
+    // Let the first tick drain the empty outbox and go idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 0..rounds {
+        enqueue(n).await;
+        let waited = until(Duration::from_secs(20), "the fan-out", async || {
+            count(
+                &t.db,
+                "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL",
+            )
+            .await
+                == 0
+        })
+        .await;
+        waits.push(waited);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    println!("commit to dispatched: {waits:?}");
+    waits
 }
 
 async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) -> Duration {
@@ -82,34 +110,16 @@ async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) ->
 async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_milliseconds() {
     let t = TestDb::new().await;
     endpoint(&t, "tenant_a", &[], true).await;
-    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let interval = Duration::from_secs(5);
-    let wake = Wake::new(Role::WebhookOutbox, interval);
-    let shutdown = CancellationToken::new();
-    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
-    // Let the first tick drain the empty outbox and go idle.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut waits = Vec::new();
-    for n in 0..5 {
-        let id = event(
+    let waits = waits_to_fan_out(&t, 5, async |n| {
+        event(
             &t.db,
             "tenant_a",
             "invoice.paid",
             &format!(r#"{{"n":{n}}}"#),
         )
         .await;
-        let waited = until(Duration::from_secs(20), "the fan-out", async || {
-            dispatched_at(&t.db, id).await
-        })
-        .await;
-        waits.push(waited);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    shutdown.cancel();
-    for task in tasks {
-        task.await.unwrap();
-    }
-    println!("commit to dispatched: {waits:?}");
+    })
+    .await;
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
@@ -131,15 +141,7 @@ async fn an_event_enqueued_into_an_idle_listening_role_is_dispatched_within_mill
 async fn events_enqueued_in_bulk_wake_the_idle_listening_role() {
     let t = TestDb::new().await;
     endpoint(&t, "tenant_a", &[], true).await;
-    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let interval = Duration::from_secs(5);
-    let wake = Wake::new(Role::WebhookOutbox, interval);
-    let shutdown = CancellationToken::new();
-    let tasks = spawn_listening(&t, d, &wake, interval, &shutdown).await;
-    // Let the first tick drain the empty outbox and go idle.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut waits = Vec::new();
-    for n in 0..3 {
+    let waits = waits_to_fan_out(&t, 3, async |n| {
         let payloads: Vec<String> = (0..4).map(|i| format!(r#"{{"n":{n},"i":{i}}}"#)).collect();
         let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
             .iter()
@@ -153,23 +155,8 @@ async fn events_enqueued_in_bulk_wake_the_idle_listening_role() {
             4
         );
         tx.commit().await.unwrap();
-        let waited = until(Duration::from_secs(20), "the fan-out", async || {
-            count(
-                &t.db,
-                "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL",
-            )
-            .await
-                == 0
-        })
-        .await;
-        waits.push(waited);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    shutdown.cancel();
-    for task in tasks {
-        task.await.unwrap();
-    }
-    println!("commit to dispatched: {waits:?}");
+    })
+    .await;
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
