@@ -155,13 +155,40 @@ impl Db {
     /// `BEGIN` may have been sent and its reply has not been read, the
     /// connection's state is unknown and it is closed instead (docs/adr/0008).
     pub async fn begin_with_timeout(&self, limit: Duration) -> Result<Tx> {
+        self.begin_bounded(limit, "").await
+    }
+
+    /// [`Db::begin_with_timeout`] for a queue statement that must reach its
+    /// rows through their keys and ordered indexes whatever the table
+    /// statistics say (docs/adr/0023): bitmap scans, hash and merge joins and
+    /// materialized inner sides are off for this transaction. A queue table's statistics lag its
+    /// contents (a fresh table has none; a burst is not in them until the next
+    /// ANALYZE), and with too few rows expected the planner reads and sorts
+    /// every pending row to claim a batch, or hashes (or materializes) them to
+    /// write one group of outcomes: work that grows with the backlog instead
+    /// of the batch. What is left is an ordered index scan for a claim and a
+    /// primary-key lookup per row for a join to its batch.
+    ///
+    /// # Cancel safety
+    /// As [`Db::begin_with_timeout`].
+    pub async fn begin_index_driven(&self, limit: Duration) -> Result<Tx> {
+        self.begin_bounded(
+            limit,
+            "; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_hashjoin = off; \
+             SET LOCAL enable_mergejoin = off; SET LOCAL enable_material = off",
+        )
+        .await
+    }
+
+    async fn begin_bounded(&self, limit: Duration, planner: &str) -> Result<Tx> {
         // One simple-protocol message, one round trip. The only values spliced
-        // in are integers, so nothing from outside reaches the SQL text.
+        // in are integers and the fixed settings above, so nothing from
+        // outside reaches the SQL text.
         let ms = limit.as_millis().max(1);
         let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
         let begin = format!(
             "BEGIN; SET LOCAL statement_timeout = {ms}; \
-             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
+             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}{planner}"
         );
         Tx::begin(&self.pool, begin).await
     }

@@ -22,7 +22,8 @@
 //!                                                                         dead after the last attempt
 //!   every write above is a compare-and-set on (id, attempt, pending); outcomes are
 //!   written in groups, one statement each (… WHERE d.id = o.id AND d.attempts = o.attempt
-//!   AND d.status = 'pending'), the 410 one on its own with the endpoint's disabling
+//!   AND d.status = o.was, was = 'pending'), the 410 one on its own with the endpoint's
+//!   disabling; claims and outcome groups plan by key whatever the statistics (adr/0023)
 //! ```
 //!
 //! Guarantees:
@@ -148,6 +149,13 @@ pub mod signature;
 pub mod ssrf;
 mod store;
 mod tick;
+
+/// The claim's and the outcome's statement texts, for the plan tests
+/// (`tests/it/plans.rs`); not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE};
+}
 mod verdict;
 
 pub use config::{ConfigError, WorkerConfig};

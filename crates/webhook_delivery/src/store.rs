@@ -241,6 +241,40 @@ impl ClaimedRow {
     }
 }
 
+/// The claim statement of [`claim_due`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
+           SELECT id, attempts FROM webhook_deliveries \
+           WHERE status = 'pending' \
+             AND next_attempt_at <= now() \
+             AND (claimed_until IS NULL OR claimed_until <= now()) \
+             AND leader_fence($1, $2) \
+           ORDER BY next_attempt_at, id \
+           LIMIT $3 \
+           FOR UPDATE SKIP LOCKED), \
+         exhausted AS ( \
+           UPDATE webhook_deliveries d \
+           SET status = 'dead', last_error = 'attempts_exhausted' \
+           FROM due WHERE d.id = due.id AND due.attempts >= $5 \
+           RETURNING d.id) \
+         UPDATE webhook_deliveries d \
+         SET attempts = d.attempts + 1, \
+             claimed_until = now() + make_interval(secs => $4), \
+             last_attempt_at = now() \
+         FROM due, webhook_events e, webhook_endpoints ep \
+         WHERE d.id = due.id AND due.attempts < $5 \
+           AND e.id = d.event_id AND ep.id = d.endpoint_id \
+         RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
+                   ep.url, ep.secret_ciphertext, ep.secret_key_id, \
+                   ep.enabled, ep.disabled_reason, \
+                   CASE WHEN ep.previous_secret_expires_at > now() \
+                        THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
+                   CASE WHEN ep.previous_secret_expires_at > now() \
+                        THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
+                   e.event_type, e.message_id, e.payload::text AS payload, \
+                   to_char(e.created_at AT TIME ZONE 'UTC', \
+                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time";
+
 /// The fenced funnel: claim up to `limit` due pending deliveries in one
 /// `UPDATE … RETURNING`. Each claimed row's `attempts` goes up by one (the
 /// attempt number its outcome must prove) and its `claimed_until` is set
@@ -269,45 +303,15 @@ pub(crate) async fn claim_due(
     statement_timeout: Duration,
 ) -> Result<Vec<ClaimedRow>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql("WITH due AS MATERIALIZED ( \
-                   SELECT id, attempts FROM webhook_deliveries \
-                   WHERE status = 'pending' \
-                     AND next_attempt_at <= now() \
-                     AND (claimed_until IS NULL OR claimed_until <= now()) \
-                     AND leader_fence($1, $2) \
-                   ORDER BY next_attempt_at, id \
-                   LIMIT $3 \
-                   FOR UPDATE SKIP LOCKED), \
-                 exhausted AS ( \
-                   UPDATE webhook_deliveries d \
-                   SET status = 'dead', last_error = 'attempts_exhausted' \
-                   FROM due WHERE d.id = due.id AND due.attempts >= $5 \
-                   RETURNING d.id) \
-                 UPDATE webhook_deliveries d \
-                 SET attempts = d.attempts + 1, \
-                     claimed_until = now() + make_interval(secs => $4), \
-                     last_attempt_at = now() \
-                 FROM due, webhook_events e, webhook_endpoints ep \
-                 WHERE d.id = due.id AND due.attempts < $5 \
-                   AND e.id = d.event_id AND ep.id = d.endpoint_id \
-                 RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
-                           ep.url, ep.secret_ciphertext, ep.secret_key_id, \
-                           ep.enabled, ep.disabled_reason, \
-                           CASE WHEN ep.previous_secret_expires_at > now() \
-                                THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
-                           CASE WHEN ep.previous_secret_expires_at > now() \
-                                THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
-                           e.event_type, e.message_id, e.payload::text AS payload, \
-                           to_char(e.created_at AT TIME ZONE 'UTC', \
-                                   'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time")
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit)
-            .bind(lease.as_secs_f64())
-            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
+            sql(CLAIM_DUE)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64())
+                .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
         )
         .await?;
     tx.commit().await?;
@@ -378,7 +382,7 @@ pub(crate) async fn record_outcomes(
     if rows.is_empty() {
         return Ok(HashSet::new());
     }
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = apply_outcomes(&mut tx, rows).await?;
     tx.commit().await?;
     Ok(applied)
@@ -393,7 +397,7 @@ pub(crate) async fn record_outcome(
     disable_endpoint: Option<(i64, String)>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = apply_outcomes(&mut tx, std::slice::from_ref(row))
         .await?
         .contains(&(row.id, row.attempt));
@@ -411,8 +415,35 @@ pub(crate) async fn record_outcome(
     Ok(applied)
 }
 
+/// The outcome statement of [`apply_outcomes`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const APPLY_OUTCOMES: &str = "UPDATE webhook_deliveries d \
+         SET status = o.next_state, \
+             claimed_until = NULL, \
+             next_attempt_at = CASE WHEN o.next_state = 'pending' \
+                                    THEN now() + make_interval(secs => o.retry_secs) \
+                                    ELSE d.next_attempt_at END, \
+             delivered_at = CASE WHEN o.next_state = 'delivered' THEN now() END, \
+             last_status_code = o.status_code, \
+             last_error = o.error, \
+             last_latency_ms = o.latency_ms \
+         FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], \
+                     $5::int4[], $6::text[], $7::int4[], $8::text[]) \
+              AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms, was) \
+         WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = o.was \
+         RETURNING d.id, o.attempt";
+
+/// The status a compare-and-set expects its delivery in. It is bound as one
+/// more column of the unnested group (`was`), not written as a literal, so
+/// that the predicate does not match `webhook_deliveries_due`'s and the
+/// planner reaches each row by its primary key: with the literal, a table
+/// whose statistics expect few pending rows was scanned pending row by
+/// pending row for every group (docs/adr/0023).
+const PENDING: &str = "pending";
+
 /// The one outcome statement: `rows` unnested into a relation and joined to
-/// their deliveries by the compare-and-set predicate.
+/// their deliveries by the compare-and-set predicate, in a transaction that
+/// keeps the join to primary-key lookups (`Db::begin_index_driven`).
 async fn apply_outcomes(
     tx: &mut Tx,
     rows: &[OutcomeRow],
@@ -450,28 +481,15 @@ async fn apply_outcomes(
     }
     let applied = tx
         .fetch_all(
-            sql("UPDATE webhook_deliveries d \
-                 SET status = o.next_state, \
-                     claimed_until = NULL, \
-                     next_attempt_at = CASE WHEN o.next_state = 'pending' \
-                                            THEN now() + make_interval(secs => o.retry_secs) \
-                                            ELSE d.next_attempt_at END, \
-                     delivered_at = CASE WHEN o.next_state = 'delivered' THEN now() END, \
-                     last_status_code = o.status_code, \
-                     last_error = o.error, \
-                     last_latency_ms = o.latency_ms \
-                 FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], \
-                             $5::int4[], $6::text[], $7::int4[]) \
-                      AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms) \
-                 WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = 'pending' \
-                 RETURNING d.id, o.attempt")
-            .bind(ids)
-            .bind(attempts)
-            .bind(states)
-            .bind(retry_secs)
-            .bind(codes)
-            .bind(errors)
-            .bind(latencies),
+            sql(APPLY_OUTCOMES)
+                .bind(ids)
+                .bind(attempts)
+                .bind(states)
+                .bind(retry_secs)
+                .bind(codes)
+                .bind(errors)
+                .bind(latencies)
+                .bind(vec![PENDING; n]),
         )
         .await?;
     applied
@@ -525,7 +543,7 @@ pub(crate) async fn hold_unsent(
     let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
     let attempts: Vec<i32> = held.iter().map(|h| h.1).collect();
     let secs: Vec<f64> = held.iter().map(|h| h.2.as_secs_f64()).collect();
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let n = tx
         .execute(
             sql("UPDATE webhook_deliveries d \
@@ -533,11 +551,13 @@ pub(crate) async fn hold_unsent(
                      claimed_until = NULL, \
                      next_attempt_at = GREATEST(d.next_attempt_at, \
                                                 now() + make_interval(secs => h.secs)) \
-                 FROM unnest($1::int8[], $2::int4[], $3::float8[]) AS h(id, attempt, secs) \
-                 WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = 'pending'")
+                 FROM unnest($1::int8[], $2::int4[], $3::float8[], $4::text[]) \
+                      AS h(id, attempt, secs, was) \
+                 WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = h.was")
             .bind(ids)
             .bind(attempts)
-            .bind(secs),
+            .bind(secs)
+            .bind(vec![PENDING; held.len()]),
         )
         .await?;
     tx.commit().await?;

@@ -107,7 +107,7 @@ pub(crate) async fn claim_and_fan_out(
     statement_timeout: Duration,
 ) -> Result<Batch, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let row = tx
         .fetch_one(
             sql("WITH claimed AS MATERIALIZED ( \

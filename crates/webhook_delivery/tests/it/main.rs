@@ -8,6 +8,7 @@ mod endpoints;
 mod fairness;
 mod fencing;
 mod outcomes;
+mod plans;
 mod probe;
 mod rotation;
 mod sealed;
