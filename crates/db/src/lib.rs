@@ -166,8 +166,10 @@ impl Db {
     /// ANALYZE), and with too few rows expected the planner reads and sorts
     /// every pending row to claim a batch, or hashes (or materializes) them to
     /// write one group of outcomes: work that grows with the backlog instead
-    /// of the batch. What is left is an ordered index scan for a claim and a
-    /// primary-key lookup per row for a join to its batch.
+    /// of the batch. The plans the planner then prefers are an ordered index
+    /// scan for a claim and an index lookup per row for a join to a batch
+    /// (sequential scans and sorts stay allowed; the plan tests check these
+    /// statements' plans).
     ///
     /// # Cancel safety
     /// As [`Db::begin_with_timeout`].

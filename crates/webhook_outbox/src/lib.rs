@@ -65,6 +65,13 @@ mod config;
 mod store;
 mod tick;
 
+/// The claim-and-fan-out statement text, for the plan test
+/// (`tests/it/plans.rs`); not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::store::CLAIM_AND_FAN_OUT;
+}
+
 pub use config::{ConfigError, DispatcherConfig};
 pub use tick::{Dispatcher, TickReport};
 

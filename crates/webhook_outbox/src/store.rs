@@ -91,13 +91,44 @@ pub(crate) struct Batch {
     pub deliveries: u64,
 }
 
+/// The statement of [`claim_and_fan_out`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`).
+pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
+           SELECT id FROM webhook_events \
+           WHERE dispatched_at IS NULL \
+             AND leader_fence($1, $2) \
+           ORDER BY id \
+           LIMIT $3 \
+           FOR UPDATE SKIP LOCKED), \
+         stamped AS ( \
+           UPDATE webhook_events e SET dispatched_at = now() \
+           FROM claimed WHERE e.id = claimed.id \
+           RETURNING e.id, e.tenant_id, e.event_type), \
+         ins AS ( \
+           INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+           SELECT s.tenant_id, s.id, ep.id \
+           FROM stamped s \
+           JOIN webhook_endpoints ep \
+             ON ep.tenant_id = s.tenant_id \
+            AND ep.enabled \
+            AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
+           ORDER BY s.id, ep.id \
+           ON CONFLICT (event_id, endpoint_id) DO NOTHING \
+           RETURNING 1), \
+         wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
+         SELECT (SELECT count(*) FROM stamped) AS events, \
+                (SELECT count(*) FROM ins) AS inserted, \
+                (SELECT count(*) FROM wake) AS woken";
+
 /// The fenced funnel: in one transaction and one statement, claim up to
 /// `limit` undispatched events, stamp them dispatched, insert one pending
 /// delivery per enabled endpoint of the event's tenant subscribed to its type,
 /// and, if any was inserted, wake the `webhook_delivery` role (`pg_notify`,
 /// sent at commit; docs/adr/0014).
 ///
-/// One round trip for the statement whatever the batch size. The claim proves
+/// One round trip for the statement whatever the batch size, in a transaction
+/// that keeps the claim to an ordered scan of `webhook_events_undispatched`
+/// whatever the statistics say (`Db::begin_index_driven`, docs/adr/0023). The claim proves
 /// the fence in its innermost WHERE, so a stale token claims nothing and
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 pub(crate) async fn claim_and_fan_out(
@@ -110,36 +141,11 @@ pub(crate) async fn claim_and_fan_out(
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let row = tx
         .fetch_one(
-            sql("WITH claimed AS MATERIALIZED ( \
-                   SELECT id FROM webhook_events \
-                   WHERE dispatched_at IS NULL \
-                     AND leader_fence($1, $2) \
-                   ORDER BY id \
-                   LIMIT $3 \
-                   FOR UPDATE SKIP LOCKED), \
-                 stamped AS ( \
-                   UPDATE webhook_events e SET dispatched_at = now() \
-                   FROM claimed WHERE e.id = claimed.id \
-                   RETURNING e.id, e.tenant_id, e.event_type), \
-                 ins AS ( \
-                   INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
-                   SELECT s.tenant_id, s.id, ep.id \
-                   FROM stamped s \
-                   JOIN webhook_endpoints ep \
-                     ON ep.tenant_id = s.tenant_id \
-                    AND ep.enabled \
-                    AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
-                   ORDER BY s.id, ep.id \
-                   ON CONFLICT (event_id, endpoint_id) DO NOTHING \
-                   RETURNING 1), \
-                 wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
-                 SELECT (SELECT count(*) FROM stamped) AS events, \
-                        (SELECT count(*) FROM ins) AS inserted, \
-                        (SELECT count(*) FROM wake) AS woken")
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit)
-            .bind(wake_channel(Role::WebhookDelivery)),
+            sql(CLAIM_AND_FAN_OUT)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(wake_channel(Role::WebhookDelivery)),
         )
         .await?;
     tx.commit().await?;

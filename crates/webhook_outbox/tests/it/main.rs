@@ -5,6 +5,7 @@
 
 mod enqueue;
 mod fan_out;
+mod plans;
 mod probe;
 mod tick_ends;
 mod wake;

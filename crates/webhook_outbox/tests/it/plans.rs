@@ -1,0 +1,66 @@
+//! The fan-out's claim reads its batch of events in index order on a table
+//! whose statistics know nothing of its backlog (docs/adr/0023): work per
+//! batch, not per undispatched event. The table is never analyzed, as in a
+//! fresh database or after a burst; the plan is read with EXPLAIN inside the
+//! kind of transaction the role uses, on the role's own statement text.
+
+use std::time::Duration;
+
+use db::{Row, sql};
+use testbed::TestDb;
+use webhook_outbox::statements::CLAIM_AND_FAN_OUT;
+use webhook_outbox::{NewEvent, enqueue_many};
+
+use crate::endpoint;
+
+/// Guard: the planner settings of `Db::begin_index_driven`. Seen failing with
+/// `begin_with_timeout` here (a Bitmap Heap Scan of every undispatched event
+/// and a Sort of them all by id, to claim 100).
+#[tokio::test]
+async fn the_fan_out_claims_its_events_in_index_order() {
+    let t = TestDb::new().await;
+    for _ in 0..3 {
+        endpoint(&t, "tenant_a", &[], true).await;
+    }
+    let payloads: Vec<String> = (0..1000).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    let events: Vec<NewEvent<'_>> = payloads
+        .iter()
+        .map(|p| ("tenant_a", "invoice.finalized", p.as_str()))
+        .collect();
+    let mut tx = t.db.begin().await.unwrap();
+    assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
+    tx.commit().await.unwrap();
+
+    let text: &'static str = format!("EXPLAIN {CLAIM_AND_FAN_OUT}").leak();
+    let mut tx =
+        t.db.begin_index_driven(Duration::from_secs(5))
+            .await
+            .unwrap();
+    let rows = tx
+        .fetch_all(
+            sql(text)
+                .bind("webhook_outbox")
+                .bind(1_i64)
+                .bind(100_i64)
+                .bind("hardcount_wake_webhook_delivery"),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let plan = rows
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        plan.contains("Index Scan using webhook_events_undispatched on webhook_events"),
+        "{plan}"
+    );
+    for absent in [
+        "Bitmap",
+        "Sort Key: webhook_events.id",
+        "Seq Scan on webhook_events",
+    ] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
