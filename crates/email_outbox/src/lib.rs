@@ -44,6 +44,13 @@ mod pool;
 mod send;
 pub mod smtp;
 mod store;
+
+/// The claim and result statement texts, for the plan tests
+/// (`tests/it/plans.rs`); not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::store::{CLAIM_DUE, RECORD_RESULTS};
+}
 mod tick;
 pub mod verdict;
 

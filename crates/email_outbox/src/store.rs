@@ -50,6 +50,47 @@ fn queued(r: &PgRow) -> Result<Queued, db::Error> {
     })
 }
 
+/// The claim statement of [`claim_due`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
+           SELECT id FROM email_outbox \
+           WHERE status = 'queued' \
+             AND next_attempt_at <= now() \
+             AND leader_fence($1, $2) \
+           ORDER BY next_attempt_at, id \
+           LIMIT $3 \
+           FOR UPDATE SKIP LOCKED) \
+         UPDATE email_outbox m \
+         SET attempts = m.attempts + 1, \
+             next_attempt_at = now() + make_interval(secs => $4), \
+             last_attempt_at = now() \
+         FROM due WHERE m.id = due.id \
+         RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
+                   m.subject, m.text_body, m.html_body";
+
+/// The result statement of [`record_results`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const RECORD_RESULTS: &str = "UPDATE email_outbox m \
+         SET status = o.next_state, \
+             next_attempt_at = CASE WHEN o.next_state = 'queued' \
+                                    THEN now() + make_interval(secs => o.wait_secs) \
+                                    ELSE m.next_attempt_at END, \
+             sent_at = CASE WHEN o.next_state = 'sent' THEN now() END, \
+             last_reply_code = o.reply_code, \
+             last_reply_text = o.reply_text \
+         FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[], \
+                     $7::text[]) \
+              AS o(id, attempt, next_state, wait_secs, reply_code, reply_text, was) \
+         WHERE m.id = o.id AND m.attempts = o.attempt AND m.status = o.was \
+         RETURNING m.id, o.attempt";
+
+/// The status a result's or a hand-back's compare-and-set expects its email
+/// in, bound as a column of the unnested group (`was`) rather than written as a
+/// literal: the literal matches `email_outbox_due`'s predicate, and a table
+/// whose statistics expect few queued rows was then read queued row by queued
+/// row for every group (docs/adr/0023).
+const QUEUED: &str = "queued";
+
 /// The fenced funnel: claim up to `limit` due queued emails in one `UPDATE …
 /// RETURNING`. Each claimed row's `attempts` goes up by one (the attempt its
 /// result must prove) and `next_attempt_at` moves `lease` ahead, so if this
@@ -65,28 +106,14 @@ pub(crate) async fn claim_due(
     statement_timeout: Duration,
 ) -> Result<Vec<Queued>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql("WITH due AS MATERIALIZED ( \
-                   SELECT id FROM email_outbox \
-                   WHERE status = 'queued' \
-                     AND next_attempt_at <= now() \
-                     AND leader_fence($1, $2) \
-                   ORDER BY next_attempt_at, id \
-                   LIMIT $3 \
-                   FOR UPDATE SKIP LOCKED) \
-                 UPDATE email_outbox m \
-                 SET attempts = m.attempts + 1, \
-                     next_attempt_at = now() + make_interval(secs => $4), \
-                     last_attempt_at = now() \
-                 FROM due WHERE m.id = due.id \
-                 RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
-                           m.subject, m.text_body, m.html_body")
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit)
-            .bind(lease.as_secs_f64()),
+            sql(CLAIM_DUE)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64()),
         )
         .await?;
     tx.commit().await?;
@@ -147,27 +174,17 @@ pub(crate) async fn record_results(
                 .collect::<String>(),
         );
     }
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = tx
         .fetch_all(
-            sql("UPDATE email_outbox m \
-                 SET status = o.next_state, \
-                     next_attempt_at = CASE WHEN o.next_state = 'queued' \
-                                            THEN now() + make_interval(secs => o.wait_secs) \
-                                            ELSE m.next_attempt_at END, \
-                     sent_at = CASE WHEN o.next_state = 'sent' THEN now() END, \
-                     last_reply_code = o.reply_code, \
-                     last_reply_text = o.reply_text \
-                 FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[]) \
-                      AS o(id, attempt, next_state, wait_secs, reply_code, reply_text) \
-                 WHERE m.id = o.id AND m.attempts = o.attempt AND m.status = 'queued' \
-                 RETURNING m.id, o.attempt")
-            .bind(ids)
-            .bind(attempts)
-            .bind(states)
-            .bind(waits)
-            .bind(codes)
-            .bind(texts),
+            sql(RECORD_RESULTS)
+                .bind(ids)
+                .bind(attempts)
+                .bind(states)
+                .bind(waits)
+                .bind(codes)
+                .bind(texts)
+                .bind(vec![QUEUED; n]),
         )
         .await?;
     tx.commit().await?;
@@ -191,15 +208,16 @@ pub(crate) async fn hand_back(
     }
     let ids: Vec<i64> = claims.iter().map(|c| c.0).collect();
     let attempts: Vec<i32> = claims.iter().map(|c| c.1).collect();
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let n = tx
         .execute(
             sql("UPDATE email_outbox m \
                  SET attempts = m.attempts - 1, next_attempt_at = now() \
-                 FROM unnest($1::int8[], $2::int4[]) AS o(id, attempt) \
-                 WHERE m.id = o.id AND m.attempts = o.attempt AND m.status = 'queued'")
+                 FROM unnest($1::int8[], $2::int4[], $3::text[]) AS o(id, attempt, was) \
+                 WHERE m.id = o.id AND m.attempts = o.attempt AND m.status = o.was")
             .bind(ids)
-            .bind(attempts),
+            .bind(attempts)
+            .bind(vec![QUEUED; claims.len()]),
         )
         .await?;
     tx.commit().await?;

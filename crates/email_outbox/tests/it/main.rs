@@ -5,6 +5,7 @@
 //! that it was seen failing under.
 
 mod guards;
+mod plans;
 mod pool;
 mod sending;
 mod tls;
