@@ -150,7 +150,7 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         let (peak, repeats, stop) = (peak.clone(), repeats.clone(), shutdown.clone());
         tokio::spawn(async move {
             while !stop.is_cancelled() {
-                let (open, repeated) = established_to(port);
+                let (open, repeated) = testbed::sockets::established_to(port);
                 peak.fetch_max(open, Ordering::Relaxed);
                 repeats.fetch_add(repeated, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -207,26 +207,6 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         config.max_connections
     );
     Ok((n as f64 / elapsed, peak))
-}
-
-/// Established IPv4 TCP sockets (`/proc/net/tcp`, state 01) whose remote end is
-/// `port`: the client side, counted once each
-/// by their local address, and how many lines listed a socket already seen.
-/// `/proc/net/tcp` is not one snapshot: read over several pages while sockets
-/// come and go, it can list a socket twice, which once made a run report 17
-/// connections against a bound of 16.
-fn established_to(port: u16) -> (usize, usize) {
-    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    let want = format!(":{port:04X}");
-    let mut seen = std::collections::HashSet::new();
-    let mut repeated = 0;
-    for l in text.lines().skip(1) {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() > 3 && f[2].ends_with(&want) && f[3] == "01" && !seen.insert(f[1].to_owned()) {
-            repeated += 1;
-        }
-    }
-    (seen.len(), repeated)
 }
 
 /// The sink's ceiling: `connections` plain SMTP sessions, each sending its

@@ -9,8 +9,10 @@
 
 pub mod bouncer;
 pub mod leadership;
+pub mod plans;
 pub mod receiver;
 mod smtp;
+pub mod sockets;
 pub mod webhook_verify;
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -5,30 +5,11 @@
 //! EXPLAIN inside the kind of transaction the role uses, on the role's own
 //! statement texts.
 
-use std::time::Duration;
-
-use db::{Db, Row, sql};
 use email_outbox::statements::{CLAIM_DUE, RECORD_RESULTS};
 use testbed::TestDb;
+use testbed::plans::explain_index_driven;
 
 use crate::{email, queue};
-
-/// EXPLAIN `statement` in a `begin_index_driven` transaction; the plan as one
-/// string.
-async fn plan(
-    db: &Db,
-    statement: &str,
-    bind: impl FnOnce(db::Stmt<'static>) -> db::Stmt<'static>,
-) -> String {
-    let text: &'static str = format!("EXPLAIN {statement}").leak();
-    let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
-    let rows = tx.fetch_all(bind(sql(text))).await.unwrap();
-    tx.commit().await.unwrap();
-    rows.iter()
-        .map(|r| r.get::<String, _>(0))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
 
 /// 1,000 emails queued in one transaction: they share one `next_attempt_at`.
 async fn backlog(t: &TestDb) -> Vec<i64> {
@@ -38,13 +19,14 @@ async fn backlog(t: &TestDb) -> Vec<i64> {
 
 /// Guard: the due index's key `(next_attempt_at, id)` (migration 0018). Seen
 /// failing with the index on `next_attempt_at` alone (a Sort of the whole
-/// producer batch). With `begin_with_timeout` in `plan` this claim's plan
-/// held here; the result test below is the one that pins the settings.
+/// producer batch). With `begin_with_timeout` in the EXPLAIN's transaction this
+/// claim's plan held here; the result test below is the one that pins the
+/// settings.
 #[tokio::test]
 async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
     let t = TestDb::new().await;
     backlog(&t).await;
-    let plan = plan(&t.db, CLAIM_DUE, |s| {
+    let plan = explain_index_driven(&t.db, CLAIM_DUE, |s| {
         s.bind("email_outbox")
             .bind(1_i64)
             .bind(50_i64)
@@ -61,17 +43,17 @@ async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
 }
 
 /// Guards: the compare-and-set's expected status bound per row (`was`), not
-/// written as a literal, and the planner settings of `begin_index_driven`.
-/// Seen failing with `m.status = 'queued'` in the statement and with
-/// `begin_with_timeout` in `plan` (the queued emails scanned through
-/// `email_outbox_due` for the group).
+/// written as a literal, and the planner settings of `begin_index_driven`. Seen
+/// failing with `m.status = 'queued'` in the statement and with
+/// `begin_with_timeout` in the EXPLAIN's transaction (the queued emails scanned
+/// through `email_outbox_due` for the group).
 #[tokio::test]
 async fn a_group_of_results_finds_each_email_by_its_key() {
     let t = TestDb::new().await;
     let ids = backlog(&t).await;
     let group: Vec<i64> = ids.iter().copied().step_by(5).take(100).collect();
     let n = group.len();
-    let plan = plan(&t.db, RECORD_RESULTS, move |s| {
+    let plan = explain_index_driven(&t.db, RECORD_RESULTS, move |s| {
         s.bind(group)
             .bind(vec![1_i32; n])
             .bind(vec!["sent".to_owned(); n])

@@ -10,6 +10,7 @@ use futures::FutureExt;
 use leader::{Manager, Role, Telemetry};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use testbed::leadership::fast_timing;
+use testbed::sockets::established_to;
 use testbed::{SmtpSink, TestDb};
 use tokio_util::sync::CancellationToken;
 use tracing::field::{Field, Visit};
@@ -17,23 +18,6 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::{Layer, Registry};
 
 use crate::{as_leader, config, drain, email, manager, queue, rows, sender};
-
-/// Established IPv4 connections to `port` on loopback, client side
-/// (`/proc/net/tcp`: remote address ends in the port, state 01), each counted
-/// once by its local address: the file is not one snapshot, and read while
-/// sockets come and go it can list one twice (seen in the email benchmark).
-fn established_to(port: u16) -> usize {
-    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    let want = format!(":{port:04X}");
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 3 && f[2].ends_with(&want) && f[3] == "01").then(|| f[1].to_owned())
-        })
-        .collect::<std::collections::HashSet<_>>()
-        .len()
-}
 
 /// Two batches sent at once through one sender, with
 /// `max_connections = 3`: sends in flight could reach six, but connections
@@ -70,7 +54,7 @@ async fn open_connections_never_exceed_the_bound() {
         let (peak, done, port) = (peak.clone(), done.clone(), sink.port);
         std::thread::spawn(move || {
             while !done.load(Ordering::Relaxed) {
-                peak.fetch_max(established_to(port), Ordering::Relaxed);
+                peak.fetch_max(established_to(port).0, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(1));
             }
         })

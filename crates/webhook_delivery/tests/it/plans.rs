@@ -5,32 +5,14 @@
 //! The tables here are never analyzed, as in the first minutes of a fresh
 //! database or after a burst the statistics have not caught up with. The plans
 //! are read with EXPLAIN inside the same kind of transaction the role uses
-//! (`Db::begin_index_driven`), on the role's own statement texts.
+//! (`testbed::plans::explain_index_driven`), on the role's own statement texts.
 
-use std::time::Duration;
-
-use db::{Db, Row, sql};
+use db::{Row, sql};
 use testbed::TestDb;
+use testbed::plans::explain_index_driven;
 use webhook_delivery::statements::{APPLY_OUTCOMES, CLAIM_DUE};
 
 use crate::{endpoint, events};
-
-/// EXPLAIN `statement` (text format) in a `begin_index_driven` transaction,
-/// with `bind` applying its parameters; the plan as one string.
-async fn plan(
-    db: &Db,
-    statement: &str,
-    bind: impl FnOnce(db::Stmt<'static>) -> db::Stmt<'static>,
-) -> String {
-    let text: &'static str = format!("EXPLAIN {statement}").leak();
-    let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
-    let rows = tx.fetch_all(bind(sql(text))).await.unwrap();
-    tx.commit().await.unwrap();
-    rows.iter()
-        .map(|r| r.get::<String, _>(0))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
 
 /// 1,500 pending deliveries: 500 events to 3 endpoints, fanned out as the
 /// outbox does, so each fan-out's deliveries share one `next_attempt_at`.
@@ -52,16 +34,16 @@ async fn backlog(t: &TestDb) -> Vec<i64> {
     ids
 }
 
-/// Guards: the due index's key `(next_attempt_at, id)` (migration 0017) and
-/// the planner settings of `begin_index_driven`. Seen failing with the index
-/// on `next_attempt_at` alone (an Incremental Sort over the whole fan-out) and
-/// with `begin_with_timeout` in `plan` (a Bitmap Heap Scan and a Sort of every
-/// pending row).
+/// Guards: the due index's key `(next_attempt_at, id)` (migration 0017) and the
+/// planner settings of `begin_index_driven`. Seen failing with the index on
+/// `next_attempt_at` alone (an Incremental Sort over the whole fan-out) and
+/// with `begin_with_timeout` in the EXPLAIN's transaction (a Bitmap Heap Scan
+/// and a Sort of every pending row).
 #[tokio::test]
 async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
     let t = TestDb::new().await;
     backlog(&t).await;
-    let plan = plan(&t.db, CLAIM_DUE, |s| {
+    let plan = explain_index_driven(&t.db, CLAIM_DUE, |s| {
         s.bind("webhook_delivery")
             .bind(1_i64)
             .bind(100_i64)
@@ -79,18 +61,18 @@ async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
 }
 
 /// Guards: the compare-and-set's expected status bound per row (`was`), not
-/// written as a literal, and the planner settings of `begin_index_driven`.
-/// Seen failing with `d.status = 'pending'` in the statement (the pending rows
+/// written as a literal, and the planner settings of `begin_index_driven`. Seen
+/// failing with `d.status = 'pending'` in the statement (the pending rows
 /// scanned through `webhook_deliveries_due` on the outer side of the join) and
-/// with `begin_with_timeout` in `plan` (a Hash Join over a Bitmap Heap Scan of
-/// every pending row).
+/// with `begin_with_timeout` in the EXPLAIN's transaction (a Hash Join over a
+/// Bitmap Heap Scan of every pending row).
 #[tokio::test]
 async fn a_group_of_outcomes_finds_each_delivery_by_its_key() {
     let t = TestDb::new().await;
     let ids = backlog(&t).await;
     let group: Vec<i64> = ids.iter().copied().step_by(6).take(200).collect();
     let n = group.len();
-    let plan = plan(&t.db, APPLY_OUTCOMES, move |s| {
+    let plan = explain_index_driven(&t.db, APPLY_OUTCOMES, move |s| {
         s.bind(group)
             .bind(vec![1_i32; n])
             .bind(vec!["delivered".to_owned(); n])

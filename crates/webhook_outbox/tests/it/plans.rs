@@ -4,18 +4,16 @@
 //! fresh database or after a burst; the plan is read with EXPLAIN inside the
 //! kind of transaction the role uses, on the role's own statement text.
 
-use std::time::Duration;
-
-use db::{Row, sql};
 use testbed::TestDb;
+use testbed::plans::explain_index_driven;
 use webhook_outbox::statements::CLAIM_AND_FAN_OUT;
 use webhook_outbox::{NewEvent, enqueue_many};
 
 use crate::endpoint;
 
 /// Guard: the planner settings of `Db::begin_index_driven`. Seen failing with
-/// `begin_with_timeout` here (a Bitmap Heap Scan of every undispatched event
-/// and a Sort of them all by id, to claim 100).
+/// `begin_with_timeout` in the EXPLAIN's transaction (a Bitmap Heap Scan of
+/// every undispatched event and a Sort of them all by id, to claim 100).
 #[tokio::test]
 async fn the_fan_out_claims_its_events_in_index_order() {
     let t = TestDb::new().await;
@@ -31,27 +29,13 @@ async fn the_fan_out_claims_its_events_in_index_order() {
     assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
     tx.commit().await.unwrap();
 
-    let text: &'static str = format!("EXPLAIN {CLAIM_AND_FAN_OUT}").leak();
-    let mut tx =
-        t.db.begin_index_driven(Duration::from_secs(5))
-            .await
-            .unwrap();
-    let rows = tx
-        .fetch_all(
-            sql(text)
-                .bind("webhook_outbox")
-                .bind(1_i64)
-                .bind(100_i64)
-                .bind("hardcount_wake_webhook_delivery"),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let plan = rows
-        .iter()
-        .map(|r| r.get::<String, _>(0))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
+        s.bind("webhook_outbox")
+            .bind(1_i64)
+            .bind(100_i64)
+            .bind("hardcount_wake_webhook_delivery")
+    })
+    .await;
     assert!(
         plan.contains("Index Scan using webhook_events_undispatched on webhook_events"),
         "{plan}"
