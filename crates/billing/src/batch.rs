@@ -22,6 +22,7 @@
 //! the per-row functions of `store`, so one bad row costs that row only.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, Tx, sql};
@@ -30,9 +31,9 @@ use scheduler::{Payload, catch};
 use tracing::warn;
 
 use crate::Error;
-use crate::provider::{self, ChargeOutcome, PaymentRequest, Provider};
+use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
 use crate::store::{
-    self, ChargeClaim, Settled, failed_email, paid_payload, payment_payload, receipt,
+    ChargeClaim, Settled, failed_email, paid_payload, payment_payload, receipt,
 };
 
 /// An attempt recorded for a claimed invoice, not yet answered.
@@ -41,6 +42,12 @@ pub struct Started {
     pub claim: ChargeClaim,
     pub attempt_id: i64,
     pub attempt_seq: i32,
+    /// The attempt's Idempotency-Key, as stored.
+    pub key: String,
+    /// This is the attempt's first call (auto-charge or a dunning retry), not
+    /// the reconciler's: a 401/403 or a call not made then proves that no
+    /// request of this key executed, and the resend window restarts.
+    pub first_send: bool,
 }
 
 /// What the provider said to one started attempt.
@@ -66,6 +73,7 @@ pub const NOT_SENT: &str =
 pub(crate) async fn start_attempts_in(
     tx: &mut Tx,
     attempts: &[(ChargeClaim, i32)],
+    instance: &str,
 ) -> Result<Vec<Started>, db::Error> {
     if attempts.is_empty() {
         return Ok(Vec::new());
@@ -79,19 +87,23 @@ pub(crate) async fn start_attempts_in(
                 "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                                amount, currency, provider_customer_id, \
                                                payment_method_id) \
-                 SELECT i.tenant_id, i.id, u.seq, u.key, i.amount, i.currency, u.customer, u.card \
-                 FROM unnest($1::bigint[], $2::int4[], $3::text[], $4::text[], $5::text[], \
-                             $6::text[]) AS u(invoice_id, seq, key, claimed_by, customer, card) \
+                 SELECT i.tenant_id, i.id, u.seq, \
+                        'hc:' || $3::text || ':invoice:' || i.id || ':' \
+                        || (extract(epoch FROM i.created_at) * 1000000)::bigint \
+                        || ':attempt:' || u.seq, \
+                        i.amount, i.currency, u.customer, u.card \
+                 FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[]) \
+                      AS u(invoice_id, seq, claimed_by, customer, card) \
                  JOIN invoices i ON i.id = u.invoice_id \
                  WHERE i.status = 'open' \
                    AND i.auto_charge_claimed_by = u.claimed_by \
                    AND i.auto_charge_claimed_until > now() \
                  ON CONFLICT DO NOTHING \
-                 RETURNING id, invoice_id",
+                 RETURNING id, invoice_id, idempotency_key",
             )
             .bind(attempts.iter().map(|(c, _)| c.invoice_id).collect::<Vec<_>>())
             .bind(attempts.iter().map(|(_, s)| *s).collect::<Vec<_>>())
-            .bind(col(|c, s| provider::idempotency_key(c.invoice_id, s)))
+            .bind(instance.to_owned())
             .bind(col(|c, _| c.claimed_by.clone()))
             .bind(col(|c, _| c.provider_customer.clone()))
             .bind(col(|c, _| c.payment_method.clone())),
@@ -101,26 +113,49 @@ pub(crate) async fn start_attempts_in(
     for r in &rows {
         written.insert(
             r.try_get::<i64, _>("invoice_id")?,
-            r.try_get::<i64, _>("id")?,
+            (
+                r.try_get::<i64, _>("id")?,
+                r.try_get::<String, _>("idempotency_key")?,
+            ),
         );
     }
     Ok(attempts
         .iter()
         .filter_map(|(c, seq)| {
-            written.get(&c.invoice_id).map(|&attempt_id| Started {
+            written.remove(&c.invoice_id).map(|(attempt_id, key)| Started {
                 claim: c.clone(),
                 attempt_id,
                 attempt_seq: *seq,
+                key,
+                first_send: true,
             })
         })
         .collect())
 }
 
+/// Whether the provider refused this deployment's key (401/403) during the
+/// tick: then no further call is made until the next tick (one refused call,
+/// not one per invoice).
+#[derive(Debug, Default)]
+pub(crate) struct Gate(AtomicBool);
+
+impl Gate {
+    pub(crate) fn closed(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn close(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Call the provider for every started attempt, `concurrency` at once, each
-/// under the panic guard (`step` names it). A call that would start after
-/// `deadline`, or once `cancelled` says so, is not made ([`Answer::NotSent`]).
-/// A panic is that row's only: its attempt stays unknown and its claim
-/// lease expires, for the reconciler.
+/// under the panic guard (`step` names it). The batch's first call goes
+/// alone: a refused key (401/403) closes `gate` and no other call is made. A
+/// call that would start after `deadline`, once `cancelled` says so, or once
+/// the gate is closed, is not made ([`Answer::NotSent`]). A panic is that
+/// row's only: its attempt stays unknown and its claim lease expires, for
+/// the reconciler.
 pub(crate) async fn call_all(
     provider: &Provider,
     started: Vec<Started>,
@@ -128,44 +163,74 @@ pub(crate) async fn call_all(
     deadline: Instant,
     cancelled: impl Fn() -> bool + Copy,
     step: impl Fn(&Started) -> String + Copy,
+    gate: &Gate,
 ) -> Vec<(Started, Result<Answer, Payload>)> {
     let call = provider.config().timeout;
-    stream::iter(started)
-        .map(|s| async move {
-            let answer = catch(step(&s), async {
-                if Instant::now() + call > deadline || cancelled() {
-                    return Answer::NotSent;
-                }
-                let c = &s.claim;
-                let req = PaymentRequest {
-                    invoice_id: c.invoice_id,
-                    amount: c.amount,
-                    currency: c.currency.clone(),
-                    customer: c.provider_customer.clone(),
-                    payment_method: c.payment_method.clone(),
-                };
-                Answer::Called(provider.create_payment_intent(&req, s.attempt_seq).await)
-            })
-            .await;
-            (s, answer)
+    let one = |s: Started| async move {
+        let answer = catch(step(&s), async {
+            if Instant::now() + call > deadline || cancelled() || gate.closed() {
+                return Answer::NotSent;
+            }
+            let outcome = provider.create_payment_intent(&s.request()).await;
+            if matches!(outcome, ChargeOutcome::KeyRejected { .. }) {
+                gate.close();
+            }
+            Answer::Called(outcome)
         })
-        .buffer_unordered(concurrency.max(1))
-        .collect()
-        .await
+        .await;
+        (s, answer)
+    };
+    let mut started = started.into_iter();
+    let Some(first) = started.next() else {
+        return Vec::new();
+    };
+    let mut out = vec![one(first).await];
+    out.extend(
+        stream::iter(started)
+            .map(one)
+            .buffer_unordered(concurrency.max(1))
+            .collect::<Vec<_>>()
+            .await,
+    );
+    out
+}
+
+impl Started {
+    /// The request this attempt sends (and a resend repeats exactly).
+    pub(crate) fn request(&self) -> PaymentRequest {
+        let c = &self.claim;
+        PaymentRequest {
+            invoice_id: c.invoice_id,
+            amount: c.amount,
+            currency: c.currency.clone(),
+            customer: c.provider_customer.clone(),
+            payment_method: c.payment_method.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+/// How answers are written: the settle's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settling<'a> {
+    pub email_from: &'a str,
+    pub statement_timeout: Duration,
+    /// The reconciler's first wait before looking at an open attempt again;
+    /// doubled per lookup, at most an hour.
+    pub backoff: Duration,
 }
 
 /// Settle every answered attempt of a batch in one transaction (see the
 /// module's diagram). Returns, per row of `answers` and in their order, how it
 /// was written: [`Settled::Lost`] when its claim no longer held the invoice or
-/// its attempt was already settled (nothing written for it); an unknown or
-/// unsent answer is `Written` (its reason noted). A batch that cannot be
-/// written whole is settled again one row at a time, so an `Err` is that
-/// row's own.
+/// its attempt was already settled (nothing written for it); an answer that
+/// leaves the attempt open (unknown, later, key refused, not sent) is
+/// `Written` (its reason noted). A batch that cannot be written whole is
+/// settled again one row at a time, so an `Err` is that row's own.
 pub(crate) async fn settle_all(
     db: &Db,
     answers: &[(&Started, &Answer)],
-    email_from: &str,
-    statement_timeout: Duration,
+    how: Settling<'_>,
 ) -> Vec<Result<Settled, Error>> {
     let mut lost: HashSet<i64> = HashSet::new();
     loop {
@@ -174,7 +239,7 @@ pub(crate) async fn settle_all(
             .copied()
             .filter(|(s, _)| !lost.contains(&s.attempt_id))
             .collect();
-        match settle_once(db, &pending, email_from, statement_timeout).await {
+        match settle_once(db, &pending, how).await {
             Ok(Once::Committed(no_write)) => {
                 lost.extend(no_write);
                 return answers
@@ -197,41 +262,14 @@ pub(crate) async fn settle_all(
     }
     // One at a time: each row in its own transaction, as before batching.
     let mut out = Vec::with_capacity(answers.len());
-    for (s, a) in answers {
-        out.push(settle_one(db, s, a, email_from, statement_timeout).await);
+    for row in answers {
+        out.push(match settle_once(db, &[*row], how).await {
+            Ok(Once::Committed(lost)) if lost.is_empty() => Ok(Settled::Written),
+            Ok(_) => Ok(Settled::Lost),
+            Err(e) => Err(e),
+        });
     }
     out
-}
-
-async fn settle_one(
-    db: &Db,
-    s: &Started,
-    a: &Answer,
-    from: &str,
-    timeout: Duration,
-) -> Result<Settled, Error> {
-    let (claim, attempt, seq) = (&s.claim, s.attempt_id, s.attempt_seq);
-    match a {
-        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
-            store::settle_paid(db, claim, attempt, seq, payment_intent, from, timeout).await
-        }
-        Answer::Called(ChargeOutcome::Declined {
-            code,
-            payment_intent,
-        }) => {
-            let pi = payment_intent.as_deref();
-            store::settle_declined(db, claim, attempt, seq, (code, pi), from, timeout).await
-        }
-        Answer::Called(ChargeOutcome::Unknown { reason }) => {
-            store::note_unknown(db, attempt, reason, timeout).await?;
-            Ok(Settled::Written)
-        }
-        Answer::NotSent => {
-            store::note_unknown(db, attempt, NOT_SENT, timeout).await?;
-            store::release_claims(db, &[claim.invoice_id], &claim.claimed_by, timeout).await?;
-            Ok(Settled::Written)
-        }
-    }
 }
 
 enum Once {
@@ -242,71 +280,130 @@ enum Once {
     RolledBack(Vec<i64>),
 }
 
-/// The rows of one kind (paid or declined), as the statements bind them.
+/// What a settled answer writes: the attempt's new status, and whether the
+/// invoice is paid or flagged for review. `None`: the attempt stays open.
+fn resolution(a: &Answer) -> Option<(&'static str, Option<&str>, Option<&str>, Option<String>)> {
+    // (status, decline code, payment intent, why)
+    match a {
+        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
+            Some(("succeeded", None, Some(payment_intent), None))
+        }
+        Answer::Called(ChargeOutcome::Declined {
+            code,
+            payment_intent,
+        }) => Some(("declined", Some(code), payment_intent.as_deref(), None)),
+        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
+            Some(("processing", None, Some(payment_intent), None))
+        }
+        Answer::Called(ChargeOutcome::Invalid { reason }) => {
+            Some(("failed", None, None, Some(reason.clone())))
+        }
+        Answer::Called(ChargeOutcome::NeedsReview {
+            reason,
+            payment_intent,
+            ..
+        }) => Some((
+            "needs_review",
+            None,
+            payment_intent.as_deref(),
+            Some(reason.clone()),
+        )),
+        _ => None,
+    }
+}
+
+/// The resolved rows, as the statement binds them.
 #[derive(Default)]
 struct Cols {
     invoice: Vec<i64>,
     claimed_by: Vec<String>,
     attempt: Vec<i64>,
-    intent: Vec<Option<String>>,
+    status: Vec<String>,
     code: Vec<Option<String>>,
+    intent: Vec<Option<String>>,
+    why: Vec<Option<String>>,
+    raw: Vec<Option<String>>,
 }
 
-impl Cols {
-    fn push(&mut self, s: &Started, intent: Option<&str>, code: Option<&str>) {
-        self.invoice.push(s.claim.invoice_id);
-        self.claimed_by.push(s.claim.claimed_by.clone());
-        self.attempt.push(s.attempt_id);
-        self.intent.push(intent.map(str::to_owned));
-        self.code.push(code.map(str::to_owned));
-    }
+/// The rows left open, as the statement binds them.
+#[derive(Default)]
+struct Open {
+    attempt: Vec<i64>,
+    why: Vec<String>,
+    intent: Vec<Option<String>>,
+    /// Seconds until the next look; `None`: the reconciler's backoff.
+    delay: Vec<Option<f64>>,
+    /// No request of this key executed: the resend window restarts.
+    unsent: Vec<bool>,
+    /// Give the invoice's claim back now (nothing can be in flight).
+    release: Vec<(i64, String)>,
 }
 
-async fn settle_once(
-    db: &Db,
-    answers: &[(&Started, &Answer)],
-    from: &str,
-    timeout: Duration,
-) -> Result<Once, Error> {
+async fn settle_once(db: &Db, answers: &[(&Started, &Answer)], how: Settling<'_>) -> Result<Once, Error> {
     if answers.is_empty() {
         return Ok(Once::Committed(Vec::new()));
     }
-    let (mut paid, mut declined) = (Cols::default(), Cols::default());
-    let (mut unknown_ids, mut unknown_why) = (Vec::new(), Vec::new());
-    let mut unsent = Vec::new();
+    let (mut done, mut open) = (Cols::default(), Open::default());
     for (s, a) in answers {
-        match a {
-            Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
-                paid.push(s, Some(payment_intent), None);
-            }
-            Answer::Called(ChargeOutcome::Declined {
-                code,
-                payment_intent,
-            }) => declined.push(s, payment_intent.as_deref(), Some(code)),
-            Answer::Called(ChargeOutcome::Unknown { reason }) => {
-                unknown_ids.push(s.attempt_id);
-                unknown_why.push(reason.clone());
-            }
-            Answer::NotSent => {
-                unknown_ids.push(s.attempt_id);
-                unknown_why.push(NOT_SENT.to_owned());
-                unsent.push(s);
-            }
+        if let Some((status, code, intent, why)) = resolution(a) {
+            done.invoice.push(s.claim.invoice_id);
+            done.claimed_by.push(s.claim.claimed_by.clone());
+            done.attempt.push(s.attempt_id);
+            done.status.push(status.to_owned());
+            done.code.push(code.map(str::to_owned));
+            done.intent.push(intent.map(str::to_owned));
+            done.why.push(why);
+            done.raw.push(match a {
+                Answer::Called(ChargeOutcome::NeedsReview { raw, .. }) => raw.clone(),
+                _ => None,
+            });
+            continue;
         }
+        let (why, intent, delay, unsent) = match a {
+            Answer::Called(ChargeOutcome::Unknown {
+                reason,
+                payment_intent,
+                ..
+            }) => (reason.clone(), payment_intent.clone(), None, false),
+            Answer::Called(ChargeOutcome::RetryLater { reason, after }) => {
+                (reason.clone(), None, Some(after.as_secs_f64()), false)
+            }
+            Answer::Called(ChargeOutcome::KeyRejected { message, .. }) => {
+                (message.clone(), None, Some(0.0), s.first_send)
+            }
+            _ => (NOT_SENT.to_owned(), None, Some(0.0), s.first_send),
+        };
+        if unsent || matches!(a, Answer::Called(ChargeOutcome::KeyRejected { .. })) {
+            open.release.push((s.claim.invoice_id, s.claim.claimed_by.clone()));
+        }
+        open.attempt.push(s.attempt_id);
+        open.why.push(why);
+        open.intent.push(intent);
+        open.delay.push(delay);
+        open.unsent.push(unsent);
     }
-    let mut tx = db.begin_with_timeout(timeout).await?;
-    // Paid: the invoice open → paid while this row's claim holds it unexpired,
-    // and its attempt unknown → succeeded; per row, both or (rolled back) neither.
-    let paid_won = if paid.invoice.is_empty() {
+    let backoff = how.backoff.as_secs_f64();
+    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    // Resolved rows: the invoice (claim still ours, unexpired, still open)
+    // paid, flagged for review or just given back, and the attempt (still
+    // unknown or processing) resolved; per row, both or (rolled back) neither.
+    let won = if done.invoice.is_empty() {
         Ok(HashSet::new())
     } else {
         let row = tx
             .fetch_one(
                 sql("WITH u AS ( \
-                       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[]) \
-                              AS u(invoice_id, claimed_by, attempt_id, intent) \
+                       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
+                                            $5::text[], $6::text[], $7::text[], $8::text[]) \
+                              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw) \
                      ), inv AS ( \
-                       UPDATE invoices i SET status = 'paid', paid_at = now(), \
+                       UPDATE invoices i SET \
+                              status = CASE WHEN u.status = 'succeeded' THEN 'paid' ELSE i.status END, \
+                              paid_at = CASE WHEN u.status = 'succeeded' THEN now() ELSE i.paid_at END, \
+                              review_since = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                                  THEN now() ELSE i.review_since END, \
+                              review_reason = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                                   THEN u.why ELSE i.review_reason END, \
                               auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
                        FROM u \
                        WHERE i.id = u.invoice_id AND i.status = 'open' \
@@ -314,91 +411,71 @@ async fn settle_once(
                          AND i.auto_charge_claimed_until > now() \
                        RETURNING i.id \
                      ), att AS ( \
-                       UPDATE payment_attempts a SET provider_status = 'succeeded', \
-                              decline_code = NULL, provider_payment_intent = u.intent, \
-                              resolved_at = now(), last_checked_at = now() \
+                       UPDATE payment_attempts a SET provider_status = u.status, \
+                              decline_code = u.code, \
+                              provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
+                              last_error = u.why, raw_answer = u.raw, \
+                              resolved_at = CASE WHEN u.status IN ('processing', 'needs_review') \
+                                                 THEN NULL ELSE now() END, \
+                              last_checked_at = now(), lookups = a.lookups + 1, \
+                              next_check_at = now() + make_interval(secs => \
+                                  least($9 * power(2, least(a.lookups, 12)), 3600)) \
                        FROM u JOIN inv ON inv.id = u.invoice_id \
-                       WHERE a.id = u.attempt_id AND a.provider_status = 'unknown' \
+                       WHERE a.id = u.attempt_id AND a.provider_status IN ('unknown', 'processing') \
                        RETURNING a.id \
                      ) \
                      SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
                             COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts")
-                .bind(paid.invoice.clone())
-                .bind(paid.claimed_by.clone())
-                .bind(paid.attempt.clone())
-                .bind(paid.intent.clone()),
+                .bind(done.invoice.clone())
+                .bind(done.claimed_by.clone())
+                .bind(done.attempt.clone())
+                .bind(done.status.clone())
+                .bind(done.code.clone())
+                .bind(done.intent.clone())
+                .bind(done.why.clone())
+                .bind(done.raw.clone())
+                .bind(backoff),
             )
             .await?;
-        won_pairs(&row, &paid)?
+        won_pairs(&row, &done)?
     };
-    let declined_won = if declined.invoice.is_empty() {
-        Ok(HashSet::new())
-    } else {
-        let row = tx
-            .fetch_one(
-                sql("WITH u AS ( \
-                       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
-                                            $5::text[]) \
-                              AS u(invoice_id, claimed_by, attempt_id, intent, code) \
-                     ), inv AS ( \
-                       UPDATE invoices i SET auto_charge_claimed_until = NULL, \
-                              auto_charge_claimed_by = NULL \
-                       FROM u \
-                       WHERE i.id = u.invoice_id AND i.status = 'open' \
-                         AND i.auto_charge_claimed_by = u.claimed_by \
-                         AND i.auto_charge_claimed_until > now() \
-                       RETURNING i.id \
-                     ), att AS ( \
-                       UPDATE payment_attempts a SET provider_status = 'declined', \
-                              decline_code = u.code, provider_payment_intent = u.intent, \
-                              resolved_at = now(), last_checked_at = now() \
-                       FROM u JOIN inv ON inv.id = u.invoice_id \
-                       WHERE a.id = u.attempt_id AND a.provider_status = 'unknown' \
-                       RETURNING a.id \
-                     ) \
-                     SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
-                            COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts")
-                .bind(declined.invoice.clone())
-                .bind(declined.claimed_by.clone())
-                .bind(declined.attempt.clone())
-                .bind(declined.intent.clone())
-                .bind(declined.code.clone()),
-            )
-            .await?;
-        won_pairs(&row, &declined)?
-    };
-    let (paid_won, declined_won) = match (paid_won, declined_won) {
-        (Ok(p), Ok(d)) => (p, d),
-        (p, d) => {
+    let won = match won {
+        Ok(w) => w,
+        Err(bad) => {
             // An invoice written whose attempt was already settled: roll back,
             // and settle those rows as lost.
             tx.rollback().await?;
-            let mut ids = Vec::new();
-            for r in [p, d] {
-                if let Err(bad) = r {
-                    ids.extend(bad);
-                }
-            }
-            return Ok(Once::RolledBack(ids));
+            return Ok(Once::RolledBack(bad));
         }
     };
-    if !unknown_ids.is_empty() {
+    if !open.attempt.is_empty() {
         tx.execute(
-            sql("UPDATE payment_attempts a SET last_error = u.why \
-                 FROM unnest($1::bigint[], $2::text[]) AS u(id, why) \
-                 WHERE a.id = u.id AND a.provider_status = 'unknown'")
-            .bind(unknown_ids)
-            .bind(unknown_why),
+            sql("UPDATE payment_attempts a SET last_error = u.why, \
+                        provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
+                        lookups = a.lookups + 1, \
+                        next_check_at = now() + make_interval(secs => COALESCE(u.delay, \
+                            least($6 * power(2, least(a.lookups, 12)), 3600))), \
+                        first_sent_at = CASE WHEN u.unsent THEN NULL ELSE a.first_sent_at END \
+                 FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[]) \
+                      AS u(id, why, intent, delay, unsent) \
+                 WHERE a.id = u.id AND a.provider_status IN ('unknown', 'processing')")
+            .bind(open.attempt)
+            .bind(open.why)
+            .bind(open.intent)
+            .bind(open.delay)
+            .bind(open.unsent)
+            .bind(backoff),
         )
         .await?;
     }
-    if !unsent.is_empty() {
+    if !open.release.is_empty() {
+        let (ids, by): (Vec<i64>, Vec<String>) = open.release.into_iter().unzip();
         tx.execute(
             sql("UPDATE invoices i SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
                  FROM unnest($1::bigint[], $2::text[]) AS u(id, claimed_by) \
                  WHERE i.id = u.id AND i.auto_charge_claimed_by = u.claimed_by")
-            .bind(unsent.iter().map(|s| s.claim.invoice_id).collect::<Vec<_>>())
-            .bind(unsent.iter().map(|s| s.claim.claimed_by.clone()).collect::<Vec<_>>()),
+            .bind(ids)
+            .bind(by),
         )
         .await?;
     }
@@ -406,12 +483,13 @@ async fn settle_once(
     let mut payloads: Vec<(&str, &'static str, String)> = Vec::new();
     let mut emails: Vec<(&str, email_outbox::Email)> = Vec::new();
     for (s, a) in answers {
+        if !won.contains(&s.attempt_id) {
+            continue;
+        }
         let c = &s.claim;
         let tenant = c.tenant_id.as_str();
         match a {
-            Answer::Called(ChargeOutcome::Succeeded { payment_intent })
-                if paid_won.contains(&s.attempt_id) =>
-            {
+            Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
                 payloads.push((tenant, "invoice.paid", paid_payload(c, payment_intent)));
                 let pi = Some(payment_intent.as_str());
                 payloads.push((
@@ -419,19 +497,22 @@ async fn settle_once(
                     "payment.succeeded",
                     payment_payload(c, s.attempt_seq, pi, None),
                 ));
-                emails.push((tenant, receipt(c, from)));
+                emails.push((tenant, receipt(c, how.email_from)));
             }
             Answer::Called(ChargeOutcome::Declined {
                 code,
                 payment_intent,
-            }) if declined_won.contains(&s.attempt_id) => {
+            }) => {
                 let pi = payment_intent.as_deref();
                 payloads.push((
                     tenant,
                     "payment.failed",
                     payment_payload(c, s.attempt_seq, pi, Some(code)),
                 ));
-                emails.push((tenant, failed_email(c, code, from)));
+                emails.push((tenant, failed_email(c, code, how.email_from)));
+            }
+            Answer::Called(ChargeOutcome::Invalid { reason } | ChargeOutcome::NeedsReview { reason, .. }) => {
+                warn!(invoice = c.invoice_id, attempt = s.attempt_id, reason = %reason, "payment attempt needs an operator's review (hardcount billing review)");
             }
             _ => {}
         }
@@ -446,11 +527,7 @@ async fn settle_once(
     tx.commit().await?;
     let lost: Vec<i64> = answers
         .iter()
-        .filter(|(s, a)| match a {
-            Answer::Called(ChargeOutcome::Succeeded { .. }) => !paid_won.contains(&s.attempt_id),
-            Answer::Called(ChargeOutcome::Declined { .. }) => !declined_won.contains(&s.attempt_id),
-            _ => false,
-        })
+        .filter(|(s, a)| resolution(a).is_some() && !won.contains(&s.attempt_id))
         .map(|(s, _)| s.attempt_id)
         .collect();
     Ok(Once::Committed(lost))

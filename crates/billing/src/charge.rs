@@ -24,11 +24,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use leader::{Fence, Role, Tick};
-use scheduler::{FencedBatches, Panics, Payload, Shape};
+use scheduler::{FencedBatches, Panics, Shape};
 use tracing::{info, warn};
 
 use crate::batch::{self, Answer, Started};
-use crate::provider::{self, ChargeOutcome, PaymentRequest};
+use crate::provider::ChargeOutcome;
 use crate::store::{self, ChargeClaim, Settled};
 use crate::{Biller, Error};
 
@@ -59,16 +59,16 @@ pub struct ChargeTally {
     pub declined: usize,
     pub unknown: usize,
     pub claim_lost: usize,
+    /// Accepted and not settled yet (bank debits): polled by the reconciler.
+    pub processing: usize,
+    /// Refused as invalid or unreadable: waiting for an operator.
+    pub needs_review: usize,
     /// Attempts recorded but not sent (the budget ended, or the tick was
     /// cancelled, during the batch): their claims were given back and the
     /// reconciler sends each by its key.
     pub released: usize,
     pub panicked: usize,
 }
-
-/// One concurrently run item of a batch: its id, and its result (`None`:
-/// not started, out of budget) or its panic.
-pub(crate) type Guarded<T> = (i64, Result<Option<Result<T, Error>>, Payload>);
 
 static CLAIMS: AtomicU64 = AtomicU64::new(0);
 
@@ -102,7 +102,7 @@ impl Biller {
         .await?)
     }
 
-    /// Charge one claimed invoice and settle the answer.
+    /// Charge one claimed invoice and settle the answer (a batch of one).
     ///
     /// # Errors
     /// A database error or a refused event or email; the settling rolled
@@ -112,48 +112,36 @@ impl Biller {
             return Ok(Charged::NoProvider);
         };
         let c = &self.inner.config;
-        let timeout = c.statement_timeout;
-        let seq = AUTO_CHARGE_ATTEMPT;
-        let key = provider::idempotency_key(claim.invoice_id, seq);
         let db = &self.inner.db;
-        let Some(attempt) = store::start_attempt(db, claim, seq, &key, timeout).await? else {
+        let Some(started) =
+            store::start_attempt(db, claim, AUTO_CHARGE_ATTEMPT, &c.instance_id, c.statement_timeout)
+                .await?
+        else {
             return Ok(Charged::ClaimLost);
         };
-        let req = PaymentRequest {
-            invoice_id: claim.invoice_id,
-            amount: claim.amount,
-            currency: claim.currency.clone(),
-            customer: claim.provider_customer.clone(),
-            payment_method: claim.payment_method.clone(),
-        };
-        let outcome = provider.create_payment_intent(&req, seq).await;
-        let from = &c.email_from;
-        Ok(match outcome {
-            ChargeOutcome::Succeeded { payment_intent } => {
-                match store::settle_paid(db, claim, attempt, seq, &payment_intent, from, timeout)
-                    .await?
-                {
-                    Settled::Written => Charged::Paid { payment_intent },
-                    Settled::Lost => Charged::ClaimLost,
-                }
-            }
-            ChargeOutcome::Declined {
-                code,
-                payment_intent,
-            } => {
-                let pi = payment_intent.as_deref();
-                match store::settle_declined(db, claim, attempt, seq, (&code, pi), from, timeout)
-                    .await?
-                {
-                    Settled::Written => Charged::Declined { code },
-                    Settled::Lost => Charged::ClaimLost,
-                }
-            }
-            ChargeOutcome::Unknown { reason } => {
-                store::note_unknown(db, attempt, &reason, timeout).await?;
-                Charged::Unknown { reason }
-            }
+        let outcome = provider.create_payment_intent(&started.request()).await;
+        let answer = Answer::Called(outcome.clone());
+        let settled = batch::settle_all(db, &[(&started, &answer)], self.settling())
+            .await
+            .pop()
+            .unwrap_or(Ok(Settled::Lost))?;
+        Ok(match (outcome, settled) {
+            (_, Settled::Lost) => Charged::ClaimLost,
+            (ChargeOutcome::Succeeded { payment_intent }, _) => Charged::Paid { payment_intent },
+            (ChargeOutcome::Declined { code, .. }, _) => Charged::Declined { code },
+            (other, _) => Charged::Unknown {
+                reason: format!("{other:?}"),
+            },
         })
+    }
+
+    pub(crate) fn settling(&self) -> batch::Settling<'_> {
+        let c = &self.inner.config;
+        batch::Settling {
+            email_from: &c.email_from,
+            statement_timeout: c.statement_timeout,
+            backoff: c.reconcile_backoff,
+        }
     }
 }
 
@@ -162,6 +150,8 @@ impl Biller {
 /// concurrently, and one transaction settles every answer (`crate::batch`).
 pub(crate) struct AutoCharge<'a> {
     pub biller: &'a Biller,
+    /// Closed by a refused key: the rest of the tick makes no call.
+    pub gate: &'a batch::Gate,
 }
 
 impl FencedBatches for AutoCharge<'_> {
@@ -188,7 +178,7 @@ impl FencedBatches for AutoCharge<'_> {
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Started>, Error> {
         let b = &self.biller.inner;
         let c = &b.config;
-        if b.provider.is_none() {
+        if b.provider.is_none() || self.gate.closed() {
             return Ok(Vec::new());
         }
         Ok(store::claim_and_start(
@@ -196,7 +186,7 @@ impl FencedBatches for AutoCharge<'_> {
             fence,
             limit,
             &claim_identity(fence),
-            c.charge_lease,
+            (c.charge_lease, &c.instance_id),
             c.statement_timeout,
         )
         .await?)
@@ -228,6 +218,7 @@ impl FencedBatches for AutoCharge<'_> {
             deadline,
             || tick.cancel.is_cancelled(),
             |s| format!("{}/charge invoice {}", Role::Billing, s.claim.invoice_id),
+            self.gate,
         )
         .await;
         let mut answered = Vec::with_capacity(called.len());
@@ -247,52 +238,57 @@ impl FencedBatches for AutoCharge<'_> {
                 }
             }
         }
-        let settled = batch::settle_all(
-            &biller.inner.db,
-            &answered,
-            &c.email_from,
-            c.statement_timeout,
-        )
-        .await;
+        let settled = batch::settle_all(&biller.inner.db, &answered, biller.settling()).await;
         let t = &biller.inner.telemetry;
         let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
+        let mut rejected = None;
         for ((started, answer), settled) in answered.iter().zip(settled) {
             let invoice = started.claim.invoice_id;
-            let label = match (answer, settled) {
-                (Answer::NotSent, _) => {
-                    tally.released += 1;
-                    continue;
-                }
+            let Answer::Called(outcome) = answer else {
+                tally.released += 1;
+                continue;
+            };
+            calls += 1;
+            if outcome.is_outage() {
+                outages += 1;
+                last_outage = format!("{outcome:?}");
+            }
+            let label = match (outcome, settled) {
                 (_, Err(e)) => {
                     tally.unknown += 1;
                     warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
                     "error"
                 }
-                (Answer::Called(ChargeOutcome::Unknown { reason }), Ok(_)) => {
-                    calls += 1;
-                    tally.unknown += 1;
-                    if provider::is_outage_reason(reason) {
-                        outages += 1;
-                        last_outage.clone_from(reason);
-                    }
-                    warn!(role = %Role::Billing, invoice, reason = %reason, "charge outcome unknown; left for the reconciler");
-                    "unknown"
+                (ChargeOutcome::KeyRejected { status, message }, Ok(_)) => {
+                    rejected = Some((*status, message.clone()));
+                    tally.released += 1;
+                    "key_rejected"
                 }
-                (Answer::Called(_), Ok(Settled::Lost)) => {
-                    calls += 1;
+                (_, Ok(Settled::Lost)) => {
                     tally.claim_lost += 1;
                     "claim_lost"
                 }
-                (Answer::Called(ChargeOutcome::Succeeded { .. }), Ok(Settled::Written)) => {
-                    calls += 1;
+                (ChargeOutcome::Succeeded { .. }, Ok(Settled::Written)) => {
                     tally.paid += 1;
                     "succeeded"
                 }
-                (Answer::Called(ChargeOutcome::Declined { code, .. }), Ok(Settled::Written)) => {
-                    calls += 1;
+                (ChargeOutcome::Declined { code, .. }, Ok(Settled::Written)) => {
                     tally.declined += 1;
                     info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
                     "declined"
+                }
+                (ChargeOutcome::Processing { .. }, Ok(Settled::Written)) => {
+                    tally.processing += 1;
+                    "processing"
+                }
+                (ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. }, Ok(Settled::Written)) => {
+                    tally.needs_review += 1;
+                    "needs_review"
+                }
+                (other, Ok(Settled::Written)) => {
+                    tally.unknown += 1;
+                    warn!(role = %Role::Billing, invoice, outcome = ?other, "charge outcome unknown; left for the reconciler");
+                    "unknown"
                 }
             };
             t.counter("hardcount_billing_charges_total", &[("outcome", label)])
@@ -303,6 +299,9 @@ impl FencedBatches for AutoCharge<'_> {
             if let Err(payload) = result {
                 panics.record(payload);
             }
+        }
+        if let Some((status, message)) = rejected {
+            return Err(biller.key_rejected(status, message));
         }
         if calls > 0 && outages == calls {
             return Err(Error::ProviderOutage {

@@ -25,6 +25,19 @@ pub struct BillingConfig {
     /// lookups), each with its own database work. Default 32: at a few
     /// milliseconds per charge on loopback that is well over 1,000 charges/s.
     pub charge_concurrency: usize,
+    /// This deployment's name in every idempotency key and in each charge's
+    /// metadata, so two installs on one provider account (or a restored copy)
+    /// never replay each other's answers. `[a-z0-9_]`, 1 to 32 characters.
+    /// Default `default`.
+    pub instance_id: String,
+    /// How long after an attempt's first send the reconciler may send the
+    /// same request again under its key (docs/adr/0024). Stripe keeps a key at
+    /// least 24 hours, so at most 23 h. Default 12 h.
+    pub resend_window: Duration,
+    /// The reconciler's first wait before looking at an open attempt again
+    /// (a processing intent, a lookup that failed); doubled per look, at most
+    /// an hour. Default 30 s.
+    pub reconcile_backoff: Duration,
 }
 
 impl Default for BillingConfig {
@@ -37,6 +50,9 @@ impl Default for BillingConfig {
             charge_lease: Duration::from_secs(600),
             email_from: "Billing <billing@example.com>".to_owned(),
             charge_concurrency: 32,
+            instance_id: "default".to_owned(),
+            resend_window: Duration::from_secs(12 * 3600),
+            reconcile_backoff: Duration::from_secs(30),
         }
     }
 }
@@ -65,6 +81,10 @@ pub enum ConfigError {
         "billing charge_lease ({lease:?}) must be at least twice the provider timeout ({timeout:?})"
     )]
     ChargeLease { lease: Duration, timeout: Duration },
+    #[error(
+        "billing instance_id (HARDCOUNT_INSTANCE_ID) must be 1 to 32 characters of a-z, 0-9 and _, not {0:?}"
+    )]
+    InstanceId(String),
     #[error("billing email_from is empty")]
     EmailFrom,
     #[error("billing provider client: {0}")]
@@ -87,6 +107,9 @@ impl BillingConfig {
             ("tick_budget", self.tick_budget, ms(100), s(3600)),
             ("statement_timeout", self.statement_timeout, ms(100), s(300)),
             ("charge_lease", self.charge_lease, s(1), s(86_400)),
+            // Stripe prunes keys after at least 24 h: resend only well inside it.
+            ("resend_window", self.resend_window, s(60), s(23 * 3600)),
+            ("reconcile_backoff", self.reconcile_backoff, Duration::ZERO, s(3600)),
         ];
         for (field, value, min, max) in ranges {
             if value < min || value > max {
@@ -97,6 +120,12 @@ impl BillingConfig {
                     max,
                 });
             }
+        }
+        let id = &self.instance_id;
+        if !(1..=32).contains(&id.len())
+            || !id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return Err(ConfigError::InstanceId(id.clone()));
         }
         if self.email_from.trim().is_empty() {
             return Err(ConfigError::EmailFrom);
@@ -188,6 +217,20 @@ mod tests {
                     ..Default::default()
                 },
                 "statement_timeout",
+            ),
+            (
+                BillingConfig {
+                    resend_window: Duration::from_secs(23 * 3600 + 1),
+                    ..Default::default()
+                },
+                "resend_window",
+            ),
+            (
+                BillingConfig {
+                    instance_id: "eu-1".into(),
+                    ..Default::default()
+                },
+                "instance_id",
             ),
         ];
         let provider = |url: &str, key: &str, timeout: u64| BillingConfig {

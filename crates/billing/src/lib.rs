@@ -126,7 +126,7 @@ pub use config::{BillingConfig, ConfigError};
 pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
 pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
-pub use reconcile::{ReconcileTally, Resolution};
+pub use reconcile::ReconcileTally;
 pub use retry::{NotCharged, Retried, RetryRequest, StartedRetry};
 pub use store::{ChargeClaim, Closed};
 pub use tick::{Biller, Tally, TickReport};
@@ -150,6 +150,13 @@ pub enum Error {
     /// refused or 5xx): the tick stops and is released as failed.
     #[error("payment provider outage: all {calls} calls of the batch failed ({last})")]
     ProviderOutage { calls: usize, last: String },
+    /// The provider refused this deployment's secret key (401/403): rolled or
+    /// wrong. Nothing was recorded against any customer; no further call is
+    /// made this tick, which ends failed.
+    #[error(
+        "the payment provider refused BILLING_PROVIDER_SECRET_KEY (HTTP {status}): rolled or wrong; no charge is attempted until it is fixed"
+    )]
+    ProviderKeyRejected { status: u16 },
     /// A plan change found the period moved since its snapshot (the tick
     /// closed it, or another change truncated it): nothing was written.
     /// Code `subscription_period_moved` (HTTP 409 once the API exists).
@@ -174,6 +181,7 @@ impl Error {
             Error::Unbillable(_) => "subscription_unbillable",
             Error::Enqueue(_) | Error::EmailEnqueue(_) => "billing_enqueue",
             Error::ProviderOutage { .. } => "payment_provider_outage",
+            Error::ProviderKeyRejected { .. } => "payment_provider_key_rejected",
             Error::SubscriptionPeriodMoved { .. } => "subscription_period_moved",
             Error::SubscriptionNotFound { .. } => "subscription_not_found",
         }

@@ -1,14 +1,22 @@
 //! The payment reconciler, the last step of the billing tick: two sweeps.
 //!
 //! ```text
-//!  unknown   attempts 'unknown' of open invoices whose claim is free or expired,
+//!  open      attempts 'unknown' or 'processing' of open invoices not flagged for
+//!            review, whose claim is free or expired and whose next look is due,
 //!            least recently checked first, AND leader_fence   (fenced; claims the invoice)
-//!            per attempt, concurrently, each under the panic guard:
-//!              the same POST with the same Idempotency-Key and parameters
-//!              (the lookup by key, docs/adr/0012)
-//!                succeeded ─▶ settle_paid: invoice.paid, payment.succeeded, receipt
-//!                declined  ─▶ settle_declined: payment.failed, payment-failed email
-//!                otherwise ─▶ stays unknown (its reason noted)
+//!            per attempt, concurrently, each under the panic guard, the provider's
+//!            record (docs/adr/0024), never a resend once the key may be forgotten:
+//!              an intent id known      ─▶ GET /v1/payment_intents/{id}
+//!              else                    ─▶ the customer's recent intents, matched on
+//!                                         metadata[hardcount_attempt]
+//!              not found, key alive    ─▶ the same POST under the same key
+//!              not found, key may be gone ─▶ needs review
+//!            then one settling transaction for the batch (crate::batch):
+//!                succeeded  ─▶ invoice.paid, payment.succeeded, receipt
+//!                declined   ─▶ payment.failed, its email
+//!                processing ─▶ polled again at a backoff (no dunning meanwhile)
+//!                invalid, unreadable ─▶ needs review (invoice flagged)
+//!                otherwise  ─▶ stays open, its reason noted, looked at again later
 //!            then every checked attempt is stamped (last_checked_at), a panicked
 //!            one too, and the claims given back: one bad row rotates to the back
 //!  stale     auto-charge claims past their expiry freed, longest expired first
@@ -17,20 +25,19 @@
 //!
 //! An attempt is only looked up once its invoice's claim lease has expired
 //! (the lease outlives the call by construction), so a lookup never races the
-//! call it looks up. A refusal of the key (`idempotency_error`: the stored
-//! request had other parameters) is not a decline: the first request may have
-//! charged, so the attempt stays unknown and is flagged in `last_error`.
+//! call it looks up. A refused key (401/403) stops every lookup of the tick
+//! and fails it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt};
 use leader::{Fence, Role, Tick};
-use scheduler::{FencedBatches, Panics, Shape, catch};
+use scheduler::{FencedBatches, Panics, Payload, Shape, catch};
 use tracing::{info, warn};
 
-use crate::charge::Guarded;
-use crate::provider::{self, ChargeOutcome, PaymentRequest};
+use crate::batch::{self, Answer, Gate, Started};
+use crate::provider::ChargeOutcome;
 use crate::store::{self, Settled, UnknownAttempt};
 use crate::{Biller, Error};
 
@@ -43,21 +50,17 @@ pub struct ReconcileTally {
     pub declined: usize,
     /// Still unknown after the lookup (stamped, tried again later).
     pub still_unknown: usize,
+    /// Accepted by the provider, not settled yet: polled again later.
+    pub processing: usize,
+    /// Sent to an operator's review (unreadable, refused, or the key may be
+    /// forgotten).
+    pub needs_review: usize,
     /// Settled by someone else first: nothing written.
     pub lost: usize,
     /// Checks that panicked: counted as failed, their rows stamped.
     pub failed: usize,
     /// Expired auto-charge claims freed by the stale-hold sweep.
     pub holds_freed: usize,
-}
-
-/// How one unknown attempt's lookup ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Resolution {
-    Paid,
-    Declined { code: String },
-    StillUnknown { reason: String },
-    Lost,
 }
 
 static CHECKS: AtomicU64 = AtomicU64::new(0);
@@ -68,65 +71,60 @@ fn check_identity(fence: &Fence) -> String {
 }
 
 impl Biller {
-    /// Look up one unknown attempt by its key and settle what the provider says.
-    async fn resolve(&self, u: &UnknownAttempt) -> Result<Resolution, Error> {
+    /// What the provider's record says of one open attempt, without ever
+    /// sending it again once its key may be forgotten (docs/adr/0024): the
+    /// intent by id when an answer named one; else the customer's intents
+    /// searched for the attempt's metadata; else, only while the key is
+    /// certainly alive, the same request under the same key (which answers
+    /// the stored result, or executes once if the first never did); else
+    /// needs review.
+    async fn look_up(&self, u: &UnknownAttempt) -> ChargeOutcome {
         let Some(provider) = &self.inner.provider else {
-            return Ok(Resolution::StillUnknown {
+            return ChargeOutcome::Unknown {
                 reason: "no provider configured".into(),
-            });
+                payment_intent: None,
+                outage: false,
+            };
         };
-        let c = &self.inner.config;
-        let (db, timeout, from) = (&self.inner.db, c.statement_timeout, &c.email_from);
-        let claim = &u.claim;
-        let req = PaymentRequest {
-            invoice_id: claim.invoice_id,
-            amount: claim.amount,
-            currency: claim.currency.clone(),
-            customer: claim.provider_customer.clone(),
-            payment_method: claim.payment_method.clone(),
-        };
-        let (attempt, seq) = (u.attempt_id, u.attempt_seq);
-        let outcome = provider
-            .payment_intent_with_key(&req, &u.idempotency_key)
-            .await;
-        let settled = match outcome {
-            ChargeOutcome::Succeeded { payment_intent } => {
-                store::settle_paid(db, claim, attempt, seq, &payment_intent, from, timeout).await?
-            }
-            ChargeOutcome::Declined { code, .. } if code == "idempotency_error" => {
-                let reason = "the provider refused the key with these parameters: \
-                              settle by hand (the first request may have charged)"
-                    .to_owned();
-                store::note_unknown(db, attempt, &reason, timeout).await?;
-                return Ok(Resolution::StillUnknown { reason });
-            }
-            ChargeOutcome::Declined {
-                code,
-                payment_intent,
-            } => {
-                let pi = payment_intent.as_deref();
-                match store::settle_declined(db, claim, attempt, seq, (&code, pi), from, timeout)
-                    .await?
-                {
-                    Settled::Written => return Ok(Resolution::Declined { code }),
-                    Settled::Lost => Settled::Lost,
-                }
-            }
-            ChargeOutcome::Unknown { reason } => {
-                store::note_unknown(db, attempt, &reason, timeout).await?;
-                return Ok(Resolution::StillUnknown { reason });
-            }
-        };
-        Ok(match settled {
-            Settled::Written => Resolution::Paid,
-            Settled::Lost => Resolution::Lost,
-        })
+        if let Some(pi) = &u.payment_intent {
+            return provider.get_payment_intent(pi).await;
+        }
+        let key = &u.idempotency_key;
+        match provider
+            .find_payment_intent(&u.claim.provider_customer, key, u.listed_since)
+            .await
+        {
+            Ok(Some(found)) => found,
+            Err(why) => why,
+            Ok(None) if u.resend_ok => provider.create_payment_intent(&started(u).request()).await,
+            Ok(None) => ChargeOutcome::NeedsReview {
+                reason: "no payment intent carries this attempt's key, and the key may be \
+                         forgotten by the provider (first sent before the resend window): \
+                         sending it again could charge twice; check the provider's dashboard"
+                    .into(),
+                raw: None,
+                payment_intent: None,
+            },
+        }
+    }
+}
+
+/// An open attempt as the settling primitives take it.
+fn started(u: &UnknownAttempt) -> Started {
+    Started {
+        claim: u.claim.clone(),
+        attempt_id: u.attempt_id,
+        attempt_seq: u.attempt_seq,
+        key: u.idempotency_key.clone(),
+        first_send: false,
     }
 }
 
 /// The unknown-outcome sweep as the driver sees it.
 pub(crate) struct UnknownSweep<'a> {
     pub biller: &'a Biller,
+    /// Closed by a refused key: no lookup is made for the rest of the tick.
+    pub gate: &'a Gate,
     /// Attempts checked this tick: not listed again until the next.
     pub checked: std::sync::Mutex<Vec<i64>>,
 }
@@ -151,6 +149,9 @@ impl FencedBatches for UnknownSweep<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<UnknownAttempt>, Error> {
         let c = &self.biller.inner.config;
+        if self.gate.closed() {
+            return Ok(Vec::new());
+        }
         let except = self
             .checked
             .lock()
@@ -162,7 +163,7 @@ impl FencedBatches for UnknownSweep<'_> {
             limit,
             &except,
             &check_identity(fence),
-            c.charge_lease,
+            (c.charge_lease, c.resend_window),
             c.statement_timeout,
         )
         .await?)
@@ -174,7 +175,7 @@ impl FencedBatches for UnknownSweep<'_> {
 
     async fn run(
         &self,
-        batch: Vec<UnknownAttempt>,
+        claimed: Vec<UnknownAttempt>,
         tick: &Tick,
         deadline: Instant,
         panics: &mut Panics,
@@ -183,71 +184,96 @@ impl FencedBatches for UnknownSweep<'_> {
         let biller = self.biller;
         let c = &biller.inner.config;
         let call = c.provider.as_ref().map(|p| p.timeout).unwrap_or_default();
-        let attempts: Vec<i64> = batch.iter().map(|u| u.attempt_id).collect();
+        let attempts: Vec<i64> = claimed.iter().map(|u| u.attempt_id).collect();
         self.checked
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .extend(&attempts);
-        let invoices: Vec<i64> = batch.iter().map(|u| u.claim.invoice_id).collect();
-        let claimed_by = batch
+        let invoices: Vec<i64> = claimed.iter().map(|u| u.claim.invoice_id).collect();
+        let claimed_by = claimed
             .first()
             .map(|u| u.claim.claimed_by.clone())
             .unwrap_or_default();
-        let results: Vec<Guarded<Resolution>> = stream::iter(batch)
+        let gate = self.gate;
+        let results: Vec<(Started, Result<Option<ChargeOutcome>, Payload>)> = stream::iter(claimed)
             .map(|u| {
                 let step = format!("{}/reconcile attempt {}", Role::Billing, u.attempt_id);
-                let id = u.attempt_id;
+                let s = started(&u);
                 let check = async move {
-                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() {
+                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() || gate.closed() {
                         return None;
                     }
-                    Some(biller.resolve(&u).await)
+                    let outcome = biller.look_up(&u).await;
+                    if matches!(outcome, ChargeOutcome::KeyRejected { .. }) {
+                        gate.close();
+                    }
+                    Some(outcome)
                 };
-                async move { (id, catch(step, check).await) }
+                async move { (s, catch(step, check).await) }
             })
             .buffer_unordered(c.charge_concurrency)
             .collect()
             .await;
+        let mut answers = Vec::with_capacity(results.len());
+        for (s, result) in &results {
+            match result {
+                Err(_) => tally.failed += 1,
+                Ok(None) => {}
+                Ok(Some(outcome)) => answers.push((s, Answer::Called(outcome.clone()))),
+            }
+        }
+        let rows: Vec<(&Started, &Answer)> = answers.iter().map(|(s, a)| (*s, a)).collect();
+        let settled = batch::settle_all(&biller.inner.db, &rows, biller.settling()).await;
         let t = &biller.inner.telemetry;
         let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
-        for (attempt, result) in results {
-            let label = match result {
-                Err(payload) => {
-                    tally.failed += 1;
-                    panics.record(payload);
-                    "failed"
-                }
-                Ok(None) => continue,
-                Ok(Some(Ok(Resolution::Paid))) => {
-                    calls += 1;
-                    tally.paid += 1;
-                    info!(role = %Role::Billing, attempt, "unknown charge found paid; settled");
-                    "paid"
-                }
-                Ok(Some(Ok(Resolution::Declined { code }))) => {
-                    calls += 1;
-                    tally.declined += 1;
-                    info!(role = %Role::Billing, attempt, decline_code = %code, "unknown charge found declined; recorded");
-                    "declined"
-                }
-                Ok(Some(Ok(Resolution::StillUnknown { reason }))) => {
-                    calls += 1;
-                    tally.still_unknown += 1;
-                    if provider::is_outage_reason(&reason) {
-                        outages += 1;
-                        last_outage.clone_from(&reason);
-                    }
-                    warn!(role = %Role::Billing, attempt, reason = %reason, "charge outcome still unknown");
-                    "still_unknown"
-                }
-                Ok(Some(Ok(Resolution::Lost))) => {
-                    tally.lost += 1;
-                    "lost"
-                }
-                Ok(Some(Err(e))) => {
+        let mut rejected = None;
+        for ((s, answer), settled) in rows.iter().zip(settled) {
+            let attempt = s.attempt_id;
+            let Answer::Called(outcome) = answer else {
+                continue;
+            };
+            calls += 1;
+            if outcome.is_outage() {
+                outages += 1;
+                last_outage = format!("{outcome:?}");
+            }
+            let label = match (outcome, settled) {
+                (_, Err(e)) => {
                     tally.failed += 1;
                     warn!(role = %Role::Billing, attempt, error = %e, "reconciling a charge failed");
                     "failed"
+                }
+                (_, Ok(Settled::Lost)) => {
+                    tally.lost += 1;
+                    "lost"
+                }
+                (ChargeOutcome::Succeeded { .. }, _) => {
+                    tally.paid += 1;
+                    info!(role = %Role::Billing, attempt, "open charge found paid; settled");
+                    "paid"
+                }
+                (ChargeOutcome::Declined { code, .. }, _) => {
+                    tally.declined += 1;
+                    info!(role = %Role::Billing, attempt, decline_code = %code, "open charge found declined; recorded");
+                    "declined"
+                }
+                (ChargeOutcome::Processing { .. }, _) => {
+                    tally.processing += 1;
+                    "processing"
+                }
+                (ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. }, _) => {
+                    tally.needs_review += 1;
+                    "needs_review"
+                }
+                (ChargeOutcome::KeyRejected { status, message }, _) => {
+                    rejected = Some((*status, message.clone()));
+                    tally.still_unknown += 1;
+                    "key_rejected"
+                }
+                (other, _) => {
+                    tally.still_unknown += 1;
+                    warn!(role = %Role::Billing, attempt, outcome = ?other, "charge outcome still unknown");
+                    "still_unknown"
                 }
             };
             t.counter(
@@ -255,6 +281,12 @@ impl FencedBatches for UnknownSweep<'_> {
                 &[("sweep", "unknown"), ("outcome", label)],
             )
             .increment(1);
+        }
+        // The panics are raised at the tick's end, after the others settled.
+        for (_, result) in results {
+            if let Err(payload) = result {
+                panics.record(payload);
+            }
         }
         // Every listed attempt is stamped, a panicked or unattempted one too,
         // so the sweep's order moves it behind the rows it would block.
@@ -266,6 +298,9 @@ impl FencedBatches for UnknownSweep<'_> {
             c.statement_timeout,
         )
         .await?;
+        if let Some((status, message)) = rejected {
+            return Err(biller.key_rejected(status, message));
+        }
         if calls > 0 && outages == calls {
             return Err(Error::ProviderOutage {
                 calls,

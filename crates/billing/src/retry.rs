@@ -116,8 +116,10 @@ impl Biller {
                          AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
                          AND s.pause_collection_behavior IS NULL \
                          AND c.payment_method_id IS NOT NULL \
+                         AND i.review_since IS NULL \
                          AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
-                                         WHERE a.invoice_id = i.id AND a.provider_status = 'unknown') \
+                                         WHERE a.invoice_id = i.id \
+                                           AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
                        FOR UPDATE OF i SKIP LOCKED \
                      ), claimed AS ( \
                        UPDATE invoices i \
@@ -159,7 +161,7 @@ impl Biller {
             let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
             attempts.push((claim, seq));
         }
-        let started = batch::start_attempts_in(tx, &attempts).await?;
+        let started = batch::start_attempts_in(tx, &attempts, &c.instance_id).await?;
         let claimed: HashMap<i64, ()> = attempts.iter().map(|(c, _)| (c.invoice_id, ())).collect();
         let mut started: HashMap<i64, StartedRetry> = started
             .into_iter()
@@ -222,21 +224,25 @@ impl Biller {
                 .map(|s| (s, Ok(Ok(Retried::NotCharged(NotCharged::NoProvider)))))
                 .collect();
         };
-        let c = &self.inner.config;
-        let called =
-            batch::call_all(provider, started, concurrency, deadline, cancelled, step).await;
+        // A refused key stops the rest of this batch's calls (one refused call).
+        let gate = batch::Gate::default();
+        let called = batch::call_all(
+            provider,
+            started,
+            concurrency,
+            deadline,
+            cancelled,
+            step,
+            &gate,
+        )
+        .await;
         let answered: Vec<(&StartedRetry, &Answer)> = called
             .iter()
             .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))
             .collect();
-        let mut settled = batch::settle_all(
-            &self.inner.db,
-            &answered,
-            &c.email_from,
-            c.statement_timeout,
-        )
-        .await
-        .into_iter();
+        let mut settled = batch::settle_all(&self.inner.db, &answered, self.settling())
+            .await
+            .into_iter();
         called
             .into_iter()
             .map(|(s, r)| {
@@ -273,9 +279,16 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
             attempt_seq,
             reason: "declined, but the claim was lost before settling".to_owned(),
         },
-        (Answer::Called(ChargeOutcome::Unknown { reason }), _) => Retried::Unknown {
+        (Answer::Called(ChargeOutcome::Unknown { reason, .. }), _) => Retried::Unknown {
             attempt_seq,
             reason,
+        },
+        // Not a definite answer for dunning: the run is rewound, and no retry
+        // of the invoice is claimed while its attempt is processing or waits
+        // for an operator.
+        (Answer::Called(other), _) => Retried::Unknown {
+            attempt_seq,
+            reason: format!("{other:?}"),
         },
         (Answer::NotSent, _) => Retried::Unknown {
             attempt_seq,

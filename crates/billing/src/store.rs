@@ -282,6 +282,11 @@ pub(crate) struct Backlog {
     pub due: i64,
     /// Seconds since the oldest due watermark passed; 0 when nothing is due.
     pub oldest_due_age: f64,
+    /// Payment attempts waiting for an operator (needs review, or failed with
+    /// the invoice flagged), read by the partial indexes.
+    pub needs_review: i64,
+    /// Attempts the provider is still processing.
+    pub processing: i64,
 }
 
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
@@ -291,10 +296,20 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
                     COALESCE(extract(epoch FROM now() - min(next_billing_at)), 0)::float8 AS age \
              FROM subscriptions WHERE status = 'active' AND next_billing_at <= now()"))
         .await?;
+    let review = tx
+        .fetch_one(sql(
+            "SELECT (SELECT count(*) FROM payment_attempts_needing_review) AS needs_review, \
+                    (SELECT count(*) FROM payment_attempts \
+                     WHERE provider_status IN ('unknown', 'processing') \
+                       AND provider_status = 'processing') AS processing",
+        ))
+        .await?;
     tx.commit().await?;
     Ok(Backlog {
         due: row.try_get("due")?,
         oldest_due_age: row.try_get("age")?,
+        needs_review: review.try_get("needs_review")?,
+        processing: review.try_get("processing")?,
     })
 }
 
@@ -346,7 +361,7 @@ pub(crate) async fn claim_and_start(
     fence: &Fence,
     limit: usize,
     claimed_by: &str,
-    lease: Duration,
+    (lease, instance): (Duration, &str),
     statement_timeout: Duration,
 ) -> Result<Vec<crate::batch::Started>, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -355,7 +370,7 @@ pub(crate) async fn claim_and_start(
         .into_iter()
         .map(|c| (c, crate::charge::AUTO_CHARGE_ATTEMPT))
         .collect();
-    let started = crate::batch::start_attempts_in(&mut tx, &attempts).await?;
+    let started = crate::batch::start_attempts_in(&mut tx, &attempts, instance).await?;
     tx.commit().await?;
     Ok(started)
 }
@@ -423,37 +438,20 @@ async fn claim_charges_in(
 }
 
 /// Record attempt `attempt_seq` (as `unknown`, before the call) if the claim
-/// still holds the invoice. `None`: the claim was lost or the attempt exists.
+/// still holds the invoice, under the key of `instance`. `None`: the claim
+/// was lost or the attempt exists.
 pub(crate) async fn start_attempt(
     db: &Db,
     claim: &ChargeClaim,
     attempt_seq: i32,
-    idempotency_key: &str,
+    instance: &str,
     statement_timeout: Duration,
-) -> Result<Option<i64>, db::Error> {
+) -> Result<Option<crate::batch::Started>, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let row = tx
-        .fetch_optional(
-            sql(
-                "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                               amount, currency, provider_customer_id, \
-                                               payment_method_id) \
-                 SELECT i.tenant_id, i.id, $2, $3, i.amount, i.currency, $5, $6 FROM invoices i \
-                 WHERE i.id = $1 AND i.status = 'open' \
-                   AND i.auto_charge_claimed_by = $4 AND i.auto_charge_claimed_until > now() \
-                 ON CONFLICT DO NOTHING \
-                 RETURNING id",
-            )
-            .bind(claim.invoice_id)
-            .bind(attempt_seq)
-            .bind(idempotency_key.to_owned())
-            .bind(claim.claimed_by.clone())
-            .bind(claim.provider_customer.clone())
-            .bind(claim.payment_method.clone()),
-        )
-        .await?;
+    let started =
+        crate::batch::start_attempts_in(&mut tx, &[(claim.clone(), attempt_seq)], instance).await?;
     tx.commit().await?;
-    Ok(row.map(|r| r.try_get("id")).transpose()?)
+    Ok(started.into_iter().next())
 }
 
 /// How a charge's answer was written.
@@ -463,156 +461,6 @@ pub enum Settled {
     /// The claim no longer holds the invoice, or the attempt was settled by
     /// someone else: nothing written (the reconciler settles the attempt).
     Lost,
-}
-
-/// The charge succeeded: the invoice open → paid by compare-and-set (only
-/// while this claim holds it), the attempt unknown → succeeded, and
-/// `invoice.paid`, `payment.succeeded` and the receipt, in one transaction.
-pub(crate) async fn settle_paid(
-    db: &Db,
-    claim: &ChargeClaim,
-    attempt_id: i64,
-    attempt_seq: i32,
-    payment_intent: &str,
-    email_from: &str,
-    statement_timeout: Duration,
-) -> Result<Settled, Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let paid = tx
-        .execute(
-            sql("UPDATE invoices SET status = 'paid', paid_at = now(), \
-                        auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2 \
-                   AND auto_charge_claimed_until > now()")
-            .bind(claim.invoice_id)
-            .bind(claim.claimed_by.clone()),
-        )
-        .await?;
-    if paid == 0
-        || !resolve_attempt(&mut tx, attempt_id, "succeeded", None, Some(payment_intent)).await?
-    {
-        tx.rollback().await?;
-        return Ok(Settled::Lost);
-    }
-    let invoice = paid_payload(claim, payment_intent);
-    let payment = payment_payload(claim, attempt_seq, Some(payment_intent), None);
-    let tenant = claim.tenant_id.as_str();
-    webhook_outbox::enqueue_many(
-        &mut tx,
-        &[
-            (tenant, "invoice.paid", &invoice),
-            (tenant, "payment.succeeded", &payment),
-        ],
-    )
-    .await?;
-    let receipt = receipt(claim, email_from);
-    email_outbox::enqueue(&mut tx, &claim.tenant_id, &receipt).await?;
-    tx.commit().await?;
-    Ok(Settled::Written)
-}
-
-/// The charge was declined: the attempt unknown → declined with its code,
-/// the claim released (the invoice stays open, for dunning), and
-/// `payment.failed` and the payment-failed email, in one transaction.
-pub(crate) async fn settle_declined(
-    db: &Db,
-    claim: &ChargeClaim,
-    attempt_id: i64,
-    attempt_seq: i32,
-    (decline_code, payment_intent): (&str, Option<&str>),
-    email_from: &str,
-    statement_timeout: Duration,
-) -> Result<Settled, Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let released = tx
-        .execute(
-            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = $1 AND status = 'open' AND auto_charge_claimed_by = $2 \
-                   AND auto_charge_claimed_until > now()")
-            .bind(claim.invoice_id)
-            .bind(claim.claimed_by.clone()),
-        )
-        .await?;
-    if released == 0
-        || !resolve_attempt(
-            &mut tx,
-            attempt_id,
-            "declined",
-            Some(decline_code),
-            payment_intent,
-        )
-        .await?
-    {
-        tx.rollback().await?;
-        return Ok(Settled::Lost);
-    }
-    let payment = payment_payload(claim, attempt_seq, payment_intent, Some(decline_code));
-    webhook_outbox::enqueue(&mut tx, &claim.tenant_id, "payment.failed", &payment).await?;
-    let failed = failed_email(claim, decline_code, email_from);
-    email_outbox::enqueue(&mut tx, &claim.tenant_id, &failed).await?;
-    tx.commit().await?;
-    Ok(Settled::Written)
-}
-
-/// The outcome is unknown: keep the attempt `unknown` with why, for the
-/// reconciler. The invoice stays open and its claim expires on its own.
-pub(crate) async fn note_unknown(
-    db: &Db,
-    attempt_id: i64,
-    reason: &str,
-    statement_timeout: Duration,
-) -> Result<(), db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    tx.execute(
-        sql("UPDATE payment_attempts SET last_error = $2 WHERE id = $1 AND provider_status = 'unknown'")
-            .bind(attempt_id)
-            .bind(reason.to_owned()),
-    )
-    .await?;
-    tx.commit().await
-}
-
-/// Give back claims this worker still holds, attempted or not.
-pub(crate) async fn release_claims(
-    db: &Db,
-    invoice_ids: &[i64],
-    claimed_by: &str,
-    statement_timeout: Duration,
-) -> Result<u64, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let n = tx
-        .execute(
-            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id = ANY($1) AND auto_charge_claimed_by = $2")
-            .bind(invoice_ids.to_vec())
-            .bind(claimed_by.to_owned()),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(n)
-}
-
-async fn resolve_attempt(
-    tx: &mut db::Tx,
-    attempt_id: i64,
-    status: &str,
-    decline_code: Option<&str>,
-    payment_intent: Option<&str>,
-) -> Result<bool, db::Error> {
-    let n = tx
-        .execute(
-            sql(
-                "UPDATE payment_attempts SET provider_status = $2, decline_code = $3, \
-                        provider_payment_intent = $4, resolved_at = now(), last_checked_at = now() \
-                 WHERE id = $1 AND provider_status = 'unknown'",
-            )
-            .bind(attempt_id)
-            .bind(status.to_owned())
-            .bind(decline_code.map(str::to_owned))
-            .bind(payment_intent.map(str::to_owned)),
-        )
-        .await?;
-    Ok(n == 1)
 }
 
 /// `invoice.paid`'s data.
@@ -914,32 +762,39 @@ pub(crate) async fn resume_lifted_pauses(
     Ok(resumed)
 }
 
-/// An attempt whose outcome is unknown, with the claim the reconciler took
-/// on its invoice.
+/// An attempt still open (unknown or processing), with the claim the
+/// reconciler took on its invoice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct UnknownAttempt {
     pub attempt_id: i64,
     pub attempt_seq: i32,
     pub idempotency_key: String,
+    /// The PaymentIntent an earlier answer named: read by id.
+    pub payment_intent: Option<String>,
+    /// The key is certainly alive at the provider (first sent within the
+    /// resend window, on the database clock), or no request of it executed.
+    pub resend_ok: bool,
+    /// Unix seconds from which the customer's intents are listed.
+    pub listed_since: i64,
     /// Amount, currency, customer and card as the attempt was sent.
     pub claim: ChargeClaim,
 }
 
-/// The fenced unknown-outcome funnel: up to `limit` unknown attempts of open
-/// invoices whose auto-charge claim is free or expired (so no call of
-/// theirs can still be in flight), least recently checked first, only the
-/// earliest unknown attempt of an invoice (a later one is looked up only once
-/// the earlier is settled declined: were the earlier one paid, the invoice is
-/// no longer open and the later key is never sent again); each
-/// invoice taken under a fresh claim lease by the same conditional UPDATE
-/// auto-charge uses.
+/// The fenced reconciler funnel: up to `limit` open attempts (unknown or
+/// processing) of open invoices not flagged for review, whose auto-charge
+/// claim is free or expired (so no call of theirs can still be in flight) and
+/// whose next look is due, least recently checked first, only the earliest
+/// open attempt of an invoice; each invoice taken under a fresh claim lease by
+/// the same conditional UPDATE auto-charge uses. An attempt whose key no
+/// request executed (`first_sent_at` NULL) is stamped as sent now, since the
+/// reconciler may send it.
 pub(crate) async fn claim_unknown(
     db: &Db,
     fence: &Fence,
     limit: usize,
     except: &[i64],
     claimed_by: &str,
-    lease: Duration,
+    (lease, resend_window): (Duration, Duration),
     statement_timeout: Duration,
 ) -> Result<Vec<UnknownAttempt>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -948,17 +803,22 @@ pub(crate) async fn claim_unknown(
         .fetch_all(
             sql(
                 "WITH picked AS ( \
-                   SELECT a.id AS attempt_id, i.id FROM payment_attempts a \
+                   SELECT a.id AS attempt_id, i.id, \
+                          (a.first_sent_at IS NULL \
+                           OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
+                   FROM payment_attempts a \
                    JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
                    JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                    JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE a.provider_status = 'unknown' AND i.status = 'open' \
+                   WHERE a.provider_status IN ('unknown', 'processing') AND i.status = 'open' \
+                     AND i.review_since IS NULL \
+                     AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
                      AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
                      AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
                      AND a.id <> ALL ($6) \
                      AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
                                      WHERE e.invoice_id = a.invoice_id \
-                                       AND e.provider_status = 'unknown' \
+                                       AND e.provider_status IN ('unknown', 'processing') \
                                        AND e.attempt_seq < a.attempt_seq) \
                      AND leader_fence($1, $2) \
                    ORDER BY a.last_checked_at NULLS FIRST, a.id \
@@ -970,8 +830,13 @@ pub(crate) async fn claim_unknown(
                        auto_charge_claimed_by = $5 \
                    FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
                    RETURNING i.id, i.tenant_id, i.subscription_id \
+                 ), sent AS ( \
+                   UPDATE payment_attempts a SET first_sent_at = now() \
+                   FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
                  ) \
                  SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
+                        a.provider_payment_intent, p.resend_ok, \
+                        (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
                         k.id, k.tenant_id, k.subscription_id, c.email, \
                         COALESCE(a.provider_customer_id, c.provider_customer_id) AS customer, \
                         COALESCE(a.payment_method_id, c.payment_method_id) AS card \
@@ -987,7 +852,8 @@ pub(crate) async fn claim_unknown(
             .bind(limit)
             .bind(lease.as_secs_f64())
             .bind(claimed_by.to_owned())
-            .bind(except.to_vec()),
+            .bind(except.to_vec())
+            .bind(resend_window.as_secs_f64()),
         )
         .await?;
     tx.commit().await?;
@@ -997,6 +863,9 @@ pub(crate) async fn claim_unknown(
                 attempt_id: r.try_get("attempt_id")?,
                 attempt_seq: r.try_get("attempt_seq")?,
                 idempotency_key: r.try_get("idempotency_key")?,
+                payment_intent: r.try_get("provider_payment_intent")?,
+                resend_ok: r.try_get("resend_ok")?,
+                listed_since: r.try_get("listed_since")?,
                 claim: ChargeClaim {
                     invoice_id: r.try_get("id")?,
                     tenant_id: r.try_get("tenant_id")?,

@@ -162,7 +162,12 @@ impl Biller {
         let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
         let mut reconciled = ReconcileTally::default();
         if self.inner.provider.is_some() {
-            let auto_charge = AutoCharge { biller: self };
+            // One refused key closes the gate: no other call this tick.
+            let gate = crate::batch::Gate::default();
+            let auto_charge = AutoCharge {
+                biller: self,
+                gate: &gate,
+            };
             keep(
                 step("billing/auto_charge", &auto_charge, tick)
                     .await
@@ -173,6 +178,7 @@ impl Biller {
             );
             let unknown = UnknownSweep {
                 biller: self,
+                gate: &gate,
                 checked: Mutex::new(Vec::new()),
             };
             keep(
@@ -326,6 +332,17 @@ impl Biller {
         Ok(left_out)
     }
 
+    /// A refused key: counted (the alert `HardcountPaymentProviderKeyRejected`
+    /// fires on it), logged once for the tick, and the tick's error.
+    pub(crate) fn key_rejected(&self, status: u16, message: String) -> Error {
+        self.inner
+            .telemetry
+            .counter("hardcount_billing_provider_key_rejected_total", &[])
+            .increment(1);
+        tracing::error!(role = %Role::Billing, status, reason = %message, "the payment provider refused the secret key; no charge or lookup for the rest of the tick");
+        Error::ProviderKeyRejected { status }
+    }
+
     async fn refresh_gauges(&self) {
         match store::backlog(&self.inner.db, self.inner.config.statement_timeout).await {
             Ok(b) => {
@@ -334,6 +351,10 @@ impl Biller {
                     .set(b.due as f64);
                 t.gauge("hardcount_billing_oldest_due_age_seconds", &[])
                     .set(b.oldest_due_age);
+                t.gauge("hardcount_billing_payment_attempts_needing_review", &[])
+                    .set(b.needs_review as f64);
+                t.gauge("hardcount_billing_payment_attempts_processing", &[])
+                    .set(b.processing as f64);
             }
             Err(e) => {
                 debug!(role = %Role::Billing, error = %e, "billing backlog gauges not refreshed")
