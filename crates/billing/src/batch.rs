@@ -364,7 +364,11 @@ async fn settle_once(db: &Db, answers: &[(&Started, &Answer)], how: Settling<'_>
                 reason,
                 payment_intent,
                 ..
-            }) => (reason.clone(), payment_intent.clone(), None, false),
+            }) => {
+                // After a first call the claim's lease decides the first look.
+                let delay = s.first_send.then_some(0.0);
+                (reason.clone(), payment_intent.clone(), delay, false)
+            }
             Answer::Called(ChargeOutcome::RetryLater { reason, after }) => {
                 (reason.clone(), None, Some(after.as_secs_f64()), false)
             }

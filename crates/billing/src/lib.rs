@@ -116,6 +116,7 @@ pub mod period;
 mod plan_change;
 pub mod provider;
 mod reconcile;
+pub mod review;
 mod retry;
 mod store;
 mod tick;

@@ -492,18 +492,30 @@ pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
     }
 }
 
-/// The payment-failed email of a declined charge.
+/// The payment-failed email of a declined charge, asking for what the
+/// decline calls for (its class, `provider::decline_class`).
 pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_outbox::Email {
+    use crate::provider::{DeclineClass, decline_class};
+    let amount = money(c.amount, &c.currency);
+    let ask = match decline_class(code) {
+        DeclineClass::Soft => "We will try again in a few days; you can also update your \
+                               payment method now."
+            .to_owned(),
+        DeclineClass::Hard => "We will not try this card again: please add a new payment \
+                               method, and we will charge it."
+            .to_owned(),
+        DeclineClass::AuthenticationRequired => "Your bank asks you to authenticate this \
+                                                 payment: please confirm it, or add another \
+                                                 payment method."
+            .to_owned(),
+    };
     email_outbox::Email {
         from: from.to_owned(),
         to: vec![c.email.clone()],
         subject: format!("Your payment for invoice {} failed", c.invoice_id),
         text: format!(
-            "We could not charge {} for invoice {} to your saved card ({}). \
-             Please update your payment method.\n",
-            money(c.amount, &c.currency),
+            "We could not charge {amount} for invoice {} to your saved card ({code}). {ask}\n",
             c.invoice_id,
-            code
         ),
         html: None,
     }

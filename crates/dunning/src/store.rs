@@ -137,9 +137,22 @@ pub(crate) async fn enrol(
     Ok(rows.len())
 }
 
+/// The decline codes after which the same card is not tried again: the run
+/// waits until the customer's payment method changes (docs/adr/0024).
+fn held_declines() -> Vec<String> {
+    billing::provider::HARD_DECLINES
+        .iter()
+        .copied()
+        .chain(["authentication_required"])
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The fenced funnel: up to `limit` runs that are due (active, next attempt
 /// passed) or owe their final action (exhausted, not yet acted), oldest first,
-/// leaving out `except` (runs this tick already left out). A listing, not a
+/// leaving out `except` (runs this tick already left out), and active runs
+/// whose last attempt was a hard decline (or wanted authentication) on the
+/// payment method the customer still has. A listing, not a
 /// lease: the attempt compare-and-set decides who retries.
 pub(crate) async fn list_due(
     db: &Db,
@@ -161,7 +174,13 @@ pub(crate) async fn list_due(
                  JOIN invoices i ON i.tenant_id = r.tenant_id AND i.id = r.invoice_id \
                  JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                  JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
+                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now() \
+                         AND NOT EXISTS ( \
+                           SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
+                                          FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
+                                          ORDER BY a.attempt_seq DESC LIMIT 1) l \
+                           WHERE l.decline_code = ANY ($5) \
+                             AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id)) \
                         OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
                    AND r.id <> ALL ($3) \
                    AND leader_fence($1, $2) \
@@ -171,7 +190,8 @@ pub(crate) async fn list_due(
             .bind(fence.role_name())
             .bind(fence.token())
             .bind(except.to_vec())
-            .bind(limit),
+            .bind(limit)
+            .bind(held_declines()),
         )
         .await?;
     tx.commit().await?;

@@ -2,7 +2,9 @@
 //! and benchmarks. Listens on `FAKE_PROVIDER_ADDR` (default 127.0.0.1:12111),
 //! accepts `FAKE_PROVIDER_SECRET_KEY` (default the crate's test key), and
 //! declines the customers listed in `FAKE_PROVIDER_DECLINE`
-//! (`cus_a:insufficient_funds,cus_b:expired_card`).
+//! (`cus_a:insufficient_funds,cus_b:expired_card`). Every other behaviour,
+//! settling a processing intent, pruning keys and rolling the secret key are
+//! asked for over HTTP (`POST /_test/…`, see the library's docs).
 
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 

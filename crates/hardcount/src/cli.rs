@@ -38,6 +38,12 @@ pub enum Command {
         #[command(subcommand)]
         command: LeaderCommand,
     },
+    /// Payment attempts waiting for a person (docs/adr/0024), over
+    /// HARDCOUNT_OPERATOR_DATABASE_URL (or DATABASE_URL), as hardcount_operator.
+    Billing {
+        #[command(subcommand)]
+        command: BillingCommand,
+    },
     /// The application key that seals webhook signing secrets (HARDCOUNT_SECRETS_KEY).
     Secrets {
         #[command(subcommand)]
@@ -83,6 +89,124 @@ pub enum LeaderCommand {
         #[arg(value_parser = parse_role)]
         role: Role,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BillingCommand {
+    /// List the payment attempts that need review: the provider's record could not be
+    /// read and the key may be forgotten, the answer did not parse, or the provider
+    /// refused the request. No one charges their invoices until they are settled.
+    Review {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Settle one attempt after checking the provider's dashboard: --paid (it charged;
+    /// the invoice is paid and announced) or --failed (nothing was charged; the invoice
+    /// is chargeable again and dunning takes it). Records who and why.
+    Settle {
+        /// The attempt's id (the first column of `hardcount billing review`).
+        attempt: i64,
+        #[arg(long, conflicts_with = "failed", required_unless_present = "failed")]
+        paid: bool,
+        #[arg(long)]
+        failed: bool,
+        /// The provider's PaymentIntent (`pi_…`), when you found it.
+        #[arg(long)]
+        payment_intent: Option<String>,
+        /// Why, as you checked it (kept on the attempt).
+        #[arg(long)]
+        reason: String,
+        /// Who is settling (default: cli@<hostname>).
+        #[arg(long)]
+        by: Option<String>,
+    },
+}
+
+/// `hardcount billing …`.
+pub async fn billing_command(command: BillingCommand, database_url: &str) -> Result<()> {
+    let db = Db::connect_lazy(database_url, 1)?;
+    match command {
+        BillingCommand::Review { json } => {
+            let rows = billing::review::needing_review(&db)
+                .await
+                .map_err(billing_denied)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!(
+                "{:>8} {:<12} {:>8} {:>4} {:<12} {:>12} {:<4} REASON",
+                "ATTEMPT", "TENANT", "INVOICE", "SEQ", "STATUS", "AMOUNT", "CUR"
+            );
+            for r in &rows {
+                println!(
+                    "{:>8} {:<12} {:>8} {:>4} {:<12} {:>12} {:<4} {}",
+                    r.attempt_id,
+                    printable(&r.tenant_id),
+                    r.invoice_id,
+                    r.attempt_seq,
+                    r.status,
+                    r.amount,
+                    printable(&r.currency),
+                    printable(r.reason.as_deref().unwrap_or(""))
+                );
+            }
+            println!("{} attempt(s) need review", rows.len());
+        }
+        BillingCommand::Settle {
+            attempt,
+            paid,
+            failed: _,
+            payment_intent,
+            reason,
+            by,
+        } => {
+            if reason.chars().count() > MAX_REASON_CHARS {
+                bail!("--reason is longer than {MAX_REASON_CHARS} characters");
+            }
+            if by.as_ref().is_some_and(|b| b.chars().count() > MAX_BY_CHARS) {
+                bail!("--by is longer than {MAX_BY_CHARS} characters");
+            }
+            let by = by.unwrap_or_else(|| {
+                format!(
+                    "cli@{}",
+                    leader::holder_id().split(':').next().unwrap_or("unknown")
+                )
+            });
+            let how = if paid {
+                billing::review::Settlement::Paid
+            } else {
+                billing::review::Settlement::Failed
+            };
+            let settled = billing::review::settle(
+                &db,
+                attempt,
+                how,
+                payment_intent.as_deref(),
+                &by,
+                &reason,
+            )
+            .await
+            .map_err(billing_denied)?;
+            println!("attempt {attempt} settled {settled} (by {by}: {reason})");
+        }
+    }
+    Ok(())
+}
+
+/// A refusal for want of a right names the operator role; any other error
+/// (the function's own, by name) is shown as it is.
+fn billing_denied(e: db::Error) -> anyhow::Error {
+    let text = e.to_string();
+    if text.contains("permission denied") {
+        anyhow::anyhow!(
+            "the database role cannot do this: `hardcount billing review|settle` needs the operator role \
+             (hardcount_operator) through HARDCOUNT_OPERATOR_DATABASE_URL ({text})"
+        )
+    } else {
+        anyhow::anyhow!(text)
+    }
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {

@@ -46,6 +46,10 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
             let url = common.operator_database_url()?;
             until_cancelled(shutdown, cli::leader_command(command, &url)).await
         }
+        Command::Billing { command } => {
+            let url = common.operator_database_url()?;
+            until_cancelled(shutdown, cli::billing_command(command, &url)).await
+        }
         Command::Secrets { command } => {
             until_cancelled(shutdown, cli::secrets_command(command, &common)).await
         }

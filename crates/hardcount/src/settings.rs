@@ -191,6 +191,16 @@ pub struct ServeSettings {
     /// The provider's secret key (`sk_…`); never logged. Required with BILLING_PROVIDER_URL.
     #[arg(long, env = "BILLING_PROVIDER_SECRET_KEY", hide_env_values = true)]
     pub billing_provider_secret_key: Option<String>,
+    /// This deployment's name in every payment idempotency key and charge metadata
+    /// (a-z, 0-9, _; at most 32), so two installs on one provider account, or a
+    /// restored copy, never replay each other's answers [default: default].
+    #[arg(long, env = "HARDCOUNT_INSTANCE_ID")]
+    pub instance_id: Option<String>,
+    /// How long after an attempt's first send billing may send it again under the
+    /// same idempotency key while looking up an unknown outcome (1m to 23h; the
+    /// provider forgets keys after 24 h) [default: 12h].
+    #[arg(long, env = "HARDCOUNT_BILLING_RESEND_WINDOW")]
+    pub billing_resend_window: Option<String>,
 }
 
 /// `dev`: the service on a local Postgres with a demo tenant.
@@ -364,6 +374,16 @@ impl ServeSettings {
                 .validate()
                 .map_err(|e| anyhow!("BILLING_PROVIDER_URL / BILLING_PROVIDER_SECRET_KEY: {e}"))?;
             config.provider = Some(provider);
+        }
+        if let Some(id) = non_empty(&self.instance_id) {
+            config.instance_id = id;
+        }
+        if let Some(w) = non_empty(&self.billing_resend_window) {
+            config.resend_window = duration(
+                "HARDCOUNT_BILLING_RESEND_WINDOW",
+                &w,
+                Duration::from_secs(60)..=Duration::from_secs(23 * 3600),
+            )?;
         }
         config.validate()?;
         Ok(config)

@@ -87,7 +87,8 @@ async fn a_paid_invoice_is_charged_once_announced_and_receipted() {
     let report = tick(&t.db, &b).await;
     assert_eq!(report.charges.paid, 1, "{report:?}");
     assert_eq!(p.total_charges(), 1);
-    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    let key = crate::attempt_key(&t.db, invoice, 1).await.unwrap();
+    assert!(key.starts_with("hc:default:invoice:"), "{key}");
     assert_eq!(p.charges().get(&key), Some(&1));
     assert_eq!(invoice_status(&t.db, invoice).await, "paid");
     assert_eq!(attempts(&t.db).await, vec![("succeeded".into(), None, key)]);

@@ -10,6 +10,7 @@ mod guards;
 mod lifecycle;
 mod periods;
 mod reconcile;
+mod record;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -169,4 +170,16 @@ pub async fn tick(db: &Db, b: &Biller) -> TickReport {
         b.run_tick(&tick).await
     })
     .await
+}
+
+/// The idempotency key attempt `seq` of `invoice` was sent under, as stored.
+pub async fn attempt_key(db: &Db, invoice: i64, seq: i32) -> Option<String> {
+    db.fetch_optional(
+        sql("SELECT idempotency_key FROM payment_attempts WHERE invoice_id = $1 AND attempt_seq = $2")
+            .bind(invoice)
+            .bind(seq),
+    )
+    .await
+    .unwrap()
+    .map(|r| r.get("idempotency_key"))
 }

@@ -80,7 +80,7 @@ async fn a_provider_timeout_is_settled_by_key_and_charged_once() {
         ),
         "{rendered}"
     );
-    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    let key = crate::attempt_key(&t.db, invoice, 1).await.unwrap();
     assert_eq!(p.charges().get(&key), Some(&1));
     assert_eq!(
         strings(&t.db, "SELECT status FROM invoices").await,
@@ -230,9 +230,10 @@ async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
 }
 
 /// A lookup the provider refuses as a reused key (the attempt predates
-/// migration 0009, and the customer's card changed since) is not a decline:
-/// the first request may have charged. The attempt stays unknown, flagged for
-/// a person, and nothing is announced.
+/// migration 0009 and the customer's card and provider id changed since, so
+/// no intent of the customer carries the key and the resend differs) is not a
+/// decline: the first request may have charged. The attempt needs review, the
+/// invoice is flagged, and nothing is announced.
 #[tokio::test]
 async fn a_refused_lookup_is_not_taken_for_a_decline() {
     let t = TestDb::new().await;
@@ -247,15 +248,19 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
     let mut su = t.superuser().await;
     for q in [
         "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL",
-        "UPDATE customers SET payment_method_id = 'pm_card_mastercard'",
+        "UPDATE customers SET payment_method_id = 'pm_card_mastercard', provider_customer_id = 'cus_moved'",
     ] {
         sqlx::query(q).execute(&mut su).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(
-        (report.reconciled.still_unknown, report.reconciled.declined),
-        (1, 0),
+        (
+            report.reconciled.still_unknown,
+            report.reconciled.declined,
+            report.reconciled.needs_review
+        ),
+        (0, 0, 1),
         "{report:?}"
     );
     let (status, error): (String, Option<String>) = {
@@ -267,8 +272,12 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
             .unwrap();
         (r.get(0), r.get(1))
     };
-    assert_eq!(status, "unknown");
-    assert!(error.unwrap_or_default().contains("settle by hand"));
+    assert_eq!(status, "needs_review");
+    assert!(error.unwrap_or_default().contains("idempotency_error"));
+    assert_eq!(
+        strings(&t.db, "SELECT (review_reason IS NOT NULL)::text FROM invoices").await,
+        vec!["true"]
+    );
     assert_eq!(
         strings(
             &t.db,

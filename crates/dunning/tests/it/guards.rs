@@ -102,7 +102,7 @@ async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
     // One request to the provider (billing's attempt 1 plus one retry).
     assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 2);
-    assert!(!p.has_result(&format!("hardcount-invoice-{}-attempt-3", a.invoice)));
+    assert_eq!(crate::attempt_key(&t.db, a.invoice, 3).await, None);
     assert_eq!(dunning_emails(&t.db).await.len(), 1);
     assert_eq!(
         events(&t.db).await,

@@ -88,12 +88,13 @@ async fn decline_decline_success_recovers_after_the_third_retry() {
         ]
     );
     for seq in 2..=4 {
-        assert!(p.has_result(&format!("hardcount-invoice-{}-attempt-{seq}", a.invoice)));
+        let key = crate::attempt_key(&t.db, a.invoice, seq).await.unwrap();
+        assert!(p.has_result(&key), "{key}");
     }
     let charges = p.charges();
     assert_eq!(p.total_charges(), 1, "{charges:?}");
     assert_eq!(
-        charges.get(&format!("hardcount-invoice-{}-attempt-4", a.invoice)),
+        charges.get(&crate::attempt_key(&t.db, a.invoice, 4).await.unwrap()),
         Some(&1)
     );
     let paid: i64 =

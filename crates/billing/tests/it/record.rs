@@ -1,0 +1,335 @@
+//! A charge's outcome comes from the provider's record (docs/adr/0024),
+//! against a fake that behaves as Stripe does: it forgets keys (pruned on
+//! demand here, as after 24 h), stores a 500, answers `processing`, refuses a
+//! rolled key with 401 and answers things that do not parse. Every test runs
+//! the real billing tick, directly and through PgBouncer.
+
+use std::time::Duration;
+
+use billing::{BillingConfig, ProviderConfig, SecretKey};
+use db::{Db, Row, sql};
+use fake_provider::{Behaviour, FakeProvider, MalformedKind, TEST_SECRET_KEY};
+use leader::TickEnd;
+use testbed::TestDb;
+
+use crate::{biller, config, due_monthly, tick};
+
+/// Charging through `p` with a 300 ms call budget and a 1 s claim lease, and
+/// the reconciler looking again at once.
+fn charging(p: &FakeProvider) -> BillingConfig {
+    BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout: Duration::from_millis(300),
+        }),
+        charge_lease: Duration::from_secs(1),
+        reconcile_backoff: Duration::ZERO,
+        ..config()
+    }
+}
+
+/// `n` open automatic invoices (billed by a tick without a provider) with
+/// their customers' `cus_…`.
+async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
+    due_monthly(db, "tenant_a", n).await;
+    let (b, _) = biller(db, config());
+    assert_eq!(tick(db, &b).await.tally.invoiced, n);
+    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
+         JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    db.fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect()
+}
+
+async fn count(db: &Db, q: &'static str) -> i64 {
+    db.fetch_one(sql(q)).await.unwrap().get(0)
+}
+
+/// Past the claim lease, so the reconciler may look.
+async fn after_the_lease() {
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+}
+
+/// The provider charged, then stored and answered a 500 for the key; then it
+/// forgot the key (as 24 h later). The reconciler finds the intent among the
+/// customer's by the attempt's metadata and settles it paid: the provider
+/// counts exactly one charge, however many ticks look. Mutation: resend the
+/// key instead of listing first (`look_up` without `find_payment_intent`)
+/// and the provider counts two charges for the key.
+#[tokio::test]
+async fn a_stored_500_then_pruned_keys_is_found_by_metadata_and_charged_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: false });
+    let (b, _) = biller(&t.db, charging(&p));
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.unknown, 1, "{first:?}");
+    assert_eq!(p.total_charges(), 1);
+    p.prune_keys();
+    p.set_behaviour(&open[0].1, Behaviour::Succeed);
+    after_the_lease().await;
+    let second = tick(&t.db, &b).await;
+    assert_eq!(second.reconciled.paid, 1, "{second:?}");
+    for _ in 0..2 {
+        after_the_lease().await;
+        let again = tick(&t.db, &b).await;
+        assert_eq!(again.reconciled, billing::ReconcileTally::default(), "{again:?}");
+    }
+    assert_eq!(p.total_charges(), 1, "{:?}", p.charges());
+    assert_eq!(p.create_requests(), 1, "the attempt was never sent again");
+    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["paid"]);
+}
+
+/// A stored 500 that names its intent: the id is kept on the attempt and the
+/// reconciler reads that intent by id, without listing or resending.
+#[tokio::test]
+async fn a_stored_500_with_its_intent_is_read_by_id() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: true });
+    let (b, _) = biller(&t.db, charging(&p));
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_payment_intent IS NOT NULL").await,
+        1
+    );
+    p.prune_keys();
+    after_the_lease().await;
+    assert_eq!(tick(&t.db, &b).await.reconciled.paid, 1);
+    assert_eq!((p.total_charges(), p.create_requests()), (1, 1));
+}
+
+/// One attempt replaying a stored 500 is not an outage: the tick is not
+/// failed for it (an outage is every call of a batch finding the provider
+/// down now). Mutation: count a replayed 5xx as an outage
+/// (`outage: !replayed` → `true`) and the tick ends failed.
+#[tokio::test]
+async fn one_stored_500_does_not_fail_the_tick() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: false });
+    let config = BillingConfig {
+        // Find nothing by listing (the attempt's customer moved), so the
+        // reconciler resends the key and the provider replays its 500.
+        ..charging(&p)
+    };
+    let (b, _) = biller(&t.db, config);
+    tick(&t.db, &b).await;
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE customers SET provider_customer_id = 'cus_elsewhere'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE payment_attempts SET provider_customer_id = NULL")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert!(!matches!(report.end, TickEnd::Failed(_)), "{report:?}");
+    assert_eq!(report.reconciled.still_unknown + report.reconciled.needs_review, 1, "{report:?}");
+}
+
+/// `processing` is not a failure: the invoice stays open without dunning,
+/// the reconciler polls the intent by id (the key pruned meanwhile), and the
+/// invoice is paid once the intent succeeds; one charge.
+#[tokio::test]
+async fn a_processing_intent_is_polled_and_paid_once_it_succeeds() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Processing);
+    let (b, _) = biller(&t.db, charging(&p));
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.processing, 1, "{first:?}");
+    assert_eq!(strings(&t.db, "SELECT provider_status FROM payment_attempts").await, ["processing"]);
+    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["open"]);
+    p.prune_keys();
+    let second = tick(&t.db, &b).await;
+    assert_eq!(second.reconciled.processing, 1, "{second:?}");
+    let intent = p.intents()[0].id.clone();
+    assert!(p.settle_processing(&intent, true));
+    let third = tick(&t.db, &b).await;
+    assert_eq!(third.reconciled.paid, 1, "{third:?}");
+    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["paid"]);
+    assert_eq!((p.total_charges(), p.create_requests()), (1, 1));
+    assert_eq!(
+        strings(&t.db, "SELECT event_type FROM webhook_events WHERE event_type LIKE 'payment.%'").await,
+        ["payment.succeeded"]
+    );
+}
+
+/// A processing intent that fails later is a decline: recorded with its
+/// code and announced, and dunning's hand-off follows.
+#[tokio::test]
+async fn a_processing_intent_that_fails_is_declined() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Processing);
+    let (b, _) = biller(&t.db, charging(&p));
+    tick(&t.db, &b).await;
+    let intent = p.intents()[0].id.clone();
+    assert!(p.settle_processing(&intent, false));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.declined, 1, "{report:?}");
+    assert_eq!(strings(&t.db, "SELECT decline_code FROM payment_attempts").await, ["insufficient_funds"]);
+    assert_eq!(p.total_charges(), 0);
+}
+
+/// A rolled secret key for 100 due invoices: one refused call, nothing
+/// recorded against any customer (no `payment.failed`, no email, no declined
+/// attempt for dunning), the tick failed and the alert's series set. The
+/// attempts stay open and are charged once the key is fixed, each once.
+/// Mutation: drop the lone first call (`call_all` straight to the concurrent
+/// stream) and the provider sees a refused request per concurrent slot.
+#[tokio::test]
+async fn a_rolled_key_records_nothing_against_customers_and_fails_the_tick() {
+    let t = TestDb::with_pool(8).await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoices(&t.db, 100).await;
+    p.roll_secret_key("sk_test_rolled_elsewhere");
+    let (b, metrics) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert!(matches!(report.end, TickEnd::Failed(ref why) if why.contains("BILLING_PROVIDER_SECRET_KEY")), "{report:?}");
+    assert_eq!(p.create_requests(), 0, "a 401 is refused before it counts as a create");
+    assert_eq!(p.unauthorized_requests(), 1, "one refused call, not one per invoice");
+    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'").await, 0);
+    assert_eq!(count(&t.db, "SELECT count(*) FROM email_outbox").await, 0);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_status <> 'unknown'").await,
+        0
+    );
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE first_sent_at IS NOT NULL").await,
+        0,
+        "no request of any key executed"
+    );
+    let rendered = metrics.render();
+    assert!(rendered.contains("hardcount_billing_provider_key_rejected_total 1"), "{rendered}");
+    // Fixed: every invoice charged once, by the reconciler, under its key.
+    p.roll_secret_key(TEST_SECRET_KEY);
+    let mut paid = 0;
+    for _ in 0..20 {
+        if paid == 100 {
+            break;
+        }
+        let r = tick(&t.db, &b).await;
+        paid += r.reconciled.paid + r.charges.paid;
+    }
+    assert_eq!(paid, 100);
+    assert_eq!(p.total_charges(), 100);
+    assert!(p.charges().values().all(|n| *n == 1));
+}
+
+/// Answers that do not parse send their attempt to review, with the raw
+/// answer's first bytes kept, while the rest of the batch is paid.
+#[tokio::test]
+async fn a_malformed_answer_needs_review_and_the_rest_of_the_batch_is_paid() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 6).await;
+    let kinds = [
+        MalformedKind::NotJson,
+        MalformedKind::NoId,
+        MalformedKind::BadId,
+        MalformedKind::NulCode,
+    ];
+    for ((_, customer), kind) in open.iter().zip(kinds) {
+        p.set_behaviour(customer, Behaviour::Malformed(kind));
+    }
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!((report.charges.paid, report.charges.needs_review), (2, 4), "{report:?}");
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_status = 'needs_review' AND raw_answer IS NOT NULL").await,
+        4
+    );
+    assert_eq!(count(&t.db, "SELECT count(*) FROM invoices WHERE review_since IS NOT NULL").await, 4);
+    // Nobody charges a flagged invoice again: not the reconciler, not auto-charge.
+    after_the_lease().await;
+    let again = tick(&t.db, &b).await;
+    assert_eq!(again.reconciled, billing::ReconcileTally::default(), "{again:?}");
+    assert_eq!(again.charge_claimed, 0);
+}
+
+/// A refusal of the request as invalid (an amount under the currency's
+/// minimum) is not a decline: the attempt failed with the provider's
+/// message, the invoice is flagged for review, and the customer is told
+/// nothing.
+#[tokio::test]
+async fn an_invalid_request_is_flagged_not_declined() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, _) = open_invoices(&t.db, 1).await[0].clone();
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE invoices SET amount = 10")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.needs_review, 1, "{report:?}");
+    let r = t
+        .db
+        .fetch_one(
+            sql("SELECT provider_status, last_error, decline_code FROM payment_attempts \
+                 WHERE invoice_id = $1")
+            .bind(invoice),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.get::<String, _>(0), "failed");
+    assert!(r.get::<String, _>(1).contains("amount_too_small"));
+    assert_eq!(r.get::<Option<String>, _>(2), None);
+    assert_eq!(count(&t.db, "SELECT count(*) FROM email_outbox").await, 0);
+    assert_eq!(count(&t.db, "SELECT count(*) FROM payment_attempts_needing_review").await, 1);
+}
+
+/// Past the resend window, an attempt whose intent cannot be found is never
+/// sent again: it needs review. Mutation: drop the window from the claim
+/// (`resend_ok` always true) and the key is resent, charging a second time.
+#[tokio::test]
+async fn past_the_resend_window_a_lost_attempt_is_never_sent_again() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Hang);
+    let (b, _) = biller(&t.db, charging(&p));
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    assert_eq!(p.total_charges(), 1);
+    p.prune_keys();
+    p.set_behaviour(&open[0].1, Behaviour::Succeed);
+    let mut su = t.superuser().await;
+    for q in [
+        // The intent is not findable (another customer id), and the first send
+        // is 13 h old: outside the default 12 h window.
+        "UPDATE customers SET provider_customer_id = 'cus_elsewhere'",
+        "UPDATE payment_attempts SET provider_customer_id = NULL, \
+                first_sent_at = now() - interval '13 hours'",
+    ] {
+        sqlx::query(q).execute(&mut su).await.unwrap();
+    }
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.needs_review, 1, "{report:?}");
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(p.create_requests(), 1);
+    assert_eq!(strings(&t.db, "SELECT provider_status FROM payment_attempts").await, ["needs_review"]);
+}
