@@ -29,6 +29,9 @@ const EXPORTED: &[&str] = &[
     "hardcount_billing_reconciler_resolutions_total",
     "hardcount_billing_trials_ended_total",
     "hardcount_billing_collections_resumed_total",
+    "hardcount_billing_provider_key_rejected_total",
+    "hardcount_billing_payment_attempts_needing_review",
+    "hardcount_billing_payment_attempts_processing",
     "hardcount_dunning_attempts_total",
 ];
 
@@ -44,6 +47,8 @@ const PAGED_ON: &[&str] = &[
     "hardcount_leader_status_errors_total",
     "hardcount_billing_oldest_due_age_seconds",
     "hardcount_dunning_attempts_total",
+    "hardcount_billing_provider_key_rejected_total",
+    "hardcount_billing_payment_attempts_needing_review",
 ];
 
 const RULES: &str = "deploy/prometheus/rules.yml";

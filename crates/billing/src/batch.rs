@@ -32,9 +32,7 @@ use tracing::warn;
 
 use crate::Error;
 use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
-use crate::store::{
-    ChargeClaim, Settled, failed_email, paid_payload, payment_payload, receipt,
-};
+use crate::store::{ChargeClaim, Settled, failed_email, paid_payload, payment_payload, receipt};
 
 /// An attempt recorded for a claimed invoice, not yet answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,13 +120,15 @@ pub(crate) async fn start_attempts_in(
     Ok(attempts
         .iter()
         .filter_map(|(c, seq)| {
-            written.remove(&c.invoice_id).map(|(attempt_id, key)| Started {
-                claim: c.clone(),
-                attempt_id,
-                attempt_seq: *seq,
-                key,
-                first_send: true,
-            })
+            written
+                .remove(&c.invoice_id)
+                .map(|(attempt_id, key)| Started {
+                    claim: c.clone(),
+                    attempt_id,
+                    attempt_seq: *seq,
+                    key,
+                    first_send: true,
+                })
         })
         .collect())
 }
@@ -339,7 +339,11 @@ struct Open {
     release: Vec<(i64, String)>,
 }
 
-async fn settle_once(db: &Db, answers: &[(&Started, &Answer)], how: Settling<'_>) -> Result<Once, Error> {
+async fn settle_once(
+    db: &Db,
+    answers: &[(&Started, &Answer)],
+    how: Settling<'_>,
+) -> Result<Once, Error> {
     if answers.is_empty() {
         return Ok(Once::Committed(Vec::new()));
     }
@@ -378,7 +382,8 @@ async fn settle_once(db: &Db, answers: &[(&Started, &Answer)], how: Settling<'_>
             _ => (NOT_SENT.to_owned(), None, Some(0.0), s.first_send),
         };
         if unsent || matches!(a, Answer::Called(ChargeOutcome::KeyRejected { .. })) {
-            open.release.push((s.claim.invoice_id, s.claim.claimed_by.clone()));
+            open.release
+                .push((s.claim.invoice_id, s.claim.claimed_by.clone()));
         }
         open.attempt.push(s.attempt_id);
         open.why.push(why);
@@ -515,7 +520,9 @@ async fn settle_once(db: &Db, answers: &[(&Started, &Answer)], how: Settling<'_>
                 ));
                 emails.push((tenant, failed_email(c, code, how.email_from)));
             }
-            Answer::Called(ChargeOutcome::Invalid { reason } | ChargeOutcome::NeedsReview { reason, .. }) => {
+            Answer::Called(
+                ChargeOutcome::Invalid { reason } | ChargeOutcome::NeedsReview { reason, .. },
+            ) => {
                 warn!(invoice = c.invoice_id, attempt = s.attempt_id, reason = %reason, "payment attempt needs an operator's review (hardcount billing review)");
             }
             _ => {}

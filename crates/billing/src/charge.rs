@@ -113,9 +113,14 @@ impl Biller {
         };
         let c = &self.inner.config;
         let db = &self.inner.db;
-        let Some(started) =
-            store::start_attempt(db, claim, AUTO_CHARGE_ATTEMPT, &c.instance_id, c.statement_timeout)
-                .await?
+        let Some(started) = store::start_attempt(
+            db,
+            claim,
+            AUTO_CHARGE_ATTEMPT,
+            &c.instance_id,
+            c.statement_timeout,
+        )
+        .await?
         else {
             return Ok(Charged::ClaimLost);
         };
@@ -281,7 +286,10 @@ impl FencedBatches for AutoCharge<'_> {
                     tally.processing += 1;
                     "processing"
                 }
-                (ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. }, Ok(Settled::Written)) => {
+                (
+                    ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. },
+                    Ok(Settled::Written),
+                ) => {
                     tally.needs_review += 1;
                     "needs_review"
                 }

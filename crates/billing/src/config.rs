@@ -109,7 +109,12 @@ impl BillingConfig {
             ("charge_lease", self.charge_lease, s(1), s(86_400)),
             // Stripe prunes keys after at least 24 h: resend only well inside it.
             ("resend_window", self.resend_window, s(60), s(23 * 3600)),
-            ("reconcile_backoff", self.reconcile_backoff, Duration::ZERO, s(3600)),
+            (
+                "reconcile_backoff",
+                self.reconcile_backoff,
+                Duration::ZERO,
+                s(3600),
+            ),
         ];
         for (field, value, min, max) in ranges {
             if value < min || value > max {
@@ -123,7 +128,9 @@ impl BillingConfig {
         }
         let id = &self.instance_id;
         if !(1..=32).contains(&id.len())
-            || !id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            || !id
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
         {
             return Err(ConfigError::InstanceId(id.clone()));
         }

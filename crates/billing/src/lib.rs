@@ -116,8 +116,8 @@ pub mod period;
 mod plan_change;
 pub mod provider;
 mod reconcile;
-pub mod review;
 mod retry;
+pub mod review;
 mod store;
 mod tick;
 

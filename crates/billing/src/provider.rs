@@ -71,7 +71,12 @@ impl ProviderConfig {
 /// the instance keeps two installs on one provider account apart. Billing
 /// computes the same key in SQL when it writes the attempt
 /// (`store::KEY_SQL`); a test pins that the two agree.
-pub fn idempotency_key(instance: &str, invoice_id: i64, created_micros: i64, attempt_seq: i32) -> String {
+pub fn idempotency_key(
+    instance: &str,
+    invoice_id: i64,
+    created_micros: i64,
+    attempt_seq: i32,
+) -> String {
     format!("hc:{instance}:invoice:{invoice_id}:{created_micros}:attempt:{attempt_seq}")
 }
 
@@ -290,7 +295,10 @@ impl Provider {
     /// The current state of an intent whose id we hold.
     pub async fn get_payment_intent(&self, id: &str) -> ChargeOutcome {
         if !is_intent_id(id) {
-            return needs_review(format!("stored payment intent id {id:?} is malformed"), None);
+            return needs_review(
+                format!("stored payment intent id {id:?} is malformed"),
+                None,
+            );
         }
         let sent = self
             .client
@@ -357,13 +365,19 @@ impl Provider {
             {
                 return Ok(Some(intent_outcome(found, || self.raw(&text))));
             }
-            match (list["has_more"].as_bool(), data.last().and_then(|pi| pi["id"].as_str())) {
+            match (
+                list["has_more"].as_bool(),
+                data.last().and_then(|pi| pi["id"].as_str()),
+            ) {
                 (Some(true), Some(last)) => after = Some(last.to_owned()),
                 _ => return Ok(None),
             }
         }
         Err(ChargeOutcome::Unknown {
-            reason: format!("more than {} recent intents of the customer; not found in them", LOOKUP_PAGES * 100),
+            reason: format!(
+                "more than {} recent intents of the customer; not found in them",
+                LOOKUP_PAGES * 100
+            ),
             payment_intent: None,
             outage: false,
         })
@@ -452,15 +466,14 @@ fn describe(e: reqwest::Error) -> String {
 /// The shape the `provider_payment_intent` column accepts.
 pub fn is_intent_id(id: &str) -> bool {
     id.len() <= 255
-        && id
-            .strip_prefix("pi_")
-            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        && id.strip_prefix("pi_").is_some_and(|r| {
+            !r.is_empty() && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        })
 }
 
 /// The shape a decline or error code must have to be stored.
 fn is_code(code: &str) -> bool {
-    (1..=64).contains(&code.len())
-        && code.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    (1..=64).contains(&code.len()) && code.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 fn needs_review(reason: String, raw: Option<String>) -> ChargeOutcome {
@@ -477,7 +490,10 @@ fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -> ChargeOut
         return needs_review("a payment intent without an id".into(), Some(raw()));
     };
     if !is_intent_id(id) {
-        return needs_review(format!("a payment intent id of the wrong shape"), Some(raw()));
+        return needs_review(
+            format!("a payment intent id of the wrong shape"),
+            Some(raw()),
+        );
     }
     let id = id.to_owned();
     let error = &pi["last_payment_error"];
@@ -492,9 +508,17 @@ fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -> ChargeOut
             payment_intent: Some(id),
         },
         Some("requires_payment_method" | "canceled") => match code {
-            Some(c) if !is_code(c) => needs_review("a decline code of the wrong shape".into(), Some(raw())),
+            Some(c) if !is_code(c) => {
+                needs_review("a decline code of the wrong shape".into(), Some(raw()))
+            }
             c => ChargeOutcome::Declined {
-                code: c.unwrap_or(if pi["status"] == "canceled" { "canceled" } else { "card_declined" }).to_owned(),
+                code: c
+                    .unwrap_or(if pi["status"] == "canceled" {
+                        "canceled"
+                    } else {
+                        "card_declined"
+                    })
+                    .to_owned(),
                 payment_intent: Some(id),
             },
         },
@@ -524,9 +548,7 @@ pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) ->
     let error = &json["error"];
     let (kind, code) = (s(&error["type"]).unwrap_or_default(), s(&error["code"]));
     let message = s(&error["message"]).unwrap_or_default();
-    let carried = || {
-        s(&error["payment_intent"]["id"]).filter(|id| is_intent_id(id))
-    };
+    let carried = || s(&error["payment_intent"]["id"]).filter(|id| is_intent_id(id));
     match status {
         200..=299 => match parsed {
             Some(pi) => intent_outcome(&pi, raw),
@@ -534,7 +556,9 @@ pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) ->
         },
         401 | 403 => ChargeOutcome::KeyRejected {
             status,
-            message: format!("HTTP {status} {kind}: the provider refused this deployment's secret key"),
+            message: format!(
+                "HTTP {status} {kind}: the provider refused this deployment's secret key"
+            ),
         },
         402 => {
             let decline = s(&error["decline_code"]).or(code);
@@ -544,11 +568,19 @@ pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) ->
                         "a decline whose payment intent id has the wrong shape".into(),
                         Some(raw()),
                     ),
-                    pi => ChargeOutcome::Declined { code: c, payment_intent: pi },
+                    pi => ChargeOutcome::Declined {
+                        code: c,
+                        payment_intent: pi,
+                    },
                 },
                 Some(_) => needs_review("a decline code of the wrong shape".into(), Some(raw())),
-                None if parsed.is_none() => needs_review("HTTP 402 whose body is not JSON".into(), Some(raw())),
-                None => ChargeOutcome::Declined { code: "card_declined".into(), payment_intent: carried() },
+                None if parsed.is_none() => {
+                    needs_review("HTTP 402 whose body is not JSON".into(), Some(raw()))
+                }
+                None => ChargeOutcome::Declined {
+                    code: "card_declined".into(),
+                    payment_intent: carried(),
+                },
             }
         }
         409 => ChargeOutcome::RetryLater {
@@ -560,20 +592,30 @@ pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) ->
             after: Duration::from_secs(retry_after.unwrap_or(60).clamp(1, 3600)),
         },
         400 | 404 if kind == "idempotency_error" => needs_review(
-            format!("HTTP {status} idempotency_error: the provider refused the key ({message}); the first request may have charged"),
+            format!(
+                "HTTP {status} idempotency_error: the provider refused the key ({message}); the first request may have charged"
+            ),
             Some(raw()),
         ),
         400 | 404
             if code.as_deref() == Some("resource_missing")
-                && matches!(s(&error["param"]).as_deref(), Some("customer" | "payment_method")) =>
+                && matches!(
+                    s(&error["param"]).as_deref(),
+                    Some("customer" | "payment_method")
+                ) =>
         {
-            ChargeOutcome::Declined { code: "resource_missing".into(), payment_intent: None }
+            ChargeOutcome::Declined {
+                code: "resource_missing".into(),
+                payment_intent: None,
+            }
         }
         400..=499 => ChargeOutcome::Invalid {
             reason: format!(
                 "HTTP {status} {kind} {}{}: {message}",
                 code.unwrap_or_default(),
-                s(&error["param"]).map(|p| format!(" (param {p})")).unwrap_or_default()
+                s(&error["param"])
+                    .map(|p| format!(" (param {p})"))
+                    .unwrap_or_default()
             ),
         },
         _ => ChargeOutcome::Unknown {
@@ -600,7 +642,10 @@ mod tests {
         for shown in [format!("{c:?}"), format!("{p:?}")] {
             assert!(!shown.contains("very_secret"), "{shown}");
         }
-        assert!(!p.raw("echo sk_test_very_secret back").contains("very_secret"));
+        assert!(
+            !p.raw("echo sk_test_very_secret back")
+                .contains("very_secret")
+        );
     }
 
     fn label(o: ChargeOutcome) -> String {
@@ -608,8 +653,16 @@ mod tests {
             ChargeOutcome::Succeeded { .. } => "succeeded".into(),
             ChargeOutcome::Declined { code, .. } => format!("declined:{code}"),
             ChargeOutcome::Processing { .. } => "processing".into(),
-            ChargeOutcome::Unknown { outage, payment_intent, .. } => {
-                format!("unknown{}{}", if outage { ":outage" } else { "" }, if payment_intent.is_some() { ":pi" } else { "" })
+            ChargeOutcome::Unknown {
+                outage,
+                payment_intent,
+                ..
+            } => {
+                format!(
+                    "unknown{}{}",
+                    if outage { ":outage" } else { "" },
+                    if payment_intent.is_some() { ":pi" } else { "" }
+                )
             }
             ChargeOutcome::RetryLater { after, .. } => format!("later:{}", after.as_secs()),
             ChargeOutcome::KeyRejected { status, .. } => format!("key_rejected:{status}"),
@@ -655,19 +708,45 @@ mod tests {
             (503, "<html>".into(), false, "unknown:outage"),
         ];
         for (status, body, replayed, want) in cases {
-            assert_eq!(label(classify(status, &body, replayed, None)), want, "{status} {body}");
+            assert_eq!(
+                label(classify(status, &body, replayed, None)),
+                want,
+                "{status} {body}"
+            );
         }
     }
 
     #[test]
     fn decline_codes_are_classed_by_stripes_next_steps() {
-        for code in ["stolen_card", "lost_card", "pickup_card", "fraudulent", "restricted_card", "invalid_account", "incorrect_number", "expired_card", "do_not_try_again", "resource_missing"] {
+        for code in [
+            "stolen_card",
+            "lost_card",
+            "pickup_card",
+            "fraudulent",
+            "restricted_card",
+            "invalid_account",
+            "incorrect_number",
+            "expired_card",
+            "do_not_try_again",
+            "resource_missing",
+        ] {
             assert_eq!(decline_class(code), DeclineClass::Hard, "{code}");
         }
-        for code in ["insufficient_funds", "generic_decline", "card_declined", "do_not_honor", "processing_error", "try_again_later", "card_velocity_exceeded"] {
+        for code in [
+            "insufficient_funds",
+            "generic_decline",
+            "card_declined",
+            "do_not_honor",
+            "processing_error",
+            "try_again_later",
+            "card_velocity_exceeded",
+        ] {
             assert_eq!(decline_class(code), DeclineClass::Soft, "{code}");
         }
-        assert_eq!(decline_class("authentication_required"), DeclineClass::AuthenticationRequired);
+        assert_eq!(
+            decline_class("authentication_required"),
+            DeclineClass::AuthenticationRequired
+        );
     }
 
     #[test]
@@ -683,10 +762,20 @@ mod tests {
             key: key.into(),
         };
         let form = req(&key).form();
-        assert!(form.contains("metadata%5Bhardcount_instance%5D=eu1"), "{form}");
-        assert!(form.contains("metadata%5Bhardcount_attempt%5D=hc%3Aeu1"), "{form}");
+        assert!(
+            form.contains("metadata%5Bhardcount_instance%5D=eu1"),
+            "{form}"
+        );
+        assert!(
+            form.contains("metadata%5Bhardcount_attempt%5D=hc%3Aeu1"),
+            "{form}"
+        );
         assert!(is_legacy_key("hardcount-invoice-42-attempt-1"));
-        assert!(!req("hardcount-invoice-42-attempt-1").form().contains("metadata"));
+        assert!(
+            !req("hardcount-invoice-42-attempt-1")
+                .form()
+                .contains("metadata")
+        );
     }
 
     #[test]

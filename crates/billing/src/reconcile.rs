@@ -200,7 +200,10 @@ impl FencedBatches for UnknownSweep<'_> {
                 let step = format!("{}/reconcile attempt {}", Role::Billing, u.attempt_id);
                 let s = started(&u);
                 let check = async move {
-                    if Instant::now() + call > deadline || tick.cancel.is_cancelled() || gate.closed() {
+                    if Instant::now() + call > deadline
+                        || tick.cancel.is_cancelled()
+                        || gate.closed()
+                    {
                         return None;
                     }
                     let outcome = biller.look_up(&u).await;

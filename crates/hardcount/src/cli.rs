@@ -165,7 +165,10 @@ pub async fn billing_command(command: BillingCommand, database_url: &str) -> Res
             if reason.chars().count() > MAX_REASON_CHARS {
                 bail!("--reason is longer than {MAX_REASON_CHARS} characters");
             }
-            if by.as_ref().is_some_and(|b| b.chars().count() > MAX_BY_CHARS) {
+            if by
+                .as_ref()
+                .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
+            {
                 bail!("--by is longer than {MAX_BY_CHARS} characters");
             }
             let by = by.unwrap_or_else(|| {
@@ -179,16 +182,10 @@ pub async fn billing_command(command: BillingCommand, database_url: &str) -> Res
             } else {
                 billing::review::Settlement::Failed
             };
-            let settled = billing::review::settle(
-                &db,
-                attempt,
-                how,
-                payment_intent.as_deref(),
-                &by,
-                &reason,
-            )
-            .await
-            .map_err(billing_denied)?;
+            let settled =
+                billing::review::settle(&db, attempt, how, payment_intent.as_deref(), &by, &reason)
+                    .await
+                    .map_err(billing_denied)?;
             println!("attempt {attempt} settled {settled} (by {by}: {reason})");
         }
     }

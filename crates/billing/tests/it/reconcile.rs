@@ -275,7 +275,11 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
     assert_eq!(status, "needs_review");
     assert!(error.unwrap_or_default().contains("idempotency_error"));
     assert_eq!(
-        strings(&t.db, "SELECT (review_reason IS NOT NULL)::text FROM invoices").await,
+        strings(
+            &t.db,
+            "SELECT (review_reason IS NOT NULL)::text FROM invoices"
+        )
+        .await,
         vec!["true"]
     );
     assert_eq!(

@@ -74,7 +74,10 @@ async fn a_stored_500_then_pruned_keys_is_found_by_metadata_and_charged_once() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: false });
+    p.set_behaviour(
+        &open[0].1,
+        Behaviour::StoredServerError { with_intent: false },
+    );
     let (b, _) = biller(&t.db, charging(&p));
     let first = tick(&t.db, &b).await;
     assert_eq!(first.charges.unknown, 1, "{first:?}");
@@ -87,11 +90,18 @@ async fn a_stored_500_then_pruned_keys_is_found_by_metadata_and_charged_once() {
     for _ in 0..2 {
         after_the_lease().await;
         let again = tick(&t.db, &b).await;
-        assert_eq!(again.reconciled, billing::ReconcileTally::default(), "{again:?}");
+        assert_eq!(
+            again.reconciled,
+            billing::ReconcileTally::default(),
+            "{again:?}"
+        );
     }
     assert_eq!(p.total_charges(), 1, "{:?}", p.charges());
     assert_eq!(p.create_requests(), 1, "the attempt was never sent again");
-    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["paid"]);
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["paid"]
+    );
 }
 
 /// A stored 500 that names its intent: the id is kept on the attempt and the
@@ -101,11 +111,18 @@ async fn a_stored_500_with_its_intent_is_read_by_id() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: true });
+    p.set_behaviour(
+        &open[0].1,
+        Behaviour::StoredServerError { with_intent: true },
+    );
     let (b, _) = biller(&t.db, charging(&p));
     assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
     assert_eq!(
-        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_payment_intent IS NOT NULL").await,
+        count(
+            &t.db,
+            "SELECT count(*) FROM payment_attempts WHERE provider_payment_intent IS NOT NULL"
+        )
+        .await,
         1
     );
     p.prune_keys();
@@ -123,7 +140,10 @@ async fn one_stored_500_does_not_fail_the_tick() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(&open[0].1, Behaviour::StoredServerError { with_intent: false });
+    p.set_behaviour(
+        &open[0].1,
+        Behaviour::StoredServerError { with_intent: false },
+    );
     let config = BillingConfig {
         // Find nothing by listing (the attempt's customer moved), so the
         // reconciler resends the key and the provider replays its 500.
@@ -143,7 +163,11 @@ async fn one_stored_500_does_not_fail_the_tick() {
     after_the_lease().await;
     let report = tick(&t.db, &b).await;
     assert!(!matches!(report.end, TickEnd::Failed(_)), "{report:?}");
-    assert_eq!(report.reconciled.still_unknown + report.reconciled.needs_review, 1, "{report:?}");
+    assert_eq!(
+        report.reconciled.still_unknown + report.reconciled.needs_review,
+        1,
+        "{report:?}"
+    );
 }
 
 /// `processing` is not a failure: the invoice stays open without dunning,
@@ -158,8 +182,14 @@ async fn a_processing_intent_is_polled_and_paid_once_it_succeeds() {
     let (b, _) = biller(&t.db, charging(&p));
     let first = tick(&t.db, &b).await;
     assert_eq!(first.charges.processing, 1, "{first:?}");
-    assert_eq!(strings(&t.db, "SELECT provider_status FROM payment_attempts").await, ["processing"]);
-    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["open"]);
+    assert_eq!(
+        strings(&t.db, "SELECT provider_status FROM payment_attempts").await,
+        ["processing"]
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["open"]
+    );
     p.prune_keys();
     let second = tick(&t.db, &b).await;
     assert_eq!(second.reconciled.processing, 1, "{second:?}");
@@ -167,10 +197,17 @@ async fn a_processing_intent_is_polled_and_paid_once_it_succeeds() {
     assert!(p.settle_processing(&intent, true));
     let third = tick(&t.db, &b).await;
     assert_eq!(third.reconciled.paid, 1, "{third:?}");
-    assert_eq!(strings(&t.db, "SELECT status FROM invoices").await, ["paid"]);
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["paid"]
+    );
     assert_eq!((p.total_charges(), p.create_requests()), (1, 1));
     assert_eq!(
-        strings(&t.db, "SELECT event_type FROM webhook_events WHERE event_type LIKE 'payment.%'").await,
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type LIKE 'payment.%'"
+        )
+        .await,
         ["payment.succeeded"]
     );
 }
@@ -189,7 +226,10 @@ async fn a_processing_intent_that_fails_is_declined() {
     assert!(p.settle_processing(&intent, false));
     let report = tick(&t.db, &b).await;
     assert_eq!(report.reconciled.declined, 1, "{report:?}");
-    assert_eq!(strings(&t.db, "SELECT decline_code FROM payment_attempts").await, ["insufficient_funds"]);
+    assert_eq!(
+        strings(&t.db, "SELECT decline_code FROM payment_attempts").await,
+        ["insufficient_funds"]
+    );
     assert_eq!(p.total_charges(), 0);
 }
 
@@ -207,22 +247,51 @@ async fn a_rolled_key_records_nothing_against_customers_and_fails_the_tick() {
     p.roll_secret_key("sk_test_rolled_elsewhere");
     let (b, metrics) = biller(&t.db, charging(&p));
     let report = tick(&t.db, &b).await;
-    assert!(matches!(report.end, TickEnd::Failed(ref why) if why.contains("BILLING_PROVIDER_SECRET_KEY")), "{report:?}");
-    assert_eq!(p.create_requests(), 0, "a 401 is refused before it counts as a create");
-    assert_eq!(p.unauthorized_requests(), 1, "one refused call, not one per invoice");
-    assert_eq!(count(&t.db, "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'").await, 0);
+    assert!(
+        matches!(report.end, TickEnd::Failed(ref why) if why.contains("BILLING_PROVIDER_SECRET_KEY")),
+        "{report:?}"
+    );
+    assert_eq!(
+        p.create_requests(),
+        0,
+        "a 401 is refused before it counts as a create"
+    );
+    assert_eq!(
+        p.unauthorized_requests(),
+        1,
+        "one refused call, not one per invoice"
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'"
+        )
+        .await,
+        0
+    );
     assert_eq!(count(&t.db, "SELECT count(*) FROM email_outbox").await, 0);
     assert_eq!(
-        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_status <> 'unknown'").await,
+        count(
+            &t.db,
+            "SELECT count(*) FROM payment_attempts WHERE provider_status <> 'unknown'"
+        )
+        .await,
         0
     );
     assert_eq!(
-        count(&t.db, "SELECT count(*) FROM payment_attempts WHERE first_sent_at IS NOT NULL").await,
+        count(
+            &t.db,
+            "SELECT count(*) FROM payment_attempts WHERE first_sent_at IS NOT NULL"
+        )
+        .await,
         0,
         "no request of any key executed"
     );
     let rendered = metrics.render();
-    assert!(rendered.contains("hardcount_billing_provider_key_rejected_total 1"), "{rendered}");
+    assert!(
+        rendered.contains("hardcount_billing_provider_key_rejected_total 1"),
+        "{rendered}"
+    );
     // Fixed: every invoice charged once, by the reconciler, under its key.
     p.roll_secret_key(TEST_SECRET_KEY);
     let mut paid = 0;
@@ -256,16 +325,31 @@ async fn a_malformed_answer_needs_review_and_the_rest_of_the_batch_is_paid() {
     }
     let (b, _) = biller(&t.db, charging(&p));
     let report = tick(&t.db, &b).await;
-    assert_eq!((report.charges.paid, report.charges.needs_review), (2, 4), "{report:?}");
+    assert_eq!(
+        (report.charges.paid, report.charges.needs_review),
+        (2, 4),
+        "{report:?}"
+    );
     assert_eq!(
         count(&t.db, "SELECT count(*) FROM payment_attempts WHERE provider_status = 'needs_review' AND raw_answer IS NOT NULL").await,
         4
     );
-    assert_eq!(count(&t.db, "SELECT count(*) FROM invoices WHERE review_since IS NOT NULL").await, 4);
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM invoices WHERE review_since IS NOT NULL"
+        )
+        .await,
+        4
+    );
     // Nobody charges a flagged invoice again: not the reconciler, not auto-charge.
     after_the_lease().await;
     let again = tick(&t.db, &b).await;
-    assert_eq!(again.reconciled, billing::ReconcileTally::default(), "{again:?}");
+    assert_eq!(
+        again.reconciled,
+        billing::ReconcileTally::default(),
+        "{again:?}"
+    );
     assert_eq!(again.charge_claimed, 0);
 }
 
@@ -286,11 +370,12 @@ async fn an_invalid_request_is_flagged_not_declined() {
     let (b, _) = biller(&t.db, charging(&p));
     let report = tick(&t.db, &b).await;
     assert_eq!(report.charges.needs_review, 1, "{report:?}");
-    let r = t
-        .db
-        .fetch_one(
-            sql("SELECT provider_status, last_error, decline_code FROM payment_attempts \
-                 WHERE invoice_id = $1")
+    let r =
+        t.db.fetch_one(
+            sql(
+                "SELECT provider_status, last_error, decline_code FROM payment_attempts \
+                 WHERE invoice_id = $1",
+            )
             .bind(invoice),
         )
         .await
@@ -299,7 +384,14 @@ async fn an_invalid_request_is_flagged_not_declined() {
     assert!(r.get::<String, _>(1).contains("amount_too_small"));
     assert_eq!(r.get::<Option<String>, _>(2), None);
     assert_eq!(count(&t.db, "SELECT count(*) FROM email_outbox").await, 0);
-    assert_eq!(count(&t.db, "SELECT count(*) FROM payment_attempts_needing_review").await, 1);
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM payment_attempts_needing_review"
+        )
+        .await,
+        1
+    );
 }
 
 /// Past the resend window, an attempt whose intent cannot be found is never
@@ -331,5 +423,8 @@ async fn past_the_resend_window_a_lost_attempt_is_never_sent_again() {
     assert_eq!(report.reconciled.needs_review, 1, "{report:?}");
     assert_eq!(p.total_charges(), 1);
     assert_eq!(p.create_requests(), 1);
-    assert_eq!(strings(&t.db, "SELECT provider_status FROM payment_attempts").await, ["needs_review"]);
+    assert_eq!(
+        strings(&t.db, "SELECT provider_status FROM payment_attempts").await,
+        ["needs_review"]
+    );
 }
