@@ -428,3 +428,117 @@ async fn past_the_resend_window_a_lost_attempt_is_never_sent_again() {
         ["needs_review"]
     );
 }
+
+/// An operator settles an attempt that needs review, as `hardcount_operator`
+/// through `billing_settle_attempt`: `--paid` pays and announces the invoice,
+/// recording who and why; the app role may not settle, and an attempt not
+/// waiting for review is refused by name.
+#[tokio::test]
+async fn an_operator_settles_an_attempt_that_needs_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 2).await;
+    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.charges.paid, report.charges.needs_review),
+        (1, 1),
+        "{report:?}"
+    );
+    let op = t.operator();
+    let listed = billing::review::needing_review(&op).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    let attempt = listed[0].attempt_id;
+    assert!(
+        listed[0]
+            .raw_answer
+            .as_deref()
+            .unwrap_or_default()
+            .contains("succeeded")
+    );
+    // The app role cannot settle.
+    assert!(
+        billing::review::settle(
+            &t.db,
+            attempt,
+            billing::review::Settlement::Paid,
+            None,
+            "app",
+            "no"
+        )
+        .await
+        .is_err()
+    );
+    // A paid attempt is not waiting for review.
+    let paid: i64 =
+        t.db.fetch_one(sql(
+            "SELECT id FROM payment_attempts WHERE provider_status = 'succeeded'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    let refused = billing::review::settle(
+        &op,
+        paid,
+        billing::review::Settlement::Failed,
+        None,
+        "oncall",
+        "drill",
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(refused.contains("not waiting for review"), "{refused}");
+    let settled = billing::review::settle(
+        &op,
+        attempt,
+        billing::review::Settlement::Paid,
+        Some("pi_fake00000001"),
+        "oncall",
+        "found succeeded in the dashboard",
+    )
+    .await
+    .unwrap();
+    assert_eq!(settled, "paid");
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices ORDER BY id").await,
+        ["paid", "paid"]
+    );
+    let r = t
+        .db
+        .fetch_one(
+            sql("SELECT reviewed_by, reviewed_by_role, review_note FROM payment_attempts WHERE id = $1")
+                .bind(attempt),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<String, _>(0),
+            r.get::<String, _>(1),
+            r.get::<String, _>(2)
+        ),
+        (
+            "oncall".into(),
+            "hardcount_operator".into(),
+            "found succeeded in the dashboard".into()
+        )
+    );
+    assert_eq!(billing::review::needing_review(&op).await.unwrap(), []);
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
+        )
+        .await,
+        2
+    );
+    // Nothing charged again by anyone.
+    after_the_lease().await;
+    assert_eq!(
+        tick(&t.db, &b).await.reconciled,
+        billing::ReconcileTally::default()
+    );
+    assert_eq!(p.create_requests(), 2);
+}

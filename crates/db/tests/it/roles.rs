@@ -60,7 +60,8 @@ fn expect(list: &[&str]) -> Vec<String> {
     v
 }
 
-/// hardcount_operator reads leader_status and pauses or unpauses; nothing else.
+/// hardcount_operator reads leader_status and pauses or unpauses, lists and settles
+/// payment attempts that need review (migration 0019); nothing else.
 ///
 /// Catches: leader_pause running as its caller (`pause_security_definer`:
 /// the operator then needs UPDATE on leader_leases and the pause is refused).
@@ -72,9 +73,11 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
     assert_eq!(
         privileges(&op).await,
         expect(&[
+            "billing_settle_attempt():EXECUTE",
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
+            "payment_attempts_needing_review:SELECT",
         ])
     );
     op.execute(sql("SELECT leader_pause('dunning', 'oncall', 'drill')"))

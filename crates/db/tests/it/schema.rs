@@ -342,7 +342,9 @@ async fn a_lease_token_past_the_ceiling_is_refused() {
 }
 
 /// Issue 12, point 9 (migration 0007): every function in the schema has a fixed
-/// `search_path`, and no role but the owner may create objects in `public`.
+/// `search_path` (`pg_catalog, public`, and from migration 0019 on with `pg_temp`
+/// named last, PostgreSQL's rule for definer functions), and no role but the owner
+/// may create objects in `public`.
 /// Fails if an `ALTER FUNCTION … SET search_path` is missing (checked by
 /// dropping one) or a new function is added without one. (The CREATE revoke is
 /// Postgres 15's default for new databases, so on the test bed it pins the
@@ -355,7 +357,8 @@ async fn every_function_has_a_fixed_search_path_and_public_takes_no_new_objects(
              JOIN pg_namespace n ON n.oid = p.pronamespace \
              WHERE n.nspname = 'public' \
                AND NOT EXISTS (SELECT 1 FROM unnest(coalesce(p.proconfig, '{}')) c \
-                               WHERE c = 'search_path=pg_catalog, public') \
+                               WHERE c IN ('search_path=pg_catalog, public', \
+                                           'search_path=pg_catalog, public, pg_temp')) \
              ORDER BY 1"))
             .await
             .unwrap()

@@ -289,3 +289,49 @@ async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
     );
     assert!(rendered.contains(&line), "{rendered}");
 }
+
+/// A hard decline (`stolen_card`) is not retried on the same card: the run
+/// waits, however often dunning looks, until the customer's payment method
+/// changes, and then retries at once. The payment-failed email asks for a
+/// new payment method. Mutation: drop the held-decline clause from
+/// `store::list_due` and the second tick charges the stolen card again.
+#[tokio::test]
+async fn a_hard_decline_waits_for_a_new_payment_method() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 4, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("stolen_card".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.declined, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    let asked: Vec<String> = crate::strings(
+        &t.db,
+        "SELECT text_body FROM email_outbox WHERE subject LIKE 'Your payment%'",
+    )
+    .await;
+    assert!(
+        asked.iter().any(|b| b.contains("new payment method")),
+        "{asked:?}"
+    );
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    for _ in 0..2 {
+        let r = tick(&t.db, &d).await;
+        assert_eq!(r.tally.recovered + r.tally.declined, 0, "{r:?}");
+    }
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(p.create_requests(), 1);
+    t.db.execute(
+        sql(
+            "UPDATE customers SET payment_method_id = 'pm_card_mastercard' \
+             WHERE provider_customer_id = $1",
+        )
+        .bind(a.customer.clone()),
+    )
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.recovered, 1, "{r:?}");
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+}
