@@ -133,41 +133,65 @@ async fn a_stored_500_with_its_intent_is_read_by_id() {
 
 /// One attempt replaying a stored 500 is not an outage: the tick is not
 /// failed for it (an outage is every call of a batch finding the provider
-/// down now). Mutation: count a replayed 5xx as an outage
-/// (`outage: !replayed` → `true`) and the tick ends failed.
+/// down now). The attempt is a legacy one (a key from before migration 0019,
+/// sent without metadata), so no listing finds it and the reconciler resends
+/// its key, which the provider answers with the 500 it stored. Mutation:
+/// count a replayed 5xx as an outage (`outage: !replayed` → `outage: true`)
+/// and the tick ends failed.
 #[tokio::test]
 async fn one_stored_500_does_not_fail_the_tick() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(
-        &open[0].1,
-        Behaviour::StoredServerError { with_intent: false },
-    );
-    let config = BillingConfig {
-        // Find nothing by listing (the attempt's customer moved), so the
-        // reconciler resends the key and the provider replays its 500.
-        ..charging(&p)
+    let (invoice, customer) = open[0].clone();
+    p.set_behaviour(&customer, Behaviour::StoredServerError { with_intent: false });
+    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    let provider = billing::Provider::new(ProviderConfig::new(
+        p.base_url(),
+        SecretKey::new(TEST_SECRET_KEY),
+    ))
+    .unwrap();
+    let pm: String = t
+        .db
+        .fetch_one(sql("SELECT payment_method_id FROM customers"))
+        .await
+        .unwrap()
+        .get(0);
+    let req = billing::provider::PaymentRequest {
+        invoice_id: invoice,
+        amount: 1200,
+        currency: "EUR".into(),
+        customer: customer.clone(),
+        payment_method: pm,
+        key: key.clone(),
     };
-    let (b, _) = biller(&t.db, config);
-    tick(&t.db, &b).await;
+    let first = provider.create_payment_intent(&req).await;
+    assert!(first.is_outage(), "a fresh 500: {first:?}");
     let mut su = t.superuser().await;
-    sqlx::query("UPDATE customers SET provider_customer_id = 'cus_elsewhere'")
-        .execute(&mut su)
-        .await
-        .unwrap();
-    sqlx::query("UPDATE payment_attempts SET provider_customer_id = NULL")
-        .execute(&mut su)
-        .await
-        .unwrap();
-    after_the_lease().await;
+    sqlx::query(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
+                                       currency, provider_customer_id, payment_method_id) \
+         SELECT i.tenant_id, i.id, 1, $2, i.amount, i.currency, c.provider_customer_id, c.payment_method_id \
+         FROM invoices i JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id WHERE i.id = $1",
+    )
+    .bind(invoice)
+    .bind(key)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (b, _) = biller(&t.db, charging(&p));
     let report = tick(&t.db, &b).await;
     assert!(!matches!(report.end, TickEnd::Failed(_)), "{report:?}");
-    assert_eq!(
-        report.reconciled.still_unknown + report.reconciled.needs_review,
-        1,
-        "{report:?}"
-    );
+    assert_eq!(report.reconciled.still_unknown, 1, "{report:?}");
+    assert_eq!(p.total_charges(), 1);
+    let why: String = t
+        .db
+        .fetch_one(sql("SELECT last_error FROM payment_attempts"))
+        .await
+        .unwrap()
+        .get(0);
+    assert!(why.contains("replayed"), "{why}");
 }
 
 /// `processing` is not a failure: the invoice stays open without dunning,
