@@ -280,10 +280,18 @@ enum Once {
     RolledBack(Vec<i64>),
 }
 
-/// What a settled answer writes: the attempt's new status, and whether the
-/// invoice is paid or flagged for review. `None`: the attempt stays open.
-fn resolution(a: &Answer) -> Option<(&'static str, Option<&str>, Option<&str>, Option<String>)> {
-    // (status, decline code, payment intent, why)
+/// What a resolved answer writes: the attempt's new status, its decline
+/// code, the payment intent, and why (the review reason).
+type Resolved<'a> = (
+    &'static str,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<String>,
+);
+
+/// What a settled answer writes (the invoice is paid for `succeeded`,
+/// flagged for `failed` and `needs_review`). `None`: the attempt stays open.
+fn resolution(a: &Answer) -> Option<Resolved<'_>> {
     match a {
         Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
             Some(("succeeded", None, Some(payment_intent), None))

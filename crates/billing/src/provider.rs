@@ -491,7 +491,7 @@ fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -> ChargeOut
     };
     if !is_intent_id(id) {
         return needs_review(
-            format!("a payment intent id of the wrong shape"),
+            "a payment intent id of the wrong shape".to_owned(),
             Some(raw()),
         );
     }

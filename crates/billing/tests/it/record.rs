@@ -144,19 +144,21 @@ async fn one_stored_500_does_not_fail_the_tick() {
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
     let (invoice, customer) = open[0].clone();
-    p.set_behaviour(&customer, Behaviour::StoredServerError { with_intent: false });
+    p.set_behaviour(
+        &customer,
+        Behaviour::StoredServerError { with_intent: false },
+    );
     let key = format!("hardcount-invoice-{invoice}-attempt-1");
     let provider = billing::Provider::new(ProviderConfig::new(
         p.base_url(),
         SecretKey::new(TEST_SECRET_KEY),
     ))
     .unwrap();
-    let pm: String = t
-        .db
-        .fetch_one(sql("SELECT payment_method_id FROM customers"))
-        .await
-        .unwrap()
-        .get(0);
+    let pm: String =
+        t.db.fetch_one(sql("SELECT payment_method_id FROM customers"))
+            .await
+            .unwrap()
+            .get(0);
     let req = billing::provider::PaymentRequest {
         invoice_id: invoice,
         amount: 1200,
@@ -185,12 +187,11 @@ async fn one_stored_500_does_not_fail_the_tick() {
     assert!(!matches!(report.end, TickEnd::Failed(_)), "{report:?}");
     assert_eq!(report.reconciled.still_unknown, 1, "{report:?}");
     assert_eq!(p.total_charges(), 1);
-    let why: String = t
-        .db
-        .fetch_one(sql("SELECT last_error FROM payment_attempts"))
-        .await
-        .unwrap()
-        .get(0);
+    let why: String =
+        t.db.fetch_one(sql("SELECT last_error FROM payment_attempts"))
+            .await
+            .unwrap()
+            .get(0);
     assert!(why.contains("replayed"), "{why}");
 }
 
