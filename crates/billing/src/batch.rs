@@ -195,6 +195,44 @@ pub(crate) async fn call_all(
     out
 }
 
+/// What a batch's answers say of the provider as a whole: it refused this
+/// deployment's key, or it is down (every call of the batch found it down
+/// now; a replayed stored answer does not count).
+#[derive(Debug, Default)]
+pub(crate) struct ProviderHealth {
+    calls: usize,
+    outages: usize,
+    last_outage: String,
+    rejected: Option<(u16, String)>,
+}
+
+impl ProviderHealth {
+    pub(crate) fn saw(&mut self, outcome: &ChargeOutcome) {
+        self.calls += 1;
+        if outcome.is_outage() {
+            self.outages += 1;
+            self.last_outage = format!("{outcome:?}");
+        }
+        if let ChargeOutcome::KeyRejected { status, message } = outcome {
+            self.rejected = Some((*status, message.clone()));
+        }
+    }
+
+    /// The batch's error, if the provider refused the key or is down.
+    pub(crate) fn verdict(self, biller: &crate::Biller) -> Result<(), Error> {
+        if let Some((status, message)) = self.rejected {
+            return Err(biller.key_rejected(status, message));
+        }
+        if self.calls > 0 && self.outages == self.calls {
+            return Err(Error::ProviderOutage {
+                calls: self.calls,
+                last: self.last_outage,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Started {
     /// The request this attempt sends (and a resend repeats exactly).
     pub(crate) fn request(&self) -> PaymentRequest {

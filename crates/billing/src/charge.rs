@@ -245,27 +245,21 @@ impl FencedBatches for AutoCharge<'_> {
         }
         let settled = batch::settle_all(&biller.inner.db, &answered, biller.settling()).await;
         let t = &biller.inner.telemetry;
-        let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
-        let mut rejected = None;
+        let mut health = batch::ProviderHealth::default();
         for ((started, answer), settled) in answered.iter().zip(settled) {
             let invoice = started.claim.invoice_id;
             let Answer::Called(outcome) = answer else {
                 tally.released += 1;
                 continue;
             };
-            calls += 1;
-            if outcome.is_outage() {
-                outages += 1;
-                last_outage = format!("{outcome:?}");
-            }
+            health.saw(outcome);
             let label = match (outcome, settled) {
                 (_, Err(e)) => {
                     tally.unknown += 1;
                     warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
                     "error"
                 }
-                (ChargeOutcome::KeyRejected { status, message }, Ok(_)) => {
-                    rejected = Some((*status, message.clone()));
+                (ChargeOutcome::KeyRejected { .. }, Ok(_)) => {
                     tally.released += 1;
                     "key_rejected"
                 }
@@ -308,15 +302,6 @@ impl FencedBatches for AutoCharge<'_> {
                 panics.record(payload);
             }
         }
-        if let Some((status, message)) = rejected {
-            return Err(biller.key_rejected(status, message));
-        }
-        if calls > 0 && outages == calls {
-            return Err(Error::ProviderOutage {
-                calls,
-                last: last_outage,
-            });
-        }
-        Ok(())
+        health.verdict(biller)
     }
 }

@@ -22,6 +22,13 @@
 use std::fmt;
 use std::time::Duration;
 
+mod answer;
+
+pub use answer::{
+    ChargeOutcome, DeclineClass, HARD_DECLINES, RAW_LIMIT, classify, decline_class, is_intent_id,
+};
+use answer::{RETRY_AFTER_MARK, escape_prefix, intent_outcome, needs_review};
+
 /// A provider secret key (`sk_…`). `Debug` and `Display` redact it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SecretKey(String);
@@ -70,7 +77,7 @@ impl ProviderConfig {
 /// invoice id handed out again) differ from the one the provider remembers;
 /// the instance keeps two installs on one provider account apart. Billing
 /// computes the same key in SQL when it writes the attempt
-/// (`store::KEY_SQL`); a test pins that the two agree.
+/// (`batch::start_attempts_in`); a charge test pins that the two agree.
 pub fn idempotency_key(
     instance: &str,
     invoice_id: i64,
@@ -126,110 +133,6 @@ impl PaymentRequest {
                 .append_pair("metadata[hardcount_attempt]", &self.key);
         }
         f.finish()
-    }
-}
-
-/// What the provider's record says about one attempt (docs/adr/0024).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ChargeOutcome {
-    /// Charged: the PaymentIntent `pi_…` succeeded.
-    Succeeded { payment_intent: String },
-    /// A card decline (402 `card_error`, or an intent that needs a new payment
-    /// method): `decline_code`, else `code`. See [`decline_class`].
-    Declined {
-        code: String,
-        payment_intent: Option<String>,
-    },
-    /// Accepted, not settled (`processing`, `requires_capture`): polled by id.
-    Processing { payment_intent: String },
-    /// Not known whether it charged: a timeout, a transport error, a 5xx
-    /// (fresh or a stored one replayed). `outage` when it says the provider
-    /// is down now (no connection, or a fresh 5xx); a replayed answer says the
-    /// provider is up.
-    Unknown {
-        reason: String,
-        payment_intent: Option<String>,
-        outage: bool,
-    },
-    /// 409 (the key in flight) or 429: not executed; the same key later,
-    /// not before `after`.
-    RetryLater { reason: String, after: Duration },
-    /// 401/403: this deployment's key is wrong or rolled. Nothing executed;
-    /// nothing is recorded against the customer, and no further call is made
-    /// this tick.
-    KeyRejected { status: u16, message: String },
-    /// A 400/404 refusal of the request itself (this service's bug or bad
-    /// data): not executed, not a decline. The attempt fails with the
-    /// provider's message and the invoice is flagged for review.
-    Invalid { reason: String },
-    /// The answer cannot be relied on and the charge may have happened: an
-    /// `idempotency_error`, an answer that does not parse, an id of the wrong
-    /// shape. A person decides (`raw`: the answer's first bytes, escaped).
-    NeedsReview {
-        reason: String,
-        raw: Option<String>,
-        payment_intent: Option<String>,
-    },
-}
-
-/// How a decline is followed up (Stripe's decline-code table, "next steps").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeclineClass {
-    /// Retry on the dunning schedule (`insufficient_funds`, `generic_decline`, …).
-    Soft,
-    /// Do not try the same card again: wait for a new payment method and ask
-    /// the customer for one.
-    Hard,
-    /// The bank wants the customer present (3-D Secure): ask them to
-    /// authenticate; no off-session retry of the same card.
-    AuthenticationRequired,
-}
-
-/// Decline codes whose next step in Stripe's table is "the customer should
-/// use another card" or "do not try again", and the provider's
-/// `resource_missing` (no usable payment method).
-pub const HARD_DECLINES: [&str; 24] = [
-    "card_not_supported",
-    "currency_not_supported",
-    "do_not_try_again",
-    "expired_card",
-    "fraudulent",
-    "incorrect_cvc",
-    "incorrect_number",
-    "incorrect_zip",
-    "invalid_account",
-    "invalid_cvc",
-    "invalid_expiry_month",
-    "invalid_expiry_year",
-    "invalid_number",
-    "lost_card",
-    "merchant_blacklist",
-    "new_account_information_available",
-    "pickup_card",
-    "restricted_card",
-    "revocation_of_all_authorizations",
-    "revocation_of_authorization",
-    "security_violation",
-    "stolen_card",
-    "stop_payment_order",
-    "resource_missing",
-];
-
-/// The class of a decline code.
-pub fn decline_class(code: &str) -> DeclineClass {
-    if code == "authentication_required" {
-        DeclineClass::AuthenticationRequired
-    } else if HARD_DECLINES.contains(&code) {
-        DeclineClass::Hard
-    } else {
-        DeclineClass::Soft
-    }
-}
-
-impl ChargeOutcome {
-    /// Whether this answer says the provider is down now.
-    pub fn is_outage(&self) -> bool {
-        matches!(self, ChargeOutcome::Unknown { outage: true, .. })
     }
 }
 
@@ -433,23 +336,6 @@ impl Provider {
     }
 }
 
-/// How many characters of an unreadable answer are kept.
-pub const RAW_LIMIT: usize = 256;
-
-const RETRY_AFTER_MARK: &str = "\u{1}retry-after:";
-
-fn escape_prefix(text: &str) -> String {
-    let mut out = String::new();
-    for c in text.chars() {
-        if out.len() >= RAW_LIMIT {
-            out.push('…');
-            break;
-        }
-        out.extend(c.escape_debug());
-    }
-    out
-}
-
 /// A transport error without the URL's secrets (there are none in the URL,
 /// but the key is never in reqwest's errors either: it is a header).
 fn describe(e: reqwest::Error) -> String {
@@ -461,174 +347,6 @@ fn describe(e: reqwest::Error) -> String {
         "request failed"
     };
     format!("{kind}: {}", e.without_url())
-}
-
-/// The shape the `provider_payment_intent` column accepts.
-pub fn is_intent_id(id: &str) -> bool {
-    id.len() <= 255
-        && id.strip_prefix("pi_").is_some_and(|r| {
-            !r.is_empty() && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        })
-}
-
-/// The shape a decline or error code must have to be stored.
-fn is_code(code: &str) -> bool {
-    (1..=64).contains(&code.len()) && code.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-}
-
-fn needs_review(reason: String, raw: Option<String>) -> ChargeOutcome {
-    ChargeOutcome::NeedsReview {
-        reason,
-        raw,
-        payment_intent: None,
-    }
-}
-
-/// An intent object's meaning, by its `status`.
-fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -> ChargeOutcome {
-    let Some(id) = pi["id"].as_str() else {
-        return needs_review("a payment intent without an id".into(), Some(raw()));
-    };
-    if !is_intent_id(id) {
-        return needs_review(
-            "a payment intent id of the wrong shape".to_owned(),
-            Some(raw()),
-        );
-    }
-    let id = id.to_owned();
-    let error = &pi["last_payment_error"];
-    let code = error["decline_code"]
-        .as_str()
-        .or_else(|| error["code"].as_str());
-    match pi["status"].as_str() {
-        Some("succeeded") => ChargeOutcome::Succeeded { payment_intent: id },
-        Some("processing" | "requires_capture") => ChargeOutcome::Processing { payment_intent: id },
-        Some("requires_action" | "requires_confirmation") => ChargeOutcome::Declined {
-            code: "authentication_required".into(),
-            payment_intent: Some(id),
-        },
-        Some("requires_payment_method" | "canceled") => match code {
-            Some(c) if !is_code(c) => {
-                needs_review("a decline code of the wrong shape".into(), Some(raw()))
-            }
-            c => ChargeOutcome::Declined {
-                code: c
-                    .unwrap_or(if pi["status"] == "canceled" {
-                        "canceled"
-                    } else {
-                        "card_declined"
-                    })
-                    .to_owned(),
-                payment_intent: Some(id),
-            },
-        },
-        other => ChargeOutcome::NeedsReview {
-            reason: format!("payment intent in status {other:?}"),
-            raw: Some(raw()),
-            payment_intent: Some(id),
-        },
-    }
-}
-
-/// An answer's meaning, by status and Stripe's error body (a pure table;
-/// docs/adr/0024 lists its rows and the documentation each relies on).
-/// `replayed`: the answer carried `Idempotent-Replayed: true`.
-pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) -> ChargeOutcome {
-    let (retry_after, body) = match body.strip_prefix(RETRY_AFTER_MARK) {
-        Some(rest) => match rest.split_once('\n') {
-            Some((secs, body)) => (secs.parse::<u64>().ok(), body),
-            None => (None, rest),
-        },
-        None => (None, body),
-    };
-    let raw = || raw.clone().unwrap_or_else(|| escape_prefix(body));
-    let parsed: Option<serde_json::Value> = serde_json::from_str(body).ok();
-    let json = parsed.clone().unwrap_or_default();
-    let s = |v: &serde_json::Value| v.as_str().map(str::to_owned);
-    let error = &json["error"];
-    let (kind, code) = (s(&error["type"]).unwrap_or_default(), s(&error["code"]));
-    let message = s(&error["message"]).unwrap_or_default();
-    let carried = || s(&error["payment_intent"]["id"]).filter(|id| is_intent_id(id));
-    match status {
-        200..=299 => match parsed {
-            Some(pi) => intent_outcome(&pi, raw),
-            None => needs_review(format!("HTTP {status} whose body is not JSON"), Some(raw())),
-        },
-        401 | 403 => ChargeOutcome::KeyRejected {
-            status,
-            message: format!(
-                "HTTP {status} {kind}: the provider refused this deployment's secret key"
-            ),
-        },
-        402 => {
-            let decline = s(&error["decline_code"]).or(code);
-            match decline {
-                Some(c) if is_code(&c) => match s(&error["payment_intent"]["id"]) {
-                    Some(id) if !is_intent_id(&id) => needs_review(
-                        "a decline whose payment intent id has the wrong shape".into(),
-                        Some(raw()),
-                    ),
-                    pi => ChargeOutcome::Declined {
-                        code: c,
-                        payment_intent: pi,
-                    },
-                },
-                Some(_) => needs_review("a decline code of the wrong shape".into(), Some(raw())),
-                None if parsed.is_none() => {
-                    needs_review("HTTP 402 whose body is not JSON".into(), Some(raw()))
-                }
-                None => ChargeOutcome::Declined {
-                    code: "card_declined".into(),
-                    payment_intent: carried(),
-                },
-            }
-        }
-        409 => ChargeOutcome::RetryLater {
-            reason: format!("HTTP 409 {kind}: another request with this key is in flight"),
-            after: Duration::from_secs(5),
-        },
-        429 => ChargeOutcome::RetryLater {
-            reason: format!("HTTP 429 {kind}: rate limited"),
-            after: Duration::from_secs(retry_after.unwrap_or(60).clamp(1, 3600)),
-        },
-        400 | 404 if kind == "idempotency_error" => needs_review(
-            format!(
-                "HTTP {status} idempotency_error: the provider refused the key ({message}); the first request may have charged"
-            ),
-            Some(raw()),
-        ),
-        400 | 404
-            if code.as_deref() == Some("resource_missing")
-                && matches!(
-                    s(&error["param"]).as_deref(),
-                    Some("customer" | "payment_method")
-                ) =>
-        {
-            ChargeOutcome::Declined {
-                code: "resource_missing".into(),
-                payment_intent: None,
-            }
-        }
-        400..=499 => ChargeOutcome::Invalid {
-            reason: format!(
-                "HTTP {status} {kind} {}{}: {message}",
-                code.unwrap_or_default(),
-                s(&error["param"])
-                    .map(|p| format!(" (param {p})"))
-                    .unwrap_or_default()
-            ),
-        },
-        _ => ChargeOutcome::Unknown {
-            // "HTTP 5…" is an outage when fresh; a stored one replayed is not.
-            reason: if replayed {
-                format!("stored HTTP {status} replayed by the provider for this key")
-            } else {
-                format!("HTTP {status} from the payment provider")
-            },
-            payment_intent: carried(),
-            outage: !replayed,
-        },
-    }
 }
 
 #[cfg(test)]
@@ -645,107 +363,6 @@ mod tests {
         assert!(
             !p.raw("echo sk_test_very_secret back")
                 .contains("very_secret")
-        );
-    }
-
-    fn label(o: ChargeOutcome) -> String {
-        match o {
-            ChargeOutcome::Succeeded { .. } => "succeeded".into(),
-            ChargeOutcome::Declined { code, .. } => format!("declined:{code}"),
-            ChargeOutcome::Processing { .. } => "processing".into(),
-            ChargeOutcome::Unknown {
-                outage,
-                payment_intent,
-                ..
-            } => {
-                format!(
-                    "unknown{}{}",
-                    if outage { ":outage" } else { "" },
-                    if payment_intent.is_some() { ":pi" } else { "" }
-                )
-            }
-            ChargeOutcome::RetryLater { after, .. } => format!("later:{}", after.as_secs()),
-            ChargeOutcome::KeyRejected { status, .. } => format!("key_rejected:{status}"),
-            ChargeOutcome::Invalid { .. } => "invalid".into(),
-            ChargeOutcome::NeedsReview { .. } => "review".into(),
-        }
-    }
-
-    /// One row per class of answer (docs/adr/0024's table).
-    #[test]
-    fn answers_are_classified_as_stripe_means_them() {
-        let r = |retry: &str, body: &str| format!("{RETRY_AFTER_MARK}{retry}\n{body}");
-        let cases: Vec<(u16, String, bool, &str)> = vec![
-            (200, r#"{"id":"pi_1","status":"succeeded"}"#.into(), false, "succeeded"),
-            (200, r#"{"id":"pi_1","status":"processing"}"#.into(), false, "processing"),
-            (200, r#"{"id":"pi_1","status":"requires_capture"}"#.into(), false, "processing"),
-            (200, r#"{"id":"pi_1","status":"requires_action"}"#.into(), false, "declined:authentication_required"),
-            (200, r#"{"id":"pi_1","status":"requires_payment_method","last_payment_error":{"code":"card_declined","decline_code":"insufficient_funds"}}"#.into(), false, "declined:insufficient_funds"),
-            (200, r#"{"id":"pi_1","status":"canceled"}"#.into(), false, "declined:canceled"),
-            (200, r#"{"object":"payment_intent","status":"succeeded"}"#.into(), false, "review"),
-            (200, r#"{"id":"pi_bad id/../x","status":"succeeded"}"#.into(), false, "review"),
-            (200, "<html>upstream proxy error</html>".into(), false, "review"),
-            (200, r#"{"id":"pi_1","status":"weird"}"#.into(), false, "review"),
-            (402, r#"{"error":{"type":"card_error","code":"card_declined","decline_code":"insufficient_funds"}}"#.into(), false, "declined:insufficient_funds"),
-            (402, r#"{"error":{"type":"card_error","code":"authentication_required","decline_code":"authentication_required"}}"#.into(), false, "declined:authentication_required"),
-            (402, r#"{"error":{"type":"card_error","code":"expired_card"}}"#.into(), false, "declined:expired_card"),
-            (402, "{\"error\":{\"type\":\"card_error\",\"decline_code\":\"gen\\u0000eric\"}}".into(), false, "review"),
-            (402, "not json".into(), false, "review"),
-            (401, r#"{"error":{"type":"invalid_request_error","message":"Invalid API Key provided: sk_****"}}"#.into(), false, "key_rejected:401"),
-            (403, r#"{"error":{"type":"invalid_request_error"}}"#.into(), false, "key_rejected:403"),
-            (400, r#"{"error":{"type":"invalid_request_error","code":"amount_too_small","param":"amount"}}"#.into(), false, "invalid"),
-            (400, r#"{"error":{"type":"invalid_request_error","code":"parameter_missing","param":"payment_method"}}"#.into(), false, "invalid"),
-            (404, r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"payment_method"}}"#.into(), false, "declined:resource_missing"),
-            (400, r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer"}}"#.into(), false, "declined:resource_missing"),
-            (404, r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"intent"}}"#.into(), false, "invalid"),
-            (400, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "review"),
-            (409, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "later:5"),
-            (429, r(r#"7"#, r#"{"error":{"type":"rate_limit_error"}}"#), false, "later:7"),
-            (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), false, "later:60"),
-            (500, "".into(), false, "unknown:outage"),
-            (500, r#"{"error":{"type":"api_error"}}"#.into(), true, "unknown"),
-            (500, r#"{"error":{"type":"api_error","payment_intent":{"id":"pi_9","status":"succeeded"}}}"#.into(), true, "unknown:pi"),
-            (503, "<html>".into(), false, "unknown:outage"),
-        ];
-        for (status, body, replayed, want) in cases {
-            assert_eq!(
-                label(classify(status, &body, replayed, None)),
-                want,
-                "{status} {body}"
-            );
-        }
-    }
-
-    #[test]
-    fn decline_codes_are_classed_by_stripes_next_steps() {
-        for code in [
-            "stolen_card",
-            "lost_card",
-            "pickup_card",
-            "fraudulent",
-            "restricted_card",
-            "invalid_account",
-            "incorrect_number",
-            "expired_card",
-            "do_not_try_again",
-            "resource_missing",
-        ] {
-            assert_eq!(decline_class(code), DeclineClass::Hard, "{code}");
-        }
-        for code in [
-            "insufficient_funds",
-            "generic_decline",
-            "card_declined",
-            "do_not_honor",
-            "processing_error",
-            "try_again_later",
-            "card_velocity_exceeded",
-        ] {
-            assert_eq!(decline_class(code), DeclineClass::Soft, "{code}");
-        }
-        assert_eq!(
-            decline_class("authentication_required"),
-            DeclineClass::AuthenticationRequired
         );
     }
 
@@ -776,12 +393,5 @@ mod tests {
                 .form()
                 .contains("metadata")
         );
-    }
-
-    #[test]
-    fn raw_answers_are_escaped_and_bounded() {
-        let raw = escape_prefix("a\u{0}b\nc");
-        assert_eq!(raw, "a\\0b\\nc");
-        assert!(escape_prefix(&"x".repeat(5000)).len() <= RAW_LIMIT + 4);
     }
 }

@@ -228,18 +228,13 @@ impl FencedBatches for UnknownSweep<'_> {
         let rows: Vec<(&Started, &Answer)> = answers.iter().map(|(s, a)| (*s, a)).collect();
         let settled = batch::settle_all(&biller.inner.db, &rows, biller.settling()).await;
         let t = &biller.inner.telemetry;
-        let (mut calls, mut outages, mut last_outage) = (0, 0, String::new());
-        let mut rejected = None;
+        let mut health = batch::ProviderHealth::default();
         for ((s, answer), settled) in rows.iter().zip(settled) {
             let attempt = s.attempt_id;
             let Answer::Called(outcome) = answer else {
                 continue;
             };
-            calls += 1;
-            if outcome.is_outage() {
-                outages += 1;
-                last_outage = format!("{outcome:?}");
-            }
+            health.saw(outcome);
             let label = match (outcome, settled) {
                 (_, Err(e)) => {
                     tally.failed += 1;
@@ -268,8 +263,7 @@ impl FencedBatches for UnknownSweep<'_> {
                     tally.needs_review += 1;
                     "needs_review"
                 }
-                (ChargeOutcome::KeyRejected { status, message }, _) => {
-                    rejected = Some((*status, message.clone()));
+                (ChargeOutcome::KeyRejected { .. }, _) => {
                     tally.still_unknown += 1;
                     "key_rejected"
                 }
@@ -301,16 +295,7 @@ impl FencedBatches for UnknownSweep<'_> {
             c.statement_timeout,
         )
         .await?;
-        if let Some((status, message)) = rejected {
-            return Err(biller.key_rejected(status, message));
-        }
-        if calls > 0 && outages == calls {
-            return Err(Error::ProviderOutage {
-                calls,
-                last: last_outage,
-            });
-        }
-        Ok(())
+        health.verdict(biller)
     }
 }
 

@@ -300,8 +300,7 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         .fetch_one(sql(
             "SELECT (SELECT count(*) FROM payment_attempts_needing_review) AS needs_review, \
                     (SELECT count(*) FROM payment_attempts \
-                     WHERE provider_status IN ('unknown', 'processing') \
-                       AND provider_status = 'processing') AS processing",
+                     WHERE provider_status = 'processing') AS processing",
         ))
         .await?;
     tx.commit().await?;

@@ -123,6 +123,22 @@ pub enum BillingCommand {
     },
 }
 
+/// `--by`, bounded, or `cli@<hostname>` when not given.
+fn operator_name(by: Option<String>) -> Result<String> {
+    if by
+        .as_ref()
+        .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
+    {
+        bail!("--by is longer than {MAX_BY_CHARS} characters");
+    }
+    Ok(by.unwrap_or_else(|| {
+        format!(
+            "cli@{}",
+            leader::holder_id().split(':').next().unwrap_or("unknown")
+        )
+    }))
+}
+
 /// `hardcount billing …`.
 pub async fn billing_command(command: BillingCommand, database_url: &str) -> Result<()> {
     let db = Db::connect_lazy(database_url, 1)?;
@@ -165,18 +181,7 @@ pub async fn billing_command(command: BillingCommand, database_url: &str) -> Res
             if reason.chars().count() > MAX_REASON_CHARS {
                 bail!("--reason is longer than {MAX_REASON_CHARS} characters");
             }
-            if by
-                .as_ref()
-                .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
-            {
-                bail!("--by is longer than {MAX_BY_CHARS} characters");
-            }
-            let by = by.unwrap_or_else(|| {
-                format!(
-                    "cli@{}",
-                    leader::holder_id().split(':').next().unwrap_or("unknown")
-                )
-            });
+            let by = operator_name(by)?;
             let how = if paid {
                 billing::review::Settlement::Paid
             } else {
@@ -295,18 +300,7 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                     reason.chars().count()
                 );
             }
-            if by
-                .as_ref()
-                .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
-            {
-                bail!("--by is longer than {MAX_BY_CHARS} characters");
-            }
-            let by = by.unwrap_or_else(|| {
-                format!(
-                    "cli@{}",
-                    leader::holder_id().split(':').next().unwrap_or("unknown")
-                )
-            });
+            let by = operator_name(by)?;
             leader::store::pause(&db, role, &by, &reason)
                 .await
                 .map_err(operator_denied)?;

@@ -9,6 +9,7 @@
 
 pub mod bouncer;
 pub mod leadership;
+pub mod payments;
 pub mod plans;
 pub mod receiver;
 mod smtp;

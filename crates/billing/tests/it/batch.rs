@@ -8,7 +8,7 @@ use db::{Db, Row, sql};
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use testbed::TestDb;
 
-use crate::{biller, config, due_monthly, tick};
+use crate::{biller, config, open_invoices, tick};
 
 fn charging(p: &FakeProvider) -> BillingConfig {
     BillingConfig {
@@ -19,22 +19,6 @@ fn charging(p: &FakeProvider) -> BillingConfig {
         }),
         ..config()
     }
-}
-
-/// (invoice, `cus_…`) of every invoice, in id order, after a tick without a
-/// provider billed `n` subscriptions.
-async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
-    due_monthly(db, "tenant_a", n).await;
-    let (b, _) = biller(db, config());
-    assert_eq!(tick(db, &b).await.tally.invoiced, n);
-    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
-         JOIN subscriptions s ON s.id = i.subscription_id \
-         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get("id"), r.get("provider_customer_id")))
-        .collect()
 }
 
 async fn strings(db: &Db, q: &'static str) -> Vec<String> {

@@ -172,14 +172,30 @@ pub async fn tick(db: &Db, b: &Biller) -> TickReport {
     .await
 }
 
-/// The idempotency key attempt `seq` of `invoice` was sent under, as stored.
-pub async fn attempt_key(db: &Db, invoice: i64, seq: i32) -> Option<String> {
-    db.fetch_optional(
-        sql("SELECT idempotency_key FROM payment_attempts WHERE invoice_id = $1 AND attempt_seq = $2")
-            .bind(invoice)
-            .bind(seq),
-    )
-    .await
-    .unwrap()
-    .map(|r| r.get("idempotency_key"))
+pub use testbed::payments::attempt_key;
+
+/// (invoice, `cus_…`) of every invoice, in id order, after a tick without a
+/// provider billed `n` subscriptions.
+pub async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
+    due_monthly(db, "tenant_a", n).await;
+    let (b, _) = biller(db, config());
+    assert_eq!(tick(db, &b).await.tally.invoiced, n);
+    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
+         JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get("id"), r.get("provider_customer_id")))
+        .collect()
+}
+
+/// The first column of every row of `q`, as the query orders them.
+pub async fn strings(db: &Db, q: &'static str) -> Vec<String> {
+    db.fetch_all(sql(q))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect()
 }

@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use billing::{BillingConfig, ProviderConfig, SecretKey};
-use db::{Db, Row, sql};
+use db::{Row, sql};
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use leader::TickEnd;
 use testbed::TestDb;
 
-use crate::{biller, config, due_monthly, tick};
+use crate::{biller, config, open_invoices, strings, tick};
 
 fn charging(p: &FakeProvider, timeout: Duration, lease: Duration) -> BillingConfig {
     BillingConfig {
@@ -21,31 +21,6 @@ fn charging(p: &FakeProvider, timeout: Duration, lease: Duration) -> BillingConf
         charge_lease: lease,
         ..config()
     }
-}
-
-/// `n` open automatic invoices (billed by a tick without a provider) and
-/// their customers' `cus_…`.
-async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
-    due_monthly(db, "tenant_a", n).await;
-    let (b, _) = biller(db, config());
-    assert_eq!(tick(db, &b).await.tally.invoiced, n);
-    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
-         JOIN subscriptions s ON s.id = i.subscription_id \
-         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
-}
-
-async fn strings(db: &Db, q: &'static str) -> Vec<String> {
-    db.fetch_all(sql(q))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<String, _>(0))
-        .collect()
 }
 
 /// The provider charges and then hangs: the attempt is unknown, its claim

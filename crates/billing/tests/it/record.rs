@@ -12,7 +12,7 @@ use fake_provider::{Behaviour, FakeProvider, MalformedKind, TEST_SECRET_KEY};
 use leader::TickEnd;
 use testbed::TestDb;
 
-use crate::{biller, config, due_monthly, tick};
+use crate::{biller, config, open_invoices, strings, tick};
 
 /// Charging through `p` with a 300 ms call budget and a 1 s claim lease, and
 /// the reconciler looking again at once.
@@ -27,31 +27,6 @@ fn charging(p: &FakeProvider) -> BillingConfig {
         reconcile_backoff: Duration::ZERO,
         ..config()
     }
-}
-
-/// `n` open automatic invoices (billed by a tick without a provider) with
-/// their customers' `cus_…`.
-async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
-    due_monthly(db, "tenant_a", n).await;
-    let (b, _) = biller(db, config());
-    assert_eq!(tick(db, &b).await.tally.invoiced, n);
-    db.fetch_all(sql("SELECT i.id, c.provider_customer_id FROM invoices i \
-         JOIN subscriptions s ON s.id = i.subscription_id \
-         JOIN customers c ON c.id = s.customer_id ORDER BY i.id"))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
-}
-
-async fn strings(db: &Db, q: &'static str) -> Vec<String> {
-    db.fetch_all(sql(q))
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get::<String, _>(0))
-        .collect()
 }
 
 async fn count(db: &Db, q: &'static str) -> i64 {

@@ -229,14 +229,4 @@ pub async fn attempts(db: &Db, invoice: i64) -> Vec<(i32, String)> {
     .collect()
 }
 
-/// The idempotency key attempt `seq` of `invoice` was sent under, as stored.
-pub async fn attempt_key(db: &Db, invoice: i64, seq: i32) -> Option<String> {
-    db.fetch_optional(
-        sql("SELECT idempotency_key FROM payment_attempts WHERE invoice_id = $1 AND attempt_seq = $2")
-            .bind(invoice)
-            .bind(seq),
-    )
-    .await
-    .unwrap()
-    .map(|r| r.get("idempotency_key"))
-}
+pub use testbed::payments::attempt_key;
