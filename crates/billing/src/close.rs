@@ -35,6 +35,29 @@ pub struct Due {
     /// Integer minor units of `currency`.
     pub amount: i64,
     pub currency: String,
+    /// Whether the subscription ends after this period (proven by the closing).
+    pub cancel_at_period_end: bool,
+}
+
+/// Why an invoice is made: the `reason` column and what else is announced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// A period ended (the tick).
+    Period,
+    /// A plan change truncated the period (`subscription.updated` too).
+    PlanChange,
+    /// A cancel truncated the period and ended the subscription.
+    Cancel,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Period => "period",
+            Reason::PlanChange => "plan_change",
+            Reason::Cancel => "cancel",
+        }
+    }
 }
 
 /// What one closing writes, if its snapshot still holds.
@@ -56,6 +79,15 @@ pub struct Closing {
     /// The plan the next period is on, when it changes (a plan change);
     /// `None` keeps the subscription's plan.
     pub plan_id: Option<i64>,
+    /// The `cancel_at_period_end` read, proven by the compare-and-set.
+    pub cancel_at_period_end: bool,
+    pub reason: Reason,
+    /// The subscription ends with this closing (a cancel, or a period
+    /// closed under `cancel_at_period_end`).
+    pub ends: bool,
+    /// Whether `[period_start, next_start)` is invoiced (a cancel the tenant
+    /// set not to invoice, or one at the period's very start, is not).
+    pub invoiced: bool,
 }
 
 /// A plan a subscription changes to.
@@ -102,6 +134,69 @@ pub fn close(due: &Due) -> Result<Closing, Unbillable> {
         currency: due.currency.clone(),
         collection_method: due.collection_method.clone(),
         plan_id: None,
+        cancel_at_period_end: due.cancel_at_period_end,
+        reason: Reason::Period,
+        ends: due.cancel_at_period_end,
+        invoiced: true,
+    })
+}
+
+/// The periods a subscription is behind, closed one after another from
+/// `due`, while each next watermark has passed at `now`, at most `max`:
+/// catch-up after an outage, or an hourly plan under a slower tick. The
+/// chain stops after a period that ends the subscription.
+///
+/// # Errors
+/// [`Unbillable`] for the first period that cannot be computed (the whole
+/// chain is refused: the subscription is left out, as for one period).
+pub fn close_behind(due: &Due, now: DateTime<Utc>, max: usize) -> Result<Vec<Closing>, Unbillable> {
+    let mut chain = vec![close(due)?];
+    while chain.len() < max.max(1) {
+        let last = &chain[chain.len() - 1];
+        if last.ends || last.next_end > now {
+            break;
+        }
+        let next = Due {
+            current_period_start: last.next_start,
+            current_period_end: last.next_end,
+            next_billing_at: last.next_end,
+            ..due.clone()
+        };
+        chain.push(close(&next)?);
+    }
+    Ok(chain)
+}
+
+/// A cancel at `at`: the current period truncated to `[start, at)` and, when
+/// `invoice` says so and any of it was used, invoiced pro rata; the
+/// subscription ends.
+///
+/// # Errors
+/// [`Unbillable`] for an interval that is not one, or a period out of range.
+pub fn cancel(due: &Due, at: DateTime<Utc>, invoice: bool) -> Result<Closing, Unbillable> {
+    let interval = interval(&due.interval_unit, due.interval_count)?;
+    let used = at > due.current_period_start;
+    let amount = if used {
+        amount_for(due, interval, due.current_period_start, at)?
+    } else {
+        0
+    };
+    Ok(Closing {
+        subscription_id: due.subscription_id,
+        tenant_id: due.tenant_id.clone(),
+        status: due.status.clone(),
+        period_start: due.current_period_start,
+        watermark: due.next_billing_at,
+        next_start: at,
+        next_end: due.current_period_end.max(at),
+        amount,
+        currency: due.currency.clone(),
+        collection_method: due.collection_method.clone(),
+        plan_id: None,
+        cancel_at_period_end: due.cancel_at_period_end,
+        reason: Reason::Cancel,
+        ends: true,
+        invoiced: invoice && used,
     })
 }
 
@@ -129,6 +224,10 @@ pub fn truncate(due: &Due, plan: &Plan, at: DateTime<Utc>) -> Result<Closing, Un
         currency: due.currency.clone(),
         collection_method: due.collection_method.clone(),
         plan_id: Some(plan.id),
+        cancel_at_period_end: due.cancel_at_period_end,
+        reason: Reason::PlanChange,
+        ends: false,
+        invoiced: at > due.current_period_start,
     })
 }
 
@@ -184,6 +283,7 @@ mod tests {
             interval_count: 1,
             amount: 1200,
             currency: "EUR".into(),
+            cancel_at_period_end: false,
         }
     }
 
@@ -285,5 +385,39 @@ mod tests {
             )
         );
         assert_eq!(c.watermark, at(2024, 3, 31));
+    }
+
+    #[test]
+    fn a_subscription_behind_is_closed_once_per_period_up_to_the_bound() {
+        // Hourly plan, 5 hours behind at 05:30: periods 00-01 … 04-05 are due.
+        let hour = |h| Utc.with_ymd_and_hms(2024, 1, 1, h, 0, 0).unwrap();
+        let mut d = due(hour(0), hour(0), hour(1));
+        d.interval_unit = "hour".into();
+        let now = hour(5) + chrono::TimeDelta::minutes(30);
+        let chain = close_behind(&d, now, 100).unwrap();
+        let starts: Vec<_> = chain.iter().map(|c| c.period_start).collect();
+        assert_eq!(starts, (0..5).map(hour).collect::<Vec<_>>());
+        assert_eq!(chain.last().unwrap().next_end, hour(6));
+        // The bound: at most 3 this time, the rest next tick.
+        assert_eq!(close_behind(&d, now, 3).unwrap().len(), 3);
+        // A subscription ending after its period closes that one only.
+        d.cancel_at_period_end = true;
+        let chain = close_behind(&d, now, 100).unwrap();
+        assert_eq!((chain.len(), chain[0].ends), (1, true));
+    }
+
+    #[test]
+    fn a_cancel_invoices_the_used_part_unless_told_not_to() {
+        let d = due(at(2024, 1, 31), at(2024, 2, 29), at(2024, 3, 31));
+        // 10 of March's 31 days: 1200 × 10 / 31 = 387.1 → 387.
+        let c = cancel(&d, at(2024, 3, 10), true).unwrap();
+        assert_eq!(
+            (c.amount, c.next_start, c.ends, c.invoiced, c.reason),
+            (387, at(2024, 3, 10), true, true, Reason::Cancel)
+        );
+        assert!(!cancel(&d, at(2024, 3, 10), false).unwrap().invoiced);
+        // Nothing used: nothing invoiced.
+        let c = cancel(&d, at(2024, 2, 29), true).unwrap();
+        assert_eq!((c.amount, c.invoiced), (0, false));
     }
 }

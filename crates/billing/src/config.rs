@@ -38,6 +38,10 @@ pub struct BillingConfig {
     /// (a processing intent, a lookup that failed); doubled per look, at most
     /// an hour. Default 30 s.
     pub reconcile_backoff: Duration,
+    /// At most this many periods of one subscription are closed in one tick
+    /// (a subscription further behind, after an outage or on an hourly plan,
+    /// catches up over the next ticks). Default 100.
+    pub catch_up_periods: usize,
 }
 
 impl Default for BillingConfig {
@@ -53,6 +57,7 @@ impl Default for BillingConfig {
             instance_id: "default".to_owned(),
             resend_window: Duration::from_secs(12 * 3600),
             reconcile_backoff: Duration::from_secs(30),
+            catch_up_periods: 100,
         }
     }
 }
@@ -62,6 +67,8 @@ impl Default for BillingConfig {
 pub enum ConfigError {
     #[error("billing batch_size must be between 1 and 10000, not {0}")]
     BatchSize(usize),
+    #[error("billing catch_up_periods must be between 1 and 10000, not {0}")]
+    CatchUpPeriods(usize),
     #[error("billing charge_concurrency must be between 1 and 256, not {0}")]
     ChargeConcurrency(usize),
     #[error("billing {field} must be between {min:?} and {max:?}, not {value:?}")]
@@ -97,6 +104,9 @@ impl BillingConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=10_000).contains(&self.batch_size) {
             return Err(ConfigError::BatchSize(self.batch_size));
+        }
+        if !(1..=10_000).contains(&self.catch_up_periods) {
+            return Err(ConfigError::CatchUpPeriods(self.catch_up_periods));
         }
         if !(1..=256).contains(&self.charge_concurrency) {
             return Err(ConfigError::ChargeConcurrency(self.charge_concurrency));

@@ -107,11 +107,15 @@
 //! `charge` (the auto-charge step), `reconcile` (the payment reconciler),
 //! `plan_change`, [`provider`] (the HTTP client), [`close`] and [`period`] (pure).
 
+mod action_required;
 pub mod batch;
+mod cancel;
 mod charge;
 pub mod close;
 mod config;
+mod invoice;
 mod lifecycle;
+pub mod money;
 pub mod period;
 mod plan_change;
 pub mod provider;
@@ -121,15 +125,18 @@ pub mod review;
 mod store;
 mod tick;
 
+pub use action_required::AskTally;
+pub use cancel::{CancelAt, Canceled};
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
 pub use config::{BillingConfig, ConfigError};
+pub use invoice::Closed;
 pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
 pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use reconcile::ReconcileTally;
 pub use retry::{NotCharged, Retried, RetryRequest, StartedRetry};
-pub use store::{ChargeClaim, Closed};
+pub use store::ChargeClaim;
 pub use tick::{Biller, Tally, TickReport};
 
 /// Errors of the billing role.
@@ -163,6 +170,14 @@ pub enum Error {
     /// Code `subscription_period_moved` (HTTP 409 once the API exists).
     #[error("subscription {subscription} period moved under the plan change; nothing written")]
     SubscriptionPeriodMoved { subscription: i64 },
+    /// A plan change to a plan in another currency: refused, as the
+    /// provider refuses it. Code `plan_currency_mismatch` (HTTP 409).
+    #[error("subscription {subscription} is billed in {from}; a plan in {to} is refused")]
+    PlanCurrencyMismatch {
+        subscription: i64,
+        from: String,
+        to: String,
+    },
     /// A plan change named no active subscription of the tenant, or a plan
     /// not of the tenant. Code `subscription_not_found`.
     #[error("no active subscription {subscription} with plan {plan} in tenant {tenant}")]
@@ -185,6 +200,7 @@ impl Error {
             Error::ProviderKeyRejected { .. } => "payment_provider_key_rejected",
             Error::SubscriptionPeriodMoved { .. } => "subscription_period_moved",
             Error::SubscriptionNotFound { .. } => "subscription_not_found",
+            Error::PlanCurrencyMismatch { .. } => "plan_currency_mismatch",
         }
     }
 }

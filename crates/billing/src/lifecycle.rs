@@ -96,14 +96,20 @@ impl FencedBatches for Trials<'_> {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let c = &self.biller.inner.config;
-        Ok(store::claim_trials(
+        let listed = store::claim_trials(
             &self.biller.inner.db,
             fence,
             limit,
             &except,
             c.statement_timeout,
         )
-        .await?)
+        .await?;
+        self.biller.undecodable("trials", &listed.undecodable);
+        self.left_out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(listed.undecodable);
+        Ok(listed.rows)
     }
 
     fn claimed(batch: &Vec<TrialEnded>) -> usize {
@@ -158,6 +164,8 @@ impl FencedBatches for Trials<'_> {
 /// The resume step as the driver sees it.
 pub(crate) struct Resumes<'a> {
     pub biller: &'a Biller,
+    /// Rows that could not be decoded: not listed again this tick.
+    pub left_out: Mutex<Vec<i64>>,
 }
 
 impl FencedBatches for Resumes<'_> {
@@ -175,10 +183,25 @@ impl FencedBatches for Resumes<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<LiftedPause>, Error> {
         let c = &self.biller.inner.config;
-        Ok(
-            store::claim_lifted_pauses(&self.biller.inner.db, fence, limit, c.statement_timeout)
-                .await?,
+        let except = self
+            .left_out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let listed = store::claim_lifted_pauses(
+            &self.biller.inner.db,
+            fence,
+            limit,
+            &except,
+            c.statement_timeout,
         )
+        .await?;
+        self.biller.undecodable("resumes", &listed.undecodable);
+        self.left_out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(listed.undecodable);
+        Ok(listed.rows)
     }
 
     fn claimed(batch: &Vec<LiftedPause>) -> usize {
@@ -217,9 +240,9 @@ impl Biller {
         limit: usize,
     ) -> Result<Vec<EndedTrial>, Error> {
         let c = &self.inner.config;
-        let rows =
+        let listed =
             store::claim_trials(&self.inner.db, fence, limit, &[], c.statement_timeout).await?;
-        Ok(rows.into_iter().map(EndedTrial).collect())
+        Ok(listed.rows.into_iter().map(EndedTrial).collect())
     }
 
     /// Activate `trials` from the snapshot they hold; returns how many this
@@ -248,9 +271,10 @@ impl Biller {
         limit: usize,
     ) -> Result<Vec<LiftedCollectionPause>, Error> {
         let c = &self.inner.config;
-        let rows =
-            store::claim_lifted_pauses(&self.inner.db, fence, limit, c.statement_timeout).await?;
-        Ok(rows.into_iter().map(LiftedCollectionPause).collect())
+        let listed =
+            store::claim_lifted_pauses(&self.inner.db, fence, limit, &[], c.statement_timeout)
+                .await?;
+        Ok(listed.rows.into_iter().map(LiftedCollectionPause).collect())
     }
 
     /// Resume `pauses` from the snapshot they hold; returns how many this

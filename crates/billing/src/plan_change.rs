@@ -8,7 +8,8 @@
 //!  one transaction (store::close_periods, as the tick's closing):
 //!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
 //!    2. INSERT the invoice under idx_invoices_billing_period_dedup
-//!    3. invoice.finalized
+//!    3. invoice.finalized, subscription.updated
+//!  another currency ─▶ Error::PlanCurrencyMismatch (`plan_currency_mismatch`, 409); nothing written
 //!  CAS lost ─▶ Error::SubscriptionPeriodMoved (`subscription_period_moved`, 409); nothing written
 //! ```
 //!
@@ -20,7 +21,8 @@
 use chrono::{DateTime, Utc};
 
 use crate::close::{self, Closing, Due, Plan};
-use crate::store::{self, Closed};
+use crate::invoice::{self, Closed};
+use crate::store;
 use crate::{Biller, Error};
 
 /// A plan change computed from a fresh snapshot, not yet written.
@@ -92,6 +94,15 @@ impl Biller {
                 plan,
             });
         };
+        // Stripe refuses a price in another currency on a subscription; so
+        // do we: the customer's balance and invoices are in one currency.
+        if new_plan.currency != due.currency {
+            return Err(Error::PlanCurrencyMismatch {
+                subscription,
+                from: due.currency,
+                to: new_plan.currency,
+            });
+        }
         // A change inside the period: never before its start (a clock step
         // back), never past its end (the tick closes that first).
         let at = now.clamp(due.current_period_start, due.current_period_end);
@@ -112,21 +123,10 @@ impl Biller {
     /// [`Error::SubscriptionPeriodMoved`] when the snapshot no longer holds or
     /// the period is already invoiced (nothing written); a database error.
     pub async fn apply_plan_change(&self, change: &PlanChange) -> Result<PlanChanged, Error> {
-        let timeout = self.inner.config.statement_timeout;
-        let moved = Error::SubscriptionPeriodMoved {
-            subscription: change.due.subscription_id,
-        };
-        if change.at == change.due.current_period_start {
-            // Nothing used: no invoice, only the plan and the next period.
-            return match store::switch_plan(&self.inner.db, &change.closing, timeout).await? {
-                true => Ok(PlanChanged { invoice_id: None }),
-                false => Err(moved),
-            };
-        }
-        let outcomes = store::close_periods(
+        let outcomes = invoice::close_periods(
             &self.inner.db,
             std::slice::from_ref(&change.closing),
-            timeout,
+            self.writing(),
         )
         .await?;
         match outcomes.first().map(|(_, c)| *c) {
@@ -142,7 +142,11 @@ impl Biller {
                     invoice_id: Some(invoice_id),
                 })
             }
-            _ => Err(moved),
+            // Nothing used: no invoice, only the plan and the next period.
+            Some(Closed::Advanced) => Ok(PlanChanged { invoice_id: None }),
+            _ => Err(Error::SubscriptionPeriodMoved {
+                subscription: change.due.subscription_id,
+            }),
         }
     }
 }

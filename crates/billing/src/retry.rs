@@ -127,10 +127,12 @@ impl Biller {
                            auto_charge_claimed_by = picked.claimed_by \
                        FROM picked WHERE i.id = picked.id \
                        RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
-                                 i.auto_charge_claimed_by \
+                                 i.auto_charge_claimed_by, i.number \
                      ) \
                      SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
-                            k.auto_charge_claimed_by, \
+                            k.auto_charge_claimed_by, k.number, \
+                            (SELECT ts.email_from FROM tenant_settings ts \
+                             WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
                             c.email, c.provider_customer_id, c.payment_method_id, \
                             (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
                              WHERE a.invoice_id = k.id) AS next_seq \
@@ -157,6 +159,8 @@ impl Biller {
                 claimed_by: r
                     .try_get("auto_charge_claimed_by")
                     .map_err(db::Error::from)?,
+                number: r.try_get("number").map_err(db::Error::from)?,
+                email_from: r.try_get("tenant_from").map_err(db::Error::from)?,
             };
             let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
             attempts.push((claim, seq));

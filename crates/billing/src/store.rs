@@ -2,7 +2,6 @@
 //! compare-and-set per row, then the invoices and their `invoice.finalized`
 //! events in the same transaction), and the backlog gauges.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -10,9 +9,10 @@ use db::{Db, PgRow, Row, sql};
 use leader::Fence;
 
 use crate::Error;
-use crate::close::{Closing, Due};
+use crate::close::Due;
+use crate::money::money;
 
-fn due(r: &PgRow) -> Result<Due, db::Error> {
+pub(crate) fn due(r: &PgRow) -> Result<Due, db::Error> {
     Ok(Due {
         subscription_id: r.try_get("id")?,
         tenant_id: r.try_get("tenant_id")?,
@@ -26,6 +26,7 @@ fn due(r: &PgRow) -> Result<Due, db::Error> {
         interval_count: r.try_get("interval_count")?,
         amount: r.try_get("amount")?,
         currency: r.try_get("currency")?,
+        cancel_at_period_end: r.try_get("cancel_at_period_end")?,
     })
 }
 
@@ -43,7 +44,7 @@ pub(crate) async fn claim_due(
     limit: usize,
     except: &[i64],
     statement_timeout: Duration,
-) -> Result<Vec<Due>, db::Error> {
+) -> Result<Listed<Due>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
@@ -51,7 +52,11 @@ pub(crate) async fn claim_due(
             sql(
                 "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
                         s.current_period_end, s.next_billing_at, s.collection_method, \
-                        p.interval_unit, p.interval_count, p.amount, p.currency \
+                        s.cancel_at_period_end, \
+                        p.interval_unit, p.interval_count, p.amount, p.currency, now() AS at, \
+                        (time_in_range(s.billing_anchor) AND time_in_range(s.current_period_start) \
+                         AND time_in_range(s.current_period_end) \
+                         AND time_in_range(s.next_billing_at)) AS decodable \
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
                  WHERE s.status = 'active' \
@@ -69,211 +74,44 @@ pub(crate) async fn claim_due(
         )
         .await?;
     tx.commit().await?;
-    rows.iter().map(due).collect::<Result<Vec<_>, _>>()
+    Ok(decode_each(&rows, due))
 }
 
-/// What became of one closing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Closed {
-    /// This closing advanced the period and created this invoice.
-    Invoiced { invoice_id: i64 },
-    /// The (status, period start, watermark) snapshot no longer held: another
-    /// writer moved the period first. Nothing was written.
-    PeriodMoved,
-    /// The snapshot held but an invoice for (subscription, period start)
-    /// already exists. Nothing was written (the period was not advanced).
-    AlreadyInvoiced,
+/// A claim's rows, and the ids of those that could not be decoded (left out
+/// of the tick by the caller, logged and counted).
+#[derive(Debug, Default)]
+pub(crate) struct Listed<T> {
+    pub rows: Vec<T>,
+    pub undecodable: Vec<i64>,
+    /// The database's clock at the claim.
+    pub at: Option<DateTime<Utc>>,
 }
 
-/// Close `closings` in one transaction whose first statement is the
-/// compare-and-set on each subscription; then one invoice per subscription
-/// that won, under `idx_invoices_billing_period_dedup`, and one
-/// `invoice.finalized` event per invoice created. A subscription that lost its
-/// compare-and-set or hit the dedup index writes and announces nothing.
-///
-/// A dedup hit rolls the whole transaction back and closes the others again
-/// without it, so that its period is not advanced either.
-///
-/// # Errors
-/// A database error or a refused event; the transaction rolled back and
-/// nothing was written for any of `closings`.
-pub(crate) async fn close_periods(
-    db: &Db,
-    closings: &[Closing],
-    statement_timeout: Duration,
-) -> Result<Vec<(i64, Closed)>, Error> {
-    let mut outcomes = Vec::with_capacity(closings.len());
-    let mut pending: Vec<&Closing> = closings.iter().collect();
-    loop {
-        match close_once(db, &pending, statement_timeout).await? {
-            Attempt::Committed(done) => {
-                outcomes.extend(done);
-                return Ok(outcomes);
-            }
-            Attempt::Deduplicated(hits) => {
-                pending.retain(|c| !hits.contains(&c.subscription_id));
-                outcomes.extend(hits.into_iter().map(|id| (id, Closed::AlreadyInvoiced)));
-            }
+/// Decode each row, leaving out (by id) one whose `decodable` column says its
+/// timestamps are out of the date types' range (decoding `infinity` would
+/// panic inside the driver) or whose decoding fails.
+pub(crate) fn decode_each<T>(
+    rows: &[PgRow],
+    decode: impl Fn(&PgRow) -> Result<T, db::Error>,
+) -> Listed<T> {
+    let mut listed = Listed {
+        rows: Vec::with_capacity(rows.len()),
+        undecodable: Vec::new(),
+        at: None,
+    };
+    for r in rows {
+        let ok = r.try_get::<bool, _>("decodable").unwrap_or(false);
+        match ok.then(|| decode(r)) {
+            Some(Ok(t)) => listed.rows.push(t),
+            _ => listed
+                .undecodable
+                .push(r.try_get::<i64, _>("id").unwrap_or_default()),
+        }
+        if listed.at.is_none() {
+            listed.at = r.try_get("at").ok();
         }
     }
-}
-
-enum Attempt {
-    Committed(Vec<(i64, Closed)>),
-    /// Rolled back: these subscriptions won the compare-and-set but hit the dedup index.
-    Deduplicated(HashSet<i64>),
-}
-
-async fn close_once(
-    db: &Db,
-    closings: &[&Closing],
-    statement_timeout: Duration,
-) -> Result<Attempt, Error> {
-    if closings.is_empty() {
-        return Ok(Attempt::Committed(Vec::new()));
-    }
-    let col = |f: fn(&Closing) -> DateTime<Utc>| closings.iter().map(|c| f(c)).collect::<Vec<_>>();
-    let ids: Vec<i64> = closings.iter().map(|c| c.subscription_id).collect();
-    let statuses: Vec<String> = closings.iter().map(|c| c.status.clone()).collect();
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    // The compare-and-set, first statement of the transaction: each row is
-    // updated only if it still holds the snapshot its closing was computed
-    // from. A concurrent closer waits on the row lock, then re-checks these
-    // predicates against the row the winner wrote, and matches nothing.
-    let won = tx
-        .fetch_all(
-            sql("UPDATE subscriptions s \
-                 SET current_period_start = i.next_start, \
-                     current_period_end = i.next_end, \
-                     next_billing_at = i.next_end, \
-                     plan_id = COALESCE(i.plan_id, s.plan_id), \
-                     updated_at = now() \
-                 FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::timestamptz[], \
-                             $5::timestamptz[], $6::timestamptz[], $7::bigint[]) \
-                      AS i(id, status, period_start, watermark, next_start, next_end, plan_id) \
-                 WHERE s.id = i.id \
-                   AND s.status = i.status \
-                   AND s.current_period_start = i.period_start \
-                   AND s.next_billing_at = i.watermark \
-                 RETURNING s.id")
-            .bind(ids.clone())
-            .bind(statuses)
-            .bind(col(|c| c.period_start))
-            .bind(col(|c| c.watermark))
-            .bind(col(|c| c.next_start))
-            .bind(col(|c| c.next_end))
-            .bind(closings.iter().map(|c| c.plan_id).collect::<Vec<_>>()),
-        )
-        .await?;
-    let won: HashSet<i64> = won
-        .iter()
-        .map(|r| r.try_get::<i64, _>("id"))
-        .collect::<Result<_, _>>()
-        .map_err(db::Error::from)?;
-    let winners: Vec<&Closing> = closings
-        .iter()
-        .copied()
-        .filter(|c| won.contains(&c.subscription_id))
-        .collect();
-    let created = if winners.is_empty() {
-        Vec::new()
-    } else {
-        let col =
-            |f: fn(&Closing) -> DateTime<Utc>| winners.iter().map(|c| f(c)).collect::<Vec<_>>();
-        tx.fetch_all(
-            sql(
-                "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, \
-                                       amount, currency, collection_method) \
-                 SELECT * FROM unnest($1::text[], $2::bigint[], $3::timestamptz[], \
-                                      $4::timestamptz[], $5::bigint[], $6::text[], $7::text[]) \
-                 ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup DO NOTHING \
-                 RETURNING id, subscription_id",
-            )
-            .bind(
-                winners
-                    .iter()
-                    .map(|c| c.tenant_id.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                winners
-                    .iter()
-                    .map(|c| c.subscription_id)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(col(|c| c.period_start))
-            .bind(col(|c| c.next_start))
-            .bind(winners.iter().map(|c| c.amount).collect::<Vec<_>>())
-            .bind(
-                winners
-                    .iter()
-                    .map(|c| c.currency.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                winners
-                    .iter()
-                    .map(|c| c.collection_method.clone())
-                    .collect::<Vec<_>>(),
-            ),
-        )
-        .await?
-    };
-    let mut invoice_of = std::collections::HashMap::with_capacity(created.len());
-    for r in &created {
-        let sub: i64 = r.try_get("subscription_id").map_err(db::Error::from)?;
-        let id: i64 = r.try_get("id").map_err(db::Error::from)?;
-        invoice_of.insert(sub, id);
-    }
-    if invoice_of.len() < winners.len() {
-        tx.rollback().await?;
-        let hits = winners
-            .iter()
-            .map(|c| c.subscription_id)
-            .filter(|id| !invoice_of.contains_key(id))
-            .collect();
-        return Ok(Attempt::Deduplicated(hits));
-    }
-    // One invoice.finalized per invoice created, with one statement.
-    let payloads: Vec<String> = winners
-        .iter()
-        .map(|c| finalized_payload(invoice_of[&c.subscription_id], c))
-        .collect();
-    let events: Vec<webhook_outbox::NewEvent<'_>> = winners
-        .iter()
-        .zip(&payloads)
-        .map(|(c, p)| (c.tenant_id.as_str(), "invoice.finalized", p.as_str()))
-        .collect();
-    webhook_outbox::enqueue_many(&mut tx, &events).await?;
-    tx.commit().await?;
-    Ok(Attempt::Committed(
-        closings
-            .iter()
-            .map(|c| {
-                let outcome = match invoice_of.get(&c.subscription_id) {
-                    Some(&invoice_id) => Closed::Invoiced { invoice_id },
-                    None => Closed::PeriodMoved,
-                };
-                (c.subscription_id, outcome)
-            })
-            .collect(),
-    ))
-}
-
-/// The `invoice.finalized` event's data.
-fn finalized_payload(invoice_id: i64, c: &Closing) -> String {
-    serde_json::json!({
-        "object": "invoice",
-        "id": invoice_id,
-        "subscription": c.subscription_id,
-        "status": "open",
-        "amount_due": c.amount,
-        "currency": c.currency,
-        "collection_method": c.collection_method,
-        "period_start": c.period_start.to_rfc3339(),
-        "period_end": c.next_start.to_rfc3339(),
-    })
-    .to_string()
+    listed
 }
 
 /// The due backlog, for the gauges.
@@ -328,6 +166,19 @@ pub struct ChargeClaim {
     pub payment_method: String,
     /// This claim's identity, written to `auto_charge_claimed_by`.
     pub claimed_by: String,
+    /// `INV-000123`; `None` for invoices made before numbering.
+    pub number: Option<String>,
+    /// The tenant's sender (`tenant_settings.email_from`), when it names one.
+    pub email_from: Option<String>,
+}
+
+impl ChargeClaim {
+    /// The invoice as people read it: its number, else its id.
+    pub fn label(&self) -> String {
+        self.number
+            .clone()
+            .unwrap_or_else(|| self.invoice_id.to_string())
+    }
 }
 
 /// The fenced auto-charge funnel: up to `limit` open automatic invoices that
@@ -403,10 +254,12 @@ async fn claim_charges_in(
                    SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
                        auto_charge_claimed_by = $5 \
                    FROM picked WHERE i.id = picked.id \
-                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, i.number \
                  ) \
-                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
-                        c.email, c.provider_customer_id, c.payment_method_id \
+                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, k.number, \
+                        c.email, c.provider_customer_id, c.payment_method_id, \
+                        (SELECT ts.email_from FROM tenant_settings ts \
+                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from \
                  FROM claimed k \
                  JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
                  JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
@@ -431,6 +284,8 @@ async fn claim_charges_in(
                 provider_customer: r.try_get("provider_customer_id")?,
                 payment_method: r.try_get("payment_method_id")?,
                 claimed_by: claimed_by.to_owned(),
+                number: r.try_get("number")?,
+                email_from: r.try_get("tenant_from")?,
             })
         })
         .collect()
@@ -479,13 +334,13 @@ pub(crate) fn paid_payload(c: &ChargeClaim, payment_intent: &str) -> String {
 /// The receipt of a paid charge.
 pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
     email_outbox::Email {
-        from: from.to_owned(),
+        from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
         to: vec![c.email.clone()],
-        subject: format!("Receipt for invoice {}", c.invoice_id),
+        subject: format!("Receipt for invoice {}", c.label()),
         text: format!(
             "We received your payment of {} for invoice {}. Thank you.\n",
             money(c.amount, &c.currency),
-            c.invoice_id
+            c.label()
         ),
         html: None,
     }
@@ -509,12 +364,12 @@ pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_out
             .to_owned(),
     };
     email_outbox::Email {
-        from: from.to_owned(),
+        from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
         to: vec![c.email.clone()],
-        subject: format!("Your payment for invoice {} failed", c.invoice_id),
+        subject: format!("Your payment for invoice {} failed", c.label()),
         text: format!(
             "We could not charge {amount} for invoice {} to your saved card ({code}). {ask}\n",
-            c.invoice_id,
+            c.label(),
         ),
         html: None,
     }
@@ -538,19 +393,6 @@ pub(crate) fn payment_payload(
     .to_string()
 }
 
-/// `12.00 EUR` for 1200 minor units; `1200 JPY` for a zero-decimal currency.
-pub(crate) fn money(amount: i64, currency: &str) -> String {
-    const ZERO_DECIMAL: [&str; 16] = [
-        "BIF", "CLP", "DJF", "GNF", "JPY", "KMF", "KRW", "MGA", "PYG", "RWF", "UGX", "VND", "VUV",
-        "XAF", "XOF", "XPF",
-    ];
-    if ZERO_DECIMAL.contains(&currency) {
-        format!("{amount} {currency}")
-    } else {
-        format!("{}.{:02} {currency}", amount / 100, amount % 100)
-    }
-}
-
 /// A trialing subscription whose trial has ended, as the trial funnel read it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TrialEnded {
@@ -572,13 +414,14 @@ pub(crate) async fn claim_trials(
     limit: usize,
     except: &[i64],
     statement_timeout: Duration,
-) -> Result<Vec<TrialEnded>, db::Error> {
+) -> Result<Listed<TrialEnded>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
-                        p.interval_unit, p.interval_count \
+                        p.interval_unit, p.interval_count, \
+                        (time_in_range(s.billing_anchor) AND time_in_range(s.trial_end)) AS decodable \
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
                  WHERE s.status = 'trialing' AND s.trial_end <= now() \
@@ -594,18 +437,16 @@ pub(crate) async fn claim_trials(
         )
         .await?;
     tx.commit().await?;
-    rows.iter()
-        .map(|r| {
-            Ok(TrialEnded {
-                subscription_id: r.try_get("id")?,
-                tenant_id: r.try_get("tenant_id")?,
-                billing_anchor: r.try_get("billing_anchor")?,
-                trial_end: r.try_get("trial_end")?,
-                interval_unit: r.try_get("interval_unit")?,
-                interval_count: r.try_get("interval_count")?,
-            })
+    Ok(decode_each(&rows, |r| {
+        Ok(TrialEnded {
+            subscription_id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            billing_anchor: r.try_get("billing_anchor")?,
+            trial_end: r.try_get("trial_end")?,
+            interval_unit: r.try_get("interval_unit")?,
+            interval_count: r.try_get("interval_count")?,
         })
-        .collect()
+    }))
 }
 
 /// Activate ended trials, one transaction: per row, trialing → active by
@@ -684,37 +525,39 @@ pub(crate) async fn claim_lifted_pauses(
     db: &Db,
     fence: &Fence,
     limit: usize,
+    except: &[i64],
     statement_timeout: Duration,
-) -> Result<Vec<LiftedPause>, db::Error> {
+) -> Result<Listed<LiftedPause>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
-                        s.pause_collection_resumes_at, s.pause_collection_set_by \
+                        s.pause_collection_resumes_at, s.pause_collection_set_by, \
+                        time_in_range(s.pause_collection_resumes_at) AS decodable \
                  FROM subscriptions s \
                  WHERE s.pause_collection_resumes_at <= now() \
+                   AND s.id <> ALL ($4) \
                    AND leader_fence($1, $2) \
                  ORDER BY s.pause_collection_resumes_at, s.id \
                  LIMIT $3 \
                  FOR UPDATE OF s SKIP LOCKED")
             .bind(fence.role_name())
             .bind(fence.token())
-            .bind(limit),
+            .bind(limit)
+            .bind(except.to_vec()),
         )
         .await?;
     tx.commit().await?;
-    rows.iter()
-        .map(|r| {
-            Ok(LiftedPause {
-                subscription_id: r.try_get("id")?,
-                tenant_id: r.try_get("tenant_id")?,
-                behavior: r.try_get("pause_collection_behavior")?,
-                resumes_at: r.try_get("pause_collection_resumes_at")?,
-                set_by: r.try_get("pause_collection_set_by")?,
-            })
+    Ok(decode_each(&rows, |r| {
+        Ok(LiftedPause {
+            subscription_id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            behavior: r.try_get("pause_collection_behavior")?,
+            resumes_at: r.try_get("pause_collection_resumes_at")?,
+            set_by: r.try_get("pause_collection_set_by")?,
         })
-        .collect()
+    }))
 }
 
 /// Resume collection, one transaction: per row, the pause cleared by
@@ -797,8 +640,11 @@ pub(crate) struct UnknownAttempt {
 /// whose next look is due, least recently checked first, only the earliest
 /// open attempt of an invoice; each invoice taken under a fresh claim lease by
 /// the same conditional UPDATE auto-charge uses. An attempt whose key no
-/// request executed (`first_sent_at` NULL) is stamped as sent now, since the
-/// reconciler may send it.
+/// request executed (`first_sent_at` NULL: recorded, then never sent because
+/// the budget ran out or the tick was cancelled) is listed only while its
+/// invoice is still chargeable (the subscription active, its collection not
+/// paused; the invoice open and not flagged), and is stamped as sent now,
+/// since the reconciler may send it.
 pub(crate) async fn claim_unknown(
     db: &Db,
     fence: &Fence,
@@ -826,6 +672,8 @@ pub(crate) async fn claim_unknown(
                      AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
                      AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
                      AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
+                     AND (a.first_sent_at IS NOT NULL \
+                          OR (s.status = 'active' AND s.pause_collection_behavior IS NULL)) \
                      AND a.id <> ALL ($6) \
                      AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
                                      WHERE e.invoice_id = a.invoice_id \
@@ -840,7 +688,7 @@ pub(crate) async fn claim_unknown(
                    SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
                        auto_charge_claimed_by = $5 \
                    FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
-                   RETURNING i.id, i.tenant_id, i.subscription_id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.number \
                  ), sent AS ( \
                    UPDATE payment_attempts a SET first_sent_at = now() \
                    FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
@@ -848,7 +696,9 @@ pub(crate) async fn claim_unknown(
                  SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
                         a.provider_payment_intent, p.resend_ok, \
                         (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
-                        k.id, k.tenant_id, k.subscription_id, c.email, \
+                        k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
+                        (SELECT ts.email_from FROM tenant_settings ts \
+                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
                         COALESCE(a.provider_customer_id, c.provider_customer_id) AS customer, \
                         COALESCE(a.payment_method_id, c.payment_method_id) AS card \
                  FROM claimed k \
@@ -887,6 +737,8 @@ pub(crate) async fn claim_unknown(
                     provider_customer: r.try_get("customer")?,
                     payment_method: r.try_get("card")?,
                     claimed_by: claimed_by.to_owned(),
+                    number: r.try_get("number")?,
+                    email_from: r.try_get("tenant_from")?,
                 },
             })
         })
@@ -964,6 +816,7 @@ pub(crate) async fn plan_change_snapshot(
             sql(
                 "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
                         s.current_period_end, s.next_billing_at, s.collection_method, \
+                        s.cancel_at_period_end, \
                         p.interval_unit, p.interval_count, p.amount, p.currency, \
                         n.id AS new_id, n.interval_unit AS new_unit, \
                         n.interval_count AS new_count, n.amount AS new_amount, \
@@ -993,31 +846,4 @@ pub(crate) async fn plan_change_snapshot(
         ))
     })
     .transpose()
-}
-
-/// A plan change with nothing of the period used: the same compare-and-set,
-/// no invoice. `false` when the snapshot no longer holds (nothing written).
-pub(crate) async fn switch_plan(
-    db: &Db,
-    c: &Closing,
-    statement_timeout: Duration,
-) -> Result<bool, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let n = tx
-        .execute(
-            sql("UPDATE subscriptions s \
-                 SET current_period_end = $5, next_billing_at = $5, \
-                     plan_id = COALESCE($6, s.plan_id), updated_at = now() \
-                 WHERE s.id = $1 AND s.status = $2 AND s.current_period_start = $3 \
-                   AND s.next_billing_at = $4")
-            .bind(c.subscription_id)
-            .bind(c.status.clone())
-            .bind(c.period_start)
-            .bind(c.watermark)
-            .bind(c.next_end)
-            .bind(c.plan_id),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(n == 1)
 }

@@ -5,17 +5,20 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tracing::{debug, info, warn};
 
+use crate::action_required::{ActionRequired, AskTally};
 use crate::charge::{AutoCharge, ChargeTally};
 use crate::close::{self, Due};
+use crate::invoice::{self, Closed};
 use crate::lifecycle::{LifecycleTally, Resumes, Trials};
 use crate::provider::Provider;
 use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
-use crate::store::{self, Closed};
+use crate::store;
 use crate::{BillingConfig, Error};
 
 /// What the closings of a tick came to.
@@ -46,6 +49,8 @@ pub struct TickReport {
     /// provider is configured).
     pub charge_claimed: usize,
     pub charges: ChargeTally,
+    /// Customers asked for a payment method (`action_required`).
+    pub asked: AskTally,
     /// What the payment reconciler resolved.
     pub reconciled: ReconcileTally,
     pub elapsed: Duration,
@@ -132,7 +137,10 @@ impl Biller {
             biller: self,
             left_out: Mutex::new(Vec::new()),
         };
-        let resumes = Resumes { biller: self };
+        let resumes = Resumes {
+            biller: self,
+            left_out: Mutex::new(Vec::new()),
+        };
         let mut lifecycle = LifecycleTally::default();
         for driven in [
             step("billing/trials", &trials, tick).await,
@@ -149,6 +157,7 @@ impl Biller {
         let due_billing = DueBilling {
             biller: self,
             left_out: Mutex::new(Vec::new()),
+            at: Mutex::new(None),
         };
         let (mut batches, mut claimed, mut tally) = (0, 0, Tally::default());
         keep(
@@ -161,6 +170,7 @@ impl Biller {
         );
         let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
         let mut reconciled = ReconcileTally::default();
+        let mut asked = AskTally::default();
         if self.inner.provider.is_some() {
             // One refused key closes the gate: no other call this tick.
             let gate = crate::batch::Gate::default();
@@ -176,6 +186,11 @@ impl Biller {
                         (d.stop, d.end)
                     }),
             );
+            let ask = ActionRequired { biller: self };
+            keep(step("billing/action_required", &ask, tick).await.map(|d| {
+                asked = d.counts;
+                (d.stop, d.end)
+            }));
             let unknown = UnknownSweep {
                 biller: self,
                 gate: &gate,
@@ -221,6 +236,7 @@ impl Biller {
             tally,
             charge_claimed,
             charges,
+            asked,
             reconciled,
             elapsed: started.elapsed(),
             stop,
@@ -244,7 +260,35 @@ impl Biller {
         except: &[i64],
     ) -> Result<Vec<Due>, Error> {
         let timeout = self.inner.config.statement_timeout;
-        Ok(store::claim_due(&self.inner.db, fence, limit, except, timeout).await?)
+        Ok(
+            store::claim_due(&self.inner.db, fence, limit, except, timeout)
+                .await?
+                .rows,
+        )
+    }
+
+    /// Rows a claim could not decode (an `infinity` timestamp written before
+    /// the CHECKs, say): each logged by id and counted; the caller leaves
+    /// them out of the rest of the tick.
+    pub(crate) fn undecodable(&self, step: &'static str, ids: &[i64]) {
+        for id in ids {
+            warn!(role = %Role::Billing, step, id, "row cannot be decoded (a timestamp out of range?); left out of this tick");
+        }
+        self.inner
+            .telemetry
+            .counter(
+                "hardcount_billing_rows_undecodable_total",
+                &[("step", step)],
+            )
+            .increment(ids.len() as u64);
+    }
+
+    /// How a period writer writes: the sender of receipts and the timeout.
+    pub(crate) fn writing(&self) -> invoice::Writing<'_> {
+        invoice::Writing {
+            email_from: &self.inner.config.email_from,
+            statement_timeout: self.inner.config.statement_timeout,
+        }
     }
 
     /// Close `due`'s current period from the snapshot it holds: advance the
@@ -257,8 +301,7 @@ impl Biller {
     /// written); a database error (rolled back, nothing written).
     pub async fn close_period(&self, due: &Due) -> Result<Closed, Error> {
         let closing = close::close(due)?;
-        let timeout = self.inner.config.statement_timeout;
-        let outcomes = store::close_periods(&self.inner.db, &[closing], timeout).await?;
+        let outcomes = invoice::close_periods(&self.inner.db, &[closing], self.writing()).await?;
         Ok(outcomes
             .first()
             .map(|(_, c)| *c)
@@ -271,11 +314,13 @@ impl Biller {
     async fn close_batch(
         &self,
         batch: Vec<Due>,
+        at: DateTime<Utc>,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<Vec<i64>, Error> {
         let claimed: Vec<i64> = batch.iter().map(|d| d.subscription_id).collect();
-        let closings = panics
+        let max = self.inner.config.catch_up_periods;
+        let chains = panics
             .drain(
                 batch,
                 |d| format!("close subscription {}", d.subscription_id),
@@ -283,7 +328,7 @@ impl Biller {
                     // A row billing cannot compute is corrupt: raise it under the
                     // guard, which leaves it out, bills the rest and pages
                     // (the tick is released as panicked) — docs/adr/0010.
-                    match close::close(&d) {
+                    match close::close_behind(&d, at, max) {
                         Ok(c) => c,
                         Err(e) => panic!(
                             "subscription {} (tenant {}) cannot be billed: {e}",
@@ -296,11 +341,18 @@ impl Biller {
         let mut left_out: Vec<i64> = claimed
             .iter()
             .copied()
-            .filter(|id| !closings.iter().any(|c| c.subscription_id == *id))
+            .filter(|id| !chains.iter().any(|c| c[0].subscription_id == *id))
             .collect();
         tally.panicked += left_out.len();
-        let timeout = self.inner.config.statement_timeout;
-        let outcomes = store::close_periods(&self.inner.db, &closings, timeout).await?;
+        // Still behind after `catch_up_periods`: the rest next tick.
+        left_out.extend(
+            chains
+                .iter()
+                .filter(|c| c.len() >= max && c.last().is_some_and(|l| !l.ends && l.next_end <= at))
+                .map(|c| c[0].subscription_id),
+        );
+        let closings: Vec<close::Closing> = chains.into_iter().flatten().collect();
+        let outcomes = invoice::close_periods(&self.inner.db, &closings, self.writing()).await?;
         let t = &self.inner.telemetry;
         for (subscription, outcome) in outcomes {
             let label = match outcome {
@@ -313,6 +365,7 @@ impl Biller {
                     .increment(1);
                     "invoiced"
                 }
+                Closed::Advanced => "advanced",
                 Closed::PeriodMoved => {
                     tally.period_moved += 1;
                     debug!(role = %Role::Billing, subscription, "period moved under the closing; nothing written");
@@ -382,6 +435,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct DueBilling<'a> {
     biller: &'a Biller,
     left_out: Mutex<Vec<i64>>,
+    /// The database's clock at the last claim: a chain closes the periods
+    /// that had ended by then.
+    at: Mutex<Option<DateTime<Utc>>>,
 }
 
 impl FencedBatches for DueBilling<'_> {
@@ -405,7 +461,13 @@ impl FencedBatches for DueBilling<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Due>, Error> {
         let except = lock(&self.left_out).clone();
-        self.biller.claim_due_except(fence, limit, &except).await
+        let b = &self.biller.inner;
+        let listed =
+            store::claim_due(&b.db, fence, limit, &except, b.config.statement_timeout).await?;
+        self.biller.undecodable("due_billing", &listed.undecodable);
+        lock(&self.left_out).extend(listed.undecodable);
+        *lock(&self.at) = listed.at;
+        Ok(listed.rows)
     }
 
     fn claimed(batch: &Vec<Due>) -> usize {
@@ -420,7 +482,8 @@ impl FencedBatches for DueBilling<'_> {
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
-        let left_out = self.biller.close_batch(batch, panics, tally).await?;
+        let at = lock(&self.at).unwrap_or_else(Utc::now);
+        let left_out = self.biller.close_batch(batch, at, panics, tally).await?;
         lock(&self.left_out).extend(left_out);
         Ok(())
     }

@@ -1,0 +1,168 @@
+//! Cancels (the functions the HTTP API and dunning's final action call):
+//! now, with the used part of the current period invoiced pro rata, or at
+//! the period's end, which bills the last full period (docs/adr/0025).
+//!
+//! ```text
+//!  now         fresh snapshot: the active subscription, its plan, the tenant's
+//!              invoice_on_cancel (default true), now()
+//!              close::cancel (pure): invoice [period start, now) pro rata, or none
+//!              invoice::close_periods: the CAS on (status, period start,
+//!                watermark, cancel_at_period_end) sets status = 'canceled';
+//!                the invoice (reason 'cancel'), invoice.finalized,
+//!                subscription.canceled; CAS lost ─▶ SubscriptionPeriodMoved
+//!  period end  UPDATE … SET cancel_at_period_end = true + subscription.updated;
+//!              the tick closes the period as usual and ends the subscription
+//!              in the same compare-and-set (close::close)
+//! ```
+
+use chrono::{DateTime, Utc};
+use db::{Db, Row, sql};
+
+use crate::close::{self, Due};
+use crate::invoice::{self, Closed};
+use crate::{Biller, Error};
+
+/// When a cancel takes effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelAt {
+    /// Now: the used part of the period is invoiced unless the tenant's
+    /// `invoice_on_cancel` is false.
+    Now,
+    /// When the current period ends, after it is invoiced in full.
+    PeriodEnd,
+}
+
+/// What a cancel wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Canceled {
+    /// The invoice of the used part (a cancel now that invoiced one).
+    pub invoice_id: Option<i64>,
+}
+
+impl Biller {
+    /// Cancel `subscription` of `tenant_id`, now or at the period's end.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionNotFound`] (no active subscription),
+    /// [`Error::SubscriptionPeriodMoved`] (nothing written),
+    /// [`Error::Unbillable`], or a database error.
+    pub async fn cancel_subscription(
+        &self,
+        tenant_id: &str,
+        subscription: i64,
+        at: CancelAt,
+    ) -> Result<Canceled, Error> {
+        let db = &self.inner.db;
+        let timeout = self.inner.config.statement_timeout;
+        let not_found = || Error::SubscriptionNotFound {
+            tenant: tenant_id.to_owned(),
+            subscription,
+            plan: 0,
+        };
+        if at == CancelAt::PeriodEnd {
+            return match cancel_at_period_end(db, tenant_id, subscription, timeout).await? {
+                true => Ok(Canceled { invoice_id: None }),
+                false => Err(not_found()),
+            };
+        }
+        let Some((due, invoice, now)) = snapshot(db, tenant_id, subscription, timeout).await?
+        else {
+            return Err(not_found());
+        };
+        let at = now.clamp(due.current_period_start, due.current_period_end);
+        let closing = close::cancel(&due, at, invoice)?;
+        let outcomes =
+            invoice::close_periods(db, std::slice::from_ref(&closing), self.writing()).await?;
+        match outcomes.first().map(|(_, c)| *c) {
+            Some(Closed::Invoiced { invoice_id }) => {
+                self.inner
+                    .telemetry
+                    .counter(
+                        "hardcount_billing_invoices_created_total",
+                        &[("source", "cancel")],
+                    )
+                    .increment(1);
+                Ok(Canceled {
+                    invoice_id: Some(invoice_id),
+                })
+            }
+            Some(Closed::Advanced) => Ok(Canceled { invoice_id: None }),
+            _ => Err(Error::SubscriptionPeriodMoved { subscription }),
+        }
+    }
+}
+
+/// An active subscription's snapshot, whether its tenant invoices a cancel,
+/// and the database's now.
+async fn snapshot(
+    db: &Db,
+    tenant_id: &str,
+    subscription: i64,
+    statement_timeout: std::time::Duration,
+) -> Result<Option<(Due, bool, DateTime<Utc>)>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
+                        s.current_period_end, s.next_billing_at, s.collection_method, \
+                        s.cancel_at_period_end, \
+                        p.interval_unit, p.interval_count, p.amount, p.currency, \
+                        COALESCE(ts.invoice_on_cancel, true) AS invoice_on_cancel, now() AS at \
+                 FROM subscriptions s \
+                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
+                 LEFT JOIN tenant_settings ts ON ts.tenant_id = s.tenant_id \
+                 WHERE s.tenant_id = $1 AND s.id = $2 AND s.status = 'active'",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?;
+    tx.commit().await?;
+    row.map(|r| {
+        Ok((
+            crate::store::due(&r)?,
+            r.try_get("invoice_on_cancel")?,
+            r.try_get("at")?,
+        ))
+    })
+    .transpose()
+}
+
+/// Mark an active subscription to end with its period, announced with
+/// `subscription.updated`; `false` when there is no such subscription.
+async fn cancel_at_period_end(
+    db: &Db,
+    tenant_id: &str,
+    subscription: i64,
+    statement_timeout: std::time::Duration,
+) -> Result<bool, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "UPDATE subscriptions SET cancel_at_period_end = true, updated_at = now() \
+                 WHERE tenant_id = $1 AND id = $2 AND status = 'active' \
+                 RETURNING current_period_end",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?;
+    let Some(row) = row else {
+        tx.rollback().await?;
+        return Ok(false);
+    };
+    let end: DateTime<Utc> = row.try_get("current_period_end").map_err(db::Error::from)?;
+    let payload = serde_json::json!({
+        "object": "subscription",
+        "id": subscription,
+        "status": "active",
+        "cancel_at_period_end": true,
+        "cancel_at": end.to_rfc3339(),
+    })
+    .to_string();
+    webhook_outbox::enqueue(&mut tx, tenant_id, "subscription.updated", &payload).await?;
+    tx.commit().await?;
+    Ok(true)
+}

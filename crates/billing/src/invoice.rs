@@ -1,0 +1,715 @@
+//! Writing invoices: the transaction every period writer shares (the tick's
+//! closing, a catch-up chain, a plan change, a cancel), and the pure rules
+//! that decide what an invoice is when it is made (docs/adr/0025).
+//!
+//! ```text
+//!  one transaction per batch of closings (a catch-up chain of one
+//!  subscription is one compare-and-set and several invoices):
+//!    1. UPDATE subscriptions … FROM unnest(…)   the CAS on (status, period start,
+//!         watermark, cancel_at_period_end) as read; ends the subscription when
+//!         the closing says so; RETURNING the pause behaviour and the email
+//!    2. SELECT customer_balances … FOR UPDATE    what the customers carry
+//!    3. dispose (pure), in period order:        draft | void | uncollectible
+//!         (paused), paid (nothing due), paid and carried (under the provider's
+//!         minimum), else open
+//!    4. INSERT … invoice_counters ON CONFLICT   one number per finalized invoice,
+//!         DO UPDATE, per tenant                  given back if the transaction rolls back
+//!    5. INSERT invoices … ON CONFLICT (dedup)   a hit rolls back, redone without it
+//!    6. the balances' net change (one upsert)
+//!    7. events (one statement) and receipts of invoices paid at once
+//!  COMMIT
+//! ```
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use db::{Db, Row, sql};
+
+use crate::Error;
+use crate::close::{Closing, Reason};
+use crate::money;
+
+/// What became of one closing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// This closing advanced the period and created this invoice.
+    Invoiced { invoice_id: i64 },
+    /// This closing's compare-and-set was written and made no invoice: a
+    /// plan change or cancel with nothing of the period used, or a cancel the
+    /// tenant set not to invoice.
+    Advanced,
+    /// The (status, period start, watermark) snapshot no longer held: another
+    /// writer moved the period first. Nothing was written.
+    PeriodMoved,
+    /// The snapshot held but an invoice for (subscription, period start)
+    /// already exists. Nothing was written (the period was not advanced).
+    AlreadyInvoiced,
+}
+
+/// What the closing transaction needs besides the closings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Writing<'a> {
+    /// The sender of receipts when the tenant names none.
+    pub email_from: &'a str,
+    pub statement_timeout: Duration,
+}
+
+/// What an invoice is when it is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Disposed {
+    pub status: &'static str,
+    /// What the invoice asks for: the period's amount and the balance taken in.
+    pub amount: i64,
+    pub balance_applied: i64,
+    /// Under the provider's minimum: not charged, owed on the next invoice.
+    pub carried: i64,
+}
+
+/// The rules (pure): a paused subscription's invoice follows the pause's
+/// behaviour and leaves the balance alone; otherwise the balance is taken
+/// in, nothing due is paid at once, an automatic amount under the
+/// provider's minimum is paid at once and carried to the balance, and the
+/// rest is open. Returns the invoice and the balance left.
+pub(crate) fn dispose(
+    subtotal: i64,
+    pause: Option<&str>,
+    balance: i64,
+    automatic: bool,
+    minimum: Option<i64>,
+) -> (Disposed, i64) {
+    let paused = |status| {
+        (
+            Disposed {
+                status,
+                amount: subtotal,
+                balance_applied: 0,
+                carried: 0,
+            },
+            balance,
+        )
+    };
+    match pause {
+        Some("keep_as_draft") => return paused("draft"),
+        Some("void") => return paused("void"),
+        Some(_) => return paused("uncollectible"),
+        None => {}
+    }
+    let due = subtotal.saturating_add(balance);
+    if due <= 0 {
+        // A credit larger than the period stays a credit.
+        let d = Disposed {
+            status: "paid",
+            amount: 0,
+            balance_applied: -subtotal,
+            carried: 0,
+        };
+        return (d, due);
+    }
+    let d = Disposed {
+        status: "open",
+        amount: due,
+        balance_applied: balance,
+        carried: 0,
+    };
+    if automatic && minimum.is_some_and(|m| due < m) {
+        let d = Disposed {
+            status: "paid",
+            carried: due,
+            ..d
+        };
+        return (d, due);
+    }
+    (d, 0)
+}
+
+/// Close `closings` (several consecutive ones of one subscription are a
+/// catch-up chain), each subscription by its compare-and-set, in one
+/// transaction; a dedup hit rolls it back and the rest are closed again
+/// without that subscription. One outcome per invoice made, and one per
+/// subscription that made none.
+///
+/// # Errors
+/// A database error or a refused event; nothing was written for any of
+/// `closings`.
+pub(crate) async fn close_periods(
+    db: &Db,
+    closings: &[Closing],
+    how: Writing<'_>,
+) -> Result<Vec<(i64, Closed)>, Error> {
+    let mut outcomes = Vec::with_capacity(closings.len());
+    let mut pending: Vec<&Closing> = closings.iter().collect();
+    loop {
+        match close_once(db, &pending, how).await? {
+            Attempt::Committed(done) => {
+                outcomes.extend(done);
+                return Ok(outcomes);
+            }
+            Attempt::Deduplicated(hits) => {
+                pending.retain(|c| !hits.contains(&c.subscription_id));
+                outcomes.extend(hits.into_iter().map(|id| (id, Closed::AlreadyInvoiced)));
+            }
+        }
+    }
+}
+
+enum Attempt {
+    Committed(Vec<(i64, Closed)>),
+    /// Rolled back: these subscriptions won the compare-and-set but hit the dedup index.
+    Deduplicated(HashSet<i64>),
+}
+
+/// A subscription that won its compare-and-set, as the update returned it.
+struct Won {
+    customer_id: i64,
+    pause: Option<String>,
+    email: String,
+}
+
+/// One invoice to insert.
+struct NewInvoice<'a> {
+    closing: &'a Closing,
+    d: Disposed,
+    number: Option<String>,
+}
+
+async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<Attempt, Error> {
+    if closings.is_empty() {
+        return Ok(Attempt::Committed(Vec::new()));
+    }
+    // A chain's head holds the snapshot, its tail the period that follows.
+    let mut heads: Vec<&Closing> = Vec::new();
+    let mut tails: HashMap<i64, &Closing> = HashMap::new();
+    for c in closings {
+        if tails.insert(c.subscription_id, c).is_none() {
+            heads.push(c);
+        }
+    }
+    let tail = |c: &Closing| tails[&c.subscription_id];
+    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    // The compare-and-set, first statement of the transaction: a concurrent
+    // closer waits on the row lock, re-checks against the winner's row and
+    // matches nothing.
+    let rows = tx
+        .fetch_all(
+            sql("UPDATE subscriptions s \
+                 SET current_period_start = CASE WHEN i.ends THEN s.current_period_start ELSE i.next_start END, \
+                     current_period_end = CASE WHEN NOT i.ends THEN i.next_end \
+                                               WHEN i.next_start > s.current_period_start THEN i.next_start \
+                                               ELSE s.current_period_end END, \
+                     next_billing_at = CASE WHEN i.ends THEN NULL ELSE i.next_end END, \
+                     status = CASE WHEN i.ends THEN 'canceled' ELSE s.status END, \
+                     canceled_at = CASE WHEN i.ends THEN now() ELSE s.canceled_at END, \
+                     plan_id = COALESCE(i.plan_id, s.plan_id), \
+                     updated_at = now() \
+                 FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::timestamptz[], \
+                             $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::bool[], $9::bool[]) \
+                      AS i(id, status, period_start, watermark, next_start, next_end, plan_id, cape, ends) \
+                 WHERE s.id = i.id \
+                   AND s.status = i.status \
+                   AND s.current_period_start = i.period_start \
+                   AND s.next_billing_at = i.watermark \
+                   AND s.cancel_at_period_end = i.cape \
+                 RETURNING s.id, s.customer_id, s.pause_collection_behavior, \
+                           (SELECT c.email FROM customers c \
+                            WHERE c.tenant_id = s.tenant_id AND c.id = s.customer_id) AS email")
+            .bind(heads.iter().map(|c| c.subscription_id).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| c.status.clone()).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| c.period_start).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| c.watermark).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| tail(c).next_start).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| tail(c).next_end).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| tail(c).plan_id).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| c.cancel_at_period_end).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| tail(c).ends).collect::<Vec<_>>()),
+        )
+        .await?;
+    let mut won: HashMap<i64, Won> = HashMap::with_capacity(rows.len());
+    for r in &rows {
+        won.insert(
+            r.try_get("id").map_err(db::Error::from)?,
+            Won {
+                customer_id: r.try_get("customer_id").map_err(db::Error::from)?,
+                pause: r
+                    .try_get("pause_collection_behavior")
+                    .map_err(db::Error::from)?,
+                email: r.try_get("email").map_err(db::Error::from)?,
+            },
+        );
+    }
+    let invoiced: Vec<&Closing> = closings
+        .iter()
+        .copied()
+        .filter(|c| c.invoiced && won.contains_key(&c.subscription_id))
+        .collect();
+    let invoices = dispose_all(&mut tx, &invoiced, &won).await?;
+    let (numbered, senders) = number(&mut tx, &invoices).await?;
+    let created = insert_invoices(&mut tx, &numbered).await?;
+    if created.len() < numbered.len() {
+        tx.rollback().await?;
+        let hits = numbered
+            .iter()
+            .map(|n| n.closing)
+            .filter(|c| !created.contains_key(&(c.subscription_id, c.period_start)))
+            .map(|c| c.subscription_id)
+            .collect();
+        return Ok(Attempt::Deduplicated(hits));
+    }
+    write_balances(&mut tx, &numbered, &won).await?;
+    announce(&mut tx, &numbered, &created, &won, &senders, how.email_from).await?;
+    announce_subscriptions(&mut tx, &heads, &won).await?;
+    tx.commit().await?;
+    let mut outcomes = Vec::with_capacity(closings.len());
+    for c in &heads {
+        if !won.contains_key(&c.subscription_id) {
+            outcomes.push((c.subscription_id, Closed::PeriodMoved));
+            continue;
+        }
+        let mut any = false;
+        for n in numbered
+            .iter()
+            .filter(|n| n.closing.subscription_id == c.subscription_id)
+        {
+            let invoice_id = created[&(c.subscription_id, n.closing.period_start)];
+            outcomes.push((c.subscription_id, Closed::Invoiced { invoice_id }));
+            any = true;
+        }
+        if !any {
+            outcomes.push((c.subscription_id, Closed::Advanced));
+        }
+    }
+    Ok(Attempt::Committed(outcomes))
+}
+
+type BalanceKey = (String, i64, String);
+
+/// Read the balances the invoices may take in (locked), and dispose each
+/// invoice in order.
+async fn dispose_all<'a>(
+    tx: &mut db::Tx,
+    invoiced: &[&'a Closing],
+    won: &HashMap<i64, Won>,
+) -> Result<Vec<NewInvoice<'a>>, Error> {
+    let key = |c: &Closing| -> BalanceKey {
+        (
+            c.tenant_id.clone(),
+            won[&c.subscription_id].customer_id,
+            c.currency.clone(),
+        )
+    };
+    let unpaused: Vec<BalanceKey> = invoiced
+        .iter()
+        .filter(|c| won[&c.subscription_id].pause.is_none())
+        .map(|c| key(c))
+        .collect();
+    let mut balances: HashMap<BalanceKey, i64> = HashMap::new();
+    if !unpaused.is_empty() {
+        let rows = tx
+            .fetch_all(
+                sql("SELECT b.tenant_id, b.customer_id, b.currency, b.amount \
+                     FROM customer_balances b \
+                     JOIN unnest($1::text[], $2::bigint[], $3::text[]) AS k(t, c, cur) \
+                       ON b.tenant_id = k.t AND b.customer_id = k.c AND b.currency = k.cur \
+                     WHERE b.amount <> 0 \
+                     ORDER BY b.tenant_id, b.customer_id, b.currency \
+                     FOR UPDATE OF b")
+                .bind(unpaused.iter().map(|k| k.0.clone()).collect::<Vec<_>>())
+                .bind(unpaused.iter().map(|k| k.1).collect::<Vec<_>>())
+                .bind(unpaused.iter().map(|k| k.2.clone()).collect::<Vec<_>>()),
+            )
+            .await?;
+        for r in &rows {
+            balances.insert(
+                (
+                    r.try_get("tenant_id").map_err(db::Error::from)?,
+                    r.try_get("customer_id").map_err(db::Error::from)?,
+                    r.try_get("currency").map_err(db::Error::from)?,
+                ),
+                r.try_get("amount").map_err(db::Error::from)?,
+            );
+        }
+    }
+    let mut out = Vec::with_capacity(invoiced.len());
+    for c in invoiced {
+        let k = key(c);
+        let balance = balances.get(&k).copied().unwrap_or(0);
+        let (d, left) = dispose(
+            c.amount,
+            won[&c.subscription_id].pause.as_deref(),
+            balance,
+            c.collection_method == "automatic",
+            money::provider_minimum(&c.currency),
+        );
+        if left != balance || balances.contains_key(&k) {
+            balances.insert(k, left);
+        }
+        out.push(NewInvoice {
+            closing: c,
+            d,
+            number: None,
+        });
+    }
+    Ok(out)
+}
+
+/// Give every finalized invoice its tenant's next number (one statement for
+/// the batch; the counter rows are taken in tenant order), and read each
+/// tenant's sender.
+async fn number<'a>(
+    tx: &mut db::Tx,
+    invoices: &[NewInvoice<'a>],
+) -> Result<(Vec<NewInvoice<'a>>, HashMap<String, String>), Error> {
+    let mut per_tenant: Vec<(String, i64)> = Vec::new();
+    for n in invoices.iter().filter(|n| n.d.status != "draft") {
+        match per_tenant
+            .iter_mut()
+            .find(|(t, _)| *t == n.closing.tenant_id)
+        {
+            Some((_, count)) => *count += 1,
+            None => per_tenant.push((n.closing.tenant_id.clone(), 1)),
+        }
+    }
+    per_tenant.sort();
+    let mut next: HashMap<String, (String, i64)> = HashMap::new();
+    let mut senders = HashMap::new();
+    if !per_tenant.is_empty() {
+        let rows = tx
+            .fetch_all(
+                sql("WITH c AS ( \
+                       INSERT INTO invoice_counters AS ic (tenant_id, last_number) \
+                       SELECT * FROM unnest($1::text[], $2::bigint[]) \
+                       ON CONFLICT (tenant_id) DO UPDATE SET last_number = ic.last_number + EXCLUDED.last_number \
+                       RETURNING ic.tenant_id, ic.last_number \
+                     ) \
+                     SELECT c.tenant_id, c.last_number, \
+                            COALESCE(ts.invoice_prefix, 'INV') AS prefix, ts.email_from \
+                     FROM c LEFT JOIN tenant_settings ts ON ts.tenant_id = c.tenant_id")
+                .bind(per_tenant.iter().map(|p| p.0.clone()).collect::<Vec<_>>())
+                .bind(per_tenant.iter().map(|p| p.1).collect::<Vec<_>>()),
+            )
+            .await?;
+        for r in &rows {
+            let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
+            let last: i64 = r.try_get("last_number").map_err(db::Error::from)?;
+            let count = per_tenant.iter().find(|p| p.0 == tenant).map_or(0, |p| p.1);
+            let prefix: String = r.try_get("prefix").map_err(db::Error::from)?;
+            if let Some(from) = r
+                .try_get::<Option<String>, _>("email_from")
+                .map_err(db::Error::from)?
+            {
+                senders.insert(tenant.clone(), from);
+            }
+            next.insert(tenant, (prefix, last - count + 1));
+        }
+    }
+    let numbered = invoices
+        .iter()
+        .map(|n| {
+            let number = (n.d.status != "draft").then(|| {
+                let (prefix, seq) = next
+                    .get_mut(&n.closing.tenant_id)
+                    .expect("every finalized invoice's tenant was counted");
+                let number = format!("{prefix}-{seq:06}");
+                *seq += 1;
+                number
+            });
+            NewInvoice {
+                closing: n.closing,
+                d: n.d,
+                number,
+            }
+        })
+        .collect();
+    Ok((numbered, senders))
+}
+
+/// Insert the invoices under the dedup index; returns the ids of those made,
+/// by (subscription, period start).
+async fn insert_invoices(
+    tx: &mut db::Tx,
+    invoices: &[NewInvoice<'_>],
+) -> Result<HashMap<(i64, DateTime<Utc>), i64>, Error> {
+    if invoices.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let col = |f: fn(&NewInvoice<'_>) -> DateTime<Utc>| invoices.iter().map(f).collect::<Vec<_>>();
+    let text = |f: fn(&NewInvoice<'_>) -> String| invoices.iter().map(f).collect::<Vec<_>>();
+    let int = |f: fn(&NewInvoice<'_>) -> i64| invoices.iter().map(f).collect::<Vec<_>>();
+    let rows = tx
+        .fetch_all(
+            sql(
+                "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, \
+                                       amount, currency, collection_method, status, number, \
+                                       balance_applied, carried_to_balance, reason, \
+                                       finalized_at, paid_at, closed_at) \
+                 SELECT t, sub, ps, pe, amt, cur, cm, st, num, ba, ca, re, \
+                        CASE WHEN st = 'draft' THEN NULL ELSE now() END, \
+                        CASE WHEN st = 'paid' THEN now() END, \
+                        CASE WHEN st IN ('void', 'uncollectible') THEN now() END \
+                 FROM unnest($1::text[], $2::bigint[], $3::timestamptz[], $4::timestamptz[], \
+                             $5::bigint[], $6::text[], $7::text[], $8::text[], $9::text[], \
+                             $10::bigint[], $11::bigint[], $12::text[]) \
+                      AS i(t, sub, ps, pe, amt, cur, cm, st, num, ba, ca, re) \
+                 ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup DO NOTHING \
+                 RETURNING id, subscription_id, period_start",
+            )
+            .bind(text(|n| n.closing.tenant_id.clone()))
+            .bind(int(|n| n.closing.subscription_id))
+            .bind(col(|n| n.closing.period_start))
+            .bind(col(|n| n.closing.next_start))
+            .bind(int(|n| n.d.amount))
+            .bind(text(|n| n.closing.currency.clone()))
+            .bind(text(|n| n.closing.collection_method.clone()))
+            .bind(text(|n| n.d.status.to_owned()))
+            .bind(
+                invoices
+                    .iter()
+                    .map(|n| n.number.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(int(|n| n.d.balance_applied))
+            .bind(int(|n| n.d.carried))
+            .bind(text(|n| n.closing.reason.as_str().to_owned())),
+        )
+        .await?;
+    let mut created = HashMap::with_capacity(rows.len());
+    for r in &rows {
+        created.insert(
+            (
+                r.try_get("subscription_id").map_err(db::Error::from)?,
+                r.try_get("period_start").map_err(db::Error::from)?,
+            ),
+            r.try_get("id").map_err(db::Error::from)?,
+        );
+    }
+    Ok(created)
+}
+
+/// The customers' balances moved by what the invoices took in and carried:
+/// one upsert of the net change per (tenant, customer, currency).
+async fn write_balances(
+    tx: &mut db::Tx,
+    invoices: &[NewInvoice<'_>],
+    won: &HashMap<i64, Won>,
+) -> Result<(), Error> {
+    let mut delta: HashMap<BalanceKey, i64> = HashMap::new();
+    for n in invoices {
+        let change = n.d.carried - n.d.balance_applied;
+        if change != 0 {
+            let c = n.closing;
+            *delta
+                .entry((
+                    c.tenant_id.clone(),
+                    won[&c.subscription_id].customer_id,
+                    c.currency.clone(),
+                ))
+                .or_default() += change;
+        }
+    }
+    let mut delta: Vec<(BalanceKey, i64)> = delta.into_iter().filter(|(_, d)| *d != 0).collect();
+    if delta.is_empty() {
+        return Ok(());
+    }
+    delta.sort();
+    tx.execute(
+        sql(
+            "INSERT INTO customer_balances AS b (tenant_id, customer_id, currency, amount) \
+             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[]) \
+             ON CONFLICT (tenant_id, customer_id, currency) \
+             DO UPDATE SET amount = b.amount + EXCLUDED.amount, updated_at = now()",
+        )
+        .bind(delta.iter().map(|d| d.0.0.clone()).collect::<Vec<_>>())
+        .bind(delta.iter().map(|d| d.0.1).collect::<Vec<_>>())
+        .bind(delta.iter().map(|d| d.0.2.clone()).collect::<Vec<_>>())
+        .bind(delta.iter().map(|d| d.1).collect::<Vec<_>>()),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The events of the invoices made (one statement) and the receipts of those
+/// paid at once.
+async fn announce(
+    tx: &mut db::Tx,
+    invoices: &[NewInvoice<'_>],
+    created: &HashMap<(i64, DateTime<Utc>), i64>,
+    won: &HashMap<i64, Won>,
+    senders: &HashMap<String, String>,
+    email_from: &str,
+) -> Result<(), Error> {
+    let mut events: Vec<(String, &'static str, String)> = Vec::new();
+    let mut receipts = Vec::new();
+    for n in invoices {
+        let c = n.closing;
+        let id = created[&(c.subscription_id, c.period_start)];
+        let followed_by = match n.d.status {
+            "draft" => continue,
+            "paid" => Some("invoice.paid"),
+            "void" => Some("invoice.voided"),
+            "uncollectible" => Some("invoice.marked_uncollectible"),
+            _ => None,
+        };
+        let payload = invoice_payload(id, n);
+        events.push((c.tenant_id.clone(), "invoice.finalized", payload.clone()));
+        if let Some(kind) = followed_by {
+            events.push((c.tenant_id.clone(), kind, payload));
+        }
+        if n.d.status == "paid" {
+            let from = senders.get(&c.tenant_id).map_or(email_from, String::as_str);
+            receipts.push((
+                c.tenant_id.as_str(),
+                paid_at_once(n, &won[&c.subscription_id].email, from),
+            ));
+        }
+    }
+    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+        .iter()
+        .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &refs).await?;
+    if !receipts.is_empty() {
+        let refs: Vec<(&str, &email_outbox::Email)> =
+            receipts.iter().map(|(t, e)| (*t, e)).collect();
+        email_outbox::enqueue_many(tx, &refs).await?;
+    }
+    Ok(())
+}
+
+/// `subscription.updated` for a plan change, `subscription.canceled` for an
+/// end, of the subscriptions that won.
+async fn announce_subscriptions(
+    tx: &mut db::Tx,
+    heads: &[&Closing],
+    won: &HashMap<i64, Won>,
+) -> Result<(), Error> {
+    let mut events = Vec::new();
+    for c in heads
+        .iter()
+        .filter(|c| won.contains_key(&c.subscription_id))
+    {
+        let (kind, status) = match c.reason {
+            Reason::Cancel => ("subscription.canceled", "canceled"),
+            Reason::Period if c.ends => ("subscription.canceled", "canceled"),
+            Reason::PlanChange => ("subscription.updated", "active"),
+            Reason::Period => continue,
+        };
+        let payload = serde_json::json!({
+            "object": "subscription",
+            "id": c.subscription_id,
+            "status": status,
+            "plan": c.plan_id,
+            "current_period_start": c.next_start.to_rfc3339(),
+            "cancel_at_period_end": c.cancel_at_period_end,
+        })
+        .to_string();
+        events.push((c.tenant_id.clone(), kind, payload));
+    }
+    if events.is_empty() {
+        return Ok(());
+    }
+    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+        .iter()
+        .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &refs).await?;
+    Ok(())
+}
+
+/// An invoice event's data.
+fn invoice_payload(invoice_id: i64, n: &NewInvoice<'_>) -> String {
+    let c = n.closing;
+    serde_json::json!({
+        "object": "invoice",
+        "id": invoice_id,
+        "number": n.number,
+        "subscription": c.subscription_id,
+        "status": n.d.status,
+        "reason": c.reason.as_str(),
+        "amount_due": n.d.amount,
+        "amount_paid": if n.d.status == "paid" { n.d.amount - n.d.carried } else { 0 },
+        "balance_applied": n.d.balance_applied,
+        "carried_to_balance": n.d.carried,
+        "currency": c.currency,
+        "collection_method": c.collection_method,
+        "period_start": c.period_start.to_rfc3339(),
+        "period_end": c.next_start.to_rfc3339(),
+    })
+    .to_string()
+}
+
+/// The receipt of an invoice paid when it was made: nothing was charged.
+fn paid_at_once(n: &NewInvoice<'_>, to: &str, from: &str) -> email_outbox::Email {
+    let c = n.closing;
+    let number = n.number.as_deref().unwrap_or("");
+    let text = if n.d.carried > 0 {
+        format!(
+            "Invoice {number} comes to {}, less than the smallest amount we can charge. \
+             It is added to your next invoice; nothing was charged today.\n",
+            money::money(n.d.amount, &c.currency)
+        )
+    } else {
+        format!(
+            "Invoice {number} comes to {}: there is nothing to pay and nothing was charged.\n",
+            money::money(n.d.amount, &c.currency)
+        )
+    };
+    email_outbox::Email {
+        from: from.to_owned(),
+        to: vec![to.to_owned()],
+        subject: format!("Receipt for invoice {number}"),
+        text,
+        html: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_an_invoice_is_when_it_is_made() {
+        let usd_min = Some(50);
+        // (subtotal, pause, balance, automatic) → (status, amount, applied, carried), balance left
+        let cases = [
+            ((1200, None, 0, true), ("open", 1200, 0, 0), 0),
+            (
+                (1200, Some("keep_as_draft"), 30, true),
+                ("draft", 1200, 0, 0),
+                30,
+            ),
+            ((1200, Some("void"), 30, true), ("void", 1200, 0, 0), 30),
+            (
+                (1200, Some("mark_uncollectible"), 0, true),
+                ("uncollectible", 1200, 0, 0),
+                0,
+            ),
+            ((0, None, 0, true), ("paid", 0, 0, 0), 0),
+            ((30, None, 0, true), ("paid", 30, 0, 30), 30),
+            ((30, None, 0, false), ("open", 30, 0, 0), 0),
+            ((1200, None, 30, true), ("open", 1230, 30, 0), 0),
+            ((10, None, 30, true), ("paid", 40, 30, 40), 40),
+            ((30, None, 30, true), ("open", 60, 30, 0), 0),
+            ((100, None, -300, true), ("paid", 0, -100, 0), -200),
+        ];
+        for ((subtotal, pause, balance, automatic), (status, amount, applied, carried), left) in
+            cases
+        {
+            let got = dispose(subtotal, pause, balance, automatic, usd_min);
+            assert_eq!(
+                got,
+                (
+                    Disposed {
+                        status,
+                        amount,
+                        balance_applied: applied,
+                        carried
+                    },
+                    left
+                ),
+                "{subtotal} {pause:?} {balance} {automatic}"
+            );
+        }
+        // No minimum known for the currency: charged as it is.
+        assert_eq!(dispose(1, None, 0, true, None).0.status, "open");
+    }
+}
