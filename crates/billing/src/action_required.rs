@@ -9,7 +9,9 @@
 //!      WHERE id IN (open, automatic, action_required_at IS NULL, not paused,
 //!                   customer without payment_method_id, AND leader_fence
 //!                   FOR UPDATE OF i SKIP LOCKED)           (fenced)
-//!        AND action_required_at IS NULL                      (the marker's CAS)
+//!      the marker is the compare-and-set: a row locked after another
+//!      transaction marked it is re-checked against the marked version and
+//!      left out
 //!    + invoice.payment_action_required and the email of each row marked
 //!  COMMIT
 //! ```
@@ -118,7 +120,7 @@ async fn ask(
                    FOR UPDATE OF i SKIP LOCKED \
                  ), marked AS ( \
                    UPDATE invoices i SET action_required_at = now() \
-                   FROM picked WHERE i.id = picked.id AND i.action_required_at IS NULL \
+                   FROM picked WHERE i.id = picked.id \
                    RETURNING i.id, i.tenant_id, i.subscription_id, i.number, i.amount, i.currency \
                  ) \
                  SELECT m.id, m.tenant_id, m.subscription_id, m.number, m.amount, m.currency, \

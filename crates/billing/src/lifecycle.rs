@@ -27,7 +27,7 @@ use scheduler::{FencedBatches, Panics, Shape};
 
 use crate::close::Unbillable;
 use crate::period::{self, Interval, Unit};
-use crate::store::{self, LiftedPause, TrialEnded};
+use crate::store::{self, LiftedPause, Listed, TrialEnded};
 use crate::{Biller, Error};
 
 /// What the trial and resume steps came to over a tick.
@@ -77,7 +77,7 @@ pub(crate) struct Trials<'a> {
 }
 
 impl FencedBatches for Trials<'_> {
-    type Claim = Vec<TrialEnded>;
+    type Claim = Listed<TrialEnded>;
     type Counts = LifecycleTally;
     type Error = Error;
 
@@ -89,7 +89,7 @@ impl FencedBatches for Trials<'_> {
         lifecycle_shape(self.biller)
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<TrialEnded>, Error> {
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<TrialEnded>, Error> {
         let except = self
             .left_out
             .lock()
@@ -108,22 +108,23 @@ impl FencedBatches for Trials<'_> {
         self.left_out
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .extend(listed.undecodable);
-        Ok(listed.rows)
+            .extend(listed.undecodable.iter().copied());
+        Ok(listed)
     }
 
-    fn claimed(batch: &Vec<TrialEnded>) -> usize {
-        batch.len()
+    fn claimed(batch: &Listed<TrialEnded>) -> usize {
+        batch.rows.len() + batch.undecodable.len()
     }
 
     async fn run(
         &self,
-        batch: Vec<TrialEnded>,
+        batch: Listed<TrialEnded>,
         _tick: &Tick,
         _deadline: Instant,
         panics: &mut Panics,
         tally: &mut LifecycleTally,
     ) -> Result<(), Error> {
+        let batch = batch.rows;
         let claimed: Vec<i64> = batch.iter().map(|t| t.subscription_id).collect();
         let activations = panics
             .drain(
@@ -169,7 +170,7 @@ pub(crate) struct Resumes<'a> {
 }
 
 impl FencedBatches for Resumes<'_> {
-    type Claim = Vec<LiftedPause>;
+    type Claim = Listed<LiftedPause>;
     type Counts = LifecycleTally;
     type Error = Error;
 
@@ -181,7 +182,7 @@ impl FencedBatches for Resumes<'_> {
         lifecycle_shape(self.biller)
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<LiftedPause>, Error> {
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<LiftedPause>, Error> {
         let c = &self.biller.inner.config;
         let except = self
             .left_out
@@ -200,23 +201,24 @@ impl FencedBatches for Resumes<'_> {
         self.left_out
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .extend(listed.undecodable);
-        Ok(listed.rows)
+            .extend(listed.undecodable.iter().copied());
+        Ok(listed)
     }
 
-    fn claimed(batch: &Vec<LiftedPause>) -> usize {
-        batch.len()
+    fn claimed(batch: &Listed<LiftedPause>) -> usize {
+        batch.rows.len() + batch.undecodable.len()
     }
 
     async fn run(
         &self,
-        batch: Vec<LiftedPause>,
+        batch: Listed<LiftedPause>,
         _tick: &Tick,
         _deadline: Instant,
         _panics: &mut Panics,
         tally: &mut LifecycleTally,
     ) -> Result<(), Error> {
         let b = &self.biller.inner;
+        let batch = batch.rows;
         let resumed =
             store::resume_lifted_pauses(&b.db, &batch, b.config.statement_timeout).await?;
         tally.resumed += resumed.len();

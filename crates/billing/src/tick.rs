@@ -157,7 +157,6 @@ impl Biller {
         let due_billing = DueBilling {
             biller: self,
             left_out: Mutex::new(Vec::new()),
-            at: Mutex::new(None),
         };
         let (mut batches, mut claimed, mut tally) = (0, 0, Tally::default());
         keep(
@@ -435,13 +434,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct DueBilling<'a> {
     biller: &'a Biller,
     left_out: Mutex<Vec<i64>>,
-    /// The database's clock at the last claim: a chain closes the periods
-    /// that had ended by then.
-    at: Mutex<Option<DateTime<Utc>>>,
 }
 
 impl FencedBatches for DueBilling<'_> {
-    type Claim = Vec<Due>;
+    type Claim = store::Listed<Due>;
     type Counts = Tally;
     type Error = Error;
 
@@ -459,31 +455,34 @@ impl FencedBatches for DueBilling<'_> {
         }
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Due>, Error> {
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<store::Listed<Due>, Error> {
         let except = lock(&self.left_out).clone();
         let b = &self.biller.inner;
         let listed =
             store::claim_due(&b.db, fence, limit, &except, b.config.statement_timeout).await?;
         self.biller.undecodable("due_billing", &listed.undecodable);
-        lock(&self.left_out).extend(listed.undecodable);
-        *lock(&self.at) = listed.at;
-        Ok(listed.rows)
+        lock(&self.left_out).extend(listed.undecodable.iter().copied());
+        Ok(listed)
     }
 
-    fn claimed(batch: &Vec<Due>) -> usize {
-        batch.len()
+    fn claimed(batch: &store::Listed<Due>) -> usize {
+        batch.rows.len() + batch.undecodable.len()
     }
 
     async fn run(
         &self,
-        batch: Vec<Due>,
+        batch: store::Listed<Due>,
         _tick: &Tick,
         _deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
-        let at = lock(&self.at).unwrap_or_else(Utc::now);
-        let left_out = self.biller.close_batch(batch, at, panics, tally).await?;
+        // A chain closes the periods that had ended on the database's clock.
+        let at = batch.at.unwrap_or_else(Utc::now);
+        let left_out = self
+            .biller
+            .close_batch(batch.rows, at, panics, tally)
+            .await?;
         lock(&self.left_out).extend(left_out);
         Ok(())
     }

@@ -83,8 +83,8 @@ async fn one_batch_settles_a_paid_a_declined_and_an_unknown_charge_each_as_alone
     );
     assert_eq!(strings(&t.db, "SELECT subject FROM email_outbox").await, {
         let mut v = vec![
-            format!("Receipt for invoice {}", inv[0].0),
-            format!("Your payment for invoice {} failed", inv[1].0),
+            format!("Receipt for invoice INV-{:06}", inv[0].0),
+            format!("Your payment for invoice INV-{:06} failed", inv[1].0),
         ];
         v.sort();
         v
@@ -177,6 +177,6 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     );
     assert_eq!(
         strings(&t.db, "SELECT subject FROM email_outbox").await,
-        vec![format!("Receipt for invoice {}", inv[2].0)]
+        vec![format!("Receipt for invoice INV-{:06}", inv[2].0)]
     );
 }

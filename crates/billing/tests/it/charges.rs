@@ -104,7 +104,7 @@ async fn a_paid_invoice_is_charged_once_announced_and_receipted() {
     );
     assert_eq!(
         emails(&t.db).await,
-        vec![format!("Receipt for invoice {invoice}")]
+        vec![format!("Receipt for invoice INV-{invoice:06}")]
     );
     // A paid invoice is never claimed again.
     let again = tick(&t.db, &b).await;
@@ -130,7 +130,7 @@ async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
     assert_eq!(events(&t.db).await, vec!["payment.failed"]);
     assert_eq!(
         emails(&t.db).await,
-        vec![format!("Your payment for invoice {invoice} failed")]
+        vec![format!("Your payment for invoice INV-{invoice:06} failed")]
     );
     // Declined once: auto-charge does not retry it (dunning will).
     assert_eq!(tick(&t.db, &b).await.charge_claimed, 0);

@@ -16,11 +16,11 @@ use tokio_util::sync::CancellationToken;
 use crate::{biller, config, due_monthly, finalized, invoices, plan, subscription};
 
 /// Five due subscriptions and one whose next period cannot be computed (its
-/// anchor sits near the end of the representable calendar, with a
-/// thousand-year interval), in batches of two so the bad row would fill one
-/// batch after another if it were not left out. The five are billed, the bad
-/// row is untouched, the tick's panic reaches the lease manager, which counts
-/// it as `reason="panicked"` and does not stamp a completed tick.
+/// plan's interval unit is one the schema refuses today, written before the
+/// CHECK existed), in batches of two so the bad row would fill one batch
+/// after another if it were not left out. The five are billed, the bad row is
+/// untouched, the tick's panic reaches the lease manager, which counts it as
+/// `reason="panicked"` and does not stamp a completed tick.
 ///
 /// Mutation check: making `Panics::finish` drop the payload
 /// (`finish_swallows`, already in the list) makes the tick a completion.
@@ -29,23 +29,31 @@ async fn a_subscription_whose_closing_panics_is_left_out_and_the_others_are_bill
     scheduler::install_panic_hook();
     let t = TestDb::new().await;
     let good = due_monthly(&t.db, "tenant_a", 5).await;
-    let millennial = plan(&t.db, "tenant_a", "year", 1000, 100).await;
-    let far = Utc.with_ymd_and_hms(262_000, 1, 1, 0, 0, 0).unwrap();
+    let corrupt = plan(&t.db, "tenant_a", "year", 1, 100).await;
+    let start = Utc.with_ymd_and_hms(2024, 1, 1, 0, 0, 0).unwrap();
     let bad = subscription(
         &t.db,
         "tenant_a",
-        millennial,
-        far,
-        far,
-        far + chrono::TimeDelta::days(1),
+        corrupt,
+        start,
+        start,
+        start + chrono::TimeDelta::days(1),
     )
     .await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "ALTER TABLE plans DROP CONSTRAINT plans_interval_unit_known; \
+         UPDATE plans SET interval_unit = 'fortnight' WHERE name = 'Pro' AND amount = 100",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
     // Due now, oldest of all, so it is listed first in every batch it can be.
     sqlx::query(
         "UPDATE subscriptions SET next_billing_at = now() - interval '1 day' WHERE id = $1",
     )
     .bind(bad)
-    .execute(&mut t.superuser().await)
+    .execute(&mut su)
     .await
     .unwrap();
     let (b, _) = biller(

@@ -7,6 +7,7 @@ mod batch;
 mod charges;
 mod drain;
 mod guards;
+mod invoicing;
 mod lifecycle;
 mod periods;
 mod reconcile;

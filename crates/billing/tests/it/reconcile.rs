@@ -75,7 +75,7 @@ async fn a_provider_timeout_is_settled_by_key_and_charged_once() {
     );
     assert_eq!(
         strings(&t.db, "SELECT subject FROM email_outbox").await,
-        vec![format!("Receipt for invoice {invoice}")]
+        vec![format!("Receipt for invoice INV-{invoice:06}")]
     );
     // Settled: nothing more to reconcile, nothing charged again.
     tokio::time::sleep(Duration::from_millis(1100)).await;
