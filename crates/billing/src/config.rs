@@ -9,8 +9,12 @@ use crate::provider::ProviderConfig;
 pub struct BillingConfig {
     /// Due subscriptions claimed and closed per batch (one transaction). Default 500.
     pub batch_size: usize,
-    /// No batch is claimed after this much of the tick. Default 10 min: the
-    /// role runs hourly, and a tick stopped by its budget is due again at once.
+    /// Each step of the tick (trials, resumes, due billing, auto-charge, the
+    /// payment-method request, the reconciler, stale holds) claims no batch
+    /// after this much of its own run; the steps run one after another, so a
+    /// tick whose every step has a backlog runs several budgets. Default
+    /// 10 min: the role runs hourly, and a tick a budget stopped is due again
+    /// at once.
     pub tick_budget: Duration,
     /// The server cancels a store statement after this. Default 30 s.
     pub statement_timeout: Duration,

@@ -7,16 +7,22 @@
 //!  claim ≤ batch due subscriptions          status = 'active', next_billing_at <= now(),
 //!    with their plan (the snapshot)          AND leader_fence('billing', $token),
 //!                                            FOR UPDATE OF s SKIP LOCKED      (fenced)
+//!    a row whose timestamps fail time_in_range ──▶ left out, logged, counted
 //!  per subscription, under the panic guard:
-//!    close::close(snapshot)  ── pure: invoice [start, end), next period [end, end')
+//!    close::close_behind(snapshot, now) ── pure: the periods it is behind, each
+//!      invoiced [start, end), at most catch_up_periods (the rest next tick)
 //!    panics ──▶ left out for the rest of the tick, raised at the end
-//!  one transaction for the batch:
-//!    1. UPDATE subscriptions … FROM unnest(…)    the compare-and-set, per row:
-//!         WHERE status = $read AND current_period_start = $read
-//!           AND next_billing_at = $read          lost ──▶ nothing written
-//!    2. INSERT invoices … ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup
+//!  invoice::close_periods, one transaction for the batch (docs/adr/0025):
+//!    1. UPDATE subscriptions … FROM unnest(…)    the compare-and-set, per chain:
+//!         WHERE status, current_period_start,    lost ──▶ nothing written
+//!           next_billing_at, cancel_at_period_end = $read
+//!    2. invoice::dispose (pure): draft | void | uncollectible under a pause,
+//!         paid at once (nothing due, or under the provider's minimum and carried
+//!         to the customer's balance), else open
+//!    3. the tenant's next invoice numbers (invoice_counters, gap-free)
+//!    4. INSERT invoices … ON CONFLICT ON CONSTRAINT idx_invoices_billing_period_dedup
 //!         DO NOTHING                             hit ──▶ roll back, redo without it
-//!    3. webhook_outbox::enqueue_many: invoice.finalized per invoice created (one statement)
+//!    5. the balances' net change; the events (one statement) and receipts
 //!  COMMIT; the next batch, until a short batch, the budget, or cancel
 //! ```
 //!
@@ -51,15 +57,21 @@
 //! 3. **due billing** (above); a partial period is invoiced pro rata, rounded
 //!    half up ([`period::pro_rata`], [`close`]);
 //! 4. **auto-charge** (above), `charge_concurrency` calls at a time;
-//! 5. **the payment reconciler** (`reconcile`): unknown attempts whose claim has
-//!    expired are looked up by repeating their request under the same key and
-//!    settled as auto-charge settles; every checked row is stamped, a panicked
-//!    one too; expired claims are freed.
+//! 5. **the payment-method request** (`action_required`): an open automatic
+//!    invoice whose customer has no payment method is announced with
+//!    `invoice.payment_action_required` and one email, once;
+//! 6. **the payment reconciler** (`reconcile`): open attempts whose claim has
+//!    expired are resolved from the provider's record (docs/adr/0024); an
+//!    attempt never sent is sent only while its invoice is chargeable;
+//! 7. **stale holds**: expired claims are freed.
 //!
 //! A plan change ([`Biller::change_plan`]) truncates the current period through
 //! the closing's compare-and-set and invoices the used part pro rata; it fails
 //! with [`Error::SubscriptionPeriodMoved`] (`subscription_period_moved`) and
-//! writes nothing when the watermark moved.
+//! writes nothing when the watermark moved, and with
+//! [`Error::PlanCurrencyMismatch`] for a plan in another currency. A cancel
+//! ([`Biller::cancel_subscription`]) ends the subscription now, invoicing the
+//! used part unless the tenant says not to, or at the period's end.
 //!
 //! **Dunning enrolment is not billing's**: an open invoice whose attempt was
 //! declined is the hand-off; the dunning crate enrols such invoices as the
@@ -102,10 +114,14 @@
 //! - **A provider outage fails the tick** (every call of a batch refused or
 //!   5xx): released as failed, retried after the short cooldown.
 //!
-//! Modules: `config` (defaults and validation), `store` (all SQL), `tick`
-//! ([`Biller`], the driver's implementation), `lifecycle` (trials, resumes),
-//! `charge` (the auto-charge step), `reconcile` (the payment reconciler),
-//! `plan_change`, [`provider`] (the HTTP client), [`close`] and [`period`] (pure).
+//! Modules: `config` (defaults and validation), `tick` ([`Biller`], the
+//! driver's implementation of due billing), `invoice` (the one writer of
+//! invoices and its pure rules), `store` (the claims, auto-charge's and the
+//! reconciler's SQL), `lifecycle` (trials, resumes), `charge` and [`batch`]
+//! (auto-charge), `action_required`, `reconcile` (the payment reconciler),
+//! `retry` (dunning's seam), `plan_change`, `cancel`, [`review`] (the
+//! operator's), [`provider`] (the HTTP client and its answer table), and the
+//! pure [`close`], [`period`] and [`money`].
 
 mod action_required;
 pub mod batch;
