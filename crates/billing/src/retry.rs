@@ -213,7 +213,10 @@ impl Biller {
     /// (`invoice.paid`, `payment.succeeded` and the receipt; `payment.failed`
     /// and its email), each row by its own compare-and-set. Per started
     /// retry: what it came to, or its panic (its attempt stays unknown for the
-    /// reconciler, its claim lease expires).
+    /// reconciler, its claim lease expires). A refused key (401/403) is
+    /// [`Error::ProviderKeyRejected`] for its row, counted on
+    /// `hardcount_billing_provider_key_rejected_total`; the gate it closed
+    /// leaves the batch's other retries unsent and rewound.
     pub async fn finish_retries(
         &self,
         started: Vec<StartedRetry>,
@@ -254,7 +257,15 @@ impl Biller {
                     Err(payload) => Err(payload),
                     Ok(answer) => {
                         let settled = settled.next().unwrap_or_else(|| Ok(Settled::Lost));
-                        Ok(settled.map(|w| retried(s.attempt_seq, answer, w)))
+                        // A refused key is this deployment's error, not the
+                        // customer's: the row was rewound, and the caller's
+                        // tick fails on it (counted and logged once here).
+                        match answer {
+                            Answer::Called(ChargeOutcome::KeyRejected { status, message }) => {
+                                Ok(Err(self.key_rejected(status, message)))
+                            }
+                            answer => Ok(settled.map(|w| retried(s.attempt_seq, answer, w))),
+                        }
                     }
                 };
                 (s, out)
