@@ -92,6 +92,42 @@ impl Biller {
     }
 }
 
+impl Biller {
+    /// A cancel now inside the caller's transaction (dunning's final action,
+    /// which writes its notice in the same transaction): the used part
+    /// invoiced as [`Biller::cancel_subscription`] does. `None` when the
+    /// subscription is not active or its period moved under the snapshot:
+    /// nothing written.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionPeriodMoved`] when the period is already invoiced
+    /// (the caller must roll back), [`Error::Unbillable`], or a database error.
+    pub async fn cancel_now_in(
+        &self,
+        tx: &mut db::Tx,
+        tenant_id: &str,
+        subscription: i64,
+    ) -> Result<Option<Canceled>, Error> {
+        let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
+            return Ok(None);
+        };
+        let at = now.clamp(due.current_period_start, due.current_period_end);
+        let closing = close::cancel(&due, at, invoice)?;
+        match invoice::close_in(tx, &[&closing], self.writing()).await? {
+            invoice::Attempt::Deduplicated(_) => {
+                Err(Error::SubscriptionPeriodMoved { subscription })
+            }
+            invoice::Attempt::Committed(outcomes) => Ok(match outcomes.first().map(|(_, c)| *c) {
+                Some(Closed::Invoiced { invoice_id }) => Some(Canceled {
+                    invoice_id: Some(invoice_id),
+                }),
+                Some(Closed::Advanced) => Some(Canceled { invoice_id: None }),
+                _ => None,
+            }),
+        }
+    }
+}
+
 /// An active subscription's snapshot, whether its tenant invoices a cancel,
 /// and the database's now.
 async fn snapshot(
@@ -101,6 +137,18 @@ async fn snapshot(
     statement_timeout: std::time::Duration,
 ) -> Result<Option<(Due, bool, DateTime<Utc>)>, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let snap = snapshot_in(&mut tx, tenant_id, subscription).await?;
+    tx.commit().await?;
+    Ok(snap)
+}
+
+/// [`snapshot`] in the caller's transaction, the subscription's row locked
+/// so that the cancel's compare-and-set in the same transaction holds.
+async fn snapshot_in(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<Option<(Due, bool, DateTime<Utc>)>, db::Error> {
     let row = tx
         .fetch_optional(
             sql(
@@ -112,13 +160,13 @@ async fn snapshot(
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
                  LEFT JOIN tenant_settings ts ON ts.tenant_id = s.tenant_id \
-                 WHERE s.tenant_id = $1 AND s.id = $2 AND s.status = 'active'",
+                 WHERE s.tenant_id = $1 AND s.id = $2 AND s.status = 'active' \
+                 FOR UPDATE OF s",
             )
             .bind(tenant_id.to_owned())
             .bind(subscription),
         )
         .await?;
-    tx.commit().await?;
     row.map(|r| {
         Ok((
             crate::store::due(&r)?,

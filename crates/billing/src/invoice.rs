@@ -153,7 +153,8 @@ pub(crate) async fn close_periods(
     }
 }
 
-enum Attempt {
+pub(crate) enum Attempt {
+    /// Written (committed by `close_periods`; the caller's to commit after `close_in`).
     Committed(Vec<(i64, Closed)>),
     /// Rolled back: these subscriptions won the compare-and-set but hit the dedup index.
     Deduplicated(HashSet<i64>),
@@ -177,6 +178,23 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
     if closings.is_empty() {
         return Ok(Attempt::Committed(Vec::new()));
     }
+    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    let attempt = close_in(&mut tx, closings, how).await?;
+    match attempt {
+        Attempt::Committed(_) => tx.commit().await?,
+        Attempt::Deduplicated(_) => tx.rollback().await?,
+    }
+    Ok(attempt)
+}
+
+/// [`close_periods`]' work inside the caller's transaction, without its
+/// retry: on a dedup hit the caller must roll back (what was written before
+/// the hit is part of the transaction).
+pub(crate) async fn close_in(
+    tx: &mut db::Tx,
+    closings: &[&Closing],
+    how: Writing<'_>,
+) -> Result<Attempt, Error> {
     // A chain's head holds the snapshot, its tail the period that follows.
     let mut heads: Vec<&Closing> = Vec::new();
     let mut tails: HashMap<i64, &Closing> = HashMap::new();
@@ -186,7 +204,6 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
         }
     }
     let tail = |c: &Closing| tails[&c.subscription_id];
-    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
     // The compare-and-set, first statement of the transaction: a concurrent
     // closer waits on the row lock, re-checks against the winner's row and
     // matches nothing.
@@ -242,11 +259,10 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
         .copied()
         .filter(|c| c.invoiced && won.contains_key(&c.subscription_id))
         .collect();
-    let invoices = dispose_all(&mut tx, &invoiced, &won).await?;
-    let (numbered, senders) = number(&mut tx, &invoices).await?;
-    let created = insert_invoices(&mut tx, &numbered).await?;
+    let invoices = dispose_all(tx, &invoiced, &won).await?;
+    let (numbered, senders) = number(tx, &invoices).await?;
+    let created = insert_invoices(tx, &numbered).await?;
     if created.len() < numbered.len() {
-        tx.rollback().await?;
         let hits = numbered
             .iter()
             .map(|n| n.closing)
@@ -255,10 +271,9 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
             .collect();
         return Ok(Attempt::Deduplicated(hits));
     }
-    write_balances(&mut tx, &numbered, &won).await?;
-    announce(&mut tx, &numbered, &created, &won, &senders, how.email_from).await?;
-    announce_subscriptions(&mut tx, &heads, &won).await?;
-    tx.commit().await?;
+    write_balances(tx, &numbered, &won).await?;
+    announce(tx, &numbered, &created, &won, &senders, how.email_from).await?;
+    announce_subscriptions(tx, &heads, &won).await?;
     let mut outcomes = Vec::with_capacity(closings.len());
     for c in &heads {
         if !won.contains_key(&c.subscription_id) {
