@@ -97,9 +97,11 @@ async fn check(
 /// outbox's: `Address::from_str` and the `Mailbox` parse of a recipient.
 ///
 /// Catches: the leading White_Space guard removed from `email_address_valid`
-/// (`email_address_trimmed`: `"\u{a0}ada@…"` and the sweep below accept what
-/// the outbox would send elsewhere), the quoted local part not unquoted
-/// (`email_address_quoted`: `"\"john doe\""` accepted).
+/// (`email_address_trimmed`: `"\u{a0}@…"` accepted, which lettre trims to an
+/// empty local part), a quoted local part not unquoted to a dot-atom
+/// (`email_address_quoted`: `"\"john..doe\""` accepted), any atext allowed at
+/// a label's edge (`email_label_edges`: `ada@-example.org` accepted), a label
+/// of 64 bytes (`email_label_length`).
 #[tokio::test]
 async fn the_database_agrees_with_lettre_on_each_address_or_is_stricter() {
     let t = TestDb::new().await;
@@ -141,6 +143,9 @@ async fn the_database_agrees_with_lettre_on_each_address_or_is_stricter() {
         ("\"john.doe\"@example.org", Accepted),
         ("\"jo\\hn\"@example.org", Accepted),
         ("\"john doe\"@example.org", Refused),
+        ("\"john..doe\"@example.org", Refused),
+        ("\".john\"@example.org", Refused),
+        ("\"jo\\.hn\"@example.org", Accepted),
         ("\"a@b\"@example.org", Refused),
         ("\"\"@example.org", Refused),
         ("\"@example.org", Refused),
