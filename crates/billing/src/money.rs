@@ -4,8 +4,8 @@
 //! Amounts are integers in the currency's minor unit, whose size is the ISO 4217
 //! exponent: 1200 JPY is ¥1200 (exponent 0), 1200 EUR is €12.00 (2), 1200 KWD is
 //! 1.200 KWD (3). The provider's API mostly agrees; where Stripe departs from
-//! ISO 4217 (it takes ISK and, for charges, HUF and TWD with two decimals, and MGA
-//! with none) the charge path converts, not this module.
+//! ISO 4217 (it takes ISK with two decimals, and MGA with none) the charge path
+//! converts, not this module.
 
 /// Currencies whose minor unit is the major unit (ISO 4217 exponent 0).
 const EXPONENT_0: [&str; 17] = [
