@@ -1,10 +1,15 @@
-//! [`enqueue_many`]: many emails in one statement, for a producer that settles
-//! a batch in one transaction (billing's charges).
+//! Many emails in one statement, for a producer that settles a batch in one
+//! transaction: [`enqueue_many`], which refuses the batch for one bad email,
+//! and [`enqueue_many_or_record`], which records a bad email as failed and
+//! queues the rest (what a settle uses: a side effect never rolls it back).
 
-use db::{Tx, sql};
+use db::Tx;
+use leader::Telemetry;
+use tracing::warn;
 
 use crate::EnqueueError;
-use crate::email::{self, Email, Invalid};
+use crate::email::{Email, Invalid};
+use crate::store::{self, NewRow};
 
 /// [`enqueue`](crate::enqueue) for many emails with one statement; returns how
 /// many were added. Every email is checked first, as `enqueue` checks it, and
@@ -21,45 +26,101 @@ pub async fn enqueue_many(tx: &mut Tx, emails: &[(&str, &Email)]) -> Result<u64,
         }
         email.validate()?;
     }
-    if emails.is_empty() {
-        return Ok(0);
+    let rows: Vec<NewRow<'_>> = emails
+        .iter()
+        .map(|(tenant_id, email)| NewRow {
+            tenant_id,
+            email,
+            refused: None,
+        })
+        .collect();
+    Ok(store::insert_batch(tx, &rows).await?)
+}
+
+/// What [`enqueue_many_or_record`] did with a batch.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Enqueued {
+    /// Emails queued to be sent.
+    pub queued: u64,
+    /// Emails refused for their content and recorded `failed` instead: each
+    /// one's index in the batch, and why.
+    pub refused: Vec<(usize, Invalid)>,
+}
+
+/// Queue many emails with one statement, as [`enqueue_many`] does, except
+/// that an email `enqueue` would refuse for its content (a sender or
+/// recipient lettre cannot parse, no recipients, a body too large, a NUL, …)
+/// is written in the same statement as a `failed` row whose `refused` column
+/// names the reason and whose `last_reply_text` says which field was wrong
+/// (its bodies are not kept). The rest are queued, and the caller's
+/// transaction goes on.
+///
+/// Billing's settle and dunning's transitions use this: a receipt that cannot
+/// be sent must not roll back the charge it reports. Each refusal is logged
+/// (tenant and reason, never the address) and counted in
+/// `hardcount_email_refused_total{reason}` when it is written, so a
+/// transaction rolled back afterwards still counted it.
+///
+/// # Errors
+/// [`Invalid::EmptyTenant`] (a caller's bug, not content) before anything was
+/// sent (`tx` is still usable); [`EnqueueError::Db`] when the insert failed
+/// (`tx` is aborted: roll it back).
+pub async fn enqueue_many_or_record(
+    tx: &mut Tx,
+    emails: &[(&str, &Email)],
+    telemetry: &Telemetry,
+) -> Result<Enqueued, EnqueueError> {
+    if emails
+        .iter()
+        .any(|(tenant_id, _)| tenant_id.trim().is_empty())
+    {
+        return Err(Invalid::EmptyTenant.into());
     }
-    let col =
-        |f: fn(&str, &Email) -> String| emails.iter().map(|(t, e)| f(t, e)).collect::<Vec<_>>();
-    // Recipients vary in number per email: one flat array, and each email's
-    // slice of it (1-based, inclusive bounds).
-    let (mut flat, mut lo, mut hi) = (Vec::new(), Vec::new(), Vec::new());
-    for (_, e) in emails {
-        lo.push(i32::try_from(flat.len() + 1).unwrap_or(i32::MAX));
-        flat.extend(e.to.iter().cloned());
-        hi.push(i32::try_from(flat.len()).unwrap_or(i32::MAX));
+    let verdicts: Vec<Result<(), Invalid>> = emails.iter().map(|(_, e)| e.validate()).collect();
+    let records: Vec<Option<Email>> = emails
+        .iter()
+        .zip(&verdicts)
+        .map(|((_, e), v)| v.as_ref().err().map(|_| e.refusal_record()))
+        .collect();
+    let rows: Vec<NewRow<'_>> = emails
+        .iter()
+        .zip(&verdicts)
+        .zip(&records)
+        .map(|(((tenant_id, email), verdict), record)| NewRow {
+            tenant_id,
+            email: record.as_ref().unwrap_or(email),
+            refused: verdict.as_ref().err(),
+        })
+        .collect();
+    store::insert_batch(tx, &rows).await?;
+    let mut done = Enqueued::default();
+    for (i, ((tenant_id, _), verdict)) in emails.iter().zip(verdicts).enumerate() {
+        match verdict {
+            Ok(()) => done.queued += 1,
+            Err(why) => {
+                let reason = why.reason();
+                warn!(tenant = %tenant_id, reason, "email refused for its content: recorded as failed");
+                telemetry
+                    .counter("hardcount_email_refused_total", &[("reason", reason)])
+                    .increment(1);
+                done.refused.push((i, why));
+            }
+        }
     }
-    let n = tx
-        .execute(
-            sql("INSERT INTO email_outbox \
-                   (tenant_id, message_id, sender, recipients, subject, text_body, html_body) \
-                 SELECT e.tenant_id, e.message_id, e.sender, \
-                        ($4::text[])[e.lo:e.hi], e.subject, e.text_body, e.html_body \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $5::int4[], $6::int4[], \
-                             $7::text[], $8::text[], $9::text[]) \
-                      AS e(tenant_id, message_id, sender, lo, hi, subject, text_body, html_body)")
-            .bind(col(|t, _| t.to_owned()))
-            .bind(col(|_, e| email::new_message_id(&e.from)))
-            .bind(col(|_, e| e.from.clone()))
-            .bind(flat)
-            .bind(lo)
-            .bind(hi)
-            .bind(col(|_, e| e.subject.clone()))
-            .bind(col(|_, e| e.text.clone()))
-            .bind(
-                emails
-                    .iter()
-                    .map(|(_, e)| e.html.clone())
-                    .collect::<Vec<_>>(),
-            ),
-        )
-        .await?;
-    Ok(n)
+    Ok(done)
+}
+
+/// [`enqueue_many_or_record`] for one email.
+///
+/// # Errors
+/// As [`enqueue_many_or_record`].
+pub async fn enqueue_or_record(
+    tx: &mut Tx,
+    tenant_id: &str,
+    email: &Email,
+    telemetry: &Telemetry,
+) -> Result<Enqueued, EnqueueError> {
+    enqueue_many_or_record(tx, &[(tenant_id, email)], telemetry).await
 }
 
 #[cfg(test)]

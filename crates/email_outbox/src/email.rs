@@ -60,7 +60,71 @@ pub enum Invalid {
     Nul { field: &'static str },
 }
 
+impl Invalid {
+    /// The refusal's short name: the `refused` column of a recorded refusal and
+    /// the `reason` label of `hardcount_email_refused_total`. Few and fixed,
+    /// so a label never carries an address.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Invalid::EmptyTenant => "tenant",
+            Invalid::Address { field: "from", .. } => "sender",
+            Invalid::Address { .. } => "recipient",
+            Invalid::NoRecipients | Invalid::TooManyRecipients { .. } => "recipients",
+            Invalid::HeaderInjection { .. } => "header",
+            Invalid::EmptySubject | Invalid::SubjectTooLong { .. } => "subject",
+            Invalid::BodyTooLarge { .. } => "too_large",
+            Invalid::Nul { .. } => "nul",
+        }
+    }
+}
+
+/// Check a sender (`billing@example.com` or `Example Billing
+/// <billing@example.com>`) as [`Email::validate`] checks `from`: what
+/// `HARDCOUNT_EMAIL_FROM` must pass at boot.
+///
+/// # Errors
+/// [`Invalid`] naming the field `from`.
+pub fn check_sender(from: &str) -> Result<(), Invalid> {
+    mailbox("from", from).map(drop)
+}
+
+/// The longest sender, recipient or subject a recorded refusal keeps, in
+/// characters (an SMTP header line's limit).
+const MAX_RECORDED_CHARS: usize = 998;
+
 impl Email {
+    /// What a refused email is recorded as: its sender, at most
+    /// [`MAX_RECIPIENTS`] recipients and its subject, each cut to
+    /// [`MAX_RECORDED_CHARS`] characters with any NUL (which Postgres text
+    /// cannot hold) replaced by U+FFFD; no bodies. Storable whatever the email
+    /// held, so recording a refusal cannot fail for its content.
+    pub(crate) fn refusal_record(&self) -> Email {
+        let keep = |s: &str| -> String {
+            s.chars()
+                .take(MAX_RECORDED_CHARS)
+                .map(|c| {
+                    if c == '\0' {
+                        char::REPLACEMENT_CHARACTER
+                    } else {
+                        c
+                    }
+                })
+                .collect()
+        };
+        Email {
+            from: keep(&self.from),
+            to: self
+                .to
+                .iter()
+                .take(MAX_RECIPIENTS)
+                .map(|t| keep(t))
+                .collect(),
+            subject: keep(&self.subject),
+            text: String::new(),
+            html: None,
+        }
+    }
+
     /// Check every field; the first problem found is returned.
     ///
     /// # Errors

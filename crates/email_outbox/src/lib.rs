@@ -23,6 +23,14 @@
 //!   [`enqueue_many`], a batch in one statement) runs inside the
 //!   caller's [`db::Tx`], and refuses bad input (naming the field) before anything
 //!   is written.
+//! - **A bad email never rolls back its producer** when the producer asks so:
+//!   [`enqueue_many_or_record`] (and [`enqueue_or_record`]) writes an email it
+//!   refuses for its content as a `failed` row with its reason (`refused`,
+//!   `last_reply_text`), queues the rest, and counts the refusal in
+//!   `hardcount_email_refused_total{reason}`. Billing's settle and dunning use
+//!   it. Addresses are also checked where they are written
+//!   (`email_address_valid`, migration 0022, docs/adr/0027), by rules never
+//!   looser than lettre's.
 //! - **At least once, never lost.** A claim moves `next_attempt_at` a lease ahead
 //!   before anything is sent; if the process dies, freezes or loses its lease, the
 //!   email comes due again. Nothing is deleted; a failed email keeps the server's
@@ -54,9 +62,9 @@ pub mod statements {
 mod tick;
 pub mod verdict;
 
-pub use batch::enqueue_many;
+pub use batch::{Enqueued, enqueue_many, enqueue_many_or_record, enqueue_or_record};
 pub use config::{ConfigError, SenderConfig};
-pub use email::{Email, Invalid, MAX_BODY_BYTES};
+pub use email::{Email, Invalid, MAX_BODY_BYTES, check_sender};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
 pub use tick::{Sender, Tally, TickReport};
 

@@ -126,15 +126,12 @@ fn work_for(
         }
         Role::Dunning => {
             // Retries charge through billing's client, claim lease and sender.
+            // Its mail's sender is billing's (both from HARDCOUNT_EMAIL_FROM).
             let biller =
                 billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
-            let dunning_config = dunning::DunningConfig {
-                email_from: config.billing.email_from.clone(),
-                ..config.dunning.clone()
-            };
             let dunner = Arc::new(dunning::Dunner::new(
                 db.clone(),
-                dunning_config,
+                config.dunning.clone(),
                 biller,
                 telemetry.clone(),
             )?);

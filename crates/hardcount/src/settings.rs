@@ -196,6 +196,12 @@ pub struct ServeSettings {
     /// restored copy, never replay each other's answers [default: default].
     #[arg(long, env = "HARDCOUNT_INSTANCE_ID")]
     pub instance_id: Option<String>,
+    /// The sender of receipts and dunning mail: `billing@example.com` or
+    /// `Example Billing <billing@example.com>`, checked at boot as the email
+    /// outbox checks a sender; a tenant's `tenant_settings.email_from` overrides
+    /// it [default: Billing <billing@example.com>].
+    #[arg(long, env = "HARDCOUNT_EMAIL_FROM")]
+    pub email_from: Option<String>,
     /// How long after an attempt's first send billing may send it again under the
     /// same idempotency key while looking up an unknown outcome (1m to 23h; the
     /// provider forgets keys after 24 h) [default: 12h].
@@ -385,8 +391,27 @@ impl ServeSettings {
                 Duration::from_secs(60)..=Duration::from_secs(23 * 3600),
             )?;
         }
+        if let Some(from) = self.email_from()? {
+            config.email_from = from;
+        }
         config.validate()?;
         Ok(config)
+    }
+
+    /// HARDCOUNT_EMAIL_FROM, when set: parsed as the outbox parses a sender
+    /// (a lettre `Mailbox`), so a sender every email would be refused for is
+    /// refused here, at boot, by the variable's name.
+    fn email_from(&self) -> Result<Option<String>> {
+        let Some(from) = non_empty(&self.email_from) else {
+            return Ok(None);
+        };
+        email_outbox::check_sender(&from).map_err(|e| {
+            anyhow!(
+                "HARDCOUNT_EMAIL_FROM={from:?}: expected a sender like billing@example.com \
+                 or Example Billing <billing@example.com> ({e})"
+            )
+        })?;
+        Ok(Some(from))
     }
 
     /// Dunning's HARDCOUNT_DUNNING_* settings; a value out of the range
@@ -415,6 +440,9 @@ impl ServeSettings {
             // DunningConfig owns the bounds; this only reads the text.
             let any = Duration::ZERO..=Duration::MAX;
             d.tick_budget = duration("HARDCOUNT_DUNNING_TICK_BUDGET", &text, any)?;
+        }
+        if let Some(from) = self.email_from()? {
+            d.email_from = from;
         }
         d.validate().map_err(|e| match e {
             dunning::ConfigError::Count {
@@ -781,6 +809,34 @@ mod tests {
             let err = refusal(&args);
             assert!(err.contains(expected), "{expected:?} not in {err:?}");
             assert!(!err.contains("hunter2"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_email_sender_reaches_billing_and_dunning_and_one_that_does_not_parse_is_refused() {
+        let default = check(&[]).unwrap();
+        assert_eq!(default.billing.email_from, "Billing <billing@example.com>");
+        assert_eq!(default.dunning.email_from, default.billing.email_from);
+        for from in [
+            "receipts@shop.example",
+            "Shop Receipts <receipts@shop.example>",
+            "\"Shop, Inc.\" <receipts@shop.example>",
+        ] {
+            let config = check(&["--email-from", from]).unwrap();
+            assert_eq!(config.billing.email_from, from);
+            assert_eq!(config.dunning.email_from, from);
+        }
+        for from in [
+            "receipts",
+            "Shop <receipts@>",
+            "receipts@shop.example>",
+            "Shop <receipts@[192.0.2.1]>",
+        ] {
+            let err = refusal(&["--email-from", from]);
+            assert!(
+                err.starts_with(&format!("HARDCOUNT_EMAIL_FROM={from:?}: expected a sender")),
+                "{from:?}: {err}"
+            );
         }
     }
 

@@ -171,6 +171,11 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
         want.push(format!("customers.{c}:UPDATE"));
     }
     want.push("plans.name:UPDATE".into());
+    // The CHECKs on customers.email and tenant_settings.email_from call these
+    // as the writing role (migration 0022).
+    for f in ["email_address_valid", "email_mailbox_valid"] {
+        want.push(format!("{f}():EXECUTE"));
+    }
     for c in [
         "plan_id",
         "status",
@@ -262,7 +267,14 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         .iter()
         .filter(|g| g.ends_with("():EXECUTE"))
         .collect();
-    assert_eq!(functions, ["leader_fence():EXECUTE"]);
+    assert_eq!(
+        functions,
+        [
+            "email_address_valid():EXECUTE",
+            "email_mailbox_valid():EXECUTE",
+            "leader_fence():EXECUTE"
+        ]
+    );
     let lease_writes: Vec<&String> = granted
         .iter()
         .filter(|g| g.starts_with("leader_leases") && !g.ends_with(":SELECT"))

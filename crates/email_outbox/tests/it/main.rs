@@ -4,9 +4,11 @@
 //! Each guard test names, in its comment, the mutation that makes it fail and
 //! that it was seen failing under.
 
+mod addresses;
 mod guards;
 mod plans;
 mod pool;
+mod refusals;
 mod sending;
 mod tls;
 

@@ -282,6 +282,7 @@ fn serve_help_lists_every_variable() {
         "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
         "HARDCOUNT_WEBHOOK_TIMEOUT",
         "HARDCOUNT_LISTEN_URL",
+        "HARDCOUNT_EMAIL_FROM",
         "RUST_LOG",
     ] {
         assert!(
@@ -313,6 +314,13 @@ fn serve_refuses_nonsense_settings_by_name_before_touching_the_database() {
             "HARDCOUNT_HTTP_ADDR",
             "localhost",
             "HARDCOUNT_HTTP_ADDR=\"localhost\"",
+        ),
+        // Issue 22, point 11. Catches: the sender not parsed at boot
+        // (`email_from_unchecked`: serve goes on to the database).
+        (
+            "HARDCOUNT_EMAIL_FROM",
+            "Billing <billing@>",
+            "HARDCOUNT_EMAIL_FROM=\"Billing <billing@>\": expected a sender",
         ),
     ] {
         let out = run(
