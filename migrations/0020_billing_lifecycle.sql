@@ -75,8 +75,10 @@ ALTER TABLE subscriptions
 -- and count it.
 CREATE FUNCTION time_in_range(t timestamptz) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
-    -- A standard SQL body is bound when created: no search_path to hijack, and inlined.
+    SET search_path = pg_catalog, public
     RETURN t IS NULL OR (isfinite(t) AND t >= '1970-01-01 00:00:00+00' AND t < '10000-01-01 00:00:00+00');
+REVOKE ALL ON FUNCTION time_in_range(timestamptz) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION time_in_range(timestamptz) TO hardcount_app, hardcount_api;
 
 ALTER TABLE subscriptions
     ADD CONSTRAINT subscriptions_times_in_range CHECK (

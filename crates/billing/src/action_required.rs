@@ -66,6 +66,7 @@ impl FencedBatches for ActionRequired<'_> {
             fence,
             limit,
             &b.config.email_from,
+            &b.telemetry,
             b.config.statement_timeout,
         )
         .await
@@ -100,6 +101,7 @@ async fn ask(
     fence: &Fence,
     limit: usize,
     email_from: &str,
+    telemetry: &leader::Telemetry,
     statement_timeout: Duration,
 ) -> Result<usize, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -180,7 +182,7 @@ async fn ask(
     webhook_outbox::enqueue_many(&mut tx, &refs).await?;
     let refs: Vec<(&str, &email_outbox::Email)> =
         emails.iter().map(|(t, e)| (t.as_str(), e)).collect();
-    email_outbox::enqueue_many(&mut tx, &refs).await?;
+    email_outbox::enqueue_many_or_record(&mut tx, &refs, telemetry).await?;
     tx.commit().await?;
     Ok(rows.len())
 }

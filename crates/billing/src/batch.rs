@@ -252,6 +252,9 @@ impl Started {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settling<'a> {
     pub email_from: &'a str,
+    /// Where an email the outbox refuses is counted
+    /// (`hardcount_email_refused_total`): recorded failed, never a rollback.
+    pub telemetry: &'a leader::Telemetry,
     pub statement_timeout: Duration,
     /// The reconciler's first wait before looking at an open attempt again;
     /// doubled per lookup, at most an hour.
@@ -580,7 +583,9 @@ async fn settle_once(
         .collect();
     webhook_outbox::enqueue_many(&mut tx, &events).await?;
     let emails: Vec<(&str, &email_outbox::Email)> = emails.iter().map(|(t, e)| (*t, e)).collect();
-    email_outbox::enqueue_many(&mut tx, &emails).await?;
+    // A receipt the outbox refuses (an address it cannot send to) is
+    // recorded failed with its reason; the settle commits (docs/adr/0027).
+    email_outbox::enqueue_many_or_record(&mut tx, &emails, how.telemetry).await?;
     tx.commit().await?;
     let lost: Vec<i64> = answers
         .iter()

@@ -144,6 +144,7 @@ impl Biller {
         let c = &self.inner.config;
         batch::Settling {
             email_from: &c.email_from,
+            telemetry: &self.inner.telemetry,
             statement_timeout: c.statement_timeout,
             backoff: c.reconcile_backoff,
         }

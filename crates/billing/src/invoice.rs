@@ -52,6 +52,8 @@ pub enum Closed {
 pub(crate) struct Writing<'a> {
     /// The sender of receipts when the tenant names none.
     pub email_from: &'a str,
+    /// Where a refused receipt is counted (it is recorded failed, never a rollback).
+    pub telemetry: &'a leader::Telemetry,
     pub statement_timeout: Duration,
 }
 
@@ -272,7 +274,7 @@ pub(crate) async fn close_in(
         return Ok(Attempt::Deduplicated(hits));
     }
     write_balances(tx, &numbered, &won).await?;
-    announce(tx, &numbered, &created, &won, &senders, how.email_from).await?;
+    announce(tx, &numbered, &created, &won, &senders, how).await?;
     announce_subscriptions(tx, &heads, &won).await?;
     let mut outcomes = Vec::with_capacity(closings.len());
     for c in &heads {
@@ -550,7 +552,7 @@ async fn announce(
     created: &HashMap<(i64, DateTime<Utc>), i64>,
     won: &HashMap<i64, Won>,
     senders: &HashMap<String, String>,
-    email_from: &str,
+    how: Writing<'_>,
 ) -> Result<(), Error> {
     let mut events: Vec<(String, &'static str, String)> = Vec::new();
     let mut receipts = Vec::new();
@@ -570,7 +572,9 @@ async fn announce(
             events.push((c.tenant_id.clone(), kind, payload));
         }
         if n.d.status == "paid" {
-            let from = senders.get(&c.tenant_id).map_or(email_from, String::as_str);
+            let from = senders
+                .get(&c.tenant_id)
+                .map_or(how.email_from, String::as_str);
             receipts.push((
                 c.tenant_id.as_str(),
                 paid_at_once(n, &won[&c.subscription_id].email, from),
@@ -585,7 +589,7 @@ async fn announce(
     if !receipts.is_empty() {
         let refs: Vec<(&str, &email_outbox::Email)> =
             receipts.iter().map(|(t, e)| (*t, e)).collect();
-        email_outbox::enqueue_many(tx, &refs).await?;
+        email_outbox::enqueue_many_or_record(tx, &refs, how.telemetry).await?;
     }
     Ok(())
 }

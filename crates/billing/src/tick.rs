@@ -286,6 +286,7 @@ impl Biller {
     pub(crate) fn writing(&self) -> invoice::Writing<'_> {
         invoice::Writing {
             email_from: &self.inner.config.email_from,
+            telemetry: &self.inner.telemetry,
             statement_timeout: self.inner.config.statement_timeout,
         }
     }

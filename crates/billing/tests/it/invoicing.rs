@@ -493,3 +493,37 @@ async fn an_infinite_timestamp_is_refused_and_an_old_one_does_not_stop_billing()
         metrics.render()
     );
 }
+
+// Guard: a receipt the outbox refuses does not roll the settle back. Seen
+// failing with the settle's `enqueue_many_or_record` made `enqueue_many`
+// (mutation `settle_records_refusals`): the charge is made, the invoice stays
+// open and the receipt is lost.
+#[tokio::test]
+async fn a_receipt_the_outbox_refuses_is_recorded_failed_and_the_settle_commits() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    due_monthly(&t.db, "tenant_a", 1).await;
+    // An address written before the CHECK existed, one lettre cannot send to.
+    let mut su = t.superuser().await;
+    su.execute("ALTER TABLE customers DROP CONSTRAINT customers_email_valid")
+        .await
+        .unwrap();
+    su.execute("UPDATE customers SET email = 'ada at example dot org'")
+        .await
+        .unwrap();
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 1, "{report:?}");
+    assert_eq!(invoice_rows(&t.db).await[0].0, "paid");
+    let r =
+        t.db.fetch_one(sql("SELECT status, refused FROM email_outbox"))
+            .await
+            .unwrap();
+    let (status, refused): (String, Option<String>) = (r.get(0), r.get(1));
+    assert_eq!(status, "failed");
+    assert!(refused.is_some());
+    assert_eq!(
+        event_types(&t.db).await,
+        vec!["invoice.finalized", "invoice.paid", "payment.succeeded"]
+    );
+}

@@ -173,9 +173,26 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("plans.name:UPDATE".into());
     // The CHECKs on customers.email and tenant_settings.email_from call these
     // as the writing role (migration 0022).
-    for f in ["email_address_valid", "email_mailbox_valid"] {
+    for f in [
+        "email_address_valid",
+        "email_mailbox_valid",
+        "time_in_range",
+    ] {
         want.push(format!("{f}():EXECUTE"));
     }
+    // Tenant settings and the end of a subscription at its period's end
+    // (migration 0020); the balances are read only.
+    want.push("tenant_settings:SELECT".into());
+    want.push("tenant_settings:INSERT".into());
+    for c in [
+        "invoice_prefix",
+        "invoice_on_cancel",
+        "email_from",
+        "updated_at",
+    ] {
+        want.push(format!("tenant_settings.{c}:UPDATE"));
+    }
+    want.push("customer_balances:SELECT".into());
     for c in [
         "plan_id",
         "status",
@@ -186,6 +203,7 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
         "pause_collection_set_by",
         "canceled_at",
         "updated_at",
+        "cancel_at_period_end",
     ] {
         want.push(format!("subscriptions.{c}:UPDATE"));
     }
@@ -272,7 +290,8 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         [
             "email_address_valid():EXECUTE",
             "email_mailbox_valid():EXECUTE",
-            "leader_fence():EXECUTE"
+            "leader_fence():EXECUTE",
+            "time_in_range():EXECUTE"
         ]
     );
     let lease_writes: Vec<&String> = granted
