@@ -84,8 +84,8 @@ mod store;
 mod tick;
 
 pub use config::{ConfigError, DunningConfig};
-pub use policy::{AfterDecline, FinalAction, Policy};
-pub use store::{FinalActed, Run};
+pub use policy::{AfterDecline, FinalAction, PauseBehavior, Policy};
+pub use store::{FinalActed, LeftOut, NotChargeable, Run};
 pub use tick::{Dunner, OUTAGE_UNANSWERED, Retry, Tally, TickReport};
 
 /// Errors of the dunning role.
@@ -109,6 +109,10 @@ pub enum Error {
     /// invoices failed: it rolled back, nothing of the batch was counted.
     #[error("dunning batch not started (rolled back, nothing counted): {0}")]
     BatchNotStarted(String),
+    /// The transaction that counts a batch's retries not attempted failed: it
+    /// rolled back, none of them was counted.
+    #[error("dunning retries not attempted were not counted (rolled back): {0}")]
+    NotCounted(String),
     /// The provider answered none of a batch's retries (timeouts, 5xx): each
     /// was rewound, and the tick stops as failed to retry after the cooldown.
     #[error(
