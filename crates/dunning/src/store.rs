@@ -139,8 +139,9 @@ fn run(r: &PgRow) -> Result<Run, String> {
             // The CHECKs allow only these; anything else is a corrupt row.
             final_action: FinalAction::parse(&action)
                 .ok_or(format!("final_action {action:?} is not one of the three"))?,
-            pause_behavior: PauseBehavior::parse(&behavior)
-                .ok_or(format!("pause_behavior {behavior:?} is not one of the three"))?,
+            pause_behavior: PauseBehavior::parse(&behavior).ok_or(format!(
+                "pause_behavior {behavior:?} is not one of the three"
+            ))?,
             warn_after: get!(r, "warn_after")?,
             final_notice: get!(r, "final_notice")?,
         },
@@ -631,22 +632,36 @@ pub(crate) async fn not_attempted_in(
     for r in &changed {
         won.insert(r.try_get("id").map_err(db::Error::from)?);
     }
-    let applied: Vec<&&NotAttempted<'_>> = rows.iter().filter(|n| won.contains(&n.run.id)).collect();
+    let applied: Vec<&&NotAttempted<'_>> =
+        rows.iter().filter(|n| won.contains(&n.run.id)).collect();
     let payloads: Vec<(&str, &'static str, String)> = applied
         .iter()
         .map(|n| {
-            let (tenant, attempt, why) = (n.run.tenant_id.as_str(), n.run.attempt_count + 1, n.why.as_str());
+            let (tenant, attempt, why) = (
+                n.run.tenant_id.as_str(),
+                n.run.attempt_count + 1,
+                n.why.as_str(),
+            );
             match n.next {
                 Some(at) => {
-                    let extra = serde_json::json!({"reason": why, "next_attempt_at": at.to_rfc3339()});
-                    (tenant, "dunning.retry_skipped", payload(n.run, "active", attempt, extra))
+                    let extra =
+                        serde_json::json!({"reason": why, "next_attempt_at": at.to_rfc3339()});
+                    (
+                        tenant,
+                        "dunning.retry_skipped",
+                        payload(n.run, "active", attempt, extra),
+                    )
                 }
                 None => {
                     let extra = serde_json::json!({
                         "reason": why,
                         "final_action": n.run.policy.final_action.as_str(),
                     });
-                    (tenant, "dunning.exhausted", payload(n.run, "exhausted", attempt, extra))
+                    (
+                        tenant,
+                        "dunning.exhausted",
+                        payload(n.run, "exhausted", attempt, extra),
+                    )
                 }
             }
         })
@@ -964,16 +979,14 @@ async fn pause(
 ) -> Result<Option<Vec<(&'static str, serde_json::Value)>>, Error> {
     let Some(read) = tx
         .fetch_optional(
-            sql(
-                "SELECT s.pause_collection_behavior AS behavior, \
+            sql("SELECT s.pause_collection_behavior AS behavior, \
                         to_json(s.pause_collection_resumes_at) #>> '{}' AS resumes_at, \
                         s.pause_collection_set_by AS set_by, \
                         s.pause_collection_resumes_at <= now() AS lifted \
                  FROM subscriptions s \
                  JOIN invoices i ON i.tenant_id = s.tenant_id AND i.subscription_id = s.id \
                  WHERE i.id = $1 AND i.status = 'open' AND s.status <> 'canceled' \
-                 FOR UPDATE OF s",
-            )
+                 FOR UPDATE OF s")
             .bind(run.invoice_id),
         )
         .await?

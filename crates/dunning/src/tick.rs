@@ -1,6 +1,10 @@
 //! The `dunning` tick: enrolment, then the fenced-batch driver
-//! ([`scheduler::drive`]) over due runs, each run retried under the panic
-//! guard, a bounded number at once.
+//! ([`scheduler::drive`]) over due runs. Per batch: the final actions owed
+//! and runs settled elsewhere (each its own transaction), the retries that
+//! cannot be charged (counted in one transaction, no provider call), and the
+//! charged retries (one transaction to count and claim, billing's calls, one
+//! transaction for the outcomes, and its one-run-at-a-time fallback), each
+//! run under the panic guard, a bounded number at once.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -423,7 +427,11 @@ impl Dunner {
             }
         }
         let counted = async {
-            let mut tx = self.inner.db.begin_with_timeout(c.statement_timeout).await?;
+            let mut tx = self
+                .inner
+                .db
+                .begin_with_timeout(c.statement_timeout)
+                .await?;
             let won = store::not_attempted_in(&mut tx, &rows).await?;
             tx.commit().await?;
             Ok::<_, Error>(won)
@@ -720,8 +728,7 @@ impl Dunner {
                     let applied = match d.next {
                         Some(at) => {
                             let attempt = (d.attempt, d.held);
-                            store::decline(db, d.run, attempt, (&d.code, at), email, timeout)
-                                .await
+                            store::decline(db, d.run, attempt, (&d.code, at), email, timeout).await
                         }
                         None => store::exhaust(db, d.run, d.attempt, &d.code, timeout).await,
                     };

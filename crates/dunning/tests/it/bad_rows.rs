@@ -23,17 +23,32 @@ const CALL: Duration = Duration::from_secs(5);
 async fn a_policy_with_a_null_or_out_of_range_offset_is_refused_by_the_table() {
     let t = TestDb::new().await;
     let cases: [(&str, &str, Option<&str>); 6] = [
-        ("{60, NULL}", "{1}", Some("dunning_policies_offsets_in_range")),
+        (
+            "{60, NULL}",
+            "{1}",
+            Some("dunning_policies_offsets_in_range"),
+        ),
         ("{0}", "{1}", Some("dunning_policies_offsets_in_range")),
-        ("{31622401}", "{}", Some("dunning_policies_offsets_in_range")),
-        ("{60, 120}", "{3}", Some("dunning_policies_warn_after_in_range")),
-        ("{60, 120}", "{NULL}", Some("dunning_policies_warn_after_in_range")),
+        (
+            "{31622401}",
+            "{}",
+            Some("dunning_policies_offsets_in_range"),
+        ),
+        (
+            "{60, 120}",
+            "{3}",
+            Some("dunning_policies_warn_after_in_range"),
+        ),
+        (
+            "{60, 120}",
+            "{NULL}",
+            Some("dunning_policies_warn_after_in_range"),
+        ),
         ("{1, 31622400}", "{1, 2}", None),
     ];
     for (n, (offsets, warn_after, refused_by)) in cases.into_iter().enumerate() {
-        let written = t
-            .db
-            .execute(
+        let written =
+            t.db.execute(
                 sql(
                     "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, \
                                                    final_action, warn_after) \

@@ -392,8 +392,16 @@ async fn each_final_notice_says_what_its_action_did() {
     let p = FakeProvider::start().await.unwrap();
     let (d, _) = dunner(&t.db, &p, CALL, config());
     let cases = [
-        ("tenant_a", "cancel_subscription", "Your subscription has been canceled"),
-        ("tenant_b", "pause_collection", "is paused: we will not charge you"),
+        (
+            "tenant_a",
+            "cancel_subscription",
+            "Your subscription has been canceled",
+        ),
+        (
+            "tenant_b",
+            "pause_collection",
+            "is paused: we will not charge you",
+        ),
         ("tenant_c", "mark_uncollectible", "marked it uncollectible"),
     ];
     let mut invoices = Vec::new();
@@ -409,9 +417,8 @@ async fn each_final_notice_says_what_its_action_did() {
     .unwrap();
     assert_eq!(tick(&t.db, &d).await.tally.final_actions, 3);
     for ((tenant, _, says), invoice) in cases.iter().zip(invoices) {
-        let body: String = t
-            .db
-            .fetch_one(
+        let body: String =
+            t.db.fetch_one(
                 sql("SELECT text_body FROM email_outbox WHERE tenant_id = $1 AND subject = $2")
                     .bind(tenant.to_string())
                     .bind(format!("Final notice for invoice {invoice}")),

@@ -207,7 +207,11 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
     assert_eq!(crate::next_retry_offset(&t.db, y.invoice).await, 120.0);
     assert_eq!(
         events(&t.db).await,
-        ["dunning.started", "dunning.started", "dunning.attempt_failed"]
+        [
+            "dunning.started",
+            "dunning.started",
+            "dunning.attempt_failed"
+        ]
     );
     sqlx::query("DROP TRIGGER refuse_do_not_honor ON dunning_runs")
         .execute(&mut su)

@@ -199,8 +199,10 @@ pub async fn payment_failed(db: &Db) -> i64 {
 /// Seconds from the run's first decline to its next attempt.
 pub async fn next_retry_offset(db: &Db, invoice: i64) -> f64 {
     db.fetch_one(
-        sql("SELECT extract(epoch FROM next_attempt_at - first_declined_at)::float8 AS s \
-             FROM dunning_runs WHERE invoice_id = $1")
+        sql(
+            "SELECT extract(epoch FROM next_attempt_at - first_declined_at)::float8 AS s \
+             FROM dunning_runs WHERE invoice_id = $1",
+        )
         .bind(invoice),
     )
     .await
