@@ -270,7 +270,9 @@ fn held_declines() -> Vec<String> {
 /// leaving out `except` (runs this tick already left out). Each active run
 /// says whether its retry can be charged: not when the customer has no
 /// payment method, nor when its last attempt was a hard decline (or wanted
-/// authentication) on the payment method the customer still has. Rows whose
+/// authentication) on the payment method the customer still has. A run
+/// whose subscription's collection is paused is not marked: billing's claim
+/// holds it (rewound), so a pause stops the schedule as it stops charges. Rows whose
 /// policy fails the schedule checks, or that do not decode, come back as
 /// [`LeftOut`]. A listing, not a lease: the attempt compare-and-set decides
 /// who retries.
@@ -290,6 +292,7 @@ pub(crate) async fn list_due(
                         i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
                         i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
                         CASE WHEN r.status <> 'active' THEN NULL \
+                             WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
                              WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
                              WHEN EXISTS ( \
                                SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \

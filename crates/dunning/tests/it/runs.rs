@@ -416,6 +416,40 @@ async fn a_run_without_a_payment_method_reaches_its_final_action_on_schedule() {
     );
 }
 
+/// A customer without a payment method whose subscription's collection is
+/// paused (by an operator, resuming tomorrow): the pause stops the schedule
+/// as it stops charges. Nothing is counted or sent while it holds.
+///
+/// Mutation check: `dunning_not_attempted_paused` (the listing marks a paused
+/// run as not chargeable) counts its retry; seen failing under it.
+#[tokio::test]
+async fn a_pause_in_force_holds_a_run_without_a_payment_method() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    crate::remove_payment_method(&t.db, &a.customer).await;
+    t.db.execute(
+        sql(
+            "UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft', \
+                    pause_collection_resumes_at = now() + interval '1 day', \
+                    pause_collection_set_by = 'operator' WHERE id = $1",
+        )
+        .bind(a.subscription),
+    )
+    .await
+    .unwrap();
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    for _ in 0..2 {
+        let r = tick(&t.db, &d).await;
+        assert_eq!(r.tally.not_attempted + r.tally.exhausted, 0, "{r:?}");
+    }
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+    assert_eq!(p.create_requests(), 0);
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+}
+
 /// A customer without a payment method adds one: a retry from a listing made
 /// before (which saw no payment method) writes nothing, and the next tick
 /// charges the new one and recovers the run; one charge.
