@@ -148,9 +148,9 @@ fn run(r: &PgRow) -> Result<Run, String> {
     })
 }
 
-/// One listed row: its run, or why it is left out. A decoding panic (sqlx
-/// panics on a timestamp past chrono's range, `infinity` among them) is caught
-/// here, so one row never stops the listing.
+/// One listed row: its run, or why it is left out. A decoding panic (the
+/// driver panics on a timestamp past chrono's range, `infinity` among them)
+/// is caught here, so one row never stops the listing.
 fn listed(r: &PgRow) -> Result<Run, LeftOut> {
     let id: i64 = r.try_get("id").unwrap_or_default();
     let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -180,8 +180,9 @@ fn listed(r: &PgRow) -> Result<Run, LeftOut> {
 /// then a run for up to `limit` enrollable invoices with their tenant's
 /// default policy (one per invoice, `ON CONFLICT DO NOTHING`), and
 /// `dunning.started` for each run created; one transaction. A tenant whose
-/// default policy's offsets fail the schedule check enrols nothing (its first
-/// offset would fail the statement for every tenant).
+/// default policy's first offset is out of range (written before migration
+/// 0021's checks) enrols nothing: its offset would fail the statement for
+/// every tenant.
 pub(crate) async fn enrol(
     db: &Db,
     fence: &Fence,
@@ -224,7 +225,8 @@ pub(crate) async fn enrol(
                  JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \
                  WHERE i.status = 'open' AND i.collection_method = 'automatic' \
                    AND l.provider_status = 'declined' \
-                   AND dunning_offsets_valid(p.retry_offsets_secs) \
+                   AND array_ndims(p.retry_offsets_secs) = 1 \
+                   AND p.retry_offsets_secs[1] BETWEEN 1 AND 31622400 \
                    AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
                    AND leader_fence($1, $2) \
                  ORDER BY i.id \
@@ -273,7 +275,8 @@ fn held_declines() -> Vec<String> {
 /// authentication) on the payment method the customer still has. A run
 /// whose subscription's collection is paused is not marked: billing's claim
 /// holds it (rewound), so a pause stops the schedule as it stops charges. Rows whose
-/// policy fails the schedule checks, or that do not decode, come back as
+/// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
+/// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A listing, not a lease: the attempt compare-and-set decides
 /// who retries.
 pub(crate) async fn list_due(
@@ -301,9 +304,17 @@ pub(crate) async fn list_due(
                                WHERE l.decline_code = ANY ($5) \
                                  AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
                              THEN 'payment_method_unchanged' END AS not_chargeable, \
-                        dunning_offsets_valid(p.retry_offsets_secs) \
-                          AND dunning_warn_after_valid(p.warn_after, cardinality(p.retry_offsets_secs)) \
-                          AS policy_valid, \
+                        COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
+                          THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
+                               AND 1 <= ALL (p.retry_offsets_secs) \
+                               AND 31622400 >= ALL (p.retry_offsets_secs) \
+                          ELSE false END \
+                          AND CASE WHEN cardinality(p.warn_after) = 0 THEN true \
+                            WHEN array_ndims(p.warn_after) = 1 \
+                            THEN array_position(p.warn_after, NULL) IS NULL \
+                                 AND 1 <= ALL (p.warn_after) \
+                                 AND cardinality(p.retry_offsets_secs) >= ALL (p.warn_after) \
+                            ELSE false END, false) AS policy_valid, \
                         p.retry_offsets_secs, p.final_action, p.pause_behavior, p.warn_after, \
                         p.final_notice \
                  FROM dunning_runs r \

@@ -17,8 +17,9 @@ const CALL: Duration = Duration::from_secs(5);
 /// offset of 0 or past 366 days, and a warning after a retry the schedule
 /// does not have; a good policy is taken.
 ///
-/// Mutation check: `dunning_offsets_check` (the offsets' function accepts
-/// everything) lets the NULL offset in; seen failing under it.
+/// Mutation checks: `dunning_offsets_null` (no NULL check) lets the NULL
+/// offset in, `dunning_offsets_range` (no range check) the 0 and the
+/// 366 days and a second; each seen failing under it.
 #[tokio::test]
 async fn a_policy_with_a_null_or_out_of_range_offset_is_refused_by_the_table() {
     let t = TestDb::new().await;
@@ -118,8 +119,8 @@ async fn a_corrupt_policy_is_skipped_by_name_and_other_tenants_go_on() {
     );
 }
 
-/// A run row whose `first_declined_at` is `infinity` (sqlx panics decoding
-/// it) listed before another tenant's due run: the row is left out and
+/// A run row whose `first_declined_at` is `infinity` (the driver panics
+/// decoding it) listed before another tenant's due run: the row is left out and
 /// counted, the claim goes on, the other run is retried.
 ///
 /// Mutation check: `dunning_undecodable` (the listing decodes each row
