@@ -14,8 +14,8 @@
 //!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED;
 //!       per row: not_chargeable (no payment method, or a hard decline on the
 //!       payment method the customer still has; not marked while collection is
-//!       paused: billing holds those), policy_valid (migration 0021's
-//!       functions), the tenant's sender
+//!       paused: billing holds those), policy_valid (migration 0021's CHECK
+//!       expressions, repeated), the tenant's sender
 //!       left out, logged with the run and counted: a policy failing the checks
 //!       (tenant and policy named), a row that does not decode (even by a panic)
 //!  per batch (docs/adr/0017):
