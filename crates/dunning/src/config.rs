@@ -20,7 +20,8 @@ pub struct DunningConfig {
     /// that dies mid-retry does not have the run listed again at once.
     /// Default 10 min (billing's charge lease).
     pub attempt_hold: Duration,
-    /// The sender of warning and final-notice emails.
+    /// The sender of warning and final-notice emails, for a tenant without
+    /// its own (`tenant_settings.email_from`) or whose own does not parse.
     pub email_from: String,
 }
 

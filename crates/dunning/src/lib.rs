@@ -5,38 +5,62 @@
 //!  dunning tick (leader only)
 //!  ──────────────────────────────────────────────────────────────────────────────
 //!  1. enrol (fenced, one transaction)   open automatic invoices whose latest
-//!       payment attempt billing recorded as declined, with no run yet
+//!       payment attempt billing recorded as declined, with no run yet, of a
+//!       tenant whose default policy passes the offsets check
 //!       → a run with the tenant's default policy (ON CONFLICT (invoice) DO NOTHING;
 //!         the built-in default policy is created for a tenant without one)
 //!       + dunning.started
 //!  2. list ≤ batch runs (fenced)        active and due, or exhausted with the final
-//!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED
+//!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED;
+//!       per row: not_chargeable (no payment method, or a hard decline on the
+//!       payment method the customer still has; not marked while collection is
+//!       paused: billing holds those), policy_valid (migration 0021's CHECK
+//!       expressions, repeated), the tenant's sender
+//!       left out, logged with the run and counted: a policy failing the checks
+//!       (tenant and policy named), a row that does not decode (even by a panic)
 //!  per batch (docs/adr/0017):
 //!     exhausted, or invoice not open ─▶ final action / run recovered (paid) or
 //!                      stopped, no charge; each its own transaction, under the guard
+//!     not chargeable ─▶ ONE transaction, no provider call, no payment.failed:
+//!                attempt_count = n + 1, next attempt from the policy (or exhausted)
+//!                WHERE attempt_count = n AND invoice open
+//!                  AND the customer's payment method is still the one listed
+//!                + dunning.retry_skipped (+ warning) / dunning.exhausted
+//!                then the final action step of each exhausted run
 //!     ONE transaction for the others:
 //!       record:  attempt_count = n + 1, next_attempt_at = now() + hold
 //!                WHERE status = 'active' AND attempt_count = n  (per row, one
 //!                UPDATE … FROM unnest)                        lost ─▶ nothing
-//!       plan what a decline would do, per run under the guard (pure; a corrupt
-//!                policy panics here: that run is rewound in this transaction)
+//!       plan what a decline would do, per run under the guard (pure; a time out
+//!                of range panics here: that run is rewound in this transaction)
 //!       billing::Biller::start_retries_in   claim leases, attempts (invoice, seq)
 //!       rewind the runs that panicked or whose invoice is held
 //!     billing::Biller::finish_retries   calls, ≤ concurrency at once, each under
 //!                the guard; one settling transaction for the batch
 //!     ONE transaction for the batch's outcomes, each run by its compare-and-set
-//!                on the count its retry wrote:
+//!                on the count (and, for a decline, the hold) its retry wrote:
 //!       paid        ─▶ run recovered + dunning.recovered
 //!       declined    ─▶ next attempt from the policy + dunning.attempt_failed
 //!                      (+ warning email), or, after the last retry:
-//!                      run exhausted + dunning.exhausted (+ final notice),
+//!                      run exhausted + dunning.exhausted,
 //!                      then the final action step           (per run, after it)
 //!       unknown, not charged, error, panic
 //!                   ─▶ rewind: attempt_count = n, next_attempt_at as listed
 //!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold
+//!     that transaction failed ─▶ each run's transition in its own transaction;
+//!                a run whose own fails too is rewound (by its hold)
 //!  final action step (one transaction): final_action_at stamped only if unset,
-//!     then pause / cancel / write off by a conditional write, announced only
-//!     if it changed a row
+//!     then by a conditional write:
+//!       cancel_subscription  subscription → canceled      + subscription.canceled
+//!       mark_uncollectible   invoice → uncollectible + invoice.marked_uncollectible
+//!       pause_collection     subscription row locked, then (ADR-114, #1384):
+//!           dunning's pause in force ─▶ already held, nothing
+//!           a pause lifted (resumes_at ≤ now) ─▶ cleared by CAS on it
+//!                                   + subscription.collection_resumed, then ↓
+//!           none, or anyone else's ─▶ pause (policy's pause_behavior, no resume
+//!                                   time, set_by dunning) by CAS on the pause read
+//!                                   + subscription.collection_paused
+//!     + the final notice saying what the action did: only if it changed a row
 //! ```
 //!
 //! The hand-off from billing (docs/adr/0013): billing records a declined
@@ -55,10 +79,17 @@
 //!   attempt's outcome is unknown: the reconciler settles it by its key first.
 //! - **Only a definite decline counts.** A timeout, a 5xx, a lost or held claim,
 //!   an error or a panic rewinds the attempt through the same compare-and-set;
-//!   the run is as it was listed (ADR-114, amendment of 2026-10-19).
-//! - **Effects only with their transition**: `dunning.*` events and the warning
-//!   and final-notice emails are queued in the transaction of the transition
-//!   that caused them, and only when it changed the row.
+//!   the run is as it was listed (ADR-114, amendment of 2026-10-19). So does an
+//!   outcome that could not be written, batched or alone; a decline written
+//!   once stays once (its write and the rewind both prove the hold).
+//! - **A retry that cannot be charged follows the schedule** (docs/adr/0026):
+//!   no payment method, or a hard decline on the unchanged payment method, is
+//!   counted without a provider call, so the run reaches its final action on
+//!   time; a payment method added before the count is charged instead.
+//! - **Effects only with their transition**: `dunning.*` events, the warnings
+//!   and the final notice are queued in the transaction of the transition
+//!   that caused them, and only when it changed the row; the final notice
+//!   only when the final action changed something.
 //! - **The final action runs once**: its step stamps the run first (only if
 //!   unstamped), and writes the pause, cancel or write-off only if not already
 //!   in force and the invoice is still open; a retried step writes nothing.
@@ -68,14 +99,22 @@
 //!   which the provider answered none of at least [`OUTAGE_UNANSWERED`]
 //!   retries (all rewound) ends the tick as failed, retried after the short
 //!   cooldown, instead of timing out on every due run.
-//! - **One tenant's failing runs never stop another's**: each run is retried
+//! - **One tenant's bad rows never stop another's**: each run is retried
 //!   under the guard, a failing run is rewound and left out of the tick, and the
-//!   tick goes on; a panic is raised at the end (released as panicked).
+//!   tick goes on; a panic is raised at the end (released as panicked). A
+//!   policy failing the schedule checks and a row that does not decode are
+//!   left out at the listing, logged and counted.
+//! - **An email never rolls back a transition**: a tenant's sender that does
+//!   not parse is replaced by the configured one; an email the outbox would
+//!   still refuse is dropped, logged and counted, and the transition commits.
 //!
-//! Modules: `config` (defaults and validation), [`policy`] (pure: schedules
-//! and final actions), `notices` (pure: the customer's emails), `store` (all
-//! SQL), `tick` ([`Dunner`], the driver's implementation). The charge itself
-//! is billing's (`billing::Biller::start_retries_in` / `finish_retries`).
+//! Modules: `config` (defaults and validation), [`policy`] (pure: schedules,
+//! final actions, pause behaviours), `notices` (pure: the customer's emails
+//! and their sender), `store` (all of dunning's SQL, including the final
+//! action's pause rules), `tick` ([`Dunner`]: the batch's plan, its
+//! transactions and their fallback, the driver's implementation). The charge
+//! itself is billing's (`billing::Biller::start_retries_in` /
+//! `finish_retries`).
 
 mod config;
 mod notices;
@@ -84,8 +123,8 @@ mod store;
 mod tick;
 
 pub use config::{ConfigError, DunningConfig};
-pub use policy::{AfterDecline, FinalAction, Policy};
-pub use store::{FinalActed, Run};
+pub use policy::{AfterDecline, FinalAction, PauseBehavior, Policy};
+pub use store::{FinalActed, LeftOut, NotChargeable, Run};
 pub use tick::{Dunner, OUTAGE_UNANSWERED, Retry, Tally, TickReport};
 
 /// Errors of the dunning role.
@@ -109,6 +148,10 @@ pub enum Error {
     /// invoices failed: it rolled back, nothing of the batch was counted.
     #[error("dunning batch not started (rolled back, nothing counted): {0}")]
     BatchNotStarted(String),
+    /// The transaction that counts a batch's retries not attempted failed: it
+    /// rolled back, none of them was counted.
+    #[error("dunning retries not attempted were not counted (rolled back): {0}")]
+    NotCounted(String),
     /// The provider answered none of a batch's retries (timeouts, 5xx): each
     /// was rewound, and the tick stops as failed to retry after the cooldown.
     #[error(

@@ -1,9 +1,23 @@
-//! The customer's emails of a run: the warning after a declined retry and the
-//! final notice at exhaustion. Pure; queued by the transition that sends them.
+//! The customer's emails of a run: the warning after a declined (or not
+//! attempted) retry, and the final notice of a final action that changed
+//! something. Pure; queued by the transition that sends them.
 
 use chrono::{DateTime, Utc};
 
-use crate::store::Run;
+use crate::policy::{FinalAction, PauseBehavior};
+use crate::store::{NotChargeable, Run};
+
+/// The invoice as the customer knows it: its number, or its id before numbers.
+fn invoice(run: &Run) -> String {
+    run.invoice_number
+        .clone()
+        .unwrap_or_else(|| run.invoice_id.to_string())
+}
+
+/// The tenant's sender when it has one, else the configured one.
+pub(crate) fn sender<'a>(run: &'a Run, configured: &'a str) -> &'a str {
+    run.email_from.as_deref().unwrap_or(configured)
+}
 
 /// After a declined retry the policy warns about: when the next one is.
 pub(crate) fn warning(
@@ -12,36 +26,93 @@ pub(crate) fn warning(
     code: &str,
     next: DateTime<Utc>,
 ) -> email_outbox::Email {
+    let invoice = invoice(run);
     email_outbox::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
-        subject: format!(
-            "Payment for invoice {} failed: we will retry",
-            run.invoice_id
-        ),
+        subject: format!("Payment for invoice {invoice} failed: we will retry"),
         text: format!(
-            "We could not charge your saved card for invoice {} ({code}). \
+            "We could not charge your saved card for invoice {invoice} ({code}). \
              We will try again on {}. Please update your payment method.\n",
-            run.invoice_id,
             next.format("%Y-%m-%d %H:%M UTC")
         ),
         html: None,
     }
 }
 
-/// At exhaustion, when the policy sends one: what the final action does.
-pub(crate) fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
+/// After a due retry that was not attempted, when the policy warns after it:
+/// why nothing was charged, and when the next retry is.
+pub(crate) fn not_attempted(
+    run: &Run,
+    from: &str,
+    why: NotChargeable,
+    next: DateTime<Utc>,
+) -> email_outbox::Email {
+    let invoice = invoice(run);
+    let reason = match why {
+        NotChargeable::NoPaymentMethod => "there is no payment method on your account",
+        NotChargeable::PaymentMethodUnchanged => {
+            "your card was declined in a way that trying it again will not change"
+        }
+    };
     email_outbox::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
-        subject: format!("Final notice for invoice {}", run.invoice_id),
+        subject: format!("Payment for invoice {invoice} needs a new payment method: we will retry"),
         text: format!(
-            "We could not collect invoice {} after {} retries. \
-             Your subscription's billing has been stopped ({}).\n",
-            run.invoice_id,
-            run.policy.offsets_secs.len(),
-            run.policy.final_action.as_str().replace('_', " ")
+            "We did not try to charge invoice {invoice}: {reason}. \
+             Please add a payment method; we will try again on {}.\n",
+            next.format("%Y-%m-%d %H:%M UTC")
         ),
         html: None,
     }
+}
+
+/// The final notice: what the final action did. Queued by the final action's
+/// transaction only when the action changed something.
+pub(crate) fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
+    let invoice = invoice(run);
+    let done = match run.policy.final_action {
+        FinalAction::CancelSubscription => {
+            format!("Your subscription has been canceled. Invoice {invoice} remains unpaid.")
+        }
+        FinalAction::PauseCollection => {
+            let later = match run.policy.pause_behavior {
+                PauseBehavior::KeepAsDraft => "kept as drafts",
+                PauseBehavior::MarkUncollectible => "marked uncollectible",
+                PauseBehavior::Void => "voided",
+            };
+            format!(
+                "Collection of payments for your subscription is paused: we will not charge \
+                 you, and invoices made while it is paused are {later}. Invoice {invoice} \
+                 remains unpaid."
+            )
+        }
+        FinalAction::MarkUncollectible => format!(
+            "We have stopped trying to collect invoice {invoice} and marked it uncollectible: \
+             we will not charge you for it again."
+        ),
+    };
+    email_outbox::Email {
+        from: from.to_owned(),
+        to: vec![run.email.clone()],
+        subject: format!("Final notice for invoice {invoice}"),
+        text: format!("We could not collect payment for invoice {invoice}. {done}\n"),
+        html: None,
+    }
+}
+
+/// `email` as the outbox will take it: a tenant's sender that does not parse
+/// is replaced by `configured`. Refused (the outbox's own check) when it still
+/// would be: the caller sends the transition without it, since a refused
+/// email would roll back, and so repeat, a retry the provider already answered.
+pub(crate) fn sendable(
+    mut email: email_outbox::Email,
+    configured: &str,
+) -> Result<email_outbox::Email, email_outbox::Invalid> {
+    if let Err(email_outbox::Invalid::Address { field: "from", .. }) = email.validate() {
+        email.from = configured.to_owned();
+    }
+    email.validate()?;
+    Ok(email)
 }

@@ -7,7 +7,8 @@ use chrono::{DateTime, TimeDelta, Utc};
 pub enum FinalAction {
     /// The subscription → `canceled`.
     CancelSubscription,
-    /// The subscription's collection paused (`keep_as_draft`), set by dunning.
+    /// The subscription's collection paused with the policy's
+    /// [`PauseBehavior`], set by dunning (it replaces any other pause).
     PauseCollection,
     /// The invoice → `uncollectible`.
     MarkUncollectible,
@@ -33,12 +34,46 @@ impl FinalAction {
     }
 }
 
+/// What happens to invoices made while dunning's pause holds: Stripe's three
+/// `pause_collection.behavior` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseBehavior {
+    /// Kept as drafts: not finalized, announced or charged.
+    KeepAsDraft,
+    /// Finalized as `uncollectible`.
+    MarkUncollectible,
+    /// Finalized as `void`.
+    Void,
+}
+
+impl PauseBehavior {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseBehavior::KeepAsDraft => "keep_as_draft",
+            PauseBehavior::MarkUncollectible => "mark_uncollectible",
+            PauseBehavior::Void => "void",
+        }
+    }
+
+    /// The column's value; `None` for a value the CHECK does not allow.
+    pub fn parse(s: &str) -> Option<PauseBehavior> {
+        Some(match s {
+            "keep_as_draft" => PauseBehavior::KeepAsDraft,
+            "mark_uncollectible" => PauseBehavior::MarkUncollectible,
+            "void" => PauseBehavior::Void,
+            _ => return None,
+        })
+    }
+}
+
 /// A tenant's retry policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     /// Retry n (1-based) is due `offsets_secs[n - 1]` seconds after the first decline.
     pub offsets_secs: Vec<i64>,
     pub final_action: FinalAction,
+    /// The behaviour `pause_collection` writes (unused by the other actions).
+    pub pause_behavior: PauseBehavior,
     /// Retries whose decline sends a warning email (1-based).
     pub warn_after: Vec<i32>,
     /// Whether exhaustion sends a final-notice email.
@@ -66,9 +101,9 @@ impl Policy {
     /// the charge, from the run as listed.
     ///
     /// # Panics
-    /// When the next offset is out of range for a time: the policy row is
-    /// corrupt (the schema bounds the count, not each value). The panic guard
-    /// rewinds the attempt and leaves the run out of the tick.
+    /// When the next retry's time is out of range (an offset the funnel's
+    /// check should have refused, or a corrupt `first_declined_at`). The panic
+    /// guard rewinds the attempt and leaves the run out of the tick.
     pub fn after_decline(&self, first_declined_at: DateTime<Utc>, attempt: i32) -> AfterDecline {
         let n = usize::try_from(attempt).unwrap_or(0);
         match self.offsets_secs.get(n) {
@@ -102,6 +137,7 @@ mod tests {
         Policy {
             offsets_secs: offsets.to_vec(),
             final_action: FinalAction::PauseCollection,
+            pause_behavior: PauseBehavior::KeepAsDraft,
             warn_after: vec![1],
             final_notice: true,
         }
@@ -141,5 +177,13 @@ mod tests {
             assert_eq!(FinalAction::parse(a.as_str()), Some(a));
         }
         assert_eq!(FinalAction::parse("refund"), None);
+        for b in [
+            PauseBehavior::KeepAsDraft,
+            PauseBehavior::MarkUncollectible,
+            PauseBehavior::Void,
+        ] {
+            assert_eq!(PauseBehavior::parse(b.as_str()), Some(b));
+        }
+        assert_eq!(PauseBehavior::parse("keep"), None);
     }
 }

@@ -1,12 +1,13 @@
 //! All of dunning's SQL: enrolment and the due-run listing (both fenced), the
 //! attempt compare-and-set and its rewind, the transitions with their events
-//! and emails, and the final action.
+//! and emails (a retry not attempted among them), and the final action.
 //!
 //! Every run write proves `status` and the `attempt_count` it was derived
 //! from; an event or email is queued in the write's transaction and only when
 //! the write changed the row.
 
 use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -14,7 +15,7 @@ use db::{Db, PgRow, Row, Tx, sql};
 use leader::Fence;
 
 use crate::Error;
-use crate::policy::{self, FinalAction, Policy};
+use crate::policy::{self, FinalAction, PauseBehavior, Policy};
 
 /// A run as the funnel listed it: the snapshot every write of this retry proves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,7 +23,10 @@ pub struct Run {
     pub id: i64,
     pub tenant_id: String,
     pub invoice_id: i64,
+    /// The invoice's `PREFIX-000123`, once billing numbers it.
+    pub invoice_number: Option<String>,
     pub subscription_id: i64,
+    pub policy_id: i64,
     /// `active`, or `exhausted` with its final action still owed.
     pub status: String,
     pub attempt_count: i32,
@@ -33,40 +37,152 @@ pub struct Run {
     pub amount: i64,
     pub currency: String,
     pub email: String,
+    /// The customer's payment method when listed (a retry not attempted
+    /// proves it unchanged).
+    pub payment_method: Option<String>,
+    /// Why an active run's due retry cannot be charged, if it cannot.
+    pub not_chargeable: Option<NotChargeable>,
+    /// The tenant's sender (`tenant_settings.email_from`), if it set one.
+    pub email_from: Option<String>,
     pub policy: Policy,
 }
 
-fn run(r: &PgRow) -> Result<Run, db::Error> {
-    let action: String = r.try_get("final_action")?;
+/// Why a due retry is counted without a provider call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotChargeable {
+    /// The customer has no payment method.
+    NoPaymentMethod,
+    /// The last attempt was a hard decline (or wanted authentication) on the
+    /// payment method the customer still has (docs/adr/0024).
+    PaymentMethodUnchanged,
+}
+
+impl NotChargeable {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotChargeable::NoPaymentMethod => "no_payment_method",
+            NotChargeable::PaymentMethodUnchanged => "payment_method_unchanged",
+        }
+    }
+
+    fn parse(s: &str) -> Option<NotChargeable> {
+        Some(match s {
+            "no_payment_method" => NotChargeable::NoPaymentMethod,
+            "payment_method_unchanged" => NotChargeable::PaymentMethodUnchanged,
+            _ => return None,
+        })
+    }
+}
+
+/// A listed row the funnel leaves out of the tick; every other row goes on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeftOut {
+    /// The run's policy fails the schedule checks of migration 0021 (written
+    /// before them): its runs wait until the policy is mended.
+    Policy {
+        run: i64,
+        tenant_id: String,
+        policy_id: i64,
+    },
+    /// The row did not decode (a value the service's types cannot hold).
+    Undecodable { run: i64, error: String },
+}
+
+impl LeftOut {
+    pub fn run(&self) -> i64 {
+        match self {
+            LeftOut::Policy { run, .. } | LeftOut::Undecodable { run, .. } => *run,
+        }
+    }
+}
+
+/// What the funnel listed: the runs to retry, and the rows it left out.
+#[derive(Debug, Default)]
+pub(crate) struct Listing {
+    pub runs: Vec<Run>,
+    pub left_out: Vec<LeftOut>,
+}
+
+/// A column of `r`, its decoding error as text.
+macro_rules! get {
+    ($r:expr, $column:literal) => {
+        $r.try_get($column).map_err(|e| e.to_string())
+    };
+}
+
+fn run(r: &PgRow) -> Result<Run, String> {
+    let action: String = get!(r, "final_action")?;
+    let behavior: String = get!(r, "pause_behavior")?;
+    let not_chargeable: Option<String> = get!(r, "not_chargeable")?;
     Ok(Run {
-        id: r.try_get("id")?,
-        tenant_id: r.try_get("tenant_id")?,
-        invoice_id: r.try_get("invoice_id")?,
-        subscription_id: r.try_get("subscription_id")?,
-        status: r.try_get("status")?,
-        attempt_count: r.try_get("attempt_count")?,
-        first_declined_at: r.try_get("first_declined_at")?,
-        next_attempt_at: r.try_get("next_attempt_at")?,
-        invoice_status: r.try_get("invoice_status")?,
-        amount: r.try_get("amount")?,
-        currency: r.try_get("currency")?,
-        email: r.try_get("email")?,
+        id: get!(r, "id")?,
+        tenant_id: get!(r, "tenant_id")?,
+        invoice_id: get!(r, "invoice_id")?,
+        invoice_number: get!(r, "invoice_number")?,
+        subscription_id: get!(r, "subscription_id")?,
+        policy_id: get!(r, "policy_id")?,
+        status: get!(r, "status")?,
+        attempt_count: get!(r, "attempt_count")?,
+        first_declined_at: get!(r, "first_declined_at")?,
+        next_attempt_at: get!(r, "next_attempt_at")?,
+        invoice_status: get!(r, "invoice_status")?,
+        amount: get!(r, "amount")?,
+        currency: get!(r, "currency")?,
+        email: get!(r, "email")?,
+        payment_method: get!(r, "payment_method_id")?,
+        not_chargeable: not_chargeable
+            .map(|s| NotChargeable::parse(&s).ok_or(format!("not_chargeable {s:?}")))
+            .transpose()?,
+        email_from: get!(r, "email_from")?,
         policy: Policy {
-            offsets_secs: r.try_get("retry_offsets_secs")?,
-            // The CHECK allows only the three; anything else is a corrupt row.
-            final_action: FinalAction::parse(&action).unwrap_or_else(|| {
-                panic!("dunning policy final_action {action:?} is not one of the three")
-            }),
-            warn_after: r.try_get("warn_after")?,
-            final_notice: r.try_get("final_notice")?,
+            offsets_secs: get!(r, "retry_offsets_secs")?,
+            // The CHECKs allow only these; anything else is a corrupt row.
+            final_action: FinalAction::parse(&action)
+                .ok_or(format!("final_action {action:?} is not one of the three"))?,
+            pause_behavior: PauseBehavior::parse(&behavior).ok_or(format!(
+                "pause_behavior {behavior:?} is not one of the three"
+            ))?,
+            warn_after: get!(r, "warn_after")?,
+            final_notice: get!(r, "final_notice")?,
         },
     })
+}
+
+/// One listed row: its run, or why it is left out. A decoding panic (the
+/// driver panics on a timestamp past chrono's range, `infinity` among them)
+/// is caught here, so one row never stops the listing.
+fn listed(r: &PgRow) -> Result<Run, LeftOut> {
+    let id: i64 = r.try_get("id").unwrap_or_default();
+    let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let valid: Option<bool> = get!(r, "policy_valid")?;
+        if valid != Some(true) {
+            let tenant_id: String = get!(r, "tenant_id")?;
+            let policy_id: i64 = get!(r, "policy_id")?;
+            return Ok(Err(LeftOut::Policy {
+                run: id,
+                tenant_id,
+                policy_id,
+            }));
+        }
+        run(r).map(Ok)
+    }));
+    match decoded {
+        Ok(Ok(listed)) => listed,
+        Ok(Err(error)) => Err(LeftOut::Undecodable { run: id, error }),
+        Err(payload) => Err(LeftOut::Undecodable {
+            run: id,
+            error: scheduler::panic_message(&*payload),
+        }),
+    }
 }
 
 /// Enrol, fenced: create the built-in default policy for tenants without one,
 /// then a run for up to `limit` enrollable invoices with their tenant's
 /// default policy (one per invoice, `ON CONFLICT DO NOTHING`), and
-/// `dunning.started` for each run created; one transaction.
+/// `dunning.started` for each run created; one transaction. A tenant whose
+/// default policy's first offset is out of range (written before migration
+/// 0021's checks) enrols nothing: its offset would fail the statement for
+/// every tenant.
 pub(crate) async fn enrol(
     db: &Db,
     fence: &Fence,
@@ -109,6 +225,8 @@ pub(crate) async fn enrol(
                  JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \
                  WHERE i.status = 'open' AND i.collection_method = 'automatic' \
                    AND l.provider_status = 'declined' \
+                   AND array_ndims(p.retry_offsets_secs) = 1 \
+                   AND p.retry_offsets_secs[1] BETWEEN 1 AND 31622400 \
                    AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
                    AND leader_fence($1, $2) \
                  ORDER BY i.id \
@@ -137,8 +255,9 @@ pub(crate) async fn enrol(
     Ok(rows.len())
 }
 
-/// The decline codes after which the same card is not tried again: the run
-/// waits until the customer's payment method changes (docs/adr/0024).
+/// The decline codes after which the same card is not tried again: until the
+/// customer's payment method changes, each due retry is counted without a
+/// provider call (docs/adr/0024, docs/adr/0026).
 fn held_declines() -> Vec<String> {
     billing::provider::HARD_DECLINES
         .iter()
@@ -150,37 +269,61 @@ fn held_declines() -> Vec<String> {
 
 /// The fenced funnel: up to `limit` runs that are due (active, next attempt
 /// passed) or owe their final action (exhausted, not yet acted), oldest first,
-/// leaving out `except` (runs this tick already left out), and active runs
-/// whose last attempt was a hard decline (or wanted authentication) on the
-/// payment method the customer still has. A listing, not a
-/// lease: the attempt compare-and-set decides who retries.
+/// leaving out `except` (runs this tick already left out). Each active run
+/// says whether its retry can be charged: not when the customer has no
+/// payment method, nor when its last attempt was a hard decline (or wanted
+/// authentication) on the payment method the customer still has. A run
+/// whose subscription's collection is paused is not marked: billing's claim
+/// holds it (rewound), so a pause stops the schedule as it stops charges. Rows whose
+/// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
+/// expressions, repeated here), or that do not decode, come back as
+/// [`LeftOut`]. A listing, not a lease: the attempt compare-and-set decides
+/// who retries.
 pub(crate) async fn list_due(
     db: &Db,
     fence: &Fence,
     limit: usize,
     except: &[i64],
     statement_timeout: Duration,
-) -> Result<Vec<Run>, db::Error> {
+) -> Result<Listing, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql("SELECT r.id, r.tenant_id, r.invoice_id, r.status, r.attempt_count, \
+            sql("SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
                         r.first_declined_at, r.next_attempt_at, \
-                        i.status AS invoice_status, i.subscription_id, i.amount, i.currency, c.email, \
-                        p.retry_offsets_secs, p.final_action, p.warn_after, p.final_notice \
+                        i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
+                        i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
+                        CASE WHEN r.status <> 'active' THEN NULL \
+                             WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
+                             WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
+                             WHEN EXISTS ( \
+                               SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
+                                              FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
+                                              ORDER BY a.attempt_seq DESC LIMIT 1) l \
+                               WHERE l.decline_code = ANY ($5) \
+                                 AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
+                             THEN 'payment_method_unchanged' END AS not_chargeable, \
+                        COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
+                          THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
+                               AND 1 <= ALL (p.retry_offsets_secs) \
+                               AND 31622400 >= ALL (p.retry_offsets_secs) \
+                          ELSE false END \
+                          AND CASE WHEN cardinality(p.warn_after) = 0 THEN true \
+                            WHEN array_ndims(p.warn_after) = 1 \
+                            THEN array_position(p.warn_after, NULL) IS NULL \
+                                 AND 1 <= ALL (p.warn_after) \
+                                 AND cardinality(p.retry_offsets_secs) >= ALL (p.warn_after) \
+                            ELSE false END, false) AS policy_valid, \
+                        p.retry_offsets_secs, p.final_action, p.pause_behavior, p.warn_after, \
+                        p.final_notice \
                  FROM dunning_runs r \
                  JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
                  JOIN invoices i ON i.tenant_id = r.tenant_id AND i.id = r.invoice_id \
                  JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                  JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now() \
-                         AND NOT EXISTS ( \
-                           SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
-                                          FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
-                                          ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                           WHERE l.decline_code = ANY ($5) \
-                             AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id)) \
+                 LEFT JOIN tenant_settings ts ON ts.tenant_id = r.tenant_id \
+                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
                         OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
                    AND r.id <> ALL ($3) \
                    AND leader_fence($1, $2) \
@@ -195,7 +338,14 @@ pub(crate) async fn list_due(
         )
         .await?;
     tx.commit().await?;
-    rows.iter().map(run).collect()
+    let mut listing = Listing::default();
+    for r in &rows {
+        match listed(r) {
+            Ok(run) => listing.runs.push(run),
+            Err(left_out) => listing.left_out.push(left_out),
+        }
+    }
+    Ok(listing)
 }
 
 /// Undo [`record_attempts_in`] for one run through the same compare-and-set: the run is again
@@ -343,16 +493,22 @@ pub(crate) struct Decline<'a> {
     pub run: &'a Run,
     /// The retry declined: the count [`record_attempts_in`] wrote.
     pub attempt: i32,
+    /// The hold [`record_attempts_in`] wrote: the decline lands only over it,
+    /// so a decline written once (an outcome whose commit was answered by an
+    /// error, then written again by the fallback) is not written twice.
+    pub held: DateTime<Utc>,
     pub code: String,
     /// The next retry; `None`: this was the last, the run is exhausted.
     pub next: Option<DateTime<Utc>>,
-    /// The warning (or, exhausted, the final notice) if the policy sends one.
+    /// The warning, if the policy sends one (the final notice is the final
+    /// action's, sent only if the action changed something).
     pub email: Option<email_outbox::Email>,
 }
 
 /// [`decline`] and [`exhaust`] for a batch, in the caller's transaction: one
 /// statement for the runs whose next retry is scheduled, one for the runs
-/// exhausted, each run only while it holds the count its retry wrote; then
+/// exhausted, each run only while it holds the count and the hold its retry
+/// wrote; then
 /// `dunning.attempt_failed` / `dunning.exhausted` and the emails of the runs
 /// that changed, with one statement each. Returns the runs that changed (an
 /// exhausted one still owes its final action).
@@ -365,14 +521,16 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
             .fetch_all(
                 sql("UPDATE dunning_runs r \
                      SET next_attempt_at = u.next, last_decline_code = u.code, updated_at = now() \
-                     FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[]) \
-                          AS u(id, attempt, next, code) \
+                     FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[], \
+                                 $5::timestamptz[]) AS u(id, attempt, next, code, held) \
                      WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
+                       AND r.next_attempt_at = u.held \
                      RETURNING r.id")
                 .bind(next.iter().map(|d| d.run.id).collect::<Vec<_>>())
                 .bind(next.iter().map(|d| d.attempt).collect::<Vec<_>>())
                 .bind(next.iter().map(|d| d.next).collect::<Vec<_>>())
-                .bind(next.iter().map(|d| d.code.clone()).collect::<Vec<_>>()),
+                .bind(next.iter().map(|d| d.code.clone()).collect::<Vec<_>>())
+                .bind(next.iter().map(|d| d.held).collect::<Vec<_>>()),
             )
             .await?;
         for r in &changed {
@@ -425,6 +583,111 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
     let emails: Vec<(&str, &email_outbox::Email)> = applied
         .iter()
         .filter_map(|d| d.email.as_ref().map(|e| (d.run.tenant_id.as_str(), e)))
+        .collect();
+    email_outbox::enqueue_many(tx, &emails).await?;
+    Ok(won)
+}
+
+/// A due retry that cannot be charged, as [`not_attempted_in`] counts it.
+pub(crate) struct NotAttempted<'a> {
+    pub run: &'a Run,
+    pub why: NotChargeable,
+    /// The next retry; `None`: this was the last, the run is exhausted.
+    pub next: Option<DateTime<Utc>>,
+    /// The warning, if the policy warns after this retry.
+    pub email: Option<email_outbox::Email>,
+}
+
+/// Count due retries that cannot be charged, one statement in the caller's
+/// transaction: per run, by the attempt compare-and-set (the count as
+/// listed), only while the invoice is open and the customer's payment method
+/// is still the one listed (a method added since is charged instead): the
+/// count advances and the next retry is scheduled, or the run is exhausted.
+/// Then `dunning.retry_skipped` / `dunning.exhausted` and the warnings of the
+/// runs that changed. No provider call, no `payment.failed`. Returns the runs
+/// that changed (an exhausted one owes its final action).
+pub(crate) async fn not_attempted_in(
+    tx: &mut Tx,
+    rows: &[NotAttempted<'_>],
+) -> Result<HashSet<i64>, Error> {
+    if rows.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut rows: Vec<&NotAttempted<'_>> = rows.iter().collect();
+    rows.sort_by_key(|n| n.run.id);
+    let changed = tx
+        .fetch_all(
+            sql("UPDATE dunning_runs r \
+                 SET attempt_count = r.attempt_count + 1, \
+                     next_attempt_at = COALESCE(u.next, now()), \
+                     status = CASE WHEN u.next IS NULL THEN 'exhausted' ELSE 'active' END, \
+                     ended_at = CASE WHEN u.next IS NULL THEN now() END, \
+                     updated_at = now() \
+                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[]) \
+                      AS u(id, expected, next, payment_method), \
+                      invoices i, subscriptions s, customers c \
+                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.expected \
+                   AND i.tenant_id = r.tenant_id AND i.id = r.invoice_id AND i.status = 'open' \
+                   AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   AND c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   AND c.payment_method_id IS NOT DISTINCT FROM u.payment_method \
+                 RETURNING r.id")
+            .bind(rows.iter().map(|n| n.run.id).collect::<Vec<_>>())
+            .bind(rows.iter().map(|n| n.run.attempt_count).collect::<Vec<_>>())
+            .bind(rows.iter().map(|n| n.next).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|n| n.run.payment_method.clone())
+                    .collect::<Vec<_>>(),
+            ),
+        )
+        .await?;
+    let mut won: HashSet<i64> = HashSet::with_capacity(changed.len());
+    for r in &changed {
+        won.insert(r.try_get("id").map_err(db::Error::from)?);
+    }
+    let applied: Vec<&&NotAttempted<'_>> =
+        rows.iter().filter(|n| won.contains(&n.run.id)).collect();
+    let payloads: Vec<(&str, &'static str, String)> = applied
+        .iter()
+        .map(|n| {
+            let (tenant, attempt, why) = (
+                n.run.tenant_id.as_str(),
+                n.run.attempt_count + 1,
+                n.why.as_str(),
+            );
+            match n.next {
+                Some(at) => {
+                    let extra =
+                        serde_json::json!({"reason": why, "next_attempt_at": at.to_rfc3339()});
+                    (
+                        tenant,
+                        "dunning.retry_skipped",
+                        payload(n.run, "active", attempt, extra),
+                    )
+                }
+                None => {
+                    let extra = serde_json::json!({
+                        "reason": why,
+                        "final_action": n.run.policy.final_action.as_str(),
+                    });
+                    (
+                        tenant,
+                        "dunning.exhausted",
+                        payload(n.run, "exhausted", attempt, extra),
+                    )
+                }
+            }
+        })
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+        .iter()
+        .map(|(t, e, p)| (*t, *e, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &events).await?;
+    let emails: Vec<(&str, &email_outbox::Email)> = applied
+        .iter()
+        .filter_map(|n| n.email.as_ref().map(|e| (n.run.tenant_id.as_str(), e)))
         .collect();
     email_outbox::enqueue_many(tx, &emails).await?;
     Ok(won)
@@ -506,10 +769,11 @@ pub(crate) async fn recover(
 
 /// Retry `attempt` was declined and another follows at `next`:
 /// `dunning.attempt_failed`, and the warning email if the policy sends one.
+/// Lands only over the hold its record wrote (as [`decline_in`]).
 pub(crate) async fn decline(
     db: &Db,
     run: &Run,
-    attempt: i32,
+    (attempt, held): (i32, DateTime<Utc>),
     (code, next): (&str, DateTime<Utc>),
     email: Option<email_outbox::Email>,
     statement_timeout: Duration,
@@ -517,12 +781,14 @@ pub(crate) async fn decline(
     let update = sql(
         "UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
                              updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2 \
+                        AND next_attempt_at = $5",
     )
     .bind(run.id)
     .bind(attempt)
     .bind(next)
-    .bind(code.to_owned());
+    .bind(code.to_owned())
+    .bind(held);
     let extra = serde_json::json!({"decline_code": code, "next_attempt_at": next.to_rfc3339()});
     let event = payload(run, "active", attempt, extra);
     transition(
@@ -537,13 +803,12 @@ pub(crate) async fn decline(
 }
 
 /// The last retry was declined: the run → exhausted (its final action owed),
-/// `dunning.exhausted`, and the final notice if the policy sends one.
+/// `dunning.exhausted`.
 pub(crate) async fn exhaust(
     db: &Db,
     run: &Run,
     attempt: i32,
     code: &str,
-    email: Option<email_outbox::Email>,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
     let update = sql(
@@ -565,7 +830,7 @@ pub(crate) async fn exhaust(
         update,
         run,
         ("dunning.exhausted", event),
-        email,
+        None,
     )
     .await
 }
@@ -607,21 +872,25 @@ pub(crate) async fn stop(
 /// What the final-action step wrote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinalActed {
-    /// This call took the action and announced it.
+    /// This call took the action, announced it and sent the final notice.
     Written,
-    /// The action was already in force (the pause held, the subscription
-    /// canceled) or the invoice is no longer open: nothing written.
+    /// The action was already in force (dunning's pause held, the
+    /// subscription canceled) or the invoice is no longer open: nothing
+    /// written, announced or sent.
     NothingToDo,
-    /// Another call already ran the step: nothing written.
+    /// Another call already ran the step, or the pause moved under it:
+    /// nothing written (a step not stamped is listed again).
     Lost,
 }
 
 /// The final-action step of an exhausted run, one transaction: first the
 /// run's stamp (`final_action_at`, only if unset: one step per run), then the
-/// action itself by a conditional write, announced only if it changed a row.
+/// action itself by a conditional write; its events and `notice` (the final
+/// notice, if the policy sends one) are queued only if it changed a row.
 pub(crate) async fn final_action(
     db: &Db,
     run: &Run,
+    notice: Option<email_outbox::Email>,
     statement_timeout: Duration,
 ) -> Result<FinalActed, Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -638,67 +907,180 @@ pub(crate) async fn final_action(
         tx.rollback().await?;
         return Ok(FinalActed::Lost);
     }
-    let (written, event_type, object) = match run.policy.final_action {
-        // Written only if this call paused it: a pause in force (dunning's
-        // own, an operator's) or a settled invoice writes nothing.
-        FinalAction::PauseCollection => (
-            tx.execute(
-                sql(
-                    "UPDATE subscriptions s SET pause_collection_behavior = 'keep_as_draft', \
-                            pause_collection_set_by = 'dunning', updated_at = now() \
-                     FROM invoices i \
-                     WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                       AND i.status = 'open' AND s.status <> 'canceled' \
-                       AND s.pause_collection_behavior IS NULL",
+    let events = match run.policy.final_action {
+        FinalAction::PauseCollection => match pause(&mut tx, run).await? {
+            Some(events) => events,
+            None => {
+                tx.rollback().await?;
+                return Ok(FinalActed::Lost);
+            }
+        },
+        FinalAction::CancelSubscription => {
+            let written = tx
+                .execute(
+                    sql(
+                        "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
+                                updated_at = now() \
+                         FROM invoices i \
+                         WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                           AND i.status = 'open' AND s.status <> 'canceled'",
+                    )
+                    .bind(run.invoice_id),
                 )
-                .bind(run.invoice_id),
-            )
-            .await?,
-            "subscription.collection_paused",
-            serde_json::json!({"object": "subscription", "id": run.subscription_id,
-                               "pause_collection": {"behavior": "keep_as_draft"},
-                               "invoice": run.invoice_id, "dunning_run": run.id}),
-        ),
-        FinalAction::CancelSubscription => (
-            tx.execute(
-                sql(
-                    "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
-                            updated_at = now() \
-                     FROM invoices i \
-                     WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                       AND i.status = 'open' AND s.status <> 'canceled'",
+                .await?;
+            let event = serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                                           "status": "canceled", "invoice": run.invoice_id,
+                                           "dunning_run": run.id});
+            if written == 1 {
+                vec![("subscription.canceled", event)]
+            } else {
+                Vec::new()
+            }
+        }
+        FinalAction::MarkUncollectible => {
+            let written = tx
+                .execute(
+                    sql(
+                        "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                         WHERE id = $1 AND status = 'open'",
+                    )
+                    .bind(run.invoice_id),
                 )
-                .bind(run.invoice_id),
-            )
-            .await?,
-            "subscription.canceled",
-            serde_json::json!({"object": "subscription", "id": run.subscription_id,
-                               "status": "canceled", "invoice": run.invoice_id,
-                               "dunning_run": run.id}),
-        ),
-        FinalAction::MarkUncollectible => (
-            tx.execute(
-                sql(
-                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
-                     WHERE id = $1 AND status = 'open'",
-                )
-                .bind(run.invoice_id),
-            )
-            .await?,
-            "invoice.marked_uncollectible",
-            serde_json::json!({"object": "invoice", "id": run.invoice_id,
-                               "subscription": run.subscription_id, "status": "uncollectible",
-                               "dunning_run": run.id}),
-        ),
+                .await?;
+            let event = serde_json::json!({"object": "invoice", "id": run.invoice_id,
+                                           "subscription": run.subscription_id,
+                                           "status": "uncollectible", "dunning_run": run.id});
+            if written == 1 {
+                vec![("invoice.marked_uncollectible", event)]
+            } else {
+                Vec::new()
+            }
+        }
     };
-    let acted = if written == 1 {
-        webhook_outbox::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string()).await?;
-        FinalActed::Written
-    } else {
+    let acted = if events.is_empty() {
         FinalActed::NothingToDo
+    } else {
+        for (event_type, object) in &events {
+            webhook_outbox::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string())
+                .await?;
+        }
+        if let Some(notice) = notice {
+            email_outbox::enqueue(&mut tx, &run.tenant_id, &notice).await?;
+        }
+        FinalActed::Written
     };
     tx.commit().await?;
     Ok(acted)
+}
+
+/// Dunning's pause, in the final action's transaction (ADR-114's #1384 rule):
+/// the subscription's row lock first, which serializes this with every other
+/// pause writer; then, by the pause as read:
+///
+/// - invoice not open, subscription canceled, or dunning's own pause in
+///   force ("already held") → nothing written: `Some([])`;
+/// - a pause that has lifted (`resumes_at <= now()`) → cleared by a
+///   compare-and-set on it, with `subscription.collection_resumed`, then
+///   dunning's pause;
+/// - no pause, or a pause set by anyone else (with or without a resume
+///   time) → replaced by dunning's pause, with the policy's behaviour and no
+///   resume time, and `subscription.collection_paused`.
+///
+/// `None` when a compare-and-set missed (the pause moved): roll back.
+async fn pause(
+    tx: &mut Tx,
+    run: &Run,
+) -> Result<Option<Vec<(&'static str, serde_json::Value)>>, Error> {
+    let Some(read) = tx
+        .fetch_optional(
+            sql("SELECT s.pause_collection_behavior AS behavior, \
+                        to_json(s.pause_collection_resumes_at) #>> '{}' AS resumes_at, \
+                        s.pause_collection_set_by AS set_by, \
+                        s.pause_collection_resumes_at <= now() AS lifted \
+                 FROM subscriptions s \
+                 JOIN invoices i ON i.tenant_id = s.tenant_id AND i.subscription_id = s.id \
+                 WHERE i.id = $1 AND i.status = 'open' AND s.status <> 'canceled' \
+                 FOR UPDATE OF s")
+            .bind(run.invoice_id),
+        )
+        .await?
+    else {
+        return Ok(Some(Vec::new()));
+    };
+    let mut behavior: Option<String> = read.try_get("behavior").map_err(db::Error::from)?;
+    let mut resumes_at: Option<String> = read.try_get("resumes_at").map_err(db::Error::from)?;
+    let mut set_by: Option<String> = read.try_get("set_by").map_err(db::Error::from)?;
+    let lifted: Option<bool> = read.try_get("lifted").map_err(db::Error::from)?;
+    if set_by.as_deref() == Some("dunning") && lifted != Some(true) {
+        return Ok(Some(Vec::new()));
+    }
+    let mut events = Vec::new();
+    let mut replaced = serde_json::Value::Null;
+    if lifted == Some(true) {
+        let cleared = tx
+            .execute(
+                sql(
+                    "UPDATE subscriptions SET pause_collection_behavior = NULL, \
+                            pause_collection_resumes_at = NULL, pause_collection_set_by = NULL, \
+                            updated_at = now() \
+                     WHERE id = $1 AND pause_collection_behavior = $2 \
+                       AND pause_collection_resumes_at = $3::timestamptz \
+                       AND pause_collection_resumes_at <= now() \
+                       AND pause_collection_set_by IS NOT DISTINCT FROM $4",
+                )
+                .bind(run.subscription_id)
+                .bind(behavior.clone())
+                .bind(resumes_at.clone())
+                .bind(set_by.clone()),
+            )
+            .await?;
+        if cleared != 1 {
+            return Ok(None);
+        }
+        events.push((
+            "subscription.collection_resumed",
+            serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                               "pause_collection": null,
+                               "previous_pause_collection": {"behavior": behavior,
+                                                             "resumes_at": resumes_at}}),
+        ));
+        (behavior, resumes_at, set_by) = (None, None, None);
+    } else if behavior.is_some() {
+        replaced = serde_json::json!({"behavior": behavior, "resumes_at": resumes_at,
+                                      "set_by": set_by});
+    }
+    let paused = tx
+        .execute(
+            sql(
+                "UPDATE subscriptions s SET pause_collection_behavior = $2, \
+                        pause_collection_resumes_at = NULL, pause_collection_set_by = 'dunning', \
+                        updated_at = now() \
+                 FROM invoices i \
+                 WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   AND i.status = 'open' AND s.status <> 'canceled' \
+                   AND s.pause_collection_behavior IS NOT DISTINCT FROM $3 \
+                   AND s.pause_collection_resumes_at IS NOT DISTINCT FROM $4::timestamptz \
+                   AND s.pause_collection_set_by IS NOT DISTINCT FROM $5",
+            )
+            .bind(run.invoice_id)
+            .bind(run.policy.pause_behavior.as_str())
+            .bind(behavior)
+            .bind(resumes_at)
+            .bind(set_by),
+        )
+        .await?;
+    if paused != 1 {
+        return Ok(None);
+    }
+    events.push((
+        "subscription.collection_paused",
+        serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                           "pause_collection": {"behavior": run.policy.pause_behavior.as_str(),
+                                                "resumes_at": null},
+                           "replaced_pause_collection": replaced,
+                           "invoice": run.invoice_id, "dunning_run": run.id}),
+    ));
+    Ok(Some(events))
 }
 
 /// Active runs, for the gauge.

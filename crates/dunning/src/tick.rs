@@ -1,6 +1,10 @@
 //! The `dunning` tick: enrolment, then the fenced-batch driver
-//! ([`scheduler::drive`]) over due runs, each run retried under the panic
-//! guard, a bounded number at once.
+//! ([`scheduler::drive`]) over due runs. Per batch: the final actions owed
+//! and runs settled elsewhere (each its own transaction), the retries that
+//! cannot be charged (counted in one transaction, no provider call), and the
+//! charged retries (one transaction to count and claim, billing's calls, one
+//! transaction for the outcomes, and its one-run-at-a-time fallback), each
+//! run under the panic guard, a bounded number at once.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -14,9 +18,9 @@ use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tracing::{debug, info, warn};
 
-use crate::notices::{final_notice, warning};
+use crate::notices::{self, final_notice, not_attempted, sender, warning};
 use crate::policy::AfterDecline;
-use crate::store::{self, FinalActed, Run};
+use crate::store::{self, FinalActed, LeftOut, NotChargeable, Run};
 use crate::{DunningConfig, Error};
 
 /// A batch with at least this many retries the provider did not answer, and
@@ -34,7 +38,12 @@ pub enum Retry {
     Recovered,
     /// A definite decline; the next retry is scheduled.
     Declined { code: String },
-    /// The last retry was declined; the run is exhausted and its final action ran.
+    /// The retry could not be charged (no payment method, or a hard decline
+    /// on the payment method the customer still has): counted without a
+    /// provider call, the next retry scheduled.
+    NotAttempted { why: NotChargeable },
+    /// The last retry was declined (`code`: its decline code) or not attempted
+    /// (`code`: why); the run is exhausted and its final action ran.
     Exhausted {
         code: String,
         final_action: FinalActed,
@@ -58,6 +67,8 @@ pub enum Retry {
 pub struct Tally {
     pub recovered: usize,
     pub declined: usize,
+    /// Due retries counted without a provider call (not chargeable).
+    pub not_attempted: usize,
     pub exhausted: usize,
     pub rewound: usize,
     /// Of the rewound: the provider gave no answer to rely on.
@@ -68,6 +79,9 @@ pub struct Tally {
     pub errors: usize,
     /// Runs whose retry panicked; rewound and left out of the rest of the tick.
     pub panicked: usize,
+    /// Listed rows left out of the tick: a policy failing the schedule
+    /// checks, or a row that did not decode (each logged with its run).
+    pub left_out: usize,
 }
 
 /// What one tick did.
@@ -213,8 +227,10 @@ impl Dunner {
     ///
     /// # Errors
     /// A database error; nothing was listed.
+    /// Rows left out (a bad policy, a row that does not decode) are logged
+    /// and counted, not returned.
     pub async fn list_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Run>, Error> {
-        self.list_due_except(fence, limit, &[]).await
+        Ok(self.list_due_except(fence, limit, &[]).await?.runs)
     }
 
     async fn list_due_except(
@@ -222,9 +238,29 @@ impl Dunner {
         fence: &Fence,
         limit: usize,
         except: &[i64],
-    ) -> Result<Vec<Run>, Error> {
+    ) -> Result<store::Listing, Error> {
         let timeout = self.inner.config.statement_timeout;
-        Ok(store::list_due(&self.inner.db, fence, limit, except, timeout).await?)
+        let listing = store::list_due(&self.inner.db, fence, limit, except, timeout).await?;
+        let t = &self.inner.telemetry;
+        for left in &listing.left_out {
+            match left {
+                LeftOut::Policy {
+                    run,
+                    tenant_id,
+                    policy_id,
+                } => {
+                    warn!(role = %Role::Dunning, tenant = %tenant_id, policy = policy_id, run, "dunning policy fails the schedule checks (a NULL or out-of-range offset or warning); its runs are skipped until it is mended");
+                    t.counter("hardcount_dunning_policies_skipped_total", &[])
+                        .increment(1);
+                }
+                LeftOut::Undecodable { run, error } => {
+                    warn!(role = %Role::Dunning, run, error = %error, "dunning run row does not decode; left out of the tick");
+                    t.counter("hardcount_dunning_rows_undecodable_total", &[])
+                        .increment(1);
+                }
+            }
+        }
+        Ok(listing)
     }
 
     /// Retry one listed run: the tick's batch path (`retry_batch`) for
@@ -268,12 +304,14 @@ impl Dunner {
         let c = &self.inner.config;
         let reserve = self.call_reserve();
         let mut out: Vec<(Run, Outcome)> = Vec::with_capacity(runs.len());
-        let (mut single, mut charge) = (Vec::new(), Vec::new());
+        let (mut single, mut skip, mut charge) = (Vec::new(), Vec::new(), Vec::new());
         for run in runs {
             if Instant::now() + reserve > deadline || cancelled() {
                 out.push((run, None));
             } else if run.status == "exhausted" || run.invoice_status != "open" {
                 single.push(run);
+            } else if run.not_chargeable.is_some() {
+                skip.push(run);
             } else {
                 charge.push(run);
             }
@@ -290,6 +328,9 @@ impl Dunner {
             .collect()
             .await;
         out.extend(singles);
+        if !skip.is_empty() {
+            out.extend(self.count_not_attempted(skip).await);
+        }
         if !charge.is_empty() {
             out.extend(self.charge_runs(charge, deadline, cancelled).await);
         }
@@ -301,14 +342,162 @@ impl Dunner {
     async fn settled_elsewhere(&self, run: &Run) -> Result<Retry, Error> {
         let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
         if run.status == "exhausted" {
+            let notice = self.final_notice(run);
             return Ok(Retry::FinalAction(
-                store::final_action(db, run, timeout).await?,
+                store::final_action(db, run, notice, timeout).await?,
             ));
         }
         Ok(stopped(
             store::stop(db, run, &run.invoice_status, timeout).await?,
             &run.invoice_status,
         ))
+    }
+
+    /// The final notice of `run`'s final action, if its policy sends one;
+    /// queued by the action's transaction only if the action changed something.
+    fn final_notice(&self, run: &Run) -> Option<email_outbox::Email> {
+        let from = sender(run, &self.inner.config.email_from);
+        let notice = run.policy.final_notice.then(|| final_notice(run, from));
+        self.sendable(run, notice)
+    }
+
+    /// `email` as the outbox takes it (a tenant's sender that does not parse
+    /// replaced by the configured one), or `None`, logged and counted, when
+    /// the outbox would still refuse it: the transition goes on without it
+    /// rather than roll back a retry the provider answered.
+    fn sendable(
+        &self,
+        run: &Run,
+        email: Option<email_outbox::Email>,
+    ) -> Option<email_outbox::Email> {
+        match notices::sendable(email?, &self.inner.config.email_from) {
+            Ok(email) => Some(email),
+            Err(e) => {
+                warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "dunning email refused; the transition goes on without it");
+                self.inner
+                    .telemetry
+                    .counter("hardcount_dunning_emails_refused_total", &[])
+                    .increment(1);
+                None
+            }
+        }
+    }
+
+    /// Due retries that cannot be charged (no payment method, or a hard
+    /// decline on the payment method the customer still has): per run, under
+    /// the guard, the next retry from the policy (or exhaustion) and the
+    /// warning; then ONE transaction counts them all by the attempt
+    /// compare-and-set (`store::not_attempted_in`); then each exhausted run's
+    /// final action. No provider call.
+    async fn count_not_attempted(&self, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
+        let c = &self.inner.config;
+        let t = &self.inner.telemetry;
+        let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
+        let mut rows: Vec<store::NotAttempted<'_>> = Vec::new();
+        for run in &runs {
+            let Some(why) = run.not_chargeable else {
+                continue;
+            };
+            let attempt = run.attempt_count + 1;
+            let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+            let prepared = scheduler::catch(step, async {
+                match run.policy.after_decline(run.first_declined_at, attempt) {
+                    AfterDecline::Next { at } => {
+                        let from = sender(run, &c.email_from);
+                        let email = run
+                            .policy
+                            .warns_after(attempt)
+                            .then(|| not_attempted(run, from, why, at));
+                        (Some(at), email)
+                    }
+                    AfterDecline::Exhausted => (None, None),
+                }
+            })
+            .await;
+            match prepared {
+                Ok((next, email)) => rows.push(store::NotAttempted {
+                    run,
+                    why,
+                    next,
+                    email: self.sendable(run, email),
+                }),
+                Err(payload) => {
+                    out.insert(run.id, Some(Err(payload)));
+                }
+            }
+        }
+        let counted = async {
+            let mut tx = self
+                .inner
+                .db
+                .begin_with_timeout(c.statement_timeout)
+                .await?;
+            let won = store::not_attempted_in(&mut tx, &rows).await?;
+            tx.commit().await?;
+            Ok::<_, Error>(won)
+        };
+        match counted.await {
+            Err(e) => {
+                // Rolled back: nothing counted, the runs are as listed.
+                warn!(role = %Role::Dunning, error = %e, runs = rows.len(), "retries not attempted were not counted");
+                let why = e.to_string();
+                for n in &rows {
+                    let e = Error::NotCounted(why.clone());
+                    out.insert(n.run.id, Some(Ok(Err(e))));
+                }
+            }
+            Ok(won) => {
+                for n in rows {
+                    let id = n.run.id;
+                    if !won.contains(&id) {
+                        out.insert(id, Some(Ok(Ok(Retry::Lost))));
+                        continue;
+                    }
+                    t.counter(
+                        "hardcount_dunning_attempts_total",
+                        &[("outcome", "not_attempted")],
+                    )
+                    .increment(1);
+                    let outcome = match n.next {
+                        Some(_) => Ok(Ok(Retry::NotAttempted { why: n.why })),
+                        None => self.exhausted(n.run, n.why.as_str().to_owned()).await,
+                    };
+                    out.insert(id, Some(outcome));
+                }
+            }
+        }
+        runs.into_iter()
+            .map(|run| {
+                let outcome = out.remove(&run.id).unwrap_or(None);
+                (run, outcome)
+            })
+            .collect()
+    }
+
+    /// A run just exhausted: counted, and its final action's step run under
+    /// the guard (stamped once; a crash before it is finished by the next
+    /// tick's funnel).
+    async fn exhausted(
+        &self,
+        run: &Run,
+        code: String,
+    ) -> Result<Result<Retry, Error>, scheduler::Payload> {
+        let action = run.policy.final_action.as_str();
+        self.inner
+            .telemetry
+            .counter(
+                "hardcount_dunning_exhaustions_total",
+                &[("final_action", action)],
+            )
+            .increment(1);
+        let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+        let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
+        scheduler::catch(step, async {
+            let notice = self.final_notice(run);
+            let final_action = store::final_action(db, run, notice, timeout).await?;
+            Ok(Retry::Exhausted { code, final_action })
+        })
+        .await
     }
 
     /// The charged path of [`retry_runs`](Dunner::retry_runs) for active runs
@@ -480,7 +669,7 @@ impl Dunner {
             }
         }
         // Per declined run, under the guard: the transition it takes (from the
-        // plan made before the charge) and its email; a panic here rewinds
+        // plan made before the charge) and its warning; a panic here rewinds
         // that run with the others.
         let from = &c.email_from;
         let mut declines: Vec<store::Decline<'_>> = Vec::new();
@@ -496,13 +685,10 @@ impl Dunner {
                         let email = run
                             .policy
                             .warns_after(attempt)
-                            .then(|| warning(run, from, &code, at));
+                            .then(|| warning(run, sender(run, from), &code, at));
                         (Some(at), email)
                     }
-                    AfterDecline::Exhausted => (
-                        None,
-                        run.policy.final_notice.then(|| final_notice(run, from)),
-                    ),
+                    AfterDecline::Exhausted => (None, None),
                 }
             })
             .await;
@@ -510,9 +696,10 @@ impl Dunner {
                 Ok((next, email)) => declines.push(store::Decline {
                     run,
                     attempt,
+                    held: held[&run.id],
                     code,
                     next,
-                    email,
+                    email: self.sendable(run, email),
                 }),
                 Err(payload) => rewind.push((run, held[&run.id], Some(Err(payload)))),
             }
@@ -529,26 +716,28 @@ impl Dunner {
         let (recovered, declined, rewound) = match last.await {
             Ok(x) => x,
             Err(e) => {
-                // One at a time, as before batching.
+                // One at a time, as before batching. A run whose own
+                // transition fails too is rewound (by the hold its record
+                // wrote, so a transition that did land stays): as listed,
+                // rather than counted with a hold and no schedule.
                 debug!(role = %Role::Dunning, error = %e, "batched transitions failed; one run at a time");
+                let mut failed: Vec<(&Run, Error)> = Vec::new();
                 let mut declined = HashSet::new();
                 for d in &declines {
                     let email = d.email.clone();
                     let applied = match d.next {
                         Some(at) => {
-                            store::decline(db, d.run, d.attempt, (&d.code, at), email, timeout)
-                                .await
+                            let attempt = (d.attempt, d.held);
+                            store::decline(db, d.run, attempt, (&d.code, at), email, timeout).await
                         }
-                        None => store::exhaust(db, d.run, d.attempt, &d.code, email, timeout).await,
+                        None => store::exhaust(db, d.run, d.attempt, &d.code, timeout).await,
                     };
                     match applied {
                         Ok(true) => {
                             declined.insert(d.run.id);
                         }
                         Ok(false) => {}
-                        Err(e) => {
-                            out.insert(d.run.id, Some(Ok(Err(e))));
-                        }
+                        Err(e) => failed.push((d.run, e)),
                     }
                 }
                 let mut recovered = HashSet::new();
@@ -558,10 +747,19 @@ impl Dunner {
                             recovered.insert(run.id);
                         }
                         Ok(false) => {}
-                        Err(e) => {
-                            out.insert(run.id, Some(Ok(Err(e))));
+                        Err(e) => failed.push((run, e)),
+                    }
+                }
+                for (run, e) in failed {
+                    match store::rewind(db, run, held[&run.id], timeout).await {
+                        Ok(_) => {
+                            warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry outcome not written; rewound");
+                        }
+                        Err(re) => {
+                            warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, rewind = %re, "retry outcome not written and not rewound; the run waits out its hold");
                         }
                     }
+                    out.insert(run.id, Some(Ok(Err(e))));
                 }
                 let mut rewound = HashSet::new();
                 for (run, hold) in &pairs {
@@ -606,21 +804,7 @@ impl Dunner {
             let outcome = match (declined.contains(&id), d.next) {
                 (false, _) => Ok(Ok(Retry::Lost)),
                 (true, Some(_)) => Ok(Ok(Retry::Declined { code: d.code })),
-                (true, None) => {
-                    let action = d.run.policy.final_action.as_str();
-                    t.counter(
-                        "hardcount_dunning_exhaustions_total",
-                        &[("final_action", action)],
-                    )
-                    .increment(1);
-                    let step = format!("dunning/run {} (tenant {})", id, d.run.tenant_id);
-                    let code = d.code;
-                    scheduler::catch(step, async {
-                        let final_action = store::final_action(db, d.run, timeout).await?;
-                        Ok(Retry::Exhausted { code, final_action })
-                    })
-                    .await
-                }
+                (true, None) => self.exhausted(d.run, d.code).await,
             };
             out.insert(id, Some(outcome));
         }
@@ -676,6 +860,7 @@ impl Dunner {
                     tally.declined += 1;
                     answered += 1;
                 }
+                Retry::NotAttempted { .. } => tally.not_attempted += 1,
                 Retry::Exhausted { .. } => {
                     tally.exhausted += 1;
                     answered += 1;
@@ -756,15 +941,18 @@ fn claim_identity(run: &Run) -> String {
 }
 
 /// The retry step as the driver sees it. `left_out` holds runs this tick
-/// will not list again (rewound, lost, failed, panicked), so a run whose
-/// retry cannot finish cannot fill every batch.
+/// will not list again (rewound, lost, failed, panicked, a bad policy, a row
+/// that does not decode), so a run whose retry cannot finish cannot fill
+/// every batch.
 struct Retries<'a> {
     dunner: &'a Dunner,
     left_out: Mutex<Vec<i64>>,
 }
 
 impl FencedBatches for Retries<'_> {
-    type Claim = Vec<Run>;
+    /// The listing: the driver counts every row listed (a full batch is
+    /// followed by another claim), the runs are retried.
+    type Claim = store::Listing;
     type Counts = Tally;
     type Error = Error;
 
@@ -781,23 +969,27 @@ impl FencedBatches for Retries<'_> {
         }
     }
 
-    async fn claim(&self, fence: &Fence, limit: usize) -> Result<Vec<Run>, Error> {
+    async fn claim(&self, fence: &Fence, limit: usize) -> Result<store::Listing, Error> {
         let except = lock(&self.left_out).clone();
-        self.dunner.list_due_except(fence, limit, &except).await
+        let listing = self.dunner.list_due_except(fence, limit, &except).await?;
+        lock(&self.left_out).extend(listing.left_out.iter().map(LeftOut::run));
+        Ok(listing)
     }
 
-    fn claimed(batch: &Vec<Run>) -> usize {
-        batch.len()
+    fn claimed(listing: &store::Listing) -> usize {
+        listing.runs.len() + listing.left_out.len()
     }
 
     async fn run(
         &self,
-        batch: Vec<Run>,
+        listing: store::Listing,
         tick: &Tick,
         deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
+        tally.left_out += listing.left_out.len();
+        let batch = listing.runs;
         let (left_out, outage) = self
             .dunner
             .retry_batch(batch, tick, deadline, panics, tally)

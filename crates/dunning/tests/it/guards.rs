@@ -9,6 +9,7 @@ use testbed::TestDb;
 
 use crate::{
     as_leader, config, declined_invoice, dunner, dunning_emails, events, manager, policy, run_of,
+    tick,
 };
 
 const CALL: Duration = Duration::from_secs(5);
@@ -166,4 +167,65 @@ async fn a_stale_leaders_retries_racing_the_new_leaders_batch_charge_each_run_on
     )
     .await;
     assert_eq!(receipts.len(), 3, "{receipts:?}");
+}
+
+/// Two runs declined in one batch; a trigger refuses one run's decline
+/// (`do_not_honor`), so the batch's outcome transaction fails, and so does
+/// that run's own transition in the fallback. That run is rewound: count and
+/// next attempt as listed, nothing announced; the other run's decline, written
+/// by the fallback, is counted once and stays. With the trigger gone the
+/// rewound run's next retry is counted once too.
+///
+/// Mutation check: `dunning_fallback_rewind` (the fallback leaves a run whose
+/// transition failed as its record wrote it) leaves the run counted with a
+/// short hold; seen failing under it.
+#[tokio::test]
+async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let y = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&x.customer, Behaviour::Decline("do_not_honor".into()));
+    p.set_behaviour(&y.customer, Behaviour::Decline("insufficient_funds".into()));
+    let mut su = t.superuser().await;
+    for ddl in [
+        "CREATE FUNCTION refuse_do_not_honor() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.last_decline_code = 'do_not_honor' THEN \
+           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_do_not_honor BEFORE UPDATE ON dunning_runs \
+         FOR EACH ROW EXECUTE FUNCTION refuse_do_not_honor()",
+    ] {
+        sqlx::query(ddl).execute(&mut su).await.unwrap();
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!((r.tally.errors, r.tally.declined), (1, 1), "{r:?}");
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(crate::next_retry_offset(&t.db, x.invoice).await, 60.0);
+    assert_eq!(run_of(&t.db, y.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(crate::next_retry_offset(&t.db, y.invoice).await, 120.0);
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "dunning.started",
+            "dunning.attempt_failed"
+        ]
+    );
+    sqlx::query("DROP TRIGGER refuse_do_not_honor ON dunning_runs")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    p.set_behaviour(&x.customer, Behaviour::Decline("card_declined".into()));
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.declined, 2, "{r:?}");
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(run_of(&t.db, y.invoice).await, ("active".to_owned(), 2));
+    let failed = events(&t.db)
+        .await
+        .into_iter()
+        .filter(|e| e == "dunning.attempt_failed")
+        .count();
+    assert_eq!(failed, 3);
 }

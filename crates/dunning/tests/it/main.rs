@@ -4,6 +4,7 @@
 //! Each guard test names, in its comment, the mutation that makes it fail and
 //! that it was seen failing under (`scripts/mutation-check`).
 
+mod bad_rows;
 mod final_action;
 mod guards;
 mod reconcile;
@@ -164,6 +165,49 @@ pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
         subscription,
         customer: c.get("provider_customer_id"),
     }
+}
+
+/// Enrol as the leader of `dunning` (runs exist, nothing retried).
+pub async fn enrol(db: &Db, d: &Dunner) -> usize {
+    let d = d.clone();
+    as_leader(&manager(db, "enroller"), Role::Dunning, |tick| async move {
+        d.enrol(&tick.fence).await.unwrap()
+    })
+    .await
+}
+
+/// The customer (by its `cus_…`) no longer has a payment method.
+pub async fn remove_payment_method(db: &Db, customer: &str) {
+    db.execute(
+        sql("UPDATE customers SET payment_method_id = NULL WHERE provider_customer_id = $1")
+            .bind(customer.to_owned()),
+    )
+    .await
+    .unwrap();
+}
+
+/// `payment.failed` events billing queued.
+pub async fn payment_failed(db: &Db) -> i64 {
+    db.fetch_one(sql(
+        "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'payment.failed'",
+    ))
+    .await
+    .unwrap()
+    .get("n")
+}
+
+/// Seconds from the run's first decline to its next attempt.
+pub async fn next_retry_offset(db: &Db, invoice: i64) -> f64 {
+    db.fetch_one(
+        sql(
+            "SELECT extract(epoch FROM next_attempt_at - first_declined_at)::float8 AS s \
+             FROM dunning_runs WHERE invoice_id = $1",
+        )
+        .bind(invoice),
+    )
+    .await
+    .unwrap()
+    .get("s")
 }
 
 /// (status, attempt_count) of the run of `invoice`.
