@@ -889,6 +889,7 @@ pub enum FinalActed {
 /// notice, if the policy sends one) are queued only if it changed a row.
 pub(crate) async fn final_action(
     db: &Db,
+    biller: &billing::Biller,
     run: &Run,
     notice: Option<email_outbox::Email>,
     statement_timeout: Duration,
@@ -907,6 +908,8 @@ pub(crate) async fn final_action(
         tx.rollback().await?;
         return Ok(FinalActed::Lost);
     }
+    // Billing's cancel writes its own events.
+    let mut changed = false;
     let events = match run.policy.final_action {
         FinalAction::PauseCollection => match pause(&mut tx, run).await? {
             Some(events) => events,
@@ -916,26 +919,26 @@ pub(crate) async fn final_action(
             }
         },
         FinalAction::CancelSubscription => {
-            let written = tx
-                .execute(
-                    sql(
-                        "UPDATE subscriptions s SET status = 'canceled', canceled_at = now(), \
-                                updated_at = now() \
-                         FROM invoices i \
-                         WHERE i.id = $1 AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                           AND i.status = 'open' AND s.status <> 'canceled'",
-                    )
-                    .bind(run.invoice_id),
+            // Only while the invoice is still open; then billing's cancel in
+            // this transaction: the used part of the period invoiced pro rata
+            // (unless the tenant says not to) and `subscription.canceled`,
+            // written by billing's one writer of invoices (docs/adr/0025).
+            let open = tx
+                .fetch_optional(
+                    sql("SELECT 1 FROM invoices WHERE id = $1 AND status = 'open' FOR UPDATE")
+                        .bind(run.invoice_id),
                 )
-                .await?;
-            let event = serde_json::json!({"object": "subscription", "id": run.subscription_id,
-                                           "status": "canceled", "invoice": run.invoice_id,
-                                           "dunning_run": run.id});
-            if written == 1 {
-                vec![("subscription.canceled", event)]
-            } else {
-                Vec::new()
+                .await?
+                .is_some();
+            if open
+                && biller
+                    .cancel_now_in(&mut tx, &run.tenant_id, run.subscription_id)
+                    .await?
+                    .is_some()
+            {
+                changed = true;
             }
+            Vec::new()
         }
         FinalAction::MarkUncollectible => {
             let written = tx
@@ -957,7 +960,7 @@ pub(crate) async fn final_action(
             }
         }
     };
-    let acted = if events.is_empty() {
+    let acted = if events.is_empty() && !changed {
         FinalActed::NothingToDo
     } else {
         for (event_type, object) in &events {

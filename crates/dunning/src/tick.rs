@@ -344,7 +344,7 @@ impl Dunner {
         if run.status == "exhausted" {
             let notice = self.final_notice(run);
             return Ok(Retry::FinalAction(
-                store::final_action(db, run, notice, timeout).await?,
+                store::final_action(db, &self.inner.biller, run, notice, timeout).await?,
             ));
         }
         Ok(stopped(
@@ -494,7 +494,8 @@ impl Dunner {
         let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
         scheduler::catch(step, async {
             let notice = self.final_notice(run);
-            let final_action = store::final_action(db, run, notice, timeout).await?;
+            let final_action =
+                store::final_action(db, &self.inner.biller, run, notice, timeout).await?;
             Ok(Retry::Exhausted { code, final_action })
         })
         .await

@@ -189,8 +189,10 @@ async fn a_final_action_finds_the_invoice_paid_and_writes_nothing() {
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }
 
-/// The cancel final action, owed and open: the subscription is canceled once
-/// and `subscription.canceled` announced once, however often the step runs.
+/// The cancel final action, owed and open: the subscription is canceled once,
+/// the used part of its period invoiced pro rata by billing's cancel in the
+/// same transaction, and `subscription.canceled` announced once, however
+/// often the step runs.
 #[tokio::test]
 async fn a_cancel_final_action_cancels_once() {
     let t = TestDb::new().await;
@@ -218,10 +220,19 @@ async fn a_cancel_final_action_cancels_once() {
         [
             "dunning.started",
             "dunning.exhausted",
+            "invoice.finalized",
             "subscription.canceled"
         ]
     );
     assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+    let reasons: Vec<String> =
+        t.db.fetch_all(sql("SELECT reason FROM invoices ORDER BY id"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    assert_eq!(reasons, ["period", "cancel"]);
 }
 
 /// What the exhaustion's transaction leaves behind, without the retries: the
