@@ -818,9 +818,11 @@ impl Dunner {
     }
 
     /// Retry a listed batch ([`retry_runs`](Dunner::retry_runs)) and count
-    /// it. Returns the runs to leave out of the rest of the tick, and
-    /// whether the batch looks like a provider outage: at least
-    /// [`OUTAGE_UNANSWERED`] retries without an answer and none answered.
+    /// it. Returns the runs to leave out of the rest of the tick, and the
+    /// error that ends the tick as failed: the provider refused this
+    /// deployment's key (billing counted it; every run was rewound), or the
+    /// batch looks like an outage (at least [`OUTAGE_UNANSWERED`] retries
+    /// without an answer and none answered).
     async fn retry_batch(
         &self,
         batch: Vec<Run>,
@@ -828,12 +830,13 @@ impl Dunner {
         deadline: Instant,
         panics: &mut Panics,
         tally: &mut Tally,
-    ) -> (Vec<i64>, Option<usize>) {
+    ) -> (Vec<i64>, Option<Error>) {
         let results = self
             .retry_runs(batch, deadline, || tick.cancel.is_cancelled())
             .await;
         let mut left_out = Vec::new();
         let (mut answered, mut unanswered) = (0, 0);
+        let mut rejected = None;
         for (run, result) in results {
             let Some(result) = result else { continue };
             let retry = match result {
@@ -847,6 +850,9 @@ impl Dunner {
                 Ok(Err(e)) => {
                     tally.errors += 1;
                     left_out.push(run.id);
+                    if let Error::Billing(billing::Error::ProviderKeyRejected { status }) = e {
+                        rejected = Some(status);
+                    }
                     warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed; rewound");
                     continue;
                 }
@@ -886,7 +892,12 @@ impl Dunner {
                 }
             }
         }
-        let outage = (unanswered >= OUTAGE_UNANSWERED && answered == 0).then_some(unanswered);
+        if let Some(status) = rejected {
+            let e = billing::Error::ProviderKeyRejected { status };
+            return (left_out, Some(Error::Billing(e)));
+        }
+        let outage = (unanswered >= OUTAGE_UNANSWERED && answered == 0)
+            .then_some(Error::ProviderOutage { unanswered });
         (left_out, outage)
     }
 
@@ -998,8 +1009,9 @@ impl FencedBatches for Retries<'_> {
         lock(&self.left_out).extend(left_out);
         match outage {
             // Stop the tick as failed (short cooldown) rather than time out on
-            // every due run: each was rewound, nothing is counted.
-            Some(unanswered) => Err(Error::ProviderOutage { unanswered }),
+            // every due run, or call again with a refused key: each was
+            // rewound, nothing is counted.
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }

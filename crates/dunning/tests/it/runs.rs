@@ -544,3 +544,64 @@ async fn dunning_mail_is_from_the_tenants_sender_when_it_has_one() {
         ]
     );
 }
+
+/// A rolled secret key during retries is this deployment's error: one call is
+/// refused, the batch's runs are rewound uncounted, nothing is recorded
+/// against the customers (no `payment.failed`, no email), the tick ends
+/// failed and the key-rejected counter the alert reads is set.
+///
+/// Mutation check: ignoring the refusal in `retry_batch`
+/// (`dunning_key_rejected`) lets the tick end drained.
+#[tokio::test]
+async fn a_rolled_key_during_retries_fails_the_tick_and_counts_nothing_against_customers() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 4, "cancel_subscription").await;
+    let mut invoices = Vec::new();
+    for _ in 0..3 {
+        invoices.push(declined_invoice(&t.db, "tenant_a").await.invoice);
+    }
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    let failed_before: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    let emails_before: i64 =
+        t.db.fetch_one(sql("SELECT count(*) FROM email_outbox"))
+            .await
+            .unwrap()
+            .get(0);
+    let created = p.create_requests();
+    p.roll_secret_key("sk_test_rolled");
+    let r = tick(&t.db, &d).await;
+    assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+    // One refused call closed the gate: the other retries were not sent.
+    assert_eq!(p.unauthorized_requests(), 1);
+    assert_eq!(p.create_requests(), created);
+    for invoice in invoices {
+        assert_eq!(run_of(&t.db, invoice).await, ("active".to_owned(), 0));
+    }
+    let failed_after: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    let emails_after: i64 =
+        t.db.fetch_one(sql("SELECT count(*) FROM email_outbox"))
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!((failed_after, emails_after), (failed_before, emails_before));
+    assert!(
+        metrics
+            .render()
+            .contains("hardcount_billing_provider_key_rejected_total 1"),
+        "{}",
+        metrics.render()
+    );
+}
