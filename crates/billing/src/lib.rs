@@ -92,8 +92,8 @@
 //!   and `invoice.finalized` commit or roll back together.
 //! - **A replaced leader claims nothing**: the funnel proves
 //!   `leader_fence('billing', $token)` and takes a [`leader::Fence`]. Closing
-//!   is not fenced (ADR-114): what a stale leader listed before the takeover
-//!   lands only through the compare-and-set.
+//!   is not fenced (docs/design.md §3.3): what a stale leader listed before
+//!   the takeover lands only through the compare-and-set.
 //! - **Periods follow the anchor**, in UTC, clamped at month ends, never
 //!   chained ([`period`]).
 //! - **A row that panics stops itself, not billing**: it is left out, every

@@ -16,7 +16,7 @@
 //!
 //! The claim is not fenced: the dunning role's funnel and its run
 //! compare-and-set decide who retries; this lease only stops two workers
-//! charging one invoice at once (ADR-114's effect table).
+//! charging one invoice at once (docs/design.md §4.2 and §3.3).
 //!
 //! Dunning's tick retries a batch (docs/adr/0017; a single retry is a batch
 //! of one) with [`Biller::start_retries_in`] (the claims and attempts,

@@ -1,4 +1,4 @@
-//! The boot check that the schema is at least as new as this binary (ADR-114's CheckSchemaReady).
+//! The boot check that the schema is at least as new as this binary (docs/design.md §2.5).
 
 use crate::migrate::MIGRATOR;
 use crate::{Db, sql};

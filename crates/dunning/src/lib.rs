@@ -53,7 +53,7 @@
 //!     then by a conditional write:
 //!       cancel_subscription  subscription → canceled      + subscription.canceled
 //!       mark_uncollectible   invoice → uncollectible + invoice.marked_uncollectible
-//!       pause_collection     subscription row locked, then (ADR-114, #1384):
+//!       pause_collection     subscription row locked, then (docs/design.md §4.3):
 //!           dunning's pause in force ─▶ already held, nothing
 //!           a pause lifted (resumes_at ≤ now) ─▶ cleared by CAS on it
 //!                                   + subscription.collection_resumed, then ↓
@@ -79,9 +79,9 @@
 //!   attempt's outcome is unknown: the reconciler settles it by its key first.
 //! - **Only a definite decline counts.** A timeout, a 5xx, a lost or held claim,
 //!   an error or a panic rewinds the attempt through the same compare-and-set;
-//!   the run is as it was listed (ADR-114, amendment of 2026-10-19). So does an
-//!   outcome that could not be written, batched or alone; a decline written
-//!   once stays once (its write and the rewind both prove the hold).
+//!   the run is as it was listed (docs/design.md §5). So does an outcome that
+//!   could not be written, batched or alone; a decline written once stays once
+//!   (its write and the rewind both prove the hold).
 //! - **A retry that cannot be charged follows the schedule** (docs/adr/0026):
 //!   no payment method, or a hard decline on the unchanged payment method, is
 //!   counted without a provider call, so the run reaches its final action on

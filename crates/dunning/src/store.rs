@@ -976,7 +976,8 @@ pub(crate) async fn final_action(
     Ok(acted)
 }
 
-/// Dunning's pause, in the final action's transaction (ADR-114's #1384 rule):
+/// Dunning's pause, in the final action's transaction (the resume rule,
+/// docs/design.md §4.3):
 /// the subscription's row lock first, which serializes this with every other
 /// pause writer; then, by the pause as read:
 ///

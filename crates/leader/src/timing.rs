@@ -61,7 +61,7 @@ pub enum TimingError {
 }
 
 impl Timing {
-    /// ADR-114's compiled-in constants.
+    /// The design's timings, compiled in (docs/design.md §2.4).
     pub const ADR: Timing = Timing {
         ttl: Duration::from_secs(10),
         heartbeat: Duration::from_secs(3),
@@ -139,10 +139,11 @@ impl Timing {
 
 impl Timing {
     /// How long the heartbeat waits after a missed beat before it retries: a
-    /// tenth of the heartbeat (300 ms for the ADR's timings). A retry is sent
-    /// only while `now + statement_timeout` is before the abandon deadline, so
-    /// with the ADR's timings a RENEW that failed fast at 3 s is retried until
-    /// 4 s; one that hung for its whole statement timeout is not.
+    /// tenth of the heartbeat (300 ms for the design's timings, [`Timing::ADR`],
+    /// docs/design.md §2.4). A retry is sent only while `now +
+    /// statement_timeout` is before the abandon deadline, so with those timings
+    /// a RENEW that failed fast at 3 s is retried until 4 s; one that hung for
+    /// its whole statement timeout is not.
     pub fn retry_pause(&self) -> Duration {
         self.heartbeat / 10
     }

@@ -5,10 +5,10 @@
 //! the row says the role could next be claimed (capped at the max poll). Loops
 //! are independent: a slow billing tick never delays email.
 //!
-//! Panics stop a step, not a tick, and never a loop ([`Panics`], ADR-114's
-//! amendments of 2026-10-08 and 2026-10-19): a step or batch item that panics
-//! is logged once with its stack, the rest run, and the first panic is raised
-//! again at the end of the tick so the lease is released as panicked.
+//! Panics stop a step, not a tick, and never a loop ([`Panics`],
+//! docs/design.md §5): a step or batch item that panics is logged once with
+//! its stack, the rest run, and the first panic is raised again at the end of
+//! the tick so the lease is released as panicked.
 //!
 //! Roles that drain a queue in fenced batches share one loop ([`drive`]):
 //! each implements [`FencedBatches`] (its claim and how to run a batch) and

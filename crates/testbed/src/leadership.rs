@@ -8,8 +8,9 @@ use db::Db;
 use leader::{Manager, Role, Telemetry, Tick, TickEnd, TickOutcome, Timing};
 use tokio_util::sync::CancellationToken;
 
-/// Short lease timings with the ADR's proportions: TTL 1 s, heartbeat 300 ms,
-/// statement timeout 200 ms, abandon after 600 ms, max poll 500 ms.
+/// Short lease timings in the proportions of the design's timings
+/// (docs/design.md §2.4): TTL 1 s, heartbeat 300 ms, statement timeout 200 ms,
+/// abandon after 600 ms, max poll 500 ms.
 pub fn fast_timing() -> Timing {
     let ms = Duration::from_millis;
     Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()

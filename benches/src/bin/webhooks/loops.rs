@@ -54,7 +54,8 @@ pub struct Loops {
 }
 
 impl Loops {
-    /// Both roles on one replica: one `leader::Manager` with the ADR timing,
+    /// Both roles on one replica: one `leader::Manager` with the design's
+    /// timing (`Timing::ADR`, docs/design.md §2.4),
     /// one `scheduler::run_role` loop per role, on `db`; with `shape.listen`,
     /// woken through a listener on `listen_url` (as `HARDCOUNT_LISTEN_URL`).
     pub fn start(db: &Db, shape: &Shape, listen_url: &str) -> Result<Loops> {

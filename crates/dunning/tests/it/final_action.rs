@@ -354,7 +354,8 @@ async fn dunnings_pause_replaces_a_pause_in_force_with_its_policys_behaviour() {
 /// An operator's pause that has already lifted (its resume time passed, the
 /// billing tick not yet run): dunning's final action first clears it with
 /// `subscription.collection_resumed`, then pauses with
-/// `subscription.collection_paused`, in one transaction (ADR-114, #1384).
+/// `subscription.collection_paused`, in one transaction (the resume rule,
+/// docs/design.md §4.3).
 ///
 /// Mutation check: `dunning_pause_lifted` (a lifted pause treated as one in
 /// force) replaces it without announcing the resume; seen failing under it.

@@ -9,10 +9,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::manager;
 
-/// The ADR's proportions at 3/10 scale (TTL 3 s). With ten replicas x five
-/// roles polling through PgBouncer's four server connections on two cores, a
-/// 1 s TTL loses leases to queueing alone; what is tested here is mutual
-/// exclusion, not that.
+/// The design's timing proportions (docs/design.md §2.4) at 3/10 scale (TTL
+/// 3 s). With ten replicas x five roles polling through PgBouncer's four server
+/// connections on two cores, a 1 s TTL loses leases to queueing alone; what is
+/// tested here is mutual exclusion, not that.
 fn timing() -> leader::Timing {
     let ms = Duration::from_millis;
     leader::Timing::new(ms(3000), ms(900), ms(600), ms(1800), ms(500)).unwrap()

@@ -218,7 +218,7 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
 /// A RENEW blocked by a row lock that another session holds is cancelled by the
 /// server at the statement timeout (no statement left running), counted as a
 /// missed beat, and the work is cancelled at `abandon_after`, before the TTL.
-/// Uses the ADR's own timings.
+/// Uses the design's own timings (`Timing::ADR`, docs/design.md §2.4).
 ///
 /// Mutation checks: dropping the `statement_timeout` `SET LOCAL` from RENEW
 /// leaves the blocked UPDATE running on the server (the pg_stat_activity

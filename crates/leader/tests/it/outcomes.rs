@@ -181,8 +181,9 @@ async fn clean_shutdown_releases_at_once_and_another_manager_acquires() {
 /// A panicking tick is released as not completed, with a full-interval cooldown,
 /// `panicked` counted, and the panic continues to the caller.
 ///
-/// Mutation check: releasing a panicked tick as `completed` (the 2026-10-08
-/// defect) stamps `last_tick_ended_at`; this test then fails.
+/// Mutation check: releasing a panicked tick as `completed` (a panic is never a
+/// completion, docs/design.md §5) stamps `last_tick_ended_at`; this test then
+/// fails.
 #[tokio::test]
 async fn a_panicking_tick_is_not_a_completion() {
     let t = TestDb::new().await;

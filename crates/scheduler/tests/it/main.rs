@@ -46,9 +46,9 @@ async fn lease_state(db: &Db, role: Role) -> (bool, Option<f64>) {
     (r.get("completed"), r.get("cooldown"))
 }
 
-/// ADR-114 amendment 2026-10-19: the third step runs although the second
-/// panicked, and the tick is still released as panicked with the interval as
-/// its cooldown.
+/// A panic stops a step, not the tick (docs/design.md §5): the third step runs
+/// although the second panicked, and the tick is still released as panicked
+/// with the interval as its cooldown (§2.3).
 ///
 /// Mutation check: making `Panics::finish` return without re-raising releases
 /// the tick as completed; the cooldown assertion then fails.
