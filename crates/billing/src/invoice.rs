@@ -166,7 +166,6 @@ pub(crate) enum Attempt {
 struct Won {
     customer_id: i64,
     pause: Option<String>,
-    email: String,
 }
 
 /// One invoice to insert.
@@ -229,9 +228,7 @@ pub(crate) async fn close_in(
                    AND s.current_period_start = i.period_start \
                    AND s.next_billing_at = i.watermark \
                    AND s.cancel_at_period_end = i.cape \
-                 RETURNING s.id, s.customer_id, s.pause_collection_behavior, \
-                           (SELECT c.email FROM customers c \
-                            WHERE c.tenant_id = s.tenant_id AND c.id = s.customer_id) AS email")
+                 RETURNING s.id, s.customer_id, s.pause_collection_behavior")
             .bind(heads.iter().map(|c| c.subscription_id).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.status.clone()).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.period_start).collect::<Vec<_>>())
@@ -252,7 +249,6 @@ pub(crate) async fn close_in(
                 pause: r
                     .try_get("pause_collection_behavior")
                     .map_err(db::Error::from)?,
-                email: r.try_get("email").map_err(db::Error::from)?,
             },
         );
     }
@@ -556,6 +552,25 @@ async fn announce(
 ) -> Result<(), Error> {
     let mut events: Vec<(String, &'static str, String)> = Vec::new();
     let mut receipts = Vec::new();
+    // The addresses of the customers owed a receipt (invoices paid at once are
+    // few): read only when there is one.
+    let owed: Vec<i64> = invoices
+        .iter()
+        .filter(|n| n.d.status == "paid")
+        .map(|n| won[&n.closing.subscription_id].customer_id)
+        .collect();
+    let mut email_of: HashMap<i64, String> = HashMap::new();
+    if !owed.is_empty() {
+        let rows = tx
+            .fetch_all(sql("SELECT id, email FROM customers WHERE id = ANY($1)").bind(owed))
+            .await?;
+        for r in &rows {
+            email_of.insert(
+                r.try_get("id").map_err(db::Error::from)?,
+                r.try_get("email").map_err(db::Error::from)?,
+            );
+        }
+    }
     for n in invoices {
         let c = n.closing;
         let id = created[&(c.subscription_id, c.period_start)];
@@ -575,10 +590,10 @@ async fn announce(
             let from = senders
                 .get(&c.tenant_id)
                 .map_or(how.email_from, String::as_str);
-            receipts.push((
-                c.tenant_id.as_str(),
-                paid_at_once(n, &won[&c.subscription_id].email, from),
-            ));
+            let to = email_of
+                .get(&won[&c.subscription_id].customer_id)
+                .map_or("", String::as_str);
+            receipts.push((c.tenant_id.as_str(), paid_at_once(n, to, from)));
         }
     }
     let refs: Vec<webhook_outbox::NewEvent<'_>> = events

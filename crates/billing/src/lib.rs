@@ -7,7 +7,7 @@
 //!  claim ≤ batch due subscriptions          status = 'active', next_billing_at <= now(),
 //!    with their plan (the snapshot)          AND leader_fence('billing', $token),
 //!                                            FOR UPDATE OF s SKIP LOCKED      (fenced)
-//!    a row whose timestamps fail time_in_range ──▶ left out, logged, counted
+//!    a row whose timestamps are out of 0020's range ──▶ left out, logged, counted
 //!  per subscription, under the panic guard:
 //!    close::close_behind(snapshot, now) ── pure: the periods it is behind, each
 //!      invoiced [start, end), at most catch_up_periods (the rest next tick)

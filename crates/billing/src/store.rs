@@ -54,9 +54,11 @@ pub(crate) async fn claim_due(
                         s.current_period_end, s.next_billing_at, s.collection_method, \
                         s.cancel_at_period_end, \
                         p.interval_unit, p.interval_count, p.amount, p.currency, now() AS at, \
-                        (time_in_range(s.billing_anchor) AND time_in_range(s.current_period_start) \
-                         AND time_in_range(s.current_period_end) \
-                         AND time_in_range(s.next_billing_at)) AS decodable \
+                        (LEAST(s.billing_anchor, s.current_period_start, s.current_period_end, \
+                               s.next_billing_at) >= '1970-01-01 00:00:00+00' \
+                         AND GREATEST(s.billing_anchor, s.current_period_start, \
+                                      s.current_period_end, s.next_billing_at) \
+                             < '10000-01-01 00:00:00+00') AS decodable \
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
                  WHERE s.status = 'active' \
@@ -88,7 +90,8 @@ pub(crate) struct Listed<T> {
 }
 
 /// Decode each row, leaving out (by id) one whose `decodable` column says its
-/// timestamps are out of the date types' range (decoding `infinity` would
+/// timestamps are out of the range migration 0020's CHECK allows (1970 to
+/// 9999, so never ±infinity) (decoding `infinity` would
 /// panic inside the driver) or whose decoding fails.
 pub(crate) fn decode_each<T>(
     rows: &[PgRow],
@@ -421,7 +424,9 @@ pub(crate) async fn claim_trials(
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
                         p.interval_unit, p.interval_count, \
-                        (time_in_range(s.billing_anchor) AND time_in_range(s.trial_end)) AS decodable \
+                        (LEAST(s.billing_anchor, s.trial_end) >= '1970-01-01 00:00:00+00' \
+                         AND GREATEST(s.billing_anchor, s.trial_end) \
+                             < '10000-01-01 00:00:00+00') AS decodable \
                  FROM subscriptions s \
                  JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
                  WHERE s.status = 'trialing' AND s.trial_end <= now() \
@@ -534,7 +539,8 @@ pub(crate) async fn claim_lifted_pauses(
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
                         s.pause_collection_resumes_at, s.pause_collection_set_by, \
-                        time_in_range(s.pause_collection_resumes_at) AS decodable \
+                        (s.pause_collection_resumes_at >= '1970-01-01 00:00:00+00' \
+                         AND s.pause_collection_resumes_at < '10000-01-01 00:00:00+00') AS decodable \
                  FROM subscriptions s \
                  WHERE s.pause_collection_resumes_at <= now() \
                    AND s.id <> ALL ($4) \

@@ -976,6 +976,274 @@ pub(crate) async fn final_action(
     Ok(acted)
 }
 
+/// The final actions of runs a batch just exhausted, in one transaction and
+/// a handful of statements, with the rules of [`final_action`]: each run
+/// stamped once; write-offs by one conditional UPDATE; pauses by one locking
+/// read of their subscriptions (in id order), then the lifted pauses cleared
+/// and dunning's pause written by compare-and-set on what was read, one
+/// statement each; cancels through billing's cancel in the same
+/// transaction; the events and final notices of the runs whose action
+/// changed something, one statement each. On an error nothing is written
+/// and the caller runs [`final_action`] per run.
+pub(crate) async fn final_actions(
+    db: &Db,
+    biller: &billing::Biller,
+    runs: &[(&Run, Option<email_outbox::Email>)],
+    statement_timeout: Duration,
+) -> Result<Vec<FinalActed>, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let ids: Vec<i64> = runs.iter().map(|(r, _)| r.id).collect();
+    let stamped: HashSet<i64> = tx
+        .fetch_all(
+            sql(
+                "UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
+                 WHERE id = ANY($1) AND status = 'exhausted' AND final_action_at IS NULL \
+                 RETURNING id",
+            )
+            .bind(ids),
+        )
+        .await?
+        .iter()
+        .map(|r| r.try_get::<i64, _>("id"))
+        .collect::<Result<_, _>>()
+        .map_err(db::Error::from)?;
+    let mut changed: HashMap<i64, Vec<(&'static str, serde_json::Value)>> = HashMap::new();
+    let of = |action: FinalAction| -> Vec<&Run> {
+        runs.iter()
+            .map(|(r, _)| *r)
+            .filter(|r| stamped.contains(&r.id) && r.policy.final_action == action)
+            .collect()
+    };
+    // Write-offs.
+    let writes_off = of(FinalAction::MarkUncollectible);
+    if !writes_off.is_empty() {
+        let rows = tx
+            .fetch_all(
+                sql(
+                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                     WHERE id = ANY($1) AND status = 'open' RETURNING id",
+                )
+                .bind(writes_off.iter().map(|r| r.invoice_id).collect::<Vec<_>>()),
+            )
+            .await?;
+        for row in &rows {
+            let invoice: i64 = row.try_get("id").map_err(db::Error::from)?;
+            for r in writes_off.iter().filter(|r| r.invoice_id == invoice) {
+                let event = serde_json::json!({"object": "invoice", "id": invoice,
+                                               "subscription": r.subscription_id,
+                                               "status": "uncollectible", "dunning_run": r.id});
+                changed.insert(r.id, vec![("invoice.marked_uncollectible", event)]);
+            }
+        }
+    }
+    // Pauses.
+    for (run, events) in pauses(&mut tx, &of(FinalAction::PauseCollection)).await? {
+        changed.insert(run, events);
+    }
+    // Cancels, through billing's one writer of invoices.
+    for r in of(FinalAction::CancelSubscription) {
+        let open = tx
+            .fetch_optional(
+                sql("SELECT 1 FROM invoices WHERE id = $1 AND status = 'open' FOR UPDATE")
+                    .bind(r.invoice_id),
+            )
+            .await?
+            .is_some();
+        if open
+            && biller
+                .cancel_now_in(&mut tx, &r.tenant_id, r.subscription_id)
+                .await?
+                .is_some()
+        {
+            changed.insert(r.id, Vec::new());
+        }
+    }
+    let events: Vec<(String, &'static str, String)> = runs
+        .iter()
+        .filter_map(|(r, _)| changed.get(&r.id).map(|e| (r, e)))
+        .flat_map(|(r, e)| {
+            e.iter()
+                .map(|(kind, object)| (r.tenant_id.clone(), *kind, object.to_string()))
+        })
+        .collect();
+    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+        .iter()
+        .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(&mut tx, &refs).await?;
+    let notices: Vec<(&str, &email_outbox::Email)> = runs
+        .iter()
+        .filter(|(r, _)| changed.contains_key(&r.id))
+        .filter_map(|(r, n)| n.as_ref().map(|n| (r.tenant_id.as_str(), n)))
+        .collect();
+    email_outbox::enqueue_many(&mut tx, &notices).await?;
+    tx.commit().await?;
+    Ok(runs
+        .iter()
+        .map(|(r, _)| {
+            if !stamped.contains(&r.id) {
+                FinalActed::Lost
+            } else if changed.contains_key(&r.id) {
+                FinalActed::Written
+            } else {
+                FinalActed::NothingToDo
+            }
+        })
+        .collect())
+}
+
+/// [`pause`] for many runs with three statements: their subscriptions read
+/// and locked in id order; the lifted pauses cleared (`subscription.collection_resumed`);
+/// dunning's pause written over what was read. A subscription two runs
+/// share is paused by the first; the second finds it held. Returns, per run
+/// whose pause landed, its events.
+async fn pauses(
+    tx: &mut Tx,
+    runs: &[&Run],
+) -> Result<Vec<(i64, Vec<(&'static str, serde_json::Value)>)>, Error> {
+    if runs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = tx
+        .fetch_all(
+            sql(
+                "SELECT s.id, i.id AS invoice, s.pause_collection_behavior AS behavior, \
+                        to_json(s.pause_collection_resumes_at) #>> '{}' AS resumes_at, \
+                        s.pause_collection_set_by AS set_by, \
+                        s.pause_collection_resumes_at <= now() AS lifted \
+                 FROM subscriptions s \
+                 JOIN invoices i ON i.tenant_id = s.tenant_id AND i.subscription_id = s.id \
+                 WHERE i.id = ANY($1) AND i.status = 'open' AND s.status <> 'canceled' \
+                 ORDER BY s.id \
+                 FOR UPDATE OF s",
+            )
+            .bind(runs.iter().map(|r| r.invoice_id).collect::<Vec<_>>()),
+        )
+        .await?;
+    // (behavior, resumes_at, set_by, lifted) per subscription, as read.
+    type Read = (Option<String>, Option<String>, Option<String>, Option<bool>);
+    let mut read: HashMap<i64, Read> = HashMap::new();
+    let mut open: HashSet<i64> = HashSet::new();
+    for r in &rows {
+        open.insert(r.try_get("invoice").map_err(db::Error::from)?);
+        let get = |c: &str| r.try_get::<Option<String>, _>(c).map_err(db::Error::from);
+        read.insert(
+            r.try_get("id").map_err(db::Error::from)?,
+            (
+                get("behavior")?,
+                get("resumes_at")?,
+                get("set_by")?,
+                r.try_get("lifted").map_err(db::Error::from)?,
+            ),
+        );
+    }
+    let (mut clears, mut writes, mut out) = (Vec::new(), Vec::new(), Vec::new());
+    let mut taken: HashSet<i64> = HashSet::new();
+    for run in runs {
+        let Some((behavior, resumes_at, set_by, lifted)) = read.get(&run.subscription_id) else {
+            continue; // invoice no longer open, or the subscription canceled
+        };
+        if !open.contains(&run.invoice_id) {
+            continue;
+        }
+        if !taken.insert(run.subscription_id) {
+            continue; // another run of this batch pauses it
+        }
+        let lifted = *lifted == Some(true);
+        if set_by.as_deref() == Some("dunning") && !lifted {
+            continue; // already held
+        }
+        let mut events = Vec::new();
+        let mut replaced = serde_json::Value::Null;
+        if lifted {
+            clears.push((
+                run.subscription_id,
+                behavior.clone(),
+                resumes_at.clone(),
+                set_by.clone(),
+            ));
+            events.push((
+                "subscription.collection_resumed",
+                serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                                   "pause_collection": null,
+                                   "previous_pause_collection": {"behavior": behavior,
+                                                                 "resumes_at": resumes_at}}),
+            ));
+            writes.push((run, None, None, None));
+        } else {
+            if behavior.is_some() {
+                replaced = serde_json::json!({"behavior": behavior, "resumes_at": resumes_at,
+                                              "set_by": set_by});
+            }
+            writes.push((run, behavior.clone(), resumes_at.clone(), set_by.clone()));
+        }
+        events.push((
+            "subscription.collection_paused",
+            serde_json::json!({"object": "subscription", "id": run.subscription_id,
+                               "pause_collection": {"behavior": run.policy.pause_behavior.as_str(),
+                                                    "resumes_at": null},
+                               "replaced_pause_collection": replaced,
+                               "invoice": run.invoice_id, "dunning_run": run.id}),
+        ));
+        out.push((run.id, events));
+    }
+    if !clears.is_empty() {
+        let n = tx
+            .execute(
+                sql(
+                    "UPDATE subscriptions s SET pause_collection_behavior = NULL, \
+                            pause_collection_resumes_at = NULL, pause_collection_set_by = NULL, \
+                            updated_at = now() \
+                     FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[]) \
+                          AS c(id, behavior, resumes_at, set_by) \
+                     WHERE s.id = c.id AND s.pause_collection_behavior = c.behavior \
+                       AND s.pause_collection_resumes_at = c.resumes_at::timestamptz \
+                       AND s.pause_collection_resumes_at <= now() \
+                       AND s.pause_collection_set_by IS NOT DISTINCT FROM c.set_by",
+                )
+                .bind(clears.iter().map(|c| c.0).collect::<Vec<_>>())
+                .bind(clears.iter().map(|c| c.1.clone()).collect::<Vec<_>>())
+                .bind(clears.iter().map(|c| c.2.clone()).collect::<Vec<_>>())
+                .bind(clears.iter().map(|c| c.3.clone()).collect::<Vec<_>>()),
+            )
+            .await?;
+        if n as usize != clears.len() {
+            return Err(Error::NotCounted(
+                "a lifted pause moved under its lock".into(),
+            ));
+        }
+    }
+    if !writes.is_empty() {
+        let n = tx
+            .execute(
+                sql("UPDATE subscriptions s SET pause_collection_behavior = w.behavior, \
+                            pause_collection_resumes_at = NULL, pause_collection_set_by = 'dunning', \
+                            updated_at = now() \
+                     FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) \
+                          AS w(id, behavior, was_behavior, was_resumes_at, was_set_by) \
+                     WHERE s.id = w.id AND s.status <> 'canceled' \
+                       AND s.pause_collection_behavior IS NOT DISTINCT FROM w.was_behavior \
+                       AND s.pause_collection_resumes_at IS NOT DISTINCT FROM w.was_resumes_at::timestamptz \
+                       AND s.pause_collection_set_by IS NOT DISTINCT FROM w.was_set_by")
+                .bind(writes.iter().map(|w| w.0.subscription_id).collect::<Vec<_>>())
+                .bind(
+                    writes
+                        .iter()
+                        .map(|w| w.0.policy.pause_behavior.as_str().to_owned())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(writes.iter().map(|w| w.1.clone()).collect::<Vec<_>>())
+                .bind(writes.iter().map(|w| w.2.clone()).collect::<Vec<_>>())
+                .bind(writes.iter().map(|w| w.3.clone()).collect::<Vec<_>>()),
+            )
+            .await?;
+        if n as usize != writes.len() {
+            return Err(Error::NotCounted("a pause moved under its lock".into()));
+        }
+    }
+    Ok(out)
+}
+
 /// Dunning's pause, in the final action's transaction (the resume rule,
 /// docs/design.md §4.3):
 /// the subscription's row lock first, which serializes this with every other

@@ -27,6 +27,9 @@ use crate::{DunningConfig, Error};
 /// none it did, is taken for an outage: the tick stops as failed.
 pub const OUTAGE_UNANSWERED: usize = 3;
 
+/// Final actions of a batch run at once, each its own transaction.
+pub const FINAL_ACTIONS_AT_ONCE: usize = 8;
+
 /// What one listed run of a batch came to: `None` when it was not started
 /// (out of budget, cancelled); else its result, or its panic.
 type Outcome = Option<Result<Result<Retry, Error>, scheduler::Payload>>;
@@ -392,6 +395,7 @@ impl Dunner {
     async fn count_not_attempted(&self, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
         let c = &self.inner.config;
         let t = &self.inner.telemetry;
+        let mut exhausted: Vec<(&Run, String)> = Vec::new();
         let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
         let mut rows: Vec<store::NotAttempted<'_>> = Vec::new();
         for run in &runs {
@@ -458,20 +462,86 @@ impl Dunner {
                         &[("outcome", "not_attempted")],
                     )
                     .increment(1);
-                    let outcome = match n.next {
-                        Some(_) => Ok(Ok(Retry::NotAttempted { why: n.why })),
-                        None => self.exhausted(n.run, n.why.as_str().to_owned()).await,
-                    };
-                    out.insert(id, Some(outcome));
+                    match n.next {
+                        Some(_) => {
+                            out.insert(id, Some(Ok(Ok(Retry::NotAttempted { why: n.why }))));
+                        }
+                        None => exhausted.push((n.run, n.why.as_str().to_owned())),
+                    }
                 }
             }
         }
+        out.extend(self.all_exhausted(exhausted).await);
         runs.into_iter()
             .map(|run| {
                 let outcome = out.remove(&run.id).unwrap_or(None);
                 (run, outcome)
             })
             .collect()
+    }
+
+    /// [`exhausted`](Dunner::exhausted) for each run, [`FINAL_ACTIONS_AT_ONCE`]
+    /// at a time (a group waits for its slowest): each final action is its own short transaction on its own
+    /// subscription's row (two on one subscription wait on its lock).
+    async fn all_exhausted(&self, runs: Vec<(&Run, String)>) -> Vec<(i64, Outcome)> {
+        if runs.is_empty() {
+            return Vec::new();
+        }
+        // First all in one transaction; on an error or a panic, each on its own.
+        let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
+        let step = format!("dunning/final actions of {} runs", runs.len());
+        let batch = scheduler::catch(step, async {
+            let items: Vec<(&Run, Option<email_outbox::Email>)> = runs
+                .iter()
+                .map(|(run, _)| (*run, self.final_notice(run)))
+                .collect();
+            store::final_actions(db, &self.inner.biller, &items, timeout).await
+        })
+        .await;
+        match batch {
+            Ok(Ok(acted)) => {
+                return runs
+                    .into_iter()
+                    .zip(acted)
+                    .map(|((run, code), final_action)| {
+                        self.count_exhaustion(run);
+                        (
+                            run.id,
+                            Some(Ok(Ok(Retry::Exhausted { code, final_action }))),
+                        )
+                    })
+                    .collect();
+            }
+            Ok(Err(e)) => {
+                warn!(role = %Role::Dunning, error = %e, runs = runs.len(), "final actions of the batch not written together; each on its own")
+            }
+            Err(_) => {
+                warn!(role = %Role::Dunning, runs = runs.len(), "final actions of the batch panicked together; each on its own")
+            }
+        }
+        let mut done = Vec::with_capacity(runs.len());
+        for chunk in runs.chunks(FINAL_ACTIONS_AT_ONCE) {
+            let mut acting = Vec::with_capacity(chunk.len());
+            for (run, code) in chunk {
+                acting.push(self.exhausted(run, code.clone()));
+            }
+            let results = futures::future::join_all(acting).await;
+            for ((run, _), r) in chunk.iter().zip(results) {
+                done.push((run.id, Some(r)));
+            }
+        }
+        done
+    }
+
+    fn count_exhaustion(&self, run: &Run) {
+        let action = run.policy.final_action.as_str();
+        self.inner
+            .telemetry
+            .counter(
+                "hardcount_dunning_exhaustions_total",
+                &[("final_action", action)],
+            )
+            .increment(1);
     }
 
     /// A run just exhausted: counted, and its final action's step run under
@@ -482,14 +552,7 @@ impl Dunner {
         run: &Run,
         code: String,
     ) -> Result<Result<Retry, Error>, scheduler::Payload> {
-        let action = run.policy.final_action.as_str();
-        self.inner
-            .telemetry
-            .counter(
-                "hardcount_dunning_exhaustions_total",
-                &[("final_action", action)],
-            )
-            .increment(1);
+        self.count_exhaustion(run);
         let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
         let (db, timeout) = (&self.inner.db, self.inner.config.statement_timeout);
         scheduler::catch(step, async {
@@ -797,6 +860,7 @@ impl Dunner {
         // The declines that applied; an exhausted run's final action is its
         // own transaction (stamped once; a crash before it is finished by the
         // next tick's funnel).
+        let mut exhausted = Vec::new();
         for d in declines {
             let id = d.run.id;
             if out.contains_key(&id) {
@@ -805,10 +869,14 @@ impl Dunner {
             let outcome = match (declined.contains(&id), d.next) {
                 (false, _) => Ok(Ok(Retry::Lost)),
                 (true, Some(_)) => Ok(Ok(Retry::Declined { code: d.code })),
-                (true, None) => self.exhausted(d.run, d.code).await,
+                (true, None) => {
+                    exhausted.push((d.run, d.code));
+                    continue;
+                }
             };
             out.insert(id, Some(outcome));
         }
+        out.extend(self.all_exhausted(exhausted).await);
         runs.into_iter()
             .map(|run| {
                 let outcome = out.remove(&run.id).unwrap_or(None);

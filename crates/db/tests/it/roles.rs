@@ -290,8 +290,7 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         [
             "email_address_valid():EXECUTE",
             "email_mailbox_valid():EXECUTE",
-            "leader_fence():EXECUTE",
-            "time_in_range():EXECUTE"
+            "leader_fence():EXECUTE"
         ]
     );
     let lease_writes: Vec<&String> = granted
