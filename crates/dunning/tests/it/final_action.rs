@@ -441,3 +441,73 @@ async fn each_final_notice_says_what_its_action_did() {
         assert!(body.contains(says), "{tenant}: {body}");
     }
 }
+
+/// Two invoices of one subscription exhausted in the same tick take their
+/// final actions together (one transaction for the batch): the subscription
+/// is paused once, announced once, and only the run whose pause landed sends
+/// a final notice; the other found the pause held.
+///
+/// Mutation check: queueing every stamped run's notice, changed or not
+/// (`dunning_batch_notice_when_changed`), sends two notices.
+#[tokio::test]
+async fn a_batch_exhausting_two_invoices_of_one_subscription_pauses_it_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    // A second open invoice of the same subscription, declined too.
+    let second: i64 =
+        t.db.fetch_one(
+            sql(
+                "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, \
+                                       amount, currency, collection_method) \
+                 VALUES ('tenant_a', $1, now() - interval '60 days', now() - interval '30 days', \
+                         1200, 'EUR', 'automatic') RETURNING id",
+            )
+            .bind(a.subscription),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    t.db.execute(
+        sql(
+            "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                           amount, currency, provider_status, decline_code, \
+                                           resolved_at) \
+             VALUES ('tenant_a', $1, 1, 'hardcount-invoice-' || $1 || '-attempt-1', 1200, 'EUR', \
+                     'declined', 'insufficient_funds', now() - interval '1 hour')",
+        )
+        .bind(second),
+    )
+    .await
+    .unwrap();
+    p.set_behaviour(&a.customer, Behaviour::Decline("insufficient_funds".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!((r.tally.exhausted, r.tally.declined), (2, 0), "{r:?}");
+    let paused: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'subscription.collection_paused'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(paused, 1);
+    let notices: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM email_outbox WHERE subject LIKE 'Final notice%'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(notices, 1);
+    let set_by: Option<String> =
+        t.db.fetch_one(
+            sql("SELECT pause_collection_set_by FROM subscriptions WHERE id = $1")
+                .bind(a.subscription),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(set_by.as_deref(), Some("dunning"));
+}
