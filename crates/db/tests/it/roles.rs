@@ -173,11 +173,7 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("plans.name:UPDATE".into());
     // The CHECKs on customers.email and tenant_settings.email_from call these
     // as the writing role (migration 0022).
-    for f in [
-        "email_address_valid",
-        "email_mailbox_valid",
-        "time_in_range",
-    ] {
+    for f in ["email_address_valid", "email_mailbox_valid"] {
         want.push(format!("{f}():EXECUTE"));
     }
     // Tenant settings and the end of a subscription at its period's end
