@@ -20,6 +20,8 @@
 //!  (the batch: every answer settled in one transaction, each row by its own CAS)
 //! ```
 
+pub(crate) mod store;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -29,8 +31,8 @@ use tracing::{info, warn};
 
 use crate::batch::{self, Answer, Started};
 use crate::provider::ChargeOutcome;
-use crate::store::{self, ChargeClaim, Settled};
 use crate::{Biller, Error};
+use store::{ChargeClaim, Settled};
 
 /// Auto-charge's attempt sequence: the first attempt of an invoice. Later
 /// attempts (dunning's retries) take the next numbers.

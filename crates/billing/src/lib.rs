@@ -143,6 +143,7 @@ mod tick;
 
 pub use action_required::AskTally;
 pub use cancel::{CancelAt, Canceled};
+pub use charge::store::ChargeClaim;
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
 pub use config::{BillingConfig, ConfigError};
@@ -152,7 +153,6 @@ pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use reconcile::ReconcileTally;
 pub use retry::{NotCharged, Retried, RetryRequest, StartedRetry};
-pub use store::ChargeClaim;
 pub use tick::{Biller, Tally, TickReport};
 
 /// Errors of the billing role.

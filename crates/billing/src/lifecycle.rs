@@ -19,6 +19,8 @@
 //! trial end to the next boundary of the anchor's grid, which the due-billing
 //! step invoices pro rata ([`crate::close`]).
 
+mod store;
+
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -27,8 +29,9 @@ use scheduler::{FencedBatches, Panics, Shape};
 
 use crate::close::Unbillable;
 use crate::period::{self, Interval, Unit};
-use crate::store::{self, LiftedPause, Listed, TrialEnded};
+use crate::store::Listed;
 use crate::{Biller, Error};
+use store::{LiftedPause, TrialEnded};
 
 /// What the trial and resume steps came to over a tick.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

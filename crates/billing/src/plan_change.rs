@@ -5,7 +5,7 @@
 //!  fresh snapshot: the active subscription, its plan, the new plan, now()
 //!  close::truncate (pure): invoice [period start, now) pro rata on the old plan
 //!                          next period [now, end_after(anchor, new interval)) on the new plan
-//!  one transaction (store::close_periods, as the tick's closing):
+//!  one transaction (invoice::close_periods, as the tick's closing):
 //!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
 //!    2. INSERT the invoice under idx_invoices_billing_period_dedup
 //!    3. invoice.finalized, subscription.updated
@@ -18,11 +18,14 @@
 //! credited for the unused part: billing is in arrears, so the unused part
 //! was never invoiced.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
+use db::{Db, Row, sql};
 
 use crate::close::{self, Closing, Due, Plan};
 use crate::invoice::{self, Closed};
-use crate::store;
+use crate::store::due;
 use crate::{Biller, Error};
 
 /// A plan change computed from a fresh snapshot, not yet written.
@@ -85,8 +88,7 @@ impl Biller {
     ) -> Result<PlanChange, Error> {
         let timeout = self.inner.config.statement_timeout;
         let Some((due, new_plan, now)) =
-            store::plan_change_snapshot(&self.inner.db, tenant_id, subscription, plan, timeout)
-                .await?
+            plan_change_snapshot(&self.inner.db, tenant_id, subscription, plan, timeout).await?
         else {
             return Err(Error::SubscriptionNotFound {
                 tenant: tenant_id.to_owned(),
@@ -149,4 +151,51 @@ impl Biller {
             }),
         }
     }
+}
+
+/// A subscription's fresh snapshot for a plan change, the new plan, and the
+/// database's now.
+pub(crate) async fn plan_change_snapshot(
+    db: &Db,
+    tenant_id: &str,
+    subscription_id: i64,
+    plan_id: i64,
+    statement_timeout: Duration,
+) -> Result<Option<(Due, crate::close::Plan, DateTime<Utc>)>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql(
+                "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
+                        s.current_period_end, s.next_billing_at, s.collection_method, \
+                        s.cancel_at_period_end, \
+                        p.interval_unit, p.interval_count, p.amount, p.currency, \
+                        n.id AS new_id, n.interval_unit AS new_unit, \
+                        n.interval_count AS new_count, n.amount AS new_amount, \
+                        n.currency AS new_currency, now() AS at \
+                 FROM subscriptions s \
+                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
+                 JOIN plans n ON n.tenant_id = s.tenant_id AND n.id = $3 \
+                 WHERE s.tenant_id = $1 AND s.id = $2 AND s.status = 'active'",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription_id)
+            .bind(plan_id),
+        )
+        .await?;
+    tx.commit().await?;
+    row.map(|r| {
+        Ok((
+            due(&r)?,
+            crate::close::Plan {
+                id: r.try_get("new_id")?,
+                interval_unit: r.try_get("new_unit")?,
+                interval_count: r.try_get("new_count")?,
+                amount: r.try_get("new_amount")?,
+                currency: r.try_get("new_currency")?,
+            },
+            r.try_get("at")?,
+        ))
+    })
+    .transpose()
 }

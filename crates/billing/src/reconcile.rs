@@ -28,6 +28,8 @@
 //! call it looks up. A refused key (401/403) stops every lookup of the tick
 //! and fails it.
 
+mod store;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -37,9 +39,10 @@ use scheduler::{FencedBatches, Panics, Payload, Shape, catch};
 use tracing::{info, warn};
 
 use crate::batch::{self, Answer, Gate, Started};
+use crate::charge::store::Settled;
 use crate::provider::ChargeOutcome;
-use crate::store::{self, Settled, UnknownAttempt};
 use crate::{Biller, Error};
+use store::UnknownAttempt;
 
 /// What the reconciler came to over a tick.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

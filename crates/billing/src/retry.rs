@@ -31,8 +31,8 @@ use db::{Row, sql};
 use scheduler::Payload;
 
 use crate::batch::{self, Answer};
+use crate::charge::store::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
-use crate::store::{ChargeClaim, Settled};
 use crate::{Biller, Error};
 
 /// What one retry charge came to.

@@ -1,0 +1,80 @@
+//! What a settled charge announces: the events' data and the emails.
+
+use crate::charge::store::ChargeClaim;
+use crate::money::money;
+
+/// `invoice.paid`'s data.
+pub(crate) fn paid_payload(c: &ChargeClaim, payment_intent: &str) -> String {
+    serde_json::json!({
+        "object": "invoice",
+        "id": c.invoice_id,
+        "subscription": c.subscription_id,
+        "status": "paid",
+        "amount_paid": c.amount,
+        "currency": c.currency,
+        "payment_intent": payment_intent,
+    })
+    .to_string()
+}
+
+/// The receipt of a paid charge.
+pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
+    email_outbox::Email {
+        from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
+        to: vec![c.email.clone()],
+        subject: format!("Receipt for invoice {}", c.label()),
+        text: format!(
+            "We received your payment of {} for invoice {}. Thank you.\n",
+            money(c.amount, &c.currency),
+            c.label()
+        ),
+        html: None,
+    }
+}
+
+/// The payment-failed email of a declined charge, asking for what the
+/// decline calls for (its class, `provider::decline_class`).
+pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_outbox::Email {
+    use crate::provider::{DeclineClass, decline_class};
+    let amount = money(c.amount, &c.currency);
+    let ask = match decline_class(code) {
+        DeclineClass::Soft => "We will try again in a few days; you can also update your \
+                               payment method now."
+            .to_owned(),
+        DeclineClass::Hard => "We will not try this card again: please add a new payment \
+                               method, and we will charge it."
+            .to_owned(),
+        DeclineClass::AuthenticationRequired => "Your bank asks you to authenticate this \
+                                                 payment: please confirm it, or add another \
+                                                 payment method."
+            .to_owned(),
+    };
+    email_outbox::Email {
+        from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
+        to: vec![c.email.clone()],
+        subject: format!("Your payment for invoice {} failed", c.label()),
+        text: format!(
+            "We could not charge {amount} for invoice {} to your saved card ({code}). {ask}\n",
+            c.label(),
+        ),
+        html: None,
+    }
+}
+
+pub(crate) fn payment_payload(
+    claim: &ChargeClaim,
+    attempt_seq: i32,
+    payment_intent: Option<&str>,
+    decline_code: Option<&str>,
+) -> String {
+    serde_json::json!({
+        "object": "payment",
+        "invoice": claim.invoice_id,
+        "attempt": attempt_seq,
+        "amount": claim.amount,
+        "currency": claim.currency,
+        "payment_intent": payment_intent,
+        "decline_code": decline_code,
+    })
+    .to_string()
+}

@@ -1,0 +1,386 @@
+//! The settling of a batch's answers: one transaction, each row by its own
+//! compare-and-set, with the rows' events and emails; redone a row at a time
+//! when it fails whole.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use tracing::warn;
+
+use super::messages::{failed_email, paid_payload, payment_payload, receipt};
+use super::{Answer, NOT_SENT, Started};
+use crate::Error;
+use crate::charge::store::Settled;
+use crate::provider::ChargeOutcome;
+
+/// How answers are written: the settle's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settling<'a> {
+    pub email_from: &'a str,
+    /// Where an email the outbox refuses is counted
+    /// (`hardcount_email_refused_total`): recorded failed, never a rollback.
+    pub telemetry: &'a leader::Telemetry,
+    pub statement_timeout: Duration,
+    /// The reconciler's first wait before looking at an open attempt again;
+    /// doubled per lookup, at most an hour.
+    pub backoff: Duration,
+}
+
+/// Settle every answered attempt of a batch in one transaction (see the
+/// module's diagram). Returns, per row of `answers` and in their order, how it
+/// was written: [`Settled::Lost`] when its claim no longer held the invoice or
+/// its attempt was already settled (nothing written for it); an answer that
+/// leaves the attempt open (unknown, later, key refused, not sent) is
+/// `Written` (its reason noted). A batch that cannot be written whole is
+/// settled again one row at a time, so an `Err` is that row's own.
+pub(crate) async fn settle_all(
+    db: &Db,
+    answers: &[(&Started, &Answer)],
+    how: Settling<'_>,
+) -> Vec<Result<Settled, Error>> {
+    let mut lost: HashSet<i64> = HashSet::new();
+    loop {
+        let pending: Vec<(&Started, &Answer)> = answers
+            .iter()
+            .copied()
+            .filter(|(s, _)| !lost.contains(&s.attempt_id))
+            .collect();
+        match settle_once(db, &pending, how).await {
+            Ok(Once::Committed(no_write)) => {
+                lost.extend(no_write);
+                return answers
+                    .iter()
+                    .map(|(s, _)| {
+                        Ok(if lost.contains(&s.attempt_id) {
+                            Settled::Lost
+                        } else {
+                            Settled::Written
+                        })
+                    })
+                    .collect();
+            }
+            Ok(Once::RolledBack(bad)) => lost.extend(bad),
+            Err(e) => {
+                warn!(rows = pending.len(), error = %e, "batch settling failed whole; settling one row at a time");
+                break;
+            }
+        }
+    }
+    // One at a time: each row in its own transaction, as before batching.
+    let mut out = Vec::with_capacity(answers.len());
+    for row in answers {
+        out.push(match settle_once(db, &[*row], how).await {
+            Ok(Once::Committed(lost)) if lost.is_empty() => Ok(Settled::Written),
+            Ok(_) => Ok(Settled::Lost),
+            Err(e) => Err(e),
+        });
+    }
+    out
+}
+
+enum Once {
+    /// Committed; these attempts' rows lost their condition and wrote nothing.
+    Committed(Vec<i64>),
+    /// Rolled back: these attempts' invoices were written but the attempts
+    /// were already settled; they are settled `Lost`, the rest again.
+    RolledBack(Vec<i64>),
+}
+
+/// What a resolved answer writes: the attempt's new status, its decline
+/// code, the payment intent, and why (the review reason).
+type Resolved<'a> = (
+    &'static str,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<String>,
+);
+
+/// What a settled answer writes (the invoice is paid for `succeeded`,
+/// flagged for `failed` and `needs_review`). `None`: the attempt stays open.
+fn resolution(a: &Answer) -> Option<Resolved<'_>> {
+    match a {
+        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
+            Some(("succeeded", None, Some(payment_intent), None))
+        }
+        Answer::Called(ChargeOutcome::Declined {
+            code,
+            payment_intent,
+        }) => Some(("declined", Some(code), payment_intent.as_deref(), None)),
+        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
+            Some(("processing", None, Some(payment_intent), None))
+        }
+        Answer::Called(ChargeOutcome::Invalid { reason }) => {
+            Some(("failed", None, None, Some(reason.clone())))
+        }
+        Answer::Called(ChargeOutcome::NeedsReview {
+            reason,
+            payment_intent,
+            ..
+        }) => Some((
+            "needs_review",
+            None,
+            payment_intent.as_deref(),
+            Some(reason.clone()),
+        )),
+        _ => None,
+    }
+}
+
+/// The resolved rows, as the statement binds them.
+#[derive(Default)]
+struct Cols {
+    invoice: Vec<i64>,
+    claimed_by: Vec<String>,
+    attempt: Vec<i64>,
+    status: Vec<String>,
+    code: Vec<Option<String>>,
+    intent: Vec<Option<String>>,
+    why: Vec<Option<String>>,
+    raw: Vec<Option<String>>,
+}
+
+/// The rows left open, as the statement binds them.
+#[derive(Default)]
+struct Open {
+    attempt: Vec<i64>,
+    why: Vec<String>,
+    intent: Vec<Option<String>>,
+    /// Seconds until the next look; `None`: the reconciler's backoff.
+    delay: Vec<Option<f64>>,
+    /// No request of this key executed: the resend window restarts.
+    unsent: Vec<bool>,
+    /// Give the invoice's claim back now (nothing can be in flight).
+    release: Vec<(i64, String)>,
+}
+
+async fn settle_once(
+    db: &Db,
+    answers: &[(&Started, &Answer)],
+    how: Settling<'_>,
+) -> Result<Once, Error> {
+    if answers.is_empty() {
+        return Ok(Once::Committed(Vec::new()));
+    }
+    let (mut done, mut open) = (Cols::default(), Open::default());
+    for (s, a) in answers {
+        if let Some((status, code, intent, why)) = resolution(a) {
+            done.invoice.push(s.claim.invoice_id);
+            done.claimed_by.push(s.claim.claimed_by.clone());
+            done.attempt.push(s.attempt_id);
+            done.status.push(status.to_owned());
+            done.code.push(code.map(str::to_owned));
+            done.intent.push(intent.map(str::to_owned));
+            done.why.push(why);
+            done.raw.push(match a {
+                Answer::Called(ChargeOutcome::NeedsReview { raw, .. }) => raw.clone(),
+                _ => None,
+            });
+            continue;
+        }
+        let (why, intent, delay, unsent) = match a {
+            Answer::Called(ChargeOutcome::Unknown {
+                reason,
+                payment_intent,
+                ..
+            }) => {
+                // After a first call the claim's lease decides the first look.
+                let delay = s.first_send.then_some(0.0);
+                (reason.clone(), payment_intent.clone(), delay, false)
+            }
+            Answer::Called(ChargeOutcome::RetryLater { reason, after }) => {
+                (reason.clone(), None, Some(after.as_secs_f64()), false)
+            }
+            Answer::Called(ChargeOutcome::KeyRejected { message, .. }) => {
+                (message.clone(), None, Some(0.0), s.first_send)
+            }
+            _ => (NOT_SENT.to_owned(), None, Some(0.0), s.first_send),
+        };
+        if unsent || matches!(a, Answer::Called(ChargeOutcome::KeyRejected { .. })) {
+            open.release
+                .push((s.claim.invoice_id, s.claim.claimed_by.clone()));
+        }
+        open.attempt.push(s.attempt_id);
+        open.why.push(why);
+        open.intent.push(intent);
+        open.delay.push(delay);
+        open.unsent.push(unsent);
+    }
+    let backoff = how.backoff.as_secs_f64();
+    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    // Resolved rows: the invoice (claim still ours, unexpired, still open)
+    // paid, flagged for review or just given back, and the attempt (still
+    // unknown or processing) resolved; per row, both or (rolled back) neither.
+    let won = if done.invoice.is_empty() {
+        Ok(HashSet::new())
+    } else {
+        let row = tx
+            .fetch_one(
+                sql("WITH u AS ( \
+                       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
+                                            $5::text[], $6::text[], $7::text[], $8::text[]) \
+                              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw) \
+                     ), inv AS ( \
+                       UPDATE invoices i SET \
+                              status = CASE WHEN u.status = 'succeeded' THEN 'paid' ELSE i.status END, \
+                              paid_at = CASE WHEN u.status = 'succeeded' THEN now() ELSE i.paid_at END, \
+                              review_since = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                                  THEN now() ELSE i.review_since END, \
+                              review_reason = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                                   THEN u.why ELSE i.review_reason END, \
+                              auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                       FROM u \
+                       WHERE i.id = u.invoice_id AND i.status = 'open' \
+                         AND i.auto_charge_claimed_by = u.claimed_by \
+                         AND i.auto_charge_claimed_until > now() \
+                       RETURNING i.id \
+                     ), att AS ( \
+                       UPDATE payment_attempts a SET provider_status = u.status, \
+                              decline_code = u.code, \
+                              provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
+                              last_error = u.why, raw_answer = u.raw, \
+                              resolved_at = CASE WHEN u.status IN ('processing', 'needs_review') \
+                                                 THEN NULL ELSE now() END, \
+                              last_checked_at = now(), lookups = a.lookups + 1, \
+                              next_check_at = now() + make_interval(secs => \
+                                  least($9 * power(2, least(a.lookups, 12)), 3600)) \
+                       FROM u JOIN inv ON inv.id = u.invoice_id \
+                       WHERE a.id = u.attempt_id AND a.provider_status IN ('unknown', 'processing') \
+                       RETURNING a.id \
+                     ) \
+                     SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
+                            COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts")
+                .bind(done.invoice.clone())
+                .bind(done.claimed_by.clone())
+                .bind(done.attempt.clone())
+                .bind(done.status.clone())
+                .bind(done.code.clone())
+                .bind(done.intent.clone())
+                .bind(done.why.clone())
+                .bind(done.raw.clone())
+                .bind(backoff),
+            )
+            .await?;
+        won_pairs(&row, &done)?
+    };
+    let won = match won {
+        Ok(w) => w,
+        Err(bad) => {
+            // An invoice written whose attempt was already settled: roll back,
+            // and settle those rows as lost.
+            tx.rollback().await?;
+            return Ok(Once::RolledBack(bad));
+        }
+    };
+    if !open.attempt.is_empty() {
+        tx.execute(
+            sql("UPDATE payment_attempts a SET last_error = u.why, \
+                        provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
+                        lookups = a.lookups + 1, \
+                        next_check_at = now() + make_interval(secs => COALESCE(u.delay, \
+                            least($6 * power(2, least(a.lookups, 12)), 3600))), \
+                        first_sent_at = CASE WHEN u.unsent THEN NULL ELSE a.first_sent_at END \
+                 FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[]) \
+                      AS u(id, why, intent, delay, unsent) \
+                 WHERE a.id = u.id AND a.provider_status IN ('unknown', 'processing')")
+            .bind(open.attempt)
+            .bind(open.why)
+            .bind(open.intent)
+            .bind(open.delay)
+            .bind(open.unsent)
+            .bind(backoff),
+        )
+        .await?;
+    }
+    if !open.release.is_empty() {
+        let (ids, by): (Vec<i64>, Vec<String>) = open.release.into_iter().unzip();
+        tx.execute(
+            sql("UPDATE invoices i SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 FROM unnest($1::bigint[], $2::text[]) AS u(id, claimed_by) \
+                 WHERE i.id = u.id AND i.auto_charge_claimed_by = u.claimed_by")
+            .bind(ids)
+            .bind(by),
+        )
+        .await?;
+    }
+    // The effects of the rows that won, each kind with one statement.
+    let mut payloads: Vec<(&str, &'static str, String)> = Vec::new();
+    let mut emails: Vec<(&str, email_outbox::Email)> = Vec::new();
+    for (s, a) in answers {
+        if !won.contains(&s.attempt_id) {
+            continue;
+        }
+        let c = &s.claim;
+        let tenant = c.tenant_id.as_str();
+        match a {
+            Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
+                payloads.push((tenant, "invoice.paid", paid_payload(c, payment_intent)));
+                let pi = Some(payment_intent.as_str());
+                payloads.push((
+                    tenant,
+                    "payment.succeeded",
+                    payment_payload(c, s.attempt_seq, pi, None),
+                ));
+                emails.push((tenant, receipt(c, how.email_from)));
+            }
+            Answer::Called(ChargeOutcome::Declined {
+                code,
+                payment_intent,
+            }) => {
+                let pi = payment_intent.as_deref();
+                payloads.push((
+                    tenant,
+                    "payment.failed",
+                    payment_payload(c, s.attempt_seq, pi, Some(code)),
+                ));
+                emails.push((tenant, failed_email(c, code, how.email_from)));
+            }
+            Answer::Called(
+                ChargeOutcome::Invalid { reason } | ChargeOutcome::NeedsReview { reason, .. },
+            ) => {
+                warn!(invoice = c.invoice_id, attempt = s.attempt_id, reason = %reason, "payment attempt needs an operator's review (hardcount billing review)");
+            }
+            _ => {}
+        }
+    }
+    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+        .iter()
+        .map(|(t, e, p)| (*t, *e, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(&mut tx, &events).await?;
+    let emails: Vec<(&str, &email_outbox::Email)> = emails.iter().map(|(t, e)| (*t, e)).collect();
+    // A receipt the outbox refuses (an address it cannot send to) is
+    // recorded failed with its reason; the settle commits (docs/adr/0027).
+    email_outbox::enqueue_many_or_record(&mut tx, &emails, how.telemetry).await?;
+    tx.commit().await?;
+    let lost: Vec<i64> = answers
+        .iter()
+        .filter(|(s, a)| resolution(a).is_some() && !won.contains(&s.attempt_id))
+        .map(|(s, _)| s.attempt_id)
+        .collect();
+    Ok(Once::Committed(lost))
+}
+
+/// The attempts whose invoice and attempt were both written; `Err` with the
+/// attempts whose invoice was written but whose attempt was not.
+fn won_pairs(row: &db::PgRow, cols: &Cols) -> Result<Result<HashSet<i64>, Vec<i64>>, db::Error> {
+    let invoices: HashSet<i64> = row
+        .try_get::<Vec<i64>, _>("invoices")?
+        .into_iter()
+        .collect();
+    let attempts: HashSet<i64> = row
+        .try_get::<Vec<i64>, _>("attempts")?
+        .into_iter()
+        .collect();
+    let mut bad = Vec::new();
+    for (inv, att) in cols.invoice.iter().zip(&cols.attempt) {
+        if invoices.contains(inv) && !attempts.contains(att) {
+            bad.push(*att);
+        }
+    }
+    Ok(if bad.is_empty() {
+        Ok(attempts)
+    } else {
+        Err(bad)
+    })
+}

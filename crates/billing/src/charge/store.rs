@@ -1,0 +1,174 @@
+//! Auto-charge's SQL: the fenced claim of open automatic invoices never
+//! attempted (a conditional UPDATE sets each one's lease) and their attempts.
+
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use leader::Fence;
+
+/// An open automatic invoice this worker holds the auto-charge claim of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeClaim {
+    pub invoice_id: i64,
+    pub tenant_id: String,
+    pub subscription_id: i64,
+    /// Integer minor units.
+    pub amount: i64,
+    pub currency: String,
+    pub email: String,
+    /// `cus_…`
+    pub provider_customer: String,
+    /// `pm_…`
+    pub payment_method: String,
+    /// This claim's identity, written to `auto_charge_claimed_by`.
+    pub claimed_by: String,
+    /// `INV-000123`; `None` for invoices made before numbering.
+    pub number: Option<String>,
+    /// The tenant's sender (`tenant_settings.email_from`), when it names one.
+    pub email_from: Option<String>,
+}
+
+impl ChargeClaim {
+    /// The invoice as people read it: its number, else its id.
+    pub fn label(&self) -> String {
+        self.number
+            .clone()
+            .unwrap_or_else(|| self.invoice_id.to_string())
+    }
+}
+
+/// The fenced auto-charge funnel: up to `limit` open automatic invoices that
+/// have never been attempted, whose customer has a saved card and whose
+/// subscription's collection is not paused, and whose claim lease is free or
+/// expired; each taken by the conditional UPDATE that sets the lease.
+///
+/// The lease predicate sits in the locking subquery: a row a concurrent claim
+/// just took is re-checked after its lock and left alone.
+pub(crate) async fn claim_charges(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+    statement_timeout: Duration,
+) -> Result<Vec<ChargeClaim>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
+    tx.commit().await?;
+    Ok(claims)
+}
+
+/// [`claim_charges`] and, in the same transaction, attempt 1 of every
+/// invoice claimed (`batch::start_attempts_in`): the batch's claims and
+/// attempts with two statements. Only a claimed invoice whose attempt was
+/// written is returned; the call may be made for it.
+pub(crate) async fn claim_and_start(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    (lease, instance): (Duration, &str),
+    statement_timeout: Duration,
+) -> Result<Vec<crate::batch::Started>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
+    let attempts: Vec<(ChargeClaim, i32)> = claims
+        .into_iter()
+        .map(|c| (c, crate::charge::AUTO_CHARGE_ATTEMPT))
+        .collect();
+    let started = crate::batch::start_attempts_in(&mut tx, &attempts, instance).await?;
+    tx.commit().await?;
+    Ok(started)
+}
+
+async fn claim_charges_in(
+    tx: &mut db::Tx,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+) -> Result<Vec<ChargeClaim>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = tx
+        .fetch_all(
+            sql(
+                "WITH picked AS ( \
+                   SELECT i.id FROM invoices i \
+                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+                     AND s.pause_collection_behavior IS NULL \
+                     AND c.payment_method_id IS NOT NULL \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
+                     AND leader_fence($1, $2) \
+                   ORDER BY i.id \
+                   LIMIT $3 \
+                   FOR UPDATE OF i SKIP LOCKED \
+                 ), claimed AS ( \
+                   UPDATE invoices i \
+                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+                       auto_charge_claimed_by = $5 \
+                   FROM picked WHERE i.id = picked.id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, i.number \
+                 ) \
+                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, k.number, \
+                        c.email, c.provider_customer_id, c.payment_method_id, \
+                        (SELECT ts.email_from FROM tenant_settings ts \
+                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from \
+                 FROM claimed k \
+                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                 ORDER BY k.id",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit)
+            .bind(lease.as_secs_f64())
+            .bind(claimed_by.to_owned()),
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(ChargeClaim {
+                invoice_id: r.try_get("id")?,
+                tenant_id: r.try_get("tenant_id")?,
+                subscription_id: r.try_get("subscription_id")?,
+                amount: r.try_get("amount")?,
+                currency: r.try_get("currency")?,
+                email: r.try_get("email")?,
+                provider_customer: r.try_get("provider_customer_id")?,
+                payment_method: r.try_get("payment_method_id")?,
+                claimed_by: claimed_by.to_owned(),
+                number: r.try_get("number")?,
+                email_from: r.try_get("tenant_from")?,
+            })
+        })
+        .collect()
+}
+
+/// Record attempt `attempt_seq` (as `unknown`, before the call) if the claim
+/// still holds the invoice, under the key of `instance`. `None`: the claim
+/// was lost or the attempt exists.
+pub(crate) async fn start_attempt(
+    db: &Db,
+    claim: &ChargeClaim,
+    attempt_seq: i32,
+    instance: &str,
+    statement_timeout: Duration,
+) -> Result<Option<crate::batch::Started>, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let started =
+        crate::batch::start_attempts_in(&mut tx, &[(claim.clone(), attempt_seq)], instance).await?;
+    tx.commit().await?;
+    Ok(started.into_iter().next())
+}
+
+/// How a charge's answer was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Written,
+    /// The claim no longer holds the invoice, or the attempt was settled by
+    /// someone else: nothing written (the reconciler settles the attempt).
+    Lost,
+}

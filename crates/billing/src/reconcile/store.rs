@@ -1,0 +1,194 @@
+//! The payment reconciler's SQL: the fenced claim of open attempts, the
+//! stamps of what was checked, and the stale-hold sweep.
+
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use leader::Fence;
+
+use crate::charge::store::ChargeClaim;
+
+/// An attempt still open (unknown or processing), with the claim the
+/// reconciler took on its invoice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UnknownAttempt {
+    pub attempt_id: i64,
+    pub attempt_seq: i32,
+    pub idempotency_key: String,
+    /// The PaymentIntent an earlier answer named: read by id.
+    pub payment_intent: Option<String>,
+    /// The key is certainly alive at the provider (first sent within the
+    /// resend window, on the database clock), or no request of it executed.
+    pub resend_ok: bool,
+    /// Unix seconds from which the customer's intents are listed.
+    pub listed_since: i64,
+    /// Amount, currency, customer and card as the attempt was sent.
+    pub claim: ChargeClaim,
+}
+
+/// The fenced reconciler funnel: up to `limit` open attempts (unknown or
+/// processing) of open invoices not flagged for review, whose auto-charge
+/// claim is free or expired (so no call of theirs can still be in flight) and
+/// whose next look is due, least recently checked first, only the earliest
+/// open attempt of an invoice; each invoice taken under a fresh claim lease by
+/// the same conditional UPDATE auto-charge uses. An attempt whose key no
+/// request executed (`first_sent_at` NULL: recorded, then never sent because
+/// the budget ran out or the tick was cancelled) is listed only while its
+/// invoice is still chargeable (the subscription active, its collection not
+/// paused; the invoice open and not flagged), and is stamped as sent now,
+/// since the reconciler may send it.
+pub(crate) async fn claim_unknown(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    except: &[i64],
+    claimed_by: &str,
+    (lease, resend_window): (Duration, Duration),
+    statement_timeout: Duration,
+) -> Result<Vec<UnknownAttempt>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql(
+                "WITH picked AS ( \
+                   SELECT a.id AS attempt_id, i.id, \
+                          (a.first_sent_at IS NULL \
+                           OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
+                   FROM payment_attempts a \
+                   JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
+                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   WHERE a.provider_status IN ('unknown', 'processing') AND i.status = 'open' \
+                     AND i.review_since IS NULL \
+                     AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
+                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+                     AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
+                     AND (a.first_sent_at IS NOT NULL \
+                          OR (s.status = 'active' AND s.pause_collection_behavior IS NULL)) \
+                     AND a.id <> ALL ($6) \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
+                                     WHERE e.invoice_id = a.invoice_id \
+                                       AND e.provider_status IN ('unknown', 'processing') \
+                                       AND e.attempt_seq < a.attempt_seq) \
+                     AND leader_fence($1, $2) \
+                   ORDER BY a.last_checked_at NULLS FIRST, a.id \
+                   LIMIT $3 \
+                   FOR UPDATE OF i SKIP LOCKED \
+                 ), claimed AS ( \
+                   UPDATE invoices i \
+                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+                       auto_charge_claimed_by = $5 \
+                   FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.number \
+                 ), sent AS ( \
+                   UPDATE payment_attempts a SET first_sent_at = now() \
+                   FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
+                 ) \
+                 SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
+                        a.provider_payment_intent, p.resend_ok, \
+                        (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
+                        k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
+                        (SELECT ts.email_from FROM tenant_settings ts \
+                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
+                        COALESCE(a.provider_customer_id, c.provider_customer_id) AS customer, \
+                        COALESCE(a.payment_method_id, c.payment_method_id) AS card \
+                 FROM claimed k \
+                 JOIN picked p ON p.id = k.id \
+                 JOIN payment_attempts a ON a.id = p.attempt_id \
+                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                 ORDER BY a.last_checked_at NULLS FIRST, a.id",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit)
+            .bind(lease.as_secs_f64())
+            .bind(claimed_by.to_owned())
+            .bind(except.to_vec())
+            .bind(resend_window.as_secs_f64()),
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| {
+            Ok(UnknownAttempt {
+                attempt_id: r.try_get("attempt_id")?,
+                attempt_seq: r.try_get("attempt_seq")?,
+                idempotency_key: r.try_get("idempotency_key")?,
+                payment_intent: r.try_get("provider_payment_intent")?,
+                resend_ok: r.try_get("resend_ok")?,
+                listed_since: r.try_get("listed_since")?,
+                claim: ChargeClaim {
+                    invoice_id: r.try_get("id")?,
+                    tenant_id: r.try_get("tenant_id")?,
+                    subscription_id: r.try_get("subscription_id")?,
+                    amount: r.try_get("amount")?,
+                    currency: r.try_get("currency")?,
+                    email: r.try_get("email")?,
+                    provider_customer: r.try_get("customer")?,
+                    payment_method: r.try_get("card")?,
+                    claimed_by: claimed_by.to_owned(),
+                    number: r.try_get("number")?,
+                    email_from: r.try_get("tenant_from")?,
+                },
+            })
+        })
+        .collect()
+}
+
+/// After the unknown-outcome checks of a batch: stamp every checked attempt
+/// (settled, still unknown, or whose check panicked) so it goes to the back
+/// of the sweep, and give back the claims the checks still hold.
+pub(crate) async fn stamp_checked(
+    db: &Db,
+    attempt_ids: &[i64],
+    invoice_ids: &[i64],
+    claimed_by: &str,
+    statement_timeout: Duration,
+) -> Result<(), db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    tx.execute(
+        sql("UPDATE payment_attempts SET last_checked_at = now() WHERE id = ANY($1)")
+            .bind(attempt_ids.to_vec()),
+    )
+    .await?;
+    tx.execute(
+        sql(
+            "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+             WHERE id = ANY($1) AND auto_charge_claimed_by = $2",
+        )
+        .bind(invoice_ids.to_vec())
+        .bind(claimed_by.to_owned()),
+    )
+    .await?;
+    tx.commit().await
+}
+
+/// The stale-hold sweep, fenced: free up to `limit` auto-charge claims past
+/// their expiry, the longest expired first. One statement; a freed row
+/// leaves the sweep, so no row can hold up the ones behind it.
+pub(crate) async fn free_stale_holds(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+                 WHERE id IN (SELECT id FROM invoices \
+                              WHERE auto_charge_claimed_until <= now() AND leader_fence($1, $2) \
+                              ORDER BY auto_charge_claimed_until, id LIMIT $3 \
+                              FOR UPDATE SKIP LOCKED) \
+                   AND auto_charge_claimed_until <= now()")
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(limit),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
