@@ -2,14 +2,14 @@
 //! once, charged once, and each run ended by its final action once.
 //!
 //! ```text
-//!  dunning tick (leader only)
+//!  dunning tick (leader only)                                             tick.rs
 //!  ──────────────────────────────────────────────────────────────────────────────
 //!  1. enrol (fenced, one transaction)   open automatic invoices whose latest
 //!       payment attempt billing recorded as declined, with no run yet, of a
 //!       tenant whose default policy passes the offsets check
 //!       → a run with the tenant's default policy (ON CONFLICT (invoice) DO NOTHING;
 //!         the built-in default policy is created for a tenant without one)
-//!       + dunning.started
+//!       + dunning.started                                                enrol.rs
 //!  2. list ≤ batch runs (fenced)        active and due, or exhausted with the final
 //!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED;
 //!       per row: not_chargeable (no payment method, or a hard decline on the
@@ -18,16 +18,18 @@
 //!       expressions, repeated), the tenant's sender
 //!       left out, logged with the run and counted: a policy failing the checks
 //!       (tenant and policy named), a row that does not decode (even by a panic)
-//!  per batch (docs/adr/0017):
+//!                                                                      listing.rs
+//!  per batch (docs/adr/0017), split by tick.rs:
 //!     exhausted, or invoice not open ─▶ final action / run recovered (paid) or
 //!                      stopped, no charge; each its own transaction, under the guard
+//!                      (final_action/, outcomes.rs)
 //!     not chargeable ─▶ ONE transaction, no provider call, no payment.failed:
 //!                attempt_count = n + 1, next attempt from the policy (or exhausted)
 //!                WHERE attempt_count = n AND invoice open
 //!                  AND the customer's payment method is still the one listed
 //!                + dunning.retry_skipped (+ warning) / dunning.exhausted
-//!                then the final action step of each exhausted run
-//!     ONE transaction for the others:
+//!                then the final action step of each exhausted run  not_attempted.rs
+//!     ONE transaction for the others:                                   charge.rs
 //!       record:  attempt_count = n + 1, next_attempt_at = now() + hold
 //!                WHERE status = 'active' AND attempt_count = n  (per row, one
 //!                UPDATE … FROM unnest)                        lost ─▶ nothing
@@ -49,11 +51,15 @@
 //!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold
 //!     that transaction failed ─▶ each run's transition in its own transaction;
 //!                a run whose own fails too is rewound (by its hold)
-//!  final action step (one transaction): final_action_at stamped only if unset,
+//!                (the writes of the outcomes: outcomes.rs)
+//!  final action step (one transaction; per run, or the batch's exhausted runs
+//!     together, then per run on an error)                     final_action/mod.rs
+//!     final_action_at stamped only if unset,
 //!     then by a conditional write:
 //!       cancel_subscription  subscription → canceled      + subscription.canceled
 //!       mark_uncollectible   invoice → uncollectible + invoice.marked_uncollectible
 //!       pause_collection     subscription row locked, then (docs/design.md §4.3):
+//!                                                           final_action/pause.rs
 //!           dunning's pause in force ─▶ already held, nothing
 //!           a pause lifted (resumes_at ≤ now) ─▶ cleared by CAS on it
 //!                                   + subscription.collection_resumed, then ↓
@@ -108,24 +114,51 @@
 //!   not parse is replaced by the configured one; an email the outbox would
 //!   still refuse is dropped, logged and counted, and the transition commits.
 //!
-//! Modules: `config` (defaults and validation), [`policy`] (pure: schedules,
-//! final actions, pause behaviours), `notices` (pure: the customer's emails
-//! and their sender), `store` (all of dunning's SQL, including the final
-//! action's pause rules), `tick` ([`Dunner`]: the batch's plan, its
-//! transactions and their fallback, the driver's implementation). The charge
-//! itself is billing's (`billing::Biller::start_retries_in` /
+//! Modules, each step with its SQL, each using only those listed before it
+//! (no import circle):
+//!
+//! - [`policy`] (pure: schedules, final actions, pause behaviours) and
+//!   `config` (defaults and validation);
+//! - `run` (types: the listed [`Run`], [`NotChargeable`], what became of a
+//!   run, [`Retry`], and of its final action, [`FinalActed`]);
+//! - `notices` (pure: the customer's emails and their sender);
+//! - `ctx` (the role's handles every step borrows: pool, settings, billing,
+//!   telemetry; an email as the outbox takes it, a run's final notice);
+//! - `enrol` (enrolment and its SQL);
+//! - `listing` (the fenced funnel, its decoding, the bad-row and bad-policy
+//!   skips, [`LeftOut`]);
+//! - `outcomes` (the writes of a retry's outcome: recover, decline or
+//!   exhaust, rewind, stop; batched and one run at a time);
+//! - `final_action` (the per-run and batched final actions; `pause`: the
+//!   pause rules);
+//! - `not_attempted` (retries that cannot be charged, counted without a
+//!   provider call);
+//! - `charge` (the charged path: the count and claim transaction, billing's
+//!   calls, the outcomes' transaction and its one-run-at-a-time fallback);
+//! - `tick` ([`Dunner`]: the tick, the split of a batch among the steps, the
+//!   tally, the driver's implementation).
+//!
+//! The charge itself is billing's (`billing::Biller::start_retries_in` /
 //! `finish_retries`).
 
+mod charge;
 mod config;
+mod ctx;
+mod enrol;
+mod final_action;
+mod listing;
+mod not_attempted;
 mod notices;
+mod outcomes;
 pub mod policy;
-mod store;
+mod run;
 mod tick;
 
 pub use config::{ConfigError, DunningConfig};
+pub use listing::LeftOut;
 pub use policy::{AfterDecline, FinalAction, PauseBehavior, Policy};
-pub use store::{FinalActed, LeftOut, NotChargeable, Run};
-pub use tick::{Dunner, OUTAGE_UNANSWERED, Retry, Tally, TickReport};
+pub use run::{FinalActed, NotChargeable, Retry, Run};
+pub use tick::{Dunner, OUTAGE_UNANSWERED, Tally, TickReport};
 
 /// Errors of the dunning role.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 
 use crate::policy::{FinalAction, PauseBehavior};
-use crate::store::{NotChargeable, Run};
+use crate::run::{NotChargeable, Run};
 
 /// The invoice as the customer knows it: its number, or its id before numbers.
 fn invoice(run: &Run) -> String {

@@ -18,7 +18,7 @@ const CALL: Duration = Duration::from_secs(5);
 /// token, while the new leader's funnel lists the due run.
 ///
 /// Mutation check: `dunning_funnel_fence` (removing `AND leader_fence($1, $2)`
-/// from `store::list_due`) makes the old token list the run; seen failing
+/// from `listing::list_due`) makes the old token list the run; seen failing
 /// under it.
 #[tokio::test]
 async fn a_stale_token_lists_and_enrols_nothing_after_a_takeover() {
@@ -64,7 +64,7 @@ async fn a_stale_token_lists_and_enrols_nothing_after_a_takeover() {
 /// again from its listing and writes nothing.
 ///
 /// Mutation check: `dunning_attempt_cas` (removing `AND r.attempt_count =
-/// u.expected` from `store::record_attempts_in`) lets both count an attempt;
+/// u.expected` from `charge::record_attempts_in`) lets both count an attempt;
 /// seen failing under it.
 #[tokio::test]
 async fn a_stale_leader_and_the_new_leader_retry_the_same_run_once() {

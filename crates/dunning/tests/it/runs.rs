@@ -302,7 +302,7 @@ async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
 /// charges it. The payment-failed email asks for a new payment method.
 ///
 /// Mutation check: `held_declines` (drop the held-decline clause from
-/// `store::list_due`) and the second tick charges the stolen card again;
+/// `listing::list_due`) and the second tick charges the stolen card again;
 /// seen failing under it.
 #[tokio::test]
 async fn a_hard_decline_waits_for_a_new_payment_method() {

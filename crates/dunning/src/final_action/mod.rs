@@ -1,0 +1,316 @@
+//! The final action of an exhausted run, once: per run (its own
+//! transaction) and for the runs a batch just exhausted (one transaction, a
+//! per-run fallback). The step stamps the run first (`final_action_at`, only
+//! if unset), then writes the write-off, the cancel (billing's) or the pause
+//! ([`pause`]: the pause rules) by a conditional write; its events and the
+//! final notice are queued only if it changed a row.
+
+mod pause;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+use leader::Role;
+use tracing::warn;
+
+use crate::Error;
+use crate::ctx::Ctx;
+use crate::policy::FinalAction;
+use crate::run::{FinalActed, Outcome, Retry, Run};
+
+/// Final actions of a batch run at once, each its own transaction.
+pub const FINAL_ACTIONS_AT_ONCE: usize = 8;
+
+/// The final actions of runs just exhausted: all in one transaction
+/// ([`final_actions`]); on an error or a panic, [`exhausted`] for each run,
+/// [`FINAL_ACTIONS_AT_ONCE`] at a time (a group waits for its slowest): each
+/// final action is its own short transaction on its own subscription's row
+/// (two on one subscription wait on its lock).
+pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(i64, Outcome)> {
+    if runs.is_empty() {
+        return Vec::new();
+    }
+    // First all in one transaction; on an error or a panic, each on its own.
+    let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
+    let step = format!("dunning/final actions of {} runs", runs.len());
+    let batch = scheduler::catch(step, async {
+        let items: Vec<(&Run, Option<email_outbox::Email>)> = runs
+            .iter()
+            .map(|(run, _)| (*run, ctx.final_notice(run)))
+            .collect();
+        final_actions(db, &ctx.biller, &items, timeout).await
+    })
+    .await;
+    match batch {
+        Ok(Ok(acted)) => {
+            return runs
+                .into_iter()
+                .zip(acted)
+                .map(|((run, code), final_action)| {
+                    count_exhaustion(ctx, run);
+                    (
+                        run.id,
+                        Some(Ok(Ok(Retry::Exhausted { code, final_action }))),
+                    )
+                })
+                .collect();
+        }
+        Ok(Err(e)) => {
+            warn!(role = %Role::Dunning, error = %e, runs = runs.len(), "final actions of the batch not written together; each on its own")
+        }
+        Err(_) => {
+            warn!(role = %Role::Dunning, runs = runs.len(), "final actions of the batch panicked together; each on its own")
+        }
+    }
+    let mut done = Vec::with_capacity(runs.len());
+    for chunk in runs.chunks(FINAL_ACTIONS_AT_ONCE) {
+        let mut acting = Vec::with_capacity(chunk.len());
+        for (run, code) in chunk {
+            acting.push(exhausted(ctx, run, code.clone()));
+        }
+        let results = futures::future::join_all(acting).await;
+        for ((run, _), r) in chunk.iter().zip(results) {
+            done.push((run.id, Some(r)));
+        }
+    }
+    done
+}
+
+fn count_exhaustion(ctx: &Ctx, run: &Run) {
+    let action = run.policy.final_action.as_str();
+    ctx.telemetry
+        .counter(
+            "hardcount_dunning_exhaustions_total",
+            &[("final_action", action)],
+        )
+        .increment(1);
+}
+
+/// A run just exhausted: counted, and its final action's step run under
+/// the guard (stamped once; a crash before it is finished by the next
+/// tick's funnel).
+async fn exhausted(
+    ctx: &Ctx,
+    run: &Run,
+    code: String,
+) -> Result<Result<Retry, Error>, scheduler::Payload> {
+    count_exhaustion(ctx, run);
+    let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+    let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
+    scheduler::catch(step, async {
+        let notice = ctx.final_notice(run);
+        let final_action = final_action(db, &ctx.biller, run, notice, timeout).await?;
+        Ok(Retry::Exhausted { code, final_action })
+    })
+    .await
+}
+
+/// The final-action step of an exhausted run, one transaction: first the
+/// run's stamp (`final_action_at`, only if unset: one step per run), then the
+/// action itself by a conditional write; its events and `notice` (the final
+/// notice, if the policy sends one) are queued only if it changed a row.
+pub(crate) async fn final_action(
+    db: &Db,
+    biller: &billing::Biller,
+    run: &Run,
+    notice: Option<email_outbox::Email>,
+    statement_timeout: Duration,
+) -> Result<FinalActed, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let stamped = tx
+        .execute(
+            sql(
+                "UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
+                 WHERE id = $1 AND status = 'exhausted' AND final_action_at IS NULL",
+            )
+            .bind(run.id),
+        )
+        .await?;
+    if stamped != 1 {
+        tx.rollback().await?;
+        return Ok(FinalActed::Lost);
+    }
+    // Billing's cancel writes its own events.
+    let mut changed = false;
+    let events = match run.policy.final_action {
+        FinalAction::PauseCollection => match pause::pause(&mut tx, run).await? {
+            Some(events) => events,
+            None => {
+                tx.rollback().await?;
+                return Ok(FinalActed::Lost);
+            }
+        },
+        FinalAction::CancelSubscription => {
+            // Only while the invoice is still open; then billing's cancel in
+            // this transaction: the used part of the period invoiced pro rata
+            // (unless the tenant says not to) and `subscription.canceled`,
+            // written by billing's one writer of invoices (docs/adr/0025).
+            let open = tx
+                .fetch_optional(
+                    sql("SELECT 1 FROM invoices WHERE id = $1 AND status = 'open' FOR UPDATE")
+                        .bind(run.invoice_id),
+                )
+                .await?
+                .is_some();
+            if open
+                && biller
+                    .cancel_now_in(&mut tx, &run.tenant_id, run.subscription_id)
+                    .await?
+                    .is_some()
+            {
+                changed = true;
+            }
+            Vec::new()
+        }
+        FinalAction::MarkUncollectible => {
+            let written = tx
+                .execute(
+                    sql(
+                        "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                         WHERE id = $1 AND status = 'open'",
+                    )
+                    .bind(run.invoice_id),
+                )
+                .await?;
+            let event = serde_json::json!({"object": "invoice", "id": run.invoice_id,
+                                           "subscription": run.subscription_id,
+                                           "status": "uncollectible", "dunning_run": run.id});
+            if written == 1 {
+                vec![("invoice.marked_uncollectible", event)]
+            } else {
+                Vec::new()
+            }
+        }
+    };
+    let acted = if events.is_empty() && !changed {
+        FinalActed::NothingToDo
+    } else {
+        for (event_type, object) in &events {
+            webhook_outbox::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string())
+                .await?;
+        }
+        if let Some(notice) = notice {
+            email_outbox::enqueue(&mut tx, &run.tenant_id, &notice).await?;
+        }
+        FinalActed::Written
+    };
+    tx.commit().await?;
+    Ok(acted)
+}
+
+/// The final actions of runs a batch just exhausted, in one transaction and
+/// a handful of statements, with the rules of [`final_action`]: each run
+/// stamped once; write-offs by one conditional UPDATE; pauses by one locking
+/// read of their subscriptions (in id order), then the lifted pauses cleared
+/// and dunning's pause written by compare-and-set on what was read, one
+/// statement each; cancels through billing's cancel in the same
+/// transaction; the events and final notices of the runs whose action
+/// changed something, one statement each. On an error nothing is written
+/// and the caller runs [`final_action`] per run.
+async fn final_actions(
+    db: &Db,
+    biller: &billing::Biller,
+    runs: &[(&Run, Option<email_outbox::Email>)],
+    statement_timeout: Duration,
+) -> Result<Vec<FinalActed>, Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let ids: Vec<i64> = runs.iter().map(|(r, _)| r.id).collect();
+    let stamped: HashSet<i64> = tx
+        .fetch_all(
+            sql(
+                "UPDATE dunning_runs SET final_action_at = now(), updated_at = now() \
+                 WHERE id = ANY($1) AND status = 'exhausted' AND final_action_at IS NULL \
+                 RETURNING id",
+            )
+            .bind(ids),
+        )
+        .await?
+        .iter()
+        .map(|r| r.try_get::<i64, _>("id"))
+        .collect::<Result<_, _>>()
+        .map_err(db::Error::from)?;
+    let mut changed: HashMap<i64, Vec<(&'static str, serde_json::Value)>> = HashMap::new();
+    let of = |action: FinalAction| -> Vec<&Run> {
+        runs.iter()
+            .map(|(r, _)| *r)
+            .filter(|r| stamped.contains(&r.id) && r.policy.final_action == action)
+            .collect()
+    };
+    // Write-offs.
+    let writes_off = of(FinalAction::MarkUncollectible);
+    if !writes_off.is_empty() {
+        let rows = tx
+            .fetch_all(
+                sql(
+                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
+                     WHERE id = ANY($1) AND status = 'open' RETURNING id",
+                )
+                .bind(writes_off.iter().map(|r| r.invoice_id).collect::<Vec<_>>()),
+            )
+            .await?;
+        for row in &rows {
+            let invoice: i64 = row.try_get("id").map_err(db::Error::from)?;
+            for r in writes_off.iter().filter(|r| r.invoice_id == invoice) {
+                let event = serde_json::json!({"object": "invoice", "id": invoice,
+                                               "subscription": r.subscription_id,
+                                               "status": "uncollectible", "dunning_run": r.id});
+                changed.insert(r.id, vec![("invoice.marked_uncollectible", event)]);
+            }
+        }
+    }
+    // Pauses.
+    for (run, events) in pause::pauses(&mut tx, &of(FinalAction::PauseCollection)).await? {
+        changed.insert(run, events);
+    }
+    // Cancels, through billing's one writer of invoices.
+    for r in of(FinalAction::CancelSubscription) {
+        let open = tx
+            .fetch_optional(
+                sql("SELECT 1 FROM invoices WHERE id = $1 AND status = 'open' FOR UPDATE")
+                    .bind(r.invoice_id),
+            )
+            .await?
+            .is_some();
+        if open
+            && biller
+                .cancel_now_in(&mut tx, &r.tenant_id, r.subscription_id)
+                .await?
+                .is_some()
+        {
+            changed.insert(r.id, Vec::new());
+        }
+    }
+    let events: Vec<(String, &'static str, String)> = runs
+        .iter()
+        .filter_map(|(r, _)| changed.get(&r.id).map(|e| (r, e)))
+        .flat_map(|(r, e)| {
+            e.iter()
+                .map(|(kind, object)| (r.tenant_id.clone(), *kind, object.to_string()))
+        })
+        .collect();
+    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+        .iter()
+        .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(&mut tx, &refs).await?;
+    let notices: Vec<(&str, &email_outbox::Email)> = runs
+        .iter()
+        .filter(|(r, _)| changed.contains_key(&r.id))
+        .filter_map(|(r, n)| n.as_ref().map(|n| (r.tenant_id.as_str(), n)))
+        .collect();
+    email_outbox::enqueue_many(&mut tx, &notices).await?;
+    tx.commit().await?;
+    Ok(runs
+        .iter()
+        .map(|(r, _)| {
+            if !stamped.contains(&r.id) {
+                FinalActed::Lost
+            } else if changed.contains_key(&r.id) {
+                FinalActed::Written
+            } else {
+                FinalActed::NothingToDo
+            }
+        })
+        .collect())
+}

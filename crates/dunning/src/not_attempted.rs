@@ -1,0 +1,212 @@
+//! Retries not attempted (docs/adr/0026): a due retry that cannot be charged
+//! (no payment method, or a hard decline on the payment method the customer
+//! still has) is counted without a provider call, so the run reaches its
+//! final action on time; a payment method added before the count is charged
+//! instead.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use db::{Row, Tx, sql};
+use leader::Role;
+use tracing::warn;
+
+use crate::Error;
+use crate::ctx::Ctx;
+use crate::final_action;
+use crate::notices::{not_attempted, sender};
+use crate::outcomes::payload;
+use crate::policy::AfterDecline;
+use crate::run::{NotChargeable, Outcome, Retry, Run};
+
+/// Due retries that cannot be charged (no payment method, or a hard
+/// decline on the payment method the customer still has): per run, under
+/// the guard, the next retry from the policy (or exhaustion) and the
+/// warning; then ONE transaction counts them all by the attempt
+/// compare-and-set ([`not_attempted_in`]); then each exhausted run's
+/// final action. No provider call.
+pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
+    let c = &ctx.config;
+    let t = &ctx.telemetry;
+    let mut exhausted: Vec<(&Run, String)> = Vec::new();
+    let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
+    let mut rows: Vec<NotAttempted<'_>> = Vec::new();
+    for run in &runs {
+        let Some(why) = run.not_chargeable else {
+            continue;
+        };
+        let attempt = run.attempt_count + 1;
+        let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+        let prepared = scheduler::catch(step, async {
+            match run.policy.after_decline(run.first_declined_at, attempt) {
+                AfterDecline::Next { at } => {
+                    let from = sender(run, &c.email_from);
+                    let email = run
+                        .policy
+                        .warns_after(attempt)
+                        .then(|| not_attempted(run, from, why, at));
+                    (Some(at), email)
+                }
+                AfterDecline::Exhausted => (None, None),
+            }
+        })
+        .await;
+        match prepared {
+            Ok((next, email)) => rows.push(NotAttempted {
+                run,
+                why,
+                next,
+                email: ctx.sendable(run, email),
+            }),
+            Err(payload) => {
+                out.insert(run.id, Some(Err(payload)));
+            }
+        }
+    }
+    let counted = async {
+        let mut tx = ctx.db.begin_with_timeout(c.statement_timeout).await?;
+        let won = not_attempted_in(&mut tx, &rows).await?;
+        tx.commit().await?;
+        Ok::<_, Error>(won)
+    };
+    match counted.await {
+        Err(e) => {
+            // Rolled back: nothing counted, the runs are as listed.
+            warn!(role = %Role::Dunning, error = %e, runs = rows.len(), "retries not attempted were not counted");
+            let why = e.to_string();
+            for n in &rows {
+                let e = Error::NotCounted(why.clone());
+                out.insert(n.run.id, Some(Ok(Err(e))));
+            }
+        }
+        Ok(won) => {
+            for n in rows {
+                let id = n.run.id;
+                if !won.contains(&id) {
+                    out.insert(id, Some(Ok(Ok(Retry::Lost))));
+                    continue;
+                }
+                t.counter(
+                    "hardcount_dunning_attempts_total",
+                    &[("outcome", "not_attempted")],
+                )
+                .increment(1);
+                match n.next {
+                    Some(_) => {
+                        out.insert(id, Some(Ok(Ok(Retry::NotAttempted { why: n.why }))));
+                    }
+                    None => exhausted.push((n.run, n.why.as_str().to_owned())),
+                }
+            }
+        }
+    }
+    out.extend(final_action::all_exhausted(ctx, exhausted).await);
+    runs.into_iter()
+        .map(|run| {
+            let outcome = out.remove(&run.id).unwrap_or(None);
+            (run, outcome)
+        })
+        .collect()
+}
+
+/// A due retry that cannot be charged, as [`not_attempted_in`] counts it.
+struct NotAttempted<'a> {
+    pub run: &'a Run,
+    pub why: NotChargeable,
+    /// The next retry; `None`: this was the last, the run is exhausted.
+    pub next: Option<DateTime<Utc>>,
+    /// The warning, if the policy warns after this retry.
+    pub email: Option<email_outbox::Email>,
+}
+
+/// Count due retries that cannot be charged, one statement in the caller's
+/// transaction: per run, by the attempt compare-and-set (the count as
+/// listed), only while the invoice is open and the customer's payment method
+/// is still the one listed (a method added since is charged instead): the
+/// count advances and the next retry is scheduled, or the run is exhausted.
+/// Then `dunning.retry_skipped` / `dunning.exhausted` and the warnings of the
+/// runs that changed. No provider call, no `payment.failed`. Returns the runs
+/// that changed (an exhausted one owes its final action).
+async fn not_attempted_in(tx: &mut Tx, rows: &[NotAttempted<'_>]) -> Result<HashSet<i64>, Error> {
+    if rows.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut rows: Vec<&NotAttempted<'_>> = rows.iter().collect();
+    rows.sort_by_key(|n| n.run.id);
+    let changed = tx
+        .fetch_all(
+            sql("UPDATE dunning_runs r \
+                 SET attempt_count = r.attempt_count + 1, \
+                     next_attempt_at = COALESCE(u.next, now()), \
+                     status = CASE WHEN u.next IS NULL THEN 'exhausted' ELSE 'active' END, \
+                     ended_at = CASE WHEN u.next IS NULL THEN now() END, \
+                     updated_at = now() \
+                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[]) \
+                      AS u(id, expected, next, payment_method), \
+                      invoices i, subscriptions s, customers c \
+                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.expected \
+                   AND i.tenant_id = r.tenant_id AND i.id = r.invoice_id AND i.status = 'open' \
+                   AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   AND c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   AND c.payment_method_id IS NOT DISTINCT FROM u.payment_method \
+                 RETURNING r.id")
+            .bind(rows.iter().map(|n| n.run.id).collect::<Vec<_>>())
+            .bind(rows.iter().map(|n| n.run.attempt_count).collect::<Vec<_>>())
+            .bind(rows.iter().map(|n| n.next).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|n| n.run.payment_method.clone())
+                    .collect::<Vec<_>>(),
+            ),
+        )
+        .await?;
+    let mut won: HashSet<i64> = HashSet::with_capacity(changed.len());
+    for r in &changed {
+        won.insert(r.try_get("id").map_err(db::Error::from)?);
+    }
+    let applied: Vec<&&NotAttempted<'_>> =
+        rows.iter().filter(|n| won.contains(&n.run.id)).collect();
+    let payloads: Vec<(&str, &'static str, String)> = applied
+        .iter()
+        .map(|n| {
+            let (tenant, attempt, why) = (
+                n.run.tenant_id.as_str(),
+                n.run.attempt_count + 1,
+                n.why.as_str(),
+            );
+            match n.next {
+                Some(at) => {
+                    let extra =
+                        serde_json::json!({"reason": why, "next_attempt_at": at.to_rfc3339()});
+                    (
+                        tenant,
+                        "dunning.retry_skipped",
+                        payload(n.run, "active", attempt, extra),
+                    )
+                }
+                None => {
+                    let extra = serde_json::json!({
+                        "reason": why,
+                        "final_action": n.run.policy.final_action.as_str(),
+                    });
+                    (
+                        tenant,
+                        "dunning.exhausted",
+                        payload(n.run, "exhausted", attempt, extra),
+                    )
+                }
+            }
+        })
+        .collect();
+    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+        .iter()
+        .map(|(t, e, p)| (*t, *e, p.as_str()))
+        .collect();
+    webhook_outbox::enqueue_many(tx, &events).await?;
+    let emails: Vec<(&str, &email_outbox::Email)> = applied
+        .iter()
+        .filter_map(|n| n.email.as_ref().map(|e| (n.run.tenant_id.as_str(), e)))
+        .collect();
+    email_outbox::enqueue_many(tx, &emails).await?;
+    Ok(won)
+}
