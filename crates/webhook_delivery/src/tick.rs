@@ -101,8 +101,8 @@ pub(crate) async fn run_tick(
 }
 
 /// The fenced funnel: claim up to `limit` due pending deliveries for one
-/// attempt each (see the crate docs; [`store::claim_due`]). Empty when nothing is due or `fence`
-/// is stale.
+/// attempt each (see the crate docs; [`store::claim_due`]). Empty when
+/// nothing is due or `fence` is stale.
 ///
 /// # Errors
 /// A database error; nothing was claimed.
