@@ -7,8 +7,8 @@ use db::Tx;
 use leader::Telemetry;
 use tracing::warn;
 
-use crate::EnqueueError;
 use crate::email::{Email, Invalid};
+use crate::error::EnqueueError;
 use crate::store::{self, NewRow};
 
 /// [`enqueue`](crate::enqueue) for many emails with one statement; returns how

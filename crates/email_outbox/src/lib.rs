@@ -44,10 +44,31 @@
 //! - **A replaced leader claims nothing**: the claim proves
 //!   `leader_fence('email_outbox', $token)` and takes a [`leader::Fence`].
 //! - **Credentials never reach a log or an error**: `SMTP_URL` is never echoed.
+//!
+//! Modules (no import circle among them; each uses only the ones below it):
+//!
+//! ```text
+//! lib.rs        this overview, enqueue, re-exports
+//! tick.rs       Sender: the driver's implementation for this role, sends and their results
+//! batch.rs      enqueue_many and enqueue_many_or_record: a batch of emails in one statement
+//! send.rs       one send through the pool, turned into a Reply
+//! pool.rs       the SMTP connections: at most max_connections open, reused while healthy
+//! smtp.rs       SMTP_URL, and how one connection is opened from it
+//! failure.rs    why a send got no SMTP answer                        (no SQL, no I/O)
+//! store/        the SQL, a file per step: enqueue.rs (the producers' inserts), claim.rs
+//!               (the fenced claim, takes &Fence), results.rs (the CAS result writes,
+//!               hand-backs), backlog.rs (gauges), columns.rs (what two of them share)
+//! email.rs      Email: validation, the message, Message-ID          (no SQL, no I/O)
+//! verdict.rs    SMTP reply + attempt number -> next state            (no SQL, no I/O)
+//! config.rs     SenderConfig: defaults and validation
+//! error.rs      Error and EnqueueError
+//! ```
 
 mod batch;
 mod config;
 pub mod email;
+mod error;
+mod failure;
 mod pool;
 mod send;
 pub mod smtp;
@@ -65,34 +86,9 @@ pub mod verdict;
 pub use batch::{Enqueued, enqueue_many, enqueue_many_or_record, enqueue_or_record};
 pub use config::{ConfigError, SenderConfig};
 pub use email::{Email, Invalid, MAX_BODY_BYTES, check_sender};
+pub use error::{EnqueueError, Error};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
 pub use tick::{Sender, Tally, TickReport};
-
-/// Why [`enqueue`] refused an email.
-#[derive(Debug, thiserror::Error)]
-pub enum EnqueueError {
-    /// Bad input, naming the field. Nothing was sent to the database; the
-    /// caller's transaction is still usable.
-    #[error(transparent)]
-    Invalid(#[from] Invalid),
-    /// The insert failed, which aborts the caller's transaction: roll it back.
-    #[error("could not enqueue the email: {0}")]
-    Db(#[from] db::Error),
-}
-
-/// Errors of the sender.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Smtp(#[from] SmtpUrlError),
-    #[error("email outbox store: {0}")]
-    Db(#[from] db::Error),
-    /// A send got no SMTP reply at all; the rest of the batch was handed back.
-    #[error("the SMTP server is unreachable; unsent emails were handed back")]
-    Unreachable,
-}
 
 /// Queue `email` for `tenant_id` inside the caller's transaction and return its
 /// id. It is sent only if the caller commits. Its `Message-ID` is fixed here.

@@ -18,20 +18,11 @@ use lettre::transport::smtp::client::AsyncSmtpConnection;
 use lettre::transport::smtp::response::Response;
 use tokio::sync::Semaphore;
 
+use crate::failure::Failure;
 use crate::smtp::Connector;
 
 /// An idle connection older than this is closed instead of reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Why a send got no SMTP answer to its message.
-#[derive(Debug)]
-pub(crate) enum Failure {
-    /// No usable connection: refused, unreachable, a TLS handshake or the
-    /// greeting failed, or nothing answered in time.
-    Connect(String),
-    /// The server answered with an error, or the connection broke mid-send.
-    Smtp(lettre::transport::smtp::Error),
-}
 
 pub(crate) struct Pool {
     connector: Connector,

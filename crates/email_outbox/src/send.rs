@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use crate::email::{Queued, message};
-use crate::pool::{Failure, Pool};
+use crate::failure::Failure;
+use crate::pool::Pool;
 use crate::verdict::Reply;
 
 /// Send `q` once. Never panics on the server's behalf: every failure becomes

@@ -1,5 +1,5 @@
 //! `SMTP_URL` and how one SMTP connection is opened from it (the pool that
-//! keeps them is [`crate::pool`]).
+//! keeps them is `pool.rs`).
 //!
 //! | URL | connection |
 //! |---|---|
@@ -32,7 +32,7 @@ use tokio::net::TcpStream;
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt};
 use url::Url;
 
-use crate::pool::Failure;
+use crate::failure::Failure;
 
 /// How TLS is used on the connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,12 +13,14 @@ use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::config::SenderConfig;
 use crate::email::Queued;
+use crate::error::Error;
 use crate::pool::Pool;
 use crate::smtp::Connector;
+use crate::smtp::SmtpUrl;
 use crate::store::{self, ResultRow};
 use crate::verdict::{Next, Reply, next_state};
-use crate::{Error, SenderConfig, SmtpUrl};
 
 const ROLE: &str = "email_outbox";
 

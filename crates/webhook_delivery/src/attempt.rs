@@ -11,17 +11,17 @@ use tracing::{debug, warn};
 use url::Url;
 
 use crate::breaker::Admit;
-use crate::delivery::{Claimed, Outcome};
+use crate::delivery::Claimed;
 use crate::fairness::{Stalled, Turn};
-use crate::outcomes::{Finished, Step};
+use crate::outcomes::{self, Finished, Step};
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
 use crate::send::{self, Answer, Limits, Request};
 use crate::signature::Secret;
-use crate::store::{self, ClaimedRow, NextState, Observed, OutcomeRow};
+use crate::store::{ClaimedRow, NextState, Observed, OutcomeRow};
 use leader::Role;
 
 use crate::failure::Failure;
-use crate::tick::Worker;
+use crate::shared::Shared;
 use crate::verdict::{self, Heard, Verdict, status_error};
 
 /// A claim whose turn did not come before its batch moved on is held this
@@ -76,285 +76,257 @@ enum Waited {
     Stalled(Duration),
 }
 
-impl Worker {
-    /// One delivery: wait for its turn and send, unless its endpoint's breaker
-    /// is open (held until the breaker lets a trial through). The outcome is
-    /// left to write ([`Step::Write`]) unless it was handed back, held, or was
-    /// a 410 (written at once, with the endpoint disabled in the same
-    /// transaction).
-    ///
-    /// `target` is the endpoint's [`Prepared`] URL and secrets when the batch
-    /// prepared them; without it the attempt prepares its own.
-    pub(crate) async fn attempt(
-        &self,
-        d: Claimed,
-        target: Option<Arc<Prepared>>,
-        start_by: &StartBy,
-    ) -> Attempted {
-        let (id, attempt) = (d.row.id, d.row.attempt);
-        let endpoint = d.row.endpoint_id;
-        let (heard, observed) = if d.row.enabled {
-            let breakers = &self.inner.breakers;
-            if let Some(wait) = breakers.open_for(endpoint, Instant::now()) {
+/// One delivery: wait for its turn and send, unless its endpoint's breaker
+/// is open (held until the breaker lets a trial through). The outcome is
+/// left to write ([`Step::Write`]) unless it was handed back, held, or was
+/// a 410 (written at once, with the endpoint disabled in the same
+/// transaction).
+///
+/// `target` is the endpoint's [`Prepared`] URL and secrets when the batch
+/// prepared them; without it the attempt prepares its own.
+pub(crate) async fn attempt(
+    shared: &Shared,
+    d: Claimed,
+    target: Option<Arc<Prepared>>,
+    start_by: &StartBy,
+) -> Attempted {
+    let (id, attempt) = (d.row.id, d.row.attempt);
+    let endpoint = d.row.endpoint_id;
+    let (heard, observed) = if d.row.enabled {
+        let breakers = &shared.breakers;
+        if let Some(wait) = breakers.open_for(endpoint, Instant::now()) {
+            return Attempted::Hold { id, attempt, wait };
+        }
+        let turn = match wait_turn(shared, &d, start_by).await {
+            Waited::Turn(turn) => turn,
+            Waited::OutOfTime => {
+                return Attempted::Step(Step::Done(outcomes::release(shared, id, attempt).await));
+            }
+            Waited::Busy => {
+                return Attempted::Hold {
+                    id,
+                    attempt,
+                    wait: BUSY_HOLD,
+                };
+            }
+            Waited::Stalled(quiet) => {
+                let timeout = shared.config.request_timeout;
+                let wait = (quiet * 2).clamp(BUSY_HOLD, timeout.max(BUSY_HOLD));
                 return Attempted::Hold { id, attempt, wait };
             }
-            let turn = match self.wait_turn(&d, start_by).await {
-                Waited::Turn(turn) => turn,
-                Waited::OutOfTime => {
-                    return Attempted::Step(Step::Done(self.release(id, attempt).await));
-                }
-                Waited::Busy => {
-                    return Attempted::Hold {
-                        id,
-                        attempt,
-                        wait: BUSY_HOLD,
-                    };
-                }
-                Waited::Stalled(quiet) => {
-                    let timeout = self.inner.config.request_timeout;
-                    let wait = (quiet * 2).clamp(BUSY_HOLD, timeout.max(BUSY_HOLD));
-                    return Attempted::Hold { id, attempt, wait };
-                }
+        };
+        let admitted = breakers.admit(endpoint, Instant::now());
+        if let Admit::Hold(wait) = admitted {
+            return Attempted::Hold { id, attempt, wait };
+        }
+        let target = target.unwrap_or_else(|| Arc::new(prepare(shared, &d.row)));
+        let (heard, observed) = sign_and_post(shared, &d, &target).await;
+        drop(target);
+        drop(turn);
+        let timed_out = observed.error.as_deref() == Some(Failure::Timeout.as_str());
+        if let Some(cooloff) = breakers.record(endpoint, admitted, timed_out, Instant::now()) {
+            warn!(
+                role = %Role::WebhookDelivery,
+                endpoint,
+                tenant = %d.row.tenant_id,
+                cooloff = ?cooloff,
+                "webhook endpoint keeps timing out: circuit breaker open, its deliveries wait"
+            );
+        }
+        (heard, observed)
+    } else {
+        let reason = d
+            .row
+            .disabled_reason
+            .as_deref()
+            .unwrap_or("no reason given");
+        debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, reason, "webhook endpoint disabled; the delivery is dead");
+        let observed = Observed {
+            error: Some(Failure::EndpointDisabled.to_string()),
+            ..Observed::default()
+        };
+        (Heard::EndpointDisabled, observed)
+    };
+    let made = u32::try_from(attempt).unwrap_or(0);
+    let schedule = &shared.config.retry_schedule;
+    let verdict = verdict::verdict(heard, made, schedule, &mut rand::rng());
+    let next = match verdict {
+        Verdict::Delivered => NextState::Delivered,
+        Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
+        Verdict::Dead => NextState::Dead,
+        Verdict::EndpointGone => {
+            let reason = format!("receiver answered 410 Gone to delivery {id}");
+            warn!(
+                role = %Role::WebhookDelivery,
+                delivery = id,
+                endpoint = d.row.endpoint_id,
+                "410 Gone: disabling the webhook endpoint"
+            );
+            let row = OutcomeRow {
+                id,
+                attempt,
+                next: NextState::Dead,
+                observed,
             };
-            let admitted = breakers.admit(endpoint, Instant::now());
-            if let Admit::Hold(wait) = admitted {
-                return Attempted::Hold { id, attempt, wait };
-            }
-            let target = target.unwrap_or_else(|| Arc::new(self.prepare(&d.row)));
-            let (heard, observed) = self.send(&d, &target).await;
-            drop(target);
-            drop(turn);
-            let timed_out = observed.error.as_deref() == Some(Failure::Timeout.as_str());
-            if let Some(cooloff) = breakers.record(endpoint, admitted, timed_out, Instant::now()) {
-                warn!(
-                    role = %Role::WebhookDelivery,
-                    endpoint,
-                    tenant = %d.row.tenant_id,
-                    cooloff = ?cooloff,
-                    "webhook endpoint keeps timing out: circuit breaker open, its deliveries wait"
-                );
-            }
-            (heard, observed)
-        } else {
-            let reason = d
-                .row
-                .disabled_reason
-                .as_deref()
-                .unwrap_or("no reason given");
-            debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, reason, "webhook endpoint disabled; the delivery is dead");
+            let outcome = outcomes::record(shared, row, Some((d.row.endpoint_id, reason))).await;
+            return Attempted::Step(Step::Done(outcome));
+        }
+    };
+    Attempted::Step(Step::Write(Finished {
+        row: OutcomeRow {
+            id,
+            attempt,
+            next,
+            observed,
+        },
+        refused: heard == Heard::Refused,
+    }))
+}
+
+/// Parse `row`'s endpoint URL and open its secrets (in this worker's
+/// memory only). A previous secret that does not open or parse (a key
+/// under 24 bytes, stored before they were refused) is left out: the
+/// deliveries go out signed with the current one.
+pub(crate) fn prepare(shared: &Shared, row: &ClaimedRow) -> Prepared {
+    let keyring = shared.config.secrets.as_ref();
+    let url = Url::parse(&row.url)
+        .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))?;
+    let secret = open_secret(keyring, &row.tenant_id, row.secret.as_ref()).map_err(|e| {
+        (
+            Failure::BadSecret,
+            format!("endpoint secret is unusable: {e}"),
+        )
+    })?;
+    let previous = row.previous_secret.as_ref().and_then(|sealed| {
+        open_secret(keyring, &row.tenant_id, Some(sealed))
+            .inspect_err(|e| {
+                warn!(role = %Role::WebhookDelivery, endpoint = row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
+            })
+            .ok()
+    });
+    Ok(Target {
+        url,
+        secret,
+        previous,
+    })
+}
+
+/// Sign and POST one claimed delivery to its prepared endpoint; what it
+/// heard, and what to keep of it.
+async fn sign_and_post(shared: &Shared, d: &Claimed, target: &Prepared) -> (Heard, Observed) {
+    let id = d.row.id;
+    let observed_started = Instant::now();
+    let Target {
+        url,
+        secret,
+        previous,
+    } = match target {
+        Ok(t) => t,
+        Err((category, error)) => {
+            warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %error, "webhook endpoint unusable");
             let observed = Observed {
-                error: Some(Failure::EndpointDisabled.to_string()),
+                error: Some(category.to_string()),
                 ..Observed::default()
             };
-            (Heard::EndpointDisabled, observed)
-        };
-        let made = u32::try_from(attempt).unwrap_or(0);
-        let schedule = &self.inner.config.retry_schedule;
-        let verdict = verdict::verdict(heard, made, schedule, &mut rand::rng());
-        let next = match verdict {
-            Verdict::Delivered => NextState::Delivered,
-            Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
-            Verdict::Dead => NextState::Dead,
-            Verdict::EndpointGone => {
-                let reason = format!("receiver answered 410 Gone to delivery {id}");
-                warn!(
+            return (Heard::NoAnswer, observed);
+        }
+    };
+    let config = &shared.config;
+    let sent = send::post(
+        &shared.client,
+        Request {
+            url,
+            message_id: &d.row.message_id,
+            secret,
+            previous_secret: previous.as_ref(),
+            body: d.body(),
+        },
+        &Limits {
+            allowlist: &config.allowlist,
+            ports: config.ports,
+            timeout: config.request_timeout,
+            max_response_bytes: config.max_response_bytes,
+        },
+    )
+    .await;
+    shared
+        .telemetry
+        .histogram("hardcount_webhook_attempt_duration_seconds", &[])
+        .record(observed_started.elapsed().as_secs_f64());
+    let host = url.host_str().unwrap_or("");
+    let latency = Some(sent.latency);
+    match sent.answer {
+        Answer::Status {
+            code,
+            retry_after,
+            body,
+        } => {
+            let failed = !(200..300).contains(&code);
+            if failed && code != 410 {
+                debug!(
                     role = %Role::WebhookDelivery,
                     delivery = id,
                     endpoint = d.row.endpoint_id,
-                    "410 Gone: disabling the webhook endpoint"
+                    host,
+                    code,
+                    answer = %status_error(code, &body),
+                    "webhook receiver answered with a failure"
                 );
-                let row = OutcomeRow {
-                    id,
-                    attempt,
-                    next: NextState::Dead,
-                    observed,
-                };
-                let outcome = self.record(row, Some((d.row.endpoint_id, reason))).await;
-                return Attempted::Step(Step::Done(outcome));
             }
-        };
-        Attempted::Step(Step::Write(Finished {
-            row: OutcomeRow {
-                id,
-                attempt,
-                next,
-                observed,
-            },
-            refused: heard == Heard::Refused,
-        }))
-    }
-
-    /// Hand back unsent claims to come due after their waits, in one statement
-    /// ([`store::hold_unsent`]); counts each held one. Returns how many were
-    /// held (a claim superseded meanwhile is left alone). If the write fails,
-    /// the claims come due when their claim leases end.
-    pub(crate) async fn hold(&self, held: &[(i64, i32, Duration)]) -> usize {
-        let statement_timeout = self.inner.config.statement_timeout;
-        match store::hold_unsent(&self.inner.db, held, statement_timeout).await {
-            Ok(n) => {
-                let n = usize::try_from(n).unwrap_or(usize::MAX);
-                for _ in 0..n {
-                    self.count(&Outcome::Held);
-                }
-                debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
-                n
-            }
-            Err(e) => {
-                warn!(
-                    role = %Role::WebhookDelivery, claims = held.len(), error = %e,
-                    "could not hand back unsent webhook claims; they come due when their leases end"
-                );
-                0
-            }
+            let observed = Observed {
+                status_code: Some(code),
+                error: failed.then(|| Failure::of_status(code).to_string()),
+                latency,
+            };
+            (Heard::Status { code, retry_after }, observed)
+        }
+        Answer::Refused { category, detail } => {
+            warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %detail, "webhook target refused by the SSRF guard");
+            let observed = Observed {
+                error: Some(category.to_string()),
+                ..Observed::default()
+            };
+            (Heard::Refused, observed)
+        }
+        Answer::Failed { category, detail } => {
+            debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, host, %category, error = %detail, "webhook attempt failed");
+            let observed = Observed {
+                error: Some(category.to_string()),
+                latency,
+                ..Observed::default()
+            };
+            (Heard::NoAnswer, observed)
         }
     }
+}
 
-    /// Parse `row`'s endpoint URL and open its secrets (in this worker's
-    /// memory only). A previous secret that does not open or parse (a key
-    /// under 24 bytes, stored before they were refused) is left out: the
-    /// deliveries go out signed with the current one.
-    pub(crate) fn prepare(&self, row: &ClaimedRow) -> Prepared {
-        let keyring = self.inner.config.secrets.as_ref();
-        let url = Url::parse(&row.url)
-            .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))?;
-        let secret = open_secret(keyring, &row.tenant_id, row.secret.as_ref()).map_err(|e| {
-            (
-                Failure::BadSecret,
-                format!("endpoint secret is unusable: {e}"),
-            )
-        })?;
-        let previous = row.previous_secret.as_ref().and_then(|sealed| {
-            open_secret(keyring, &row.tenant_id, Some(sealed))
-                .inspect_err(|e| {
-                    warn!(role = %Role::WebhookDelivery, endpoint = row.endpoint_id, error = %e, "previous webhook secret unusable; signing with the current one only");
-                })
-                .ok()
-        });
-        Ok(Target {
-            url,
-            secret,
-            previous,
-        })
+/// The four permits ([`crate::fairness::Limits::turn`]), unless the start
+/// deadline or a cancel comes first, or the batch moves on.
+async fn wait_turn(shared: &Shared, d: &Claimed, start_by: &StartBy) -> Waited {
+    let turn = shared
+        .limits
+        .turn(d.row.endpoint_id, &d.row.tenant_id, &d.row.url);
+    let deadline = tokio::time::Instant::from_std(start_by.deadline);
+    tokio::select! {
+        biased;
+        _ = start_by.cancel.cancelled() => Waited::OutOfTime,
+        _ = start_by.busy.cancelled() => Waited::Busy,
+        turn = tokio::time::timeout_at(deadline, turn) => match turn {
+            Ok(Ok(turn)) => Waited::Turn(turn),
+            Ok(Err(Stalled(quiet))) => Waited::Stalled(quiet),
+            Err(_) => Waited::OutOfTime,
+        },
     }
+}
 
-    /// Sign and POST one claimed delivery to its prepared endpoint; what it
-    /// heard, and what to keep of it.
-    async fn send(&self, d: &Claimed, target: &Prepared) -> (Heard, Observed) {
-        let id = d.row.id;
-        let observed_started = Instant::now();
-        let Target {
-            url,
-            secret,
-            previous,
-        } = match target {
-            Ok(t) => t,
-            Err((category, error)) => {
-                warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %error, "webhook endpoint unusable");
-                let observed = Observed {
-                    error: Some(category.to_string()),
-                    ..Observed::default()
-                };
-                return (Heard::NoAnswer, observed);
-            }
-        };
-        let config = &self.inner.config;
-        let sent = send::post(
-            &self.inner.client,
-            Request {
-                url,
-                message_id: &d.row.message_id,
-                secret,
-                previous_secret: previous.as_ref(),
-                body: d.body(),
-            },
-            &Limits {
-                allowlist: &config.allowlist,
-                ports: config.ports,
-                timeout: config.request_timeout,
-                max_response_bytes: config.max_response_bytes,
-            },
-        )
-        .await;
-        self.inner
-            .telemetry
-            .histogram("hardcount_webhook_attempt_duration_seconds", &[])
-            .record(observed_started.elapsed().as_secs_f64());
-        let host = url.host_str().unwrap_or("");
-        let latency = Some(sent.latency);
-        match sent.answer {
-            Answer::Status {
-                code,
-                retry_after,
-                body,
-            } => {
-                let failed = !(200..300).contains(&code);
-                if failed && code != 410 {
-                    debug!(
-                        role = %Role::WebhookDelivery,
-                        delivery = id,
-                        endpoint = d.row.endpoint_id,
-                        host,
-                        code,
-                        answer = %status_error(code, &body),
-                        "webhook receiver answered with a failure"
-                    );
-                }
-                let observed = Observed {
-                    status_code: Some(code),
-                    error: failed.then(|| Failure::of_status(code).to_string()),
-                    latency,
-                };
-                (Heard::Status { code, retry_after }, observed)
-            }
-            Answer::Refused { category, detail } => {
-                warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %detail, "webhook target refused by the SSRF guard");
-                let observed = Observed {
-                    error: Some(category.to_string()),
-                    ..Observed::default()
-                };
-                (Heard::Refused, observed)
-            }
-            Answer::Failed { category, detail } => {
-                debug!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, host, %category, error = %detail, "webhook attempt failed");
-                let observed = Observed {
-                    error: Some(category.to_string()),
-                    latency,
-                    ..Observed::default()
-                };
-                (Heard::NoAnswer, observed)
-            }
-        }
-    }
-
-    /// The four permits ([`crate::fairness::Limits::turn`]), unless the start
-    /// deadline or a cancel comes first, or the batch moves on.
-    async fn wait_turn(&self, d: &Claimed, start_by: &StartBy) -> Waited {
-        let turn = self
-            .inner
-            .limits
-            .turn(d.row.endpoint_id, &d.row.tenant_id, &d.row.url);
-        let deadline = tokio::time::Instant::from_std(start_by.deadline);
-        tokio::select! {
-            biased;
-            _ = start_by.cancel.cancelled() => Waited::OutOfTime,
-            _ = start_by.busy.cancelled() => Waited::Busy,
-            turn = tokio::time::timeout_at(deadline, turn) => match turn {
-                Ok(Ok(turn)) => Waited::Turn(turn),
-                Ok(Err(Stalled(quiet))) => Waited::Stalled(quiet),
-                Err(_) => Waited::OutOfTime,
-            },
-        }
-    }
-
-    /// The next state after a failed attempt that heard nothing (its
-    /// processing panicked, say): a retry on the schedule, or dead.
-    pub(crate) fn after_failure(&self, attempt: i32) -> NextState {
-        let made = u32::try_from(attempt).unwrap_or(0);
-        let schedule = &self.inner.config.retry_schedule;
-        match verdict::verdict(Heard::NoAnswer, made, schedule, &mut rand::rng()) {
-            Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
-            _ => NextState::Dead,
-        }
+/// The next state after a failed attempt that heard nothing (its
+/// processing panicked, say): a retry on the schedule, or dead.
+pub(crate) fn after_failure(shared: &Shared, attempt: i32) -> NextState {
+    let made = u32::try_from(attempt).unwrap_or(0);
+    let schedule = &shared.config.retry_schedule;
+    match verdict::verdict(Heard::NoAnswer, made, schedule, &mut rand::rng()) {
+        Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
+        _ => NextState::Dead,
     }
 }
 

@@ -111,18 +111,26 @@
 //! hardcount_webhook_oldest_pending_age_seconds    the delivery's creation (retries included)
 //! ```
 //!
-//! Modules, the layout every job crate shares:
+//! Modules, the layout every job crate shares (no import circle among them;
+//! the top five call down, each step a free function over `Shared`):
 //!
 //! ```text
-//! lib.rs        this overview, Error, re-exports
-//! config.rs     WorkerConfig: defaults and validation
-//! store.rs      all SQL: endpoints, the fenced claim (takes &Fence), the CAS outcome writes
-//! tick.rs       Worker::run_tick: the driver's implementation for this role, a batch's loop,
-//!               attempts carried across batches
+//! lib.rs        this overview, re-exports
+//! worker.rs     Worker: construction, settings, run_tick / claim_due / deliver (its only impl)
+//! tick.rs       a tick: the driver's implementation for this role, the claim, the gauges;
+//!               attempts carried across batches collected at its end
+//! batch.rs      a claimed batch: attempts as guarded tasks, collected, carried,
+//!               outcomes and holds written in groups
 //! attempt.rs    one attempt: its turn under the concurrency limits, the breaker, the signed POST
+//! outcomes.rs   outcomes buffered and written in groups, holds and releases, the counter
+//! shared.rs     what a worker's clones share (db, settings, client, limits, breakers)
+//! config.rs     WorkerConfig: defaults and validation
+//! error.rs      Error
+//! store/        the SQL, a file per step: claim.rs (the fenced claim, takes &Fence; the
+//!               probe), outcomes.rs (the CAS outcome writes, holds), backlog.rs (gauges),
+//!               endpoints.rs (endpoints and their secrets)
 //! fairness.rs   the four permits of a turn: endpoint, tenant, destination, global
 //! breaker.rs    each endpoint's circuit breaker                      (no SQL, no I/O)
-//! outcomes.rs   outcomes buffered and written in groups
 //! delivery.rs   Claimed and Outcome                                  (no SQL, no I/O)
 //! verdict.rs    answer + attempt number + schedule -> next state     (no SQL, no I/O)
 //! ```
@@ -136,15 +144,18 @@
 
 mod attempt;
 pub mod backoff;
+mod batch;
 mod breaker;
 mod config;
 mod delivery;
 mod endpoint;
+mod error;
 mod failure;
 mod fairness;
 mod outcomes;
 pub mod sealed;
 mod send;
+mod shared;
 pub mod signature;
 pub mod ssrf;
 mod store;
@@ -157,6 +168,7 @@ pub mod statements {
     pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE};
 }
 mod verdict;
+mod worker;
 
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
@@ -165,32 +177,8 @@ pub use endpoint::{
     SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url, reseal_secrets,
     rotate_secret,
 };
+pub use error::Error;
 pub use failure::Failure;
 pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
-pub use tick::{TickReport, Worker};
-
-impl Worker {
-    /// Probe while idle (docs/adr/0019): a tick that drained stays open until
-    /// its budget and asks every `every` (`scheduler::IDLE_PROBE` in
-    /// `hardcount serve`) whether a delivery is due, one index read, and
-    /// claims when one is; the next tick follows at once. A fanned-out
-    /// delivery then waits about `every` without a listener, not the
-    /// interval. With a listening wake, the wake decides instead.
-    #[must_use]
-    pub fn with_idle_probe(mut self, every: std::time::Duration) -> Worker {
-        self.idle_probe = Some(every);
-        self
-    }
-}
-
-/// Errors of the delivery worker: a setting refused at construction, the
-/// HTTP client, or its store.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("cannot build the webhook HTTP client: {0}")]
-    Client(String),
-    #[error("webhook delivery store: {0}")]
-    Db(#[from] db::Error),
-}
+pub use tick::TickReport;
+pub use worker::Worker;

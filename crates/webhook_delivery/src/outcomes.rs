@@ -1,115 +1,137 @@
 //! Writing attempts' outcomes: each by compare-and-set on (delivery, attempt,
-//! pending), buffered and written in groups, one statement per group.
+//! pending), buffered and written in groups, one statement per group; handing
+//! back unsent claims (at once, or held until later); the outcome counter.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{debug, warn};
 
 use crate::delivery::Outcome;
+use crate::shared::Shared;
 use crate::store::{self, NextState, OutcomeRow};
 use leader::Role;
 
-use crate::tick::Worker;
-
-impl Worker {
-    /// Write one outcome (a 410's, with its endpoint disabled in the same
-    /// transaction) by compare-and-set on (`id`, `attempt`, pending); not counted.
-    pub(crate) async fn record(
-        &self,
-        row: OutcomeRow,
-        disable_endpoint: Option<(i64, String)>,
-    ) -> Outcome {
-        let written = store::record_outcome(
-            &self.inner.db,
-            &row,
-            disable_endpoint,
-            self.inner.config.statement_timeout,
-        )
-        .await;
-        match written {
-            Ok(applied) => applied_outcome(&row, false, applied),
-            Err(e) => {
-                warn!(
-                    role = %Role::WebhookDelivery, delivery = row.id, attempt = row.attempt, error = %e,
-                    "could not record a webhook attempt; the delivery comes due again when its claim lease ends"
-                );
-                Outcome::Unrecorded
-            }
+/// Write one outcome (a 410's, with its endpoint disabled in the same
+/// transaction) by compare-and-set on (`id`, `attempt`, pending); not counted.
+pub(crate) async fn record(
+    shared: &Shared,
+    row: OutcomeRow,
+    disable_endpoint: Option<(i64, String)>,
+) -> Outcome {
+    let written = store::record_outcome(
+        &shared.db,
+        &row,
+        disable_endpoint,
+        shared.config.statement_timeout,
+    )
+    .await;
+    match written {
+        Ok(applied) => applied_outcome(&row, false, applied),
+        Err(e) => {
+            warn!(
+                role = %Role::WebhookDelivery, delivery = row.id, attempt = row.attempt, error = %e,
+                "could not record a webhook attempt; the delivery comes due again when its claim lease ends"
+            );
+            Outcome::Unrecorded
         }
     }
+}
 
-    /// Write a group of outcomes with one statement ([`store::record_outcomes`])
-    /// and count each. Returns each one's key and outcome: the ones whose
-    /// compare-and-set matched no row are `Stale`; if the write fails, all
-    /// are `Unrecorded` (their deliveries come due again after their claim lease).
-    pub(crate) async fn write_outcomes(&self, group: Vec<Finished>) -> Written {
-        let rows: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
-        let written =
-            store::record_outcomes(&self.inner.db, &rows, self.inner.config.statement_timeout)
-                .await;
-        let outcomes: Vec<_> = match written {
-            Ok(applied) => group
+/// Write a group of outcomes with one statement ([`store::record_outcomes`])
+/// and count each. Returns each one's key and outcome: the ones whose
+/// compare-and-set matched no row are `Stale`; if the write fails, all
+/// are `Unrecorded` (their deliveries come due again after their claim lease).
+pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Written {
+    let rows: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
+    let written = store::record_outcomes(&shared.db, &rows, shared.config.statement_timeout).await;
+    let outcomes: Vec<_> = match written {
+        Ok(applied) => group
+            .iter()
+            .map(|f| {
+                let key = (f.row.id, f.row.attempt);
+                (
+                    key,
+                    applied_outcome(&f.row, f.refused, applied.contains(&key)),
+                )
+            })
+            .collect(),
+        Err(e) => {
+            warn!(
+                role = %Role::WebhookDelivery, outcomes = group.len(), error = %e,
+                "could not record webhook attempts; their deliveries come due again when their claim leases end"
+            );
+            group
                 .iter()
-                .map(|f| {
-                    let key = (f.row.id, f.row.attempt);
-                    (
-                        key,
-                        applied_outcome(&f.row, f.refused, applied.contains(&key)),
-                    )
-                })
-                .collect(),
-            Err(e) => {
-                warn!(
-                    role = %Role::WebhookDelivery, outcomes = group.len(), error = %e,
-                    "could not record webhook attempts; their deliveries come due again when their claim leases end"
-                );
-                group
-                    .iter()
-                    .map(|f| ((f.row.id, f.row.attempt), Outcome::Unrecorded))
-                    .collect()
-            }
-        };
-        for (_, outcome) in &outcomes {
-            self.count(outcome);
+                .map(|f| ((f.row.id, f.row.attempt), Outcome::Unrecorded))
+                .collect()
         }
-        outcomes
+    };
+    for (_, outcome) in &outcomes {
+        count(shared, outcome);
     }
+    outcomes
+}
 
-    pub(crate) async fn release(&self, id: i64, attempt: i32) -> Outcome {
-        let statement_timeout = self.inner.config.statement_timeout;
-        match store::release_unsent(&self.inner.db, id, attempt, statement_timeout).await {
-            Ok(true) => {
-                debug!(
-                    role = %Role::WebhookDelivery,
-                    delivery = id,
-                    attempt,
-                    "unsent webhook claim handed back"
-                )
-            }
-            Ok(false) => {
-                debug!(
-                    role = %Role::WebhookDelivery,
-                    delivery = id,
-                    attempt,
-                    "unsent webhook claim already superseded"
-                )
-            }
-            Err(e) => warn!(
-                role = %Role::WebhookDelivery, delivery = id, attempt, error = %e,
-                "could not hand back an unsent webhook claim; it comes due when its lease ends"
-            ),
+pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
+    let statement_timeout = shared.config.statement_timeout;
+    match store::release_unsent(&shared.db, id, attempt, statement_timeout).await {
+        Ok(true) => {
+            debug!(
+                role = %Role::WebhookDelivery,
+                delivery = id,
+                attempt,
+                "unsent webhook claim handed back"
+            )
         }
-        Outcome::Released
+        Ok(false) => {
+            debug!(
+                role = %Role::WebhookDelivery,
+                delivery = id,
+                attempt,
+                "unsent webhook claim already superseded"
+            )
+        }
+        Err(e) => warn!(
+            role = %Role::WebhookDelivery, delivery = id, attempt, error = %e,
+            "could not hand back an unsent webhook claim; it comes due when its lease ends"
+        ),
     }
+    Outcome::Released
+}
 
-    pub(crate) fn count(&self, outcome: &Outcome) {
-        if let Some(label) = outcome.label() {
-            self.inner
-                .telemetry
-                .counter("hardcount_webhook_deliveries_total", &[("outcome", label)])
-                .increment(1);
+/// Hand back unsent claims to come due after their waits, in one statement
+/// ([`store::hold_unsent`]); counts each held one. Returns how many were
+/// held (a claim superseded meanwhile is left alone). If the write fails,
+/// the claims come due when their claim leases end.
+pub(crate) async fn hold(shared: &Shared, held: &[(i64, i32, Duration)]) -> usize {
+    let statement_timeout = shared.config.statement_timeout;
+    match store::hold_unsent(&shared.db, held, statement_timeout).await {
+        Ok(n) => {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            for _ in 0..n {
+                count(shared, &Outcome::Held);
+            }
+            debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
+            n
         }
+        Err(e) => {
+            warn!(
+                role = %Role::WebhookDelivery, claims = held.len(), error = %e,
+                "could not hand back unsent webhook claims; they come due when their leases end"
+            );
+            0
+        }
+    }
+}
+
+pub(crate) fn count(shared: &Shared, outcome: &Outcome) {
+    if let Some(label) = outcome.label() {
+        shared
+            .telemetry
+            .counter("hardcount_webhook_deliveries_total", &[("outcome", label)])
+            .increment(1);
     }
 }
 
@@ -146,7 +168,7 @@ pub(crate) struct Finished {
 /// not written, and then their deliveries come due again after the claim
 /// lease (at-least-once).
 pub(crate) struct OutcomeBuffer {
-    pub worker: Worker,
+    pub shared: Arc<Shared>,
     pub rows: Vec<Finished>,
     /// When the first buffered outcome has waited [`OUTCOME_LINGER`].
     pub flush_at: Option<tokio::time::Instant>,
@@ -168,8 +190,8 @@ impl OutcomeBuffer {
         let group = std::mem::take(&mut self.rows);
         self.flush_at = None;
         let n = group.len();
-        let worker = self.worker.clone();
-        let task = tokio::spawn(async move { worker.write_outcomes(group).await });
+        let shared = Arc::clone(&self.shared);
+        let task = tokio::spawn(async move { write_outcomes(&shared, group).await });
         async move { (n, task.await) }
     }
 }
@@ -182,8 +204,8 @@ impl Drop for OutcomeBuffer {
         let group = std::mem::take(&mut self.rows);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                let worker = self.worker.clone();
-                runtime.spawn(async move { worker.write_outcomes(group).await });
+                let shared = Arc::clone(&self.shared);
+                runtime.spawn(async move { write_outcomes(&shared, group).await });
             }
             Err(_) => warn!(
                 role = %Role::WebhookDelivery,
@@ -191,14 +213,6 @@ impl Drop for OutcomeBuffer {
                 "webhook outcomes not written (no runtime); their deliveries come due again when their claim leases end"
             ),
         }
-    }
-}
-
-/// Sleeps until `at`, or forever when there is none.
-pub(crate) async fn sleep_until_some(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -1,0 +1,33 @@
+//! The gauges' SQL, read at the end of a tick.
+
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+
+/// The backlog, on the database clock, through the partial indexes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Backlog {
+    pub queued: i64,
+    pub failed: i64,
+    /// Seconds since the oldest queued email was created; 0 when none.
+    pub oldest_queued_age: f64,
+}
+
+pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_one(sql(
+            "SELECT (SELECT count(*) FROM email_outbox WHERE status = 'queued') AS queued, \
+                    (SELECT count(*) FROM email_outbox WHERE status = 'failed') AS failed, \
+                    coalesce(extract(epoch FROM now() - \
+                        (SELECT min(created_at) FROM email_outbox WHERE status = 'queued')), \
+                        0)::float8 AS oldest",
+        ))
+        .await?;
+    tx.commit().await?;
+    Ok(Backlog {
+        queued: row.try_get("queued")?,
+        failed: row.try_get("failed")?,
+        oldest_queued_age: row.try_get("oldest")?,
+    })
+}

@@ -1,0 +1,424 @@
+//! A claimed batch of webhook deliveries: its attempts run concurrently, each
+//! as a guarded task of its own under the limits, and are collected as they
+//! finish, their outcomes and holds written in groups (compare-and-set, one
+//! statement per group).
+//!
+//! A batch does not wait for its slow attempts: once none of them has
+//! finished for [`CARRY_QUIET`] they are carried as they are (they go on, each
+//! in a task of its own, and later batches collect their outcomes), and after
+//! [`CARRY_AFTER`] at the latest, when the ones still waiting for a turn are
+//! held for [`crate::attempt::BUSY_HOLD`]; the driver claims again. So a
+//! tenant whose endpoints hang costs other tenants' deliveries neither slots
+//! (the per-tenant share, [`crate::fairness`]) nor time (the next claim does
+//! not wait for the hung requests). A full batch (more is probably waiting)
+//! carries its second half as soon as its first half has finished, so the
+//! next claim and the last outcome write overlap the requests still running
+//! instead of leaving the HTTP slots idle (docs/adr/0021). The tick collects
+//! every carried attempt before it ends (`crate::tick`).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
+use leader::Role;
+use scheduler::{Panics, Payload, catch, panic_message};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::warn;
+
+use crate::attempt::{self, Attempted, Prepared, StartBy};
+use crate::delivery::{Claimed, Outcome};
+use crate::outcomes::{self, Finished, OUTCOME_GROUP, OutcomeBuffer, Step};
+use crate::shared::Shared;
+use crate::store::{Observed, OutcomeRow};
+
+/// Outcomes counted over a tick.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    pub delivered: usize,
+    pub retried: usize,
+    pub dead: usize,
+    pub refused: usize,
+    pub stale: usize,
+    pub released: usize,
+    pub held: usize,
+    pub unrecorded: usize,
+    pub panicked: usize,
+}
+
+impl Tally {
+    fn add(&mut self, outcome: &Outcome) {
+        let slot = match outcome {
+            Outcome::Delivered => &mut self.delivered,
+            Outcome::Retry => &mut self.retried,
+            Outcome::Dead => &mut self.dead,
+            Outcome::Refused => &mut self.refused,
+            Outcome::Stale => &mut self.stale,
+            Outcome::Released => &mut self.released,
+            Outcome::Held => &mut self.held,
+            Outcome::Unrecorded => &mut self.unrecorded,
+        };
+        *slot += 1;
+    }
+}
+
+/// A batch does not wait longer than this (or half the request timeout, if
+/// shorter) for its slow attempts: the rest are carried, and the driver claims
+/// again. Long against a receiver that answers (milliseconds), short against
+/// the request timeout (15 s by default).
+pub(crate) const CARRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A batch none of whose attempts finished for this long is carried as it
+/// is, and the driver claims again: a receiver that answers finishes an
+/// attempt every few milliseconds.
+pub(crate) const CARRY_QUIET: Duration = Duration::from_millis(50);
+
+/// Attempts running as tasks of their own, each yielding its delivery's key
+/// and what the attempt left, or its panic. Dropping it aborts them.
+pub(crate) type Running = FuturesUnordered<Guarded<(i64, i32), Attempted>>;
+
+/// A guarded task's key and its output or its panic.
+pub(crate) type Guarded<K, O> = Pin<Box<dyn Future<Output = (K, Result<O, Payload>)> + Send>>;
+
+/// Attempt a claimed batch concurrently and write the outcomes in groups.
+///
+/// Deliveries of an endpoint whose circuit breaker is open are held at
+/// once, in one statement. The rest run as tasks of their own; this
+/// returns when they are all done, or when they are carried (see
+/// [`collect`]; later batches and the tick's end collect them).
+/// Attempts carried from earlier batches are collected here too.
+///
+/// Finished attempts are buffered and written in groups, one statement
+/// per group ([`crate::store::record_outcomes`], each row still its own
+/// compare-and-set), in a task of its own while the other attempts go on.
+/// A group is written when it holds [`OUTCOME_GROUP`] outcomes, when its
+/// first outcome has waited
+/// [`OUTCOME_LINGER`](crate::outcomes::OUTCOME_LINGER), or when no
+/// attempt of the batch is left, whichever comes first; this returns once
+/// every group is written. If this future is dropped (the tick is
+/// cancelled and then abandoned), the attempts' tasks are aborted, the
+/// groups already handed to their tasks are still written, and so is
+/// whatever is left in the buffer ([`OutcomeBuffer`]'s `Drop` hands it to
+/// a task of its own). A buffered outcome that cannot be written (the
+/// statement fails, or the runtime is gone) is not lost silently: it is
+/// logged, and its delivery, still `pending` at this attempt, comes due
+/// again when its claim lease ends (at-least-once: the receiver may see it
+/// again, with the same `webhook-id`).
+pub(crate) async fn attempt_batch(
+    shared: &Arc<Shared>,
+    claimed: Vec<Claimed>,
+    tick_deadline: Instant,
+    cancel: &CancellationToken,
+    carried: &mut Running,
+    panics: &mut Panics,
+    report: &mut Tally,
+) {
+    let config = &shared.config;
+    let carry_after = CARRY_AFTER.min(config.request_timeout / 2);
+    if claimed.is_empty() {
+        // Nothing claimed, attempts carried: collect those that are done
+        // and go back to claiming (after BUSY_POLL, or a wake-up).
+        let running = std::mem::take(carried);
+        let carry = (tokio::time::Instant::now(), CancellationToken::new());
+        collect(shared, running, carried, Some(carry), None, panics, report).await;
+        return;
+    }
+    // A full batch means more is probably waiting: the next claim is made
+    // once half of this one has finished, while the other half runs.
+    let full = claimed.len() >= config.batch_size;
+    let now = Instant::now();
+    let (open, claimed): (Vec<_>, Vec<_>) = claimed
+        .into_iter()
+        .partition(|d| d.row.enabled && shared.breakers.open_for(d.row.endpoint_id, now).is_some());
+    if !open.is_empty() {
+        let held: Vec<_> = open
+            .iter()
+            .map(|d| {
+                let wait = shared
+                    .breakers
+                    .open_for(d.row.endpoint_id, now)
+                    .unwrap_or_default();
+                (d.row.id, d.row.attempt, wait)
+            })
+            .collect();
+        report.held += outcomes::hold(shared, &held).await;
+    }
+    let busy = CancellationToken::new();
+    // Each endpoint's URL and secrets, prepared once for this batch.
+    let mut targets: HashMap<i64, Arc<Prepared>> = HashMap::new();
+    let running: Running = claimed
+        .into_iter()
+        .map(|d| {
+            // Start only what can finish before both the tick and the claim end.
+            let latest_end = tick_deadline.min(d.claimed_at + config.claim_lease());
+            let start_by = StartBy {
+                deadline: latest_end
+                    .checked_sub(config.request_timeout)
+                    .unwrap_or(d.claimed_at),
+                cancel: cancel.clone(),
+                busy: busy.clone(),
+            };
+            let key = (d.row.id, d.row.attempt);
+            let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
+            let target = d.row.enabled.then(|| {
+                targets
+                    .entry(d.row.endpoint_id)
+                    .or_insert_with(|| Arc::new(attempt::prepare(shared, &d.row)))
+                    .clone()
+            });
+            let shared = Arc::clone(shared);
+            spawn_guarded(key, step, async move {
+                attempt::attempt(&shared, d, target, &start_by).await
+            })
+        })
+        .collect();
+    let carry_at = tokio::time::Instant::now() + carry_after;
+    let pipeline = full.then(|| running.len() / 2);
+    collect(
+        shared,
+        running,
+        carried,
+        Some((carry_at, busy)),
+        pipeline,
+        panics,
+        report,
+    )
+    .await;
+}
+
+/// Collect the attempts of `running` (and of `carried`, as they finish):
+/// count them, write their outcomes and holds in groups. Returns when
+/// `running` is empty and every group is written, or when `running` is
+/// carried. With `carry`:
+///
+/// - once no attempt of `running` has finished for [`CARRY_QUIET`] (what
+///   is left hangs, or waits on shares that other attempts hold), its
+///   attempts are moved to `carried` as they are, unless `carried` would
+///   then hold more than two batches: the waiting ones go on waiting there
+///   (each gives up once its share stalls, `fairness::STALL`);
+/// - at its instant, its token fires (so the attempts still waiting for a
+///   turn are held at once) and the rest are moved to `carried`;
+/// - with `pipeline`, once no more than that many attempts of `running`
+///   are left, they are moved to `carried` as they are (they keep their
+///   places in the shares' queues; the token still fires at its instant),
+///   so the driver's next claim runs while they finish instead of after
+///   them.
+pub(crate) async fn collect(
+    shared: &Arc<Shared>,
+    mut running: Running,
+    carried: &mut Running,
+    mut carry: Option<(tokio::time::Instant, CancellationToken)>,
+    pipeline: Option<usize>,
+    panics: &mut Panics,
+    report: &mut Tally,
+) {
+    let mut buffer = OutcomeBuffer {
+        shared: Arc::clone(shared),
+        rows: Vec::new(),
+        flush_at: None,
+    };
+    let mut holds: Vec<(i64, i32, Duration)> = Vec::new();
+    let mut writes = FuturesUnordered::new();
+    // Hold groups written by tasks of their own, like outcome groups.
+    let mut held = FuturesUnordered::new();
+    // The last time an attempt of `running` finished.
+    let mut progress = tokio::time::Instant::now();
+    loop {
+        let lingered = buffer
+            .flush_at
+            .is_some_and(|at| at <= tokio::time::Instant::now());
+        if buffer.rows.len() >= OUTCOME_GROUP
+            || (!buffer.rows.is_empty() && (running.is_empty() || lingered))
+        {
+            writes.push(buffer.flush());
+        }
+        if !holds.is_empty() && (running.is_empty() || holds.len() >= OUTCOME_GROUP) {
+            let group = std::mem::take(&mut holds);
+            let shared = Arc::clone(shared);
+            held.push(AbortOnDropHandle::new(tokio::spawn(async move {
+                outcomes::hold(&shared, &group).await
+            })));
+        }
+        if running.is_empty() && writes.is_empty() && held.is_empty() {
+            break;
+        }
+        let flush_at = buffer.flush_at;
+        // Carried at the batch's deadline, or as it is once nothing of it
+        // has finished for CARRY_QUIET (if not too much is carried already).
+        let early = running.len() + carried.len() <= 2 * shared.config.batch_size;
+        let carry_at = carry.as_ref().map(|(at, _)| {
+            if early {
+                (*at).min(progress + CARRY_QUIET)
+            } else {
+                *at
+            }
+        });
+        tokio::select! {
+            // In this order: what finished first, the carry timer last.
+            biased;
+            Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
+                progress = tokio::time::Instant::now();
+                finished(shared, id, attempt, result, &mut buffer, &mut holds, panics, report);
+                if pipeline.is_some_and(|left| running.len() <= left)
+                    && let Some((at, busy)) = carry.take()
+                {
+                    // What still waits for a turn at the batch's carry
+                    // instant is held then, as if it had not been carried.
+                    tokio::spawn(async move {
+                        tokio::time::sleep_until(at).await;
+                        busy.cancel();
+                    });
+                    carried.extend(std::mem::take(&mut running));
+                }
+            }
+            // Only while this batch runs: once it is done or carried, the
+            // rest wait for the next batch (a late one would be written alone).
+            Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() && !running.is_empty() => {
+                finished(shared, id, attempt, result, &mut buffer, &mut holds, panics, report);
+            }
+            Some((n, written)) = writes.next(), if !writes.is_empty() => match written {
+                Ok(outcomes) => {
+                    for (_, outcome) in &outcomes {
+                        report.add(outcome);
+                    }
+                }
+                Err(e) => {
+                    warn!(
+                        role = %Role::WebhookDelivery, outcomes = n, error = %e,
+                        "a webhook outcome write did not finish; its deliveries come due again when their claim leases end"
+                    );
+                    report.unrecorded += n;
+                }
+            },
+            Some(n) = held.next(), if !held.is_empty() => {
+                // A task that did not finish left its claims to their leases.
+                report.held += n.unwrap_or(0);
+            }
+            () = sleep_until_some(flush_at) => {}
+            () = sleep_until_some(carry_at) => {
+                if let Some((at, busy)) = carry.take() {
+                    if tokio::time::Instant::now() >= at {
+                        busy.cancel();
+                    }
+                    carried.extend(std::mem::take(&mut running));
+                }
+            }
+        }
+    }
+}
+
+/// Take in one finished attempt: count it, or buffer its outcome or hold.
+#[allow(clippy::too_many_arguments)]
+fn finished(
+    shared: &Shared,
+    id: i64,
+    attempt: i32,
+    result: Result<Attempted, Payload>,
+    buffer: &mut OutcomeBuffer,
+    holds: &mut Vec<(i64, i32, Duration)>,
+    panics: &mut Panics,
+    report: &mut Tally,
+) {
+    match result {
+        Ok(Attempted::Step(Step::Done(outcome))) => {
+            outcomes::count(shared, &outcome);
+            report.add(&outcome);
+        }
+        Ok(Attempted::Step(Step::Write(finished))) => buffer.push(finished),
+        Ok(Attempted::Hold { id, attempt, wait }) => holds.push((id, attempt, wait)),
+        Err(payload) => {
+            // Count the panic as a failed attempt, so a delivery that
+            // panics every time dies after its last attempt.
+            report.panicked += 1;
+            let observed = Observed {
+                error: Some(format!("processing panicked: {}", panic_message(&*payload))),
+                ..Observed::default()
+            };
+            panics.record(payload);
+            let next = attempt::after_failure(shared, attempt);
+            buffer.push(Finished {
+                row: OutcomeRow {
+                    id,
+                    attempt,
+                    next,
+                    observed,
+                },
+                refused: false,
+            });
+        }
+    }
+}
+
+/// Run `attempt` as a task of its own, as a guarded step
+/// ([`scheduler::catch`]), so one that panics ends only itself; yields `key`
+/// with its output or its panic. The task is aborted if this is dropped.
+fn spawn_guarded<K, O>(
+    key: K,
+    step: String,
+    attempt: impl Future<Output = O> + Send + 'static,
+) -> Guarded<K, O>
+where
+    K: Send + 'static,
+    O: Send + 'static,
+{
+    let task = AbortOnDropHandle::new(tokio::spawn(catch(step, attempt)));
+    Box::pin(async move {
+        let result = match task.await {
+            Ok(result) => result,
+            // Only a runtime shutting down aborts it (a panic is caught inside).
+            Err(join) => Err(Box::new(format!("attempt task ended: {join}")) as Payload),
+        };
+        (key, result)
+    })
+}
+
+/// Sleeps until `at`, or forever when there is none.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::panic::AssertUnwindSafe;
+
+    #[tokio::test]
+    async fn a_panicking_delivery_ends_only_itself_and_the_tick_raises_it_at_the_end() {
+        scheduler::install_panic_hook();
+        let running: FuturesUnordered<_> = (1..=5)
+            .map(|i| {
+                spawn_guarded(i, format!("test/delivery {i}"), async move {
+                    // Interleave: the panicking item is neither the first to start nor to finish.
+                    tokio::time::sleep(Duration::from_millis(10 * (5 - i))).await;
+                    assert_ne!(i, 3, "delivery 3 is poison");
+                    i * 10
+                })
+            })
+            .collect();
+        let results: Vec<_> = running.collect().await;
+        let mut done: Vec<_> = results
+            .iter()
+            .filter_map(|(k, r)| r.as_ref().ok().map(|v| (*k, *v)))
+            .collect();
+        done.sort();
+        assert_eq!(done, vec![(1, 10), (2, 20), (4, 40), (5, 50)]);
+        let mut panics = Panics::new("test");
+        for (key, result) in results {
+            if let Err(payload) = result {
+                assert_eq!(key, 3);
+                assert!(panic_message(&*payload).contains("delivery 3 is poison"));
+                panics.record(payload);
+            }
+        }
+        assert_eq!(panics.panicked(), 1);
+        let raised = std::panic::catch_unwind(AssertUnwindSafe(|| panics.finish())).unwrap_err();
+        assert!(panic_message(&*raised).contains("delivery 3 is poison"));
+    }
+}

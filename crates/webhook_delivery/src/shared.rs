@@ -1,0 +1,20 @@
+//! What a [`crate::Worker`]'s clones share, and what its steps (a tick, a
+//! batch, an attempt, an outcome write) are given: the database, the
+//! settings, the HTTP client, the metrics, the concurrency limits and the
+//! circuit breakers. Plain data; each step is a free function over it.
+
+use db::Db;
+use leader::Telemetry;
+
+use crate::breaker::Breakers;
+use crate::config::WorkerConfig;
+use crate::fairness::Limits;
+
+pub(crate) struct Shared {
+    pub db: Db,
+    pub config: WorkerConfig,
+    pub client: reqwest::Client,
+    pub telemetry: Telemetry,
+    pub limits: Limits,
+    pub breakers: Breakers,
+}

@@ -1,0 +1,34 @@
+//! The gauges' SQL, read at the end of a tick.
+
+use std::time::Duration;
+
+use db::{Db, Row, sql};
+
+/// The backlog, read on the database clock through the partial indexes: the
+/// pending count and the oldest pending delivery in one pass over
+/// `webhook_deliveries_due` (migration 0015 dropped the index that served the
+/// age alone), the dead count through `webhook_deliveries_dead`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Backlog {
+    pub pending: i64,
+    pub dead: i64,
+    /// Seconds since the oldest pending delivery was created; 0 when none.
+    pub oldest_pending_age: f64,
+}
+
+pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_one(sql("SELECT p.pending, \
+                    (SELECT count(*) FROM webhook_deliveries WHERE status = 'dead') AS dead, \
+                    coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest \
+             FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created \
+                   FROM webhook_deliveries WHERE status = 'pending') p"))
+        .await?;
+    tx.commit().await?;
+    Ok(Backlog {
+        pending: row.try_get("pending")?,
+        dead: row.try_get("dead")?,
+        oldest_pending_age: row.try_get("oldest")?,
+    })
+}

@@ -1,0 +1,153 @@
+//! The claim's SQL: the fenced claim of due deliveries (`CLAIM_DUE`) and the
+//! idle probe's read of the same predicate.
+
+use std::time::Duration;
+
+use db::{Db, PgRow, Row, sql};
+use leader::Fence;
+
+use super::endpoints::sealed_from;
+use crate::sealed::Sealed;
+
+/// One claimed delivery with what its attempt needs, as the claim returned it.
+pub(crate) struct ClaimedRow {
+    pub id: i64,
+    pub tenant_id: String,
+    pub event_id: i64,
+    pub endpoint_id: i64,
+    pub attempt: i32,
+    pub url: String,
+    /// The endpoint's secret, sealed (`sealed.rs`); opened only for the attempt.
+    pub secret: Option<Sealed>,
+    /// The previous secret while its rotation overlap lasts (decided by the
+    /// claim on the database clock), sealed; `None` otherwise.
+    pub previous_secret: Option<Sealed>,
+    pub enabled: bool,
+    pub disabled_reason: Option<String>,
+    pub event_type: String,
+    pub message_id: String,
+    pub event_time: String,
+    pub payload: String,
+}
+
+impl ClaimedRow {
+    fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
+        Ok(ClaimedRow {
+            id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            event_id: r.try_get("event_id")?,
+            endpoint_id: r.try_get("endpoint_id")?,
+            attempt: r.try_get("attempts")?,
+            url: r.try_get("url")?,
+            secret: sealed_from(r.try_get("secret_ciphertext")?, r.try_get("secret_key_id")?),
+            previous_secret: sealed_from(
+                r.try_get("previous_secret_ciphertext")?,
+                r.try_get("previous_secret_key_id")?,
+            ),
+            enabled: r.try_get("enabled")?,
+            disabled_reason: r.try_get("disabled_reason")?,
+            event_type: r.try_get("event_type")?,
+            message_id: r.try_get("message_id")?,
+            event_time: r.try_get("event_time")?,
+            payload: r.try_get("payload")?,
+        })
+    }
+}
+
+/// The claim statement of [`claim_due`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
+           SELECT id, attempts FROM webhook_deliveries \
+           WHERE status = 'pending' \
+             AND next_attempt_at <= now() \
+             AND (claimed_until IS NULL OR claimed_until <= now()) \
+             AND leader_fence($1, $2) \
+           ORDER BY next_attempt_at, id \
+           LIMIT $3 \
+           FOR UPDATE SKIP LOCKED), \
+         exhausted AS ( \
+           UPDATE webhook_deliveries d \
+           SET status = 'dead', last_error = 'attempts_exhausted' \
+           FROM due WHERE d.id = due.id AND due.attempts >= $5 \
+           RETURNING d.id) \
+         UPDATE webhook_deliveries d \
+         SET attempts = d.attempts + 1, \
+             claimed_until = now() + make_interval(secs => $4), \
+             last_attempt_at = now() \
+         FROM due, webhook_events e, webhook_endpoints ep \
+         WHERE d.id = due.id AND due.attempts < $5 \
+           AND e.id = d.event_id AND ep.id = d.endpoint_id \
+         RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
+                   ep.url, ep.secret_ciphertext, ep.secret_key_id, \
+                   ep.enabled, ep.disabled_reason, \
+                   CASE WHEN ep.previous_secret_expires_at > now() \
+                        THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
+                   CASE WHEN ep.previous_secret_expires_at > now() \
+                        THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
+                   e.event_type, e.message_id, e.payload::text AS payload, \
+                   to_char(e.created_at AT TIME ZONE 'UTC', \
+                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time";
+
+/// The fenced funnel: claim up to `limit` due pending deliveries in one
+/// `UPDATE … RETURNING`. Each claimed row's `attempts` goes up by one (the
+/// attempt number its outcome must prove) and its `claimed_until` is set
+/// `lease` ahead, so if this process dies before writing an outcome the
+/// delivery comes due again by itself. A row is due when `next_attempt_at`
+/// and its `claimed_until` (if any) have passed. The claim writes no indexed
+/// column, so it is a HOT update (migration 0011, docs/adr/0014).
+///
+/// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
+/// stale token claims nothing, and rows another claim holds are skipped.
+///
+/// The previous secret of an endpoint being rotated is returned only while its
+/// `previous_secret_expires_at` is ahead of the claim's `now()`.
+///
+/// The ceiling: a due row that has already been claimed `max_attempts` times is
+/// not handed out again; the same statement marks it `dead` with `last_error =
+/// 'attempts_exhausted'` (a worker that dies while attempting, e.g. out of
+/// memory, never writes an outcome, and the claim lease would otherwise bring
+/// the row back to every next leader forever, issue 12).
+pub(crate) async fn claim_due(
+    db: &Db,
+    fence: &Fence,
+    limit: usize,
+    lease: Duration,
+    max_attempts: u32,
+    statement_timeout: Duration,
+) -> Result<Vec<ClaimedRow>, db::Error> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(
+            sql(CLAIM_DUE)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64())
+                .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
+        )
+        .await?;
+    tx.commit().await?;
+    let mut claimed = rows
+        .iter()
+        .map(ClaimedRow::from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    claimed.sort_by_key(|c| c.id);
+    Ok(claimed)
+}
+
+/// Whether any delivery is due: one read of the partial index
+/// `webhook_deliveries_due`, exactly the claim's predicate without its fence
+/// and lock (it claims nothing; rows whose claim lease runs are skipped as
+/// the claim skips them). An idle probing tick runs it every
+/// `scheduler::IDLE_PROBE` (docs/adr/0019).
+pub(crate) async fn any_due(db: &Db) -> Result<bool, db::Error> {
+    let row = db
+        .fetch_one(sql("SELECT EXISTS ( \
+                   SELECT 1 FROM webhook_deliveries \
+                   WHERE status = 'pending' \
+                     AND next_attempt_at <= now() \
+                     AND (claimed_until IS NULL OR claimed_until <= now())) AS due"))
+        .await?;
+    Ok(row.try_get("due")?)
+}

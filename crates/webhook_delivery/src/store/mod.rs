@@ -1,0 +1,25 @@
+//! All of webhook delivery's SQL, a file per step that runs it:
+//!
+//! ```text
+//! claim.rs      the fenced claim of due deliveries, and the idle probe
+//! outcomes.rs   the outcome writes (one statement per group of outcomes, each row a
+//!               compare-and-set on the attempt number), handing back unsent claims
+//! backlog.rs    the gauges read at the end of a tick
+//! endpoints.rs  registering an endpoint, rotating and resealing its secrets
+//! ```
+
+mod backlog;
+mod claim;
+mod endpoints;
+mod outcomes;
+
+pub(crate) use backlog::backlog;
+pub use claim::CLAIM_DUE;
+pub(crate) use claim::{ClaimedRow, any_due, claim_due};
+pub(crate) use endpoints::{
+    insert_endpoint, rotate_secret, secrets_census, secrets_to_reseal, store_resealed,
+};
+pub use outcomes::APPLY_OUTCOMES;
+pub(crate) use outcomes::{
+    NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes, release_unsent,
+};

@@ -1,0 +1,234 @@
+//! The outcomes' SQL: one statement per group of outcomes (`APPLY_OUTCOMES`),
+//! each row a compare-and-set on the attempt number, a 410's with its
+//! endpoint's disabling, and handing back an unsent claim (at once, or held
+//! until later) by the same compare-and-set.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use db::{Db, Row, Tx, sql};
+
+/// The state an attempt leaves its delivery in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum NextState {
+    Delivered,
+    /// Still pending, due again after this wait (on the database clock).
+    RetryAfter(Duration),
+    Dead,
+}
+
+/// What an attempt saw, for the `last_*` columns.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Observed {
+    pub status_code: Option<u16>,
+    pub error: Option<String>,
+    pub latency: Option<Duration>,
+}
+
+/// Longest `last_error` kept; the rest is cut at a character boundary.
+const MAX_ERROR_CHARS: usize = 1000;
+
+/// One finished attempt's outcome, waiting to be written.
+#[derive(Debug, Clone)]
+pub(crate) struct OutcomeRow {
+    pub id: i64,
+    pub attempt: i32,
+    pub next: NextState,
+    pub observed: Observed,
+}
+
+/// Write a group of outcomes with one statement in one transaction. Each row
+/// is a compare-and-set of its own: it is applied only if its delivery is
+/// still pending at exactly its `attempt` (no later claim has been made).
+/// Returns the `(id, attempt)` pairs that were applied; a row of `rows` not
+/// among them is stale and nothing was written for it. On an error nothing
+/// was written.
+pub(crate) async fn record_outcomes(
+    db: &Db,
+    rows: &[OutcomeRow],
+    statement_timeout: Duration,
+) -> Result<HashSet<(i64, i32)>, db::Error> {
+    if rows.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let applied = apply_outcomes(&mut tx, rows).await?;
+    tx.commit().await?;
+    Ok(applied)
+}
+
+/// Write one attempt's outcome like [`record_outcomes`]. `disable_endpoint`
+/// (a 410) disables the endpoint in the same transaction, only when the
+/// outcome was applied. Returns false for a stale attempt: nothing was written.
+pub(crate) async fn record_outcome(
+    db: &Db,
+    row: &OutcomeRow,
+    disable_endpoint: Option<(i64, String)>,
+    statement_timeout: Duration,
+) -> Result<bool, db::Error> {
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let applied = apply_outcomes(&mut tx, std::slice::from_ref(row))
+        .await?
+        .contains(&(row.id, row.attempt));
+    if applied && let Some((endpoint_id, reason)) = disable_endpoint {
+        tx.execute(
+            sql("UPDATE webhook_endpoints \
+                 SET enabled = false, disabled_reason = $2, disabled_at = now() \
+                 WHERE id = $1 AND enabled")
+            .bind(endpoint_id)
+            .bind(reason),
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(applied)
+}
+
+/// The outcome statement of [`apply_outcomes`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`).
+pub const APPLY_OUTCOMES: &str = "UPDATE webhook_deliveries d \
+         SET status = o.next_state, \
+             claimed_until = NULL, \
+             next_attempt_at = CASE WHEN o.next_state = 'pending' \
+                                    THEN now() + make_interval(secs => o.retry_secs) \
+                                    ELSE d.next_attempt_at END, \
+             delivered_at = CASE WHEN o.next_state = 'delivered' THEN now() END, \
+             last_status_code = o.status_code, \
+             last_error = o.error, \
+             last_latency_ms = o.latency_ms \
+         FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], \
+                     $5::int4[], $6::text[], $7::int4[], $8::text[]) \
+              AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms, was) \
+         WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = o.was \
+         RETURNING d.id, o.attempt";
+
+/// The status a compare-and-set expects its delivery in. It is bound as one
+/// more column of the unnested group (`was`), not written as a literal, so
+/// that the predicate does not match `webhook_deliveries_due`'s and the
+/// planner reaches each row by its primary key: with the literal, a table
+/// whose statistics expect few pending rows was scanned pending row by
+/// pending row for every group (docs/adr/0023).
+const PENDING: &str = "pending";
+
+/// The one outcome statement: `rows` unnested into a relation and joined to
+/// their deliveries by the compare-and-set predicate, in a transaction that
+/// keeps the join to primary-key lookups (`Db::begin_index_driven`).
+async fn apply_outcomes(
+    tx: &mut Tx,
+    rows: &[OutcomeRow],
+) -> Result<HashSet<(i64, i32)>, db::Error> {
+    let n = rows.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut states = Vec::with_capacity(n);
+    let mut retry_secs = Vec::with_capacity(n);
+    let mut codes = Vec::with_capacity(n);
+    let mut errors = Vec::with_capacity(n);
+    let mut latencies = Vec::with_capacity(n);
+    for r in rows {
+        let (status, wait) = match r.next {
+            NextState::Delivered => ("delivered", 0.0),
+            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
+            NextState::Dead => ("dead", 0.0),
+        };
+        ids.push(r.id);
+        attempts.push(r.attempt);
+        states.push(status.to_owned());
+        retry_secs.push(wait);
+        codes.push(r.observed.status_code.map(i32::from));
+        errors.push(
+            r.observed
+                .error
+                .as_ref()
+                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
+        );
+        latencies.push(
+            r.observed
+                .latency
+                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
+        );
+    }
+    let applied = tx
+        .fetch_all(
+            sql(APPLY_OUTCOMES)
+                .bind(ids)
+                .bind(attempts)
+                .bind(states)
+                .bind(retry_secs)
+                .bind(codes)
+                .bind(errors)
+                .bind(latencies)
+                .bind(vec![PENDING; n]),
+        )
+        .await?;
+    applied
+        .iter()
+        .map(|r| Ok((r.try_get::<i64, _>(0)?, r.try_get::<i32, _>(1)?)))
+        .collect()
+}
+
+/// Hand back a claim that was never sent (the tick ran out of time or was
+/// cancelled before its turn): due now (its lease cleared; `next_attempt_at`
+/// had passed when it was claimed), and the attempt not counted. The same
+/// compare-and-set as an outcome, so a claim taken over meanwhile is left alone.
+/// Returns whether the claim was handed back.
+pub(crate) async fn release_unsent(
+    db: &Db,
+    delivery_id: i64,
+    attempt: i32,
+    statement_timeout: Duration,
+) -> Result<bool, db::Error> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let released = tx
+        .execute(
+            sql("UPDATE webhook_deliveries \
+                 SET attempts = attempts - 1, claimed_until = NULL \
+                 WHERE id = $1 AND attempts = $2 AND status = 'pending'")
+            .bind(delivery_id)
+            .bind(attempt),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(released == 1)
+}
+
+/// Hand back claims that were not sent and must not come due at once (their
+/// endpoint's circuit breaker is open, or their turn did not come while the
+/// batch ran): the attempt not counted, like [`release_unsent`], and due again
+/// at `now() + hold` on the database clock (`next_attempt_at`, never brought
+/// forward; the claim lease cleared), so the claim skips them until then and
+/// then hands out deliveries that were due before them first. One statement
+/// for the group, each row the same compare-and-set as an outcome. Returns how
+/// many were held. Not a HOT update (`next_attempt_at` is indexed); holds
+/// happen only while an endpoint or tenant is saturated.
+pub(crate) async fn hold_unsent(
+    db: &Db,
+    held: &[(i64, i32, Duration)],
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    if held.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
+    let attempts: Vec<i32> = held.iter().map(|h| h.1).collect();
+    let secs: Vec<f64> = held.iter().map(|h| h.2.as_secs_f64()).collect();
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let n = tx
+        .execute(
+            sql("UPDATE webhook_deliveries d \
+                 SET attempts = d.attempts - 1, \
+                     claimed_until = NULL, \
+                     next_attempt_at = GREATEST(d.next_attempt_at, \
+                                                now() + make_interval(secs => h.secs)) \
+                 FROM unnest($1::int8[], $2::int4[], $3::float8[], $4::text[]) \
+                      AS h(id, attempt, secs, was) \
+                 WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = h.was")
+            .bind(ids)
+            .bind(attempts)
+            .bind(secs)
+            .bind(vec![PENDING; held.len()]),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
