@@ -35,8 +35,47 @@ use futures::stream::{self, StreamExt};
 use scheduler::{Payload, catch};
 
 use crate::Error;
-use crate::charge::store::ChargeClaim;
 use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
+
+/// An open automatic invoice this worker holds the auto-charge claim of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeClaim {
+    pub invoice_id: i64,
+    pub tenant_id: String,
+    pub subscription_id: i64,
+    /// Integer minor units.
+    pub amount: i64,
+    pub currency: String,
+    pub email: String,
+    /// `cus_…`
+    pub provider_customer: String,
+    /// `pm_…`
+    pub payment_method: String,
+    /// This claim's identity, written to `auto_charge_claimed_by`.
+    pub claimed_by: String,
+    /// `INV-000123`; `None` for invoices made before numbering.
+    pub number: Option<String>,
+    /// The tenant's sender (`tenant_settings.email_from`), when it names one.
+    pub email_from: Option<String>,
+}
+
+impl ChargeClaim {
+    /// The invoice as people read it: its number, else its id.
+    pub fn label(&self) -> String {
+        self.number
+            .clone()
+            .unwrap_or_else(|| self.invoice_id.to_string())
+    }
+}
+
+/// How a charge's answer was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Written,
+    /// The claim no longer holds the invoice, or the attempt was settled by
+    /// someone else: nothing written (the reconciler settles the attempt).
+    Lost,
+}
 
 /// An attempt recorded for a claimed invoice, not yet answered.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -30,9 +30,9 @@ use scheduler::{FencedBatches, Panics, Shape};
 use tracing::{info, warn};
 
 use crate::batch::{self, Answer, Started};
+use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
-use store::{ChargeClaim, Settled};
 
 /// Auto-charge's attempt sequence: the first attempt of an invoice. Later
 /// attempts (dunning's retries) take the next numbers.

@@ -142,8 +142,8 @@ mod store;
 mod tick;
 
 pub use action_required::AskTally;
+pub use batch::ChargeClaim;
 pub use cancel::{CancelAt, Canceled};
-pub use charge::store::ChargeClaim;
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
 pub use config::{BillingConfig, ConfigError};

@@ -38,8 +38,8 @@ use leader::{Fence, Role, Tick};
 use scheduler::{FencedBatches, Panics, Payload, Shape, catch};
 use tracing::{info, warn};
 
+use crate::batch::Settled;
 use crate::batch::{self, Answer, Gate, Started};
-use crate::charge::store::Settled;
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
 use store::UnknownAttempt;

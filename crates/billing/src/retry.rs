@@ -31,7 +31,7 @@ use db::{Row, sql};
 use scheduler::Payload;
 
 use crate::batch::{self, Answer};
-use crate::charge::store::{ChargeClaim, Settled};
+use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
 

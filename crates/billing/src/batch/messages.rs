@@ -1,6 +1,6 @@
 //! What a settled charge announces: the events' data and the emails.
 
-use crate::charge::store::ChargeClaim;
+use crate::batch::ChargeClaim;
 use crate::money::money;
 
 /// `invoice.paid`'s data.

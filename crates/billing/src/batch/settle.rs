@@ -11,7 +11,7 @@ use tracing::warn;
 use super::messages::{failed_email, paid_payload, payment_payload, receipt};
 use super::{Answer, NOT_SENT, Started};
 use crate::Error;
-use crate::charge::store::Settled;
+use crate::batch::Settled;
 use crate::provider::ChargeOutcome;
 
 /// How answers are written: the settle's settings.

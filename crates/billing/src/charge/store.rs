@@ -6,36 +6,7 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::Fence;
 
-/// An open automatic invoice this worker holds the auto-charge claim of.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChargeClaim {
-    pub invoice_id: i64,
-    pub tenant_id: String,
-    pub subscription_id: i64,
-    /// Integer minor units.
-    pub amount: i64,
-    pub currency: String,
-    pub email: String,
-    /// `cus_…`
-    pub provider_customer: String,
-    /// `pm_…`
-    pub payment_method: String,
-    /// This claim's identity, written to `auto_charge_claimed_by`.
-    pub claimed_by: String,
-    /// `INV-000123`; `None` for invoices made before numbering.
-    pub number: Option<String>,
-    /// The tenant's sender (`tenant_settings.email_from`), when it names one.
-    pub email_from: Option<String>,
-}
-
-impl ChargeClaim {
-    /// The invoice as people read it: its number, else its id.
-    pub fn label(&self) -> String {
-        self.number
-            .clone()
-            .unwrap_or_else(|| self.invoice_id.to_string())
-    }
-}
+use crate::batch::ChargeClaim;
 
 /// The fenced auto-charge funnel: up to `limit` open automatic invoices that
 /// have never been attempted, whose customer has a saved card and whose
@@ -162,13 +133,4 @@ pub(crate) async fn start_attempt(
         crate::batch::start_attempts_in(&mut tx, &[(claim.clone(), attempt_seq)], instance).await?;
     tx.commit().await?;
     Ok(started.into_iter().next())
-}
-
-/// How a charge's answer was written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settled {
-    Written,
-    /// The claim no longer holds the invoice, or the attempt was settled by
-    /// someone else: nothing written (the reconciler settles the attempt).
-    Lost,
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::Fence;
 
-use crate::charge::store::ChargeClaim;
+use crate::batch::ChargeClaim;
 
 /// An attempt still open (unknown or processing), with the claim the
 /// reconciler took on its invoice.
