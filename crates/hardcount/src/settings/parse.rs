@@ -1,0 +1,68 @@
+//! Parsing one variable's text: durations, counts, retry schedules, each
+//! refused with the variable's name and its bounds.
+
+use std::ops::RangeInclusive;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use webhook_delivery::backoff::RetrySchedule;
+
+use super::RETRY_DELAY;
+
+pub(super) fn roles_explicit(roles: &Option<String>) -> bool {
+    non_empty(roles).is_some()
+}
+
+/// `HARDCOUNT_WEBHOOK_RETRY_SCHEDULE`: comma-separated delays, each within [`RETRY_DELAY`].
+pub(super) fn retry_schedule(text: &str) -> Result<RetrySchedule> {
+    const VAR: &str = "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE";
+    let mut delays = Vec::new();
+    for (i, item) in text.split(',').map(str::trim).enumerate() {
+        let delay = duration(VAR, item, RETRY_DELAY)
+            .with_context(|| format!("{VAR}={text:?}: delay {} is wrong", i + 1))?;
+        delays.push(delay);
+    }
+    // RetrySchedule::parse has its own (unbounded) grammar; the list is built here
+    // so every duration setting goes through `duration`.
+    Ok(RetrySchedule(delays))
+}
+
+/// The one duration parser: humantime's syntax, then `bounds`, refusing by name.
+pub fn duration(var: &str, text: &str, bounds: RangeInclusive<Duration>) -> Result<Duration> {
+    let text = text.trim();
+    let value = humantime::parse_duration(text).map_err(|e| {
+        anyhow!("{var}={text:?}: {e} (expected a duration like 500ms, 30s, 5m, 1h or 1d)")
+    })?;
+    let show = |d: &Duration| humantime::format_duration(*d).to_string();
+    if value < *bounds.start() {
+        bail!("{var}={text:?}: must be at least {}", show(bounds.start()));
+    }
+    if value > *bounds.end() {
+        bail!("{var}={text:?}: must be at most {}", show(bounds.end()));
+    }
+    Ok(value)
+}
+
+/// A whole number within `bounds`, refusing by name.
+pub(super) fn whole(var: &str, text: &str, bounds: RangeInclusive<usize>) -> Result<usize> {
+    let text = text.trim();
+    text.parse::<usize>()
+        .ok()
+        .filter(|n| bounds.contains(n))
+        .ok_or_else(|| {
+            anyhow!(
+                "{var}={text:?}: expected a whole number from {} to {}",
+                bounds.start(),
+                bounds.end()
+            )
+        })
+}
+
+/// Set and not blank: an empty variable means unset, as it does to a shell user.
+pub(super) fn non_empty(value: &Option<String>) -> Option<String> {
+    value
+        .as_deref()
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+}

@@ -1,0 +1,299 @@
+//! The settings' unit tests.
+
+use super::*;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Serve {
+    #[command(flatten)]
+    settings: ServeSettings,
+}
+
+/// The configuration `args` (flags standing in for the variables) give, or the refusal.
+fn check(args: &[&str]) -> Result<Config, String> {
+    let serve = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+        .map_err(|e| e.to_string())?;
+    serve
+        .settings
+        .config("postgres://x".into(), None)
+        .map_err(|e| format!("{e:#}"))
+}
+
+fn refusal(args: &[&str]) -> String {
+    match check(args) {
+        Ok(_) => panic!("{args:?} was accepted"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn defaults_run_every_role_with_the_documented_intervals() {
+    let config = check(&[]).unwrap();
+    assert_eq!(config.roles.len(), 5);
+    assert!(!config.roles_explicit);
+    assert_eq!(config.roles[0].interval, Duration::from_secs(3600));
+    assert_eq!(config.webhook_delivery, WorkerConfig::default());
+}
+
+#[test]
+fn durations_take_humantime_syntax() {
+    let config = check(&[
+        "--billing-interval",
+        "2h 30m",
+        "--webhook-retry-schedule",
+        "1s, 5m,7days",
+        "--webhook-timeout",
+        "60s",
+    ])
+    .unwrap();
+    assert_eq!(config.roles[0].interval, Duration::from_secs(9000));
+    assert_eq!(
+        config.webhook_delivery.retry_schedule.0,
+        [1, 300, 7 * 86_400].map(Duration::from_secs).to_vec()
+    );
+    assert_eq!(
+        config.webhook_delivery.request_timeout,
+        Duration::from_secs(60)
+    );
+}
+
+#[test]
+fn nonsense_is_refused_by_the_setting_s_name() {
+    for (args, expected) in [
+        (
+            &["--billing-interval", "500ms"][..],
+            "HARDCOUNT_BILLING_INTERVAL is 500ms: a role's interval must be from 1s",
+        ),
+        (
+            &["--webhook-delivery-interval", "1 fortnight"],
+            "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL=\"1 fortnight\": unknown time unit",
+        ),
+        (
+            &["--dunning-interval", "31d"],
+            "HARDCOUNT_DUNNING_INTERVAL is 2678400s",
+        ),
+        (
+            &["--dunning-batch-size", "0"],
+            "HARDCOUNT_DUNNING_BATCH_SIZE=0: must be from 1 to 10000",
+        ),
+        (
+            &["--dunning-concurrency", "many"],
+            "HARDCOUNT_DUNNING_CONCURRENCY=\"many\": expected a whole number",
+        ),
+        (
+            &["--dunning-concurrency", "1001"],
+            "HARDCOUNT_DUNNING_CONCURRENCY=1001: must be from 1 to 1000",
+        ),
+        (
+            &["--dunning-tick-budget", "2h"],
+            "HARDCOUNT_DUNNING_TICK_BUDGET=2h: must be from 100ms to 1h",
+        ),
+        (
+            &["--webhook-retry-schedule", "5s,500ms"],
+            "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE=\"5s,500ms\": delay 2 is wrong: \
+             HARDCOUNT_WEBHOOK_RETRY_SCHEDULE=\"500ms\": must be at least 1s",
+        ),
+        (
+            &["--webhook-retry-schedule", "5s,8d"],
+            "\"8d\": must be at most 7days",
+        ),
+        (&["--webhook-retry-schedule", "5s,,5m"], "delay 2 is wrong"),
+        (
+            &["--webhook-timeout", "61s"],
+            "HARDCOUNT_WEBHOOK_TIMEOUT=\"61s\": must be at most 1m",
+        ),
+        (
+            &["--webhook-timeout", "0s"],
+            "HARDCOUNT_WEBHOOK_TIMEOUT=\"0s\": must be at least 1s",
+        ),
+        (
+            &["--webhook-allowlist", "10.0.0.0/99"],
+            "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/99\"",
+        ),
+        (
+            &["--webhook-allowlist", "10.0.0.0/8,0.0.0.0/0"],
+            "HARDCOUNT_WEBHOOK_ALLOWLIST=\"10.0.0.0/8,0.0.0.0/0\": invalid SSRF allowlist entry `0.0.0.0/0`: re-opens every IPv4 address",
+        ),
+        (
+            &["--webhook-allowlist", "169.254.169.254/32"],
+            "cloud metadata address",
+        ),
+        (&["--roles", "billing,emails"], "unknown role \"emails\""),
+        (
+            &["--webhook-max-in-flight-per-tenant", "0"],
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT=\"0\": expected a whole number from 1 to 1024",
+        ),
+        (
+            &["--webhook-max-in-flight", "many"],
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT=\"many\": expected a whole number",
+        ),
+        (
+            &["--webhook-max-in-flight-per-destination", "2000"],
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION=\"2000\"",
+        ),
+        (
+            &["--webhook-max-in-flight-per-endpoint", "1.5"],
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT=\"1.5\"",
+        ),
+        (
+            &["--webhook-breaker-timeouts", "0"],
+            "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS=\"0\": expected a whole number from 1 to 1000",
+        ),
+        (
+            &["--webhook-breaker-cooloff", "500ms"],
+            "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF=\"500ms\": must be at least 1s",
+        ),
+        (
+            &["--webhook-breaker-cooloff", "2h"],
+            "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF=\"2h\": must be at most 1h",
+        ),
+        (
+            &["--webhook-min-port", "0"],
+            "HARDCOUNT_WEBHOOK_MIN_PORT=\"0\": expected a whole number from 1 to 65535",
+        ),
+        (
+            &["--webhook-min-port", "https"],
+            "HARDCOUNT_WEBHOOK_MIN_PORT=\"https\"",
+        ),
+    ] {
+        let err = refusal(args);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn the_fairness_breaker_and_port_settings_reach_the_worker_config() {
+    let w = check(&[
+        "--webhook-max-in-flight",
+        "64",
+        "--webhook-max-in-flight-per-endpoint",
+        "2",
+        "--webhook-max-in-flight-per-tenant",
+        "16",
+        "--webhook-max-in-flight-per-destination",
+        "24",
+        "--webhook-breaker-timeouts",
+        "3",
+        "--webhook-breaker-cooloff",
+        "2m",
+        "--webhook-min-port",
+        "8000",
+    ])
+    .unwrap()
+    .webhook_delivery;
+    assert_eq!(
+        (
+            w.max_in_flight,
+            w.max_in_flight_per_endpoint,
+            w.max_in_flight_per_tenant,
+            w.max_in_flight_per_destination,
+            w.breaker_timeouts,
+            w.breaker_cooloff,
+        ),
+        (64, 2, 16, 24, 3, Duration::from_secs(120))
+    );
+    assert!(w.ports.permits(443) && w.ports.permits(8000) && !w.ports.permits(7999));
+    let every = check(&["--webhook-min-port", "1"])
+        .unwrap()
+        .webhook_delivery;
+    assert!(every.ports.permits(22));
+}
+
+#[test]
+fn smtp_settings_are_checked_by_name_and_never_echo_the_password() {
+    assert!(check(&[]).unwrap().email.is_none());
+    let ok = check(&[
+        "--smtp-url",
+        "smtp://u:hunter2@127.0.0.1:2525",
+        "--email-connections",
+        "8",
+    ])
+    .unwrap();
+    assert_eq!(ok.email.unwrap().sender.max_connections, 8);
+    for (args, expected) in [
+        (
+            vec!["--smtp-url", "smtpx://u:hunter2@mail.example.com"],
+            "SMTP_URL: SMTP_URL has the unknown scheme `smtpx`",
+        ),
+        (
+            vec!["--smtp-url", "//u:hunter2@mail.example.com"],
+            "SMTP_URL: SMTP_URL is not a URL",
+        ),
+        (
+            vec![
+                "--smtp-url",
+                "smtp://mail.example.com",
+                "--email-connections",
+                "0",
+            ],
+            "HARDCOUNT_EMAIL_CONNECTIONS=\"0\"",
+        ),
+        (
+            vec![
+                "--smtp-url",
+                "smtp://mail.example.com",
+                "--smtp-ca-file",
+                "/nonexistent/ca.pem",
+            ],
+            "HARDCOUNT_SMTP_CA_FILE=/nonexistent/ca.pem",
+        ),
+    ] {
+        let err = refusal(&args);
+        assert!(err.contains(expected), "{expected:?} not in {err:?}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+}
+
+#[test]
+fn the_email_sender_reaches_billing_and_dunning_and_one_that_does_not_parse_is_refused() {
+    let default = check(&[]).unwrap();
+    assert_eq!(default.billing.email_from, "Billing <billing@example.com>");
+    assert_eq!(default.dunning.email_from, default.billing.email_from);
+    for from in [
+        "receipts@shop.example",
+        "Shop Receipts <receipts@shop.example>",
+        "\"Shop, Inc.\" <receipts@shop.example>",
+    ] {
+        let config = check(&["--email-from", from]).unwrap();
+        assert_eq!(config.billing.email_from, from);
+        assert_eq!(config.dunning.email_from, from);
+    }
+    for from in [
+        "receipts",
+        "Shop <receipts@>",
+        "receipts@shop.example>",
+        "Shop <receipts@[192.0.2.1]>",
+    ] {
+        let err = refusal(&["--email-from", from]);
+        assert!(
+            err.starts_with(&format!("HARDCOUNT_EMAIL_FROM={from:?}: expected a sender")),
+            "{from:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_blank_variable_means_unset() {
+    let config = check(&["--roles", " ", "--webhook-timeout", ""]).unwrap();
+    assert_eq!(config.roles.len(), 5);
+    assert!(!config.roles_explicit);
+    let bad = ServeSettings {
+        http_addr: "8080".into(),
+        ..Serve::try_parse_from(["serve"]).unwrap().settings
+    };
+    let err = bad.http_addr().unwrap_err().to_string();
+    assert!(err.contains("HARDCOUNT_HTTP_ADDR=\"8080\""), "{err}");
+}
+
+#[test]
+fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
+    assert_eq!(check(&[]).unwrap().listen_url, None);
+    let url = "postgres://app:pw@db:5432/hardcount";
+    let config = check(&["--listen-url", url]).unwrap();
+    assert_eq!(config.listen_url.as_deref(), Some(url));
+    let err = check(&["--listen-url", "mysql://u:hunter2@db/x"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("HARDCOUNT_LISTEN_URL must be"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}
