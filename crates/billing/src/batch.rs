@@ -60,6 +60,26 @@ pub struct ChargeClaim {
 }
 
 impl ChargeClaim {
+    /// A claimed invoice as the claims return it (auto-charge's, the
+    /// reconciler's and dunning's retries select the same columns:
+    /// `id, tenant_id, subscription_id, amount, currency, number, email,
+    /// provider_customer_id, payment_method_id, tenant_from`), held by `claimed_by`.
+    pub(crate) fn decode(r: &db::PgRow, claimed_by: String) -> Result<ChargeClaim, db::Error> {
+        Ok(ChargeClaim {
+            invoice_id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            subscription_id: r.try_get("subscription_id")?,
+            amount: r.try_get("amount")?,
+            currency: r.try_get("currency")?,
+            email: r.try_get("email")?,
+            provider_customer: r.try_get("provider_customer_id")?,
+            payment_method: r.try_get("payment_method_id")?,
+            claimed_by,
+            number: r.try_get("number")?,
+            email_from: r.try_get("tenant_from")?,
+        })
+    }
+
     /// The invoice as people read it: its number, else its id.
     pub fn label(&self) -> String {
         self.number

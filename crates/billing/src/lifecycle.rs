@@ -30,6 +30,7 @@ use scheduler::{FencedBatches, Panics, Shape};
 use crate::close::Unbillable;
 use crate::period::{self, Interval, Unit};
 use crate::store::Listed;
+use crate::tick::lock;
 use crate::{Biller, Error};
 use store::{LiftedPause, TrialEnded};
 
@@ -93,11 +94,7 @@ impl FencedBatches for Trials<'_> {
     }
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<TrialEnded>, Error> {
-        let except = self
-            .left_out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let except = lock(&self.left_out).clone();
         let c = &self.biller.inner.config;
         let listed = store::claim_trials(
             &self.biller.inner.db,
@@ -108,10 +105,7 @@ impl FencedBatches for Trials<'_> {
         )
         .await?;
         self.biller.undecodable("trials", &listed.undecodable);
-        self.left_out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(listed.undecodable.iter().copied());
+        lock(&self.left_out).extend(listed.undecodable.iter().copied());
         Ok(listed)
     }
 
@@ -149,10 +143,7 @@ impl FencedBatches for Trials<'_> {
             .filter(|id| !activations.iter().any(|(t, _)| t.subscription_id == *id))
             .collect();
         tally.panicked += panicked.len();
-        self.left_out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(panicked);
+        lock(&self.left_out).extend(panicked);
         let b = &self.biller.inner;
         let activated =
             store::activate_trials(&b.db, &activations, b.config.statement_timeout).await?;
@@ -187,11 +178,7 @@ impl FencedBatches for Resumes<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<LiftedPause>, Error> {
         let c = &self.biller.inner.config;
-        let except = self
-            .left_out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let except = lock(&self.left_out).clone();
         let listed = store::claim_lifted_pauses(
             &self.biller.inner.db,
             fence,
@@ -201,10 +188,7 @@ impl FencedBatches for Resumes<'_> {
         )
         .await?;
         self.biller.undecodable("resumes", &listed.undecodable);
-        self.left_out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(listed.undecodable.iter().copied());
+        lock(&self.left_out).extend(listed.undecodable.iter().copied());
         Ok(listed)
     }
 

@@ -147,21 +147,10 @@ impl Biller {
             .await?;
         let mut attempts = Vec::with_capacity(rows.len());
         for r in &rows {
-            let claim = ChargeClaim {
-                invoice_id: r.try_get("id").map_err(db::Error::from)?,
-                tenant_id: r.try_get("tenant_id").map_err(db::Error::from)?,
-                subscription_id: r.try_get("subscription_id").map_err(db::Error::from)?,
-                amount: r.try_get("amount").map_err(db::Error::from)?,
-                currency: r.try_get("currency").map_err(db::Error::from)?,
-                email: r.try_get("email").map_err(db::Error::from)?,
-                provider_customer: r.try_get("provider_customer_id").map_err(db::Error::from)?,
-                payment_method: r.try_get("payment_method_id").map_err(db::Error::from)?,
-                claimed_by: r
-                    .try_get("auto_charge_claimed_by")
-                    .map_err(db::Error::from)?,
-                number: r.try_get("number").map_err(db::Error::from)?,
-                email_from: r.try_get("tenant_from").map_err(db::Error::from)?,
-            };
+            let by: String = r
+                .try_get("auto_charge_claimed_by")
+                .map_err(db::Error::from)?;
+            let claim = ChargeClaim::decode(r, by)?;
             let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
             attempts.push((claim, seq));
         }

@@ -425,7 +425,8 @@ async fn step<R: FencedBatches>(
     scheduler::catch(name.to_owned(), scheduler::drive(role, tick)).await
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// A mutex's guard, a poisoned one too (the data is a list of ids).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use db::{Db, Row, sql};
+use db::{Db, sql};
 use leader::Fence;
 
 use crate::batch::ChargeClaim;
@@ -100,21 +100,7 @@ async fn claim_charges_in(
         )
         .await?;
     rows.iter()
-        .map(|r| {
-            Ok(ChargeClaim {
-                invoice_id: r.try_get("id")?,
-                tenant_id: r.try_get("tenant_id")?,
-                subscription_id: r.try_get("subscription_id")?,
-                amount: r.try_get("amount")?,
-                currency: r.try_get("currency")?,
-                email: r.try_get("email")?,
-                provider_customer: r.try_get("provider_customer_id")?,
-                payment_method: r.try_get("payment_method_id")?,
-                claimed_by: claimed_by.to_owned(),
-                number: r.try_get("number")?,
-                email_from: r.try_get("tenant_from")?,
-            })
-        })
+        .map(|r| ChargeClaim::decode(r, claimed_by.to_owned()))
         .collect()
 }
 

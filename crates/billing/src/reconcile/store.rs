@@ -91,8 +91,8 @@ pub(crate) async fn claim_unknown(
                         k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
                         (SELECT ts.email_from FROM tenant_settings ts \
                          WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
-                        COALESCE(a.provider_customer_id, c.provider_customer_id) AS customer, \
-                        COALESCE(a.payment_method_id, c.payment_method_id) AS card \
+                        COALESCE(a.provider_customer_id, c.provider_customer_id) AS provider_customer_id, \
+                        COALESCE(a.payment_method_id, c.payment_method_id) AS payment_method_id \
                  FROM claimed k \
                  JOIN picked p ON p.id = k.id \
                  JOIN payment_attempts a ON a.id = p.attempt_id \
@@ -119,19 +119,7 @@ pub(crate) async fn claim_unknown(
                 payment_intent: r.try_get("provider_payment_intent")?,
                 resend_ok: r.try_get("resend_ok")?,
                 listed_since: r.try_get("listed_since")?,
-                claim: ChargeClaim {
-                    invoice_id: r.try_get("id")?,
-                    tenant_id: r.try_get("tenant_id")?,
-                    subscription_id: r.try_get("subscription_id")?,
-                    amount: r.try_get("amount")?,
-                    currency: r.try_get("currency")?,
-                    email: r.try_get("email")?,
-                    provider_customer: r.try_get("customer")?,
-                    payment_method: r.try_get("card")?,
-                    claimed_by: claimed_by.to_owned(),
-                    number: r.try_get("number")?,
-                    email_from: r.try_get("tenant_from")?,
-                },
+                claim: ChargeClaim::decode(r, claimed_by.to_owned())?,
             })
         })
         .collect()
