@@ -161,7 +161,7 @@ async fn ask(
         .to_string();
         emails.push((
             tenant.clone(),
-            email_outbox::Email {
+            outbox::email::Email {
                 from: from.unwrap_or_else(|| email_from.to_owned()),
                 to: vec![to],
                 subject: format!("Please add a payment method for invoice {label}"),
@@ -175,14 +175,14 @@ async fn ask(
         ));
         events.push((tenant, payload));
     }
-    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
         .iter()
         .map(|(t, p)| (t.as_str(), "invoice.payment_action_required", p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(&mut tx, &refs).await?;
-    let refs: Vec<(&str, &email_outbox::Email)> =
+    outbox::webhook::enqueue_many(&mut tx, &refs).await?;
+    let refs: Vec<(&str, &outbox::email::Email)> =
         emails.iter().map(|(t, e)| (t.as_str(), e)).collect();
-    email_outbox::enqueue_many_or_record(&mut tx, &refs, telemetry).await?;
+    outbox::email::enqueue_many_or_record(&mut tx, &refs, telemetry).await?;
     tx.commit().await?;
     Ok(rows.len())
 }

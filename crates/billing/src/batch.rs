@@ -14,7 +14,7 @@
 //!                             declined: claim released + attempt → declined(code)
 //!                             unknown:  attempt keeps unknown with its reason
 //!                             then every event (enqueue_many) and every email
-//!                             (email_outbox::enqueue_many) of the rows that won
+//!                             (outbox::email::enqueue_many) of the rows that won
 //! ```
 //!
 //! A settle transaction that fails (a refused event or email, a database

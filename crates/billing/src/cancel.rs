@@ -210,7 +210,7 @@ async fn cancel_at_period_end(
         "cancel_at": end.to_rfc3339(),
     })
     .to_string();
-    webhook_outbox::enqueue(&mut tx, tenant_id, "subscription.updated", &payload).await?;
+    outbox::webhook::enqueue(&mut tx, tenant_id, "subscription.updated", &payload).await?;
     tx.commit().await?;
     Ok(true)
 }

@@ -41,7 +41,7 @@
 //!      declined  ─▶ claim released, attempt declined(code)
 //!      unknown   ─▶ attempt stays unknown with its reason; lease expires; the reconciler's
 //!    + invoice.paid, payment.succeeded, payment.failed (enqueue_many) and the receipts
-//!      and payment-failed emails (email_outbox::enqueue_many) of the rows that won
+//!      and payment-failed emails (outbox::email::enqueue_many) of the rows that won
 //!    (failing whole, it is redone one row at a time)
 //!  every call of the batch an outage (refused, 5xx) ─▶ the tick ends as failed
 //! ```
@@ -166,10 +166,10 @@ pub enum Error {
     Unbillable(#[from] Unbillable),
     /// `invoice.finalized` was refused; the closing rolled back.
     #[error("billing could not enqueue invoice.finalized: {0}")]
-    Enqueue(#[from] webhook_outbox::EnqueueError),
+    Enqueue(#[from] outbox::webhook::EnqueueError),
     /// A receipt or payment-failed email was refused; the settling rolled back.
     #[error("billing could not enqueue an email: {0}")]
-    EmailEnqueue(#[from] email_outbox::EnqueueError),
+    EmailEnqueue(#[from] outbox::email::EnqueueError),
     /// Every provider call of a batch found the provider down (connection
     /// refused or 5xx): the tick stops and is released as failed.
     #[error("payment provider outage: all {calls} calls of the batch failed ({last})")]

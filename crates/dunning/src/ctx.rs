@@ -36,7 +36,7 @@ impl Ctx {
 
     /// The final notice of `run`'s final action, if its policy sends one;
     /// queued by the action's transaction only if the action changed something.
-    pub(crate) fn final_notice(&self, run: &Run) -> Option<email_outbox::Email> {
+    pub(crate) fn final_notice(&self, run: &Run) -> Option<outbox::email::Email> {
         let from = sender(run, &self.config.email_from);
         let notice = run.policy.final_notice.then(|| final_notice(run, from));
         self.sendable(run, notice)
@@ -49,8 +49,8 @@ impl Ctx {
     pub(crate) fn sendable(
         &self,
         run: &Run,
-        email: Option<email_outbox::Email>,
-    ) -> Option<email_outbox::Email> {
+        email: Option<outbox::email::Email>,
+    ) -> Option<outbox::email::Email> {
         match notices::sendable(email?, &self.config.email_from) {
             Ok(email) => Some(email),
             Err(e) => {

@@ -103,7 +103,7 @@ async fn insert_runs(
             "attempt_count": 0,
             "next_attempt_at": next.to_rfc3339(),
         });
-        webhook_outbox::enqueue(&mut tx, &tenant, "dunning.started", &payload.to_string()).await?;
+        outbox::webhook::enqueue(&mut tx, &tenant, "dunning.started", &payload.to_string()).await?;
     }
     tx.commit().await?;
     Ok(rows.len())

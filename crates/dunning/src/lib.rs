@@ -173,10 +173,10 @@ pub enum Error {
     Billing(#[from] billing::Error),
     /// A `dunning.*` event was refused; the transition rolled back.
     #[error("dunning could not enqueue an event: {0}")]
-    Enqueue(#[from] webhook_outbox::EnqueueError),
+    Enqueue(#[from] outbox::webhook::EnqueueError),
     /// A warning or final-notice email was refused; the transition rolled back.
     #[error("dunning could not enqueue an email: {0}")]
-    EmailEnqueue(#[from] email_outbox::EnqueueError),
+    EmailEnqueue(#[from] outbox::email::EnqueueError),
     /// The transaction that counts a batch's attempts and claims their
     /// invoices failed: it rolled back, nothing of the batch was counted.
     #[error("dunning batch not started (rolled back, nothing counted): {0}")]

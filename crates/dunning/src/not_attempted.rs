@@ -116,7 +116,7 @@ struct NotAttempted<'a> {
     /// The next retry; `None`: this was the last, the run is exhausted.
     pub next: Option<DateTime<Utc>>,
     /// The warning, if the policy warns after this retry.
-    pub email: Option<email_outbox::Email>,
+    pub email: Option<outbox::email::Email>,
 }
 
 /// Count due retries that cannot be charged, one statement in the caller's
@@ -198,15 +198,15 @@ async fn not_attempted_in(tx: &mut Tx, rows: &[NotAttempted<'_>]) -> Result<Hash
             }
         })
         .collect();
-    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+    let events: Vec<outbox::webhook::NewEvent<'_>> = payloads
         .iter()
         .map(|(t, e, p)| (*t, *e, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(tx, &events).await?;
-    let emails: Vec<(&str, &email_outbox::Email)> = applied
+    outbox::webhook::enqueue_many(tx, &events).await?;
+    let emails: Vec<(&str, &outbox::email::Email)> = applied
         .iter()
         .filter_map(|n| n.email.as_ref().map(|e| (n.run.tenant_id.as_str(), e)))
         .collect();
-    email_outbox::enqueue_many(tx, &emails).await?;
+    outbox::email::enqueue_many(tx, &emails).await?;
     Ok(won)
 }

@@ -25,9 +25,9 @@ pub(crate) fn warning(
     from: &str,
     code: &str,
     next: DateTime<Utc>,
-) -> email_outbox::Email {
+) -> outbox::email::Email {
     let invoice = invoice(run);
-    email_outbox::Email {
+    outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Payment for invoice {invoice} failed: we will retry"),
@@ -47,7 +47,7 @@ pub(crate) fn not_attempted(
     from: &str,
     why: NotChargeable,
     next: DateTime<Utc>,
-) -> email_outbox::Email {
+) -> outbox::email::Email {
     let invoice = invoice(run);
     let reason = match why {
         NotChargeable::NoPaymentMethod => "there is no payment method on your account",
@@ -55,7 +55,7 @@ pub(crate) fn not_attempted(
             "your card was declined in a way that trying it again will not change"
         }
     };
-    email_outbox::Email {
+    outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Payment for invoice {invoice} needs a new payment method: we will retry"),
@@ -70,7 +70,7 @@ pub(crate) fn not_attempted(
 
 /// The final notice: what the final action did. Queued by the final action's
 /// transaction only when the action changed something.
-pub(crate) fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
+pub(crate) fn final_notice(run: &Run, from: &str) -> outbox::email::Email {
     let invoice = invoice(run);
     let done = match run.policy.final_action {
         FinalAction::CancelSubscription => {
@@ -93,7 +93,7 @@ pub(crate) fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
              we will not charge you for it again."
         ),
     };
-    email_outbox::Email {
+    outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Final notice for invoice {invoice}"),
@@ -107,10 +107,10 @@ pub(crate) fn final_notice(run: &Run, from: &str) -> email_outbox::Email {
 /// would be: the caller sends the transition without it, since a refused
 /// email would roll back, and so repeat, a retry the provider already answered.
 pub(crate) fn sendable(
-    mut email: email_outbox::Email,
+    mut email: outbox::email::Email,
     configured: &str,
-) -> Result<email_outbox::Email, email_outbox::Invalid> {
-    if let Err(email_outbox::Invalid::Address { field: "from", .. }) = email.validate() {
+) -> Result<outbox::email::Email, outbox::email::Invalid> {
+    if let Err(outbox::email::Invalid::Address { field: "from", .. }) = email.validate() {
         email.from = configured.to_owned();
     }
     email.validate()?;

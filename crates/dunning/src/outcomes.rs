@@ -49,11 +49,11 @@ pub(crate) async fn recover_in(tx: &mut Tx, runs: &[(&Run, i32)]) -> Result<Hash
             (r.tenant_id.as_str(), p)
         })
         .collect();
-    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+    let events: Vec<outbox::webhook::NewEvent<'_>> = payloads
         .iter()
         .map(|(t, p)| (*t, "dunning.recovered", p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(tx, &events).await?;
+    outbox::webhook::enqueue_many(tx, &events).await?;
     Ok(won)
 }
 
@@ -71,7 +71,7 @@ pub(crate) struct Decline<'a> {
     pub next: Option<DateTime<Utc>>,
     /// The warning, if the policy sends one (the final notice is the final
     /// action's, sent only if the action changed something).
-    pub email: Option<email_outbox::Email>,
+    pub email: Option<outbox::email::Email>,
 }
 
 /// [`decline`] and [`exhaust`] for a batch, in the caller's transaction: one
@@ -144,16 +144,16 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
             }
         })
         .collect();
-    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+    let events: Vec<outbox::webhook::NewEvent<'_>> = payloads
         .iter()
         .map(|(t, e, p)| (*t, *e, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(tx, &events).await?;
-    let emails: Vec<(&str, &email_outbox::Email)> = applied
+    outbox::webhook::enqueue_many(tx, &events).await?;
+    let emails: Vec<(&str, &outbox::email::Email)> = applied
         .iter()
         .filter_map(|d| d.email.as_ref().map(|e| (d.run.tenant_id.as_str(), e)))
         .collect();
-    email_outbox::enqueue_many(tx, &emails).await?;
+    outbox::email::enqueue_many(tx, &emails).await?;
     Ok(won)
 }
 
@@ -254,7 +254,7 @@ pub(crate) async fn decline(
     run: &Run,
     (attempt, held): (i32, DateTime<Utc>),
     (code, next): (&str, DateTime<Utc>),
-    email: Option<email_outbox::Email>,
+    email: Option<outbox::email::Email>,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
     let update = sql(
@@ -382,7 +382,7 @@ async fn transition(
     update: db::Stmt<'static>,
     run: &Run,
     event: (&str, String),
-    email: Option<email_outbox::Email>,
+    email: Option<outbox::email::Email>,
 ) -> Result<bool, Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     if tx.execute(update).await? != 1 {
@@ -398,11 +398,11 @@ async fn announce(
     tx: &mut Tx,
     run: &Run,
     (event_type, payload): (&str, String),
-    email: Option<email_outbox::Email>,
+    email: Option<outbox::email::Email>,
 ) -> Result<(), Error> {
-    webhook_outbox::enqueue(tx, &run.tenant_id, event_type, &payload).await?;
+    outbox::webhook::enqueue(tx, &run.tenant_id, event_type, &payload).await?;
     if let Some(email) = email {
-        email_outbox::enqueue(tx, &run.tenant_id, &email).await?;
+        outbox::email::enqueue(tx, &run.tenant_id, &email).await?;
     }
     Ok(())
 }

@@ -48,27 +48,25 @@
 //! Modules (no import circle among them; each uses only the ones below it):
 //!
 //! ```text
-//! lib.rs        this overview, enqueue, re-exports
+//! lib.rs        this overview, re-exports (enqueue and Email live in the `outbox` crate)
 //! tick.rs       Sender: the driver's implementation for this role, sends and their results
-//! batch.rs      enqueue_many and enqueue_many_or_record: a batch of emails in one statement
 //! send.rs       one send through the pool, turned into a Reply
 //! pool.rs       the SMTP connections: at most max_connections open, reused while healthy
 //! smtp.rs       SMTP_URL, and how one connection is opened from it
 //! failure.rs    why a send got no SMTP answer                        (no SQL, no I/O)
-//! store/        the SQL, a file per step: enqueue.rs (the producers' inserts), claim.rs
-//!               (the fenced claim, takes &Fence), results.rs (the CAS result writes,
-//!               hand-backs), backlog.rs (gauges), columns.rs (what two of them share)
-//! email.rs      Email: validation, the message, Message-ID          (no SQL, no I/O)
+//! store/        the SQL, a file per step: claim.rs (the fenced claim, takes &Fence),
+//!               results.rs (the CAS result writes, hand-backs), backlog.rs (gauges),
+//!               columns.rs (what they share)
+//! message.rs    Queued, and the MIME message it becomes             (no SQL, no I/O)
 //! verdict.rs    SMTP reply + attempt number -> next state            (no SQL, no I/O)
 //! config.rs     SenderConfig: defaults and validation
 //! error.rs      Error and EnqueueError
 //! ```
 
-mod batch;
 mod config;
-pub mod email;
 mod error;
 mod failure;
+pub mod message;
 mod pool;
 mod send;
 pub mod smtp;
@@ -83,24 +81,13 @@ pub mod statements {
 mod tick;
 pub mod verdict;
 
-pub use batch::{Enqueued, enqueue_many, enqueue_many_or_record, enqueue_or_record};
 pub use config::{ConfigError, SenderConfig};
-pub use email::{Email, Invalid, MAX_BODY_BYTES, check_sender};
-pub use error::{EnqueueError, Error};
+pub use error::Error;
+/// The producers' API lives in the `outbox` crate; re-exported for this
+/// role's tests and tools.
+pub use outbox::email::{
+    Email, EnqueueError, Enqueued, Invalid, MAX_BODY_BYTES, check_sender, enqueue, enqueue_many,
+    enqueue_many_or_record, enqueue_or_record,
+};
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
 pub use tick::{Sender, Tally, TickReport};
-
-/// Queue `email` for `tenant_id` inside the caller's transaction and return its
-/// id. It is sent only if the caller commits. Its `Message-ID` is fixed here.
-///
-/// # Errors
-/// [`EnqueueError::Invalid`] naming the field (nothing written, `tx` usable);
-/// [`EnqueueError::Db`] when the insert failed (`tx` is aborted).
-pub async fn enqueue(tx: &mut db::Tx, tenant_id: &str, email: &Email) -> Result<i64, EnqueueError> {
-    if tenant_id.trim().is_empty() {
-        return Err(Invalid::EmptyTenant.into());
-    }
-    email.validate()?;
-    let message_id = email::new_message_id(&email.from);
-    Ok(store::insert_email(tx, tenant_id, email, &message_id).await?)
-}

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use crate::email::{Queued, message};
 use crate::failure::Failure;
+use crate::message::{Queued, message};
 use crate::pool::Pool;
 use crate::verdict::Reply;
 

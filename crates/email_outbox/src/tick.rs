@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::config::SenderConfig;
-use crate::email::Queued;
 use crate::error::Error;
+use crate::message::Queued;
 use crate::pool::Pool;
 use crate::smtp::Connector;
 use crate::smtp::SmtpUrl;

@@ -411,7 +411,7 @@ impl ServeSettings {
         let Some(from) = non_empty(&self.email_from) else {
             return Ok(None);
         };
-        email_outbox::check_sender(&from).map_err(|e| {
+        outbox::email::check_sender(&from).map_err(|e| {
             anyhow!(
                 "HARDCOUNT_EMAIL_FROM={from:?}: expected a sender like billing@example.com \
                  or Example Billing <billing@example.com> ({e})"

@@ -18,8 +18,8 @@ pub(crate) fn paid_payload(c: &ChargeClaim, payment_intent: &str) -> String {
 }
 
 /// The receipt of a paid charge.
-pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
-    email_outbox::Email {
+pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> outbox::email::Email {
+    outbox::email::Email {
         from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
         to: vec![c.email.clone()],
         subject: format!("Receipt for invoice {}", c.label()),
@@ -34,7 +34,7 @@ pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> email_outbox::Email {
 
 /// The payment-failed email of a declined charge, asking for what the
 /// decline calls for (its class, `provider::decline_class`).
-pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_outbox::Email {
+pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> outbox::email::Email {
     use crate::provider::{DeclineClass, decline_class};
     let amount = money(c.amount, &c.currency);
     let ask = match decline_class(code) {
@@ -49,7 +49,7 @@ pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> email_out
                                                  payment method."
             .to_owned(),
     };
-    email_outbox::Email {
+    outbox::email::Email {
         from: c.email_from.clone().unwrap_or_else(|| from.to_owned()),
         to: vec![c.email.clone()],
         subject: format!("Your payment for invoice {} failed", c.label()),

@@ -305,7 +305,7 @@ async fn settle_once(
     }
     // The effects of the rows that won, each kind with one statement.
     let mut payloads: Vec<(&str, &'static str, String)> = Vec::new();
-    let mut emails: Vec<(&str, email_outbox::Email)> = Vec::new();
+    let mut emails: Vec<(&str, outbox::email::Email)> = Vec::new();
     for (s, a) in answers {
         if !won.contains(&s.attempt_id) {
             continue;
@@ -343,15 +343,15 @@ async fn settle_once(
             _ => {}
         }
     }
-    let events: Vec<webhook_outbox::NewEvent<'_>> = payloads
+    let events: Vec<outbox::webhook::NewEvent<'_>> = payloads
         .iter()
         .map(|(t, e, p)| (*t, *e, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(&mut tx, &events).await?;
-    let emails: Vec<(&str, &email_outbox::Email)> = emails.iter().map(|(t, e)| (*t, e)).collect();
+    outbox::webhook::enqueue_many(&mut tx, &events).await?;
+    let emails: Vec<(&str, &outbox::email::Email)> = emails.iter().map(|(t, e)| (*t, e)).collect();
     // A receipt the outbox refuses (an address it cannot send to) is
     // recorded failed with its reason; the settle commits (docs/adr/0027).
-    email_outbox::enqueue_many_or_record(&mut tx, &emails, how.telemetry).await?;
+    outbox::email::enqueue_many_or_record(&mut tx, &emails, how.telemetry).await?;
     tx.commit().await?;
     let lost: Vec<i64> = answers
         .iter()

@@ -67,15 +67,15 @@ pub(super) async fn announce(
             receipts.push((c.tenant_id.as_str(), paid_at_once(n, to, from)));
         }
     }
-    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
         .iter()
         .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(tx, &refs).await?;
+    outbox::webhook::enqueue_many(tx, &refs).await?;
     if !receipts.is_empty() {
-        let refs: Vec<(&str, &email_outbox::Email)> =
+        let refs: Vec<(&str, &outbox::email::Email)> =
             receipts.iter().map(|(t, e)| (*t, e)).collect();
-        email_outbox::enqueue_many_or_record(tx, &refs, how.telemetry).await?;
+        outbox::email::enqueue_many_or_record(tx, &refs, how.telemetry).await?;
     }
     Ok(())
 }
@@ -112,11 +112,11 @@ pub(super) async fn announce_subscriptions(
     if events.is_empty() {
         return Ok(());
     }
-    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
         .iter()
         .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(tx, &refs).await?;
+    outbox::webhook::enqueue_many(tx, &refs).await?;
     Ok(())
 }
 
@@ -143,7 +143,7 @@ fn invoice_payload(invoice_id: i64, n: &NewInvoice<'_>) -> String {
 }
 
 /// The receipt of an invoice paid when it was made: nothing was charged.
-fn paid_at_once(n: &NewInvoice<'_>, to: &str, from: &str) -> email_outbox::Email {
+fn paid_at_once(n: &NewInvoice<'_>, to: &str, from: &str) -> outbox::email::Email {
     let c = n.closing;
     let number = n.number.as_deref().unwrap_or("");
     let text = if n.d.carried > 0 {
@@ -158,7 +158,7 @@ fn paid_at_once(n: &NewInvoice<'_>, to: &str, from: &str) -> email_outbox::Email
             money::money(n.d.amount, &c.currency)
         )
     };
-    email_outbox::Email {
+    outbox::email::Email {
         from: from.to_owned(),
         to: vec![to.to_owned()],
         subject: format!("Receipt for invoice {number}"),

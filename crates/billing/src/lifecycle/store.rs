@@ -115,7 +115,7 @@ pub(crate) async fn activate_trials(
             "current_period_start": start.to_rfc3339(),
             "current_period_end": end.to_rfc3339(),
         });
-        webhook_outbox::enqueue(
+        outbox::webhook::enqueue(
             &mut tx,
             &tenant,
             "subscription.trial_ended",
@@ -223,7 +223,7 @@ pub(crate) async fn resume_lifted_pauses(
                 "resumes_at": p.resumes_at.to_rfc3339(),
             })),
         });
-        webhook_outbox::enqueue(
+        outbox::webhook::enqueue(
             &mut tx,
             &tenant,
             "subscription.collection_resumed",

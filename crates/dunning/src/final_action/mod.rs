@@ -35,7 +35,7 @@ pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(
     let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
     let step = format!("dunning/final actions of {} runs", runs.len());
     let batch = scheduler::catch(step, async {
-        let items: Vec<(&Run, Option<email_outbox::Email>)> = runs
+        let items: Vec<(&Run, Option<outbox::email::Email>)> = runs
             .iter()
             .map(|(run, _)| (*run, ctx.final_notice(run)))
             .collect();
@@ -114,7 +114,7 @@ pub(crate) async fn final_action(
     db: &Db,
     biller: &billing::Biller,
     run: &Run,
-    notice: Option<email_outbox::Email>,
+    notice: Option<outbox::email::Email>,
     statement_timeout: Duration,
 ) -> Result<FinalActed, Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -187,11 +187,11 @@ pub(crate) async fn final_action(
         FinalActed::NothingToDo
     } else {
         for (event_type, object) in &events {
-            webhook_outbox::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string())
+            outbox::webhook::enqueue(&mut tx, &run.tenant_id, event_type, &object.to_string())
                 .await?;
         }
         if let Some(notice) = notice {
-            email_outbox::enqueue(&mut tx, &run.tenant_id, &notice).await?;
+            outbox::email::enqueue(&mut tx, &run.tenant_id, &notice).await?;
         }
         FinalActed::Written
     };
@@ -211,7 +211,7 @@ pub(crate) async fn final_action(
 async fn final_actions(
     db: &Db,
     biller: &billing::Biller,
-    runs: &[(&Run, Option<email_outbox::Email>)],
+    runs: &[(&Run, Option<outbox::email::Email>)],
     statement_timeout: Duration,
 ) -> Result<Vec<FinalActed>, Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -289,17 +289,17 @@ async fn final_actions(
                 .map(|(kind, object)| (r.tenant_id.clone(), *kind, object.to_string()))
         })
         .collect();
-    let refs: Vec<webhook_outbox::NewEvent<'_>> = events
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
         .iter()
         .map(|(t, k, p)| (t.as_str(), *k, p.as_str()))
         .collect();
-    webhook_outbox::enqueue_many(&mut tx, &refs).await?;
-    let notices: Vec<(&str, &email_outbox::Email)> = runs
+    outbox::webhook::enqueue_many(&mut tx, &refs).await?;
+    let notices: Vec<(&str, &outbox::email::Email)> = runs
         .iter()
         .filter(|(r, _)| changed.contains_key(&r.id))
         .filter_map(|(r, n)| n.as_ref().map(|n| (r.tenant_id.as_str(), n)))
         .collect();
-    email_outbox::enqueue_many(&mut tx, &notices).await?;
+    outbox::email::enqueue_many(&mut tx, &notices).await?;
     tx.commit().await?;
     Ok(runs
         .iter()

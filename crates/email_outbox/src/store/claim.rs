@@ -5,7 +5,8 @@ use std::time::Duration;
 use db::{Db, PgRow, Row, sql};
 use leader::Fence;
 
-use crate::email::{Email, Queued};
+use crate::message::Queued;
+use outbox::email::Email;
 
 fn queued(r: &PgRow) -> Result<Queued, db::Error> {
     Ok(Queued {

@@ -1,23 +1,20 @@
 //! All of the email outbox's SQL, a file per step that runs it:
 //!
 //! ```text
-//! enqueue.rs    the producers' inserts: one email, or a batch that may record refusals
 //! claim.rs      the fenced claim of due emails
 //! results.rs    the result writes (one statement per group, each row a compare-and-set
 //!               on its attempt), handing back unsent claims
 //! backlog.rs    the gauges
-//! columns.rs    what enqueue and results both write: the `queued` status, the reply text
+//! columns.rs    what the results write: the `queued` status, the reply text
 //! ```
 
 mod backlog;
 mod claim;
 mod columns;
-mod enqueue;
 mod results;
 
 pub(crate) use backlog::backlog;
 pub use claim::CLAIM_DUE;
 pub(crate) use claim::claim_due;
-pub(crate) use enqueue::{NewRow, insert_batch, insert_email};
 pub use results::RECORD_RESULTS;
 pub(crate) use results::{ResultRow, hand_back, record_results};

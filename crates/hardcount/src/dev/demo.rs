@@ -92,7 +92,7 @@ pub async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &s
 }
 
 /// Enqueue one `invoice.finalized` event every `every` until `shutdown`, as the
-/// billing product would: through `webhook_outbox::enqueue` in a transaction.
+/// billing product would: through `outbox::webhook::enqueue` in a transaction.
 pub async fn trickle(db: Db, every: Duration, shutdown: CancellationToken) {
     let mut ticker = tokio::time::interval(every);
     let mut n: u64 = 0;
@@ -104,7 +104,7 @@ pub async fn trickle(db: Db, every: Duration, shutdown: CancellationToken) {
         );
         // The receipt email goes in the same transaction as the event, as a
         // billing change would queue both.
-        let receipt = email_outbox::Email {
+        let receipt = outbox::email::Email {
             from: "Demo Billing <billing@demo.example>".to_owned(),
             to: vec!["customer@demo.example".to_owned()],
             subject: format!("Receipt for in_demo_{n}"),
@@ -115,8 +115,8 @@ pub async fn trickle(db: Db, every: Duration, shutdown: CancellationToken) {
         };
         let enqueued = async {
             let mut tx = db.begin().await?;
-            let id = webhook_outbox::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload).await?;
-            let email = email_outbox::enqueue(&mut tx, TENANT, &receipt).await?;
+            let id = outbox::webhook::enqueue(&mut tx, TENANT, EVENT_TYPE, &payload).await?;
+            let email = outbox::email::enqueue(&mut tx, TENANT, &receipt).await?;
             tx.commit().await?;
             anyhow::Ok((id, email))
         };

@@ -3,8 +3,29 @@
 
 use db::{Row, Tx, sql};
 
-use super::columns::{QUEUED, reply_text};
-use crate::email::{Email, Invalid};
+use super::{Email, Invalid, new_message_id};
+
+/// The status of an email waiting to be sent.
+const QUEUED: &str = "queued";
+
+/// Longest `last_reply_text` kept.
+const MAX_REPLY_CHARS: usize = 1000;
+
+/// `text` as `last_reply_text` keeps it: at most 1,000 characters, NUL
+/// (which Postgres text cannot hold) replaced by U+FFFD. The sender's result
+/// writes keep a reply the same way.
+pub fn reply_text(text: &str) -> String {
+    text.chars()
+        .take(MAX_REPLY_CHARS)
+        .map(|c| {
+            if c == '\0' {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
+        .collect()
+}
 
 pub(crate) async fn insert_email(
     tx: &mut Tx,
@@ -66,7 +87,7 @@ pub(crate) async fn insert_batch(tx: &mut Tx, rows: &[NewRow<'_>]) -> Result<u64
                   AS e(tenant_id, message_id, sender, lo, hi, subject, text_body, html_body, \
                        status, refused, reply_text)")
         .bind(col(&|r| r.tenant_id.to_owned()))
-        .bind(col(&|r| crate::email::new_message_id(&r.email.from)))
+        .bind(col(&|r| new_message_id(&r.email.from)))
         .bind(col(&|r| r.email.from.clone()))
         .bind(flat)
         .bind(lo)

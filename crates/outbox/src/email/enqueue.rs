@@ -1,17 +1,44 @@
-//! Many emails in one statement, for a producer that settles a batch in one
-//! transaction: [`enqueue_many`], which refuses the batch for one bad email,
-//! and [`enqueue_many_or_record`], which records a bad email as failed and
-//! queues the rest (what a settle uses: a side effect never rolls it back).
+//! Queueing emails in the producer's transaction: one ([`enqueue`]), many in
+//! one statement ([`enqueue_many`], which refuses the batch for one bad
+//! email), and [`enqueue_many_or_record`], which records a bad email as
+//! failed and queues the rest (what a settle uses: a side effect never rolls
+//! it back).
 
 use db::Tx;
 use leader::Telemetry;
 use tracing::warn;
 
-use crate::email::{Email, Invalid};
-use crate::error::EnqueueError;
-use crate::store::{self, NewRow};
+use super::store::{self, NewRow};
+use super::{Email, Invalid, new_message_id};
 
-/// [`enqueue`](crate::enqueue) for many emails with one statement; returns how
+/// Why [`enqueue`] refused an email.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    /// Bad input, naming the field. Nothing was sent to the database; the
+    /// caller's transaction is still usable.
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
+    /// The insert failed, which aborts the caller's transaction: roll it back.
+    #[error("could not enqueue the email: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// Queue `email` for `tenant_id` inside the caller's transaction and return its
+/// id. It is sent only if the caller commits. Its `Message-ID` is fixed here.
+///
+/// # Errors
+/// [`EnqueueError::Invalid`] naming the field (nothing written, `tx` usable);
+/// [`EnqueueError::Db`] when the insert failed (`tx` is aborted).
+pub async fn enqueue(tx: &mut Tx, tenant_id: &str, email: &Email) -> Result<i64, EnqueueError> {
+    if tenant_id.trim().is_empty() {
+        return Err(Invalid::EmptyTenant.into());
+    }
+    email.validate()?;
+    let message_id = new_message_id(&email.from);
+    Ok(store::insert_email(tx, tenant_id, email, &message_id).await?)
+}
+
+/// [`enqueue`] for many emails with one statement; returns how
 /// many were added. Every email is checked first, as `enqueue` checks it, and
 /// gets its own `Message-ID`.
 ///
@@ -129,7 +156,7 @@ mod tests {
     use testbed::TestDb;
 
     use super::enqueue_many;
-    use crate::{Email, EnqueueError};
+    use crate::email::{Email, EnqueueError};
 
     fn email(to: &[&str], subject: &str) -> Email {
         Email {

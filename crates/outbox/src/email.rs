@@ -1,9 +1,16 @@
-//! An email as producers queue it, its checks, and the MIME message it becomes.
-//! No SQL and no I/O.
+//! Emails as producers queue them: the email, its checks, and its
+//! `Message-ID`; queued inside the producer's transaction ([`enqueue`],
+//! [`enqueue_many`], [`enqueue_many_or_record`]).
 
-use lettre::Message;
-use lettre::message::header::ContentType;
-use lettre::message::{Mailbox, MultiPart, SinglePart};
+use lettre::message::Mailbox;
+
+mod enqueue;
+mod store;
+
+pub use enqueue::{
+    EnqueueError, Enqueued, enqueue, enqueue_many, enqueue_many_or_record, enqueue_or_record,
+};
+pub use store::reply_text;
 
 /// The largest text or HTML body accepted, each: 256 KiB. Receipts and dunning
 /// notices are a few KiB; anything near this is a rendering bug, and refusing it
@@ -168,7 +175,12 @@ fn header_value(field: &'static str, value: &str) -> Result<(), Invalid> {
     Ok(())
 }
 
-fn mailbox(field: &'static str, value: &str) -> Result<Mailbox, Invalid> {
+/// `value` parsed as a mailbox (`a@example.com` or `Name <a@example.com>`), as
+/// lettre will parse it when the email is sent.
+///
+/// # Errors
+/// [`Invalid`] naming `field`: a CR, LF or NUL, or not a mailbox.
+pub fn mailbox(field: &'static str, value: &str) -> Result<Mailbox, Invalid> {
     header_value(field, value)?;
     value.parse::<Mailbox>().map_err(|e| Invalid::Address {
         field,
@@ -198,61 +210,6 @@ pub fn new_message_id(from: &str) -> String {
         .map(|m| m.email.domain().to_owned())
         .unwrap_or_else(|_| "hardcount.invalid".to_owned());
     format!("<{:032x}@{domain}>", rand::random::<u128>())
-}
-
-/// What a queued row holds, as the claim returns it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Queued {
-    pub id: i64,
-    pub tenant_id: String,
-    /// The claim this send proves in its outcome write.
-    pub attempt: i32,
-    pub message_id: String,
-    pub email: Email,
-}
-
-impl std::fmt::Debug for Queued {
-    // Recipients and bodies are customers' data: keep them out of logs.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Queued")
-            .field("id", &self.id)
-            .field("tenant_id", &self.tenant_id)
-            .field("attempt", &self.attempt)
-            .field("message_id", &self.message_id)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The MIME message for a queued email: the same `Message-ID` on every attempt.
-///
-/// # Errors
-/// A row that no longer passes the enqueue checks (edited by hand): the
-/// message says which field.
-pub fn message(q: &Queued) -> Result<Message, Invalid> {
-    q.email.validate()?;
-    let mut builder = Message::builder()
-        .from(mailbox("from", &q.email.from)?)
-        .subject(q.email.subject.clone())
-        .message_id(Some(q.message_id.clone()));
-    for to in &q.email.to {
-        builder = builder.to(mailbox("to", to)?);
-    }
-    let built = match &q.email.html {
-        Some(html) => builder.multipart(MultiPart::alternative_plain_html(
-            q.email.text.clone(),
-            html.clone(),
-        )),
-        None => builder.singlepart(
-            SinglePart::builder()
-                .header(ContentType::TEXT_PLAIN)
-                .body(q.email.text.clone()),
-        ),
-    };
-    built.map_err(|e| Invalid::Address {
-        field: "to",
-        value: String::new(),
-        problem: e.to_string(),
-    })
 }
 
 #[cfg(test)]
@@ -303,31 +260,5 @@ mod tests {
             assert!(err.contains(expected), "{expected:?} not in {err:?}");
         }
         assert_eq!(email().validate(), Ok(()));
-    }
-
-    #[test]
-    fn a_message_carries_its_fixed_message_id_and_both_parts() {
-        let q = Queued {
-            id: 1,
-            tenant_id: "t".into(),
-            attempt: 1,
-            message_id: new_message_id("Billing <billing@example.com>"),
-            email: email(),
-        };
-        assert!(q.message_id.ends_with("@example.com>"), "{}", q.message_id);
-        let raw = String::from_utf8(message(&q).unwrap().formatted()).unwrap();
-        assert!(
-            raw.contains(&format!("Message-ID: {}", q.message_id)),
-            "{raw}"
-        );
-        assert!(raw.contains("multipart/alternative"), "{raw}");
-        assert!(
-            raw.contains("Paid: 12.00 EUR") && raw.contains("<p>Paid"),
-            "{raw}"
-        );
-        assert!(
-            !format!("{q:?}").contains("ada@"),
-            "recipients stay out of Debug"
-        );
     }
 }

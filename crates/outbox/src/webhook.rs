@@ -1,0 +1,129 @@
+//! Webhook events as producers write them: checked, then inserted inside the
+//! producer's transaction with the `webhook_outbox` role's wake-up, so an
+//! event exists iff its producer committed (docs/adr/0005, 0014).
+
+mod store;
+
+/// Why [`enqueue`] refused an event. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    #[error("webhook event has an empty tenant_id")]
+    EmptyTenant,
+    #[error("webhook event has an empty event type")]
+    EmptyEventType,
+    /// The payload is not one JSON value. The message names the line and column.
+    #[error("webhook payload for `{event_type}` is not valid JSON: {problem}")]
+    InvalidJson { event_type: String, problem: String },
+    /// The payload's JSON text is larger than [`MAX_PAYLOAD_BYTES`]; nothing was
+    /// sent and `tx` is still usable. (A payload that passes this check but that
+    /// Postgres renders past the `webhook_events_payload_bounded` backstop, e.g.
+    /// `1e300` written out in full, is refused by the insert: [`EnqueueError::Db`].)
+    #[error(
+        "webhook payload for `{event_type}` is {bytes} bytes; at most {max} bytes are accepted"
+    )]
+    PayloadTooLarge {
+        event_type: String,
+        bytes: usize,
+        max: usize,
+    },
+    /// The statement failed. The caller's transaction is aborted: roll it back.
+    #[error("could not enqueue the webhook event: {0}")]
+    Db(#[from] db::Error),
+}
+
+/// The largest payload [`enqueue`] accepts: 256 KiB of JSON text, as given.
+///
+/// Every delivery of an event holds its payload in memory and POSTs it, once per
+/// subscribed endpoint and attempt; an unbounded payload lets one event exhaust
+/// the delivery role's memory on every leader in turn (docs/security.md). 256 KiB is far
+/// above what a billing event carries (ids and amounts) and matches email's body
+/// limit. Migration 0007 backs it with `webhook_events_payload_bounded`: the
+/// payload as Postgres renders it (what the claim reads and the worker sends) is
+/// at most 1 MiB, which leaves room for jsonb's rendering (a space after each `:`
+/// and `,`, at most 1.5×) and refuses inserts that bypass `enqueue`.
+pub const MAX_PAYLOAD_BYTES: usize = 256 * 1024;
+
+/// Add a webhook event to the outbox inside the caller's transaction and
+/// return its id. The event is dispatched only if the caller commits.
+///
+/// `payload_json` is the event's `data`: one JSON value (usually an object).
+///
+/// # Errors
+///
+/// [`EnqueueError::InvalidJson`] (with line and column) when `payload_json` is not
+/// JSON, [`EnqueueError::PayloadTooLarge`] past [`MAX_PAYLOAD_BYTES`], and
+/// [`EnqueueError::EmptyTenant`] / [`EnqueueError::EmptyEventType`]; in
+/// these cases nothing was sent to the database and `tx` is still usable.
+/// [`EnqueueError::Db`] when the insert failed, which aborts `tx`.
+pub async fn enqueue(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    event_type: &str,
+    payload_json: &str,
+) -> Result<i64, EnqueueError> {
+    check(tenant_id, event_type, payload_json)?;
+    store::insert_event(tx, tenant_id, event_type, payload_json)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
+/// One event for [`enqueue_many`]: (tenant, event type, payload JSON).
+pub type NewEvent<'a> = (&'a str, &'a str, &'a str);
+
+/// [`enqueue`] for many events with one statement (a producer that announces
+/// a batch, such as billing's closing); returns how many were added. Every
+/// event is checked first, as [`enqueue`] checks it.
+///
+/// # Errors
+/// The first event [`enqueue`] would refuse, before anything was sent (`tx`
+/// is still usable); [`EnqueueError::Db`] when the insert failed (`tx` is
+/// aborted: roll it back).
+pub async fn enqueue_many(tx: &mut db::Tx, events: &[NewEvent<'_>]) -> Result<u64, EnqueueError> {
+    for (tenant_id, event_type, payload_json) in events {
+        check(tenant_id, event_type, payload_json)?;
+    }
+    store::insert_events(tx, events)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
+/// What [`enqueue`] refuses before it sends anything.
+fn check(tenant_id: &str, event_type: &str, payload_json: &str) -> Result<(), EnqueueError> {
+    if tenant_id.trim().is_empty() {
+        return Err(EnqueueError::EmptyTenant);
+    }
+    if event_type.trim().is_empty() {
+        return Err(EnqueueError::EmptyEventType);
+    }
+    if payload_json.len() > MAX_PAYLOAD_BYTES {
+        return Err(EnqueueError::PayloadTooLarge {
+            event_type: event_type.to_owned(),
+            bytes: payload_json.len(),
+            max: MAX_PAYLOAD_BYTES,
+        });
+    }
+    let invalid = |problem: String| EnqueueError::InvalidJson {
+        event_type: event_type.to_owned(),
+        problem,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(payload_json).map_err(|e| invalid(e.to_string()))?;
+    // JSON allows \u0000 in strings; jsonb refuses it, and would abort `tx`.
+    if contains_nul(&value) {
+        return Err(invalid(
+            "a string contains \\u0000 (NUL), which Postgres jsonb cannot store".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// True if a string or key anywhere in `value` holds a NUL character.
+fn contains_nul(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(contains_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
