@@ -110,7 +110,12 @@ async fn main() -> Result<()> {
         ..BillingConfig::default()
     };
     let biller = Biller::new(db.clone(), billing, Telemetry::noop())?;
-    let dunner = Dunner::new(db.clone(), config.clone(), biller, Telemetry::noop())?;
+    let dunner = Dunner::new(
+        db.clone(),
+        config.clone(),
+        std::sync::Arc::new(biller),
+        Telemetry::noop(),
+    )?;
     let manager = Manager::new(db.clone(), Timing::ADR, Telemetry::noop());
     let shutdown = CancellationToken::new();
     progress("one tick");

@@ -34,59 +34,10 @@ use db::{Row, Tx, sql};
 use futures::stream::{self, StreamExt};
 use scheduler::{Payload, catch};
 
+pub use payments::{ChargeClaim, NOT_SENT, Started};
+
 use crate::Error;
 use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
-
-/// An open automatic invoice this worker holds the auto-charge claim of.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChargeClaim {
-    pub invoice_id: i64,
-    pub tenant_id: String,
-    pub subscription_id: i64,
-    /// Integer minor units.
-    pub amount: i64,
-    pub currency: String,
-    pub email: String,
-    /// `cus_…`
-    pub provider_customer: String,
-    /// `pm_…`
-    pub payment_method: String,
-    /// This claim's identity, written to `auto_charge_claimed_by`.
-    pub claimed_by: String,
-    /// `INV-000123`; `None` for invoices made before numbering.
-    pub number: Option<String>,
-    /// The tenant's sender (`tenant_settings.email_from`), when it names one.
-    pub email_from: Option<String>,
-}
-
-impl ChargeClaim {
-    /// A claimed invoice as the claims return it (auto-charge's, the
-    /// reconciler's and dunning's retries select the same columns:
-    /// `id, tenant_id, subscription_id, amount, currency, number, email,
-    /// provider_customer_id, payment_method_id, tenant_from`), held by `claimed_by`.
-    pub(crate) fn decode(r: &db::PgRow, claimed_by: String) -> Result<ChargeClaim, db::Error> {
-        Ok(ChargeClaim {
-            invoice_id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            subscription_id: r.try_get("subscription_id")?,
-            amount: r.try_get("amount")?,
-            currency: r.try_get("currency")?,
-            email: r.try_get("email")?,
-            provider_customer: r.try_get("provider_customer_id")?,
-            payment_method: r.try_get("payment_method_id")?,
-            claimed_by,
-            number: r.try_get("number")?,
-            email_from: r.try_get("tenant_from")?,
-        })
-    }
-
-    /// The invoice as people read it: its number, else its id.
-    pub fn label(&self) -> String {
-        self.number
-            .clone()
-            .unwrap_or_else(|| self.invoice_id.to_string())
-    }
-}
 
 /// How a charge's answer was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,20 +46,6 @@ pub enum Settled {
     /// The claim no longer holds the invoice, or the attempt was settled by
     /// someone else: nothing written (the reconciler settles the attempt).
     Lost,
-}
-
-/// An attempt recorded for a claimed invoice, not yet answered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Started {
-    pub claim: ChargeClaim,
-    pub attempt_id: i64,
-    pub attempt_seq: i32,
-    /// The attempt's Idempotency-Key, as stored.
-    pub key: String,
-    /// This is the attempt's first call (auto-charge or a dunning retry), not
-    /// the reconciler's: a 401/403 or a call not made then proves that no
-    /// request of this key executed, and the resend window restarts.
-    pub first_send: bool,
 }
 
 /// What the provider said to one started attempt.
@@ -121,10 +58,6 @@ pub enum Answer {
     /// sends it by its key, as after a crash between the attempt and the call.
     NotSent,
 }
-
-/// Why an attempt was recorded but not sent.
-pub const NOT_SENT: &str =
-    "not sent: the tick ended before the call; the reconciler sends it by its key";
 
 /// Record `attempts` (claim, attempt sequence) as `unknown`, before their
 /// calls, with one statement in the caller's transaction: each only while
@@ -234,7 +167,7 @@ pub(crate) async fn call_all(
             if Instant::now() + call > deadline || cancelled() || gate.closed() {
                 return Answer::NotSent;
             }
-            let outcome = provider.create_payment_intent(&s.request()).await;
+            let outcome = provider.create_payment_intent(&request(&s)).await;
             if matches!(outcome, ChargeOutcome::KeyRejected { .. }) {
                 gate.close();
             }
@@ -296,17 +229,15 @@ impl ProviderHealth {
     }
 }
 
-impl Started {
-    /// The request this attempt sends (and a resend repeats exactly).
-    pub(crate) fn request(&self) -> PaymentRequest {
-        let c = &self.claim;
-        PaymentRequest {
-            invoice_id: c.invoice_id,
-            amount: c.amount,
-            currency: c.currency.clone(),
-            customer: c.provider_customer.clone(),
-            payment_method: c.payment_method.clone(),
-            key: self.key.clone(),
-        }
+/// The request `started` sends (and a resend repeats exactly).
+pub(crate) fn request(started: &Started) -> PaymentRequest {
+    let c = &started.claim;
+    PaymentRequest {
+        invoice_id: c.invoice_id,
+        amount: c.amount,
+        currency: c.currency.clone(),
+        customer: c.provider_customer.clone(),
+        payment_method: c.payment_method.clone(),
+        key: started.key.clone(),
     }
 }

@@ -32,12 +32,7 @@ pub enum CancelAt {
     PeriodEnd,
 }
 
-/// What a cancel wrote.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Canceled {
-    /// The invoice of the used part (a cancel now that invoiced one).
-    pub invoice_id: Option<i64>,
-}
+pub use payments::Canceled;
 
 impl Biller {
     /// Cancel `subscription` of `tenant_id`, now or at the period's end.

@@ -126,7 +126,9 @@ impl Biller {
         else {
             return Ok(Charged::ClaimLost);
         };
-        let outcome = provider.create_payment_intent(&started.request()).await;
+        let outcome = provider
+            .create_payment_intent(&batch::request(&started))
+            .await;
         let answer = Answer::Called(outcome.clone());
         let settled = batch::settle_all(db, &[(&started, &answer)], self.settling())
             .await

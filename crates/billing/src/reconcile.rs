@@ -99,7 +99,11 @@ impl Biller {
         {
             Ok(Some(found)) => found,
             Err(why) => why,
-            Ok(None) if u.resend_ok => provider.create_payment_intent(&started(u).request()).await,
+            Ok(None) if u.resend_ok => {
+                provider
+                    .create_payment_intent(&batch::request(&started(u)))
+                    .await
+            }
             Ok(None) => ChargeOutcome::NeedsReview {
                 reason: "no payment intent carries this attempt's key, and the key may be \
                          forgotten by the provider (first sent before the resend window): \

@@ -35,47 +35,7 @@ use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
 
-/// What one retry charge came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Retried {
-    /// Charged: the invoice is paid and announced.
-    Paid {
-        attempt_seq: i32,
-        payment_intent: String,
-    },
-    /// A definite decline, recorded with its code and announced.
-    Declined { attempt_seq: i32, code: String },
-    /// No answer to rely on (timeout, 5xx): the attempt is left unknown for
-    /// the reconciler, which settles it by its key.
-    Unknown { attempt_seq: i32, reason: String },
-    /// Nothing was charged.
-    NotCharged(NotCharged),
-}
-
-/// Why a retry charged nothing.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NotCharged {
-    /// The invoice is no longer open (`paid`, `void`, `uncollectible`).
-    InvoiceClosed { status: String },
-    /// The invoice is open but not chargeable now: another claim holds it, an
-    /// attempt's outcome is still unknown, collection is paused, no saved card.
-    Held,
-    /// The claim was lost before the attempt was written.
-    ClaimLost,
-    /// No provider is configured.
-    NoProvider,
-}
-
-/// One invoice a caller (dunning) wants retried, under its own claim identity.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RetryRequest {
-    pub invoice_id: i64,
-    /// An identity no other claim shares.
-    pub claimed_by: String,
-}
-
-/// A retry claimed and recorded by [`Biller::start_retries_in`], not yet called.
-pub type StartedRetry = batch::Started;
+pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 
 impl Biller {
     /// The first half of a retry, in the caller's transaction (so the
@@ -298,5 +258,72 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
             attempt_seq,
             reason: batch::NOT_SENT.to_owned(),
         },
+    }
+}
+
+/// Billing is dunning's collector (docs/adr/0029): the port's calls are the
+/// methods above and [`Biller::cancel_now_in`], with billing's errors carried
+/// as [`payments::Error`] (a refused key by name, so dunning fails its tick).
+impl payments::Collector for Biller {
+    fn has_provider(&self) -> bool {
+        self.inner.provider.is_some()
+    }
+
+    fn call_timeout(&self) -> std::time::Duration {
+        self.inner
+            .config
+            .provider
+            .as_ref()
+            .map(|p| p.timeout)
+            .unwrap_or_default()
+    }
+
+    fn start_retries_in<'a>(
+        &'a self,
+        tx: &'a mut db::Tx,
+        wanted: &'a [RetryRequest],
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<Vec<Result<StartedRetry, NotCharged>>, payments::Error>,
+    > {
+        Box::pin(async move { self.start_retries_in(tx, wanted).await.map_err(port_error) })
+    }
+
+    fn finish_retries<'a>(
+        &'a self,
+        started: Vec<StartedRetry>,
+        concurrency: usize,
+        deadline: Instant,
+        cancelled: &'a (dyn Fn() -> bool + Sync),
+        step: &'a (dyn Fn(&StartedRetry) -> String + Sync),
+    ) -> futures::future::BoxFuture<'a, Vec<payments::Finished>> {
+        Box::pin(async move {
+            self.finish_retries(started, concurrency, deadline, cancelled, step)
+                .await
+                .into_iter()
+                .map(|(s, r)| (s, r.map(|r| r.map_err(port_error))))
+                .collect()
+        })
+    }
+
+    fn cancel_now_in<'a>(
+        &'a self,
+        tx: &'a mut db::Tx,
+        tenant_id: &'a str,
+        subscription: i64,
+    ) -> futures::future::BoxFuture<'a, Result<Option<payments::Canceled>, payments::Error>> {
+        Box::pin(async move {
+            self.cancel_now_in(tx, tenant_id, subscription)
+                .await
+                .map_err(port_error)
+        })
+    }
+}
+
+/// Billing's error as the collection port carries it.
+fn port_error(e: Error) -> payments::Error {
+    match e {
+        Error::ProviderKeyRejected { status } => payments::Error::ProviderKeyRejected { status },
+        other => payments::Error::Failed(Box::new(other)),
     }
 }

@@ -10,10 +10,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use billing::{NotCharged, Retried, RetryRequest, StartedRetry};
 use chrono::{DateTime, Utc};
 use db::{Row, Tx, sql};
 use leader::Role;
+use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 use tracing::{debug, warn};
 
 use crate::Error;
@@ -30,12 +30,12 @@ pub(crate) async fn charge_runs(
     ctx: &Ctx,
     runs: Vec<Run>,
     deadline: Instant,
-    cancelled: impl Fn() -> bool + Copy,
+    cancelled: impl Fn() -> bool + Copy + Sync,
 ) -> Vec<(Run, Outcome)> {
     let db = &ctx.db;
     let c = &ctx.config;
     let t = &ctx.telemetry;
-    let biller = &ctx.biller;
+    let collector = &*ctx.collector;
     let timeout = c.statement_timeout;
     let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
     // Per run, under the guard: what a decline would do (pure; a corrupt
@@ -72,7 +72,7 @@ pub(crate) async fn charge_runs(
             }
         }
         let requests: Vec<RetryRequest> = wanted.iter().map(|(_, w)| w.clone()).collect();
-        let started = biller.start_retries_in(&mut tx, &requests).await?;
+        let started = collector.start_retries_in(&mut tx, &requests).await?;
         let mut to_rewind: Vec<(&Run, DateTime<Utc>)> = Vec::new();
         let mut charged = Vec::new();
         let mut not_charged = Vec::new();
@@ -142,13 +142,19 @@ pub(crate) async fn charge_runs(
         .map(|(r, s)| (s.claim.invoice_id, *r))
         .collect();
     let started: Vec<StartedRetry> = charged.into_iter().map(|(_, s)| s).collect();
-    let finished = biller
-        .finish_retries(started, c.concurrency, deadline, cancelled, |s| {
-            format!(
-                "dunning/charge invoice {} (tenant {})",
-                s.claim.invoice_id, s.claim.tenant_id
-            )
-        })
+    let finished = collector
+        .finish_retries(
+            started,
+            c.concurrency,
+            deadline,
+            &cancelled,
+            &|s: &StartedRetry| {
+                format!(
+                    "dunning/charge invoice {} (tenant {})",
+                    s.claim.invoice_id, s.claim.tenant_id
+                )
+            },
+        )
         .await;
     // 3. The outcomes: recoveries, declines (the next retry scheduled, or
     //    the run exhausted) and rewinds in one transaction.
@@ -174,7 +180,7 @@ pub(crate) async fn charge_runs(
             Ok(Ok(Retried::Paid { .. })) => recover.push((run, run.attempt_count + 1)),
             Ok(Ok(Retried::Declined { code, .. })) => declined.push((run, code)),
             Ok(Ok(Retried::Unknown { reason, .. })) => {
-                let unanswered = reason != billing::batch::NOT_SENT;
+                let unanswered = reason != payments::NOT_SENT;
                 let r = Retry::Rewound {
                     why: reason,
                     unanswered,

@@ -1,13 +1,14 @@
-//! What every step of a tick works with: the pool, the settings, billing's
-//! charger (and its provider) and the telemetry; and the three things the
+//! What every step of a tick works with: the pool, the settings, the
+//! collector that charges (billing, through `payments::Collector`) and the telemetry; and the three things the
 //! steps ask of them together: how long one retry may take, an email as the
 //! outbox takes it, and a run's final notice.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use billing::Biller;
 use db::Db;
 use leader::{Role, Telemetry};
+use payments::Collector;
 use tracing::warn;
 
 use crate::DunningConfig;
@@ -19,19 +20,15 @@ use crate::run::Run;
 pub(crate) struct Ctx {
     pub db: Db,
     pub config: DunningConfig,
-    pub biller: Biller,
+    /// Whoever charges invoices (billing, through the collection port).
+    pub collector: Arc<dyn Collector>,
     pub telemetry: Telemetry,
 }
 
 impl Ctx {
     /// How long one retry may run: the provider call and a few statements.
     pub(crate) fn call_reserve(&self) -> Duration {
-        self.biller
-            .config()
-            .provider
-            .as_ref()
-            .map(|p| p.timeout)
-            .unwrap_or_default()
+        self.collector.call_timeout()
     }
 
     /// The final notice of `run`'s final action, if its policy sends one;

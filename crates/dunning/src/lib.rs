@@ -35,9 +35,9 @@
 //!                UPDATE … FROM unnest)                        lost ─▶ nothing
 //!       plan what a decline would do, per run under the guard (pure; a time out
 //!                of range panics here: that run is rewound in this transaction)
-//!       billing::Biller::start_retries_in   claim leases, attempts (invoice, seq)
+//!       payments::Collector::start_retries_in   claim leases, attempts (invoice, seq)
 //!       rewind the runs that panicked or whose invoice is held
-//!     billing::Biller::finish_retries   calls, ≤ concurrency at once, each under
+//!     payments::Collector::finish_retries   calls, ≤ concurrency at once, each under
 //!                the guard; one settling transaction for the batch
 //!     ONE transaction for the batch's outcomes, each run by its compare-and-set
 //!                on the count (and, for a decline, the hold) its retry wrote:
@@ -138,8 +138,9 @@
 //! - `tick` ([`Dunner`]: the tick, the split of a batch among the steps, the
 //!   tally, the driver's implementation).
 //!
-//! The charge itself is billing's (`billing::Biller::start_retries_in` /
-//! `finish_retries`).
+//! The charge itself is billing's, through the collection port
+//! (`payments::Collector`: `start_retries_in`, `finish_retries`,
+//! `cancel_now_in`); the binary hands dunning billing's `Biller` as it.
 
 mod charge;
 mod config;
@@ -167,10 +168,10 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error("dunning store: {0}")]
     Db(#[from] db::Error),
-    /// The retry charge failed (billing's error); its attempt row, if written,
-    /// stays unknown for the reconciler.
+    /// The retry charge failed (the collector's error); its attempt row, if
+    /// written, stays unknown for the reconciler.
     #[error("dunning retry charge: {0}")]
-    Billing(#[from] billing::Error),
+    Billing(#[from] payments::Error),
     /// A `dunning.*` event was refused; the transition rolled back.
     #[error("dunning could not enqueue an event: {0}")]
     Enqueue(#[from] outbox::webhook::EnqueueError),

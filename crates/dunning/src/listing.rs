@@ -121,7 +121,7 @@ fn listed(r: &PgRow) -> Result<Run, LeftOut> {
 /// customer's payment method changes, each due retry is counted without a
 /// provider call (docs/adr/0024, docs/adr/0026).
 fn held_declines() -> Vec<String> {
-    billing::provider::HARD_DECLINES
+    payments::HARD_DECLINES
         .iter()
         .copied()
         .chain(["authentication_required"])

@@ -10,10 +10,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use billing::Biller;
 use db::{Db, Row, sql};
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
+use payments::Collector;
 use scheduler::{FencedBatches, Panics, Shape, Stop};
 use tracing::{debug, info, warn};
 
@@ -70,25 +70,25 @@ pub struct Dunner {
 }
 
 impl Dunner {
-    /// `biller` charges the retries (its provider, charge lease and email sender).
+    /// `collector` charges the retries (billing, through the collection port).
     ///
     /// # Errors
     /// [`Error::Config`] naming a setting out of range.
     pub fn new(
         db: Db,
         config: DunningConfig,
-        biller: Biller,
+        collector: Arc<dyn Collector>,
         telemetry: Telemetry,
     ) -> Result<Dunner, Error> {
         config.validate()?;
-        if biller.config().provider.is_none() {
+        if !collector.has_provider() {
             info!(role = %Role::Dunning, "no payment provider configured (BILLING_PROVIDER_URL): dunning enrols declined invoices but retries nothing");
         }
         Ok(Dunner {
             ctx: Arc::new(Ctx {
                 db,
                 config,
-                biller,
+                collector,
                 telemetry,
             }),
         })
@@ -118,7 +118,7 @@ impl Dunner {
             left_out: Mutex::new(Vec::new()),
         };
         // Without a provider nothing can be retried: enrolment only.
-        let driven = if self.ctx.biller.config().provider.is_some() {
+        let driven = if self.ctx.collector.has_provider() {
             scheduler::catch(
                 "dunning/retries".to_owned(),
                 scheduler::drive(&retries, tick),
@@ -218,7 +218,7 @@ impl Dunner {
         &self,
         runs: Vec<Run>,
         deadline: Instant,
-        cancelled: impl Fn() -> bool + Copy,
+        cancelled: impl Fn() -> bool + Copy + Sync,
     ) -> Vec<(Run, Outcome)> {
         let c = &self.ctx.config;
         let reserve = self.ctx.call_reserve();
@@ -263,7 +263,7 @@ impl Dunner {
         if run.status == "exhausted" {
             let notice = self.ctx.final_notice(run);
             return Ok(Retry::FinalAction(
-                final_action::final_action(db, &self.ctx.biller, run, notice, timeout).await?,
+                final_action::final_action(db, &*self.ctx.collector, run, notice, timeout).await?,
             ));
         }
         Ok(stopped(
@@ -305,7 +305,7 @@ impl Dunner {
                 Ok(Err(e)) => {
                     tally.errors += 1;
                     left_out.push(run.id);
-                    if let Error::Billing(billing::Error::ProviderKeyRejected { status }) = e {
+                    if let Error::Billing(payments::Error::ProviderKeyRejected { status }) = e {
                         rejected = Some(status);
                     }
                     warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed; rewound");
@@ -348,7 +348,7 @@ impl Dunner {
             }
         }
         if let Some(status) = rejected {
-            let e = billing::Error::ProviderKeyRejected { status };
+            let e = payments::Error::ProviderKeyRejected { status };
             return (left_out, Some(Error::Billing(e)));
         }
         let outage = (unanswered >= OUTAGE_UNANSWERED && answered == 0)

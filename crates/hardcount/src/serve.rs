@@ -125,14 +125,14 @@ fn work_for(
             }))
         }
         Role::Dunning => {
-            // Retries charge through billing's client, claim lease and sender.
-            // Its mail's sender is billing's (both from HARDCOUNT_EMAIL_FROM).
+            // Retries charge through billing, dunning's collector (the
+            // payments port): its client, claim lease and sender.
             let biller =
                 billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
             let dunner = Arc::new(dunning::Dunner::new(
                 db.clone(),
                 config.dunning.clone(),
-                biller,
+                Arc::new(biller),
                 telemetry.clone(),
             )?);
             Some(scheduler::work(move |tick| {

@@ -60,35 +60,7 @@ pub enum DeclineClass {
     AuthenticationRequired,
 }
 
-/// Decline codes whose next step in Stripe's table is "the customer should
-/// use another card" or "do not try again", and the provider's
-/// `resource_missing` (no usable payment method).
-pub const HARD_DECLINES: [&str; 24] = [
-    "card_not_supported",
-    "currency_not_supported",
-    "do_not_try_again",
-    "expired_card",
-    "fraudulent",
-    "incorrect_cvc",
-    "incorrect_number",
-    "incorrect_zip",
-    "invalid_account",
-    "invalid_cvc",
-    "invalid_expiry_month",
-    "invalid_expiry_year",
-    "invalid_number",
-    "lost_card",
-    "merchant_blacklist",
-    "new_account_information_available",
-    "pickup_card",
-    "restricted_card",
-    "revocation_of_all_authorizations",
-    "revocation_of_authorization",
-    "security_violation",
-    "stolen_card",
-    "stop_payment_order",
-    "resource_missing",
-];
+pub use payments::HARD_DECLINES;
 
 /// The class of a decline code.
 pub fn decline_class(code: &str) -> DeclineClass {

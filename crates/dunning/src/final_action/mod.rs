@@ -39,7 +39,7 @@ pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(
             .iter()
             .map(|(run, _)| (*run, ctx.final_notice(run)))
             .collect();
-        final_actions(db, &ctx.biller, &items, timeout).await
+        final_actions(db, &*ctx.collector, &items, timeout).await
     })
     .await;
     match batch {
@@ -100,7 +100,7 @@ async fn exhausted(
     let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
     scheduler::catch(step, async {
         let notice = ctx.final_notice(run);
-        let final_action = final_action(db, &ctx.biller, run, notice, timeout).await?;
+        let final_action = final_action(db, &*ctx.collector, run, notice, timeout).await?;
         Ok(Retry::Exhausted { code, final_action })
     })
     .await
@@ -112,7 +112,7 @@ async fn exhausted(
 /// notice, if the policy sends one) are queued only if it changed a row.
 pub(crate) async fn final_action(
     db: &Db,
-    biller: &billing::Biller,
+    collector: &dyn payments::Collector,
     run: &Run,
     notice: Option<outbox::email::Email>,
     statement_timeout: Duration,
@@ -154,7 +154,7 @@ pub(crate) async fn final_action(
                 .await?
                 .is_some();
             if open
-                && biller
+                && collector
                     .cancel_now_in(&mut tx, &run.tenant_id, run.subscription_id)
                     .await?
                     .is_some()
@@ -210,7 +210,7 @@ pub(crate) async fn final_action(
 /// and the caller runs [`final_action`] per run.
 async fn final_actions(
     db: &Db,
-    biller: &billing::Biller,
+    collector: &dyn payments::Collector,
     runs: &[(&Run, Option<outbox::email::Email>)],
     statement_timeout: Duration,
 ) -> Result<Vec<FinalActed>, Error> {
@@ -273,7 +273,7 @@ async fn final_actions(
             .await?
             .is_some();
         if open
-            && biller
+            && collector
                 .cancel_now_in(&mut tx, &r.tenant_id, r.subscription_id)
                 .await?
                 .is_some()

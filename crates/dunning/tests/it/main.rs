@@ -63,7 +63,7 @@ pub fn dunner_with(
     let handle = recorder.handle();
     let telemetry = Telemetry::new(Arc::new(recorder));
     let biller = Biller::new(db.clone(), billing, telemetry.clone()).unwrap();
-    let d = Dunner::new(db.clone(), config, biller, telemetry).unwrap();
+    let d = Dunner::new(db.clone(), config, Arc::new(biller), telemetry).unwrap();
     (d, handle)
 }
 
