@@ -21,16 +21,14 @@
 
 mod store;
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use leader::{Fence, Role, Tick};
-use scheduler::{FencedBatches, Panics, Shape};
+use scheduler::{FencedBatches, LeftOut, Panics, Shape};
 
 use crate::close::Unbillable;
 use crate::period::{self, Interval, Unit};
 use crate::store::Listed;
-use crate::tick::lock;
 use crate::{Biller, Error};
 use store::{LiftedPause, TrialEnded};
 
@@ -77,7 +75,7 @@ fn lifecycle_shape(biller: &Biller) -> Shape {
 pub(crate) struct Trials<'a> {
     pub biller: &'a Biller,
     /// Trials whose activation panicked: not listed again this tick.
-    pub left_out: Mutex<Vec<i64>>,
+    pub left_out: LeftOut,
 }
 
 impl FencedBatches for Trials<'_> {
@@ -94,7 +92,7 @@ impl FencedBatches for Trials<'_> {
     }
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<TrialEnded>, Error> {
-        let except = lock(&self.left_out).clone();
+        let except = self.left_out.ids();
         let c = &self.biller.inner.config;
         let listed = store::claim_trials(
             &self.biller.inner.db,
@@ -105,7 +103,7 @@ impl FencedBatches for Trials<'_> {
         )
         .await?;
         self.biller.undecodable("trials", &listed.undecodable);
-        lock(&self.left_out).extend(listed.undecodable.iter().copied());
+        self.left_out.extend(listed.undecodable.iter().copied());
         Ok(listed)
     }
 
@@ -143,7 +141,7 @@ impl FencedBatches for Trials<'_> {
             .filter(|id| !activations.iter().any(|(t, _)| t.subscription_id == *id))
             .collect();
         tally.panicked += panicked.len();
-        lock(&self.left_out).extend(panicked);
+        self.left_out.extend(panicked);
         let b = &self.biller.inner;
         let activated =
             store::activate_trials(&b.db, &activations, b.config.statement_timeout).await?;
@@ -160,7 +158,7 @@ impl FencedBatches for Trials<'_> {
 pub(crate) struct Resumes<'a> {
     pub biller: &'a Biller,
     /// Rows that could not be decoded: not listed again this tick.
-    pub left_out: Mutex<Vec<i64>>,
+    pub left_out: LeftOut,
 }
 
 impl FencedBatches for Resumes<'_> {
@@ -178,7 +176,7 @@ impl FencedBatches for Resumes<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listed<LiftedPause>, Error> {
         let c = &self.biller.inner.config;
-        let except = lock(&self.left_out).clone();
+        let except = self.left_out.ids();
         let listed = store::claim_lifted_pauses(
             &self.biller.inner.db,
             fence,
@@ -188,7 +186,7 @@ impl FencedBatches for Resumes<'_> {
         )
         .await?;
         self.biller.undecodable("resumes", &listed.undecodable);
-        lock(&self.left_out).extend(listed.undecodable.iter().copied());
+        self.left_out.extend(listed.undecodable.iter().copied());
         Ok(listed)
     }
 

@@ -133,7 +133,7 @@ pub(crate) struct UnknownSweep<'a> {
     /// Closed by a refused key: no lookup is made for the rest of the tick.
     pub gate: &'a Gate,
     /// Attempts checked this tick: not listed again until the next.
-    pub checked: std::sync::Mutex<Vec<i64>>,
+    pub checked: scheduler::LeftOut,
 }
 
 impl FencedBatches for UnknownSweep<'_> {
@@ -159,11 +159,7 @@ impl FencedBatches for UnknownSweep<'_> {
         if self.gate.closed() {
             return Ok(Vec::new());
         }
-        let except = self
-            .checked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let except = self.checked.ids();
         Ok(store::claim_unknown(
             &self.biller.inner.db,
             fence,
@@ -192,10 +188,7 @@ impl FencedBatches for UnknownSweep<'_> {
         let c = &biller.inner.config;
         let call = c.provider.as_ref().map(|p| p.timeout).unwrap_or_default();
         let attempts: Vec<i64> = claimed.iter().map(|u| u.attempt_id).collect();
-        self.checked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(&attempts);
+        self.checked.extend(attempts.iter().copied());
         let invoices: Vec<i64> = claimed.iter().map(|u| u.claim.invoice_id).collect();
         let claimed_by = claimed
             .first()

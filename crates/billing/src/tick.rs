@@ -2,13 +2,13 @@
 //! subscriptions. Each subscription's closing is computed under the panic
 //! guard; the ones that did not panic are closed together in one transaction.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Shape, Stop};
+use scheduler::{FencedBatches, LeftOut, Panics, Shape, Steps, Stop};
 use tracing::{debug, info, warn};
 
 use crate::action_required::{ActionRequired, AskTally};
@@ -101,18 +101,21 @@ impl Biller {
         &self.inner.config
     }
 
-    /// One tick of the role: its steps in order, each a driven pass under
-    /// the panic guard (a panic in one still lets the later ones run, and is
-    /// raised after the last): expired trials, lifted pause-collection
-    /// resumes, due billing, auto-charge, then the payment reconciler's
-    /// unknown-outcome and stale-hold sweeps (auto-charge and the
-    /// unknown-outcome sweep only when a provider is configured). Due
-    /// billing closes batches of due subscriptions, a subscription several
-    /// periods behind once per period, oldest first.
+    /// One tick of the role: its steps in order ([`scheduler::Steps`]), each
+    /// a driven pass under the panic guard (a panic in one still lets the
+    /// later ones run, and is raised after the last), all of them within the
+    /// one `tick_budget`: expired trials, lifted pause-collection resumes, due
+    /// billing, auto-charge, the payment-method request, then the payment
+    /// reconciler's unknown-outcome and stale-hold sweeps (auto-charge, the
+    /// request and the unknown-outcome sweep only when a provider is
+    /// configured). Due billing closes batches of due subscriptions, a
+    /// subscription several periods behind once per period, oldest first. A
+    /// step that starts with the budget spent claims nothing and the tick is
+    /// due again at once.
     ///
     /// The tick ends as its worst step did: [`TickEnd::Failed`] (a claim or a
     /// write failed, or the provider is down), then [`TickEnd::MoreWork`]
-    /// (a budget ran out), else [`TickEnd::Drained`].
+    /// (the budget ran out), else drained.
     ///
     /// # Panics
     /// When a step or a row panicked, after every other step ran (so the
@@ -122,51 +125,37 @@ impl Biller {
     /// `tick.cancel` is checked between batches. A batch's close is one
     /// transaction: dropped mid-way it rolls back, and its subscriptions stay due.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let started = Instant::now();
-        let mut panic = None;
-        let mut ends: Vec<(Stop, TickEnd)> = Vec::new();
-        // A step's end, or its panic (logged by the hook with the step's name;
-        // the first is raised after the last step).
-        let mut keep = |r: Result<(Stop, TickEnd), scheduler::Payload>| match r {
-            Ok(end) => ends.push(end),
-            Err(payload) => {
-                panic.get_or_insert(payload);
-            }
-        };
+        let mut steps = Steps::new(tick, self.inner.config.tick_budget);
+        let mut lifecycle = LifecycleTally::default();
         let trials = Trials {
             biller: self,
-            left_out: Mutex::new(Vec::new()),
+            left_out: LeftOut::default(),
         };
         let resumes = Resumes {
             biller: self,
-            left_out: Mutex::new(Vec::new()),
+            left_out: LeftOut::default(),
         };
-        let mut lifecycle = LifecycleTally::default();
-        for driven in [
-            step("billing/trials", &trials, tick).await,
-            step("billing/resumes", &resumes, tick).await,
-        ] {
-            keep(driven.map(|d| {
-                lifecycle.trials_ended += d.counts.trials_ended;
-                lifecycle.resumed += d.counts.resumed;
-                lifecycle.lost += d.counts.lost;
-                lifecycle.panicked += d.counts.panicked;
-                (d.stop, d.end)
-            }));
+        for d in [
+            steps.run("billing/trials", &trials).await,
+            steps.run("billing/resumes", &resumes).await,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            lifecycle.trials_ended += d.counts.trials_ended;
+            lifecycle.resumed += d.counts.resumed;
+            lifecycle.lost += d.counts.lost;
+            lifecycle.panicked += d.counts.panicked;
         }
         let due_billing = DueBilling {
             biller: self,
-            left_out: Mutex::new(Vec::new()),
+            left_out: LeftOut::default(),
         };
-        let (mut batches, mut claimed, mut tally) = (0, 0, Tally::default());
-        keep(
-            step("billing/due_billing", &due_billing, tick)
-                .await
-                .map(|d| {
-                    (batches, claimed, tally) = (d.batches, d.claimed, d.counts);
-                    (d.stop, d.end)
-                }),
-        );
+        let (batches, claimed, tally) = steps
+            .run("billing/due_billing", &due_billing)
+            .await
+            .map(|d| (d.batches, d.claimed, d.counts))
+            .unwrap_or_default();
         let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
         let mut reconciled = ReconcileTally::default();
         let mut asked = AskTally::default();
@@ -177,57 +166,28 @@ impl Biller {
                 biller: self,
                 gate: &gate,
             };
-            keep(
-                step("billing/auto_charge", &auto_charge, tick)
-                    .await
-                    .map(|d| {
-                        (charge_claimed, charges) = (d.claimed, d.counts);
-                        (d.stop, d.end)
-                    }),
-            );
+            if let Some(d) = steps.run("billing/auto_charge", &auto_charge).await {
+                (charge_claimed, charges) = (d.claimed, d.counts);
+            }
             let ask = ActionRequired { biller: self };
-            keep(step("billing/action_required", &ask, tick).await.map(|d| {
+            if let Some(d) = steps.run("billing/action_required", &ask).await {
                 asked = d.counts;
-                (d.stop, d.end)
-            }));
+            }
             let unknown = UnknownSweep {
                 biller: self,
                 gate: &gate,
-                checked: Mutex::new(Vec::new()),
+                checked: LeftOut::default(),
             };
-            keep(
-                step("billing/reconcile_unknown", &unknown, tick)
-                    .await
-                    .map(|d| {
-                        reconciled = d.counts;
-                        (d.stop, d.end)
-                    }),
-            );
+            if let Some(d) = steps.run("billing/reconcile_unknown", &unknown).await {
+                reconciled = d.counts;
+            }
         }
         let stale = StaleHolds { biller: self };
-        keep(step("billing/stale_holds", &stale, tick).await.map(|d| {
+        if let Some(d) = steps.run("billing/stale_holds", &stale).await {
             reconciled.holds_freed += d.counts.holds_freed;
-            (d.stop, d.end)
-        }));
-        if let Some(payload) = panic {
-            std::panic::resume_unwind(payload);
         }
-        // The tick ends as its worst step did: failed, then more work, then drained.
-        let rank = |e: &TickEnd| match e {
-            TickEnd::Failed(_) => 2,
-            TickEnd::MoreWork => 1,
-            _ => 0,
-        };
-        let (stop, end) = ends
-            .into_iter()
-            .reduce(|worst, e| {
-                if rank(&e.1) > rank(&worst.1) {
-                    e
-                } else {
-                    worst
-                }
-            })
-            .unwrap_or((Stop::Drained, TickEnd::Drained));
+        let elapsed = steps.elapsed();
+        let (stop, end) = steps.finish();
         TickReport {
             lifecycle,
             batches,
@@ -237,7 +197,7 @@ impl Biller {
             charges,
             asked,
             reconciled,
-            elapsed: started.elapsed(),
+            elapsed,
             stop,
             end,
         }
@@ -416,26 +376,12 @@ impl Biller {
     }
 }
 
-/// One step of the tick: a driven pass under the panic guard.
-async fn step<R: FencedBatches>(
-    name: &str,
-    role: &R,
-    tick: &Tick,
-) -> Result<scheduler::Driven<R::Counts>, scheduler::Payload> {
-    scheduler::catch(name.to_owned(), scheduler::drive(role, tick)).await
-}
-
-/// A mutex's guard, a poisoned one too (the data is a list of ids).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The due-billing step as the driver sees it. `left_out` holds the
 /// subscriptions this tick will not list again (their closing panicked, or
 /// their period is already invoiced), so one bad row cannot fill every batch.
 struct DueBilling<'a> {
     biller: &'a Biller,
-    left_out: Mutex<Vec<i64>>,
+    left_out: LeftOut,
 }
 
 impl FencedBatches for DueBilling<'_> {
@@ -458,12 +404,12 @@ impl FencedBatches for DueBilling<'_> {
     }
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<store::Listed<Due>, Error> {
-        let except = lock(&self.left_out).clone();
+        let except = self.left_out.ids();
         let b = &self.biller.inner;
         let listed =
             store::claim_due(&b.db, fence, limit, &except, b.config.statement_timeout).await?;
         self.biller.undecodable("due_billing", &listed.undecodable);
-        lock(&self.left_out).extend(listed.undecodable.iter().copied());
+        self.left_out.extend(listed.undecodable.iter().copied());
         Ok(listed)
     }
 
@@ -485,7 +431,7 @@ impl FencedBatches for DueBilling<'_> {
             .biller
             .close_batch(batch.rows, at, panics, tally)
             .await?;
-        lock(&self.left_out).extend(left_out);
+        self.left_out.extend(left_out);
         Ok(())
     }
 

@@ -7,14 +7,14 @@
 //! run under the panic guard, a bounded number at once. The steps are in
 //! their modules; this one splits a batch among them and counts what they did.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use payments::Collector;
-use scheduler::{FencedBatches, Panics, Shape, Stop};
+use scheduler::{FencedBatches, Panics, Shape, Steps, Stop};
 use tracing::{debug, info, warn};
 
 use crate::ctx::Ctx;
@@ -111,51 +111,32 @@ impl Dunner {
     /// held until `attempt_hold` passes; the charge's attempt row is settled
     /// by billing's reconciler.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let started = Instant::now();
-        let enrolled = scheduler::catch("dunning/enrol".to_owned(), self.enrol(&tick.fence)).await;
+        let mut steps = Steps::new(tick, self.ctx.config.tick_budget);
+        let enrolled = steps
+            .once("dunning/enrol", self.enrol(&tick.fence))
+            .await
+            .unwrap_or(0);
         let retries = Retries {
             dunner: self,
-            left_out: Mutex::new(Vec::new()),
+            left_out: scheduler::LeftOut::default(),
         };
         // Without a provider nothing can be retried: enrolment only.
         let driven = if self.ctx.collector.has_provider() {
-            scheduler::catch(
-                "dunning/retries".to_owned(),
-                scheduler::drive(&retries, tick),
-            )
-            .await
+            steps.run("dunning/retries", &retries).await
         } else {
-            Ok(scheduler::Driven {
-                end: TickEnd::Drained,
-                stop: Stop::Drained,
-                batches: 0,
-                claimed: 0,
-                elapsed: Duration::ZERO,
-                counts: Tally::default(),
-            })
+            None
         };
-        let (enrolled, driven) = match (enrolled, driven) {
-            (Err(payload), _) | (_, Err(payload)) => std::panic::resume_unwind(payload),
-            (Ok(e), Ok(d)) => (e, d),
-        };
-        let (mut stop, mut end) = (driven.stop, driven.end);
-        let enrolled = match enrolled {
-            Ok(n) => n,
-            Err(e) => {
-                warn!(role = %Role::Dunning, error = %e, "enrolment failed; retries ran");
-                if !matches!(end, TickEnd::Failed(_)) {
-                    stop = Stop::Failed(e.to_string());
-                    end = stop.tick_end();
-                }
-                0
-            }
-        };
+        let (batches, claimed, tally) = driven
+            .map(|d| (d.batches, d.claimed, d.counts))
+            .unwrap_or_default();
+        let elapsed = steps.elapsed();
+        let (stop, end) = steps.finish();
         TickReport {
             enrolled,
-            batches: driven.batches,
-            claimed: driven.claimed,
-            tally: driven.counts,
-            elapsed: started.elapsed(),
+            batches,
+            claimed,
+            tally,
+            elapsed,
             stop,
             end,
         }
@@ -380,17 +361,13 @@ async fn active_runs(db: &Db, statement_timeout: Duration) -> Result<i64, db::Er
     Ok(row.try_get("n")?)
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The retry step as the driver sees it. `left_out` holds runs this tick
 /// will not list again (rewound, lost, failed, panicked, a bad policy, a row
 /// that does not decode), so a run whose retry cannot finish cannot fill
 /// every batch.
 struct Retries<'a> {
     dunner: &'a Dunner,
-    left_out: Mutex<Vec<i64>>,
+    left_out: scheduler::LeftOut,
 }
 
 impl FencedBatches for Retries<'_> {
@@ -414,9 +391,10 @@ impl FencedBatches for Retries<'_> {
     }
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listing, Error> {
-        let except = lock(&self.left_out).clone();
+        let except = self.left_out.ids();
         let listing = listing::list(&self.dunner.ctx, fence, limit, &except).await?;
-        lock(&self.left_out).extend(listing.left_out.iter().map(LeftOut::run));
+        self.left_out
+            .extend(listing.left_out.iter().map(LeftOut::run));
         Ok(listing)
     }
 
@@ -438,7 +416,7 @@ impl FencedBatches for Retries<'_> {
             .dunner
             .retry_batch(batch, tick, deadline, panics, tally)
             .await;
-        lock(&self.left_out).extend(left_out);
+        self.left_out.extend(left_out);
         match outage {
             // Stop the tick as failed (short cooldown) rather than time out on
             // every due run, or call again with a refused key: each was

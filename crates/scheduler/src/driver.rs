@@ -4,16 +4,16 @@
 //! the tick ends.
 //!
 //! ```text
-//!  drive(role, tick)
+//!  drive(role, tick)  =  drive_until(role, tick, now + budget)
 //!   loop ── tick.cancel fired? ───────────────────────────▶ Stop::Cancelled  → MoreWork ¹
-//!        ── elapsed + reserve ≥ budget? ──────────────────▶ Stop::Budget     → MoreWork
+//!        ── now + reserve ≥ deadline? ────────────────────▶ Stop::Budget     → MoreWork
 //!                                     (after a short batch: Stop::Drained → see ²)
-//!        ── after a short batch (only when kept open, below): wait for a wake-up
-//!           or the wake's poll interval (listening), or BUSY_POLL (busy and the
-//!           last claim found work), or else probe until a probe says work is
-//!           waiting (probing: pauses from idle_probe / PROBE_BACKOFF after the
-//!           start or after work, doubling up to idle_probe; a failed probe →
-//!           Stop::Failed)
+//!        ── after a short batch (only when kept open, below): the idle policy
+//!           (`idle.rs`) waits for a wake-up or the wake's poll interval
+//!           (listening), or BUSY_POLL (busy and the last claim found work), or
+//!           else probes until a probe says work is waiting (pauses from
+//!           idle_probe / PROBE_BACKOFF after the start or after work, doubling
+//!           up to idle_probe; a failed probe → Stop::Failed)
 //!        ── role.claim(&fence, batch_size)   (guarded step)
 //!             error ──────────────────────────────────────▶ Stop::Failed(e)  → Failed(e)
 //!             panic ──────────────────────────────────────▶ Stop::Panicked   (raised at the end)
@@ -32,6 +32,9 @@
 //!   found work in a busy role ([`FencedBatches::due_again_after_work`]);
 //!   else `Drained`.
 //!
+//! A tick of several steps runs each with [`drive_until`] under the tick's one
+//! deadline ([`Steps`](crate::Steps)).
+//!
 //! The returned [`TickEnd`] decides the release (docs/adr/0007, 0014): a
 //! drained tick waits its interval (or not, ²), a tick stopped by its budget
 //! is due again at once, a failed one waits the short failure cooldown. A
@@ -45,6 +48,7 @@ use std::time::{Duration, Instant};
 use leader::{Fence, Role, Tick, TickEnd};
 use tracing::{debug, info};
 
+use crate::idle::Idle;
 use crate::panics::{Panics, catch};
 use crate::wake::Wake;
 
@@ -232,79 +236,45 @@ pub struct Driven<C> {
 /// `tick.cancel` is checked between batches; what a batch does when its
 /// future is dropped is the role's (`run`'s) contract.
 pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts> {
+    drive_until(role, tick, Instant::now() + role.shape().budget).await
+}
+
+/// [`drive`] until `deadline` instead of the role's own budget from now: a
+/// step of a tick of several ([`Steps`](crate::Steps)) gets what is left of
+/// the tick's one budget. No batch starts once `now + reserve` reaches it.
+///
+/// # Panics
+/// As [`drive`].
+pub async fn drive_until<R: FencedBatches>(
+    role: &R,
+    tick: &Tick,
+    deadline: Instant,
+) -> Driven<R::Counts> {
     let name = role.role();
     let shape = role.shape();
     let started = Instant::now();
-    let deadline = started + shape.budget;
+    let spent = || Instant::now() + shape.reserve >= deadline;
     let mut panics = Panics::new(name.as_str());
     let mut counts = R::Counts::default();
     let (mut batches, mut claimed) = (0, 0);
+    let mut idle = Idle::of(role);
     // The last claim came back short: the queue was drained.
     let mut drained = false;
-    // The last claim found work.
-    let mut found = false;
-    // The tick was kept open by a listening wake, or by probing, at least once.
-    let mut kept_open = false;
-    let listening = || role.wake().is_some_and(Wake::is_listening);
-    let busy = role.due_again_after_work();
-    let probe_every = role.idle_probe();
-    // The next probe's pause: short after the start or after work, then
-    // doubling up to `probe_every`.
-    let first_pause = probe_every.unwrap_or_default() / PROBE_BACKOFF;
-    let mut pause = first_pause;
-    let stop = 'ticks: loop {
+    let stop = loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
         }
-        if started.elapsed() + shape.reserve >= shape.budget {
+        if spent() {
             break if drained { Stop::Drained } else { Stop::Budget };
         }
         if drained {
-            // Only a listening role, a busy one whose last claim found work,
-            // or a probing one gets here (below). A listening one waits for a
-            // wake-up or its poll interval (a listener that goes down pokes
-            // too: the claim after it finds what was missed); a busy one waits
-            // BUSY_POLL; a probing one probes every `probe_every` until a
-            // probe finds work. None waits past the budget.
-            let left = || {
-                shape
-                    .budget
-                    .saturating_sub(started.elapsed() + shape.reserve)
-            };
-            if let Some(wake) = role.wake().filter(|w| w.is_listening()) {
-                kept_open = true;
-                tokio::select! {
-                    _ = wake.wait(wake.poll().min(left())) => {}
-                    () = tick.cancel.cancelled() => break Stop::Cancelled,
-                }
-            } else if let Some(every) = probe_every.filter(|_| !(busy && found)) {
-                loop {
-                    kept_open = true;
-                    let wait = pause.min(every);
-                    pause = (wait * 2).min(every);
-                    tokio::select! {
-                        () = tokio::time::sleep(wait.min(left())) => {}
-                        () = tick.cancel.cancelled() => break 'ticks Stop::Cancelled,
-                    }
-                    if left().is_zero() {
-                        break 'ticks Stop::Drained;
-                    }
-                    // A listener that came up meanwhile takes over at the claim.
-                    if listening() {
-                        break;
-                    }
-                    match panics.step("probe", role.probe()).await {
-                        None => break 'ticks Stop::Panicked,
-                        Some(Err(error)) => break 'ticks Stop::Failed(error.to_string()),
-                        Some(Ok(true)) => break,
-                        Some(Ok(false)) => {}
-                    }
-                }
-            } else {
-                tokio::select! {
-                    () = tokio::time::sleep(BUSY_POLL.min(left())) => {}
-                    () = tick.cancel.cancelled() => break Stop::Cancelled,
-                }
+            // Only a role whose idle policy keeps a short batch's tick open
+            // gets here (below); none waits past the deadline.
+            if let Err(stop) = idle
+                .wait(role, tick, deadline, shape.reserve, &mut panics)
+                .await
+            {
+                break stop;
             }
         }
         let claim = match panics
@@ -317,10 +287,7 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
         };
         let n = R::claimed(&claim);
         drained = n < shape.batch_size;
-        found = n > 0;
-        if found {
-            pause = first_pause;
-        }
+        idle.claimed(n);
         if n > 0 {
             batches += 1;
             claimed += n;
@@ -341,14 +308,14 @@ pub async fn drive<R: FencedBatches>(role: &R, tick: &Tick) -> Driven<R::Counts>
                 break Stop::Cancelled;
             }
         }
-        if drained && !listening() && !(busy && found) && probe_every.is_none() {
+        if drained && !idle.keeps_open(role) {
             break Stop::Drained;
         }
     };
     // A drained tick that listened or probed, or that found work in a role
     // that asks for it, is due again at once (docs/adr/0014, 0019); else
     // after the interval.
-    let due_now = kept_open || (claimed > 0 && busy);
+    let due_now = idle.kept_open || (claimed > 0 && idle.busy());
     let end = match &stop {
         Stop::Drained if due_now => TickEnd::DrainedDueNow,
         other => other.tick_end(),

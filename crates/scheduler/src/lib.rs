@@ -25,19 +25,29 @@
 //! until its budget too, asking every [`IDLE_PROBE`] with one cheap read
 //! whether work is waiting, so an event waits about a probe, not an interval.
 //!
+//! A role whose tick is several queues lists them as steps on a [`Steps`]:
+//! each is driven until the tick's one deadline ([`drive_until`]), their ends
+//! merged worst-first, the first panic raised after the last step; a step's
+//! rows left out for the rest of the tick are a [`LeftOut`].
+//!
 //! This crate knows roles and intervals, not invoices.
 
 mod config;
 mod driver;
+mod idle;
 mod panics;
 mod role_loop;
 mod status;
+mod steps;
 mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop, drive};
+pub use driver::{
+    BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop, drive, drive_until,
+};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
 pub use status::{export_status, precreate_series};
+pub use steps::{LeftOut, Steps, worst};
 pub use wake::{Wake, listen, wake_channel};

@@ -1,5 +1,7 @@
 //! Role loops and the panic guard against real Postgres, in both legs of the bed.
 
+mod steps;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,7 +18,7 @@ fn fast() -> Timing {
     Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(200)).unwrap()
 }
 
-fn manager(db: &Db) -> (Manager, PrometheusHandle, Telemetry) {
+pub(crate) fn manager(db: &Db) -> (Manager, PrometheusHandle, Telemetry) {
     let recorder = PrometheusBuilder::new().build_recorder();
     let handle = recorder.handle();
     let telemetry = Telemetry::new(Arc::new(recorder));
