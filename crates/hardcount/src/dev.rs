@@ -84,9 +84,10 @@ pub async fn run(
         );
         settings.serve.smtp_url = Some(s.url());
     }
-    // Declared here so the provider outlives the billing role that charges it.
+    // Declared here so the provider outlives the roles that charge it; dunning
+    // charges the provider billing is given, so billing's is set first.
     let _provider = billing::start_provider(&mut settings.serve).await?;
-    let dunning_demo = dunning::prepare(&mut settings.serve).await?;
+    let dunning_demo = dunning::prepare(&mut settings.serve);
     let serve = &mut settings.serve;
     let config = serve.config(app_url.clone(), Some(keyring.clone()))?;
     let listener = crate::bind(serve).await?;

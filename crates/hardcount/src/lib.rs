@@ -9,11 +9,14 @@
 //! Modules: `settings` reads the environment (the only code that does, through
 //! clap's `env` attributes so `--help` lists every variable); `cli` is the
 //! command line and the one-call commands; `serve` is [`run`]; `http` the
-//! routes; `dev` the zero-configuration demo (a local Postgres, a demo tenant).
+//! routes; `dev` the zero-configuration demo (a local Postgres, a demo tenant);
+//! [`roles`] the table that registers each role once (its settings, alerts and
+//! series).
 
 mod cli;
 mod dev;
 mod http;
+pub mod roles;
 mod serve;
 mod settings;
 

@@ -192,7 +192,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // producers' pg_notify instead of waiting for their interval.
     let mut wakes = Vec::new();
     for rc in &config.roles {
-        let listens = matches!(rc.role, Role::WebhookOutbox | Role::WebhookDelivery);
+        let listens = crate::roles::entry(rc.role).is_some_and(|e| e.listens);
         let wake =
             (config.listen_url.is_some() && listens).then(|| Wake::new(rc.role, rc.interval));
         wakes.extend(wake.clone());

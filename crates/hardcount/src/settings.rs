@@ -267,23 +267,28 @@ impl ServeSettings {
         })
     }
 
+    /// The text of `role`'s interval variable (its name is the role's entry in
+    /// `roles::REGISTRY`).
+    fn interval(&self, role: Role) -> &Option<String> {
+        match role {
+            Role::Billing => &self.billing_interval,
+            Role::Dunning => &self.dunning_interval,
+            Role::WebhookOutbox => &self.webhook_outbox_interval,
+            Role::EmailOutbox => &self.email_outbox_interval,
+            Role::WebhookDelivery => &self.webhook_delivery_interval,
+        }
+    }
+
     /// The serve configuration these settings describe, on `database_url`,
     /// opening webhook secrets with `secrets` (HARDCOUNT_SECRETS_KEY).
     pub fn config(&self, database_url: String, secrets: Option<Keyring>) -> Result<Config> {
         let roles = non_empty(&self.roles);
         let mut intervals = Vec::new();
-        for (role, value) in [
-            (Role::Billing, &self.billing_interval),
-            (Role::Dunning, &self.dunning_interval),
-            (Role::WebhookOutbox, &self.webhook_outbox_interval),
-            (Role::EmailOutbox, &self.email_outbox_interval),
-            (Role::WebhookDelivery, &self.webhook_delivery_interval),
-        ] {
-            if let Some(text) = non_empty(value) {
-                let var = format!("HARDCOUNT_{}_INTERVAL", role.as_str().to_ascii_uppercase());
+        for entry in crate::roles::REGISTRY {
+            if let Some(text) = non_empty(self.interval(entry.role)) {
                 // The scheduler owns the bounds (1s to 30d); this only reads the text.
                 let any = Duration::from_millis(1)..=Duration::MAX;
-                intervals.push((role, duration(&var, &text, any)?));
+                intervals.push((entry.role, duration(entry.interval, &text, any)?));
             }
         }
         let roles = scheduler::roles_from_env(roles.as_deref(), |role| {

@@ -3,6 +3,10 @@
 //! declines, so a newcomer sees invoices, charges, receipts and `invoice.*`
 //! webhooks within a few minutes.
 //!
+//! The fake provider is built in with the `dev-provider` feature (on by
+//! default); a build without it says so and leaves the demo invoices
+//! uncharged unless `BILLING_PROVIDER_URL` is set.
+//!
 //! Each run cancels the previous run's demo subscriptions and seeds new ones
 //! whose first periods end 30, 60 and 90 seconds after the start (a fresh
 //! fake provider knows none of the old charges). Unless set, billing ticks
@@ -10,7 +14,6 @@
 
 use anyhow::{Context, Result};
 use db::{Db, Row, sql};
-use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 
 use super::demo::TENANT;
 use crate::settings::ServeSettings;
@@ -39,9 +42,23 @@ const CUSTOMERS: [(&str, &str, &str, Option<&str>); 3] = [
     ),
 ];
 
+/// The payment provider this run started, kept alive as long as it is held.
+#[cfg(feature = "dev-provider")]
+pub type LocalProvider = fake_provider::FakeProvider;
+/// None can be started: this build has no fake provider.
+#[cfg(not(feature = "dev-provider"))]
+pub enum LocalProvider {}
+
+/// What a build without the fake provider says when none is configured.
+#[cfg(not(feature = "dev-provider"))]
+pub const NO_PROVIDER: &str = "no fake payment provider is built in (hardcount was built without \
+     its dev-provider feature), so billing charges nothing unless BILLING_PROVIDER_URL (and \
+     BILLING_PROVIDER_SECRET_KEY) is set; the webhook and email demos run without it";
+
 /// Start the fake provider unless a provider is configured, and point
-/// billing at it; tick billing every 10 s unless its interval is set.
-pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<FakeProvider>> {
+/// billing (and dunning, which charges through billing) at it; tick billing
+/// every 10 s unless its interval is set.
+pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<LocalProvider>> {
     if serve.billing_interval.is_none() {
         serve.billing_interval = Some("10s".to_owned());
     }
@@ -52,6 +69,18 @@ pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<FakeProv
     {
         return Ok(None);
     }
+    #[cfg(not(feature = "dev-provider"))]
+    {
+        println!("{NO_PROVIDER}");
+        Ok(None)
+    }
+    #[cfg(feature = "dev-provider")]
+    start_fake(serve).await.map(Some)
+}
+
+#[cfg(feature = "dev-provider")]
+async fn start_fake(serve: &mut ServeSettings) -> Result<LocalProvider> {
+    use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
     let provider = FakeProvider::start()
         .await
         .context("start the fake payment provider")?;
@@ -72,7 +101,7 @@ pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<FakeProv
             .collect::<Vec<_>>()
             .join(", ")
     );
-    Ok(Some(provider))
+    Ok(provider)
 }
 
 /// The demo plan, its customers and three fresh subscriptions, and an

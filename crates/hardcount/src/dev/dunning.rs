@@ -10,56 +10,40 @@
 //!  dunning                retry 2 at decline + 40 s: paid, the run recovered
 //! ```
 //!
-//! Without `BILLING_PROVIDER_URL` the fake provider is started in this process
-//! and billing and dunning charge it. The card's behaviour is set through the
-//! fake's `POST /_test/behaviour`, so the demo also works against the
-//! `fake_provider` binary; against any other provider it is skipped.
+//! Dunning charges the provider billing is given: the one configured, or the
+//! fake provider `dev/billing.rs` starts in this process (with the
+//! `dev-provider` feature). The card's behaviour is set through the fake's
+//! `POST /_test/behaviour`, so the demo also works against the `fake_provider`
+//! binary; against any other provider, or with none, it is skipped.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use db::{Db, Row, sql};
-use fake_provider::{FakeProvider, TEST_SECRET_KEY};
 use tokio_util::sync::CancellationToken;
 
 use crate::settings::ServeSettings;
 
 const CUSTOMER: &str = "cus_demo_dunning";
 
-/// What [`prepare`] set up; [`Demo::seed`] uses it once the database is migrated.
+/// What [`prepare`] found; [`Demo::seed`] uses it once the database is migrated.
 pub struct Demo {
-    /// The in-process provider, when this run started one (kept alive here).
-    _provider: Option<FakeProvider>,
     base_url: Option<String>,
 }
 
-/// Before the service's configuration is built: start the fake provider when
-/// none is configured, and tick dunning every 5 s unless told otherwise.
-pub async fn prepare(serve: &mut ServeSettings) -> Result<Demo> {
+/// Before the service's configuration is built, after billing's provider is
+/// set (`billing::start_provider`): note the provider dunning will charge, and
+/// tick dunning every 5 s unless told otherwise.
+pub fn prepare(serve: &mut ServeSettings) -> Demo {
     if serve.dunning_interval.is_none() {
         serve.dunning_interval = Some("5s".to_owned());
     }
-    if let Some(url) = serve
+    let base_url = serve
         .billing_provider_url
         .as_deref()
         .filter(|u| !u.trim().is_empty())
-    {
-        return Ok(Demo {
-            _provider: None,
-            base_url: Some(url.to_owned()),
-        });
-    }
-    let provider = FakeProvider::start()
-        .await
-        .context("start the fake payment provider")?;
-    let url = provider.base_url();
-    println!("fake payment provider on {url} (BILLING_PROVIDER_URL)");
-    serve.billing_provider_url = Some(url.clone());
-    serve.billing_provider_secret_key = Some(TEST_SECRET_KEY.to_owned());
-    Ok(Demo {
-        _provider: Some(provider),
-        base_url: Some(url),
-    })
+        .map(str::to_owned);
+    Demo { base_url }
 }
 
 impl Demo {

@@ -5,6 +5,7 @@
 
 mod cli;
 mod in_process;
+mod production_build;
 
 use std::process::{Command, Output};
 
