@@ -39,6 +39,22 @@ pub use payments::{ChargeClaim, NOT_SENT, Started};
 use crate::Error;
 use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
 
+/// The chargeable-invoice predicate, over `invoices i` joined to its
+/// `subscriptions s` and `customers c`: open, automatic, its claim lease free
+/// or expired, collection not paused, a saved payment method. Auto-charge's
+/// claim and dunning's retry claim both select by it (each adds which
+/// attempts it tolerates), so the rule is written once and cannot drift. A
+/// string literal for `concat!`, ending in a space.
+macro_rules! chargeable_invoice {
+    () => {
+        "i.status = 'open' AND i.collection_method = 'automatic' \
+         AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+         AND s.pause_collection_behavior IS NULL \
+         AND c.payment_method_id IS NOT NULL "
+    };
+}
+pub(crate) use chargeable_invoice;
+
 /// How a charge's answer was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {

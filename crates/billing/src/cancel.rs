@@ -34,92 +34,73 @@ pub enum CancelAt {
 
 pub use payments::Canceled;
 
-impl Biller {
-    /// Cancel `subscription` of `tenant_id`, now or at the period's end.
-    ///
-    /// # Errors
-    /// [`Error::SubscriptionNotFound`] (no active subscription),
-    /// [`Error::SubscriptionPeriodMoved`] (nothing written),
-    /// [`Error::Unbillable`], or a database error.
-    pub async fn cancel_subscription(
-        &self,
-        tenant_id: &str,
-        subscription: i64,
-        at: CancelAt,
-    ) -> Result<Canceled, Error> {
-        let db = &self.inner.db;
-        let timeout = self.inner.config.statement_timeout;
-        let not_found = || Error::SubscriptionNotFound {
-            tenant: tenant_id.to_owned(),
-            subscription,
-            plan: 0,
+/// The body of [`Biller::cancel_subscription`].
+pub(crate) async fn cancel_subscription(
+    biller: &Biller,
+    tenant_id: &str,
+    subscription: i64,
+    at: CancelAt,
+) -> Result<Canceled, Error> {
+    let db = &biller.inner.db;
+    let timeout = biller.inner.config.statement_timeout;
+    let not_found = || Error::SubscriptionNotFound {
+        tenant: tenant_id.to_owned(),
+        subscription,
+        plan: 0,
+    };
+    if at == CancelAt::PeriodEnd {
+        return match cancel_at_period_end(db, tenant_id, subscription, timeout).await? {
+            true => Ok(Canceled { invoice_id: None }),
+            false => Err(not_found()),
         };
-        if at == CancelAt::PeriodEnd {
-            return match cancel_at_period_end(db, tenant_id, subscription, timeout).await? {
-                true => Ok(Canceled { invoice_id: None }),
-                false => Err(not_found()),
-            };
+    }
+    let Some((due, invoice, now)) = snapshot(db, tenant_id, subscription, timeout).await? else {
+        return Err(not_found());
+    };
+    let at = now.clamp(due.current_period_start, due.current_period_end);
+    let closing = close::cancel(&due, at, invoice)?;
+    let outcomes =
+        invoice::close_periods(db, std::slice::from_ref(&closing), biller.writing()).await?;
+    match outcomes.first().map(|(_, c)| *c) {
+        Some(Closed::Invoiced { invoice_id }) => {
+            biller
+                .inner
+                .telemetry
+                .counter(
+                    "hardcount_billing_invoices_created_total",
+                    &[("source", "cancel")],
+                )
+                .increment(1);
+            Ok(Canceled {
+                invoice_id: Some(invoice_id),
+            })
         }
-        let Some((due, invoice, now)) = snapshot(db, tenant_id, subscription, timeout).await?
-        else {
-            return Err(not_found());
-        };
-        let at = now.clamp(due.current_period_start, due.current_period_end);
-        let closing = close::cancel(&due, at, invoice)?;
-        let outcomes =
-            invoice::close_periods(db, std::slice::from_ref(&closing), self.writing()).await?;
-        match outcomes.first().map(|(_, c)| *c) {
-            Some(Closed::Invoiced { invoice_id }) => {
-                self.inner
-                    .telemetry
-                    .counter(
-                        "hardcount_billing_invoices_created_total",
-                        &[("source", "cancel")],
-                    )
-                    .increment(1);
-                Ok(Canceled {
-                    invoice_id: Some(invoice_id),
-                })
-            }
-            Some(Closed::Advanced) => Ok(Canceled { invoice_id: None }),
-            _ => Err(Error::SubscriptionPeriodMoved { subscription }),
-        }
+        Some(Closed::Advanced) => Ok(Canceled { invoice_id: None }),
+        _ => Err(Error::SubscriptionPeriodMoved { subscription }),
     }
 }
 
-impl Biller {
-    /// A cancel now inside the caller's transaction (dunning's final action,
-    /// which writes its notice in the same transaction): the used part
-    /// invoiced as [`Biller::cancel_subscription`] does. `None` when the
-    /// subscription is not active or its period moved under the snapshot:
-    /// nothing written.
-    ///
-    /// # Errors
-    /// [`Error::SubscriptionPeriodMoved`] when the period is already invoiced
-    /// (the caller must roll back), [`Error::Unbillable`], or a database error.
-    pub async fn cancel_now_in(
-        &self,
-        tx: &mut db::Tx,
-        tenant_id: &str,
-        subscription: i64,
-    ) -> Result<Option<Canceled>, Error> {
-        let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
-            return Ok(None);
-        };
-        let at = now.clamp(due.current_period_start, due.current_period_end);
-        let closing = close::cancel(&due, at, invoice)?;
-        match invoice::close_in(tx, &[&closing], self.writing()).await? {
-            invoice::Attempt::Deduplicated(_) => {
-                Err(Error::SubscriptionPeriodMoved { subscription })
-            }
-            invoice::Attempt::Committed(outcomes) => Ok(match outcomes.first().map(|(_, c)| *c) {
-                Some(Closed::Invoiced { invoice_id }) => Some(Canceled {
-                    invoice_id: Some(invoice_id),
-                }),
-                Some(Closed::Advanced) => Some(Canceled { invoice_id: None }),
-                _ => None,
+/// The body of [`Biller::cancel_now_in`].
+pub(crate) async fn cancel_now_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<Option<Canceled>, Error> {
+    let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
+        return Ok(None);
+    };
+    let at = now.clamp(due.current_period_start, due.current_period_end);
+    let closing = close::cancel(&due, at, invoice)?;
+    match invoice::close_in(tx, &[&closing], biller.writing()).await? {
+        invoice::Attempt::Deduplicated(_) => Err(Error::SubscriptionPeriodMoved { subscription }),
+        invoice::Attempt::Committed(outcomes) => Ok(match outcomes.first().map(|(_, c)| *c) {
+            Some(Closed::Invoiced { invoice_id }) => Some(Canceled {
+                invoice_id: Some(invoice_id),
             }),
-        }
+            Some(Closed::Advanced) => Some(Canceled { invoice_id: None }),
+            _ => None,
+        }),
     }
 }
 

@@ -81,77 +81,68 @@ fn claim_identity(fence: &Fence) -> String {
     format!("billing:{}:{}:{n}", fence.token(), std::process::id())
 }
 
-impl Biller {
-    /// The fenced auto-charge funnel: up to `limit` invoices, each under a
-    /// fresh claim lease. Empty when `fence` is stale.
-    ///
-    /// # Errors
-    /// A database error; nothing was claimed.
-    pub async fn claim_charges(
-        &self,
-        fence: &Fence,
-        limit: usize,
-    ) -> Result<Vec<ChargeClaim>, Error> {
-        let c = &self.inner.config;
-        Ok(store::claim_charges(
-            &self.inner.db,
-            fence,
-            limit,
-            &claim_identity(fence),
-            c.charge_lease,
-            c.statement_timeout,
-        )
-        .await?)
-    }
+/// The body of [`Biller::claim_charges`].
+pub(crate) async fn claim_charges(
+    biller: &Biller,
+    fence: &Fence,
+    limit: usize,
+) -> Result<Vec<ChargeClaim>, Error> {
+    let c = &biller.inner.config;
+    Ok(store::claim_charges(
+        &biller.inner.db,
+        fence,
+        limit,
+        &claim_identity(fence),
+        c.charge_lease,
+        c.statement_timeout,
+    )
+    .await?)
+}
 
-    /// Charge one claimed invoice and settle the answer (a batch of one).
-    ///
-    /// # Errors
-    /// A database error or a refused event or email; the settling rolled
-    /// back, and the attempt (if written) stays unknown for the reconciler.
-    pub async fn charge(&self, claim: &ChargeClaim) -> Result<Charged, Error> {
-        let Some(provider) = &self.inner.provider else {
-            return Ok(Charged::NoProvider);
-        };
-        let c = &self.inner.config;
-        let db = &self.inner.db;
-        let Some(started) = store::start_attempt(
-            db,
-            claim,
-            AUTO_CHARGE_ATTEMPT,
-            &c.instance_id,
-            c.statement_timeout,
-        )
-        .await?
-        else {
-            return Ok(Charged::ClaimLost);
-        };
-        let outcome = provider
-            .create_payment_intent(&batch::request(&started))
-            .await;
-        let answer = Answer::Called(outcome.clone());
-        let settled = batch::settle_all(db, &[(&started, &answer)], self.settling())
-            .await
-            .pop()
-            .unwrap_or(Ok(Settled::Lost))?;
-        Ok(match (outcome, settled) {
-            (_, Settled::Lost) => Charged::ClaimLost,
-            (ChargeOutcome::Succeeded { payment_intent }, _) => Charged::Paid { payment_intent },
-            (ChargeOutcome::Declined { code, .. }, _) => Charged::Declined { code },
-            (other, _) => Charged::Unknown {
-                reason: format!("{other:?}"),
-            },
-        })
-    }
+/// The body of [`Biller::charge`].
+pub(crate) async fn charge(biller: &Biller, claim: &ChargeClaim) -> Result<Charged, Error> {
+    let Some(provider) = &biller.inner.provider else {
+        return Ok(Charged::NoProvider);
+    };
+    let c = &biller.inner.config;
+    let db = &biller.inner.db;
+    let Some(started) = store::start_attempt(
+        db,
+        claim,
+        AUTO_CHARGE_ATTEMPT,
+        &c.instance_id,
+        c.statement_timeout,
+    )
+    .await?
+    else {
+        return Ok(Charged::ClaimLost);
+    };
+    let outcome = provider
+        .create_payment_intent(&batch::request(&started))
+        .await;
+    let answer = Answer::Called(outcome.clone());
+    let settled = batch::settle_all(db, &[(&started, &answer)], biller.settling())
+        .await
+        .pop()
+        .unwrap_or(Ok(Settled::Lost))?;
+    Ok(match (outcome, settled) {
+        (_, Settled::Lost) => Charged::ClaimLost,
+        (ChargeOutcome::Succeeded { payment_intent }, _) => Charged::Paid { payment_intent },
+        (ChargeOutcome::Declined { code, .. }, _) => Charged::Declined { code },
+        (other, _) => Charged::Unknown {
+            reason: format!("{other:?}"),
+        },
+    })
+}
 
-    pub(crate) fn settling(&self) -> batch::Settling<'_> {
-        let c = &self.inner.config;
-        batch::Settling {
-            email_from: &c.email_from,
-            telemetry: &self.inner.telemetry,
-            statement_timeout: c.statement_timeout,
-            backoff: c.reconcile_backoff,
-        }
+/// The body of [`Biller::settling`].
+pub(crate) fn settling(biller: &Biller) -> batch::Settling<'_> {
+    let c = &biller.inner.config;
+    batch::Settling {
+        email_from: &c.email_from,
+        telemetry: &biller.inner.telemetry,
+        statement_timeout: c.statement_timeout,
+        backoff: c.reconcile_backoff,
     }
 }
 

@@ -125,6 +125,7 @@
 
 mod action_required;
 pub mod batch;
+mod biller;
 mod cancel;
 mod charge;
 pub mod close;
@@ -143,6 +144,7 @@ mod tick;
 
 pub use action_required::AskTally;
 pub use batch::ChargeClaim;
+pub use biller::Biller;
 pub use cancel::{CancelAt, Canceled};
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
@@ -153,7 +155,7 @@ pub use plan_change::{PlanChange, PlanChanged};
 pub use provider::{ChargeOutcome, Provider, ProviderConfig, SecretKey};
 pub use reconcile::ReconcileTally;
 pub use retry::{NotCharged, Retried, RetryRequest, StartedRetry};
-pub use tick::{Biller, Tally, TickReport};
+pub use tick::{Tally, TickReport};
 
 /// Errors of the billing role.
 #[derive(Debug, thiserror::Error)]

@@ -215,70 +215,55 @@ impl FencedBatches for Resumes<'_> {
     }
 }
 
-impl Biller {
-    /// The fenced trial funnel (for tests and tools): up to `limit` ended
-    /// trials, as the activation will prove them.
-    ///
-    /// # Errors
-    /// A database error.
-    pub async fn claim_ended_trials(
-        &self,
-        fence: &Fence,
-        limit: usize,
-    ) -> Result<Vec<EndedTrial>, Error> {
-        let c = &self.inner.config;
-        let listed =
-            store::claim_trials(&self.inner.db, fence, limit, &[], c.statement_timeout).await?;
-        Ok(listed.rows.into_iter().map(EndedTrial).collect())
-    }
+/// The body of [`Biller::claim_ended_trials`].
+pub(crate) async fn claim_ended_trials(
+    biller: &Biller,
+    fence: &Fence,
+    limit: usize,
+) -> Result<Vec<EndedTrial>, Error> {
+    let c = &biller.inner.config;
+    let listed =
+        store::claim_trials(&biller.inner.db, fence, limit, &[], c.statement_timeout).await?;
+    Ok(listed.rows.into_iter().map(EndedTrial).collect())
+}
 
-    /// Activate `trials` from the snapshot they hold; returns how many this
-    /// call activated (a lost compare-and-set writes nothing).
-    ///
-    /// # Errors
-    /// [`Error::Unbillable`] (nothing written), or a database error.
-    pub async fn end_trials(&self, trials: &[EndedTrial]) -> Result<usize, Error> {
-        let mut rows = Vec::with_capacity(trials.len());
-        for t in trials {
-            rows.push((t.0.clone(), first_period_end(&t.0)?));
-        }
-        let timeout = self.inner.config.statement_timeout;
-        Ok(store::activate_trials(&self.inner.db, &rows, timeout)
+/// The body of [`Biller::end_trials`].
+pub(crate) async fn end_trials(biller: &Biller, trials: &[EndedTrial]) -> Result<usize, Error> {
+    let mut rows = Vec::with_capacity(trials.len());
+    for t in trials {
+        rows.push((t.0.clone(), first_period_end(&t.0)?));
+    }
+    let timeout = biller.inner.config.statement_timeout;
+    Ok(store::activate_trials(&biller.inner.db, &rows, timeout)
+        .await?
+        .len())
+}
+
+/// The body of [`Biller::claim_lifted_pauses`].
+pub(crate) async fn claim_lifted_pauses(
+    biller: &Biller,
+    fence: &Fence,
+    limit: usize,
+) -> Result<Vec<LiftedCollectionPause>, Error> {
+    let c = &biller.inner.config;
+    let listed =
+        store::claim_lifted_pauses(&biller.inner.db, fence, limit, &[], c.statement_timeout)
+            .await?;
+    Ok(listed.rows.into_iter().map(LiftedCollectionPause).collect())
+}
+
+/// The body of [`Biller::resume_collections`].
+pub(crate) async fn resume_collections(
+    biller: &Biller,
+    pauses: &[LiftedCollectionPause],
+) -> Result<usize, Error> {
+    let rows: Vec<LiftedPause> = pauses.iter().map(|p| p.0.clone()).collect();
+    let timeout = biller.inner.config.statement_timeout;
+    Ok(
+        store::resume_lifted_pauses(&biller.inner.db, &rows, timeout)
             .await?
-            .len())
-    }
-
-    /// The fenced resume funnel (for tests and tools).
-    ///
-    /// # Errors
-    /// A database error.
-    pub async fn claim_lifted_pauses(
-        &self,
-        fence: &Fence,
-        limit: usize,
-    ) -> Result<Vec<LiftedCollectionPause>, Error> {
-        let c = &self.inner.config;
-        let listed =
-            store::claim_lifted_pauses(&self.inner.db, fence, limit, &[], c.statement_timeout)
-                .await?;
-        Ok(listed.rows.into_iter().map(LiftedCollectionPause).collect())
-    }
-
-    /// Resume `pauses` from the snapshot they hold; returns how many this
-    /// call resumed.
-    ///
-    /// # Errors
-    /// A database error.
-    pub async fn resume_collections(
-        &self,
-        pauses: &[LiftedCollectionPause],
-    ) -> Result<usize, Error> {
-        let rows: Vec<LiftedPause> = pauses.iter().map(|p| p.0.clone()).collect();
-        let timeout = self.inner.config.statement_timeout;
-        Ok(store::resume_lifted_pauses(&self.inner.db, &rows, timeout)
-            .await?
-            .len())
-    }
+            .len(),
+    )
 }
 
 /// An ended trial as listed (opaque: its activation proves it).

@@ -58,98 +58,85 @@ pub struct PlanChanged {
     pub invoice_id: Option<i64>,
 }
 
-impl Biller {
-    /// Change `subscription`'s plan to `plan` now: truncate the current
-    /// period, invoice its used part pro rata, start the next period on the
-    /// new plan. One transaction; see [`Biller::apply_plan_change`].
-    ///
-    /// # Errors
-    /// [`Error::SubscriptionNotFound`], [`Error::SubscriptionPeriodMoved`]
-    /// (nothing written), [`Error::Unbillable`], or a database error.
-    pub async fn change_plan(
-        &self,
-        tenant_id: &str,
-        subscription: i64,
-        plan: i64,
-    ) -> Result<PlanChanged, Error> {
-        let change = self.plan_change(tenant_id, subscription, plan).await?;
-        self.apply_plan_change(&change).await
-    }
+/// The body of [`Biller::change_plan`].
+pub(crate) async fn change_plan(
+    biller: &Biller,
+    tenant_id: &str,
+    subscription: i64,
+    plan: i64,
+) -> Result<PlanChanged, Error> {
+    let change = biller.plan_change(tenant_id, subscription, plan).await?;
+    biller.apply_plan_change(&change).await
+}
 
-    /// Read a fresh snapshot and compute the change, writing nothing.
-    ///
-    /// # Errors
-    /// [`Error::SubscriptionNotFound`], [`Error::Unbillable`], or a database error.
-    pub async fn plan_change(
-        &self,
-        tenant_id: &str,
-        subscription: i64,
-        plan: i64,
-    ) -> Result<PlanChange, Error> {
-        let timeout = self.inner.config.statement_timeout;
-        let Some((due, new_plan, now)) =
-            plan_change_snapshot(&self.inner.db, tenant_id, subscription, plan, timeout).await?
-        else {
-            return Err(Error::SubscriptionNotFound {
-                tenant: tenant_id.to_owned(),
-                subscription,
-                plan,
-            });
-        };
-        // Stripe refuses a price in another currency on a subscription; so
-        // do we: the customer's balance and invoices are in one currency.
-        if new_plan.currency != due.currency {
-            return Err(Error::PlanCurrencyMismatch {
-                subscription,
-                from: due.currency,
-                to: new_plan.currency,
-            });
-        }
-        // A change inside the period: never before its start (a clock step
-        // back), never past its end (the tick closes that first).
-        let at = now.clamp(due.current_period_start, due.current_period_end);
-        let closing = close::truncate(&due, &new_plan, at)?;
-        Ok(PlanChange {
-            due,
-            plan: new_plan,
-            at,
-            closing,
-        })
+/// The body of [`Biller::plan_change`].
+pub(crate) async fn plan_change(
+    biller: &Biller,
+    tenant_id: &str,
+    subscription: i64,
+    plan: i64,
+) -> Result<PlanChange, Error> {
+    let timeout = biller.inner.config.statement_timeout;
+    let Some((due, new_plan, now)) =
+        plan_change_snapshot(&biller.inner.db, tenant_id, subscription, plan, timeout).await?
+    else {
+        return Err(Error::SubscriptionNotFound {
+            tenant: tenant_id.to_owned(),
+            subscription,
+            plan,
+        });
+    };
+    // Stripe refuses a price in another currency on a subscription; so
+    // do we: the customer's balance and invoices are in one currency.
+    if new_plan.currency != due.currency {
+        return Err(Error::PlanCurrencyMismatch {
+            subscription,
+            from: due.currency,
+            to: new_plan.currency,
+        });
     }
+    // A change inside the period: never before its start (a clock step
+    // back), never past its end (the tick closes that first).
+    let at = now.clamp(due.current_period_start, due.current_period_end);
+    let closing = close::truncate(&due, &new_plan, at)?;
+    Ok(PlanChange {
+        due,
+        plan: new_plan,
+        at,
+        closing,
+    })
+}
 
-    /// Write `change` if its snapshot still holds: the compare-and-set on
-    /// (status, period start, watermark) first, then the invoice and
-    /// `invoice.finalized`, in one transaction.
-    ///
-    /// # Errors
-    /// [`Error::SubscriptionPeriodMoved`] when the snapshot no longer holds or
-    /// the period is already invoiced (nothing written); a database error.
-    pub async fn apply_plan_change(&self, change: &PlanChange) -> Result<PlanChanged, Error> {
-        let outcomes = invoice::close_periods(
-            &self.inner.db,
-            std::slice::from_ref(&change.closing),
-            self.writing(),
-        )
-        .await?;
-        match outcomes.first().map(|(_, c)| *c) {
-            Some(Closed::Invoiced { invoice_id }) => {
-                self.inner
-                    .telemetry
-                    .counter(
-                        "hardcount_billing_invoices_created_total",
-                        &[("source", "plan_change")],
-                    )
-                    .increment(1);
-                Ok(PlanChanged {
-                    invoice_id: Some(invoice_id),
-                })
-            }
-            // Nothing used: no invoice, only the plan and the next period.
-            Some(Closed::Advanced) => Ok(PlanChanged { invoice_id: None }),
-            _ => Err(Error::SubscriptionPeriodMoved {
-                subscription: change.due.subscription_id,
-            }),
+/// The body of [`Biller::apply_plan_change`].
+pub(crate) async fn apply_plan_change(
+    biller: &Biller,
+    change: &PlanChange,
+) -> Result<PlanChanged, Error> {
+    let outcomes = invoice::close_periods(
+        &biller.inner.db,
+        std::slice::from_ref(&change.closing),
+        biller.writing(),
+    )
+    .await?;
+    match outcomes.first().map(|(_, c)| *c) {
+        Some(Closed::Invoiced { invoice_id }) => {
+            biller
+                .inner
+                .telemetry
+                .counter(
+                    "hardcount_billing_invoices_created_total",
+                    &[("source", "plan_change")],
+                )
+                .increment(1);
+            Ok(PlanChanged {
+                invoice_id: Some(invoice_id),
+            })
         }
+        // Nothing used: no invoice, only the plan and the next period.
+        Some(Closed::Advanced) => Ok(PlanChanged { invoice_id: None }),
+        _ => Err(Error::SubscriptionPeriodMoved {
+            subscription: change.due.subscription_id,
+        }),
     }
 }
 

@@ -73,46 +73,44 @@ fn check_identity(fence: &Fence) -> String {
     format!("reconciler:{}:{}:{n}", fence.token(), std::process::id())
 }
 
-impl Biller {
-    /// What the provider's record says of one open attempt, without ever
-    /// sending it again once its key may be forgotten (docs/adr/0024): the
-    /// intent by id when an answer named one; else the customer's intents
-    /// searched for the attempt's metadata; else, only while the key is
-    /// certainly alive, the same request under the same key (which answers
-    /// the stored result, or executes once if the first never did); else
-    /// needs review.
-    async fn look_up(&self, u: &UnknownAttempt) -> ChargeOutcome {
-        let Some(provider) = &self.inner.provider else {
-            return ChargeOutcome::Unknown {
-                reason: "no provider configured".into(),
-                payment_intent: None,
-                outage: false,
-            };
+/// What the provider's record says of one open attempt, without ever
+/// sending it again once its key may be forgotten (docs/adr/0024): the
+/// intent by id when an answer named one; else the customer's intents
+/// searched for the attempt's metadata; else, only while the key is
+/// certainly alive, the same request under the same key (which answers
+/// the stored result, or executes once if the first never did); else
+/// needs review.
+async fn look_up(biller: &Biller, u: &UnknownAttempt) -> ChargeOutcome {
+    let Some(provider) = &biller.inner.provider else {
+        return ChargeOutcome::Unknown {
+            reason: "no provider configured".into(),
+            payment_intent: None,
+            outage: false,
         };
-        if let Some(pi) = &u.payment_intent {
-            return provider.get_payment_intent(pi).await;
+    };
+    if let Some(pi) = &u.payment_intent {
+        return provider.get_payment_intent(pi).await;
+    }
+    let key = &u.idempotency_key;
+    match provider
+        .find_payment_intent(&u.claim.provider_customer, key, u.listed_since)
+        .await
+    {
+        Ok(Some(found)) => found,
+        Err(why) => why,
+        Ok(None) if u.resend_ok => {
+            provider
+                .create_payment_intent(&batch::request(&started(u)))
+                .await
         }
-        let key = &u.idempotency_key;
-        match provider
-            .find_payment_intent(&u.claim.provider_customer, key, u.listed_since)
-            .await
-        {
-            Ok(Some(found)) => found,
-            Err(why) => why,
-            Ok(None) if u.resend_ok => {
-                provider
-                    .create_payment_intent(&batch::request(&started(u)))
-                    .await
-            }
-            Ok(None) => ChargeOutcome::NeedsReview {
-                reason: "no payment intent carries this attempt's key, and the key may be \
-                         forgotten by the provider (first sent before the resend window): \
-                         sending it again could charge twice; check the provider's dashboard"
-                    .into(),
-                raw: None,
-                payment_intent: None,
-            },
-        }
+        Ok(None) => ChargeOutcome::NeedsReview {
+            reason: "no payment intent carries this attempt's key, and the key may be \
+                     forgotten by the provider (first sent before the resend window): \
+                     sending it again could charge twice; check the provider's dashboard"
+                .into(),
+            raw: None,
+            payment_intent: None,
+        },
     }
 }
 
@@ -206,7 +204,7 @@ impl FencedBatches for UnknownSweep<'_> {
                     {
                         return None;
                     }
-                    let outcome = biller.look_up(&u).await;
+                    let outcome = look_up(biller, &u).await;
                     if matches!(outcome, ChargeOutcome::KeyRejected { .. }) {
                         gate.close();
                     }

@@ -30,197 +30,171 @@ use std::time::Instant;
 use db::{Row, sql};
 use scheduler::Payload;
 
-use crate::batch::{self, Answer};
+use crate::batch::{self, Answer, chargeable_invoice};
 use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
 
 pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 
-impl Biller {
-    /// The first half of a retry, in the caller's transaction (so the
-    /// caller's own compare-and-set commits with it): every invoice of
-    /// `wanted` claimed by one conditional UPDATE (the lease free or
-    /// expired, no attempt of unknown outcome, a saved card, collection not
-    /// paused), then attempt
-    /// `max(attempt_seq) + 1` of each claimed invoice recorded (one
-    /// statement). Per request, in order: the started retry, or why nothing
-    /// will be charged for it.
-    ///
-    /// # Errors
-    /// A database error: the caller's transaction is aborted, roll it back.
-    pub async fn start_retries_in(
-        &self,
-        tx: &mut db::Tx,
-        wanted: &[RetryRequest],
-    ) -> Result<Vec<Result<StartedRetry, NotCharged>>, Error> {
-        if self.inner.provider.is_none() {
-            return Ok(wanted.iter().map(|_| Err(NotCharged::NoProvider)).collect());
-        }
-        if wanted.is_empty() {
-            return Ok(Vec::new());
-        }
-        let c = &self.inner.config;
-        let ids: Vec<i64> = wanted.iter().map(|w| w.invoice_id).collect();
+/// The body of [`Biller::start_retries_in`].
+pub(crate) async fn start_retries_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    wanted: &[RetryRequest],
+) -> Result<Vec<Result<StartedRetry, NotCharged>>, Error> {
+    if biller.inner.provider.is_none() {
+        return Ok(wanted.iter().map(|_| Err(NotCharged::NoProvider)).collect());
+    }
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let c = &biller.inner.config;
+    let ids: Vec<i64> = wanted.iter().map(|w| w.invoice_id).collect();
+    let rows = tx
+        .fetch_all(
+            sql(
+                concat!("WITH u AS ( \
+                   SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
+                 ), picked AS ( \
+                   SELECT i.id, u.claimed_by FROM invoices i \
+                   JOIN u ON u.invoice_id = i.id \
+                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+                   WHERE ", chargeable_invoice!(), "\
+                     AND i.review_since IS NULL \
+                     AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                                     WHERE a.invoice_id = i.id \
+                                       AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
+                   FOR UPDATE OF i SKIP LOCKED \
+                 ), claimed AS ( \
+                   UPDATE invoices i \
+                   SET auto_charge_claimed_until = now() + make_interval(secs => $3), \
+                       auto_charge_claimed_by = picked.claimed_by \
+                   FROM picked WHERE i.id = picked.id \
+                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
+                             i.auto_charge_claimed_by, i.number \
+                 ) \
+                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
+                        k.auto_charge_claimed_by, k.number, \
+                        (SELECT ts.email_from FROM tenant_settings ts \
+                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
+                        c.email, c.provider_customer_id, c.payment_method_id, \
+                        (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
+                         WHERE a.invoice_id = k.id) AS next_seq \
+                 FROM claimed k \
+                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id"),
+            )
+            .bind(ids.clone())
+            .bind(wanted.iter().map(|w| w.claimed_by.clone()).collect::<Vec<_>>())
+            .bind(c.charge_lease.as_secs_f64()),
+        )
+        .await?;
+    let mut attempts = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let by: String = r
+            .try_get("auto_charge_claimed_by")
+            .map_err(db::Error::from)?;
+        let claim = ChargeClaim::decode(r, by)?;
+        let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
+        attempts.push((claim, seq));
+    }
+    let started = batch::start_attempts_in(tx, &attempts, &c.instance_id).await?;
+    let claimed: HashMap<i64, ()> = attempts.iter().map(|(c, _)| (c.invoice_id, ())).collect();
+    let mut started: HashMap<i64, StartedRetry> = started
+        .into_iter()
+        .map(|s| (s.claim.invoice_id, s))
+        .collect();
+    // Why the others were not claimed: the invoice closed, or held.
+    let unclaimed: Vec<i64> = ids
+        .iter()
+        .copied()
+        .filter(|id| !claimed.contains_key(id))
+        .collect();
+    let mut closed: HashMap<i64, String> = HashMap::new();
+    if !unclaimed.is_empty() {
         let rows = tx
             .fetch_all(
-                sql(
-                    "WITH u AS ( \
-                       SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
-                     ), picked AS ( \
-                       SELECT i.id, u.claimed_by FROM invoices i \
-                       JOIN u ON u.invoice_id = i.id \
-                       JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                       JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                       WHERE i.status = 'open' AND i.collection_method = 'automatic' \
-                         AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
-                         AND s.pause_collection_behavior IS NULL \
-                         AND c.payment_method_id IS NOT NULL \
-                         AND i.review_since IS NULL \
-                         AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
-                                         WHERE a.invoice_id = i.id \
-                                           AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
-                       FOR UPDATE OF i SKIP LOCKED \
-                     ), claimed AS ( \
-                       UPDATE invoices i \
-                       SET auto_charge_claimed_until = now() + make_interval(secs => $3), \
-                           auto_charge_claimed_by = picked.claimed_by \
-                       FROM picked WHERE i.id = picked.id \
-                       RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
-                                 i.auto_charge_claimed_by, i.number \
-                     ) \
-                     SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
-                            k.auto_charge_claimed_by, k.number, \
-                            (SELECT ts.email_from FROM tenant_settings ts \
-                             WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
-                            c.email, c.provider_customer_id, c.payment_method_id, \
-                            (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
-                             WHERE a.invoice_id = k.id) AS next_seq \
-                     FROM claimed k \
-                     JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id",
-                )
-                .bind(ids.clone())
-                .bind(wanted.iter().map(|w| w.claimed_by.clone()).collect::<Vec<_>>())
-                .bind(c.charge_lease.as_secs_f64()),
+                sql("SELECT id, status FROM invoices WHERE id = ANY($1) AND status <> 'open'")
+                    .bind(unclaimed),
             )
             .await?;
-        let mut attempts = Vec::with_capacity(rows.len());
         for r in &rows {
-            let by: String = r
-                .try_get("auto_charge_claimed_by")
-                .map_err(db::Error::from)?;
-            let claim = ChargeClaim::decode(r, by)?;
-            let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
-            attempts.push((claim, seq));
+            closed.insert(
+                r.try_get("id").map_err(db::Error::from)?,
+                r.try_get("status").map_err(db::Error::from)?,
+            );
         }
-        let started = batch::start_attempts_in(tx, &attempts, &c.instance_id).await?;
-        let claimed: HashMap<i64, ()> = attempts.iter().map(|(c, _)| (c.invoice_id, ())).collect();
-        let mut started: HashMap<i64, StartedRetry> = started
-            .into_iter()
-            .map(|s| (s.claim.invoice_id, s))
-            .collect();
-        // Why the others were not claimed: the invoice closed, or held.
-        let unclaimed: Vec<i64> = ids
-            .iter()
-            .copied()
-            .filter(|id| !claimed.contains_key(id))
-            .collect();
-        let mut closed: HashMap<i64, String> = HashMap::new();
-        if !unclaimed.is_empty() {
-            let rows = tx
-                .fetch_all(
-                    sql("SELECT id, status FROM invoices WHERE id = ANY($1) AND status <> 'open'")
-                        .bind(unclaimed),
-                )
-                .await?;
-            for r in &rows {
-                closed.insert(
-                    r.try_get("id").map_err(db::Error::from)?,
-                    r.try_get("status").map_err(db::Error::from)?,
-                );
-            }
-        }
-        Ok(wanted
-            .iter()
-            .map(|w| match started.remove(&w.invoice_id) {
-                Some(s) => Ok(s),
-                None if claimed.contains_key(&w.invoice_id) => Err(NotCharged::ClaimLost),
-                None => Err(match closed.remove(&w.invoice_id) {
-                    Some(status) => NotCharged::InvoiceClosed { status },
-                    None => NotCharged::Held,
-                }),
-            })
-            .collect())
     }
+    Ok(wanted
+        .iter()
+        .map(|w| match started.remove(&w.invoice_id) {
+            Some(s) => Ok(s),
+            None if claimed.contains_key(&w.invoice_id) => Err(NotCharged::ClaimLost),
+            None => Err(match closed.remove(&w.invoice_id) {
+                Some(status) => NotCharged::InvoiceClosed { status },
+                None => NotCharged::Held,
+            }),
+        })
+        .collect())
+}
 
-    /// The second half of a retry:
-    /// the calls of `started`, `concurrency` at once (the caller's setting), each under the
-    /// panic guard (`step` names it; a call that would start after
-    /// `deadline` or once `cancelled` is not made and stays unknown for the
-    /// reconciler), then every answer settled in one transaction
-    /// (`invoice.paid`, `payment.succeeded` and the receipt; `payment.failed`
-    /// and its email), each row by its own compare-and-set. Per started
-    /// retry: what it came to, or its panic (its attempt stays unknown for the
-    /// reconciler, its claim lease expires). A refused key (401/403) is
-    /// [`Error::ProviderKeyRejected`] for its row, counted on
-    /// `hardcount_billing_provider_key_rejected_total`; the gate it closed
-    /// leaves the batch's other retries unsent and rewound.
-    pub async fn finish_retries(
-        &self,
-        started: Vec<StartedRetry>,
-        concurrency: usize,
-        deadline: Instant,
-        cancelled: impl Fn() -> bool + Copy,
-        step: impl Fn(&StartedRetry) -> String + Copy,
-    ) -> Vec<(StartedRetry, Result<Result<Retried, Error>, Payload>)> {
-        let Some(provider) = &self.inner.provider else {
-            return started
-                .into_iter()
-                .map(|s| (s, Ok(Ok(Retried::NotCharged(NotCharged::NoProvider)))))
-                .collect();
-        };
-        // A refused key stops the rest of this batch's calls (one refused call).
-        let gate = batch::Gate::default();
-        let called = batch::call_all(
-            provider,
-            started,
-            concurrency,
-            deadline,
-            cancelled,
-            step,
-            &gate,
-        )
-        .await;
-        let answered: Vec<(&StartedRetry, &Answer)> = called
-            .iter()
-            .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))
-            .collect();
-        let mut settled = batch::settle_all(&self.inner.db, &answered, self.settling())
-            .await
-            .into_iter();
-        called
+/// The body of [`Biller::finish_retries`].
+pub(crate) async fn finish_retries(
+    biller: &Biller,
+    started: Vec<StartedRetry>,
+    concurrency: usize,
+    deadline: Instant,
+    cancelled: impl Fn() -> bool + Copy,
+    step: impl Fn(&StartedRetry) -> String + Copy,
+) -> Vec<(StartedRetry, Result<Result<Retried, Error>, Payload>)> {
+    let Some(provider) = &biller.inner.provider else {
+        return started
             .into_iter()
-            .map(|(s, r)| {
-                let out = match r {
-                    Err(payload) => Err(payload),
-                    Ok(answer) => {
-                        let settled = settled.next().unwrap_or_else(|| Ok(Settled::Lost));
-                        // A refused key is this deployment's error, not the
-                        // customer's: the row was rewound, and the caller's
-                        // tick fails on it (counted and logged once here).
-                        match answer {
-                            Answer::Called(ChargeOutcome::KeyRejected { status, message }) => {
-                                Ok(Err(self.key_rejected(status, message)))
-                            }
-                            answer => Ok(settled.map(|w| retried(s.attempt_seq, answer, w))),
+            .map(|s| (s, Ok(Ok(Retried::NotCharged(NotCharged::NoProvider)))))
+            .collect();
+    };
+    // A refused key stops the rest of this batch's calls (one refused call).
+    let gate = batch::Gate::default();
+    let called = batch::call_all(
+        provider,
+        started,
+        concurrency,
+        deadline,
+        cancelled,
+        step,
+        &gate,
+    )
+    .await;
+    let answered: Vec<(&StartedRetry, &Answer)> = called
+        .iter()
+        .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))
+        .collect();
+    let mut settled = batch::settle_all(&biller.inner.db, &answered, biller.settling())
+        .await
+        .into_iter();
+    called
+        .into_iter()
+        .map(|(s, r)| {
+            let out = match r {
+                Err(payload) => Err(payload),
+                Ok(answer) => {
+                    let settled = settled.next().unwrap_or_else(|| Ok(Settled::Lost));
+                    // A refused key is this deployment's error, not the
+                    // customer's: the row was rewound, and the caller's
+                    // tick fails on it (counted and logged once here).
+                    match answer {
+                        Answer::Called(ChargeOutcome::KeyRejected { status, message }) => {
+                            Ok(Err(biller.key_rejected(status, message)))
                         }
+                        answer => Ok(settled.map(|w| retried(s.attempt_seq, answer, w))),
                     }
-                };
-                (s, out)
-            })
-            .collect()
-    }
+                }
+            };
+            (s, out)
+        })
+        .collect()
 }
 
 /// A settled answer as [`Retried`].

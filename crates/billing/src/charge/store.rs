@@ -7,6 +7,7 @@ use db::{Db, sql};
 use leader::Fence;
 
 use crate::batch::ChargeClaim;
+use crate::batch::chargeable_invoice;
 
 /// The fenced auto-charge funnel: up to `limit` open automatic invoices that
 /// have never been attempted, whose customer has a saved card and whose
@@ -62,15 +63,14 @@ async fn claim_charges_in(
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
         .fetch_all(
-            sql(
+            sql(concat!(
                 "WITH picked AS ( \
                    SELECT i.id FROM invoices i \
                    JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                    JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE i.status = 'open' AND i.collection_method = 'automatic' \
-                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
-                     AND s.pause_collection_behavior IS NULL \
-                     AND c.payment_method_id IS NOT NULL \
+                   WHERE ",
+                chargeable_invoice!(),
+                "\
                      AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
                      AND leader_fence($1, $2) \
                    ORDER BY i.id \
@@ -90,8 +90,8 @@ async fn claim_charges_in(
                  FROM claimed k \
                  JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
                  JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 ORDER BY k.id",
-            )
+                 ORDER BY k.id"
+            ))
             .bind(fence.role_name())
             .bind(fence.token())
             .bind(limit)
