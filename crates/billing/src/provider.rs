@@ -22,6 +22,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::ConfigError;
+
 mod answer;
 
 pub use answer::{
@@ -68,6 +70,36 @@ impl ProviderConfig {
             secret_key,
             timeout: ProviderConfig::DEFAULT_TIMEOUT,
         }
+    }
+
+    /// # Errors
+    /// The first setting out of range, never echoing the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = || ConfigError::ProviderUrl(self.base_url.clone());
+        let url = url::Url::parse(&self.base_url).map_err(|_| bad())?;
+        if !matches!(url.scheme(), "http" | "https")
+            || url.host_str().is_none()
+            || !url.username().is_empty()
+            || url.password().is_some()
+            || url.query().is_some()
+            || !url.path().trim_end_matches('/').is_empty()
+        {
+            return Err(bad());
+        }
+        let key = self.secret_key.expose();
+        if !key.starts_with("sk_") || key.len() < 4 || key.chars().any(|c| c.is_whitespace()) {
+            return Err(ConfigError::ProviderSecretKey);
+        }
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(120));
+        if self.timeout < min || self.timeout > max {
+            return Err(ConfigError::Duration {
+                field: "provider timeout",
+                value: self.timeout,
+                min,
+                max,
+            });
+        }
+        Ok(())
     }
 }
 
