@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use leader::Tick;
 
-use crate::driver::{BUSY_POLL, FencedBatches, PROBE_BACKOFF, Stop};
 use crate::panics::Panics;
+use crate::source::{BUSY_POLL, FencedBatches, PROBE_BACKOFF, Stop};
 use crate::wake::Wake;
 
 /// One tick's idle policy, built from what the role says of itself.

@@ -37,17 +37,17 @@ mod driver;
 mod idle;
 mod panics;
 mod role_loop;
+mod source;
 mod status;
 mod steps;
 mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{
-    BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop, drive, drive_until,
-};
+pub use driver::{drive, drive_until};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use role_loop::{RoleSpec, Work, run_role, work};
+pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};
 pub use status::{export_status, precreate_series};
 pub use steps::{LeftOut, Steps, worst};
 pub use wake::{Wake, listen, wake_channel};

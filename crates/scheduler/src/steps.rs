@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 use leader::{Tick, TickEnd};
 use tracing::warn;
 
-use crate::driver::{Driven, FencedBatches, Stop, drive_until};
+use crate::driver::drive_until;
 use crate::panics::{Payload, catch};
+use crate::source::{Driven, FencedBatches, Stop};
 
 /// The steps of one tick, run in order under the tick's one budget.
 pub struct Steps<'t> {

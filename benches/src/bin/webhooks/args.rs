@@ -125,7 +125,7 @@ pub struct Args {
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
     #[command(flatten)]
-    pub fairness: crate::fairness::Flags,
+    pub fairness: FairnessFlags,
 }
 
 impl Args {
@@ -236,4 +236,20 @@ impl Shape {
             ..self.clone()
         }
     }
+}
+
+/// The fairness phase's flags (flattened into `Args`).
+#[derive(clap::Args, Debug)]
+pub struct FairnessFlags {
+    /// Skip the fairness phase: the healthy tenant alone, then beside a tenant
+    /// whose 8 endpoints point at a tarpit.
+    #[arg(long)]
+    pub skip_fairness: bool,
+    /// Events of the healthy tenant in each fairness run (each to its 2 endpoints).
+    #[arg(long, default_value_t = 10_000)]
+    pub fairness_events: usize,
+    /// Pairs of fairness runs (alone, then beside the tarpit), interleaved; the
+    /// median of each is reported.
+    #[arg(long, default_value_t = 5)]
+    pub fairness_runs: usize,
 }

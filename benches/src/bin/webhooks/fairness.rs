@@ -14,7 +14,7 @@ use testbed::{Leg, TestDb};
 use tokio::io::AsyncReadExt as _;
 use webhook_delivery::{WorkerConfig, create_endpoint};
 
-use crate::args::Shape;
+use crate::args::{FairnessFlags as Flags, Shape};
 use crate::loops::Loops;
 use crate::progress;
 use crate::report::{Figure, Report, Target};
@@ -34,22 +34,6 @@ const TARPIT_ENDPOINTS: usize = 8;
 /// first, more than its slots can take in the run.
 const TARPIT_EVENTS: usize = 100;
 const GIVE_UP: Duration = Duration::from_secs(300);
-
-/// The phase's flags (flattened into `Args`).
-#[derive(clap::Args, Debug)]
-pub struct Flags {
-    /// Skip the fairness phase: the healthy tenant alone, then beside a tenant
-    /// whose 8 endpoints point at a tarpit.
-    #[arg(long)]
-    pub skip_fairness: bool,
-    /// Events of the healthy tenant in each fairness run (each to its 2 endpoints).
-    #[arg(long, default_value_t = 10_000)]
-    pub fairness_events: usize,
-    /// Pairs of fairness runs (alone, then beside the tarpit), interleaved; the
-    /// median of each is reported.
-    #[arg(long, default_value_t = 5)]
-    pub fairness_runs: usize,
-}
 
 /// The worker's settings for both runs: the benchmark's shape with
 /// production's fairness defaults (`WorkerConfig::default()`: 8 per tenant, 16
