@@ -20,10 +20,12 @@ use email_outbox::{SenderConfig, SmtpUrl};
 
 use crate::serve::{Config, EmailConfig};
 
+mod dev;
 mod parse;
 #[cfg(test)]
 mod tests;
 
+pub use dev::DevSettings;
 pub use parse::duration;
 use parse::{non_empty, retry_schedule, roles_explicit, whole};
 
@@ -213,29 +215,6 @@ pub struct ServeSettings {
     /// provider forgets keys after 24 h) [default: 12h].
     #[arg(long, env = "HARDCOUNT_BILLING_RESEND_WINDOW")]
     pub billing_resend_window: Option<String>,
-}
-
-/// `dev`: the service on a local Postgres with a demo tenant.
-#[derive(Debug, Clone, clap::Args)]
-pub struct DevSettings {
-    /// Where `dev` keeps its Postgres cluster between runs.
-    #[arg(long, env = "HARDCOUNT_DEV_DIR", default_value = ".hardcount-dev")]
-    pub state_dir: PathBuf,
-    /// How often the demo tenant enqueues a webhook event (100ms to 1h).
-    #[arg(long, env = "HARDCOUNT_DEV_EVENT_EVERY", default_value = "2s")]
-    pub event_every: String,
-    #[command(flatten)]
-    pub serve: ServeSettings,
-}
-
-impl DevSettings {
-    pub fn event_every(&self) -> Result<Duration> {
-        duration(
-            "HARDCOUNT_DEV_EVENT_EVERY",
-            &self.event_every,
-            Duration::from_millis(100)..=Duration::from_secs(3600),
-        )
-    }
 }
 
 /// The bounds of a webhook retry delay: shorter hammers a failing receiver,

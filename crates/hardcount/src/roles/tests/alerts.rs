@@ -1,0 +1,238 @@
+//! The registry against deploy/prometheus/rules.yml: each role's alerts are
+//! the rules on its series.
+
+use std::collections::BTreeSet;
+
+use super::*;
+
+/// One alert of rules.yml: its name and its `expr` text.
+struct Rule {
+    name: String,
+    expr: String,
+}
+
+/// The alerts of a rules file (the shape deploy/prometheus/rules.yml has:
+/// `- alert: Name`, then `expr:` up to `for:`, `labels:` or `annotations:`).
+fn rules(text: &str) -> Vec<Rule> {
+    let mut out: Vec<Rule> = Vec::new();
+    let mut in_expr = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with('#') {
+            continue;
+        }
+        if let Some(name) = t.strip_prefix("- alert:") {
+            out.push(Rule {
+                name: name.trim().to_owned(),
+                expr: String::new(),
+            });
+            in_expr = false;
+        } else if let Some(expr) = t.strip_prefix("expr:") {
+            in_expr = true;
+            if let Some(rule) = out.last_mut() {
+                rule.expr.push_str(expr);
+            }
+        } else if ["for:", "labels:", "annotations:", "- name:"]
+            .iter()
+            .any(|k| t.starts_with(k))
+        {
+            in_expr = false;
+        } else if in_expr && let Some(rule) = out.last_mut() {
+            rule.expr.push('\n');
+            rule.expr.push_str(t);
+        }
+    }
+    out
+}
+
+/// The role names an expression's `role="…"` and `role=~"a|b"` matchers name.
+fn matched_roles(expr: &str) -> Result<BTreeSet<String>, String> {
+    let mut roles = BTreeSet::new();
+    for (op, regex) in [("role=\"", false), ("role=~\"", true)] {
+        for (at, _) in expr.match_indices(op) {
+            let rest = &expr[at + op.len()..];
+            let value = &rest[..rest.find('"').ok_or("an unclosed role matcher")?];
+            for name in if regex {
+                value.split('|').collect()
+            } else {
+                vec![value]
+            } {
+                if !name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                    return Err(format!(
+                        "role matcher {value:?}: write it as a plain name or names joined by |"
+                    ));
+                }
+                roles.insert(name.to_owned());
+            }
+        }
+    }
+    Ok(roles)
+}
+
+/// Every `hardcount_…` name in `text`, whole (a histogram's `_bucket` kept).
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let in_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut names = BTreeSet::new();
+    for (at, _) in text.match_indices("hardcount_") {
+        if text[..at].chars().next_back().is_some_and(in_name) {
+            continue;
+        }
+        let end = text[at..]
+            .find(|c| !in_name(c))
+            .map_or(text.len(), |n| at + n);
+        names.insert(text[at..end].to_owned());
+    }
+    names
+}
+
+/// The series a name in a rule means: itself, or the histogram whose
+/// `_bucket`, `_sum` or `_count` it is.
+fn series<'a>(name: &'a str, known: &BTreeSet<&str>) -> &'a str {
+    for suffix in ["_bucket", "_sum", "_count"] {
+        if let Some(base) = name.strip_suffix(suffix)
+            && known.contains(base)
+        {
+            return base;
+        }
+    }
+    name
+}
+
+fn alert_problems(registry: &[RoleEntry], rules_text: &str) -> Vec<String> {
+    let rules = rules(rules_text);
+    let mut problems = Vec::new();
+    let names: BTreeSet<&str> = rules.iter().map(|r| r.name.as_str()).collect();
+    let roles: BTreeSet<&str> = registry.iter().map(|e| e.role.as_str()).collect();
+    let mut owner: BTreeMap<&str, &str> = BTreeMap::new();
+    for e in registry {
+        for m in e.metrics {
+            owner.insert(m, e.role.as_str());
+        }
+    }
+    let known: BTreeSet<&str> = owner
+        .keys()
+        .copied()
+        .chain(EVERY_ROLE_METRICS.iter().copied())
+        .collect();
+
+    for alert in EVERY_ROLE_ALERTS {
+        if !names.contains(alert) {
+            problems.push(format!("EVERY_ROLE_ALERTS names {alert}, not in rules.yml"));
+        }
+    }
+    for e in registry {
+        for alert in e.alerts {
+            if !names.contains(alert) {
+                problems.push(format!("{}: alert {alert} is not in rules.yml", e.role));
+            }
+        }
+    }
+    for rule in &rules {
+        let claimed_by: Vec<&str> = registry
+            .iter()
+            .filter(|e| e.alerts.contains(&rule.name.as_str()))
+            .map(|e| e.role.as_str())
+            .collect();
+        let every_role = EVERY_ROLE_ALERTS.contains(&rule.name.as_str());
+        if claimed_by.is_empty() && !every_role {
+            problems.push(format!(
+                "rules.yml alert {} is claimed by no entry in roles.rs (nor EVERY_ROLE_ALERTS)",
+                rule.name
+            ));
+        }
+        // The alert is filed under each role whose series it reads, and reads
+        // a series of each role it is filed under.
+        let mut reads = BTreeSet::new();
+        for name in metric_names(&rule.expr) {
+            let s = series(&name, &known);
+            match owner.get(s) {
+                Some(role) => {
+                    reads.insert(*role);
+                }
+                None if EVERY_ROLE_METRICS.contains(&s) => {}
+                None => problems.push(format!(
+                    "rules.yml alert {} reads {name}, a series no entry in roles.rs registers",
+                    rule.name
+                )),
+            }
+        }
+        for role in &reads {
+            if !claimed_by.contains(role) {
+                problems.push(format!(
+                    "rules.yml alert {} reads {role}'s series but is not in {role}'s alerts",
+                    rule.name
+                ));
+            }
+        }
+        for role in &claimed_by {
+            if !reads.contains(role) {
+                problems.push(format!(
+                    "{role} lists alert {}, which reads none of {role}'s series",
+                    rule.name
+                ));
+            }
+        }
+        // Role matchers name registered roles, and an every-role alert that
+        // names roles names them all (a per-role threshold for each).
+        match matched_roles(&rule.expr) {
+            Err(e) => problems.push(format!("rules.yml alert {}: {e}", rule.name)),
+            Ok(matched) => {
+                for name in &matched {
+                    if !roles.contains(name.as_str()) {
+                        problems.push(format!(
+                            "rules.yml alert {} matches role {name}, which has no entry in roles.rs",
+                            rule.name
+                        ));
+                    }
+                }
+                if every_role && !matched.is_empty() {
+                    for role in &roles {
+                        if !matched.contains(*role) {
+                            problems.push(format!(
+                                "rules.yml alert {} names roles but not {role}: give it a threshold for {role}",
+                                rule.name
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// Fails when an entry names an alert rules.yml does not have, when rules.yml
+/// has an alert no entry claims or one filed under a role whose series it does
+/// not read (or not filed under one it does), or when `HardcountRoleStalled`'s
+/// per-role thresholds leave out a registered role or name an unregistered
+/// one. Mutations: delete `HardcountEmailsDelayed` from email_outbox's entry
+/// (tried; and below, every alert of every entry and every entry); drop
+/// `|webhook_delivery` from the stall alert's matcher (below); add `Dunning`'s
+/// alert to billing (below).
+#[test]
+fn each_roles_alerts_are_the_rules_on_its_series() {
+    let text = read("deploy/prometheus/rules.yml");
+    assert!(
+        rules(&text).len() >= 10,
+        "rules.yml parsed to too few alerts"
+    );
+    let check = |r: &[RoleEntry]| alert_problems(r, &text);
+    assert_eq!(check(REGISTRY), Vec::<String>::new());
+    assert_each_is_caught("alerts", without_each_entry(REGISTRY), check);
+    assert_each_is_caught(
+        "alerts",
+        without_each_item(REGISTRY, |e| &mut e.alerts),
+        check,
+    );
+
+    let anchor = "email_outbox|webhook_delivery\"";
+    assert!(text.contains(anchor), "the stall alert's matcher moved");
+    let stall_misses_a_role = text.replace(anchor, "email_outbox\"");
+    assert!(!alert_problems(REGISTRY, &stall_misses_a_role).is_empty());
+    let misfiled = {
+        let mut r = REGISTRY.to_vec();
+        r[0].alerts = leak([r[0].alerts, r[1].alerts].concat());
+        r
+    };
+    assert!(!check(&misfiled).is_empty());
+}
