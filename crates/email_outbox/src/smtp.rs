@@ -141,6 +141,14 @@ impl SmtpUrl {
     pub fn has_credentials(&self) -> bool {
         self.user.is_some()
     }
+
+    /// Whether this URL would send its credentials over a connection that may
+    /// be plain: AUTH on `smtp://` without TLS, or with `tls=opportunistic`
+    /// (an attacker on the path strips STARTTLS and reads the password).
+    /// The binary refuses such a URL at boot unless told otherwise.
+    pub fn credentials_may_travel_in_clear(&self) -> bool {
+        self.has_credentials() && matches!(self.tls, TlsMode::None | TlsMode::StartTlsOpportunistic)
+    }
 }
 
 fn percent_decode(s: &str) -> Option<String> {
@@ -381,5 +389,22 @@ mod tests {
             !debug.contains("p@ss") && !debug.contains("p%40ss"),
             "{debug}"
         );
+    }
+
+    /// Which URLs would send a password over a connection that may be plain:
+    /// AUTH on bare `smtp://` or with `tls=opportunistic`, never on `smtps://`,
+    /// `tls=required`, or without credentials.
+    #[test]
+    fn credentials_in_clear_are_told_apart() {
+        for (url, clear) in [
+            ("smtp://u:p@mail.example.com", true),
+            ("smtp://u:p@mail.example.com?tls=opportunistic", true),
+            ("smtp://u:p@mail.example.com?tls=required", false),
+            ("smtps://u:p@mail.example.com", false),
+            ("smtp://mail.example.com", false),
+        ] {
+            let u = SmtpUrl::parse(url).unwrap();
+            assert_eq!(u.credentials_may_travel_in_clear(), clear, "{url}");
+        }
     }
 }

@@ -110,6 +110,7 @@ pub static REGISTRY: &[RoleEntry] = &[
         settings: &[
             "SMTP_URL",
             "HARDCOUNT_SMTP_CA_FILE",
+            "HARDCOUNT_SMTP_INSECURE_AUTH",
             "HARDCOUNT_EMAIL_CONNECTIONS",
         ],
         alerts: &["HardcountEmailsFailing", "HardcountEmailsDelayed"],

@@ -7,7 +7,6 @@
 //! `1h`, `2h 30m`, `1d`).
 
 use std::net::SocketAddr;
-use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -20,11 +19,13 @@ use email_outbox::{SenderConfig, SmtpUrl};
 
 use crate::serve::{Config, EmailConfig};
 
+mod bounds;
 mod dev;
 mod parse;
 #[cfg(test)]
 mod tests;
 
+pub use bounds::{BREAKER_COOLOFF, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
 pub use dev::DevSettings;
 pub use parse::duration;
 use parse::{non_empty, retry_schedule, roles_explicit, whole};
@@ -183,6 +184,12 @@ pub struct ServeSettings {
     /// private relay [default: the public web roots].
     #[arg(long, env = "HARDCOUNT_SMTP_CA_FILE")]
     pub smtp_ca_file: Option<PathBuf>,
+    /// `true` to allow SMTP_URL's user and password over a connection that
+    /// may be plain (`smtp://` without `tls=required`, or `tls=opportunistic`),
+    /// for a relay on loopback or a private link; anything else refuses such a
+    /// URL at boot [default: false].
+    #[arg(long, env = "HARDCOUNT_SMTP_INSECURE_AUTH")]
+    pub smtp_insecure_auth: Option<String>,
     /// SMTP connections email_outbox may have open at once, in use or idle, and so
     /// sends in flight (1 to 256) [default: 16].
     #[arg(long, env = "HARDCOUNT_EMAIL_CONNECTIONS")]
@@ -216,24 +223,6 @@ pub struct ServeSettings {
     #[arg(long, env = "HARDCOUNT_BILLING_RESEND_WINDOW")]
     pub billing_resend_window: Option<String>,
 }
-
-/// The bounds of a webhook retry delay: shorter hammers a failing receiver,
-/// longer outlives any receiver's memory of the event.
-pub const RETRY_DELAY: RangeInclusive<Duration> =
-    Duration::from_secs(1)..=Duration::from_secs(7 * 86_400);
-
-/// The bounds of one webhook attempt: a hung receiver must not hold a delivery
-/// (and the tick's budget) for minutes.
-pub const WEBHOOK_TIMEOUT: RangeInclusive<Duration> =
-    Duration::from_secs(1)..=Duration::from_secs(60);
-
-/// The bounds of each webhook concurrency setting.
-pub const WEBHOOK_IN_FLIGHT: RangeInclusive<usize> = 1..=1024;
-
-/// The bounds of the breaker's cool-off: shorter is no back-off at all,
-/// longer (16 times, after failed trials) outlives the retry schedule.
-pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
-    Duration::from_secs(1)..=Duration::from_secs(3600);
 
 impl ServeSettings {
     pub fn http_addr(&self) -> Result<SocketAddr> {
@@ -471,6 +460,22 @@ impl ServeSettings {
             return Ok(None);
         };
         let url = SmtpUrl::parse(&text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
+        let insecure_auth = match non_empty(&self.smtp_insecure_auth).as_deref() {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(other) => {
+                bail!("HARDCOUNT_SMTP_INSECURE_AUTH is {other:?}; expected true or false")
+            }
+        };
+        // Credentials over a connection that may be plain (docs/security.md).
+        if url.credentials_may_travel_in_clear() && !insecure_auth {
+            bail!(
+                "SMTP_URL has a user and password but its connection may be plain \
+                 (smtp:// without tls=required, or tls=opportunistic): the password would \
+                 cross the network in clear. Use smtps:// or ?tls=required, or set \
+                 HARDCOUNT_SMTP_INSECURE_AUTH=true for a relay on loopback or a private link"
+            );
+        }
         let ca_pem = match &self.smtp_ca_file {
             Some(path) if !path.as_os_str().is_empty() => {
                 Some(std::fs::read(path).with_context(|| {

@@ -204,13 +204,49 @@ fn smtp_settings_are_checked_by_name_and_never_echo_the_password() {
     assert!(check(&[]).unwrap().email.is_none());
     let ok = check(&[
         "--smtp-url",
-        "smtp://u:hunter2@127.0.0.1:2525",
+        "smtps://u:hunter2@mail.example.com",
         "--email-connections",
         "8",
     ])
     .unwrap();
     assert_eq!(ok.email.unwrap().sender.max_connections, 8);
+    for url in [
+        "smtp://u:hunter2@mail.example.com?tls=required",
+        "smtp://mail.example.com",
+        "smtp://mail.example.com?tls=opportunistic",
+    ] {
+        assert!(check(&["--smtp-url", url]).is_ok(), "{url}");
+    }
+    let allowed = check(&[
+        "--smtp-url",
+        "smtp://u:hunter2@127.0.0.1:2525",
+        "--smtp-insecure-auth",
+        "true",
+    ]);
+    assert!(allowed.is_ok(), "the documented insecure setting allows it");
     for (args, expected) in [
+        // Credentials that may cross the network in clear: refused by name
+        // unless HARDCOUNT_SMTP_INSECURE_AUTH=true (mutation `smtp_clear_auth`).
+        (
+            vec!["--smtp-url", "smtp://u:hunter2@mail.example.com"],
+            "HARDCOUNT_SMTP_INSECURE_AUTH=true",
+        ),
+        (
+            vec![
+                "--smtp-url",
+                "smtp://u:hunter2@mail.example.com?tls=opportunistic",
+            ],
+            "its connection may be plain",
+        ),
+        (
+            vec![
+                "--smtp-url",
+                "smtp://u:hunter2@mail.example.com",
+                "--smtp-insecure-auth",
+                "yes",
+            ],
+            "HARDCOUNT_SMTP_INSECURE_AUTH is \"yes\"",
+        ),
         (
             vec!["--smtp-url", "smtpx://u:hunter2@mail.example.com"],
             "SMTP_URL: SMTP_URL has the unknown scheme `smtpx`",

@@ -1,0 +1,22 @@
+//! The bounds of the webhook settings, named where the values are refused.
+
+use std::ops::RangeInclusive;
+use std::time::Duration;
+
+/// The bounds of a webhook retry delay: shorter hammers a failing receiver,
+/// longer outlives any receiver's memory of the event.
+pub const RETRY_DELAY: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(7 * 86_400);
+
+/// The bounds of one webhook attempt: a hung receiver must not hold a delivery
+/// (and the tick's budget) for minutes.
+pub const WEBHOOK_TIMEOUT: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(60);
+
+/// The bounds of each webhook concurrency setting.
+pub const WEBHOOK_IN_FLIGHT: RangeInclusive<usize> = 1..=1024;
+
+/// The bounds of the breaker's cool-off: shorter is no back-off at all,
+/// longer (16 times, after failed trials) outlives the retry schedule.
+pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(3600);
