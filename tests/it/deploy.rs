@@ -8,7 +8,9 @@ use std::process::Command;
 /// Every series the rules may name: the leader layer's
 /// (crates/leader/src/manager.rs, crates/scheduler/src/status.rs) and the email
 /// outbox's (crates/email_outbox/src/tick.rs) and billing's (crates/billing/src:
-/// tick.rs, charge.rs, reconcile.rs, lifecycle.rs, plan_change.rs). A rule on any
+/// tick.rs, charge.rs, reconcile.rs, lifecycle.rs, plan_change.rs) and webhook
+/// delivery's secret checks (crates/hardcount/src/serve.rs,
+/// crates/webhook_delivery/src/attempt.rs). A rule on any
 /// other name never fires.
 const EXPORTED: &[&str] = &[
     "hardcount_emails_total",
@@ -33,6 +35,8 @@ const EXPORTED: &[&str] = &[
     "hardcount_billing_payment_attempts_needing_review",
     "hardcount_billing_payment_attempts_processing",
     "hardcount_dunning_attempts_total",
+    "hardcount_webhook_endpoints_secret_unusable",
+    "hardcount_webhook_deliveries_secret_unusable_total",
 ];
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
@@ -49,6 +53,7 @@ const PAGED_ON: &[&str] = &[
     "hardcount_dunning_attempts_total",
     "hardcount_billing_provider_key_rejected_total",
     "hardcount_billing_payment_attempts_needing_review",
+    "hardcount_webhook_endpoints_secret_unusable",
 ];
 
 const RULES: &str = "deploy/prometheus/rules.yml";

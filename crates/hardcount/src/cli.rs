@@ -252,13 +252,31 @@ pub async fn secrets_command(command: SecretsCommand, common: &Common) -> Result
             let owner = Db::connect_lazy(&common.migration_database_url()?, 1)?;
             let report = webhook_delivery::reseal_secrets(&owner, &keyring).await?;
             owner.close().await;
-            println!(
-                "resealed the secrets of {} webhook endpoint(s) under key {:?} ({} expired previous secret(s) dropped); \
-                 keys listed after it can now be removed from {SECRETS_KEY_VAR}",
-                report.resealed,
-                keyring.current_id(),
-                report.expired_dropped
-            );
+            if report.skipped.is_empty() {
+                println!(
+                    "resealed the secrets of {} webhook endpoint(s) under key {:?} ({} expired previous secret(s) dropped); \
+                     keys listed after it can now be removed from {SECRETS_KEY_VAR}",
+                    report.resealed,
+                    keyring.current_id(),
+                    report.expired_dropped
+                );
+            } else {
+                println!(
+                    "resealed the secrets of {} webhook endpoint(s) under key {:?} ({} expired previous secret(s) dropped)",
+                    report.resealed,
+                    keyring.current_id(),
+                    report.expired_dropped
+                );
+                for (endpoint, why) in &report.skipped {
+                    println!("skipped webhook endpoint {endpoint}: {why}");
+                }
+                anyhow::bail!(
+                    "{} webhook endpoint(s) skipped: their secrets do not open with the keys in \
+                     {SECRETS_KEY_VAR}; list the key that sealed them after the current one and run \
+                     this again (the keys after the current one must stay until then)",
+                    report.skipped.len()
+                );
+            }
         }
     }
     Ok(())

@@ -59,9 +59,12 @@ pub async fn run(
     };
     // dev plays the API too: it seeds the demo endpoint as the owner.
     let owner = Db::connect_lazy(&owner_url, 1)?;
-    webhook_delivery::reseal_secrets(&owner, &keyring)
+    let resealed = webhook_delivery::reseal_secrets(&owner, &keyring)
         .await
         .context("sealing the dev database's webhook secrets")?;
+    for (endpoint, why) in &resealed.skipped {
+        eprintln!("dev: webhook endpoint {endpoint} keeps its old secret: {why}");
+    }
 
     let allow = "127.0.0.1/32";
     let serve = &mut settings.serve;

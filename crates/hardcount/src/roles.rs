@@ -142,9 +142,11 @@ pub static REGISTRY: &[RoleEntry] = &[
             "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
             "HARDCOUNT_WEBHOOK_MIN_PORT",
         ],
-        alerts: &[],
+        alerts: &["HardcountWebhookSecretUnusable"],
         metrics: &[
             "hardcount_webhook_deliveries_total",
+            "hardcount_webhook_deliveries_secret_unusable_total",
+            "hardcount_webhook_endpoints_secret_unusable",
             "hardcount_webhook_attempt_duration_seconds",
             "hardcount_webhook_breakers_open",
             "hardcount_webhook_deliveries_pending",

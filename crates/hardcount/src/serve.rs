@@ -176,15 +176,23 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     scheduler::precreate_series(&telemetry);
 
     // Only the delivery worker opens webhook secrets, so only a replica that
-    // runs it needs (and is refused without) HARDCOUNT_SECRETS_KEY.
+    // runs it needs (and is refused without) HARDCOUNT_SECRETS_KEY. A row
+    // whose secret cannot be opened here only holds that endpoint's
+    // deliveries: it is reported, counted, and everything else runs.
     if config
         .roles
         .iter()
         .any(|rc| rc.role == Role::WebhookDelivery)
     {
-        webhook_delivery::check_secrets(&db, config.webhook_delivery.secrets.as_ref())
+        let report = webhook_delivery::check_secrets(&db, config.webhook_delivery.secrets.as_ref())
             .await
             .context("refusing to serve")?;
+        for problem in &report.problems {
+            warn!(role = %Role::WebhookDelivery, unusable_endpoints = report.unusable_endpoints, "{problem}; those endpoints' deliveries wait, everything else runs");
+        }
+        telemetry
+            .gauge("hardcount_webhook_endpoints_secret_unusable", &[])
+            .set(report.unusable_endpoints as f64);
     }
 
     let mut specs = Vec::new();

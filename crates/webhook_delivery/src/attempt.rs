@@ -28,6 +28,12 @@ use crate::verdict::{self, Heard, Verdict, status_error};
 /// long, then claimed again (its endpoint, tenant or destination is busy).
 pub(crate) const BUSY_HOLD: Duration = Duration::from_secs(1);
 
+/// A delivery whose endpoint's secret this replica cannot open (sealed under
+/// a key it does not hold, stored in clear, or not opening) is held this
+/// long, its attempt not counted, and tried again: it waits for the key, it
+/// never burns its retries or dies of it, and the rest of the batch goes on.
+pub(crate) const SECRET_HOLD: Duration = Duration::from_secs(60);
+
 /// An endpoint's parsed URL and opened signing secrets, or why it is unusable
 /// (its failure category and the operator-log detail). A batch prepares one
 /// per endpoint and shares it among its attempts to that endpoint
@@ -56,11 +62,13 @@ pub(crate) struct StartBy {
 pub(crate) enum Attempted {
     /// An outcome (written or to write), or handed back to come due at once.
     Step(Step),
-    /// Not sent: hand it back to come due after `wait` (attempt not counted).
+    /// Not sent: hand it back to come due after `wait` (attempt not counted),
+    /// with `why` written as its `last_error` when it says one.
     Hold {
         id: i64,
         attempt: i32,
         wait: Duration,
+        why: Option<Failure>,
     },
 }
 
@@ -95,7 +103,16 @@ pub(crate) async fn attempt(
     let (heard, observed) = if d.row.enabled {
         let breakers = &shared.breakers;
         if let Some(wait) = breakers.open_for(endpoint, Instant::now()) {
-            return Attempted::Hold { id, attempt, wait };
+            return Attempted::Hold {
+                id,
+                attempt,
+                wait,
+                why: None,
+            };
+        }
+        let target = target.unwrap_or_else(|| Arc::new(prepare(shared, &d.row)));
+        if let Err((Failure::BadSecret, error)) = target.as_ref() {
+            return secret_unusable(shared, &d, error);
         }
         let turn = match wait_turn(shared, &d, start_by).await {
             Waited::Turn(turn) => turn,
@@ -107,19 +124,29 @@ pub(crate) async fn attempt(
                     id,
                     attempt,
                     wait: BUSY_HOLD,
+                    why: None,
                 };
             }
             Waited::Stalled(quiet) => {
                 let timeout = shared.config.request_timeout;
                 let wait = (quiet * 2).clamp(BUSY_HOLD, timeout.max(BUSY_HOLD));
-                return Attempted::Hold { id, attempt, wait };
+                return Attempted::Hold {
+                    id,
+                    attempt,
+                    wait,
+                    why: None,
+                };
             }
         };
         let admitted = breakers.admit(endpoint, Instant::now());
         if let Admit::Hold(wait) = admitted {
-            return Attempted::Hold { id, attempt, wait };
+            return Attempted::Hold {
+                id,
+                attempt,
+                wait,
+                why: None,
+            };
         }
-        let target = target.unwrap_or_else(|| Arc::new(prepare(shared, &d.row)));
         let (heard, observed) = sign_and_post(shared, &d, &target).await;
         drop(target);
         drop(turn);
@@ -183,6 +210,32 @@ pub(crate) async fn attempt(
     }))
 }
 
+/// A delivery whose endpoint's secret cannot be opened here: held for
+/// [`SECRET_HOLD`] with `bad_secret` as its error, its attempt not counted,
+/// and counted on `hardcount_webhook_deliveries_secret_unusable_total` (the
+/// alert `HardcountWebhookSecretUnusable`). Only this endpoint's deliveries
+/// wait; nothing else stops.
+fn secret_unusable(shared: &Shared, d: &Claimed, error: &str) -> Attempted {
+    debug!(
+        role = %Role::WebhookDelivery,
+        delivery = d.row.id,
+        endpoint = d.row.endpoint_id,
+        category = %Failure::BadSecret,
+        error = %error,
+        "delivery held: its endpoint's secret cannot be opened here"
+    );
+    shared
+        .telemetry
+        .counter("hardcount_webhook_deliveries_secret_unusable_total", &[])
+        .increment(1);
+    Attempted::Hold {
+        id: d.row.id,
+        attempt: d.row.attempt,
+        wait: SECRET_HOLD,
+        why: Some(Failure::BadSecret),
+    }
+}
+
 /// Parse `row`'s endpoint URL and open its secrets (in this worker's
 /// memory only). A previous secret that does not open or parse (a key
 /// under 24 bytes, stored before they were refused) is left out: the
@@ -192,6 +245,15 @@ pub(crate) fn prepare(shared: &Shared, row: &ClaimedRow) -> Prepared {
     let url = Url::parse(&row.url)
         .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))?;
     let secret = open_secret(keyring, &row.tenant_id, row.secret.as_ref()).map_err(|e| {
+        // Once per endpoint per batch (a batch prepares each endpoint once).
+        warn!(
+            role = %Role::WebhookDelivery,
+            endpoint = row.endpoint_id,
+            tenant = %row.tenant_id,
+            category = %Failure::BadSecret,
+            error = %e,
+            "webhook endpoint's secret cannot be opened here; its deliveries wait for the key, the others go on"
+        );
         (
             Failure::BadSecret,
             format!("endpoint secret is unusable: {e}"),

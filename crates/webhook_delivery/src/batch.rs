@@ -34,6 +34,7 @@ use crate::attempt::{self, Attempted, Prepared, StartBy};
 use crate::delivery::{Claimed, Outcome};
 use crate::outcomes::{self, Finished, OUTCOME_GROUP, OutcomeBuffer, Step};
 use crate::shared::Shared;
+use crate::store::HoldRow;
 use crate::store::{Observed, OutcomeRow};
 
 /// Outcomes counted over a tick.
@@ -142,7 +143,7 @@ pub(crate) async fn attempt_batch(
                     .breakers
                     .open_for(d.row.endpoint_id, now)
                     .unwrap_or_default();
-                (d.row.id, d.row.attempt, wait)
+                (d.row.id, d.row.attempt, wait, None)
             })
             .collect();
         report.held += outcomes::hold(shared, &held).await;
@@ -221,7 +222,7 @@ pub(crate) async fn collect(
         rows: Vec::new(),
         flush_at: None,
     };
-    let mut holds: Vec<(i64, i32, Duration)> = Vec::new();
+    let mut holds: Vec<HoldRow> = Vec::new();
     let mut writes = FuturesUnordered::new();
     // Hold groups written by tasks of their own, like outcome groups.
     let mut held = FuturesUnordered::new();
@@ -319,7 +320,7 @@ fn finished(
     attempt: i32,
     result: Result<Attempted, Payload>,
     buffer: &mut OutcomeBuffer,
-    holds: &mut Vec<(i64, i32, Duration)>,
+    holds: &mut Vec<HoldRow>,
     panics: &mut Panics,
     report: &mut Tally,
 ) {
@@ -329,7 +330,12 @@ fn finished(
             report.add(&outcome);
         }
         Ok(Attempted::Step(Step::Write(finished))) => buffer.push(finished),
-        Ok(Attempted::Hold { id, attempt, wait }) => holds.push((id, attempt, wait)),
+        Ok(Attempted::Hold {
+            id,
+            attempt,
+            wait,
+            why,
+        }) => holds.push((id, attempt, wait, why)),
         Err(payload) => {
             // Count the panic as a failed attempt, so a delivery that
             // panics every time dies after its last attempt.

@@ -185,7 +185,10 @@ pub async fn rotate_secret(
     }
 }
 
-/// Why `serve` refuses to run webhook delivery with the stored secrets.
+/// What is wrong with the stored secrets, for `serve`. Only
+/// [`SecretsError::NoKey`] (no key at all while endpoints exist) and a
+/// database error refuse to start; the others are warnings: the endpoints
+/// they name wait (their deliveries held, `bad_secret`), everything else runs.
 /// Names the setting or the command; never shows a secret or a key.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretsError {
@@ -211,42 +214,65 @@ pub enum SecretsError {
     Db(#[from] db::Error),
 }
 
+/// What the boot check found: the problems that leave some endpoints
+/// waiting, and how many endpoints that is.
+#[derive(Debug, Default)]
+pub struct SecretsReport {
+    /// [`SecretsError::InClear`] and [`SecretsError::MissingKeys`], if any.
+    pub problems: Vec<SecretsError>,
+    /// Endpoints whose current secret cannot be opened with the keys held
+    /// (in clear, or sealed under a key id not held): their deliveries wait.
+    pub unusable_endpoints: i64,
+}
+
 /// The boot check of a replica that runs webhook delivery: every stored
-/// secret is sealed, and under a key `keyring` holds. With no keyring it
-/// passes only while there is no endpoint.
+/// secret sealed, under a key `keyring` holds. A row that is not no longer
+/// stops the replica: it is reported, and only its endpoint's deliveries
+/// wait. With no keyring it passes only while there is no endpoint.
 ///
 /// # Errors
-/// A [`SecretsError`] saying what to set or run.
-pub async fn check_secrets(db: &Db, keyring: Option<&Keyring>) -> Result<(), SecretsError> {
-    let census = store::secrets_census(db).await?;
+/// [`SecretsError::NoKey`] (no key at all while endpoints exist) or a
+/// database error.
+pub async fn check_secrets(
+    db: &Db,
+    keyring: Option<&Keyring>,
+) -> Result<SecretsReport, SecretsError> {
+    let held = keyring.map(Keyring::ids).unwrap_or_default();
+    let census = store::secrets_census(db, &held).await?;
     let Some(keyring) = keyring else {
         return match census.endpoints {
-            0 => Ok(()),
+            0 => Ok(SecretsReport::default()),
             n => Err(SecretsError::NoKey(n)),
         };
     };
+    let mut problems = Vec::new();
     if census.in_clear > 0 {
-        return Err(SecretsError::InClear(census.in_clear));
+        problems.push(SecretsError::InClear(census.in_clear));
     }
     let missing: Vec<String> = census
         .key_ids
         .into_iter()
         .filter(|id| !keyring.holds(id))
         .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(SecretsError::MissingKeys(missing))
+    if !missing.is_empty() {
+        problems.push(SecretsError::MissingKeys(missing));
     }
+    Ok(SecretsReport {
+        problems,
+        unusable_endpoints: census.unusable,
+    })
 }
 
 /// What [`reseal_secrets`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResealReport {
     /// Endpoints whose secrets were written again under the current key.
     pub resealed: u64,
     /// Previous secrets dropped because their overlap was over.
     pub expired_dropped: u64,
+    /// Endpoints left as they were because a secret of theirs does not open
+    /// with any key listed (a key missing, or a corrupt row), with why.
+    pub skipped: Vec<(i64, String)>,
 }
 
 /// Seal every webhook secret under `keyring`'s current key: secrets still in
@@ -257,9 +283,11 @@ pub struct ResealReport {
 /// `owner` must be the schema owner's pool (only it reads the clear columns);
 /// it may be run again at any time, and then does nothing.
 ///
+/// An endpoint whose secret does not open with any key listed is skipped
+/// and named in [`ResealReport::skipped`]; the others are resealed.
+///
 /// # Errors
-/// [`SecretsError::Open`] when a sealed secret does not open with any key
-/// listed (nothing of that batch is written), [`SecretsError::Db`].
+/// [`SecretsError::Db`].
 pub async fn reseal_secrets(owner: &Db, keyring: &Keyring) -> Result<ResealReport, SecretsError> {
     let mut report = ResealReport::default();
     let mut after = 0;
@@ -285,16 +313,28 @@ pub async fn reseal_secrets(owner: &Db, keyring: &Keyring) -> Result<ResealRepor
                     error,
                 })
             };
-            let current = open(&row.clear, &row.sealed)?.ok_or(SecretsError::Open {
-                endpoint_id: row.id,
-                error: OpenError::Corrupt("none".into()),
-            })?;
-            let previous = if row.previous_expired {
-                report.expired_dropped += 1;
-                None
-            } else {
-                open(&row.previous_clear, &row.previous_sealed)?
+            let opened = open(&row.clear, &row.sealed).and_then(|current| {
+                let current = current.ok_or(SecretsError::Open {
+                    endpoint_id: row.id,
+                    error: OpenError::Corrupt("none".into()),
+                })?;
+                let previous = if row.previous_expired {
+                    None
+                } else {
+                    open(&row.previous_clear, &row.previous_sealed)?
+                };
+                Ok((current, previous))
+            });
+            let (current, previous) = match opened {
+                Ok(both) => both,
+                Err(e) => {
+                    report.skipped.push((row.id, e.to_string()));
+                    continue;
+                }
             };
+            if row.previous_expired {
+                report.expired_dropped += 1;
+            }
             let current = keyring.seal(&row.tenant_id, &current);
             let previous = previous.map(|p| keyring.seal(&row.tenant_id, &p));
             store::store_resealed(&mut tx, row.id, &current, previous.as_ref()).await?;

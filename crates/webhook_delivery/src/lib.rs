@@ -92,9 +92,12 @@
 //!   `hardcount_api`); only the worker opens, once per endpoint per claimed
 //!   batch, into buffers shared by that batch's attempts to the endpoint and
 //!   wiped when the last of them ends (docs/adr/0020).
-//!   A secret that does not open is not sent (`bad_secret`).
-//!   [`check_secrets`] is `serve`'s boot check; [`reseal_secrets`] (as the
-//!   owner) seals old clear rows and moves every secret to the current key.
+//!   A secret that does not open is not sent: its delivery is held
+//!   (`bad_secret`, attempt not counted) and only that endpoint waits.
+//!   [`check_secrets`] is `serve`'s boot check (it reports such rows, it no
+//!   longer refuses to start for them); [`reseal_secrets`] (as the owner)
+//!   seals old clear rows and moves every secret to the current key,
+//!   skipping and naming a row that does not open.
 //! - **Bad settings are refused at construction** ([`Worker::new`]), naming
 //!   the setting ([`ConfigError`]); nothing is clamped.
 //!
@@ -174,8 +177,8 @@ pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
     Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
-    SecretsError, check_secrets, create_endpoint, parse_endpoint_url, redacted_url, reseal_secrets,
-    rotate_secret,
+    SecretsError, SecretsReport, check_secrets, create_endpoint, parse_endpoint_url, redacted_url,
+    reseal_secrets, rotate_secret,
 };
 pub use error::Error;
 pub use failure::Failure;

@@ -10,6 +10,7 @@ use tracing::{debug, warn};
 
 use crate::delivery::Outcome;
 use crate::shared::Shared;
+use crate::store::HoldRow;
 use crate::store::{self, NextState, OutcomeRow};
 use leader::Role;
 
@@ -105,7 +106,7 @@ pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
 /// ([`store::hold_unsent`]); counts each held one. Returns how many were
 /// held (a claim superseded meanwhile is left alone). If the write fails,
 /// the claims come due when their claim leases end.
-pub(crate) async fn hold(shared: &Shared, held: &[(i64, i32, Duration)]) -> usize {
+pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> usize {
     let statement_timeout = shared.config.statement_timeout;
     match store::hold_unsent(&shared.db, held, statement_timeout).await {
         Ok(n) => {

@@ -186,6 +186,11 @@ impl Keyring {
         self.keys.iter().any(|k| k.id == id)
     }
 
+    /// The key ids held, current first.
+    pub fn ids(&self) -> Vec<String> {
+        self.keys.iter().map(|k| k.id.clone()).collect()
+    }
+
     fn aad(key_id: &str, tenant_id: &str) -> Vec<u8> {
         let mut aad = Vec::with_capacity(AAD_PREFIX.len() + key_id.len() + tenant_id.len() + 2);
         aad.extend_from_slice(AAD_PREFIX);

@@ -154,8 +154,13 @@ impl Worker {
                     .pop()
                     .map_or(Outcome::Unrecorded, |(_, outcome)| outcome)
             }
-            Attempted::Hold { id, attempt, wait } => {
-                if outcomes::hold(shared, &[(id, attempt, wait)]).await == 1 {
+            Attempted::Hold {
+                id,
+                attempt,
+                wait,
+                why,
+            } => {
+                if outcomes::hold(shared, &[(id, attempt, wait, why)]).await == 1 {
                     Outcome::Held
                 } else {
                     Outcome::Released

@@ -336,17 +336,23 @@ fn serve_refuses_nonsense_settings_by_name_before_touching_the_database() {
     }
 }
 
-/// Issue 12, point 2: a secret stored in clear (before migration 0012) keeps
-/// webhook delivery from starting until `hardcount secrets rotate-key` seals
-/// it; a key rotation reseals every secret under the new key; `serve` refuses
-/// to run webhook delivery without the key, or without a key a secret is
-/// sealed under, naming HARDCOUNT_SECRETS_KEY each time. The secret itself
-/// never changes (receivers notice nothing).
+/// Issue 12, point 2, and issue 26, point 4: `serve` refuses to run webhook
+/// delivery without any key while endpoints exist, naming
+/// HARDCOUNT_SECRETS_KEY; a secret stored in clear (before migration 0012),
+/// or sealed under a key this replica does not hold, no longer stops it: it
+/// starts, says which rows and what to run, and only those endpoints wait.
+/// `hardcount secrets rotate-key` seals clear secrets, a key rotation reseals
+/// every secret under the new key, and a row that does not open with the
+/// keys given is skipped and named (the command exits non-zero) while the
+/// others are resealed. The secret itself never changes (receivers notice
+/// nothing).
 ///
 /// Catches: serve not checking the stored secrets (`serve_secrets_check`:
-/// the refusals turn into a running server, killed by the limit).
+/// the refusal without a key turns into a running server, killed by the
+/// limit), and a boot check that still refuses for one row (the started
+/// server's warning is then a refusal).
 #[tokio::test]
-async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_key() {
+async fn secrets_rotate_key_seals_clear_secrets_and_serve_runs_past_a_secret_it_cannot_open() {
     use webhook_delivery::Keyring;
     let t = TestDb::new().await;
     let clear = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
@@ -358,7 +364,7 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
     .execute(&mut su)
     .await
     .unwrap();
-    let serve = |key: Option<&str>| {
+    let serve_cmd = |key: Option<&str>| {
         let mut cmd = hardcount();
         cmd.arg("serve")
             .env("DATABASE_URL", t.app_url(Leg::current()))
@@ -367,21 +373,37 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
         if let Some(key) = key {
             cmd.env("HARDCOUNT_SECRETS_KEY", key);
         }
-        let out = run(&mut cmd, Duration::from_secs(20));
+        cmd
+    };
+    let refused = |key: Option<&str>| {
+        let out = run(&mut serve_cmd(key), Duration::from_secs(20));
         let all = text(&out);
         assert_eq!(out.status.code(), Some(1), "{all}");
         assert!(all.contains("refusing to serve"), "{all}");
         all
     };
-    let secrets = |args: &[&str], key: &str| {
-        let out = run(
+    // Started: the warning naming the rows is printed, and the server runs
+    // until stopped (it is killed once the line is seen).
+    let started_with = |key: &str, needle: &str| {
+        let all = run_until(&mut serve_cmd(Some(key)), needle, Duration::from_secs(20));
+        assert!(
+            all.contains(needle) && !all.contains("refusing to serve"),
+            "{all}"
+        );
+        all
+    };
+    let secrets_out = |args: &[&str], key: &str| {
+        run(
             hardcount()
                 .arg("secrets")
                 .args(args)
                 .env("MIGRATION_DATABASE_URL", t.superuser_url())
                 .env("HARDCOUNT_SECRETS_KEY", key),
             Duration::from_secs(20),
-        );
+        )
+    };
+    let secrets = |args: &[&str], key: &str| {
+        let out = secrets_out(args, key);
         assert!(out.status.success(), "{}", text(&out));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
@@ -394,13 +416,10 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
         (row.get(0), row.get(1), row.get(2))
     };
 
-    let all = serve(None);
+    let all = refused(None);
     assert!(all.contains("HARDCOUNT_SECRETS_KEY is not set"), "{all}");
-    let all = serve(Some(testbed::SECRETS_KEY));
-    assert!(
-        all.contains("in clear") && all.contains("hardcount secrets rotate-key"),
-        "{all}"
-    );
+    let all = started_with(testbed::SECRETS_KEY, "hardcount secrets rotate-key");
+    assert!(all.contains("in clear"), "{all}");
 
     let said = secrets(&["rotate-key"], testbed::SECRETS_KEY);
     assert!(
@@ -434,10 +453,57 @@ async fn secrets_rotate_key_seals_clear_secrets_and_serve_refuses_without_their_
         clear
     );
 
-    let all = serve(Some(testbed::SECRETS_KEY));
+    let all = started_with(testbed::SECRETS_KEY, "HARDCOUNT_SECRETS_KEY does not hold");
+    assert!(all.contains("key id(s) [\"k2\"]"), "{all}");
+    assert!(!all.contains(k2.split(':').nth(1).unwrap()), "{all}");
+
+    // Rotating back to the test key without k2 listed: the row does not
+    // open, so it is skipped and named, and the command says so.
+    let out = secrets_out(&["rotate-key"], testbed::SECRETS_KEY);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
     assert!(
-        all.contains("key id(s) [\"k2\"]") && all.contains("HARDCOUNT_SECRETS_KEY does not hold"),
+        all.contains("skipped webhook endpoint") && all.contains("1 webhook endpoint(s) skipped"),
         "{all}"
     );
-    assert!(!all.contains(k2.split(':').nth(1).unwrap()), "{all}");
+    let (_, key_id, _) = stored(&mut su).await;
+    assert_eq!(key_id, "k2", "a skipped row is left as it was");
+}
+
+/// Run `cmd` until a line of its output contains `needle` (then kill it), or
+/// until it exits, or `limit`; all it printed.
+fn run_until(cmd: &mut std::process::Command, needle: &str, limit: Duration) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    for pipe in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    drop(tx);
+    let deadline = std::time::Instant::now() + limit;
+    let mut all = String::new();
+    while let Ok(line) =
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        all.push_str(&line);
+        all.push('\n');
+        if line.contains(needle) {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    all
 }

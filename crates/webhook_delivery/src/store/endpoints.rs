@@ -77,12 +77,17 @@ pub(crate) struct SecretsCensus {
     pub in_clear: i64,
     /// Every key id a stored secret is sealed under.
     pub key_ids: Vec<String>,
+    /// Endpoints whose current secret is in clear or sealed under a key id
+    /// not in `held`: their deliveries wait.
+    pub unusable: i64,
 }
 
-pub(crate) async fn secrets_census(db: &Db) -> Result<SecretsCensus, db::Error> {
+pub(crate) async fn secrets_census(db: &Db, held: &[String]) -> Result<SecretsCensus, db::Error> {
     let row = db
         .fetch_one(sql(
             "SELECT (SELECT count(*) FROM webhook_endpoints) AS endpoints, \
+                    (SELECT count(*) FROM webhook_endpoints \
+                     WHERE secret_ciphertext IS NULL OR secret_key_id <> ALL ($1)) AS unusable, \
                     (SELECT count(*) FROM webhook_endpoints \
                      WHERE secret_ciphertext IS NULL \
                         OR (previous_secret_expires_at IS NOT NULL \
@@ -91,10 +96,11 @@ pub(crate) async fn secrets_census(db: &Db) -> Result<SecretsCensus, db::Error> 
                           UNION SELECT previous_secret_key_id FROM webhook_endpoints \
                                 WHERE previous_secret_key_id IS NOT NULL \
                           ORDER BY 1) AS key_ids",
-        ))
+        ).bind(held.to_vec()))
         .await?;
     Ok(SecretsCensus {
         endpoints: row.try_get("endpoints")?,
+        unusable: row.try_get("unusable")?,
         in_clear: row.try_get("in_clear")?,
         key_ids: row.try_get("key_ids")?,
     })

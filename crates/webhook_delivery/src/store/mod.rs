@@ -21,5 +21,6 @@ pub(crate) use endpoints::{
 };
 pub use outcomes::APPLY_OUTCOMES;
 pub(crate) use outcomes::{
-    NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes, release_unsent,
+    HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
+    release_unsent,
 };

@@ -200,10 +200,11 @@ pub(crate) async fn release_unsent(
 /// then hands out deliveries that were due before them first. One statement
 /// for the group, each row the same compare-and-set as an outcome. Returns how
 /// many were held. Not a HOT update (`next_attempt_at` is indexed); holds
-/// happen only while an endpoint or tenant is saturated.
+/// happen only while an endpoint or tenant is saturated. A hold that says why
+/// (an endpoint whose secret cannot be opened) writes it as `last_error`.
 pub(crate) async fn hold_unsent(
     db: &Db,
-    held: &[(i64, i32, Duration)],
+    held: &[HoldRow],
     statement_timeout: Duration,
 ) -> Result<u64, db::Error> {
     if held.is_empty() {
@@ -212,6 +213,7 @@ pub(crate) async fn hold_unsent(
     let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
     let attempts: Vec<i32> = held.iter().map(|h| h.1).collect();
     let secs: Vec<f64> = held.iter().map(|h| h.2.as_secs_f64()).collect();
+    let why: Vec<Option<String>> = held.iter().map(|h| h.3.map(|f| f.to_string())).collect();
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let n = tx
         .execute(
@@ -219,16 +221,22 @@ pub(crate) async fn hold_unsent(
                  SET attempts = d.attempts - 1, \
                      claimed_until = NULL, \
                      next_attempt_at = GREATEST(d.next_attempt_at, \
-                                                now() + make_interval(secs => h.secs)) \
-                 FROM unnest($1::int8[], $2::int4[], $3::float8[], $4::text[]) \
-                      AS h(id, attempt, secs, was) \
+                                                now() + make_interval(secs => h.secs)), \
+                     last_error = COALESCE(h.why, d.last_error) \
+                 FROM unnest($1::int8[], $2::int4[], $3::float8[], $4::text[], $5::text[]) \
+                      AS h(id, attempt, secs, was, why) \
                  WHERE d.id = h.id AND d.attempts = h.attempt AND d.status = h.was")
             .bind(ids)
             .bind(attempts)
             .bind(secs)
-            .bind(vec![PENDING; held.len()]),
+            .bind(vec![PENDING; held.len()])
+            .bind(why),
         )
         .await?;
     tx.commit().await?;
     Ok(n)
 }
+
+/// A claim to hand back unsent: its id, the attempt its claim set, how long
+/// to hold it, and why (written as `last_error` when given).
+pub(crate) type HoldRow = (i64, i32, Duration, Option<crate::failure::Failure>);

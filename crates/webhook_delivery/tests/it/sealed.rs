@@ -6,7 +6,7 @@ use db::{Row, sql};
 use testbed::TestDb;
 use testbed::receiver::Receiver;
 
-use crate::{config, deliveries, endpoint, events, tick, verify, worker};
+use crate::{config, deliveries, endpoint, events, series, tick, verify, worker};
 
 /// Everything the table holds, as a dump would show it, contains neither the
 /// secret's text nor its key bytes; the role loops' role cannot read the
@@ -106,4 +106,76 @@ async fn a_sealed_secret_copied_to_another_tenant_does_not_open() {
             .await
             .unwrap();
     assert_eq!(row.get::<String, _>("last_error"), "bad_secret");
+}
+
+/// One endpoint whose secret this replica cannot open (sealed under a key it
+/// does not hold) stops nothing else (issue 26, point 4): the other
+/// endpoint's delivery goes out, the bad one is held with `bad_secret`, its
+/// attempt not counted, due again after the hold, and counted for the alert;
+/// once the key is given the held delivery goes out as a first attempt.
+///
+/// Catches: a bad secret treated as an attempt that heard nothing
+/// (`secret_hold`: the held delivery's attempt is counted and scheduled as a
+/// retry, so it would die of a missing key).
+#[tokio::test]
+async fn an_endpoint_whose_secret_cannot_be_opened_waits_and_the_others_are_delivered() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(204).await;
+    let good = endpoint(&t, "tenant_a", &rx.url()).await;
+    let bad = endpoint(&t, "tenant_a", &format!("{}other", rx.url())).await;
+    let other = webhook_delivery::Keyring::parse(
+        &webhook_delivery::Keyring::generate_entry("other").unwrap(),
+    )
+    .unwrap();
+    let sealed = other.seal("tenant_a", &bad.secret);
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "UPDATE webhook_endpoints SET secret_ciphertext = $1, secret_key_id = $2 WHERE id = $3",
+    )
+    .bind(sealed.ciphertext.clone())
+    .bind(sealed.key_id.clone())
+    .bind(bad.id)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    events(&t.db, "tenant_a", 1).await;
+    let (w, m) = worker(&t.db, config());
+    tick(&t.db, &w).await;
+    let ds = deliveries(&t.db).await;
+    let of = |ep: i64| ds.iter().find(|d| d.endpoint_id == ep).unwrap().clone();
+    assert!(of(good.id).delivered, "{ds:?}");
+    let held = of(bad.id);
+    assert_eq!(
+        (
+            held.status.as_str(),
+            held.attempts,
+            held.last_error.as_deref()
+        ),
+        ("pending", 0, Some("bad_secret")),
+        "{ds:?}"
+    );
+    assert!(held.due_in > 50.0, "held for the secret hold: {held:?}");
+    assert_eq!(
+        rx.requests().len(),
+        1,
+        "nothing was sent to the bad endpoint"
+    );
+    assert_eq!(
+        series(&m, "hardcount_webhook_deliveries_secret_unusable_total", ""),
+        Some(1.0)
+    );
+
+    // A replica with the key that sealed it: its first attempt goes out.
+    crate::make_due(&t).await;
+    let (w, _m) = worker(
+        &t.db,
+        webhook_delivery::WorkerConfig {
+            secrets: Some(other.clone()),
+            ..config()
+        },
+    );
+    tick(&t.db, &w).await;
+    let after = deliveries(&t.db).await;
+    let held = after.iter().find(|d| d.endpoint_id == bad.id).unwrap();
+    assert!(held.delivered && held.attempts == 1, "{after:?}");
 }
