@@ -53,17 +53,20 @@
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.
 
+mod heartbeat;
 mod manager;
 pub mod store;
 mod telemetry;
+mod tick;
 mod timing;
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use manager::{Fence, LostReason, Manager, Tick, TickEnd, TickOutcome};
+pub use manager::Manager;
 pub use store::{LeaseStatus, StoreError};
 pub use telemetry::Telemetry;
+pub use tick::{Fence, LostReason, Tick, TickEnd, TickOutcome};
 pub use timing::{Timing, TimingError};
 
 /// The five singleton roles. The migration's CHECK lists the same names, pinned
