@@ -3,6 +3,8 @@
 //! This crate knows nothing about billing or webhooks. It owns `leader_leases`'
 //! four statements ([`store`]), the runtime that drives them ([`Manager::lead`]),
 //! and the [`Fence`] a won lease hands to the tick's work.
+//! [`Manager::ticks`] announces how each call of `lead` ended ([`TickLog`]),
+//! so a caller (a test, above all) waits for a tick's end instead of sleeping.
 //!
 //! ```text
 //!             ACQUIRE (1 row)                 work returns Drained
@@ -53,6 +55,7 @@
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.
 
+mod announce;
 mod heartbeat;
 mod manager;
 pub mod store;
@@ -63,6 +66,7 @@ mod timing;
 use std::fmt;
 use std::str::FromStr;
 
+pub use announce::{RoleTicks, TickLog};
 pub use manager::Manager;
 pub use store::{LeaseStatus, StoreError};
 pub use telemetry::Telemetry;

@@ -6,12 +6,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use db::Db;
 use futures::FutureExt;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::announce::{Announcer, Heard};
 use crate::heartbeat::{AbortOnDrop, Heartbeat, LostSignal, observe_drift};
 use crate::store::{self, Acquire, Release, StoreError};
-use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickOutcome, Timing};
+use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
 
 /// Runs ticks under leases. One per process; cheap to share by reference.
 #[derive(Debug, Clone)]
@@ -20,6 +22,7 @@ pub struct Manager {
     holder_id: String,
     timing: Timing,
     telemetry: Telemetry,
+    announcer: Announcer,
 }
 
 impl Manager {
@@ -44,6 +47,7 @@ impl Manager {
             holder_id,
             timing,
             telemetry,
+            announcer: Announcer::default(),
         }
     }
 
@@ -57,6 +61,15 @@ impl Manager {
 
     pub fn db(&self) -> &Db {
         &self.db
+    }
+
+    /// The tick ends this manager and its clones have announced, counted per
+    /// role and outcome: each call of [`Manager::lead`] is counted once it has
+    /// returned, after its RELEASE (or, for a panicking tick, just before the
+    /// panic continues). A test waits on it (`wait_for`) for "the next tick
+    /// ended" instead of sleeping; the role loops never read it.
+    pub fn ticks(&self) -> watch::Receiver<TickLog> {
+        self.announcer.subscribe()
     }
 
     /// ACQUIRE `role`; if won, run `work` under the lease and RELEASE it as
@@ -104,7 +117,7 @@ impl Manager {
         // The lease's expiry counts from the database's now() inside ACQUIRE, which
         // is no earlier than this instant: anchor the trust window here.
         let acquire_sent = Instant::now();
-        let token = match store::acquire(
+        let acquired = store::acquire(
             &self.db,
             role,
             &self.holder_id,
@@ -112,11 +125,15 @@ impl Manager {
             interval,
             t.statement_timeout,
         )
-        .await?
-        {
+        .await
+        .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
+        let token = match acquired? {
             Acquire::Lost { due_in, paused } => {
                 let retry_in = due_in.unwrap_or(t.max_poll).min(t.max_poll);
-                return Ok(TickOutcome::NotLed { retry_in, paused });
+                let outcome = TickOutcome::NotLed { retry_in, paused };
+                self.announcer
+                    .announce(role, Heard::Outcome(outcome), false);
+                return Ok(outcome);
             }
             Acquire::Won {
                 token,
@@ -233,7 +250,7 @@ impl Manager {
             .await)
     }
 
-    /// Decide the outcome, report it, RELEASE, and re-raise a panic.
+    /// Decide the outcome, report it, RELEASE, announce it, and re-raise a panic.
     ///
     /// Precedence: a lost lease first (reported once), then a shutdown that
     /// cancelled the tick, then a panic, then the work's own [`TickEnd`]. A
@@ -314,6 +331,8 @@ impl Manager {
                 &[("role", role.as_str()), ("end", release.tick_end_label())],
             )
             .increment(1);
+        self.announcer
+            .announce(role, Heard::Outcome(outcome), panic.is_some());
 
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);
