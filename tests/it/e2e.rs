@@ -109,10 +109,10 @@ async fn sigterm_mid_tick_releases_at_once_and_another_replica_acquires_next_pol
     ];
     let mut a = Serve::start(&url, &env).await;
     let a_pid = a.child.id();
-    until(
+    rx.until(
         Duration::from_secs(20),
         "the delivery to hang mid-tick",
-        async || rx.count() >= 1,
+        |r| r.count() >= 1,
     )
     .await;
     let (holder, _, ended_before, _) = holder_of(&t.db, "webhook_delivery").await;
@@ -177,12 +177,7 @@ async fn every_event_reaches_every_endpoint_across_a_sigkill() {
         ("HARDCOUNT_WEBHOOK_TIMEOUT", "2s"),
     ];
     let mut a = Serve::start(&url, &env).await;
-    until(
-        Duration::from_secs(30),
-        "a third of the deliveries",
-        async || rx.count() >= expected / 3,
-    )
-    .await;
+    rx.until_count(expected / 3, Duration::from_secs(30)).await;
     a.signal("KILL");
     a.wait(Duration::from_secs(5)).await;
     let in_flight: i64 = t

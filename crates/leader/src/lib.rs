@@ -3,6 +3,8 @@
 //! This crate knows nothing about billing or webhooks. It owns `leader_leases`'
 //! four statements ([`store`]), the runtime that drives them ([`Manager::lead`]),
 //! and the [`Fence`] a won lease hands to the tick's work.
+//! [`Manager::ticks`] announces how each call of `lead` ended ([`TickLog`]),
+//! so a caller (a test, above all) waits for a tick's end instead of sleeping.
 //!
 //! ```text
 //!             ACQUIRE (1 row)                 work returns Drained
@@ -53,17 +55,22 @@
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.
 
+mod announce;
+mod heartbeat;
 mod manager;
 pub mod store;
 mod telemetry;
+mod tick;
 mod timing;
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use manager::{Fence, LostReason, Manager, Tick, TickEnd, TickOutcome};
+pub use announce::{RoleTicks, TickLog};
+pub use manager::Manager;
 pub use store::{LeaseStatus, StoreError};
 pub use telemetry::Telemetry;
+pub use tick::{Fence, LostReason, Tick, TickEnd, TickOutcome};
 pub use timing::{Timing, TimingError};
 
 /// The five singleton roles. The migration's CHECK lists the same names, pinned

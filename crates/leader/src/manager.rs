@@ -2,130 +2,18 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use db::Db;
 use futures::FutureExt;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
-use crate::store::{self, Acquire, Release, Renew, StoreError};
-use crate::{Role, Telemetry, Timing};
-
-/// Proof of a won lease: the role and the token its ACQUIRE returned.
-///
-/// Only [`Manager::lead`] constructs one, so a store method that takes a
-/// `&Fence` cannot be called outside a tick. A clone that outlives its tick is
-/// harmless: `leader_fence` is false for it once the term has ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fence {
-    role: Role,
-    token: i64,
-}
-
-impl Fence {
-    pub fn role(&self) -> Role {
-        self.role
-    }
-
-    /// The role's name, as the SQL `leader_fence($role, $token)` takes it.
-    pub fn role_name(&self) -> &'static str {
-        self.role.as_str()
-    }
-
-    pub fn token(&self) -> i64 {
-        self.token
-    }
-}
-
-/// What the tick's work receives.
-#[derive(Debug, Clone)]
-pub struct Tick {
-    pub fence: Fence,
-    /// Cancelled when the lease is lost or the process shuts down. Work that
-    /// ignores it is dropped after `Timing::cancel_grace`.
-    pub cancel: CancellationToken,
-}
-
-/// Why a lease was lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LostReason {
-    /// A RENEW found another token (a takeover) or no holder (a release).
-    Superseded,
-    /// A RENEW found the role paused.
-    Paused,
-    /// No RENEW was acknowledged for `abandon_after`, or ACQUIRE itself was
-    /// answered only after that long.
-    HeartbeatTimeout,
-    /// The heartbeat task ended without a verdict (it panicked): nothing
-    /// renews the lease, so the tick is abandoned at once.
-    HeartbeatFailed,
-}
-
-impl LostReason {
-    /// The `reason` label on `hardcount_leader_lease_lost_total`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LostReason::Superseded => "superseded",
-            LostReason::Paused => "paused",
-            LostReason::HeartbeatTimeout => "heartbeat_timeout",
-            LostReason::HeartbeatFailed => "heartbeat_failed",
-        }
-    }
-}
-
-/// How a tick's work says it ended; [`Manager::lead`] turns it into a RELEASE
-/// (docs/adr/0007).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[must_use = "the tick's end decides its release: return it to Manager::lead"]
-pub enum TickEnd {
-    /// Nothing is left: released as completed, due again after the interval.
-    Drained,
-    /// Stopped at its budget with work left: released due again at once,
-    /// without stamping the tick as completed.
-    MoreWork,
-    /// An error the tick could not absorb (a statement timeout, a dropped
-    /// connection, a provider outage): not stamped completed, due again after
-    /// the short failure cooldown (`min(interval, Timing::failure_cooldown)`).
-    Failed(String),
-    /// Nothing is left, but the role wants to run again at once: it found
-    /// work this tick (more may have come meanwhile) or it listens for
-    /// wake-ups and keeps a tick open. Released as completed, stamped one
-    /// interval back so it is due at once (docs/adr/0014).
-    DrainedDueNow,
-}
-
-impl TickEnd {
-    /// The `end` label on `hardcount_tick_total` for a tick that returned.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            TickEnd::Drained | TickEnd::DrainedDueNow => "drained",
-            TickEnd::MoreWork => "more_work",
-            TickEnd::Failed(_) => "failed",
-        }
-    }
-}
-
-/// How one call of [`Manager::lead`] ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TickOutcome {
-    /// Not acquired. `retry_in` is when to poll again: the row's own due time on
-    /// the database clock, capped at `max_poll`.
-    NotLed {
-        retry_in: Duration,
-        paused: bool,
-    },
-    /// The work drained its queue; released as completed.
-    Completed,
-    /// The work stopped at its budget with work left; released due at once.
-    MoreWork,
-    /// The work failed; released with the failure cooldown.
-    Failed,
-    /// Shutdown cancelled the tick.
-    Interrupted,
-    Lost(LostReason),
-}
+use crate::announce::{Announcer, Heard};
+use crate::heartbeat::{AbortOnDrop, Heartbeat, LostSignal, observe_drift};
+use crate::store::{self, Acquire, Release, StoreError};
+use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
 
 /// Runs ticks under leases. One per process; cheap to share by reference.
 #[derive(Debug, Clone)]
@@ -134,6 +22,7 @@ pub struct Manager {
     holder_id: String,
     timing: Timing,
     telemetry: Telemetry,
+    announcer: Announcer,
 }
 
 impl Manager {
@@ -158,6 +47,7 @@ impl Manager {
             holder_id,
             timing,
             telemetry,
+            announcer: Announcer::default(),
         }
     }
 
@@ -171,6 +61,15 @@ impl Manager {
 
     pub fn db(&self) -> &Db {
         &self.db
+    }
+
+    /// The tick ends this manager and its clones have announced, counted per
+    /// role and outcome: each call of [`Manager::lead`] is counted once it has
+    /// returned, after its RELEASE (or, for a panicking tick, just before the
+    /// panic continues). A test waits on it (`wait_for`) for "the next tick
+    /// ended" instead of sleeping; the role loops never read it.
+    pub fn ticks(&self) -> watch::Receiver<TickLog> {
+        self.announcer.subscribe()
     }
 
     /// ACQUIRE `role`; if won, run `work` under the lease and RELEASE it as
@@ -218,7 +117,7 @@ impl Manager {
         // The lease's expiry counts from the database's now() inside ACQUIRE, which
         // is no earlier than this instant: anchor the trust window here.
         let acquire_sent = Instant::now();
-        let token = match store::acquire(
+        let acquired = store::acquire(
             &self.db,
             role,
             &self.holder_id,
@@ -226,17 +125,21 @@ impl Manager {
             interval,
             t.statement_timeout,
         )
-        .await?
-        {
+        .await
+        .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
+        let token = match acquired? {
             Acquire::Lost { due_in, paused } => {
                 let retry_in = due_in.unwrap_or(t.max_poll).min(t.max_poll);
-                return Ok(TickOutcome::NotLed { retry_in, paused });
+                let outcome = TickOutcome::NotLed { retry_in, paused };
+                self.announcer
+                    .announce(role, Heard::Outcome(outcome), false);
+                return Ok(outcome);
             }
             Acquire::Won {
                 token,
                 db_now_epoch,
             } => {
-                self.observe_drift(role, sent, db_now_epoch);
+                observe_drift(&self.telemetry, role, sent, db_now_epoch);
                 token
             }
         };
@@ -263,7 +166,7 @@ impl Manager {
                 .await);
         }
         info!(role = %role, token, holder = %self.holder_id, "lease acquired");
-        let fence = Fence { role, token };
+        let fence = Fence::won(role, token);
         let cancel = shutdown.child_token();
 
         // Build the work before the heartbeat exists, so a closure that panics
@@ -299,7 +202,7 @@ impl Manager {
                 token,
                 timing: t,
                 lost: lost.clone(),
-                manager: self.clone(),
+                telemetry: self.telemetry.clone(),
                 last_ack: acquire_sent,
             }
             .run(),
@@ -347,7 +250,7 @@ impl Manager {
             .await)
     }
 
-    /// Decide the outcome, report it, RELEASE, and re-raise a panic.
+    /// Decide the outcome, report it, RELEASE, announce it, and re-raise a panic.
     ///
     /// Precedence: a lost lease first (reported once), then a shutdown that
     /// cancelled the tick, then a panic, then the work's own [`TickEnd`]. A
@@ -428,6 +331,8 @@ impl Manager {
                 &[("role", role.as_str()), ("end", release.tick_end_label())],
             )
             .increment(1);
+        self.announcer
+            .announce(role, Heard::Outcome(outcome), panic.is_some());
 
         if let Some(payload) = panic {
             std::panic::resume_unwind(payload);
@@ -443,26 +348,6 @@ impl Manager {
             )
             .increment(1);
     }
-
-    /// Database clock minus application clock, seen through `RETURNING now()`.
-    /// Exported as a gauge; never used in a decision.
-    fn observe_drift(&self, role: Role, sent: SystemTime, db_now_epoch: f64) {
-        let received = SystemTime::now();
-        let epoch = |s: SystemTime| {
-            s.duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs_f64()
-        };
-        let midpoint = (epoch(sent) + epoch(received)) / 2.0;
-        let drift = db_now_epoch - midpoint;
-        self.telemetry
-            .gauge(
-                "hardcount_leader_clock_drift_seconds",
-                &[("role", role.as_str())],
-            )
-            .set(drift);
-        debug!(role = %role, drift_seconds = drift, "database clock drift");
-    }
 }
 
 /// Which arm ended the wait for the work.
@@ -471,129 +356,4 @@ enum Ending {
     Returned,
     Lost,
     Shutdown,
-}
-
-/// A task aborted when this handle is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// The first loss the heartbeat saw, and a token cancelled when it did.
-#[derive(Clone, Default)]
-struct LostSignal {
-    token: CancellationToken,
-    reason: Arc<Mutex<Option<LostReason>>>,
-}
-
-impl LostSignal {
-    fn set(&self, reason: LostReason) {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        r.get_or_insert(reason);
-        self.token.cancel();
-    }
-
-    fn reason(&self) -> Option<LostReason> {
-        *self.reason.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-struct Heartbeat {
-    db: Db,
-    role: Role,
-    token: i64,
-    timing: Timing,
-    lost: LostSignal,
-    manager: Manager,
-    /// Send instant of the last acknowledged statement (ACQUIRE at first).
-    last_ack: Instant,
-}
-
-impl Heartbeat {
-    /// Renew every `heartbeat`. The last acknowledgement is anchored at the
-    /// send instant of the statement that set the expiry (ACQUIRE, then each
-    /// acknowledged RENEW) on the monotonic clock; "abandon" is checked before
-    /// each RENEW is sent and raced against one in flight, so no RENEW starts
-    /// after it and the work is cancelled on time even if the database hangs.
-    ///
-    /// A missed beat (an error or no answer) is retried after
-    /// [`Timing::retry_pause`] while a whole statement still fits before the
-    /// abandon deadline, so one transient failure does not lose the lease.
-    async fn run(self) {
-        let t = self.timing;
-        let mut last_ack = self.last_ack;
-        let mut next_beat = last_ack + t.heartbeat;
-        let mut retrying = false;
-        loop {
-            let abandon_at = last_ack + t.abandon_after;
-            tokio::time::sleep_until(next_beat.min(abandon_at).into()).await;
-            let now = Instant::now();
-            if now >= abandon_at || (retrying && now + t.statement_timeout >= abandon_at) {
-                // A retry that cannot finish before the deadline is not sent.
-                tokio::time::sleep_until(abandon_at.into()).await;
-                self.abandon(last_ack);
-                return;
-            }
-            let sent_at = Instant::now();
-            let sent_wall = SystemTime::now();
-            let renew = store::renew(&self.db, self.role, self.token, t.ttl, t.statement_timeout);
-            // The server cancels the statement at statement_timeout; the client
-            // gives it a little longer to say so. Abandon does not wait for it.
-            let renew =
-                tokio::time::timeout(t.statement_timeout + Duration::from_millis(250), renew);
-            let outcome = tokio::select! {
-                r = renew => r,
-                _ = tokio::time::sleep_until(abandon_at.into()) => {
-                    self.abandon(last_ack);
-                    return;
-                }
-            };
-            match outcome {
-                Ok(Ok(Renew::Extended { db_now_epoch })) => {
-                    last_ack = sent_at;
-                    next_beat = sent_at + t.heartbeat;
-                    retrying = false;
-                    self.manager
-                        .observe_drift(self.role, sent_wall, db_now_epoch);
-                }
-                Ok(Ok(Renew::Gone { paused })) => {
-                    let reason = if paused {
-                        LostReason::Paused
-                    } else {
-                        LostReason::Superseded
-                    };
-                    info!(role = %self.role, token = self.token, reason = reason.as_str(), "lease lost");
-                    self.lost.set(reason);
-                    return;
-                }
-                Ok(Err(e)) => self.missed(&e.to_string()),
-                Err(_) => self.missed("no answer within the statement timeout"),
-            }
-            if last_ack != sent_at {
-                // Missed: retry soon rather than at the next regular beat,
-                // which would land on the abandon deadline.
-                next_beat = Instant::now() + t.retry_pause();
-                retrying = true;
-            }
-        }
-    }
-
-    fn abandon(&self, last_ack: Instant) {
-        warn!(role = %self.role, token = self.token, since_ack = ?last_ack.elapsed(), "no renewal acknowledged in time; abandoning the lease");
-        self.lost.set(LostReason::HeartbeatTimeout);
-    }
-
-    fn missed(&self, why: &str) {
-        warn!(role = %self.role, token = self.token, error = why, "lease renewal missed a beat");
-        self.manager
-            .telemetry
-            .counter(
-                "hardcount_leader_heartbeat_missed_total",
-                &[("role", self.role.as_str())],
-            )
-            .increment(1);
-    }
 }

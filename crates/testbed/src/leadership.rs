@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use db::Db;
-use leader::{Manager, Role, Telemetry, Tick, TickEnd, TickOutcome, Timing};
+use leader::{Manager, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// Short lease timings in the proportions of the design's timings
@@ -62,5 +63,30 @@ where
             TickOutcome::NotLed { retry_in, .. } => tokio::time::sleep(retry_in).await,
             other => panic!("the tick did not complete: {other:?}"),
         }
+    }
+}
+
+/// Wait until the tick ends a manager has announced (`Manager::ticks`) satisfy
+/// `done`, and return them. `limit` is a safety bound, never the pace: the
+/// wait ends as soon as a tick's end makes `done` true.
+///
+/// # Panics
+/// After `limit`, naming `what` and the ticks seen so far.
+pub async fn until_ticks(
+    ticks: &mut watch::Receiver<TickLog>,
+    limit: Duration,
+    what: &str,
+    mut done: impl FnMut(&TickLog) -> bool,
+) -> TickLog {
+    let waited = tokio::time::timeout(limit, ticks.wait_for(|log| done(log)))
+        .await
+        .map(|seen| seen.map(|log| log.clone()));
+    match waited {
+        Ok(Ok(log)) => log,
+        Ok(Err(_)) => panic!("the manager is gone before {what}"),
+        Err(_) => panic!(
+            "timed out after {limit:?} waiting for {what}; ticks: {:?}",
+            *ticks.borrow()
+        ),
     }
 }

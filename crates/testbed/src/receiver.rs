@@ -18,6 +18,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::response::Response;
 use axum::serve::ListenerExt as _;
+use tokio::sync::watch;
 
 /// How the receiver answers one request. Every answer but `Huge` has an empty body.
 #[derive(Debug, Clone)]
@@ -86,6 +87,15 @@ struct Inbox {
     huge_written: AtomicUsize,
     /// `Reply::Huge` answers dropped before their last byte (the client went away).
     huge_cut: AtomicUsize,
+    /// Bumped on every change a test may wait for (a request held, a huge
+    /// answer cut), after the change.
+    changed: watch::Sender<u64>,
+}
+
+impl Inbox {
+    fn announce(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
 }
 
 /// A running receiver; it serves until the runtime that started it stops.
@@ -107,6 +117,7 @@ impl Receiver {
             connections: AtomicUsize::new(0),
             huge_written: AtomicUsize::new(0),
             huge_cut: AtomicUsize::new(0),
+            changed: watch::Sender::new(0),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -159,6 +170,42 @@ impl Receiver {
         f(&self.inbox.requests.lock().unwrap())
     }
 
+    /// Wait until `done` holds for this receiver (checked now and after each
+    /// request held or huge answer cut), and return how long that took.
+    /// `limit` is a safety bound, never the pace.
+    ///
+    /// # Panics
+    /// After `limit`, naming `what`.
+    pub async fn until(
+        &self,
+        limit: Duration,
+        what: &str,
+        done: impl Fn(&Receiver) -> bool,
+    ) -> Duration {
+        let started = Instant::now();
+        let mut changed = self.inbox.changed.subscribe();
+        let waited = tokio::time::timeout(limit, async {
+            while !done(self) {
+                changed
+                    .changed()
+                    .await
+                    .expect("the inbox outlives its receiver");
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "timed out after {limit:?} waiting for {what}"
+        );
+        started.elapsed()
+    }
+
+    /// Wait until at least `n` requests are held; see [`Receiver::until`].
+    pub async fn until_count(&self, n: usize, limit: Duration) -> Duration {
+        self.until(limit, &format!("{n} requests"), |r| r.count() >= n)
+            .await
+    }
+
     /// How many requests are held (received and not yet taken).
     pub fn count(&self) -> usize {
         self.inbox.requests.lock().unwrap().len()
@@ -200,6 +247,7 @@ async fn receive(
         at,
         received_at,
     });
+    inbox.announce();
     match reply {
         Reply::Status(code) => empty(code, &[]),
         Reply::WithHeaders(code, extra) => empty(code, &extra),
@@ -237,6 +285,7 @@ fn huge(inbox: Arc<Inbox>, len: usize) -> Response {
         fn drop(&mut self) {
             if self.left > 0 {
                 self.inbox.huge_cut.fetch_add(1, Ordering::SeqCst);
+                self.inbox.announce();
             }
         }
     }

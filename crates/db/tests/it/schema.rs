@@ -125,9 +125,8 @@ async fn the_fence_is_true_only_for_the_current_token_of_a_held_unpaused_unexpir
         "a token not yet issued"
     );
     assert!(!fence(&t.db, "email_outbox", token).await, "another role");
-    // Expired.
-    let short = hold(&t.db, "billing", 1.0).await;
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    // Expired (a second ago, on the database clock).
+    let short = hold(&t.db, "billing", -1000.0).await;
     assert!(!fence(&t.db, "billing", short).await, "an expired lease");
     // Released (unheld).
     t.db.execute(sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL WHERE role = 'webhook_outbox'"))
@@ -297,7 +296,13 @@ async fn the_fence_in_a_transaction_begun_before_expiry_is_false_after_it() {
         .unwrap()
         .get("f");
     assert!(live, "the fence holds while the lease is live");
-    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    // The lease expires now, after the transaction began (moved on the
+    // database clock from another session rather than waited for).
+    t.db.execute(sql(
+        "UPDATE leader_leases SET expires_at = clock_timestamp() WHERE role = 'email_outbox'",
+    ))
+    .await
+    .unwrap();
     let stale: bool = tx
         .fetch_one(
             sql("SELECT leader_fence($1, $2) AS f")

@@ -18,14 +18,15 @@ fn timing() -> leader::Timing {
     leader::Timing::new(ms(3000), ms(900), ms(600), ms(1800), ms(500)).unwrap()
 }
 
-/// Run `replicas` managers against all five roles for `run_for`, each tick
-/// recording its start and end on the database clock. Then, per role, no two
-/// ticks overlap and every replica led some.
+/// Run `replicas` managers against all five roles until each has led each
+/// role `ticks_each` times (as the managers announce; `limit` bounds the
+/// wait), each tick recording its start and end on the database clock. Then,
+/// per role, no two ticks overlap and every replica led some.
 ///
 /// Mutation check: dropping `AND (expires_at IS NULL OR expires_at <= now())`
 /// from ACQUIRE lets a second replica win a held role; this test then fails on
 /// overlapping ticks.
-async fn contend(replicas: usize, run_for: Duration) {
+async fn contend(replicas: usize, ticks_each: u64, limit: Duration) {
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
     sqlx::raw_sql(
@@ -40,10 +41,12 @@ async fn contend(replicas: usize, run_for: Duration) {
 
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
+    let mut announced = Vec::new();
     for r in 0..replicas {
         // Each replica has its own pool, as separate processes would.
         let db = db::Db::connect_lazy(&t.app_url(testbed::Leg::current()), 6).unwrap();
         let (m, _) = manager(&db, timing(), &format!("replica{r}"));
+        announced.push(m.ticks());
         for role in Role::ALL {
             let m = m.clone();
             let stop = stop.clone();
@@ -88,7 +91,21 @@ async fn contend(replicas: usize, run_for: Duration) {
             }));
         }
     }
-    tokio::time::sleep(run_for).await;
+    // Until every replica has led every role `ticks_each` times, or `limit`
+    // has passed: the assertions below judge what ran either way.
+    let started = std::time::Instant::now();
+    for ticks in &mut announced {
+        let left = limit.saturating_sub(started.elapsed());
+        let _ = tokio::time::timeout(
+            left,
+            ticks.wait_for(|l| Role::ALL.iter().all(|r| l.role(*r).completed >= ticks_each)),
+        )
+        .await;
+    }
+    println!(
+        "{replicas} replicas contended for {:?} (until each led each role {ticks_each} times)",
+        started.elapsed()
+    );
     stop.cancel();
     for task in tasks {
         task.await.unwrap();
@@ -149,10 +166,10 @@ async fn contend(replicas: usize, run_for: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_managers_never_lead_one_role_at_once() {
-    contend(2, Duration::from_secs(30)).await;
+    contend(2, 20, Duration::from_secs(30)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_managers_never_lead_one_role_at_once() {
-    contend(10, Duration::from_secs(30)).await;
+    contend(10, 3, Duration::from_secs(30)).await;
 }

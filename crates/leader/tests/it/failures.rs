@@ -47,6 +47,7 @@ async fn a_killed_leader_is_replaced_within_ttl_and_its_token_claims_nothing() {
     let timing = fast();
     let url = t.app_url(Leg::current());
     let (tx, rx) = std::sync::mpsc::channel::<Fence>();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
     let doomed = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -65,12 +66,14 @@ async fn a_killed_leader_is_replaced_within_ttl_and_its_token_claims_nothing() {
                         &shutdown,
                         |tick| async move {
                             tx.send(tick.fence).unwrap();
+                            started_tx.send(()).unwrap();
                             std::future::pending::<TickEnd>().await
                         },
                     )
                     .await;
             });
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The tick runs under its lease: kill it now.
+            started_rx.await.unwrap();
         });
         // Dropping the runtime kills every task without running RELEASE.
         rt.shutdown_background();
@@ -141,6 +144,7 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
     let url = t.app_url(Leg::current());
     let (froze_tx, froze_rx) = std::sync::mpsc::channel::<()>();
     let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
+    let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel::<()>();
     let frozen = std::thread::spawn(move || {
         // One thread: blocking it freezes the work and the heartbeat together.
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -162,6 +166,7 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
                         froze_tx.send(()).unwrap();
                         resume_rx.recv().unwrap(); // frozen here, blocking the runtime
                         *c.lock().unwrap() = Some(claim_jobs(&db, &tick.fence).await);
+                        claimed_tx.send(()).unwrap();
                         TickEnd::Drained
                     },
                 )
@@ -185,7 +190,8 @@ async fn a_frozen_leader_resumes_to_a_false_fence_and_claims_nothing() {
             &shutdown,
             |_tick| async move {
                 resume_tx.send(()).unwrap();
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                // Held until the resumed leader's claim has run.
+                claimed_rx.await.unwrap();
                 let _ = db;
                 TickEnd::Drained
             },
@@ -252,8 +258,10 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
                 .execute(&mut locker)
                 .await
                 .unwrap();
-                // The first RENEW (at 3 s) blocks, and the server cancels it at 5 s.
-                tokio::time::sleep(Duration::from_millis(5500)).await;
+                // The first RENEW (at 3 s) blocks and the server cancels it at
+                // 5 s; no retry fits before the abandon at 6 s, which cancels us.
+                tick.cancel.cancelled().await;
+                *c.lock().unwrap() = Some(acquired.elapsed());
                 let running: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' \
                  AND query LIKE 'UPDATE leader_leases SET expires_at%'",
@@ -262,8 +270,6 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
                 .await
                 .unwrap();
                 *l.lock().unwrap() = Some(running);
-                tick.cancel.cancelled().await;
-                *c.lock().unwrap() = Some(acquired.elapsed());
                 sqlx::raw_sql("ROLLBACK")
                     .execute(&mut locker)
                     .await

@@ -4,13 +4,14 @@ mod steps;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
 use leader::{Manager, Role, Telemetry, TickEnd, TickOutcome, Timing};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use scheduler::{Panics, RoleSpec, run_role, work};
 use testbed::TestDb;
+use testbed::leadership::until_ticks;
 use tokio_util::sync::CancellationToken;
 
 fn fast() -> Timing {
@@ -182,11 +183,20 @@ async fn a_panic_in_one_role_leaves_the_other_roles_ticking() {
             }),
         },
     ];
+    let mut ticks = m.ticks();
+    let started = Instant::now();
     let loops: Vec<_> = specs
         .into_iter()
         .map(|s| tokio::spawn(run_role(m.clone(), s, shutdown.child_token())))
         .collect();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    until_ticks(
+        &mut ticks,
+        Duration::from_secs(20),
+        "two panicked ticks and ten healthy ones",
+        |l| l.role(Role::EmailOutbox).panicked >= 2 && l.role(Role::WebhookOutbox).completed >= 10,
+    )
+    .await;
+    let took = started.elapsed();
     shutdown.cancel();
     for l in loops {
         l.await.expect("a role loop died");
@@ -195,7 +205,7 @@ async fn a_panic_in_one_role_leaves_the_other_roles_ticking() {
         panicking.load(Ordering::SeqCst),
         healthy.load(Ordering::SeqCst),
     );
-    println!("panicking role ticked {p} times, healthy role {h} times in 3 s");
+    println!("panicking role ticked {p} times, healthy role {h} times in {took:?}");
     assert!(
         p >= 2,
         "the panicking role's loop kept polling after its first panic ({p})"
@@ -219,7 +229,8 @@ async fn a_panic_in_one_role_leaves_the_other_roles_ticking() {
 
 /// A loop that is not due sleeps until the row's due time, not a fixed poll:
 /// with a 2 s interval and a 200 ms max poll, it polls about every 200 ms,
-/// and ticks about every 2 s.
+/// and ticks about every 2 s (timed between the first two ticks' ends, as
+/// the manager announces them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_loop_ticks_once_per_interval() {
     let t = TestDb::new().await;
@@ -238,12 +249,34 @@ async fn a_role_loop_ticks_once_per_interval() {
             }
         }),
     };
+    let mut announced = m.ticks();
     let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
-    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let role = Role::WebhookDelivery;
+    let limit = Duration::from_secs(10);
+    let first = until_ticks(&mut announced, limit, "the first tick", |l| {
+        l.role(role).completed >= 1
+    })
+    .await;
+    let first_at = Instant::now();
+    let second = until_ticks(&mut announced, limit, "the second tick", |l| {
+        l.role(role).completed >= 2
+    })
+    .await;
+    let between = first_at.elapsed();
     shutdown.cancel();
     l.await.unwrap();
     let n = ticks.load(Ordering::SeqCst);
-    assert!((2..=3).contains(&n), "{n} ticks in 4.5 s at a 2 s interval");
+    let polls = second.role(role).not_led - first.role(role).not_led;
+    println!("second tick {between:?} after the first, {polls} refused polls between");
+    assert_eq!(n, 2, "{n} ticks for two announced");
+    assert!(
+        between >= Duration::from_millis(1900) && between < Duration::from_secs(3),
+        "{between:?} between ticks at a 2 s interval"
+    );
+    assert!(
+        (5..=20).contains(&polls),
+        "{polls} polls in one 2 s interval at a 200 ms max poll"
+    );
     let out = m
         .lead(
             Role::WebhookDelivery,
@@ -273,9 +306,13 @@ async fn claim_under_timeout(db: &Db) -> Result<(), db::Error> {
 /// docs/adr/0007: a tick whose claim fails (here the claim's table is locked
 /// past its statement timeout) is not stamped completed and retries after the
 /// failure cooldown (`min(interval, 30 s)`), not after the hourly interval.
+/// The cooldown is read from the row and seen to hold the loop off (a poll is
+/// refused); then the test moves `not_before` into the past instead of
+/// waiting 30 s, and the next poll retries and does the work.
 ///
-/// Mutation check: releasing `TickEnd::Failed` as completed stamps the tick,
-/// the role then waits an hour, and the second tick never comes.
+/// Mutation check: releasing `TickEnd::Failed` as completed stamps the tick
+/// (`failed_as_completed`), and a cooldown of the whole interval
+/// (`failed_cooldown`) fails the cooldown's bounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_hourly_tick_is_not_a_completion_and_retries_within_a_minute() {
     let t = TestDb::new().await;
@@ -304,39 +341,44 @@ async fn a_failed_hourly_tick_is_not_a_completion_and_retries_within_a_minute() 
         }),
     };
     let shutdown = CancellationToken::new();
-    let started = std::time::Instant::now();
+    let mut ticks = m.ticks();
     let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
+    let limit = Duration::from_secs(10);
 
-    // The first tick fails: not stamped, a cooldown of about 30 s.
-    while ends.lock().unwrap().is_empty() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The first tick fails: not stamped, a cooldown of about 30 s, and the
+    // loop's next poll is refused.
+    let failed = until_ticks(&mut ticks, limit, "the first tick's end", |l| {
+        l.role(Role::Billing).led() >= 1
+    })
+    .await;
+    assert_eq!(failed.role(Role::Billing).failed, 1, "{failed:?}");
     assert!(matches!(ends.lock().unwrap()[0], TickEnd::Failed(_)));
     let (completed, cooldown) = lease_state(&t.db, Role::Billing).await;
     assert!(!completed, "a failed tick is not stamped completed");
     let cooldown = cooldown.expect("released with the failure cooldown");
     assert!((25.0..=30.0).contains(&cooldown), "cooldown {cooldown}");
+    let refused = until_ticks(&mut ticks, limit, "a poll inside the cooldown", |l| {
+        l.role(Role::Billing).not_led >= 1
+    })
+    .await;
+    assert_eq!(refused.role(Role::Billing).led(), 1, "{refused:?}");
     sqlx::raw_sql("ROLLBACK").execute(&mut owner).await.unwrap();
 
-    // The retry comes after the cooldown and does the work.
-    let deadline = started + Duration::from_secs(60);
-    while ends.lock().unwrap().len() < 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no retry within a minute of a failed hourly tick"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The cooldown passes (moved into the past on the database clock): the
+    // retry does the work.
+    sqlx::raw_sql(
+        "UPDATE leader_leases SET not_before = now() - interval '1 second' WHERE role = 'billing'",
+    )
+    .execute(&mut owner)
+    .await
+    .unwrap();
+    until_ticks(&mut ticks, limit, "the retry", |l| {
+        l.role(Role::Billing).led() >= 2
+    })
+    .await;
     shutdown.cancel();
     l.await.unwrap();
-    let retried_after = started.elapsed();
-    println!("failed hourly tick retried and completed after {retried_after:?}");
     assert_eq!(ends.lock().unwrap()[1], TickEnd::Drained);
-    assert!(
-        retried_after >= Duration::from_secs(29),
-        "{retried_after:?}"
-    );
     let (completed, _) = lease_state(&t.db, Role::Billing).await;
     assert!(completed, "the retry completed the tick");
     assert_eq!(
@@ -360,7 +402,8 @@ async fn a_failed_hourly_tick_is_not_a_completion_and_retries_within_a_minute() 
 /// an hour), and only the tick that drained it is stamped completed.
 ///
 /// Mutation check: releasing `TickEnd::MoreWork` as completed stamps the first
-/// tick, the role waits an hour, and the backlog stays at 7.
+/// tick, the role waits an hour, and the backlog stays at 7. The test waits
+/// for the loop's first refused poll, the sign that no tick is due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks() {
     let t = TestDb::new().await;
@@ -385,13 +428,14 @@ async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks() {
         }),
     };
     let shutdown = CancellationToken::new();
-    let started = std::time::Instant::now();
+    let mut ticks = m.ticks();
+    let started = Instant::now();
     let l = tokio::spawn(run_role(m.clone(), spec, shutdown.child_token()));
-    while backlog.load(Ordering::SeqCst) > 0 && started.elapsed() < Duration::from_secs(10) {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_ticks(&mut ticks, Duration::from_secs(10), "a refused poll", |l| {
+        l.role(Role::Dunning).not_led >= 1
+    })
+    .await;
     let drained_after = started.elapsed();
-    tokio::time::sleep(Duration::from_millis(300)).await;
     shutdown.cancel();
     l.await.unwrap();
     println!("backlog of 4 budgets drained after {drained_after:?}");

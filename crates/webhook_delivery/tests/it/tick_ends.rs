@@ -9,6 +9,7 @@ use db::Row;
 use leader::{Role, TickEnd};
 use scheduler::{RoleSpec, Stop, run_role, work};
 use testbed::TestDb;
+use testbed::leadership::until_ticks;
 use tokio_util::sync::CancellationToken;
 use webhook_delivery::WorkerConfig;
 
@@ -53,12 +54,16 @@ async fn a_backlog_larger_than_one_budget_is_delivered_in_consecutive_ticks_with
         }),
     };
     let shutdown = CancellationToken::new();
+    let m = manager(&t.db, "a");
+    let mut ticks = m.ticks();
     let started = Instant::now();
-    let l = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    let l = tokio::spawn(run_role(m, spec, shutdown.child_token()));
     let delivered = |ds: &[crate::Delivery]| ds.iter().filter(|d| d.status == "delivered").count();
-    while delivered(&deliveries(&t.db).await) < 10 && started.elapsed() < Duration::from_secs(30) {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // The loop's first refused poll: the tick before it found nothing due.
+    until_ticks(&mut ticks, Duration::from_secs(30), "a refused poll", |l| {
+        l.role(Role::WebhookDelivery).not_led >= 1
+    })
+    .await;
     let drained_after = started.elapsed();
     shutdown.cancel();
     l.await.unwrap();

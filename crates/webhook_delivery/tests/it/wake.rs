@@ -56,15 +56,7 @@ async fn a_fanned_out_delivery_wakes_the_idle_listening_role_within_milliseconds
     for n in 1..=3 {
         // Enqueued and fanned out (the fan-out commits with its pg_notify).
         events(&t.db, "tenant_a", 1).await;
-        let committed = Instant::now();
-        while rx.count() < n {
-            assert!(
-                committed.elapsed() < Duration::from_secs(20),
-                "never delivered"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        waits.push(committed.elapsed());
+        waits.push(rx.until_count(n, Duration::from_secs(20)).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     shutdown.cancel();

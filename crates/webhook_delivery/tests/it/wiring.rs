@@ -1,11 +1,12 @@
 //! The two roles wired the way the binary wires them: `scheduler::run_role`
 //! with `scheduler::work` around each crate's `run_tick`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use leader::{Role, Telemetry};
 use scheduler::{RoleSpec, run_role, work};
 use testbed::TestDb;
+use testbed::leadership::until_ticks;
 use tokio_util::sync::CancellationToken;
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
@@ -41,6 +42,7 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
     ];
     let shutdown = CancellationToken::new();
     let replica = manager(&t.db, "replica");
+    let mut ticks = replica.ticks();
     let loops: Vec<_> = specs
         .into_iter()
         .map(|spec| tokio::spawn(run_role(replica.clone(), spec, shutdown.clone())))
@@ -56,26 +58,20 @@ async fn an_enqueued_event_reaches_its_receiver_through_both_role_loops() {
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    let committed = Instant::now();
-    while rx.requests().is_empty() {
-        assert!(
-            committed.elapsed() < Duration::from_secs(10),
-            "never delivered"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    println!(
-        "commit to receiver through two role loops: {:?}",
-        committed.elapsed()
-    );
+    let waited = rx.until_count(1, Duration::from_secs(10)).await;
+    println!("commit to receiver through two role loops: {waited:?}");
     verify(&ep.secret.expose(), &rx.requests()[0]).unwrap();
-    while deliveries(&t.db).await[0].status != "delivered" {
-        assert!(
-            committed.elapsed() < Duration::from_secs(10),
-            "never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The tick that sent it was still waiting for the answer: its end, after
+    // the outcome is written, is the next delivery tick announced.
+    let sent_during = ticks.borrow().role(Role::WebhookDelivery).completed;
+    until_ticks(
+        &mut ticks,
+        Duration::from_secs(10),
+        "the sending tick's end",
+        |l| l.role(Role::WebhookDelivery).completed > sent_during,
+    )
+    .await;
+    assert_eq!(deliveries(&t.db).await[0].status, "delivered");
     shutdown.cancel();
     for l in loops {
         l.await.unwrap();

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use leader::{Role, TickEnd};
 use scheduler::{RoleSpec, Stop, run_role, work};
 use testbed::TestDb;
+use testbed::leadership::until_ticks;
 use tokio_util::sync::CancellationToken;
 use webhook_outbox::DispatcherConfig;
 
@@ -15,7 +16,8 @@ use crate::{as_leader, count, dispatcher, endpoint, event, manager};
 
 /// A backlog of 200 events with batches of 10 and a 1 ms budget (about one
 /// batch a tick) drains through `scheduler::run_role` with an hourly interval
-/// within seconds: each budget-stopped tick is due again at once.
+/// within seconds: each budget-stopped tick is due again at once. The test
+/// waits for the loop's first refused poll: the tick before it found nothing.
 ///
 /// Mutation check: the driver mapping `Stop::Budget` to `TickEnd::Drained`
 /// stamps the first tick completed, the role waits its hour, and the backlog
@@ -57,12 +59,15 @@ async fn a_backlog_larger_than_one_budget_drains_in_consecutive_ticks_without_th
         }),
     };
     let shutdown = CancellationToken::new();
+    let m = manager(&t.db, "a");
+    let mut ticks = m.ticks();
     let started = Instant::now();
-    let l = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    let l = tokio::spawn(run_role(m, spec, shutdown.child_token()));
     let undispatched = "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL";
-    while count(&t.db, undispatched).await > 0 && started.elapsed() < Duration::from_secs(30) {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_ticks(&mut ticks, Duration::from_secs(30), "a refused poll", |l| {
+        l.role(Role::WebhookOutbox).not_led >= 1
+    })
+    .await;
     let drained_after = started.elapsed();
     shutdown.cancel();
     l.await.unwrap();
@@ -129,7 +134,7 @@ async fn a_claim_that_times_out_on_a_locked_table_ends_the_tick_failed() {
 
 /// Without wake-ups (no listener), a tick that found work is followed at once
 /// by the next, which finds nothing and ends drained; an idle role then waits
-/// its (hourly) interval.
+/// its (hourly) interval: the loop's next poll is refused.
 ///
 /// Mutation check: the driver ignoring work found (`let due_now = listened
 /// || (claimed > 0 && role.due_again_after_work());` → `let due_now =
@@ -156,8 +161,13 @@ async fn a_tick_that_found_work_is_followed_at_once_and_an_idle_one_waits_its_in
         }),
     };
     let shutdown = CancellationToken::new();
-    let l = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let m = manager(&t.db, "a");
+    let mut ticks = m.ticks();
+    let l = tokio::spawn(run_role(m, spec, shutdown.child_token()));
+    until_ticks(&mut ticks, Duration::from_secs(10), "a refused poll", |l| {
+        l.role(Role::WebhookOutbox).not_led >= 1
+    })
+    .await;
     shutdown.cancel();
     l.await.unwrap();
     let ends = ends.lock().unwrap().clone();
