@@ -22,6 +22,7 @@ use db::Db;
 use tokio_util::sync::CancellationToken;
 use webhook_delivery::Keyring;
 
+use crate::secret::Secret;
 use crate::settings::{Common, DevSettings};
 use postgres::LocalPostgres;
 
@@ -34,8 +35,8 @@ pub async fn run(
     let event_every = settings.event_every()?;
     // Declared first so it is dropped (the server stopped) after everything using it.
     let mut local = None;
-    let (owner_url, app_url) = match &common.database_url {
-        Some(url) if !url.trim().is_empty() => (common.migration_database_url()?, url.clone()),
+    let (owner_url, app_url) = match Secret::set(&common.database_url) {
+        Some(url) => (common.migration_database_url()?, url.to_owned()),
         _ => {
             let state_dir = absolute(&settings.state_dir)?;
             let pg = local.insert(LocalPostgres::start(&state_dir)?);
@@ -74,18 +75,14 @@ pub async fn run(
     });
     // Declared here so the sink outlives the roles that send to it.
     let mut sink = None;
-    if serve
-        .smtp_url
-        .as_deref()
-        .is_none_or(|u| u.trim().is_empty())
-    {
+    if Secret::set(&serve.smtp_url).is_none() {
         let s = sink.insert(smtp::LocalSmtp::start(&absolute(&settings.state_dir)?)?);
         println!(
             "SMTP sink on {}: received mail lands in {}",
             db::redacted_url(&s.url()),
             s.inbox().display()
         );
-        settings.serve.smtp_url = Some(s.url());
+        settings.serve.smtp_url = Some(s.url().into());
     }
     // Declared here so the provider outlives the roles that charge it; dunning
     // charges the provider billing is given, so billing's is set first.

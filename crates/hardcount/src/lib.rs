@@ -17,6 +17,7 @@ mod cli;
 mod dev;
 mod http;
 pub mod roles;
+pub mod secret;
 mod serve;
 mod settings;
 

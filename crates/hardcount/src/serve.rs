@@ -24,12 +24,13 @@ use webhook_delivery::{Worker, WorkerConfig};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::http::{AppState, StatusSnapshot, refresh_status, router};
+use crate::secret::Secret;
 
 /// What [`run`] runs; built from the environment by `settings`.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The app pool's URL, as `hardcount_app`.
-    pub database_url: String,
+    /// The app pool's URL, as `hardcount_app` (never printed: it may hold a password).
+    pub database_url: Secret,
     pub roles: Vec<RoleConfig>,
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
@@ -43,7 +44,7 @@ pub struct Config {
     /// `HARDCOUNT_LISTEN_URL`: a session-capable connection (Postgres directly,
     /// or a session-mode pooler) on which the webhook roles LISTEN for
     /// wake-ups (docs/adr/0014). None: they poll at their interval.
-    pub listen_url: Option<String>,
+    pub listen_url: Option<Secret>,
 }
 
 /// How email_outbox reaches its SMTP server.
@@ -157,7 +158,7 @@ fn work_for(
 /// implement named in `HARDCOUNT_ROLES`, an invalid role configuration.
 pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
     scheduler::install_panic_hook();
-    let db = Db::connect_lazy(&config.database_url, 10)?;
+    let db = Db::connect_lazy(config.database_url.expose(), 10)?;
     db::check_schema_ready(&db)
         .await
         .context("refusing to serve")?;
@@ -220,7 +221,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
 
     // Lease statements get their own small pool, so a burst of job statements
     // cannot make a RENEW wait for a connection.
-    let lease_db = Db::connect_lazy(&config.database_url, specs.len() as u32 + 1)?;
+    let lease_db = Db::connect_lazy(config.database_url.expose(), specs.len() as u32 + 1)?;
     let manager = Manager::new(lease_db.clone(), Timing::ADR, telemetry.clone());
     let root = shutdown;
     let tracker = TaskTracker::new();
@@ -238,7 +239,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // /readyz and /metrics read a snapshot that one task refreshes on its own
     // one-connection pool: no request queries, and a flood of probes cannot take
     // a connection from the roles (issue 12, point 7).
-    let status_db = Db::connect_lazy(&config.database_url, 1)?;
+    let status_db = Db::connect_lazy(config.database_url.expose(), 1)?;
     let status = Arc::new(StatusSnapshot::default());
     // The boot checks above just passed: ready until the first refresh says otherwise.
     status.set(true);
@@ -260,7 +261,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     if let Some(url) = config.listen_url.clone().filter(|_| !wakes.is_empty()) {
         info!(roles = ?wakes.iter().map(Wake::channel).collect::<Vec<_>>(), "wake-ups on (HARDCOUNT_LISTEN_URL)");
         tracker.spawn(scheduler::listen(
-            url,
+            url.expose().to_owned(),
             wakes,
             Timing::ADR.max_poll,
             root.child_token(),

@@ -17,6 +17,7 @@ use webhook_delivery::{Keyring, WorkerConfig};
 
 use email_outbox::{SenderConfig, SmtpUrl};
 
+use crate::secret::Secret;
 use crate::serve::{Config, EmailConfig};
 
 mod bounds;
@@ -37,7 +38,7 @@ pub struct Common {
     /// The app pool's URL, as hardcount_app; may point at PgBouncer in transaction mode.
     /// `dev` starts a local Postgres when it is unset.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
-    pub database_url: Option<String>,
+    pub database_url: Option<Secret>,
     /// A direct or session-mode connection for migrations, as the schema owner
     /// [default: DATABASE_URL].
     #[arg(
@@ -46,7 +47,7 @@ pub struct Common {
         hide_env_values = true,
         global = true
     )]
-    pub migration_database_url: Option<String>,
+    pub migration_database_url: Option<Secret>,
     /// The operator's URL, as hardcount_operator (reads leader_status, pauses and
     /// unpauses roles), for `hardcount leader …` [default: DATABASE_URL, which can
     /// read the status but not pause].
@@ -56,7 +57,7 @@ pub struct Common {
         hide_env_values = true,
         global = true
     )]
-    pub operator_database_url: Option<String>,
+    pub operator_database_url: Option<Secret>,
     /// The keys that seal webhook signing secrets: `<id>:<base64 of 32 bytes>`, more
     /// comma-separated during a key rotation (the first seals, all open); make one with
     /// `hardcount secrets generate-key`. Required by webhook_delivery once endpoints exist.
@@ -66,7 +67,7 @@ pub struct Common {
         hide_env_values = true,
         global = true
     )]
-    pub secrets_key: Option<String>,
+    pub secrets_key: Option<Secret>,
     /// Log filter (tracing's EnvFilter syntax), e.g. `info,leader=debug`.
     #[arg(long = "log", env = "RUST_LOG", default_value = "info", global = true)]
     pub rust_log: String,
@@ -74,30 +75,33 @@ pub struct Common {
 
 impl Common {
     pub fn database_url(&self) -> Result<String> {
-        non_empty(&self.database_url)
+        Secret::set(&self.database_url)
+            .map(str::to_owned)
             .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
     }
 
     /// HARDCOUNT_OPERATOR_DATABASE_URL, else DATABASE_URL.
     pub fn operator_database_url(&self) -> Result<String> {
-        non_empty(&self.operator_database_url)
-            .or_else(|| non_empty(&self.database_url))
+        Secret::set(&self.operator_database_url)
+            .or_else(|| Secret::set(&self.database_url))
+            .map(str::to_owned)
             .context("neither HARDCOUNT_OPERATOR_DATABASE_URL nor DATABASE_URL is set")
     }
 
     /// HARDCOUNT_SECRETS_KEY parsed, when set. The error names the variable
     /// and never shows a key.
     pub fn keyring(&self) -> Result<Option<Keyring>> {
-        non_empty(&self.secrets_key)
-            .map(|text| Keyring::parse(&text))
+        Secret::set(&self.secrets_key)
+            .map(Keyring::parse)
             .transpose()
             .map_err(|e| anyhow!("{e}"))
     }
 
     /// MIGRATION_DATABASE_URL, else DATABASE_URL.
     pub fn migration_database_url(&self) -> Result<String> {
-        non_empty(&self.migration_database_url)
-            .or_else(|| non_empty(&self.database_url))
+        Secret::set(&self.migration_database_url)
+            .or_else(|| Secret::set(&self.database_url))
+            .map(str::to_owned)
             .context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")
     }
 }
@@ -179,7 +183,7 @@ pub struct ServeSettings {
     /// `smtp://host:port?tls=required` (STARTTLS), `smtps://host:port` (implicit
     /// TLS), with optional `user:password@`. Required when email_outbox runs.
     #[arg(long, env = "SMTP_URL", hide_env_values = true)]
-    pub smtp_url: Option<String>,
+    pub smtp_url: Option<Secret>,
     /// A PEM file of the CA that signed the SMTP server's certificate, for a
     /// private relay [default: the public web roots].
     #[arg(long, env = "HARDCOUNT_SMTP_CA_FILE")]
@@ -198,14 +202,14 @@ pub struct ServeSettings {
     /// alias) on which webhook_outbox and webhook_delivery LISTEN, so a commit
     /// wakes them within milliseconds [default: unset, they poll at their interval].
     #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
-    pub listen_url: Option<String>,
+    pub listen_url: Option<Secret>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
     pub billing_provider_url: Option<String>,
     /// The provider's secret key (`sk_…`); never logged. Required with BILLING_PROVIDER_URL.
     #[arg(long, env = "BILLING_PROVIDER_SECRET_KEY", hide_env_values = true)]
-    pub billing_provider_secret_key: Option<String>,
+    pub billing_provider_secret_key: Option<Secret>,
     /// This deployment's name in every payment idempotency key and charge metadata
     /// (a-z, 0-9, _; at most 32), so two installs on one provider account, or a
     /// restored copy, never replay each other's answers [default: default].
@@ -323,7 +327,7 @@ impl ServeSettings {
         }
         webhook_delivery.validate()?;
         Ok(Config {
-            database_url,
+            database_url: database_url.into(),
             roles_explicit: roles_explicit(&self.roles),
             roles,
             webhook_delivery,
@@ -336,14 +340,14 @@ impl ServeSettings {
 
     /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never
     /// echoes it (it may hold a password).
-    fn listen_url(&self) -> Result<Option<String>> {
-        let Some(url) = non_empty(&self.listen_url) else {
+    fn listen_url(&self) -> Result<Option<Secret>> {
+        let Some(url) = Secret::set(&self.listen_url) else {
             return Ok(None);
         };
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             bail!("HARDCOUNT_LISTEN_URL must be a postgres:// or postgresql:// URL");
         }
-        Ok(Some(url))
+        Ok(Some(Secret::from(url)))
     }
 
     /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is
@@ -351,10 +355,11 @@ impl ServeSettings {
     fn billing(&self) -> Result<billing::BillingConfig> {
         let mut config = billing::BillingConfig::default();
         if let Some(url) = non_empty(&self.billing_provider_url) {
-            let key = non_empty(&self.billing_provider_secret_key).ok_or_else(|| {
+            let key = Secret::set(&self.billing_provider_secret_key).ok_or_else(|| {
                 anyhow!("BILLING_PROVIDER_SECRET_KEY is required when BILLING_PROVIDER_URL is set")
             })?;
-            let provider = billing::ProviderConfig::new(url, billing::SecretKey::new(key));
+            let provider =
+                billing::ProviderConfig::new(url, billing::SecretKey::new(key.to_owned()));
             provider
                 .validate()
                 .map_err(|e| anyhow!("BILLING_PROVIDER_URL / BILLING_PROVIDER_SECRET_KEY: {e}"))?;
@@ -456,7 +461,7 @@ impl ServeSettings {
     /// SMTP_URL and the email settings, when SMTP_URL is set. Errors name the
     /// variable and never echo the URL (it may hold a password).
     fn email(&self) -> Result<Option<EmailConfig>> {
-        let Some(text) = non_empty(&self.smtp_url) else {
+        let Some(text) = Secret::set(&self.smtp_url) else {
             return Ok(None);
         };
         let url = SmtpUrl::parse(&text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;

@@ -90,7 +90,7 @@ async fn start_fake(serve: &mut ServeSettings) -> Result<LocalProvider> {
         }
     }
     serve.billing_provider_url = Some(provider.base_url());
-    serve.billing_provider_secret_key = Some(TEST_SECRET_KEY.to_owned());
+    serve.billing_provider_secret_key = Some(TEST_SECRET_KEY.into());
     println!(
         "fake payment provider on {} (charges of {} decline)",
         provider.base_url(),

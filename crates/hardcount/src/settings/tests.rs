@@ -326,10 +326,51 @@ fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
     assert_eq!(check(&[]).unwrap().listen_url, None);
     let url = "postgres://app:pw@db:5432/hardcount";
     let config = check(&["--listen-url", url]).unwrap();
-    assert_eq!(config.listen_url.as_deref(), Some(url));
+    assert_eq!(config.listen_url.as_ref().map(|u| u.expose()), Some(url));
     let err = check(&["--listen-url", "mysql://u:hunter2@db/x"])
         .unwrap_err()
         .to_string();
     assert!(err.starts_with("HARDCOUNT_LISTEN_URL must be"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+}
+
+/// Issue 26, point 5: every setting that holds a secret is a `Secret`, so a
+/// `Debug` of the parsed command line or of the serve configuration (what a
+/// panic, a `dbg!` or a careless log line would print) shows none of them.
+/// Fails when one of those fields goes back to `String`.
+#[test]
+fn no_secret_setting_reaches_a_debug_print() {
+    let seeded = "hunter2-seeded";
+    let url = format!("postgres://app:{seeded}@db/hardcount");
+    let key = format!("k1:{seeded}");
+    let cli = crate::Cli::try_parse_from([
+        "hardcount",
+        "--database-url",
+        &url,
+        "--migration-database-url",
+        &url,
+        "--operator-database-url",
+        &url,
+        "--secrets-key",
+        &key,
+        "serve",
+        "--smtp-url",
+        &format!("smtps://u:{seeded}@mail.example.com"),
+        "--listen-url",
+        &url,
+        "--billing-provider-url",
+        "https://api.example.com",
+        "--billing-provider-secret-key",
+        &format!("sk_{seeded}"),
+    ])
+    .unwrap();
+    let printed = format!("{cli:?}");
+    assert!(printed.contains("<redacted>"), "{printed}");
+    assert!(!printed.contains(seeded), "{printed}");
+    let crate::Command::Serve(settings) = cli.command else {
+        unreachable!()
+    };
+    let config = settings.config(url.clone(), None).unwrap();
+    let printed = format!("{config:?}");
+    assert!(!printed.contains(seeded), "{printed}");
 }

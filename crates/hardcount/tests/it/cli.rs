@@ -507,3 +507,39 @@ fn run_until(cmd: &mut std::process::Command, needle: &str, limit: Duration) -> 
     let _ = child.wait();
     all
 }
+
+/// Issue 26, point 5: a whole `serve` run at the most verbose log level
+/// (`RUST_LOG=trace`, sqlx's connection and statement logging included)
+/// prints neither the database password in its URLs nor the secrets key.
+/// Fails if any layer (ours, sqlx's, the pool's) logs a connection URL or
+/// its options with their values.
+#[tokio::test]
+async fn a_trace_level_serve_run_prints_no_password_and_no_key() {
+    let t = TestDb::new().await;
+    let password = "seeded-pw-4f1c";
+    let url = t.app_url(Leg::current()).replacen(
+        "hardcount_app@",
+        &format!("hardcount_app:{password}@"),
+        1,
+    );
+    assert!(url.contains(password), "{url}");
+    let key_bytes = testbed::SECRETS_KEY.split(':').nth(1).unwrap();
+    let all = run_until(
+        hardcount()
+            .arg("serve")
+            .env("DATABASE_URL", &url)
+            .env("HARDCOUNT_LISTEN_URL", &url)
+            .env("HARDCOUNT_SECRETS_KEY", testbed::SECRETS_KEY)
+            .env("HARDCOUNT_ROLES", "webhook_outbox,webhook_delivery")
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", "trace"),
+        "nothing claimed",
+        Duration::from_secs(30),
+    );
+    assert!(
+        all.contains("nothing claimed"),
+        "no tick ran at trace level: {all}"
+    );
+    assert!(!all.contains(password), "the database password was printed");
+    assert!(!all.contains(key_bytes), "the secrets key was printed");
+}
