@@ -464,7 +464,7 @@ impl ServeSettings {
         let Some(text) = Secret::set(&self.smtp_url) else {
             return Ok(None);
         };
-        let url = SmtpUrl::parse(&text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
+        let url = SmtpUrl::parse(text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
         let insecure_auth = match non_empty(&self.smtp_insecure_auth).as_deref() {
             None | Some("false") => false,
             Some("true") => true,
