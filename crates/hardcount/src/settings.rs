@@ -27,7 +27,7 @@ mod tests;
 
 pub use dev::DevSettings;
 pub use parse::duration;
-use parse::{non_empty, retry_schedule, roles_explicit, whole};
+use parse::{database_url, non_empty, own_or_database_url, retry_schedule, roles_explicit, whole};
 
 /// Where the database is, and how much to log: every command reads these.
 #[derive(Debug, Clone, clap::Args)]
@@ -73,15 +73,15 @@ pub struct Common {
 
 impl Common {
     pub fn database_url(&self) -> Result<String> {
-        non_empty(&self.database_url)
-            .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
+        let url = non_empty(&self.database_url)
+            .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")?;
+        database_url("DATABASE_URL", url)
     }
 
     /// HARDCOUNT_OPERATOR_DATABASE_URL, else DATABASE_URL.
     pub fn operator_database_url(&self) -> Result<String> {
-        non_empty(&self.operator_database_url)
-            .or_else(|| non_empty(&self.database_url))
-            .context("neither HARDCOUNT_OPERATOR_DATABASE_URL nor DATABASE_URL is set")
+        let var = "HARDCOUNT_OPERATOR_DATABASE_URL";
+        own_or_database_url(var, &self.operator_database_url, &self.database_url)
     }
 
     /// HARDCOUNT_SECRETS_KEY parsed, when set. The error names the variable
@@ -95,9 +95,8 @@ impl Common {
 
     /// MIGRATION_DATABASE_URL, else DATABASE_URL.
     pub fn migration_database_url(&self) -> Result<String> {
-        non_empty(&self.migration_database_url)
-            .or_else(|| non_empty(&self.database_url))
-            .context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")
+        let var = "MIGRATION_DATABASE_URL";
+        own_or_database_url(var, &self.migration_database_url, &self.database_url)
     }
 }
 
@@ -354,7 +353,7 @@ impl ServeSettings {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             bail!("HARDCOUNT_LISTEN_URL must be a postgres:// or postgresql:// URL");
         }
-        Ok(Some(url))
+        database_url("HARDCOUNT_LISTEN_URL", url).map(Some)
     }
 
     /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is
