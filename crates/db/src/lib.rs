@@ -15,18 +15,21 @@
 //! connection, so a crate cannot run SQL on the app pool any other way.
 //! Migrations are the exception: they need a session ([`migrate`]).
 
+mod connect;
 mod listen;
 mod migrate;
 mod redact;
 mod schema;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgArguments, PgPoolOptions};
 use sqlx::query::Query;
 use sqlx::{Encode, PgPool, Postgres, Type};
 
+pub use connect::{SSL_MODES, check_url};
 pub use listen::{LISTEN_APPLICATION_NAME, Listener};
 pub use migrate::{MigrateError, MigrationReport, migrate};
 pub use redact::{
@@ -40,9 +43,17 @@ pub use sqlx::types::Json;
 /// Errors from the access path.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The URL does not parse as a Postgres URL.
+    /// The URL does not parse as a Postgres URL, or its TLS settings
+    /// (`sslmode`, `sslrootcert`) cannot be used; the URL is shown redacted.
     #[error("invalid database URL: {0}")]
     BadUrl(String),
+    /// The TLS handshake failed (a certificate the URL's `sslmode` and
+    /// `sslrootcert` do not accept), or the server has no TLS and the URL
+    /// requires it.
+    #[error(
+        "TLS to Postgres at {url} failed: {detail} (the URL's sslmode and sslrootcert say what is verified)"
+    )]
+    Tls { url: String, detail: String },
     /// A statement or connection failed; the message is the server's or the driver's.
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
@@ -96,6 +107,8 @@ impl<'q> Stmt<'q> {
 #[derive(Clone)]
 pub struct Db {
     pool: PgPool,
+    /// The URL, for connection errors; used only through `redacted_url`.
+    url: Arc<str>,
 }
 
 impl std::fmt::Debug for Db {
@@ -111,12 +124,11 @@ impl Db {
     /// Open a lazy pool of at most `max_connections` to `url`.
     ///
     /// # Errors
-    /// [`Error::BadUrl`] if the URL does not parse; nothing connects until first use.
+    /// [`Error::BadUrl`] if the URL does not parse or its TLS settings cannot
+    /// be used ([`check_url`]); nothing connects until first use, and a failed
+    /// TLS handshake then is [`Error::Tls`].
     pub fn connect_lazy(url: &str, max_connections: u32) -> Result<Db> {
-        let options: PgConnectOptions = url
-            .parse()
-            .map_err(|e: sqlx::Error| Error::BadUrl(redact_error(&e.to_string(), url)))?;
-        let options = options
+        let options = connect::connect_options(url)?
             // Named statements break on a pooled server connection.
             .statement_cache_capacity(0)
             // PgBouncer 1.18 refuses this startup parameter unless told to ignore it.
@@ -129,7 +141,10 @@ impl Db {
             // connection fails its statement instead, which every caller handles.
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        Ok(Db { pool })
+        Ok(Db {
+            pool,
+            url: url.into(),
+        })
     }
 
     /// Begin a transaction on one server connection.
@@ -137,7 +152,7 @@ impl Db {
     /// # Cancel safety
     /// Cancel-safe: see [`Db::begin_with_timeout`].
     pub async fn begin(&self) -> Result<Tx> {
-        Tx::begin(&self.pool, "BEGIN".to_owned()).await
+        Tx::begin(self, "BEGIN".to_owned()).await
     }
 
     /// Begin a transaction whose statements the server cancels after `limit`,
@@ -192,7 +207,7 @@ impl Db {
             "BEGIN; SET LOCAL statement_timeout = {ms}; \
              SET LOCAL idle_in_transaction_session_timeout = {idle_ms}{planner}"
         );
-        Tx::begin(&self.pool, begin).await
+        Tx::begin(self, begin).await
     }
 
     /// Run one statement in its own transaction and return its one row.
@@ -251,8 +266,13 @@ pub struct Tx {
 }
 
 impl Tx {
-    async fn begin(pool: &PgPool, begin: String) -> Result<Tx> {
-        let mut conn = Pooled::new(pool.acquire().await?);
+    async fn begin(db: &Db, begin: String) -> Result<Tx> {
+        let conn = db
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| connect::connect_error(e, &db.url))?;
+        let mut conn = Pooled::new(conn);
         // From the first poll of the BEGIN the connection's state is unknown:
         // until its reply is read, a drop closes the connection.
         conn.state = State::Unknown;

@@ -8,9 +8,10 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPoolOptions};
 
-use crate::{Error, Result, redact_error};
+use crate::connect::{connect_error, connect_options};
+use crate::{Error, Result};
 
 /// The `application_name` of a listener's connection, as `pg_stat_activity`
 /// shows it.
@@ -32,12 +33,10 @@ impl Listener {
     /// Connect to `url` and LISTEN on every channel of `channels`.
     ///
     /// # Errors
-    /// [`Error::BadUrl`] (the URL redacted) or the connection's error.
+    /// [`Error::BadUrl`] (the URL redacted), [`Error::Tls`] or the
+    /// connection's error.
     pub async fn connect(url: &str, channels: &[&str]) -> Result<Listener> {
-        let options: PgConnectOptions = url
-            .parse()
-            .map_err(|e: sqlx::Error| Error::BadUrl(redact_error(&e.to_string(), url)))?;
-        let options = options
+        let options = connect_options(url)?
             .statement_cache_capacity(0)
             .extra_float_digits(None)
             .application_name(LISTEN_APPLICATION_NAME);
@@ -47,7 +46,8 @@ impl Listener {
             .max_lifetime(None)
             .idle_timeout(None)
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(|e| connect_error(e, url))?;
         let mut inner = PgListener::connect_with(&pool).await?;
         // The caller notices a lost connection and reconnects (marking its
         // roles as not listening meanwhile); sqlx must not do it silently.

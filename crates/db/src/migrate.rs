@@ -2,7 +2,7 @@
 
 use sqlx::Connection;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::PgConnection;
 
 use crate::redacted_url;
 
@@ -53,10 +53,11 @@ pub enum MigrateError {
 /// A clear [`MigrateError`] naming the (redacted) URL or the pooler.
 pub async fn migrate(url: &str) -> Result<MigrationReport, MigrateError> {
     let shown = redacted_url(url);
-    let options: PgConnectOptions = url.parse().map_err(|e: sqlx::Error| MigrateError::BadUrl {
-        url: shown.clone(),
-        reason: crate::redact_error(&e.to_string(), url),
-    })?;
+    let options =
+        crate::connect::options_or_refusal(url).map_err(|reason| MigrateError::BadUrl {
+            url: shown.clone(),
+            reason,
+        })?;
     let options = options
         .extra_float_digits(None)
         .application_name("hardcount migrate");

@@ -13,8 +13,16 @@ pub enum SchemaError {
     Behind { missing: String },
     #[error("migration {version} failed part-way; fix it and rerun `hardcount migrate`")]
     Dirty { version: i64 },
+    /// The message holds the cause's, so the cause is not also its source
+    /// (an error chain would print it twice).
     #[error("cannot check the schema: {0}")]
-    Unreachable(#[from] crate::Error),
+    Unreachable(crate::Error),
+}
+
+impl From<crate::Error> for SchemaError {
+    fn from(e: crate::Error) -> SchemaError {
+        SchemaError::Unreachable(e)
+    }
 }
 
 /// Ok when every migration this binary embeds has been applied successfully.

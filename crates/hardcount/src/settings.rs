@@ -29,7 +29,7 @@ mod tests;
 pub use bounds::{BREAKER_COOLOFF, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
 pub use dev::DevSettings;
 pub use parse::duration;
-use parse::{non_empty, retry_schedule, roles_explicit, whole};
+use parse::{database_url, non_empty, own_or_database_url, retry_schedule, roles_explicit, whole};
 
 /// Where the database is, and how much to log: every command reads these.
 #[derive(Debug, Clone, clap::Args)]
@@ -75,17 +75,16 @@ pub struct Common {
 
 impl Common {
     pub fn database_url(&self) -> Result<String> {
-        Secret::set(&self.database_url)
+        let url = Secret::set(&self.database_url)
             .map(str::to_owned)
-            .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")
+            .context("DATABASE_URL is not set (the app pool's URL; it may point at PgBouncer)")?;
+        database_url("DATABASE_URL", url)
     }
 
     /// HARDCOUNT_OPERATOR_DATABASE_URL, else DATABASE_URL.
     pub fn operator_database_url(&self) -> Result<String> {
-        Secret::set(&self.operator_database_url)
-            .or_else(|| Secret::set(&self.database_url))
-            .map(str::to_owned)
-            .context("neither HARDCOUNT_OPERATOR_DATABASE_URL nor DATABASE_URL is set")
+        let var = "HARDCOUNT_OPERATOR_DATABASE_URL";
+        own_or_database_url(var, &self.operator_database_url, &self.database_url)
     }
 
     /// HARDCOUNT_SECRETS_KEY parsed, when set. The error names the variable
@@ -99,10 +98,8 @@ impl Common {
 
     /// MIGRATION_DATABASE_URL, else DATABASE_URL.
     pub fn migration_database_url(&self) -> Result<String> {
-        Secret::set(&self.migration_database_url)
-            .or_else(|| Secret::set(&self.database_url))
-            .map(str::to_owned)
-            .context("neither MIGRATION_DATABASE_URL nor DATABASE_URL is set")
+        let var = "MIGRATION_DATABASE_URL";
+        own_or_database_url(var, &self.migration_database_url, &self.database_url)
     }
 }
 
@@ -347,7 +344,7 @@ impl ServeSettings {
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             bail!("HARDCOUNT_LISTEN_URL must be a postgres:// or postgresql:// URL");
         }
-        Ok(Some(Secret::from(url)))
+        database_url("HARDCOUNT_LISTEN_URL", url.to_owned()).map(|u| Some(Secret::from(u)))
     }
 
     /// Billing's settings: the payment provider when BILLING_PROVIDER_URL is

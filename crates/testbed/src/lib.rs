@@ -14,6 +14,7 @@ pub mod plans;
 pub mod receiver;
 mod smtp;
 pub mod sockets;
+pub mod tls_postgres;
 pub mod webhook_verify;
 
 use std::sync::atomic::{AtomicU32, Ordering};

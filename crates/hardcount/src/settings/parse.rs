@@ -8,6 +8,29 @@ use anyhow::{Context, Result, anyhow, bail};
 use webhook_delivery::backoff::RetrySchedule;
 
 use super::RETRY_DELAY;
+use crate::secret::Secret;
+
+/// `url`, read from `var`, if it parses and its TLS settings (`sslmode`,
+/// `sslrootcert`) can be used; the refusal names `var` and shows the URL
+/// without its password.
+pub(super) fn database_url(var: &str, url: String) -> Result<String> {
+    db::check_url(&url).map_err(|e| anyhow!("{var}: {e}"))?;
+    Ok(url)
+}
+
+/// `own` (read from `var`) if set, else `DATABASE_URL`, checked as
+/// [`database_url`] under the name of the one used.
+pub(super) fn own_or_database_url(
+    var: &str,
+    own: &Option<Secret>,
+    fallback: &Option<Secret>,
+) -> Result<String> {
+    match (Secret::set(own), Secret::set(fallback)) {
+        (Some(url), _) => database_url(var, url.to_owned()),
+        (None, Some(url)) => database_url("DATABASE_URL", url.to_owned()),
+        (None, None) => bail!("neither {var} nor DATABASE_URL is set"),
+    }
+}
 
 pub(super) fn roles_explicit(roles: &Option<String>) -> bool {
     non_empty(roles).is_some()

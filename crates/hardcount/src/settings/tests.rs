@@ -374,3 +374,50 @@ fn no_secret_setting_reaches_a_debug_print() {
     let printed = format!("{config:?}");
     assert!(!printed.contains(seeded), "{printed}");
 }
+
+/// Issue 26: an unknown sslmode is refused at start under the name of the
+/// variable that gave the URL, which is shown without its password.
+#[test]
+fn a_database_url_with_an_unknown_sslmode_is_refused_by_its_variable() {
+    let url = "postgres://app:hunter2@db/x?sslmode=verify_full";
+    let common = |database: Option<&str>, own: Option<&str>| Common {
+        database_url: database.map(Secret::from),
+        migration_database_url: own.map(Secret::from),
+        operator_database_url: own.map(Secret::from),
+        secrets_key: None,
+        rust_log: String::new(),
+    };
+    let good = "postgres://app:hunter2@db/x?sslmode=verify-full";
+    let rows = [
+        (common(Some(url), None).database_url(), "DATABASE_URL: "),
+        (
+            common(Some(url), None).migration_database_url(),
+            "DATABASE_URL: ",
+        ),
+        (
+            common(Some(good), Some(url)).migration_database_url(),
+            "MIGRATION_DATABASE_URL: ",
+        ),
+        (
+            common(Some(good), Some(url)).operator_database_url(),
+            "HARDCOUNT_OPERATOR_DATABASE_URL: ",
+        ),
+        (
+            check(&["--listen-url", url])
+                .map(|_| String::new())
+                .map_err(|e| anyhow!(e)),
+            "HARDCOUNT_LISTEN_URL: ",
+        ),
+    ];
+    for (got, var) in rows {
+        let err = format!("{:#}", got.unwrap_err());
+        assert!(err.starts_with(var), "{err}");
+        assert!(err.contains("unknown sslmode \"verify_full\""), "{err}");
+        assert!(err.contains("postgres://app:***@db/x"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+    }
+    assert_eq!(
+        common(Some(good), None).operator_database_url().unwrap(),
+        good
+    );
+}
