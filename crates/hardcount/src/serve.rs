@@ -159,9 +159,11 @@ fn work_for(
 pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
     scheduler::install_panic_hook();
     let db = Db::connect_lazy(config.database_url.expose(), 10)?;
+    // The first statement on DATABASE_URL: a refused connection (TLS, auth)
+    // says which variable to fix.
     db::check_schema_ready(&db)
         .await
-        .context("refusing to serve")?;
+        .context("refusing to serve (DATABASE_URL)")?;
     leader::store::check_roles_seeded(&db)
         .await
         .context("refusing to serve")?;
