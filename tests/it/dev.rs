@@ -208,3 +208,48 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
     assert!(!state.postgres_running(), "dev left its Postgres running");
     println!("dev: first delivery {cold:?} after start from nothing, {warm:?} on a rerun");
 }
+
+/// Issue 25, point 1: as root, a clone under `/root` or in a `mktemp -d`
+/// folder (mode 0700) is a path the `postgres` OS user cannot traverse, and
+/// initdb failed with "Permission denied". `dev` now says so and keeps the
+/// cluster where that user can reach it, and the demo runs as from anywhere.
+/// Fails if the cluster is put under the unreachable state directory again
+/// (initdb's refusal ends `dev` before the first delivery). Only meaningful
+/// as root, which is how the bed and CI run; skipped otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_runs_from_a_directory_the_postgres_user_cannot_reach() {
+    use std::os::unix::fs::PermissionsExt;
+    let root =
+        std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
+    if !root {
+        eprintln!("not root: the postgres user is this user, nothing to test");
+        return;
+    }
+    let parent = StateDir::new();
+    std::fs::set_permissions(&parent.0, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let state = parent.0.join("clone/.hardcount-dev");
+    std::fs::create_dir_all(&state).unwrap();
+
+    let mut dev = Dev::start(&state);
+    dev.until_printed("delivered webhook", Duration::from_secs(180))
+        .await;
+    let out = dev.stdout();
+    assert!(
+        out.contains("the postgres OS user cannot reach")
+            && out.contains("/var/lib/hardcount-dev/"),
+        "{out}"
+    );
+    let data = out
+        .lines()
+        .find_map(|l| l.split("(data in ").nth(1))
+        .map(|rest| PathBuf::from(rest.trim_end_matches(')')))
+        .unwrap_or_else(|| panic!("no data directory printed:\n{out}"));
+    assert!(data.join("PG_VERSION").exists(), "{}", data.display());
+    assert_eq!(dev.interrupt().await, Some(0), "{}", dev.stdout());
+    assert!(
+        !data.join("postmaster.pid").exists(),
+        "dev left its Postgres running"
+    );
+    // The cluster belongs to this test's state directory only.
+    let _ = std::fs::remove_dir_all(data.parent().unwrap());
+}

@@ -43,7 +43,7 @@ pub async fn run(
             println!(
                 "Postgres 15 on 127.0.0.1:{} (data in {})",
                 pg.port(),
-                state_dir.join("postgres/data").display()
+                pg.data_dir().display()
             );
             (pg.owner_url(), pg.app_url())
         }

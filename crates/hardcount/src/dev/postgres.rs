@@ -11,6 +11,9 @@ use anyhow::{Context, Result, bail};
 
 const PGBIN: &str = "/usr/lib/postgresql/15/bin";
 const DATABASE: &str = "hardcount";
+/// Where a root run keeps a cluster whose state directory the `postgres` OS
+/// user cannot reach (root's home and `mktemp -d` folders are mode 0700).
+const REACHABLE_ROOT: &str = "/var/lib/hardcount-dev";
 
 /// A running cluster. Dropping it stops the server if this process started it;
 /// the data stays.
@@ -26,7 +29,7 @@ impl LocalPostgres {
     /// database exists.
     pub fn start(state_dir: &Path) -> Result<LocalPostgres> {
         ensure_installed()?;
-        let dir = state_dir.join("postgres");
+        let dir = cluster_dir(state_dir);
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create {}", dir.display()))?;
         if is_root() {
@@ -102,6 +105,11 @@ impl LocalPostgres {
         self.port
     }
 
+    /// The cluster's data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
     /// The port of a server already running on this data directory, if any.
     fn running_port(&self) -> Option<u16> {
         let status = as_postgres("pg_ctl")
@@ -153,6 +161,43 @@ impl Drop for LocalPostgres {
             Err(e) => eprintln!("could not stop the local Postgres: {e:#}"),
         }
     }
+}
+
+/// The cluster's directory: `state_dir/postgres`, unless this process is root
+/// and the `postgres` OS user (which runs the server) cannot reach the state
+/// directory; then a directory of its own under [`REACHABLE_ROOT`], named
+/// after the state directory so a rerun finds it again, and said so.
+fn cluster_dir(state_dir: &Path) -> PathBuf {
+    let inside = state_dir.join("postgres");
+    if !is_root() || postgres_can_enter(state_dir) {
+        return inside;
+    }
+    let name: String = state_dir
+        .to_string_lossy()
+        .trim_start_matches('/')
+        .chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '_' | '-' => c,
+            _ => '-',
+        })
+        .collect();
+    let dir = Path::new(REACHABLE_ROOT).join(name);
+    println!(
+        "the postgres OS user cannot reach {} (a 0700 directory on its path): the cluster lives in {} instead",
+        state_dir.display(),
+        dir.display()
+    );
+    dir
+}
+
+/// Whether the `postgres` OS user can enter `dir` (every directory on its
+/// path searchable by it).
+fn postgres_can_enter(dir: &Path) -> bool {
+    Command::new("runuser")
+        .args(["-u", "postgres", "--", "test", "-x"])
+        .arg(dir)
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn ensure_installed() -> Result<()> {
