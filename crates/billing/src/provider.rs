@@ -75,7 +75,8 @@ impl ProviderConfig {
     /// # Errors
     /// The first setting out of range, never echoing the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = || ConfigError::ProviderUrl(self.base_url.clone());
+        // The URL as the error shows it: credentials in it are never echoed.
+        let bad = || ConfigError::ProviderUrl(redacted(&self.base_url));
         let url = url::Url::parse(&self.base_url).map_err(|_| bad())?;
         if !matches!(url.scheme(), "http" | "https")
             || url.host_str().is_none()
@@ -381,6 +382,16 @@ fn describe(e: reqwest::Error) -> String {
     format!("{kind}: {}", e.without_url())
 }
 
+/// `url` with any `user:password@` replaced by `***@`, for an error message.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,6 +407,18 @@ mod tests {
             !p.raw("echo sk_test_very_secret back")
                 .contains("very_secret")
         );
+    }
+
+    /// A provider URL refused for carrying credentials is named without them.
+    #[test]
+    fn a_refused_provider_url_never_echoes_its_credentials() {
+        let c = ProviderConfig::new(
+            "https://user:hunter2@api.example.com",
+            SecretKey::new("sk_test_1"),
+        );
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("https://***@api.example.com"), "{err}");
+        assert!(!err.contains("hunter2") && !err.contains("user:"), "{err}");
     }
 
     #[test]
