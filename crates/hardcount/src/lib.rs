@@ -61,16 +61,25 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
 }
 
 /// The tracing subscriber for `RUST_LOG` (`info` when unset or invalid), on stderr.
-pub fn init_logging(cli: &Cli) {
+///
+/// # Errors
+/// `HARDCOUNT_LOG_FORMAT` is neither `text` nor `json` (named; nothing is
+/// logged yet).
+pub fn init_logging(cli: &Cli) -> Result<()> {
     let filter =
         tracing_subscriber::EnvFilter::try_new(cli.common.rust_log.trim()).unwrap_or_else(|e| {
             eprintln!("RUST_LOG={:?}: {e}; logging at info", cli.common.rust_log);
             "info".into()
         });
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match cli.common.log_format.trim() {
+        "text" | "" => logs.init(),
+        "json" => logs.json().flatten_event(true).init(),
+        other => anyhow::bail!("HARDCOUNT_LOG_FORMAT is {other:?}; expected text or json"),
+    }
+    Ok(())
 }
 
 /// Bind `HARDCOUNT_HTTP_ADDR`.

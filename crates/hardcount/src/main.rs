@@ -14,7 +14,10 @@ use tracing::{info, warn};
 
 fn main() -> ExitCode {
     let cli = hardcount::Cli::parse();
-    hardcount::init_logging(&cli);
+    if let Err(e) = hardcount::init_logging(&cli) {
+        eprintln!("error: {e:#}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -168,6 +168,7 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_ROLES",
     "HARDCOUNT_LISTEN_URL",
     "RUST_LOG",
+    "HARDCOUNT_LOG_FORMAT",
 ];
 
 /// The lease layer's series (crates/leader, crates/scheduler), one per role by

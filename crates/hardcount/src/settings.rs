@@ -71,6 +71,14 @@ pub struct Common {
     /// Log filter (tracing's EnvFilter syntax), e.g. `info,leader=debug`.
     #[arg(long = "log", env = "RUST_LOG", default_value = "info", global = true)]
     pub rust_log: String,
+    /// `text` (for people) or `json` (one object per line, for a log pipeline).
+    #[arg(
+        long,
+        env = "HARDCOUNT_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: String,
 }
 
 impl Common {

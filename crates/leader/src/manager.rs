@@ -8,7 +8,7 @@ use db::Db;
 use futures::FutureExt;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::announce::{Announcer, Heard};
 use crate::heartbeat::{AbortOnDrop, Heartbeat, LostSignal, observe_drift};
@@ -165,7 +165,10 @@ impl Manager {
                 )
                 .await);
         }
-        info!(role = %role, token, holder = %self.holder_id, "lease acquired");
+        // Every line logged within the tick (its work, heartbeat and release)
+        // carries the role, the token and a tick id of this process.
+        let span = info_span!("tick", role = %role, token, tick = next_tick_id());
+        span.in_scope(|| info!(holder = %self.holder_id, "lease acquired"));
         let fence = Fence::won(role, token);
         let cancel = shutdown.child_token();
 
@@ -178,7 +181,7 @@ impl Manager {
             })
         }));
         let mut work = match work {
-            Ok(fut) => Box::pin(AssertUnwindSafe(fut).catch_unwind()),
+            Ok(fut) => Box::pin(AssertUnwindSafe(fut.instrument(span.clone())).catch_unwind()),
             Err(payload) => {
                 self.finish(
                     role,
@@ -205,7 +208,8 @@ impl Manager {
                 telemetry: self.telemetry.clone(),
                 last_ack: acquire_sent,
             }
-            .run(),
+            .run()
+            .instrument(span.clone()),
         ));
 
         let mut heartbeat = heartbeat;
@@ -247,6 +251,7 @@ impl Manager {
         let result = result.unwrap_or(Ok(TickEnd::Drained));
         Ok(self
             .finish(role, token, interval, started, ending, result, &lost)
+            .instrument(span)
             .await)
     }
 
@@ -356,4 +361,10 @@ enum Ending {
     Returned,
     Lost,
     Shutdown,
+}
+
+/// A tick id unique within this process, for the `tick` span's field.
+fn next_tick_id() -> u64 {
+    static TICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    TICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }

@@ -386,6 +386,7 @@ fn a_database_url_with_an_unknown_sslmode_is_refused_by_its_variable() {
         operator_database_url: own.map(Secret::from),
         secrets_key: None,
         rust_log: String::new(),
+        log_format: String::new(),
     };
     let good = "postgres://app:hunter2@db/x?sslmode=verify-full";
     let rows = [

@@ -543,3 +543,50 @@ async fn a_trace_level_serve_run_prints_no_password_and_no_key() {
     assert!(!all.contains(password), "the database password was printed");
     assert!(!all.contains(key_bytes), "the secrets key was printed");
 }
+
+/// Issue 25, point 6: `HARDCOUNT_LOG_FORMAT=json` makes every line one JSON
+/// object, and every line logged within a tick carries the tick's `role`,
+/// `token` and `tick` id (the `tick` span of `Manager::lead`); a format
+/// that is neither text nor json is refused by name. Fails if the span is
+/// not entered around the work (the lines inside a tick lose their fields).
+#[tokio::test]
+async fn json_logs_are_one_object_per_line_and_a_ticks_lines_carry_role_token_and_tick() {
+    let t = TestDb::new().await;
+    let all = run_until(
+        hardcount()
+            .arg("serve")
+            .env("DATABASE_URL", t.app_url(Leg::current()))
+            .env("HARDCOUNT_ROLES", "webhook_outbox")
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+            .env("HARDCOUNT_LOG_FORMAT", "json")
+            .env("RUST_LOG", "info,scheduler=debug"),
+        "nothing claimed",
+        Duration::from_secs(30),
+    );
+    let lines: Vec<serde_json::Value> = all
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let in_tick = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "nothing claimed" || l["message"] == "nothing claimed")
+        .unwrap_or_else(|| panic!("no tick line: {all}"));
+    let span = &in_tick["span"];
+    assert_eq!(span["name"], "tick", "{in_tick}");
+    assert_eq!(span["role"], "webhook_outbox", "{in_tick}");
+    assert!(
+        span["token"].is_number() && span["tick"].is_number(),
+        "{in_tick}"
+    );
+
+    let out = run(
+        hardcount()
+            .args(["leader", "status"])
+            .env("DATABASE_URL", t.app_url(Leg::current()))
+            .env("HARDCOUNT_LOG_FORMAT", "yaml"),
+        Duration::from_secs(20),
+    );
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(all.contains("HARDCOUNT_LOG_FORMAT is \"yaml\""), "{all}");
+}
