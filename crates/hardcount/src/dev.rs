@@ -96,10 +96,13 @@ pub async fn run(
     let demo_stop = CancellationToken::new();
     let receiver = demo::start_receiver(demo_stop.clone()).await?;
     let db = Db::connect_lazy(&app_url, 2)?;
+    // Seeding writes what tenants write (endpoints, plans, customers,
+    // subscriptions, a dunning policy): the owner's, not the app's
+    // (docs/adr/0031).
     demo::seed(&owner, &keyring, &receiver).await?;
     billing::seed(&owner, &keyring, &receiver).await?;
+    dunning_demo.seed(&owner, &db, demo_stop.clone()).await?;
     owner.close().await;
-    dunning_demo.seed(&db, demo_stop.clone()).await?;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));
 
     let host = if addr.ip().is_unspecified() {

@@ -4,6 +4,8 @@
 
 mod access_path;
 mod cancel;
+mod definers;
+mod grants;
 mod migrations;
 mod roles;
 mod schema;

@@ -239,7 +239,11 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
 
 /// hardcount_app, the role loops' role, lost what no loop uses: it reads a
 /// webhook secret only sealed, creates and repoints no endpoint, rotates no
-/// secret and pauses no role.
+/// secret and pauses no role; and (migration 0023) it renames, reprices or
+/// re-terms nothing a tenant owns: no customer's email, name or provider id,
+/// no plan's name, no subscription's trial or collection method, no
+/// policy's terms, no invoice's number or amounts once written. Seen failing
+/// on the schema of migration 0022, at `UPDATE customers SET email`.
 ///
 /// Catches: the app keeping its table-wide SELECT on webhook_endpoints
 /// (`app_reads_clear_secret`: `SELECT secret` is allowed again).
@@ -327,6 +331,23 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "SELECT leader_pause('billing', 'x', 'y')",
             "SELECT leader_unpause('billing')",
             "UPDATE leader_leases SET paused_at = now(), paused_by = 'x'",
+            // Migration 0023: written by the API or the owner, never by a loop.
+            "UPDATE customers SET email = 'mallory@example.org'",
+            "UPDATE customers SET name = 'Mallory'",
+            "UPDATE customers SET provider_customer_id = 'cus_elsewhere'",
+            "UPDATE plans SET name = 'Free'",
+            "UPDATE subscriptions SET trial_end = now()",
+            "UPDATE subscriptions SET collection_method = 'send_invoice'",
+            "UPDATE invoices SET number = 'INV-000001'",
+            "UPDATE invoices SET balance_applied = 0",
+            "UPDATE invoices SET carried_to_balance = 0",
+            "UPDATE invoices SET finalized_at = now()",
+            "UPDATE dunning_policies SET name = 'x'",
+            "UPDATE dunning_policies SET retry_offsets_secs = '{1}'",
+            "UPDATE dunning_policies SET final_action = 'write_off'",
+            "UPDATE dunning_policies SET warn_after = '{}'",
+            "UPDATE dunning_policies SET final_notice = false",
+            "UPDATE dunning_policies SET is_default = false",
         ],
     )
     .await;

@@ -47,13 +47,14 @@ pub fn prepare(serve: &mut ServeSettings) -> Demo {
 }
 
 impl Demo {
-    /// Seed the policy and the subscription (once per database), make the card
-    /// decline, and watch for the second decline to make it succeed.
-    pub async fn seed(&self, db: &Db, shutdown: CancellationToken) -> Result<()> {
+    /// Seed the policy and the subscription (once per database) as the
+    /// `owner`, make the card decline, and watch for the second decline (as
+    /// the `app`) to make it succeed.
+    pub async fn seed(&self, owner: &Db, app: &Db, shutdown: CancellationToken) -> Result<()> {
         let Some(base_url) = self.base_url.clone() else {
             return Ok(());
         };
-        let seeded = db
+        let seeded = owner
             .fetch_optional(
                 sql("SELECT id FROM customers WHERE tenant_id = $1 AND provider_customer_id = $2")
                     .bind(super::demo::TENANT)
@@ -70,7 +71,7 @@ impl Demo {
             println!("dunning demo: the provider at {base_url} is not the fake; skipped");
             return Ok(());
         }
-        let mut tx = db.begin().await?;
+        let mut tx = owner.begin().await?;
         let tenant = super::demo::TENANT;
         tx.execute(
             sql(
@@ -104,7 +105,7 @@ impl Demo {
         println!(
             "dunning demo: subscription #{subscription} is due now; its card declines twice, then succeeds"
         );
-        tokio::spawn(watch(db.clone(), http, base_url, subscription, shutdown));
+        tokio::spawn(watch(app.clone(), http, base_url, subscription, shutdown));
         Ok(())
     }
 }
