@@ -35,9 +35,10 @@ ALTER FUNCTION email_mailbox_valid(text) SET search_path = pg_catalog, public, p
 -- Point 7. Column rights hardcount_app was given and no statement of the
 -- role loops writes (read from every UPDATE in crates/*/src): what a
 -- tenant (through the API) or the owner writes, never a loop.
---   customers (email, name, provider_customer_id): the API's and the
---     owner's; billing reads them. payment_method_id stays: the billing and
---     dunning tests take a card away as the app (see docs/adr/0031).
+--   customers (email, name, provider_customer_id, payment_method_id) and
+--     INSERT on customers, plans and subscriptions: the API's and the
+--     owner's (tests seed them as the API role, testbed::tenant_writer);
+--     billing and dunning only read them.
 --   plans (name): the API's.
 --   subscriptions (trial_end, collection_method): the API's; billing and
 --     dunning move periods, status and pauses only.
@@ -45,10 +46,15 @@ ALTER FUNCTION email_mailbox_valid(text) SET search_path = pg_catalog, public, p
 --     written once by billing's INSERT, never updated.
 --   dunning_policies (name, retry_offsets_secs, final_action, warn_after,
 --     final_notice, is_default): dunning inserts the default policy and
---     changes none. pause_behavior stays: the dunning tests set it as the app.
-REVOKE UPDATE (email, name, provider_customer_id) ON customers FROM hardcount_app;
+--     changes none, pause_behavior included.
+--   email_address_valid, email_mailbox_valid: called only by the CHECKs of
+--     customers and tenant_settings, which the app no longer writes.
+REVOKE UPDATE (email, name, provider_customer_id, payment_method_id) ON customers FROM hardcount_app;
+REVOKE INSERT ON customers, plans, subscriptions FROM hardcount_app;
 REVOKE UPDATE (name) ON plans FROM hardcount_app;
 REVOKE UPDATE (trial_end, collection_method) ON subscriptions FROM hardcount_app;
 REVOKE UPDATE (number, balance_applied, carried_to_balance, finalized_at) ON invoices FROM hardcount_app;
-REVOKE UPDATE (name, retry_offsets_secs, final_action, warn_after, final_notice, is_default)
+REVOKE UPDATE (name, retry_offsets_secs, final_action, warn_after, final_notice, is_default,
+                pause_behavior)
     ON dunning_policies FROM hardcount_app;
+REVOKE EXECUTE ON FUNCTION email_address_valid(text), email_mailbox_valid(text) FROM hardcount_app;

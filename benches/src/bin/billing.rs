@@ -67,7 +67,7 @@ async fn main() -> Result<()> {
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), args.pool)?;
 
     progress(&format!("seeding {} due subscriptions", args.subscriptions));
-    seed(&db, args.subscriptions).await?;
+    seed(&t.api(), args.subscriptions).await?;
 
     progress("billing: one tick");
     let biller = Biller::new(db.clone(), config.clone(), Telemetry::noop())?;

@@ -106,7 +106,8 @@ impl TestDb {
     }
 
     /// The API role's pool (`hardcount_api`: creates endpoints, rotates
-    /// secrets) through the current leg.
+    /// secrets, writes customers, plans and subscriptions) through the
+    /// current leg.
     pub fn api(&self) -> Db {
         Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &self.name), 2).unwrap()
     }
@@ -160,6 +161,18 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// The API role's pool (`hardcount_api`) on the database `db` reaches,
+/// through the current leg: what tests seed tenants' rows with (customers,
+/// plans, subscriptions), as the tenant API writes them; the role loops'
+/// own role may not.
+///
+/// # Panics
+/// If `db` names no database.
+pub fn tenant_writer(db: &Db) -> Db {
+    let name = db.database_name().expect("a test pool names its database");
+    Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &name), 2).unwrap()
 }
 
 pub fn app_url(leg: Leg, database: &str) -> String {

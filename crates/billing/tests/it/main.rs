@@ -41,7 +41,7 @@ pub fn biller(db: &Db, config: BillingConfig) -> (Biller, PrometheusHandle) {
 
 /// A plan of `amount` EUR minor units every `count` `unit`s, and its id.
 pub async fn plan(db: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
-    db.fetch_one(
+    testbed::tenant_writer(db).fetch_one(
         sql(
             "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
              VALUES ($1, 'Pro', $2, 'EUR', $3, $4) RETURNING id",
@@ -66,7 +66,7 @@ pub async fn subscription(
     start: DateTime<Utc>,
     end: DateTime<Utc>,
 ) -> i64 {
-    let customer: i64 = db
+    let customer: i64 = testbed::tenant_writer(db)
         .fetch_one(
             sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
                  VALUES ($1, 'ada@example.org', 'Ada', 'cus_' || md5(random()::text), 'pm_card_visa') \
@@ -76,7 +76,7 @@ pub async fn subscription(
         .await
         .unwrap()
         .get("id");
-    db.fetch_one(
+    testbed::tenant_writer(db).fetch_one(
         sql(
             "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
                                         current_period_start, current_period_end, next_billing_at) \

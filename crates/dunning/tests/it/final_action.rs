@@ -296,11 +296,12 @@ async fn dunnings_pause_replaces_a_pause_in_force_with_its_policys_behaviour() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let policy_id = policy(&t.db, "tenant_a", 2, "pause_collection").await;
-    t.db.execute(
-        sql("UPDATE dunning_policies SET pause_behavior = 'void' WHERE id = $1").bind(policy_id),
-    )
-    .await
-    .unwrap();
+    // A tenant's own setting (the API will write it): as the owner here.
+    sqlx::query("UPDATE dunning_policies SET pause_behavior = 'void' WHERE id = $1")
+        .bind(policy_id)
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
     let a = declined_invoice(&t.db, "tenant_a").await;
     let (d, _) = dunner(&t.db, &p, CALL, config());
     exhausted(&t.db, &d, a.invoice, 2).await;
