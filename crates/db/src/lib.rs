@@ -124,7 +124,10 @@ impl Db {
     /// The database this pool connects to (tests derive another role's pool
     /// on the same database from it).
     pub fn database_name(&self) -> Option<String> {
-        self.pool.connect_options().get_database().map(str::to_owned)
+        self.pool
+            .connect_options()
+            .get_database()
+            .map(str::to_owned)
     }
 
     /// Open a lazy pool of at most `max_connections` to `url`.

@@ -178,12 +178,13 @@ pub async fn enrol(db: &Db, d: &Dunner) -> usize {
 
 /// The customer (by its `cus_…`) no longer has a payment method.
 pub async fn remove_payment_method(db: &Db, customer: &str) {
-    testbed::tenant_writer(db).execute(
-        sql("UPDATE customers SET payment_method_id = NULL WHERE provider_customer_id = $1")
-            .bind(customer.to_owned()),
-    )
-    .await
-    .unwrap();
+    testbed::tenant_writer(db)
+        .execute(
+            sql("UPDATE customers SET payment_method_id = NULL WHERE provider_customer_id = $1")
+                .bind(customer.to_owned()),
+        )
+        .await
+        .unwrap();
 }
 
 /// `payment.failed` events billing queued.

@@ -340,15 +340,16 @@ async fn a_hard_decline_waits_for_a_new_payment_method() {
             "dunning.retry_skipped"
         ]
     );
-    t.api().execute(
-        sql(
-            "UPDATE customers SET payment_method_id = 'pm_card_mastercard' \
+    t.api()
+        .execute(
+            sql(
+                "UPDATE customers SET payment_method_id = 'pm_card_mastercard' \
              WHERE provider_customer_id = $1",
+            )
+            .bind(a.customer.clone()),
         )
-        .bind(a.customer.clone()),
-    )
-    .await
-    .unwrap();
+        .await
+        .unwrap();
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.recovered, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("recovered".to_owned(), 3));
