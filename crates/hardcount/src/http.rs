@@ -11,21 +11,41 @@
 //!
 //! `/readyz` answers `ready` or `not ready`, nothing more: why goes to the log
 //! (a driver error can name hosts and roles).
+//!
+//! Connections are bounded too ([`serve_bounded`], issue 26, point 6): a
+//! client has [`HEADER_READ_TIMEOUT`] to send each request's head, the first
+//! or the next one on a kept-alive connection, so an idle connection is closed
+//! after it; a head is at most [`MAX_REQUEST_HEAD_BYTES`]; at most
+//! [`MAX_CONNECTIONS`] are open. At the cap a new connection is still
+//! accepted, and the connection that has waited longest for a request (none
+//! in a handler) is closed to make room, as nginx reuses idle connections:
+//! a flood of idle connections then costs at most the cap in descriptors and
+//! buffers, and a probe, which sends its request as soon as it connects, is
+//! answered at once instead of waiting in the kernel's backlog behind the
+//! flood (where it would wait a whole [`HEADER_READ_TIMEOUT`] per cap's worth
+//! of idle connections ahead of it) or being refused with them.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{Request, StatusCode};
 use axum::routing::get;
 use db::Db;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use leader::Telemetry;
 use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt as _;
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// How often the background task refreshes the snapshot.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(2);
@@ -38,6 +58,27 @@ pub const STALE_AFTER: Duration = Duration::from_secs(10);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Requests served at once across every route.
 pub const MAX_CONCURRENT_REQUESTS: usize = 16;
+/// The longest a client may take to send a request's head: counted from the
+/// accept for the first request and from the end of the last response for
+/// each next one, so it is also the idle keep-alive timeout. (hyper 1.12 arms
+/// its header-read timer whenever the connection waits for a head,
+/// `proto/h1/conn.rs` `poll_read_head`; `bounded_connections` pins both.)
+/// Probes and scrapers send their request with the connection, so a few
+/// seconds is generous; Prometheus scrapes every 15 s or more and reconnects.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections open at once. A replica is probed by its kubelet and scraped by
+/// one or two Prometheus servers, a handful of connections; the cap bounds the
+/// descriptors (well under a default soft `RLIMIT_NOFILE` of 1024, beside the
+/// database pools and the webhook and SMTP clients) and the buffers
+/// (`MAX_CONNECTIONS × MAX_REQUEST_HEAD_BYTES` = 4 MiB) a flood can take.
+pub const MAX_CONNECTIONS: usize = 256;
+/// The largest request head (start line and headers) read, and so the most a
+/// connection's read buffer grows to (hyper's default is about 400 KiB); past
+/// it, 431. Our requests are a few hundred bytes.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 16 * 1024;
+/// After an accept error other than a reset (`EMFILE`, `ENFILE`, `ENOMEM`), how
+/// long the accept loop waits before trying again, so it does not spin.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// What the last background check found.
 #[derive(Debug, Default)]
@@ -86,6 +127,226 @@ fn bounded(routes: Router, timeout: Duration, concurrent: usize) -> Router {
             StatusCode::SERVICE_UNAVAILABLE,
             timeout,
         ))
+}
+
+/// Serve `app` on `listener` until `stop` is cancelled, bounded per
+/// connection and in connections (the module doc): HTTP/1.1, TCP_NODELAY.
+///
+/// Once `stop` is cancelled it accepts nothing more, closes idle connections,
+/// lets requests in flight finish within [`REQUEST_TIMEOUT`], and returns.
+pub async fn serve_bounded(listener: TcpListener, app: Router, stop: CancellationToken) {
+    let open = Arc::new(OpenConnections::new(MAX_CONNECTIONS));
+    let connections = TaskTracker::new();
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                warn!(error = %e, "HTTP accept failed; retrying");
+                let _ = stop
+                    .run_until_cancelled(tokio::time::sleep(ACCEPT_BACKOFF))
+                    .await;
+                continue;
+            }
+        };
+        // At the cap with every connection in a handler, the new one is
+        // closed: it is the only one that has not been served yet.
+        let Some(slot) = open.admit() else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        connections.spawn(serve_connection(stream, app.clone(), slot, stop.clone()));
+    }
+    drop(listener);
+    connections.close();
+    if tokio::time::timeout(REQUEST_TIMEOUT, connections.wait())
+        .await
+        .is_err()
+    {
+        warn!("HTTP connections still open {REQUEST_TIMEOUT:?} after shutdown; dropping them");
+    }
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    )
+}
+
+/// One connection until it closes, is evicted (dropped: the socket closes), or
+/// `stop` asks it to finish its request in flight and close.
+async fn serve_connection(
+    stream: TcpStream,
+    app: Router,
+    slot: ConnectionSlot,
+    stop: CancellationToken,
+) {
+    let service = hyper::service::service_fn(|req: Request<Incoming>| {
+        let in_handler = slot.request_started();
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(req).await;
+            drop(in_handler);
+            response
+        }
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES)
+        .max_header_size(MAX_REQUEST_HEAD_BYTES)
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        done = conn.as_mut() => {
+            if let Err(e) = done {
+                debug!(error = %e, "HTTP connection closed");
+            }
+            return;
+        }
+        () = slot.evict.cancelled() => return,
+        () = stop.cancelled() => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    tokio::select! {
+        _ = conn => {}
+        () = slot.evict.cancelled() => {}
+    }
+}
+
+/// The open connections, for the cap: which one is in a handler, and which
+/// has waited longest for a request.
+struct OpenConnections {
+    cap: usize,
+    state: Mutex<Open>,
+}
+
+#[derive(Default)]
+struct Open {
+    /// Hands out connection ids and activity marks, both increasing.
+    clock: u64,
+    slots: HashMap<u64, SlotState>,
+    /// When the cap was last reported, so a flood logs once a minute.
+    reported_at: Option<Instant>,
+}
+
+struct SlotState {
+    /// `clock` when the connection was accepted or last finished a request.
+    last_active: u64,
+    in_handler: usize,
+    evict: CancellationToken,
+}
+
+/// A connection's place under the cap; dropping it (the connection's task
+/// ending, a panic included) frees the place.
+struct ConnectionSlot {
+    open: Arc<OpenConnections>,
+    id: u64,
+    evict: CancellationToken,
+}
+
+/// A request in a handler: its connection is not evicted until it is dropped.
+struct InHandler {
+    open: Arc<OpenConnections>,
+    id: u64,
+}
+
+impl OpenConnections {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            state: Mutex::new(Open::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Open> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for a new connection: a free one, else the one of the
+    /// connection with no request in a handler that was active least
+    /// recently, which is closed. `None` when every connection is in a handler.
+    fn admit(self: &Arc<Self>) -> Option<ConnectionSlot> {
+        let mut open = self.lock();
+        if open.slots.len() >= self.cap {
+            let oldest_idle = open
+                .slots
+                .iter()
+                .filter(|(_, s)| s.in_handler == 0)
+                .min_by_key(|(_, s)| s.last_active)
+                .map(|(id, _)| *id);
+            let now = Instant::now();
+            if open
+                .reported_at
+                .is_none_or(|at| now.duration_since(at) > Duration::from_secs(60))
+            {
+                open.reported_at = Some(now);
+                warn!(
+                    cap = self.cap,
+                    "HTTP connection cap reached; closing the idle connections that waited longest"
+                );
+            }
+            let evicted = open.slots.remove(&oldest_idle?)?;
+            evicted.evict.cancel();
+        }
+        open.clock += 1;
+        let id = open.clock;
+        let evict = CancellationToken::new();
+        open.slots.insert(
+            id,
+            SlotState {
+                last_active: id,
+                in_handler: 0,
+                evict: evict.clone(),
+            },
+        );
+        Some(ConnectionSlot {
+            open: self.clone(),
+            id,
+            evict,
+        })
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.lock().slots.len()
+    }
+}
+
+impl ConnectionSlot {
+    fn request_started(&self) -> InHandler {
+        if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
+            s.in_handler += 1;
+        }
+        InHandler {
+            open: self.open.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.open.lock().slots.remove(&self.id);
+    }
+}
+
+impl Drop for InHandler {
+    fn drop(&mut self) {
+        let mut open = self.open.lock();
+        open.clock += 1;
+        let now = open.clock;
+        if let Some(s) = open.slots.get_mut(&self.id) {
+            s.in_handler -= 1;
+            s.last_active = now;
+        }
+    }
 }
 
 /// Ready when the last background check found the database answering and the
@@ -156,8 +417,6 @@ pub async fn refresh_status(
 mod tests {
     use super::*;
     use axum::body::Body;
-    use axum::http::Request;
-    use tower::ServiceExt as _;
 
     #[test]
     fn a_snapshot_goes_stale_only_after_a_whole_refresh_cycle() {
@@ -206,6 +465,35 @@ mod tests {
             .filter(|s| **s == StatusCode::SERVICE_UNAVAILABLE)
             .count();
         assert_eq!(late, 1, "{answers:?}");
+    }
+
+    /// At the cap the idle connection that was active least recently makes
+    /// room; one in a handler never does, and with every one in a handler the
+    /// newcomer is refused. Fails if the cap admits past itself, evicts by
+    /// accept order instead of activity, or evicts a connection in a handler.
+    #[test]
+    fn at_the_cap_the_longest_idle_connection_makes_room() {
+        let open = Arc::new(OpenConnections::new(3));
+        let a = open.admit().unwrap();
+        let b = open.admit().unwrap();
+        let c = open.admit().unwrap();
+        drop(a.request_started()); // a is now the most recently active
+        let busy = b.request_started();
+        let d = open.admit().unwrap();
+        assert_eq!(open.len(), 3);
+        assert!(c.evict.is_cancelled(), "c waited longest");
+        assert!(!a.evict.is_cancelled() && !b.evict.is_cancelled());
+        let _e = open.admit().unwrap();
+        assert!(a.evict.is_cancelled(), "then a; never b, in a handler");
+        let _d_busy = d.request_started();
+        let _e_busy = _e.request_started();
+        assert!(open.admit().is_none(), "every connection is in a handler");
+        assert!(!b.evict.is_cancelled());
+        drop(busy);
+        let _f = open.admit().unwrap();
+        assert!(b.evict.is_cancelled());
+        drop((a, c));
+        assert_eq!(open.len(), 3, "an evicted slot is not counted twice");
     }
 
     async fn futures_join3<F: Future<Output = StatusCode>>(a: F, b: F, c: F) -> [StatusCode; 3] {

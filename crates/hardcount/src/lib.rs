@@ -15,7 +15,7 @@
 
 mod cli;
 mod dev;
-mod http;
+pub mod http;
 pub mod roles;
 pub mod secret;
 mod serve;

@@ -254,11 +254,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     ));
     let app = router(AppState { status, metrics });
     let http_stop = root.clone();
-    let http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { http_stop.cancelled().await })
-            .await
-    });
+    let http = tokio::spawn(crate::http::serve_bounded(listener, app, http_stop));
 
     if let Some(url) = config.listen_url.clone().filter(|_| !wakes.is_empty()) {
         info!(roles = ?wakes.iter().map(Wake::channel).collect::<Vec<_>>(), "wake-ups on (HARDCOUNT_LISTEN_URL)");
