@@ -5,39 +5,17 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Every series the rules may name: the leader layer's
-/// (crates/leader/src/manager.rs, crates/scheduler/src/status.rs) and the email
-/// outbox's (crates/email_outbox/src/tick.rs) and billing's (crates/billing/src:
-/// tick.rs, charge.rs, reconcile.rs, lifecycle.rs, plan_change.rs) and webhook
-/// delivery's secret checks (crates/hardcount/src/serve.rs,
-/// crates/webhook_delivery/src/attempt.rs). A rule on any
+/// Every series the rules may name: what the binary's role registry says
+/// hardcount exports (`hardcount::roles`: each role's series and the lease
+/// layer's, held against the code by the registry's own tests). A rule on any
 /// other name never fires.
-const EXPORTED: &[&str] = &[
-    "hardcount_emails_total",
-    "hardcount_email_oldest_queued_age_seconds",
-    "hardcount_leader_last_tick_age_seconds",
-    "hardcount_leader_last_tick_known",
-    "hardcount_leader_paused",
-    "hardcount_leader_lease_lost_total",
-    "hardcount_leader_heartbeat_missed_total",
-    "hardcount_leader_tick_duration_seconds",
-    "hardcount_leader_clock_drift_seconds",
-    "hardcount_leader_status_errors_total",
-    "hardcount_billing_due_subscriptions",
-    "hardcount_billing_oldest_due_age_seconds",
-    "hardcount_billing_invoices_created_total",
-    "hardcount_billing_closes_total",
-    "hardcount_billing_charges_total",
-    "hardcount_billing_reconciler_resolutions_total",
-    "hardcount_billing_trials_ended_total",
-    "hardcount_billing_collections_resumed_total",
-    "hardcount_billing_provider_key_rejected_total",
-    "hardcount_billing_payment_attempts_needing_review",
-    "hardcount_billing_payment_attempts_processing",
-    "hardcount_dunning_attempts_total",
-    "hardcount_webhook_endpoints_secret_unusable",
-    "hardcount_webhook_deliveries_secret_unusable_total",
-];
+fn exported() -> Vec<&'static str> {
+    hardcount::roles::REGISTRY
+        .iter()
+        .flat_map(|e| e.metrics.iter().copied())
+        .chain(hardcount::roles::EVERY_ROLE_METRICS.iter().copied())
+        .collect()
+}
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
 const HISTOGRAMS: &[&str] = &["hardcount_leader_tick_duration_seconds"];
@@ -75,7 +53,8 @@ fn alert_rules_name_only_metrics_the_service_exports() {
         for name in &names {
             assert!(
                 exported_series(name).is_some(),
-                "{file} names {name}, which hardcount does not export; it exports {EXPORTED:?}"
+                "{file} names {name}, which hardcount does not export; it exports {:?}",
+                exported()
             );
         }
         if file == RULES {
@@ -153,7 +132,7 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 
 /// The exported series a name refers to (a histogram's `_bucket` is its histogram).
 fn exported_series(name: &str) -> Option<&'static str> {
-    if let Some(series) = EXPORTED.iter().find(|s| **s == name) {
+    if let Some(series) = exported().into_iter().find(|s| *s == name) {
         return Some(series);
     }
     HISTOGRAMS.iter().copied().find(|h| {

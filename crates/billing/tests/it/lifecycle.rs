@@ -15,7 +15,8 @@ fn at(y: i32, m: u32, d: u32) -> DateTime<Utc> {
 
 /// A trialing subscription to `plan`, anchored at `anchor`, whose trial ends at `trial_end`.
 async fn trialing(db: &Db, plan: i64, anchor: DateTime<Utc>, trial_end: DateTime<Utc>) -> i64 {
-    let customer: i64 = testbed::tenant_writer(db)
+    let api = testbed::tenant_writer(db);
+    let customer: i64 = api
         .fetch_one(sql(
             "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
              VALUES ('tenant_a', 'ada@example.org', 'cus_' || md5(random()::text), 'pm_card_visa') \
@@ -24,7 +25,7 @@ async fn trialing(db: &Db, plan: i64, anchor: DateTime<Utc>, trial_end: DateTime
         .await
         .unwrap()
         .get("id");
-    testbed::tenant_writer(db).fetch_one(
+    api.fetch_one(
         sql(
             "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
                                         current_period_start, current_period_end, trial_end) \

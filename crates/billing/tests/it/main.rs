@@ -39,9 +39,14 @@ pub fn biller(db: &Db, config: BillingConfig) -> (Biller, PrometheusHandle) {
     (b, handle)
 }
 
-/// A plan of `amount` EUR minor units every `count` `unit`s, and its id.
+/// A plan of `amount` EUR minor units every `count` `unit`s, and its id,
+/// written as the tenant API writes it.
 pub async fn plan(db: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
-    testbed::tenant_writer(db).fetch_one(
+    plan_as(&testbed::tenant_writer(db), tenant, unit, count, amount).await
+}
+
+async fn plan_as(api: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
+    api.fetch_one(
         sql(
             "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
              VALUES ($1, 'Pro', $2, 'EUR', $3, $4) RETURNING id",
@@ -57,7 +62,8 @@ pub async fn plan(db: &Db, tenant: &str, unit: &str, count: i32, amount: i64) ->
 }
 
 /// An active subscription of a new customer to `plan`, anchored at `anchor`,
-/// in the period `[start, end)` with its watermark at `end`.
+/// in the period `[start, end)` with its watermark at `end`, written as the
+/// tenant API writes them.
 pub async fn subscription(
     db: &Db,
     tenant: &str,
@@ -66,7 +72,19 @@ pub async fn subscription(
     start: DateTime<Utc>,
     end: DateTime<Utc>,
 ) -> i64 {
-    let customer: i64 = testbed::tenant_writer(db)
+    let api = testbed::tenant_writer(db);
+    subscription_as(&api, tenant, plan, anchor, start, end).await
+}
+
+async fn subscription_as(
+    api: &Db,
+    tenant: &str,
+    plan: i64,
+    anchor: DateTime<Utc>,
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+) -> i64 {
+    let customer: i64 = api
         .fetch_one(
             sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
                  VALUES ($1, 'ada@example.org', 'Ada', 'cus_' || md5(random()::text), 'pm_card_visa') \
@@ -76,7 +94,7 @@ pub async fn subscription(
         .await
         .unwrap()
         .get("id");
-    testbed::tenant_writer(db).fetch_one(
+    api.fetch_one(
         sql(
             "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
                                         current_period_start, current_period_end, next_billing_at) \
@@ -97,12 +115,13 @@ pub async fn subscription(
 /// `n` monthly subscriptions whose period ended a minute ago; the next one
 /// ends a month later, so each is due exactly once.
 pub async fn due_monthly(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
-    let p = plan(db, tenant, "month", 1, 1200).await;
+    let api = testbed::tenant_writer(db);
+    let p = plan_as(&api, tenant, "month", 1, 1200).await;
     let end = Utc::now() - chrono::TimeDelta::minutes(1);
     let start = end - chrono::TimeDelta::days(30);
     let mut ids = Vec::new();
     for _ in 0..n {
-        ids.push(subscription(db, tenant, p, start, start, end).await);
+        ids.push(subscription_as(&api, tenant, p, start, start, end).await);
     }
     ids
 }

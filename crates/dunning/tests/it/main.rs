@@ -107,7 +107,8 @@ pub struct Declined {
 
 pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
     let tenant = tenant.to_owned();
-    let c = testbed::tenant_writer(db)
+    let api = testbed::tenant_writer(db);
+    let c = api
         .fetch_one(
             sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
                  VALUES ($1, 'ada@example.org', 'Ada', 'cus_' || md5(random()::text), 'pm_card_visa') \
@@ -116,7 +117,7 @@ pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
         )
         .await
         .unwrap();
-    let plan: i64 = testbed::tenant_writer(db)
+    let plan: i64 = api
         .fetch_one(
             sql("INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
                  VALUES ($1, 'Pro', 1200, 'EUR', 'month', 1) RETURNING id")
@@ -125,7 +126,7 @@ pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
         .await
         .unwrap()
         .get("id");
-    let subscription: i64 = testbed::tenant_writer(db)
+    let subscription: i64 = api
         .fetch_one(
             sql("INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
                                             current_period_start, current_period_end, next_billing_at) \
