@@ -48,6 +48,24 @@ pub fn splice_generated(doc: &str, generated: &str) -> Result<String> {
 /// hand-written text. When that file does not exist yet (an `--out-dir` for an
 /// experiment), the hand-written text comes from this workspace's copy in
 /// `docs/benchmarks`.
+/// The generated part's closing lines: the machine (from a report's
+/// `machine`) and the settings (its `settings`), as every benchmark writes them.
+pub fn machine_and_settings(report: &Value) -> String {
+    let m = &report["machine"];
+    let text = |v: &Value| v.as_str().unwrap_or("?").to_owned();
+    format!(
+        "Machine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
+        m["nproc"],
+        text(&m["cpu_model"]),
+        text(&m["memory"]),
+        text(&m["postgres"]),
+        text(&m["pgbouncer"]),
+        text(&m["loadavg_at_start"]),
+        text(&m["loadavg_at_end"]),
+        report["settings"],
+    )
+}
+
 pub fn write_generated(dir: &Path, name: &str, generated: &str) -> Result<()> {
     let target = dir.join(name);
     let source = if target.exists() {

@@ -206,7 +206,7 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
         serde_json::to_string_pretty(report)? + "\n",
     )
     .context("write billing.json")?;
-    let (b, c, m) = (&report["billing"], &report["charging"], &report["machine"]);
+    let (b, c) = (&report["billing"], &report["charging"]);
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
     let charges = if c.is_null() {
         "not measured (--no-charges)".to_owned()
@@ -222,19 +222,12 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
         "| measure | result |\n|---|---|\n\
          | due subscriptions billed in one tick | {} in {:.2} s: **{:.0} invoices/s** ({} batches) |\n\
          | charges against the fake provider | {charges} |\n\n\
-         Machine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
+         {}",
         b["invoices"],
         f(&b["tick_seconds"]),
         f(&b["invoices_per_s"]),
         b["batches"],
-        m["nproc"],
-        m["cpu_model"].as_str().unwrap_or("?"),
-        m["memory"].as_str().unwrap_or("?"),
-        m["postgres"].as_str().unwrap_or("?"),
-        m["pgbouncer"].as_str().unwrap_or("?"),
-        m["loadavg_at_start"].as_str().unwrap_or("?"),
-        m["loadavg_at_end"].as_str().unwrap_or("?"),
-        report["settings"],
+        benches::machine_and_settings(report),
     );
     benches::write_generated(&dir, "billing.md", &generated)?;
     progress(&format!("wrote {}/billing.{{md,json}}", dir.display()));

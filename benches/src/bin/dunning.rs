@@ -301,21 +301,13 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
         serde_json::to_string_pretty(report)? + "\n",
     )
     .context("write dunning.json")?;
-    let m = &report["machine"];
     let generated = format!(
         "| due runs | tick, s | runs/s |\n|---|---|---|\n| {} | {:.2} | {:.0} |\n\n\
-         Machine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
+         {}",
         report["settings"]["runs"],
         report["tick_seconds"].as_f64().unwrap_or(0.0),
         report["runs_per_s"].as_f64().unwrap_or(0.0),
-        m["nproc"],
-        m["cpu_model"].as_str().unwrap_or("?"),
-        m["memory"].as_str().unwrap_or("?"),
-        m["postgres"].as_str().unwrap_or("?"),
-        m["pgbouncer"].as_str().unwrap_or("?"),
-        m["loadavg_at_start"].as_str().unwrap_or("?"),
-        m["loadavg_at_end"].as_str().unwrap_or("?"),
-        report["settings"],
+        benches::machine_and_settings(report),
     );
     benches::write_generated(&dir, "dunning.md", &generated)
 }

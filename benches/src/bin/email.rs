@@ -336,18 +336,7 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
             s["peak_smtp_connections"],
         ));
     }
-    let m = &report["machine"];
-    let generated = format!(
-        "{table}\nMachine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
-        m["nproc"],
-        m["cpu_model"].as_str().unwrap_or("?"),
-        m["memory"].as_str().unwrap_or("?"),
-        m["postgres"].as_str().unwrap_or("?"),
-        m["pgbouncer"].as_str().unwrap_or("?"),
-        m["loadavg_at_start"].as_str().unwrap_or("?"),
-        m["loadavg_at_end"].as_str().unwrap_or("?"),
-        report["settings"],
-    );
+    let generated = format!("{table}\n{}", benches::machine_and_settings(report),);
     // The hand-written methodology above the markers stays; only the results change.
     benches::write_generated(&dir, "email.md", &generated)?;
     progress(&format!("wrote {}/email.{{md,json}}", dir.display()));

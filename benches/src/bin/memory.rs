@@ -501,18 +501,7 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
             ));
         }
     }
-    let m = &report["machine"];
-    let generated = format!(
-        "{table}\nMachine: {} cores, {}, {}; Postgres {}, {}. Load at start {}, at end {}.\nSettings: {}.\n",
-        m["nproc"],
-        m["cpu_model"].as_str().unwrap_or("?"),
-        m["memory"].as_str().unwrap_or("?"),
-        m["postgres"].as_str().unwrap_or("?"),
-        m["pgbouncer"].as_str().unwrap_or("?"),
-        m["loadavg_at_start"].as_str().unwrap_or("?"),
-        m["loadavg_at_end"].as_str().unwrap_or("?"),
-        report["settings"],
-    );
+    let generated = format!("{table}\n{}", benches::machine_and_settings(report),);
     benches::write_generated(&dir, "memory.md", &generated)?;
     progress(&format!("wrote {}/memory.{{md,json}}", dir.display()));
     Ok(())
