@@ -308,6 +308,21 @@ impl Tx {
         Ok(stmt.0.execute(self.conn.raw()).await?.rows_affected())
     }
 
+    /// Act for `tenant` for the rest of this transaction: row-level security
+    /// (migration 0024) then holds every statement of the API role
+    /// (`hardcount_api`) to that tenant's rows. The setting is
+    /// transaction-local (`set_config(…, true)`), so a server connection
+    /// PgBouncer hands on keeps nothing. The HTTP API never calls this: it
+    /// sets the tenant from the caller's key (`api_authenticate`). A producer
+    /// linked into the process calls it with the tenant it writes for.
+    pub async fn act_for_tenant(&mut self, tenant: &str) -> Result<()> {
+        self.execute(
+            sql("SELECT set_config('hardcount.tenant_id', $1, true)").bind(tenant.to_owned()),
+        )
+        .await?;
+        Ok(())
+    }
+
     /// # Cancel safety
     /// Dropped before `COMMIT`'s reply, the connection is closed: the server
     /// rolls back unless the `COMMIT` already ran.

@@ -73,11 +73,18 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
     assert_eq!(
         privileges(&op).await,
         expect(&[
+            // Tenants and API keys (migration 0024).
+            "api_keys.revoked_at:UPDATE",
+            "api_keys:INSERT",
+            "api_keys:SELECT",
             "billing_settle_attempt():EXECUTE",
+            "email_address_valid():EXECUTE",
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
             "payment_attempts_needing_review:SELECT",
+            "tenants:INSERT",
+            "tenants:SELECT",
         ])
     );
     op.execute(sql("SELECT leader_pause('dunning', 'oncall', 'drill')"))
@@ -111,8 +118,9 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
 }
 
 /// hardcount_api writes what tenants write: endpoints (sealed secrets only),
-/// customers, plans, subscriptions; it reads their results, and nothing of
-/// leadership, email or a secret in clear.
+/// customers, plans, subscriptions, events and emails to send (the tenant
+/// API, migration 0024); it reads their results, and nothing of leadership,
+/// API keys or a secret in clear.
 #[tokio::test]
 async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     let t = TestDb::new().await;
@@ -212,6 +220,20 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     ] {
         want.push(format!("{t}:SELECT"));
     }
+    // The tenant API (migration 0024): its caller's tenant, its idempotency
+    // keys, publishing events and queueing email, a delivery's attempts.
+    for f in ["api_authenticate", "api_tenant"] {
+        want.push(format!("{f}():EXECUTE"));
+    }
+    want.push("api_idempotency_keys:SELECT".into());
+    want.push("api_idempotency_keys:INSERT".into());
+    for c in ["status", "response", "request_hash", "created_at"] {
+        want.push(format!("api_idempotency_keys.{c}:UPDATE"));
+    }
+    want.push("webhook_events:INSERT".into());
+    want.push("email_outbox:SELECT".into());
+    want.push("email_outbox:INSERT".into());
+    want.push("webhook_delivery_attempts:SELECT".into());
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
@@ -223,10 +245,12 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "UPDATE webhook_endpoints SET secret = 'whsec_AAAA'",
             "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('t', 'https://x/', 'whsec_AAAA')",
             "DELETE FROM webhook_endpoints",
-            "INSERT INTO webhook_events (tenant_id, event_type, payload) VALUES ('t', 'x', '{}')",
+            "DELETE FROM webhook_events",
             "UPDATE webhook_deliveries SET status = 'delivered'",
             "UPDATE invoices SET status = 'paid'",
-            "SELECT * FROM email_outbox",
+            "UPDATE email_outbox SET status = 'sent'",
+            "SELECT * FROM api_keys",
+            "SELECT * FROM tenants",
             "SELECT * FROM leader_status",
             "SELECT leader_pause('billing', 'x', 'y')",
             "UPDATE leader_leases SET holder_id = NULL",

@@ -20,7 +20,9 @@ pub(crate) async fn insert_endpoint(
     secret: &Sealed,
     event_types: Vec<String>,
 ) -> Result<NewEndpoint, db::Error> {
-    let row = db
+    let mut tx = db.begin().await?;
+    tx.act_for_tenant(tenant_id).await?;
+    let row = tx
         .fetch_one(
             sql("INSERT INTO webhook_endpoints \
                      (tenant_id, url, secret_ciphertext, secret_key_id, event_types) \
@@ -32,6 +34,7 @@ pub(crate) async fn insert_endpoint(
             .bind(event_types),
         )
         .await?;
+    tx.commit().await?;
     Ok(NewEndpoint {
         id: row.try_get("id")?,
         enabled: row.try_get("enabled")?,
@@ -50,7 +53,9 @@ pub(crate) async fn rotate_secret(
     new_secret: &Sealed,
     overlap: Duration,
 ) -> Result<bool, db::Error> {
-    let rotated = db
+    let mut tx = db.begin().await?;
+    tx.act_for_tenant(tenant_id).await?;
+    let rotated = tx
         .execute(
             sql("UPDATE webhook_endpoints \
                  SET previous_secret_ciphertext = secret_ciphertext, \
@@ -66,6 +71,7 @@ pub(crate) async fn rotate_secret(
             .bind(overlap.as_secs_f64()),
         )
         .await?;
+    tx.commit().await?;
     Ok(rotated == 1)
 }
 

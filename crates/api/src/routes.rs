@@ -1,0 +1,3 @@
+//! The `/v1` routes, one module per resource.
+
+pub mod events;
