@@ -50,6 +50,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
 /// Parse `raw` as `T`, naming the field a refusal is about.
 pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
+    // Syntax first, over the whole body: `{} x` is bad JSON, not a body
+    // missing its fields.
+    serde_json::from_slice::<serde::de::IgnoredAny>(raw).map_err(|e| {
+        ApiError::invalid(
+            Code::InvalidJson,
+            "body",
+            format!("the body is not valid JSON: {e}"),
+        )
+    })?;
     let mut de = serde_json::Deserializer::from_slice(raw);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -104,9 +113,15 @@ fn refusal(path: &str, message: &str) -> ApiError {
         let field = join(quoted().unwrap_or("?"));
         ApiError::invalid(Code::ParameterMissing, field, text)
     } else if message.starts_with("unknown field") {
-        let field = join(quoted().unwrap_or("?"));
+        // The path already ends at the unknown field.
+        let name = quoted().unwrap_or("?");
+        let field = if path == name || path.ends_with(&format!(".{name}")) {
+            path.to_owned()
+        } else {
+            join(name)
+        };
         ApiError::invalid(Code::ParameterUnknown, field, text)
-    } else if message.starts_with("invalid type") {
+    } else if message.starts_with("invalid type") || message.starts_with("invalid length") {
         ApiError::invalid(Code::ParameterInvalidType, param, text)
     } else {
         ApiError::invalid(Code::ParameterInvalid, param, text)
