@@ -121,7 +121,12 @@ fn refusal(path: &str, message: &str) -> ApiError {
             join(name)
         };
         ApiError::invalid(Code::ParameterUnknown, field, text)
-    } else if message.starts_with("invalid type") || message.starts_with("invalid length") {
+    } else if message.starts_with("invalid type")
+        || message.starts_with("invalid length")
+        // A query value that is not a number (serde_urlencoded's words).
+        || message.starts_with("invalid digit")
+        || message.starts_with("cannot parse")
+    {
         ApiError::invalid(Code::ParameterInvalidType, param, text)
     } else {
         ApiError::invalid(Code::ParameterInvalid, param, text)
@@ -158,14 +163,22 @@ impl<S: Send + Sync> FromRequestParts<S> for Id {
             axum::extract::Path::<String>::from_request_parts(parts, state)
                 .await
                 .map_err(|_| ApiError::param("id", "the id in the path is missing"))?;
-        match text.parse::<i64>() {
-            Ok(id) if id > 0 => Ok(Id(id)),
-            _ => Err(ApiError::param(
+        let digits = text.strip_prefix('-').unwrap_or(&text);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(ApiError::invalid(
+                Code::ParameterInvalidType,
                 "id",
                 format!(
                     "`{}` is not an id (a positive integer)",
                     text.escape_debug()
                 ),
+            ));
+        }
+        match text.parse::<i64>() {
+            Ok(id) if id > 0 => Ok(Id(id)),
+            _ => Err(ApiError::out_of_range(
+                "id",
+                format!("an id is 1 to {}, not {text}", i64::MAX),
             )),
         }
     }

@@ -186,7 +186,11 @@ mod tests {
     #[test]
     fn the_document_is_openapi_3_1_and_every_route_declares_its_refusals() {
         let doc = serde_json::to_value(super::openapi()).unwrap();
-        assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"), "{}", doc["openapi"]);
+        assert!(
+            doc["openapi"].as_str().unwrap().starts_with("3.1"),
+            "{}",
+            doc["openapi"]
+        );
         let paths = doc["paths"].as_object().unwrap();
         assert!(!paths.is_empty());
         for (path, item) in paths {

@@ -43,7 +43,7 @@ impl Scope {
         let row = tx
             .fetch_one(db::sql("SELECT api_authenticate($1)").bind(caller.0.hash.to_vec()))
             .await?;
-        let tenant: Option<String> = row.try_get(0).map_err(|e| db::Error::Sql(e))?;
+        let tenant: Option<String> = row.try_get(0).map_err(db::Error::Sql)?;
         match tenant {
             Some(tenant) => Ok(Scope {
                 tx,
