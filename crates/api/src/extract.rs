@@ -48,6 +48,33 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// [`JsonBody`] for an action whose body may be left out: an empty body
+/// (with or without a content type) is read as `{}`.
+pub struct OptionalJsonBody<T>(pub JsonBody<T>);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let declared = req.headers().contains_key(header::CONTENT_TYPE);
+        if declared {
+            return JsonBody::from_request(req, state)
+                .await
+                .map(OptionalJsonBody);
+        }
+        let raw = Bytes::from_request(req, state)
+            .await
+            .map_err(|e: BytesRejection| {
+                ApiError::param("body", format!("the request body could not be read: {e}"))
+            })?;
+        if !raw.is_empty() {
+            return Err(ApiError::unsupported_media_type());
+        }
+        let value = parse_json(b"{}")?;
+        Ok(OptionalJsonBody(JsonBody { value, raw }))
+    }
+}
+
 /// Parse `raw` as `T`, naming the field a refusal is about.
 pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(raw);
