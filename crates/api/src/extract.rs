@@ -110,7 +110,11 @@ fn refusal(path: &str, message: &str) -> ApiError {
         Some(&message[start..end])
     };
     let join = |field: &str| {
-        if path == "." || path.is_empty() {
+        // serde_path_to_error already ends the path with an unknown field
+        // when the struct has optional fields.
+        if path == field || path.ends_with(&format!(".{field}")) {
+            path.to_owned()
+        } else if path == "." || path.is_empty() {
             field.to_owned()
         } else {
             format!("{path}.{field}")

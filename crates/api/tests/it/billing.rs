@@ -66,7 +66,11 @@ impl Bed {
     }
 
     /// Each `(method, path, body)` is refused with `(status, code, param)`.
-    async fn check_refusals(&self, key: &str, cases: &[(Method, String, Option<Value>, u16, &str, &str)]) {
+    async fn check_refusals(
+        &self,
+        key: &str,
+        cases: &[(Method, String, Option<Value>, u16, &str, &str)],
+    ) {
         for (method, path, body, status, code, param) in cases {
             let r: Answer = self
                 .s
@@ -89,7 +93,12 @@ fn rand_suffix() -> String {
 fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(std::time::SystemTime::now().elapsed().map(|d| d.as_nanos() as u64).unwrap_or(0));
+    h.write_u64(
+        std::time::SystemTime::now()
+            .elapsed()
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
     h.finish()
 }
 
@@ -111,12 +120,18 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     let got = b.s.get(&b.a, &format!("/v1/customers/{id}")).await;
     assert_eq!((got.status, &got.body), (200, &c));
 
-    let u = b
-        .s
-        .post(&b.a, &format!("/v1/customers/{id}"), json!({"email": "grace@example.org"}))
+    let u =
+        b.s.post(
+            &b.a,
+            &format!("/v1/customers/{id}"),
+            json!({"email": "grace@example.org"}),
+        )
         .await;
     assert_eq!(u.status, 200, "{}", u.text);
-    assert_eq!((u.body["email"].as_str(), u.body["name"].as_str()), (Some("grace@example.org"), Some("Ada")));
+    assert_eq!(
+        (u.body["email"].as_str(), u.body["name"].as_str()),
+        (Some("grace@example.org"), Some("Ada"))
+    );
 
     let p = Method::POST;
     b.check_refusals(
@@ -137,19 +152,62 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
         ][..5],
     )
     .await;
-    let dup = b
-        .s
-        .post(&b.a, "/v1/customers", json!({"email": "a@example.org", "provider_customer_id": "cus_ada"}))
+    let dup =
+        b.s.post(
+            &b.a,
+            "/v1/customers",
+            json!({"email": "a@example.org", "provider_customer_id": "cus_ada"}),
+        )
         .await;
-    assert_eq!((dup.status, dup.refusal().0.as_str()), (409, "already_exists"), "{}", dup.text);
+    assert_eq!(
+        (dup.status, dup.refusal().0.as_str()),
+        (409, "already_exists"),
+        "{}",
+        dup.text
+    );
     b.check_refusals(
         &b.a,
         &[
-            (p.clone(), "/v1/customers".into(), Some(json!({"name": "x"})), 400, "parameter_missing", "email"),
-            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "nick": "x"})), 400, "parameter_unknown", "nick"),
-            (p.clone(), format!("/v1/customers/{id}"), Some(json!({"email": "no"})), 400, "parameter_invalid", "email"),
-            (Method::GET, "/v1/customers?limit=0".into(), None, 400, "parameter_out_of_range", "limit"),
-            (Method::GET, "/v1/customers?starting_after=zz".into(), None, 400, "parameter_invalid", "starting_after"),
+            (
+                p.clone(),
+                "/v1/customers".into(),
+                Some(json!({"name": "x"})),
+                400,
+                "parameter_missing",
+                "email",
+            ),
+            (
+                p.clone(),
+                "/v1/customers".into(),
+                Some(json!({"email": "a@example.org", "nick": "x"})),
+                400,
+                "parameter_unknown",
+                "nick",
+            ),
+            (
+                p.clone(),
+                format!("/v1/customers/{id}"),
+                Some(json!({"email": "no"})),
+                400,
+                "parameter_invalid",
+                "email",
+            ),
+            (
+                Method::GET,
+                "/v1/customers?limit=0".into(),
+                None,
+                400,
+                "parameter_out_of_range",
+                "limit",
+            ),
+            (
+                Method::GET,
+                "/v1/customers?starting_after=zz".into(),
+                None,
+                400,
+                "parameter_invalid",
+                "starting_after",
+            ),
         ],
     )
     .await;
@@ -157,8 +215,22 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     b.check_refusals(
         &b.b,
         &[
-            (Method::GET, format!("/v1/customers/{id}"), None, 404, "resource_missing", "id"),
-            (p.clone(), format!("/v1/customers/{id}"), Some(json!({"name": "Eve"})), 404, "resource_missing", "id"),
+            (
+                Method::GET,
+                format!("/v1/customers/{id}"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/customers/{id}"),
+                Some(json!({"name": "Eve"})),
+                404,
+                "resource_missing",
+                "id",
+            ),
         ],
     )
     .await;
@@ -170,7 +242,12 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     assert_eq!(page.body["data"][0]["id"].as_i64(), Some(second));
     assert_eq!(page.body["has_more"], true);
     let cursor = page.body["next_cursor"].as_str().unwrap();
-    let next = b.s.get(&b.a, &format!("/v1/customers?limit=1&starting_after={cursor}")).await;
+    let next =
+        b.s.get(
+            &b.a,
+            &format!("/v1/customers?limit=1&starting_after={cursor}"),
+        )
+        .await;
     assert_eq!(next.body["data"][0]["id"].as_i64(), Some(id));
     assert_eq!(next.body["has_more"], false);
 }
@@ -179,16 +256,42 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
 async fn a_retried_create_with_its_key_returns_the_first_answer_and_creates_nothing_more() {
     let b = bed().await;
     let body = json!({"email": "ada@example.org"});
-    let first = b.s.call(&b.a, Method::POST, "/v1/customers", Some(body.clone()), Some("k-1")).await;
-    let again = b.s.call(&b.a, Method::POST, "/v1/customers", Some(body), Some("k-1")).await;
-    assert_eq!(first.status, 201);
-    assert_eq!((again.status, &again.text, again.replayed), (201, &first.text, true));
-    let other = b
-        .s
-        .call(&b.a, Method::POST, "/v1/customers", Some(json!({"email": "x@example.org"})), Some("k-1"))
+    let first =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            "/v1/customers",
+            Some(body.clone()),
+            Some("k-1"),
+        )
         .await;
-    assert_eq!((other.status, other.refusal().0.as_str()), (409, "idempotency_key_reused"));
-    let n: i64 = b.t.db.fetch_one(sql("SELECT count(*) AS n FROM customers")).await.unwrap().get("n");
+    let again =
+        b.s.call(&b.a, Method::POST, "/v1/customers", Some(body), Some("k-1"))
+            .await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        (again.status, &again.text, again.replayed),
+        (201, &first.text, true)
+    );
+    let other =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            "/v1/customers",
+            Some(json!({"email": "x@example.org"})),
+            Some("k-1"),
+        )
+        .await;
+    assert_eq!(
+        (other.status, other.refusal().0.as_str()),
+        (409, "idempotency_key_reused")
+    );
+    let n: i64 =
+        b.t.db
+            .fetch_one(sql("SELECT count(*) AS n FROM customers"))
+            .await
+            .unwrap()
+            .get("n");
     assert_eq!(n, 1);
 }
 
@@ -203,7 +306,12 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
         )
         .await;
     assert_eq!(
-        (plan["amount"].as_i64(), plan["currency"].as_str(), plan["interval"].as_str(), plan["interval_count"].as_i64()),
+        (
+            plan["amount"].as_i64(),
+            plan["currency"].as_str(),
+            plan["interval"].as_str(),
+            plan["interval_count"].as_i64()
+        ),
         (Some(1999), Some("EUR"), Some("week"), Some(2))
     );
     let id = plan["id"].as_i64().unwrap();
@@ -220,23 +328,110 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
     b.check_refusals(
         &b.a,
         &[
-            (p.clone(), path.clone(), with("amount", json!(0)), 400, "parameter_out_of_range", "amount"),
-            (p.clone(), path.clone(), with("amount", json!(-5)), 400, "parameter_out_of_range", "amount"),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(0)),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(-5)),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
             // Past bigint: refused by the body's type, never a 500.
-            (p.clone(), path.clone(), with("amount", json!(1e20)), 400, "parameter_invalid_type", "amount"),
-            (p.clone(), path.clone(), with("amount", json!(9_223_372_036_854_775_808u64)), 400, "parameter_invalid", "amount"),
-            (p.clone(), path.clone(), with("currency", json!("eur")), 400, "parameter_invalid", "currency"),
-            (p.clone(), path.clone(), with("currency", json!("EURO")), 400, "parameter_invalid", "currency"),
-            (p.clone(), path.clone(), with("interval", json!("fortnight")), 400, "parameter_invalid", "interval"),
-            (p.clone(), path.clone(), with("interval_count", json!(0)), 400, "parameter_out_of_range", "interval_count"),
-            (p.clone(), path.clone(), with("interval_count", json!(1001)), 400, "parameter_out_of_range", "interval_count"),
-            (p.clone(), path.clone(), with("name", json!("")), 400, "parameter_invalid", "name"),
-            (p.clone(), path.clone(), with("name", json!("a\u{0}b")), 400, "parameter_invalid", "name"),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(1e20)),
+                400,
+                "parameter_invalid_type",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(9_223_372_036_854_775_808u64)),
+                400,
+                "parameter_invalid",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("currency", json!("eur")),
+                400,
+                "parameter_invalid",
+                "currency",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("currency", json!("EURO")),
+                400,
+                "parameter_invalid",
+                "currency",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval", json!("fortnight")),
+                400,
+                "parameter_invalid",
+                "interval",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval_count", json!(0)),
+                400,
+                "parameter_out_of_range",
+                "interval_count",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval_count", json!(1001)),
+                400,
+                "parameter_out_of_range",
+                "interval_count",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("name", json!("")),
+                400,
+                "parameter_invalid",
+                "name",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("name", json!("a\u{0}b")),
+                400,
+                "parameter_invalid",
+                "name",
+            ),
         ],
     )
     .await;
-    b.check_refusals(&b.b, &[(Method::GET, format!("/v1/plans/{id}"), None, 404, "resource_missing", "id")])
-        .await;
+    b.check_refusals(
+        &b.b,
+        &[(
+            Method::GET,
+            format!("/v1/plans/{id}"),
+            None,
+            404,
+            "resource_missing",
+            "id",
+        )],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -252,26 +447,27 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
     let events: i64 = b
         .t
         .db
-        .fetch_one(sql("SELECT count(*) AS n FROM webhook_events WHERE event_type = 'subscription.created'"))
+        .fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'subscription.created'",
+        ))
         .await
         .unwrap()
         .get("n");
     assert_eq!(events, 1);
 
     let customer = b.customer(&b.a).await;
+    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
     let trial = b
         .created(
             &b.a,
             "/v1/subscriptions",
-            json!({"customer": customer, "plan": plan, "trial_end": "2099-01-01T00:00:00Z"}),
+            json!({"customer": customer, "plan": plan, "trial_end": near}),
         )
         .await;
-    let _ = trial;
-    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
-    let trial = b
-        .created(&b.a, "/v1/subscriptions", json!({"customer": customer, "plan": plan, "trial_end": near}))
-        .await;
-    assert_eq!((trial["status"].as_str(), &trial["next_billing_at"]), (Some("trialing"), &Value::Null));
+    assert_eq!(
+        (trial["status"].as_str(), &trial["next_billing_at"]),
+        (Some("trialing"), &Value::Null)
+    );
     assert_eq!(trial["current_period_end"], trial["trial_end"]);
 
     let other_customer = b.customer(&b.b).await;
@@ -284,6 +480,7 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
             (p.clone(), path.clone(), Some(json!({"customer": other_customer, "plan": plan})), 404, "resource_missing", "customer"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": other_plan})), 404, "resource_missing", "plan"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "trial_end": "2001-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "trial_end"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "trial_end": "2099-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "trial_end"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "billing_anchor": "yesterday"})), 400, "parameter_invalid", "billing_anchor"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "collection_method": "cash"})), 400, "parameter_invalid", "collection_method"),
             (Method::GET, format!("/v1/subscriptions/{id}"), None, 200, "", ""),
@@ -293,11 +490,46 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
     b.check_refusals(
         &b.b,
         &[
-            (Method::GET, format!("/v1/subscriptions/{id}"), None, 404, "resource_missing", "id"),
-            (p.clone(), format!("/v1/subscriptions/{id}/cancel"), Some(json!({})), 404, "resource_missing", "id"),
-            (p.clone(), format!("/v1/subscriptions/{id}/pause"), Some(json!({"behavior": "void"})), 404, "resource_missing", "id"),
-            (p.clone(), format!("/v1/subscriptions/{id}/resume"), None, 404, "resource_missing", "id"),
-            (p.clone(), format!("/v1/subscriptions/{id}/change_plan"), Some(json!({"plan": other_plan})), 404, "resource_missing", "id"),
+            (
+                Method::GET,
+                format!("/v1/subscriptions/{id}"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/cancel"),
+                Some(json!({})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/pause"),
+                Some(json!({"behavior": "void"})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/resume"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/change_plan"),
+                Some(json!({"plan": other_plan})),
+                404,
+                "resource_missing",
+                "id",
+            ),
         ],
     )
     .await;
@@ -311,34 +543,89 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
     let id = s["id"].as_i64().unwrap();
     let path = |a: &str| format!("/v1/subscriptions/{id}/{a}");
     // Resuming what is not paused is a state conflict.
-    let r = b.s.call(&b.a, Method::POST, &path("resume"), None, None).await;
-    assert_eq!((r.status, r.refusal().0.as_str()), (409, "invalid_state"), "{}", r.text);
+    let r =
+        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+            .await;
+    assert_eq!(
+        (r.status, r.refusal().0.as_str()),
+        (409, "invalid_state"),
+        "{}",
+        r.text
+    );
 
     let p = Method::POST;
     b.check_refusals(
         &b.a,
         &[
-            (p.clone(), path("pause"), Some(json!({"behavior": "stop"})), 400, "parameter_invalid", "behavior"),
-            (p.clone(), path("pause"), Some(json!({"behavior": "void", "resumes_at": "2001-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "resumes_at"),
-            (p.clone(), path("pause"), Some(json!({})), 400, "parameter_missing", "behavior"),
-            (p.clone(), path("cancel"), Some(json!({"at_period_end": "yes"})), 400, "parameter_invalid_type", "at_period_end"),
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({"behavior": "stop"})),
+                400,
+                "parameter_invalid",
+                "behavior",
+            ),
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({"behavior": "void", "resumes_at": "2001-01-01T00:00:00Z"})),
+                400,
+                "parameter_out_of_range",
+                "resumes_at",
+            ),
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({})),
+                400,
+                "parameter_missing",
+                "behavior",
+            ),
+            (
+                p.clone(),
+                path("cancel"),
+                Some(json!({"at_period_end": "yes"})),
+                400,
+                "parameter_invalid_type",
+                "at_period_end",
+            ),
         ],
     )
     .await;
-    let paused = b
-        .s
-        .call(&b.a, Method::POST, &path("pause"), Some(json!({"behavior": "keep_as_draft"})), Some("p-1"))
+    let paused =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            &path("pause"),
+            Some(json!({"behavior": "keep_as_draft"})),
+            Some("p-1"),
+        )
         .await;
     assert_eq!(paused.status, 200, "{}", paused.text);
     assert_eq!(paused.body["pause_collection"]["behavior"], "keep_as_draft");
     assert_eq!(paused.body["pause_collection"]["set_by"], "api");
-    let replay = b
-        .s
-        .call(&b.a, Method::POST, &path("pause"), Some(json!({"behavior": "keep_as_draft"})), Some("p-1"))
+    let replay =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            &path("pause"),
+            Some(json!({"behavior": "keep_as_draft"})),
+            Some("p-1"),
+        )
         .await;
-    assert_eq!((replay.text.as_str(), replay.replayed), (paused.text.as_str(), true));
-    let resumed = b.s.call(&b.a, Method::POST, &path("resume"), None, None).await;
-    assert_eq!((resumed.status, &resumed.body["pause_collection"]), (200, &Value::Null), "{}", resumed.text);
+    assert_eq!(
+        (replay.text.as_str(), replay.replayed),
+        (paused.text.as_str(), true)
+    );
+    let resumed =
+        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+            .await;
+    assert_eq!(
+        (resumed.status, &resumed.body["pause_collection"]),
+        (200, &Value::Null),
+        "{}",
+        resumed.text
+    );
     let kinds = events(&b.t).await;
     assert!(
         kinds.contains(&"subscription.collection_paused".to_owned())
@@ -346,16 +633,40 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
         "{kinds:?}"
     );
 
-    let at_end = b.s.post(&b.a, &path("cancel"), json!({"at_period_end": true})).await;
-    assert_eq!((at_end.status, &at_end.body["cancel_at_period_end"]), (200, &json!(true)), "{}", at_end.text);
+    let at_end =
+        b.s.post(&b.a, &path("cancel"), json!({"at_period_end": true}))
+            .await;
+    assert_eq!(
+        (at_end.status, &at_end.body["cancel_at_period_end"]),
+        (200, &json!(true)),
+        "{}",
+        at_end.text
+    );
     assert_eq!(at_end.body["status"], "active");
     let now = b.s.post(&b.a, &path("cancel"), json!({})).await;
-    assert_eq!((now.status, now.body["status"].as_str()), (200, Some("canceled")), "{}", now.text);
+    assert_eq!(
+        (now.status, now.body["status"].as_str()),
+        (200, Some("canceled")),
+        "{}",
+        now.text
+    );
     let again = b.s.post(&b.a, &path("cancel"), json!({})).await;
-    assert_eq!((again.status, again.refusal().0.as_str()), (409, "invalid_state"));
-    let pause = b.s.post(&b.a, &path("pause"), json!({"behavior": "void"})).await;
-    assert_eq!((pause.status, pause.refusal().0.as_str()), (409, "invalid_state"));
-    assert!(events(&b.t).await.contains(&"subscription.canceled".to_owned()));
+    assert_eq!(
+        (again.status, again.refusal().0.as_str()),
+        (409, "invalid_state")
+    );
+    let pause =
+        b.s.post(&b.a, &path("pause"), json!({"behavior": "void"}))
+            .await;
+    assert_eq!(
+        (pause.status, pause.refusal().0.as_str()),
+        (409, "invalid_state")
+    );
+    assert!(
+        events(&b.t)
+            .await
+            .contains(&"subscription.canceled".to_owned())
+    );
 }
 
 async fn events(t: &TestDb) -> Vec<String> {
@@ -395,16 +706,33 @@ async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
     let id = begun(&b, eur, 10).await;
     let path = format!("/v1/subscriptions/{id}/change_plan");
     let r = b.s.post(&b.a, &path, json!({"plan": usd})).await;
-    assert_eq!((r.status, r.refusal().0.as_str()), (409, "currency_mismatch"), "{}", r.text);
+    assert_eq!(
+        (r.status, r.refusal().0.as_str()),
+        (409, "currency_mismatch"),
+        "{}",
+        r.text
+    );
     let r = b.s.post(&b.a, &path, json!({"plan": eur})).await;
-    assert_eq!((r.status, r.refusal().0.as_str()), (409, "invalid_state"), "{}", r.text);
+    assert_eq!(
+        (r.status, r.refusal().0.as_str()),
+        (409, "invalid_state"),
+        "{}",
+        r.text
+    );
     let r = b.s.post(&b.a, &path, json!({"plan": 999_999})).await;
-    assert_eq!((r.status, r.refusal()), (404, ("resource_missing".into(), Some("plan".into()))), "{}", r.text);
+    assert_eq!(
+        (r.status, r.refusal()),
+        (404, ("resource_missing".into(), Some("plan".into()))),
+        "{}",
+        r.text
+    );
 
     let r = b.s.post(&b.a, &path, json!({"plan": eur2})).await;
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["plan"].as_i64(), Some(eur2));
-    let invoices = b.s.get(&b.a, &format!("/v1/invoices?subscription={id}")).await;
+    let invoices =
+        b.s.get(&b.a, &format!("/v1/invoices?subscription={id}"))
+            .await;
     let inv = &invoices.body["data"][0];
     assert_eq!(inv["reason"], "plan_change", "{}", invoices.text);
     // About 10 days of a month's 3000, pro rata: well under the full amount.
@@ -414,7 +742,14 @@ async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
     assert_eq!(one.body["payment_attempts"], json!([]), "{}", one.text);
     b.check_refusals(
         &b.b,
-        &[(Method::GET, format!("/v1/invoices/{}", inv["id"]), None, 404, "resource_missing", "id")],
+        &[(
+            Method::GET,
+            format!("/v1/invoices/{}", inv["id"]),
+            None,
+            404,
+            "resource_missing",
+            "id",
+        )],
     )
     .await;
     assert_eq!(b.s.get(&b.b, "/v1/invoices").await.body["data"], json!([]));
@@ -442,10 +777,12 @@ async fn a_plan_change_that_loses_the_race_with_billing_writes_nothing_and_answe
     let mut mover = b.t.db.begin().await.unwrap();
     mover
         .execute(
-            sql("UPDATE subscriptions SET current_period_start = current_period_end, \
+            sql(
+                "UPDATE subscriptions SET current_period_start = current_period_end, \
                         current_period_end = current_period_end + interval '1 month', \
                         next_billing_at = current_period_end + interval '1 month' \
-                 WHERE id = $1")
+                 WHERE id = $1",
+            )
             .bind(id),
         )
         .await
@@ -461,40 +798,54 @@ async fn a_plan_change_that_loses_the_race_with_billing_writes_nothing_and_answe
     };
     let key = b.a.clone();
     let change = tokio::spawn(async move {
-        s.post(&key, &format!("/v1/subscriptions/{id}/change_plan"), json!({"plan": eur2}))
-            .await
+        s.post(
+            &key,
+            &format!("/v1/subscriptions/{id}/change_plan"),
+            json!({"plan": eur2}),
+        )
+        .await
     });
     // Wait for the request's compare-and-set to wait on the mover.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let waiting: i64 = b
-            .t
-            .db
-            .fetch_one(
-                sql("SELECT count(*) AS n FROM pg_locks \
+        let waiting: i64 =
+            b.t.db
+                .fetch_one(
+                    sql("SELECT count(*) AS n FROM pg_locks \
                      WHERE locktype = 'transactionid' AND NOT granted \
                        AND transactionid::text = $1")
-                .bind(xid.clone()),
-            )
-            .await
-            .unwrap()
-            .get("n");
+                    .bind(xid.clone()),
+                )
+                .await
+                .unwrap()
+                .get("n");
         if waiting > 0 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "the change never waited on the row");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the change never waited on the row"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     mover.commit().await.unwrap();
     let r = change.await.unwrap();
-    assert_eq!((r.status, r.refusal().0.as_str()), (409, "subscription_period_moved"), "{}", r.text);
+    assert_eq!(
+        (r.status, r.refusal().0.as_str()),
+        (409, "subscription_period_moved"),
+        "{}",
+        r.text
+    );
     let row = b
         .t
         .db
         .fetch_one(sql("SELECT plan_id, (SELECT count(*) FROM invoices) AS n FROM subscriptions WHERE id = $1").bind(id))
         .await
         .unwrap();
-    assert_eq!((row.get::<i64, _>("plan_id"), row.get::<i64, _>("n")), (eur, 0));
+    assert_eq!(
+        (row.get::<i64, _>("plan_id"), row.get::<i64, _>("n")),
+        (eur, 0)
+    );
 }
 
 #[tokio::test]
@@ -502,8 +853,15 @@ async fn a_cancel_now_invoices_the_used_part_in_the_same_transaction() {
     let b = bed().await;
     let eur = b.plan(&b.a, "EUR", 3000).await;
     let id = begun(&b, eur, 10).await;
-    let r = b.s.post(&b.a, &format!("/v1/subscriptions/{id}/cancel"), json!({})).await;
-    assert_eq!((r.status, r.body["status"].as_str()), (200, Some("canceled")), "{}", r.text);
+    let r =
+        b.s.post(&b.a, &format!("/v1/subscriptions/{id}/cancel"), json!({}))
+            .await;
+    assert_eq!(
+        (r.status, r.body["status"].as_str()),
+        (200, Some("canceled")),
+        "{}",
+        r.text
+    );
     let list = b.s.get(&b.a, "/v1/invoices").await;
     assert_eq!(list.body["data"][0]["reason"], "cancel", "{}", list.text);
     let kinds = events(&b.t).await;
@@ -514,12 +872,22 @@ async fn a_cancel_now_invoices_the_used_part_in_the_same_transaction() {
 async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_tenants() {
     let b = bed().await;
     let built_in = b.s.get(&b.a, "/v1/dunning/policy").await;
-    assert_eq!((built_in.status, &built_in.body["id"]), (200, &Value::Null), "{}", built_in.text);
-    assert_eq!(built_in.body["retry_offsets_secs"], json!([86400, 259200, 432000, 604800]));
+    assert_eq!(
+        (built_in.status, &built_in.body["id"]),
+        (200, &Value::Null),
+        "{}",
+        built_in.text
+    );
+    assert_eq!(
+        built_in.body["retry_offsets_secs"],
+        json!([86400, 259200, 432000, 604800])
+    );
     let put = Method::PUT;
     let path = "/v1/dunning/policy".to_string();
     let body = |offsets: Value, warn: Value| {
-        Some(json!({"retry_offsets_secs": offsets, "final_action": "pause_collection", "warn_after": warn}))
+        Some(
+            json!({"retry_offsets_secs": offsets, "final_action": "pause_collection", "warn_after": warn}),
+        )
     };
     b.check_refusals(
         &b.a,
@@ -533,22 +901,35 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
         ],
     )
     .await;
-    let w = b
-        .s
-        .call(&b.a, put.clone(), &path, body(json!([60, 3600]), json!([1])), None)
+    let w =
+        b.s.call(
+            &b.a,
+            put.clone(),
+            &path,
+            body(json!([60, 3600]), json!([1])),
+            None,
+        )
         .await;
     assert_eq!(w.status, 200, "{}", w.text);
     let first = w.body["id"].as_i64().unwrap();
-    let w2 = b
-        .s
-        .call(&b.a, put.clone(), &path, body(json!([120]), json!([])), None)
+    let w2 =
+        b.s.call(
+            &b.a,
+            put.clone(),
+            &path,
+            body(json!([120]), json!([])),
+            None,
+        )
         .await;
     assert_eq!(w2.status, 200, "{}", w2.text);
     let got = b.s.get(&b.a, "/v1/dunning/policy").await;
     assert_eq!(got.body, w2.body);
     assert_ne!(got.body["id"].as_i64(), Some(first));
     // The other tenant still has the built-in default.
-    assert_eq!(b.s.get(&b.b, "/v1/dunning/policy").await.body["id"], Value::Null);
+    assert_eq!(
+        b.s.get(&b.b, "/v1/dunning/policy").await.body["id"],
+        Value::Null
+    );
 
     // A run of tenant a (as the dunning role enrols one), seen by a only.
     let plan = b.plan(&b.a, "EUR", 3000).await;
@@ -587,16 +968,36 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
     let one = b.s.get(&b.a, &format!("/v1/dunning/runs/{run}")).await;
     assert_eq!(one.status, 200, "{}", one.text);
     assert_eq!(one.body["attempts"][0]["decline_code"], "card_declined");
-    assert_eq!(b.s.get(&b.a, "/v1/dunning/runs").await.body["data"][0]["id"].as_i64(), Some(run));
+    assert_eq!(
+        b.s.get(&b.a, "/v1/dunning/runs").await.body["data"][0]["id"].as_i64(),
+        Some(run)
+    );
     let inv = b.s.get(&b.a, &format!("/v1/invoices/{invoice}")).await;
     assert_eq!(inv.body["payment_attempts"][0]["status"], "declined");
     b.check_refusals(
         &b.b,
         &[
-            (Method::GET, format!("/v1/dunning/runs/{run}"), None, 404, "resource_missing", "id"),
-            (Method::GET, "/v1/dunning/runs?limit=101".into(), None, 400, "parameter_out_of_range", "limit"),
+            (
+                Method::GET,
+                format!("/v1/dunning/runs/{run}"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                Method::GET,
+                "/v1/dunning/runs?limit=101".into(),
+                None,
+                400,
+                "parameter_out_of_range",
+                "limit",
+            ),
         ],
     )
     .await;
-    assert_eq!(b.s.get(&b.b, "/v1/dunning/runs").await.body["data"], json!([]));
+    assert_eq!(
+        b.s.get(&b.b, "/v1/dunning/runs").await.body["data"],
+        json!([])
+    );
 }
