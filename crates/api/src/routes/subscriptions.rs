@@ -298,13 +298,13 @@ pub async fn create(
             ApiError::conflict(Code::InvalidState, "the plan's interval cannot be billed")
         })?;
     let now = db_now(&mut scope).await?;
-    if let Some(t) = n.trial_end {
-        if t <= now || t > now + TimeDelta::days(MAX_TRIAL_DAYS) {
-            return Err(ApiError::out_of_range(
-                "trial_end",
-                format!("trial_end is in the future, at most {MAX_TRIAL_DAYS} days on"),
-            ));
-        }
+    if let Some(t) = n.trial_end
+        && (t <= now || t > now + TimeDelta::days(MAX_TRIAL_DAYS))
+    {
+        return Err(ApiError::out_of_range(
+            "trial_end",
+            format!("trial_end is in the future, at most {MAX_TRIAL_DAYS} days on"),
+        ));
     }
     // As billing expects a row (its test seeders and the trial step): an
     // active subscription's period runs from now to the anchor's next
@@ -506,13 +506,13 @@ pub async fn pause(
         return Ok(replay);
     }
     live(&mut scope, id).await?;
-    if let Some(t) = p.resumes_at {
-        if t <= db_now(&mut scope).await? {
-            return Err(ApiError::out_of_range(
-                "resumes_at",
-                "resumes_at is in the future",
-            ));
-        }
+    if let Some(t) = p.resumes_at
+        && t <= db_now(&mut scope).await?
+    {
+        return Err(ApiError::out_of_range(
+            "resumes_at",
+            "resumes_at is in the future",
+        ));
     }
     let tenant = scope.tenant().to_owned();
     api.biller()

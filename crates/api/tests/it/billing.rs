@@ -7,6 +7,9 @@ use testbed::TestDb;
 
 use crate::support::{Answer, Served, serve, tenant};
 
+/// A request `(method, path, body)` and the refusal it must get: `(status, code, param)`.
+type Refusal<'a> = (Method, String, Option<Value>, u16, &'a str, &'a str);
+
 /// Two tenants' keys on one served API.
 struct Bed {
     t: TestDb,
@@ -66,11 +69,7 @@ impl Bed {
     }
 
     /// Each `(method, path, body)` is refused with `(status, code, param)`.
-    async fn check_refusals(
-        &self,
-        key: &str,
-        cases: &[(Method, String, Option<Value>, u16, &str, &str)],
-    ) {
+    async fn check_refusals(&self, key: &str, cases: &[Refusal<'_>]) {
         for (method, path, body, status, code, param) in cases {
             let r: Answer = self
                 .s
@@ -143,13 +142,7 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
             (p.clone(), "/v1/customers".into(), Some(json!({"email": " ada@example.org"})), 400, "parameter_invalid", "email"),
             (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "payment_method": "pm_x"})), 400, "parameter_invalid", "payment_method"),
             (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "payment_method": "card", "provider_customer_id": "cus_1"})), 400, "parameter_invalid", "payment_method"),
-            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "provider_customer_id": "cus_ada"})), 409, "already_exists", ""),
-            (p.clone(), "/v1/customers".into(), Some(json!({"name": "x"})), 400, "parameter_missing", "email"),
-            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "nick": "x"})), 400, "parameter_unknown", "nick"),
-            (p.clone(), format!("/v1/customers/{id}"), Some(json!({"email": "no"})), 400, "parameter_invalid", "email"),
-            (Method::GET, "/v1/customers?limit=0".into(), None, 400, "parameter_out_of_range", "limit"),
-            (Method::GET, "/v1/customers?starting_after=zz".into(), None, 400, "parameter_invalid", "starting_after"),
-        ][..5],
+        ],
     )
     .await;
     let dup =
@@ -483,8 +476,7 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "trial_end": "2099-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "trial_end"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "billing_anchor": "yesterday"})), 400, "parameter_invalid", "billing_anchor"),
             (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "collection_method": "cash"})), 400, "parameter_invalid", "collection_method"),
-            (Method::GET, format!("/v1/subscriptions/{id}"), None, 200, "", ""),
-        ][..5],
+        ],
     )
     .await;
     b.check_refusals(
