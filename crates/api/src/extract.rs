@@ -48,6 +48,33 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// [`JsonBody`] for an action whose body may be left out: an empty body
+/// (with or without a content type) is read as `{}`.
+pub struct OptionalJsonBody<T>(pub JsonBody<T>);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let declared = req.headers().contains_key(header::CONTENT_TYPE);
+        if declared {
+            return JsonBody::from_request(req, state)
+                .await
+                .map(OptionalJsonBody);
+        }
+        let raw = Bytes::from_request(req, state)
+            .await
+            .map_err(|e: BytesRejection| {
+                ApiError::param("body", format!("the request body could not be read: {e}"))
+            })?;
+        if !raw.is_empty() {
+            return Err(ApiError::unsupported_media_type());
+        }
+        let value = parse_json(b"{}")?;
+        Ok(OptionalJsonBody(JsonBody { value, raw }))
+    }
+}
+
 /// Parse `raw` as `T`, naming the field a refusal is about.
 pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
     // Syntax first, over the whole body: `{} x` is bad JSON, not a body
@@ -92,7 +119,11 @@ fn refusal(path: &str, message: &str) -> ApiError {
         Some(&message[start..end])
     };
     let join = |field: &str| {
-        if path == "." || path.is_empty() {
+        // serde_path_to_error already ends the path with an unknown field
+        // when the struct has optional fields.
+        if path == field || path.ends_with(&format!(".{field}")) {
+            path.to_owned()
+        } else if path == "." || path.is_empty() {
             field.to_owned()
         } else {
             format!("{path}.{field}")

@@ -51,7 +51,7 @@ use utoipa_axum::routes;
 pub use error::{ApiError, Code, ErrorType};
 pub use state::{Api, ApiConfig};
 
-use crate::routes::events;
+use crate::routes::{customers, dunning, events, invoices, plans, subscriptions};
 
 /// The largest request body accepted: an email's two bodies at their limit
 /// and its headers fit.
@@ -69,6 +69,11 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
     components(schemas(error::ErrorBody, error::ErrorDetail, error::ErrorType, error::Code)),
     tags(
         (name = "events", description = "Publish events; the webhook roles deliver them."),
+        (name = "customers", description = "Who is billed: an email and a saved payment method."),
+        (name = "plans", description = "What is billed: an amount every interval."),
+        (name = "subscriptions", description = "A customer on a plan; billing closes its periods. Cancel, pause, resume, change plan."),
+        (name = "invoices", description = "What billing invoiced, with its payment attempts."),
+        (name = "dunning", description = "The retry policy and the runs that retry declined invoices."),
     )
 )]
 struct ApiDoc;
@@ -94,6 +99,21 @@ fn routes() -> OpenApiRouter<Api> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(events::publish, events::list))
         .routes(routes!(events::get))
+        .routes(routes!(customers::create, customers::list))
+        .routes(routes!(customers::get, customers::update))
+        .routes(routes!(plans::create, plans::list))
+        .routes(routes!(plans::get))
+        .routes(routes!(subscriptions::create, subscriptions::list))
+        .routes(routes!(subscriptions::get))
+        .routes(routes!(subscriptions::cancel))
+        .routes(routes!(subscriptions::pause))
+        .routes(routes!(subscriptions::resume))
+        .routes(routes!(subscriptions::change_plan))
+        .routes(routes!(invoices::list))
+        .routes(routes!(invoices::get))
+        .routes(routes!(dunning::get_policy, dunning::put_policy))
+        .routes(routes!(dunning::list_runs))
+        .routes(routes!(dunning::get_run))
 }
 
 /// The OpenAPI 3.1 document of every route, generated from the handlers.

@@ -1,3 +1,8 @@
 //! The `/v1` routes, one module per resource.
 
+pub mod customers;
+pub mod dunning;
 pub mod events;
+pub mod invoices;
+pub mod plans;
+pub mod subscriptions;

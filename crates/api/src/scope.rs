@@ -19,8 +19,8 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Set on an answer replayed from an earlier request with the same key.
 pub const REPLAYED: &str = "idempotent-replayed";
 
-/// A tenant's transaction. Dropped without [`Scope::respond`] or
-/// [`Scope::commit`], it rolls back: nothing of the request stays, nor its
+/// A tenant's transaction. Dropped without [`Scope::respond`], it
+/// rolls back: nothing of the request stays, nor its
 /// idempotency key.
 pub struct Scope {
     tx: Tx,
@@ -172,15 +172,6 @@ impl Scope {
         }
         self.tx.commit().await?;
         Ok(json_response(status, text))
-    }
-
-    /// Commit a read.
-    ///
-    /// # Errors
-    /// A database error.
-    pub async fn commit(self) -> Result<(), ApiError> {
-        self.tx.commit().await?;
-        Ok(())
     }
 }
 

@@ -4,7 +4,9 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use billing::{Biller, BillingConfig};
 use db::Db;
+use leader::Telemetry;
 use webhook_delivery::Keyring;
 
 use crate::limit::Limiter;
@@ -22,6 +24,10 @@ pub struct ApiConfig {
     pub statement_timeout: Duration,
     /// Requests served at once; the rest wait for a slot within the timeout.
     pub max_concurrent: usize,
+    /// What billing's producers write with (the receipts' sender, the
+    /// statement timeout of their own transactions); the provider is unused:
+    /// the API charges nothing.
+    pub billing: BillingConfig,
 }
 
 impl Default for ApiConfig {
@@ -32,6 +38,7 @@ impl Default for ApiConfig {
             request_timeout: Duration::from_secs(10),
             statement_timeout: Duration::from_secs(5),
             max_concurrent: 256,
+            billing: BillingConfig::default(),
         }
     }
 }
@@ -47,6 +54,7 @@ struct Inner {
     db: Db,
     keyring: Option<Keyring>,
     limiter: Limiter,
+    biller: Biller,
     config: ApiConfig,
 }
 
@@ -54,9 +62,32 @@ impl Api {
     /// `db` is the API role's pool (`hardcount_api`); `keyring` seals the
     /// webhook secrets the API generates (without one, creating an endpoint
     /// answers 503).
+    ///
+    /// # Panics
+    /// When `config.billing` is out of range (billing's own validation).
     pub fn new(db: Db, keyring: Option<Keyring>, config: ApiConfig) -> Api {
+        Api::with_telemetry(db, keyring, config, Telemetry::noop())
+    }
+
+    /// [`Api::new`], billing's producers counting on `telemetry`.
+    ///
+    /// # Panics
+    /// As [`Api::new`].
+    pub fn with_telemetry(
+        db: Db,
+        keyring: Option<Keyring>,
+        config: ApiConfig,
+        telemetry: Telemetry,
+    ) -> Api {
+        let billing = BillingConfig {
+            provider: None,
+            ..config.billing.clone()
+        };
+        let biller = Biller::new(db.clone(), billing, telemetry)
+            .expect("the API's billing settings are in range");
         Api {
             inner: Arc::new(Inner {
+                biller,
                 db,
                 keyring,
                 limiter: Limiter::new(config.rate_per_second, config.rate_burst),
@@ -67,6 +98,11 @@ impl Api {
 
     pub fn db(&self) -> &Db {
         &self.inner.db
+    }
+
+    /// Billing's producers (plan changes, cancels, pauses), on the API's pool.
+    pub fn biller(&self) -> &Biller {
+        &self.inner.biller
     }
 
     pub fn keyring(&self) -> Option<&Keyring> {

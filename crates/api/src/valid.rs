@@ -78,3 +78,68 @@ pub fn text(param: &str, value: &str, max: usize) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// An identifier of the provider's (`pm_…`, `cus_…`): `prefix` then 1 to
+/// 250 of letters, digits and `_`, as the columns' CHECKs allow.
+pub fn provider_id(param: &str, value: &str, prefix: &str) -> Result<(), ApiError> {
+    let ok = value.len() <= 255
+        && value.strip_prefix(prefix).is_some_and(|rest| {
+            !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::param(
+            param,
+            format!("{param} is `{prefix}` then letters, digits and `_` (at most 255 characters)"),
+        ))
+    }
+}
+
+/// A time the service's date columns hold: from 1970 to before year 10000
+/// (migration 0020's `*_times_in_range`).
+pub fn time_in_range(param: &str, t: chrono::DateTime<chrono::Utc>) -> Result<(), ApiError> {
+    let low = chrono::DateTime::<chrono::Utc>::UNIX_EPOCH;
+    let high = "10000-01-01T00:00:00Z"
+        .parse::<chrono::DateTime<chrono::Utc>>()
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+    if t < low || t >= high {
+        return Err(ApiError::out_of_range(
+            param,
+            format!("{param} is from 1970-01-01 to before 10000-01-01 (UTC)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A refusal of billing's producers as the caller's answer: the conflicts a
+/// caller can cause are 409s with their stable codes.
+pub fn billing_error(e: billing::Error) -> ApiError {
+    use billing::Error as E;
+    match e {
+        E::SubscriptionPeriodMoved { .. } => ApiError::conflict(
+            Code::SubscriptionPeriodMoved,
+            "the subscription's period moved while the change was made (billing closed it, \
+             or another change did); nothing was written: read it again and retry",
+        ),
+        E::PlanCurrencyMismatch { from, to, .. } => ApiError::conflict(
+            Code::CurrencyMismatch,
+            format!("the subscription is billed in {from}; a plan in {to} cannot replace its plan"),
+        ),
+        E::SubscriptionNotFound { .. } => ApiError::conflict(
+            Code::InvalidState,
+            "the subscription is not active, so this change does not apply",
+        ),
+        E::InvalidState { reason, .. } => ApiError::conflict(Code::InvalidState, reason),
+        E::Unbillable(u) => ApiError::conflict(
+            Code::InvalidState,
+            format!("the subscription's period cannot be computed: {u}"),
+        ),
+        E::Db(e) => ApiError::from_db(&e),
+        E::Enqueue(e) => enqueue_error(e),
+        other => {
+            tracing::error!(error = %other, "billing producer failed");
+            ApiError::internal()
+        }
+    }
+}

@@ -234,6 +234,23 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("email_outbox:SELECT".into());
     want.push("email_outbox:INSERT".into());
     want.push("webhook_delivery_attempts:SELECT".into());
+    // Billing's producers in the API's transaction, and the dunning policy
+    // and runs (migration 0025).
+    for c in ["current_period_start", "current_period_end", "next_billing_at"] {
+        want.push(format!("subscriptions.{c}:UPDATE"));
+    }
+    want.push("invoices:INSERT".into());
+    want.push("invoice_counters:SELECT".into());
+    want.push("invoice_counters:INSERT".into());
+    want.push("invoice_counters.last_number:UPDATE".into());
+    want.push("customer_balances:INSERT".into());
+    for c in ["amount", "updated_at"] {
+        want.push(format!("customer_balances.{c}:UPDATE"));
+    }
+    want.push("dunning_policies:SELECT".into());
+    want.push("dunning_policies:INSERT".into());
+    want.push("dunning_policies.is_default:UPDATE".into());
+    want.push("dunning_runs:SELECT".into());
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
