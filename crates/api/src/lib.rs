@@ -51,7 +51,7 @@ use utoipa_axum::routes;
 pub use error::{ApiError, Code, ErrorType};
 pub use state::{Api, ApiConfig};
 
-use crate::routes::events;
+use crate::routes::{deliveries, emails, endpoints, events};
 
 /// The largest request body accepted: an email's two bodies at their limit
 /// and its headers fit.
@@ -69,6 +69,9 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
     components(schemas(error::ErrorBody, error::ErrorDetail, error::ErrorType, error::Code)),
     tags(
         (name = "events", description = "Publish events; the webhook roles deliver them."),
+        (name = "webhook_endpoints", description = "Where events are delivered: register, filter, rotate secrets, disable, recover."),
+        (name = "deliveries", description = "Each event's delivery to each endpoint, with every attempt; resend one."),
+        (name = "emails", description = "Queue emails; the email_outbox role sends them."),
     )
 )]
 struct ApiDoc;
@@ -94,6 +97,18 @@ fn routes() -> OpenApiRouter<Api> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(events::publish, events::list))
         .routes(routes!(events::get))
+        .routes(routes!(endpoints::create, endpoints::list))
+        .routes(routes!(endpoints::get, endpoints::update))
+        .routes(routes!(endpoints::rotate_secret))
+        .routes(routes!(endpoints::disable))
+        .routes(routes!(endpoints::enable))
+        .routes(routes!(endpoints::recover))
+        .routes(routes!(deliveries::list))
+        .routes(routes!(deliveries::get))
+        .routes(routes!(deliveries::resend))
+        .routes(routes!(emails::create, emails::list))
+        .routes(routes!(emails::get))
+        .routes(routes!(emails::resend))
 }
 
 /// The OpenAPI 3.1 document of every route, generated from the handlers.
