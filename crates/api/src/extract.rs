@@ -50,6 +50,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
 /// Parse `raw` as `T`, naming the field a refusal is about.
 pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
+    // Syntax first, so that a body with trailing junk is invalid JSON even
+    // when its first value also lacks a field.
+    serde_json::from_slice::<serde::de::IgnoredAny>(raw).map_err(|e| {
+        ApiError::invalid(
+            Code::InvalidJson,
+            "body",
+            format!("the body is not valid JSON: {e}"),
+        )
+    })?;
     let mut de = serde_json::Deserializer::from_slice(raw);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -85,6 +94,10 @@ fn refusal(path: &str, message: &str) -> ApiError {
     let join = |field: &str| {
         if path == "." || path.is_empty() {
             field.to_owned()
+        } else if path == field || path.ends_with(&format!(".{field}")) {
+            // serde_path_to_error's path already ends with an unknown key
+            // when the struct has an optional or defaulted field.
+            path.to_owned()
         } else {
             format!("{path}.{field}")
         }
@@ -106,7 +119,11 @@ fn refusal(path: &str, message: &str) -> ApiError {
     } else if message.starts_with("unknown field") {
         let field = join(quoted().unwrap_or("?"));
         ApiError::invalid(Code::ParameterUnknown, field, text)
-    } else if message.starts_with("invalid type") {
+    } else if message.starts_with("invalid type")
+        // An array where the body's object belongs: serde reads a struct
+        // from a sequence too, and then counts its elements.
+        || (param == "body" && message.starts_with("invalid length"))
+    {
         ApiError::invalid(Code::ParameterInvalidType, param, text)
     } else {
         ApiError::invalid(Code::ParameterInvalid, param, text)
