@@ -78,7 +78,13 @@ pub(crate) fn response_snippet(body: &[u8]) -> String {
     String::from_utf8_lossy(body)
         .chars()
         .take(MAX_SNIPPET_CHARS)
-        .map(|c| if c == '\0' { char::REPLACEMENT_CHARACTER } else { c })
+        .map(|c| {
+            if c == '\0' {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
         .collect()
 }
 

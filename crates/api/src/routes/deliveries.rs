@@ -158,22 +158,23 @@ pub async fn list(
     let rows = scope
         .tx()
         .fetch_all(
-            db::sql(concat!("SELECT ", columns!(), " FROM webhook_deliveries
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM webhook_deliveries
                  WHERE tenant_id = api_tenant()
                    AND ($1::bigint IS NULL OR event_id = $1)
                    AND ($2::bigint IS NULL OR endpoint_id = $2)
                    AND ($3::bigint IS NULL OR id < $3)
-                 ORDER BY id DESC LIMIT $4"))
+                 ORDER BY id DESC LIMIT $4"
+            ))
             .bind(q.event_id)
             .bind(q.endpoint_id)
             .bind(page.before)
             .bind(page.fetch()),
         )
         .await?;
-    let rows = rows
-        .iter()
-        .map(from_row)
-        .collect::<Result<Vec<_>, _>>()?;
+    let rows = rows.iter().map(from_row).collect::<Result<Vec<_>, _>>()?;
     let deliveries = with_history(&mut scope, rows).await?;
     let list = page.list(deliveries, |d| d.id);
     scope.respond(StatusCode::OK, &list).await
@@ -252,8 +253,11 @@ pub(crate) async fn recover_dead(
     Ok(scope
         .tx()
         .execute(
-            db::sql(concat!(reset!(), " AND status = 'dead' AND endpoint_id = $1
-                   AND coalesce(last_attempt_at, created_at) >= $2"))
+            db::sql(concat!(
+                reset!(),
+                " AND status = 'dead' AND endpoint_id = $1
+                   AND coalesce(last_attempt_at, created_at) >= $2"
+            ))
             .bind(endpoint_id)
             .bind(since),
         )
@@ -264,7 +268,11 @@ async fn read(scope: &mut Scope, id: i64) -> Result<Option<Delivery>, ApiError> 
     let row = scope
         .tx()
         .fetch_optional(
-            db::sql(concat!("SELECT ", columns!(), " FROM webhook_deliveries WHERE tenant_id = api_tenant() AND id = $1"))
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM webhook_deliveries WHERE tenant_id = api_tenant() AND id = $1"
+            ))
             .bind(id),
         )
         .await?;

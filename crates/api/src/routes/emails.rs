@@ -171,9 +171,13 @@ pub async fn list(
     let rows = scope
         .tx()
         .fetch_all(
-            db::sql(concat!("SELECT ", columns!(), " FROM email_outbox
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM email_outbox
                  WHERE tenant_id = api_tenant() AND ($1::bigint IS NULL OR id < $1)
-                 ORDER BY id DESC LIMIT $2"))
+                 ORDER BY id DESC LIMIT $2"
+            ))
             .bind(page.before)
             .bind(page.fetch()),
         )
@@ -244,7 +248,11 @@ async fn read(scope: &mut Scope, id: i64) -> Result<Option<Email>, ApiError> {
     let row = scope
         .tx()
         .fetch_optional(
-            db::sql(concat!("SELECT ", columns!(), " FROM email_outbox WHERE tenant_id = api_tenant() AND id = $1"))
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM email_outbox WHERE tenant_id = api_tenant() AND id = $1"
+            ))
             .bind(id),
         )
         .await?;
@@ -292,7 +300,11 @@ mod tests {
     fn email() -> outbox::email::Email {
         outbox::email::Email {
             from: "Billing <billing@example.com>".into(),
-            to: vec!["a@example.org".into(), "b@example.org".into(), "c@example.org".into()],
+            to: vec![
+                "a@example.org".into(),
+                "b@example.org".into(),
+                "c@example.org".into(),
+            ],
             subject: "Receipt".into(),
             text: "Paid".into(),
             html: None,
@@ -305,14 +317,20 @@ mod tests {
         let cases: Vec<(Mutate, &str)> = vec![
             (|e| e.from = "nobody".into(), "from"),
             (|e| e.to[2] = "c@".into(), "to[2]"),
-            (|e| e.to[1] = "b@example.org\r\nBcc: x@example.org".into(), "to[1]"),
+            (
+                |e| e.to[1] = "b@example.org\r\nBcc: x@example.org".into(),
+                "to[1]",
+            ),
             (|e| e.to[0] = "a\0@example.org".into(), "to[0]"),
             (|e| e.to.clear(), "to"),
             (|e| e.to = vec!["a@example.org".into(); 51], "to"),
             (|e| e.subject = " ".into(), "subject"),
             (|e| e.subject = "a\nb".into(), "subject"),
             (|e| e.subject = "s".repeat(999), "subject"),
-            (|e| e.text = "x".repeat(outbox::email::MAX_BODY_BYTES + 1), "text"),
+            (
+                |e| e.text = "x".repeat(outbox::email::MAX_BODY_BYTES + 1),
+                "text",
+            ),
             (|e| e.html = Some("a\0".into()), "html"),
         ];
         for (mutate, param) in cases {

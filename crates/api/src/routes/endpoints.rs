@@ -146,7 +146,6 @@ impl Endpoint {
     }
 }
 
-
 /// Register an endpoint. Its signing secret is generated here and shown in
 /// this answer only.
 #[utoipa::path(
@@ -212,9 +211,13 @@ pub async fn list(
     let rows = scope
         .tx()
         .fetch_all(
-            db::sql(concat!("SELECT ", columns!(), " FROM webhook_endpoints
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM webhook_endpoints
                  WHERE tenant_id = api_tenant() AND ($1::bigint IS NULL OR id < $1)
-                 ORDER BY id DESC LIMIT $2"))
+                 ORDER BY id DESC LIMIT $2"
+            ))
             .bind(page.before)
             .bind(page.fetch()),
         )
@@ -256,10 +259,13 @@ pub async fn update(
     let row = scope
         .tx()
         .fetch_optional(
-            db::sql(concat!("UPDATE webhook_endpoints
+            db::sql(concat!(
+                "UPDATE webhook_endpoints
                  SET url = coalesce($2, url), event_types = coalesce($3, event_types)
                  WHERE tenant_id = api_tenant() AND id = $1
-                 RETURNING ", columns!()))
+                 RETURNING ",
+                columns!()
+            ))
             .bind(id)
             .bind(url)
             .bind(event_types.clone()),
@@ -418,12 +424,15 @@ async fn set_enabled(
     let row = scope
         .tx()
         .fetch_optional(
-            db::sql(concat!("UPDATE webhook_endpoints
+            db::sql(concat!(
+                "UPDATE webhook_endpoints
                  SET enabled = $2,
                      disabled_reason = CASE WHEN $2 THEN NULL ELSE $3 END,
                      disabled_at = CASE WHEN $2 THEN NULL ELSE now() END
                  WHERE tenant_id = api_tenant() AND id = $1 AND enabled <> $2
-                 RETURNING ", columns!()))
+                 RETURNING ",
+                columns!()
+            ))
             .bind(id)
             .bind(enabled)
             .bind(DISABLED_BY_TENANT),
@@ -440,7 +449,11 @@ async fn read(scope: &mut Scope, id: i64) -> Result<Option<Endpoint>, ApiError> 
     let row = scope
         .tx()
         .fetch_optional(
-            db::sql(concat!("SELECT ", columns!(), " FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1"))
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1"
+            ))
             .bind(id),
         )
         .await?;
@@ -505,7 +518,10 @@ mod tests {
             assert_eq!(checked_url(url).unwrap_err().param.as_deref(), Some("url"));
         }
         let long = format!("https://example.com/{}", "a".repeat(2048));
-        assert_eq!(checked_url(&long).unwrap_err().param.as_deref(), Some("url"));
+        assert_eq!(
+            checked_url(&long).unwrap_err().param.as_deref(),
+            Some("url")
+        );
         let types = vec!["a.b".to_owned(), " x".to_owned()];
         assert_eq!(
             event_type_filter(&types).unwrap_err().param.as_deref(),

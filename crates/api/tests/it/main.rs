@@ -40,7 +40,10 @@ pub async fn tenant(t: &TestDb, id: &str) -> String {
     api::keys::create_tenant(&operator, id, id, None)
         .await
         .unwrap();
-    api::keys::create_key(&operator, id, "test").await.unwrap().key
+    api::keys::create_key(&operator, id, "test")
+        .await
+        .unwrap()
+        .key
 }
 
 /// One answer: its status, its body as JSON (Null when empty) and as text,

@@ -484,14 +484,21 @@ async fn a_failed_attempt_writes_its_history_row_and_the_delivering_one_none() {
         r.get::<Option<String>, _>("error_category").as_deref(),
         Some("http_5xx")
     );
-    assert!(r.get::<bool, _>("at_claim"), "attempted_at is the claim's time");
+    assert!(
+        r.get::<bool, _>("at_claim"),
+        "attempted_at is the claim's time"
+    );
     let snippet: String = r.get("response_snippet");
     assert!(snippet.starts_with("oops\u{fffd}xxx"), "{snippet:.20}");
     assert!(snippet.chars().count() <= 1024);
 
     make_due(&t).await;
     assert_eq!(tick(&t.db, &w).await.delivered, 1);
-    assert_eq!(history().await.len(), 1, "the delivering attempt adds no row");
+    assert_eq!(
+        history().await.len(),
+        1,
+        "the delivering attempt adds no row"
+    );
 }
 
 /// A resend (the API's: back to pending, `attempts` moved one past every
@@ -524,7 +531,10 @@ async fn a_resent_dead_delivery_is_attempted_on_a_fresh_schedule() {
     .await
     .unwrap();
     let report = tick(&t.db, &w).await;
-    assert_eq!(report.retried, 1, "attempted again, not exhausted: {report:?}");
+    assert_eq!(
+        report.retried, 1,
+        "attempted again, not exhausted: {report:?}"
+    );
     let d = &deliveries(&t.db).await[0];
     assert_eq!((d.status.as_str(), d.attempts), ("pending", 6), "{d:?}");
     for _ in 0..4 {
@@ -533,13 +543,19 @@ async fn a_resent_dead_delivery_is_attempted_on_a_fresh_schedule() {
     }
     let d = &deliveries(&t.db).await[0];
     assert_eq!((d.status.as_str(), d.attempts), ("dead", 9), "{d:?}");
-    assert_eq!(rx.count(), 8, "four attempts, then four more after the resend");
+    assert_eq!(
+        rx.count(),
+        8,
+        "four attempts, then four more after the resend"
+    );
     let numbers: Vec<i32> =
-        t.db.fetch_all(sql("SELECT attempt FROM webhook_delivery_attempts ORDER BY attempt"))
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get("attempt"))
-            .collect();
+        t.db.fetch_all(sql(
+            "SELECT attempt FROM webhook_delivery_attempts ORDER BY attempt",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get("attempt"))
+        .collect();
     assert_eq!(numbers, [1, 2, 3, 4, 6, 7, 8, 9], "no number is used twice");
 }
