@@ -43,7 +43,7 @@ impl Scope {
         let row = tx
             .fetch_one(db::sql("SELECT api_authenticate($1)").bind(caller.0.hash.to_vec()))
             .await?;
-        let tenant: Option<String> = row.try_get(0).map_err(|e| db::Error::Sql(e))?;
+        let tenant: Option<String> = row.try_get(0).map_err(db::Error::Sql)?;
         match tenant {
             Some(tenant) => Ok(Scope {
                 tx,
@@ -174,10 +174,11 @@ impl Scope {
         Ok(json_response(status, text))
     }
 
-    /// Commit a read.
+    /// Commit a read. (Every route so far answers through [`Scope::respond`].)
     ///
     /// # Errors
     /// A database error.
+    #[allow(dead_code)]
     pub async fn commit(self) -> Result<(), ApiError> {
         self.tx.commit().await?;
         Ok(())
