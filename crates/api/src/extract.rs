@@ -144,13 +144,7 @@ fn refusal(path: &str, message: &str) -> ApiError {
         let field = join(quoted().unwrap_or("?"));
         ApiError::invalid(Code::ParameterMissing, field, text)
     } else if message.starts_with("unknown field") {
-        // The path already ends at the unknown field.
-        let name = quoted().unwrap_or("?");
-        let field = if path == name || path.ends_with(&format!(".{name}")) {
-            path.to_owned()
-        } else {
-            join(name)
-        };
+        let field = join(quoted().unwrap_or("?"));
         ApiError::invalid(Code::ParameterUnknown, field, text)
     } else if message.starts_with("invalid type")
         || message.starts_with("invalid length")

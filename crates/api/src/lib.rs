@@ -51,7 +51,9 @@ use utoipa_axum::routes;
 pub use error::{ApiError, Code, ErrorType};
 pub use state::{Api, ApiConfig};
 
-use crate::routes::{customers, dunning, events, invoices, plans, subscriptions};
+use crate::routes::{
+    customers, deliveries, dunning, emails, endpoints, events, invoices, plans, subscriptions,
+};
 
 /// The largest request body accepted: an email's two bodies at their limit
 /// and its headers fit.
@@ -74,6 +76,9 @@ pub const MAX_BODY_BYTES: usize = 1024 * 1024;
         (name = "subscriptions", description = "A customer on a plan; billing closes its periods. Cancel, pause, resume, change plan."),
         (name = "invoices", description = "What billing invoiced, with its payment attempts."),
         (name = "dunning", description = "The retry policy and the runs that retry declined invoices."),
+        (name = "webhook_endpoints", description = "Where events are delivered: register, filter, rotate secrets, disable, recover."),
+        (name = "deliveries", description = "Each event's delivery to each endpoint, with every attempt; resend one."),
+        (name = "emails", description = "Queue emails; the email_outbox role sends them."),
     )
 )]
 struct ApiDoc;
@@ -114,6 +119,18 @@ fn routes() -> OpenApiRouter<Api> {
         .routes(routes!(dunning::get_policy, dunning::put_policy))
         .routes(routes!(dunning::list_runs))
         .routes(routes!(dunning::get_run))
+        .routes(routes!(endpoints::create, endpoints::list))
+        .routes(routes!(endpoints::get, endpoints::update))
+        .routes(routes!(endpoints::rotate_secret))
+        .routes(routes!(endpoints::disable))
+        .routes(routes!(endpoints::enable))
+        .routes(routes!(endpoints::recover))
+        .routes(routes!(deliveries::list))
+        .routes(routes!(deliveries::get))
+        .routes(routes!(deliveries::resend))
+        .routes(routes!(emails::create, emails::list))
+        .routes(routes!(emails::get))
+        .routes(routes!(emails::resend))
 }
 
 /// The OpenAPI 3.1 document of every route, generated from the handlers.

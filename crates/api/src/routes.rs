@@ -2,6 +2,9 @@
 
 pub mod customers;
 pub mod dunning;
+pub mod deliveries;
+pub mod emails;
+pub mod endpoints;
 pub mod events;
 pub mod invoices;
 pub mod plans;

@@ -62,7 +62,6 @@ pub fn enqueue_error(e: outbox::webhook::EnqueueError) -> ApiError {
 }
 
 /// A text field: at most `max` characters and no NUL.
-#[allow(dead_code)] // Until a route takes a name.
 pub fn text(param: &str, value: &str, max: usize) -> Result<(), ApiError> {
     if value.contains('\0') {
         return Err(ApiError::param(

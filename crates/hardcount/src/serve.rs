@@ -270,7 +270,12 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let http_stop = root.clone();
     let http = tokio::spawn(crate::http::serve_bounded(listener, app, http_stop));
     let api = match config.api.clone() {
-        Some(a) => Some(serve_api(a, root.clone()).await?),
+        Some(mut a) => {
+            // Receipts of a plan change or a cancel made through the API go
+            // out as billing's own do.
+            a.config.billing = config.billing.clone();
+            Some(serve_api(a, telemetry.clone(), root.clone()).await?)
+        }
         None => None,
     };
 
@@ -320,6 +325,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
 /// Bind the tenant API's listener and serve it until `stop`; its task and pool.
 async fn serve_api(
     a: ApiServe,
+    telemetry: Telemetry,
     stop: CancellationToken,
 ) -> Result<(tokio::task::JoinHandle<()>, Db)> {
     let listener = TcpListener::bind(a.addr)
@@ -331,7 +337,12 @@ async fn serve_api(
         .await
         .context("refusing to serve the tenant API (HARDCOUNT_API_DATABASE_URL)")?;
     info!(addr = %listener.local_addr()?, "tenant API listening (HARDCOUNT_API_ADDR)");
-    let app = api::router(api::Api::new(api_db.clone(), a.keyring, a.config));
+    let app = api::router(api::Api::with_telemetry(
+        api_db.clone(),
+        a.keyring,
+        a.config,
+        telemetry,
+    ));
     Ok((
         tokio::spawn(crate::http::serve_bounded(listener, app, stop)),
         api_db,

@@ -251,6 +251,18 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("dunning_policies:INSERT".into());
     want.push("dunning_policies.is_default:UPDATE".into());
     want.push("dunning_runs:SELECT".into());
+    // Resending a delivery or an email, recovering an endpoint's dead
+    // deliveries (migration 0026).
+    for c in [
+        "status",
+        "next_attempt_at",
+        "delivered_at",
+        "attempts",
+        "resent_at_attempt",
+    ] {
+        want.push(format!("webhook_deliveries.{c}:UPDATE"));
+    for c in ["status", "next_attempt_at"] {
+        want.push(format!("email_outbox.{c}:UPDATE"));
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
@@ -263,9 +275,12 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('t', 'https://x/', 'whsec_AAAA')",
             "DELETE FROM webhook_endpoints",
             "DELETE FROM webhook_events",
-            "UPDATE webhook_deliveries SET status = 'delivered'",
+            "UPDATE webhook_deliveries SET last_status_code = 200",
+            "UPDATE webhook_deliveries SET claimed_until = NULL",
+            "INSERT INTO webhook_delivery_attempts (tenant_id, delivery_id, attempt) VALUES ('t', 1, 1)",
             "UPDATE invoices SET status = 'paid'",
-            "UPDATE email_outbox SET status = 'sent'",
+            "UPDATE email_outbox SET sent_at = now()",
+            "UPDATE email_outbox SET attempts = 0",
             "SELECT * FROM api_keys",
             "SELECT * FROM tenants",
             "SELECT * FROM leader_status",

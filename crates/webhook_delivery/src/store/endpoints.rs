@@ -13,15 +13,15 @@ pub(crate) struct NewEndpoint {
     pub enabled: bool,
 }
 
+/// Insert an endpoint in `tx`, whose tenant is already set (row-level
+/// security checks the row against it).
 pub(crate) async fn insert_endpoint(
-    db: &Db,
+    tx: &mut Tx,
     tenant_id: &str,
     url: &str,
     secret: &Sealed,
     event_types: Vec<String>,
 ) -> Result<NewEndpoint, db::Error> {
-    let mut tx = db.begin().await?;
-    tx.act_for_tenant(tenant_id).await?;
     let row = tx
         .fetch_one(
             sql("INSERT INTO webhook_endpoints \
@@ -34,7 +34,6 @@ pub(crate) async fn insert_endpoint(
             .bind(event_types),
         )
         .await?;
-    tx.commit().await?;
     Ok(NewEndpoint {
         id: row.try_get("id")?,
         enabled: row.try_get("enabled")?,
@@ -45,16 +44,15 @@ pub(crate) async fn insert_endpoint(
 /// one it replaces as the previous secret until `now() + overlap` on the
 /// database clock, in one statement (the right-hand columns are the row's old
 /// values). A previous secret still held is dropped. Returns whether the
-/// endpoint (of this tenant, its secret sealed) exists.
+/// endpoint (of this tenant, its secret sealed) exists. In `tx`, whose
+/// tenant is already set.
 pub(crate) async fn rotate_secret(
-    db: &Db,
+    tx: &mut Tx,
     tenant_id: &str,
     endpoint_id: i64,
     new_secret: &Sealed,
     overlap: Duration,
 ) -> Result<bool, db::Error> {
-    let mut tx = db.begin().await?;
-    tx.act_for_tenant(tenant_id).await?;
     let rotated = tx
         .execute(
             sql("UPDATE webhook_endpoints \
@@ -71,7 +69,6 @@ pub(crate) async fn rotate_secret(
             .bind(overlap.as_secs_f64()),
         )
         .await?;
-    tx.commit().await?;
     Ok(rotated == 1)
 }
 
