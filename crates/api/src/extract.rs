@@ -86,6 +86,15 @@ pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
             format!("the body is not valid JSON: {e}"),
         )
     })?;
+    // Every body is an object: serde would also read a struct from an array
+    // (`[]` for a body whose fields all have defaults).
+    if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid(
+            Code::ParameterInvalidType,
+            "body",
+            "the body must be a JSON object",
+        ));
+    }
     let mut de = serde_json::Deserializer::from_slice(raw);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();

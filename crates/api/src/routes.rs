@@ -1,8 +1,8 @@
 //! The `/v1` routes, one module per resource.
 
 pub mod customers;
-pub mod dunning;
 pub mod deliveries;
+pub mod dunning;
 pub mod emails;
 pub mod endpoints;
 pub mod events;

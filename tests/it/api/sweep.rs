@@ -17,18 +17,157 @@ use serde_json::{Value, json};
 use super::{Answer, ApiBed};
 
 /// A valid body for each POST that creates a resource, in the order the
-/// resources can be made. In a body, `{/v1/…}` stands for the id of the
-/// resource the named collection made for the same tenant, and `{marker}`
-/// for a text only that tenant's rows hold.
-const CREATES: &[(&str, &str)] = &[(
-    "/v1/events",
-    r#"{"type": "marker.{marker}", "data": {"marker": "{marker}"}}"#,
-)];
+/// resources can be made: (collection, label, body). The id made is kept
+/// under its label; a path's `{id}` is the id kept under its collection's
+/// path. In a body, `{label}` stands for the id kept under that label and
+/// `{marker}` for a text only this tenant's rows hold.
+const CREATES: &[(&str, &str, &str)] = &[
+    (
+        "/v1/events",
+        "/v1/events",
+        r#"{"type": "marker.{marker}", "data": {"marker": "{marker}"}}"#,
+    ),
+    (
+        "/v1/customers",
+        "/v1/customers",
+        r#"{"email": "ada@example.org", "name": "{marker}", "payment_method": "pm_card_visa", "provider_customer_id": "cus_{marker}"}"#,
+    ),
+    (
+        "/v1/plans",
+        "/v1/plans",
+        r#"{"name": "{marker}", "amount": 1200, "currency": "EUR", "interval": "month"}"#,
+    ),
+    (
+        "/v1/plans",
+        "plan 2",
+        r#"{"name": "{marker} pro", "amount": 2400, "currency": "EUR", "interval": "month"}"#,
+    ),
+    (
+        "/v1/subscriptions",
+        "/v1/subscriptions",
+        r#"{"customer": {/v1/customers}, "plan": {/v1/plans}}"#,
+    ),
+    (
+        "/v1/webhook_endpoints",
+        "/v1/webhook_endpoints",
+        r#"{"url": "https://hooks.example.com/{marker}", "event_types": ["marker.{marker}"]}"#,
+    ),
+    (
+        "/v1/emails",
+        "/v1/emails",
+        r#"{"from": "Shop <shop@example.com>", "to": ["ada@example.org"], "subject": "{marker}", "text": "Hello"}"#,
+    ),
+];
 
-/// A valid request for every other route that takes a body or changes a
-/// resource: method, path template (`{id}` is the id the collection before
-/// it made), body, and the status it answers for the caller's own resource.
-const ACTIONS: &[(&str, &str, &str, u16)] = &[];
+/// Every other route that takes a body or changes something, in the order
+/// they are run on the caller's own resources: (method, path, body, status).
+/// An empty body is no body.
+const ACTIONS: &[(&str, &str, &str, u16)] = &[
+    (
+        "POST",
+        "/v1/customers/{id}",
+        r#"{"name": "{marker} renamed"}"#,
+        200,
+    ),
+    (
+        "PUT",
+        "/v1/dunning/policy",
+        r#"{"retry_offsets_secs": [86400, 259200], "final_action": "mark_uncollectible"}"#,
+        200,
+    ),
+    (
+        "POST",
+        "/v1/subscriptions/{id}/pause",
+        r#"{"behavior": "keep_as_draft"}"#,
+        200,
+    ),
+    ("POST", "/v1/subscriptions/{id}/resume", "", 200),
+    (
+        "POST",
+        "/v1/subscriptions/{id}/change_plan",
+        r#"{"plan": {plan 2}}"#,
+        200,
+    ),
+    (
+        "POST",
+        "/v1/subscriptions/{id}/cancel",
+        r#"{"at_period_end": true}"#,
+        200,
+    ),
+    (
+        "POST",
+        "/v1/webhook_endpoints/{id}",
+        r#"{"event_types": []}"#,
+        200,
+    ),
+    (
+        "POST",
+        "/v1/webhook_endpoints/{id}/rotate_secret",
+        r#"{"overlap_seconds": 60}"#,
+        200,
+    ),
+    ("POST", "/v1/webhook_endpoints/{id}/disable", "", 200),
+    ("POST", "/v1/webhook_endpoints/{id}/enable", "", 200),
+    (
+        "POST",
+        "/v1/webhook_endpoints/{id}/recover",
+        r#"{"since": "2026-01-01T00:00:00Z"}"#,
+        200,
+    ),
+    ("POST", "/v1/deliveries/{id}/resend", "", 200),
+    ("POST", "/v1/emails/{id}/resend", "", 200),
+];
+
+/// The query a list needs to answer 200 (the rest need none).
+const QUERIES: &[(&str, &str)] = &[("/v1/deliveries", "?event_id={/v1/events}")];
+
+/// Rows the roles make (an invoice, a dunning run, a delivery), written as
+/// the schema owner for `tenant` beside what the API made; the email made is
+/// marked failed, as a send would leave it, so it can be resent.
+async fn seed_role_made(bed: &ApiBed, tenant: &str, made: &mut Made) {
+    let mut owner = bed.t.superuser().await;
+    let id = |label: &str| made.ids[label];
+    let invoice: i64 = sqlx::query_scalar(
+        "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
+                               currency, collection_method) \
+         VALUES ($1, $2, now() - interval '30 days', now(), 1200, 'EUR', 'automatic') \
+         RETURNING id",
+    )
+    .bind(tenant)
+    .bind(id("/v1/subscriptions"))
+    .fetch_one(&mut owner)
+    .await
+    .unwrap();
+    let run: i64 = sqlx::query_scalar(
+        "WITH p AS (INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action) \
+                    VALUES ($1, 'Seeded', '{86400}', 'mark_uncollectible') RETURNING id) \
+         INSERT INTO dunning_runs (tenant_id, invoice_id, policy_id, first_declined_at, next_attempt_at) \
+         SELECT $1, $2, id, now(), now() + interval '1 day' FROM p RETURNING id",
+    )
+    .bind(tenant)
+    .bind(invoice)
+    .fetch_one(&mut owner)
+    .await
+    .unwrap();
+    let delivery: i64 = sqlx::query_scalar(
+        "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, status, attempts, delivered_at) \
+         VALUES ($1, $2, $3, 'delivered', 1, now()) RETURNING id",
+    )
+    .bind(tenant)
+    .bind(id("/v1/events"))
+    .bind(id("/v1/webhook_endpoints"))
+    .fetch_one(&mut owner)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE email_outbox SET status = 'failed' WHERE id = $1")
+        .bind(id("/v1/emails"))
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    made.ids.insert("/v1/invoices".into(), invoice);
+    made.ids.insert("/v1/dunning/runs".into(), run);
+    made.ids.insert("/v1/deliveries".into(), delivery);
+}
 
 struct Op {
     method: String,
@@ -118,6 +257,8 @@ impl Contract<'_> {
 /// A tenant's resources as the sweep made them.
 struct Made {
     key: String,
+    /// Secrets the API showed this tenant (an endpoint's `whsec_…`).
+    shown: Vec<String>,
     marker: String,
     ids: BTreeMap<String, i64>,
 }
@@ -133,10 +274,11 @@ fn fill(template: &str, made: &Made) -> String {
 async fn make(bed: &ApiBed, tenant: &str, contract: &Contract<'_>, ops: &[Op]) -> Made {
     let mut made = Made {
         key: bed.tenant(tenant),
+        shown: Vec::new(),
         marker: format!("marker{tenant}"),
         ids: BTreeMap::new(),
     };
-    for (path, body) in CREATES {
+    for (path, label, body) in CREATES {
         let body = fill(body, &made);
         let a = bed
             .call(Method::POST, path, Some(&made.key), Some(&body), &[])
@@ -147,9 +289,11 @@ async fn make(bed: &ApiBed, tenant: &str, contract: &Contract<'_>, ops: &[Op]) -
             .find(|o| o.method == "POST" && o.path == *path)
             .unwrap_or_else(|| panic!("CREATES names {path}, which the document lacks"));
         contract.check(op, "create", &a);
+        secrets_in(&a.json, &mut made.shown);
         made.ids
-            .insert((*path).to_owned(), a.json["id"].as_i64().unwrap());
+            .insert((*label).to_owned(), a.json["id"].as_i64().unwrap());
     }
+    seed_role_made(bed, tenant, &mut made).await;
     made
 }
 
@@ -177,6 +321,44 @@ async fn snapshot(bed: &ApiBed, tenant: &str) -> BTreeMap<String, String> {
         out.insert(table, digest);
     }
     out
+}
+
+fn path_of(op: &Op, made: &Made) -> String {
+    if op.path.contains("{id}") {
+        let id = made.ids.get(collection(&op.path)).unwrap_or_else(|| {
+            panic!(
+                "{} {}: nothing made under {}",
+                op.method,
+                op.path,
+                collection(&op.path)
+            )
+        });
+        op.path.replace("{id}", &id.to_string())
+    } else {
+        op.path.clone()
+    }
+}
+
+/// The caller's own request answered `status`, in its schema, holding no
+/// row of the tenant whose rows hold `other_marker`; secrets it shows kept.
+fn own(
+    contract: &Contract<'_>,
+    op: &Op,
+    r: &Answer,
+    status: u16,
+    other_marker: &str,
+    shown: &mut Vec<String>,
+) {
+    assert_eq!(r.status, status, "{} {}: {}", op.method, op.path, r.text);
+    contract.check(op, "the caller's own", r);
+    assert!(
+        !r.text.contains(other_marker),
+        "{} {} shows another tenant's rows: {}",
+        op.method,
+        op.path,
+        r.text
+    );
+    secrets_in(&r.json, shown);
 }
 
 fn secrets_in(v: &Value, out: &mut Vec<String>) {
@@ -221,6 +403,11 @@ async fn every_route_keeps_to_its_tenant_and_answers_as_its_document_says() {
     let b = make(&bed, "bravo", &contract, &ops).await;
     let b_before = snapshot(&bed, "bravo").await;
     let mut shown = vec![a.key.clone(), b.key.clone()];
+    shown.extend(a.shown.iter().chain(&b.shown).cloned());
+    assert!(
+        shown.iter().any(|s| s.starts_with("whsec_")),
+        "creating an endpoint shows its secret once"
+    );
 
     for op in &ops {
         let method = Method::from_bytes(op.method.as_bytes()).unwrap();
@@ -228,15 +415,8 @@ async fn every_route_keeps_to_its_tenant_and_answers_as_its_document_says() {
         let action = ACTIONS
             .iter()
             .find(|(m, p, _, _)| *m == op.method && *p == op.path);
-        let creates = CREATES.iter().find(|(p, _)| *p == op.path);
-        let body_for = |made: &Made| -> Option<String> {
-            if let Some((_, _, body, _)) = action {
-                Some(fill(body, made))
-            } else {
-                creates.map(|(_, body)| fill(body, made))
-            }
-        };
-        if op.body || op.method != "GET" {
+        let creates = CREATES.iter().find(|(p, _, _)| *p == op.path);
+        if op.method != "GET" {
             assert!(
                 action.is_some() || creates.is_some(),
                 "{} {} has no example request: add one to CREATES or ACTIONS",
@@ -244,21 +424,15 @@ async fn every_route_keeps_to_its_tenant_and_answers_as_its_document_says() {
                 op.path
             );
         }
-        let path_for = |made: &Made| -> String {
-            if has_id {
-                let id = made.ids.get(collection(&op.path)).unwrap_or_else(|| {
-                    panic!(
-                        "{} {}: nothing made under {}",
-                        op.method,
-                        op.path,
-                        collection(&op.path)
-                    )
-                });
-                op.path.replace("{id}", &id.to_string())
-            } else {
-                op.path.clone()
+        let body_for = |made: &Made| -> Option<String> {
+            match (action, creates) {
+                (Some((_, _, "", _)), _) => None,
+                (Some((_, _, body, _)), _) => Some(fill(body, made)),
+                (None, Some((_, _, body))) => Some(fill(body, made)),
+                (None, None) => None,
             }
         };
+        let path_for = |made: &Made| path_of(op, made);
 
         // Another tenant's resource: 404, as if it did not exist.
         if has_id {
@@ -277,7 +451,7 @@ async fn every_route_keeps_to_its_tenant_and_answers_as_its_document_says() {
         // Refusals of requests that break the document.
         let mut broken: Vec<(String, Option<String>)> = Vec::new();
         if op.body {
-            for bad in ["{", "[]", r#"{"zz_not_a_field": 1}"#, "null", "\"text\""] {
+            for bad in ["{", "[]", r#"{"zz_not_a_field": 1}"#, "\"text\"", "7"] {
                 broken.push((path_for(&a), Some(bad.to_owned())));
             }
         }
@@ -322,33 +496,37 @@ async fn every_route_keeps_to_its_tenant_and_answers_as_its_document_says() {
         assert_eq!(r.status, 401, "{} {}: {}", op.method, op.path, r.text);
         contract.check(op, "no key", &r);
 
-        // The caller's own: a documented success, in its schema; a list
-        // holds nothing of the other tenant.
-        let expected = action
-            .map(|(_, _, _, s)| *s)
-            .unwrap_or(match op.method.as_str() {
-                "POST" => 201,
-                _ => 200,
-            });
+        // The caller's own reads (the writes follow, in their order): a
+        // documented success in its schema, nothing of the other tenant.
+        if op.method == "GET" {
+            let query = QUERIES
+                .iter()
+                .find(|(p, _)| *p == op.path)
+                .map(|(_, q)| fill(q, &a))
+                .unwrap_or_default();
+            let r = bed
+                .call(
+                    method.clone(),
+                    &format!("{}{query}", path_for(&a)),
+                    Some(&a.key),
+                    None,
+                    &[],
+                )
+                .await;
+            own(&contract, op, &r, 200, &b.marker, &mut shown);
+        }
+    }
+    for (m, path, body, status) in ACTIONS {
+        let op = ops
+            .iter()
+            .find(|o| o.method == *m && o.path == *path)
+            .unwrap_or_else(|| panic!("ACTIONS names {m} {path}, which the document lacks"));
+        let body = (!body.is_empty()).then(|| fill(body, &a));
+        let method = Method::from_bytes(m.as_bytes()).unwrap();
         let r = bed
-            .call(
-                method.clone(),
-                &path_for(&a),
-                Some(&a.key),
-                body_for(&a).as_deref(),
-                &[],
-            )
+            .call(method, &path_of(op, &a), Some(&a.key), body.as_deref(), &[])
             .await;
-        assert_eq!(r.status, expected, "{} {}: {}", op.method, op.path, r.text);
-        contract.check(op, "the caller's own", &r);
-        assert!(
-            !r.text.contains(&b.marker),
-            "{} {} shows another tenant's rows: {}",
-            op.method,
-            op.path,
-            r.text
-        );
-        secrets_in(&r.json, &mut shown);
+        own(&contract, op, &r, *status, &b.marker, &mut shown);
     }
 
     assert_eq!(

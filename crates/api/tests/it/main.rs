@@ -3,7 +3,7 @@
 
 mod billing;
 mod hooks;
-
+mod openapi;
 
 use api::{Api, ApiConfig};
 use reqwest::StatusCode;

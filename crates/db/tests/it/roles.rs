@@ -236,7 +236,11 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("webhook_delivery_attempts:SELECT".into());
     // Billing's producers in the API's transaction, and the dunning policy
     // and runs (migration 0025).
-    for c in ["current_period_start", "current_period_end", "next_billing_at"] {
+    for c in [
+        "current_period_start",
+        "current_period_end",
+        "next_billing_at",
+    ] {
         want.push(format!("subscriptions.{c}:UPDATE"));
     }
     want.push("invoices:INSERT".into());
@@ -261,8 +265,10 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
         "resent_at_attempt",
     ] {
         want.push(format!("webhook_deliveries.{c}:UPDATE"));
+    }
     for c in ["status", "next_attempt_at"] {
         want.push(format!("email_outbox.{c}:UPDATE"));
+    }
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
