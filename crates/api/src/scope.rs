@@ -6,6 +6,8 @@ use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use db::{Row as _, Tx};
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
@@ -18,6 +20,8 @@ use crate::state::Api;
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Set on an answer replayed from an earlier request with the same key.
 pub const REPLAYED: &str = "idempotent-replayed";
+/// Marks a sealed secret in a recorded answer: `hc-sealed:<key id>:<base64url>`.
+const SEALED: &str = "hc-sealed:";
 
 /// A tenant's transaction. Dropped without [`Scope::respond`], it
 /// rolls back: nothing of the request stays, nor its
@@ -26,6 +30,8 @@ pub struct Scope {
     tx: Tx,
     tenant: String,
     key: Option<String>,
+    /// Opens a secret sealed in a recorded answer when it is replayed.
+    keyring: Option<webhook_delivery::Keyring>,
 }
 
 impl Scope {
@@ -49,6 +55,7 @@ impl Scope {
                 tx,
                 tenant,
                 key: None,
+                keyring: api.keyring().cloned(),
             }),
             None => {
                 let _ = tx.rollback().await;
@@ -138,12 +145,87 @@ impl Scope {
                 "this Idempotency-Key's first request has no answer recorded; send a new key",
             ));
         };
+        let body = self.unseal(body)?;
         let status = StatusCode::from_u16(status as u16).unwrap_or(StatusCode::OK);
         let mut answer = json_response(status, body);
         answer
             .headers_mut()
             .insert(REPLAYED, HeaderValue::from_static("true"));
         Ok(Some(answer))
+    }
+
+    /// [`Scope::respond`] for an answer that shows `secret` (a webhook
+    /// signing secret, shown once): the answer recorded under the
+    /// idempotency key holds it sealed with `keyring` (as the endpoint row
+    /// does), never in clear, and a replay opens it again.
+    ///
+    /// # Errors
+    /// A database error: nothing was committed.
+    pub async fn respond_with_secret<T: Serialize>(
+        mut self,
+        status: StatusCode,
+        body: &T,
+        secret: &str,
+        keyring: &webhook_delivery::Keyring,
+    ) -> Result<Response, ApiError> {
+        let text = serde_json::to_string(body).map_err(|_| ApiError::internal())?;
+        if let Some(key) = self.key.take() {
+            let sealed = keyring.seal_text(&self.tenant, secret);
+            let token = format!(
+                "{SEALED}{}:{}",
+                sealed.key_id,
+                URL_SAFE_NO_PAD.encode(&sealed.ciphertext)
+            );
+            self.record(key, status, text.replace(secret, &token))
+                .await?;
+        }
+        self.tx.commit().await?;
+        Ok(json_response(status, text))
+    }
+
+    async fn record(
+        &mut self,
+        key: String,
+        status: StatusCode,
+        text: String,
+    ) -> Result<(), ApiError> {
+        self.tx
+            .execute(
+                db::sql(
+                    "UPDATE api_idempotency_keys SET status = $2, response = $3
+                     WHERE tenant_id = api_tenant() AND idempotency_key = $1",
+                )
+                .bind(key)
+                .bind(status.as_u16() as i16)
+                .bind(text),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// A recorded answer with its sealed secret (if any) opened.
+    fn unseal(&self, recorded: String) -> Result<String, ApiError> {
+        let Some(at) = recorded.find(SEALED) else {
+            return Ok(recorded);
+        };
+        let rest = &recorded[at + SEALED.len()..];
+        let end = rest.find('"').ok_or_else(ApiError::internal)?;
+        let (key_id, b64) = rest[..end].split_once(':').ok_or_else(ApiError::internal)?;
+        let ciphertext = URL_SAFE_NO_PAD
+            .decode(b64)
+            .map_err(|_| ApiError::internal())?;
+        let keyring = self.keyring.as_ref().ok_or_else(|| {
+            ApiError::unavailable("this answer holds a webhook secret and no secrets key is set")
+        })?;
+        let secret = keyring
+            .open(&self.tenant, key_id, &ciphertext)
+            .map_err(|_| ApiError::internal())?;
+        Ok(format!(
+            "{}{}{}",
+            &recorded[..at],
+            secret.expose().as_str(),
+            &rest[end..]
+        ))
     }
 
     /// Commit with `body` as the answer, recorded under the request's
@@ -158,17 +240,7 @@ impl Scope {
     ) -> Result<Response, ApiError> {
         let text = serde_json::to_string(body).map_err(|_| ApiError::internal())?;
         if let Some(key) = self.key.take() {
-            self.tx
-                .execute(
-                    db::sql(
-                        "UPDATE api_idempotency_keys SET status = $2, response = $3
-                         WHERE tenant_id = api_tenant() AND idempotency_key = $1",
-                    )
-                    .bind(key)
-                    .bind(status.as_u16() as i16)
-                    .bind(text.clone()),
-                )
-                .await?;
+            self.record(key, status, text.clone()).await?;
         }
         self.tx.commit().await?;
         Ok(json_response(status, text))

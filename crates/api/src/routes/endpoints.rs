@@ -180,7 +180,10 @@ pub async fn create(
         endpoint,
         secret: created.secret.expose(),
     };
-    scope.respond(StatusCode::CREATED, &answer).await
+    let shown = answer.secret.clone();
+    scope
+        .respond_with_secret(StatusCode::CREATED, &answer, &shown, keyring)
+        .await
 }
 
 /// Read an endpoint (never its secret).
@@ -338,7 +341,10 @@ pub async fn rotate_secret(
         secret: secret.expose(),
         previous_secret_expires_at: row.try_get("until").map_err(db::Error::Sql)?,
     };
-    scope.respond(StatusCode::OK, &answer).await
+    let shown = answer.secret.clone();
+    scope
+        .respond_with_secret(StatusCode::OK, &answer, &shown, keyring)
+        .await
 }
 
 /// Disable an endpoint: its pending deliveries die at their next attempt,

@@ -117,6 +117,19 @@ async fn an_endpoint_s_secret_is_shown_once_and_never_again() {
         .await;
     assert!(again.replayed);
     assert_eq!((again.status, &again.text), (created.status, &created.text));
+    // The recorded answer the replay came from holds the secret sealed too.
+    //
+    // Catches: recording the answer as sent (`Scope::respond` instead of
+    // `respond_with_secret`: the secret sits in clear for 24 hours).
+    let recorded: String = sqlx::query_scalar(
+        "SELECT response FROM api_idempotency_keys WHERE idempotency_key = 'e-1'",
+    )
+    .fetch_one(&mut su)
+    .await
+    .unwrap();
+    assert!(!recorded.contains(secret), "{recorded}");
+    assert!(!recorded.contains(&secret["whsec_".len()..]));
+    assert!(recorded.contains("hc-sealed:"), "{recorded}");
 
     let id = ep["id"].as_i64().unwrap();
     let read = s.get(&format!("/v1/webhook_endpoints/{id}"), &key).await;
