@@ -383,7 +383,7 @@ async fn every_refusal_has_the_one_shape_and_names_its_field() {
         (
             Method::POST,
             "/v1/events",
-            Some("x".repeat(2 * 1024 * 1024)),
+            Some("x".repeat(api::MAX_BODY_BYTES + 1024)),
             413,
             "body_too_large",
             None,

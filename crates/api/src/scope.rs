@@ -42,14 +42,15 @@ impl Scope {
     /// # Errors
     /// 401 for a key that is unknown or revoked; a database error.
     pub async fn begin(api: &Api, caller: &Caller) -> Result<Scope, ApiError> {
-        let mut tx = api
+        // BEGIN, its timeouts and the key's lookup in one round trip.
+        let (tx, tenant) = api
             .db()
-            .begin_with_timeout(api.config().statement_timeout)
+            .begin_calling(
+                api.config().statement_timeout,
+                "api_authenticate",
+                &caller.0.hash,
+            )
             .await?;
-        let row = tx
-            .fetch_one(db::sql("SELECT api_authenticate($1)").bind(caller.0.hash.to_vec()))
-            .await?;
-        let tenant: Option<String> = row.try_get(0).map_err(db::Error::Sql)?;
         match tenant {
             Some(tenant) => Ok(Scope {
                 tx,

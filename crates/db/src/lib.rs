@@ -182,6 +182,46 @@ impl Db {
         self.begin_bounded(limit, "").await
     }
 
+    /// [`Db::begin_with_timeout`] whose first statement, in the same
+    /// simple-protocol message (one round trip), is `SELECT function(arg)`:
+    /// its text result, or `None` for NULL. `function` is a name fixed in
+    /// code and `arg` is sent as a hex `bytea` literal, so nothing from
+    /// outside reaches the SQL text but hex digits. The tenant API
+    /// authenticates each request's transaction this way.
+    ///
+    /// # Cancel safety
+    /// As [`Db::begin_with_timeout`].
+    pub async fn begin_calling(
+        &self,
+        limit: Duration,
+        function: &'static str,
+        arg: &[u8],
+    ) -> Result<(Tx, Option<String>)> {
+        debug_assert!(
+            function
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b == b'_'),
+            "a function name fixed in code"
+        );
+        let mut hex = String::with_capacity(arg.len() * 2);
+        for b in arg {
+            hex.push_str(&format!("{b:02x}"));
+        }
+        let ms = limit.as_millis().max(1);
+        let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
+        let text = format!(
+            "BEGIN; SET LOCAL statement_timeout = {ms}; \
+             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}; \
+             SELECT {function}('\\x{hex}'::bytea)"
+        );
+        let (tx, rows) = Tx::begin_fetching(self, text).await?;
+        let value = match rows.first() {
+            Some(row) => row.try_get::<Option<String>, _>(0)?,
+            None => None,
+        };
+        Ok((tx, value))
+    }
+
     /// [`Db::begin_with_timeout`] for a queue statement that must reach its
     /// rows through their keys and ordered indexes whatever the table
     /// statistics say (docs/adr/0023): bitmap scans, hash and merge joins and
@@ -290,6 +330,23 @@ impl Tx {
             .await?;
         conn.state = State::InTransaction;
         Ok(Tx { conn })
+    }
+
+    /// [`Tx::begin`] whose text also returns rows (its last statements'):
+    /// the transaction and those rows.
+    async fn begin_fetching(db: &Db, begin: String) -> Result<(Tx, Vec<PgRow>)> {
+        let conn = db
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| connect::connect_error(e, &db.url))?;
+        let mut conn = Pooled::new(conn);
+        conn.state = State::Unknown;
+        let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
+            .fetch_all(conn.raw())
+            .await?;
+        conn.state = State::InTransaction;
+        Ok((Tx { conn }, rows))
     }
 
     pub async fn fetch_one(&mut self, stmt: Stmt<'_>) -> Result<PgRow> {

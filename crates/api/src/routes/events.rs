@@ -95,10 +95,11 @@ pub async fn publish(
         return Ok(replay);
     }
     let tenant = scope.tenant().to_owned();
-    let id = outbox::webhook::enqueue(scope.tx(), &tenant, event_type, &payload)
+    // The row as stored, from the insert itself: one round trip.
+    let row = outbox::webhook::enqueue_returning(scope.tx(), &tenant, event_type, &payload)
         .await
         .map_err(valid::enqueue_error)?;
-    let event = read(&mut scope, id).await?.ok_or_else(ApiError::internal)?;
+    let event = Event::from_row(&row)?;
     scope.respond(StatusCode::CREATED, &event).await
 }
 
