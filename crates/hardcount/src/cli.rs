@@ -1,4 +1,4 @@
-//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause`,
+//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause|history`,
 //! `secrets generate-key|rotate-key`, and the commands that are one database
 //! call (`migrate`, `leader ...`, `secrets rotate-key`).
 
@@ -9,6 +9,8 @@ use leader::Role;
 use webhook_delivery::{Keyring, SECRETS_KEY_VAR};
 
 use crate::settings::{Common, DevSettings, ServeSettings};
+
+mod history;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -89,6 +91,9 @@ pub enum LeaderCommand {
         #[arg(value_parser = parse_role)]
         role: Role,
     },
+    /// Past and current terms (role, token, holder, acquired, held for, how the tick
+    /// ended), newest first, from the leader_history view; names any overlap.
+    History(history::HistoryArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -324,6 +329,7 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                 .map_err(operator_denied)?;
             println!("paused {role} (by {by}: {reason}); its holder stops within one heartbeat");
         }
+        LeaderCommand::History(args) => history::history(&db, args).await?,
         LeaderCommand::Unpause { role } => {
             leader::store::unpause(&db, role)
                 .await

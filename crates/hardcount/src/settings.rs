@@ -208,6 +208,11 @@ pub struct ServeSettings {
     /// wakes them within milliseconds [default: unset, they poll at their interval].
     #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
     pub listen_url: Option<Secret>,
+    /// The lease statements' URL (ACQUIRE, RENEW, RELEASE), as hardcount_app: PgBouncer's
+    /// lease alias, a server pool the job statements cannot fill (deploy/pgbouncer,
+    /// docs/adr/0036) [default: DATABASE_URL].
+    #[arg(long, env = "HARDCOUNT_LEASE_DATABASE_URL", hide_env_values = true)]
+    pub lease_database_url: Option<Secret>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
@@ -340,6 +345,10 @@ impl ServeSettings {
             billing: self.billing()?,
             dunning: self.dunning()?,
             listen_url: self.listen_url()?,
+            lease_database_url: Secret::set(&self.lease_database_url)
+                .map(|url| database_url("HARDCOUNT_LEASE_DATABASE_URL", url.to_owned()))
+                .transpose()?
+                .map(Secret::from),
         })
     }
 

@@ -4,6 +4,7 @@
 
 mod contention;
 mod failures;
+mod history;
 mod outcomes;
 mod safety;
 
