@@ -55,7 +55,7 @@
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.
 //!
-//! The lease history (`leader_terms`, migration 0025) records every term,
+//! The lease history (`leader_terms`, migration 0027) records every term,
 //! written by the lease statements themselves (no extra round trip):
 //! ACQUIRE inserts it, RENEW stamps its last renewal, RELEASE its release and
 //! how the tick ended. [`overlapping_terms`] checks what [`store::history`]

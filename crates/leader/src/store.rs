@@ -7,7 +7,7 @@
 //! `now()`, one round trip older, on the transaction it began itself.
 //!
 //! Each lease statement also writes the term's row in `leader_terms` (the
-//! lease history, migration 0025) in the same statement, through a
+//! lease history, migration 0027) in the same statement, through a
 //! data-modifying CTE on what the lease row's UPDATE returned: ACQUIRE
 //! inserts the term, RENEW stamps `last_renewed_at` and the new expiry,
 //! RELEASE stamps `released_at` and the tick's end. A statement that changes
@@ -425,7 +425,7 @@ pub const HISTORY_LIMIT_MAX: u32 = 10_000;
 /// kept. One call is one bounded batch: the retention work calls it until
 /// it returns less than `limit`, and nothing schedules it yet.
 ///
-/// Runs `leader_terms_prune` (migration 0025), a definer function no service
+/// Runs `leader_terms_prune` (migration 0027), a definer function no service
 /// role may execute until the retention work's migration grants it to the
 /// role that runs it; today only the schema owner can.
 ///

@@ -1,5 +1,5 @@
 //! `hardcount leader history [ROLE] [--limit N] [--json]`: the lease history
-//! (`leader_history`, migration 0025), newest term first, read as
+//! (`leader_history`, migration 0027), newest term first, read as
 //! `leader status` reads its view, over the operator's URL.
 
 use anyhow::Result;

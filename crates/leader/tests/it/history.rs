@@ -1,4 +1,4 @@
-//! The lease history (issue 27, point 1; migration 0025): every term written
+//! The lease history (issue 27, point 1; migration 0027): every term written
 //! by the lease statements themselves, read back by the operator, checked
 //! for overlaps, pruned in bounded batches.
 
