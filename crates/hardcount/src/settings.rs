@@ -360,10 +360,7 @@ impl ServeSettings {
             billing: self.billing()?,
             dunning: self.dunning()?,
             listen_url: self.listen_url()?,
-            lease_database_url: Secret::set(&self.lease_database_url)
-                .map(|url| database_url("HARDCOUNT_LEASE_DATABASE_URL", url.to_owned()))
-                .transpose()?
-                .map(Secret::from),
+            lease_database_url: self.lease_database_url()?,
             api: self.api(secrets_for_api)?,
         })
     }
@@ -403,6 +400,15 @@ impl ServeSettings {
 
     /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never
     /// echoes it (it may hold a password).
+    /// `HARDCOUNT_LEASE_DATABASE_URL`, checked as DATABASE_URL is; None when
+    /// unset (the leases then share DATABASE_URL's path).
+    fn lease_database_url(&self) -> Result<Option<Secret>> {
+        Secret::set(&self.lease_database_url)
+            .map(|url| database_url("HARDCOUNT_LEASE_DATABASE_URL", url.to_owned()))
+            .transpose()
+            .map(|url| url.map(Secret::from))
+    }
+
     fn listen_url(&self) -> Result<Option<Secret>> {
         let Some(url) = Secret::set(&self.listen_url) else {
             return Ok(None);

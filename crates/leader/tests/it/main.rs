@@ -5,6 +5,7 @@
 mod contention;
 mod failures;
 mod history;
+mod lease_path;
 mod outcomes;
 mod safety;
 
