@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use db::Db;
+use db::{Db, Row};
 use leader::store::{self, Acquire, Term};
 use leader::{Role, overlapping_terms};
 use testbed::TestDb;
@@ -19,8 +19,16 @@ async fn terms(t: &TestDb, role: Role) -> Vec<Term> {
 /// A tick that lives past one heartbeat: its term has the holder, the
 /// token ACQUIRE returned, a renewal, the release and how the tick ended.
 ///
+/// The term is written by the lease statement itself, not by a second
+/// statement after it: RENEW's stamp and the expiry it gives the term are
+/// the same `statement_timestamp()` apart by exactly the TTL, which only
+/// one statement's clock gives (a second statement, even in the same
+/// transaction, reads a later clock).
+///
 /// Catches: ACQUIRE without the term's INSERT (no term), RENEW without its
 /// stamp (`last_renewed_at` NULL), RELEASE without its stamp (no end).
+/// Checked by hand and in scripts/mutation-check (`lease_history_acquire`, `lease_history_renew`):
+/// with the `term` CTE removed from ACQUIRE, or from RENEW, this test fails.
 #[tokio::test]
 async fn a_tick_is_recorded_from_acquire_through_renew_to_release() {
     let t = TestDb::new().await;
@@ -41,6 +49,20 @@ async fn a_tick_is_recorded_from_acquire_through_renew_to_release() {
     assert_eq!(term.tick_end.as_deref(), Some("completed"));
     assert_eq!(term.state, "released");
     assert!(term.ended_epoch_us > term.acquired_epoch_us + 800_000, "{term:?}");
+    let one_clock: bool = t
+        .operator()
+        .fetch_one(
+            db::sql(
+                "SELECT expires_at - last_renewed_at = make_interval(secs => $2) AS one_clock \
+                 FROM leader_history WHERE role = 'billing' AND token = $1",
+            )
+            .bind(token)
+            .bind(fast().ttl.as_secs_f64()),
+        )
+        .await
+        .unwrap()
+        .get("one_clock");
+    assert!(one_clock, "RENEW's term stamp and its expiry come from one statement");
     // The other roles were never acquired.
     assert!(terms(&t, Role::Dunning).await.is_empty());
 }

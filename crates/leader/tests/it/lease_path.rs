@@ -136,7 +136,7 @@ async fn wait_for_sleepers(su_url: &str, database: &str) {
 ///
 /// Catches: a lease alias that shares the app's server pool (a `<db>_leases`
 /// without its own pool, or `HARDCOUNT_LEASE_DATABASE_URL` ignored by the
-/// serve process): the tick is then lost as below. Checked by hand by
+/// serve process): the tick is then lost as below. Checked by hand (`lease_path_own_pool` in scripts/mutation-check) by
 /// pointing `lease_db` at `t.db`: this test then fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renew_on_the_lease_path_lands_while_the_app_pool_is_saturated() {
