@@ -242,7 +242,10 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // cannot make a RENEW wait for a connection; through their own URL (a
     // PgBouncer alias), so they cannot wait for a server connection either
     // (docs/adr/0036).
-    let lease_url = config.lease_database_url.as_ref().unwrap_or(&config.database_url);
+    let lease_url = config
+        .lease_database_url
+        .as_ref()
+        .unwrap_or(&config.database_url);
     let lease_db = Db::connect_lazy(lease_url.expose(), specs.len() as u32 + 1)?;
     if config.lease_database_url.is_some() {
         leader::store::check_roles_seeded(&lease_db)

@@ -384,14 +384,16 @@ pub async fn history(db: &Db, role: Option<Role>, limit: u32) -> Result<Vec<Term
     let limit = i64::from(limit.clamp(1, HISTORY_LIMIT_MAX));
     let rows = db
         .fetch_all(
-            sql("SELECT role, token, holder_id, acquired_at::text, last_renewed_at::text, \
+            sql(
+                "SELECT role, token, holder_id, acquired_at::text, last_renewed_at::text, \
                         expires_at::text, released_at::text, tick_end, state, \
                         (extract(epoch FROM acquired_at) * 1000000)::bigint AS acquired_us, \
                         (extract(epoch FROM ended_at) * 1000000)::bigint AS ended_us \
                  FROM leader_history \
                  WHERE $1::text IS NULL OR role = $1 \
                  ORDER BY acquired_at DESC, role, token DESC \
-                 LIMIT $2")
+                 LIMIT $2",
+            )
             .bind(role.map(|r| r.as_str().to_owned()))
             .bind(limit),
         )

@@ -5,8 +5,8 @@
 
 use std::io::Write;
 
-use sqlx::{Connection, Row};
 use sqlx::postgres::PgConnection;
+use sqlx::{Connection, Row};
 
 use crate::{Leg, TestDb};
 

@@ -13,7 +13,9 @@ use testbed::leadership::as_leader;
 use crate::{fast, manager};
 
 async fn terms(t: &TestDb, role: Role) -> Vec<Term> {
-    store::history(&t.operator(), Some(role), 100).await.unwrap()
+    store::history(&t.operator(), Some(role), 100)
+        .await
+        .unwrap()
 }
 
 /// A tick that lives past one heartbeat: its term has the holder, the
@@ -48,7 +50,10 @@ async fn a_tick_is_recorded_from_acquire_through_renew_to_release() {
     assert!(term.released_at.is_some(), "{term:?}");
     assert_eq!(term.tick_end.as_deref(), Some("completed"));
     assert_eq!(term.state, "released");
-    assert!(term.ended_epoch_us > term.acquired_epoch_us + 800_000, "{term:?}");
+    assert!(
+        term.ended_epoch_us > term.acquired_epoch_us + 800_000,
+        "{term:?}"
+    );
     let one_clock: bool = t
         .operator()
         .fetch_one(
@@ -62,7 +67,10 @@ async fn a_tick_is_recorded_from_acquire_through_renew_to_release() {
         .await
         .unwrap()
         .get("one_clock");
-    assert!(one_clock, "RENEW's term stamp and its expiry come from one statement");
+    assert!(
+        one_clock,
+        "RENEW's term stamp and its expiry come from one statement"
+    );
     // The other roles were never acquired.
     assert!(terms(&t, Role::Dunning).await.is_empty());
 }
@@ -101,7 +109,10 @@ async fn a_takeover_leaves_no_overlap_and_a_hand_made_overlap_is_found() {
     assert_eq!(older.state, "expired");
     assert_eq!(older.released_at, None);
     assert_eq!(newer.tick_end.as_deref(), Some("completed"));
-    assert!(newer.acquired_epoch_us >= older.ended_epoch_us, "{history:?}");
+    assert!(
+        newer.acquired_epoch_us >= older.ended_epoch_us,
+        "{history:?}"
+    );
     assert_eq!(overlapping_terms(&history), []);
 
     // By hand: a term that began in the middle of the first one.
@@ -117,10 +128,16 @@ async fn a_takeover_leaves_no_overlap_and_a_hand_made_overlap_is_found() {
     .unwrap();
     let found = overlapping_terms(&terms(&t, Role::Dunning).await);
     assert_eq!(found.len(), 2, "{found:?}");
-    assert_eq!((found[0].earlier_token, found[0].later_token), (first, first + 1));
+    assert_eq!(
+        (found[0].earlier_token, found[0].later_token),
+        (first, first + 1)
+    );
     assert!(found[0].overlap_us > 0);
     // The successor began inside the intruder's span as well.
-    assert_eq!((found[1].earlier_token, found[1].later_token), (first + 1, second));
+    assert_eq!(
+        (found[1].earlier_token, found[1].later_token),
+        (first + 1, second)
+    );
 }
 
 /// An operator's pause ends the held term (tick_end `paused`), so the term
@@ -146,13 +163,18 @@ async fn a_pause_ends_the_held_term_and_the_next_one_does_not_overlap_it() {
         panic!("the idle role is acquired")
     };
     let op = t.operator();
-    store::pause(&op, Role::EmailOutbox, "ops", "drill").await.unwrap();
+    store::pause(&op, Role::EmailOutbox, "ops", "drill")
+        .await
+        .unwrap();
     store::unpause(&op, Role::EmailOutbox).await.unwrap();
     let Acquire::Won { token: next, .. } = acquire("next:1:00000000").await.unwrap() else {
         panic!("the unpaused role is acquired at once")
     };
     let history = terms(&t, Role::EmailOutbox).await;
-    assert_eq!(history.iter().map(|h| h.token).collect::<Vec<_>>(), [next, paused]);
+    assert_eq!(
+        history.iter().map(|h| h.token).collect::<Vec<_>>(),
+        [next, paused]
+    );
     assert_eq!(history[1].tick_end.as_deref(), Some("paused"));
     assert_eq!(history[0].state, "held");
     assert_eq!(overlapping_terms(&history), []);
@@ -183,11 +205,19 @@ async fn prune_deletes_old_ended_terms_a_bounded_batch_at_a_time() {
     let owner = Db::connect_lazy(&t.superuser_url(), 1).unwrap();
     let day = Duration::from_secs(86_400);
     assert_eq!(store::prune_terms(&owner, day, 2).await.unwrap(), 2);
-    let left: Vec<i64> = terms(&t, Role::Billing).await.iter().map(|h| h.token).collect();
+    let left: Vec<i64> = terms(&t, Role::Billing)
+        .await
+        .iter()
+        .map(|h| h.token)
+        .collect();
     assert_eq!(left, [5, 4, 3, 6], "the two oldest ended terms went first");
     assert_eq!(store::prune_terms(&owner, day, 10).await.unwrap(), 3);
     assert_eq!(store::prune_terms(&owner, day, 10).await.unwrap(), 0);
-    let left: Vec<i64> = terms(&t, Role::Billing).await.iter().map(|h| h.token).collect();
+    let left: Vec<i64> = terms(&t, Role::Billing)
+        .await
+        .iter()
+        .map(|h| h.token)
+        .collect();
     assert_eq!(left, [6], "a held term is kept whatever its age");
 
     let err = store::prune_terms(&t.db, day, 10).await.unwrap_err();
