@@ -1,4 +1,4 @@
-//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause`,
+//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause|history`,
 //! `secrets generate-key|rotate-key`, and the commands that are one database
 //! call (`migrate`, `leader ...`, `secrets rotate-key`).
 
@@ -10,6 +10,7 @@ use webhook_delivery::{Keyring, SECRETS_KEY_VAR};
 
 use crate::settings::{Common, DevSettings, ServeSettings};
 
+mod history;
 mod tenants;
 
 pub use tenants::{KeysCommand, TenantsCommand, keys_command, tenants_command};
@@ -104,6 +105,9 @@ pub enum LeaderCommand {
         #[arg(value_parser = parse_role)]
         role: Role,
     },
+    /// Past and current terms (role, token, holder, acquired, held for, how the tick
+    /// ended), newest first, from the leader_history view; names any overlap.
+    History(history::HistoryArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -339,6 +343,7 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                 .map_err(operator_denied)?;
             println!("paused {role} (by {by}: {reason}); its holder stops within one heartbeat");
         }
+        LeaderCommand::History(args) => history::history(&db, args).await?,
         LeaderCommand::Unpause { role } => {
             leader::store::unpause(&db, role)
                 .await

@@ -167,6 +167,11 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_HTTP_ADDR",
     "HARDCOUNT_ROLES",
     "HARDCOUNT_LISTEN_URL",
+    "HARDCOUNT_LEASE_DATABASE_URL",
+    "HARDCOUNT_API_ADDR",
+    "HARDCOUNT_API_DATABASE_URL",
+    "HARDCOUNT_API_RATE_LIMIT",
+    "HARDCOUNT_API_RATE_BURST",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
     // The tenant API (crates/api: a producer, never a role).

@@ -48,6 +48,9 @@ pub struct Config {
     /// `HARDCOUNT_API_ADDR` and its settings: the tenant API, served beside
     /// the roles (a producer, never a role: docs/adr/0035). None: no API.
     pub api: Option<ApiServe>,
+    /// `HARDCOUNT_LEASE_DATABASE_URL`: the lease statements' own path (a
+    /// PgBouncer alias with its own server pool, docs/adr/0036). None: DATABASE_URL.
+    pub lease_database_url: Option<Secret>,
 }
 
 /// Where and how the tenant API is served.
@@ -236,8 +239,19 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     }
 
     // Lease statements get their own small pool, so a burst of job statements
-    // cannot make a RENEW wait for a connection.
-    let lease_db = Db::connect_lazy(config.database_url.expose(), specs.len() as u32 + 1)?;
+    // cannot make a RENEW wait for a connection; through their own URL (a
+    // PgBouncer alias), so they cannot wait for a server connection either
+    // (docs/adr/0036).
+    let lease_url = config
+        .lease_database_url
+        .as_ref()
+        .unwrap_or(&config.database_url);
+    let lease_db = Db::connect_lazy(lease_url.expose(), specs.len() as u32 + 1)?;
+    if config.lease_database_url.is_some() {
+        leader::store::check_roles_seeded(&lease_db)
+            .await
+            .context("refusing to serve (HARDCOUNT_LEASE_DATABASE_URL)")?;
+    }
     let manager = Manager::new(lease_db.clone(), Timing::ADR, telemetry.clone());
     let root = shutdown;
     let tracker = TaskTracker::new();

@@ -209,6 +209,11 @@ pub struct ServeSettings {
     /// wakes them within milliseconds [default: unset, they poll at their interval].
     #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
     pub listen_url: Option<Secret>,
+    /// The lease statements' URL (ACQUIRE, RENEW, RELEASE), as hardcount_app: PgBouncer's
+    /// lease alias, a server pool the job statements cannot fill (deploy/pgbouncer,
+    /// docs/adr/0036) [default: DATABASE_URL].
+    #[arg(long, env = "HARDCOUNT_LEASE_DATABASE_URL", hide_env_values = true)]
+    pub lease_database_url: Option<Secret>,
     /// Where the tenant API listens, e.g. `0.0.0.0:8081` [default: unset, no API].
     #[arg(long, env = "HARDCOUNT_API_ADDR")]
     pub api_addr: Option<String>,
@@ -355,6 +360,7 @@ impl ServeSettings {
             billing: self.billing()?,
             dunning: self.dunning()?,
             listen_url: self.listen_url()?,
+            lease_database_url: self.lease_database_url()?,
             api: self.api(secrets_for_api)?,
         })
     }
@@ -394,6 +400,15 @@ impl ServeSettings {
 
     /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never
     /// echoes it (it may hold a password).
+    /// `HARDCOUNT_LEASE_DATABASE_URL`, checked as DATABASE_URL is; None when
+    /// unset (the leases then share DATABASE_URL's path).
+    fn lease_database_url(&self) -> Result<Option<Secret>> {
+        Secret::set(&self.lease_database_url)
+            .map(|url| database_url("HARDCOUNT_LEASE_DATABASE_URL", url.to_owned()))
+            .transpose()
+            .map(|url| url.map(Secret::from))
+    }
+
     fn listen_url(&self) -> Result<Option<Secret>> {
         let Some(url) = Secret::set(&self.listen_url) else {
             return Ok(None);

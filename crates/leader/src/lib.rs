@@ -54,9 +54,17 @@
 //!
 //! Only a won lease builds a [`Fence`], and leader-only store methods take one
 //! as an argument, so "forgot to fence" does not compile.
+//!
+//! The lease history (`leader_terms`, migration 0027) records every term,
+//! written by the lease statements themselves (no extra round trip):
+//! ACQUIRE inserts it, RENEW stamps its last renewal, RELEASE its release and
+//! how the tick ended. [`overlapping_terms`] checks what [`store::history`]
+//! reads back: no two terms of one role overlap, a term spanning its claim to
+//! `min(released, last renewal + TTL)`.
 
 mod announce;
 mod heartbeat;
+mod history;
 mod manager;
 pub mod store;
 mod telemetry;
@@ -67,8 +75,9 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use announce::{RoleTicks, TickLog};
+pub use history::{Overlap, overlapping_terms};
 pub use manager::Manager;
-pub use store::{LeaseStatus, StoreError};
+pub use store::{LeaseStatus, StoreError, Term};
 pub use telemetry::Telemetry;
 pub use tick::{Fence, LostReason, Tick, TickEnd, TickOutcome};
 pub use timing::{Timing, TimingError};

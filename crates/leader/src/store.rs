@@ -1,10 +1,19 @@
-//! All of `leader_leases`' SQL. Each lease statement is one self-contained
-//! statement evaluated on the database clock; none compares a database
-//! timestamp with an application one. ACQUIRE and RENEW read
-//! `statement_timestamp()`, not `now()`: `now()` is the start of the
+//! All of `leader_leases`' and `leader_terms`' SQL. Each lease statement is
+//! one self-contained statement evaluated on the database clock; none
+//! compares a database timestamp with an application one. ACQUIRE and RENEW
+//! read `statement_timestamp()`, not `now()`: `now()` is the start of the
 //! transaction, and a lease's expiry and its predicates must hold when the
-//! statement runs (docs/adr/0008). RELEASE's stamps keep `now()`, one round
-//! trip older, on the transaction it began itself.
+//! statement runs (docs/adr/0008). RELEASE's stamps on the lease row keep
+//! `now()`, one round trip older, on the transaction it began itself.
+//!
+//! Each lease statement also writes the term's row in `leader_terms` (the
+//! lease history, migration 0027) in the same statement, through a
+//! data-modifying CTE on what the lease row's UPDATE returned: ACQUIRE
+//! inserts the term, RENEW stamps `last_renewed_at` and the new expiry,
+//! RELEASE stamps `released_at` and the tick's end. A statement that changes
+//! no lease row writes no term, so the history says what the leases did, at
+//! no extra round trip. [`history`] reads it back (`leader_history`, as the
+//! operator) and [`crate::overlapping_terms`] checks it.
 
 use std::time::Duration;
 
@@ -78,7 +87,10 @@ pub async fn acquire(
                      AND (expires_at IS NULL OR expires_at <= statement_timestamp()) \
                      AND (last_tick_ended_at IS NULL OR last_tick_ended_at <= statement_timestamp() - make_interval(secs => $4)) \
                      AND (not_before IS NULL OR not_before <= statement_timestamp()) \
-                   RETURNING holder_token) \
+                   RETURNING role, holder_token, holder_id, expires_at, clock_timestamp() AS taken_at), \
+               term AS ( \
+                   INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at) \
+                   SELECT role, holder_token, holder_id, taken_at, expires_at FROM claimed) \
                  SELECT (SELECT holder_token FROM claimed) AS token, \
                         extract(epoch FROM statement_timestamp())::float8 AS db_now, \
                         l.paused_at IS NOT NULL AS paused, \
@@ -135,9 +147,14 @@ pub async fn renew(
     let row = tx
         .fetch_optional(
             sql(
-                "UPDATE leader_leases SET expires_at = statement_timestamp() + make_interval(secs => $3) \
-                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
-                 RETURNING extract(epoch FROM statement_timestamp())::float8 AS db_now",
+                "WITH renewed AS ( \
+                   UPDATE leader_leases SET expires_at = statement_timestamp() + make_interval(secs => $3) \
+                   WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
+                   RETURNING role, holder_token, expires_at), \
+                 term AS ( \
+                   UPDATE leader_terms t SET last_renewed_at = statement_timestamp(), expires_at = r.expires_at \
+                   FROM renewed r WHERE t.role = r.role AND t.token = r.holder_token) \
+                 SELECT extract(epoch FROM statement_timestamp())::float8 AS db_now FROM renewed",
             )
             .bind(role.as_str())
             .bind(token)
@@ -227,9 +244,10 @@ pub async fn release(
     statement_timeout: Duration,
 ) -> Result<bool, StoreError> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let n = tx
-        .execute(
-            sql("UPDATE leader_leases SET holder_id = NULL, expires_at = NULL, \
+    let row = tx
+        .fetch_one(
+            sql("WITH released AS ( \
+                 UPDATE leader_leases SET holder_id = NULL, expires_at = NULL, \
                    last_tick_ended_at = CASE $3 \
                        WHEN 'completed' THEN now() \
                        WHEN 'completed_due_now' THEN now() - make_interval(secs => $4) \
@@ -244,7 +262,12 @@ pub async fn release(
                        WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \
                        WHEN 'more_work' THEN NULL \
                        ELSE not_before END \
-                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL")
+                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
+                 RETURNING role), \
+               term AS ( \
+                 UPDATE leader_terms t SET released_at = statement_timestamp(), tick_end = $3 \
+                 FROM released r WHERE t.role = r.role AND t.token = $2) \
+               SELECT count(*) AS changed FROM released")
             .bind(role.as_str())
             .bind(token)
             .bind(outcome.as_str())
@@ -253,7 +276,8 @@ pub async fn release(
         )
         .await?;
     tx.commit().await?;
-    Ok(n == 1)
+    let changed: i64 = row.try_get("changed").map_err(StoreError::from_row)?;
+    Ok(changed == 1)
 }
 
 /// Pause `role` (any session can do the same with `SELECT leader_pause(...)`).
@@ -329,6 +353,97 @@ pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
         })
         .collect::<Result<_, db::Error>>()
         .map_err(StoreError::from_row)
+}
+
+/// One term of the lease history (`leader_history`): a won ACQUIRE, from the
+/// claim to its release or expiry.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Term {
+    pub role: String,
+    pub token: i64,
+    pub holder_id: String,
+    pub acquired_at: String,
+    pub last_renewed_at: Option<String>,
+    /// The expiry the term's last ACQUIRE or RENEW set.
+    pub expires_at: String,
+    pub released_at: Option<String>,
+    /// How the tick ended ([`Release::as_str`], or `paused`); None if never released.
+    pub tick_end: Option<String>,
+    /// `held`, `released` or `expired`.
+    pub state: String,
+    /// The span, epoch microseconds on the database clock: from the claim
+    /// to `min(released_at, expires_at)`.
+    pub acquired_epoch_us: i64,
+    pub ended_epoch_us: i64,
+}
+
+/// The lease history, newest term first: `role`'s terms, or every role's,
+/// at most `limit` (1 to 10000). Reads the `leader_history` view, which the
+/// operator role (hardcount_operator) may read and the app role may not.
+pub async fn history(db: &Db, role: Option<Role>, limit: u32) -> Result<Vec<Term>, StoreError> {
+    let limit = i64::from(limit.clamp(1, HISTORY_LIMIT_MAX));
+    let rows = db
+        .fetch_all(
+            sql(
+                "SELECT role, token, holder_id, acquired_at::text, last_renewed_at::text, \
+                        expires_at::text, released_at::text, tick_end, state, \
+                        (extract(epoch FROM acquired_at) * 1000000)::bigint AS acquired_us, \
+                        (extract(epoch FROM ended_at) * 1000000)::bigint AS ended_us \
+                 FROM leader_history \
+                 WHERE $1::text IS NULL OR role = $1 \
+                 ORDER BY acquired_at DESC, role, token DESC \
+                 LIMIT $2",
+            )
+            .bind(role.map(|r| r.as_str().to_owned()))
+            .bind(limit),
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok::<_, db::Error>(Term {
+                role: r.try_get("role")?,
+                token: r.try_get("token")?,
+                holder_id: r.try_get("holder_id")?,
+                acquired_at: r.try_get("acquired_at")?,
+                last_renewed_at: r.try_get("last_renewed_at")?,
+                expires_at: r.try_get("expires_at")?,
+                released_at: r.try_get("released_at")?,
+                tick_end: r.try_get("tick_end")?,
+                state: r.try_get("state")?,
+                acquired_epoch_us: r.try_get("acquired_us")?,
+                ended_epoch_us: r.try_get("ended_us")?,
+            })
+        })
+        .collect::<Result<_, db::Error>>()
+        .map_err(StoreError::from_row)
+}
+
+/// The most terms [`history`] returns in one call.
+pub const HISTORY_LIMIT_MAX: u32 = 10_000;
+
+/// Delete at most `limit` (1 to 10000) terms of the lease history that ended
+/// more than `older_than` ago (on the database clock), oldest first, and
+/// return how many went. A term that is held, or ended more recently, is
+/// kept. One call is one bounded batch: the retention work calls it until
+/// it returns less than `limit`, and nothing schedules it yet.
+///
+/// Runs `leader_terms_prune` (migration 0027), a definer function no service
+/// role may execute until the retention work's migration grants it to the
+/// role that runs it; today only the schema owner can.
+///
+/// # Errors
+/// A database error, or the function's refusal of a `limit` outside 1 to
+/// 10000 (SQLSTATE 22023).
+pub async fn prune_terms(db: &Db, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+    let row = db
+        .fetch_one(
+            sql("SELECT leader_terms_prune(make_interval(secs => $1), $2) AS pruned")
+                .bind(older_than.as_secs_f64())
+                .bind(i32::try_from(limit).unwrap_or(i32::MAX)),
+        )
+        .await?;
+    let n: i64 = row.try_get("pruned").map_err(StoreError::from_row)?;
+    Ok(u64::try_from(n).unwrap_or(0))
 }
 
 /// The boot check (docs/adr/0002): every role has its row.

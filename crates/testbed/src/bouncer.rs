@@ -1,9 +1,12 @@
 //! PgBouncer's queue on demand: hold its server pool so the next client's
 //! statement waits, which is where a dropped future must land for the
-//! cancel-safety tests (issue 14), and count what was left idle in a transaction.
+//! cancel-safety tests (issue 14), count what was left idle in a transaction,
+//! and give a test database its own lease path (an alias with its own pool).
 
-use sqlx::Connection;
+use std::io::Write;
+
 use sqlx::postgres::PgConnection;
+use sqlx::{Connection, Row};
 
 use crate::{Leg, TestDb};
 
@@ -47,3 +50,61 @@ pub async fn idle_in_transaction(su: &mut PgConnection) -> i64 {
     .await
     .unwrap()
 }
+
+/// The lease path for this database (docs/adr/0036), as `hardcount_app`: a
+/// PgBouncer alias `<db>_leases` with a server pool of its own
+/// ([`LEASE_POOL`]), the shape of `deploy/pgbouncer/pgbouncer.ini`'s
+/// `hardcount_leases`. The bed's PgBouncer includes `pgbouncer-leases.ini`
+/// beside its own file (`scripts/bed`); this appends the alias there and
+/// RELOADs through the admin console, so each test database gets its own.
+///
+/// # Panics
+/// If the bed's PgBouncer has no such file (a bed started before the lease
+/// path: restart it with `scripts/bed`), or the admin console refuses.
+pub async fn lease_path(t: &TestDb) -> String {
+    let admin_url = format!("postgres://postgres@{}/pgbouncer", Leg::PgBouncer.addr());
+    let mut admin = PgConnection::connect(&admin_url)
+        .await
+        .expect("connect to PgBouncer's admin console as postgres");
+    let conffile = sqlx::raw_sql("SHOW CONFIG")
+        .fetch_all(&mut admin)
+        .await
+        .expect("SHOW CONFIG")
+        .into_iter()
+        .find_map(|row| {
+            let key: String = row.get(0);
+            (key == "conffile").then(|| row.get::<String, _>(1))
+        })
+        .expect("PgBouncer names its configuration file");
+    let leases = std::path::Path::new(&conffile).with_file_name("pgbouncer-leases.ini");
+    assert!(
+        leases.exists(),
+        "{} is missing: this bed predates the lease path; restart it with scripts/bed",
+        leases.display()
+    );
+    let (host, port) = Leg::Direct
+        .addr()
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_owned(), p.to_owned()))
+        .expect("HARDCOUNT_TEST_PG is host:port");
+    let alias = format!("{}_leases", t.name());
+    let line = format!(
+        "{alias} = host={host} port={port} dbname={} pool_size={LEASE_POOL}\n",
+        t.name()
+    );
+    // One write of one line: tests appending at once do not interleave.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&leases)
+        .and_then(|mut f| f.write_all(line.as_bytes()))
+        .unwrap_or_else(|e| panic!("append to {}: {e}", leases.display()));
+    sqlx::raw_sql("RELOAD")
+        .execute(&mut admin)
+        .await
+        .expect("RELOAD");
+    let _ = admin.close().await;
+    format!("postgres://hardcount_app@{}/{alias}", Leg::PgBouncer.addr())
+}
+
+/// The server pool of a test database's lease alias ([`lease_path`]).
+pub const LEASE_POOL: usize = 2;

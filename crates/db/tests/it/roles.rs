@@ -79,6 +79,7 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             "api_keys:SELECT",
             "billing_settle_attempt():EXECUTE",
             "email_address_valid():EXECUTE",
+            "leader_history:SELECT",
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
@@ -106,6 +107,9 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             "SELECT * FROM leader_leases",
             "UPDATE leader_leases SET paused_at = now()",
             "SELECT leader_fence('billing', 1)",
+            // Migration 0027: the history through its view only, no pruning.
+            "SELECT * FROM leader_terms",
+            "SELECT leader_terms_prune(interval '1 day', 10)",
             "SELECT * FROM webhook_endpoints",
             "SELECT id FROM webhook_deliveries",
             "INSERT INTO webhook_events (tenant_id, event_type, payload) VALUES ('t', 'x', '{}')",
@@ -368,6 +372,27 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "leader_leases.not_before:UPDATE",
         ]
     );
+    // Migration 0027: the lease statements write their term; nothing else.
+    let term_rights: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.starts_with("leader_terms") || g.starts_with("leader_history"))
+        .collect();
+    assert_eq!(
+        term_rights,
+        [
+            "leader_terms.acquired_at:INSERT",
+            "leader_terms.expires_at:INSERT",
+            "leader_terms.expires_at:UPDATE",
+            "leader_terms.holder_id:INSERT",
+            "leader_terms.last_renewed_at:UPDATE",
+            "leader_terms.released_at:UPDATE",
+            "leader_terms.role:INSERT",
+            "leader_terms.role:SELECT",
+            "leader_terms.tick_end:UPDATE",
+            "leader_terms.token:INSERT",
+            "leader_terms.token:SELECT",
+        ]
+    );
     assert!(
         !granted
             .iter()
@@ -378,6 +403,11 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         &t.db,
         "hardcount_app",
         &[
+            "SELECT * FROM leader_history",
+            "SELECT holder_id FROM leader_terms",
+            "DELETE FROM leader_terms",
+            "UPDATE leader_terms SET acquired_at = now()",
+            "SELECT leader_terms_prune(interval '1 day', 10)",
             "SELECT secret FROM webhook_endpoints",
             "SELECT previous_secret FROM webhook_endpoints",
             "SELECT * FROM webhook_endpoints",

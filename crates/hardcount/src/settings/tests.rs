@@ -322,6 +322,23 @@ fn a_blank_variable_means_unset() {
 }
 
 #[test]
+fn the_lease_url_defaults_to_none_and_a_bad_one_is_named_without_its_password() {
+    assert_eq!(check(&[]).unwrap().lease_database_url, None);
+    let url = "postgres://app:pw@pgbouncer:6432/hardcount_leases";
+    let config = check(&["--lease-database-url", url]).unwrap();
+    assert_eq!(
+        config.lease_database_url.as_ref().map(|u| u.expose()),
+        Some(url)
+    );
+    let err = refusal(&[
+        "--lease-database-url",
+        "postgres://app:hunter2@db/x?sslmode=sometimes",
+    ]);
+    assert!(err.starts_with("HARDCOUNT_LEASE_DATABASE_URL: "), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[test]
 fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
     assert_eq!(check(&[]).unwrap().listen_url, None);
     let url = "postgres://app:pw@db:5432/hardcount";

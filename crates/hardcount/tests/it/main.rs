@@ -4,6 +4,7 @@
 //! are system tests, in the workspace's top-level `tests/`.
 
 mod cli;
+mod history;
 mod idle_connections;
 mod in_process;
 mod production_build;

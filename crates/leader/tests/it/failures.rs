@@ -264,7 +264,7 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
                 *c.lock().unwrap() = Some(acquired.elapsed());
                 let running: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' \
-                 AND query LIKE 'UPDATE leader_leases SET expires_at%'",
+                 AND query LIKE 'WITH renewed AS (%UPDATE leader_leases SET expires_at%'",
                 )
                 .fetch_one(&mut locker)
                 .await

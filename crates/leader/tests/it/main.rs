@@ -4,6 +4,8 @@
 
 mod contention;
 mod failures;
+mod history;
+mod lease_path;
 mod outcomes;
 mod safety;
 

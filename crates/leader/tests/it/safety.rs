@@ -255,7 +255,7 @@ async fn a_renewal_that_fails_once_is_retried_and_the_tick_keeps_its_lease() {
                 let pid = loop {
                     let pid: Option<i32> = sqlx::query_scalar(
                         "SELECT pid FROM pg_stat_activity WHERE usename = 'hardcount_app' \
-                         AND wait_event_type = 'Lock' AND query LIKE 'UPDATE leader_leases SET expires_at%'",
+                         AND wait_event_type = 'Lock' AND query LIKE 'WITH renewed AS (%UPDATE leader_leases SET expires_at%'",
                     )
                     .fetch_optional(&mut su)
                     .await

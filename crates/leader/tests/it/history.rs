@@ -1,0 +1,233 @@
+//! The lease history (issue 27, point 1; migration 0027): every term written
+//! by the lease statements themselves, read back by the operator, checked
+//! for overlaps, pruned in bounded batches.
+
+use std::time::Duration;
+
+use db::{Db, Row};
+use leader::store::{self, Acquire, Term};
+use leader::{Role, overlapping_terms};
+use testbed::TestDb;
+use testbed::leadership::as_leader;
+
+use crate::{fast, manager};
+
+async fn terms(t: &TestDb, role: Role) -> Vec<Term> {
+    store::history(&t.operator(), Some(role), 100)
+        .await
+        .unwrap()
+}
+
+/// A tick that lives past one heartbeat: its term has the holder, the
+/// token ACQUIRE returned, a renewal, the release and how the tick ended.
+///
+/// The term is written by the lease statement itself, not by a second
+/// statement after it: RENEW's stamp and the expiry it gives the term are
+/// the same `statement_timestamp()` apart by exactly the TTL, which only
+/// one statement's clock gives (a second statement, even in the same
+/// transaction, reads a later clock).
+///
+/// Catches: ACQUIRE without the term's INSERT (no term), RENEW without its
+/// stamp (`last_renewed_at` NULL), RELEASE without its stamp (no end).
+/// Checked by hand and in scripts/mutation-check (`lease_history_acquire`, `lease_history_renew`):
+/// with the `term` CTE removed from ACQUIRE, or from RENEW, this test fails.
+#[tokio::test]
+async fn a_tick_is_recorded_from_acquire_through_renew_to_release() {
+    let t = TestDb::new().await;
+    let (m, _) = manager(&t.db, fast(), "recorded");
+    let token = as_leader(&m, Role::Billing, |tick| async move {
+        // Three heartbeats of 300 ms: at least two RENEWs land.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        tick.fence.token()
+    })
+    .await;
+    let history = terms(&t, Role::Billing).await;
+    assert_eq!(history.len(), 1, "{history:?}");
+    let term = &history[0];
+    assert_eq!(term.token, token);
+    assert_eq!(term.holder_id, m.holder_id());
+    assert!(term.last_renewed_at.is_some(), "{term:?}");
+    assert!(term.released_at.is_some(), "{term:?}");
+    assert_eq!(term.tick_end.as_deref(), Some("completed"));
+    assert_eq!(term.state, "released");
+    assert!(
+        term.ended_epoch_us > term.acquired_epoch_us + 800_000,
+        "{term:?}"
+    );
+    let one_clock: bool = t
+        .operator()
+        .fetch_one(
+            db::sql(
+                "SELECT expires_at - last_renewed_at = make_interval(secs => $2) AS one_clock \
+                 FROM leader_history WHERE role = 'billing' AND token = $1",
+            )
+            .bind(token)
+            .bind(fast().ttl.as_secs_f64()),
+        )
+        .await
+        .unwrap()
+        .get("one_clock");
+    assert!(
+        one_clock,
+        "RENEW's term stamp and its expiry come from one statement"
+    );
+    // The other roles were never acquired.
+    assert!(terms(&t, Role::Dunning).await.is_empty());
+}
+
+/// A holder that stops (no RENEW, no RELEASE) and a successor that takes
+/// over once its lease expired: two terms, the first ending at its expiry,
+/// the second beginning after it, and no overlap. A term written by hand
+/// inside the first one's span is found.
+///
+/// Catches: a check that misses an overlap (the hand-made term), or an
+/// ACQUIRE that takes a held row (the takeover would overlap).
+#[tokio::test]
+async fn a_takeover_leaves_no_overlap_and_a_hand_made_overlap_is_found() {
+    let t = TestDb::new().await;
+    let timing = fast();
+    let Acquire::Won { token: first, .. } = store::acquire(
+        &t.db,
+        Role::Dunning,
+        "stopped:1:00000000",
+        timing.ttl,
+        Duration::ZERO,
+        timing.statement_timeout,
+    )
+    .await
+    .unwrap() else {
+        panic!("the idle role is acquired")
+    };
+    let (b, _) = manager(&t.db, timing, "successor");
+    let second = as_leader(&b, Role::Dunning, |tick| async move { tick.fence.token() }).await;
+    assert!(second > first);
+
+    let history = terms(&t, Role::Dunning).await;
+    assert_eq!(history.len(), 2, "{history:?}");
+    let (newer, older) = (&history[0], &history[1]);
+    assert_eq!((older.token, newer.token), (first, second));
+    assert_eq!(older.state, "expired");
+    assert_eq!(older.released_at, None);
+    assert_eq!(newer.tick_end.as_deref(), Some("completed"));
+    assert!(
+        newer.acquired_epoch_us >= older.ended_epoch_us,
+        "{history:?}"
+    );
+    assert_eq!(overlapping_terms(&history), []);
+
+    // By hand: a term that began in the middle of the first one.
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at) \
+         SELECT role, {first} + 1, 'intruder:1:00000000', acquired_at + (expires_at - acquired_at) / 2, \
+                expires_at + interval '10 seconds' \
+         FROM leader_terms WHERE role = 'dunning' AND token = {first}"
+    )))
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let found = overlapping_terms(&terms(&t, Role::Dunning).await);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert_eq!(
+        (found[0].earlier_token, found[0].later_token),
+        (first, first + 1)
+    );
+    assert!(found[0].overlap_us > 0);
+    // The successor began inside the intruder's span as well.
+    assert_eq!(
+        (found[1].earlier_token, found[1].later_token),
+        (first + 1, second)
+    );
+}
+
+/// An operator's pause ends the held term (tick_end `paused`), so the term
+/// acquired right after an unpause does not overlap it.
+///
+/// Catches: leader_pause without the term's stamp: the paused term then
+/// runs to its expiry and the next term overlaps it.
+#[tokio::test]
+async fn a_pause_ends_the_held_term_and_the_next_one_does_not_overlap_it() {
+    let t = TestDb::new().await;
+    let timing = leader::Timing::ADR;
+    let acquire = |holder: &'static str| {
+        store::acquire(
+            &t.db,
+            Role::EmailOutbox,
+            holder,
+            timing.ttl,
+            Duration::ZERO,
+            timing.statement_timeout,
+        )
+    };
+    let Acquire::Won { token: paused, .. } = acquire("paused:1:00000000").await.unwrap() else {
+        panic!("the idle role is acquired")
+    };
+    let op = t.operator();
+    store::pause(&op, Role::EmailOutbox, "ops", "drill")
+        .await
+        .unwrap();
+    store::unpause(&op, Role::EmailOutbox).await.unwrap();
+    let Acquire::Won { token: next, .. } = acquire("next:1:00000000").await.unwrap() else {
+        panic!("the unpaused role is acquired at once")
+    };
+    let history = terms(&t, Role::EmailOutbox).await;
+    assert_eq!(
+        history.iter().map(|h| h.token).collect::<Vec<_>>(),
+        [next, paused]
+    );
+    assert_eq!(history[1].tick_end.as_deref(), Some("paused"));
+    assert_eq!(history[0].state, "held");
+    assert_eq!(overlapping_terms(&history), []);
+}
+
+/// `prune_terms` deletes terms that ended before the cutoff, oldest first,
+/// at most `limit` a call, never a held one; the app role cannot call it.
+///
+/// Catches: a prune without its LIMIT (all old terms go at once), or one
+/// that deletes a term by its start alone (the held, long-running term).
+#[tokio::test]
+async fn prune_deletes_old_ended_terms_a_bounded_batch_at_a_time() {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    // Five terms that ended days ago, and one begun long ago still held.
+    sqlx::raw_sql(
+        "INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at, released_at, tick_end) \
+         SELECT 'billing', g, 'old:1:00000000', now() - make_interval(days => 10 - g), \
+                now() - make_interval(days => 10 - g) + interval '10 seconds', \
+                now() - make_interval(days => 10 - g) + interval '5 seconds', 'completed' \
+         FROM generate_series(1, 5) g; \
+         INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at) \
+         VALUES ('billing', 6, 'long:1:00000000', now() - interval '30 days', now() + interval '10 seconds')",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let owner = Db::connect_lazy(&t.superuser_url(), 1).unwrap();
+    let day = Duration::from_secs(86_400);
+    assert_eq!(store::prune_terms(&owner, day, 2).await.unwrap(), 2);
+    let left: Vec<i64> = terms(&t, Role::Billing)
+        .await
+        .iter()
+        .map(|h| h.token)
+        .collect();
+    assert_eq!(left, [5, 4, 3, 6], "the two oldest ended terms went first");
+    assert_eq!(store::prune_terms(&owner, day, 10).await.unwrap(), 3);
+    assert_eq!(store::prune_terms(&owner, day, 10).await.unwrap(), 0);
+    let left: Vec<i64> = terms(&t, Role::Billing)
+        .await
+        .iter()
+        .map(|h| h.token)
+        .collect();
+    assert_eq!(left, [6], "a held term is kept whatever its age");
+
+    let err = store::prune_terms(&t.db, day, 10).await.unwrap_err();
+    assert!(
+        matches!(&err, store::StoreError::Db(e) if e.code().as_deref() == Some("42501")),
+        "{err}"
+    );
+    let err = store::prune_terms(&owner, day, 0).await.unwrap_err();
+    assert!(
+        matches!(&err, store::StoreError::Db(e) if e.code().as_deref() == Some("22023")),
+        "{err}"
+    );
+}
