@@ -174,11 +174,6 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_API_RATE_BURST",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
-    // The tenant API (crates/api: a producer, never a role).
-    "HARDCOUNT_API_ADDR",
-    "HARDCOUNT_API_DATABASE_URL",
-    "HARDCOUNT_API_RATE_LIMIT",
-    "HARDCOUNT_API_RATE_BURST",
 ];
 
 /// The lease layer's series (crates/leader, crates/scheduler), one per role by
