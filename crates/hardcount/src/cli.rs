@@ -1,6 +1,10 @@
-//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause`,
-//! `secrets generate-key|rotate-key`, and the commands that are one database
-//! call (`migrate`, `leader ...`, `secrets rotate-key`).
+//! The command line: `migrate`, `serve`, `dev`, `leader
+//! status|pause|unpause|clear-cooldown`, `secrets generate-key|rotate-key`, and
+//! the commands that are one database call (`migrate`, `leader ...`, `secrets
+//! rotate-key`). `leader status --watch` and `leader clear-cooldown` live in
+//! `cli/operate.rs`.
+
+pub(crate) mod operate;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -72,6 +76,9 @@ pub enum LeaderCommand {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Redraw the table every second until Ctrl-C.
+        #[arg(long, conflicts_with = "json")]
+        watch: bool,
     },
     /// Pause a role cluster-wide: its holder stops within one heartbeat and no replica acquires it.
     Pause {
@@ -86,6 +93,12 @@ pub enum LeaderCommand {
     },
     /// Unpause a role; it is due at the next poll (a cooldown in not_before still holds).
     Unpause {
+        #[arg(value_parser = parse_role)]
+        role: Role,
+    },
+    /// Clear a role's cooldown (not_before, left by a lost or panicked tick) after a
+    /// fix, so it is due at the next poll; a pause or a running tick is left alone.
+    ClearCooldown {
         #[arg(value_parser = parse_role)]
         role: Role,
     },
@@ -289,7 +302,7 @@ fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
     let e = anyhow::Error::new(e);
     if denied {
         e.context(
-            "the database role cannot do this: `hardcount leader pause|unpause` needs the operator role \
+            "the database role cannot do this: `hardcount leader pause|unpause|clear-cooldown` needs the operator role \
              (hardcount_operator) through HARDCOUNT_OPERATOR_DATABASE_URL",
         )
     } else {
@@ -300,7 +313,7 @@ fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
 pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Result<()> {
     let db = Db::connect_lazy(database_url, 1)?;
     match command {
-        LeaderCommand::Status { json } => {
+        LeaderCommand::Status { json, watch: _ } => {
             let rows = leader::store::status(&db).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -332,6 +345,7 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                 "unpaused {role}; it is due at the next poll unless a cooldown (not_before) holds"
             );
         }
+        LeaderCommand::ClearCooldown { role } => operate::clear_cooldown(&db, role).await?,
     }
     Ok(())
 }

@@ -275,6 +275,19 @@ pub async fn unpause(db: &Db, role: Role) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Clear `role`'s cooldown (`not_before`, migration 0026) so it is due at the
+/// next poll; the seconds of cooldown that were left, or None if none held.
+/// Leaves the holder and a pause alone.
+pub async fn clear_cooldown(db: &Db, role: Role) -> Result<Option<f64>, StoreError> {
+    let row = db
+        .fetch_one(
+            sql("SELECT extract(epoch FROM leader_clear_cooldown($1))::float8 AS left_secs")
+                .bind(role.as_str()),
+        )
+        .await?;
+    row.try_get("left_secs").map_err(StoreError::from_row)
+}
+
 /// One row of `leader_status`, for the CLI and the metrics scrape.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeaseStatus {

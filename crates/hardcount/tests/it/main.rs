@@ -6,6 +6,7 @@
 mod cli;
 mod idle_connections;
 mod in_process;
+mod operate;
 mod production_build;
 
 use std::process::{Command, Output};
