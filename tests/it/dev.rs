@@ -24,6 +24,10 @@ impl Dev {
                 "HARDCOUNT_HTTP_ADDR",
                 format!("127.0.0.1:{}", testbed::free_port()),
             )
+            .env(
+                "HARDCOUNT_API_ADDR",
+                format!("127.0.0.1:{}", testbed::free_port()),
+            )
             .stdout(Stdio::piped())
             // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see its logs.
             .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {

@@ -3,6 +3,7 @@
 //! once per leg. Crate-level tests (CLI parsing and refusals, `run` in-process)
 //! stay with their crates.
 
+mod api;
 mod deploy;
 mod dev;
 mod dunning;
@@ -25,6 +26,8 @@ pub fn hardcount() -> Command {
         .env_remove("HARDCOUNT_LISTEN_URL")
         .env_remove("HARDCOUNT_SECRETS_KEY")
         .env_remove("HARDCOUNT_OPERATOR_DATABASE_URL")
+        .env_remove("HARDCOUNT_API_ADDR")
+        .env_remove("HARDCOUNT_API_DATABASE_URL")
         .env("RUST_LOG", "info");
     c
 }

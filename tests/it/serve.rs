@@ -15,6 +15,15 @@ pub struct Serve {
 impl Serve {
     /// Start `hardcount serve` on `database_url` with extra env; wait for /healthz.
     pub async fn start(database_url: &str, env: &[(&str, &str)]) -> Serve {
+        Serve::start_logged(database_url, env, None).await
+    }
+
+    /// [`Serve::start`] with its log (stderr) written to `log`, to read after.
+    pub async fn start_logged(
+        database_url: &str,
+        env: &[(&str, &str)],
+        log: Option<&std::path::Path>,
+    ) -> Serve {
         let port = testbed::free_port();
         let mut cmd = hardcount();
         cmd.arg("serve")
@@ -28,7 +37,9 @@ impl Serve {
             .env("HARDCOUNT_SECRETS_KEY", testbed::SECRETS_KEY)
             .stdout(Stdio::null())
             // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see the replicas' logs.
-            .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
+            .stderr(if let Some(path) = log {
+                Stdio::from(std::fs::File::create(path).unwrap())
+            } else if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
                 Stdio::inherit()
             } else {
                 Stdio::null()

@@ -16,13 +16,16 @@ use crate::batch::{self, ChargeClaim};
 use crate::cancel::{CancelAt, Canceled};
 use crate::charge::Charged;
 use crate::close::Due;
+use crate::collection::CollectionPause;
 use crate::invoice::{self, Closed};
 use crate::lifecycle::{EndedTrial, LiftedCollectionPause};
 use crate::plan_change::{PlanChange, PlanChanged};
 use crate::provider::Provider;
 use crate::retry::{NotCharged, Retried, RetryRequest, StartedRetry};
 use crate::tick::{Tally, TickReport};
-use crate::{BillingConfig, Error, cancel, charge, lifecycle, plan_change, retry, tick};
+use crate::{
+    BillingConfig, Error, cancel, charge, collection, lifecycle, plan_change, retry, tick,
+};
 
 /// Closes due billing periods. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -101,6 +104,23 @@ impl Biller {
         plan: i64,
     ) -> Result<PlanChanged, Error> {
         plan_change::change_plan(self, tenant_id, subscription, plan).await
+    }
+
+    /// [`Biller::change_plan`] inside the caller's transaction (the HTTP
+    /// API's, so the change commits with the request's answer): the snapshot
+    /// is read unlocked and proven by the compare-and-set.
+    ///
+    /// # Errors
+    /// As [`Biller::change_plan`]; on any error the caller must roll back
+    /// (a dedup hit has written into `tx` before it).
+    pub async fn change_plan_in(
+        &self,
+        tx: &mut db::Tx,
+        tenant_id: &str,
+        subscription: i64,
+        plan: i64,
+    ) -> Result<PlanChanged, Error> {
+        plan_change::change_plan_in(self, tx, tenant_id, subscription, plan).await
     }
 
     /// Read a fresh snapshot and compute the change, writing nothing.
@@ -182,6 +202,56 @@ impl Biller {
         at: CancelAt,
     ) -> Result<Canceled, Error> {
         cancel::cancel_subscription(self, tenant_id, subscription, at).await
+    }
+
+    /// [`Biller::cancel_subscription`] inside the caller's transaction (the
+    /// HTTP API's): the subscription's row locked, then the same writes.
+    ///
+    /// # Errors
+    /// As [`Biller::cancel_subscription`]; on any error the caller must roll back.
+    pub async fn cancel_subscription_in(
+        &self,
+        tx: &mut db::Tx,
+        tenant_id: &str,
+        subscription: i64,
+        at: CancelAt,
+    ) -> Result<Canceled, Error> {
+        cancel::cancel_subscription_in(self, tx, tenant_id, subscription, at).await
+    }
+
+    /// Pause `subscription`'s collection in the caller's transaction with
+    /// `behavior` (`keep_as_draft`, `mark_uncollectible` or `void`: the
+    /// column's CHECK) until `resumes_at` (or until resumed), set by
+    /// [`crate::SET_BY_API`], announced with `subscription.collection_paused`.
+    /// Replaces any pause in force, dunning's included.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionNotFound`], [`Error::InvalidState`] (canceled),
+    /// or a database error; on any error the caller must roll back.
+    pub async fn pause_collection_in(
+        &self,
+        tx: &mut db::Tx,
+        tenant_id: &str,
+        subscription: i64,
+        behavior: &str,
+        resumes_at: Option<DateTime<Utc>>,
+    ) -> Result<CollectionPause, Error> {
+        collection::pause_collection_in(tx, tenant_id, subscription, behavior, resumes_at).await
+    }
+
+    /// Clear `subscription`'s pause in the caller's transaction, announced
+    /// with `subscription.collection_resumed`; returns the pause cleared.
+    ///
+    /// # Errors
+    /// [`Error::SubscriptionNotFound`], [`Error::InvalidState`] (no pause in
+    /// force), or a database error; on any error the caller must roll back.
+    pub async fn resume_collection_in(
+        &self,
+        tx: &mut db::Tx,
+        tenant_id: &str,
+        subscription: i64,
+    ) -> Result<CollectionPause, Error> {
+        collection::resume_collection_in(tx, tenant_id, subscription).await
     }
 
     /// A cancel now inside the caller's transaction (dunning's final action,

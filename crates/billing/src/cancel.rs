@@ -16,7 +16,7 @@
 //! ```
 
 use chrono::{DateTime, Utc};
-use db::{Db, Row, sql};
+use db::{Row, sql};
 
 use crate::close::{self, Due};
 use crate::invoice::{self, Closed};
@@ -34,33 +34,60 @@ pub enum CancelAt {
 
 pub use payments::Canceled;
 
-/// The body of [`Biller::cancel_subscription`].
+/// The body of [`Biller::cancel_subscription`]: [`cancel_subscription_in`]
+/// in its own transaction, committed only when the cancel was written.
 pub(crate) async fn cancel_subscription(
     biller: &Biller,
     tenant_id: &str,
     subscription: i64,
     at: CancelAt,
 ) -> Result<Canceled, Error> {
-    let db = &biller.inner.db;
     let timeout = biller.inner.config.statement_timeout;
+    let mut tx = biller.inner.db.begin_with_timeout(timeout).await?;
+    match cancel_subscription_in(biller, &mut tx, tenant_id, subscription, at).await {
+        Ok(canceled) => {
+            tx.commit().await?;
+            Ok(canceled)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+/// The body of [`Biller::cancel_subscription_in`]: the subscription's row
+/// locked by the snapshot, so the compare-and-set that follows in `tx`
+/// holds; on an error the caller must roll back.
+pub(crate) async fn cancel_subscription_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+    at: CancelAt,
+) -> Result<Canceled, Error> {
     let not_found = || Error::SubscriptionNotFound {
         tenant: tenant_id.to_owned(),
         subscription,
         plan: 0,
     };
     if at == CancelAt::PeriodEnd {
-        return match cancel_at_period_end(db, tenant_id, subscription, timeout).await? {
+        return match cancel_at_period_end_in(tx, tenant_id, subscription).await? {
             true => Ok(Canceled { invoice_id: None }),
             false => Err(not_found()),
         };
     }
-    let Some((due, invoice, now)) = snapshot(db, tenant_id, subscription, timeout).await? else {
+    let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
         return Err(not_found());
     };
     let at = now.clamp(due.current_period_start, due.current_period_end);
     let closing = close::cancel(&due, at, invoice)?;
-    let outcomes =
-        invoice::close_periods(db, std::slice::from_ref(&closing), biller.writing()).await?;
+    let outcomes = match invoice::close_in(tx, &[&closing], biller.writing()).await? {
+        invoice::Attempt::Deduplicated(_) => {
+            return Err(Error::SubscriptionPeriodMoved { subscription });
+        }
+        invoice::Attempt::Committed(outcomes) => outcomes,
+    };
     match outcomes.first().map(|(_, c)| *c) {
         Some(Closed::Invoiced { invoice_id }) => {
             biller
@@ -105,20 +132,7 @@ pub(crate) async fn cancel_now_in(
 }
 
 /// An active subscription's snapshot, whether its tenant invoices a cancel,
-/// and the database's now.
-async fn snapshot(
-    db: &Db,
-    tenant_id: &str,
-    subscription: i64,
-    statement_timeout: std::time::Duration,
-) -> Result<Option<(Due, bool, DateTime<Utc>)>, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let snap = snapshot_in(&mut tx, tenant_id, subscription).await?;
-    tx.commit().await?;
-    Ok(snap)
-}
-
-/// [`snapshot`] in the caller's transaction, the subscription's row locked
+/// and the database's now, in the caller's transaction, the subscription's row locked
 /// so that the cancel's compare-and-set in the same transaction holds.
 async fn snapshot_in(
     tx: &mut db::Tx,
@@ -155,13 +169,11 @@ async fn snapshot_in(
 
 /// Mark an active subscription to end with its period, announced with
 /// `subscription.updated`; `false` when there is no such subscription.
-async fn cancel_at_period_end(
-    db: &Db,
+async fn cancel_at_period_end_in(
+    tx: &mut db::Tx,
     tenant_id: &str,
     subscription: i64,
-    statement_timeout: std::time::Duration,
 ) -> Result<bool, Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
         .fetch_optional(
             sql(
@@ -174,7 +186,6 @@ async fn cancel_at_period_end(
         )
         .await?;
     let Some(row) = row else {
-        tx.rollback().await?;
         return Ok(false);
     };
     let end: DateTime<Utc> = row.try_get("current_period_end").map_err(db::Error::from)?;
@@ -186,7 +197,6 @@ async fn cancel_at_period_end(
         "cancel_at": end.to_rfc3339(),
     })
     .to_string();
-    outbox::webhook::enqueue(&mut tx, tenant_id, "subscription.updated", &payload).await?;
-    tx.commit().await?;
+    outbox::webhook::enqueue(tx, tenant_id, "subscription.updated", &payload).await?;
     Ok(true)
 }

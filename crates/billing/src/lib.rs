@@ -119,7 +119,8 @@
 //! invoices and its pure rules), `store` (the claims, auto-charge's and the
 //! reconciler's SQL), `lifecycle` (trials, resumes), `charge` and [`batch`]
 //! (auto-charge), `action_required`, `reconcile` (the payment reconciler),
-//! `retry` (dunning's seam), `plan_change`, `cancel`, [`review`] (the
+//! `retry` (dunning's seam), `plan_change`, `cancel`, `collection` (pause and
+//! resume collection), [`review`] (the
 //! operator's), [`provider`] (the HTTP client and its answer table), and the
 //! pure [`close`], [`period`] and [`money`].
 
@@ -129,6 +130,7 @@ mod biller;
 mod cancel;
 mod charge;
 pub mod close;
+mod collection;
 mod config;
 mod invoice;
 mod lifecycle;
@@ -148,6 +150,7 @@ pub use biller::Biller;
 pub use cancel::{CancelAt, Canceled};
 pub use charge::{ChargeTally, Charged};
 pub use close::{Due, Plan, Unbillable};
+pub use collection::{CollectionPause, SET_BY_API};
 pub use config::{BillingConfig, ConfigError};
 pub use invoice::Closed;
 pub use lifecycle::{EndedTrial, LifecycleTally, LiftedCollectionPause};
@@ -204,6 +207,14 @@ pub enum Error {
         subscription: i64,
         plan: i64,
     },
+    /// The subscription's state does not allow the change (a canceled
+    /// subscription paused, a resume with no pause in force): nothing
+    /// written. Code `invalid_state` (HTTP 409).
+    #[error("subscription {subscription}: {reason}")]
+    InvalidState {
+        subscription: i64,
+        reason: &'static str,
+    },
 }
 
 impl Error {
@@ -219,6 +230,7 @@ impl Error {
             Error::SubscriptionPeriodMoved { .. } => "subscription_period_moved",
             Error::SubscriptionNotFound { .. } => "subscription_not_found",
             Error::PlanCurrencyMismatch { .. } => "plan_currency_mismatch",
+            Error::InvalidState { .. } => "invalid_state",
         }
     }
 }

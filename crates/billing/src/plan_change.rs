@@ -5,7 +5,7 @@
 //!  fresh snapshot: the active subscription, its plan, the new plan, now()
 //!  close::truncate (pure): invoice [period start, now) pro rata on the old plan
 //!                          next period [now, end_after(anchor, new interval)) on the new plan
-//!  one transaction (invoice::close_periods, as the tick's closing):
+//!  one transaction, the caller's (`change_plan_in`) or its own (invoice::close_in, as the tick's closing):
 //!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
 //!    2. INSERT the invoice under idx_invoices_billing_period_dedup
 //!    3. invoice.finalized, subscription.updated
@@ -18,10 +18,8 @@
 //! credited for the unused part: billing is in arrears, so the unused part
 //! was never invoiced.
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
-use db::{Db, Row, sql};
+use db::{Row, sql};
 
 use crate::close::{self, Closing, Due, Plan};
 use crate::invoice::{self, Closed};
@@ -58,15 +56,42 @@ pub struct PlanChanged {
     pub invoice_id: Option<i64>,
 }
 
-/// The body of [`Biller::change_plan`].
+/// The body of [`Biller::change_plan`]: [`change_plan_in`] in its own
+/// transaction, committed only when the change was written.
 pub(crate) async fn change_plan(
     biller: &Biller,
     tenant_id: &str,
     subscription: i64,
     plan: i64,
 ) -> Result<PlanChanged, Error> {
-    let change = biller.plan_change(tenant_id, subscription, plan).await?;
-    biller.apply_plan_change(&change).await
+    let mut tx = biller
+        .inner
+        .db
+        .begin_with_timeout(biller.inner.config.statement_timeout)
+        .await?;
+    match change_plan_in(biller, &mut tx, tenant_id, subscription, plan).await {
+        Ok(changed) => {
+            tx.commit().await?;
+            Ok(changed)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+/// The body of [`Biller::change_plan_in`]: the snapshot read (not locked:
+/// the compare-and-set proves it) and the change written, in `tx`.
+pub(crate) async fn change_plan_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+    plan: i64,
+) -> Result<PlanChanged, Error> {
+    let change = plan_change_in(tx, tenant_id, subscription, plan).await?;
+    apply_plan_change_in(biller, tx, &change).await
 }
 
 /// The body of [`Biller::plan_change`].
@@ -77,8 +102,21 @@ pub(crate) async fn plan_change(
     plan: i64,
 ) -> Result<PlanChange, Error> {
     let timeout = biller.inner.config.statement_timeout;
+    let mut tx = biller.inner.db.begin_with_timeout(timeout).await?;
+    let change = plan_change_in(&mut tx, tenant_id, subscription, plan).await;
+    tx.commit().await?;
+    change
+}
+
+/// A fresh snapshot read in `tx` and the change computed from it.
+async fn plan_change_in(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+    plan: i64,
+) -> Result<PlanChange, Error> {
     let Some((due, new_plan, now)) =
-        plan_change_snapshot(&biller.inner.db, tenant_id, subscription, plan, timeout).await?
+        plan_change_snapshot(tx, tenant_id, subscription, plan).await?
     else {
         return Err(Error::SubscriptionNotFound {
             tenant: tenant_id.to_owned(),
@@ -107,17 +145,45 @@ pub(crate) async fn plan_change(
     })
 }
 
-/// The body of [`Biller::apply_plan_change`].
+/// The body of [`Biller::apply_plan_change`]: [`apply_plan_change_in`] in
+/// its own transaction.
 pub(crate) async fn apply_plan_change(
     biller: &Biller,
     change: &PlanChange,
 ) -> Result<PlanChanged, Error> {
-    let outcomes = invoice::close_periods(
-        &biller.inner.db,
-        std::slice::from_ref(&change.closing),
-        biller.writing(),
-    )
-    .await?;
+    let mut tx = biller
+        .inner
+        .db
+        .begin_with_timeout(biller.inner.config.statement_timeout)
+        .await?;
+    match apply_plan_change_in(biller, &mut tx, change).await {
+        Ok(changed) => {
+            tx.commit().await?;
+            Ok(changed)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+/// Write `change` in `tx` if its snapshot still holds. On
+/// [`Error::SubscriptionPeriodMoved`] (the compare-and-set lost, or the
+/// period is already invoiced: a dedup hit has written into `tx` before it)
+/// the caller must roll back.
+pub(crate) async fn apply_plan_change_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    change: &PlanChange,
+) -> Result<PlanChanged, Error> {
+    let moved = || Error::SubscriptionPeriodMoved {
+        subscription: change.due.subscription_id,
+    };
+    let outcomes = match invoice::close_in(tx, &[&change.closing], biller.writing()).await? {
+        invoice::Attempt::Deduplicated(_) => return Err(moved()),
+        invoice::Attempt::Committed(outcomes) => outcomes,
+    };
     match outcomes.first().map(|(_, c)| *c) {
         Some(Closed::Invoiced { invoice_id }) => {
             biller
@@ -134,22 +200,18 @@ pub(crate) async fn apply_plan_change(
         }
         // Nothing used: no invoice, only the plan and the next period.
         Some(Closed::Advanced) => Ok(PlanChanged { invoice_id: None }),
-        _ => Err(Error::SubscriptionPeriodMoved {
-            subscription: change.due.subscription_id,
-        }),
+        _ => Err(moved()),
     }
 }
 
 /// A subscription's fresh snapshot for a plan change, the new plan, and the
 /// database's now.
-pub(crate) async fn plan_change_snapshot(
-    db: &Db,
+async fn plan_change_snapshot(
+    tx: &mut db::Tx,
     tenant_id: &str,
     subscription_id: i64,
     plan_id: i64,
-    statement_timeout: Duration,
 ) -> Result<Option<(Due, crate::close::Plan, DateTime<Utc>)>, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
         .fetch_optional(
             sql(
@@ -170,7 +232,6 @@ pub(crate) async fn plan_change_snapshot(
             .bind(plan_id),
         )
         .await?;
-    tx.commit().await?;
     row.map(|r| {
         Ok((
             due(&r)?,

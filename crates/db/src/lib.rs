@@ -182,6 +182,46 @@ impl Db {
         self.begin_bounded(limit, "").await
     }
 
+    /// [`Db::begin_with_timeout`] whose first statement, in the same
+    /// simple-protocol message (one round trip), is `SELECT function(arg)`:
+    /// its text result, or `None` for NULL. `function` is a name fixed in
+    /// code and `arg` is sent as a hex `bytea` literal, so nothing from
+    /// outside reaches the SQL text but hex digits. The tenant API
+    /// authenticates each request's transaction this way.
+    ///
+    /// # Cancel safety
+    /// As [`Db::begin_with_timeout`].
+    pub async fn begin_calling(
+        &self,
+        limit: Duration,
+        function: &'static str,
+        arg: &[u8],
+    ) -> Result<(Tx, Option<String>)> {
+        debug_assert!(
+            function
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b == b'_'),
+            "a function name fixed in code"
+        );
+        let mut hex = String::with_capacity(arg.len() * 2);
+        for b in arg {
+            hex.push_str(&format!("{b:02x}"));
+        }
+        let ms = limit.as_millis().max(1);
+        let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
+        let text = format!(
+            "BEGIN; SET LOCAL statement_timeout = {ms}; \
+             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}; \
+             SELECT {function}('\\x{hex}'::bytea)"
+        );
+        let (tx, rows) = Tx::begin_fetching(self, text).await?;
+        let value = match rows.first() {
+            Some(row) => row.try_get::<Option<String>, _>(0)?,
+            None => None,
+        };
+        Ok((tx, value))
+    }
+
     /// [`Db::begin_with_timeout`] for a queue statement that must reach its
     /// rows through their keys and ordered indexes whatever the table
     /// statistics say (docs/adr/0023): bitmap scans, hash and merge joins and
@@ -292,6 +332,23 @@ impl Tx {
         Ok(Tx { conn })
     }
 
+    /// [`Tx::begin`] whose text also returns rows (its last statements'):
+    /// the transaction and those rows.
+    async fn begin_fetching(db: &Db, begin: String) -> Result<(Tx, Vec<PgRow>)> {
+        let conn = db
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| connect::connect_error(e, &db.url))?;
+        let mut conn = Pooled::new(conn);
+        conn.state = State::Unknown;
+        let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
+            .fetch_all(conn.raw())
+            .await?;
+        conn.state = State::InTransaction;
+        Ok((Tx { conn }, rows))
+    }
+
     pub async fn fetch_one(&mut self, stmt: Stmt<'_>) -> Result<PgRow> {
         Ok(stmt.0.fetch_one(self.conn.raw()).await?)
     }
@@ -306,6 +363,21 @@ impl Tx {
 
     pub async fn execute(&mut self, stmt: Stmt<'_>) -> Result<u64> {
         Ok(stmt.0.execute(self.conn.raw()).await?.rows_affected())
+    }
+
+    /// Act for `tenant` for the rest of this transaction: row-level security
+    /// (migration 0024) then holds every statement of the API role
+    /// (`hardcount_api`) to that tenant's rows. The setting is
+    /// transaction-local (`set_config(…, true)`), so a server connection
+    /// PgBouncer hands on keeps nothing. The HTTP API never calls this: it
+    /// sets the tenant from the caller's key (`api_authenticate`). A producer
+    /// linked into the process calls it with the tenant it writes for.
+    pub async fn act_for_tenant(&mut self, tenant: &str) -> Result<()> {
+        self.execute(
+            sql("SELECT set_config('hardcount.tenant_id', $1, true)").bind(tenant.to_owned()),
+        )
+        .await?;
+        Ok(())
     }
 
     /// # Cancel safety

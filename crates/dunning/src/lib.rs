@@ -157,7 +157,10 @@ mod tick;
 
 pub use config::{ConfigError, DunningConfig};
 pub use listing::LeftOut;
-pub use policy::{AfterDecline, FinalAction, PauseBehavior, Policy};
+pub use policy::{
+    AfterDecline, FinalAction, MAX_OFFSET_SECS, MAX_RETRIES, PauseBehavior, Policy,
+    ScheduleInvalid, check_schedule,
+};
 pub use run::{FinalActed, NotChargeable, Retry, Run};
 pub use tick::{Dunner, OUTAGE_UNANSWERED, Tally, TickReport};
 

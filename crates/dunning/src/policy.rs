@@ -87,6 +87,71 @@ pub const DEFAULT_OFFSETS_SECS: [i64; 4] = [86_400, 3 * 86_400, 5 * 86_400, 7 * 
 pub const DEFAULT_WARN_AFTER: [i32; 3] = [1, 2, 3];
 pub const DEFAULT_FINAL_ACTION: FinalAction = FinalAction::MarkUncollectible;
 
+/// The most retries a policy holds (`dunning_policies_offsets_count`).
+pub const MAX_RETRIES: usize = 20;
+/// The longest offset of a retry from the first decline: 366 days
+/// (`dunning_policies_offsets_in_range`).
+pub const MAX_OFFSET_SECS: i64 = 31_622_400;
+
+/// Why a schedule is refused: the rules of migrations 0010 and 0021's
+/// CHECKs (which the funnel's `policy_valid` repeats), each naming its field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleInvalid {
+    #[error("a policy has 1 to {MAX_RETRIES} retries, not {0}")]
+    RetryCount(usize),
+    #[error("retry {index} is {secs} s after the first decline; each is 1 to {MAX_OFFSET_SECS} s")]
+    Offset { index: usize, secs: i64 },
+    #[error("warn_after names retry {retry}; a policy of {retries} retries has 1 to {retries}")]
+    WarnAfter {
+        index: usize,
+        retry: i32,
+        retries: usize,
+    },
+}
+
+impl ScheduleInvalid {
+    /// The field at fault: `retry_offsets_secs`, `retry_offsets_secs[i]`
+    /// or `warn_after[i]` (0-based).
+    pub fn field(&self) -> String {
+        match self {
+            ScheduleInvalid::RetryCount(_) => "retry_offsets_secs".to_owned(),
+            ScheduleInvalid::Offset { index, .. } => format!("retry_offsets_secs[{index}]"),
+            ScheduleInvalid::WarnAfter { index, .. } => format!("warn_after[{index}]"),
+        }
+    }
+}
+
+/// Check a schedule as the table's CHECKs do, so a policy the API writes is
+/// one the funnel follows.
+///
+/// # Errors
+/// The first rule broken, in field order.
+pub fn check_schedule(offsets_secs: &[i64], warn_after: &[i32]) -> Result<(), ScheduleInvalid> {
+    if offsets_secs.is_empty() || offsets_secs.len() > MAX_RETRIES {
+        return Err(ScheduleInvalid::RetryCount(offsets_secs.len()));
+    }
+    if let Some((index, &secs)) = offsets_secs
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !(1..=MAX_OFFSET_SECS).contains(*s))
+    {
+        return Err(ScheduleInvalid::Offset { index, secs });
+    }
+    let retries = offsets_secs.len();
+    if let Some((index, &retry)) = warn_after
+        .iter()
+        .enumerate()
+        .find(|(_, r)| !(1..=retries as i32).contains(*r))
+    {
+        return Err(ScheduleInvalid::WarnAfter {
+            index,
+            retry,
+            retries,
+        });
+    }
+    Ok(())
+}
+
 /// What a decline of retry `attempt` (1-based) leads to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterDecline {
@@ -165,6 +230,31 @@ mod tests {
     #[should_panic(expected = "out of range")]
     fn a_corrupt_offset_panics_rather_than_schedules() {
         policy(&[60, i64::MAX]).after_decline(Utc::now(), 1);
+    }
+
+    #[test]
+    fn a_schedule_is_checked_as_the_table_checks_it() {
+        let ok: &[(&[i64], &[i32])] =
+            &[(&[1], &[]), (&[60, 31_622_400], &[1, 2]), (&[5; 20], &[20])];
+        for (offsets, warn) in ok {
+            assert_eq!(
+                check_schedule(offsets, warn),
+                Ok(()),
+                "{offsets:?} {warn:?}"
+            );
+        }
+        let bad: &[(&[i64], &[i32], &str)] = &[
+            (&[], &[], "retry_offsets_secs"),
+            (&[5; 21], &[], "retry_offsets_secs"),
+            (&[60, 0], &[], "retry_offsets_secs[1]"),
+            (&[31_622_401], &[], "retry_offsets_secs[0]"),
+            (&[60, 60], &[1, 3], "warn_after[1]"),
+            (&[60], &[0], "warn_after[0]"),
+        ];
+        for (offsets, warn, field) in bad {
+            let e = check_schedule(offsets, warn).unwrap_err();
+            assert_eq!(e.field(), *field, "{offsets:?} {warn:?}");
+        }
     }
 
     #[test]

@@ -14,6 +14,10 @@ use webhook_delivery::{Keyring, SECRETS_KEY_VAR};
 
 use crate::settings::{Common, DevSettings, ServeSettings};
 
+mod tenants;
+
+pub use tenants::{KeysCommand, TenantsCommand, keys_command, tenants_command};
+
 #[derive(Debug, Parser)]
 #[command(
     name = "hardcount",
@@ -47,6 +51,17 @@ pub enum Command {
     Billing {
         #[command(subcommand)]
         command: BillingCommand,
+    },
+    /// Tenants of the tenant API, over HARDCOUNT_OPERATOR_DATABASE_URL (or DATABASE_URL).
+    Tenants {
+        #[command(subcommand)]
+        command: TenantsCommand,
+    },
+    /// The tenant API's keys: made (shown once), listed, revoked; over
+    /// HARDCOUNT_OPERATOR_DATABASE_URL (or DATABASE_URL).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
     },
     /// The application key that seals webhook signing secrets (HARDCOUNT_SECRETS_KEY).
     Secrets {

@@ -89,6 +89,27 @@ pub async fn run(
     let _provider = billing::start_provider(&mut settings.serve).await?;
     let dunning_demo = dunning::prepare(&mut settings.serve);
     let serve = &mut settings.serve;
+    // The tenant API on loopback, over the local cluster (README "Call it"),
+    // unless HARDCOUNT_API_ADDR says otherwise.
+    let api_help = match &local {
+        Some(pg) => {
+            if serve
+                .api_addr
+                .as_deref()
+                .is_none_or(|a| a.trim().is_empty())
+            {
+                serve.api_addr = Some(DEV_API_ADDR.to_owned());
+            }
+            if Secret::set(&serve.api_database_url).is_none() {
+                serve.api_database_url = Some(pg.role_url("hardcount_api").into());
+            }
+            serve
+                .api_addr
+                .clone()
+                .map(|addr| (addr, pg.role_url("hardcount_operator")))
+        }
+        None => None,
+    };
     let config = serve.config(app_url.clone(), Some(keyring.clone()))?;
     let listener = crate::bind(serve).await?;
     let addr = listener.local_addr()?;
@@ -100,6 +121,13 @@ pub async fn run(
     // subscriptions, a dunning policy): the owner's, not the app's
     // (docs/adr/0031).
     demo::seed(&owner, &keyring, &receiver).await?;
+    // The demo tenant can be given an API key (`hardcount keys create demo`).
+    owner
+        .execute(db::sql(
+            "INSERT INTO tenants (id, name) VALUES ('demo', 'Demo') ON CONFLICT (id) DO NOTHING",
+        ))
+        .await
+        .context("creating the demo tenant")?;
     billing::seed(&owner, &keyring, &receiver).await?;
     dunning_demo.seed(&owner, &db, demo_stop.clone()).await?;
     owner.close().await;
@@ -116,6 +144,13 @@ pub async fn run(
         addr.port(),
         humantime::format_duration(event_every)
     );
+    if let Some((api, operator)) = &api_help {
+        println!(
+            "tenant API at http://{api} (its OpenAPI document at /openapi.json); an API key for \
+             the demo tenant: HARDCOUNT_OPERATOR_DATABASE_URL={operator} hardcount keys create demo; \
+             webhooks to {receiver} are printed here"
+        );
+    }
     let served = crate::run(config, listener, shutdown).await;
     demo_stop.cancel();
     let _ = trickle.await;
@@ -124,6 +159,9 @@ pub async fn run(
     drop(local);
     served
 }
+
+/// Where `dev` serves the tenant API when HARDCOUNT_API_ADDR is unset.
+const DEV_API_ADDR: &str = "127.0.0.1:8081";
 
 /// The dev key under `state_dir` (`secrets-key`, owner-only), made on first use.
 fn dev_key(state_dir: &std::path::Path) -> Result<Keyring> {

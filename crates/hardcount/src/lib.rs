@@ -58,6 +58,14 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
             let url = common.operator_database_url()?;
             until_cancelled(shutdown, cli::billing_command(command, &url)).await
         }
+        Command::Tenants { command } => {
+            let url = common.operator_database_url()?;
+            until_cancelled(shutdown, cli::tenants_command(command, &url)).await
+        }
+        Command::Keys { command } => {
+            let url = common.operator_database_url()?;
+            until_cancelled(shutdown, cli::keys_command(command, &url)).await
+        }
         Command::Secrets { command } => {
             until_cancelled(shutdown, cli::secrets_command(command, &common)).await
         }

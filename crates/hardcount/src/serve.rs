@@ -45,6 +45,20 @@ pub struct Config {
     /// or a session-mode pooler) on which the webhook roles LISTEN for
     /// wake-ups (docs/adr/0014). None: they poll at their interval.
     pub listen_url: Option<Secret>,
+    /// `HARDCOUNT_API_ADDR` and its settings: the tenant API, served beside
+    /// the roles (a producer, never a role: docs/adr/0035). None: no API.
+    pub api: Option<ApiServe>,
+}
+
+/// Where and how the tenant API is served.
+#[derive(Debug, Clone)]
+pub struct ApiServe {
+    pub addr: std::net::SocketAddr,
+    /// `HARDCOUNT_API_DATABASE_URL`, as `hardcount_api` (never printed).
+    pub database_url: Secret,
+    /// Seals the secrets of the endpoints the API creates.
+    pub keyring: Option<webhook_delivery::Keyring>,
+    pub config: api::ApiConfig,
 }
 
 /// How email_outbox reaches its SMTP server.
@@ -255,6 +269,15 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let app = router(AppState { status, metrics });
     let http_stop = root.clone();
     let http = tokio::spawn(crate::http::serve_bounded(listener, app, http_stop));
+    let api = match config.api.clone() {
+        Some(mut a) => {
+            // Receipts of a plan change or a cancel made through the API go
+            // out as billing's own do.
+            a.config.billing = config.billing.clone();
+            Some(serve_api(a, telemetry.clone(), root.clone()).await?)
+        }
+        None => None,
+    };
 
     if let Some(url) = config.listen_url.clone().filter(|_| !wakes.is_empty()) {
         info!(roles = ?wakes.iter().map(Wake::channel).collect::<Vec<_>>(), "wake-ups on (HARDCOUNT_LISTEN_URL)");
@@ -287,10 +310,41 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         warn!("role loops did not stop in time; their leases will expire");
     }
     let _ = http.await;
+    if let Some((task, api_db)) = api {
+        let _ = task.await;
+        api_db.close().await;
+    }
     let _ = refresher.await;
     status_db.close().await;
     lease_db.close().await;
     db.close().await;
     info!("stopped");
     Ok(())
+}
+
+/// Bind the tenant API's listener and serve it until `stop`; its task and pool.
+async fn serve_api(
+    a: ApiServe,
+    telemetry: Telemetry,
+    stop: CancellationToken,
+) -> Result<(tokio::task::JoinHandle<()>, Db)> {
+    let listener = TcpListener::bind(a.addr)
+        .await
+        .with_context(|| format!("cannot listen on {} (HARDCOUNT_API_ADDR)", a.addr))?;
+    // One connection per request in flight; PgBouncer multiplexes them.
+    let api_db = Db::connect_lazy(a.database_url.expose(), 32)?;
+    db::check_schema_ready(&api_db)
+        .await
+        .context("refusing to serve the tenant API (HARDCOUNT_API_DATABASE_URL)")?;
+    info!(addr = %listener.local_addr()?, "tenant API listening (HARDCOUNT_API_ADDR)");
+    let app = api::router(api::Api::with_telemetry(
+        api_db.clone(),
+        a.keyring,
+        a.config,
+        telemetry,
+    ));
+    Ok((
+        tokio::spawn(crate::http::serve_bounded(listener, app, stop)),
+        api_db,
+    ))
 }

@@ -7,6 +7,7 @@
 //! `1h`, `2h 30m`, `1d`).
 
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use webhook_delivery::{Keyring, WorkerConfig};
 use email_outbox::{SenderConfig, SmtpUrl};
 
 use crate::secret::Secret;
-use crate::serve::{Config, EmailConfig};
+use crate::serve::{ApiServe, Config, EmailConfig};
 
 mod bounds;
 mod dev;
@@ -208,6 +209,19 @@ pub struct ServeSettings {
     /// wakes them within milliseconds [default: unset, they poll at their interval].
     #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
     pub listen_url: Option<Secret>,
+    /// Where the tenant API listens, e.g. `0.0.0.0:8081` [default: unset, no API].
+    #[arg(long, env = "HARDCOUNT_API_ADDR")]
+    pub api_addr: Option<String>,
+    /// The tenant API's pool, as `hardcount_api` (it may point at PgBouncer in
+    /// transaction mode). Required with HARDCOUNT_API_ADDR.
+    #[arg(long, env = "HARDCOUNT_API_DATABASE_URL", hide_env_values = true)]
+    pub api_database_url: Option<Secret>,
+    /// Requests per second per API key (1 to 100000) [default: 1000].
+    #[arg(long, env = "HARDCOUNT_API_RATE_LIMIT")]
+    pub api_rate_limit: Option<String>,
+    /// Requests a key may send at once above its rate (1 to 1000000) [default: 2000].
+    #[arg(long, env = "HARDCOUNT_API_RATE_BURST")]
+    pub api_rate_burst: Option<String>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
@@ -259,6 +273,7 @@ impl ServeSettings {
     /// The serve configuration these settings describe, on `database_url`,
     /// opening webhook secrets with `secrets` (HARDCOUNT_SECRETS_KEY).
     pub fn config(&self, database_url: String, secrets: Option<Keyring>) -> Result<Config> {
+        let secrets_for_api = secrets.clone();
         let roles = non_empty(&self.roles);
         let mut intervals = Vec::new();
         for entry in crate::roles::REGISTRY {
@@ -340,7 +355,41 @@ impl ServeSettings {
             billing: self.billing()?,
             dunning: self.dunning()?,
             listen_url: self.listen_url()?,
+            api: self.api(secrets_for_api)?,
         })
+    }
+
+    /// The tenant API's settings, when HARDCOUNT_API_ADDR is set. Errors name
+    /// the variable and never echo a URL.
+    fn api(&self, keyring: Option<Keyring>) -> Result<Option<ApiServe>> {
+        let Some(addr) = non_empty(&self.api_addr) else {
+            return Ok(None);
+        };
+        let addr: SocketAddr = addr.parse().map_err(|_| {
+            anyhow!("HARDCOUNT_API_ADDR={addr:?} is not an address like 0.0.0.0:8081")
+        })?;
+        let url = Secret::set(&self.api_database_url).ok_or_else(|| {
+            anyhow!(
+                "HARDCOUNT_API_DATABASE_URL is required with HARDCOUNT_API_ADDR: the tenant API's \
+                 pool, as hardcount_api (row-level security holds it to each caller's tenant)"
+            )
+        })?;
+        let database_url = database_url("HARDCOUNT_API_DATABASE_URL", url.to_owned())?;
+        let mut config = api::ApiConfig::default();
+        if let Some(text) = non_empty(&self.api_rate_limit) {
+            let n = whole("HARDCOUNT_API_RATE_LIMIT", &text, 1..=100_000)?;
+            config.rate_per_second = NonZeroU32::new(n as u32).unwrap_or(NonZeroU32::MIN);
+        }
+        if let Some(text) = non_empty(&self.api_rate_burst) {
+            let n = whole("HARDCOUNT_API_RATE_BURST", &text, 1..=1_000_000)?;
+            config.rate_burst = NonZeroU32::new(n as u32).unwrap_or(NonZeroU32::MIN);
+        }
+        Ok(Some(ApiServe {
+            addr,
+            database_url: database_url.into(),
+            keyring,
+            config,
+        }))
     }
 
     /// HARDCOUNT_LISTEN_URL, checked to be a Postgres URL; the error never

@@ -67,6 +67,24 @@ pub async fn enqueue(
         .map_err(EnqueueError::Db)
 }
 
+/// [`enqueue`], returning the stored row (`id, event_type, payload,
+/// message_id, created_at, dispatched_at`) from the same statement, for a
+/// producer that answers with it (the tenant API).
+///
+/// # Errors
+/// As [`enqueue`].
+pub async fn enqueue_returning(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    event_type: &str,
+    payload_json: &str,
+) -> Result<db::PgRow, EnqueueError> {
+    check(tenant_id, event_type, payload_json)?;
+    store::insert_event_returning(tx, tenant_id, event_type, payload_json)
+        .await
+        .map_err(EnqueueError::Db)
+}
+
 /// One event for [`enqueue_many`]: (tenant, event type, payload JSON).
 pub type NewEvent<'a> = (&'a str, &'a str, &'a str);
 

@@ -112,6 +112,14 @@ impl TestDb {
         Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &self.name), 2).unwrap()
     }
 
+    /// [`tenant_writer`] on this database: the API role acting for `tenant`.
+    pub fn api_as(&self, tenant: &str) -> TenantWriter {
+        TenantWriter {
+            db: self.api(),
+            tenant: tenant.to_owned(),
+        }
+    }
+
     /// The operator role's pool (`hardcount_operator`: `leader_status`,
     /// `leader_pause`, `leader_unpause`) through the current leg.
     pub fn operator(&self) -> Db {
@@ -163,16 +171,50 @@ impl Drop for TestDb {
     }
 }
 
-/// The API role's pool (`hardcount_api`) on the database `db` reaches,
-/// through the current leg: what tests seed tenants' rows with (customers,
-/// plans, subscriptions), as the tenant API writes them; the role loops'
-/// own role may not.
+/// The API role (`hardcount_api`) on the database `db` reaches, through the
+/// current leg, acting for `tenant`: what tests seed tenants' rows with
+/// (customers, plans, subscriptions), as the tenant API writes them; the
+/// role loops' own role may not. Each statement runs in its own transaction
+/// with the tenant set for row-level security (transaction-local, as the
+/// API sets it), so it reads and writes only that tenant's rows.
 ///
 /// # Panics
 /// If `db` names no database.
-pub fn tenant_writer(db: &Db) -> Db {
+pub fn tenant_writer(db: &Db, tenant: &str) -> TenantWriter {
     let name = db.database_name().expect("a test pool names its database");
-    Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &name), 2).unwrap()
+    TenantWriter {
+        db: Db::connect_lazy(&role_url("hardcount_api", Leg::current(), &name), 2).unwrap(),
+        tenant: tenant.to_owned(),
+    }
+}
+
+/// See [`tenant_writer`].
+pub struct TenantWriter {
+    db: Db,
+    tenant: String,
+}
+
+impl TenantWriter {
+    /// A transaction acting for the writer's tenant.
+    pub async fn begin(&self) -> db::Result<db::Tx> {
+        let mut tx = self.db.begin().await?;
+        tx.act_for_tenant(&self.tenant).await?;
+        Ok(tx)
+    }
+
+    pub async fn fetch_one(&self, stmt: db::Stmt<'_>) -> db::Result<db::PgRow> {
+        let mut tx = self.begin().await?;
+        let row = tx.fetch_one(stmt).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
+    pub async fn execute(&self, stmt: db::Stmt<'_>) -> db::Result<u64> {
+        let mut tx = self.begin().await?;
+        let n = tx.execute(stmt).await?;
+        tx.commit().await?;
+        Ok(n)
+    }
 }
 
 pub fn app_url(leg: Leg, database: &str) -> String {

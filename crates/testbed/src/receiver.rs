@@ -26,6 +26,8 @@ pub enum Reply {
     Status(u16),
     /// A status with extra headers (e.g. `Retry-After`).
     WithHeaders(u16, Vec<(&'static str, String)>),
+    /// A status with a body.
+    WithBody(u16, String),
     /// Never answer; the connection stays open.
     Hang,
     /// Answer with a status after a pause.
@@ -251,6 +253,11 @@ async fn receive(
     match reply {
         Reply::Status(code) => empty(code, &[]),
         Reply::WithHeaders(code, extra) => empty(code, &extra),
+        Reply::WithBody(code, body) => {
+            let mut response = Response::new(Body::from(body));
+            *response.status_mut() = StatusCode::from_u16(code).expect("a valid status code");
+            response
+        }
         Reply::Hang => std::future::pending().await,
         Reply::Delayed(pause, code) => {
             tokio::time::sleep(pause).await;

@@ -174,7 +174,8 @@ pub(crate) async fn attempt(
         };
         (Heard::EndpointDisabled, observed)
     };
-    let made = u32::try_from(attempt).unwrap_or(0);
+    // The schedule starts again at a resend (migration 0026).
+    let made = u32::try_from(attempt - d.row.resent_at_attempt).unwrap_or(0);
     let schedule = &shared.config.retry_schedule;
     let verdict = verdict::verdict(heard, made, schedule, &mut rand::rng());
     let next = match verdict {
@@ -339,6 +340,10 @@ async fn sign_and_post(shared: &Shared, d: &Claimed, target: &Prepared) -> (Hear
                 status_code: Some(code),
                 error: failed.then(|| Failure::of_status(code).to_string()),
                 latency,
+                // The tenant's own receiver's answer, shown to that tenant in
+                // its attempt history; only an answer from an address the
+                // SSRF guard let through is ever read.
+                response_snippet: failed.then(|| verdict::response_snippet(&body)),
             };
             (Heard::Status { code, retry_after }, observed)
         }

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use db::Db;
+use db::{Db, Tx};
 use url::Url;
 
 use crate::sealed::{Keyring, OpenError, SECRETS_KEY_VAR, Sealed};
@@ -94,7 +94,8 @@ pub fn parse_endpoint_url(url: &str) -> Result<Url, EndpointError> {
 /// sealed under `keyring`'s current key. It receives the events whose type is
 /// in `event_types`, or every event when the list is empty, from the next
 /// fan-out on. `db` is the API role's pool (`hardcount_api`): the role loops'
-/// role cannot create endpoints.
+/// role cannot create endpoints. Its own transaction, acting for `tenant_id`
+/// ([`create_endpoint_in`] does the same in the caller's).
 ///
 /// # Errors
 /// [`EndpointError`] for an empty tenant or event type, or a URL that does not
@@ -106,6 +107,49 @@ pub async fn create_endpoint<S: AsRef<str>>(
     url: &str,
     event_types: &[S],
 ) -> Result<Endpoint, EndpointError> {
+    // Bad input is refused before a connection is taken.
+    checked(tenant_id, url, event_types)?;
+    let mut tx = db.begin().await?;
+    tx.act_for_tenant(tenant_id).await?;
+    let endpoint = create_endpoint_in(&mut tx, keyring, tenant_id, url, event_types).await?;
+    tx.commit().await?;
+    Ok(endpoint)
+}
+
+/// [`create_endpoint`] in the caller's transaction, whose tenant is already
+/// set to `tenant_id` (the tenant API's request transaction). The endpoint
+/// exists only if the caller commits.
+///
+/// # Errors
+/// As [`create_endpoint`]; after [`EndpointError::Db`], `tx` is aborted.
+pub async fn create_endpoint_in<S: AsRef<str>>(
+    tx: &mut Tx,
+    keyring: &Keyring,
+    tenant_id: &str,
+    url: &str,
+    event_types: &[S],
+) -> Result<Endpoint, EndpointError> {
+    let (url, event_types) = checked(tenant_id, url, event_types)?;
+    let secret = Secret::generate();
+    let sealed = keyring.seal(tenant_id, &secret);
+    let row =
+        store::insert_endpoint(tx, tenant_id, url.as_str(), &sealed, event_types.clone()).await?;
+    Ok(Endpoint {
+        id: row.id,
+        tenant_id: tenant_id.to_owned(),
+        url,
+        secret,
+        event_types,
+        enabled: row.enabled,
+    })
+}
+
+/// An endpoint's tenant, URL and event types, checked and trimmed.
+fn checked<S: AsRef<str>>(
+    tenant_id: &str,
+    url: &str,
+    event_types: &[S],
+) -> Result<(Url, Vec<String>), EndpointError> {
     if tenant_id.trim().is_empty() {
         return Err(EndpointError::EmptyTenant);
     }
@@ -117,18 +161,7 @@ pub async fn create_endpoint<S: AsRef<str>>(
     if event_types.iter().any(String::is_empty) {
         return Err(EndpointError::EmptyEventType);
     }
-    let secret = Secret::generate();
-    let sealed = keyring.seal(tenant_id, &secret);
-    let row =
-        store::insert_endpoint(db, tenant_id, url.as_str(), &sealed, event_types.clone()).await?;
-    Ok(Endpoint {
-        id: row.id,
-        tenant_id: tenant_id.to_owned(),
-        url,
-        secret,
-        event_types,
-        enabled: row.enabled,
-    })
+    Ok((url, event_types))
 }
 
 /// Longest overlap [`rotate_secret`] accepts: the previous secret keeps signing
@@ -173,9 +206,31 @@ pub async fn rotate_secret(
     if overlap > MAX_ROTATION_OVERLAP {
         return Err(RotateError::OverlapTooLong { overlap });
     }
+    let mut tx = db.begin().await?;
+    tx.act_for_tenant(tenant_id).await?;
+    let secret = rotate_secret_in(&mut tx, keyring, tenant_id, endpoint_id, overlap).await?;
+    tx.commit().await?;
+    Ok(secret)
+}
+
+/// [`rotate_secret`] in the caller's transaction, whose tenant is already set
+/// to `tenant_id`. The new secret holds only if the caller commits.
+///
+/// # Errors
+/// As [`rotate_secret`]; after [`RotateError::Db`], `tx` is aborted.
+pub async fn rotate_secret_in(
+    tx: &mut Tx,
+    keyring: &Keyring,
+    tenant_id: &str,
+    endpoint_id: i64,
+    overlap: Duration,
+) -> Result<Secret, RotateError> {
+    if overlap > MAX_ROTATION_OVERLAP {
+        return Err(RotateError::OverlapTooLong { overlap });
+    }
     let secret = Secret::generate();
     let sealed = keyring.seal(tenant_id, &secret);
-    if store::rotate_secret(db, tenant_id, endpoint_id, &sealed, overlap).await? {
+    if store::rotate_secret(tx, tenant_id, endpoint_id, &sealed, overlap).await? {
         Ok(secret)
     } else {
         Err(RotateError::NotFound {

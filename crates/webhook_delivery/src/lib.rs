@@ -177,8 +177,8 @@ pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
 pub use endpoint::{
     Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
-    SecretsError, SecretsReport, check_secrets, create_endpoint, parse_endpoint_url, redacted_url,
-    reseal_secrets, rotate_secret,
+    SecretsError, SecretsReport, check_secrets, create_endpoint, create_endpoint_in,
+    parse_endpoint_url, redacted_url, reseal_secrets, rotate_secret, rotate_secret_in,
 };
 pub use error::Error;
 pub use failure::Failure;

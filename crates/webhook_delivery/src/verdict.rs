@@ -66,6 +66,28 @@ pub(crate) fn verdict(
     }
 }
 
+/// The most of a failed answer's body kept in its attempt history, in
+/// characters (`webhook_delivery_attempts_snippet_bounded`).
+pub(crate) const MAX_SNIPPET_CHARS: usize = 1024;
+
+/// The start of a failed answer's body for its attempt history: at most
+/// [`MAX_SNIPPET_CHARS`] characters, invalid UTF-8 and NUL (which Postgres
+/// text cannot hold) replaced by U+FFFD, so writing it cannot fail the
+/// outcome.
+pub(crate) fn response_snippet(body: &[u8]) -> String {
+    String::from_utf8_lossy(body)
+        .chars()
+        .take(MAX_SNIPPET_CHARS)
+        .map(|c| {
+            if c == '\0' {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
 /// The operator log's line for a failure status: the code and the start of the
 /// body (`last_error` holds only the category, [`crate::failure::Failure`]).
 pub(crate) fn status_error(code: u16, body: &[u8]) -> String {
@@ -82,6 +104,17 @@ pub(crate) fn status_error(code: u16, body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_snippet_is_bounded_and_always_storable() {
+        let long = "é".repeat(MAX_SNIPPET_CHARS + 10);
+        assert_eq!(
+            response_snippet(long.as_bytes()).chars().count(),
+            MAX_SNIPPET_CHARS
+        );
+        assert_eq!(response_snippet(b"a\0b\xff"), "a\u{fffd}b\u{fffd}");
+        assert_eq!(response_snippet(b""), "");
+    }
 
     /// What a case expects: a state, or a retry within jitter bounds (seconds).
     #[derive(Debug)]

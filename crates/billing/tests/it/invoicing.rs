@@ -355,7 +355,7 @@ async fn a_plan_change_to_another_currency_is_refused_and_a_change_is_announced(
     )
     .await;
     let usd: i64 = t
-        .api()
+        .api_as("tenant_a")
         .fetch_one(sql(
             "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
              VALUES ('tenant_a', 'Pro US', 1500, 'USD', 'month', 1) RETURNING id",
@@ -384,7 +384,7 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     due_monthly(&t.db, "tenant_a", 1).await;
-    t.api()
+    t.api_as("tenant_a")
         .execute(sql("UPDATE customers SET payment_method_id = NULL"))
         .await
         .unwrap();
@@ -401,7 +401,7 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
         vec!["invoice.finalized", "invoice.payment_action_required"]
     );
     assert_eq!(p.create_requests(), 0);
-    t.api()
+    t.api_as("tenant_a")
         .execute(sql(
             "UPDATE customers SET payment_method_id = 'pm_card_visa'",
         ))

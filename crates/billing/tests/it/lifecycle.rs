@@ -15,7 +15,7 @@ fn at(y: i32, m: u32, d: u32) -> DateTime<Utc> {
 
 /// A trialing subscription to `plan`, anchored at `anchor`, whose trial ends at `trial_end`.
 async fn trialing(db: &Db, plan: i64, anchor: DateTime<Utc>, trial_end: DateTime<Utc>) -> i64 {
-    let api = testbed::tenant_writer(db);
+    let api = testbed::tenant_writer(db, "tenant_a");
     let customer: i64 = api
         .fetch_one(sql(
             "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \

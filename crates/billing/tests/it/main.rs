@@ -42,10 +42,23 @@ pub fn biller(db: &Db, config: BillingConfig) -> (Biller, PrometheusHandle) {
 /// A plan of `amount` EUR minor units every `count` `unit`s, and its id,
 /// written as the tenant API writes it.
 pub async fn plan(db: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
-    plan_as(&testbed::tenant_writer(db), tenant, unit, count, amount).await
+    plan_as(
+        &testbed::tenant_writer(db, tenant),
+        tenant,
+        unit,
+        count,
+        amount,
+    )
+    .await
 }
 
-async fn plan_as(api: &Db, tenant: &str, unit: &str, count: i32, amount: i64) -> i64 {
+async fn plan_as(
+    api: &testbed::TenantWriter,
+    tenant: &str,
+    unit: &str,
+    count: i32,
+    amount: i64,
+) -> i64 {
     api.fetch_one(
         sql(
             "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
@@ -72,12 +85,12 @@ pub async fn subscription(
     start: DateTime<Utc>,
     end: DateTime<Utc>,
 ) -> i64 {
-    let api = testbed::tenant_writer(db);
+    let api = testbed::tenant_writer(db, tenant);
     subscription_as(&api, tenant, plan, anchor, start, end).await
 }
 
 async fn subscription_as(
-    api: &Db,
+    api: &testbed::TenantWriter,
     tenant: &str,
     plan: i64,
     anchor: DateTime<Utc>,
@@ -115,7 +128,7 @@ async fn subscription_as(
 /// `n` monthly subscriptions whose period ended a minute ago; the next one
 /// ends a month later, so each is due exactly once.
 pub async fn due_monthly(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
-    let api = testbed::tenant_writer(db);
+    let api = testbed::tenant_writer(db, tenant);
     let p = plan_as(&api, tenant, "month", 1, 1200).await;
     let end = Utc::now() - chrono::TimeDelta::minutes(1);
     let start = end - chrono::TimeDelta::days(30);

@@ -145,7 +145,7 @@ async fn a_temp_table_shadowing_leader_leases_does_not_catch_the_operators_pause
         "a definer function wrote the caller's temp table"
     );
 
-    // Migration 0026: clearing a cooldown reaches the real rows too. The temp
+    // Migration 0028: clearing a cooldown reaches the real rows too. The temp
     // table has no webhook_outbox row (a function reading it would refuse the
     // role as unknown) and a billing row cooling down (left as it was).
     tx.execute(sql("SELECT leader_clear_cooldown('webhook_outbox')"))

@@ -73,12 +73,19 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
     assert_eq!(
         privileges(&op).await,
         expect(&[
+            // Tenants and API keys (migration 0024).
+            "api_keys.revoked_at:UPDATE",
+            "api_keys:INSERT",
+            "api_keys:SELECT",
             "billing_settle_attempt():EXECUTE",
+            "email_address_valid():EXECUTE",
             "leader_clear_cooldown():EXECUTE",
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
             "payment_attempts_needing_review:SELECT",
+            "tenants:INSERT",
+            "tenants:SELECT",
         ])
     );
     op.execute(sql("SELECT leader_pause('dunning', 'oncall', 'drill')"))
@@ -87,7 +94,7 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
     op.execute(sql("SELECT leader_unpause('dunning')"))
         .await
         .unwrap();
-    // Migration 0026.
+    // Migration 0028.
     op.execute(sql("SELECT leader_clear_cooldown('dunning')"))
         .await
         .unwrap();
@@ -116,8 +123,9 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
 }
 
 /// hardcount_api writes what tenants write: endpoints (sealed secrets only),
-/// customers, plans, subscriptions; it reads their results, and nothing of
-/// leadership, email or a secret in clear.
+/// customers, plans, subscriptions, events and emails to send (the tenant
+/// API, migration 0024); it reads their results, and nothing of leadership,
+/// API keys or a secret in clear.
 #[tokio::test]
 async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     let t = TestDb::new().await;
@@ -217,6 +225,55 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     ] {
         want.push(format!("{t}:SELECT"));
     }
+    // The tenant API (migration 0024): its caller's tenant, its idempotency
+    // keys, publishing events and queueing email, a delivery's attempts.
+    for f in ["api_authenticate", "api_tenant"] {
+        want.push(format!("{f}():EXECUTE"));
+    }
+    want.push("api_idempotency_keys:SELECT".into());
+    want.push("api_idempotency_keys:INSERT".into());
+    for c in ["status", "response", "request_hash", "created_at"] {
+        want.push(format!("api_idempotency_keys.{c}:UPDATE"));
+    }
+    want.push("webhook_events:INSERT".into());
+    want.push("email_outbox:SELECT".into());
+    want.push("email_outbox:INSERT".into());
+    want.push("webhook_delivery_attempts:SELECT".into());
+    // Billing's producers in the API's transaction, and the dunning policy
+    // and runs (migration 0025).
+    for c in [
+        "current_period_start",
+        "current_period_end",
+        "next_billing_at",
+    ] {
+        want.push(format!("subscriptions.{c}:UPDATE"));
+    }
+    want.push("invoices:INSERT".into());
+    want.push("invoice_counters:SELECT".into());
+    want.push("invoice_counters:INSERT".into());
+    want.push("invoice_counters.last_number:UPDATE".into());
+    want.push("customer_balances:INSERT".into());
+    for c in ["amount", "updated_at"] {
+        want.push(format!("customer_balances.{c}:UPDATE"));
+    }
+    want.push("dunning_policies:SELECT".into());
+    want.push("dunning_policies:INSERT".into());
+    want.push("dunning_policies.is_default:UPDATE".into());
+    want.push("dunning_runs:SELECT".into());
+    // Resending a delivery or an email, recovering an endpoint's dead
+    // deliveries (migration 0026).
+    for c in [
+        "status",
+        "next_attempt_at",
+        "delivered_at",
+        "attempts",
+        "resent_at_attempt",
+    ] {
+        want.push(format!("webhook_deliveries.{c}:UPDATE"));
+    }
+    for c in ["status", "next_attempt_at"] {
+        want.push(format!("email_outbox.{c}:UPDATE"));
+    }
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
@@ -228,10 +285,15 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "UPDATE webhook_endpoints SET secret = 'whsec_AAAA'",
             "INSERT INTO webhook_endpoints (tenant_id, url, secret) VALUES ('t', 'https://x/', 'whsec_AAAA')",
             "DELETE FROM webhook_endpoints",
-            "INSERT INTO webhook_events (tenant_id, event_type, payload) VALUES ('t', 'x', '{}')",
-            "UPDATE webhook_deliveries SET status = 'delivered'",
+            "DELETE FROM webhook_events",
+            "UPDATE webhook_deliveries SET last_status_code = 200",
+            "UPDATE webhook_deliveries SET claimed_until = NULL",
+            "INSERT INTO webhook_delivery_attempts (tenant_id, delivery_id, attempt) VALUES ('t', 1, 1)",
             "UPDATE invoices SET status = 'paid'",
-            "SELECT * FROM email_outbox",
+            "UPDATE email_outbox SET sent_at = now()",
+            "UPDATE email_outbox SET attempts = 0",
+            "SELECT * FROM api_keys",
+            "SELECT * FROM tenants",
             "SELECT * FROM leader_status",
             "SELECT leader_pause('billing', 'x', 'y')",
             "SELECT leader_clear_cooldown('billing')",

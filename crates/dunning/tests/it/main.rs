@@ -107,7 +107,7 @@ pub struct Declined {
 
 pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
     let tenant = tenant.to_owned();
-    let api = testbed::tenant_writer(db);
+    let api = testbed::tenant_writer(db, &tenant);
     let c = api
         .fetch_one(
             sql("INSERT INTO customers (tenant_id, email, name, provider_customer_id, payment_method_id) \
@@ -179,7 +179,7 @@ pub async fn enrol(db: &Db, d: &Dunner) -> usize {
 
 /// The customer (by its `cus_…`) no longer has a payment method.
 pub async fn remove_payment_method(db: &Db, customer: &str) {
-    testbed::tenant_writer(db)
+    testbed::tenant_writer(db, "tenant_a")
         .execute(
             sql("UPDATE customers SET payment_method_id = NULL WHERE provider_customer_id = $1")
                 .bind(customer.to_owned()),

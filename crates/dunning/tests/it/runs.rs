@@ -340,7 +340,7 @@ async fn a_hard_decline_waits_for_a_new_payment_method() {
             "dunning.retry_skipped"
         ]
     );
-    t.api()
+    t.api_as("tenant_a")
         .execute(
             sql(
                 "UPDATE customers SET payment_method_id = 'pm_card_mastercard' \
@@ -479,7 +479,7 @@ async fn adding_a_payment_method_resumes_charging() {
         listed[0].not_chargeable,
         Some(dunning::NotChargeable::NoPaymentMethod)
     );
-    t.api().execute(
+    t.api_as("tenant_a").execute(
         sql("UPDATE customers SET payment_method_id = 'pm_card_visa' WHERE provider_customer_id = $1")
             .bind(a.customer.clone()),
     )

@@ -301,7 +301,7 @@ async fn the_database_agrees_with_lettre_on_each_sender_or_is_stricter() {
 #[tokio::test]
 async fn customers_and_tenant_senders_are_checked_where_they_are_written() {
     let t = TestDb::new().await;
-    let api = t.api();
+    let api = t.api_as("tenant_a");
     for (email, ok) in [
         ("ada@example.org", true),
         ("jörg@bücher.de", true),
@@ -335,7 +335,8 @@ async fn customers_and_tenant_senders_are_checked_where_they_are_written() {
     .into_iter()
     .enumerate()
     {
-        let r = api
+        let r = t
+            .api_as(&format!("tenant_{i}"))
             .execute(
                 sql("INSERT INTO tenant_settings (tenant_id, email_from) VALUES ($1, $2)")
                     .bind(format!("tenant_{i}"))

@@ -182,8 +182,9 @@ async fn every_content_refusal_is_recorded_with_its_reason_and_the_batch_commits
 }
 
 /// An empty tenant is the caller's bug, not content: refused before anything
-/// is written, the transaction still usable. A database error (here: a role
-/// that may not insert into the outbox) still fails the call.
+/// is written, the transaction still usable. A database error (here: the API
+/// role acting for no tenant, whose row row-level security refuses) still
+/// fails the call.
 #[tokio::test]
 async fn an_empty_tenant_and_a_database_error_still_fail() {
     let t = TestDb::new().await;

@@ -2,7 +2,7 @@
 //! the two operator commands of the runbook (docs/runbook.md) that are more
 //! than one call of the status table.
 //!
-//! `clear-cooldown` calls `leader_clear_cooldown` (migration 0026) as the
+//! `clear-cooldown` calls `leader_clear_cooldown` (migration 0028) as the
 //! operator; `--watch` redraws the status table every second until Ctrl-C,
 //! which ends it with exit status 0 (it is how a watch is stopped).
 
@@ -24,19 +24,26 @@ const READ_LIMIT: Duration = Duration::from_secs(5);
 /// Moves the cursor home and clears the screen.
 const CLEAR: &str = "\x1b[H\x1b[2J";
 
-/// `hardcount leader clear-cooldown ROLE`.
+/// `hardcount leader clear-cooldown ROLE`. A paused role's cooldown is
+/// cleared too and the role stays paused (docs/adr/0037): the output says so.
 pub async fn clear_cooldown(db: &Db, role: Role) -> Result<()> {
-    let left = leader::store::clear_cooldown(db, role)
+    let cleared = leader::store::clear_cooldown(db, role)
         .await
         .map_err(operator_denied)?;
-    match left {
-        Some(secs) => println!(
-            "cleared the cooldown of {role} ({secs:.0}s were left); it is due at the next poll \
-             unless it is paused"
+    let what = match cleared.left {
+        Some(left) => format!(
+            "cleared the cooldown of {role} ({}s were left)",
+            left.as_secs_f64().round()
         ),
-        None => println!(
-            "{role} had no cooldown; it is due at the next poll unless it is paused or held"
-        ),
+        None => format!("{role} had no cooldown"),
+    };
+    if cleared.paused {
+        println!("{what}; it is still paused: `hardcount leader unpause {role}` to run it");
+    } else {
+        println!(
+            "{what}; it is due at the next poll unless a tick is running or its interval \
+             since the last completed tick has not passed"
+        );
     }
     Ok(())
 }

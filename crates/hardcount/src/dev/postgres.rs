@@ -101,6 +101,11 @@ impl LocalPostgres {
         )
     }
 
+    /// `role` on the dev database (the local cluster trusts loopback).
+    pub fn role_url(&self, role: &str) -> String {
+        format!("postgres://{role}@127.0.0.1:{}/{DATABASE}", self.port)
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

@@ -31,6 +31,28 @@ pub(crate) async fn insert_event(
     Ok(row.try_get("id")?)
 }
 
+/// [`insert_event`], returning the row as stored.
+pub(crate) async fn insert_event_returning(
+    tx: &mut Tx,
+    tenant_id: &str,
+    event_type: &str,
+    payload_json: &str,
+) -> Result<db::PgRow, db::Error> {
+    tx.fetch_one(
+        sql("WITH e AS ( \
+               INSERT INTO webhook_events (tenant_id, event_type, payload) \
+               VALUES ($1, $2, $3::jsonb) \
+               RETURNING id, event_type, payload, message_id, created_at, dispatched_at), \
+             wake AS (SELECT pg_notify($4, '')) \
+             SELECT e.* FROM e, wake")
+        .bind(tenant_id.to_owned())
+        .bind(event_type.to_owned())
+        .bind(payload_json.to_owned())
+        .bind(wake_channel(Role::WebhookOutbox)),
+    )
+    .await
+}
+
 /// Insert many events inside `tx` and wake the `webhook_outbox` role, in one
 /// statement (`pg_notify`, sent only if `tx` commits; docs/adr/0014); how
 /// many.

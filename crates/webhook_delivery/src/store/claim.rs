@@ -16,6 +16,9 @@ pub(crate) struct ClaimedRow {
     pub event_id: i64,
     pub endpoint_id: i64,
     pub attempt: i32,
+    /// `attempts` when the delivery was last resent (0 if never): the claim's
+    /// ceiling and the retry schedule count the attempts since.
+    pub resent_at_attempt: i32,
     pub url: String,
     /// The endpoint's secret, sealed (`sealed.rs`); opened only for the attempt.
     pub secret: Option<Sealed>,
@@ -38,6 +41,7 @@ impl ClaimedRow {
             event_id: r.try_get("event_id")?,
             endpoint_id: r.try_get("endpoint_id")?,
             attempt: r.try_get("attempts")?,
+            resent_at_attempt: r.try_get("resent_at_attempt")?,
             url: r.try_get("url")?,
             secret: sealed_from(r.try_get("secret_ciphertext")?, r.try_get("secret_key_id")?),
             previous_secret: sealed_from(
@@ -57,7 +61,7 @@ impl ClaimedRow {
 /// The claim statement of [`claim_due`]; `pub` only for the plan tests
 /// (`tests/it/plans.rs`).
 pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
-           SELECT id, attempts FROM webhook_deliveries \
+           SELECT id, attempts - resent_at_attempt AS made FROM webhook_deliveries \
            WHERE status = 'pending' \
              AND next_attempt_at <= now() \
              AND (claimed_until IS NULL OR claimed_until <= now()) \
@@ -68,16 +72,16 @@ pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
          exhausted AS ( \
            UPDATE webhook_deliveries d \
            SET status = 'dead', last_error = 'attempts_exhausted' \
-           FROM due WHERE d.id = due.id AND due.attempts >= $5 \
+           FROM due WHERE d.id = due.id AND due.made >= $5 \
            RETURNING d.id) \
          UPDATE webhook_deliveries d \
          SET attempts = d.attempts + 1, \
              claimed_until = now() + make_interval(secs => $4), \
              last_attempt_at = now() \
          FROM due, webhook_events e, webhook_endpoints ep \
-         WHERE d.id = due.id AND due.attempts < $5 \
+         WHERE d.id = due.id AND due.made < $5 \
            AND e.id = d.event_id AND ep.id = d.endpoint_id \
-         RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, \
+         RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, d.resent_at_attempt, \
                    ep.url, ep.secret_ciphertext, ep.secret_key_id, \
                    ep.enabled, ep.disabled_reason, \
                    CASE WHEN ep.previous_secret_expires_at > now() \
@@ -102,8 +106,8 @@ pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
 /// The previous secret of an endpoint being rotated is returned only while its
 /// `previous_secret_expires_at` is ahead of the claim's `now()`.
 ///
-/// The ceiling: a due row that has already been claimed `max_attempts` times is
-/// not handed out again; the same statement marks it `dead` with `last_error =
+/// The ceiling: a due row that has already been claimed `max_attempts` times
+/// (since it was last resent, `resent_at_attempt`) is not handed out again; the same statement marks it `dead` with `last_error =
 /// 'attempts_exhausted'` (a worker that dies while attempting, e.g. out of
 /// memory, never writes an outcome, and the claim lease would otherwise bring
 /// the row back to every next leader forever, issue 12).

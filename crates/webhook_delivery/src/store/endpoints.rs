@@ -13,14 +13,16 @@ pub(crate) struct NewEndpoint {
     pub enabled: bool,
 }
 
+/// Insert an endpoint in `tx`, whose tenant is already set (row-level
+/// security checks the row against it).
 pub(crate) async fn insert_endpoint(
-    db: &Db,
+    tx: &mut Tx,
     tenant_id: &str,
     url: &str,
     secret: &Sealed,
     event_types: Vec<String>,
 ) -> Result<NewEndpoint, db::Error> {
-    let row = db
+    let row = tx
         .fetch_one(
             sql("INSERT INTO webhook_endpoints \
                      (tenant_id, url, secret_ciphertext, secret_key_id, event_types) \
@@ -42,15 +44,16 @@ pub(crate) async fn insert_endpoint(
 /// one it replaces as the previous secret until `now() + overlap` on the
 /// database clock, in one statement (the right-hand columns are the row's old
 /// values). A previous secret still held is dropped. Returns whether the
-/// endpoint (of this tenant, its secret sealed) exists.
+/// endpoint (of this tenant, its secret sealed) exists. In `tx`, whose
+/// tenant is already set.
 pub(crate) async fn rotate_secret(
-    db: &Db,
+    tx: &mut Tx,
     tenant_id: &str,
     endpoint_id: i64,
     new_secret: &Sealed,
     overlap: Duration,
 ) -> Result<bool, db::Error> {
-    let rotated = db
+    let rotated = tx
         .execute(
             sql("UPDATE webhook_endpoints \
                  SET previous_secret_ciphertext = secret_ciphertext, \

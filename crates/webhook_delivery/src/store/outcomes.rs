@@ -23,6 +23,8 @@ pub(crate) struct Observed {
     pub status_code: Option<u16>,
     pub error: Option<String>,
     pub latency: Option<Duration>,
+    /// The start of a failed answer's body, for the attempt history.
+    pub response_snippet: Option<String>,
 }
 
 /// Longest `last_error` kept; the rest is cut at a character boundary.
@@ -85,8 +87,13 @@ pub(crate) async fn record_outcome(
 }
 
 /// The outcome statement of [`apply_outcomes`]; `pub` only for the plan tests
-/// (`tests/it/plans.rs`).
-pub const APPLY_OUTCOMES: &str = "UPDATE webhook_deliveries d \
+/// (`tests/it/plans.rs`). An applied outcome that did not deliver also writes
+/// its attempt's row of the delivery's history (`webhook_delivery_attempts`,
+/// at the attempt's claim time), in the same statement: it is fenced by the
+/// same compare-and-set, so a stale attempt writes no history either. The
+/// delivering attempt is the delivery row's own `last_*` columns.
+pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
+         UPDATE webhook_deliveries d \
          SET status = o.next_state, \
              claimed_until = NULL, \
              next_attempt_at = CASE WHEN o.next_state = 'pending' \
@@ -97,10 +104,19 @@ pub const APPLY_OUTCOMES: &str = "UPDATE webhook_deliveries d \
              last_error = o.error, \
              last_latency_ms = o.latency_ms \
          FROM unnest($1::int8[], $2::int4[], $3::text[], $4::float8[], \
-                     $5::int4[], $6::text[], $7::int4[], $8::text[]) \
-              AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms, was) \
+                     $5::int4[], $6::text[], $7::int4[], $8::text[], $9::text[]) \
+              AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms, was, snippet) \
          WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = o.was \
-         RETURNING d.id, o.attempt";
+         RETURNING d.id, d.tenant_id, o.attempt, o.next_state, d.last_attempt_at, \
+                   o.status_code, o.latency_ms, o.error, o.snippet), \
+       history AS ( \
+         INSERT INTO webhook_delivery_attempts \
+             (tenant_id, delivery_id, attempt, attempted_at, status_code, latency_ms, \
+              error_category, response_snippet) \
+         SELECT tenant_id, id, attempt, coalesce(last_attempt_at, now()), status_code, \
+                latency_ms, error, snippet \
+         FROM applied WHERE next_state <> 'delivered') \
+       SELECT id, attempt FROM applied";
 
 /// The status a compare-and-set expects its delivery in. It is bound as one
 /// more column of the unnested group (`was`), not written as a literal, so
@@ -125,6 +141,7 @@ async fn apply_outcomes(
     let mut codes = Vec::with_capacity(n);
     let mut errors = Vec::with_capacity(n);
     let mut latencies = Vec::with_capacity(n);
+    let mut snippets = Vec::with_capacity(n);
     for r in rows {
         let (status, wait) = match r.next {
             NextState::Delivered => ("delivered", 0.0),
@@ -147,6 +164,7 @@ async fn apply_outcomes(
                 .latency
                 .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
         );
+        snippets.push(r.observed.response_snippet.clone());
     }
     let applied = tx
         .fetch_all(
@@ -158,7 +176,8 @@ async fn apply_outcomes(
                 .bind(codes)
                 .bind(errors)
                 .bind(latencies)
-                .bind(vec![PENDING; n]),
+                .bind(vec![PENDING; n])
+                .bind(snippets),
         )
         .await?;
     applied

@@ -133,7 +133,7 @@ async fn create_endpoint_refuses_bad_input_with_a_clear_error_and_stores_nothing
 async fn the_schema_refuses_bad_urls_and_cross_tenant_deliveries() {
     let t = TestDb::new().await;
     let err = t
-        .api()
+        .api_as("a")
         .execute(sql(
             "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id) \
              VALUES ('a', 'gopher://x', decode(repeat('00', 64), 'hex'), 'k')",

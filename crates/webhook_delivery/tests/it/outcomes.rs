@@ -440,3 +440,122 @@ async fn last_error_is_a_category_and_a_low_port_is_refused_without_connecting()
         [Some("refused".to_owned()), Some("ssrf_refused".to_owned())]
     );
 }
+
+/// Each attempt that did not deliver writes its row of the delivery's
+/// history in the outcome statement (status, latency, category, the start of
+/// the answer, NUL made storable); the delivering attempt writes none (it is
+/// the delivery row's `last_*`). Fails if the outcome statement's `history`
+/// insert is removed (no row), or if the snippet is not cut or cleaned (the
+/// bound's CHECK or the NUL refuses the outcome: it stays unrecorded).
+#[tokio::test]
+async fn a_failed_attempt_writes_its_history_row_and_the_delivering_one_none() {
+    let t = TestDb::new().await;
+    let rx = Receiver::start(|r| {
+        if r.n == 0 {
+            Reply::WithBody(500, format!("oops\0{}", "x".repeat(5000)))
+        } else {
+            Reply::Status(200)
+        }
+    })
+    .await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let (w, _) = worker(&t.db, config());
+    let history = || async {
+        t.db.fetch_all(sql(
+            "SELECT a.tenant_id, a.attempt, a.status_code, a.latency_ms, a.error_category, \
+                    a.response_snippet, a.attempted_at = d.last_attempt_at AS at_claim \
+             FROM webhook_delivery_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id \
+             ORDER BY a.attempt",
+        ))
+        .await
+        .unwrap()
+    };
+
+    assert_eq!(tick(&t.db, &w).await.retried, 1);
+    let rows = history().await;
+    assert_eq!(rows.len(), 1, "one row for the failed attempt");
+    let r = &rows[0];
+    assert_eq!(r.get::<String, _>("tenant_id"), "tenant_a");
+    assert_eq!(r.get::<i32, _>("attempt"), 1);
+    assert_eq!(r.get::<Option<i32>, _>("status_code"), Some(500));
+    assert!(r.get::<Option<i32>, _>("latency_ms").is_some());
+    assert_eq!(
+        r.get::<Option<String>, _>("error_category").as_deref(),
+        Some("http_5xx")
+    );
+    assert!(
+        r.get::<bool, _>("at_claim"),
+        "attempted_at is the claim's time"
+    );
+    let snippet: String = r.get("response_snippet");
+    assert!(snippet.starts_with("oops\u{fffd}xxx"), "{snippet:.20}");
+    assert!(snippet.chars().count() <= 1024);
+
+    make_due(&t).await;
+    assert_eq!(tick(&t.db, &w).await.delivered, 1);
+    assert_eq!(
+        history().await.len(),
+        1,
+        "the delivering attempt adds no row"
+    );
+}
+
+/// A resend (the API's: back to pending, `attempts` moved one past every
+/// number handed out, `resent_at_attempt` set to it) gives a dead delivery its
+/// whole schedule again: it is attempted, not killed at the claim's ceiling,
+/// and fails again only after the schedule's attempts. Fails if the claim's
+/// ceiling counts `attempts` instead of the attempts since the resend (dead at
+/// once, `attempts_exhausted`, nothing sent).
+#[tokio::test]
+async fn a_resent_dead_delivery_is_attempted_on_a_fresh_schedule() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(500).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let (w, _) = worker(&t.db, config());
+    for _ in 0..4 {
+        tick(&t.db, &w).await;
+        make_due(&t).await;
+    }
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("dead", 4), "{d:?}");
+    assert_eq!(rx.count(), 4);
+
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = now(), \
+                attempts = attempts + 1, resent_at_attempt = attempts + 1",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let report = tick(&t.db, &w).await;
+    assert_eq!(
+        report.retried, 1,
+        "attempted again, not exhausted: {report:?}"
+    );
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("pending", 6), "{d:?}");
+    for _ in 0..4 {
+        make_due(&t).await;
+        tick(&t.db, &w).await;
+    }
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("dead", 9), "{d:?}");
+    assert_eq!(
+        rx.count(),
+        8,
+        "four attempts, then four more after the resend"
+    );
+    let numbers: Vec<i32> =
+        t.db.fetch_all(sql(
+            "SELECT attempt FROM webhook_delivery_attempts ORDER BY attempt",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get("attempt"))
+        .collect();
+    assert_eq!(numbers, [1, 2, 3, 4, 6, 7, 8, 9], "no number is used twice");
+}

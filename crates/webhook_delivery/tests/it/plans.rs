@@ -81,6 +81,7 @@ async fn a_group_of_outcomes_finds_each_delivery_by_its_key() {
             .bind(vec![None::<String>; n])
             .bind(vec![Some(3_i32); n])
             .bind(vec!["pending".to_owned(); n])
+            .bind(vec![None::<String>; n])
     })
     .await;
     assert!(

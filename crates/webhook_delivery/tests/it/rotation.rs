@@ -125,7 +125,7 @@ async fn after_the_expiry_a_delivery_carries_only_the_new_signature() {
     .unwrap()
     .expose();
     // The overlap has passed, as time passing would make it.
-    t.api()
+    t.api_as("tenant_a")
         .execute(
             sql("UPDATE webhook_endpoints \
              SET previous_secret_expires_at = now() - interval '1 second' WHERE id = $1")
@@ -160,7 +160,7 @@ async fn a_secret_shorter_than_24_bytes_is_refused_and_nothing_is_sent() {
     let ep = endpoint(&t, "tenant_a", &rx.url()).await;
     // Stored around create_endpoint (which generates 24 bytes): "test", 4 bytes.
     let short = keyring().seal_text("tenant_a", "whsec_dGVzdA==");
-    t.api()
+    t.api_as("tenant_a")
         .execute(
             sql("UPDATE webhook_endpoints SET secret_ciphertext = $2, secret_key_id = $3 WHERE id = $1")
                 .bind(ep.id)
@@ -205,7 +205,7 @@ async fn a_secret_shorter_than_24_bytes_is_refused_and_nothing_is_sent() {
         "{err}"
     );
     let err = t
-        .api()
+        .api_as("tenant_a")
         .execute(
             sql("UPDATE webhook_endpoints \
                  SET previous_secret_ciphertext = secret_ciphertext, \

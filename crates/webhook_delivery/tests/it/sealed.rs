@@ -66,17 +66,20 @@ async fn a_sealed_secret_copied_to_another_tenant_does_not_open() {
     let rx = Receiver::answering(204).await;
     let a = endpoint(&t, "tenant_a", &rx.url()).await;
     let b = endpoint(&t, "tenant_b", &rx.url()).await;
-    t.api()
-        .execute(
-            sql("UPDATE webhook_endpoints \
-                 SET secret_ciphertext = (SELECT secret_ciphertext FROM webhook_endpoints WHERE id = $1), \
-                     secret_key_id = (SELECT secret_key_id FROM webhook_endpoints WHERE id = $1) \
-                 WHERE id = $2")
-            .bind(a.id)
-            .bind(b.id),
-        )
-        .await
-        .unwrap();
+    // A copy across tenants: only the schema owner can still make one (the
+    // API role's row-level security shows it one tenant at a time).
+    let mut owner = t.superuser().await;
+    sqlx::query(
+        "UPDATE webhook_endpoints \
+         SET secret_ciphertext = (SELECT secret_ciphertext FROM webhook_endpoints WHERE id = $1), \
+             secret_key_id = (SELECT secret_key_id FROM webhook_endpoints WHERE id = $1) \
+         WHERE id = $2",
+    )
+    .bind(a.id)
+    .bind(b.id)
+    .execute(&mut owner)
+    .await
+    .unwrap();
     events(&t.db, "tenant_b", 1).await;
     let (w, _m) = worker(&t.db, config());
     tick(&t.db, &w).await;

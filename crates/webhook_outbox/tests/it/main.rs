@@ -43,7 +43,7 @@ pub fn series(handle: &PrometheusHandle, name: &str) -> Option<f64> {
 /// on the delivery crate; the sealed secret is a placeholder it never opens).
 pub async fn endpoint(t: &TestDb, tenant: &str, event_types: &[&str], enabled: bool) -> i64 {
     let types: Vec<String> = event_types.iter().map(|s| s.to_string()).collect();
-    t.api()
+    t.api_as(tenant)
         .fetch_one(
             sql(
                 "INSERT INTO webhook_endpoints (tenant_id, url, secret_ciphertext, secret_key_id, \

@@ -1,0 +1,313 @@
+//! Customers: create one, read one, list them, update its email, name or
+//! payment method. The billing role charges a customer's saved payment
+//! method off session; receipts and dunning notices go to its email.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use chrono::{DateTime, Utc};
+use db::{PgRow, Row as _};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::auth::Caller;
+use crate::error::{ApiError, Code};
+use crate::extract::{Id, JsonBody, Query};
+use crate::page::{List, Page};
+use crate::responses::{ReadErrors, WriteErrors};
+use crate::scope::{Idempotency, Scope};
+use crate::state::Api;
+use crate::valid;
+
+/// The longest name accepted, in characters.
+pub const MAX_NAME_CHARS: usize = 200;
+/// The longest email address accepted (RFC 5321's path limit).
+pub const MAX_EMAIL_CHARS: usize = 320;
+
+/// A customer to create.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewCustomer {
+    /// A bare address (`ada@example.org`), checked as the email outbox
+    /// checks a recipient (`email_address_valid`, migration 0022).
+    #[schema(max_length = 320)]
+    pub email: String,
+    #[schema(max_length = 200)]
+    pub name: Option<String>,
+    /// The saved payment method charged off session, e.g. `pm_card_visa`;
+    /// needs `provider_customer_id`.
+    #[schema(pattern = r"^pm_[A-Za-z0-9_]+$")]
+    pub payment_method: Option<String>,
+    /// The provider's customer, e.g. `cus_123`; unique in the tenant.
+    #[schema(pattern = r"^cus_[A-Za-z0-9_]+$")]
+    pub provider_customer_id: Option<String>,
+}
+
+/// What to change; a field left out is unchanged.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CustomerUpdate {
+    #[schema(max_length = 320)]
+    pub email: Option<String>,
+    #[schema(max_length = 200)]
+    pub name: Option<String>,
+    /// Needs the customer's `provider_customer_id`.
+    #[schema(pattern = r"^pm_[A-Za-z0-9_]+$")]
+    pub payment_method: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Customer {
+    pub id: i64,
+    pub email: String,
+    pub name: Option<String>,
+    pub payment_method: Option<String>,
+    pub provider_customer_id: Option<String>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// The columns [`Customer::from_row`] reads.
+macro_rules! columns {
+    () => {
+        "id, email, name, payment_method_id, provider_customer_id, created_at"
+    };
+}
+
+impl Customer {
+    fn from_row(row: &PgRow) -> Result<Customer, db::Error> {
+        Ok(Customer {
+            id: row.try_get("id")?,
+            email: row.try_get("email")?,
+            name: row.try_get("name")?,
+            payment_method: row.try_get("payment_method_id")?,
+            provider_customer_id: row.try_get("provider_customer_id")?,
+            created_at: row.try_get("created_at")?,
+        })
+    }
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListCustomers {
+    /// Page size, 1 to 100 (default 20).
+    #[param(minimum = 1, maximum = 100)]
+    pub limit: Option<u32>,
+    /// The `next_cursor` of the page before.
+    pub starting_after: Option<String>,
+}
+
+/// `email` as the outbox takes a recipient: no NUL, CR or LF, within the
+/// length, and accepted by `email_address_valid` (the CHECK
+/// `customers_email_valid` calls it), asked in the request's transaction.
+async fn check_email(scope: &mut Scope, email: &str) -> Result<(), ApiError> {
+    valid::text("email", email, MAX_EMAIL_CHARS)?;
+    if outbox::email::mailbox("email", email).is_err() {
+        return Err(ApiError::param(
+            "email",
+            "email is not an address the email outbox can send to",
+        ));
+    }
+    let row = scope
+        .tx()
+        .fetch_one(db::sql("SELECT email_address_valid($1) AS ok").bind(email.to_owned()))
+        .await?;
+    let ok: Option<bool> = row.try_get("ok").map_err(db::Error::from)?;
+    if ok != Some(true) {
+        return Err(ApiError::param(
+            "email",
+            "email is not a bare address the email outbox can send to (e.g. ada@example.org)",
+        ));
+    }
+    Ok(())
+}
+
+fn check_name(name: &Option<String>) -> Result<(), ApiError> {
+    match name {
+        Some(n) => valid::text("name", n, MAX_NAME_CHARS),
+        None => Ok(()),
+    }
+}
+
+/// Create a customer.
+#[utoipa::path(
+    post, path = "/v1/customers", tag = "customers",
+    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    request_body = NewCustomer,
+    responses((status = 201, description = "Created.", body = Customer), WriteErrors),
+)]
+pub async fn create(
+    State(api): State<Api>,
+    caller: Caller,
+    idem: Idempotency,
+    body: JsonBody<NewCustomer>,
+) -> Result<Response, ApiError> {
+    let c = &body.value;
+    check_name(&c.name)?;
+    if let Some(pm) = &c.payment_method {
+        valid::provider_id("payment_method", pm, "pm_")?;
+        if c.provider_customer_id.is_none() {
+            return Err(ApiError::param(
+                "payment_method",
+                "a payment method needs the provider's customer: send provider_customer_id too",
+            ));
+        }
+    }
+    if let Some(cus) = &c.provider_customer_id {
+        valid::provider_id("provider_customer_id", cus, "cus_")?;
+    }
+    let mut scope = Scope::begin(&api, &caller).await?;
+    if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
+        return Ok(replay);
+    }
+    check_email(&mut scope, &c.email).await?;
+    let row = scope
+        .tx()
+        .fetch_one(
+            db::sql(concat!("INSERT INTO customers (tenant_id, email, name, payment_method_id, provider_customer_id)
+                 VALUES (api_tenant(), $1, $2, $3, $4)
+                 RETURNING ", columns!(), ""))
+            .bind(c.email.clone())
+            .bind(c.name.clone())
+            .bind(c.payment_method.clone())
+            .bind(c.provider_customer_id.clone()),
+        )
+        .await
+        .map_err(|e| match e.constraint() {
+            Some("customers_provider_customer_key") => ApiError::conflict(
+                Code::AlreadyExists,
+                "another customer of this tenant has this provider_customer_id",
+            ),
+            _ => ApiError::from_db(&e),
+        })?;
+    let customer = Customer::from_row(&row)?;
+    scope.respond(StatusCode::CREATED, &customer).await
+}
+
+/// Update a customer's email, name or payment method.
+#[utoipa::path(
+    post, path = "/v1/customers/{id}", tag = "customers",
+    params(
+        ("id" = i64, Path, description = "The customer's id.", minimum = 1),
+        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours."),
+    ),
+    request_body = CustomerUpdate,
+    responses((status = 200, description = "Updated.", body = Customer), WriteErrors),
+)]
+pub async fn update(
+    State(api): State<Api>,
+    caller: Caller,
+    idem: Idempotency,
+    Id(id): Id,
+    body: JsonBody<CustomerUpdate>,
+) -> Result<Response, ApiError> {
+    let u = &body.value;
+    check_name(&u.name)?;
+    if let Some(pm) = &u.payment_method {
+        valid::provider_id("payment_method", pm, "pm_")?;
+    }
+    let mut scope = Scope::begin(&api, &caller).await?;
+    if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
+        return Ok(replay);
+    }
+    if let Some(email) = &u.email {
+        check_email(&mut scope, email).await?;
+    }
+    let current = scope
+        .tx()
+        .fetch_optional(
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM customers WHERE tenant_id = api_tenant() AND id = $1 FOR UPDATE"
+            ))
+            .bind(id),
+        )
+        .await?
+        .ok_or_else(|| ApiError::missing("customer", id))?;
+    let current = Customer::from_row(&current)?;
+    if u.payment_method.is_some() && current.provider_customer_id.is_none() {
+        return Err(ApiError::param(
+            "payment_method",
+            "this customer has no provider_customer_id, which a payment method needs",
+        ));
+    }
+    let row = scope
+        .tx()
+        .fetch_one(
+            db::sql(concat!(
+                "UPDATE customers SET email = COALESCE($2, email), name = COALESCE($3, name),
+                        payment_method_id = COALESCE($4, payment_method_id)
+                 WHERE tenant_id = api_tenant() AND id = $1
+                 RETURNING ",
+                columns!(),
+                ""
+            ))
+            .bind(id)
+            .bind(u.email.clone())
+            .bind(u.name.clone())
+            .bind(u.payment_method.clone()),
+        )
+        .await?;
+    let customer = Customer::from_row(&row)?;
+    scope.respond(StatusCode::OK, &customer).await
+}
+
+/// Read a customer.
+#[utoipa::path(
+    get, path = "/v1/customers/{id}", tag = "customers",
+    params(("id" = i64, Path, description = "The customer's id.", minimum = 1)),
+    responses((status = 200, body = Customer), ReadErrors),
+)]
+pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<Response, ApiError> {
+    let mut scope = Scope::begin(&api, &caller).await?;
+    let row = scope
+        .tx()
+        .fetch_optional(
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM customers WHERE tenant_id = api_tenant() AND id = $1"
+            ))
+            .bind(id),
+        )
+        .await?
+        .ok_or_else(|| ApiError::missing("customer", id))?;
+    let customer = Customer::from_row(&row)?;
+    scope.respond(StatusCode::OK, &customer).await
+}
+
+/// List customers, newest first.
+#[utoipa::path(
+    get, path = "/v1/customers", tag = "customers",
+    params(ListCustomers),
+    responses((status = 200, body = List<Customer>), ReadErrors),
+)]
+pub async fn list(
+    State(api): State<Api>,
+    caller: Caller,
+    Query(q): Query<ListCustomers>,
+) -> Result<Response, ApiError> {
+    let page = Page::new(q.limit, q.starting_after.as_deref())?;
+    let mut scope = Scope::begin(&api, &caller).await?;
+    let rows = scope
+        .tx()
+        .fetch_all(
+            db::sql(concat!(
+                "SELECT ",
+                columns!(),
+                " FROM customers
+                 WHERE tenant_id = api_tenant() AND ($1::bigint IS NULL OR id < $1)
+                 ORDER BY id DESC LIMIT $2"
+            ))
+            .bind(page.before)
+            .bind(page.fetch()),
+        )
+        .await?;
+    let customers = rows
+        .iter()
+        .map(Customer::from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+    let list = page.list(customers, |c| c.id);
+    scope.respond(StatusCode::OK, &list).await
+}

@@ -1,0 +1,172 @@
+//! Pause and resume collection (the functions the HTTP API calls), in the
+//! caller's transaction with their event, as dunning's pause writes its own.
+//!
+//! ```text
+//!  pause   SELECT … FOR UPDATE (the row lock serializes every pause writer)
+//!          canceled ─▶ Error::InvalidState; nothing written
+//!          UPDATE … SET pause_collection_* = (behavior, resumes_at, 'api')
+//!          + subscription.collection_paused (the pause it replaced, if any)
+//!  resume  SELECT … FOR UPDATE
+//!          no pause in force ─▶ Error::InvalidState; nothing written
+//!          UPDATE … SET pause_collection_* = NULL
+//!          + subscription.collection_resumed (the pause it cleared)
+//! ```
+//!
+//! Stripe's model: `pause_collection.behavior` is one of `keep_as_draft`,
+//! `mark_uncollectible`, `void`; `resumes_at` is optional; resuming clears
+//! the pause (docs.stripe.com/billing/subscriptions/pause-payment). A pause
+//! replaces any other, dunning's included; the tick's resume step clears it
+//! once `resumes_at` passes.
+
+use chrono::{DateTime, Utc};
+use db::{Row, Tx, sql};
+
+use crate::Error;
+
+/// Who writes a pause through these functions (`pause_collection_set_by`).
+pub const SET_BY_API: &str = "api";
+
+/// A pause as the row holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectionPause {
+    pub behavior: String,
+    pub resumes_at: Option<DateTime<Utc>>,
+    pub set_by: Option<String>,
+}
+
+/// The subscription's row locked: its status and pause.
+async fn locked(
+    tx: &mut Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<(String, Option<CollectionPause>), Error> {
+    let row = tx
+        .fetch_optional(
+            sql(
+                "SELECT status, pause_collection_behavior, pause_collection_resumes_at, \
+                        pause_collection_set_by \
+                 FROM subscriptions WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?
+        .ok_or_else(|| Error::SubscriptionNotFound {
+            tenant: tenant_id.to_owned(),
+            subscription,
+            plan: 0,
+        })?;
+    let status: String = row.try_get("status").map_err(db::Error::from)?;
+    let behavior: Option<String> = row
+        .try_get("pause_collection_behavior")
+        .map_err(db::Error::from)?;
+    let pause = match behavior {
+        Some(behavior) => Some(CollectionPause {
+            behavior,
+            resumes_at: row
+                .try_get("pause_collection_resumes_at")
+                .map_err(db::Error::from)?,
+            set_by: row
+                .try_get("pause_collection_set_by")
+                .map_err(db::Error::from)?,
+        }),
+        None => None,
+    };
+    Ok((status, pause))
+}
+
+fn pause_json(p: &CollectionPause) -> serde_json::Value {
+    serde_json::json!({
+        "behavior": p.behavior,
+        "resumes_at": p.resumes_at.map(|t| t.to_rfc3339()),
+        "set_by": p.set_by,
+    })
+}
+
+/// The body of [`crate::Biller::pause_collection_in`].
+pub(crate) async fn pause_collection_in(
+    tx: &mut Tx,
+    tenant_id: &str,
+    subscription: i64,
+    behavior: &str,
+    resumes_at: Option<DateTime<Utc>>,
+) -> Result<CollectionPause, Error> {
+    let (status, replaced) = locked(tx, tenant_id, subscription).await?;
+    if status == "canceled" {
+        return Err(Error::InvalidState {
+            subscription,
+            reason: "a canceled subscription's collection cannot be paused",
+        });
+    }
+    tx.execute(
+        sql("UPDATE subscriptions SET pause_collection_behavior = $3, \
+                    pause_collection_resumes_at = $4, pause_collection_set_by = $5, \
+                    updated_at = now() \
+             WHERE tenant_id = $1 AND id = $2")
+        .bind(tenant_id.to_owned())
+        .bind(subscription)
+        .bind(behavior.to_owned())
+        .bind(resumes_at)
+        .bind(SET_BY_API),
+    )
+    .await?;
+    let pause = CollectionPause {
+        behavior: behavior.to_owned(),
+        resumes_at,
+        set_by: Some(SET_BY_API.to_owned()),
+    };
+    let payload = serde_json::json!({
+        "object": "subscription",
+        "id": subscription,
+        "pause_collection": pause_json(&pause),
+        "replaced_pause_collection": replaced.as_ref().map(pause_json),
+    });
+    outbox::webhook::enqueue(
+        tx,
+        tenant_id,
+        "subscription.collection_paused",
+        &payload.to_string(),
+    )
+    .await?;
+    Ok(pause)
+}
+
+/// The body of [`crate::Biller::resume_collection_in`].
+pub(crate) async fn resume_collection_in(
+    tx: &mut Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<CollectionPause, Error> {
+    let (_, pause) = locked(tx, tenant_id, subscription).await?;
+    let Some(pause) = pause else {
+        return Err(Error::InvalidState {
+            subscription,
+            reason: "the subscription's collection is not paused",
+        });
+    };
+    tx.execute(
+        sql(
+            "UPDATE subscriptions SET pause_collection_behavior = NULL, \
+                    pause_collection_resumes_at = NULL, pause_collection_set_by = NULL, \
+                    updated_at = now() \
+             WHERE tenant_id = $1 AND id = $2",
+        )
+        .bind(tenant_id.to_owned())
+        .bind(subscription),
+    )
+    .await?;
+    let payload = serde_json::json!({
+        "object": "subscription",
+        "id": subscription,
+        "pause_collection": null,
+        "previous_pause_collection": pause_json(&pause),
+    });
+    outbox::webhook::enqueue(
+        tx,
+        tenant_id,
+        "subscription.collection_resumed",
+        &payload.to_string(),
+    )
+    .await?;
+    Ok(pause)
+}

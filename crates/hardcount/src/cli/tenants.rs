@@ -1,0 +1,178 @@
+//! `hardcount tenants create|list` and `hardcount keys create|list|revoke`:
+//! the tenant API's tenants and keys, as `hardcount_operator`
+//! (docs/adr/0035). A key is printed once, when it is made.
+
+use anyhow::Result;
+use clap::Subcommand;
+use db::Db;
+
+use super::printable;
+
+#[derive(Debug, Subcommand)]
+pub enum TenantsCommand {
+    /// Create a tenant of the tenant API.
+    Create {
+        /// Its id, as every tenant row names it: 1 to 63 of a-z 0-9 _ -, starting with a letter or digit.
+        id: String,
+        /// A name for people (default: the id).
+        #[arg(long)]
+        name: Option<String>,
+        /// Where operational notices go (an endpoint turned off).
+        #[arg(long)]
+        contact_email: Option<String>,
+    },
+    /// List the tenants.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Make an API key for a tenant and print it once: it is stored only as a hash.
+    Create {
+        /// The tenant (`hardcount tenants create` first).
+        tenant: String,
+        /// What the key is for, shown by `keys list`.
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// List keys (prefix, tenant, when made, when revoked); never a key itself.
+    List {
+        /// Only this tenant's keys.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key by its prefix (the 8 characters after `hc_`): its next request answers 401.
+    Revoke { prefix: String },
+}
+
+fn operator_only(e: api::keys::KeysError) -> anyhow::Error {
+    if let api::keys::KeysError::Db(d) = &e
+        && d.code().as_deref() == Some("42501")
+    {
+        return anyhow::anyhow!(
+            "the database role cannot do this: tenants and keys need the operator role \
+             (hardcount_operator) through HARDCOUNT_OPERATOR_DATABASE_URL ({e})"
+        );
+    }
+    anyhow::Error::new(e)
+}
+
+/// `hardcount tenants …`.
+pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Result<()> {
+    let db = Db::connect_lazy(database_url, 1)?;
+    match command {
+        TenantsCommand::Create {
+            id,
+            name,
+            contact_email,
+        } => {
+            let name = name.unwrap_or_else(|| id.clone());
+            let t = api::keys::create_tenant(&db, &id, &name, contact_email.as_deref())
+                .await
+                .map_err(operator_only)?;
+            println!(
+                "tenant {} created; make its API key with `hardcount keys create {}`",
+                t.id, t.id
+            );
+        }
+        TenantsCommand::List { json } => {
+            let tenants = api::keys::list_tenants(&db).await.map_err(operator_only)?;
+            if json {
+                let rows: Vec<_> = tenants
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "id": t.id, "name": t.name,
+                            "contact_email": t.contact_email, "created_at": t.created_at,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!("{:<24} {:<25} {:<30} NAME", "TENANT", "CREATED", "CONTACT");
+            for t in &tenants {
+                println!(
+                    "{:<24} {:<25} {:<30} {}",
+                    t.id,
+                    t.created_at.format("%Y-%m-%dT%H:%M:%SZ"),
+                    printable(t.contact_email.as_deref().unwrap_or("-")),
+                    printable(&t.name)
+                );
+            }
+            println!("{} tenant(s)", tenants.len());
+        }
+    }
+    Ok(())
+}
+
+/// `hardcount keys …`.
+pub async fn keys_command(command: KeysCommand, database_url: &str) -> Result<()> {
+    let db = Db::connect_lazy(database_url, 1)?;
+    match command {
+        KeysCommand::Create { tenant, name } => {
+            let k = api::keys::create_key(&db, &tenant, &name)
+                .await
+                .map_err(operator_only)?;
+            // The one time the key is shown: on stdout, alone on its line, so
+            // `KEY=$(hardcount keys create t | head -1)` takes it.
+            println!("{}", k.key);
+            eprintln!(
+                "API key {} for tenant {} made; it is shown once (above) and stored only as a hash",
+                k.info.prefix, k.info.tenant_id
+            );
+        }
+        KeysCommand::List { tenant, json } => {
+            let keys = api::keys::list_keys(&db, tenant.as_deref())
+                .await
+                .map_err(operator_only)?;
+            if json {
+                let rows: Vec<_> = keys
+                    .iter()
+                    .map(|k| {
+                        serde_json::json!({
+                            "prefix": k.prefix, "tenant_id": k.tenant_id, "name": k.name,
+                            "created_at": k.created_at, "revoked_at": k.revoked_at,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(());
+            }
+            println!(
+                "{:<10} {:<24} {:<25} {:<25} NAME",
+                "PREFIX", "TENANT", "CREATED", "REVOKED"
+            );
+            for k in &keys {
+                println!(
+                    "{:<10} {:<24} {:<25} {:<25} {}",
+                    k.prefix,
+                    k.tenant_id,
+                    k.created_at.format("%Y-%m-%dT%H:%M:%SZ"),
+                    k.revoked_at
+                        .map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+                        .unwrap_or_else(|| "-".into()),
+                    printable(&k.name)
+                );
+            }
+            println!("{} key(s)", keys.len());
+        }
+        KeysCommand::Revoke { prefix } => {
+            let k = api::keys::revoke_key(&db, &prefix)
+                .await
+                .map_err(operator_only)?;
+            println!(
+                "API key {} of tenant {} revoked; its next request answers 401",
+                k.prefix, k.tenant_id
+            );
+        }
+    }
+    Ok(())
+}
