@@ -1,5 +1,5 @@
 //! `hardcount leader clear-cooldown` and `hardcount leader status --watch`
-//! (issue 25, point A) as the real binary against the bed's Postgres.
+//! (issue 25, point 5) as the real binary against the bed's Postgres.
 
 use std::io::Read;
 use std::process::Stdio;
@@ -89,7 +89,9 @@ async fn clear_cooldown_makes_a_cooling_role_due_and_leaves_a_pause() {
 
     // Paused and cooling down: the cooldown goes, the pause stays.
     let out = run(&operator, &["leader", "clear-cooldown", "dunning"]);
-    assert!(out.status.success(), "{}", text(&out));
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("it is still paused"), "{all}");
     assert_eq!(cooldown_left(&t, "dunning").await, None);
     assert_eq!(state("dunning"), "paused");
 
