@@ -152,6 +152,7 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_webhook_deliveries_pending",
             "hardcount_webhook_deliveries_dead",
             "hardcount_webhook_oldest_pending_age_seconds",
+            "hardcount_webhook_oldest_due_age_seconds",
         ],
         listens: true,
     },
