@@ -18,7 +18,11 @@ fn exported() -> Vec<&'static str> {
 }
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
-const HISTOGRAMS: &[&str] = &["hardcount_leader_tick_duration_seconds"];
+const HISTOGRAMS: &[&str] = &[
+    "hardcount_leader_tick_duration_seconds",
+    "hardcount_webhook_attempt_duration_seconds",
+    "hardcount_email_send_duration_seconds",
+];
 
 /// What an operator pages on; rules.yml must keep alerting on each.
 const PAGED_ON: &[&str] = &[
@@ -78,11 +82,11 @@ fn alert_rules_name_only_metrics_the_service_exports() {
     }
 }
 
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn read(path: &Path) -> String {
+pub(crate) fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
 
@@ -111,7 +115,7 @@ fn promtool(args: &[&str]) {
 
 /// Every `hardcount_...` name in `text`, ending where a metric name ends (`{`, space,
 /// `)`, `[`, quote, ...).
-fn metric_names(text: &str) -> BTreeSet<String> {
+pub(crate) fn metric_names(text: &str) -> BTreeSet<String> {
     let in_name = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
     let bytes = text.as_bytes();
     let mut names = BTreeSet::new();
@@ -131,7 +135,7 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 }
 
 /// The exported series a name refers to (a histogram's `_bucket` is its histogram).
-fn exported_series(name: &str) -> Option<&'static str> {
+pub(crate) fn exported_series(name: &str) -> Option<&'static str> {
     if let Some(series) = exported().into_iter().find(|s| *s == name) {
         return Some(series);
     }
@@ -142,7 +146,7 @@ fn exported_series(name: &str) -> Option<&'static str> {
 }
 
 /// Append the text of every `.rs` file under `crates/*/src`.
-fn rust_sources(crates: &Path, out: &mut String) {
+pub(crate) fn rust_sources(crates: &Path, out: &mut String) {
     fn walk(dir: &Path, out: &mut String) {
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;

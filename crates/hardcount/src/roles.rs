@@ -142,7 +142,11 @@ pub static REGISTRY: &[RoleEntry] = &[
             "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
             "HARDCOUNT_WEBHOOK_MIN_PORT",
         ],
-        alerts: &["HardcountWebhookSecretUnusable"],
+        alerts: &[
+            "HardcountWebhookSecretUnusable",
+            "HardcountWebhookEndpointsFailing",
+            "HardcountWebhookDeliveriesLate",
+        ],
         metrics: &[
             "hardcount_webhook_deliveries_total",
             "hardcount_webhook_deliveries_secret_unusable_total",

@@ -289,8 +289,10 @@ pub struct ClearedCooldown {
 pub async fn clear_cooldown(db: &Db, role: Role) -> Result<ClearedCooldown, StoreError> {
     let row = db
         .fetch_one(
-            sql("SELECT extract(epoch FROM cooldown_left)::float8 AS left_secs, paused \
-                 FROM leader_clear_cooldown($1)")
+            sql(
+                "SELECT extract(epoch FROM cooldown_left)::float8 AS left_secs, paused \
+                 FROM leader_clear_cooldown($1)",
+            )
             .bind(role.as_str()),
         )
         .await?;

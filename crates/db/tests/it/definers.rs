@@ -161,7 +161,10 @@ async fn a_temp_table_shadowing_leader_leases_does_not_catch_the_operators_pause
         .await
         .unwrap()
         .get("cooling");
-    assert!(cooling, "leader_clear_cooldown wrote the caller's temp table");
+    assert!(
+        cooling,
+        "leader_clear_cooldown wrote the caller's temp table"
+    );
     tx.rollback().await.unwrap();
 }
 

@@ -113,7 +113,10 @@ async fn status_watch_redraws_each_second_until_ctrl_c() {
     let spawned = Instant::now();
     let mut child = hardcount()
         .args(["leader", "status", "--watch"])
-        .env("HARDCOUNT_OPERATOR_DATABASE_URL", t.operator_url(Leg::current()))
+        .env(
+            "HARDCOUNT_OPERATOR_DATABASE_URL",
+            t.operator_url(Leg::current()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -139,7 +142,10 @@ async fn status_watch_redraws_each_second_until_ctrl_c() {
             }
         }
     };
-    wait_for(&|s| frames(s) >= 1 && s.contains("webhook_delivery"), &mut seen);
+    wait_for(
+        &|s| frames(s) >= 1 && s.contains("webhook_delivery"),
+        &mut seen,
+    );
     t.operator()
         .execute(db::sql(
             "SELECT leader_pause('email_outbox', 'oncall', 'watched from another terminal')",
@@ -170,6 +176,11 @@ async fn status_watch_redraws_each_second_until_ctrl_c() {
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut err = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
     assert_eq!(status.code(), Some(0), "stderr:\n{err}\nstdout:\n{seen}");
 }
