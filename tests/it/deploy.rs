@@ -164,3 +164,70 @@ pub(crate) fn rust_sources(crates: &Path, out: &mut String) {
         walk(&krate.path().join("src"), out);
     }
 }
+
+const RUNBOOK: &str = "docs/runbook.md";
+
+/// Every alert in rules.yml has an entry in the runbook, and every series and
+/// `hardcount` subcommand the runbook names exists.
+///
+/// Catches: an alert added without saying what to do, a runbook line on a
+/// renamed series or command.
+#[test]
+fn every_alert_has_a_runbook_entry_and_the_runbook_names_what_exists() {
+    let root = repo_root();
+    let runbook = read(&root.join(RUNBOOK));
+    let rules = read(&root.join(RULES));
+    let alerts: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(alerts.len() > 10, "{alerts:?}");
+    for alert in &alerts {
+        assert!(
+            runbook.contains(&format!("**{alert}**")),
+            "{RUNBOOK} has no entry for {alert}"
+        );
+    }
+    // Database logins and the provider metadata key share the prefix.
+    let not_series = [
+        "hardcount_operator",
+        "hardcount_app",
+        "hardcount_api",
+        "hardcount_attempt",
+    ];
+    for name in metric_names(&runbook) {
+        // A URL's `user:password@` ends a login with a colon.
+        let name = name.trim_end_matches(':');
+        if not_series.contains(&name) {
+            continue;
+        }
+        assert!(
+            exported_series(name).is_some(),
+            "{RUNBOOK} names {name}, which hardcount does not export"
+        );
+    }
+    // `hardcount WORD WORD` in code spans: each parses as far as its subcommands.
+    for span in runbook.split('`').skip(1).step_by(2) {
+        let Some(rest) = span.strip_prefix("hardcount ") else {
+            continue;
+        };
+        let words: Vec<&str> = rest
+            .split_whitespace()
+            .take_while(|w| {
+                w.starts_with(|c: char| c.is_ascii_lowercase())
+                    && w.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+            })
+            .collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_hardcount-under-test"))
+            .args(&words)
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{RUNBOOK}: `hardcount {}` is not a command\n{}",
+            words.join(" "),
+            crate::text(&out)
+        );
+    }
+}

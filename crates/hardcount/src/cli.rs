@@ -111,8 +111,9 @@ pub enum LeaderCommand {
         #[arg(value_parser = parse_role)]
         role: Role,
     },
-    /// Clear a role's cooldown (not_before, left by a lost or panicked tick) after a
-    /// fix, so it is due at the next poll; a pause or a running tick is left alone.
+    /// As hardcount_operator: clear a role's cooldown (not_before, left by a lost, failed or
+    /// panicked tick) after a fix, so it is due at the next poll; a paused role stays paused
+    /// (unpause it too), a running tick goes on.
     ClearCooldown {
         #[arg(value_parser = parse_role)]
         role: Role,
