@@ -174,6 +174,11 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_LISTEN_URL",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
+    // The tenant API (crates/api): a producer on its own listener, not a role.
+    "HARDCOUNT_API_ADDR",
+    "HARDCOUNT_API_DATABASE_URL",
+    "HARDCOUNT_API_RATE_LIMIT",
+    "HARDCOUNT_API_RATE_BURST",
 ];
 
 /// The lease layer's series (crates/leader, crates/scheduler), one per role by
