@@ -18,7 +18,11 @@ fn exported() -> Vec<&'static str> {
 }
 
 /// Histograms among them, which Prometheus also knows as `_bucket`, `_sum`, `_count`.
-const HISTOGRAMS: &[&str] = &["hardcount_leader_tick_duration_seconds"];
+const HISTOGRAMS: &[&str] = &[
+    "hardcount_leader_tick_duration_seconds",
+    "hardcount_webhook_attempt_duration_seconds",
+    "hardcount_email_send_duration_seconds",
+];
 
 /// What an operator pages on; rules.yml must keep alerting on each.
 const PAGED_ON: &[&str] = &[
@@ -78,11 +82,11 @@ fn alert_rules_name_only_metrics_the_service_exports() {
     }
 }
 
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn read(path: &Path) -> String {
+pub(crate) fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
 
@@ -111,7 +115,7 @@ fn promtool(args: &[&str]) {
 
 /// Every `hardcount_...` name in `text`, ending where a metric name ends (`{`, space,
 /// `)`, `[`, quote, ...).
-fn metric_names(text: &str) -> BTreeSet<String> {
+pub(crate) fn metric_names(text: &str) -> BTreeSet<String> {
     let in_name = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
     let bytes = text.as_bytes();
     let mut names = BTreeSet::new();
@@ -131,7 +135,7 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 }
 
 /// The exported series a name refers to (a histogram's `_bucket` is its histogram).
-fn exported_series(name: &str) -> Option<&'static str> {
+pub(crate) fn exported_series(name: &str) -> Option<&'static str> {
     if let Some(series) = exported().into_iter().find(|s| *s == name) {
         return Some(series);
     }
@@ -142,7 +146,7 @@ fn exported_series(name: &str) -> Option<&'static str> {
 }
 
 /// Append the text of every `.rs` file under `crates/*/src`.
-fn rust_sources(crates: &Path, out: &mut String) {
+pub(crate) fn rust_sources(crates: &Path, out: &mut String) {
     fn walk(dir: &Path, out: &mut String) {
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
@@ -158,5 +162,72 @@ fn rust_sources(crates: &Path, out: &mut String) {
     }
     for krate in std::fs::read_dir(crates).unwrap().flatten() {
         walk(&krate.path().join("src"), out);
+    }
+}
+
+const RUNBOOK: &str = "docs/runbook.md";
+
+/// Every alert in rules.yml has an entry in the runbook, and every series and
+/// `hardcount` subcommand the runbook names exists.
+///
+/// Catches: an alert added without saying what to do, a runbook line on a
+/// renamed series or command.
+#[test]
+fn every_alert_has_a_runbook_entry_and_the_runbook_names_what_exists() {
+    let root = repo_root();
+    let runbook = read(&root.join(RUNBOOK));
+    let rules = read(&root.join(RULES));
+    let alerts: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert: "))
+        .collect();
+    assert!(alerts.len() > 10, "{alerts:?}");
+    for alert in &alerts {
+        assert!(
+            runbook.contains(&format!("**{alert}**")),
+            "{RUNBOOK} has no entry for {alert}"
+        );
+    }
+    // Database logins and the provider metadata key share the prefix.
+    let not_series = [
+        "hardcount_operator",
+        "hardcount_app",
+        "hardcount_api",
+        "hardcount_attempt",
+    ];
+    for name in metric_names(&runbook) {
+        // A URL's `user:password@` ends a login with a colon.
+        let name = name.trim_end_matches(':');
+        if not_series.contains(&name) {
+            continue;
+        }
+        assert!(
+            exported_series(name).is_some(),
+            "{RUNBOOK} names {name}, which hardcount does not export"
+        );
+    }
+    // `hardcount WORD WORD` in code spans: each parses as far as its subcommands.
+    for span in runbook.split('`').skip(1).step_by(2) {
+        let Some(rest) = span.strip_prefix("hardcount ") else {
+            continue;
+        };
+        let words: Vec<&str> = rest
+            .split_whitespace()
+            .take_while(|w| {
+                w.starts_with(|c: char| c.is_ascii_lowercase())
+                    && w.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+            })
+            .collect();
+        let out = Command::new(env!("CARGO_BIN_EXE_hardcount-under-test"))
+            .args(&words)
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{RUNBOOK}: `hardcount {}` is not a command\n{}",
+            words.join(" "),
+            crate::text(&out)
+        );
     }
 }

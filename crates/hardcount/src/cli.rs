@@ -1,6 +1,10 @@
-//! The command line: `migrate`, `serve`, `dev`, `leader status|pause|unpause|history`,
+//! The command line: `migrate`, `serve`, `dev`, `leader
+//! status|pause|unpause|history|clear-cooldown`, `tenants …`, `keys …`,
 //! `secrets generate-key|rotate-key`, and the commands that are one database
-//! call (`migrate`, `leader ...`, `secrets rotate-key`).
+//! call (`migrate`, `leader ...`, `secrets rotate-key`). `leader status --watch`
+//! and `leader clear-cooldown` live in `cli/operate.rs`.
+
+pub(crate) mod operate;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -88,6 +92,9 @@ pub enum LeaderCommand {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Redraw the table every second until Ctrl-C.
+        #[arg(long, conflicts_with = "json")]
+        watch: bool,
     },
     /// Pause a role cluster-wide: its holder stops within one heartbeat and no replica acquires it.
     Pause {
@@ -108,6 +115,13 @@ pub enum LeaderCommand {
     /// Past and current terms (role, token, holder, acquired, held for, how the tick
     /// ended), newest first, from the leader_history view; names any overlap.
     History(history::HistoryArgs),
+    /// As hardcount_operator: clear a role's cooldown (not_before, left by a lost, failed or
+    /// panicked tick) after a fix, so it is due at the next poll; a paused role stays paused
+    /// (unpause it too), a running tick goes on.
+    ClearCooldown {
+        #[arg(value_parser = parse_role)]
+        role: Role,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -308,7 +322,7 @@ fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
     let e = anyhow::Error::new(e);
     if denied {
         e.context(
-            "the database role cannot do this: `hardcount leader pause|unpause` needs the operator role \
+            "the database role cannot do this: `hardcount leader pause|unpause|clear-cooldown` needs the operator role \
              (hardcount_operator) through HARDCOUNT_OPERATOR_DATABASE_URL",
         )
     } else {
@@ -319,7 +333,7 @@ fn operator_denied(e: leader::store::StoreError) -> anyhow::Error {
 pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Result<()> {
     let db = Db::connect_lazy(database_url, 1)?;
     match command {
-        LeaderCommand::Status { json } => {
+        LeaderCommand::Status { json, watch: _ } => {
             let rows = leader::store::status(&db).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -352,6 +366,7 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
                 "unpaused {role}; it is due at the next poll unless a cooldown (not_before) holds"
             );
         }
+        LeaderCommand::ClearCooldown { role } => operate::clear_cooldown(&db, role).await?,
     }
     Ok(())
 }

@@ -48,6 +48,10 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
         }
         Command::Leader { command } => {
             let url = common.operator_database_url()?;
+            // A watch ends on Ctrl-C, which is its normal end (exit 0).
+            if let cli::LeaderCommand::Status { watch: true, .. } = command {
+                return cli::operate::watch(&url, shutdown).await;
+            }
             until_cancelled(shutdown, cli::leader_command(command, &url)).await
         }
         Command::Billing { command } => {

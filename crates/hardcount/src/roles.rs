@@ -142,7 +142,11 @@ pub static REGISTRY: &[RoleEntry] = &[
             "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
             "HARDCOUNT_WEBHOOK_MIN_PORT",
         ],
-        alerts: &["HardcountWebhookSecretUnusable"],
+        alerts: &[
+            "HardcountWebhookSecretUnusable",
+            "HardcountWebhookEndpointsFailing",
+            "HardcountWebhookDeliveriesLate",
+        ],
         metrics: &[
             "hardcount_webhook_deliveries_total",
             "hardcount_webhook_deliveries_secret_unusable_total",
@@ -152,6 +156,7 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_webhook_deliveries_pending",
             "hardcount_webhook_deliveries_dead",
             "hardcount_webhook_oldest_pending_age_seconds",
+            "hardcount_webhook_oldest_due_age_seconds",
         ],
         listens: true,
     },
@@ -174,6 +179,11 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_API_RATE_BURST",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
+    // The tenant API (crates/api): a producer on its own listener, not a role.
+    "HARDCOUNT_API_ADDR",
+    "HARDCOUNT_API_DATABASE_URL",
+    "HARDCOUNT_API_RATE_LIMIT",
+    "HARDCOUNT_API_RATE_BURST",
 ];
 
 /// The lease layer's series (crates/leader, crates/scheduler), one per role by

@@ -299,6 +299,34 @@ pub async fn unpause(db: &Db, role: Role) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// What [`clear_cooldown`] found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClearedCooldown {
+    /// How much of the cooldown was left, on the database clock (None when none held).
+    pub left: Option<Duration>,
+    /// The role is paused: its cooldown is gone but it stays paused until unpaused.
+    pub paused: bool,
+}
+
+/// Clear `role`'s cooldown (`not_before`, migration 0028) so it is due at the
+/// next poll. Leaves the holder and a pause alone (docs/adr/0037).
+pub async fn clear_cooldown(db: &Db, role: Role) -> Result<ClearedCooldown, StoreError> {
+    let row = db
+        .fetch_one(
+            sql(
+                "SELECT extract(epoch FROM cooldown_left)::float8 AS left_secs, paused \
+                 FROM leader_clear_cooldown($1)",
+            )
+            .bind(role.as_str()),
+        )
+        .await?;
+    let left: Option<f64> = row.try_get("left_secs").map_err(StoreError::from_row)?;
+    Ok(ClearedCooldown {
+        left: left.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        paused: row.try_get("paused").map_err(StoreError::from_row)?,
+    })
+}
+
 /// One row of `leader_status`, for the CLI and the metrics scrape.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeaseStatus {

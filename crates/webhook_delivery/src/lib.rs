@@ -112,6 +112,8 @@
 //! hardcount_webhook_deliveries_pending            gauges, read at the end of each tick on
 //! hardcount_webhook_deliveries_dead               the database clock; the age counts from
 //! hardcount_webhook_oldest_pending_age_seconds    the delivery's creation (retries included)
+//! hardcount_webhook_oldest_due_age_seconds        how long the longest-due unclaimed delivery
+//!                                                 has been due: the worker's lag (0 when none)
 //! ```
 //!
 //! Modules, the layout every job crate shares (no import circle among them;

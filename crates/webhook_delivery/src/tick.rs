@@ -148,6 +148,8 @@ async fn refresh_gauges(shared: &Shared) {
                 .set(b.dead as f64);
             t.gauge("hardcount_webhook_oldest_pending_age_seconds", &[])
                 .set(b.oldest_pending_age);
+            t.gauge("hardcount_webhook_oldest_due_age_seconds", &[])
+                .set(b.oldest_due_age);
         }
         Err(e) => {
             warn!(role = %Role::WebhookDelivery, error = %e, "could not read the webhook delivery backlog")

@@ -80,13 +80,14 @@ async fn a_temp_table_shadowing_leader_leases_does_not_catch_the_operators_pause
     tx.execute(sql(
         "CREATE TEMP TABLE leader_leases (role text PRIMARY KEY, holder_id text, \
          expires_at timestamptz, paused_at timestamptz, paused_by text, paused_by_role text, \
-         pause_reason text)",
+         pause_reason text, not_before timestamptz)",
     ))
     .await
     .unwrap();
     tx.execute(sql(
-        "INSERT INTO pg_temp.leader_leases (role, paused_at) VALUES ('billing', NULL), \
-         ('dunning', '2000-01-01 00:00:00+00')",
+        "INSERT INTO pg_temp.leader_leases (role, paused_at, not_before) \
+         VALUES ('billing', NULL, now() + interval '1 hour'), \
+         ('dunning', '2000-01-01 00:00:00+00', NULL)",
     ))
     .await
     .unwrap();
@@ -143,6 +144,27 @@ async fn a_temp_table_shadowing_leader_leases_does_not_catch_the_operators_pause
         ],
         "a definer function wrote the caller's temp table"
     );
+
+    // Migration 0028: clearing a cooldown reaches the real rows too. The temp
+    // table has no webhook_outbox row (a function reading it would refuse the
+    // role as unknown) and a billing row cooling down (left as it was).
+    tx.execute(sql("SELECT leader_clear_cooldown('webhook_outbox')"))
+        .await
+        .unwrap();
+    tx.execute(sql("SELECT leader_clear_cooldown('billing')"))
+        .await
+        .unwrap();
+    let cooling: bool = tx
+        .fetch_one(sql(
+            "SELECT not_before IS NOT NULL AS cooling FROM pg_temp.leader_leases WHERE role = 'billing'",
+        ))
+        .await
+        .unwrap()
+        .get("cooling");
+    assert!(
+        cooling,
+        "leader_clear_cooldown wrote the caller's temp table"
+    );
     tx.rollback().await.unwrap();
 }
 
@@ -176,8 +198,8 @@ async fn every_definer_function_has_a_search_path_ending_in_pg_temp() {
             .unwrap()
             .get("n");
     assert!(
-        n >= 3,
-        "leader_pause, leader_unpause, billing_settle_attempt: {n}"
+        n >= 4,
+        "leader_pause, leader_unpause, leader_clear_cooldown, billing_settle_attempt: {n}"
     );
 
     let mut su = t.superuser().await;

@@ -80,6 +80,7 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             "billing_settle_attempt():EXECUTE",
             "email_address_valid():EXECUTE",
             "leader_history:SELECT",
+            "leader_clear_cooldown():EXECUTE",
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
@@ -92,6 +93,10 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
         .await
         .unwrap();
     op.execute(sql("SELECT leader_unpause('dunning')"))
+        .await
+        .unwrap();
+    // Migration 0028.
+    op.execute(sql("SELECT leader_clear_cooldown('dunning')"))
         .await
         .unwrap();
     let n: i64 = op
@@ -295,6 +300,7 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "SELECT * FROM tenants",
             "SELECT * FROM leader_status",
             "SELECT leader_pause('billing', 'x', 'y')",
+            "SELECT leader_clear_cooldown('billing')",
             "UPDATE leader_leases SET holder_id = NULL",
             "DELETE FROM customers",
             "CREATE TABLE sneaky (x int)",
@@ -419,6 +425,7 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "UPDATE webhook_endpoints SET previous_secret_expires_at = now()",
             "SELECT leader_pause('billing', 'x', 'y')",
             "SELECT leader_unpause('billing')",
+            "SELECT leader_clear_cooldown('billing')",
             "UPDATE leader_leases SET paused_at = now(), paused_by = 'x'",
             // Migration 0023: written by the API or the owner, never by a loop.
             "UPDATE customers SET email = 'mallory@example.org'",

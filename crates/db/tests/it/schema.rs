@@ -197,6 +197,7 @@ async fn pausing_an_unknown_role_names_it() {
     for stmt in [
         "SELECT leader_pause('nosuch', 'ops', 'why')",
         "SELECT leader_unpause('nosuch')",
+        "SELECT leader_clear_cooldown('nosuch')",
     ] {
         let err = t
             .operator()

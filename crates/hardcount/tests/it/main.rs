@@ -7,6 +7,7 @@ mod cli;
 mod history;
 mod idle_connections;
 mod in_process;
+mod operate;
 mod production_build;
 
 use std::process::{Command, Output};

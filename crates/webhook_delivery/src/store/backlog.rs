@@ -14,6 +14,11 @@ pub(crate) struct Backlog {
     pub dead: i64,
     /// Seconds since the oldest pending delivery was created; 0 when none.
     pub oldest_pending_age: f64,
+    /// Seconds the longest-due unclaimed delivery has been due (`next_attempt_at`
+    /// passed, no live claim); 0 when none is due. Unlike the age above it does
+    /// not grow while a delivery waits out its retry schedule or a hold: it is
+    /// how far the worker is behind.
+    pub oldest_due_age: f64,
 }
 
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
@@ -21,8 +26,11 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
     let row = tx
         .fetch_one(sql("SELECT p.pending, \
                     (SELECT count(*) FROM webhook_deliveries WHERE status = 'dead') AS dead, \
-                    coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest \
-             FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created \
+                    coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest, \
+                    coalesce(extract(epoch FROM now() - p.oldest_due), 0)::float8 AS oldest_due \
+             FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created, \
+                          min(next_attempt_at) FILTER (WHERE next_attempt_at <= now() \
+                              AND (claimed_until IS NULL OR claimed_until <= now())) AS oldest_due \
                    FROM webhook_deliveries WHERE status = 'pending') p"))
         .await?;
     tx.commit().await?;
@@ -30,5 +38,6 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         pending: row.try_get("pending")?,
         dead: row.try_get("dead")?,
         oldest_pending_age: row.try_get("oldest")?,
+        oldest_due_age: row.try_get("oldest_due")?,
     })
 }

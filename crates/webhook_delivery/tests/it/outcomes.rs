@@ -142,7 +142,7 @@ async fn retry_after_postpones_the_next_attempt() {
         Receiver::start(|_| Reply::WithHeaders(429, vec![("retry-after", "120".into())])).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
-    let (w, _) = worker(&t.db, config());
+    let (w, metrics) = worker(&t.db, config());
     tick(&t.db, &w).await;
     let d = &deliveries(&t.db).await[0];
     assert_eq!(
@@ -150,6 +150,15 @@ async fn retry_after_postpones_the_next_attempt() {
         ("pending", Some(429))
     );
     assert!(d.due_in > 119.0 && d.due_in <= 120.0, "{d:?}");
+    // Waiting out its retry is not lag: the backlog has it, the due age does not.
+    assert_eq!(
+        series(&metrics, "hardcount_webhook_deliveries_pending", ""),
+        Some(1.0)
+    );
+    assert_eq!(
+        series(&metrics, "hardcount_webhook_oldest_due_age_seconds", ""),
+        Some(0.0)
+    );
 }
 
 /// A receiver that never answers: each attempt ends at the request timeout,
