@@ -107,19 +107,30 @@ async fn after_a_sigkill_of_the_listening_leader_the_next_leader_listens_and_del
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     println!("commit to POST: {first:?} from the first leader, {after:?} from the next");
-    // Polling at the 5 s intervals would take seconds, and the idle probes
-    // (docs/adr/0019) up to about 200 ms, rarely under 40 ms three times of
-    // four; woken, milliseconds.
+    // Polling at the 5 s intervals would take seconds; without a wake an
+    // event waits for the outbox's idle probe and then the delivery's (each
+    // 0 to 100 ms, docs/adr/0019), so it arrives under 60 ms with odds of
+    // about 0.18 and under 40 ms of about 0.08: three of four under 60 ms
+    // and two under 40 ms pass by chance about once in a hundred runs.
+    // Woken, a delivery takes milliseconds; a new leader's first tick a few
+    // tens (since the lease history, migration 0027, 40 to 80 ms for the
+    // first delivery of each leader on this 2-core machine, 15 to 20 ms for
+    // the next ones).
     let waits: Vec<Duration> = std::iter::once(first).chain(after).collect();
     assert!(
         waits.iter().all(|w| *w < Duration::from_secs(1)),
         "{waits:?}"
     );
-    let quick = waits
-        .iter()
-        .filter(|w| **w < Duration::from_millis(40))
-        .count();
-    assert!(quick >= 3, "woken, not probed: {waits:?}");
+    let under = |ms| {
+        waits
+            .iter()
+            .filter(|w| **w < Duration::from_millis(ms))
+            .count()
+    };
+    assert!(
+        under(60) >= 3 && under(40) >= 2,
+        "woken, not probed: {waits:?}"
+    );
     drop(b);
 }
 
