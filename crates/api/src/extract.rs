@@ -77,18 +77,21 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T>
 
 /// Parse `raw` as `T`, naming the field a refusal is about.
 pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
-    // Syntax first, over the whole body: `{} x` is bad JSON, not a body
-    // missing its fields.
-    serde_json::from_slice::<serde::de::IgnoredAny>(raw).map_err(|e| {
+    let not_json = |e: &dyn std::fmt::Display| {
         ApiError::invalid(
             Code::InvalidJson,
             "body",
             format!("the body is not valid JSON: {e}"),
         )
-    })?;
+    };
+    // The whole body's syntax, read only when a refusal must tell bad JSON
+    // from a body that breaks its type (`{} x` is bad JSON, not a body
+    // missing its fields).
+    let syntax = || serde_json::from_slice::<serde::de::IgnoredAny>(raw).map_err(|e| not_json(&e));
     // Every body is an object: serde would also read a struct from an array
     // (`[]` for a body whose fields all have defaults).
     if raw.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        syntax()?;
         return Err(ApiError::invalid(
             Code::ParameterInvalidType,
             "body",
@@ -96,26 +99,22 @@ pub fn parse_json<T: DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
         ));
     }
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        use serde_json::error::Category;
-        match inner.classify() {
-            Category::Syntax | Category::Eof | Category::Io => ApiError::invalid(
-                Code::InvalidJson,
-                "body",
-                format!("the body is not valid JSON: {inner}"),
-            ),
-            Category::Data => refusal(&path, &inner.to_string()),
+    let value = match serde_path_to_error::deserialize(&mut de) {
+        Ok(value) => value,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            use serde_json::error::Category;
+            return Err(match inner.classify() {
+                Category::Syntax | Category::Eof | Category::Io => not_json(&inner),
+                Category::Data => match syntax() {
+                    Err(bad) => bad,
+                    Ok(_) => refusal(&path, &inner.to_string()),
+                },
+            });
         }
-    })?;
-    de.end().map_err(|e| {
-        ApiError::invalid(
-            Code::InvalidJson,
-            "body",
-            format!("the body is not valid JSON: {e}"),
-        )
-    })?;
+    };
+    de.end().map_err(|e| not_json(&e))?;
     Ok(value)
 }
 

@@ -46,6 +46,23 @@ impl Page {
         self.limit + 1
     }
 
+    /// [`Page::list`] of rows as read, each made a `T` by `from_row`.
+    ///
+    /// # Errors
+    /// The first row that does not decode.
+    pub fn rows<T, E>(
+        &self,
+        rows: &[db::PgRow],
+        from_row: impl Fn(&db::PgRow) -> Result<T, E>,
+        id: impl Fn(&T) -> i64,
+    ) -> Result<List<T>, ApiError>
+    where
+        ApiError: From<E>,
+    {
+        let items = rows.iter().map(from_row).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.list(items, id))
+    }
+
     /// The page from rows read with [`Page::fetch`], newest first.
     pub fn list<T>(&self, mut rows: Vec<T>, id: impl Fn(&T) -> i64) -> List<T> {
         let has_more = rows.len() as i64 > self.limit;

@@ -207,13 +207,7 @@ impl Db {
         for b in arg {
             hex.push_str(&format!("{b:02x}"));
         }
-        let ms = limit.as_millis().max(1);
-        let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
-        let text = format!(
-            "BEGIN; SET LOCAL statement_timeout = {ms}; \
-             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}; \
-             SELECT {function}('\\x{hex}'::bytea)"
-        );
+        let text = bounded_begin(limit, &format!("; SELECT {function}('\\x{hex}'::bytea)"));
         let (tx, rows) = Tx::begin_fetching(self, text).await?;
         let value = match rows.first() {
             Some(row) => row.try_get::<Option<String>, _>(0)?,
@@ -247,16 +241,7 @@ impl Db {
     }
 
     async fn begin_bounded(&self, limit: Duration, planner: &str) -> Result<Tx> {
-        // One simple-protocol message, one round trip. The only values spliced
-        // in are integers and the fixed settings above, so nothing from
-        // outside reaches the SQL text.
-        let ms = limit.as_millis().max(1);
-        let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
-        let begin = format!(
-            "BEGIN; SET LOCAL statement_timeout = {ms}; \
-             SET LOCAL idle_in_transaction_session_timeout = {idle_ms}{planner}"
-        );
-        Tx::begin(self, begin).await
+        Tx::begin(self, bounded_begin(limit, planner)).await
     }
 
     /// Run one statement in its own transaction and return its one row.
@@ -297,6 +282,19 @@ impl Db {
     }
 }
 
+/// `BEGIN` with its statement and idle-in-transaction bounds for `limit`,
+/// then `tail`: one simple-protocol message, one round trip. The only values
+/// spliced in are integers and text fixed in code (or hex digits), so
+/// nothing from outside reaches the SQL text.
+fn bounded_begin(limit: Duration, tail: &str) -> String {
+    let ms = limit.as_millis().max(1);
+    let idle_ms = limit.max(MIN_IDLE_IN_TRANSACTION).as_millis();
+    format!(
+        "BEGIN; SET LOCAL statement_timeout = {ms}; \
+         SET LOCAL idle_in_transaction_session_timeout = {idle_ms}{tail}"
+    )
+}
+
 /// The floor of the idle-in-transaction bound [`Db::begin_with_timeout`]
 /// sets: a loaded client's scheduling gap between two statements of a short
 /// transaction is not a stall.
@@ -316,6 +314,12 @@ pub struct Tx {
 
 impl Tx {
     async fn begin(db: &Db, begin: String) -> Result<Tx> {
+        Ok(Tx::begin_fetching(db, begin).await?.0)
+    }
+
+    /// Send `begin` (which opens the transaction) and read its rows, if
+    /// any: the transaction and those rows.
+    async fn begin_fetching(db: &Db, begin: String) -> Result<(Tx, Vec<PgRow>)> {
         let conn = db
             .pool
             .acquire()
@@ -324,23 +328,6 @@ impl Tx {
         let mut conn = Pooled::new(conn);
         // From the first poll of the BEGIN the connection's state is unknown:
         // until its reply is read, a drop closes the connection.
-        conn.state = State::Unknown;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
-            .execute(conn.raw())
-            .await?;
-        conn.state = State::InTransaction;
-        Ok(Tx { conn })
-    }
-
-    /// [`Tx::begin`] whose text also returns rows (its last statements'):
-    /// the transaction and those rows.
-    async fn begin_fetching(db: &Db, begin: String) -> Result<(Tx, Vec<PgRow>)> {
-        let conn = db
-            .pool
-            .acquire()
-            .await
-            .map_err(|e| connect::connect_error(e, &db.url))?;
-        let mut conn = Pooled::new(conn);
         conn.state = State::Unknown;
         let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
             .fetch_all(conn.raw())

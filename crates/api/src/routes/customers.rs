@@ -304,10 +304,6 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let customers = rows
-        .iter()
-        .map(Customer::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(customers, |c| c.id);
+    let list = page.rows(&rows, Customer::from_row, |c| c.id)?;
     scope.respond(StatusCode::OK, &list).await
 }

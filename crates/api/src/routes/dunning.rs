@@ -339,10 +339,6 @@ pub async fn list_runs(
             .bind(page.fetch()),
         )
         .await?;
-    let runs = rows
-        .iter()
-        .map(Run::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(runs, |r| r.id);
+    let list = page.rows(&rows, Run::from_row, |r| r.id)?;
     scope.respond(StatusCode::OK, &list).await
 }

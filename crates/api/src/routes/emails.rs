@@ -182,11 +182,7 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let emails = rows
-        .iter()
-        .map(Email::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(emails, |e| e.id);
+    let list = page.rows(&rows, Email::from_row, |e| e.id)?;
     scope.respond(StatusCode::OK, &list).await
 }
 

@@ -225,11 +225,7 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let endpoints = rows
-        .iter()
-        .map(Endpoint::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(endpoints, |e| e.id);
+    let list = page.rows(&rows, Endpoint::from_row, |e| e.id)?;
     scope.respond(StatusCode::OK, &list).await
 }
 

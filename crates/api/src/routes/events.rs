@@ -146,11 +146,7 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let events = rows
-        .iter()
-        .map(Event::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(events, |e| e.id);
+    let list = page.rows(&rows, Event::from_row, |e| e.id)?;
     scope.respond(StatusCode::OK, &list).await
 }
 

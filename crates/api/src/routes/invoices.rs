@@ -199,10 +199,6 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let invoices = rows
-        .iter()
-        .map(Invoice::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(invoices, |i| i.id);
+    let list = page.rows(&rows, Invoice::from_row, |i| i.id)?;
     scope.respond(StatusCode::OK, &list).await
 }

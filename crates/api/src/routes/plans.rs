@@ -221,10 +221,6 @@ pub async fn list(
             .bind(page.fetch()),
         )
         .await?;
-    let plans = rows
-        .iter()
-        .map(Plan::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    let list = page.list(plans, |p| p.id);
+    let list = page.rows(&rows, Plan::from_row, |p| p.id)?;
     scope.respond(StatusCode::OK, &list).await
 }

@@ -759,7 +759,8 @@ async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
 /// Catches: a plan change whose compare-and-set does not prove the period
 /// it read (the `s.current_period_start = i.period_start AND
 /// s.next_billing_at = i.watermark` of billing's `invoice::close_in`), or
-/// an API that answers a lost change with 200 or writes its invoice anyway.
+/// an API that answers a lost change with 200 or writes its invoice anyway
+/// (checked: without the two period predicates the change answers 200).
 #[tokio::test]
 async fn a_plan_change_that_loses_the_race_with_billing_writes_nothing_and_answers_409() {
     let b = bed().await;
