@@ -65,6 +65,41 @@ impl Scope {
         }
     }
 
+    /// A request as one message and one transaction (`db::Db::run_once`):
+    /// authenticate `caller`, then run `statements`, whose values must be
+    /// hex literals only and which must write nothing when no tenant is set
+    /// (`api_tenant()` NULL). The rows of `statements`, committed. For a
+    /// request without an idempotency key, whose whole work is statements
+    /// that need no answer of an earlier one: a publish, one round trip
+    /// instead of four.
+    ///
+    /// # Errors
+    /// 401 for a key that is unknown or revoked (nothing was written); a
+    /// database error (everything rolled back).
+    pub async fn run_once(
+        api: &Api,
+        caller: &Caller,
+        statements: &str,
+    ) -> Result<Vec<db::PgRow>, ApiError> {
+        let text = format!(
+            "SELECT api_authenticate({}); {statements}",
+            db::hex_bytea(&caller.0.hash)
+        );
+        let mut rows = api
+            .db()
+            .run_once(api.config().statement_timeout, &text)
+            .await?
+            .into_iter();
+        let tenant: Option<String> = match rows.next() {
+            Some(row) => row.try_get(0).map_err(db::Error::Sql)?,
+            None => None,
+        };
+        match tenant {
+            Some(_) => Ok(rows.collect()),
+            None => Err(ApiError::unauthorized()),
+        }
+    }
+
     pub fn tx(&mut self) -> &mut Tx {
         &mut self.tx
     }
@@ -246,6 +281,13 @@ impl Scope {
         self.tx.commit().await?;
         Ok(json_response(status, text))
     }
+}
+
+/// `body` as the JSON answer with `status`, for a request that committed
+/// without a [`Scope`] ([`Scope::run_once`]).
+pub(crate) fn answer<T: Serialize>(status: StatusCode, body: &T) -> Result<Response, ApiError> {
+    let text = serde_json::to_string(body).map_err(|_| ApiError::internal())?;
+    Ok(json_response(status, text))
 }
 
 fn json_response(status: StatusCode, body: String) -> Response {

@@ -85,6 +85,20 @@ pub async fn enqueue_returning(
         .map_err(EnqueueError::Db)
 }
 
+/// [`enqueue_returning`] as the text of one statement for a one-message
+/// transaction ([`db::Db::run_once`]) whose earlier statement set the
+/// caller's tenant for row-level security (`api_tenant()`, as the tenant
+/// API's `api_authenticate` does). It returns the stored row, or no row
+/// when no tenant was set (then nothing is written). The event's values are
+/// in the text as hex literals only.
+///
+/// # Errors
+/// As [`enqueue`] before anything is sent.
+pub fn enqueue_for_caller(event_type: &str, payload_json: &str) -> Result<String, EnqueueError> {
+    check_event(event_type, payload_json)?;
+    Ok(store::insert_event_for_caller(event_type, payload_json))
+}
+
 /// One event for [`enqueue_many`]: (tenant, event type, payload JSON).
 pub type NewEvent<'a> = (&'a str, &'a str, &'a str);
 
@@ -110,6 +124,11 @@ fn check(tenant_id: &str, event_type: &str, payload_json: &str) -> Result<(), En
     if tenant_id.trim().is_empty() {
         return Err(EnqueueError::EmptyTenant);
     }
+    check_event(event_type, payload_json)
+}
+
+/// [`check`] but the tenant.
+fn check_event(event_type: &str, payload_json: &str) -> Result<(), EnqueueError> {
     if event_type.trim().is_empty() {
         return Err(EnqueueError::EmptyEventType);
     }

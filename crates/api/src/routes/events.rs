@@ -14,7 +14,7 @@ use crate::error::ApiError;
 use crate::extract::{Id, JsonBody, Query};
 use crate::page::{List, Page};
 use crate::responses::{ReadErrors, WriteErrors};
-use crate::scope::{Idempotency, Scope};
+use crate::scope::{self, Idempotency, Scope};
 use crate::state::Api;
 use crate::valid;
 
@@ -90,6 +90,15 @@ pub async fn publish(
     valid::event_type("type", event_type)?;
     let payload = data.to_string();
     valid::payload("data", &payload)?;
+    if idem.key.is_none() {
+        // Nothing to bind a key to: authenticate, insert and commit in one
+        // message.
+        let insert = outbox::webhook::enqueue_for_caller(event_type, &payload)
+            .map_err(valid::enqueue_error)?;
+        let rows = Scope::run_once(&api, &caller, &insert).await?;
+        let row = rows.first().ok_or_else(ApiError::internal)?;
+        return scope::answer(StatusCode::CREATED, &Event::from_row(row)?);
+    }
     let mut scope = Scope::begin(&api, &caller).await?;
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);

@@ -53,6 +53,23 @@ pub(crate) async fn insert_event_returning(
     .await
 }
 
+/// [`insert_event_returning`] for the tenant the same message set
+/// (`api_tenant()`), as text for [`db::Db::run_once`]: no row, and nothing
+/// written, when it set none.
+pub(crate) fn insert_event_for_caller(event_type: &str, payload_json: &str) -> String {
+    format!(
+        "WITH e AS ( \
+           INSERT INTO webhook_events (tenant_id, event_type, payload) \
+           SELECT api_tenant(), {}, {}::jsonb WHERE api_tenant() IS NOT NULL \
+           RETURNING id, event_type, payload, message_id, created_at, dispatched_at), \
+         wake AS (SELECT pg_notify({}, '') FROM e) \
+         SELECT e.* FROM e, wake",
+        db::hex_text(event_type),
+        db::hex_text(payload_json),
+        db::hex_text(&wake_channel(Role::WebhookOutbox)),
+    )
+}
+
 /// Insert many events inside `tx` and wake the `webhook_outbox` role, in one
 /// statement (`pg_notify`, sent only if `tx` commits; docs/adr/0014); how
 /// many.
