@@ -66,7 +66,7 @@ pub(crate) fn insert_event_for_caller(event_type: &str, payload_json: &str) -> S
          SELECT e.* FROM e, wake",
         db::hex_text(event_type),
         db::hex_text(payload_json),
-        db::hex_text(&wake_channel(Role::WebhookOutbox)),
+        db::hex_text(wake_channel(Role::WebhookOutbox)),
     )
 }
 
