@@ -141,6 +141,8 @@ pub static REGISTRY: &[RoleEntry] = &[
             "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS",
             "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
             "HARDCOUNT_WEBHOOK_MIN_PORT",
+            "HARDCOUNT_WEBHOOK_DISABLE_AFTER",
+            "HARDCOUNT_WEBHOOK_NOTICE_FROM",
         ],
         alerts: &[
             "HardcountWebhookSecretUnusable",
@@ -157,6 +159,7 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_webhook_deliveries_dead",
             "hardcount_webhook_oldest_pending_age_seconds",
             "hardcount_webhook_oldest_due_age_seconds",
+            "hardcount_webhook_endpoints_disabled_total",
         ],
         listens: true,
     },

@@ -27,7 +27,7 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub use bounds::{BREAKER_COOLOFF, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
+pub use bounds::{BREAKER_COOLOFF, DISABLE_AFTER, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
 pub use dev::DevSettings;
 pub use parse::duration;
 use parse::{database_url, non_empty, own_or_database_url, retry_schedule, roles_explicit, whole};
@@ -185,6 +185,15 @@ pub struct ServeSettings {
     /// allowed (1 to 65535; 1 allows every port) [default: 1024].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_MIN_PORT")]
     pub webhook_min_port: Option<String>,
+    /// How long every attempt to an endpoint fails before the endpoint is turned
+    /// off and its tenant told (1h to 90d, or `off`) [default: 5d].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_DISABLE_AFTER")]
+    pub webhook_disable_after: Option<String>,
+    /// The sender of the email that tells a tenant's contact one of its endpoints
+    /// was turned off, like notices@example.com [default: none: the tenant is told
+    /// by the `endpoint.disabled` event only].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_NOTICE_FROM")]
+    pub webhook_notice_from: Option<String>,
     /// The SMTP server email_outbox sends through: `smtp://host:port` (plain),
     /// `smtp://host:port?tls=required` (STARTTLS), `smtps://host:port` (implicit
     /// TLS), with optional `user:password@`. Required when email_outbox runs.
@@ -349,6 +358,26 @@ impl ServeSettings {
             w.ports = Ports {
                 lowest_unprivileged: u16::try_from(port).unwrap_or(u16::MAX),
             };
+        }
+        if let Some(text) = non_empty(&self.webhook_disable_after) {
+            w.disable_after = if text.trim().eq_ignore_ascii_case("off") {
+                None
+            } else {
+                Some(duration(
+                    "HARDCOUNT_WEBHOOK_DISABLE_AFTER",
+                    &text,
+                    DISABLE_AFTER,
+                )?)
+            };
+        }
+        if let Some(from) = non_empty(&self.webhook_notice_from) {
+            outbox::email::check_sender(&from).map_err(|e| {
+                anyhow!(
+                    "HARDCOUNT_WEBHOOK_NOTICE_FROM={from:?}: expected a sender like \
+                     notices@example.com or Example <notices@example.com> ({e})"
+                )
+            })?;
+            w.notice_from = Some(from);
         }
         webhook_delivery.validate()?;
         Ok(Config {

@@ -322,6 +322,7 @@ async fn sign_and_post(shared: &Shared, d: &Claimed, target: &Prepared) -> (Hear
         Answer::Status {
             code,
             retry_after,
+            abort,
             body,
         } => {
             let failed = !(200..300).contains(&code);
@@ -338,14 +339,25 @@ async fn sign_and_post(shared: &Shared, d: &Claimed, target: &Prepared) -> (Hear
             }
             let observed = Observed {
                 status_code: Some(code),
-                error: failed.then(|| Failure::of_status(code).to_string()),
+                error: failed.then(|| {
+                    if abort && code != 410 {
+                        Failure::Aborted.to_string()
+                    } else {
+                        Failure::of_status(code).to_string()
+                    }
+                }),
                 latency,
                 // The tenant's own receiver's answer, shown to that tenant in
                 // its attempt history; only an answer from an address the
                 // SSRF guard let through is ever read.
                 response_snippet: failed.then(|| verdict::response_snippet(&body)),
             };
-            (Heard::Status { code, retry_after }, observed)
+            let heard = Heard::Status {
+                code,
+                retry_after,
+                abort,
+            };
+            (heard, observed)
         }
         Answer::Refused { category, detail } => {
             warn!(role = %Role::WebhookDelivery, delivery = id, endpoint = d.row.endpoint_id, %category, error = %detail, "webhook target refused by the SSRF guard");

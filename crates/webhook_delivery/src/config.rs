@@ -57,6 +57,14 @@ pub struct WorkerConfig {
     /// The keys that open the sealed signing secrets (`HARDCOUNT_SECRETS_KEY`);
     /// default none, and then no delivery is signed (`bad_secret`).
     pub secrets: Option<Keyring>,
+    /// An enabled endpoint whose every attempt has failed for this long is
+    /// turned off and its tenant told (`HARDCOUNT_WEBHOOK_DISABLE_AFTER`,
+    /// docs/adr/0041). Default 5 days; `None` never turns one off.
+    pub disable_after: Option<Duration>,
+    /// The sender of the email that tells a tenant's contact an endpoint
+    /// was turned off (`HARDCOUNT_WEBHOOK_NOTICE_FROM`). Default none: only
+    /// the `endpoint.disabled` event tells the tenant.
+    pub notice_from: Option<String>,
 }
 
 impl Default for WorkerConfig {
@@ -79,6 +87,8 @@ impl Default for WorkerConfig {
             ports: Ports::default(),
             statement_timeout: Duration::from_secs(5),
             secrets: None,
+            disable_after: Some(Duration::from_secs(5 * 86_400)),
+            notice_from: None,
         }
     }
 }

@@ -12,4 +12,8 @@ pub enum Error {
     Client(String),
     #[error("webhook delivery store: {0}")]
     Db(#[from] db::Error),
+    /// The notice of an endpoint turned off could not be queued; nothing
+    /// was turned off.
+    #[error("cannot queue the notice of a turned-off webhook endpoint: {0}")]
+    Notice(String),
 }

@@ -31,6 +31,9 @@ pub enum Failure {
     HttpOther,
     /// 410 Gone: the endpoint is disabled.
     EndpointGone,
+    /// A failure answer whose receiver asked that the message not be sent
+    /// again (`webhook-delivery: abort-message`): dead at once.
+    Aborted,
     /// The endpoint was disabled before the attempt.
     EndpointDisabled,
     /// The stored endpoint URL does not parse.
@@ -56,6 +59,7 @@ impl Failure {
             Failure::Http5xx => "http_5xx",
             Failure::HttpOther => "http_other",
             Failure::EndpointGone => "endpoint_gone",
+            Failure::Aborted => "aborted",
             Failure::EndpointDisabled => "endpoint_disabled",
             Failure::BadUrl => "bad_url",
             Failure::BadSecret => "bad_secret",

@@ -153,6 +153,7 @@ mod batch;
 mod breaker;
 mod config;
 mod delivery;
+mod disabling;
 mod endpoint;
 mod error;
 mod failure;
@@ -170,13 +171,14 @@ mod tick;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE};
+    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING};
 }
 mod verdict;
 mod worker;
 
 pub use config::{ConfigError, WorkerConfig};
 pub use delivery::{Claimed, Outcome};
+pub use disabling::ENDPOINT_DISABLED;
 pub use endpoint::{
     Endpoint, EndpointError, MAX_ROTATION_OVERLAP, MAX_URL_LEN, ResealReport, RotateError,
     SecretsError, SecretsReport, check_secrets, create_endpoint, create_endpoint_in,

@@ -17,6 +17,9 @@ pub(crate) enum Answer {
     Status {
         code: u16,
         retry_after: Option<Duration>,
+        /// The receiver asked that this message not be sent again
+        /// ([`ABORT_HEADER`]: [`ABORT_VALUE`]).
+        abort: bool,
         /// The start of the body, at most the configured bound.
         body: Vec<u8>,
     },
@@ -107,6 +110,7 @@ pub(crate) async fn post(client: &reqwest::Client, req: Request<'_>, limits: &Li
         .get(RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_retry_after(v, SystemTime::now()));
+    let abort = asks_abort(response.headers());
     let body = read_bounded(&mut response, limits.max_response_bytes, deadline).await;
     // Dropping a response that was not read to the end closes its connection.
     drop(response);
@@ -114,10 +118,27 @@ pub(crate) async fn post(client: &reqwest::Client, req: Request<'_>, limits: &Li
         answer: Answer::Status {
             code,
             retry_after,
+            abort,
             body,
         },
         latency,
     }
+}
+
+/// The answer header by which a receiver stops the retries of one message
+/// without turning its endpoint off (410 does that): `webhook-delivery:
+/// abort-message` on a failure answer makes the delivery dead at once.
+pub const ABORT_HEADER: &str = "webhook-delivery";
+/// The value of [`ABORT_HEADER`] that stops the retries (case-insensitive).
+pub const ABORT_VALUE: &str = "abort-message";
+
+fn asks_abort(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get_all(ABORT_HEADER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|v| v.trim().eq_ignore_ascii_case(ABORT_VALUE))
 }
 
 /// Up to `max` bytes of the body; stops early at the deadline or on an error.

@@ -8,6 +8,7 @@ use leader::Telemetry;
 
 use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
+use crate::disabling::Disabling;
 use crate::fairness::Limits;
 
 pub(crate) struct Shared {
@@ -17,4 +18,6 @@ pub(crate) struct Shared {
     pub telemetry: Telemetry,
     pub limits: Limits,
     pub breakers: Breakers,
+    /// When this leader last looked for endpoints to turn off.
+    pub disabling: Disabling,
 }

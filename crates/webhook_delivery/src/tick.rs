@@ -16,6 +16,7 @@ use tracing::warn;
 
 use crate::batch::{Running, Tally, attempt_batch, collect};
 use crate::delivery::Claimed;
+use crate::disabling;
 use crate::error::Error;
 use crate::shared::Shared;
 use crate::store;
@@ -267,6 +268,11 @@ impl FencedBatches for Deliveries<'_> {
 
     async fn end_tick(&self, tick: &Tick) {
         if !tick.cancel.is_cancelled() {
+            if self.shared.disabling.due(Instant::now())
+                && let Err(e) = disabling::disable_failing(self.shared, &tick.fence).await
+            {
+                warn!(role = %Role::WebhookDelivery, error = %e, "could not turn off the failing webhook endpoints; the next look retries");
+            }
             refresh_gauges(self.shared).await;
         }
     }

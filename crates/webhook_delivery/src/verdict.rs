@@ -5,6 +5,7 @@
 //!  answer                          attempt < max_attempts     attempt = max_attempts
 //!  2xx                             delivered                  delivered
 //!  410 Gone                        endpoint gone (dead, endpoint disabled)
+//!  other failure + abort header    dead (the endpoint stays on)
 //!  other status (Retry-After?)     retry after max(schedule, Retry-After)   dead
 //!  no answer / refused by SSRF     retry after the schedule's delay         dead
 //!  endpoint disabled (not sent)    dead
@@ -23,6 +24,9 @@ pub(crate) enum Heard {
     Status {
         code: u16,
         retry_after: Option<Duration>,
+        /// The receiver asked that this message not be sent again
+        /// (`webhook-delivery: abort-message`).
+        abort: bool,
     },
     /// No status: a timeout, a connection failure, a broken response, or an
     /// endpoint whose URL or secret is unusable.
@@ -56,6 +60,7 @@ pub(crate) fn verdict(
     let retry_after = match heard {
         Heard::Status { code, .. } if (200..300).contains(&code) => return Verdict::Delivered,
         Heard::Status { code: 410, .. } => return Verdict::EndpointGone,
+        Heard::Status { abort: true, .. } => return Verdict::Dead,
         Heard::EndpointDisabled => return Verdict::Dead,
         Heard::Status { retry_after, .. } => retry_after,
         Heard::NoAnswer | Heard::Refused => None,
@@ -132,10 +137,17 @@ mod tests {
         let status = |code| Heard::Status {
             code,
             retry_after: None,
+            abort: false,
         };
         let asked = |code, secs| Heard::Status {
             code,
             retry_after: Some(Duration::from_secs(secs)),
+            abort: false,
+        };
+        let aborted = |code| Heard::Status {
+            code,
+            retry_after: Some(Duration::from_secs(60)),
+            abort: true,
         };
         use Expect::*;
         let cases = [
@@ -153,6 +165,12 @@ mod tests {
             (Heard::Refused, 2, RetryWithin(48.0, 72.0)),
             (Heard::Refused, 3, Dead),
             (Heard::EndpointDisabled, 1, Dead),
+            // The abort header ends the retries of a failure on any attempt,
+            // leaves a 410 a 410, and does not undo a delivery.
+            (aborted(500), 1, Dead),
+            (aborted(429), 2, Dead),
+            (aborted(410), 1, EndpointGone),
+            (aborted(200), 1, Delivered),
             // Retry-After postpones an attempt ...
             (asked(429, 600), 1, RetryWithin(600.0, 600.0)),
             (asked(503, 86_400 * 3), 1, RetryWithin(86_400.0, 86_400.0)),

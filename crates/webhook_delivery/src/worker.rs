@@ -18,6 +18,7 @@ use crate::attempt::{self, Attempted, StartBy};
 use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
 use crate::delivery::{Claimed, Outcome};
+use crate::disabling::{self, Disabling};
 use crate::error::Error;
 use crate::fairness::Limits;
 use crate::outcomes::{self, Step};
@@ -66,6 +67,7 @@ impl Worker {
                     config.breaker_cooloff,
                     config.request_timeout,
                 ),
+                disabling: Disabling::default(),
                 config,
                 client,
                 telemetry,
@@ -130,6 +132,18 @@ impl Worker {
     /// A database error; nothing was claimed.
     pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Claimed>, Error> {
         tick::claim_due(&self.shared, fence, limit).await
+    }
+
+    /// Turn off now the enabled endpoints whose every attempt has failed for
+    /// longer than `disable_after`, telling their tenants (the look each
+    /// tick's end makes at most once a minute; docs/adr/0041). How many were
+    /// turned off; none when `fence` is stale.
+    ///
+    /// # Errors
+    /// A database error, or a notice that could not be queued: nothing was
+    /// turned off.
+    pub async fn disable_failing_endpoints(&self, fence: &Fence) -> Result<usize, Error> {
+        disabling::disable_failing(&self.shared, fence).await
     }
 
     /// Make the attempt `claimed` stands for and write its outcome, outside a

@@ -85,7 +85,8 @@ pub struct Endpoint {
     /// Empty: every event type.
     pub event_types: Vec<String>,
     pub enabled: bool,
-    /// Why it is disabled (by the tenant, or after a 410 Gone); null while enabled.
+    /// Why it is disabled (by the tenant, after a 410 Gone, or after failing for
+    /// days: `HARDCOUNT_WEBHOOK_DISABLE_AFTER`); null while enabled.
     pub disabled_reason: Option<String>,
     pub disabled_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
@@ -430,7 +431,10 @@ async fn set_enabled(
                 "UPDATE webhook_endpoints
                  SET enabled = $2,
                      disabled_reason = CASE WHEN $2 THEN NULL ELSE $3 END,
-                     disabled_at = CASE WHEN $2 THEN NULL ELSE now() END
+                     disabled_at = CASE WHEN $2 THEN NULL ELSE now() END,
+                     -- Turned on again, it has a new run to fail or not
+                     -- (migration 0031).
+                     failing_since = CASE WHEN $2 THEN NULL ELSE failing_since END
                  WHERE tenant_id = api_tenant() AND id = $1 AND enabled <> $2
                  RETURNING ",
                 columns!()

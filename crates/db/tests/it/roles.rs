@@ -278,6 +278,9 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     for c in ["status", "next_attempt_at"] {
         want.push(format!("email_outbox.{c}:UPDATE"));
     }
+    // Turning an endpoint on again ends its failing run (migration 0031).
+    want.push("webhook_endpoints.failing_since:SELECT".into());
+    want.push("webhook_endpoints.failing_since:UPDATE".into());
     want.sort();
     assert_eq!(privileges(&api).await, want);
     refused(
@@ -344,11 +347,13 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         "previous_secret_ciphertext",
         "previous_secret_key_id",
         "previous_secret_expires_at",
+        // Kept by the outcome statement; the disabling step reads it (0031).
+        "failing_since",
     ]
     .iter()
     .map(|c| format!("webhook_endpoints.{c}:SELECT"))
     .chain(
-        ["enabled", "disabled_reason", "disabled_at"]
+        ["enabled", "disabled_reason", "disabled_at", "failing_since"]
             .iter()
             .map(|c| format!("webhook_endpoints.{c}:UPDATE")),
     )

@@ -20,3 +20,9 @@ pub const WEBHOOK_IN_FLIGHT: RangeInclusive<usize> = 1..=1024;
 /// longer (16 times, after failed trials) outlives the retry schedule.
 pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
     Duration::from_secs(1)..=Duration::from_secs(3600);
+
+/// The bounds of how long an endpoint fails before it is turned off: less
+/// than an hour turns off an endpoint for one bad deploy of its receiver,
+/// more than 90 days outlives any retention of its deliveries.
+pub const DISABLE_AFTER: RangeInclusive<Duration> =
+    Duration::from_secs(3600)..=Duration::from_secs(90 * 86_400);

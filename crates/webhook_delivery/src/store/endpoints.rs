@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
+use leader::Fence;
 
 use crate::sealed::Sealed;
 
@@ -199,3 +200,42 @@ pub(crate) async fn store_resealed(
     .await?;
     Ok(())
 }
+
+/// Turn off, inside `tx`, the enabled endpoints whose every attempt has
+/// failed for longer than `after` (`failing_since`, migration 0031): at
+/// most [`crate::disabling::PER_STATEMENT`] a statement, oldest run first,
+/// reached through `webhook_endpoints_failing`, locked with SKIP LOCKED (an
+/// endpoint a tenant is changing is left for the next look) and fenced in
+/// the innermost WHERE, so a stale leader turns nothing off. Each row with
+/// its tenant's contact address.
+pub(crate) async fn disable_failing(
+    tx: &mut Tx,
+    fence: &Fence,
+    after: Duration,
+) -> Result<Vec<crate::disabling::Disabled>, db::Error> {
+    let rows = tx
+        .fetch_all(
+            sql(DISABLE_FAILING)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(after.as_secs_f64())
+                .bind(crate::disabling::PER_STATEMENT),
+        )
+        .await?;
+    rows.iter().map(crate::disabling::row).collect()
+}
+
+/// The statement of [`disable_failing`]; `pub` for the plan tests.
+pub const DISABLE_FAILING: &str = "UPDATE webhook_endpoints e \
+     SET enabled = false, disabled_at = now(), \
+         disabled_reason = 'every attempt failed since ' \
+             || to_char(e.failing_since AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI') || ' UTC' \
+     WHERE e.id IN ( \
+         SELECT f.id FROM webhook_endpoints f \
+         WHERE f.enabled AND f.failing_since IS NOT NULL \
+           AND f.failing_since < now() - make_interval(secs => $3) \
+           AND leader_fence($1, $2) \
+         ORDER BY f.failing_since LIMIT $4 \
+         FOR UPDATE SKIP LOCKED) \
+     RETURNING e.id, e.tenant_id, e.url, e.failing_since, \
+               (SELECT t.contact_email FROM tenants t WHERE t.id = e.tenant_id) AS contact_email";

@@ -5,7 +5,8 @@
 //! outcomes.rs   the outcome writes (one statement per group of outcomes, each row a
 //!               compare-and-set on the attempt number), handing back unsent claims
 //! backlog.rs    the gauges read at the end of a tick
-//! endpoints.rs  registering an endpoint, rotating and resealing its secrets
+//! endpoints.rs  registering an endpoint, rotating and resealing its secrets, and
+//!               turning off the endpoints that kept failing
 //! ```
 
 mod backlog;
@@ -16,8 +17,10 @@ mod outcomes;
 pub(crate) use backlog::backlog;
 pub use claim::CLAIM_DUE;
 pub(crate) use claim::{ClaimedRow, any_due, claim_due};
+pub use endpoints::DISABLE_FAILING;
 pub(crate) use endpoints::{
-    insert_endpoint, rotate_secret, secrets_census, secrets_to_reseal, store_resealed,
+    disable_failing, insert_endpoint, rotate_secret, secrets_census, secrets_to_reseal,
+    store_resealed,
 };
 pub use outcomes::APPLY_OUTCOMES;
 pub(crate) use outcomes::{

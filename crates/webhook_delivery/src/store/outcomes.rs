@@ -91,7 +91,10 @@ pub(crate) async fn record_outcome(
 /// its attempt's row of the delivery's history (`webhook_delivery_attempts`,
 /// at the attempt's claim time), in the same statement: it is fenced by the
 /// same compare-and-set, so a stale attempt writes no history either. The
-/// delivering attempt is the delivery row's own `last_*` columns.
+/// delivering attempt is the delivery row's own `last_*` columns. Each
+/// endpoint of the group has its `failing_since` (migration 0031) set when
+/// the group holds only failures for it, cleared when one of them
+/// delivered, and left unwritten when that is already so.
 pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
          UPDATE webhook_deliveries d \
          SET status = o.next_state, \
@@ -107,15 +110,24 @@ pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
                      $5::int4[], $6::text[], $7::int4[], $8::text[], $9::text[]) \
               AS o(id, attempt, next_state, retry_secs, status_code, error, latency_ms, was, snippet) \
          WHERE d.id = o.id AND d.attempts = o.attempt AND d.status = o.was \
-         RETURNING d.id, d.tenant_id, o.attempt, o.next_state, d.last_attempt_at, \
-                   o.status_code, o.latency_ms, o.error, o.snippet), \
+         RETURNING d.id, d.tenant_id, d.endpoint_id, o.attempt, o.next_state, \
+                   d.last_attempt_at, o.status_code, o.latency_ms, o.error, o.snippet), \
        history AS ( \
          INSERT INTO webhook_delivery_attempts \
              (tenant_id, delivery_id, attempt, attempted_at, status_code, latency_ms, \
               error_category, response_snippet) \
          SELECT tenant_id, id, attempt, coalesce(last_attempt_at, now()), status_code, \
                 latency_ms, error, snippet \
-         FROM applied WHERE next_state <> 'delivered') \
+         FROM applied WHERE next_state <> 'delivered'), \
+       ends AS ( \
+         SELECT endpoint_id, bool_or(next_state = 'delivered') AS delivered \
+         FROM applied GROUP BY endpoint_id), \
+       health AS ( \
+         UPDATE webhook_endpoints e \
+         SET failing_since = CASE WHEN s.delivered THEN NULL ELSE now() END \
+         FROM ends s \
+         WHERE e.id = s.endpoint_id \
+           AND (e.failing_since IS NULL) = NOT s.delivered) \
        SELECT id, attempt FROM applied";
 
 /// The status a compare-and-set expects its delivery in. It is bound as one
