@@ -28,6 +28,7 @@ pub mod error;
 mod extract;
 pub mod keys;
 mod limit;
+pub mod operator;
 mod page;
 mod responses;
 pub mod routes;

@@ -68,6 +68,15 @@ impl Error {
         }
     }
 
+    /// The server's own message of a server error (a definer function's
+    /// refusal, say), without the SQL; None for any other error.
+    pub fn server_message(&self) -> Option<&str> {
+        match self {
+            Error::Sql(sqlx::Error::Database(e)) => Some(e.message()),
+            _ => None,
+        }
+    }
+
     /// The constraint a server error names, if any (map it to a domain error).
     pub fn constraint(&self) -> Option<&str> {
         match self {

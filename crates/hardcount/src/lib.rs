@@ -38,7 +38,12 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
     let common = cli.common;
     match cli.command {
         Command::Serve(settings) => {
-            let config = settings.config(common.database_url()?, common.keyring()?)?;
+            let mut config = settings.config(common.database_url()?, common.keyring()?)?;
+            if let Some(api) = &mut config.api {
+                api.operator = settings.operator_api(&common.operator_database_url)?;
+            } else {
+                settings.operator_api(&common.operator_database_url)?;
+            }
             let listener = bind(&settings).await?;
             run(config, listener, shutdown).await
         }

@@ -187,6 +187,7 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_API_DATABASE_URL",
     "HARDCOUNT_API_RATE_LIMIT",
     "HARDCOUNT_API_RATE_BURST",
+    "HARDCOUNT_OPERATOR_TOKEN",
 ];
 
 /// The lease layer's series (crates/leader, crates/scheduler), one per role by

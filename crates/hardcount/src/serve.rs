@@ -62,6 +62,18 @@ pub struct ApiServe {
     /// Seals the secrets of the endpoints the API creates.
     pub keyring: Option<webhook_delivery::Keyring>,
     pub config: api::ApiConfig,
+    /// `HARDCOUNT_OPERATOR_TOKEN` and its pool: the operator API on the same
+    /// listener (docs/adr/0042). None: no operator API.
+    pub operator: Option<OperatorServe>,
+}
+
+/// The operator API's token and pool.
+#[derive(Debug, Clone)]
+pub struct OperatorServe {
+    /// Never printed.
+    pub token: Secret,
+    /// `HARDCOUNT_OPERATOR_DATABASE_URL`, as `hardcount_operator`.
+    pub database_url: Secret,
 }
 
 /// How email_outbox reaches its SMTP server.
@@ -351,12 +363,19 @@ async fn serve_api(
         .await
         .context("refusing to serve the tenant API (HARDCOUNT_API_DATABASE_URL)")?;
     info!(addr = %listener.local_addr()?, "tenant API listening (HARDCOUNT_API_ADDR)");
-    let app = api::router(api::Api::with_telemetry(
+    let mut app = api::router(api::Api::with_telemetry(
         api_db.clone(),
         a.keyring,
         a.config,
         telemetry,
     ));
+    if let Some(o) = a.operator {
+        let operator_db = Db::connect_lazy(o.database_url.expose(), 4)?;
+        let operator = api::operator::Operator::new(operator_db, o.token.expose())
+            .map_err(|e| anyhow::anyhow!("HARDCOUNT_OPERATOR_TOKEN: {e}"))?;
+        app = app.merge(api::operator::router(operator));
+        info!("operator API at /operator/v1 (HARDCOUNT_OPERATOR_TOKEN)");
+    }
     Ok((
         tokio::spawn(crate::http::serve_bounded(listener, app, stop)),
         api_db,

@@ -19,7 +19,7 @@ use webhook_delivery::{Keyring, WorkerConfig};
 use email_outbox::{SenderConfig, SmtpUrl};
 
 use crate::secret::Secret;
-use crate::serve::{ApiServe, Config, EmailConfig};
+use crate::serve::{ApiServe, Config, EmailConfig, OperatorServe};
 
 mod bounds;
 mod dev;
@@ -236,6 +236,11 @@ pub struct ServeSettings {
     /// Requests a key may send at once above its rate (1 to 1000000) [default: 2000].
     #[arg(long, env = "HARDCOUNT_API_RATE_BURST")]
     pub api_rate_burst: Option<String>,
+    /// The bearer token of the operator API under `/operator/v1` on the tenant API's
+    /// listener (at least 32 characters; needs HARDCOUNT_API_ADDR and
+    /// HARDCOUNT_OPERATOR_DATABASE_URL) [default: unset, no operator API].
+    #[arg(long, env = "HARDCOUNT_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<Secret>,
     /// The payment provider billing's auto-charge calls (Stripe's PaymentIntents
     /// API), e.g. `https://api.stripe.com`. Unset: the charge step is skipped.
     #[arg(long, env = "BILLING_PROVIDER_URL")]
@@ -424,6 +429,42 @@ impl ServeSettings {
             database_url: database_url.into(),
             keyring,
             config,
+            operator: None,
+        }))
+    }
+
+    /// The operator API's settings, when HARDCOUNT_OPERATOR_TOKEN is set: it
+    /// is served on the tenant API's listener, over `operator_url`
+    /// (HARDCOUNT_OPERATOR_DATABASE_URL, as hardcount_operator: DATABASE_URL's
+    /// role can neither pause nor settle). Errors name the variables and
+    /// never show the token or a URL.
+    pub fn operator_api(&self, operator_url: &Option<Secret>) -> Result<Option<OperatorServe>> {
+        let Some(token) = Secret::set(&self.operator_token) else {
+            return Ok(None);
+        };
+        if non_empty(&self.api_addr).is_none() {
+            bail!(
+                "HARDCOUNT_OPERATOR_TOKEN is set but HARDCOUNT_API_ADDR is not: the operator API \
+                 is served on the tenant API's listener"
+            );
+        }
+        if token.chars().count() < api::operator::MIN_TOKEN_CHARS {
+            bail!(
+                "HARDCOUNT_OPERATOR_TOKEN is too short: at least {} characters (make one with \
+                 `openssl rand -hex 32`)",
+                api::operator::MIN_TOKEN_CHARS
+            );
+        }
+        let url = Secret::set(operator_url).ok_or_else(|| {
+            anyhow!(
+                "HARDCOUNT_OPERATOR_DATABASE_URL is required with HARDCOUNT_OPERATOR_TOKEN: the \
+                 operator API's pool, as hardcount_operator"
+            )
+        })?;
+        let url = database_url("HARDCOUNT_OPERATOR_DATABASE_URL", url.to_owned())?;
+        Ok(Some(OperatorServe {
+            token: token.into(),
+            database_url: url.into(),
         }))
     }
 

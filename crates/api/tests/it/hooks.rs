@@ -16,7 +16,7 @@ use webhook_outbox::{Dispatcher, DispatcherConfig};
 
 use crate::{Served, serve, serve_api, tenant};
 
-fn worker(t: &TestDb) -> Worker {
+pub(crate) fn worker(t: &TestDb) -> Worker {
     let config = WorkerConfig {
         connect_timeout: Duration::from_millis(500),
         request_timeout: Duration::from_secs(1),
@@ -31,7 +31,7 @@ fn worker(t: &TestDb) -> Worker {
 }
 
 /// Fan out the published events, then one delivery tick as leader.
-async fn deliver(t: &TestDb, w: &Worker) {
+pub(crate) async fn deliver(t: &TestDb, w: &Worker) {
     let dispatcher =
         Dispatcher::new(t.db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
     as_leader(
@@ -65,7 +65,7 @@ async fn make_due(t: &TestDb) {
     .unwrap();
 }
 
-async fn new_endpoint(s: &Served, key: &str, url: &str) -> Value {
+pub(crate) async fn new_endpoint(s: &Served, key: &str, url: &str) -> Value {
     let a = s
         .post("/v1/webhook_endpoints", key, json!({"url": url}))
         .await;

@@ -5,6 +5,7 @@ mod billing;
 mod events;
 mod hooks;
 mod openapi;
+mod operator;
 
 use api::{Api, ApiConfig};
 use reqwest::StatusCode;

@@ -84,6 +84,8 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             "leader_pause():EXECUTE",
             "leader_status:SELECT",
             "leader_unpause():EXECUTE",
+            // Replaying dead deliveries across tenants (migration 0032).
+            "operator_replay_deliveries():EXECUTE",
             "payment_attempts_needing_review:SELECT",
             "tenants:INSERT",
             "tenants:SELECT",
