@@ -12,6 +12,7 @@ mod e2e;
 mod email;
 mod logs;
 mod serve;
+mod stack;
 mod wake;
 
 use std::process::{Command, Output};
