@@ -50,7 +50,11 @@ impl Answer {
 
 impl ApiBed {
     pub async fn start(extra: &[(&str, &str)]) -> ApiBed {
-        let t = TestDb::new().await;
+        ApiBed::start_on(TestDb::new().await, extra).await
+    }
+
+    /// [`ApiBed::start`] on a database the caller made (to seed its URLs).
+    pub async fn start_on(t: TestDb, extra: &[(&str, &str)]) -> ApiBed {
         let leg = Leg::current();
         let port = testbed::free_port();
         let addr = format!("127.0.0.1:{port}");

@@ -17,9 +17,22 @@ struct Dev {
 
 impl Dev {
     fn start(state_dir: &Path) -> Dev {
-        let mut child = hardcount()
+        let mut cmd = hardcount();
+        cmd.env("HARDCOUNT_DEV_DIR", state_dir);
+        Dev::spawn(cmd)
+    }
+
+    /// `hardcount dev` as typed in `dir` (a clone): no HARDCOUNT_DEV_DIR, so
+    /// the state directory is the default `.hardcount-dev` there.
+    fn start_in(dir: &Path) -> Dev {
+        let mut cmd = hardcount();
+        cmd.env_remove("HARDCOUNT_DEV_DIR").current_dir(dir);
+        Dev::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Dev {
+        let mut child = cmd
             .arg("dev")
-            .env("HARDCOUNT_DEV_DIR", state_dir)
             .env(
                 "HARDCOUNT_HTTP_ADDR",
                 format!("127.0.0.1:{}", testbed::free_port()),
@@ -213,15 +226,19 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
     println!("dev: first delivery {cold:?} after start from nothing, {warm:?} on a rerun");
 }
 
-/// Issue 25, point 1: as root, a clone under `/root` or in a `mktemp -d`
-/// folder (mode 0700) is a path the `postgres` OS user cannot traverse, and
-/// initdb failed with "Permission denied". `dev` now says so and keeps the
-/// cluster where that user can reach it, and the demo runs as from anywhere.
-/// Fails if the cluster is put under the unreachable state directory again
-/// (initdb's refusal ends `dev` before the first delivery). Only meaningful
-/// as root, which is how the bed and CI run; skipped otherwise.
+/// Issue 25, point 1: `hardcount dev` typed in a clone inside a 0700
+/// directory, as root (root's home and `mktemp -d` folders are 0700): the
+/// binary runs with that clone as its working directory and no
+/// HARDCOUNT_DEV_DIR, so its state directory is the default `.hardcount-dev`
+/// there, a path the `postgres` OS user cannot traverse (initdb failed with
+/// "Permission denied"). `dev` says so, keeps the cluster where that user can
+/// reach it, and the demo runs as from anywhere. Seen failing with the cluster
+/// kept under the unreachable state directory again (initdb's refusal ends
+/// `dev` before the first delivery). Only meaningful as root, which is how
+/// the bed and CI run; skipped otherwise. Needs no database of the bed, so it
+/// runs the same on both legs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dev_runs_from_a_directory_the_postgres_user_cannot_reach() {
+async fn dev_runs_from_a_clone_in_a_directory_the_postgres_user_cannot_reach() {
     use std::os::unix::fs::PermissionsExt;
     let root =
         std::fs::metadata("/proc/self").is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0);
@@ -231,18 +248,34 @@ async fn dev_runs_from_a_directory_the_postgres_user_cannot_reach() {
     }
     let parent = StateDir::new();
     std::fs::set_permissions(&parent.0, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let state = parent.0.join("clone/.hardcount-dev");
-    std::fs::create_dir_all(&state).unwrap();
+    let clone = parent.0.join("hardcount");
+    std::fs::create_dir_all(&clone).unwrap();
+    // The postgres user really cannot reach it (what the test is about).
+    let reach = Command::new("runuser")
+        .args(["-u", "postgres", "--", "test", "-x"])
+        .arg(&clone)
+        .status()
+        .unwrap();
+    assert!(
+        !reach.success(),
+        "{} is reachable by postgres",
+        clone.display()
+    );
 
-    let mut dev = Dev::start(&state);
+    let mut dev = Dev::start_in(&clone);
     dev.until_printed("delivered webhook", Duration::from_secs(180))
         .await;
     let out = dev.stdout();
+    let state = clone.join(".hardcount-dev");
     assert!(
-        out.contains("the postgres OS user cannot reach")
-            && out.contains("/var/lib/hardcount-dev/"),
+        out.contains(&format!(
+            "the postgres OS user cannot reach {}",
+            state.display()
+        )) && out.contains("/var/lib/hardcount-dev/"),
         "{out}"
     );
+    // The rest of the state (the dev key, the mail) stays in the clone.
+    assert!(state.join("secrets-key").exists(), "{}", state.display());
     let data = out
         .lines()
         .find_map(|l| l.split("(data in ").nth(1))
@@ -254,6 +287,6 @@ async fn dev_runs_from_a_directory_the_postgres_user_cannot_reach() {
         !data.join("postmaster.pid").exists(),
         "dev left its Postgres running"
     );
-    // The cluster belongs to this test's state directory only.
+    // The cluster belongs to this test's clone only.
     let _ = std::fs::remove_dir_all(data.parent().unwrap());
 }

@@ -10,7 +10,9 @@ mod dev;
 mod dunning;
 mod e2e;
 mod email;
+mod logs;
 mod serve;
+mod stack;
 mod wake;
 
 use std::process::{Command, Output};
@@ -29,6 +31,9 @@ pub fn hardcount() -> Command {
         .env_remove("HARDCOUNT_OPERATOR_DATABASE_URL")
         .env_remove("HARDCOUNT_API_ADDR")
         .env_remove("HARDCOUNT_API_DATABASE_URL")
+        .env_remove("HARDCOUNT_LOG_FORMAT")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         .env("RUST_LOG", "info");
     c
 }

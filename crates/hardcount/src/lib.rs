@@ -11,7 +11,7 @@
 //! command line and the one-call commands; `serve` is [`run`]; `http` the
 //! routes; `dev` the zero-configuration demo (a local Postgres, a demo tenant);
 //! [`roles`] the table that registers each role once (its settings, alerts and
-//! series).
+//! series); `telemetry` the log lines and the optional trace export.
 
 mod cli;
 mod dev;
@@ -20,6 +20,7 @@ pub mod roles;
 pub mod secret;
 mod serve;
 mod settings;
+pub mod telemetry;
 
 use anyhow::{Context, Result};
 use tokio::net::TcpListener;
@@ -77,26 +78,12 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
     }
 }
 
-/// The tracing subscriber for `RUST_LOG` (`info` when unset or invalid), on stderr.
+/// Logs on stderr and, when configured, traces over OTLP ([`telemetry::init`]).
 ///
 /// # Errors
-/// `HARDCOUNT_LOG_FORMAT` is neither `text` nor `json` (named; nothing is
-/// logged yet).
-pub fn init_logging(cli: &Cli) -> Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(cli.common.rust_log.trim()).unwrap_or_else(|e| {
-            eprintln!("RUST_LOG={:?}: {e}; logging at info", cli.common.rust_log);
-            "info".into()
-        });
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.common.log_format.trim() {
-        "text" | "" => logs.init(),
-        "json" => logs.json().flatten_event(true).init(),
-        other => anyhow::bail!("HARDCOUNT_LOG_FORMAT is {other:?}; expected text or json"),
-    }
-    Ok(())
+/// A logging setting is refused (named; nothing is logged yet).
+pub fn init_logging(cli: &Cli) -> Result<telemetry::Telemetry> {
+    telemetry::init(cli)
 }
 
 /// Bind `HARDCOUNT_HTTP_ADDR`.

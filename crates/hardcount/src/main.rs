@@ -14,10 +14,13 @@ use tracing::{info, warn};
 
 fn main() -> ExitCode {
     let cli = hardcount::Cli::parse();
-    if let Err(e) = hardcount::init_logging(&cli) {
-        eprintln!("error: {e:#}");
-        return ExitCode::FAILURE;
-    }
+    let telemetry = match hardcount::init_logging(&cli) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -30,6 +33,8 @@ fn main() -> ExitCode {
         on_signals(shutdown.clone())?;
         hardcount::execute(cli, shutdown).await
     });
+    // Outside `block_on`: the exporter's client blocks while it sends the last spans.
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -182,6 +182,8 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_API_RATE_BURST",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
+    // Traces over OTLP/HTTP when set (crates/hardcount/src/telemetry.rs).
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
     // The tenant API (crates/api): a producer on its own listener, not a role.
     "HARDCOUNT_API_ADDR",
     "HARDCOUNT_API_DATABASE_URL",

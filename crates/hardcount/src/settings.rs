@@ -80,6 +80,16 @@ pub struct Common {
         global = true
     )]
     pub log_format: String,
+    /// An OTLP/HTTP collector's base URL (`http://collector:4318`): the `tick`
+    /// spans and the events in them are exported to `<it>/v1/traces` as protobuf
+    /// (docs/adr/0039) [default: unset, nothing is exported].
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_ENDPOINT",
+        hide_env_values = true,
+        global = true
+    )]
+    pub otlp_endpoint: Option<Secret>,
 }
 
 impl Common {

@@ -145,114 +145,119 @@ impl Manager {
         };
         let started = Instant::now();
         let lost = LostSignal::default();
-        // The trust window counts from ACQUIRE's send. A reply that came back
-        // after the abandon deadline (queued in a pooler, a stalled process)
-        // leaves no window to work in: run nothing and release it as lost.
-        let waited = acquire_sent.elapsed();
-        if waited >= t.abandon_after {
-            warn!(role = %role, token, waited = ?waited, abandon_after = ?t.abandon_after,
-                  "ACQUIRE answered past the abandon deadline; not starting the tick");
-            lost.set(LostReason::HeartbeatTimeout);
-            return Ok(self
-                .finish(
-                    role,
-                    token,
-                    interval,
-                    started,
-                    Ending::Lost,
-                    Ok(TickEnd::Drained),
-                    &lost,
-                )
-                .await);
-        }
-        // Every line logged within the tick (its work, heartbeat and release)
-        // carries the role, the token and a tick id of this process.
+        // Every line logged from here on (the tick's work, heartbeat and
+        // release, and what this function says about them) is inside the
+        // `tick` span: it carries the role, the token and a tick id of this
+        // process, in text and JSON logs and in exported traces.
         let span = info_span!("tick", role = %role, token, tick = next_tick_id());
-        span.in_scope(|| info!(holder = %self.holder_id, "lease acquired"));
-        let fence = Fence::won(role, token);
-        let cancel = shutdown.child_token();
+        async {
+            // The trust window counts from ACQUIRE's send. A reply that came back
+            // after the abandon deadline (queued in a pooler, a stalled process)
+            // leaves no window to work in: run nothing and release it as lost.
+            let waited = acquire_sent.elapsed();
+            if waited >= t.abandon_after {
+                warn!(role = %role, token, waited = ?waited, abandon_after = ?t.abandon_after,
+                      "ACQUIRE answered past the abandon deadline; not starting the tick");
+                lost.set(LostReason::HeartbeatTimeout);
+                return Ok(self
+                    .finish(
+                        role,
+                        token,
+                        interval,
+                        started,
+                        Ending::Lost,
+                        Ok(TickEnd::Drained),
+                        &lost,
+                    )
+                    .await);
+            }
+            info!(holder = %self.holder_id, "lease acquired");
+            let fence = Fence::won(role, token);
+            let cancel = shutdown.child_token();
 
-        // Build the work before the heartbeat exists, so a closure that panics
-        // while building it leaves nothing running.
-        let work = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            work(Tick {
-                fence,
-                cancel: cancel.clone(),
-            })
-        }));
-        let mut work = match work {
-            Ok(fut) => Box::pin(AssertUnwindSafe(fut.instrument(span.clone())).catch_unwind()),
-            Err(payload) => {
-                self.finish(
+            // Build the work before the heartbeat exists, so a closure that panics
+            // while building it leaves nothing running.
+            let work = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                work(Tick {
+                    fence,
+                    cancel: cancel.clone(),
+                })
+            }));
+            let mut work = match work {
+                Ok(fut) => Box::pin(AssertUnwindSafe(fut.instrument(span.clone())).catch_unwind()),
+                Err(payload) => {
+                    self.finish(
+                        role,
+                        token,
+                        interval,
+                        started,
+                        Ending::Returned,
+                        Err(payload),
+                        &lost,
+                    )
+                    .await;
+                    unreachable!("finish re-raises the panic");
+                }
+            };
+            // Aborted on drop: if this future is dropped mid-tick, nothing renews the
+            // lease and it expires after its TTL.
+            let heartbeat = AbortOnDrop(tokio::spawn(
+                Heartbeat {
+                    db: self.db.clone(),
                     role,
                     token,
-                    interval,
-                    started,
-                    Ending::Returned,
-                    Err(payload),
-                    &lost,
-                )
-                .await;
-                unreachable!("finish re-raises the panic");
-            }
-        };
-        // Aborted on drop: if this future is dropped mid-tick, nothing renews the
-        // lease and it expires after its TTL.
-        let heartbeat = AbortOnDrop(tokio::spawn(
-            Heartbeat {
-                db: self.db.clone(),
-                role,
-                token,
-                timing: t,
-                lost: lost.clone(),
-                telemetry: self.telemetry.clone(),
-                last_ack: acquire_sent,
-            }
-            .run()
-            .instrument(span.clone()),
-        ));
-
-        let mut heartbeat = heartbeat;
-        let (mut ending, mut result) = tokio::select! {
-            r = &mut work => (Ending::Returned, Some(r)),
-            _ = lost.token.cancelled() => (Ending::Lost, None),
-            ended = &mut heartbeat.0 => {
-                // The heartbeat returns only after reporting a loss. Ending
-                // without one (a panic) leaves nothing renewing the lease, so
-                // nothing would abandon it either: abandon now.
-                if lost.reason().is_none() {
-                    let panicked = ended.as_ref().err().is_some_and(|e| e.is_panic());
-                    warn!(role = %role, token, panicked, "the heartbeat ended without a verdict; abandoning the lease");
-                    lost.set(LostReason::HeartbeatFailed);
+                    timing: t,
+                    lost: lost.clone(),
+                    telemetry: self.telemetry.clone(),
+                    last_ack: acquire_sent,
                 }
-                (Ending::Lost, None)
-            }
-            _ = shutdown.cancelled() => (Ending::Shutdown, None),
-        };
-        // Work that returned once shutdown had begun was cut short by it (its
-        // cancel token is a child of shutdown); work that returned before any
-        // shutdown completed, whatever happens next.
-        if ending == Ending::Returned && shutdown.is_cancelled() {
-            ending = Ending::Shutdown;
-        }
-        if result.is_none() {
-            // Lost or shutting down: ask the work to stop, give it the grace, then drop it.
-            cancel.cancel();
-            result = tokio::time::timeout(t.cancel_grace, &mut work).await.ok();
-            if result.is_none() {
-                warn!(role = %role, token, grace = ?t.cancel_grace, "tick did not return after cancel; dropped");
-            }
-        }
-        drop(work);
-        drop(heartbeat);
+                .run()
+                .instrument(span.clone()),
+            ));
 
-        // No result: the work was dropped after its grace; the ending (lost or
-        // shutdown) decides the release.
-        let result = result.unwrap_or(Ok(TickEnd::Drained));
-        Ok(self
-            .finish(role, token, interval, started, ending, result, &lost)
-            .instrument(span)
-            .await)
+            let mut heartbeat = heartbeat;
+            let (mut ending, mut result) = tokio::select! {
+                r = &mut work => (Ending::Returned, Some(r)),
+                _ = lost.token.cancelled() => (Ending::Lost, None),
+                ended = &mut heartbeat.0 => {
+                    // The heartbeat returns only after reporting a loss. Ending
+                    // without one (a panic) leaves nothing renewing the lease, so
+                    // nothing would abandon it either: abandon now.
+                    if lost.reason().is_none() {
+                        let panicked = ended.as_ref().err().is_some_and(|e| e.is_panic());
+                        warn!(role = %role, token, panicked, "the heartbeat ended without a verdict; abandoning the lease");
+                        lost.set(LostReason::HeartbeatFailed);
+                    }
+                    (Ending::Lost, None)
+                }
+                _ = shutdown.cancelled() => (Ending::Shutdown, None),
+            };
+            // Work that returned once shutdown had begun was cut short by it (its
+            // cancel token is a child of shutdown); work that returned before any
+            // shutdown completed, whatever happens next.
+            if ending == Ending::Returned && shutdown.is_cancelled() {
+                ending = Ending::Shutdown;
+            }
+            if result.is_none() {
+                // Lost or shutting down: ask the work to stop, give it the grace, then drop it.
+                cancel.cancel();
+                result = tokio::time::timeout(t.cancel_grace, &mut work).await.ok();
+                if result.is_none() {
+                    warn!(role = %role, token, grace = ?t.cancel_grace, "tick did not return after cancel; dropped");
+                }
+            }
+            drop(work);
+            drop(heartbeat);
+
+            // No result: the work was dropped after its grace; the ending (lost or
+            // shutdown) decides the release.
+            let result = result.unwrap_or(Ok(TickEnd::Drained));
+            Ok(self
+                .finish(role, token, interval, started, ending, result, &lost)
+                .await)
+        }
+        .instrument(span.clone())
+        .await
     }
 
     /// Decide the outcome, report it, RELEASE, announce it, and re-raise a panic.

@@ -404,6 +404,7 @@ fn a_database_url_with_an_unknown_sslmode_is_refused_by_its_variable() {
         secrets_key: None,
         rust_log: String::new(),
         log_format: String::new(),
+        otlp_endpoint: None,
     };
     let good = "postgres://app:hunter2@db/x?sslmode=verify-full";
     let rows = [
