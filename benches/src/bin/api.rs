@@ -16,6 +16,7 @@
 //!
 //! Writes `docs/benchmarks/api.md` (between its markers) and `api.json`.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -45,9 +46,14 @@ struct Args {
     /// The API pool's connections (PgBouncer multiplexes them).
     #[arg(long, default_value_t = 32)]
     pool: u32,
-    /// Events published per second beside the webhook benchmark.
-    #[arg(long, default_value_t = 500)]
-    background_rate: u32,
+    /// Events published per second beside the webhook benchmark, one
+    /// measure per rate (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [100, 500])]
+    background_rates: Vec<u32>,
+    /// Interleaved rounds of the webhook benchmark (alone, then beside each
+    /// rate); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    webhook_rounds: usize,
     /// Skip the webhook benchmark runs.
     #[arg(long)]
     skip_webhooks: bool,
@@ -156,29 +162,63 @@ async fn main() -> Result<()> {
 
     let mut webhooks = Value::Null;
     if !args.skip_webhooks {
-        let alone = webhooks_bench(&scripts.join("alone")).await?;
-        progress(&format!("webhooks alone: {alone:.0} deliveries/s"));
-        let load_stop = CancellationToken::new();
-        let loader = tokio::spawn(paced_publish(
-            events_url.clone(),
-            key.clone(),
-            args.background_rate,
-            load_stop.clone(),
-        ));
-        let beside = webhooks_bench(&scripts.join("beside")).await?;
-        load_stop.cancel();
-        let (sent, failed) = loader.await??;
-        progress(&format!(
-            "webhooks beside {} events/s of API load: {beside:.0} deliveries/s ({sent} published, {failed} failed)",
-            args.background_rate
-        ));
+        // Interleaved rounds: alone, then beside each rate, so drift on a
+        // noisy machine falls on every measure alike.
+        let mut alone = Vec::new();
+        let mut beside: BTreeMap<u32, Vec<(f64, f64, u64, u64)>> = BTreeMap::new();
+        for round in 1..=args.webhook_rounds {
+            let a = webhooks_bench(&scripts.join("alone")).await?;
+            progress(&format!("round {round}: webhooks alone: {a:.0} deliveries/s"));
+            alone.push(a);
+            for &rate in &args.background_rates {
+                let load_stop = CancellationToken::new();
+                let cpu_before = own_cpu_seconds();
+                let wall = Instant::now();
+                let loader = tokio::spawn(paced_publish(
+                    events_url.clone(),
+                    key.clone(),
+                    rate,
+                    load_stop.clone(),
+                ));
+                let d = webhooks_bench(&scripts.join(format!("beside-{rate}"))).await?;
+                load_stop.cancel();
+                let (sent, failed) = loader.await??;
+                // This process is the API server and its paced client: the
+                // share of the machine's cores it took while the webhook
+                // benchmark ran beside it.
+                let share = (own_cpu_seconds() - cpu_before)
+                    / (wall.elapsed().as_secs_f64() * cores());
+                progress(&format!(
+                    "round {round}: webhooks beside {rate} events/s: {d:.0} deliveries/s \
+                     ({sent} published, {failed} failed; the API process took {:.1} % of the cores)",
+                    share * 100.0
+                ));
+                beside.entry(rate).or_default().push((d, share, sent, failed));
+            }
+        }
+        let alone_median = median(alone.clone());
+        let rows: Vec<Value> = beside
+            .iter()
+            .map(|(rate, runs)| {
+                let d = median(runs.iter().map(|r| r.0).collect());
+                let share = median(runs.iter().map(|r| r.1).collect());
+                json!({
+                    "api_events_per_s": rate,
+                    "deliveries_per_s_median": d,
+                    "ratio": d / alone_median,
+                    "api_process_core_share_median": share,
+                    "ratio_expected_from_core_share": 1.0 - share,
+                    "runs": runs.iter().map(|r| json!({
+                        "deliveries_per_s": r.0, "api_process_core_share": r.1,
+                        "published": r.2, "failed": r.3,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
         webhooks = json!({
-            "deliveries_per_s_alone": alone,
-            "deliveries_per_s_beside_api_load": beside,
-            "ratio": beside / alone,
-            "api_background_events_per_s": args.background_rate,
-            "api_background_published": sent,
-            "api_background_failed": failed,
+            "deliveries_per_s_alone_median": alone_median,
+            "deliveries_per_s_alone_runs": alone,
+            "beside": rows,
             "webhook_bench_flags": WEBHOOK_FLAGS.join(" "),
         });
     }
@@ -474,21 +514,41 @@ fn write_report(report: &Value, out_dir: Option<PathBuf>) -> Result<()> {
     let w = &report["webhooks"];
     if !w.is_null() {
         md.push_str(&format!(
-            "\nWebhook throughput benchmark (`webhooks {}`): {:.0} deliveries/s alone, \
-             {:.0} deliveries/s while the API published {} events/s ({} published, {} failed): \
-             ratio {:.2}.\n",
+            "\nWebhook throughput benchmark (`webhooks {}`), interleaved rounds, medians: \
+             {:.0} deliveries/s alone.\n\n\
+             | API load | Deliveries/s | Ratio to alone | API process's share of the cores | 1 − that share |\n\
+             |---|---:|---:|---:|---:|\n",
             w["webhook_bench_flags"].as_str().unwrap_or(""),
-            w["deliveries_per_s_alone"].as_f64().unwrap_or(0.0),
-            w["deliveries_per_s_beside_api_load"]
-                .as_f64()
-                .unwrap_or(0.0),
-            w["api_background_events_per_s"],
-            w["api_background_published"],
-            w["api_background_failed"],
-            w["ratio"].as_f64().unwrap_or(0.0),
+            w["deliveries_per_s_alone_median"].as_f64().unwrap_or(0.0),
         ));
+        for b in w["beside"].as_array().into_iter().flatten() {
+            md.push_str(&format!(
+                "| {} events/s | {:.0} | {:.2} | {:.1} % | {:.2} |\n",
+                b["api_events_per_s"],
+                b["deliveries_per_s_median"].as_f64().unwrap_or(0.0),
+                b["ratio"].as_f64().unwrap_or(0.0),
+                b["api_process_core_share_median"].as_f64().unwrap_or(0.0) * 100.0,
+                b["ratio_expected_from_core_share"].as_f64().unwrap_or(0.0),
+            ));
+        }
     }
     md.push('\n');
     md.push_str(&benches::machine_and_settings(report));
     benches::write_generated(&dir, "api.md", &md)
+}
+
+/// This process's CPU time so far (user + system), in seconds.
+fn own_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command's closing parenthesis; utime and stime
+    // are the 14th and 15th of the whole line, in clock ticks (100 a second
+    // on Linux).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (field(11) + field(12)) / 100.0
+}
+
+fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
 }
