@@ -168,7 +168,9 @@ async fn main() -> Result<()> {
         let mut beside: BTreeMap<u32, Vec<(f64, f64, u64, u64)>> = BTreeMap::new();
         for round in 1..=args.webhook_rounds {
             let a = webhooks_bench(&scripts.join("alone")).await?;
-            progress(&format!("round {round}: webhooks alone: {a:.0} deliveries/s"));
+            progress(&format!(
+                "round {round}: webhooks alone: {a:.0} deliveries/s"
+            ));
             alone.push(a);
             for &rate in &args.background_rates {
                 let load_stop = CancellationToken::new();
@@ -186,14 +188,17 @@ async fn main() -> Result<()> {
                 // This process is the API server and its paced client: the
                 // share of the machine's cores it took while the webhook
                 // benchmark ran beside it.
-                let share = (own_cpu_seconds() - cpu_before)
-                    / (wall.elapsed().as_secs_f64() * cores());
+                let share =
+                    (own_cpu_seconds() - cpu_before) / (wall.elapsed().as_secs_f64() * cores());
                 progress(&format!(
                     "round {round}: webhooks beside {rate} events/s: {d:.0} deliveries/s \
                      ({sent} published, {failed} failed; the API process took {:.1} % of the cores)",
                     share * 100.0
                 ));
-                beside.entry(rate).or_default().push((d, share, sent, failed));
+                beside
+                    .entry(rate)
+                    .or_default()
+                    .push((d, share, sent, failed));
             }
         }
         let alone_median = median(alone.clone());

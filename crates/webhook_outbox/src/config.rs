@@ -11,6 +11,12 @@ pub struct DispatcherConfig {
     pub tick_budget: Duration,
     /// The server cancels a batch's statements after this. Default 10 s.
     pub statement_timeout: Duration,
+    /// Deliveries one statement may fan out before it stops taking events
+    /// (at least one event is always taken). Default 10,000: a batch of
+    /// 500 events to 20 endpoints each; a tenant with far more endpoints
+    /// fans out fewer events a statement instead of one statement running
+    /// for its whole budget (issue 25, point 4).
+    pub max_deliveries_per_statement: usize,
 }
 
 impl Default for DispatcherConfig {
@@ -19,6 +25,7 @@ impl Default for DispatcherConfig {
             batch_size: 500,
             tick_budget: Duration::from_secs(10),
             statement_timeout: Duration::from_secs(10),
+            max_deliveries_per_statement: 10_000,
         }
     }
 }
@@ -38,6 +45,9 @@ impl DispatcherConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.batch_size == 0 {
             return Err(ConfigError::Zero("batch_size"));
+        }
+        if self.max_deliveries_per_statement == 0 {
+            return Err(ConfigError::Zero("max_deliveries_per_statement"));
         }
         let durations = [
             ("tick_budget", self.tick_budget),

@@ -34,15 +34,25 @@ pub(crate) struct Batch {
 /// The statement of [`claim_and_fan_out`]; `pub` only for the plan test
 /// (`tests/it/plans.rs`).
 pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
-           SELECT id FROM webhook_events \
+           SELECT id, tenant_id FROM webhook_events \
            WHERE dispatched_at IS NULL \
              AND leader_fence($1, $2) \
            ORDER BY id \
            LIMIT $3 \
            FOR UPDATE SKIP LOCKED), \
+         fan AS MATERIALIZED ( \
+           SELECT t.tenant_id, \
+                  (SELECT count(ep.id) FROM webhook_endpoints ep \
+                   WHERE ep.tenant_id = t.tenant_id AND ep.enabled) AS endpoints \
+           FROM (SELECT DISTINCT tenant_id FROM claimed) t), \
+         taken AS ( \
+           SELECT id FROM ( \
+             SELECT c.id, sum(f.endpoints) OVER (ORDER BY c.id) - f.endpoints AS before \
+             FROM claimed c JOIN fan f ON f.tenant_id = c.tenant_id) w \
+           WHERE w.before < $5), \
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
-           FROM claimed WHERE e.id = claimed.id \
+           FROM taken WHERE e.id = taken.id \
            RETURNING e.id, e.tenant_id, e.event_type), \
          ins AS ( \
            INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
@@ -66,6 +76,14 @@ pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
 /// and, if any was inserted, wake the `webhook_delivery` role (`pg_notify`,
 /// sent at commit; docs/adr/0014).
 ///
+/// The fan-out is bounded per statement (issue 25, point 4): claimed events
+/// are taken in id order while the endpoints of the events taken before
+/// (each tenant's enabled endpoints, counted once per tenant) stay under
+/// `max_deliveries`; the first event is always taken, so an event is never
+/// left behind, and the rest of the claim is left undispatched for the next
+/// statement. A tenant with 10,000 endpoints therefore fans out one event a
+/// statement instead of a whole batch's 5,000,000 rows in one.
+///
 /// One round trip for the statement whatever the batch size, in a transaction
 /// that keeps the claim to an ordered scan of `webhook_events_undispatched`
 /// whatever the statistics say (`Db::begin_index_driven`, docs/adr/0023). The claim proves
@@ -75,9 +93,11 @@ pub(crate) async fn claim_and_fan_out(
     db: &Db,
     fence: &Fence,
     limit: usize,
+    max_deliveries: usize,
     statement_timeout: Duration,
 ) -> Result<Batch, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let row = tx
         .fetch_one(
@@ -85,7 +105,8 @@ pub(crate) async fn claim_and_fan_out(
                 .bind(fence.role_name())
                 .bind(fence.token())
                 .bind(limit)
-                .bind(wake_channel(Role::WebhookDelivery)),
+                .bind(wake_channel(Role::WebhookDelivery))
+                .bind(max_deliveries),
         )
         .await?;
     tx.commit().await?;

@@ -113,8 +113,14 @@ impl Dispatcher {
     }
 
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        let batch =
-            store::claim_and_fan_out(&self.db, fence, limit, self.config.statement_timeout).await?;
+        let batch = store::claim_and_fan_out(
+            &self.db,
+            fence,
+            limit,
+            self.config.max_deliveries_per_statement,
+            self.config.statement_timeout,
+        )
+        .await?;
         if batch.events > 0 {
             self.telemetry
                 .counter("hardcount_webhook_events_dispatched_total", &[])

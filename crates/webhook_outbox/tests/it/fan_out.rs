@@ -346,3 +346,86 @@ async fn the_tenant_check_covers_every_row_of_a_statement_and_referents_stay() {
             .unwrap();
     }
 }
+
+/// One statement fans out at most `max_deliveries_per_statement` deliveries
+/// (one event always): a tenant with many endpoints fans out a few events a
+/// statement, and another tenant's events behind it still go out; every
+/// event is dispatched once, to every endpoint, across statements.
+///
+/// Catches: the bound ignored (seen: with `WHERE w.before < $5` made
+/// `WHERE true`, the first statement dispatched all 30 events, 1,200
+/// deliveries), and an event left behind by the bound.
+#[tokio::test]
+async fn a_tenant_with_many_endpoints_fans_out_a_bounded_number_a_statement() {
+    let t = TestDb::new().await;
+    for _ in 0..40 {
+        endpoint(&t, "wide", &[], true).await;
+    }
+    endpoint(&t, "small", &[], true).await;
+    let mut tx = t.db.begin().await.unwrap();
+    for n in 0..30 {
+        let tenant = if n == 29 { "small" } else { "wide" };
+        webhook_outbox::enqueue(&mut tx, tenant, "invoice.paid", &format!(r#"{{"n": {n}}}"#))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let config = DispatcherConfig {
+        max_deliveries_per_statement: 100,
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    let m = manager(&t.db, "a");
+    let first = as_leader(&m, Role::WebhookOutbox, |tick| {
+        let d = d.clone();
+        async move { d.dispatch_batch(&tick.fence, 500).await.unwrap() }
+    })
+    .await;
+    // 40 endpoints an event: events are taken while fewer than 100
+    // deliveries were before them, so 3 (0, 40, 80 before).
+    assert_eq!(first, 3);
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        120
+    );
+    let mut statements = 1;
+    loop {
+        let n = as_leader(&m, Role::WebhookOutbox, |tick| {
+            let d = d.clone();
+            async move { d.dispatch_batch(&tick.fence, 500).await.unwrap() }
+        })
+        .await;
+        if n == 0 {
+            break;
+        }
+        assert!(n <= 3, "a statement took {n} events");
+        statements += 1;
+    }
+    assert_eq!(statements, 10, "30 events, 3 a statement");
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_deliveries").await,
+        29 * 40 + 1
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL"
+        )
+        .await,
+        0
+    );
+
+    // One event to more endpoints than the bound still goes, alone.
+    let config = DispatcherConfig {
+        max_deliveries_per_statement: 10,
+        ..DispatcherConfig::default()
+    };
+    let (d, _) = dispatcher(&t.db, config);
+    event(&t.db, "wide", "invoice.paid", "{}").await;
+    let n = as_leader(&m, Role::WebhookOutbox, |tick| {
+        let d = d.clone();
+        async move { d.dispatch_batch(&tick.fence, 500).await.unwrap() }
+    })
+    .await;
+    assert_eq!(n, 1);
+}
