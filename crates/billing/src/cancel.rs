@@ -77,6 +77,9 @@ pub(crate) async fn cancel_subscription_in(
             false => Err(not_found()),
         };
     }
+    if cancel_trial_in(tx, tenant_id, subscription).await? {
+        return Ok(Canceled { invoice_id: None });
+    }
     let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
         return Err(not_found());
     };
@@ -165,6 +168,44 @@ async fn snapshot_in(
         ))
     })
     .transpose()
+}
+
+/// Cancel a trialing subscription now: nothing was used that is paid for,
+/// so nothing is invoiced (as a provider cancels a trial), announced with
+/// `subscription.canceled`; `false` when it is not trialing.
+async fn cancel_trial_in(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<bool, Error> {
+    let row = tx
+        .fetch_optional(
+            sql(
+                "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), \
+                        updated_at = now() \
+                 WHERE tenant_id = $1 AND id = $2 AND status = 'trialing' \
+                 RETURNING plan_id, trial_end",
+            )
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let plan: i64 = row.try_get("plan_id").map_err(db::Error::from)?;
+    let trial_end: DateTime<Utc> = row.try_get("trial_end").map_err(db::Error::from)?;
+    let payload = serde_json::json!({
+        "object": "subscription",
+        "id": subscription,
+        "status": "canceled",
+        "plan": plan,
+        "trial_end": trial_end.to_rfc3339(),
+        "cancel_at_period_end": false,
+    })
+    .to_string();
+    outbox::webhook::enqueue(tx, tenant_id, "subscription.canceled", &payload).await?;
+    Ok(true)
 }
 
 /// Mark an active subscription to end with its period, announced with

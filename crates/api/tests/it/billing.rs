@@ -994,3 +994,48 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
         json!([])
     );
 }
+
+/// A trialing subscription is canceled now with nothing invoiced and
+/// `subscription.canceled` announced; canceling it at its period's end is
+/// refused by the field, and a canceled one cannot be canceled again.
+///
+/// Catches: the trial cancel missing (seen: 409 `invalid_state`, "the
+/// subscription is not active").
+#[tokio::test]
+async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let customer = b.customer(&b.a).await;
+    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
+    let trial = b
+        .created(
+            &b.a,
+            "/v1/subscriptions",
+            json!({"customer": customer, "plan": plan, "trial_end": near}),
+        )
+        .await;
+    let id = trial["id"].as_i64().unwrap();
+    let cancel = format!("/v1/subscriptions/{id}/cancel");
+    let later =
+        b.s.post(&b.a, &cancel, json!({"at_period_end": true}))
+            .await;
+    assert_eq!(later.status, 400, "{:?}", later.body);
+    assert_eq!(later.refusal().1.as_deref(), Some("at_period_end"));
+    let now = b.s.post(&b.a, &cancel, json!({})).await;
+    assert_eq!(now.status, 200, "{:?}", now.body);
+    assert_eq!(now.body["status"], "canceled");
+    let count = |q: &'static str| {
+        let db = b.t.db.clone();
+        async move { db.fetch_one(sql(q)).await.unwrap().get::<i64, _>("n") }
+    };
+    assert_eq!(count("SELECT count(*) AS n FROM invoices").await, 0);
+    assert_eq!(
+        count(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'subscription.canceled'"
+        )
+        .await,
+        1
+    );
+    let again = b.s.post(&b.a, &cancel, json!({})).await;
+    assert_eq!(again.status, 409, "{:?}", again.body);
+}

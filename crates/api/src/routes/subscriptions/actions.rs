@@ -91,7 +91,8 @@ async fn live(scope: &mut Scope, id: i64) -> Result<Subscription, ApiError> {
     Ok(s)
 }
 
-/// Cancel a subscription now (the used part invoiced) or at its period's end.
+/// Cancel a subscription now (the used part invoiced; a trialing one with
+/// nothing invoiced) or, an active one, at its period's end.
 #[utoipa::path(
     post, path = "/v1/subscriptions/{id}/cancel", tag = "subscriptions",
     params(
@@ -113,11 +114,19 @@ pub async fn cancel(
         return Ok(replay);
     }
     let s = live(&mut scope, id).await?;
-    if s.status != "active" {
+    let trialing = s.status == "trialing";
+    if trialing && body.value.at_period_end {
+        return Err(ApiError::invalid(
+            Code::ParameterInvalid,
+            "at_period_end",
+            "a trialing subscription is canceled now (nothing is invoiced); at_period_end is for an active one",
+        ));
+    }
+    if s.status != "active" && !trialing {
         return Err(ApiError::conflict(
             Code::InvalidState,
             format!(
-                "only an active subscription is canceled; this one is {}",
+                "only an active or trialing subscription is canceled; this one is {}",
                 s.status
             ),
         ));
