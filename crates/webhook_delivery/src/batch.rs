@@ -25,13 +25,14 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use leader::Role;
-use scheduler::{Panics, Payload, catch, panic_message};
+use scheduler::{Panics, Payload, catch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::warn;
 
 use crate::attempt::{self, Attempted, Prepared, StartBy};
 use crate::delivery::{Claimed, Outcome};
+use crate::failure::Failure;
 use crate::outcomes::{self, Finished, OUTCOME_GROUP, OutcomeBuffer, Step};
 use crate::shared::Shared;
 use crate::store::HoldRow;
@@ -338,10 +339,12 @@ fn finished(
         }) => holds.push((id, attempt, wait, why)),
         Err(payload) => {
             // Count the panic as a failed attempt, so a delivery that
-            // panics every time dies after its last attempt.
+            // panics every time dies after its last attempt. Its message is
+            // the operator's (the panic hook logged it); `last_error` and the
+            // tenant's attempt history get the category only.
             report.panicked += 1;
             let observed = Observed {
-                error: Some(format!("processing panicked: {}", panic_message(&*payload))),
+                error: Some(Failure::Panicked.to_string()),
                 ..Observed::default()
             };
             panics.record(payload);
@@ -393,6 +396,7 @@ async fn sleep_until_some(at: Option<tokio::time::Instant>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use scheduler::panic_message;
     use std::panic::AssertUnwindSafe;
 
     #[tokio::test]

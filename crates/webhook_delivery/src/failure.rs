@@ -42,6 +42,9 @@ pub enum Failure {
     BadSecret,
     /// The request failed in some other way (a broken response).
     Request,
+    /// Processing the delivery panicked (a bug of this service; the panic's
+    /// message is in the operator log only).
+    Panicked,
 }
 
 impl Failure {
@@ -64,6 +67,7 @@ impl Failure {
             Failure::BadUrl => "bad_url",
             Failure::BadSecret => "bad_secret",
             Failure::Request => "request_failed",
+            Failure::Panicked => "panicked",
         }
     }
 
