@@ -221,12 +221,17 @@ impl Cluster {
     /// checkpoint, up again on the same port).
     pub async fn restart_postgres(&self) {
         let data = self.dir.join("pg");
+        let log = self.dir.join("pg.log");
         let port = self.pg_port;
         tokio::task::spawn_blocking(move || {
+            // With its log file: without one the new server would write to
+            // pg_ctl's stdout, and holding that pipe open, never let it end.
             run(
                 as_postgres(&format!("{PGBIN}/pg_ctl"))
                     .arg("-D")
                     .arg(&data)
+                    .arg("-l")
+                    .arg(&log)
                     .args(["-w", "-t", "60", "-m", "fast", "restart"]),
                 "pg_ctl restart",
             );
@@ -252,9 +257,14 @@ impl Cluster {
     pub async fn set_read_only(&self, read_only: bool) {
         let mut su = self.superuser(DATABASE).await;
         let value = if read_only { "on" } else { "off" };
+        // One statement each: ALTER SYSTEM refuses to run in the implicit
+        // transaction of a multi-statement query.
+        sqlx::raw_sql("SET default_transaction_read_only = off")
+            .execute(&mut su)
+            .await
+            .expect("SET default_transaction_read_only");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "SET default_transaction_read_only = off; \
-             ALTER SYSTEM SET default_transaction_read_only = {value}"
+            "ALTER SYSTEM SET default_transaction_read_only = {value}"
         )))
         .execute(&mut su)
         .await

@@ -115,7 +115,12 @@ async fn accept_loop(
             continue;
         };
         let _ = client.set_nodelay(true);
-        tokio::spawn(connection(client, upstream, modes.clone(), stop.child_token()));
+        tokio::spawn(connection(
+            client,
+            upstream,
+            modes.clone(),
+            stop.child_token(),
+        ));
     }
 }
 
@@ -282,11 +287,19 @@ mod tests {
         let t = Instant::now();
         assert_eq!(round_trip(&mut s, b"slow").await.unwrap(), b"slow");
         // Held once each way.
-        assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
         p.set(Mode::Pass);
         let t = Instant::now();
         round_trip(&mut s, b"fast").await.unwrap();
-        assert!(t.elapsed() < Duration::from_millis(150), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(150),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[tokio::test]

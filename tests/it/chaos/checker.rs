@@ -122,7 +122,9 @@ pub async fn check(
         }
     }
     for (inv, n) in per_invoice.iter().filter(|(_, n)| **n > 1) {
-        v.push(format!("invoice {inv} was charged {n} times by the provider's count"));
+        v.push(format!(
+            "invoice {inv} was charged {n} times by the provider's count"
+        ));
     }
 
     // No dunning attempt counted twice: a run's count is the retries recorded.
@@ -151,7 +153,12 @@ pub async fn check(
     for (role, a, b) in history::overlaps(&terms) {
         v.push(format!("{role}: term {b} began before term {a} ended"));
     }
-    for t in terms.iter().filter(|t| t.unclean()) {
+    // A term still open is not an unclean end.
+    let at = history::now();
+    for t in terms
+        .iter()
+        .filter(|t| t.unclean() && (t.released.is_some() || t.expires <= at))
+    {
         *r.unclean.entry(t.role.clone()).or_default() += 1;
     }
     let unclean_of = r.unclean.clone();
@@ -218,11 +225,15 @@ pub async fn check(
             }
         }
         if status != "delivered" && received.contains_key(&(path, id.clone())) {
-            v.push(format!("event {id} was received but its delivery is {status}"));
+            v.push(format!(
+                "event {id} was received but its delivery is {status}"
+            ));
         }
     }
     if missing > 10 {
-        v.push(format!("... {missing} deliveries in all never reached their endpoint"));
+        v.push(format!(
+            "... {missing} deliveries in all never reached their endpoint"
+        ));
     }
     r.deliveries = expected.len();
     if r.webhook_duplicates > 0 && unclean("webhook_delivery") == 0 {
@@ -251,7 +262,9 @@ pub async fn check(
             None => {
                 unsent += 1;
                 if unsent <= 10 {
-                    v.push(format!("email {id} never reached the sink (it is {status})"));
+                    v.push(format!(
+                        "email {id} never reached the sink (it is {status})"
+                    ));
                 }
             }
         }

@@ -14,10 +14,10 @@ use db::Db;
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use sqlx::postgres::PgConnection;
 use sqlx::{Connection, Row};
+use testbed::SmtpSink;
 use testbed::cluster::{Cluster, DATABASE};
 use testbed::proxy::{FaultProxy, Mode};
 use testbed::receiver::Receiver;
-use testbed::SmtpSink;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -114,7 +114,11 @@ impl Harness {
         .unwrap();
         let _ = su.close().await;
         let api = Db::connect_lazy(
-            &Cluster::url_via(&cluster.bouncer_addr().to_string(), "hardcount_api", DATABASE),
+            &Cluster::url_via(
+                &cluster.bouncer_addr().to_string(),
+                "hardcount_api",
+                DATABASE,
+            ),
             1,
         )
         .unwrap();
@@ -227,8 +231,10 @@ impl Harness {
 
     /// The replica whose process holds `holder`, if it is one of ours still.
     pub fn index_of(&self, holder: &str) -> Option<usize> {
-        (0..self.replicas.len())
-            .find(|&i| self.pid(i).is_some_and(|p| holder.contains(&format!(":{p}:"))))
+        (0..self.replicas.len()).find(|&i| {
+            self.pid(i)
+                .is_some_and(|p| holder.contains(&format!(":{p}:")))
+        })
     }
 
     pub async fn su(&self) -> PgConnection {
@@ -316,7 +322,9 @@ impl Harness {
     /// Work left: undispatched events, pending deliveries, queued emails,
     /// due subscriptions, unsettled charges, dunning runs owing a step.
     pub async fn work_left(&self) -> Option<i64> {
-        let mut su = PgConnection::connect(&self.cluster.superuser_url()).await.ok()?;
+        let mut su = PgConnection::connect(&self.cluster.superuser_url())
+            .await
+            .ok()?;
         let row = sqlx::query(
             "SELECT (SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL) \
                   + (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending') \
@@ -351,13 +359,18 @@ impl Harness {
 
     /// Stop feeding, drain, run the checker, assert it green; feed again.
     pub async fn check(&mut self, after: &str) -> Report {
+        let started = Instant::now();
         self.stop_feeding().await;
         self.drain(Duration::from_secs(180)).await;
+        let drained = started.elapsed();
         // A last duplicate may still be on its way to the receiver or sink.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let mut su = self.su().await;
         let report = checker::check(&mut su, &self.provider, &self.rx, &self.sink).await;
-        println!("checker after {after}: {}", report.summary());
+        println!(
+            "checker after {after} (drained in {drained:.1?}): {}",
+            report.summary()
+        );
         report.assert_green(after);
         self.feed();
         report
@@ -415,6 +428,10 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
+        // The replicas' logs stay after a failure, to read.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
         if let Some((stop, _)) = &self.feeder {
             stop.cancel();
         }

@@ -130,7 +130,10 @@ pub async fn takeovers(
                 .filter(|t| t.role == old.role && t.token > old.token && !t.held_by(victim))
                 .min_by_key(|t| t.token)
             {
-                let last_write = old.renewed.unwrap_or(old.acquired).max(old.released.unwrap_or(0.0));
+                let last_write = old
+                    .renewed
+                    .unwrap_or(old.acquired)
+                    .max(old.released.unwrap_or(0.0));
                 out.push(Takeover {
                     role: old.role.clone(),
                     after_fault: Duration::from_secs_f64((new.acquired - fault_at).max(0.0)),

@@ -43,7 +43,8 @@ fn env_u64(name: &str) -> Option<u64> {
     })
 }
 
-/// Until every role has a term acquired after `since` (each ticked again).
+/// Until every role has run since `since`: a term acquired, or one renewed,
+/// after it (a webhook role's tick stays open for as long as it is led).
 async fn until_every_role_ticks(h: &Harness, since: f64, limit: Duration, what: &str) -> Duration {
     let started = Instant::now();
     let mut su = h.su().await;
@@ -52,14 +53,18 @@ async fn until_every_role_ticks(h: &Harness, since: f64, limit: Duration, what: 
         let missing: Vec<&str> = ROLES
             .iter()
             .copied()
-            .filter(|r| !terms.iter().any(|t| t.role == *r && t.acquired > since))
+            .filter(|r| {
+                !terms.iter().any(|t| {
+                    t.role == *r && (t.acquired > since || t.renewed.is_some_and(|at| at > since))
+                })
+            })
             .collect();
         if missing.is_empty() {
             return started.elapsed();
         }
         assert!(
             started.elapsed() < limit,
-            "after {what}: {missing:?} did not tick again within {limit:?}"
+            "after {what}: {missing:?} did not run again within {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -72,7 +77,10 @@ async fn until_every_role_ticks(h: &Harness, since: f64, limit: Duration, what: 
 /// refused).
 async fn sigstop_past_the_ttl_then_sigcont(h: &mut Harness) {
     let role = "webhook_delivery";
-    let (victim, _) = h.until_held(role, Duration::from_secs(30)).await.expect("a holder");
+    let (victim, _) = h
+        .until_held(role, Duration::from_secs(30))
+        .await
+        .expect("a holder");
     let pid = h.pid(victim).unwrap();
     let lost_before = h.lost(victim, role).await;
     let at = now();
@@ -98,7 +106,10 @@ async fn sigstop_past_the_ttl_then_sigcont(h: &mut Harness) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = history::takeovers(&mut su, pid, at, Duration::from_secs(5)).await;
     for t in &after {
-        assert!(t.fenced, "the resumed replica's old term wrote after the takeover: {t:?}");
+        assert!(
+            t.fenced,
+            "the resumed replica's old term wrote after the takeover: {t:?}"
+        );
     }
     println!(
         "SIGSTOP: {} taken over after {:?} (slack {:.0} ms); roles it held {:?}; fenced after SIGCONT",
@@ -115,7 +126,7 @@ async fn postgres_restarted_mid_tick(h: &mut Harness) {
         .expect("a tick open");
     h.cluster.restart_postgres().await;
     let back = now();
-    let took = until_every_role_ticks(h, back, Duration::from_secs(60), "a Postgres restart").await;
+    let took = until_every_role_ticks(h, back, Duration::from_secs(90), "a Postgres restart").await;
     for i in 0..h.replicas.len() {
         h.until_ready(i, true, Duration::from_secs(30)).await;
     }
@@ -128,7 +139,8 @@ async fn pgbouncer_restarted(h: &mut Harness) {
         .expect("a tick open");
     h.cluster.restart_bouncer().await;
     let back = now();
-    let took = until_every_role_ticks(h, back, Duration::from_secs(60), "a PgBouncer restart").await;
+    let took =
+        until_every_role_ticks(h, back, Duration::from_secs(90), "a PgBouncer restart").await;
     for i in 0..h.replicas.len() {
         h.until_ready(i, true, Duration::from_secs(30)).await;
     }
@@ -159,8 +171,10 @@ async fn read_only_then_writable(h: &mut Harness) {
     for i in 0..h.replicas.len() {
         h.until_ready(i, true, Duration::from_secs(20)).await;
     }
-    let took = until_every_role_ticks(h, back, Duration::from_secs(60), "writable again").await;
-    println!("read-only: not ready on every replica, no term began; writable: every role ticked {took:?} after");
+    let took = until_every_role_ticks(h, back, Duration::from_secs(90), "writable again").await;
+    println!(
+        "read-only: not ready on every replica, no term began; writable: every role ticked {took:?} after"
+    );
 }
 
 /// One replica an hour ahead, one an hour behind (libfaketime, the wall
@@ -182,7 +196,11 @@ async fn an_hour_of_wall_clock_skew(h: &mut Harness) {
     let started = Instant::now();
     loop {
         let terms = history::terms(&mut su).await;
-        let led = |pid: u32| terms.iter().any(|t| t.held_by(pid) && t.acquired > since && t.end.as_deref() == Some("completed"));
+        let led = |pid: u32| {
+            terms.iter().any(|t| {
+                t.held_by(pid) && t.acquired > since && t.end.as_deref() == Some("completed")
+            })
+        };
         if led(ahead) && led(behind) {
             break;
         }
@@ -239,10 +257,9 @@ async fn a_row_that_panics_its_step(h: &mut Harness) {
     let started = Instant::now();
     let panicked = loop {
         let terms = history::terms(&mut su).await;
-        if let Some(t) = terms
-            .iter()
-            .find(|t| t.role == "billing" && t.acquired > since && t.end.as_deref() == Some("panicked"))
-        {
+        if let Some(t) = terms.iter().find(|t| {
+            t.role == "billing" && t.acquired > since && t.end.as_deref() == Some("panicked")
+        }) {
             break t.clone();
         }
         assert!(
@@ -269,12 +286,19 @@ async fn a_row_that_panics_its_step(h: &mut Harness) {
         let (_, body) = h.serve(i).get("/metrics").await;
         counted += body
             .lines()
-            .filter(|l| l.starts_with("hardcount_leader_lease_lost_total{role=\"billing\",reason=\"panicked\"}"))
+            .filter(|l| {
+                l.starts_with(
+                    "hardcount_leader_lease_lost_total{role=\"billing\",reason=\"panicked\"}",
+                )
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>();
     }
     // A replica restarted since would not count it; the history does.
-    println!("panic: billing's tick {} ended panicked; {others} invoices made since; {counted} counted on /metrics", panicked.token);
+    println!(
+        "panic: billing's tick {} ended panicked; {others} invoices made since; {counted} counted on /metrics",
+        panicked.token
+    );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "UPDATE plans SET interval_unit = 'month' WHERE name = 'Corrupt'; \
          ALTER TABLE plans ADD CONSTRAINT plans_interval_unit_known {check}"
@@ -286,9 +310,7 @@ async fn a_row_that_panics_its_step(h: &mut Harness) {
 
 /// The seeded random faults of a chaos run, each held 1 to 12 s and healed.
 async fn chaos(h: &mut Harness, seed: u64, run_for: Duration) -> Vec<String> {
-    println!(
-        "chaos: seed {seed} (replay with HARDCOUNT_TEST_CHAOS_SEED={seed}), for {run_for:?}"
-    );
+    println!("chaos: seed {seed} (replay with HARDCOUNT_TEST_CHAOS_SEED={seed}), for {run_for:?}");
     let mut rng = StdRng::seed_from_u64(seed);
     let started = Instant::now();
     let mut log = Vec::new();
@@ -334,7 +356,10 @@ async fn chaos(h: &mut Harness, seed: u64, run_for: Duration) -> Vec<String> {
                 "database read-only".to_owned()
             }
         };
-        let line = format!("{:>6.1}s {what}, held {hold:?}", started.elapsed().as_secs_f64());
+        let line = format!(
+            "{:>6.1}s {what}, held {hold:?}",
+            started.elapsed().as_secs_f64()
+        );
         println!("chaos: {line}");
         log.push(line);
         tokio::time::sleep(hold).await;
@@ -419,7 +444,12 @@ impl Fault {
 
 /// One trial: fault the holder of `role` at a random heartbeat phase; the
 /// takeovers of every role it held. None when the role's tick ended first.
-async fn trial(h: &mut Harness, fault: Fault, role: &str, rng: &mut StdRng) -> Option<Vec<Takeover>> {
+async fn trial(
+    h: &mut Harness,
+    fault: Fault,
+    role: &str,
+    rng: &mut StdRng,
+) -> Option<Vec<Takeover>> {
     h.burst(role).await;
     let (victim, term) = h.until_held(role, Duration::from_secs(20)).await?;
     let phase = Duration::from_millis(rng.random_range(0..HEARTBEAT.as_millis() as u64));
@@ -443,7 +473,10 @@ async fn trial(h: &mut Harness, fault: Fault, role: &str, rng: &mut StdRng) -> O
         tokio::time::sleep(Duration::from_secs(2)).await;
         let after = history::takeovers(&mut su, pid, at, Duration::from_secs(5)).await;
         for t in &after {
-            assert!(t.fenced, "a severed leader's statement committed after the new ACQUIRE: {t:?}");
+            assert!(
+                t.fenced,
+                "a severed leader's statement committed after the new ACQUIRE: {t:?}"
+            );
         }
     } else {
         let _ = h.serve(victim);
@@ -505,7 +538,10 @@ async fn failure_figures() {
             }
             let Some(taken) = trial(&mut h, fault, fewest, &mut rng).await else {
                 skipped += 1;
-                assert!(skipped < 50 * trials, "too many trials found no tick to fault");
+                assert!(
+                    skipped < 50 * trials,
+                    "too many trials found no tick to fault"
+                );
                 continue;
             };
             for t in taken {
@@ -524,7 +560,9 @@ async fn failure_figures() {
                 if fault != Fault::Sigterm {
                     slack.entry(t.role.clone()).or_default().push(t.slack_ms);
                 }
-                took.entry((fault, t.role)).or_default().push(t.after_fault.as_secs_f64() * 1e3);
+                took.entry((fault, t.role))
+                    .or_default()
+                    .push(t.after_fault.as_secs_f64() * 1e3);
             }
         }
     }
@@ -534,7 +572,10 @@ async fn failure_figures() {
         let mut per = serde_json::Map::new();
         let mut all = Vec::new();
         for role in ROLES {
-            let mut v = took.get(&(fault, role.to_owned())).cloned().unwrap_or_default();
+            let mut v = took
+                .get(&(fault, role.to_owned()))
+                .cloned()
+                .unwrap_or_default();
             all.extend(v.iter().copied());
             per.insert(role.to_owned(), stats(&mut v));
         }
@@ -597,7 +638,9 @@ fn markdown(doc: &serde_json::Value) -> String {
     );
     s += "Goals with the shipped constants: SIGKILL and severed link max ≤ 10.5 s, slack p99 ≤ 100 ms, SIGTERM median ≤ 1.5 s.\n\n";
     let table = |title: &str, v: &serde_json::Value| {
-        let mut t = format!("## {title}\n\n| role | n | median ms | p95 ms | p99 ms | max ms |\n|---|---|---|---|---|---|\n");
+        let mut t = format!(
+            "## {title}\n\n| role | n | median ms | p95 ms | p99 ms | max ms |\n|---|---|---|---|---|---|\n"
+        );
         for role in ROLES.iter().copied().chain(["all"]) {
             let r = &v[role];
             t += &format!(
@@ -607,13 +650,118 @@ fn markdown(doc: &serde_json::Value) -> String {
         }
         t + "\n"
     };
-    s += &table("SIGKILL of the holder, until another replica's tick starts", &doc["takeover"]["sigkill"]);
-    s += &table("Severed link (blackholed), until another replica's tick starts", &doc["takeover"]["severed_link"]);
-    s += &table("SIGTERM of the holder, until another replica's tick starts", &doc["takeover"]["sigterm"]);
-    s += &table("Slack: old expiry to new ACQUIRE (SIGKILL and severed link)", &doc["slack_old_expiry_to_new_acquire"]);
+    s += &table(
+        "SIGKILL of the holder, until another replica's tick starts",
+        &doc["takeover"]["sigkill"],
+    );
+    s += &table(
+        "Severed link (blackholed), until another replica's tick starts",
+        &doc["takeover"]["severed_link"],
+    );
+    s += &table(
+        "SIGTERM of the holder, until another replica's tick starts",
+        &doc["takeover"]["sigterm"],
+    );
+    s += &table(
+        "Slack: old expiry to new ACQUIRE (SIGKILL and severed link)",
+        &doc["slack_old_expiry_to_new_acquire"],
+    );
     s += &format!(
         "Old terms that committed after the new ACQUIRE: {}. Trials skipped (the tick ended before the fault): {}.\n\nChecker after the run: {}.\n",
-        doc["unfenced_terms"], doc["skipped_trials"], doc["checker"].as_str().unwrap_or("?")
+        doc["unfenced_terms"],
+        doc["skipped_trials"],
+        doc["checker"].as_str().unwrap_or("?")
     );
     s
+}
+
+// ---- The operator's drill (issue 27, point 8) ----
+
+/// What an operator sees: `hardcount leader status`, the last terms of
+/// `hardcount leader history`, and each replica's lease series on /metrics.
+async fn show(h: &Harness, step: &str) {
+    println!("\n=== {step}");
+    let operator = testbed::cluster::Cluster::url_via(
+        &h.cluster.bouncer_addr().to_string(),
+        "hardcount_operator",
+        testbed::cluster::DATABASE,
+    );
+    for args in [
+        &["leader", "status"][..],
+        &["leader", "history", "--limit", "8"][..],
+    ] {
+        let out = crate::hardcount()
+            .args(args)
+            .env("HARDCOUNT_OPERATOR_DATABASE_URL", &operator)
+            .output()
+            .unwrap();
+        println!("$ hardcount {}", args.join(" "));
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        if !out.status.success() {
+            print!("{}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    for i in 0..h.replicas.len() {
+        let Some(s) = h.replicas[i].serve.as_ref() else {
+            continue;
+        };
+        let body = match reqwest::get(s.url("/metrics")).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(e) => format!("(no answer: {e})"),
+        };
+        println!(
+            "$ curl replica {i} (pid {})/metrics | grep lease",
+            s.child.id()
+        );
+        for l in body.lines().filter(|l| {
+            (l.starts_with("hardcount_leader_lease_lost_total")
+                || l.starts_with("hardcount_leader_heartbeat_missed_total"))
+                && !l.ends_with(" 0")
+        }) {
+            println!("{l}");
+        }
+    }
+}
+
+/// The operator's drill (`scripts/drill`): the local three-replica run of the
+/// harness taken through a partition and back, showing at each step what
+/// leader_status, the lease history and /metrics say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a drill to read, not a check: scripts/drill"]
+async fn operator_drill() {
+    let mut h = Harness::start(REPLICAS).await;
+    h.feed();
+    until_every_role_ticks(&h, now(), Duration::from_secs(60), "the start").await;
+    let (victim, _) = h
+        .until_held("webhook_delivery", Duration::from_secs(30))
+        .await
+        .expect("a holder");
+    let pid = h.pid(victim).unwrap();
+    show(
+        &h,
+        &format!("1. healthy; replica {victim} (pid {pid}) leads webhook_delivery"),
+    )
+    .await;
+    let at = now();
+    h.replicas[victim].proxy.set(Mode::Blackhole);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    show(&h, &format!("2. replica {victim}'s link to the database severed 4 s ago: its lease still held, not renewed")).await;
+    let mut su = h.su().await;
+    let taken = history::takeovers(&mut su, pid, at, Duration::from_secs(30)).await;
+    show(
+        &h,
+        &format!(
+            "3. taken over: {}",
+            taken
+                .iter()
+                .map(|t| format!("{} after {:.1?}", t.role, t.after_fault))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    )
+    .await;
+    h.replicas[victim].proxy.set(Mode::Pass);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    show(&h, &format!("4. the link healed 5 s ago: replica {victim} counts its lost leases and leads again as a peer")).await;
+    h.check("the drill").await;
 }
