@@ -677,7 +677,7 @@ fn markdown(doc: &serde_json::Value) -> String {
 
 // ---- The operator's drill (issue 27, point 8) ----
 
-/// What an operator sees: `hardcount leader status`, the last terms of
+/// What an operator sees: `hardcount leader status`, webhook_delivery's last terms in
 /// `hardcount leader history`, and each replica's lease series on /metrics.
 async fn show(h: &Harness, step: &str) {
     println!("\n=== {step}");
@@ -688,7 +688,7 @@ async fn show(h: &Harness, step: &str) {
     );
     for args in [
         &["leader", "status"][..],
-        &["leader", "history", "--limit", "8"][..],
+        &["leader", "history", "webhook_delivery", "--limit", "3"][..],
     ] {
         let out = crate::hardcount()
             .args(args)
