@@ -399,7 +399,7 @@ impl Harness {
     pub async fn check(&mut self, after: &str) -> Report {
         let started = Instant::now();
         self.stop_feeding().await;
-        self.drain(Duration::from_secs(180)).await;
+        self.drain(Duration::from_secs(300)).await;
         let drained = started.elapsed();
         // A last duplicate may still be on its way to the receiver or sink.
         tokio::time::sleep(Duration::from_millis(500)).await;
