@@ -4,6 +4,7 @@
 //! stay with their crates.
 
 mod api;
+mod chaos;
 mod dashboard;
 mod deploy;
 mod dev;

@@ -24,6 +24,22 @@ impl Serve {
         env: &[(&str, &str)],
         log: Option<&std::path::Path>,
     ) -> Serve {
+        let stderr = if let Some(path) = log {
+            Stdio::from(std::fs::File::create(path).unwrap())
+        } else if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        };
+        Serve::start_with_stderr(database_url, env, stderr).await
+    }
+
+    /// [`Serve::start`] with its log (stderr) sent to `stderr`.
+    pub async fn start_with_stderr(
+        database_url: &str,
+        env: &[(&str, &str)],
+        stderr: Stdio,
+    ) -> Serve {
         let port = testbed::free_port();
         let mut cmd = hardcount();
         cmd.arg("serve")
@@ -37,13 +53,7 @@ impl Serve {
             .env("HARDCOUNT_SECRETS_KEY", testbed::SECRETS_KEY)
             .stdout(Stdio::null())
             // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see the replicas' logs.
-            .stderr(if let Some(path) = log {
-                Stdio::from(std::fs::File::create(path).unwrap())
-            } else if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            });
+            .stderr(stderr);
         for (k, v) in env {
             cmd.env(k, v);
         }

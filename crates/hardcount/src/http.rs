@@ -372,6 +372,21 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
         Ok(Err(e)) => return Err(e.to_string()),
         Ok(Ok(())) => {}
     }
+    // A database that takes no writes (turned read-only, a standby after a
+    // failover) runs nothing: every ACQUIRE fails. Not ready, so the operator
+    // and the load balancer see it (issue 27, point 5).
+    let writable = db.fetch_one(db::sql(
+        "SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean) AS writable",
+    ));
+    match tokio::time::timeout(CHECK_TIMEOUT, writable).await {
+        Err(_) => return Err(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
+        Ok(Err(e)) => return Err(e.to_string()),
+        Ok(Ok(row)) => {
+            if !db::Row::try_get::<bool, _>(&row, "writable").unwrap_or(false) {
+                return Err("the database is read-only: no role can run".to_owned());
+            }
+        }
+    }
     if tokio::time::timeout(
         CHECK_TIMEOUT,
         scheduler::export_status(db, telemetry, roles),

@@ -8,9 +8,11 @@
 //! through the leg under test, and dropped when the value is dropped.
 
 pub mod bouncer;
+pub mod cluster;
 pub mod leadership;
 pub mod payments;
 pub mod plans;
+pub mod proxy;
 pub mod receiver;
 mod smtp;
 pub mod sockets;

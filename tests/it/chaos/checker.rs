@@ -1,0 +1,302 @@
+//! The invariant checker (issue 27, point 6), run after every scenario: from
+//! the database and the fakes' own counts (the provider's charges, the
+//! receiver's requests, the SMTP sink's mailbox), never from the replicas'
+//! word.
+
+use std::collections::{BTreeMap, HashMap};
+
+use fake_provider::FakeProvider;
+use sqlx::Row;
+use sqlx::postgres::PgConnection;
+use testbed::SmtpSink;
+use testbed::receiver::Receiver;
+
+use super::history;
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub violations: Vec<String>,
+    pub invoices: i64,
+    pub charges: u32,
+    pub dunning_retries: i64,
+    pub deliveries: usize,
+    pub webhook_duplicates: usize,
+    pub emails: usize,
+    pub email_duplicates: usize,
+    pub terms: usize,
+    /// Terms per role that ended without a clean release.
+    pub unclean: BTreeMap<String, usize>,
+}
+
+impl Report {
+    pub fn summary(&self) -> String {
+        format!(
+            "{} invoices, {} charges, {} dunning retries, {} deliveries ({} duplicates), \
+             {} emails ({} duplicates), {} terms, unclean ends {:?}, {} violations",
+            self.invoices,
+            self.charges,
+            self.dunning_retries,
+            self.deliveries,
+            self.webhook_duplicates,
+            self.emails,
+            self.email_duplicates,
+            self.terms,
+            self.unclean,
+            self.violations.len()
+        )
+    }
+
+    /// # Panics
+    /// Listing every violation, when there is one.
+    pub fn assert_green(&self, after: &str) {
+        assert!(
+            self.violations.is_empty(),
+            "invariants broken after {after}:\n  {}\n({})",
+            self.violations.join("\n  "),
+            self.summary()
+        );
+    }
+}
+
+async fn rows(su: &mut PgConnection, q: &str) -> Vec<sqlx::postgres::PgRow> {
+    sqlx::query(sqlx::AssertSqlSafe(q.to_owned()))
+        .fetch_all(su)
+        .await
+        .unwrap_or_else(|e| panic!("checker query failed: {e}\n{q}"))
+}
+
+fn message_id(raw: &str) -> Option<String> {
+    raw.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.eq_ignore_ascii_case("message-id")
+            .then(|| value.trim().to_owned())
+    })
+}
+
+/// Check everything; the workload must have drained first (see
+/// `Harness::drain`), or what is still in flight reads as missing.
+pub async fn check(
+    su: &mut PgConnection,
+    provider: &FakeProvider,
+    rx: &Receiver,
+    sink: &SmtpSink,
+) -> Report {
+    let mut r = Report::default();
+    let mut violations = Vec::new();
+    let v = &mut violations;
+
+    // One invoice per (subscription, period).
+    for row in rows(
+        su,
+        "SELECT subscription_id, period_start::text AS p, count(*) AS n FROM invoices \
+         GROUP BY 1, 2 HAVING count(*) > 1",
+    )
+    .await
+    {
+        v.push(format!(
+            "subscription {} has {} invoices for the period from {}",
+            row.get::<i64, _>("subscription_id"),
+            row.get::<i64, _>("n"),
+            row.get::<String, _>("p")
+        ));
+    }
+    r.invoices = rows(su, "SELECT count(*) AS n FROM invoices").await[0].get("n");
+
+    // No invoice charged twice, by the provider's own count.
+    let key_invoice: HashMap<String, i64> = rows(
+        su,
+        "SELECT idempotency_key, invoice_id FROM payment_attempts",
+    )
+    .await
+    .iter()
+    .map(|row| (row.get("idempotency_key"), row.get("invoice_id")))
+    .collect();
+    let mut per_invoice: BTreeMap<i64, u32> = BTreeMap::new();
+    for (key, n) in provider.charges() {
+        r.charges += n;
+        match key_invoice.get(&key) {
+            Some(inv) => *per_invoice.entry(*inv).or_default() += n,
+            None => v.push(format!(
+                "the provider charged key {key} that no payment attempt records"
+            )),
+        }
+    }
+    for (inv, n) in per_invoice.iter().filter(|(_, n)| **n > 1) {
+        v.push(format!(
+            "invoice {inv} was charged {n} times by the provider's count"
+        ));
+    }
+
+    // No dunning attempt counted twice: a run's count is the retries recorded.
+    for row in rows(
+        su,
+        "SELECT r.id, r.attempt_count, \
+                (SELECT count(*) FROM payment_attempts a \
+                 WHERE a.invoice_id = r.invoice_id AND a.attempt_seq > 1) AS recorded \
+         FROM dunning_runs r",
+    )
+    .await
+    {
+        let (count, recorded): (i32, i64) = (row.get("attempt_count"), row.get("recorded"));
+        r.dunning_retries += recorded;
+        if i64::from(count) != recorded {
+            v.push(format!(
+                "dunning run {} counts {count} retries but {recorded} are recorded",
+                row.get::<i64, _>("id")
+            ));
+        }
+    }
+
+    // The lease history: no two terms of a role overlap.
+    let terms = history::terms(su).await;
+    r.terms = terms.len();
+    for (role, a, b) in history::overlaps(&terms) {
+        v.push(format!("{role}: term {b} began before term {a} ended"));
+    }
+    // A term still open is not an unclean end.
+    let at = history::now();
+    for t in terms
+        .iter()
+        .filter(|t| t.unclean() && (t.released.is_some() || t.expires <= at))
+    {
+        *r.unclean.entry(t.role.clone()).or_default() += 1;
+    }
+    let unclean_of = r.unclean.clone();
+    let unclean = |role: &str| unclean_of.get(role).copied().unwrap_or(0);
+
+    // Every event to every subscribed endpoint, at least once.
+    for row in rows(
+        su,
+        "SELECT count(*) AS n FROM webhook_events WHERE dispatched_at IS NULL",
+    )
+    .await
+    {
+        let n: i64 = row.get("n");
+        if n > 0 {
+            v.push(format!("{n} webhook events were never fanned out"));
+        }
+    }
+    for row in rows(
+        su,
+        "SELECT e.id AS event, ep.id AS endpoint FROM webhook_events e \
+         JOIN webhook_endpoints ep ON ep.tenant_id = e.tenant_id AND ep.enabled \
+          AND (cardinality(ep.event_types) = 0 OR e.event_type = ANY (ep.event_types)) \
+          AND ep.created_at <= e.created_at \
+         WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
+                           WHERE d.event_id = e.id AND d.endpoint_id = ep.id) \
+         LIMIT 20",
+    )
+    .await
+    {
+        v.push(format!(
+            "event {} has no delivery to endpoint {}",
+            row.get::<i64, _>("event"),
+            row.get::<i64, _>("endpoint")
+        ));
+    }
+    let expected: Vec<(String, String, String)> = rows(
+        su,
+        "SELECT ep.url, e.message_id, d.status FROM webhook_deliveries d \
+         JOIN webhook_events e ON e.id = d.event_id \
+         JOIN webhook_endpoints ep ON ep.id = d.endpoint_id",
+    )
+    .await
+    .iter()
+    .map(|row| (row.get("url"), row.get("message_id"), row.get("status")))
+    .collect();
+    let mut received: HashMap<(String, String), usize> = HashMap::new();
+    for req in rx.requests() {
+        let id = req.try_header("webhook-id").unwrap_or("").to_owned();
+        *received.entry((req.path.clone(), id)).or_default() += 1;
+    }
+    let base = rx.base_url();
+    let mut missing = 0;
+    for (url, id, status) in &expected {
+        let path = url.strip_prefix(&base).unwrap_or(url).to_owned();
+        match received.get(&(path.clone(), id.clone())) {
+            Some(n) => r.webhook_duplicates += n - 1,
+            None => {
+                missing += 1;
+                if missing <= 10 {
+                    v.push(format!(
+                        "event {id} never reached {path} (its delivery is {status})"
+                    ));
+                }
+            }
+        }
+        if status != "delivered" && received.contains_key(&(path, id.clone())) {
+            v.push(format!(
+                "event {id} was received but its delivery is {status}"
+            ));
+        }
+    }
+    if missing > 10 {
+        v.push(format!(
+            "... {missing} deliveries in all never reached their endpoint"
+        ));
+    }
+    r.deliveries = expected.len();
+    if r.webhook_duplicates > 0 && unclean("webhook_delivery") == 0 {
+        v.push(format!(
+            "{} webhook duplicates but no webhook_delivery term ended uncleanly",
+            r.webhook_duplicates
+        ));
+    }
+
+    // Every queued email sent, at least once.
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for m in sink.messages() {
+        if let Some(id) = message_id(&m) {
+            *sent.entry(id).or_default() += 1;
+        }
+    }
+    let queued: Vec<(String, String)> = rows(su, "SELECT message_id, status FROM email_outbox")
+        .await
+        .iter()
+        .map(|row| (row.get("message_id"), row.get("status")))
+        .collect();
+    let mut unsent = 0;
+    for (id, status) in &queued {
+        match sent.get(id) {
+            Some(n) => r.email_duplicates += n - 1,
+            None => {
+                unsent += 1;
+                if unsent <= 10 {
+                    v.push(format!(
+                        "email {id} never reached the sink (it is {status})"
+                    ));
+                }
+            }
+        }
+        if status != "sent" && sent.contains_key(id) {
+            v.push(format!("email {id} reached the sink but is {status}"));
+        }
+    }
+    if unsent > 10 {
+        v.push(format!("... {unsent} emails in all never reached the sink"));
+    }
+    r.emails = queued.len();
+    if r.email_duplicates > 0 && unclean("email_outbox") == 0 {
+        v.push(format!(
+            "{} email duplicates but no email_outbox term ended uncleanly",
+            r.email_duplicates
+        ));
+    }
+    r.violations = violations;
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_id_is_read_from_its_header_whatever_its_case() {
+        assert_eq!(
+            message_id("From: a@b\r\nMessage-ID: <x@y>\r\n\r\nbody"),
+            Some("<x@y>".to_owned())
+        );
+        assert_eq!(message_id("message-id:<x@y>"), Some("<x@y>".to_owned()));
+        assert_eq!(message_id("Subject: hi"), None);
+    }
+}
