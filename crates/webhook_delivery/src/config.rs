@@ -57,6 +57,10 @@ pub struct WorkerConfig {
     /// The keys that open the sealed signing secrets (`HARDCOUNT_SECRETS_KEY`);
     /// default none, and then no delivery is signed (`bad_secret`).
     pub secrets: Option<Keyring>,
+    /// Delete delivered and dead deliveries (with their attempts) and this
+    /// role's lease history once old, as the tick's last step
+    /// (docs/adr/0040); default none, nothing is pruned.
+    pub retention: Option<scheduler::Retention>,
 }
 
 impl Default for WorkerConfig {
@@ -79,6 +83,7 @@ impl Default for WorkerConfig {
             ports: Ports::default(),
             statement_timeout: Duration::from_secs(5),
             secrets: None,
+            retention: None,
         }
     }
 }

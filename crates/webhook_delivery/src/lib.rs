@@ -170,7 +170,7 @@ mod tick;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE};
+    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, PRUNE_FINISHED};
 }
 mod verdict;
 mod worker;

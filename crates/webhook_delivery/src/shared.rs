@@ -17,4 +17,6 @@ pub(crate) struct Shared {
     pub telemetry: Telemetry,
     pub limits: Limits,
     pub breakers: Breakers,
+    /// When the tick prunes (`config.retention`), if it does.
+    pub pruning: Option<scheduler::Pruning>,
 }

@@ -66,6 +66,7 @@ impl Worker {
                     config.breaker_cooloff,
                     config.request_timeout,
                 ),
+                pruning: config.retention.map(scheduler::Pruning::new),
                 config,
                 client,
                 telemetry,

@@ -20,3 +20,8 @@ pub const WEBHOOK_IN_FLIGHT: RangeInclusive<usize> = 1..=1024;
 /// longer (16 times, after failed trials) outlives the retry schedule.
 pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
     Duration::from_secs(1)..=Duration::from_secs(3600);
+
+/// The bounds of each retention setting: shorter deletes what an operator
+/// still looks at the morning after; longer is keeping everything.
+pub const RETENTION: RangeInclusive<Duration> =
+    Duration::from_secs(3600)..=Duration::from_secs(3650 * 86_400);

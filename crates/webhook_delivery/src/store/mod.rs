@@ -5,6 +5,7 @@
 //! outcomes.rs   the outcome writes (one statement per group of outcomes, each row a
 //!               compare-and-set on the attempt number), handing back unsent claims
 //! backlog.rs    the gauges read at the end of a tick
+//! prune.rs      the retention prune of finished deliveries and their attempts
 //! endpoints.rs  registering an endpoint, rotating and resealing its secrets
 //! ```
 
@@ -12,6 +13,7 @@ mod backlog;
 mod claim;
 mod endpoints;
 mod outcomes;
+mod prune;
 
 pub(crate) use backlog::backlog;
 pub use claim::CLAIM_DUE;
@@ -20,6 +22,8 @@ pub(crate) use endpoints::{
     insert_endpoint, rotate_secret, secrets_census, secrets_to_reseal, store_resealed,
 };
 pub use outcomes::APPLY_OUTCOMES;
+pub use prune::PRUNE_FINISHED;
+pub(crate) use prune::prune_finished;
 pub(crate) use outcomes::{
     HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
     release_unsent,
