@@ -485,6 +485,13 @@ impl Prune for Finished<'_> {
 
     async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
         let inner = &self.0.inner;
-        store::prune_finished(&inner.db, fence, keep, limit, inner.config.statement_timeout).await
+        store::prune_finished(
+            &inner.db,
+            fence,
+            keep,
+            limit,
+            inner.config.statement_timeout,
+        )
+        .await
     }
 }

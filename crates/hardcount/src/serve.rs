@@ -162,14 +162,16 @@ fn work_for(
                      but SMTP_URL is not set: set SMTP_URL, or leave email_outbox out of HARDCOUNT_ROLES"
                 );
             };
-            let sender = Arc::new(Sender::new(
-                db.clone(),
-                email.sender.clone(),
-                &email.url,
-                email.ca_pem.as_deref(),
-                telemetry.clone(),
-            )?
-            .with_retention(config.retention.role(config.retention.emails)));
+            let sender = Arc::new(
+                Sender::new(
+                    db.clone(),
+                    email.sender.clone(),
+                    &email.url,
+                    email.ca_pem.as_deref(),
+                    telemetry.clone(),
+                )?
+                .with_retention(config.retention.role(config.retention.emails)),
+            );
             Some(scheduler::work(move |tick| {
                 let sender = sender.clone();
                 async move { sender.run_tick(&tick).await.end }
@@ -190,14 +192,16 @@ fn work_for(
             // payments port): its client, claim lease and sender.
             let biller =
                 billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
-            let dunner = Arc::new(dunning::Dunner::new(
-                db.clone(),
-                config.dunning.clone(),
-                Arc::new(biller),
-                telemetry.clone(),
-            )?
-            // Dunning prunes only its lease history: its runs are money.
-            .with_retention(config.retention.role(config.retention.lease_history)));
+            let dunner = Arc::new(
+                dunning::Dunner::new(
+                    db.clone(),
+                    config.dunning.clone(),
+                    Arc::new(biller),
+                    telemetry.clone(),
+                )?
+                // Dunning prunes only its lease history: its runs are money.
+                .with_retention(config.retention.role(config.retention.lease_history)),
+            );
             Some(scheduler::work(move |tick| {
                 let dunner = dunner.clone();
                 async move { dunner.run_tick(&tick).await.end }

@@ -494,11 +494,13 @@ pub async fn prune_own_terms(
 ) -> Result<u64, StoreError> {
     let row = db
         .fetch_one(
-            sql("SELECT leader_terms_prune_fenced($1, $2, make_interval(secs => $3), $4) AS pruned")
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(older_than.as_secs_f64())
-                .bind(i32::try_from(limit).unwrap_or(i32::MAX)),
+            sql(
+                "SELECT leader_terms_prune_fenced($1, $2, make_interval(secs => $3), $4) AS pruned",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(older_than.as_secs_f64())
+            .bind(i32::try_from(limit).unwrap_or(i32::MAX)),
         )
         .await?;
     let n: i64 = row.try_get("pruned").map_err(StoreError::from_row)?;

@@ -65,7 +65,10 @@ pub(crate) async fn run_tick(
         waits: AtomicUsize::new(0),
     };
     // A tick that prunes holds back the prune's slice of the budget.
-    let plan = shared.pruning.as_ref().map(|p| p.plan(shared.config.tick_budget));
+    let plan = shared
+        .pruning
+        .as_ref()
+        .map(|p| p.plan(shared.config.tick_budget));
     let work_until = plan.map_or_else(
         || Instant::now() + shared.config.tick_budget,
         |p| p.work_until,

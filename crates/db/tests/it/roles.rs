@@ -365,7 +365,10 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
     // definer function.
     assert_eq!(
         functions,
-        ["leader_fence():EXECUTE", "leader_terms_prune_fenced():EXECUTE"]
+        [
+            "leader_fence():EXECUTE",
+            "leader_terms_prune_fenced():EXECUTE"
+        ]
     );
     let lease_writes: Vec<&String> = granted
         .iter()

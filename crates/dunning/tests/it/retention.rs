@@ -88,15 +88,16 @@ async fn money_rows_survive_every_prune_and_only_old_logs_and_terms_go() {
     let biller = Biller::new(t.db.clone(), BillingConfig::default(), Telemetry::noop())
         .unwrap()
         .with_retention(retention());
-    as_leader(&manager(&t.db, "biller"), Role::Billing, |tick| async move {
-        biller.run_tick(&tick).await
-    })
+    as_leader(
+        &manager(&t.db, "biller"),
+        Role::Billing,
+        |tick| async move { biller.run_tick(&tick).await },
+    )
     .await;
     let left: String = sqlx::Row::get(&sqlx::query(terms).fetch_one(&mut su).await.unwrap(), 0);
     assert_eq!(left, "dunning-2");
-    let answers: Vec<Option<String>> = t
-        .db
-        .fetch_all(sql(
+    let answers: Vec<Option<String>> =
+        t.db.fetch_all(sql(
             "SELECT raw_answer FROM payment_attempts ORDER BY invoice_id",
         ))
         .await

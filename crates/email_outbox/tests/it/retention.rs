@@ -111,15 +111,24 @@ async fn a_stale_token_prunes_no_email_and_a_batch_is_bounded() {
     let emails: Vec<_> = (0..3).map(|n| email("a@example.com", n)).collect();
     let e = queue(&t.db, "tenant_a", &emails).await;
     finish(&t, &e, "sent", 40).await;
-    let old = as_leader(&manager(&t.db, "old"), Role::EmailOutbox, |tick| async move {
-        tick.fence
-    })
+    let old = as_leader(
+        &manager(&t.db, "old"),
+        Role::EmailOutbox,
+        |tick| async move { tick.fence },
+    )
     .await;
     let db = &t.db;
-    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::EmailOutbox, |tick| async move {
-        assert!(tick.fence.token() > old.token());
-        (prune_with(db, &old, 100).await, prune_with(db, &tick.fence, 2).await)
-    })
+    let (by_old, by_new) = as_leader(
+        &manager(&t.db, "new"),
+        Role::EmailOutbox,
+        |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            (
+                prune_with(db, &old, 100).await,
+                prune_with(db, &tick.fence, 2).await,
+            )
+        },
+    )
     .await;
     assert_eq!((by_old, by_new), (0, 2));
     assert_eq!(ids(&t.db).await, vec![e[2]]);

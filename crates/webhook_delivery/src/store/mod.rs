@@ -22,9 +22,9 @@ pub(crate) use endpoints::{
     insert_endpoint, rotate_secret, secrets_census, secrets_to_reseal, store_resealed,
 };
 pub use outcomes::APPLY_OUTCOMES;
-pub use prune::PRUNE_FINISHED;
-pub(crate) use prune::prune_finished;
 pub(crate) use outcomes::{
     HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
     release_unsent,
 };
+pub use prune::PRUNE_FINISHED;
+pub(crate) use prune::prune_finished;

@@ -9,8 +9,8 @@ use leader::{Fence, Role};
 use scheduler::Retention;
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
-use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 use webhook_outbox::statements::PRUNE_DISPATCHED;
+use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 
 use crate::{as_leader, dispatcher, endpoint, event, manager};
 
@@ -59,13 +59,23 @@ async fn an_old_dispatched_event_goes_once_its_deliveries_are_gone() {
     endpoint(&t, "tenant_a", &[], true).await;
     let mut e = Vec::new();
     for i in 0..4 {
-        e.push(event(&t.db, "tenant_a", "invoice.paid", &format!(r#"{{"n": {i}}}"#)).await);
+        e.push(
+            event(
+                &t.db,
+                "tenant_a",
+                "invoice.paid",
+                &format!(r#"{{"n": {i}}}"#),
+            )
+            .await,
+        );
     }
     e.push(event(&t.db, "tenant_b", "invoice.paid", "{}").await);
     let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
-    as_leader(&manager(&t.db, "d"), Role::WebhookOutbox, |tick| async move {
-        plain.run_tick(&tick).await
-    })
+    as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move { plain.run_tick(&tick).await },
+    )
     .await;
     e.push(event(&t.db, "tenant_a", "invoice.paid", "{}").await);
     owner(
@@ -94,9 +104,11 @@ async fn an_old_dispatched_event_goes_once_its_deliveries_are_gone() {
         batch: 1000,
     });
     // The tick dispatches e5 (young now), then prunes.
-    as_leader(&manager(&t.db, "d"), Role::WebhookOutbox, |tick| async move {
-        d.run_tick(&tick).await
-    })
+    as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move { d.run_tick(&tick).await },
+    )
     .await;
     assert_eq!(event_ids(&t.db).await, vec![e[2], e[3], e[5]]);
     assert!(
@@ -120,10 +132,14 @@ async fn a_stale_token_prunes_no_event_and_a_batch_is_bounded() {
         event(&t.db, "tenant_b", "invoice.paid", "{}").await;
     }
     let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let old = as_leader(&manager(&t.db, "old"), Role::WebhookOutbox, |tick| async move {
-        plain.run_tick(&tick).await;
-        tick.fence
-    })
+    let old = as_leader(
+        &manager(&t.db, "old"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            plain.run_tick(&tick).await;
+            tick.fence
+        },
+    )
     .await;
     owner(
         &t,
@@ -131,10 +147,17 @@ async fn a_stale_token_prunes_no_event_and_a_batch_is_bounded() {
     )
     .await;
     let db = &t.db;
-    let (by_old, by_new) = as_leader(&manager(&t.db, "new"), Role::WebhookOutbox, |tick| async move {
-        assert!(tick.fence.token() > old.token());
-        (prune_with(db, &old, 100).await, prune_with(db, &tick.fence, 2).await)
-    })
+    let (by_old, by_new) = as_leader(
+        &manager(&t.db, "new"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            assert!(tick.fence.token() > old.token());
+            (
+                prune_with(db, &old, 100).await,
+                prune_with(db, &tick.fence, 2).await,
+            )
+        },
+    )
     .await;
     assert_eq!((by_old, by_new), (0, 2));
     assert_eq!(event_ids(&t.db).await.len(), 1);
