@@ -89,7 +89,7 @@ async fn a_tick_prunes_old_sent_and_failed_emails_and_keeps_the_rest() {
         every: Duration::ZERO,
         batch: 1000,
     });
-    tick(&t.db, &s).await;
+    let _ = tick(&t.db, &s).await;
     assert_eq!(ids(&t.db).await, vec![e[2], e[3], e[4]]);
     assert!(
         metrics
