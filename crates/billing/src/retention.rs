@@ -16,17 +16,20 @@ use crate::{Biller, Error};
 /// (`tests/it/record.rs`). Resolved attempts (succeeded, declined, failed)
 /// resolved more than the retention ago, oldest first through
 /// `payment_attempts_raw_answer_kept` (migration 0030); fenced next to
-/// `FOR UPDATE SKIP LOCKED`, as the claims are. Nothing but `raw_answer`
-/// changes.
+/// `FOR UPDATE OF p SKIP LOCKED`, as the claims are. An attempt whose invoice
+/// waits for an operator's review keeps its answer (the review reads it).
+/// Nothing but `raw_answer` changes.
 pub const CLEAR_RAW_ANSWERS: &str = "WITH doomed AS MATERIALIZED ( \
-           SELECT id FROM payment_attempts \
-           WHERE raw_answer IS NOT NULL AND resolved_at IS NOT NULL \
-             AND resolved_at < now() - make_interval(secs => $3) \
-             AND provider_status IN ('succeeded', 'declined', 'failed') \
+           SELECT p.id FROM payment_attempts p \
+           WHERE p.raw_answer IS NOT NULL AND p.resolved_at IS NOT NULL \
+             AND p.resolved_at < now() - make_interval(secs => $3) \
+             AND p.provider_status IN ('succeeded', 'declined', 'failed') \
+             AND NOT EXISTS (SELECT 1 FROM invoices i \
+                             WHERE i.id = p.invoice_id AND i.review_since IS NOT NULL) \
              AND leader_fence($1, $2) \
-           ORDER BY resolved_at, id \
+           ORDER BY p.resolved_at, p.id \
            LIMIT $4 \
-           FOR UPDATE SKIP LOCKED) \
+           FOR UPDATE OF p SKIP LOCKED) \
          UPDATE payment_attempts a SET raw_answer = NULL \
          FROM doomed WHERE a.id = doomed.id";
 
