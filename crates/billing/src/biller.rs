@@ -31,6 +31,8 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct Biller {
     pub(crate) inner: Arc<Inner>,
+    /// When a tick prunes ([`Biller::with_retention`]), if it does.
+    pub(crate) pruning: Option<Arc<scheduler::Pruning>>,
 }
 
 #[derive(Debug)]
@@ -61,7 +63,20 @@ impl Biller {
                 telemetry,
                 provider,
             }),
+            pruning: None,
         })
+    }
+
+    /// Prune (docs/adr/0040): a tick at most every `retention.every` ends by
+    /// clearing the raw provider answers of payment attempts resolved more
+    /// than `retention.keep` ago (the attempts stay: money is never pruned)
+    /// and deleting the role's lease history older than
+    /// `retention.lease_history`, a fenced batch per statement in a slice of
+    /// the budget ([`scheduler::Pruning`]).
+    #[must_use]
+    pub fn with_retention(mut self, retention: scheduler::Retention) -> Biller {
+        self.pruning = Some(Arc::new(scheduler::Pruning::new(retention)));
+        self
     }
 
     /// The fenced auto-charge funnel: up to `limit` invoices, each under a

@@ -139,6 +139,12 @@ pub mod period;
 mod plan_change;
 pub mod provider;
 mod reconcile;
+mod retention;
+/// The retention prune's statement text, for the plan tests; not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::retention::CLEAR_RAW_ANSWERS;
+}
 mod retry;
 pub mod review;
 mod store;

@@ -1,12 +1,14 @@
 //! The `billing` tick: the fenced-batch driver ([`scheduler::drive`]) over due
 //! subscriptions. Each subscription's closing is computed under the panic
 //! guard; the ones that did not panic are closed together in one transaction.
+//! A tick that prunes ([`Biller::with_retention`]) ends with the retention
+//! prune (`retention.rs`).
 
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use leader::{Fence, Role, Tick, TickEnd};
-use scheduler::{FencedBatches, LeftOut, Panics, Shape, Steps, Stop};
+use scheduler::{FencedBatches, LeftOut, Panics, Prunes, Shape, Steps, Stop};
 use tracing::{debug, warn};
 
 use crate::action_required::{ActionRequired, AskTally};
@@ -15,6 +17,7 @@ use crate::close::{self, Due};
 use crate::invoice::{self, Closed};
 use crate::lifecycle::{LifecycleTally, Resumes, Trials};
 use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
+use crate::retention::RawAnswers;
 use crate::store;
 use crate::{Biller, Error};
 
@@ -59,7 +62,12 @@ pub struct TickReport {
 
 /// The body of [`Biller::run_tick`].
 pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
-    let mut steps = Steps::new(tick, biller.inner.config.tick_budget);
+    let budget = biller.inner.config.tick_budget;
+    let plan = biller.pruning.as_ref().map(|p| p.plan(budget));
+    let mut steps = Steps::until(
+        tick,
+        plan.map_or_else(|| Instant::now() + budget, |p| p.work_until),
+    );
     let mut lifecycle = LifecycleTally::default();
     let trials = Trials {
         biller,
@@ -122,6 +130,13 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
     }
     let elapsed = steps.elapsed();
     let (stop, end) = steps.finish();
+    if let (Some(plan), Some(pruning)) = (plan, biller.pruning.as_deref())
+        && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &biller.inner.telemetry)
+    {
+        prunes.run(&RawAnswers(biller)).await;
+        prunes.lease_history(&biller.inner.db).await;
+        prunes.finish();
+    }
     TickReport {
         lifecycle,
         batches,

@@ -14,7 +14,7 @@ use db::{Db, Row, sql};
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use payments::Collector;
-use scheduler::{FencedBatches, Panics, Shape, Steps, Stop};
+use scheduler::{FencedBatches, Panics, Prunes, Pruning, Retention, Shape, Steps, Stop};
 use tracing::{debug, info, warn};
 
 use crate::ctx::Ctx;
@@ -67,6 +67,8 @@ pub struct TickReport {
 #[derive(Debug, Clone)]
 pub struct Dunner {
     ctx: Arc<Ctx>,
+    /// When a tick prunes ([`Dunner::with_retention`]), if it does.
+    pruning: Option<Arc<Pruning>>,
 }
 
 impl Dunner {
@@ -91,7 +93,18 @@ impl Dunner {
                 collector,
                 telemetry,
             }),
+            pruning: None,
         })
+    }
+
+    /// Prune (docs/adr/0040): a tick at most every `retention.every` ends by
+    /// deleting the role's lease history older than `retention.lease_history`,
+    /// a fenced batch per statement in a slice of the budget. Dunning runs are
+    /// money and are never pruned; `retention.keep` is unused.
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Dunner {
+        self.pruning = Some(Arc::new(Pruning::new(retention)));
+        self
     }
 
     pub fn config(&self) -> &DunningConfig {
@@ -111,7 +124,12 @@ impl Dunner {
     /// held until `attempt_hold` passes; the charge's attempt row is settled
     /// by billing's reconciler.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let mut steps = Steps::new(tick, self.ctx.config.tick_budget);
+        let budget = self.ctx.config.tick_budget;
+        let plan = self.pruning.as_ref().map(|p| p.plan(budget));
+        let mut steps = Steps::until(
+            tick,
+            plan.map_or_else(|| Instant::now() + budget, |p| p.work_until),
+        );
         let enrolled = steps
             .once("dunning/enrol", self.enrol(&tick.fence))
             .await
@@ -131,6 +149,12 @@ impl Dunner {
             .unwrap_or_default();
         let elapsed = steps.elapsed();
         let (stop, end) = steps.finish();
+        if let (Some(plan), Some(pruning)) = (plan, self.pruning.as_deref())
+            && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &self.ctx.telemetry)
+        {
+            prunes.lease_history(&self.ctx.db).await;
+            prunes.finish();
+        }
         TickReport {
             enrolled,
             batches,

@@ -76,7 +76,7 @@ mod store;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{CLAIM_DUE, RECORD_RESULTS};
+    pub use crate::store::{CLAIM_DUE, PRUNE_FINISHED, RECORD_RESULTS};
 }
 mod tick;
 pub mod verdict;

@@ -1,15 +1,17 @@
 //! The `email_outbox` tick: the fenced-batch driver ([`scheduler::drive`])
 //! over claimed emails, sent through the pooled transport at most
-//! `max_connections` at a time, results written in groups beside the sends.
+//! `max_connections` at a time, results written in groups beside the sends;
+//! on a tick that prunes ([`Sender::with_retention`]) the retention prune as
+//! its last step.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use db::Db;
 use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Shape, Stop};
+use scheduler::{FencedBatches, Panics, Prune, Prunes, Pruning, Retention, Shape, Stop};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -75,6 +77,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Clone)]
 pub struct Sender {
     inner: Arc<Inner>,
+    pruning: Option<Arc<Pruning>>,
 }
 
 struct Inner {
@@ -112,7 +115,19 @@ impl Sender {
                 pool,
                 telemetry,
             }),
+            pruning: None,
         })
+    }
+
+    /// Prune (docs/adr/0040): a tick at most every `retention.every` ends
+    /// with the deletion of sent and failed emails older than
+    /// `retention.keep`, and of the role's lease history older than
+    /// `retention.lease_history`, a fenced batch per statement in a slice of
+    /// the budget ([`scheduler::Pruning`]).
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Sender {
+        self.pruning = Some(Arc::new(Pruning::new(retention)));
+        self
     }
 
     pub fn config(&self) -> &SenderConfig {
@@ -133,7 +148,17 @@ impl Sender {
     /// back. Sends in flight finish. If the tick is dropped instead (after the
     /// cancel grace), its claims come due when their lease ends.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let driven = scheduler::drive(&Sends(self), tick).await;
+        let budget = self.inner.config.tick_budget;
+        let plan = self.pruning.as_ref().map(|p| p.plan(budget));
+        let work_until = plan.map_or_else(|| Instant::now() + budget, |p| p.work_until);
+        let driven = scheduler::drive_until(&Sends(self), tick, work_until).await;
+        if let (Some(plan), Some(pruning)) = (plan, self.pruning.as_deref())
+            && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &self.inner.telemetry)
+        {
+            prunes.run(&Finished(self)).await;
+            prunes.lease_history(&self.inner.db).await;
+            prunes.finish();
+        }
         TickReport {
             batches: driven.batches,
             claimed: driven.claimed,
@@ -445,5 +470,28 @@ impl FencedBatches for Sends<'_> {
             self.0.inner.pool.close_idle().await;
             self.0.refresh_gauges().await;
         }
+    }
+}
+
+/// The retention prune of sent and failed emails ([`store::prune_finished`]).
+struct Finished<'a>(&'a Sender);
+
+impl Prune for Finished<'_> {
+    type Error = db::Error;
+
+    fn kind(&self) -> &'static str {
+        "emails"
+    }
+
+    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
+        let inner = &self.0.inner;
+        store::prune_finished(
+            &inner.db,
+            fence,
+            keep,
+            limit,
+            inner.config.statement_timeout,
+        )
+        .await
     }
 }

@@ -184,6 +184,12 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_LOG_FORMAT",
     // Traces over OTLP/HTTP when set (crates/hardcount/src/telemetry.rs).
     "OTEL_EXPORTER_OTLP_ENDPOINT",
+    // Retention (docs/adr/0040): read for every role (each prunes its own
+    // lease history), and the webhook kinds by both webhook roles.
+    "HARDCOUNT_RETENTION_WEBHOOKS",
+    "HARDCOUNT_RETENTION_EMAILS",
+    "HARDCOUNT_RETENTION_PAYMENT_LOGS",
+    "HARDCOUNT_RETENTION_LEASE_HISTORY",
     // The tenant API (crates/api): a producer on its own listener, not a role.
     "HARDCOUNT_API_ADDR",
     "HARDCOUNT_API_DATABASE_URL",
@@ -204,6 +210,8 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_leader_clock_drift_seconds",
     "hardcount_leader_status_errors_total",
     "hardcount_tick_total",
+    // Rows each role's retention prune deleted, by `kind` (docs/adr/0040).
+    "hardcount_retention_pruned_total",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`

@@ -51,6 +51,45 @@ pub struct Config {
     /// `HARDCOUNT_LEASE_DATABASE_URL`: the lease statements' own path (a
     /// PgBouncer alias with its own server pool, docs/adr/0036). None: DATABASE_URL.
     pub lease_database_url: Option<Secret>,
+    /// How long each kind of finished row is kept (HARDCOUNT_RETENTION_*,
+    /// docs/adr/0040); every role prunes what it finished.
+    pub retention: RetentionSettings,
+}
+
+/// How long each kind of finished row is kept before its role deletes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionSettings {
+    /// Delivered and dead deliveries with their attempts, dispatched events.
+    pub webhooks: Duration,
+    /// Sent and failed emails.
+    pub emails: Duration,
+    /// The raw provider answer on a resolved payment attempt.
+    pub payment_logs: Duration,
+    /// Every role's ended lease terms.
+    pub lease_history: Duration,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> RetentionSettings {
+        let d = scheduler::DEFAULT_RETENTION;
+        RetentionSettings {
+            webhooks: d,
+            emails: d,
+            payment_logs: d,
+            lease_history: d,
+        }
+    }
+}
+
+impl RetentionSettings {
+    /// A role's prune settings, keeping its own rows `keep`.
+    pub fn role(&self, keep: Duration) -> scheduler::Retention {
+        scheduler::Retention {
+            keep,
+            lease_history: self.lease_history,
+            ..scheduler::Retention::default()
+        }
+    }
 }
 
 /// Where and how the tenant API is served.
@@ -98,7 +137,8 @@ fn work_for(
             // Without a listener an idle tick probes (docs/adr/0019).
             let mut dispatcher =
                 Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?
-                    .with_idle_probe(scheduler::IDLE_PROBE);
+                    .with_idle_probe(scheduler::IDLE_PROBE)
+                    .with_retention(config.retention.role(config.retention.webhooks));
             if let Some(wake) = wake {
                 dispatcher = dispatcher.with_wake(wake);
             }
@@ -111,7 +151,10 @@ fn work_for(
         Role::WebhookDelivery => {
             let mut worker = Worker::new(
                 db.clone(),
-                config.webhook_delivery.clone(),
+                WorkerConfig {
+                    retention: Some(config.retention.role(config.retention.webhooks)),
+                    ..config.webhook_delivery.clone()
+                },
                 telemetry.clone(),
             )?
             .with_idle_probe(scheduler::IDLE_PROBE);
@@ -131,24 +174,26 @@ fn work_for(
                      but SMTP_URL is not set: set SMTP_URL, or leave email_outbox out of HARDCOUNT_ROLES"
                 );
             };
-            let sender = Arc::new(Sender::new(
-                db.clone(),
-                email.sender.clone(),
-                &email.url,
-                email.ca_pem.as_deref(),
-                telemetry.clone(),
-            )?);
+            let sender = Arc::new(
+                Sender::new(
+                    db.clone(),
+                    email.sender.clone(),
+                    &email.url,
+                    email.ca_pem.as_deref(),
+                    telemetry.clone(),
+                )?
+                .with_retention(config.retention.role(config.retention.emails)),
+            );
             Some(scheduler::work(move |tick| {
                 let sender = sender.clone();
                 async move { sender.run_tick(&tick).await.end }
             }))
         }
         Role::Billing => {
-            let biller = Arc::new(billing::Biller::new(
-                db.clone(),
-                config.billing.clone(),
-                telemetry.clone(),
-            )?);
+            let biller = Arc::new(
+                billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?
+                    .with_retention(config.retention.role(config.retention.payment_logs)),
+            );
             Some(scheduler::work(move |tick| {
                 let biller = biller.clone();
                 async move { biller.run_tick(&tick).await.end }
@@ -159,12 +204,16 @@ fn work_for(
             // payments port): its client, claim lease and sender.
             let biller =
                 billing::Biller::new(db.clone(), config.billing.clone(), telemetry.clone())?;
-            let dunner = Arc::new(dunning::Dunner::new(
-                db.clone(),
-                config.dunning.clone(),
-                Arc::new(biller),
-                telemetry.clone(),
-            )?);
+            let dunner = Arc::new(
+                dunning::Dunner::new(
+                    db.clone(),
+                    config.dunning.clone(),
+                    Arc::new(biller),
+                    telemetry.clone(),
+                )?
+                // Dunning prunes only its lease history: its runs are money.
+                .with_retention(config.retention.role(config.retention.lease_history)),
+            );
             Some(scheduler::work(move |tick| {
                 let dunner = dunner.clone();
                 async move { dunner.run_tick(&tick).await.end }

@@ -19,7 +19,7 @@ use webhook_delivery::{Keyring, WorkerConfig};
 use email_outbox::{SenderConfig, SmtpUrl};
 
 use crate::secret::Secret;
-use crate::serve::{ApiServe, Config, EmailConfig, OperatorServe};
+use crate::serve::{ApiServe, Config, EmailConfig, OperatorServe, RetentionSettings};
 
 mod bounds;
 mod dev;
@@ -27,7 +27,9 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-pub use bounds::{BREAKER_COOLOFF, DISABLE_AFTER, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
+pub use bounds::{
+    BREAKER_COOLOFF, DISABLE_AFTER, RETENTION, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT,
+};
 pub use dev::DevSettings;
 pub use parse::duration;
 use parse::{database_url, non_empty, own_or_database_url, retry_schedule, roles_explicit, whole};
@@ -274,6 +276,24 @@ pub struct ServeSettings {
     /// provider forgets keys after 24 h) [default: 12h].
     #[arg(long, env = "HARDCOUNT_BILLING_RESEND_WINDOW")]
     pub billing_resend_window: Option<String>,
+    /// How long delivered and dead webhook deliveries (with their attempts)
+    /// and dispatched events are kept before the webhook roles delete them
+    /// (1h to 3650d) [default: 30d].
+    #[arg(long, env = "HARDCOUNT_RETENTION_WEBHOOKS")]
+    pub retention_webhooks: Option<String>,
+    /// How long sent and failed emails are kept before email_outbox deletes
+    /// them (1h to 3650d) [default: 30d].
+    #[arg(long, env = "HARDCOUNT_RETENTION_EMAILS")]
+    pub retention_emails: Option<String>,
+    /// How long the provider's raw answer is kept on a resolved payment attempt
+    /// before billing clears it; the attempt itself is never deleted (1h to
+    /// 3650d) [default: 30d].
+    #[arg(long, env = "HARDCOUNT_RETENTION_PAYMENT_LOGS")]
+    pub retention_payment_logs: Option<String>,
+    /// How long each role keeps its ended lease terms (leader_terms, `hardcount
+    /// leader history`) before deleting them (1h to 3650d) [default: 30d].
+    #[arg(long, env = "HARDCOUNT_RETENTION_LEASE_HISTORY")]
+    pub retention_lease_history: Option<String>,
 }
 
 impl ServeSettings {
@@ -406,7 +426,41 @@ impl ServeSettings {
             listen_url: self.listen_url()?,
             lease_database_url: self.lease_database_url()?,
             api: self.api(secrets_for_api)?,
+            retention: self.retention()?,
         })
+    }
+
+    /// The HARDCOUNT_RETENTION_* settings (docs/adr/0040), each refused by
+    /// its name outside [`RETENTION`].
+    fn retention(&self) -> Result<RetentionSettings> {
+        let mut r = RetentionSettings::default();
+        for (var, value, slot) in [
+            (
+                "HARDCOUNT_RETENTION_WEBHOOKS",
+                &self.retention_webhooks,
+                &mut r.webhooks,
+            ),
+            (
+                "HARDCOUNT_RETENTION_EMAILS",
+                &self.retention_emails,
+                &mut r.emails,
+            ),
+            (
+                "HARDCOUNT_RETENTION_PAYMENT_LOGS",
+                &self.retention_payment_logs,
+                &mut r.payment_logs,
+            ),
+            (
+                "HARDCOUNT_RETENTION_LEASE_HISTORY",
+                &self.retention_lease_history,
+                &mut r.lease_history,
+            ),
+        ] {
+            if let Some(text) = non_empty(value) {
+                *slot = duration(var, &text, RETENTION)?;
+            }
+        }
+        Ok(r)
     }
 
     /// The tenant API's settings, when HARDCOUNT_API_ADDR is set. Errors name

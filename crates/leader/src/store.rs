@@ -20,7 +20,7 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use serde::Serialize;
 
-use crate::Role;
+use crate::{Fence, Role};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -452,8 +452,8 @@ pub const HISTORY_LIMIT_MAX: u32 = 10_000;
 /// Delete at most `limit` (1 to 10000) terms of the lease history that ended
 /// more than `older_than` ago (on the database clock), oldest first, and
 /// return how many went. A term that is held, or ended more recently, is
-/// kept. One call is one bounded batch: the retention work calls it until
-/// it returns less than `limit`, and nothing schedules it yet.
+/// kept. One call is one bounded batch. Unfenced, for the schema owner: the
+/// roles prune their own terms with [`prune_own_terms`].
 ///
 /// Runs `leader_terms_prune` (migration 0027), a definer function no service
 /// role may execute until the retention work's migration grants it to the
@@ -468,6 +468,39 @@ pub async fn prune_terms(db: &Db, older_than: Duration, limit: u32) -> Result<u6
             sql("SELECT leader_terms_prune(make_interval(secs => $1), $2) AS pruned")
                 .bind(older_than.as_secs_f64())
                 .bind(i32::try_from(limit).unwrap_or(i32::MAX)),
+        )
+        .await?;
+    let n: i64 = row.try_get("pruned").map_err(StoreError::from_row)?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Delete at most `limit` (1 to 10000) of `fence`'s role's own lease terms
+/// that ended more than `older_than` ago, oldest first, and return how many
+/// went: the retention prune of the lease history (docs/adr/0040). Fenced: a
+/// replaced leader (or a paused role) deletes nothing, and no role deletes
+/// another's terms. A term that is held, or ended more recently, is kept.
+///
+/// Runs `leader_terms_prune_fenced` (migration 0030), a definer function:
+/// hardcount_app reads and deletes nothing of `leader_terms` itself.
+///
+/// # Errors
+/// A database error, or the function's refusal of a `limit` outside 1 to
+/// 10000 (SQLSTATE 22023).
+pub async fn prune_own_terms(
+    db: &Db,
+    fence: &Fence,
+    older_than: Duration,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    let row = db
+        .fetch_one(
+            sql(
+                "SELECT leader_terms_prune_fenced($1, $2, make_interval(secs => $3), $4) AS pruned",
+            )
+            .bind(fence.role_name())
+            .bind(fence.token())
+            .bind(older_than.as_secs_f64())
+            .bind(i32::try_from(limit).unwrap_or(i32::MAX)),
         )
         .await?;
     let n: i64 = row.try_get("pruned").map_err(StoreError::from_row)?;

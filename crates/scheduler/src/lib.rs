@@ -30,12 +30,17 @@
 //! merged worst-first, the first panic raised after the last step; a step's
 //! rows left out for the rest of the tick are a [`LeftOut`].
 //!
+//! Retention ([`Pruning`], [`Prunes`], docs/adr/0040): a role that prunes
+//! holds back a slice of a tick's budget, at most once every [`PRUNE_EVERY`],
+//! and deletes what it finished once old, a fenced batch per statement.
+//!
 //! This crate knows roles and intervals, not invoices.
 
 mod config;
 mod driver;
 mod idle;
 mod panics;
+mod retention;
 mod role_loop;
 mod source;
 mod status;
@@ -46,6 +51,10 @@ pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{drive, drive_until};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
+pub use retention::{
+    DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Prunes,
+    Pruning, Retention,
+};
 pub use role_loop::{RoleSpec, Work, run_role, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};
 pub use status::{export_status, precreate_series};

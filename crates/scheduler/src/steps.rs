@@ -54,6 +54,18 @@ impl<'t> Steps<'t> {
         }
     }
 
+    /// A tick's steps, all of them before `deadline` (a tick that prunes
+    /// holds back the prune's slice: [`PrunePlan::work_until`](crate::PrunePlan)).
+    pub fn until(tick: &'t Tick, deadline: Instant) -> Steps<'t> {
+        Steps {
+            tick,
+            started: Instant::now(),
+            deadline,
+            ends: Vec::new(),
+            panic: None,
+        }
+    }
+
     /// Run one step: `step` driven until the tick's deadline (or its own
     /// shape's budget from now, if sooner), under the panic guard. `None`
     /// when it panicked: the panic is kept, raised by [`finish`](Self::finish).

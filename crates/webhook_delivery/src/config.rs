@@ -65,6 +65,10 @@ pub struct WorkerConfig {
     /// was turned off (`HARDCOUNT_WEBHOOK_NOTICE_FROM`). Default none: only
     /// the `endpoint.disabled` event tells the tenant.
     pub notice_from: Option<String>,
+    /// Delete delivered and dead deliveries (with their attempts) and this
+    /// role's lease history once old, as the tick's last step
+    /// (docs/adr/0040); default none, nothing is pruned.
+    pub retention: Option<scheduler::Retention>,
 }
 
 impl Default for WorkerConfig {
@@ -89,6 +93,7 @@ impl Default for WorkerConfig {
             secrets: None,
             disable_after: Some(Duration::from_secs(5 * 86_400)),
             notice_from: None,
+            retention: None,
         }
     }
 }

@@ -171,7 +171,7 @@ mod tick;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING};
+    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, PRUNE_FINISHED};
 }
 mod verdict;
 mod worker;

@@ -20,4 +20,6 @@ pub(crate) struct Shared {
     pub breakers: Breakers,
     /// When this leader last looked for endpoints to turn off.
     pub disabling: Disabling,
+    /// When the tick prunes (`config.retention`), if it does.
+    pub pruning: Option<scheduler::Pruning>,
 }

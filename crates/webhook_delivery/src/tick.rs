@@ -3,7 +3,10 @@
 //! attempts run concurrently under limits, outcomes written in groups by
 //! compare-and-set). Attempts a batch carried past its end
 //! ([`crate::batch`]) are collected by later batches, and the rest at the
-//! tick's end, before the gauges are read.
+//! tick's end, before the gauges are read. A tick that prunes
+//! (`WorkerConfig::retention`, docs/adr/0040) ends with the prune of
+//! finished deliveries and of the role's lease history, in the slice of the
+//! budget it held back.
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -11,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use leader::{Fence, Role, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Shape, Stop, Wake};
+use scheduler::{FencedBatches, Panics, Prune, Prunes, Shape, Stop, Wake};
 use tracing::warn;
 
 use crate::batch::{Running, Tally, attempt_batch, collect};
@@ -62,7 +65,16 @@ pub(crate) async fn run_tick(
         carried: Mutex::new(Running::new()),
         waits: AtomicUsize::new(0),
     };
-    let driven = scheduler::drive(&deliveries, tick).await;
+    // A tick that prunes holds back the prune's slice of the budget.
+    let plan = shared
+        .pruning
+        .as_ref()
+        .map(|p| p.plan(shared.config.tick_budget));
+    let work_until = plan.map_or_else(
+        || Instant::now() + shared.config.tick_budget,
+        |p| p.work_until,
+    );
+    let driven = scheduler::drive_until(&deliveries, tick, work_until).await;
     let mut t = driven.counts;
     // Collect the attempts carried past their batches; a panic among them
     // is raised after the count, as the driver raises its own.
@@ -82,6 +94,13 @@ pub(crate) async fn run_tick(
     }
     end_of_tick(shared);
     panics.finish();
+    if let (Some(plan), Some(pruning)) = (plan, shared.pruning.as_ref())
+        && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &shared.telemetry)
+    {
+        prunes.run(&Finished(shared)).await;
+        prunes.lease_history(&shared.db).await;
+        prunes.finish();
+    }
     TickReport {
         // Less the empty claims that only waited for carried attempts.
         batches: driven.batches - deliveries.waits.load(Relaxed),
@@ -275,5 +294,28 @@ impl FencedBatches for Deliveries<'_> {
             }
             refresh_gauges(self.shared).await;
         }
+    }
+}
+
+/// The retention prune (docs/adr/0040): delivered and dead deliveries with
+/// their attempts, a fenced batch per statement ([`store::prune_finished`]).
+struct Finished<'a>(&'a Shared);
+
+impl Prune for Finished<'_> {
+    type Error = db::Error;
+
+    fn kind(&self) -> &'static str {
+        "webhook_deliveries"
+    }
+
+    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
+        store::prune_finished(
+            &self.0.db,
+            fence,
+            keep,
+            limit,
+            self.0.config.statement_timeout,
+        )
+        .await
     }
 }

@@ -68,6 +68,7 @@ impl Worker {
                     config.request_timeout,
                 ),
                 disabling: Disabling::default(),
+                pruning: config.retention.map(scheduler::Pruning::new),
                 config,
                 client,
                 telemetry,

@@ -1,5 +1,6 @@
 //! All of the outbox's SQL: the insert producers run in their own transaction,
-//! and the dispatcher's fenced claim and set-based fan-out.
+//! the dispatcher's fenced claim and set-based fan-out, and the retention
+//! prune of dispatched events (docs/adr/0040).
 
 use std::time::Duration;
 
@@ -118,4 +119,48 @@ pub(crate) async fn claim_and_fan_out(
         events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
         deliveries: count("inserted")?,
     })
+}
+
+/// The prune statement of [`prune_dispatched`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`). Dispatched events older than the retention, oldest
+/// stamp first through `webhook_events_dispatched` (migration 0030), and
+/// only once none of their deliveries remain (the delivery role prunes those
+/// first; `webhook_deliveries_event_endpoint_key` answers the check, and the
+/// delete trigger of migration 0015 refuses an event that still has some).
+/// Fenced next to `FOR UPDATE SKIP LOCKED`, as the claim is.
+pub const PRUNE_DISPATCHED: &str = "WITH doomed AS MATERIALIZED ( \
+           SELECT e.id FROM webhook_events e \
+           WHERE e.dispatched_at IS NOT NULL \
+             AND e.dispatched_at < now() - make_interval(secs => $3) \
+             AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d WHERE d.event_id = e.id) \
+             AND leader_fence($1, $2) \
+           ORDER BY e.dispatched_at, e.id \
+           LIMIT $4 \
+           FOR UPDATE OF e SKIP LOCKED) \
+         DELETE FROM webhook_events e USING doomed WHERE e.id = doomed.id";
+
+/// Delete at most `limit` dispatched events older than `keep` that have no
+/// deliveries left; returns how many went. None when `fence` is stale.
+///
+/// # Errors
+/// A database error; nothing was deleted.
+pub(crate) async fn prune_dispatched(
+    db: &Db,
+    fence: &Fence,
+    keep: Duration,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let deleted = tx
+        .execute(
+            sql(PRUNE_DISPATCHED)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(keep.as_secs_f64())
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(deleted)
 }

@@ -1,11 +1,14 @@
 //! The `webhook_outbox` tick: the fenced-batch driver ([`scheduler::drive`])
-//! over the outbox's one-transaction batch (claim, fan out, stamp dispatched).
+//! over the outbox's one-transaction batch (claim, fan out, stamp dispatched),
+//! and on a tick that prunes ([`Dispatcher::with_retention`]) the retention
+//! prune as its last step.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Shape, Stop, Wake};
+use scheduler::{FencedBatches, Panics, Prune, Prunes, Pruning, Retention, Shape, Stop, Wake};
 use tracing::debug;
 
 use crate::Error;
@@ -34,6 +37,7 @@ pub struct Dispatcher {
     telemetry: Telemetry,
     wake: Option<Wake>,
     idle_probe: Option<Duration>,
+    pruning: Option<Arc<Pruning>>,
 }
 
 impl Dispatcher {
@@ -51,6 +55,7 @@ impl Dispatcher {
             telemetry,
             wake: None,
             idle_probe: None,
+            pruning: None,
         })
     }
 
@@ -75,6 +80,17 @@ impl Dispatcher {
         self
     }
 
+    /// Prune (docs/adr/0040): a tick at most every `retention.every` ends
+    /// with the deletion of dispatched events older than `retention.keep`
+    /// whose deliveries are gone, and of the role's lease history older than
+    /// `retention.lease_history`, a fenced batch per statement in a slice of
+    /// the budget ([`scheduler::Pruning`]).
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Dispatcher {
+        self.pruning = Some(Arc::new(Pruning::new(retention)));
+        self
+    }
+
     pub fn config(&self) -> &DispatcherConfig {
         &self.config
     }
@@ -91,7 +107,22 @@ impl Dispatcher {
     /// dropped mid-way (the lease manager drops a tick that outlives its
     /// cancel grace), it rolls back and its events are claimed again later.
     pub async fn run_tick(&self, tick: &Tick) -> TickReport {
-        let driven = scheduler::drive(&Fanout(self), tick).await;
+        let plan = self
+            .pruning
+            .as_ref()
+            .map(|p| p.plan(self.config.tick_budget));
+        let work_until = plan.map_or_else(
+            || Instant::now() + self.config.tick_budget,
+            |p| p.work_until,
+        );
+        let driven = scheduler::drive_until(&Fanout(self), tick, work_until).await;
+        if let (Some(plan), Some(pruning)) = (plan, self.pruning.as_deref())
+            && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &self.telemetry)
+        {
+            prunes.run(&Dispatched(self)).await;
+            prunes.lease_history(&self.db).await;
+            prunes.finish();
+        }
         TickReport {
             batches: driven.batches,
             events: driven.claimed,
@@ -195,5 +226,27 @@ impl FencedBatches for Fanout<'_> {
     ) -> Result<(), Error> {
         *deliveries += batch.deliveries;
         Ok(())
+    }
+}
+
+/// The retention prune of dispatched events ([`store::prune_dispatched`]).
+struct Dispatched<'a>(&'a Dispatcher);
+
+impl Prune for Dispatched<'_> {
+    type Error = db::Error;
+
+    fn kind(&self) -> &'static str {
+        "webhook_events"
+    }
+
+    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
+        store::prune_dispatched(
+            &self.0.db,
+            fence,
+            keep,
+            limit,
+            self.0.config.statement_timeout,
+        )
+        .await
     }
 }

@@ -368,7 +368,15 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         .collect();
     // The address checks run only in the CHECKs of rows tenants write (as
     // hardcount_api), never the app's (migration 0023).
-    assert_eq!(functions, ["leader_fence():EXECUTE"]);
+    // Migration 0030: each role prunes its own lease terms through a fenced
+    // definer function.
+    assert_eq!(
+        functions,
+        [
+            "leader_fence():EXECUTE",
+            "leader_terms_prune_fenced():EXECUTE"
+        ]
+    );
     let lease_writes: Vec<&String> = granted
         .iter()
         .filter(|g| g.starts_with("leader_leases") && !g.ends_with(":SELECT"))
@@ -404,12 +412,24 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "leader_terms.tick_end:UPDATE",
             "leader_terms.token:INSERT",
             "leader_terms.token:SELECT",
+            // Migration 0030: its own old terms, through the fenced prune.
+            "leader_terms_prune_fenced():EXECUTE",
         ]
     );
-    assert!(
-        !granted
-            .iter()
-            .any(|g| g.contains(":DELETE") || g.contains(":TRUNCATE")),
+    // Migration 0030: the retention prunes delete finished webhook and email
+    // rows; nothing else, and never money (invoices, attempts, runs).
+    let deletes: Vec<&String> = granted
+        .iter()
+        .filter(|g| g.contains(":DELETE") || g.contains(":TRUNCATE"))
+        .collect();
+    assert_eq!(
+        deletes,
+        [
+            "email_outbox:DELETE",
+            "webhook_deliveries:DELETE",
+            "webhook_delivery_attempts:DELETE",
+            "webhook_events:DELETE",
+        ],
         "{granted:?}"
     );
     refused(
@@ -420,6 +440,12 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "SELECT holder_id FROM leader_terms",
             "DELETE FROM leader_terms",
             "UPDATE leader_terms SET acquired_at = now()",
+            "DELETE FROM invoices",
+            "DELETE FROM payment_attempts",
+            "DELETE FROM dunning_runs",
+            "DELETE FROM customers",
+            "DELETE FROM subscriptions",
+            "TRUNCATE webhook_deliveries",
             "SELECT leader_terms_prune(interval '1 day', 10)",
             "SELECT secret FROM webhook_endpoints",
             "SELECT previous_secret FROM webhook_endpoints",

@@ -8,6 +8,7 @@ mod bad_rows;
 mod final_action;
 mod guards;
 mod reconcile;
+mod retention;
 mod runs;
 
 use std::sync::Arc;

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use db::{Db, Row, sql};
 
-/// The backlog, on the database clock, through the partial indexes.
+/// The backlog, on the database clock, through the partial indexes. The
+/// failed count is of the failed emails kept: the retention prune
+/// (docs/adr/0040) deletes them once older than `HARDCOUNT_RETENTION_EMAILS`,
+/// so it reads at most the retention window's, not all history.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Backlog {
     pub queued: i64,

@@ -9,6 +9,7 @@ mod guards;
 mod plans;
 mod pool;
 mod refusals;
+mod retention;
 mod sending;
 mod tls;
 

@@ -26,3 +26,7 @@ pub const BREAKER_COOLOFF: RangeInclusive<Duration> =
 /// more than 90 days outlives any retention of its deliveries.
 pub const DISABLE_AFTER: RangeInclusive<Duration> =
     Duration::from_secs(3600)..=Duration::from_secs(90 * 86_400);
+/// The bounds of each retention setting: shorter deletes what an operator
+/// still looks at the morning after; longer is keeping everything.
+pub const RETENTION: RangeInclusive<Duration> =
+    Duration::from_secs(3600)..=Duration::from_secs(3650 * 86_400);

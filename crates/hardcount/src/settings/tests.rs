@@ -440,3 +440,57 @@ fn a_database_url_with_an_unknown_sslmode_is_refused_by_its_variable() {
         good
     );
 }
+
+#[test]
+fn retention_defaults_to_thirty_days_and_is_refused_by_name_outside_its_bounds() {
+    let config = check(&[]).unwrap();
+    let month = Duration::from_secs(30 * 86_400);
+    assert_eq!(
+        config.retention,
+        crate::serve::RetentionSettings {
+            webhooks: month,
+            emails: month,
+            payment_logs: month,
+            lease_history: month,
+        }
+    );
+    let config = check(&[
+        "--retention-webhooks",
+        "7d",
+        "--retention-emails",
+        "90d",
+        "--retention-payment-logs",
+        "1h",
+        "--retention-lease-history",
+        "3650d",
+    ])
+    .unwrap();
+    assert_eq!(config.retention.webhooks, Duration::from_secs(7 * 86_400));
+    assert_eq!(config.retention.emails, Duration::from_secs(90 * 86_400));
+    assert_eq!(config.retention.payment_logs, Duration::from_secs(3600));
+    assert_eq!(
+        config.retention.lease_history,
+        Duration::from_secs(3650 * 86_400)
+    );
+    for (args, expected) in [
+        (
+            &["--retention-webhooks", "59m"][..],
+            "HARDCOUNT_RETENTION_WEBHOOKS=\"59m\": must be at least 1h",
+        ),
+        (
+            &["--retention-emails", "forever"],
+            "HARDCOUNT_RETENTION_EMAILS=\"forever\":",
+        ),
+        (
+            &["--retention-payment-logs", "3651d"],
+            "HARDCOUNT_RETENTION_PAYMENT_LOGS=\"3651d\": must be at most",
+        ),
+        (
+            &["--retention-lease-history", "0s"],
+            "HARDCOUNT_RETENTION_LEASE_HISTORY=\"0s\": must be at least 1h",
+        ),
+    ] {
+        let e = refusal(args);
+        assert!(e.contains(expected), "{args:?}: {e}");
+    }
+}

@@ -231,3 +231,57 @@ async fn prune_deletes_old_ended_terms_a_bounded_batch_at_a_time() {
         "{err}"
     );
 }
+
+/// `prune_own_terms` (migration 0030, docs/adr/0040), the app's fenced prune:
+/// the leader of a role deletes that role's old ended terms and no other
+/// role's, at most `limit` a call; a replaced leader's token deletes nothing.
+///
+/// Mutation check: removing `AND leader_fence(p_role, p_token)` from
+/// `leader_terms_prune_fenced` makes the old token delete the terms; this test
+/// was run against that mutation and failed, then the predicate was restored.
+#[tokio::test]
+async fn the_fenced_prune_deletes_only_its_roles_old_terms_and_a_stale_token_none() {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at, released_at, tick_end) \
+         SELECT r, -g, 'old:1:00000000', now() - interval '40 days', now() - interval '40 days', \
+                now() - interval '40 days', 'completed' \
+         FROM unnest(ARRAY['billing', 'dunning']) r, generate_series(1, 3) g",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let month = Duration::from_secs(30 * 86_400);
+    let (m, _) = manager(&t.db, fast(), "old");
+    let old = as_leader(&m, Role::Billing, |tick| async move { tick.fence }).await;
+    let db = &t.db;
+    let (m, _) = manager(&t.db, fast(), "new");
+    let (by_old, first, rest) = as_leader(&m, Role::Billing, |tick| async move {
+        assert!(tick.fence.token() > old.token());
+        (
+            store::prune_own_terms(db, &old, month, 10).await.unwrap(),
+            store::prune_own_terms(db, &tick.fence, month, 2)
+                .await
+                .unwrap(),
+            store::prune_own_terms(db, &tick.fence, month, 10)
+                .await
+                .unwrap(),
+        )
+    })
+    .await;
+    assert_eq!((by_old, first, rest), (0, 2, 1));
+    let left: Vec<(String, i64)> =
+        sqlx::query_as("SELECT role, token FROM leader_terms WHERE token < 0 ORDER BY role, token")
+            .fetch_all(&mut su)
+            .await
+            .unwrap();
+    assert_eq!(
+        left,
+        [
+            ("dunning".to_owned(), -3),
+            ("dunning".to_owned(), -2),
+            ("dunning".to_owned(), -1)
+        ]
+    );
+}

@@ -7,7 +7,10 @@ use db::{Db, Row, sql};
 /// The backlog, read on the database clock through the partial indexes: the
 /// pending count and the oldest pending delivery in one pass over
 /// `webhook_deliveries_due` (migration 0015 dropped the index that served the
-/// age alone), the dead count through `webhook_deliveries_dead`.
+/// age alone), the dead count through `webhook_deliveries_dead`. The dead
+/// count is of the dead deliveries kept: the retention prune (docs/adr/0040)
+/// deletes them once older than `HARDCOUNT_RETENTION_WEBHOOKS`, so it reads
+/// at most the retention window's, not all history.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Backlog {
     pub pending: i64,

@@ -5,6 +5,7 @@
 //! outcomes.rs   the outcome writes (one statement per group of outcomes, each row a
 //!               compare-and-set on the attempt number), handing back unsent claims
 //! backlog.rs    the gauges read at the end of a tick
+//! prune.rs      the retention prune of finished deliveries and their attempts
 //! endpoints.rs  registering an endpoint, rotating and resealing its secrets, and
 //!               turning off the endpoints that kept failing
 //! ```
@@ -13,6 +14,7 @@ mod backlog;
 mod claim;
 mod endpoints;
 mod outcomes;
+mod prune;
 
 pub(crate) use backlog::backlog;
 pub use claim::CLAIM_DUE;
@@ -27,3 +29,5 @@ pub(crate) use outcomes::{
     HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
     release_unsent,
 };
+pub use prune::PRUNE_FINISHED;
+pub(crate) use prune::prune_finished;

@@ -168,9 +168,10 @@ async fn the_schema_refuses_bad_urls_and_cross_tenant_deliveries() {
             .unwrap_err();
         assert_eq!(err.constraint(), Some(constraint), "{err}");
     }
-    // And the app cannot delete what it wrote.
+    // And the app cannot delete an endpoint; it deletes deliveries only in
+    // the retention prune (migration 0030, docs/adr/0040).
     let err =
-        t.db.execute(sql("DELETE FROM webhook_deliveries"))
+        t.db.execute(sql("DELETE FROM webhook_endpoints"))
             .await
             .unwrap_err();
     assert_eq!(err.code().as_deref(), Some("42501"), "{err}");

@@ -106,3 +106,27 @@ async fn a_group_of_outcomes_finds_each_delivery_by_its_key() {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
 }
+
+/// Guards: the prune's index `webhook_deliveries_finished (next_attempt_at,
+/// id)` (migration 0030) and its ORDER BY matching it. Seen failing with the
+/// index keyed on `id` alone instead. The attempt rows are reached by their
+/// primary key.
+#[tokio::test]
+async fn a_prune_reads_its_batch_in_index_order_and_sorts_nothing() {
+    let t = TestDb::new().await;
+    backlog(&t).await;
+    let plan = explain_index_driven(&t.db, webhook_delivery::statements::PRUNE_FINISHED, |s| {
+        s.bind("webhook_delivery")
+            .bind(1_i64)
+            .bind(86_400.0_f64)
+            .bind(1000_i64)
+    })
+    .await;
+    assert!(
+        plan.contains("Index Scan using webhook_deliveries_finished on webhook_deliveries"),
+        "{plan}"
+    );
+    for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}

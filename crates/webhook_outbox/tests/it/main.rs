@@ -7,6 +7,7 @@ mod enqueue;
 mod fan_out;
 mod plans;
 mod probe;
+mod retention;
 mod tick_ends;
 mod wake;
 
