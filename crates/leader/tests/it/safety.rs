@@ -79,6 +79,7 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
                 Release::Completed,
                 Duration::ZERO,
                 timing.failure_cooldown,
+                &store::SlotStamp::default(),
                 timing.statement_timeout
             )
         ),
