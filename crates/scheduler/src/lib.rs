@@ -46,7 +46,7 @@ pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{drive, drive_until};
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
-pub use role_loop::{RoleSpec, Work, run_role, work};
+pub use role_loop::{RoleSpec, Work, run_role, run_role_on, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};
 pub use status::{export_status, precreate_series};
 pub use steps::{LeftOut, Steps, worst};
