@@ -208,6 +208,10 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_leader_clock_drift_seconds",
     "hardcount_leader_status_errors_total",
     "hardcount_tick_total",
+    // A role on a cron schedule (docs/adr/0043).
+    "hardcount_leader_next_slot_timestamp_seconds",
+    "hardcount_leader_slots_missed_total",
+    "hardcount_leader_slot_lateness_seconds",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`
