@@ -352,7 +352,10 @@ impl ServeSettings {
             let Some(text) = non_empty(self.schedule(entry.role)) else {
                 continue;
             };
-            let var = format!("HARDCOUNT_{}_SCHEDULE", entry.role.as_str().to_ascii_uppercase());
+            let var = format!(
+                "HARDCOUNT_{}_SCHEDULE",
+                entry.role.as_str().to_ascii_uppercase()
+            );
             // The replica's clock only starts the "does it ever fire" search;
             // slots are due on the database clock (docs/adr/0043).
             let cron = leader::CronSchedule::parse(&text, None, chrono::Utc::now())

@@ -1,8 +1,8 @@
 //! `Manager::lead`: one tick under a lease, with its heartbeat and its release.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -260,11 +260,17 @@ impl Manager {
             warn!(role = %role, slot = %slot, missed, at_least = missed >= crate::schedule::MISSED_COUNT_LIMIT,
                   since = %since, "slots were missed (the role was down or paused); running the latest once");
             self.telemetry
-                .counter("hardcount_leader_slots_missed_total", &[("role", role.as_str())])
+                .counter(
+                    "hardcount_leader_slots_missed_total",
+                    &[("role", role.as_str())],
+                )
                 .increment(missed);
         }
         self.telemetry
-            .histogram("hardcount_leader_slot_lateness_seconds", &[("role", role.as_str())])
+            .histogram(
+                "hardcount_leader_slot_lateness_seconds",
+                &[("role", role.as_str())],
+            )
             .record(late.as_secs_f64());
         info!(role = %role, slot = %slot, late = ?late, "slot due");
         // The cooldowns of a failed, lost or panicked tick are bounded by

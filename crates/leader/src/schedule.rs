@@ -30,7 +30,7 @@ pub enum Schedule {
     /// An interval after the last completed tick (`HARDCOUNT_<ROLE>_INTERVAL`).
     Every(Duration),
     /// The slots of a cron expression (`HARDCOUNT_<ROLE>_SCHEDULE`).
-    Cron(CronSchedule),
+    Cron(Box<CronSchedule>),
 }
 
 impl From<Duration> for Schedule {
@@ -51,9 +51,14 @@ impl fmt::Display for Schedule {
 /// `1h`, `15m`, `1s`, `250ms`: a duration as the settings write it.
 fn short(d: Duration) -> String {
     let ms = d.as_millis();
-    let units = [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1000, "s")];
+    let units = [
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1000, "s"),
+    ];
     for (unit, name) in units {
-        if ms >= unit && ms % unit == 0 {
+        if ms >= unit && ms.is_multiple_of(unit) {
             return format!("{}{name}", ms / unit);
         }
     }
@@ -245,7 +250,13 @@ mod tests {
         let mut since = from;
         while let Some(next) = s.next_after(since).filter(|n| *n <= to) {
             // At the slot's instant it is due, with nothing missed.
-            assert_eq!(s.due(since, next), Due::Slot { slot: next, missed: 0 });
+            assert_eq!(
+                s.due(since, next),
+                Due::Slot {
+                    slot: next,
+                    missed: 0
+                }
+            );
             out.push(next);
             since = next;
         }
@@ -258,7 +269,10 @@ mod tests {
         assert_eq!(cron("@hourly").to_string(), "@hourly");
         let berlin = cron("CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI");
         assert_eq!(berlin.zone(), chrono_tz::Europe::Berlin);
-        assert_eq!(berlin.to_string(), "CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI");
+        assert_eq!(
+            berlin.to_string(),
+            "CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI"
+        );
         let now = utc("2026-01-01T00:00:00Z");
         let separate = CronSchedule::parse("@daily", Some("Europe/Berlin"), now).unwrap();
         assert_eq!(separate.zone(), chrono_tz::Europe::Berlin);
@@ -322,10 +336,8 @@ mod tests {
             }
         );
         let every_second = cron("* * * * * *");
-        let day = every_second.count_between(
-            utc("2026-03-01T00:00:00Z"),
-            utc("2026-03-02T00:00:00Z"),
-        );
+        let day =
+            every_second.count_between(utc("2026-03-01T00:00:00Z"), utc("2026-03-02T00:00:00Z"));
         assert_eq!(day, MISSED_COUNT_LIMIT, "the count stops at its limit");
     }
 
@@ -357,7 +369,10 @@ mod tests {
             utc("2026-03-29T23:00:00Z"),
         );
         assert_eq!(got.len(), 24, "{got:?}");
-        assert!(got.windows(2).all(|w| w[1] - w[0] == chrono::TimeDelta::hours(1)));
+        assert!(
+            got.windows(2)
+                .all(|w| w[1] - w[0] == chrono::TimeDelta::hours(1))
+        );
     }
 
     /// Europe/Berlin falls back on 2026-10-25: 03:00 CEST becomes 02:00
@@ -395,7 +410,10 @@ mod tests {
             utc("2026-10-25T22:00:00Z"),
         );
         assert_eq!(got.len(), 24, "{got:?}");
-        assert!(got.windows(2).all(|w| w[1] - w[0] == chrono::TimeDelta::hours(1)));
+        assert!(
+            got.windows(2)
+                .all(|w| w[1] - w[0] == chrono::TimeDelta::hours(1))
+        );
         let berlin = chrono_tz::Europe::Berlin;
         let local: Vec<String> = got
             .iter()
@@ -428,8 +446,14 @@ mod tests {
 
     #[test]
     fn durations_read_as_the_settings_write_them() {
-        assert_eq!(Schedule::from(Duration::from_secs(3600)).to_string(), "every 1h");
-        assert_eq!(Schedule::from(Duration::from_secs(90)).to_string(), "every 90s");
+        assert_eq!(
+            Schedule::from(Duration::from_secs(3600)).to_string(),
+            "every 1h"
+        );
+        assert_eq!(
+            Schedule::from(Duration::from_secs(90)).to_string(),
+            "every 90s"
+        );
         assert_eq!(
             Schedule::from(Duration::from_millis(250)).to_string(),
             "every 250ms"

@@ -323,6 +323,7 @@ impl Release {
 
 /// RELEASE: clear the holder if this term still owns the row, recording the
 /// outcome. Returns whether it changed the row (false after a takeover or pause).
+#[allow(clippy::too_many_arguments)]
 pub async fn release(
     db: &Db,
     role: Role,

@@ -39,7 +39,7 @@ impl RoleConfig {
     /// When the role is due: its cron schedule, else its interval.
     pub fn schedule(&self) -> Schedule {
         match &self.cron {
-            Some(cron) => Schedule::Cron(cron.clone()),
+            Some(cron) => Schedule::Cron(Box::new(cron.clone())),
             None => Schedule::Every(self.interval),
         }
     }

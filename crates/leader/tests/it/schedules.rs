@@ -14,7 +14,9 @@ use tokio_util::sync::CancellationToken;
 use crate::{fast, manager, series};
 
 fn schedule(text: &str) -> Schedule {
-    Schedule::Cron(CronSchedule::parse(text, None, Utc::now()).unwrap())
+    Schedule::Cron(Box::new(
+        CronSchedule::parse(text, None, Utc::now()).unwrap(),
+    ))
 }
 
 async fn db_now(t: &TestDb) -> DateTime<Utc> {
@@ -41,14 +43,11 @@ async fn last_slot(t: &TestDb, role: Role) -> Option<DateTime<Utc>> {
         .get("last_slot")
 }
 
+/// Each tick's slot and token, in the order they ran.
+type Ran = Arc<Mutex<Vec<(DateTime<Utc>, i64)>>>;
+
 /// A role loop in miniature: lead, sleep what a lost poll says, until `stop`.
-async fn role_loop(
-    m: Manager,
-    role: Role,
-    schedule: Schedule,
-    stop: CancellationToken,
-    ran: Arc<Mutex<Vec<(DateTime<Utc>, i64)>>>,
-) {
+async fn role_loop(m: Manager, role: Role, schedule: Schedule, stop: CancellationToken, ran: Ran) {
     while !stop.is_cancelled() {
         let ran = ran.clone();
         let outcome = m
@@ -112,10 +111,16 @@ async fn three_replicas_run_every_5_second_slot_once_within_a_second() {
         .fetch_one(&mut su)
         .await
         .unwrap();
-        assert!((0.0..1.0).contains(&late), "slot {slot} claimed {late}s after it");
+        assert!(
+            (0.0..1.0).contains(&late),
+            "slot {slot} claimed {late}s after it"
+        );
         worst = worst.max(late);
     }
-    eprintln!("{} slots, the latest claimed {worst:.3}s after its time", ran.len());
+    eprintln!(
+        "{} slots, the latest claimed {worst:.3}s after its time",
+        ran.len()
+    );
     assert_eq!(last_slot(&t, role).await, slots.last().copied());
 }
 
@@ -135,7 +140,9 @@ async fn a_missed_slot_runs_once_a_failed_one_is_retried_and_a_done_one_never_ag
     };
     let current = cron.latest_at_or_before(now).unwrap();
     set_last_slot(&t, role, current - chrono::TimeDelta::hours(3)).await;
-    let timing = fast().with_failure_cooldown(Duration::from_millis(200)).unwrap();
+    let timing = fast()
+        .with_failure_cooldown(Duration::from_millis(200))
+        .unwrap();
     let (a, metrics) = manager(&t.db, timing, "a");
     let (b, _) = manager(&t.db, timing, "b");
     let stop = CancellationToken::new();
@@ -155,10 +162,17 @@ async fn a_missed_slot_runs_once_a_failed_one_is_retried_and_a_done_one_never_ag
     assert_eq!(outcome, TickOutcome::Failed);
     assert_eq!(seen, [Some(current)]);
     assert_eq!(
-        series(&metrics, "hardcount_leader_slots_missed_total", "role=\"billing\""),
+        series(
+            &metrics,
+            "hardcount_leader_slots_missed_total",
+            "role=\"billing\""
+        ),
         Some(2.0)
     );
-    assert_eq!(last_slot(&t, role).await, Some(current - chrono::TimeDelta::hours(3)));
+    assert_eq!(
+        last_slot(&t, role).await,
+        Some(current - chrono::TimeDelta::hours(3))
+    );
 
     // After the cooldown the same slot is retried, by whichever replica.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -189,7 +203,10 @@ async fn a_missed_slot_runs_once_a_failed_one_is_retried_and_a_done_one_never_ag
     let status = store::status(&t.db).await.unwrap();
     let row = status.iter().find(|r| r.role == "billing").unwrap();
     assert_eq!(row.schedule.as_deref(), Some("0 0 * * * *"));
-    assert!(row.last_slot.is_some() && row.next_slot.is_some(), "{row:?}");
+    assert!(
+        row.last_slot.is_some() && row.next_slot.is_some(),
+        "{row:?}"
+    );
     let next = row.next_slot_epoch.unwrap();
     let expected = (current + chrono::TimeDelta::hours(1)).timestamp() as f64;
     assert!((next - expected).abs() < 1e-3, "{next} vs {expected}");
@@ -205,17 +222,28 @@ async fn acquire_refuses_a_slot_not_yet_come_on_the_database_clock_or_already_do
     let timing = fast();
     let now = db_now(&t).await;
     let try_slot = |slot: DateTime<Utc>| {
-        store::acquire_slot(&t.db, role, "x:1:00000000", timing.ttl, Some(slot), timing.statement_timeout)
+        store::acquire_slot(
+            &t.db,
+            role,
+            "x:1:00000000",
+            timing.ttl,
+            Some(slot),
+            timing.statement_timeout,
+        )
     };
     // An hour ahead on the database clock (a replica an hour fast would ask this).
     let early = try_slot(now + chrono::TimeDelta::hours(1)).await.unwrap();
     assert_eq!(early.token, None);
     set_last_slot(&t, role, now - chrono::TimeDelta::seconds(10)).await;
-    let done = try_slot(now - chrono::TimeDelta::seconds(10)).await.unwrap();
+    let done = try_slot(now - chrono::TimeDelta::seconds(10))
+        .await
+        .unwrap();
     assert_eq!(done.token, None);
     assert_eq!(done.since, Some(now - chrono::TimeDelta::seconds(10)));
     let due = try_slot(now - chrono::TimeDelta::seconds(5)).await.unwrap();
-    let token = due.token.expect("a slot that has come and is not done is claimed");
+    let token = due
+        .token
+        .expect("a slot that has come and is not done is claimed");
     store::release(
         &t.db,
         role,
@@ -232,5 +260,8 @@ async fn acquire_refuses_a_slot_not_yet_come_on_the_database_clock_or_already_do
     )
     .await
     .unwrap();
-    assert_eq!(last_slot(&t, role).await, Some(now - chrono::TimeDelta::seconds(5)));
+    assert_eq!(
+        last_slot(&t, role).await,
+        Some(now - chrono::TimeDelta::seconds(5))
+    );
 }
