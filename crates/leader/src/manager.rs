@@ -151,16 +151,13 @@ impl Manager {
                 token
             }
         };
-        self.lead_won(
-            role,
-            token,
-            interval,
-            SlotStamp::default(),
-            acquire_sent,
-            shutdown,
-            work,
-        )
-        .await
+        let stamp = SlotStamp {
+            schedule: Schedule::Every(interval).to_string(),
+            slot: None,
+            next_slot: None,
+        };
+        self.lead_won(role, token, interval, stamp, acquire_sent, shutdown, work)
+            .await
     }
 
     /// [`Manager::lead`] for a role on `schedule`: an interval (exactly
@@ -245,10 +242,10 @@ impl Manager {
         observe_drift(&self.telemetry, role, sent, epoch(a.db_now));
         // The latest slot that has come by ACQUIRE's clock: no earlier than
         // the one we asked for, which the database found due.
-        let slot = cron
-            .latest_at_or_before(a.db_now)
-            .or(candidate)
-            .unwrap_or(a.db_now);
+        let slot = match (cron.latest_at_or_before(a.db_now), candidate) {
+            (Some(latest), Some(asked)) => latest.max(asked),
+            (latest, asked) => latest.or(asked).unwrap_or(a.db_now),
+        };
         let missed = if a.since.is_some() {
             cron.count_between(since, slot)
         } else {

@@ -353,7 +353,7 @@ pub async fn release(
                        WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \
                        WHEN 'more_work' THEN NULL \
                        ELSE not_before END, \
-                   schedule = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN $6 ELSE schedule END, \
+                   schedule = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN NULLIF($6, '') ELSE schedule END, \
                    last_slot = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN $7 ELSE last_slot END, \
                    next_slot = CASE $3 \
                        WHEN 'completed' THEN COALESCE($8, now() + make_interval(secs => $4)) \

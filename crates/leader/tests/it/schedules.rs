@@ -210,6 +210,24 @@ async fn a_missed_slot_runs_once_a_failed_one_is_retried_and_a_done_one_never_ag
     let next = row.next_slot_epoch.unwrap();
     let expected = (current + chrono::TimeDelta::hours(1)).timestamp() as f64;
     assert!((next - expected).abs() < 1e-3, "{next} vs {expected}");
+
+    // Back on an interval: its completed tick clears the slot and says so.
+    let interval = Duration::from_secs(90);
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE leader_leases SET last_tick_ended_at = now() - interval '1 hour' WHERE role = 'billing'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let r = a
+        .lead(role, interval, &stop, |_| async { TickEnd::Drained })
+        .await
+        .unwrap();
+    assert_eq!(r, TickOutcome::Completed);
+    let status = store::status(&t.db).await.unwrap();
+    let row = status.iter().find(|r| r.role == "billing").unwrap();
+    assert_eq!(row.schedule.as_deref(), Some("every 90s"));
+    assert_eq!(row.last_slot, None);
+    assert!(row.next_slot.is_some(), "{row:?}");
 }
 
 /// ACQUIRE decides on the database clock: a slot that has not come on it is
