@@ -267,6 +267,7 @@ async fn cycle(db: &Db, samples: Option<&mut Samples>) -> Result<()> {
         Release::Completed,
         Duration::ZERO,
         t.failure_cooldown,
+        &store::SlotStamp::default(),
         t.statement_timeout,
     )
     .await?;

@@ -373,8 +373,8 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
 
 fn print_status(rows: &[leader::LeaseStatus]) {
     println!(
-        "{:<17} {:<13} {:<36} {:>12} NOTE",
-        "ROLE", "STATE", "HOLDER", "LAST TICK"
+        "{:<17} {:<13} {:<36} {:>12} {:<28} {:<22} {:<22} NOTE",
+        "ROLE", "STATE", "HOLDER", "LAST TICK", "SCHEDULE", "LAST SLOT", "NEXT SLOT"
     );
     for r in rows {
         let age = r
@@ -383,11 +383,14 @@ fn print_status(rows: &[leader::LeaseStatus]) {
             .unwrap_or_else(|| "never".to_owned());
         let note = status_note(r);
         println!(
-            "{:<17} {:<13} {:<36} {:>12} {}",
+            "{:<17} {:<13} {:<36} {:>12} {:<28} {:<22} {:<22} {}",
             printable(&r.role),
             printable(&r.state),
             printable(r.holder_id.as_deref().unwrap_or("-")),
             age,
+            printable(r.schedule.as_deref().unwrap_or("-")),
+            printable(r.last_slot.as_deref().unwrap_or("-")),
+            printable(r.next_slot.as_deref().unwrap_or("-")),
             printable(&note)
         );
     }
@@ -447,6 +450,10 @@ mod tests {
             paused_by: Some("cli@ops\u{1b}[2J".into()),
             pause_reason: Some("rotating SMTP key".into()),
             paused_by_role: Some("hardcount_operator\u{202e}".into()),
+            schedule: None,
+            last_slot: None,
+            next_slot: None,
+            next_slot_epoch: None,
         };
         assert_eq!(
             printable(&status_note(&row)),

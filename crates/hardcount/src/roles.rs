@@ -46,6 +46,7 @@ pub static REGISTRY: &[RoleEntry] = &[
         role: Role::Billing,
         interval: "HARDCOUNT_BILLING_INTERVAL",
         settings: &[
+            "HARDCOUNT_BILLING_SCHEDULE",
             "BILLING_PROVIDER_URL",
             "BILLING_PROVIDER_SECRET_KEY",
             "HARDCOUNT_INSTANCE_ID",
@@ -79,6 +80,7 @@ pub static REGISTRY: &[RoleEntry] = &[
         interval: "HARDCOUNT_DUNNING_INTERVAL",
         // Its provider and sender are billing's (above).
         settings: &[
+            "HARDCOUNT_DUNNING_SCHEDULE",
             "HARDCOUNT_DUNNING_BATCH_SIZE",
             "HARDCOUNT_DUNNING_CONCURRENCY",
             "HARDCOUNT_DUNNING_TICK_BUDGET",
@@ -99,7 +101,7 @@ pub static REGISTRY: &[RoleEntry] = &[
     RoleEntry {
         role: Role::WebhookOutbox,
         interval: "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL",
-        settings: &[],
+        settings: &["HARDCOUNT_WEBHOOK_OUTBOX_SCHEDULE"],
         alerts: &[],
         metrics: &["hardcount_webhook_events_dispatched_total"],
         listens: true,
@@ -108,6 +110,7 @@ pub static REGISTRY: &[RoleEntry] = &[
         role: Role::EmailOutbox,
         interval: "HARDCOUNT_EMAIL_OUTBOX_INTERVAL",
         settings: &[
+            "HARDCOUNT_EMAIL_OUTBOX_SCHEDULE",
             "SMTP_URL",
             "HARDCOUNT_SMTP_CA_FILE",
             "HARDCOUNT_SMTP_INSECURE_AUTH",
@@ -130,6 +133,7 @@ pub static REGISTRY: &[RoleEntry] = &[
         role: Role::WebhookDelivery,
         interval: "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL",
         settings: &[
+            "HARDCOUNT_WEBHOOK_DELIVERY_SCHEDULE",
             "HARDCOUNT_SECRETS_KEY",
             "HARDCOUNT_WEBHOOK_ALLOWLIST",
             "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
@@ -212,6 +216,10 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_tick_total",
     // Rows each role's retention prune deleted, by `kind` (docs/adr/0040).
     "hardcount_retention_pruned_total",
+    // A role on a cron schedule (docs/adr/0043).
+    "hardcount_leader_next_slot_timestamp_seconds",
+    "hardcount_leader_slots_missed_total",
+    "hardcount_leader_slot_lateness_seconds",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`

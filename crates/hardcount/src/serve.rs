@@ -364,9 +364,18 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         ));
     }
     for spec in specs {
-        tracker.spawn(scheduler::run_role(
+        // A role's cron schedule, when it has one, decides when it is due
+        // (docs/adr/0043); else its interval.
+        let schedule = config
+            .roles
+            .iter()
+            .find(|rc| rc.role == spec.role)
+            .map_or(leader::Schedule::Every(spec.interval), |rc| rc.schedule());
+        info!(role = %spec.role, schedule = %schedule, "role due on its schedule");
+        tracker.spawn(scheduler::run_role_on(
             manager.clone(),
             spec,
+            schedule,
             root.child_token(),
         ));
     }

@@ -159,6 +159,28 @@ pub struct ServeSettings {
     /// webhook_delivery's tick interval (1s to 30d) [default: 1s].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL")]
     pub webhook_delivery_interval: Option<String>,
+    /// billing's cron schedule instead of its interval: six fields with seconds
+    /// (`0 5 * * * *`), five (second 0) or an alias (`@hourly`), optionally
+    /// after `CRON_TZ=<IANA zone> ` [default: UTC]; due on the database clock
+    /// (docs/adr/0043) [default: unset, the interval].
+    #[arg(long, env = "HARDCOUNT_BILLING_SCHEDULE")]
+    pub billing_schedule: Option<String>,
+    /// dunning's cron schedule instead of its interval, as HARDCOUNT_BILLING_SCHEDULE
+    /// [default: unset, the interval].
+    #[arg(long, env = "HARDCOUNT_DUNNING_SCHEDULE")]
+    pub dunning_schedule: Option<String>,
+    /// webhook_outbox's cron schedule instead of its interval, as HARDCOUNT_BILLING_SCHEDULE
+    /// [default: unset, the interval].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_OUTBOX_SCHEDULE")]
+    pub webhook_outbox_schedule: Option<String>,
+    /// email_outbox's cron schedule instead of its interval, as HARDCOUNT_BILLING_SCHEDULE
+    /// [default: unset, the interval].
+    #[arg(long, env = "HARDCOUNT_EMAIL_OUTBOX_SCHEDULE")]
+    pub email_outbox_schedule: Option<String>,
+    /// webhook_delivery's cron schedule instead of its interval, as HARDCOUNT_BILLING_SCHEDULE
+    /// [default: unset, the interval].
+    #[arg(long, env = "HARDCOUNT_WEBHOOK_DELIVERY_SCHEDULE")]
+    pub webhook_delivery_schedule: Option<String>,
     /// CIDRs webhook delivery may reach although private, e.g. `10.1.0.0/16`; one covering
     /// 0.0.0.0/0, ::/0 or 169.254.169.254 is refused [default: none].
     #[arg(long, env = "HARDCOUNT_WEBHOOK_ALLOWLIST")]
@@ -319,6 +341,17 @@ impl ServeSettings {
         }
     }
 
+    /// The text of `role`'s schedule variable (`HARDCOUNT_<ROLE>_SCHEDULE`).
+    fn schedule(&self, role: Role) -> &Option<String> {
+        match role {
+            Role::Billing => &self.billing_schedule,
+            Role::Dunning => &self.dunning_schedule,
+            Role::WebhookOutbox => &self.webhook_outbox_schedule,
+            Role::EmailOutbox => &self.email_outbox_schedule,
+            Role::WebhookDelivery => &self.webhook_delivery_schedule,
+        }
+    }
+
     /// The serve configuration these settings describe, on `database_url`,
     /// opening webhook secrets with `secrets` (HARDCOUNT_SECRETS_KEY).
     pub fn config(&self, database_url: String, secrets: Option<Keyring>) -> Result<Config> {
@@ -332,9 +365,25 @@ impl ServeSettings {
                 intervals.push((entry.role, duration(entry.interval, &text, any)?));
             }
         }
-        let roles = scheduler::roles_from_env(roles.as_deref(), |role| {
+        let mut roles = scheduler::roles_from_env(roles.as_deref(), |role| {
             intervals.iter().find(|(r, _)| *r == role).map(|(_, d)| *d)
         })?;
+        for entry in crate::roles::REGISTRY {
+            let Some(text) = non_empty(self.schedule(entry.role)) else {
+                continue;
+            };
+            let var = format!(
+                "HARDCOUNT_{}_SCHEDULE",
+                entry.role.as_str().to_ascii_uppercase()
+            );
+            // The replica's clock only starts the "does it ever fire" search;
+            // slots are due on the database clock (docs/adr/0043).
+            let cron = leader::CronSchedule::parse(&text, None, chrono::Utc::now())
+                .map_err(|e| anyhow!("{var}: {e}"))?;
+            if let Some(rc) = roles.iter_mut().find(|rc| rc.role == entry.role) {
+                rc.cron = Some(cron);
+            }
+        }
 
         let mut webhook_delivery = WorkerConfig {
             secrets,

@@ -5,6 +5,10 @@
 //! and the [`Fence`] a won lease hands to the tick's work.
 //! [`Manager::ticks`] announces how each call of `lead` ended ([`TickLog`]),
 //! so a caller (a test, above all) waits for a tick's end instead of sleeping.
+//! [`Manager::lead_on`] leads a role on a [`Schedule`]: an interval, or a cron
+//! expression's slots ([`schedule`]), each claimed by `store::acquire_slot`
+//! only once it has come on the database clock and is later than the last
+//! completed slot, which a completed tick's RELEASE stamps (docs/adr/0043).
 //!
 //! ```text
 //!             ACQUIRE (1 row)                 work returns Drained
@@ -66,6 +70,7 @@ mod announce;
 mod heartbeat;
 mod history;
 mod manager;
+pub mod schedule;
 pub mod store;
 mod telemetry;
 mod tick;
@@ -77,6 +82,7 @@ use std::str::FromStr;
 pub use announce::{RoleTicks, TickLog};
 pub use history::{Overlap, overlapping_terms};
 pub use manager::Manager;
+pub use schedule::{CronSchedule, Due, Schedule, ScheduleError};
 pub use store::{LeaseStatus, StoreError, Term};
 pub use telemetry::Telemetry;
 pub use tick::{Fence, LostReason, Tick, TickEnd, TickOutcome};

@@ -1,8 +1,12 @@
 //! `Manager::lead`: one tick under a lease, with its heartbeat and its release.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+
+use chrono::{DateTime, TimeDelta, Utc};
 
 use db::Db;
 use futures::FutureExt;
@@ -12,7 +16,8 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::announce::{Announcer, Heard};
 use crate::heartbeat::{AbortOnDrop, Heartbeat, LostSignal, observe_drift};
-use crate::store::{self, Acquire, Release, StoreError};
+use crate::schedule::{CronSchedule, Due, Schedule};
+use crate::store::{self, Acquire, Release, SlotStamp, StoreError};
 use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
 
 /// Runs ticks under leases. One per process; cheap to share by reference.
@@ -23,6 +28,8 @@ pub struct Manager {
     timing: Timing,
     telemetry: Telemetry,
     announcer: Announcer,
+    /// Each scheduled role's last reading of its lease row (docs/adr/0043).
+    readings: Arc<Mutex<HashMap<Role, Reading>>>,
 }
 
 impl Manager {
@@ -48,6 +55,7 @@ impl Manager {
             timing,
             telemetry,
             announcer: Announcer::default(),
+            readings: Arc::default(),
         }
     }
 
@@ -143,6 +151,162 @@ impl Manager {
                 token
             }
         };
+        let stamp = SlotStamp {
+            schedule: Schedule::Every(interval).to_string(),
+            slot: None,
+            next_slot: None,
+        };
+        self.lead_won(role, token, interval, stamp, acquire_sent, shutdown, work)
+            .await
+    }
+
+    /// [`Manager::lead`] for a role on `schedule`: an interval (exactly
+    /// `lead`), or a cron schedule's slots (docs/adr/0043).
+    ///
+    /// On a cron schedule, the slot to claim is computed from this role's
+    /// last reading of the lease row (its last completed slot and the
+    /// database's clock, carried forward on the monotonic clock, never the
+    /// replica's wall clock) and ACQUIRE takes it only once it has come on
+    /// the database clock and is later than the last completed slot. A won
+    /// tick covers the latest slot that has come by ACQUIRE's clock; the
+    /// slots skipped between the last completed one and it (a downtime) are
+    /// logged and counted in `hardcount_leader_slots_missed_total{role}`,
+    /// and run as that one tick. A tick that completes stamps its slot; any
+    /// other end leaves it due, retried after the usual cooldown (the
+    /// cooldowns' "interval" is the gap to the slot after).
+    ///
+    /// # Errors, Panics, Cancel safety
+    /// As [`Manager::lead`].
+    pub async fn lead_on<F, Fut>(
+        &self,
+        role: Role,
+        schedule: &Schedule,
+        shutdown: &CancellationToken,
+        work: F,
+    ) -> Result<TickOutcome, StoreError>
+    where
+        F: FnOnce(Tick) -> Fut,
+        Fut: Future<Output = TickEnd>,
+    {
+        let cron = match schedule {
+            Schedule::Every(interval) => return self.lead(role, *interval, shutdown, work).await,
+            Schedule::Cron(cron) => cron,
+        };
+        let t = self.timing;
+        let reading = self.reading(role);
+        let candidate = reading.as_ref().and_then(|r| r.candidate(cron));
+        let sent = SystemTime::now();
+        let acquire_sent = Instant::now();
+        let a = store::acquire_slot(
+            &self.db,
+            role,
+            &self.holder_id,
+            t.ttl,
+            candidate,
+            t.statement_timeout,
+        )
+        .await
+        .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false))?;
+        let first_seen = reading.map_or(a.db_now, |r| r.first_seen);
+        let since = a.since.unwrap_or(first_seen);
+        self.remember(
+            role,
+            Reading {
+                db_now: a.db_now,
+                at: acquire_sent,
+                since,
+                first_seen,
+            },
+        );
+        let Some(token) = a.token else {
+            let retry_in = if a.paused {
+                t.max_poll
+            } else {
+                match cron.due(since, a.db_now) {
+                    // Due, but held, cooling down, or our slot was stale:
+                    // poll once the row is free (never in a tight loop).
+                    Due::Slot { .. } => a.blocked_for.max(SLOT_REPOLL),
+                    Due::Wait { next } => a.blocked_for.max(until(a.db_now, next)),
+                    Due::Never => t.max_poll,
+                }
+            }
+            .min(t.max_poll);
+            let outcome = TickOutcome::NotLed {
+                retry_in,
+                paused: a.paused,
+            };
+            self.announcer
+                .announce(role, Heard::Outcome(outcome), false);
+            return Ok(outcome);
+        };
+        observe_drift(&self.telemetry, role, sent, epoch(a.db_now));
+        // The latest slot that has come by ACQUIRE's clock: no earlier than
+        // the one we asked for, which the database found due.
+        let slot = match (cron.latest_at_or_before(a.db_now), candidate) {
+            (Some(latest), Some(asked)) => latest.max(asked),
+            (latest, asked) => latest.or(asked).unwrap_or(a.db_now),
+        };
+        let missed = if a.since.is_some() {
+            cron.count_between(since, slot)
+        } else {
+            0
+        };
+        let next_slot = cron.next_after(slot);
+        let late = until(slot, a.db_now);
+        if missed > 0 {
+            warn!(role = %role, slot = %slot, missed, at_least = missed >= crate::schedule::MISSED_COUNT_LIMIT,
+                  since = %since, "slots were missed (the role was down or paused); running the latest once");
+            self.telemetry
+                .counter(
+                    "hardcount_leader_slots_missed_total",
+                    &[("role", role.as_str())],
+                )
+                .increment(missed);
+        }
+        self.telemetry
+            .histogram(
+                "hardcount_leader_slot_lateness_seconds",
+                &[("role", role.as_str())],
+            )
+            .record(late.as_secs_f64());
+        info!(role = %role, slot = %slot, late = ?late, "slot due");
+        // The cooldowns of a failed, lost or panicked tick are bounded by
+        // the gap to the next slot, as an interval role's by its interval.
+        let gap = next_slot
+            .map_or(t.max_poll, |n| until(slot, n))
+            .max(Duration::from_secs(1));
+        let stamp = SlotStamp {
+            schedule: schedule.to_string(),
+            slot: Some(slot),
+            next_slot,
+        };
+        let outcome = self
+            .lead_won(role, token, gap, stamp, acquire_sent, shutdown, work)
+            .await?;
+        if outcome == TickOutcome::Completed {
+            // What the RELEASE stamped: the next poll asks for the slot after.
+            self.update_reading(role, |r| r.since = r.since.max(slot));
+        }
+        Ok(outcome)
+    }
+
+    /// Run a won tick (token `token`) to its RELEASE.
+    #[allow(clippy::too_many_arguments)]
+    async fn lead_won<F, Fut>(
+        &self,
+        role: Role,
+        token: i64,
+        interval: Duration,
+        stamp: SlotStamp,
+        acquire_sent: Instant,
+        shutdown: &CancellationToken,
+        work: F,
+    ) -> Result<TickOutcome, StoreError>
+    where
+        F: FnOnce(Tick) -> Fut,
+        Fut: Future<Output = TickEnd>,
+    {
+        let t = self.timing;
         let started = Instant::now();
         let lost = LostSignal::default();
         // Every line logged from here on (the tick's work, heartbeat and
@@ -164,6 +328,7 @@ impl Manager {
                         role,
                         token,
                         interval,
+                        &stamp,
                         started,
                         Ending::Lost,
                         Ok(TickEnd::Drained),
@@ -172,7 +337,7 @@ impl Manager {
                     .await);
             }
             info!(holder = %self.holder_id, "lease acquired");
-            let fence = Fence::won(role, token);
+            let fence = Fence::won(role, token, stamp.slot);
             let cancel = shutdown.child_token();
 
             // Build the work before the heartbeat exists, so a closure that panics
@@ -190,6 +355,7 @@ impl Manager {
                         role,
                         token,
                         interval,
+                        &stamp,
                         started,
                         Ending::Returned,
                         Err(payload),
@@ -253,7 +419,7 @@ impl Manager {
             // shutdown) decides the release.
             let result = result.unwrap_or(Ok(TickEnd::Drained));
             Ok(self
-                .finish(role, token, interval, started, ending, result, &lost)
+                .finish(role, token, interval, &stamp, started, ending, result, &lost)
                 .await)
         }
         .instrument(span.clone())
@@ -271,6 +437,7 @@ impl Manager {
         role: Role,
         token: i64,
         interval: Duration,
+        stamp: &SlotStamp,
         started: Instant,
         ending: Ending,
         result: Result<TickEnd, Box<dyn std::any::Any + Send>>,
@@ -297,6 +464,12 @@ impl Manager {
                 }
             }
         };
+        // A slot is done once its tick completes: "due again at once" would
+        // mean the same slot again, which a slot never is (docs/adr/0043).
+        let release = match release {
+            Release::CompletedDueNow if stamp.slot.is_some() => Release::Completed,
+            other => other,
+        };
         if panic.is_some() && !matches!(outcome, TickOutcome::Lost(_)) {
             self.lease_lost(role, "panicked");
         }
@@ -313,6 +486,7 @@ impl Manager {
                 release,
                 interval,
                 t.failure_cooldown,
+                stamp,
                 t.statement_timeout,
             ),
         )
@@ -358,6 +532,72 @@ impl Manager {
             )
             .increment(1);
     }
+}
+
+impl Manager {
+    fn reading(&self, role: Role) -> Option<Reading> {
+        self.lock_readings().get(&role).copied()
+    }
+
+    fn remember(&self, role: Role, reading: Reading) {
+        self.lock_readings().insert(role, reading);
+    }
+
+    fn update_reading(&self, role: Role, f: impl FnOnce(&mut Reading)) {
+        if let Some(r) = self.lock_readings().get_mut(&role) {
+            f(r);
+        }
+    }
+
+    fn lock_readings(&self) -> std::sync::MutexGuard<'_, HashMap<Role, Reading>> {
+        self.readings.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// How soon a due slot that ACQUIRE did not give us is asked for again, when
+/// nothing on the row says how long it is held: not a tight loop.
+const SLOT_REPOLL: Duration = Duration::from_millis(20);
+
+/// One ACQUIRE's reading of a scheduled role's row, on the database clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reading {
+    /// The database's clock at the statement.
+    pub(crate) db_now: DateTime<Utc>,
+    /// When the statement was sent, on the monotonic clock: `db_now` is
+    /// carried forward from here, so the replica's wall clock is never read.
+    pub(crate) at: Instant,
+    /// The last completed slot (else the last completed tick, else
+    /// `first_seen`): slots after it are due.
+    pub(crate) since: DateTime<Utc>,
+    /// The database's clock at this process's first reading of the row.
+    pub(crate) first_seen: DateTime<Utc>,
+}
+
+impl Reading {
+    /// The database's clock now, as this reading and the monotonic clock say.
+    pub(crate) fn db_now_at(&self, now: Instant) -> DateTime<Utc> {
+        let elapsed = now.saturating_duration_since(self.at);
+        self.db_now + TimeDelta::from_std(elapsed).unwrap_or(TimeDelta::MAX)
+    }
+
+    /// The slot to ask ACQUIRE for: the due one, or else the next (which
+    /// ACQUIRE refuses until it has come on the database clock).
+    pub(crate) fn candidate(&self, cron: &CronSchedule) -> Option<DateTime<Utc>> {
+        match cron.due(self.since, self.db_now_at(Instant::now())) {
+            Due::Slot { slot, .. } => Some(slot),
+            Due::Wait { next } => Some(next),
+            Due::Never => None,
+        }
+    }
+}
+
+/// `to - from` as a duration, zero when `to` is not later.
+fn until(from: DateTime<Utc>, to: DateTime<Utc>) -> Duration {
+    (to - from).to_std().unwrap_or(Duration::ZERO)
+}
+
+fn epoch(t: DateTime<Utc>) -> f64 {
+    t.timestamp_micros() as f64 / 1e6
 }
 
 /// Which arm ended the wait for the work.

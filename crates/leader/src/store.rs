@@ -17,6 +17,7 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use db::{Db, Row, sql};
 use serde::Serialize;
 
@@ -122,6 +123,94 @@ pub async fn acquire(
         Some(Duration::from_secs_f64(due_in.unwrap_or(0.0).max(0.0)))
     };
     Ok(Acquire::Lost { due_in, paused })
+}
+
+/// What ACQUIRE of a slot saw (a role on a cron schedule, docs/adr/0043).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlotAcquire {
+    /// The token when we lead this tick.
+    pub token: Option<i64>,
+    /// The database's clock at the statement.
+    pub db_now: DateTime<Utc>,
+    /// What the row said before the claim: the last completed slot, else
+    /// the last completed tick (an interval tick, before the schedule).
+    pub since: Option<DateTime<Utc>>,
+    /// How long the row is held or cooling down, on the database clock.
+    pub blocked_for: Duration,
+    pub paused: bool,
+}
+
+/// ACQUIRE for a slot: claim `role` for one tick if it is unpaused, unheld
+/// (or expired), past `not_before`, and `slot` has come on the database
+/// clock (`slot <= statement_timestamp()`) and is later than the last
+/// completed slot (or, before the first, the last completed tick). The
+/// replica computes `slot` from the reading this statement returns; the
+/// database decides whether it is due, so a replica's clock plays no part.
+/// A slot is run by one tick at a time, and once completed (RELEASE stamps
+/// `last_slot`) by no other. `slot = None` claims nothing: it only reads.
+pub async fn acquire_slot(
+    db: &Db,
+    role: Role,
+    holder: &str,
+    ttl: Duration,
+    slot: Option<DateTime<Utc>>,
+    statement_timeout: Duration,
+) -> Result<SlotAcquire, StoreError> {
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let row = tx
+        .fetch_optional(
+            sql("WITH claimed AS ( \
+                   UPDATE leader_leases \
+                   SET holder_token = GREATEST(holder_token + 1, \
+                                              (extract(epoch FROM clock_timestamp()) * 1000)::bigint), \
+                       holder_id = $2, acquired_at = statement_timestamp(), \
+                       expires_at = statement_timestamp() + make_interval(secs => $3) \
+                   WHERE role = $1 \
+                     AND paused_at IS NULL \
+                     AND (expires_at IS NULL OR expires_at <= statement_timestamp()) \
+                     AND $4::timestamptz <= statement_timestamp() \
+                     AND $4::timestamptz > COALESCE(last_slot, last_tick_ended_at, '-infinity') \
+                     AND (not_before IS NULL OR not_before <= statement_timestamp()) \
+                   RETURNING role, holder_token, holder_id, expires_at, clock_timestamp() AS taken_at), \
+               term AS ( \
+                   INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at) \
+                   SELECT role, holder_token, holder_id, taken_at, expires_at FROM claimed) \
+                 SELECT (SELECT holder_token FROM claimed) AS token, \
+                        statement_timestamp() AS db_now, \
+                        COALESCE(l.last_slot, l.last_tick_ended_at) AS since, \
+                        l.paused_at IS NOT NULL AS paused, \
+                        extract(epoch FROM GREATEST(l.expires_at, l.not_before) - statement_timestamp())::float8 AS blocked_for \
+                 FROM leader_leases l WHERE l.role = $1")
+            .bind(role.as_str())
+            .bind(holder.to_owned())
+            .bind(ttl.as_secs_f64())
+            .bind(slot),
+        )
+        .await?
+        .ok_or(StoreError::MissingRow(role))?;
+    tx.commit().await?;
+    let blocked: Option<f64> = row.try_get("blocked_for").map_err(StoreError::from_row)?;
+    Ok(SlotAcquire {
+        token: row.try_get("token").map_err(StoreError::from_row)?,
+        db_now: row.try_get("db_now").map_err(StoreError::from_row)?,
+        since: row.try_get("since").map_err(StoreError::from_row)?,
+        blocked_for: Duration::from_secs_f64(blocked.unwrap_or(0.0).max(0.0)),
+        paused: row.try_get("paused").map_err(StoreError::from_row)?,
+    })
+}
+
+/// What a RELEASE records of the role's schedule (migration 0034), shown by
+/// `leader_status`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SlotStamp {
+    /// The schedule the tick ran on, as the settings wrote it.
+    pub schedule: String,
+    /// The slot the tick covered: stamped as `last_slot` when it completed.
+    /// None for an interval tick (which clears `last_slot`).
+    pub slot: Option<DateTime<Utc>>,
+    /// The next slot after it. None for an interval tick: the next due time
+    /// is then the release plus the interval.
+    pub next_slot: Option<DateTime<Utc>>,
 }
 
 /// What RENEW saw.
@@ -234,6 +323,7 @@ impl Release {
 
 /// RELEASE: clear the holder if this term still owns the row, recording the
 /// outcome. Returns whether it changed the row (false after a takeover or pause).
+#[allow(clippy::too_many_arguments)]
 pub async fn release(
     db: &Db,
     role: Role,
@@ -241,6 +331,7 @@ pub async fn release(
     outcome: Release,
     interval: Duration,
     failure_cooldown: Duration,
+    stamp: &SlotStamp,
     statement_timeout: Duration,
 ) -> Result<bool, StoreError> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
@@ -261,7 +352,13 @@ pub async fn release(
                        WHEN 'panicked' THEN now() + make_interval(secs => $4) \
                        WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \
                        WHEN 'more_work' THEN NULL \
-                       ELSE not_before END \
+                       ELSE not_before END, \
+                   schedule = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN NULLIF($6, '') ELSE schedule END, \
+                   last_slot = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN $7 ELSE last_slot END, \
+                   next_slot = CASE $3 \
+                       WHEN 'completed' THEN COALESCE($8, now() + make_interval(secs => $4)) \
+                       WHEN 'completed_due_now' THEN now() \
+                       ELSE next_slot END \
                  WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
                  RETURNING role), \
                term AS ( \
@@ -272,7 +369,10 @@ pub async fn release(
             .bind(token)
             .bind(outcome.as_str())
             .bind(interval.as_secs_f64())
-            .bind(failure_cooldown.as_secs_f64()),
+            .bind(failure_cooldown.as_secs_f64())
+            .bind(stamp.schedule.clone())
+            .bind(stamp.slot)
+            .bind(stamp.next_slot),
         )
         .await?;
     tx.commit().await?;
@@ -347,6 +447,17 @@ pub struct LeaseStatus {
     /// The login that paused (`session_user`, migration 0012), beside the
     /// self-declared `paused_by`.
     pub paused_by_role: Option<String>,
+    /// What the role last completed a tick on: `every 1h`, or a cron
+    /// expression (`CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI`); None before
+    /// its first completed tick since migration 0034.
+    pub schedule: Option<String>,
+    /// The slot its last completed tick covered (a cron schedule only).
+    pub last_slot: Option<String>,
+    /// When it is next due: the next slot, or the last completed tick plus
+    /// the interval.
+    pub next_slot: Option<String>,
+    /// `next_slot` in epoch seconds, for the metric.
+    pub next_slot_epoch: Option<f64>,
 }
 
 /// Every row of `leader_status`, ordered by role.
@@ -356,7 +467,9 @@ pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
             "SELECT role, state, holder_id, holder_token, \
                     acquired_at::text, expires_at::text, last_tick_ended_at::text, last_tick_holder, \
                     extract(epoch FROM last_tick_age)::float8 AS last_tick_age_seconds, \
-                    not_before::text, paused_at::text, paused_by, pause_reason, paused_by_role \
+                    not_before::text, paused_at::text, paused_by, pause_reason, paused_by_role, \
+                    schedule, last_slot::text, next_slot::text, \
+                    extract(epoch FROM next_slot)::float8 AS next_slot_epoch \
              FROM leader_status ORDER BY role",
         ))
         .await?;
@@ -377,6 +490,10 @@ pub async fn status(db: &Db) -> Result<Vec<LeaseStatus>, StoreError> {
                 paused_by: r.try_get("paused_by")?,
                 pause_reason: r.try_get("pause_reason")?,
                 paused_by_role: r.try_get("paused_by_role")?,
+                schedule: r.try_get("schedule")?,
+                last_slot: r.try_get("last_slot")?,
+                next_slot: r.try_get("next_slot")?,
+                next_slot_epoch: r.try_get("next_slot_epoch")?,
             })
         })
         .collect::<Result<_, db::Error>>()

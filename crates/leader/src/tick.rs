@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use tokio_util::sync::CancellationToken;
 
 use crate::Role;
@@ -17,12 +19,21 @@ use crate::Role;
 pub struct Fence {
     role: Role,
     token: i64,
+    /// The slot the tick covers, for a role on a cron schedule.
+    slot: Option<DateTime<Utc>>,
 }
 
 impl Fence {
     /// Only `Manager::lead` calls this, with the token its ACQUIRE returned.
-    pub(crate) fn won(role: Role, token: i64) -> Fence {
-        Fence { role, token }
+    pub(crate) fn won(role: Role, token: i64, slot: Option<DateTime<Utc>>) -> Fence {
+        Fence { role, token, slot }
+    }
+
+    /// The slot this tick covers when the role runs on a cron schedule
+    /// (docs/adr/0043): the latest that had come when the lease was won. None
+    /// on an interval.
+    pub fn slot(&self) -> Option<DateTime<Utc>> {
+        self.slot
     }
 
     pub fn role(&self) -> Role {

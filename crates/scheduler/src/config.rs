@@ -1,11 +1,11 @@
-//! Which roles a replica runs and how often: `HARDCOUNT_ROLES` and
-//! `HARDCOUNT_<ROLE>_INTERVAL`. Only the binary reads the environment (and parses
+//! Which roles a replica runs and how often: `HARDCOUNT_ROLES`,
+//! `HARDCOUNT_<ROLE>_INTERVAL` and `HARDCOUNT_<ROLE>_SCHEDULE`. Only the binary reads the environment (and parses
 //! durations, with one parser for every setting); it passes the values in, so this
 //! stays testable and knows nothing of text formats for time.
 
 use std::time::Duration;
 
-use leader::Role;
+use leader::{CronSchedule, Role, Schedule};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
@@ -25,11 +25,24 @@ pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// arithmetic for no use.
 pub const MAX_INTERVAL: Duration = Duration::from_secs(30 * 86_400);
 
-/// A role this replica runs, and its tick interval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A role this replica runs, its tick interval, and its cron schedule when
+/// it has one (`HARDCOUNT_<ROLE>_SCHEDULE`, docs/adr/0043), which then
+/// decides when it is due; the interval stays the wake-up poll.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoleConfig {
     pub role: Role,
     pub interval: Duration,
+    pub cron: Option<CronSchedule>,
+}
+
+impl RoleConfig {
+    /// When the role is due: its cron schedule, else its interval.
+    pub fn schedule(&self) -> Schedule {
+        match &self.cron {
+            Some(cron) => Schedule::Cron(Box::new(cron.clone())),
+            None => Schedule::Every(self.interval),
+        }
+    }
 }
 
 /// How often each role is due when its variable is unset.
@@ -79,7 +92,11 @@ pub fn roles_from_env(
                     interval,
                 });
             }
-            Ok(RoleConfig { role, interval })
+            Ok(RoleConfig {
+                role,
+                interval,
+                cron: None,
+            })
         })
         .collect()
 }
@@ -96,7 +113,8 @@ mod tests {
             roles[0],
             RoleConfig {
                 role: Role::Billing,
-                interval: Duration::from_secs(3600)
+                interval: Duration::from_secs(3600),
+                cron: None,
             }
         );
     }
@@ -112,11 +130,13 @@ mod tests {
             vec![
                 RoleConfig {
                     role: Role::EmailOutbox,
-                    interval: Duration::from_secs(1)
+                    interval: Duration::from_secs(1),
+                    cron: None,
                 },
                 RoleConfig {
                     role: Role::Billing,
-                    interval: Duration::from_secs(1800)
+                    interval: Duration::from_secs(1800),
+                    cron: None,
                 },
             ]
         );

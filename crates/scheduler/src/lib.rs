@@ -55,7 +55,7 @@ pub use retention::{
     DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Prunes,
     Pruning, Retention,
 };
-pub use role_loop::{RoleSpec, Work, run_role, work};
+pub use role_loop::{RoleSpec, Work, run_role, run_role_on, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};
 pub use status::{export_status, precreate_series};
 pub use steps::{LeftOut, Steps, worst};

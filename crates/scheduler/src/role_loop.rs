@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use leader::{Manager, Role, Tick, TickEnd, TickOutcome};
+use leader::{Manager, Role, Schedule, Tick, TickEnd, TickOutcome};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
@@ -42,11 +42,24 @@ pub struct RoleSpec {
 /// for the max poll. A panic (already logged with its stack by the guard or
 /// the hook) ends the tick, never the loop.
 pub async fn run_role(manager: Manager, spec: RoleSpec, shutdown: CancellationToken) {
+    let schedule = Schedule::Every(spec.interval);
+    run_role_on(manager, spec, schedule, shutdown).await;
+}
+
+/// [`run_role`] with the role due on `schedule` (a cron schedule's slots,
+/// docs/adr/0043) rather than `spec.interval`. A poll that did not win
+/// sleeps until the next slot on the database clock, capped at the max poll.
+pub async fn run_role_on(
+    manager: Manager,
+    spec: RoleSpec,
+    schedule: Schedule,
+    shutdown: CancellationToken,
+) {
     let role = spec.role;
     let max_poll = manager.timing().max_poll;
     while !shutdown.is_cancelled() {
         let work = spec.work.clone();
-        let lead = manager.lead(role, spec.interval, &shutdown, move |tick| work(tick));
+        let lead = manager.lead_on(role, &schedule, &shutdown, move |tick| work(tick));
         let pause = match catch(role.as_str().to_owned(), lead).await {
             Ok(Ok(TickOutcome::NotLed { retry_in, .. })) => jitter(retry_in).min(max_poll),
             Ok(Ok(_)) => Duration::ZERO,

@@ -22,7 +22,11 @@ pub fn precreate_series(telemetry: &Telemetry) {
 /// `hardcount_leader_last_tick_age_seconds{role}` (only for a role that has
 /// completed a tick, never negative), `hardcount_leader_last_tick_known{role}`
 /// (0 when the role never completed a tick or the read failed: alert on it
-/// rather than on a missing age), and `hardcount_leader_paused{role}`.
+/// rather than on a missing age), `hardcount_leader_paused{role}`, and
+/// `hardcount_leader_next_slot_timestamp_seconds{role}` (when the role is
+/// next due, epoch seconds on the database clock: its next cron slot, or its
+/// last completed tick plus the interval; an alert on `time() - it` sees a
+/// late slot, docs/adr/0043).
 ///
 /// The ages are exported for `roles` only (the roles the deployment runs), so
 /// a role this build does not run is not reported as stalled; `paused` is
@@ -51,6 +55,14 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
                 telemetry
                     .gauge("hardcount_leader_last_tick_known", &[("role", role)])
                     .set(known);
+                if let Some(next) = row.next_slot_epoch {
+                    telemetry
+                        .gauge(
+                            "hardcount_leader_next_slot_timestamp_seconds",
+                            &[("role", role)],
+                        )
+                        .set(next);
+                }
                 let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
                 telemetry
                     .gauge("hardcount_leader_paused", &[("role", role)])

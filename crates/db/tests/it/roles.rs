@@ -388,9 +388,13 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "leader_leases.expires_at:UPDATE",
             "leader_leases.holder_id:UPDATE",
             "leader_leases.holder_token:UPDATE",
+            "leader_leases.last_slot:UPDATE",
             "leader_leases.last_tick_ended_at:UPDATE",
             "leader_leases.last_tick_holder:UPDATE",
+            "leader_leases.next_slot:UPDATE",
             "leader_leases.not_before:UPDATE",
+            // Migration 0034: RELEASE stamps the schedule and its slots.
+            "leader_leases.schedule:UPDATE",
         ]
     );
     // Migration 0027: the lease statements write their term; nothing else.

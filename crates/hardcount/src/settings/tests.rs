@@ -494,3 +494,54 @@ fn retention_defaults_to_thirty_days_and_is_refused_by_name_outside_its_bounds()
         assert!(e.contains(expected), "{args:?}: {e}");
     }
 }
+
+/// Issue 28, point 1: a role's cron schedule reaches its role config, and
+/// one that does not parse, names an unknown zone or never fires is refused
+/// by its variable's name.
+#[test]
+fn a_cron_schedule_reaches_its_role_and_a_bad_one_is_refused_by_name() {
+    let config = check(&[
+        "--dunning-schedule",
+        "CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI",
+        "--billing-schedule",
+        "@hourly",
+    ])
+    .unwrap();
+    let dunning = config
+        .roles
+        .iter()
+        .find(|r| r.role == Role::Dunning)
+        .unwrap();
+    assert_eq!(
+        dunning.schedule().to_string(),
+        "CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI"
+    );
+    let outbox = config
+        .roles
+        .iter()
+        .find(|r| r.role == Role::WebhookOutbox)
+        .unwrap();
+    assert_eq!(outbox.schedule().to_string(), "every 1s");
+    for (flag, value, says) in [
+        (
+            "--billing-schedule",
+            "0 61 * * * *",
+            "not a cron expression",
+        ),
+        (
+            "--dunning-schedule",
+            "CRON_TZ=Europe/Berln @daily",
+            "not an IANA time zone",
+        ),
+        ("--email-outbox-schedule", "0 0 0 30 2 *", "never fires"),
+    ] {
+        let err = refusal(&[flag, value]);
+        let var = format!(
+            "HARDCOUNT_{}:",
+            flag.trim_start_matches("--")
+                .replace('-', "_")
+                .to_ascii_uppercase()
+        );
+        assert!(err.starts_with(&var) && err.contains(says), "{err}");
+    }
+}

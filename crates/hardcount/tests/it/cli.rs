@@ -590,3 +590,47 @@ async fn json_logs_are_one_object_per_line_and_a_ticks_lines_carry_role_token_an
     assert_eq!(out.status.code(), Some(1), "{all}");
     assert!(all.contains("HARDCOUNT_LOG_FORMAT is \"yaml\""), "{all}");
 }
+
+/// Issue 28, point 5: `leader status` shows each role's schedule, last slot
+/// and next slot, in the table and in `--json`. The values are written here
+/// as a completed cron tick's RELEASE writes them (migration 0034).
+#[tokio::test]
+async fn leader_status_shows_the_schedule_and_its_last_and_next_slot() {
+    let t = TestDb::new().await;
+    let url = t.operator_url(Leg::current());
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE leader_leases SET schedule = 'CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI', \
+                last_slot = '2026-12-01 08:00:00+00', next_slot = '2026-12-02 08:00:00+00' \
+         WHERE role = 'dunning'",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let run = |args: &[&str]| {
+        hardcount()
+            .args(args)
+            .env("HARDCOUNT_OPERATOR_DATABASE_URL", &url)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["leader", "status"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        table.lines().next().unwrap().contains("SCHEDULE"),
+        "{table}"
+    );
+    let dunning = table.lines().find(|l| l.starts_with("dunning")).unwrap();
+    assert!(
+        dunning.contains("CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI")
+            && dunning.contains("2026-12-01 08:00:00+00")
+            && dunning.contains("2026-12-02 08:00:00+00"),
+        "{table}"
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&run(&["leader", "status", "--json"]).stdout).unwrap();
+    let row = rows.iter().find(|r| r["role"] == "dunning").unwrap();
+    assert_eq!(row["schedule"], "CRON_TZ=Europe/Berlin 0 0 9 * * MON-FRI");
+    assert_eq!(row["next_slot_epoch"], 1_796_198_400.0);
+}

@@ -45,6 +45,7 @@ async fn leader_history_lists_terms_newest_first_by_role_and_limit() {
                 Release::MoreWork,
                 Duration::ZERO,
                 timing.failure_cooldown,
+                &store::SlotStamp::default(),
                 timing.statement_timeout,
             )
             .await

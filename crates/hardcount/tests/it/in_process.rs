@@ -64,6 +64,67 @@ async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancell
     assert!(reqwest::get(format!("{base}/healthz")).await.is_err());
 }
 
+/// Issue 28: `serve` leads a role on its `HARDCOUNT_<ROLE>_SCHEDULE`: billing
+/// on a 2-second schedule completes a slot, stamps it on the lease row and
+/// exports its next slot. Fails if serve still leads it on its interval (an
+/// hour: no tick stamps a slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
+    let t = TestDb::new().await;
+    let cli = Cli::try_parse_from([
+        "hardcount",
+        "serve",
+        "--roles",
+        "billing",
+        "--billing-schedule",
+        "*/2 * * * * *",
+    ])
+    .unwrap();
+    let Command::Serve(settings) = cli.command else {
+        panic!("not serve: {:?}", cli.command)
+    };
+    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let next = "hardcount_leader_next_slot_timestamp_seconds{role=\"billing\"}";
+    loop {
+        let body = match reqwest::get(format!("{base}/metrics")).await {
+            Ok(r) if r.status().is_success() => r.text().await.unwrap(),
+            _ => String::new(),
+        };
+        if body.contains(next) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "billing never completed a slot; /metrics:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let row =
+        t.db.fetch_one(sql(
+            "SELECT schedule, extract(epoch FROM last_slot)::float8 AS last_slot \
+             FROM leader_leases WHERE role = 'billing'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<Option<String>, _>("schedule").as_deref(),
+        Some("*/2 * * * * *")
+    );
+    let slot: f64 = row.get("last_slot");
+    assert_eq!(slot % 2.0, 0.0, "a slot of */2 is an even second: {slot}");
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), server)
+        .await
+        .expect("run returns after cancel")
+        .unwrap()
+        .unwrap();
+}
+
 /// Issue 12, point 7: `/readyz` ran its queries on the app pool per request with
 /// no deadline, and echoed driver errors. Here the schema check is blocked (an
 /// owner holds `_sqlx_migrations` in ACCESS EXCLUSIVE): every probe is still

@@ -8,6 +8,7 @@ mod history;
 mod lease_path;
 mod outcomes;
 mod safety;
+mod schedules;
 
 use std::sync::Arc;
 use std::time::Duration;

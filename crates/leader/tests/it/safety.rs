@@ -48,6 +48,7 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
     };
     let held = bouncer::saturate(&t).await;
     let patience = Duration::from_millis(400);
+    let stamp = store::SlotStamp::default();
     let (a, r, l) = tokio::join!(
         tokio::time::timeout(
             patience,
@@ -79,6 +80,7 @@ async fn dropped_lease_statements_leave_no_transaction_open() {
                 Release::Completed,
                 Duration::ZERO,
                 timing.failure_cooldown,
+                &stamp,
                 timing.statement_timeout
             )
         ),
