@@ -6,7 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use chrono::{DateTime, TimeDelta, Utc};
+use chrono::{DateTime, Utc};
 
 use db::Db;
 use futures::FutureExt;
@@ -16,9 +16,12 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::announce::{Announcer, Heard};
 use crate::heartbeat::{AbortOnDrop, Heartbeat, LostSignal, observe_drift};
-use crate::schedule::{CronSchedule, Due, Schedule};
+use crate::schedule::{Due, Schedule};
 use crate::store::{self, Acquire, Release, SlotStamp, StoreError};
 use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
+
+mod reading;
+pub(crate) use reading::Reading;
 
 /// Runs ticks under leases. One per process; cheap to share by reference.
 #[derive(Debug, Clone)]
@@ -534,62 +537,9 @@ impl Manager {
     }
 }
 
-impl Manager {
-    fn reading(&self, role: Role) -> Option<Reading> {
-        self.lock_readings().get(&role).copied()
-    }
-
-    fn remember(&self, role: Role, reading: Reading) {
-        self.lock_readings().insert(role, reading);
-    }
-
-    fn update_reading(&self, role: Role, f: impl FnOnce(&mut Reading)) {
-        if let Some(r) = self.lock_readings().get_mut(&role) {
-            f(r);
-        }
-    }
-
-    fn lock_readings(&self) -> std::sync::MutexGuard<'_, HashMap<Role, Reading>> {
-        self.readings.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
 /// How soon a due slot that ACQUIRE did not give us is asked for again, when
 /// nothing on the row says how long it is held: not a tight loop.
 const SLOT_REPOLL: Duration = Duration::from_millis(20);
-
-/// One ACQUIRE's reading of a scheduled role's row, on the database clock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Reading {
-    /// The database's clock at the statement.
-    pub(crate) db_now: DateTime<Utc>,
-    /// When the statement was sent, on the monotonic clock: `db_now` is
-    /// carried forward from here, so the replica's wall clock is never read.
-    pub(crate) at: Instant,
-    /// The last completed slot (else the last completed tick, else
-    /// `first_seen`): slots after it are due.
-    pub(crate) since: DateTime<Utc>,
-    /// The database's clock at this process's first reading of the row.
-    pub(crate) first_seen: DateTime<Utc>,
-}
-
-impl Reading {
-    /// The database's clock now, as this reading and the monotonic clock say.
-    pub(crate) fn db_now_at(&self, now: Instant) -> DateTime<Utc> {
-        let elapsed = now.saturating_duration_since(self.at);
-        self.db_now + TimeDelta::from_std(elapsed).unwrap_or(TimeDelta::MAX)
-    }
-
-    /// The slot to ask ACQUIRE for: the due one, or else the next (which
-    /// ACQUIRE refuses until it has come on the database clock).
-    pub(crate) fn candidate(&self, cron: &CronSchedule) -> Option<DateTime<Utc>> {
-        match cron.due(self.since, self.db_now_at(Instant::now())) {
-            Due::Slot { slot, .. } => Some(slot),
-            Due::Wait { next } => Some(next),
-            Due::Never => None,
-        }
-    }
-}
 
 /// `to - from` as a duration, zero when `to` is not later.
 fn until(from: DateTime<Utc>, to: DateTime<Utc>) -> Duration {
