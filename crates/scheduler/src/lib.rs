@@ -53,7 +53,7 @@ pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use retention::{
     DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Prunes,
-    Pruning, Retention,
+    Pruning, Retention, run_prune_statement,
 };
 pub use role_loop::{RoleSpec, Work, run_role, run_role_on, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};

@@ -38,6 +38,35 @@ use tracing::{debug, warn};
 
 use crate::panics::{Payload, catch};
 
+/// Run one fenced prune statement in its own index-driven transaction and
+/// return how many rows it deleted. `statement` binds, in order, the
+/// fence's role (`$1`) and token (`$2`), the retention in seconds (`$3`)
+/// and the batch's row limit (`$4`), as every role's prune statement does.
+///
+/// # Errors
+/// A database error; nothing was deleted.
+pub async fn run_prune_statement(
+    db: &Db,
+    statement: &'static str,
+    fence: &Fence,
+    keep: Duration,
+    limit: usize,
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let deleted = tx
+        .execute(
+            db::sql(statement)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(keep.as_secs_f64())
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(deleted)
+}
+
 /// Rows one prune statement deletes at most.
 pub const PRUNE_BATCH: usize = 1_000;
 

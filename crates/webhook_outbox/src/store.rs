@@ -151,16 +151,6 @@ pub(crate) async fn prune_dispatched(
     limit: usize,
     statement_timeout: Duration,
 ) -> Result<u64, db::Error> {
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let deleted = tx
-        .execute(
-            sql(PRUNE_DISPATCHED)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(keep.as_secs_f64())
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(deleted)
+    scheduler::run_prune_statement(db, PRUNE_DISPATCHED, fence, keep, limit, statement_timeout)
+        .await
 }

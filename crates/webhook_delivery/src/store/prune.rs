@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use db::{Db, sql};
+use db::Db;
 use leader::Fence;
 
 /// The prune statement of [`prune_finished`]; `pub` only for the plan tests
@@ -41,16 +41,5 @@ pub(crate) async fn prune_finished(
     limit: usize,
     statement_timeout: Duration,
 ) -> Result<u64, db::Error> {
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let deleted = tx
-        .execute(
-            sql(PRUNE_FINISHED)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(keep.as_secs_f64())
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(deleted)
+    scheduler::run_prune_statement(db, PRUNE_FINISHED, fence, keep, limit, statement_timeout).await
 }
