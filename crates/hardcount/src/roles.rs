@@ -180,10 +180,7 @@ pub const PROCESS_SETTINGS: &[&str] = &[
     "HARDCOUNT_ROLES",
     "HARDCOUNT_LISTEN_URL",
     "HARDCOUNT_LEASE_DATABASE_URL",
-    "HARDCOUNT_API_ADDR",
-    "HARDCOUNT_API_DATABASE_URL",
-    "HARDCOUNT_API_RATE_LIMIT",
-    "HARDCOUNT_API_RATE_BURST",
+    "HARDCOUNT_LEASE_PROFILE",
     "RUST_LOG",
     "HARDCOUNT_LOG_FORMAT",
     // Traces over OTLP/HTTP when set (crates/hardcount/src/telemetry.rs).

@@ -54,6 +54,9 @@ pub struct Config {
     /// How long each kind of finished row is kept (HARDCOUNT_RETENTION_*,
     /// docs/adr/0040); every role prunes what it finished.
     pub retention: RetentionSettings,
+    /// The lease's timings (`HARDCOUNT_LEASE_PROFILE`: `Timing::ADR`, or
+    /// `Timing::FAST`, docs/adr/0047).
+    pub timing: Timing,
 }
 
 /// How long each kind of finished row is kept before its role deletes it.
@@ -313,7 +316,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
             .await
             .context("refusing to serve (HARDCOUNT_LEASE_DATABASE_URL)")?;
     }
-    let manager = Manager::new(lease_db.clone(), Timing::ADR, telemetry.clone());
+    let manager = Manager::new(lease_db.clone(), config.timing, telemetry.clone());
     let root = shutdown;
     let tracker = TaskTracker::new();
 
@@ -359,7 +362,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         tracker.spawn(scheduler::listen(
             url.expose().to_owned(),
             wakes,
-            Timing::ADR.max_poll,
+            config.timing.max_poll,
             root.child_token(),
         ));
     }
@@ -383,7 +386,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
 
     root.cancelled().await;
     // Lead gives cancelled work its grace, then releases on its own deadline.
-    let t = Timing::ADR;
+    let t = config.timing;
     if tokio::time::timeout(
         t.cancel_grace + t.statement_timeout + Duration::from_secs(2),
         tracker.wait(),

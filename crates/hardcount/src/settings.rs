@@ -252,6 +252,11 @@ pub struct ServeSettings {
     /// wakes them within milliseconds [default: unset, they poll at their interval].
     #[arg(long, env = "HARDCOUNT_LISTEN_URL", hide_env_values = true)]
     pub listen_url: Option<Secret>,
+    /// `standard` (a 10 s lease renewed every 3 s) or `fast` (3 s, renewed
+    /// every second: takeovers in about 3 s for three times the lease
+    /// statements; docs/adr/0047) [default: standard].
+    #[arg(long, env = "HARDCOUNT_LEASE_PROFILE")]
+    pub lease_profile: Option<String>,
     /// The lease statements' URL (ACQUIRE, RENEW, RELEASE), as hardcount_app: PgBouncer's
     /// lease alias, a server pool the job statements cannot fill (deploy/pgbouncer,
     /// docs/adr/0036) [default: DATABASE_URL].
@@ -476,6 +481,7 @@ impl ServeSettings {
             lease_database_url: self.lease_database_url()?,
             api: self.api(secrets_for_api)?,
             retention: self.retention()?,
+            timing: parse::lease_profile(self.lease_profile.as_deref())?,
         })
     }
 

@@ -139,8 +139,12 @@ impl Manager {
         .await
         .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
         let token = match acquired? {
-            Acquire::Lost { due_in, paused } => {
-                let retry_in = due_in.unwrap_or(t.max_poll).min(t.max_poll);
+            Acquire::Lost {
+                due_in,
+                paused,
+                held,
+            } => {
+                let retry_in = due_in.unwrap_or(t.max_poll).min(t.poll_cap(held));
                 let outcome = TickOutcome::NotLed { retry_in, paused };
                 self.announcer
                     .announce(role, Heard::Outcome(outcome), false);
@@ -233,7 +237,7 @@ impl Manager {
                     Due::Never => t.max_poll,
                 }
             }
-            .min(t.max_poll);
+            .min(t.poll_cap(a.held));
             let outcome = TickOutcome::NotLed {
                 retry_in,
                 paused: a.paused,

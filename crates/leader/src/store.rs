@@ -56,9 +56,12 @@ pub enum Acquire {
     Won { token: i64, db_now_epoch: f64 },
     /// Not due, held, paused or cooling down. `due_in` is how long until the row
     /// says it could be claimed, on the database clock (None when paused).
+    /// `held`: another term's lease is live, so a graceful RELEASE can free
+    /// the role before `due_in` (the poller then watches it more often).
     Lost {
         due_in: Option<Duration>,
         paused: bool,
+        held: bool,
     },
 }
 
@@ -100,6 +103,7 @@ pub async fn acquire(
                  SELECT (SELECT holder_token FROM claimed) AS token, \
                         extract(epoch FROM statement_timestamp())::float8 AS db_now, \
                         l.paused_at IS NOT NULL AS paused, \
+                        COALESCE(l.expires_at > statement_timestamp(), false) AS held, \
                         extract(epoch FROM GREATEST(l.expires_at, \
                                                     l.last_tick_ended_at + make_interval(secs => $4), \
                                                     l.not_before) - statement_timestamp())::float8 AS due_in \
@@ -121,13 +125,18 @@ pub async fn acquire(
         });
     }
     let paused: bool = row.try_get("paused").map_err(StoreError::from_row)?;
+    let held: bool = row.try_get("held").map_err(StoreError::from_row)?;
     let due_in: Option<f64> = row.try_get("due_in").map_err(StoreError::from_row)?;
     let due_in = if paused {
         None
     } else {
         Some(Duration::from_secs_f64(due_in.unwrap_or(0.0).max(0.0)))
     };
-    Ok(Acquire::Lost { due_in, paused })
+    Ok(Acquire::Lost {
+        due_in,
+        paused,
+        held,
+    })
 }
 
 /// What ACQUIRE of a slot saw (a role on a cron schedule, docs/adr/0043).
@@ -143,6 +152,8 @@ pub struct SlotAcquire {
     /// How long the row is held or cooling down, on the database clock.
     pub blocked_for: Duration,
     pub paused: bool,
+    /// Another term's lease is live (see [`Acquire::Lost`]).
+    pub held: bool,
 }
 
 /// ACQUIRE for a slot: claim `role` for one tick if it is unpaused, unheld
@@ -184,6 +195,7 @@ pub async fn acquire_slot(
                         statement_timestamp() AS db_now, \
                         COALESCE(l.last_slot, l.last_tick_ended_at) AS since, \
                         l.paused_at IS NOT NULL AS paused, \
+                        COALESCE(l.expires_at > statement_timestamp(), false) AS held, \
                         extract(epoch FROM GREATEST(l.expires_at, l.not_before) - statement_timestamp())::float8 AS blocked_for \
                  FROM leader_leases l WHERE l.role = $1")
             .bind(role.as_str())
@@ -201,6 +213,7 @@ pub async fn acquire_slot(
         since: row.try_get("since").map_err(StoreError::from_row)?,
         blocked_for: Duration::from_secs_f64(blocked.unwrap_or(0.0).max(0.0)),
         paused: row.try_get("paused").map_err(StoreError::from_row)?,
+        held: row.try_get("held").map_err(StoreError::from_row)?,
     })
 }
 

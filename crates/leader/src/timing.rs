@@ -23,6 +23,11 @@ pub struct Timing {
     pub statement_timeout: Duration,
     pub abandon_after: Duration,
     pub max_poll: Duration,
+    /// The longest a replica sleeps between polls of a lease another
+    /// replica holds (docs/adr/0047): a holder that shuts down releases
+    /// its lease at once, and a waiter notices within this. At most
+    /// `max_poll`. A lease left to expire is polled at its expiry anyway.
+    pub held_poll: Duration,
     /// How long cancelled work may take to return before it is dropped.
     pub cancel_grace: Duration,
     /// The cooldown after a tick whose work returned `TickEnd::Failed`, capped
@@ -56,6 +61,8 @@ pub enum TimingError {
         grace: Duration,
         statement: Duration,
     },
+    #[error("held_poll ({held:?}) must not exceed max_poll ({max:?})")]
+    HeldPollTooLong { held: Duration, max: Duration },
     #[error("every duration must be positive")]
     Zero,
 }
@@ -68,7 +75,24 @@ impl Timing {
         statement_timeout: Duration::from_secs(2),
         abandon_after: Duration::from_secs(6),
         max_poll: Duration::from_secs(5),
+        held_poll: Duration::from_secs(1),
         cancel_grace: Duration::from_secs(1),
+        failure_cooldown: Duration::from_secs(30),
+    };
+
+    /// The fast profile (`HARDCOUNT_LEASE_PROFILE=fast`, docs/adr/0047): a
+    /// lease of 3 s renewed every second, for deployments that would rather
+    /// spend more lease statements than wait 10 s for a takeover. The same
+    /// invariant holds: abandon 2 s + statement timeout 750 ms < TTL 3 s, and
+    /// heartbeat 1 s + 750 ms <= abandon 2 s.
+    pub const FAST: Timing = Timing {
+        ttl: Duration::from_secs(3),
+        heartbeat: Duration::from_secs(1),
+        statement_timeout: Duration::from_millis(750),
+        abandon_after: Duration::from_secs(2),
+        max_poll: Duration::from_secs(1),
+        held_poll: Duration::from_millis(500),
+        cancel_grace: Duration::from_millis(750),
         failure_cooldown: Duration::from_secs(30),
     };
 
@@ -86,6 +110,7 @@ impl Timing {
             statement_timeout,
             abandon_after,
             max_poll,
+            held_poll: max_poll.min(Duration::from_secs(1)),
             cancel_grace: statement_timeout.min(Duration::from_secs(1)),
             failure_cooldown: Timing::ADR.failure_cooldown,
         }
@@ -108,6 +133,7 @@ impl Timing {
             self.statement_timeout,
             self.abandon_after,
             self.max_poll,
+            self.held_poll,
             self.failure_cooldown,
         ];
         if all.iter().any(Duration::is_zero) {
@@ -125,6 +151,12 @@ impl Timing {
                 heartbeat: self.heartbeat,
                 statement: self.statement_timeout,
                 abandon: self.abandon_after,
+            });
+        }
+        if self.held_poll > self.max_poll {
+            return Err(TimingError::HeldPollTooLong {
+                held: self.held_poll,
+                max: self.max_poll,
             });
         }
         if self.cancel_grace > self.statement_timeout {
@@ -147,6 +179,12 @@ impl Timing {
     pub fn retry_pause(&self) -> Duration {
         self.heartbeat / 10
     }
+
+    /// The longest sleep before the next poll of a lease that was not won:
+    /// `held_poll` while another term holds it, else `max_poll`.
+    pub fn poll_cap(&self, held: bool) -> Duration {
+        if held { self.held_poll } else { self.max_poll }
+    }
 }
 
 impl Default for Timing {
@@ -164,6 +202,9 @@ mod tests {
         let t = Timing::ADR;
         assert!(t.abandon_after + t.statement_timeout < t.ttl);
         assert_eq!(t.checked(), Ok(t));
+        assert_eq!(Timing::FAST.checked(), Ok(Timing::FAST));
+        assert_eq!(t.poll_cap(true), Duration::from_secs(1));
+        assert_eq!(t.poll_cap(false), t.max_poll);
         assert_eq!(
             (
                 t.ttl,

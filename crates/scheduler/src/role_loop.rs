@@ -35,8 +35,11 @@ pub struct RoleSpec {
 /// Poll and lead `spec.role` until `shutdown` is cancelled.
 ///
 /// After a poll that did not win, sleeps until the row says the role could be
-/// claimed (on the database clock) plus up to 5 % jitter, so idle replicas
-/// do not poll in lockstep, and never longer than the max poll. After a tick, polls again
+/// claimed (on the database clock) plus up to 5 % jitter, at most 20 ms, so
+/// idle replicas do not poll in lockstep, and never longer than the max poll
+/// (the held poll while another replica holds the lease). The jitter is
+/// capped because a waiter's wake-up at an expiry is the takeover's slack;
+/// the row lock already decides a race between waiters (docs/adr/0047). After a tick, polls again
 /// at once: ACQUIRE then reports the next due time (at once after a tick that
 /// stopped with more work, the failure cooldown after a failed one). A database error backs off
 /// for the max poll. A panic (already logged with its stack by the guard or
@@ -81,6 +84,10 @@ pub async fn run_role_on(
 }
 
 fn jitter(d: Duration) -> Duration {
-    let extra = d.as_secs_f64() * rand::random_range(0.0..0.05);
+    let extra =
+        (d.as_secs_f64() * 0.05).min(JITTER_CAP.as_secs_f64()) * rand::random_range(0.0..1.0);
     d + Duration::from_secs_f64(extra)
 }
+
+/// The most jitter a poll's sleep gets.
+const JITTER_CAP: Duration = Duration::from_millis(20);

@@ -44,6 +44,8 @@ pub struct Harness {
     pub rx: Receiver,
     pub provider: FakeProvider,
     pub dir: PathBuf,
+    /// `HARDCOUNT_LEASE_PROFILE` of every replica; None: the default.
+    pub lease_profile: Option<String>,
     feeder: Option<(CancellationToken, JoinHandle<()>)>,
 }
 
@@ -99,6 +101,12 @@ impl Harness {
     /// Everything up, `n` replicas serving all five roles, no workload yet
     /// ([`Harness::feed`]).
     pub async fn start(n: usize) -> Harness {
+        Harness::start_with(n, None).await
+    }
+
+    /// [`Harness::start`] with every replica on `lease_profile`
+    /// (`standard` or `fast`, docs/adr/0047).
+    pub async fn start_with(n: usize, lease_profile: Option<&str>) -> Harness {
         let cluster = Cluster::start().await;
         let provider = FakeProvider::start().await.unwrap();
         let rx = Receiver::answering(200).await;
@@ -148,6 +156,7 @@ impl Harness {
             rx,
             provider,
             dir,
+            lease_profile: lease_profile.map(str::to_owned),
             feeder: None,
         };
         for i in 0..n {
@@ -193,6 +202,9 @@ impl Harness {
             "HARDCOUNT_LEASE_DATABASE_URL".into(),
             Cluster::url_via(&via, "hardcount_app", "hardcount_leases"),
         ));
+        if let Some(p) = &self.lease_profile {
+            env.push(("HARDCOUNT_LEASE_PROFILE".into(), p.clone()));
+        }
         env.push(("SMTP_URL".into(), self.sink.url()));
         env.push(("BILLING_PROVIDER_URL".into(), self.provider.base_url()));
         if let Some(skew) = &self.replicas[i].skew {

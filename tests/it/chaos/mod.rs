@@ -10,25 +10,25 @@
 //!   minute of seeded random faults; the checker after each.
 //! - `chaos_on_demand` (ignored): the seeded chaos run for
 //!   `HARDCOUNT_TEST_CHAOS_SECS` (default 600), `scripts/chaos`.
-//! - `failure_figures` (ignored): the takeover figures, `scripts/failure-figures`.
+//! - `failure_figures` (ignored, in figures.rs): the takeover figures,
+//!   `scripts/failure-figures`, for the standard or the fast lease profile.
 //!
 //! `HARDCOUNT_TEST_CHAOS_SEED` replays a chaos run (its seed is printed first).
 
 mod checker;
+mod figures;
 mod harness;
 mod history;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde_json::json;
 use testbed::Leg;
 use testbed::proxy::Mode;
 
 use harness::Harness;
-use history::{ROLES, Takeover, now};
+use history::{ROLES, now};
 
 const REPLICAS: usize = 3;
 /// The lease's TTL with the shipped constants (`leader::Timing::ADR`).
@@ -421,258 +421,6 @@ async fn scenarios_and_chaos(chaos_for: Duration) {
     chaos(&mut h, seed(), chaos_for).await;
     let report = h.check("the chaos run").await;
     assert!(report.invoices > 0 && report.deliveries > 0 && report.emails > 0);
-}
-
-// ---- The figures (issue 27, point 4) ----
-
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-enum Fault {
-    Sigkill,
-    Severed,
-    Sigterm,
-}
-
-impl Fault {
-    fn name(self) -> &'static str {
-        match self {
-            Fault::Sigkill => "sigkill",
-            Fault::Severed => "severed_link",
-            Fault::Sigterm => "sigterm",
-        }
-    }
-}
-
-/// One trial: fault the holder of `role` at a random heartbeat phase; the
-/// takeovers of every role it held. None when the role's tick ended first.
-async fn trial(
-    h: &mut Harness,
-    fault: Fault,
-    role: &str,
-    rng: &mut StdRng,
-) -> Option<Vec<Takeover>> {
-    h.burst(role).await;
-    let (victim, term) = h.until_held(role, Duration::from_secs(20)).await?;
-    let phase = Duration::from_millis(rng.random_range(0..HEARTBEAT.as_millis() as u64));
-    tokio::time::sleep(phase).await;
-    let mut su = h.su().await;
-    if history::open_term(&mut su, role).await.map(|t| t.token) != Some(term.token) {
-        return None;
-    }
-    let pid = h.pid(victim)?;
-    let at = now();
-    match fault {
-        Fault::Sigkill => h.signal(victim, "KILL"),
-        Fault::Sigterm => h.signal(victim, "TERM"),
-        Fault::Severed => h.replicas[victim].proxy.set(Mode::Blackhole),
-    }
-    let taken = history::takeovers(&mut su, pid, at, Duration::from_secs(40)).await;
-    if fault == Fault::Severed {
-        // Healed once every role it held was taken over; its late writes,
-        // if any, land now and must be refused.
-        h.replicas[victim].proxy.set(Mode::Pass);
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let after = history::takeovers(&mut su, pid, at, Duration::from_secs(5)).await;
-        for t in &after {
-            assert!(
-                t.fenced,
-                "a severed leader's statement committed after the new ACQUIRE: {t:?}"
-            );
-        }
-    } else {
-        let _ = h.serve(victim);
-        if let Some(s) = h.replicas[victim].serve.as_mut() {
-            let _ = s.wait(Duration::from_secs(15)).await;
-        }
-        h.start_replica(victim).await;
-    }
-    Some(taken)
-}
-
-fn stats(ms: &mut [f64]) -> serde_json::Value {
-    ms.sort_by(f64::total_cmp);
-    let pick = |p: f64| {
-        if ms.is_empty() {
-            return f64::NAN;
-        }
-        let i = ((p * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1;
-        ms[i]
-    };
-    json!({
-        "n": ms.len(),
-        "median_ms": (pick(0.5) * 10.0).round() / 10.0,
-        "p95_ms": (pick(0.95) * 10.0).round() / 10.0,
-        "p99_ms": (pick(0.99) * 10.0).round() / 10.0,
-        "max_ms": (pick(1.0) * 10.0).round() / 10.0,
-    })
-}
-
-/// The takeover figures: for SIGKILL, a severed link and SIGTERM, at least
-/// `HARDCOUNT_TEST_FIGURE_TRIALS` (default 20) takeovers of every role, each
-/// from a fault at a random heartbeat phase; with the slack between the old
-/// expiry and the new ACQUIRE and the fencing proof for each. Writes
-/// docs/benchmarks/failure-correctness.{md,json}. `scripts/failure-figures`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "about an hour: scripts/failure-figures"]
-async fn failure_figures() {
-    let trials = env_u64("HARDCOUNT_TEST_FIGURE_TRIALS").unwrap_or(20) as usize;
-    let seed = seed();
-    println!("figures: {trials} trials per fault and role, seed {seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut h = Harness::start(REPLICAS).await;
-    h.feed();
-    until_every_role_ticks(&h, now(), Duration::from_secs(60), "the start").await;
-    let started = now();
-    // (fault, role) -> takeover ms; role -> slack ms (SIGKILL and severed: left to expire).
-    let mut took: BTreeMap<(Fault, String), Vec<f64>> = BTreeMap::new();
-    let mut slack: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    let mut unfenced = 0;
-    let mut skipped = 0;
-    for fault in [Fault::Sigkill, Fault::Severed, Fault::Sigterm] {
-        loop {
-            let fewest = ROLES
-                .iter()
-                .min_by_key(|r| took.get(&(fault, (**r).to_owned())).map_or(0, Vec::len))
-                .unwrap();
-            if took.get(&(fault, (*fewest).to_owned())).map_or(0, Vec::len) >= trials {
-                break;
-            }
-            let Some(taken) = trial(&mut h, fault, fewest, &mut rng).await else {
-                skipped += 1;
-                assert!(
-                    skipped < 50 * trials,
-                    "too many trials found no tick to fault"
-                );
-                continue;
-            };
-            for t in taken {
-                println!(
-                    "figures: {} {}: {:.0} ms, slack {:.0} ms, fenced {}, old term ended {:?}",
-                    fault.name(),
-                    t.role,
-                    t.after_fault.as_secs_f64() * 1e3,
-                    t.slack_ms,
-                    t.fenced,
-                    t.old_end
-                );
-                if !t.fenced {
-                    unfenced += 1;
-                }
-                if fault != Fault::Sigterm {
-                    slack.entry(t.role.clone()).or_default().push(t.slack_ms);
-                }
-                took.entry((fault, t.role))
-                    .or_default()
-                    .push(t.after_fault.as_secs_f64() * 1e3);
-            }
-        }
-    }
-    let report = h.check("the figures").await;
-    let mut faults = serde_json::Map::new();
-    for fault in [Fault::Sigkill, Fault::Severed, Fault::Sigterm] {
-        let mut per = serde_json::Map::new();
-        let mut all = Vec::new();
-        for role in ROLES {
-            let mut v = took
-                .get(&(fault, role.to_owned()))
-                .cloned()
-                .unwrap_or_default();
-            all.extend(v.iter().copied());
-            per.insert(role.to_owned(), stats(&mut v));
-        }
-        per.insert("all".to_owned(), stats(&mut all));
-        faults.insert(fault.name().to_owned(), per.into());
-    }
-    let mut slacks = serde_json::Map::new();
-    let mut all = Vec::new();
-    for role in ROLES {
-        let mut v = slack.get(role).cloned().unwrap_or_default();
-        all.extend(v.iter().copied());
-        slacks.insert(role.to_owned(), stats(&mut v));
-    }
-    slacks.insert("all".to_owned(), stats(&mut all));
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let doc = json!({
-        "generated_at_unix": started.round(),
-        "seed": seed,
-        "trials_per_fault_and_role": trials,
-        "replicas": REPLICAS,
-        "timing": {"ttl_s": TTL.as_secs(), "heartbeat_s": HEARTBEAT.as_secs()},
-        "nproc": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "loadavg_at_end": load.trim(),
-        "takeover": faults,
-        "slack_old_expiry_to_new_acquire": slacks,
-        "unfenced_terms": unfenced,
-        "skipped_trials": skipped,
-        "checker": report.summary(),
-        "goals": {"sigkill_max_ms": 10_500, "severed_link_max_ms": 10_500, "slack_p99_ms": 100, "sigterm_median_ms": 1_500},
-    });
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/benchmarks");
-    std::fs::write(
-        dir.join("failure-correctness.json"),
-        serde_json::to_string_pretty(&doc).unwrap() + "\n",
-    )
-    .unwrap();
-    std::fs::write(dir.join("failure-correctness.md"), markdown(&doc)).unwrap();
-    assert_eq!(unfenced, 0, "an old leader committed after the new ACQUIRE");
-}
-
-fn markdown(doc: &serde_json::Value) -> String {
-    let mut s = String::from(
-        "# Failure correctness: takeover figures\n\n\
-         Written by `scripts/failure-figures` (the ignored test `chaos::failure_figures` in \
-         tests/it/chaos, docs/adr/0038); do not edit by hand. Three `hardcount serve` replicas \
-         through PgBouncer, each through its own fault proxy, all five roles kept busy; each \
-         fault hits the holder of a role at a random phase of its heartbeat. A takeover is timed \
-         from the fault to another replica's ACQUIRE (its tick start) in the lease history \
-         (`leader_terms`); the slack is from the old term's expiry to the new ACQUIRE; every old \
-         term is checked to have committed nothing (RENEW, RELEASE) after the new ACQUIRE.\n\n",
-    );
-    s += &format!(
-        "Seed {}, {} trials per fault and role at least, TTL {} s, heartbeat {} s, {} cores, load at end {}.\n\n",
-        doc["seed"],
-        doc["trials_per_fault_and_role"],
-        doc["timing"]["ttl_s"],
-        doc["timing"]["heartbeat_s"],
-        doc["nproc"],
-        doc["loadavg_at_end"].as_str().unwrap_or("?")
-    );
-    s += "Goals with the shipped constants: SIGKILL and severed link max ≤ 10.5 s, slack p99 ≤ 100 ms, SIGTERM median ≤ 1.5 s.\n\n";
-    let table = |title: &str, v: &serde_json::Value| {
-        let mut t = format!(
-            "## {title}\n\n| role | n | median ms | p95 ms | p99 ms | max ms |\n|---|---|---|---|---|---|\n"
-        );
-        for role in ROLES.iter().copied().chain(["all"]) {
-            let r = &v[role];
-            t += &format!(
-                "| {role} | {} | {} | {} | {} | {} |\n",
-                r["n"], r["median_ms"], r["p95_ms"], r["p99_ms"], r["max_ms"]
-            );
-        }
-        t + "\n"
-    };
-    s += &table(
-        "SIGKILL of the holder, until another replica's tick starts",
-        &doc["takeover"]["sigkill"],
-    );
-    s += &table(
-        "Severed link (blackholed), until another replica's tick starts",
-        &doc["takeover"]["severed_link"],
-    );
-    s += &table(
-        "SIGTERM of the holder, until another replica's tick starts",
-        &doc["takeover"]["sigterm"],
-    );
-    s += &table(
-        "Slack: old expiry to new ACQUIRE (SIGKILL and severed link)",
-        &doc["slack_old_expiry_to_new_acquire"],
-    );
-    s += &format!(
-        "Old terms that committed after the new ACQUIRE: {}. Trials skipped (the tick ended before the fault): {}.\n\nChecker after the run: {}.\n",
-        doc["unfenced_terms"],
-        doc["skipped_trials"],
-        doc["checker"].as_str().unwrap_or("?")
-    );
-    s
 }
 
 // ---- The operator's drill (issue 27, point 8) ----

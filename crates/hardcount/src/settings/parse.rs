@@ -89,3 +89,16 @@ pub(super) fn non_empty(value: &Option<String>) -> Option<String> {
         .filter(|v| !v.is_empty())
         .map(str::to_owned)
 }
+
+/// HARDCOUNT_LEASE_PROFILE: `standard` (unset or empty) or `fast`
+/// (docs/adr/0047).
+pub fn lease_profile(value: Option<&str>) -> Result<leader::Timing> {
+    match value.map(str::trim).unwrap_or("") {
+        "" | "standard" => Ok(leader::Timing::ADR),
+        "fast" => Ok(leader::Timing::FAST),
+        other => bail!(
+            "HARDCOUNT_LEASE_PROFILE={other:?}: expected standard (a 10 s lease renewed every 3 s) \
+             or fast (3 s, renewed every second)"
+        ),
+    }
+}

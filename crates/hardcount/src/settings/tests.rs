@@ -339,6 +339,19 @@ fn the_lease_url_defaults_to_none_and_a_bad_one_is_named_without_its_password() 
 }
 
 #[test]
+fn the_lease_profile_is_standard_unless_fast_is_asked_and_anything_else_is_refused() {
+    assert_eq!(check(&[]).unwrap().timing, leader::Timing::ADR);
+    let fast = check(&["--lease-profile", "fast"]).unwrap().timing;
+    assert_eq!(fast, leader::Timing::FAST);
+    assert_eq!(fast.ttl, Duration::from_secs(3));
+    let err = refusal(&["--lease-profile", "quick"]);
+    assert!(
+        err.starts_with("HARDCOUNT_LEASE_PROFILE=\"quick\": expected standard"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_listen_url_is_optional_and_a_non_postgres_one_is_refused_without_echo() {
     assert_eq!(check(&[]).unwrap().listen_url, None);
     let url = "postgres://app:pw@db:5432/hardcount";

@@ -319,3 +319,88 @@ async fn a_tick_drained_due_now_is_stamped_completed_and_due_again_at_once() {
         "{after_drained:?}"
     );
 }
+
+/// A waiter polls a lease another replica holds every `held_poll` (1 s with
+/// the design's timings), not every `max_poll` (5 s): a holder that shuts
+/// down releases at once, so the waiter's next poll, at most a second away,
+/// takes the role (issue 27: a SIGTERMed leader replaced within 1.5 s at the
+/// median; docs/adr/0047). A lease nobody holds keeps the 5 s poll.
+///
+/// Mutation check: `false AS held` in ACQUIRE (or `poll_cap` returning
+/// `max_poll` whatever it is told) sends the waiter away for 5 s and this
+/// fails.
+#[tokio::test]
+async fn a_held_lease_is_polled_every_held_poll_so_a_release_on_shutdown_is_seen_within_it() {
+    let t = TestDb::new().await;
+    let design = leader::Timing::ADR;
+    let (a, _) = manager(&t.db, design, "a");
+    let (b, _) = manager(&t.db, design, "b");
+    let shutdown = CancellationToken::new();
+    let (started, mut is_started) = tokio::sync::mpsc::channel::<()>(1);
+    let holder = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            a.lead(
+                Role::Dunning,
+                Duration::from_secs(3600),
+                &shutdown,
+                |tick| async move {
+                    let _ = started.send(()).await;
+                    tick.cancel.cancelled().await;
+                    TickEnd::Drained
+                },
+            )
+            .await
+            .unwrap()
+        }
+    });
+    is_started.recv().await.unwrap();
+    let retry_in = match b
+        .lead(
+            Role::Dunning,
+            Duration::from_secs(3600),
+            &CancellationToken::new(),
+            |_| async { TickEnd::Drained },
+        )
+        .await
+        .unwrap()
+    {
+        TickOutcome::NotLed { retry_in, .. } => retry_in,
+        other => panic!("expected NotLed while a holds the lease, got {other:?}"),
+    };
+    assert_eq!(
+        retry_in, design.held_poll,
+        "a held lease (expiring in about 10 s) is polled again after held_poll"
+    );
+    shutdown.cancel();
+    assert_eq!(holder.await.unwrap(), TickOutcome::Interrupted);
+    tokio::time::sleep(retry_in).await;
+    let out = b
+        .lead(
+            Role::Dunning,
+            Duration::from_secs(3600),
+            &CancellationToken::new(),
+            |_| async { TickEnd::Drained },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        TickOutcome::Completed,
+        "released on shutdown: due at once"
+    );
+    // Completed and due in an hour, held by nobody: the poll waits max_poll.
+    match b
+        .lead(
+            Role::Dunning,
+            Duration::from_secs(3600),
+            &CancellationToken::new(),
+            |_| async { TickEnd::Drained },
+        )
+        .await
+        .unwrap()
+    {
+        TickOutcome::NotLed { retry_in, .. } => assert_eq!(retry_in, design.max_poll),
+        other => panic!("expected NotLed, got {other:?}"),
+    }
+}
