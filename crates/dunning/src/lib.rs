@@ -154,6 +154,14 @@ mod outcomes;
 pub mod policy;
 mod run;
 mod tick;
+pub mod window;
+
+/// The funnel's statement and its window rule, for the tests (the plan test
+/// and the window rule's table test in `tests/it/window_rule.rs`); not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::listing::{LIST_DUE, WINDOW_OPEN_AT};
+}
 
 pub use config::{ConfigError, DunningConfig};
 pub use listing::LeftOut;
@@ -163,6 +171,7 @@ pub use policy::{
 };
 pub use run::{FinalActed, NotChargeable, Retry, Run};
 pub use tick::{Dunner, OUTAGE_UNANSWERED, Tally, TickReport};
+pub use window::{BusinessWindow, LocalTime, TimeInvalid, WindowInvalid, check_window};
 
 /// Errors of the dunning role.
 #[derive(Debug, thiserror::Error)]
