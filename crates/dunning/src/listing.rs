@@ -1,7 +1,8 @@
 //! The fenced funnel: the due runs of a batch (and the runs owing their final
-//! action), each with the snapshot its writes prove, and the rows left out of
-//! the tick, logged and counted: a policy failing the schedule checks, a row
-//! that does not decode (even by a panic).
+//! action) of tenants whose business window is open (docs/adr/0045), each
+//! with the snapshot its writes prove, and the rows left out of the tick,
+//! logged and counted: a policy failing the schedule checks, a row that does
+//! not decode (even by a panic).
 
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
