@@ -16,6 +16,9 @@
 //!       payment method the customer still has; not marked while collection is
 //!       paused: billing holds those), policy_valid (migration 0021's CHECK
 //!       expressions, repeated), the tenant's sender
+//!       only tenants whose default policy's business window is open at the
+//!       statement's now(), in its zone (docs/adr/0045): a closed tenant's due
+//!       runs are not listed, so they wait, due, for the opening
 //!       left out, logged with the run and counted: a policy failing the checks
 //!       (tenant and policy named), a row that does not decode (even by a panic)
 //!                                                                      listing.rs
@@ -99,6 +102,11 @@
 //! - **The final action runs once**: its step stamps the run first (only if
 //!   unstamped), and writes the pause, cancel or write-off only if not already
 //!   in force and the invoice is still open; a retried step writes nothing.
+//! - **Business windows hold on the database clock**: a run whose tenant's
+//!   default policy has a window is listed only while the window is open at
+//!   the listing's `now()` in the window's zone, so its retry, warning and
+//!   final action (with its notice) are written only then; a new default
+//!   moves the runs already scheduled. Without a window, always open.
 //! - **A replaced leader lists nothing**: enrolment and the funnel prove
 //!   `leader_fence('dunning', $token)` and take a [`leader::Fence`].
 //! - **A provider outage stops the tick, not the runs' counts**: a batch in
@@ -117,8 +125,9 @@
 //! Modules, each step with its SQL, each using only those listed before it
 //! (no import circle):
 //!
-//! - [`policy`] (pure: schedules, final actions, pause behaviours) and
-//!   `config` (defaults and validation);
+//! - [`policy`] (pure: schedules, final actions, pause behaviours),
+//!   [`window`] (pure: a business window and its checks) and `config`
+//!   (defaults and validation);
 //! - `run` (types: the listed [`Run`], [`NotChargeable`], what became of a
 //!   run, [`Retry`], and of its final action, [`FinalActed`]);
 //! - `notices` (pure: the customer's emails and their sender);
@@ -154,6 +163,14 @@ mod outcomes;
 pub mod policy;
 mod run;
 mod tick;
+pub mod window;
+
+/// The funnel's statement and its window rule, for the tests (the plan test
+/// and the window rule's table test in `tests/it/window_rule.rs`); not an API.
+#[doc(hidden)]
+pub mod statements {
+    pub use crate::listing::{LIST_DUE, WINDOW_OPEN_AT};
+}
 
 pub use config::{ConfigError, DunningConfig};
 pub use listing::LeftOut;
@@ -163,6 +180,7 @@ pub use policy::{
 };
 pub use run::{FinalActed, NotChargeable, Retry, Run};
 pub use tick::{Dunner, OUTAGE_UNANSWERED, Tally, TickReport};
+pub use window::{BusinessWindow, LocalTime, TimeInvalid, WindowInvalid, check_window};
 
 /// Errors of the dunning role.
 #[derive(Debug, thiserror::Error)]

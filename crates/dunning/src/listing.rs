@@ -1,7 +1,8 @@
 //! The fenced funnel: the due runs of a batch (and the runs owing their final
-//! action), each with the snapshot its writes prove, and the rows left out of
-//! the tick, logged and counted: a policy failing the schedule checks, a row
-//! that does not decode (even by a panic).
+//! action) of tenants whose business window is open (docs/adr/0045), each
+//! with the snapshot its writes prove, and the rows left out of the tick,
+//! logged and counted: a policy failing the schedule checks, a row that does
+//! not decode (even by a panic).
 
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
@@ -159,6 +160,98 @@ pub(crate) async fn list(
     Ok(listing)
 }
 
+/// Whether the business window of the policy row `w` is open at the local
+/// time `l.t` (a `timestamp`: the instant `AT TIME ZONE w.window_time_zone`),
+/// migration 0035's rule: open from `window_opens` (inclusive) to
+/// `window_closes` (exclusive) on a weekday of `window_weekdays`; a window
+/// closing before it opens runs past midnight and belongs to the weekday it
+/// opened on (so after midnight the day before is the one that counts).
+/// NULL when the row has no window.
+macro_rules! window_open {
+    () => {
+        "CASE WHEN w.window_opens < w.window_closes \
+              THEN l.t::time >= w.window_opens AND l.t::time < w.window_closes \
+                   AND extract(isodow FROM l.t)::integer = ANY (w.window_weekdays) \
+              ELSE (l.t::time >= w.window_opens \
+                    AND extract(isodow FROM l.t)::integer = ANY (w.window_weekdays)) \
+                OR (l.t::time < w.window_closes \
+                    AND extract(isodow FROM l.t - interval '1 day')::integer = ANY (w.window_weekdays)) \
+         END"
+    };
+}
+
+/// The listing's window rule alone, on the instant `$5` for a window `$1`
+/// (zone), `$2` and `$3` (opening and closing times as text), `$4`
+/// (weekdays): the same text as [`LIST_DUE`]'s, for the table test of its
+/// days and daylight-saving transitions (`tests/it/window_rule.rs`).
+pub const WINDOW_OPEN_AT: &str = concat!(
+    "SELECT (",
+    window_open!(),
+    ") AS open \
+     FROM (VALUES ($1::text, $2::time, $3::time, $4::integer[])) \
+          AS w (window_time_zone, window_opens, window_closes, window_weekdays) \
+     CROSS JOIN LATERAL (SELECT $5::timestamptz AT TIME ZONE w.window_time_zone AS t) l"
+);
+
+/// The funnel's statement (see [`list_due`]); `pub` only for the tests.
+///
+/// The business window (docs/adr/0045) is the tenant's default policy's,
+/// whichever policy the run has, so a new default moves runs already
+/// scheduled. It is one uncorrelated subquery, the tenants whose window is
+/// closed at the statement's `now()`: evaluated once per statement over the
+/// default policies that have a window, then a hashed lookup of each due
+/// run's tenant in the due index's scan, before any join. A window that does
+/// not evaluate (it cannot under 0035's CHECKs) counts as closed.
+pub const LIST_DUE: &str = concat!(
+    "SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
+            r.first_declined_at, r.next_attempt_at, \
+            i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
+            i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
+            CASE WHEN r.status <> 'active' THEN NULL \
+                 WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
+                 WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
+                 WHEN EXISTS ( \
+                   SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
+                                  FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
+                                  ORDER BY a.attempt_seq DESC LIMIT 1) l \
+                   WHERE l.decline_code = ANY ($5) \
+                     AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
+                 THEN 'payment_method_unchanged' END AS not_chargeable, \
+            COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
+              THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
+                   AND 1 <= ALL (p.retry_offsets_secs) \
+                   AND 31622400 >= ALL (p.retry_offsets_secs) \
+              ELSE false END \
+              AND CASE WHEN cardinality(p.warn_after) = 0 THEN true \
+                WHEN array_ndims(p.warn_after) = 1 \
+                THEN array_position(p.warn_after, NULL) IS NULL \
+                     AND 1 <= ALL (p.warn_after) \
+                     AND cardinality(p.retry_offsets_secs) >= ALL (p.warn_after) \
+                ELSE false END, false) AS policy_valid, \
+            p.retry_offsets_secs, p.final_action, p.pause_behavior, p.warn_after, \
+            p.final_notice \
+     FROM dunning_runs r \
+     JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
+     JOIN invoices i ON i.tenant_id = r.tenant_id AND i.id = r.invoice_id \
+     JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+     LEFT JOIN tenant_settings ts ON ts.tenant_id = r.tenant_id \
+     WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
+            OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
+       AND r.id <> ALL ($3) \
+       AND leader_fence($1, $2) \
+       AND r.tenant_id NOT IN ( \
+             SELECT w.tenant_id FROM dunning_policies w \
+             CROSS JOIN LATERAL (SELECT now() AT TIME ZONE w.window_time_zone AS t) l \
+             WHERE w.is_default AND w.window_time_zone IS NOT NULL \
+               AND (",
+    window_open!(),
+    ") IS NOT TRUE) \
+     ORDER BY r.next_attempt_at, r.id \
+     LIMIT $4 \
+     FOR UPDATE OF r SKIP LOCKED"
+);
+
 /// The fenced funnel: up to `limit` runs that are due (active, next attempt
 /// passed) or owe their final action (exhausted, not yet acted), oldest first,
 /// leaving out `except` (runs this tick already left out). Each active run
@@ -169,8 +262,11 @@ pub(crate) async fn list(
 /// holds it (rewound), so a pause stops the schedule as it stops charges. Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
-/// [`LeftOut`]. A listing, not a lease: the attempt compare-and-set decides
-/// who retries.
+/// [`LeftOut`]. A run of a tenant whose business window is closed at the
+/// statement's clock is not listed at all (docs/adr/0045): it waits, due,
+/// for the window's opening, and its retry, warning or final action (and
+/// their emails) with it. A listing, not a lease: the attempt
+/// compare-and-set decides who retries.
 async fn list_due(
     db: &Db,
     fence: &Fence,
@@ -182,51 +278,12 @@ async fn list_due(
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql("SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
-                        r.first_declined_at, r.next_attempt_at, \
-                        i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
-                        i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
-                        CASE WHEN r.status <> 'active' THEN NULL \
-                             WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
-                             WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
-                             WHEN EXISTS ( \
-                               SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
-                                              FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
-                                              ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                               WHERE l.decline_code = ANY ($5) \
-                                 AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
-                             THEN 'payment_method_unchanged' END AS not_chargeable, \
-                        COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
-                          THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
-                               AND 1 <= ALL (p.retry_offsets_secs) \
-                               AND 31622400 >= ALL (p.retry_offsets_secs) \
-                          ELSE false END \
-                          AND CASE WHEN cardinality(p.warn_after) = 0 THEN true \
-                            WHEN array_ndims(p.warn_after) = 1 \
-                            THEN array_position(p.warn_after, NULL) IS NULL \
-                                 AND 1 <= ALL (p.warn_after) \
-                                 AND cardinality(p.retry_offsets_secs) >= ALL (p.warn_after) \
-                            ELSE false END, false) AS policy_valid, \
-                        p.retry_offsets_secs, p.final_action, p.pause_behavior, p.warn_after, \
-                        p.final_notice \
-                 FROM dunning_runs r \
-                 JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
-                 JOIN invoices i ON i.tenant_id = r.tenant_id AND i.id = r.invoice_id \
-                 JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 LEFT JOIN tenant_settings ts ON ts.tenant_id = r.tenant_id \
-                 WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
-                        OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
-                   AND r.id <> ALL ($3) \
-                   AND leader_fence($1, $2) \
-                 ORDER BY r.next_attempt_at, r.id \
-                 LIMIT $4 \
-                 FOR UPDATE OF r SKIP LOCKED")
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(except.to_vec())
-            .bind(limit)
-            .bind(held_declines()),
+            sql(LIST_DUE)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(except.to_vec())
+                .bind(limit)
+                .bind(held_declines()),
         )
         .await?;
     tx.commit().await?;

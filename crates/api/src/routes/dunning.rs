@@ -1,6 +1,8 @@
 //! Dunning: the tenant's retry policy (read it; write a new one, which new
-//! runs get while runs in flight keep theirs) and its runs, each with the
-//! payment attempts of its invoice. The dunning role writes the runs.
+//! runs get while runs in flight keep their schedule) with its business
+//! window (which every run of the tenant follows from the next listing on,
+//! docs/adr/0045), and its runs, each with the payment attempts of its
+//! invoice. The dunning role writes the runs.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -61,6 +63,40 @@ impl From<PauseBehavior> for dunning::PauseBehavior {
     }
 }
 
+/// A business window to write: the local hours and weekdays in which the
+/// tenant's dunning runs are retried, warned and ended. A run due outside it
+/// waits for its opening.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewBusinessWindow {
+    /// An IANA time zone name, such as `Europe/Berlin`; local times follow
+    /// its daylight-saving rules.
+    #[schema(example = "Europe/Berlin")]
+    pub time_zone: String,
+    /// The local time it opens, `HH:MM` or `HH:MM:SS`, before `24:00`.
+    #[schema(example = "09:00")]
+    pub opens: String,
+    /// The local time it closes (not included), `HH:MM` or `HH:MM:SS`, up to
+    /// `24:00`; earlier than `opens` closes the next day (`22:00` to `06:00`).
+    #[schema(example = "17:00")]
+    pub closes: String,
+    /// ISO weekdays on which it opens, 1 (Monday) to 7 (Sunday), each once;
+    /// default all seven.
+    #[schema(min_items = 1, max_items = 7, example = json!([1, 2, 3, 4, 5]))]
+    pub weekdays: Option<Vec<i32>>,
+}
+
+/// A policy's business window.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BusinessWindow {
+    pub time_zone: String,
+    /// `HH:MM`, or `HH:MM:SS` when the seconds are not zero.
+    pub opens: String,
+    /// `HH:MM` (`24:00` for the end of the day), or `HH:MM:SS`.
+    pub closes: String,
+    pub weekdays: Vec<i32>,
+}
+
 /// The tenant's policy to write.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -81,6 +117,10 @@ pub struct NewPolicy {
     pub warn_after: Vec<i32>,
     /// Whether exhaustion sends a final notice; default true.
     pub final_notice: Option<bool>,
+    /// When the tenant's runs may go out; default none (any time). Every run
+    /// of the tenant follows the window of its latest policy, including runs
+    /// already scheduled.
+    pub business_window: Option<NewBusinessWindow>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -93,13 +133,28 @@ pub struct Policy {
     pub pause_behavior: String,
     pub warn_after: Vec<i32>,
     pub final_notice: bool,
+    /// Null when the runs may go out any time.
+    pub business_window: Option<BusinessWindow>,
     pub created_at: Option<DateTime<Utc>>,
 }
 
 macro_rules! policy_columns {
     () => {
-        "id, name, retry_offsets_secs, final_action, pause_behavior, warn_after, final_notice, created_at"
+        "id, name, retry_offsets_secs, final_action, pause_behavior, warn_after, final_notice, \
+         window_time_zone, extract(epoch FROM window_opens)::integer AS window_opens_secs, \
+         extract(epoch FROM window_closes)::integer AS window_closes_secs, window_weekdays, \
+         created_at"
     };
+}
+
+/// A stored time of day as the API shows it: migration 0035's columns are
+/// `time`s, whose seconds are 0 to 86,400 (`24:00`), and all four are set
+/// together, so neither the clamp nor the default ever applies.
+fn local_time(secs: Option<i32>) -> String {
+    let secs = u32::try_from(secs.unwrap_or(0).clamp(0, 86_400)).unwrap_or(0);
+    dunning::LocalTime::from_secs(secs)
+        .unwrap_or(dunning::LocalTime::END_OF_DAY)
+        .to_string()
 }
 
 impl Policy {
@@ -112,6 +167,17 @@ impl Policy {
             pause_behavior: row.try_get("pause_behavior")?,
             warn_after: row.try_get("warn_after")?,
             final_notice: row.try_get("final_notice")?,
+            business_window: match row.try_get::<Option<String>, _>("window_time_zone")? {
+                None => None,
+                Some(time_zone) => Some(BusinessWindow {
+                    time_zone,
+                    opens: local_time(row.try_get("window_opens_secs")?),
+                    closes: local_time(row.try_get("window_closes_secs")?),
+                    weekdays: row
+                        .try_get::<Option<Vec<i32>>, _>("window_weekdays")?
+                        .unwrap_or_default(),
+                }),
+            },
             created_at: row.try_get("created_at")?,
         })
     }
@@ -125,9 +191,28 @@ impl Policy {
             pause_behavior: dunning::PauseBehavior::KeepAsDraft.as_str().to_owned(),
             warn_after: dunning::policy::DEFAULT_WARN_AFTER.to_vec(),
             final_notice: true,
+            business_window: None,
             created_at: None,
         }
     }
+}
+
+/// The window as written, checked by dunning's rules, each refusal a 400
+/// naming its field under `business_window`.
+fn check_window(w: &NewBusinessWindow) -> Result<dunning::BusinessWindow, ApiError> {
+    let days = w.weekdays.as_deref().unwrap_or(&dunning::window::EVERY_DAY);
+    dunning::check_window(&w.time_zone, &w.opens, &w.closes, days).map_err(|e| {
+        let code = if e.out_of_range() {
+            Code::ParameterOutOfRange
+        } else {
+            Code::ParameterInvalid
+        };
+        ApiError::invalid(
+            code,
+            format!("business_window.{}", e.field()),
+            e.to_string(),
+        )
+    })
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -241,6 +326,7 @@ pub async fn put_policy(
     let final_action = dunning::FinalAction::from(p.final_action);
     let pause =
         dunning::PauseBehavior::from(p.pause_behavior.unwrap_or(PauseBehavior::KeepAsDraft));
+    let window = p.business_window.as_ref().map(check_window).transpose()?;
     let mut scope = Scope::begin(&api, &caller).await?;
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
@@ -257,8 +343,9 @@ pub async fn put_policy(
         .fetch_optional(
             db::sql(concat!(
                 "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action,
-                     pause_behavior, warn_after, final_notice, is_default)
-                 VALUES (api_tenant(), $1, $2, $3, $4, $5, $6, true)
+                     pause_behavior, warn_after, final_notice, is_default, window_time_zone,
+                     window_opens, window_closes, window_weekdays)
+                 VALUES (api_tenant(), $1, $2, $3, $4, $5, $6, true, $7, $8::time, $9::time, $10)
                  ON CONFLICT (tenant_id) WHERE is_default DO NOTHING
                  RETURNING ",
                 policy_columns!()
@@ -268,9 +355,14 @@ pub async fn put_policy(
             .bind(final_action.as_str())
             .bind(pause.as_str())
             .bind(p.warn_after.clone())
-            .bind(p.final_notice.unwrap_or(true)),
+            .bind(p.final_notice.unwrap_or(true))
+            .bind(window.as_ref().map(|w| w.time_zone.clone()))
+            .bind(window.as_ref().map(|w| w.opens.to_sql()))
+            .bind(window.as_ref().map(|w| w.closes.to_sql()))
+            .bind(window.as_ref().map(|w| w.weekdays.clone())),
         )
-        .await?
+        .await
+        .map_err(|e| zone_unknown_to_the_database(e, window.as_ref()))?
         // A concurrent write (another request, or the first run's built-in
         // default) made the default first.
         .ok_or_else(|| {
@@ -281,6 +373,19 @@ pub async fn put_policy(
         })?;
     let policy = Policy::from_row(&row)?;
     scope.respond(StatusCode::OK, &policy).await
+}
+
+/// An IANA zone chrono-tz knows but the database's zone data does not (older
+/// than chrono-tz's): migration 0035's CHECK raises 22023. The caller's 400,
+/// naming the field; any other error as the database's.
+fn zone_unknown_to_the_database(e: db::Error, w: Option<&dunning::BusinessWindow>) -> ApiError {
+    match w {
+        Some(w) if e.code().as_deref() == Some("22023") => ApiError::param(
+            "business_window.time_zone",
+            format!("the database does not know the time zone {:?}", w.time_zone),
+        ),
+        _ => ApiError::from_db(&e),
+    }
 }
 
 /// Read a dunning run with its invoice's payment attempts.

@@ -2,6 +2,7 @@
 //! against a fresh database per test (directly and through PgBouncer).
 
 mod billing;
+mod dunning;
 mod events;
 mod hooks;
 mod openapi;

@@ -10,6 +10,8 @@ mod guards;
 mod reconcile;
 mod retention;
 mod runs;
+mod window_rule;
+mod windows;
 
 use std::sync::Arc;
 use std::time::Duration;

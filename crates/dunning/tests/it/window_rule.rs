@@ -1,0 +1,297 @@
+//! The business window's rule as the listing evaluates it (docs/adr/0045),
+//! on fixed instants: hours, weekdays, windows past midnight, the end of the
+//! day, zones, and both daylight-saving transitions of Europe/Berlin in 2026.
+//! And the listing's plan: the window is one hashed lookup per due run.
+
+use std::time::Duration;
+
+use db::{Row, sql};
+use dunning::statements::{LIST_DUE, WINDOW_OPEN_AT};
+use testbed::TestDb;
+
+use crate::{declined_invoice, dunner, enrol, policy};
+
+/// (zone, opens, closes, weekdays, instant in UTC, open?)
+type Case = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static [i32],
+    &'static str,
+    bool,
+);
+
+const WEEKDAYS: &[i32] = &[1, 2, 3, 4, 5];
+const EVERY_DAY: &[i32] = &[1, 2, 3, 4, 5, 6, 7];
+
+const CASES: &[Case] = &[
+    // 30 November 2026 is a Monday; the closing time is not in the window.
+    (
+        "UTC",
+        "09:00",
+        "17:00",
+        WEEKDAYS,
+        "2026-11-30T09:00:00Z",
+        true,
+    ),
+    (
+        "UTC",
+        "09:00",
+        "17:00",
+        WEEKDAYS,
+        "2026-11-30T08:59:59Z",
+        false,
+    ),
+    (
+        "UTC",
+        "09:00",
+        "17:00",
+        WEEKDAYS,
+        "2026-11-30T16:59:59Z",
+        true,
+    ),
+    (
+        "UTC",
+        "09:00",
+        "17:00",
+        WEEKDAYS,
+        "2026-11-30T17:00:00Z",
+        false,
+    ),
+    (
+        "UTC",
+        "09:00",
+        "17:00",
+        WEEKDAYS,
+        "2026-12-05T12:00:00Z",
+        false,
+    ),
+    // Local hours, in winter (CET, +1) and summer (CEST, +2).
+    (
+        "Europe/Berlin",
+        "09:00",
+        "17:00",
+        EVERY_DAY,
+        "2026-12-02T08:30:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "09:00",
+        "17:00",
+        EVERY_DAY,
+        "2026-12-02T16:30:00Z",
+        false,
+    ),
+    (
+        "Europe/Berlin",
+        "09:00",
+        "17:00",
+        EVERY_DAY,
+        "2026-07-01T07:30:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "09:00",
+        "17:00",
+        EVERY_DAY,
+        "2026-07-01T15:30:00Z",
+        false,
+    ),
+    // Past midnight: the window belongs to the weekday it opens on (Friday).
+    ("UTC", "22:00", "06:00", &[5], "2026-12-04T23:00:00Z", true),
+    ("UTC", "22:00", "06:00", &[5], "2026-12-05T05:59:59Z", true),
+    ("UTC", "22:00", "06:00", &[5], "2026-12-05T06:00:00Z", false),
+    ("UTC", "22:00", "06:00", &[5], "2026-12-05T23:00:00Z", false),
+    ("UTC", "22:00", "06:00", &[5], "2026-12-04T05:00:00Z", false),
+    // 24:00 is the end of the day.
+    ("UTC", "18:00", "24:00", &[1], "2026-11-30T23:59:59Z", true),
+    ("UTC", "18:00", "24:00", &[1], "2026-12-01T00:00:00Z", false),
+    // The weekday is the local one: Wednesday starts at 15:00 UTC in Tokyo.
+    (
+        "Asia/Tokyo",
+        "00:00",
+        "24:00",
+        &[3],
+        "2026-12-01T15:00:00Z",
+        true,
+    ),
+    (
+        "Asia/Tokyo",
+        "00:00",
+        "24:00",
+        &[3],
+        "2026-12-01T14:59:59Z",
+        false,
+    ),
+    // Spring forward, 29 March 2026 at 01:00 UTC: 02:00 CET becomes 03:00
+    // CEST. An edge in the skipped hour takes effect at the jump.
+    (
+        "Europe/Berlin",
+        "02:30",
+        "18:00",
+        EVERY_DAY,
+        "2026-03-29T00:59:59Z",
+        false,
+    ),
+    (
+        "Europe/Berlin",
+        "02:30",
+        "18:00",
+        EVERY_DAY,
+        "2026-03-29T01:00:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-03-29T00:59:59Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-03-29T01:00:00Z",
+        false,
+    ),
+    // Fall back, 25 October 2026 at 01:00 UTC: 03:00 CEST becomes 02:00 CET.
+    // The hour from 02:00 is lived twice, and an edge in it is crossed twice.
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-10-25T00:15:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-10-25T00:30:00Z",
+        false,
+    ),
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-10-25T01:00:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "00:00",
+        "02:30",
+        EVERY_DAY,
+        "2026-10-25T01:30:00Z",
+        false,
+    ),
+    (
+        "Europe/Berlin",
+        "02:30",
+        "18:00",
+        EVERY_DAY,
+        "2026-10-25T00:30:00Z",
+        true,
+    ),
+    (
+        "Europe/Berlin",
+        "02:30",
+        "18:00",
+        EVERY_DAY,
+        "2026-10-25T01:00:00Z",
+        false,
+    ),
+    (
+        "Europe/Berlin",
+        "02:30",
+        "18:00",
+        EVERY_DAY,
+        "2026-10-25T01:30:00Z",
+        true,
+    ),
+];
+
+/// Each case through the listing's own rule text (`WINDOW_OPEN_AT` shares
+/// `window_open!` with `LIST_DUE`), on the database's zone data.
+#[tokio::test]
+async fn the_window_rule_follows_local_hours_weekdays_and_both_dst_transitions() {
+    let t = TestDb::new().await;
+    let mut wrong = Vec::new();
+    for &(zone, opens, closes, days, at, want) in CASES {
+        let open: Option<bool> =
+            t.db.fetch_one(
+                sql(WINDOW_OPEN_AT)
+                    .bind(zone)
+                    .bind(opens)
+                    .bind(closes)
+                    .bind(days.to_vec())
+                    .bind(at),
+            )
+            .await
+            .unwrap()
+            .get("open");
+        if open != Some(want) {
+            wrong.push(format!(
+                "{zone} {opens}-{closes} {days:?} at {at}: {open:?}"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
+
+/// The listing's plan on never-analyzed tables, in the listing's kind of
+/// transaction: the closed tenants are one hashed subplan, evaluated once
+/// and probed in the due runs' scan, so a closed tenant's due runs cost a
+/// hash probe each and no join (docs/adr/0045 has the figures).
+///
+/// Guard: the window as an uncorrelated `NOT IN`. Seen failing with it
+/// written as a correlated `NOT EXISTS (… w.tenant_id = r.tenant_id …)` (an
+/// anti join on the policies, per due run).
+#[tokio::test]
+async fn the_window_is_one_hashed_lookup_in_the_due_runs_scan() {
+    let t = TestDb::new().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    for _ in 0..20 {
+        declined_invoice(&t.db, "tenant_a").await;
+    }
+    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
+    assert_eq!(enrol(&t.db, &d).await, 20);
+    let text: &'static str = format!("EXPLAIN {LIST_DUE}").leak();
+    let mut tx =
+        t.db.begin_with_timeout(Duration::from_secs(5))
+            .await
+            .unwrap();
+    let rows = tx
+        .fetch_all(
+            sql(text)
+                .bind("dunning")
+                .bind(1_i64)
+                .bind(Vec::<i64>::new())
+                .bind(500_i64)
+                .bind(vec!["card_declined".to_owned()]),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let plan: Vec<String> = rows.iter().map(|r| r.get::<String, _>(0)).collect();
+    let joined = plan.join("\n");
+    let scan = plan
+        .iter()
+        .position(|l| l.contains("on dunning_runs r"))
+        .unwrap_or_else(|| panic!("no scan of dunning_runs in\n{joined}"));
+    let filter = plan[scan + 1..]
+        .iter()
+        .find(|l| l.trim_start().starts_with("Filter:"))
+        .unwrap_or_else(|| panic!("no filter on the due runs' scan in\n{joined}"));
+    assert!(filter.contains("NOT (hashed SubPlan"), "{joined}");
+    assert!(!joined.contains("Anti Join"), "{joined}");
+}
