@@ -137,6 +137,7 @@ impl Cluster {
                  auth_type = trust\n\
                  auth_file = {dir}/users.txt\n\
                  pool_mode = transaction\n\
+                 server_login_retry = 1\n\
                  default_pool_size = {APP_POOL}\n\
                  max_client_conn = 2000\n\
                  ignore_startup_parameters = extra_float_digits\n\
