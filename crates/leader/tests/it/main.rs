@@ -14,9 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use leader::{Fence, Manager, Role, Telemetry, TickEnd, Timing};
+use leader::{Fence, Manager, Role, Telemetry, TickEnd, TickOutcome, Timing};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
 
 pub use testbed::leadership::fast_timing as fast;
 
@@ -53,6 +54,15 @@ pub struct Lease {
     /// `not_before - now()` in seconds, on the database clock.
     pub cooldown: Option<f64>,
     pub paused: bool,
+}
+
+/// One poll of `role` by `m` whose work, if it leads, drains at once.
+pub async fn drained(m: &Manager, role: Role, interval: Duration) -> TickOutcome {
+    m.lead(role, interval, &CancellationToken::new(), |_| async {
+        TickEnd::Drained
+    })
+    .await
+    .unwrap()
 }
 
 pub async fn lease(db: &Db, role: Role) -> Lease {

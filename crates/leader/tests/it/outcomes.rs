@@ -8,7 +8,7 @@ use leader::{LostReason, Role, TickEnd, TickOutcome};
 use testbed::TestDb;
 use tokio_util::sync::CancellationToken;
 
-use crate::{fast, lease, manager, series};
+use crate::{drained, fast, lease, manager, series};
 
 const LOST: &str = "hardcount_leader_lease_lost_total";
 
@@ -166,15 +166,7 @@ async fn clean_shutdown_releases_at_once_and_another_manager_acquires() {
     );
     let l = lease(&t.db, Role::WebhookOutbox).await;
     assert!(l.holder_id.is_none() && !l.completed && l.cooldown.is_none());
-    let out = b
-        .lead(
-            Role::WebhookOutbox,
-            Duration::from_secs(60),
-            &CancellationToken::new(),
-            |_| async { TickEnd::Drained },
-        )
-        .await
-        .unwrap();
+    let out = drained(&b, Role::WebhookOutbox, Duration::from_secs(60)).await;
     assert_eq!(out, TickOutcome::Completed);
 }
 
@@ -355,16 +347,7 @@ async fn a_held_lease_is_polled_every_held_poll_so_a_release_on_shutdown_is_seen
         }
     });
     is_started.recv().await.unwrap();
-    let retry_in = match b
-        .lead(
-            Role::Dunning,
-            Duration::from_secs(3600),
-            &CancellationToken::new(),
-            |_| async { TickEnd::Drained },
-        )
-        .await
-        .unwrap()
-    {
+    let retry_in = match drained(&b, Role::Dunning, Duration::from_secs(3600)).await {
         TickOutcome::NotLed { retry_in, .. } => retry_in,
         other => panic!("expected NotLed while a holds the lease, got {other:?}"),
     };
@@ -375,31 +358,14 @@ async fn a_held_lease_is_polled_every_held_poll_so_a_release_on_shutdown_is_seen
     shutdown.cancel();
     assert_eq!(holder.await.unwrap(), TickOutcome::Interrupted);
     tokio::time::sleep(retry_in).await;
-    let out = b
-        .lead(
-            Role::Dunning,
-            Duration::from_secs(3600),
-            &CancellationToken::new(),
-            |_| async { TickEnd::Drained },
-        )
-        .await
-        .unwrap();
+    let out = drained(&b, Role::Dunning, Duration::from_secs(3600)).await;
     assert_eq!(
         out,
         TickOutcome::Completed,
         "released on shutdown: due at once"
     );
     // Completed and due in an hour, held by nobody: the poll waits max_poll.
-    match b
-        .lead(
-            Role::Dunning,
-            Duration::from_secs(3600),
-            &CancellationToken::new(),
-            |_| async { TickEnd::Drained },
-        )
-        .await
-        .unwrap()
-    {
+    match drained(&b, Role::Dunning, Duration::from_secs(3600)).await {
         TickOutcome::NotLed { retry_in, .. } => assert_eq!(retry_in, design.max_poll),
         other => panic!("expected NotLed, got {other:?}"),
     }
