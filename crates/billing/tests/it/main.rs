@@ -12,6 +12,7 @@ mod lifecycle;
 mod periods;
 mod reconcile;
 mod record;
+mod tenants;
 
 use std::sync::Arc;
 use std::time::Duration;
