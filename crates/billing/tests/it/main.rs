@@ -10,6 +10,7 @@ mod guards;
 mod invoicing;
 mod lifecycle;
 mod periods;
+mod plans;
 mod reconcile;
 mod record;
 mod tenants;
