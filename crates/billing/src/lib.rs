@@ -146,6 +146,7 @@ pub mod statements {
     pub use crate::batch::START_ATTEMPTS;
     pub use crate::batch::settle::SETTLE;
     pub use crate::retention::CLEAR_RAW_ANSWERS;
+    pub use crate::retry::START_RETRIES;
     pub use crate::store::CLAIM_DUE;
 }
 mod retry;

@@ -7,7 +7,7 @@ use db::{Row, sql};
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{SETTLE, START_ATTEMPTS};
+use billing::statements::{SETTLE, START_ATTEMPTS, START_RETRIES};
 
 use crate::due_monthly;
 
@@ -109,6 +109,28 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key() {
         "{plan}"
     );
     for absent in ["invoices_auto_charge_claims", "Bitmap", "Seq Scan"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the settings of `begin_index_driven` (dunning's charge
+/// transaction). Seen failing with the EXPLAIN planned freely: a Seq Scan of
+/// `invoices` hashed against the wanted batch.
+#[tokio::test]
+async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
+    let t = TestDb::new().await;
+    let (invoices, _) = claimed(&t).await;
+    let plan = explain_index_driven(&t.db, START_RETRIES, move |s| {
+        s.bind(invoices)
+            .bind(vec!["dunning:plan".to_owned(); BATCH])
+            .bind(300.0_f64)
+    })
+    .await;
+    assert!(
+        plan.contains("Index Scan using invoices_pkey on invoices i"),
+        "{plan}"
+    );
+    for absent in ["Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
 }
