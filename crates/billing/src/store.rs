@@ -112,7 +112,7 @@ pub(crate) async fn claim_due(
     let mut listed = decode_each(&[], due);
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
-        let rows = tx
+        let mut rows = tx
             .fetch_all(
                 sql(CLAIM_DUE)
                     .bind(fence.role_name())
@@ -127,7 +127,6 @@ pub(crate) async fn claim_due(
         if let Some(r) = rows.first() {
             cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
         }
-        let mut rows = rows;
         rows.retain(|r| matches!(r.try_get::<Option<i64>, _>("id"), Ok(Some(_))));
         listed = decode_each(&rows, due);
         if !rows.is_empty() {

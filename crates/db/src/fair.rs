@@ -87,19 +87,31 @@ impl TenantCursor {
     }
 }
 
+/// At most this many statements in one claim call's walk ([`Walk`]): with
+/// the shipped limits a statement visits 64 tenants, so a call sees 512
+/// before it gives up, and the next call goes on from the cursor.
+pub const WALK_STATEMENTS: u8 = 8;
+
 /// One claim call's walk over the tenants: it runs statements from the
-/// cursor until one claims something (the caller stops asking) or the walk
-/// has started from the first tenant twice (every tenant was visited, and
-/// none had work). A statement that visits tenants whose rows all wait
-/// (retries backing off) therefore does not hide the tenants after them.
+/// cursor until one claims something (the caller stops asking), the walk has
+/// started from the first tenant twice (every tenant was visited, and none
+/// had work), or [`WALK_STATEMENTS`] ran. A statement that visits tenants
+/// whose rows all wait (retries backing off, rows in flight) therefore does
+/// not hide the tenants after them, and a claim with a small limit does not
+/// walk every tenant in one call: the cursor keeps its place.
 #[derive(Debug, Default)]
 pub struct Walk {
     from_first: u8,
+    statements: u8,
 }
 
 impl Walk {
     /// Where the next statement starts, or `None` when the walk is over.
     pub fn next(&mut self, cursor: &TenantCursor) -> Option<String> {
+        if self.statements >= WALK_STATEMENTS {
+            return None;
+        }
+        self.statements += 1;
         let after = cursor.after();
         if after.is_empty() {
             self.from_first += 1;
@@ -139,5 +151,18 @@ mod tests {
         assert_eq!(w.next(&c).as_deref(), Some("b"));
         c.advance(1, 2, Some("c".into()));
         assert_eq!(w.next(&c), None);
+    }
+
+    #[test]
+    fn a_walk_runs_at_most_walk_statements() {
+        let c = TenantCursor::default();
+        let mut w = Walk::default();
+        let mut n = 0;
+        while w.next(&c).is_some() {
+            n += 1;
+            c.advance(1, 1, Some(format!("t{n:03}")));
+        }
+        assert_eq!(n, usize::from(WALK_STATEMENTS));
+        assert_eq!(c.after(), "t008", "the next call goes on from here");
     }
 }
