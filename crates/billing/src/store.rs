@@ -119,7 +119,7 @@ pub(crate) async fn claim_due(
                     .bind(fence.token())
                     .bind(except.to_vec())
                     .bind(limit)
-                    .bind(&after)
+                    .bind(after)
                     .bind(bound),
             )
             .await?;

@@ -146,7 +146,7 @@ pub(crate) async fn claim_and_fan_out(
                     .bind(limit)
                     .bind(wake_channel(Role::WebhookDelivery))
                     .bind(max_deliveries)
-                    .bind(&after)
+                    .bind(after)
                     .bind(bound),
             )
             .await?;

@@ -101,7 +101,7 @@ pub(crate) async fn claim_due(
                     .bind(fence.token())
                     .bind(limit)
                     .bind(lease.as_secs_f64())
-                    .bind(&after)
+                    .bind(after)
                     .bind(bound),
             )
             .await?;

@@ -168,7 +168,7 @@ pub(crate) async fn claim_due(
                     .bind(limit)
                     .bind(lease.as_secs_f64())
                     .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
-                    .bind(&after)
+                    .bind(after)
                     .bind(bound),
             )
             .await?;
