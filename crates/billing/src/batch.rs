@@ -75,6 +75,14 @@ pub enum Answer {
     NotSent,
 }
 
+/// The status a charge path's compare-and-set expects its invoice in. It is
+/// bound as one more column of the unnested batch (`was`), not written as a
+/// literal, so that it is a join condition and not a filter of `invoices`:
+/// with the literal, a never-analyzed table was estimated to hold a handful
+/// of open invoices and was scanned whole against the batch (docs/adr/0049,
+/// as `webhook_delivery`'s outcome statement does, docs/adr/0023).
+pub(crate) const OPEN: &str = "open";
+
 /// The statement of [`start_attempts_in`]; `pub` only for the plan test
 /// (`tests/it/plans.rs`). Run in a `begin_index_driven` transaction, it
 /// reaches each invoice of the batch by its primary key; planned freely it
@@ -89,10 +97,10 @@ pub const START_ATTEMPTS: &str =
             || (extract(epoch FROM i.created_at) * 1000000)::bigint \
             || ':attempt:' || u.seq, \
             i.amount, i.currency, u.customer, u.card \
-     FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[]) \
-          AS u(invoice_id, seq, claimed_by, customer, card) \
+     FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[], $7::text[]) \
+          AS u(invoice_id, seq, claimed_by, customer, card, was) \
      JOIN invoices i ON i.id = u.invoice_id \
-     WHERE i.status = 'open' \
+     WHERE i.status = u.was \
        AND i.auto_charge_claimed_by = u.claimed_by \
        AND i.auto_charge_claimed_until > now() \
      ON CONFLICT DO NOTHING \
@@ -122,7 +130,8 @@ pub(crate) async fn start_attempts_in(
             .bind(instance.to_owned())
             .bind(col(|c, _| c.claimed_by.clone()))
             .bind(col(|c, _| c.provider_customer.clone()))
-            .bind(col(|c, _| c.payment_method.clone())),
+            .bind(col(|c, _| c.payment_method.clone()))
+            .bind(vec![OPEN; attempts.len()]),
         )
         .await?;
     let mut written = HashMap::with_capacity(rows.len());

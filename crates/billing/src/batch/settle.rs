@@ -29,7 +29,7 @@ pub(crate) struct Settling<'a> {
 
 /// The settle's one statement for the resolved rows; `pub` only for the plan
 /// test (`tests/it/plans.rs`). The invoice (claim still ours, unexpired,
-/// still open) is paid, flagged for review or given back, and the attempt
+/// still open, `was`: `batch::OPEN`) is paid, flagged for review or given back, and the attempt
 /// (still unknown or processing) resolved; per row, both or (the caller rolls
 /// back) neither. `inv` carries each row's answer on through its `RETURNING`,
 /// so `att` joins only the invoices written, by the attempt's key: in the
@@ -38,8 +38,8 @@ pub(crate) struct Settling<'a> {
 /// whole (every invoice claimed by the tick) or the batch joined to itself.
 pub const SETTLE: &str = "WITH u AS ( \
        SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
-                            $5::text[], $6::text[], $7::text[], $8::text[]) \
-              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw) \
+                            $5::text[], $6::text[], $7::text[], $8::text[], $10::text[]) \
+              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw, was) \
      ), inv AS ( \
        UPDATE invoices i SET \
               status = CASE WHEN u.status = 'succeeded' THEN 'paid' ELSE i.status END, \
@@ -50,7 +50,7 @@ pub const SETTLE: &str = "WITH u AS ( \
                                    THEN u.why ELSE i.review_reason END, \
               auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
        FROM u \
-       WHERE i.id = u.invoice_id AND i.status = 'open' \
+       WHERE i.id = u.invoice_id AND i.status = u.was \
          AND i.auto_charge_claimed_by = u.claimed_by \
          AND i.auto_charge_claimed_until > now() \
        RETURNING i.id, u.attempt_id, u.status, u.code, u.intent, u.why, u.raw \
@@ -269,7 +269,8 @@ async fn settle_once(
                 .bind(done.intent.clone())
                 .bind(done.why.clone())
                 .bind(done.raw.clone())
-                .bind(backoff),
+                .bind(backoff)
+                .bind(vec![super::OPEN; done.invoice.len()]),
             )
             .await?;
         won_pairs(&row, &done)?

@@ -51,8 +51,9 @@ async fn claimed(t: &TestDb) -> (Vec<i64>, Vec<i64>) {
 }
 
 /// Guards: `inv` carrying each row's answer through its `RETURNING`, so that
-/// `att` joins only the invoices written, and the settings of
-/// `begin_index_driven`. Seen failing with `att` joining the unnested batch
+/// `att` joins only the invoices written, the expected status bound per row
+/// (`was`, seen failing as the literal `'open'`: a Seq Scan of `invoices`),
+/// and the settings of `begin_index_driven`. Seen failing with `att` joining the unnested batch
 /// to `inv` again (a nested loop over the two CTE scans, 65,280 rows filtered
 /// for 256: mutation `settle_carried` in scripts/mutation-check) and with the
 /// EXPLAIN planned freely (a Bitmap Heap Scan of every claimed invoice).
@@ -70,6 +71,7 @@ async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
             .bind(vec![None::<String>; BATCH])
             .bind(vec!["{}".to_owned(); BATCH])
             .bind(1.0_f64)
+            .bind(vec!["open".to_owned(); BATCH])
     })
     .await;
     for present in [
@@ -88,9 +90,12 @@ async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
     }
 }
 
-/// Guard: the settings of `begin_index_driven` (the charge claim's
-/// transaction). Seen failing with the EXPLAIN planned freely: the claims
-/// index read for every invoice the tick had claimed.
+/// Guards: the expected status bound per row (`was`) and the settings of
+/// `begin_index_driven` (the charge claim's transaction). Seen failing with
+/// `i.status = 'open'` written as a literal (a Seq Scan of `invoices` joined
+/// to the batch by a filter: mutation `attempts_was` in
+/// scripts/mutation-check) and with the EXPLAIN planned freely (the claims
+/// index read for every invoice the tick had claimed).
 #[tokio::test]
 async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key() {
     let t = TestDb::new().await;
@@ -102,6 +107,7 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key() {
             .bind(vec!["c1".to_owned(); BATCH])
             .bind(vec!["cus_plan".to_owned(); BATCH])
             .bind(vec!["pm_plan".to_owned(); BATCH])
+            .bind(vec!["open".to_owned(); BATCH])
     })
     .await;
     assert!(
