@@ -22,7 +22,7 @@
 //! the per-row functions of `store`, so one bad row costs that row only.
 
 pub(crate) mod messages;
-mod settle;
+pub(crate) mod settle;
 
 pub(crate) use settle::{Settling, settle_all};
 
@@ -75,6 +75,37 @@ pub enum Answer {
     NotSent,
 }
 
+/// The status a charge path's compare-and-set expects its invoice in. It is
+/// bound as one more column of the unnested batch (`was`), not written as a
+/// literal, so that it is a join condition and not a filter of `invoices`:
+/// with the literal, a never-analyzed table was estimated to hold a handful
+/// of open invoices and was scanned whole against the batch (docs/adr/0049,
+/// as `webhook_delivery`'s outcome statement does, docs/adr/0023).
+pub(crate) const OPEN: &str = "open";
+
+/// The statement of [`start_attempts_in`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`). Run in a `begin_index_driven` transaction, it
+/// reaches each invoice of the batch by its primary key; planned freely it
+/// read the claims index whole (every invoice the tick had claimed) for each
+/// batch (issue 29, point 3).
+pub const START_ATTEMPTS: &str =
+    "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                   amount, currency, provider_customer_id, \
+                                   payment_method_id) \
+     SELECT i.tenant_id, i.id, u.seq, \
+            'hc:' || $3::text || ':invoice:' || i.id || ':' \
+            || (extract(epoch FROM i.created_at) * 1000000)::bigint \
+            || ':attempt:' || u.seq, \
+            i.amount, i.currency, u.customer, u.card \
+     FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[], $7::text[]) \
+          AS u(invoice_id, seq, claimed_by, customer, card, was) \
+     JOIN invoices i ON i.id = u.invoice_id \
+     WHERE i.status = u.was \
+       AND i.auto_charge_claimed_by = u.claimed_by \
+       AND i.auto_charge_claimed_until > now() \
+     ON CONFLICT DO NOTHING \
+     RETURNING id, invoice_id, idempotency_key";
+
 /// Record `attempts` (claim, attempt sequence) as `unknown`, before their
 /// calls, with one statement in the caller's transaction: each only while
 /// its own claim still holds the invoice, under the (invoice, attempt) unique
@@ -93,30 +124,14 @@ pub(crate) async fn start_attempts_in(
     };
     let rows = tx
         .fetch_all(
-            sql(
-                "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                               amount, currency, provider_customer_id, \
-                                               payment_method_id) \
-                 SELECT i.tenant_id, i.id, u.seq, \
-                        'hc:' || $3::text || ':invoice:' || i.id || ':' \
-                        || (extract(epoch FROM i.created_at) * 1000000)::bigint \
-                        || ':attempt:' || u.seq, \
-                        i.amount, i.currency, u.customer, u.card \
-                 FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[]) \
-                      AS u(invoice_id, seq, claimed_by, customer, card) \
-                 JOIN invoices i ON i.id = u.invoice_id \
-                 WHERE i.status = 'open' \
-                   AND i.auto_charge_claimed_by = u.claimed_by \
-                   AND i.auto_charge_claimed_until > now() \
-                 ON CONFLICT DO NOTHING \
-                 RETURNING id, invoice_id, idempotency_key",
-            )
+            sql(START_ATTEMPTS)
             .bind(attempts.iter().map(|(c, _)| c.invoice_id).collect::<Vec<_>>())
             .bind(attempts.iter().map(|(_, s)| *s).collect::<Vec<_>>())
             .bind(instance.to_owned())
             .bind(col(|c, _| c.claimed_by.clone()))
             .bind(col(|c, _| c.provider_customer.clone()))
-            .bind(col(|c, _| c.payment_method.clone())),
+            .bind(col(|c, _| c.payment_method.clone()))
+            .bind(vec![OPEN; attempts.len()]),
         )
         .await?;
     let mut written = HashMap::with_capacity(rows.len());

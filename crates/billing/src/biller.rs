@@ -42,6 +42,8 @@ pub(crate) struct Inner {
     pub(crate) telemetry: Telemetry,
     /// `None` when no provider is configured: the charge step is skipped.
     pub(crate) provider: Option<Provider>,
+    /// Where the next due listing starts among tenants (docs/adr/0048).
+    pub(crate) cursor: db::TenantCursor,
 }
 
 impl Biller {
@@ -62,6 +64,7 @@ impl Biller {
                 config,
                 telemetry,
                 provider,
+                cursor: db::TenantCursor::default(),
             }),
             pruning: None,
         })

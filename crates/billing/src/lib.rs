@@ -143,7 +143,11 @@ mod retention;
 /// The retention prune's statement text, for the plan tests; not an API.
 #[doc(hidden)]
 pub mod statements {
+    pub use crate::batch::START_ATTEMPTS;
+    pub use crate::batch::settle::SETTLE;
     pub use crate::retention::CLEAR_RAW_ANSWERS;
+    pub use crate::retry::START_RETRIES;
+    pub use crate::store::CLAIM_DUE;
 }
 mod retry;
 pub mod review;

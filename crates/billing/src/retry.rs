@@ -37,24 +37,11 @@ use crate::{Biller, Error};
 
 pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 
-/// The body of [`Biller::start_retries_in`].
-pub(crate) async fn start_retries_in(
-    biller: &Biller,
-    tx: &mut db::Tx,
-    wanted: &[RetryRequest],
-) -> Result<Vec<Result<StartedRetry, NotCharged>>, Error> {
-    if biller.inner.provider.is_none() {
-        return Ok(wanted.iter().map(|_| Err(NotCharged::NoProvider)).collect());
-    }
-    if wanted.is_empty() {
-        return Ok(Vec::new());
-    }
-    let c = &biller.inner.config;
-    let ids: Vec<i64> = wanted.iter().map(|w| w.invoice_id).collect();
-    let rows = tx
-        .fetch_all(
-            sql(
-                concat!("WITH u AS ( \
+/// The statement of [`start_retries_in`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`). Dunning runs it in a `begin_index_driven`
+/// transaction, so each wanted invoice is reached by its key; planned freely
+/// it read `invoices` whole (issue 29, point 3).
+pub const START_RETRIES: &str = concat!("WITH u AS ( \
                    SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
                  ), picked AS ( \
                    SELECT i.id, u.claimed_by FROM invoices i \
@@ -84,8 +71,25 @@ pub(crate) async fn start_retries_in(
                          WHERE a.invoice_id = k.id) AS next_seq \
                  FROM claimed k \
                  JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id"),
-            )
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id");
+
+/// The body of [`Biller::start_retries_in`].
+pub(crate) async fn start_retries_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    wanted: &[RetryRequest],
+) -> Result<Vec<Result<StartedRetry, NotCharged>>, Error> {
+    if biller.inner.provider.is_none() {
+        return Ok(wanted.iter().map(|_| Err(NotCharged::NoProvider)).collect());
+    }
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let c = &biller.inner.config;
+    let ids: Vec<i64> = wanted.iter().map(|w| w.invoice_id).collect();
+    let rows = tx
+        .fetch_all(
+            sql(START_RETRIES)
             .bind(ids.clone())
             .bind(wanted.iter().map(|w| w.claimed_by.clone()).collect::<Vec<_>>())
             .bind(c.charge_lease.as_secs_f64()),

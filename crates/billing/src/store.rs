@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use db::{Db, PgRow, Row, sql};
+use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::Fence;
 
 use crate::close::Due;
@@ -30,53 +30,110 @@ pub(crate) fn due(r: &PgRow) -> Result<Due, db::Error> {
     })
 }
 
+/// The statement of [`claim_due`]; `pub` only for the plan and fairness
+/// tests. The listing interleaves tenants (docs/adr/0048, `db::fair`):
+/// `tenants` walks `subscriptions_due` (tenant, watermark, id) one descent
+/// per tenant after the cursor (`$5`, at most `$6` tenants), `first` takes
+/// each one's share of the limit in watermark order, `fill` shares the rest
+/// between the tenants that took all of theirs.
+pub const CLAIM_DUE: &str = concat!(
+    "WITH RECURSIVE ",
+    db::fair_tenants!("subscriptions", "status = 'active'", "$5", "$6", "$4"),
+    "first AS MATERIALIZED ( \
+       SELECT pick.* FROM tenants t CROSS JOIN share sh, LATERAL ( \
+         SELECT x.*, row_number() OVER () AS turn FROM ( \
+           SELECT s.id, s.tenant_id, s.next_billing_at FROM subscriptions s \
+           WHERE s.status = 'active' AND s.tenant_id = t.tenant_id \
+             AND s.next_billing_at <= now() \
+             AND s.id <> ALL ($3) \
+             AND leader_fence($1, $2) \
+           ORDER BY s.next_billing_at, s.id \
+           LIMIT sh.quota \
+           FOR UPDATE SKIP LOCKED) x) pick), \
+     whole AS MATERIALIZED ( \
+       SELECT f.tenant_id, f.next_billing_at, f.id FROM first f, share sh \
+       WHERE f.turn = sh.quota), \
+     fill AS MATERIALIZED ( \
+       SELECT more.* FROM whole w, LATERAL ( \
+         SELECT s.id, s.tenant_id, s.next_billing_at FROM subscriptions s \
+         WHERE s.status = 'active' AND s.tenant_id = w.tenant_id \
+           AND s.next_billing_at <= now() \
+           AND (s.next_billing_at, s.id) > (w.next_billing_at, w.id) \
+           AND s.id <> ALL ($3) \
+           AND leader_fence($1, $2) \
+         ORDER BY s.next_billing_at, s.id \
+         LIMIT ($4 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
+         FOR UPDATE SKIP LOCKED) more), \
+     due AS (SELECT id FROM first UNION ALL SELECT id FROM fill) \
+     SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
+            s.current_period_end, s.next_billing_at, s.collection_method, \
+            s.cancel_at_period_end, \
+            p.interval_unit, p.interval_count, p.amount, p.currency, now() AS at, \
+            (LEAST(s.billing_anchor, s.current_period_start, s.current_period_end, \
+                   s.next_billing_at) >= '1970-01-01 00:00:00+00' \
+             AND GREATEST(s.billing_anchor, s.current_period_start, \
+                          s.current_period_end, s.next_billing_at) \
+                 < '10000-01-01 00:00:00+00') AS decodable, \
+            share.tenants, share.last_tenant \
+     FROM share \
+     LEFT JOIN (due JOIN subscriptions s ON s.id = due.id \
+                JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id) ON true \
+     ORDER BY s.next_billing_at, s.id"
+);
+
 /// The fenced funnel: up to `limit` active subscriptions whose watermark has
-/// passed, oldest watermark first, with their plan, leaving out `except`
-/// (rows this tick already left out). A listing, not a lease: what it returns
-/// is the snapshot each closing proves, and the closing's compare-and-set, not
-/// this claim, is what stops a second biller.
+/// passed, oldest watermark first within a tenant, with their plan, leaving
+/// out `except` (rows this tick already left out). A listing, not a lease:
+/// what it returns is the snapshot each closing proves, and the closing's
+/// compare-and-set, not this claim, is what stops a second biller.
+///
+/// Tenants are interleaved (docs/adr/0048): every tenant with due
+/// subscriptions among the next [`db::TENANTS_PER_CLAIM`] after `cursor` gets
+/// its share of the batch, and `cursor` moves on. A statement that lists
+/// nothing is followed by the next, until one lists or every tenant was
+/// visited ([`db::Walk`]).
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token lists nothing, and rows a closing transaction holds are skipped.
+/// It runs in a `begin_index_driven` transaction (docs/adr/0023), so the
+/// listed rows are joined to their subscriptions and plans by key whatever
+/// the statistics say.
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
+    cursor: &TenantCursor,
     limit: usize,
     except: &[i64],
     statement_timeout: Duration,
 ) -> Result<Listed<Due>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let rows = tx
-        .fetch_all(
-            sql(
-                "SELECT s.id, s.tenant_id, s.status, s.billing_anchor, s.current_period_start, \
-                        s.current_period_end, s.next_billing_at, s.collection_method, \
-                        s.cancel_at_period_end, \
-                        p.interval_unit, p.interval_count, p.amount, p.currency, now() AS at, \
-                        (LEAST(s.billing_anchor, s.current_period_start, s.current_period_end, \
-                               s.next_billing_at) >= '1970-01-01 00:00:00+00' \
-                         AND GREATEST(s.billing_anchor, s.current_period_start, \
-                                      s.current_period_end, s.next_billing_at) \
-                             < '10000-01-01 00:00:00+00') AS decodable \
-                 FROM subscriptions s \
-                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
-                 WHERE s.status = 'active' \
-                   AND s.next_billing_at <= now() \
-                   AND s.id <> ALL ($3) \
-                   AND leader_fence($1, $2) \
-                 ORDER BY s.next_billing_at, s.id \
-                 LIMIT $4 \
-                 FOR UPDATE OF s SKIP LOCKED",
+    let bound = TENANTS_PER_CLAIM.min(limit);
+    let mut walk = Walk::default();
+    let mut listed = decode_each(&[], due);
+    while let Some(after) = walk.next(cursor) {
+        let mut tx = db.begin_index_driven(statement_timeout).await?;
+        let mut rows = tx
+            .fetch_all(
+                sql(CLAIM_DUE)
+                    .bind(fence.role_name())
+                    .bind(fence.token())
+                    .bind(except.to_vec())
+                    .bind(limit)
+                    .bind(after)
+                    .bind(bound),
             )
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(except.to_vec())
-            .bind(limit),
-        )
-        .await?;
-    tx.commit().await?;
-    Ok(decode_each(&rows, due))
+            .await?;
+        tx.commit().await?;
+        if let Some(r) = rows.first() {
+            cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
+        }
+        rows.retain(|r| matches!(r.try_get::<Option<i64>, _>("id"), Ok(Some(_))));
+        listed = decode_each(&rows, due);
+        if !rows.is_empty() {
+            break;
+        }
+    }
+    Ok(listed)
 }
 
 /// A claim's rows, and the ids of those that could not be decoded (left out

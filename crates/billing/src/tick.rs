@@ -170,7 +170,7 @@ pub(crate) async fn claim_due_except(
 ) -> Result<Vec<Due>, Error> {
     let timeout = biller.inner.config.statement_timeout;
     Ok(
-        store::claim_due(&biller.inner.db, fence, limit, except, timeout)
+        store::claim_due(&biller.inner.db, fence, &biller.inner.cursor, limit, except, timeout)
             .await?
             .rows,
     )
@@ -347,7 +347,15 @@ impl FencedBatches for DueBilling<'_> {
         let except = self.left_out.ids();
         let b = &self.biller.inner;
         let listed =
-            store::claim_due(&b.db, fence, limit, &except, b.config.statement_timeout).await?;
+            store::claim_due(
+                &b.db,
+                fence,
+                &b.cursor,
+                limit,
+                &except,
+                b.config.statement_timeout,
+            )
+            .await?;
         self.biller.undecodable("due_billing", &listed.undecodable);
         self.left_out.extend(listed.undecodable.iter().copied());
         Ok(listed)

@@ -16,6 +16,7 @@
 //! Migrations are the exception: they need a session ([`migrate`]).
 
 mod connect;
+mod fair;
 mod listen;
 mod migrate;
 mod redact;
@@ -30,6 +31,7 @@ use sqlx::query::Query;
 use sqlx::{Encode, PgPool, Postgres, Type};
 
 pub use connect::{SSL_MODES, check_url};
+pub use fair::{TENANTS_PER_CLAIM, TenantCursor, Walk};
 pub use listen::{LISTEN_APPLICATION_NAME, Listener};
 pub use migrate::{MigrateError, MigrationReport, migrate};
 pub use redact::{

@@ -46,7 +46,10 @@ pub(crate) async fn charge_runs(
     //    plan under the guard, billing's claims and attempts, and the
     //    rewind of the runs that cannot be charged now.
     let first = async {
-        let mut tx = db.begin_with_timeout(timeout).await?;
+        // Index-driven (docs/adr/0023): every statement of it is keyed by
+        // the batch (runs, invoices), and billing's retry claim then reaches
+        // each invoice by its key (`billing::statements::START_RETRIES`).
+        let mut tx = db.begin_index_driven(timeout).await?;
         let refs: Vec<&Run> = runs.iter().collect();
         let held = record_attempts_in(&mut tx, &refs, c.attempt_hold).await?;
         let mut wanted = Vec::new();

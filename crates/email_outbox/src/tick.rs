@@ -85,6 +85,8 @@ struct Inner {
     config: SenderConfig,
     pool: Pool,
     telemetry: Telemetry,
+    /// Where the next claim starts among tenants (docs/adr/0048).
+    cursor: db::TenantCursor,
 }
 
 impl std::fmt::Debug for Sender {
@@ -114,6 +116,7 @@ impl Sender {
                 config,
                 pool,
                 telemetry,
+                cursor: db::TenantCursor::default(),
             }),
             pruning: None,
         })
@@ -177,6 +180,7 @@ impl Sender {
         Ok(store::claim_due(
             &self.inner.db,
             fence,
+            &self.inner.cursor,
             limit,
             c.claim_lease(),
             c.statement_timeout,

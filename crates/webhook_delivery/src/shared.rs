@@ -22,4 +22,6 @@ pub(crate) struct Shared {
     pub disabling: Disabling,
     /// When the tick prunes (`config.retention`), if it does.
     pub pruning: Option<scheduler::Pruning>,
+    /// Where the next claim starts among tenants (docs/adr/0048).
+    pub cursor: db::TenantCursor,
 }

@@ -136,6 +136,7 @@ pub(crate) async fn claim_due(
     let rows = store::claim_due(
         &shared.db,
         fence,
+        &shared.cursor,
         limit,
         config.claim_lease(),
         config.retry_schedule.max_attempts(),

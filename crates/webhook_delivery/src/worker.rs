@@ -69,6 +69,7 @@ impl Worker {
                 ),
                 disabling: Disabling::default(),
                 pruning: config.retention.map(scheduler::Pruning::new),
+                cursor: db::TenantCursor::default(),
                 config,
                 client,
                 telemetry,

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use db::{Db, Row, sql};
+use db::{Db, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::{Fence, Role};
 use scheduler::wake_channel;
 
@@ -33,14 +33,35 @@ pub(crate) struct Batch {
 }
 
 /// The statement of [`claim_and_fan_out`]; `pub` only for the plan test
-/// (`tests/it/plans.rs`).
-pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
-           SELECT id, tenant_id FROM webhook_events \
-           WHERE dispatched_at IS NULL \
-             AND leader_fence($1, $2) \
-           ORDER BY id \
-           LIMIT $3 \
-           FOR UPDATE SKIP LOCKED), \
+/// (`tests/it/plans.rs`). The claim interleaves tenants (docs/adr/0048,
+/// `db::fair`): `tenants` walks `webhook_events_undispatched` (tenant, id)
+/// one descent per tenant after the cursor (`$6`, at most `$7` tenants),
+/// `first` takes each one's share of the limit in id order, `fill` shares the
+/// rest between the tenants that took all of theirs.
+pub const CLAIM_AND_FAN_OUT: &str = concat!(
+    "WITH RECURSIVE ",
+    db::fair_tenants!("webhook_events", "dispatched_at IS NULL", "$6", "$7", "$3"),
+    "first AS MATERIALIZED ( \
+           SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
+             SELECT x.*, row_number() OVER () AS turn FROM ( \
+               SELECT e.id, e.tenant_id FROM webhook_events e \
+               WHERE e.dispatched_at IS NULL AND e.tenant_id = t.tenant_id \
+                 AND leader_fence($1, $2) \
+               ORDER BY e.id \
+               LIMIT s.quota \
+               FOR UPDATE SKIP LOCKED) x) pick), \
+         whole AS MATERIALIZED ( \
+           SELECT f.tenant_id, f.id AS last_id FROM first f, share s WHERE f.turn = s.quota), \
+         fill AS MATERIALIZED ( \
+           SELECT more.* FROM whole w CROSS JOIN share s, LATERAL ( \
+             SELECT x.*, s.quota + row_number() OVER () AS turn FROM ( \
+               SELECT e.id, e.tenant_id FROM webhook_events e \
+               WHERE e.dispatched_at IS NULL AND e.tenant_id = w.tenant_id AND e.id > w.last_id \
+                 AND leader_fence($1, $2) \
+               ORDER BY e.id \
+               LIMIT ($3 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
+               FOR UPDATE SKIP LOCKED) x) more), \
+         claimed AS (SELECT id, tenant_id, turn FROM first UNION ALL SELECT id, tenant_id, turn FROM fill), \
          fan AS MATERIALIZED ( \
            SELECT t.tenant_id, \
                   (SELECT count(ep.id) FROM webhook_endpoints ep \
@@ -48,7 +69,8 @@ pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
            FROM (SELECT DISTINCT tenant_id FROM claimed) t), \
          taken AS ( \
            SELECT id FROM ( \
-             SELECT c.id, sum(f.endpoints) OVER (ORDER BY c.id) - f.endpoints AS before \
+             SELECT c.id, sum(f.endpoints) OVER (ORDER BY c.turn, f.endpoints, c.id) \
+                          - f.endpoints AS before \
              FROM claimed c JOIN fan f ON f.tenant_id = c.tenant_id) w \
            WHERE w.before < $5), \
          stamped AS ( \
@@ -69,7 +91,10 @@ pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
          wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
                 (SELECT count(*) FROM ins) AS inserted, \
-                (SELECT count(*) FROM wake) AS woken";
+                (SELECT count(*) FROM wake) AS woken, \
+                share.tenants, share.last_tenant \
+         FROM share"
+);
 
 /// The fenced funnel: in one transaction and one statement, claim up to
 /// `limit` undispatched events, stamp them dispatched, insert one pending
@@ -77,48 +102,73 @@ pub const CLAIM_AND_FAN_OUT: &str = "WITH claimed AS MATERIALIZED ( \
 /// and, if any was inserted, wake the `webhook_delivery` role (`pg_notify`,
 /// sent at commit; docs/adr/0014).
 ///
+/// Tenants are interleaved (docs/adr/0048): every tenant with undispatched
+/// events among the next [`db::TENANTS_PER_CLAIM`] after `cursor` gets its
+/// share of the batch, and `cursor` moves on. A statement that claims nothing
+/// is followed by the next, until one claims or every tenant was visited
+/// ([`db::Walk`]).
+///
 /// The fan-out is bounded per statement (issue 25, point 4): claimed events
-/// are taken in id order while the endpoints of the events taken before
-/// (each tenant's enabled endpoints, counted once per tenant) stay under
-/// `max_deliveries`; the first event is always taken, so an event is never
-/// left behind, and the rest of the claim is left undispatched for the next
-/// statement. A tenant with 10,000 endpoints therefore fans out one event a
-/// statement instead of a whole batch's 5,000,000 rows in one.
+/// are taken turn by turn (each tenant's first, then each one's second, the
+/// tenant with fewer enabled endpoints first within a turn) while the
+/// endpoints of the events taken before stay under `max_deliveries`; the
+/// first event is always taken, so an event is never left behind, and the
+/// rest of the claim is left undispatched for the next statement. A tenant
+/// with 10,000 endpoints therefore fans out one event a statement instead of
+/// a whole batch's 5,000,000 rows in one, and does not keep a small tenant's
+/// event out of it.
 ///
 /// One round trip for the statement whatever the batch size, in a transaction
-/// that keeps the claim to an ordered scan of `webhook_events_undispatched`
+/// that keeps the claim to ordered scans of `webhook_events_undispatched`
 /// whatever the statistics say (`Db::begin_index_driven`, docs/adr/0023). The claim proves
 /// the fence in its innermost WHERE, so a stale token claims nothing and
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 pub(crate) async fn claim_and_fan_out(
     db: &Db,
     fence: &Fence,
+    cursor: &TenantCursor,
     limit: usize,
     max_deliveries: usize,
     statement_timeout: Duration,
 ) -> Result<Batch, Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let bound = TENANTS_PER_CLAIM.min(limit);
     let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let row = tx
-        .fetch_one(
-            sql(CLAIM_AND_FAN_OUT)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(limit)
-                .bind(wake_channel(Role::WebhookDelivery))
-                .bind(max_deliveries),
-        )
-        .await?;
-    tx.commit().await?;
-    let count = |column: &str| -> Result<u64, Error> {
-        let n: i64 = row.try_get(column).map_err(db::Error::from)?;
-        Ok(u64::try_from(n).unwrap_or(0))
-    };
-    Ok(Batch {
-        events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
-        deliveries: count("inserted")?,
-    })
+    let mut walk = Walk::default();
+    let mut batch = Batch::default();
+    while let Some(after) = walk.next(cursor) {
+        let mut tx = db.begin_index_driven(statement_timeout).await?;
+        let row = tx
+            .fetch_one(
+                sql(CLAIM_AND_FAN_OUT)
+                    .bind(fence.role_name())
+                    .bind(fence.token())
+                    .bind(limit)
+                    .bind(wake_channel(Role::WebhookDelivery))
+                    .bind(max_deliveries)
+                    .bind(after)
+                    .bind(bound),
+            )
+            .await?;
+        tx.commit().await?;
+        let count = |column: &str| -> Result<u64, Error> {
+            let n: i64 = row.try_get(column).map_err(db::Error::from)?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        cursor.advance(
+            row.try_get("tenants").map_err(db::Error::from)?,
+            bound,
+            row.try_get("last_tenant").map_err(db::Error::from)?,
+        );
+        batch = Batch {
+            events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
+            deliveries: count("inserted")?,
+        };
+        if batch.events > 0 {
+            break;
+        }
+    }
+    Ok(batch)
 }
 
 /// The prune statement of [`prune_dispatched`]; `pub` only for the plan test

@@ -38,6 +38,8 @@ pub struct Dispatcher {
     wake: Option<Wake>,
     idle_probe: Option<Duration>,
     pruning: Option<Arc<Pruning>>,
+    /// Where the next claim starts among tenants (docs/adr/0048).
+    cursor: db::TenantCursor,
 }
 
 impl Dispatcher {
@@ -56,6 +58,7 @@ impl Dispatcher {
             wake: None,
             idle_probe: None,
             pruning: None,
+            cursor: db::TenantCursor::default(),
         })
     }
 
@@ -147,6 +150,7 @@ impl Dispatcher {
         let batch = store::claim_and_fan_out(
             &self.db,
             fence,
+            &self.cursor,
             limit,
             self.config.max_deliveries_per_statement,
             self.config.statement_timeout,

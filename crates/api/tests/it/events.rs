@@ -58,3 +58,51 @@ async fn a_publish_is_one_message_for_the_key_s_tenant_only() {
         "nothing written without a tenant"
     );
 }
+
+/// A page of events is read backward through `webhook_events_tenant_id` and
+/// sorts nothing, even right after a burst the statistics have not seen: the
+/// table is analyzed with 1,000 events of another tenant, then this tenant
+/// publishes 20,000, and the plan is read with this tenant set as the API
+/// sets it (the planner evaluates `api_tenant()` for its estimate).
+///
+/// Mutation check (`event_pages` in scripts/mutation-check): migration 0037's
+/// index keyed `(tenant_id, created_at)`, as before it, reads the tenant's
+/// 20,000 rows through it and sorts them for the page; this test was run
+/// against it and failed.
+#[tokio::test]
+async fn a_page_of_events_is_read_in_index_order_after_an_unseen_burst() {
+    use sqlx::Row as _;
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+           SELECT 'tenant_a', 'seeded', '{}' FROM generate_series(1, 1000); \
+         ANALYZE webhook_events; \
+         INSERT INTO webhook_events (tenant_id, event_type, payload) \
+           SELECT 'tenant_b', 'burst', '{}' FROM generate_series(1, 20000)",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    sqlx::raw_sql("BEGIN; SELECT set_config('hardcount.tenant_id', 'tenant_b', true)")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let explain = format!("EXPLAIN {}", api::routes::events::LIST);
+    let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(explain))
+        .bind(None::<i64>)
+        .bind(None::<String>)
+        .bind(101_i64)
+        .fetch_all(&mut su)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<String, _>(0))
+        .collect();
+    sqlx::raw_sql("ROLLBACK").execute(&mut su).await.unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("Index Scan Backward using"), "{plan}");
+    for absent in ["Sort", "Seq Scan", "webhook_events_tenant_created"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}

@@ -27,6 +27,50 @@ pub(crate) struct Settling<'a> {
     pub backoff: Duration,
 }
 
+/// The settle's one statement for the resolved rows; `pub` only for the plan
+/// test (`tests/it/plans.rs`). The invoice (claim still ours, unexpired,
+/// still open, `was`: `batch::OPEN`) is paid, flagged for review or given back, and the attempt
+/// (still unknown or processing) resolved; per row, both or (the caller rolls
+/// back) neither. `inv` carries each row's answer on through its `RETURNING`,
+/// so `att` joins only the invoices written, by the attempt's key: in the
+/// `begin_index_driven` transaction every row of the batch is reached once
+/// by its primary key (issue 29, point 3), instead of the claims index read
+/// whole (every invoice claimed by the tick) or the batch joined to itself.
+pub const SETTLE: &str = "WITH u AS ( \
+       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
+                            $5::text[], $6::text[], $7::text[], $8::text[], $10::text[]) \
+              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw, was) \
+     ), inv AS ( \
+       UPDATE invoices i SET \
+              status = CASE WHEN u.status = 'succeeded' THEN 'paid' ELSE i.status END, \
+              paid_at = CASE WHEN u.status = 'succeeded' THEN now() ELSE i.paid_at END, \
+              review_since = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                  THEN now() ELSE i.review_since END, \
+              review_reason = CASE WHEN u.status IN ('failed', 'needs_review') \
+                                   THEN u.why ELSE i.review_reason END, \
+              auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+       FROM u \
+       WHERE i.id = u.invoice_id AND i.status = u.was \
+         AND i.auto_charge_claimed_by = u.claimed_by \
+         AND i.auto_charge_claimed_until > now() \
+       RETURNING i.id, u.attempt_id, u.status, u.code, u.intent, u.why, u.raw \
+     ), att AS ( \
+       UPDATE payment_attempts a SET provider_status = v.status, \
+              decline_code = v.code, \
+              provider_payment_intent = COALESCE(v.intent, a.provider_payment_intent), \
+              last_error = v.why, raw_answer = v.raw, \
+              resolved_at = CASE WHEN v.status IN ('processing', 'needs_review') \
+                                 THEN NULL ELSE now() END, \
+              last_checked_at = now(), lookups = a.lookups + 1, \
+              next_check_at = now() + make_interval(secs => \
+                  least($9 * power(2, least(a.lookups, 12)), 3600)) \
+       FROM inv v \
+       WHERE a.id = v.attempt_id AND a.provider_status IN ('unknown', 'processing') \
+       RETURNING a.id \
+     ) \
+     SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
+            COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts";
+
 /// Settle every answered attempt of a batch in one transaction (see the
 /// module's diagram). Returns, per row of `answers` and in their order, how it
 /// was written: [`Settled::Lost`] when its claim no longer held the invoice or
@@ -207,7 +251,7 @@ async fn settle_once(
         open.unsent.push(unsent);
     }
     let backoff = how.backoff.as_secs_f64();
-    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    let mut tx = db.begin_index_driven(how.statement_timeout).await?;
     // Resolved rows: the invoice (claim still ours, unexpired, still open)
     // paid, flagged for review or just given back, and the attempt (still
     // unknown or processing) resolved; per row, both or (rolled back) neither.
@@ -216,40 +260,7 @@ async fn settle_once(
     } else {
         let row = tx
             .fetch_one(
-                sql("WITH u AS ( \
-                       SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], \
-                                            $5::text[], $6::text[], $7::text[], $8::text[]) \
-                              AS u(invoice_id, claimed_by, attempt_id, status, code, intent, why, raw) \
-                     ), inv AS ( \
-                       UPDATE invoices i SET \
-                              status = CASE WHEN u.status = 'succeeded' THEN 'paid' ELSE i.status END, \
-                              paid_at = CASE WHEN u.status = 'succeeded' THEN now() ELSE i.paid_at END, \
-                              review_since = CASE WHEN u.status IN ('failed', 'needs_review') \
-                                                  THEN now() ELSE i.review_since END, \
-                              review_reason = CASE WHEN u.status IN ('failed', 'needs_review') \
-                                                   THEN u.why ELSE i.review_reason END, \
-                              auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                       FROM u \
-                       WHERE i.id = u.invoice_id AND i.status = 'open' \
-                         AND i.auto_charge_claimed_by = u.claimed_by \
-                         AND i.auto_charge_claimed_until > now() \
-                       RETURNING i.id \
-                     ), att AS ( \
-                       UPDATE payment_attempts a SET provider_status = u.status, \
-                              decline_code = u.code, \
-                              provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
-                              last_error = u.why, raw_answer = u.raw, \
-                              resolved_at = CASE WHEN u.status IN ('processing', 'needs_review') \
-                                                 THEN NULL ELSE now() END, \
-                              last_checked_at = now(), lookups = a.lookups + 1, \
-                              next_check_at = now() + make_interval(secs => \
-                                  least($9 * power(2, least(a.lookups, 12)), 3600)) \
-                       FROM u JOIN inv ON inv.id = u.invoice_id \
-                       WHERE a.id = u.attempt_id AND a.provider_status IN ('unknown', 'processing') \
-                       RETURNING a.id \
-                     ) \
-                     SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
-                            COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts")
+                sql(SETTLE)
                 .bind(done.invoice.clone())
                 .bind(done.claimed_by.clone())
                 .bind(done.attempt.clone())
@@ -258,7 +269,8 @@ async fn settle_once(
                 .bind(done.intent.clone())
                 .bind(done.why.clone())
                 .bind(done.raw.clone())
-                .bind(backoff),
+                .bind(backoff)
+                .bind(vec![super::OPEN; done.invoice.len()]),
             )
             .await?;
         won_pairs(&row, &done)?

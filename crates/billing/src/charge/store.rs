@@ -24,7 +24,9 @@ pub(crate) async fn claim_charges(
     lease: Duration,
     statement_timeout: Duration,
 ) -> Result<Vec<ChargeClaim>, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    // Index-driven (docs/adr/0023): the attempts' insert reaches each claimed
+    // invoice by its key (`batch::START_ATTEMPTS`).
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
     tx.commit().await?;
     Ok(claims)
@@ -42,7 +44,9 @@ pub(crate) async fn claim_and_start(
     (lease, instance): (Duration, &str),
     statement_timeout: Duration,
 ) -> Result<Vec<crate::batch::Started>, db::Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    // Index-driven (docs/adr/0023): the attempts' insert reaches each claimed
+    // invoice by its key (`batch::START_ATTEMPTS`).
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
     let attempts: Vec<(ChargeClaim, i32)> = claims
         .into_iter()

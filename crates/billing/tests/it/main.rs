@@ -10,8 +10,10 @@ mod guards;
 mod invoicing;
 mod lifecycle;
 mod periods;
+mod plans;
 mod reconcile;
 mod record;
+mod tenants;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use db::{Db, PgRow, Row, sql};
+use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::Fence;
 
 use crate::message::Queued;
@@ -25,50 +25,100 @@ fn queued(r: &PgRow) -> Result<Queued, db::Error> {
 }
 
 /// The claim statement of [`claim_due`]; `pub` only for the plan tests
-/// (`tests/it/plans.rs`).
-pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
-           SELECT id FROM email_outbox \
-           WHERE status = 'queued' \
-             AND next_attempt_at <= now() \
-             AND leader_fence($1, $2) \
-           ORDER BY next_attempt_at, id \
-           LIMIT $3 \
-           FOR UPDATE SKIP LOCKED) \
-         UPDATE email_outbox m \
-         SET attempts = m.attempts + 1, \
-             next_attempt_at = now() + make_interval(secs => $4), \
-             last_attempt_at = now() \
-         FROM due WHERE m.id = due.id \
-         RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
-                   m.subject, m.text_body, m.html_body";
+/// (`tests/it/plans.rs`). It interleaves tenants (docs/adr/0048, `db::fair`):
+/// `tenants` walks `email_outbox_due` (tenant, due time, id) one descent per
+/// tenant after the cursor (`$5`, at most `$6` tenants), `first` takes each
+/// one's share of the limit in due order, `fill` shares the rest between the
+/// tenants that took all of theirs, after the last row each took.
+pub const CLAIM_DUE: &str = concat!(
+    "WITH RECURSIVE ",
+    db::fair_tenants!("email_outbox", "status = 'queued'", "$5", "$6", "$3"),
+    "first AS MATERIALIZED ( \
+           SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
+             SELECT x.*, row_number() OVER () AS turn FROM ( \
+               SELECT m.id, m.tenant_id, m.next_attempt_at FROM email_outbox m \
+               WHERE m.status = 'queued' AND m.tenant_id = t.tenant_id \
+                 AND m.next_attempt_at <= now() \
+                 AND leader_fence($1, $2) \
+               ORDER BY m.next_attempt_at, m.id \
+               LIMIT s.quota \
+               FOR UPDATE SKIP LOCKED) x) pick), \
+         whole AS MATERIALIZED ( \
+           SELECT f.tenant_id, f.next_attempt_at, f.id FROM first f, share s \
+           WHERE f.turn = s.quota), \
+         fill AS MATERIALIZED ( \
+           SELECT more.* FROM whole w, LATERAL ( \
+             SELECT m.id, m.tenant_id, m.next_attempt_at FROM email_outbox m \
+             WHERE m.status = 'queued' AND m.tenant_id = w.tenant_id \
+               AND m.next_attempt_at <= now() \
+               AND (m.next_attempt_at, m.id) > (w.next_attempt_at, w.id) \
+               AND leader_fence($1, $2) \
+             ORDER BY m.next_attempt_at, m.id \
+             LIMIT ($3 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
+             FOR UPDATE SKIP LOCKED) more), \
+         due AS (SELECT id FROM first UNION ALL SELECT id FROM fill), \
+         claimed AS ( \
+           UPDATE email_outbox m \
+           SET attempts = m.attempts + 1, \
+               next_attempt_at = now() + make_interval(secs => $4), \
+               last_attempt_at = now() \
+           FROM due WHERE m.id = due.id \
+           RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
+                     m.subject, m.text_body, m.html_body) \
+         SELECT claimed.*, share.tenants, share.last_tenant FROM share LEFT JOIN claimed ON true"
+);
 
 /// The fenced funnel: claim up to `limit` due queued emails in one `UPDATE …
 /// RETURNING`. Each claimed row's `attempts` goes up by one (the attempt its
 /// result must prove) and `next_attempt_at` moves `lease` ahead, so if this
 /// process dies before writing a result the email comes due again by itself.
 ///
+/// Tenants are interleaved (docs/adr/0048): every tenant with due emails
+/// among the next [`db::TENANTS_PER_CLAIM`] after `cursor` gets its share of
+/// the batch, and `cursor` moves on. A statement that claims nothing is
+/// followed by the next, until one claims or every tenant was visited
+/// ([`Walk`]).
+///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
+    cursor: &TenantCursor,
     limit: usize,
     lease: Duration,
     statement_timeout: Duration,
 ) -> Result<Vec<Queued>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let rows = tx
-        .fetch_all(
-            sql(CLAIM_DUE)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(limit)
-                .bind(lease.as_secs_f64()),
-        )
-        .await?;
-    tx.commit().await?;
-    let mut claimed = rows.iter().map(queued).collect::<Result<Vec<_>, _>>()?;
-    claimed.sort_by_key(|q| q.id);
-    Ok(claimed)
+    let bound = TENANTS_PER_CLAIM.min(limit);
+    let mut walk = Walk::default();
+    while let Some(after) = walk.next(cursor) {
+        let mut tx = db.begin_index_driven(statement_timeout).await?;
+        let rows = tx
+            .fetch_all(
+                sql(CLAIM_DUE)
+                    .bind(fence.role_name())
+                    .bind(fence.token())
+                    .bind(limit)
+                    .bind(lease.as_secs_f64())
+                    .bind(after)
+                    .bind(bound),
+            )
+            .await?;
+        tx.commit().await?;
+        if let Some(r) = rows.first() {
+            cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
+        }
+        let mut claimed = Vec::with_capacity(rows.len());
+        for r in &rows {
+            if r.try_get::<Option<i64>, _>("id")?.is_some() {
+                claimed.push(queued(r)?);
+            }
+        }
+        if !claimed.is_empty() {
+            claimed.sort_by_key(|q| q.id);
+            return Ok(claimed);
+        }
+    }
+    Ok(Vec::new())
 }

@@ -11,6 +11,7 @@ mod pool;
 mod refusals;
 mod retention;
 mod sending;
+mod tenants;
 mod tls;
 
 use std::sync::Arc;

@@ -17,7 +17,8 @@ async fn backlog(t: &TestDb) -> Vec<i64> {
     queue(&t.db, "tenant_a", &emails).await
 }
 
-/// Guard: the due index's key `(next_attempt_at, id)` (migration 0018). Seen
+/// Guard: the due index's key `(next_attempt_at, id)` (migration 0018; led by
+/// `tenant_id` since migration 0036, docs/adr/0048). Seen
 /// failing with the index on `next_attempt_at` alone (a Sort of the whole
 /// producer batch). With `begin_with_timeout` in the EXPLAIN's transaction this
 /// claim's plan held here; the result test below is the one that pins the
@@ -31,6 +32,8 @@ async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
             .bind(1_i64)
             .bind(50_i64)
             .bind(30.0_f64)
+            .bind("")
+            .bind(50_i64)
     })
     .await;
     assert!(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use db::{Db, PgRow, Row, sql};
+use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::Fence;
 
 use super::endpoints::sealed_from;
@@ -59,21 +59,49 @@ impl ClaimedRow {
 }
 
 /// The claim statement of [`claim_due`]; `pub` only for the plan tests
-/// (`tests/it/plans.rs`).
-pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
-           SELECT id, attempts - resent_at_attempt AS made FROM webhook_deliveries \
-           WHERE status = 'pending' \
-             AND next_attempt_at <= now() \
-             AND (claimed_until IS NULL OR claimed_until <= now()) \
-             AND leader_fence($1, $2) \
-           ORDER BY next_attempt_at, id \
-           LIMIT $3 \
-           FOR UPDATE SKIP LOCKED), \
+/// (`tests/it/plans.rs`). It interleaves tenants (docs/adr/0048, `db::fair`):
+/// `tenants` walks `webhook_deliveries_due` (tenant, due time, id) one
+/// descent per tenant after the cursor (`$6`, at most `$7` tenants), `first`
+/// takes each one's share of the limit in due order, `fill` shares the rest
+/// between the tenants that took all of theirs, after the last row each took.
+/// The fence sits in both takes' WHERE, next to `FOR UPDATE SKIP LOCKED`.
+pub const CLAIM_DUE: &str = concat!(
+    "WITH RECURSIVE ",
+    db::fair_tenants!("webhook_deliveries", "status = 'pending'", "$6", "$7", "$3"),
+    "first AS MATERIALIZED ( \
+           SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
+             SELECT x.*, row_number() OVER () AS turn FROM ( \
+               SELECT d.id, d.tenant_id, d.next_attempt_at, d.attempts - d.resent_at_attempt AS made \
+               FROM webhook_deliveries d \
+               WHERE d.status = 'pending' AND d.tenant_id = t.tenant_id \
+                 AND d.next_attempt_at <= now() \
+                 AND (d.claimed_until IS NULL OR d.claimed_until <= now()) \
+                 AND leader_fence($1, $2) \
+               ORDER BY d.next_attempt_at, d.id \
+               LIMIT s.quota \
+               FOR UPDATE SKIP LOCKED) x) pick), \
+         whole AS MATERIALIZED ( \
+           SELECT f.tenant_id, f.next_attempt_at, f.id FROM first f, share s \
+           WHERE f.turn = s.quota), \
+         fill AS MATERIALIZED ( \
+           SELECT more.* FROM whole w, LATERAL ( \
+             SELECT d.id, d.tenant_id, d.next_attempt_at, d.attempts - d.resent_at_attempt AS made \
+             FROM webhook_deliveries d \
+             WHERE d.status = 'pending' AND d.tenant_id = w.tenant_id \
+               AND d.next_attempt_at <= now() \
+               AND (d.next_attempt_at, d.id) > (w.next_attempt_at, w.id) \
+               AND (d.claimed_until IS NULL OR d.claimed_until <= now()) \
+               AND leader_fence($1, $2) \
+             ORDER BY d.next_attempt_at, d.id \
+             LIMIT ($3 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
+             FOR UPDATE SKIP LOCKED) more), \
+         due AS (SELECT id, made FROM first UNION ALL SELECT id, made FROM fill), \
          exhausted AS ( \
            UPDATE webhook_deliveries d \
            SET status = 'dead', last_error = 'attempts_exhausted' \
            FROM due WHERE d.id = due.id AND due.made >= $5 \
-           RETURNING d.id) \
+           RETURNING d.id), \
+         claimed AS ( \
          UPDATE webhook_deliveries d \
          SET attempts = d.attempts + 1, \
              claimed_until = now() + make_interval(secs => $4), \
@@ -90,7 +118,9 @@ pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
                         THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
                    e.event_type, e.message_id, e.payload::text AS payload, \
                    to_char(e.created_at AT TIME ZONE 'UTC', \
-                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time";
+                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time) \
+         SELECT claimed.*, share.tenants, share.last_tenant FROM share LEFT JOIN claimed ON true"
+);
 
 /// The fenced funnel: claim up to `limit` due pending deliveries in one
 /// `UPDATE … RETURNING`. Each claimed row's `attempts` goes up by one (the
@@ -99,6 +129,11 @@ pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
 /// delivery comes due again by itself. A row is due when `next_attempt_at`
 /// and its `claimed_until` (if any) have passed. The claim writes no indexed
 /// column, so it is a HOT update (migration 0011, docs/adr/0014).
+///
+/// Tenants are interleaved (docs/adr/0048): every tenant with due rows among
+/// the next [`db::TENANTS_PER_CLAIM`] after `cursor` gets its share of the
+/// batch, and `cursor` moves on. A statement that claims nothing is followed
+/// by the next, until one claims or every tenant was visited ([`Walk`]).
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
@@ -114,30 +149,45 @@ pub const CLAIM_DUE: &str = "WITH due AS MATERIALIZED ( \
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
+    cursor: &TenantCursor,
     limit: usize,
     lease: Duration,
     max_attempts: u32,
     statement_timeout: Duration,
 ) -> Result<Vec<ClaimedRow>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let rows = tx
-        .fetch_all(
-            sql(CLAIM_DUE)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(limit)
-                .bind(lease.as_secs_f64())
-                .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
-        )
-        .await?;
-    tx.commit().await?;
-    let mut claimed = rows
-        .iter()
-        .map(ClaimedRow::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    claimed.sort_by_key(|c| c.id);
-    Ok(claimed)
+    let bound = TENANTS_PER_CLAIM.min(limit);
+    let mut walk = Walk::default();
+    while let Some(after) = walk.next(cursor) {
+        let mut tx = db.begin_index_driven(statement_timeout).await?;
+        let rows = tx
+            .fetch_all(
+                sql(CLAIM_DUE)
+                    .bind(fence.role_name())
+                    .bind(fence.token())
+                    .bind(limit)
+                    .bind(lease.as_secs_f64())
+                    .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+                    .bind(after)
+                    .bind(bound),
+            )
+            .await?;
+        tx.commit().await?;
+        if let Some(r) = rows.first() {
+            cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
+        }
+        let mut claimed = Vec::with_capacity(rows.len());
+        for r in &rows {
+            if r.try_get::<Option<i64>, _>("id")?.is_some() {
+                claimed.push(ClaimedRow::from_row(r)?);
+            }
+        }
+        if !claimed.is_empty() {
+            claimed.sort_by_key(|c| c.id);
+            return Ok(claimed);
+        }
+    }
+    Ok(Vec::new())
 }
 
 /// Whether any delivery is due: one read of the partial index

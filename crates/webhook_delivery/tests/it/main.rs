@@ -15,6 +15,7 @@ mod retention;
 mod rotation;
 mod sealed;
 mod ssrf_table;
+mod tenants;
 mod tick_ends;
 mod wake;
 mod wiring;

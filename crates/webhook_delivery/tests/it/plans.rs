@@ -34,7 +34,8 @@ async fn backlog(t: &TestDb) -> Vec<i64> {
     ids
 }
 
-/// Guards: the due index's key `(next_attempt_at, id)` (migration 0017) and the
+/// Guards: the due index's key `(next_attempt_at, id)` (migration 0017; led by
+/// `tenant_id` since migration 0036, docs/adr/0048) and the
 /// planner settings of `begin_index_driven`. Seen failing with the index on
 /// `next_attempt_at` alone (an Incremental Sort over the whole fan-out) and
 /// with `begin_with_timeout` in the EXPLAIN's transaction (a Bitmap Heap Scan
@@ -49,6 +50,8 @@ async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
             .bind(100_i64)
             .bind(30.0_f64)
             .bind(8_i32)
+            .bind("")
+            .bind(64_i64)
     })
     .await;
     assert!(

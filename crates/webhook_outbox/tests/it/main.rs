@@ -8,6 +8,7 @@ mod fan_out;
 mod plans;
 mod probe;
 mod retention;
+mod tenants;
 mod tick_ends;
 mod wake;
 

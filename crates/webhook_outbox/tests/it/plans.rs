@@ -35,6 +35,8 @@ async fn the_fan_out_claims_its_events_in_index_order() {
             .bind(100_i64)
             .bind("hardcount_wake_webhook_delivery")
             .bind(10_000_i64)
+            .bind("")
+            .bind(64_i64)
     })
     .await;
     assert!(

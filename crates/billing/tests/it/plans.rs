@@ -1,0 +1,142 @@
+//! The charge path's batch statements reach each row of their batch once,
+//! by its key, on a table whose statistics know nothing of it (issue 29,
+//! point 3; docs/adr/0023): 12,800 invoices claimed by earlier batches of the
+//! tick, as in the billing benchmark, and a batch of 256 to write.
+
+use db::{Row, sql};
+use testbed::TestDb;
+use testbed::plans::explain_index_driven;
+
+use billing::statements::{SETTLE, START_ATTEMPTS, START_RETRIES};
+
+use crate::due_monthly;
+
+const CLAIMED: i64 = 12_800;
+const BATCH: usize = 256;
+
+/// 12,800 open invoices of one subscription, all claimed by `c1`, each with
+/// an unknown attempt; (invoice ids, attempt ids) of the first batch. Written
+/// as the owner and never analyzed.
+async fn claimed(t: &TestDb) -> (Vec<i64>, Vec<i64>) {
+    let sub = due_monthly(&t.db, "tenant_a", 1).await[0];
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
+                               currency, collection_method, status, finalized_at, number, \
+                               auto_charge_claimed_until, auto_charge_claimed_by) \
+         SELECT 'tenant_a', {sub}, now() - g * interval '1 hour', now() - (g - 1) * interval '1 hour', \
+                1200, 'EUR', 'automatic', 'open', now(), 'PLAN-' || lpad(g::text, 6, '0'), \
+                now() + interval '5 minutes', 'c1' \
+         FROM generate_series(1, {CLAIMED}) g; \
+         INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                       amount, currency, provider_status) \
+         SELECT tenant_id, id, 1, 'plan:' || id, amount, currency, 'unknown' \
+         FROM invoices WHERE number LIKE 'PLAN-%'"
+    )))
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let rows =
+        t.db.fetch_all(sql(
+            "SELECT i.id AS invoice, a.id AS attempt FROM invoices i \
+             JOIN payment_attempts a ON a.invoice_id = i.id \
+             WHERE i.number LIKE 'PLAN-%' ORDER BY i.id LIMIT 256",
+        ))
+        .await
+        .unwrap();
+    (
+        rows.iter().map(|r| r.get("invoice")).collect(),
+        rows.iter().map(|r| r.get("attempt")).collect(),
+    )
+}
+
+/// Guards: `inv` carrying each row's answer through its `RETURNING`, so that
+/// `att` joins only the invoices written, the expected status bound per row
+/// (`was`, seen failing as the literal `'open'`: a Seq Scan of `invoices`),
+/// and the settings of `begin_index_driven`. Seen failing with `att` joining the unnested batch
+/// to `inv` again (a nested loop over the two CTE scans, 65,280 rows filtered
+/// for 256: mutation `settle_carried` in scripts/mutation-check) and with the
+/// EXPLAIN planned freely (a Bitmap Heap Scan of every claimed invoice).
+#[tokio::test]
+async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
+    let t = TestDb::new().await;
+    let (invoices, attempts) = claimed(&t).await;
+    let plan = explain_index_driven(&t.db, SETTLE, move |s| {
+        s.bind(invoices)
+            .bind(vec!["c1".to_owned(); BATCH])
+            .bind(attempts)
+            .bind(vec!["succeeded".to_owned(); BATCH])
+            .bind(vec![None::<String>; BATCH])
+            .bind(vec![Some("pi_1".to_owned()); BATCH])
+            .bind(vec![None::<String>; BATCH])
+            .bind(vec!["{}".to_owned(); BATCH])
+            .bind(1.0_f64)
+            .bind(vec!["open".to_owned(); BATCH])
+    })
+    .await;
+    for present in [
+        "Index Scan using invoices_pkey on invoices i",
+        "Index Scan using payment_attempts_pkey on payment_attempts a",
+    ] {
+        assert!(plan.contains(present), "{present} not in\n{plan}");
+    }
+    for absent in [
+        "invoices_auto_charge_claims",
+        "Bitmap",
+        "Seq Scan",
+        "Join Filter",
+    ] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guards: the expected status bound per row (`was`) and the settings of
+/// `begin_index_driven` (the charge claim's transaction). Seen failing with
+/// `i.status = 'open'` written as a literal (a Seq Scan of `invoices` joined
+/// to the batch by a filter: mutation `attempts_was` in
+/// scripts/mutation-check) and with the EXPLAIN planned freely (the claims
+/// index read for every invoice the tick had claimed).
+#[tokio::test]
+async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key() {
+    let t = TestDb::new().await;
+    let (invoices, _) = claimed(&t).await;
+    let plan = explain_index_driven(&t.db, START_ATTEMPTS, move |s| {
+        s.bind(invoices)
+            .bind(vec![2_i32; BATCH])
+            .bind("plan-test")
+            .bind(vec!["c1".to_owned(); BATCH])
+            .bind(vec!["cus_plan".to_owned(); BATCH])
+            .bind(vec!["pm_plan".to_owned(); BATCH])
+            .bind(vec!["open".to_owned(); BATCH])
+    })
+    .await;
+    assert!(
+        plan.contains("Index Scan using invoices_pkey on invoices i"),
+        "{plan}"
+    );
+    for absent in ["invoices_auto_charge_claims", "Bitmap", "Seq Scan"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the settings of `begin_index_driven` (dunning's charge
+/// transaction). Seen failing with the EXPLAIN planned freely: a Seq Scan of
+/// `invoices` hashed against the wanted batch.
+#[tokio::test]
+async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
+    let t = TestDb::new().await;
+    let (invoices, _) = claimed(&t).await;
+    let plan = explain_index_driven(&t.db, START_RETRIES, move |s| {
+        s.bind(invoices)
+            .bind(vec!["dunning:plan".to_owned(); BATCH])
+            .bind(300.0_f64)
+    })
+    .await;
+    assert!(
+        plan.contains("Index Scan using invoices_pkey on invoices i"),
+        "{plan}"
+    );
+    for absent in ["Bitmap", "Seq Scan", "Hash"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
