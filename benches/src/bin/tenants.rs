@@ -36,6 +36,10 @@ struct Args {
     /// Milliseconds between the small tenant's events.
     #[arg(long, default_value_t = 100)]
     every_ms: u64,
+    /// Endpoints of the big tenant (each gets every event), as the other
+    /// webhook benchmarks have; the small tenant has one.
+    #[arg(long, default_value_t = 5)]
+    big_endpoints: usize,
     /// `bouncer` (the default, PgBouncer in transaction mode) or `direct`.
     #[arg(long, default_value = "bouncer")]
     path: String,
@@ -57,9 +61,11 @@ async fn main() -> Result<()> {
     let mut machine = benches::machine(&mut su).await?;
     let (big_rx, small_rx) = (Receiver::answering(200).await, Receiver::answering(200).await);
     let keyring = Keyring::parse(testbed::SECRETS_KEY)?;
-    for (tenant, rx) in [(BIG, &big_rx), (SMALL, &small_rx)] {
-        create_endpoint(&t.api(), &keyring, tenant, &rx.url(), &[] as &[&str]).await?;
+    for i in 0..args.big_endpoints {
+        let url = big_rx.url_at(&format!("/big/ep{i}"));
+        create_endpoint(&t.api(), &keyring, BIG, &url, &[] as &[&str]).await?;
     }
+    create_endpoint(&t.api(), &keyring, SMALL, &small_rx.url(), &[] as &[&str]).await?;
     progress(&format!("queueing {} events of {BIG}", args.backlog));
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "INSERT INTO webhook_events (tenant_id, event_type, payload) \
@@ -148,6 +154,16 @@ async fn main() -> Result<()> {
     for h in handles {
         h.await?;
     }
+    // Where a small event's time went: commit to fan-out (the outbox
+    // claim), fan-out to its delivery's claim (the delivery claim), medians.
+    let (to_fan_out, to_claim): (f64, f64) = sqlx::query_as(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.dispatched_at - e.created_at)) * 1e3, \
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM d.last_attempt_at - e.dispatched_at)) * 1e3 \
+         FROM webhook_events e JOIN webhook_deliveries d ON d.event_id = e.id \
+         WHERE e.tenant_id = 'tenant_small'",
+    )
+    .fetch_one(&mut su)
+    .await?;
     let backlog_left: i64 = sqlx::query_scalar(
         "SELECT (SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL) \
               + (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending')",
@@ -180,13 +196,16 @@ async fn main() -> Result<()> {
     let report = json!({
         "machine": Value::Object(machine),
         "settings": {
-            "backlog": args.backlog, "small": args.small, "every_ms": args.every_ms,
+            "backlog": args.backlog, "big_endpoints": args.big_endpoints,
+            "small": args.small, "every_ms": args.every_ms,
             "path": args.path, "tenants_per_claim": db::TENANTS_PER_CLAIM,
             "date": benches::now_utc(), "build": benches::build_profile(),
             "unix_time": SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?.as_secs(),
         },
         "small_latency_ms": {"p50": p(50.0), "p95": p(95.0), "p99": p(99.0), "max": p(100.0)},
         "small_events": latencies.len(),
+        "small_median_ms_commit_to_fan_out": to_fan_out,
+        "small_median_ms_fan_out_to_claim": to_claim,
         "publishing_s": publishing.as_secs_f64(),
         "big_deliveries_in_window": big_seen,
         "big_deliveries_per_s": big_rate,
@@ -201,6 +220,7 @@ async fn main() -> Result<()> {
     let generated = format!(
         "| measure | value |\n|---|---|\n\
          | small tenant, commit to POST, p50 / p95 / p99 / max | {:.1} / {:.1} / {:.1} / {:.1} ms ({} events) |\n\
+         | small tenant, median commit to fan-out / fan-out to its delivery's claim | {to_fan_out:.1} / {to_claim:.1} ms |\n\
          | big tenant's deliveries meanwhile | {big_seen} in {:.1} s = {big_rate:.0}/s |\n\
          | big tenant's rows still queued at the end | {backlog_left} |\n\
          | wait behind the backlog in id order, estimated | {:.0} s ({} events at {big_rate:.0}/s) |\n\n{}",

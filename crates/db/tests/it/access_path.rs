@@ -211,6 +211,27 @@ async fn a_statement_timeout_is_enforced_by_the_server_and_leaks_to_no_one() {
     assert_eq!(row.try_get::<String, _>("s").unwrap(), "0");
 }
 
+/// The index-driven transaction's settings hold inside it and leak to no
+/// one: no bitmap scans, hash or merge joins, materialized inner sides, or
+/// JIT (docs/adr/0023, 0048).
+///
+/// Mutation check (`index_driven_jit` in scripts/mutation-check): without
+/// `SET LOCAL jit = off` this fails; the outbox claim with a million events
+/// queued then spent 600 ms compiling a 20 ms statement.
+#[tokio::test]
+async fn an_index_driven_transaction_plans_by_key_and_compiles_nothing() {
+    let t = TestDb::with_pool(1).await;
+    let settings = "SELECT current_setting('enable_bitmapscan') || current_setting('enable_hashjoin') \
+                    || current_setting('enable_mergejoin') || current_setting('enable_material') \
+                    || current_setting('jit') AS s";
+    let mut tx = t.db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
+    let inside: String = tx.fetch_one(sql(settings)).await.unwrap().try_get("s").unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(inside, "offoffoffoffoff");
+    let after: String = t.db.fetch_one(sql(settings)).await.unwrap().try_get("s").unwrap();
+    assert_ne!(after, "offoffoffoffoff", "SET LOCAL leaked: {after}");
+}
+
 /// Architecture invariant: only `crates/db` runs SQL on the app pool. No other
 /// product crate depends on sqlx at all (test-only crates and dev-dependencies
 /// aside), and none names sqlx's query API or a pool in its source.
