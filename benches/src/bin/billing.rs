@@ -154,6 +154,12 @@ async fn main() -> Result<()> {
 async fn seed(db: &Db, n: usize) -> Result<()> {
     let n = i64::try_from(n)?;
     let mut tx = db.begin().await?;
+    // The API role writes under row-level security (docs/adr/0035): the
+    // tenant is set for this transaction, as the tenant API sets it.
+    tx.fetch_one(sql(
+        "SELECT set_config('hardcount.tenant_id', 'tenant_bench', true)",
+    ))
+    .await?;
     tx.execute(sql(
         "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
          VALUES ('tenant_bench', 'Pro', 1200, 'EUR', 'month', 1)",
