@@ -59,7 +59,10 @@ async fn main() -> Result<()> {
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
     let mut machine = benches::machine(&mut su).await?;
-    let (big_rx, small_rx) = (Receiver::answering(200).await, Receiver::answering(200).await);
+    let (big_rx, small_rx) = (
+        Receiver::answering(200).await,
+        Receiver::answering(200).await,
+    );
     let keyring = Keyring::parse(testbed::SECRETS_KEY)?;
     for i in 0..args.big_endpoints {
         let url = big_rx.url_at(&format!("/big/ep{i}"));
@@ -131,8 +134,7 @@ async fn main() -> Result<()> {
     for i in 0..args.small {
         pace.tick().await;
         let mut tx = db.begin().await?;
-        webhook_outbox::enqueue(&mut tx, SMALL, "invoice.paid", &format!(r#"{{"n":{i}}}"#))
-            .await?;
+        webhook_outbox::enqueue(&mut tx, SMALL, "invoice.paid", &format!(r#"{{"n":{i}}}"#)).await?;
         tx.commit().await?;
         committed.push(Instant::now());
         big_seen += big_rx.take().len();

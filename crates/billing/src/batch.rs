@@ -88,8 +88,7 @@ pub(crate) const OPEN: &str = "open";
 /// reaches each invoice of the batch by its primary key; planned freely it
 /// read the claims index whole (every invoice the tick had claimed) for each
 /// batch (issue 29, point 3).
-pub const START_ATTEMPTS: &str =
-    "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+pub const START_ATTEMPTS: &str = "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                    amount, currency, provider_customer_id, \
                                    payment_method_id) \
      SELECT i.tenant_id, i.id, u.seq, \
@@ -125,13 +124,18 @@ pub(crate) async fn start_attempts_in(
     let rows = tx
         .fetch_all(
             sql(START_ATTEMPTS)
-            .bind(attempts.iter().map(|(c, _)| c.invoice_id).collect::<Vec<_>>())
-            .bind(attempts.iter().map(|(_, s)| *s).collect::<Vec<_>>())
-            .bind(instance.to_owned())
-            .bind(col(|c, _| c.claimed_by.clone()))
-            .bind(col(|c, _| c.provider_customer.clone()))
-            .bind(col(|c, _| c.payment_method.clone()))
-            .bind(vec![OPEN; attempts.len()]),
+                .bind(
+                    attempts
+                        .iter()
+                        .map(|(c, _)| c.invoice_id)
+                        .collect::<Vec<_>>(),
+                )
+                .bind(attempts.iter().map(|(_, s)| *s).collect::<Vec<_>>())
+                .bind(instance.to_owned())
+                .bind(col(|c, _| c.claimed_by.clone()))
+                .bind(col(|c, _| c.provider_customer.clone()))
+                .bind(col(|c, _| c.payment_method.clone()))
+                .bind(vec![OPEN; attempts.len()]),
         )
         .await?;
     let mut written = HashMap::with_capacity(rows.len());

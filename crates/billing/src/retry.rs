@@ -41,14 +41,17 @@ pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 /// (`tests/it/plans.rs`). Dunning runs it in a `begin_index_driven`
 /// transaction, so each wanted invoice is reached by its key; planned freely
 /// it read `invoices` whole (issue 29, point 3).
-pub const START_RETRIES: &str = concat!("WITH u AS ( \
+pub const START_RETRIES: &str = concat!(
+    "WITH u AS ( \
                    SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
                  ), picked AS ( \
                    SELECT i.id, u.claimed_by FROM invoices i \
                    JOIN u ON u.invoice_id = i.id \
                    JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                    JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE ", chargeable_invoice!(), "\
+                   WHERE ",
+    chargeable_invoice!(),
+    "\
                      AND i.review_since IS NULL \
                      AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
                                      WHERE a.invoice_id = i.id \
@@ -71,7 +74,8 @@ pub const START_RETRIES: &str = concat!("WITH u AS ( \
                          WHERE a.invoice_id = k.id) AS next_seq \
                  FROM claimed k \
                  JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id");
+                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id"
+);
 
 /// The body of [`Biller::start_retries_in`].
 pub(crate) async fn start_retries_in(
@@ -90,9 +94,14 @@ pub(crate) async fn start_retries_in(
     let rows = tx
         .fetch_all(
             sql(START_RETRIES)
-            .bind(ids.clone())
-            .bind(wanted.iter().map(|w| w.claimed_by.clone()).collect::<Vec<_>>())
-            .bind(c.charge_lease.as_secs_f64()),
+                .bind(ids.clone())
+                .bind(
+                    wanted
+                        .iter()
+                        .map(|w| w.claimed_by.clone())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(c.charge_lease.as_secs_f64()),
         )
         .await?;
     let mut attempts = Vec::with_capacity(rows.len());

@@ -169,11 +169,16 @@ pub(crate) async fn claim_due_except(
     except: &[i64],
 ) -> Result<Vec<Due>, Error> {
     let timeout = biller.inner.config.statement_timeout;
-    Ok(
-        store::claim_due(&biller.inner.db, fence, &biller.inner.cursor, limit, except, timeout)
-            .await?
-            .rows,
+    Ok(store::claim_due(
+        &biller.inner.db,
+        fence,
+        &biller.inner.cursor,
+        limit,
+        except,
+        timeout,
     )
+    .await?
+    .rows)
 }
 
 /// The body of [`Biller::undecodable`].
@@ -346,16 +351,15 @@ impl FencedBatches for DueBilling<'_> {
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<store::Listed<Due>, Error> {
         let except = self.left_out.ids();
         let b = &self.biller.inner;
-        let listed =
-            store::claim_due(
-                &b.db,
-                fence,
-                &b.cursor,
-                limit,
-                &except,
-                b.config.statement_timeout,
-            )
-            .await?;
+        let listed = store::claim_due(
+            &b.db,
+            fence,
+            &b.cursor,
+            limit,
+            &except,
+            b.config.statement_timeout,
+        )
+        .await?;
         self.biller.undecodable("due_billing", &listed.undecodable);
         self.left_out.extend(listed.undecodable.iter().copied());
         Ok(listed)

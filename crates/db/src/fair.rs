@@ -43,17 +43,31 @@ macro_rules! fair_tenants {
     ($table:literal, $pending:literal, $after:literal, $max:literal, $limit:literal) => {
         concat!(
             "tenants(tenant_id, n) AS ( \
-               (SELECT tenant_id, 1 FROM ", $table, " \
-                WHERE ", $pending, " AND tenant_id > ", $after, " \
+               (SELECT tenant_id, 1 FROM ",
+            $table,
+            " \
+                WHERE ",
+            $pending,
+            " AND tenant_id > ",
+            $after,
+            " \
                 ORDER BY tenant_id LIMIT 1) \
                UNION ALL \
                SELECT nxt.tenant_id, t.n + 1 FROM tenants t, \
-                 LATERAL (SELECT q.tenant_id FROM ", $table, " q \
-                          WHERE q.", $pending, " AND q.tenant_id > t.tenant_id \
+                 LATERAL (SELECT q.tenant_id FROM ",
+            $table,
+            " q \
+                          WHERE q.",
+            $pending,
+            " AND q.tenant_id > t.tenant_id \
                           ORDER BY q.tenant_id LIMIT 1) nxt \
-               WHERE t.n < ", $max, "), \
+               WHERE t.n < ",
+            $max,
+            "), \
              share AS (SELECT count(*) AS tenants, max(tenant_id) AS last_tenant, \
-                              greatest(1, ", $limit, " / greatest(1, count(*))) AS quota \
+                              greatest(1, ",
+            $limit,
+            " / greatest(1, count(*))) AS quota \
                        FROM tenants), "
         )
     };

@@ -261,16 +261,16 @@ async fn settle_once(
         let row = tx
             .fetch_one(
                 sql(SETTLE)
-                .bind(done.invoice.clone())
-                .bind(done.claimed_by.clone())
-                .bind(done.attempt.clone())
-                .bind(done.status.clone())
-                .bind(done.code.clone())
-                .bind(done.intent.clone())
-                .bind(done.why.clone())
-                .bind(done.raw.clone())
-                .bind(backoff)
-                .bind(vec![super::OPEN; done.invoice.len()]),
+                    .bind(done.invoice.clone())
+                    .bind(done.claimed_by.clone())
+                    .bind(done.attempt.clone())
+                    .bind(done.status.clone())
+                    .bind(done.code.clone())
+                    .bind(done.intent.clone())
+                    .bind(done.why.clone())
+                    .bind(done.raw.clone())
+                    .bind(backoff)
+                    .bind(vec![super::OPEN; done.invoice.len()]),
             )
             .await?;
         won_pairs(&row, &done)?

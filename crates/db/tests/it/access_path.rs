@@ -224,11 +224,24 @@ async fn an_index_driven_transaction_plans_by_key_and_compiles_nothing() {
     let settings = "SELECT current_setting('enable_bitmapscan') || current_setting('enable_hashjoin') \
                     || current_setting('enable_mergejoin') || current_setting('enable_material') \
                     || current_setting('jit') AS s";
-    let mut tx = t.db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
-    let inside: String = tx.fetch_one(sql(settings)).await.unwrap().try_get("s").unwrap();
+    let mut tx =
+        t.db.begin_index_driven(Duration::from_secs(5))
+            .await
+            .unwrap();
+    let inside: String = tx
+        .fetch_one(sql(settings))
+        .await
+        .unwrap()
+        .try_get("s")
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(inside, "offoffoffoffoff");
-    let after: String = t.db.fetch_one(sql(settings)).await.unwrap().try_get("s").unwrap();
+    let after: String =
+        t.db.fetch_one(sql(settings))
+            .await
+            .unwrap()
+            .try_get("s")
+            .unwrap();
     assert_ne!(after, "offoffoffoffoff", "SET LOCAL leaked: {after}");
 }
 

@@ -22,7 +22,12 @@ async fn a_small_tenant_is_in_the_first_claim_beside_a_backlog() {
         .map(|i| email(&format!("a{i}@example.org"), i))
         .collect();
     queue(&t.db, "tenant_a", &a).await;
-    queue(&t.db, "tenant_b", &[email("b0@example.org", 0), email("b1@example.org", 1)]).await;
+    queue(
+        &t.db,
+        "tenant_b",
+        &[email("b0@example.org", 0), email("b1@example.org", 1)],
+    )
+    .await;
     let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
     let n = as_leader(&manager(&t.db, "s"), Role::EmailOutbox, |tick| async move {
         s.claim_due(&tick.fence, 10).await.unwrap().len()

@@ -44,9 +44,11 @@ async fn a_small_tenant_is_in_the_first_batch_beside_a_backlog() {
     backlog(&t, "tenant_a", 300).await;
     event(&t.db, "tenant_b", "invoice.paid", "{}").await;
     let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let n = as_leader(&manager(&t.db, "d"), Role::WebhookOutbox, |tick| async move {
-        d.dispatch_batch(&tick.fence, 10).await.unwrap()
-    })
+    let n = as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move { d.dispatch_batch(&tick.fence, 10).await.unwrap() },
+    )
     .await;
     assert_eq!(n, 10);
     assert_eq!(dispatched(&t, "tenant_b").await, 1);
@@ -75,9 +77,11 @@ async fn the_fan_out_bound_does_not_keep_a_small_tenant_behind_a_wide_one() {
         ..DispatcherConfig::default()
     };
     let (d, _) = dispatcher(&t.db, config);
-    let n = as_leader(&manager(&t.db, "d"), Role::WebhookOutbox, |tick| async move {
-        d.dispatch_batch(&tick.fence, 100).await.unwrap()
-    })
+    let n = as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move { d.dispatch_batch(&tick.fence, 100).await.unwrap() },
+    )
     .await;
     assert_eq!(n, 2);
     assert_eq!(dispatched(&t, "tenant_b").await, 1);
