@@ -112,7 +112,7 @@ pub(crate) async fn claim_due(
     let mut listed = decode_each(&[], due);
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
-        let mut rows = tx
+        let rows = tx
             .fetch_all(
                 sql(CLAIM_DUE)
                     .bind(fence.role_name())
@@ -124,10 +124,7 @@ pub(crate) async fn claim_due(
             )
             .await?;
         tx.commit().await?;
-        if let Some(r) = rows.first() {
-            cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
-        }
-        rows.retain(|r| matches!(r.try_get::<Option<i64>, _>("id"), Ok(Some(_))));
+        let rows = cursor.claimed(rows, bound)?;
         listed = decode_each(&rows, due);
         if !rows.is_empty() {
             break;

@@ -24,6 +24,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
 /// At most this many tenants are visited by one claim statement: a loose
 /// scan step is one descent of the claim index (a few µs), so 64 cost well
 /// under a millisecond, and a tenant behind them waits one more statement.
@@ -98,6 +101,23 @@ impl TenantCursor {
         if let Ok(mut c) = self.0.lock() {
             *c = next;
         }
+    }
+}
+
+impl TenantCursor {
+    /// The rows of one fair claim statement that hold a claimed row, after
+    /// recording what it visited. Such a statement answers at least its
+    /// `share` row (`tenants`, `last_tenant`, a NULL `id` when it claimed
+    /// nothing), so the cursor moves even when nothing was claimed.
+    ///
+    /// # Errors
+    /// A `tenants` or `last_tenant` column that cannot be read.
+    pub fn claimed(&self, mut rows: Vec<PgRow>, bound: i64) -> crate::Result<Vec<PgRow>> {
+        if let Some(r) = rows.first() {
+            self.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
+        }
+        rows.retain(|r| matches!(r.try_get::<Option<i64>, _>("id"), Ok(Some(_))));
+        Ok(rows)
     }
 }
 

@@ -106,15 +106,11 @@ pub(crate) async fn claim_due(
             )
             .await?;
         tx.commit().await?;
-        if let Some(r) = rows.first() {
-            cursor.advance(r.try_get("tenants")?, bound, r.try_get("last_tenant")?);
-        }
-        let mut claimed = Vec::with_capacity(rows.len());
-        for r in &rows {
-            if r.try_get::<Option<i64>, _>("id")?.is_some() {
-                claimed.push(queued(r)?);
-            }
-        }
+        let mut claimed = cursor
+            .claimed(rows, bound)?
+            .iter()
+            .map(queued)
+            .collect::<Result<Vec<_>, _>>()?;
         if !claimed.is_empty() {
             claimed.sort_by_key(|q| q.id);
             return Ok(claimed);
