@@ -3,7 +3,9 @@
 //!
 //! A send holds one permit of a semaphore sized `max_connections` from before
 //! it takes a connection until after it has put it back (or closed it). It
-//! reuses an idle connection when there is one (after a `NOOP`), and opens a
+//! reuses an idle connection when there is one and the server has neither
+//! closed it nor spoken on it (a peek at the socket, no round trip; after a
+//! `NOOP` too when it sat idle longer than [`PROBE_AFTER`]), and opens a
 //! new one only when none is idle, so the connections open — idle plus in
 //! use — never exceed the permits. A connection lettre marks broken (any
 //! error mid-transaction) is closed, never reused; dropping one (a send
@@ -14,15 +16,21 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lettre::address::Envelope;
-use lettre::transport::smtp::client::AsyncSmtpConnection;
 use lettre::transport::smtp::response::Response;
 use tokio::sync::Semaphore;
 
 use crate::failure::Failure;
-use crate::smtp::Connector;
+use crate::smtp::{Conn, Connector};
 
 /// An idle connection older than this is closed instead of reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An idle connection older than this is asked `NOOP` before it is reused.
+/// A younger one is reused on the peek alone: a server that closed it, or
+/// said `421` on it, has left bytes or an end of stream on the socket. What
+/// the peek cannot see (a peer gone without a word, a link cut) takes longer
+/// than this to happen to a connection that was answering a moment ago.
+const PROBE_AFTER: Duration = Duration::from_secs(2);
 
 pub(crate) struct Pool {
     connector: Connector,
@@ -31,7 +39,7 @@ pub(crate) struct Pool {
 }
 
 struct Idle {
-    conn: AsyncSmtpConnection,
+    conn: Conn,
     since: Instant,
 }
 
@@ -49,8 +57,8 @@ impl Pool {
         // The semaphore is never closed.
         let _permit = self.permits.acquire().await.ok();
         let mut conn = self.checkout().await?;
-        let result = conn.send(envelope, body).await;
-        if !conn.has_broken() {
+        let result = conn.smtp.send(envelope, body).await;
+        if !conn.smtp.has_broken() {
             self.lock().push(Idle {
                 conn,
                 since: Instant::now(),
@@ -59,18 +67,21 @@ impl Pool {
         result.map_err(Failure::Smtp)
     }
 
-    /// An idle connection that still answers `NOOP`, or a new one.
-    async fn checkout(&self) -> Result<AsyncSmtpConnection, Failure> {
+    /// An idle connection the server still holds open, or a new one.
+    async fn checkout(&self) -> Result<Conn, Failure> {
         let timeout = self.connector.timeout();
         loop {
             let idle = self.lock().pop();
             let Some(Idle { mut conn, since }) = idle else {
                 return within(timeout, self.connector.connect()).await;
             };
-            if since.elapsed() < IDLE_TIMEOUT
-                && tokio::time::timeout(timeout, conn.test_connected())
-                    .await
-                    .unwrap_or(false)
+            let idle = since.elapsed();
+            if idle < IDLE_TIMEOUT
+                && !conn.server_spoke()
+                && (idle < PROBE_AFTER
+                    || tokio::time::timeout(timeout, conn.smtp.test_connected())
+                        .await
+                        .unwrap_or(false))
             {
                 return Ok(conn);
             }
@@ -93,7 +104,7 @@ impl Pool {
         };
         let stale: Vec<Idle> = self.lock().extract_if(.., |i| expired(i)).take(n).collect();
         let quits = stale.into_iter().map(|mut i| async move {
-            let _ = i.conn.quit().await;
+            let _ = i.conn.smtp.quit().await;
         });
         let _ =
             tokio::time::timeout(self.connector.timeout(), futures::future::join_all(quits)).await;

@@ -230,7 +230,7 @@ impl Connector {
     }
 
     /// Open, secure, greet and authenticate one connection.
-    pub(crate) async fn connect(&self) -> Result<AsyncSmtpConnection, Failure> {
+    pub(crate) async fn connect(&self) -> Result<Conn, Failure> {
         let tcp = TcpStream::connect((self.host.as_str(), self.port))
             .await
             .map_err(|e| Failure::Connect(format!("cannot connect: {e}")))?;
@@ -238,6 +238,8 @@ impl Connector {
         // for the server's delayed ACK, about 40 ms a message (docs/adr/0016).
         tcp.set_nodelay(true)
             .map_err(|e| Failure::Connect(format!("cannot set TCP_NODELAY: {e}")))?;
+        let (tcp, probe) = with_probe(tcp)
+            .map_err(|e| Failure::Connect(format!("cannot keep a probe of the socket: {e}")))?;
         let stream: Box<dyn AsyncTokioStream> = match &self.security {
             Security::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
             _ => Box::new(tcp),
@@ -257,8 +259,38 @@ impl Connector {
                 .await
                 .map_err(Failure::Smtp)?;
         }
-        Ok(conn)
+        Ok(Conn { smtp: conn, probe })
     }
+}
+
+/// One open SMTP session and a second handle on its socket, which answers
+/// "has the server closed this, or said something unasked?" without a round
+/// trip ([`Conn::server_spoke`]). The two are dropped together, so the socket
+/// closes when the session is dropped.
+pub(crate) struct Conn {
+    pub(crate) smtp: AsyncSmtpConnection,
+    probe: std::net::TcpStream,
+}
+
+impl Conn {
+    /// True when the server has closed the connection or sent bytes nobody
+    /// asked for (a `421` before it closes, a TLS alert): either way the
+    /// session is over. Peeks at the socket without reading from it and
+    /// without waiting; an idle, healthy session has nothing to read.
+    pub(crate) fn server_spoke(&self) -> bool {
+        match self.probe.peek(&mut [0u8; 1]) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            Ok(_) | Err(_) => true,
+        }
+    }
+}
+
+/// The stream handed back to tokio, and a duplicate of its socket for
+/// [`Conn::server_spoke`] (non-blocking: the flag belongs to the socket).
+fn with_probe(tcp: TcpStream) -> io::Result<(TcpStream, std::net::TcpStream)> {
+    let std = tcp.into_std()?;
+    let probe = std.try_clone()?;
+    Ok((TcpStream::from_std(std)?, probe))
 }
 
 impl fmt::Debug for Connector {

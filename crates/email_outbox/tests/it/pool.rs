@@ -205,3 +205,48 @@ async fn one_connection_is_not_held_back_by_nagle() {
     assert_eq!(tally.sent, 60);
     assert!(took < Duration::from_millis(1500), "{took:?}");
 }
+
+/// The server closes a pooled connection between two sends (the sink is
+/// killed and started again on its port, so its end of every socket is
+/// gone): the next send sees the end of stream on the socket before it
+/// writes a command, opens a new connection, and the email is sent on its
+/// first attempt. The connection was idle for well under the `NOOP` age, so
+/// only the peek stands between it and a lost attempt.
+///
+/// Mutation check (`email_reuse_peek`): ignoring the peek reuses the dead
+/// connection; the send gets no reply, the email is handed back as if the
+/// server were down and the tally has no send. This test was run against
+/// that mutation and failed, then the peek was restored.
+#[tokio::test]
+async fn a_connection_the_server_closed_while_idle_costs_no_attempt() {
+    let t = TestDb::new().await;
+    let mut sink = SmtpSink::start();
+    let emails = [email("a@example.org", 0), email("b@example.org", 1)];
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.max_connections = 1;
+    let (s, _) = sender(&t.db, &sink.url(), None, c);
+    let s2 = s.clone();
+    let mut batch = as_leader(&manager(&t.db, "a"), Role::EmailOutbox, |tick| async move {
+        s2.claim_due(&tick.fence, 2).await.unwrap()
+    })
+    .await
+    .into_iter();
+    let first = s.send_claimed(vec![batch.next().unwrap()]).await;
+    assert_eq!(first.sent, 1, "{first:?}");
+    sink.restart();
+    let second = s.send_claimed(vec![batch.next().unwrap()]).await;
+    assert_eq!(
+        second,
+        email_outbox::Tally {
+            sent: 1,
+            ..Default::default()
+        }
+    );
+    let rows = rows(&t.db).await;
+    assert!(
+        rows.iter().all(|r| r.status == "sent" && r.attempts == 1),
+        "{rows:?}"
+    );
+    assert_eq!(sink.messages().len(), 2);
+}
