@@ -87,8 +87,11 @@ pub(crate) const OPEN: &str = "open";
 /// (`tests/it/plans.rs`). Run in a `begin_index_driven` transaction, it
 /// reaches each invoice of the batch by its primary key; planned freely it
 /// read the claims index whole (every invoice the tick had claimed) for each
-/// batch (issue 29, point 3).
-pub const START_ATTEMPTS: &str = "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+/// batch (issue 29, point 3). It raises each attempted invoice's
+/// `attempt_count` in the same statement: the charge claim's index holds only
+/// invoices never attempted (docs/adr/0050).
+pub const START_ATTEMPTS: &str = "WITH started AS ( \
+     INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                    amount, currency, provider_customer_id, \
                                    payment_method_id) \
      SELECT i.tenant_id, i.id, u.seq, \
@@ -103,7 +106,12 @@ pub const START_ATTEMPTS: &str = "INSERT INTO payment_attempts (tenant_id, invoi
        AND i.auto_charge_claimed_by = u.claimed_by \
        AND i.auto_charge_claimed_until > now() \
      ON CONFLICT DO NOTHING \
-     RETURNING id, invoice_id, idempotency_key";
+     RETURNING id, invoice_id, idempotency_key \
+     ), counted AS ( \
+       UPDATE invoices i SET attempt_count = i.attempt_count + 1 \
+       FROM started WHERE i.id = started.invoice_id \
+     ) \
+     SELECT id, invoice_id, idempotency_key FROM started";
 
 /// Record `attempts` (claim, attempt sequence) as `unknown`, before their
 /// calls, with one statement in the caller's transaction: each only while

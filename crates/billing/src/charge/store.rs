@@ -57,6 +57,43 @@ pub(crate) async fn claim_and_start(
     Ok(started)
 }
 
+/// The charge claim's statement; `pub` only for the plan test
+/// (`tests/it/plans.rs`). `i.attempt_count = 0` is what lets it walk
+/// `invoices_charge_pending`, the open automatic invoices never attempted,
+/// so a claim reads the invoices it can take and not the ones earlier
+/// batches claimed or dunning waits on (docs/adr/0050); the `NOT EXISTS` on
+/// the attempts stays the rule itself.
+pub const CLAIM_CHARGES: &str = concat!(
+    "WITH picked AS ( \
+            SELECT i.id FROM invoices i \
+            JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+            JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+            WHERE ",
+    chargeable_invoice!(),
+    "\
+              AND i.attempt_count = 0 \
+              AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
+              AND leader_fence($1, $2) \
+            ORDER BY i.id \
+            LIMIT $3 \
+            FOR UPDATE OF i SKIP LOCKED \
+          ), claimed AS ( \
+            UPDATE invoices i \
+            SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+                auto_charge_claimed_by = $5 \
+            FROM picked WHERE i.id = picked.id \
+            RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, i.number \
+          ) \
+          SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, k.number, \
+                 c.email, c.provider_customer_id, c.payment_method_id, \
+                 (SELECT ts.email_from FROM tenant_settings ts \
+                  WHERE ts.tenant_id = k.tenant_id) AS tenant_from \
+          FROM claimed k \
+          JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+          JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+          ORDER BY k.id"
+);
+
 async fn claim_charges_in(
     tx: &mut db::Tx,
     fence: &Fence,
@@ -67,40 +104,12 @@ async fn claim_charges_in(
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
         .fetch_all(
-            sql(concat!(
-                "WITH picked AS ( \
-                   SELECT i.id FROM invoices i \
-                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE ",
-                chargeable_invoice!(),
-                "\
-                     AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
-                     AND leader_fence($1, $2) \
-                   ORDER BY i.id \
-                   LIMIT $3 \
-                   FOR UPDATE OF i SKIP LOCKED \
-                 ), claimed AS ( \
-                   UPDATE invoices i \
-                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
-                       auto_charge_claimed_by = $5 \
-                   FROM picked WHERE i.id = picked.id \
-                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, i.number \
-                 ) \
-                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, k.number, \
-                        c.email, c.provider_customer_id, c.payment_method_id, \
-                        (SELECT ts.email_from FROM tenant_settings ts \
-                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from \
-                 FROM claimed k \
-                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 ORDER BY k.id"
-            ))
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit)
-            .bind(lease.as_secs_f64())
-            .bind(claimed_by.to_owned()),
+            sql(CLAIM_CHARGES)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64())
+                .bind(claimed_by.to_owned()),
         )
         .await?;
     rows.iter()

@@ -134,6 +134,26 @@ async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
     );
     // Declined once: auto-charge does not retry it (dunning will).
     assert_eq!(tick(&t.db, &b).await.charge_claimed, 0);
+    // The invoice counts its attempts, as the provider's invoice does
+    // (`attempt_count`): the first charge's, then a dunning retry's, each
+    // raised by the statement that writes the attempt (docs/adr/0050).
+    assert_eq!(attempt_count(&t.db, invoice).await, 1);
+    let mut tx = t.db.begin().await.unwrap();
+    let retry = billing::RetryRequest {
+        invoice_id: invoice,
+        claimed_by: "dunning:test".into(),
+    };
+    let started = b.start_retries_in(&mut tx, &[retry]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(started[0].is_ok(), "{started:?}");
+    assert_eq!(attempt_count(&t.db, invoice).await, 2);
+}
+
+async fn attempt_count(db: &Db, invoice: i64) -> i32 {
+    db.fetch_one(sql("SELECT attempt_count FROM invoices WHERE id = $1").bind(invoice))
+        .await
+        .unwrap()
+        .get(0)
 }
 
 #[tokio::test]

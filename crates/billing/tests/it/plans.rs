@@ -3,19 +3,22 @@
 //! point 3; docs/adr/0023): 12,800 invoices claimed by earlier batches of the
 //! tick, as in the billing benchmark, and a batch of 256 to write.
 
+use std::time::Duration;
+
 use db::{Row, sql};
+use leader::Role;
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{SETTLE, START_ATTEMPTS, START_RETRIES};
+use billing::statements::{CLAIM_CHARGES, SETTLE, START_ATTEMPTS, START_RETRIES};
 
-use crate::due_monthly;
+use crate::{as_leader, due_monthly, manager};
 
 const CLAIMED: i64 = 12_800;
 const BATCH: usize = 256;
 
 /// 12,800 open invoices of one subscription, all claimed by `c1`, each with
-/// an unknown attempt; (invoice ids, attempt ids) of the first batch. Written
+/// an unknown attempt (and counted so, as `START_ATTEMPTS` counts it); (invoice ids, attempt ids) of the first batch. Written
 /// as the owner and never analyzed.
 async fn claimed(t: &TestDb) -> (Vec<i64>, Vec<i64>) {
     let sub = due_monthly(&t.db, "tenant_a", 1).await[0];
@@ -23,10 +26,10 @@ async fn claimed(t: &TestDb) -> (Vec<i64>, Vec<i64>) {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
                                currency, collection_method, status, finalized_at, number, \
-                               auto_charge_claimed_until, auto_charge_claimed_by) \
+                               auto_charge_claimed_until, auto_charge_claimed_by, attempt_count) \
          SELECT 'tenant_a', {sub}, now() - g * interval '1 hour', now() - (g - 1) * interval '1 hour', \
                 1200, 'EUR', 'automatic', 'open', now(), 'PLAN-' || lpad(g::text, 6, '0'), \
-                now() + interval '5 minutes', 'c1' \
+                now() + interval '5 minutes', 'c1', 1 \
          FROM generate_series(1, {CLAIMED}) g; \
          INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                        amount, currency, provider_status) \
@@ -139,4 +142,65 @@ async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
     for absent in ["Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
+}
+
+/// Guard: `i.attempt_count = 0` in the charge claim, which lets it walk
+/// `invoices_charge_pending` (docs/adr/0050). Beside the 12,800 invoices
+/// earlier batches claimed and attempted, 1,000 were never attempted; the
+/// claim, run for real as the leader (EXPLAIN ANALYZE, rolled back), reads
+/// 256 invoices for its 256 and drops none. Seen failing with the predicate
+/// removed (mutation `charge_pending` in scripts/mutation-check): the claim
+/// walks `invoices_open_automatic` and drops the 12,800 by filter.
+#[tokio::test]
+async fn a_charge_claim_reads_only_invoices_it_can_claim() {
+    let t = TestDb::new().await;
+    claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
+                               currency, collection_method, status, finalized_at, number) \
+         SELECT tenant_id, subscription_id, now() + g * interval '1 hour', \
+                now() + (g + 1) * interval '1 hour', 1200, 'EUR', 'automatic', 'open', now(), \
+                'NEXT-' || lpad(g::text, 6, '0') \
+         FROM (SELECT tenant_id, subscription_id FROM invoices LIMIT 1) s, \
+              generate_series(1, 1000) g",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let db = t.db.clone();
+    let plan = as_leader(&manager(&t.db, "plan"), Role::Billing, |tick| async move {
+        let text: &'static str =
+            format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {CLAIM_CHARGES}").leak();
+        let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
+        let rows = tx
+            .fetch_all(
+                sql(text)
+                    .bind(tick.fence.role_name())
+                    .bind(tick.fence.token())
+                    .bind(BATCH as i64)
+                    .bind(300.0_f64)
+                    .bind("c2".to_owned()),
+            )
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        rows.iter()
+            .map(|r| r.get::<String, _>(0))
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+    .await;
+    let scan = plan
+        .lines()
+        .position(|l| l.contains("on invoices i "))
+        .map(|n| plan.lines().skip(n).take(3).collect::<Vec<_>>().join("\n"))
+        .unwrap_or_else(|| panic!("no scan of invoices i in\n{plan}"));
+    assert!(
+        scan.contains(
+            "Index Scan using invoices_charge_pending on invoices i (actual rows=256 loops=1)"
+        ),
+        "{scan}\n\nin\n{plan}"
+    );
+    assert!(!scan.contains("Rows Removed"), "{scan}\n\nin\n{plan}");
 }
