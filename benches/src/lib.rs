@@ -354,6 +354,18 @@ impl CpuSnapshot {
     }
 }
 
+/// CPU seconds (user and system) process `pid` has used so far; 0 when it
+/// cannot be read (gone, or not Linux).
+pub fn process_cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command's closing parenthesis: utime and stime are the
+    // 12th and 13th of them (the 14th and 15th of the line).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (field(11) + field(12)) / clock_ticks_per_second()
+}
+
 struct Proc {
     pid: u32,
     ppid: u32,

@@ -54,6 +54,10 @@ struct Args {
     /// rate); medians are reported.
     #[arg(long, default_value_t = 3)]
     webhook_rounds: usize,
+    /// Seconds of each background rate run alone, before the webhook rounds,
+    /// to measure what the API load itself costs the machine.
+    #[arg(long, default_value_t = 15)]
+    load_alone_seconds: u64,
     /// Skip the webhook benchmark runs.
     #[arg(long)]
     skip_webhooks: bool,
@@ -177,6 +181,44 @@ async fn main() -> Result<()> {
     if !args.skip_webhooks {
         // Interleaved rounds: alone, then beside each rate, so drift on a
         // noisy machine falls on every measure alike.
+        // First each rate alone: the CPU the API load takes with nothing else
+        // running (this process, i.e. the API and its paced client, and the
+        // Postgres and PgBouncer work it causes), the share of the cores a
+        // CPU-bound neighbour must give up to it.
+        let mut load_alone: BTreeMap<u32, Value> = BTreeMap::new();
+        for &rate in &args.background_rates {
+            let load_stop = CancellationToken::new();
+            let before = benches::CpuSnapshot::take();
+            let loader = tokio::spawn(paced_publish(
+                events_url.clone(),
+                key.clone(),
+                rate,
+                load_stop.clone(),
+            ));
+            tokio::time::sleep(Duration::from_secs(args.load_alone_seconds)).await;
+            load_stop.cancel();
+            let (sent, failed) = loader.await??;
+            let used = benches::CpuSnapshot::take().since(&before);
+            let share = (used.this_process + used.postgres + used.pgbouncer) / used.capacity;
+            progress(&format!(
+                "{rate} events/s alone: {sent} published, {failed} failed; CPU s: API process {:.2}, \
+                 Postgres {:.2}, PgBouncer {:.2}, of {:.2}: {:.1} % of the cores",
+                used.this_process,
+                used.postgres,
+                used.pgbouncer,
+                used.capacity,
+                share * 100.0
+            ));
+            load_alone.insert(
+                rate,
+                json!({
+                    "published": sent, "failed": failed,
+                    "api_process_s": used.this_process, "postgres_s": used.postgres,
+                    "pgbouncer_s": used.pgbouncer, "capacity_s": used.capacity,
+                    "others_s": used.others, "core_share": share,
+                }),
+            );
+        }
         let mut alone = Vec::new();
         let mut beside: BTreeMap<u32, Vec<(f64, f64, u64, u64)>> = BTreeMap::new();
         for round in 1..=args.webhook_rounds {
@@ -226,6 +268,8 @@ async fn main() -> Result<()> {
                     "ratio": d / alone_median,
                     "api_process_core_share_median": share,
                     "ratio_expected_from_core_share": 1.0 - share,
+                    "load_alone": load_alone[rate],
+                    "ratio_expected_from_load_alone": 1.0 - load_alone[rate]["core_share"].as_f64().unwrap_or(0.0),
                     "runs": runs.iter().map(|r| json!({
                         "deliveries_per_s": r.0, "api_process_core_share": r.1,
                         "published": r.2, "failed": r.3,
@@ -556,19 +600,21 @@ fn write_report(report: &Value, out_dir: Option<PathBuf>) -> Result<()> {
         md.push_str(&format!(
             "\nWebhook throughput benchmark (`webhooks {}`), interleaved rounds, medians: \
              {:.0} deliveries/s alone.\n\n\
-             | API load | Deliveries/s | Ratio to alone | API process's share of the cores | 1 − that share |\n\
-             |---|---:|---:|---:|---:|\n",
+             | API load | Deliveries/s | Ratio to alone | API process's share of the cores | 1 − that share | the load alone: API, Postgres and PgBouncer's share of the cores | 1 − that share |\n\
+             |---|---:|---:|---:|---:|---:|---:|\n",
             w["webhook_bench_flags"].as_str().unwrap_or(""),
             w["deliveries_per_s_alone_median"].as_f64().unwrap_or(0.0),
         ));
         for b in w["beside"].as_array().into_iter().flatten() {
             md.push_str(&format!(
-                "| {} events/s | {:.0} | {:.2} | {:.1} % | {:.2} |\n",
+                "| {} events/s | {:.0} | {:.2} | {:.1} % | {:.2} | {:.1} % | {:.2} |\n",
                 b["api_events_per_s"],
                 b["deliveries_per_s_median"].as_f64().unwrap_or(0.0),
                 b["ratio"].as_f64().unwrap_or(0.0),
                 b["api_process_core_share_median"].as_f64().unwrap_or(0.0) * 100.0,
                 b["ratio_expected_from_core_share"].as_f64().unwrap_or(0.0),
+                b["load_alone"]["core_share"].as_f64().unwrap_or(0.0) * 100.0,
+                b["ratio_expected_from_load_alone"].as_f64().unwrap_or(0.0),
             ));
         }
     }

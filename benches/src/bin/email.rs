@@ -4,7 +4,7 @@
 //! in the same run, the sink's own ceiling: what a minimal SMTP client reaches
 //! against the same sink with the same number of connections.
 //!
-//! Two sinks: the bed's aiosmtpd (Python, maildir on disk), and a minimal
+//! Two sinks: the bed's aiosmtpd (Python, maildir on tmpfs), and a minimal
 //! in-process sink that answers every command at once, to show the role's own
 //! ceiling when the sink is not the bottleneck.
 //!
@@ -41,6 +41,9 @@ struct Args {
     /// SMTP connections (and sends in flight); default: the shipped default.
     #[arg(long)]
     connections: Option<u32>,
+    /// Emails claimed per batch; default: the shipped default.
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Where the report goes (default docs/benchmarks).
     #[arg(long)]
     out_dir: Option<std::path::PathBuf>,
@@ -61,35 +64,95 @@ async fn main() -> Result<()> {
     if let Some(c) = args.connections {
         config.max_connections = c;
     }
+    if let Some(b) = args.batch_size {
+        config.batch_size = b;
+    }
     let t = TestDb::new().await;
     let mut su = t.superuser().await;
     let mut machine = benches::machine(&mut su).await?;
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), 10)?;
 
-    let python = SmtpSink::start();
+    // The aiosmtpd sink writes a file per message. On the disk's filesystem the
+    // cost of a new file moved with what the machine had deleted lately (the
+    // previous run's maildir): the sink's own pace varied twofold between runs
+    // of one process, and the role and its ceiling were measured at different
+    // paces. On tmpfs it holds still.
+    let shm = std::path::Path::new("/dev/shm");
+    let maildir_parent = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let python = SmtpSink::start_in(&maildir_parent);
     let fast = FastSink::start().await?;
     let mut sinks = Vec::new();
-    for (name, port) in [
-        ("aiosmtpd (Python, maildir)", python.port),
-        ("minimal in-process sink", fast.port),
+    for (name, port, sink_pid) in [
+        ("aiosmtpd (Python, maildir)", python.port, python.pid()),
+        ("minimal in-process sink", fast.port, None),
     ] {
-        let mut ceiling = Vec::new();
-        let mut role = Vec::new();
-        let mut peaks = Vec::new();
+        let connections = config.max_connections as usize;
+        let (mut note, mut ceiling, mut role, mut peaks, mut cpu) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for run in 1..=args.runs {
-            progress(&format!("{name}: run {run}/{}: minimal client", args.runs));
-            ceiling.push(minimal_client(port, args.emails, config.max_connections as usize).await?);
+            // The order alternates, so that whatever drifts within a run (the
+            // sink's maildir grows by every message) falls on both sides.
+            let role_first = run % 2 == 0;
+            let mut ceilings = async || -> Result<()> {
+                progress(&format!(
+                    "{name}: run {run}/{}: minimal client, one-part notes",
+                    args.runs
+                ));
+                let sampler = Sampler::start(port);
+                note.push(minimal_client(port, args.emails, connections, Shape::Note).await?);
+                sampler.stop().await?;
+                progress(&format!(
+                    "{name}: run {run}/{}: minimal client, the role's receipts",
+                    args.runs
+                ));
+                let sampler = Sampler::start(port);
+                ceiling.push(minimal_client(port, args.emails, connections, Shape::Receipt).await?);
+                sampler.stop().await?;
+                Ok(())
+            };
+            if !role_first {
+                ceilings().await?;
+            }
             progress(&format!(
                 "{name}: run {run}/{}: email_outbox role",
                 args.runs
             ));
-            let (rate, peak) = role_run(&db, port, args.emails, &config).await?;
+            let sampler = Sampler::start(port);
+            let (rate, used, sink) = role_run(&db, port, args.emails, &config, sink_pid).await?;
+            let peak = sampler.stop().await?;
+            ensure!(
+                peak <= connections,
+                "{peak} SMTP connections open at once, above the bound {connections}"
+            );
+            progress(&format!(
+                "  role {rate:.0}/s; CPU s: bench process {:.2}, Postgres {:.2}, PgBouncer {:.2}, sink {}, of {:.2}",
+                used.this_process,
+                used.postgres,
+                used.pgbouncer,
+                sink.map_or("-".into(), |s| format!("{s:.2}")),
+                used.capacity,
+            ));
             role.push(rate);
             peaks.push(peak);
+            cpu.push(json!({
+                "bench_process_s": used.this_process,
+                "postgres_s": used.postgres,
+                "pgbouncer_s": used.pgbouncer,
+                "sink_process_s": sink,
+                "others_s": (used.others - sink.unwrap_or(0.0)).max(0.0),
+                "capacity_s": used.capacity,
+            }));
+            if role_first {
+                ceilings().await?;
+            }
         }
-        let (c, r) = (median(&mut ceiling), median(&mut role));
+        let (n, c, r) = (median(&mut note), median(&mut ceiling), median(&mut role));
         progress(&format!(
-            "{name}: role {r:.0}/s, sink ceiling {c:.0}/s, ratio {:.2}",
+            "{name}: role {r:.0}/s, sink ceiling {c:.0}/s (one-part notes {n:.0}/s), ratio {:.2}",
             r / c
         ));
         sinks.push(json!({
@@ -98,8 +161,11 @@ async fn main() -> Result<()> {
             "role_emails_per_s_runs": role,
             "ceiling_emails_per_s_median": c,
             "ceiling_emails_per_s_runs": ceiling,
+            "ceiling_one_part_notes_per_s_median": n,
+            "ceiling_one_part_notes_per_s_runs": note,
             "ratio_to_ceiling": r / c,
             "peak_smtp_connections": peaks.iter().max(),
+            "role_run_cpu": cpu,
         }));
     }
     benches::machine_at_end(&mut machine);
@@ -111,6 +177,9 @@ async fn main() -> Result<()> {
             "path": "app pool through PgBouncer (transaction mode)",
             "batch_size": config.batch_size,
             "max_connections": config.max_connections,
+            "connection_sampler_period_ms": Sampler::EVERY.as_millis(),
+            "aiosmtpd_maildir_parent": maildir_parent.display().to_string(),
+            "order": "ceilings then role on odd runs, role then ceilings on even runs",
             "release": cfg!(not(debug_assertions)),
         },
         "sinks": sinks,
@@ -125,18 +194,18 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// Queue `n` emails (outside the clock), then run the role as `serve` does and
-/// time until every one is sent. Returns emails/s and the peak number of open
-/// connections to the sink, sampled every 5 ms.
-async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result<(f64, usize)> {
+/// time until every one is sent. Returns emails/s, and the CPU used while
+/// the clock ran: by process group, and by the sink's process when given.
+async fn role_run(
+    db: &Db,
+    port: u16,
+    n: usize,
+    config: &SenderConfig,
+    sink_pid: Option<u32>,
+) -> Result<(f64, benches::CpuUse, Option<f64>)> {
     let mut tx = db.begin().await?;
     for i in 0..n {
-        let email = Email {
-            from: "Billing <billing@example.com>".into(),
-            to: vec![format!("customer{i}@example.org")],
-            subject: format!("Receipt {i}"),
-            text: format!("Paid invoice {i}: 12.00 EUR\n"),
-            html: Some(format!("<p>Paid invoice {i}: <b>12.00 EUR</b></p>")),
-        };
+        let email = receipt(i);
         enqueue(&mut tx, "tenant_bench", &email).await?;
     }
     tx.commit().await?;
@@ -144,19 +213,10 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
     let sender = Sender::new(db.clone(), config.clone(), &url, None, Telemetry::noop())?;
     let manager = Manager::new(db.clone(), Timing::ADR, Telemetry::noop());
     let shutdown = CancellationToken::new();
-    let peak = Arc::new(AtomicUsize::new(0));
-    let repeats = Arc::new(AtomicUsize::new(0));
-    let sampler = {
-        let (peak, repeats, stop) = (peak.clone(), repeats.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            while !stop.is_cancelled() {
-                let (open, repeated) = testbed::sockets::established_to(port);
-                peak.fetch_max(open, Ordering::Relaxed);
-                repeats.fetch_add(repeated, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-    };
+    let cpu_before = (
+        benches::CpuSnapshot::take(),
+        sink_pid.map(benches::process_cpu_seconds),
+    );
     let started = Instant::now();
     let spec = RoleSpec {
         role: Role::EmailOutbox,
@@ -184,9 +244,13 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let used = benches::CpuSnapshot::take().since(&cpu_before.0);
+    let sink = sink_pid
+        .map(benches::process_cpu_seconds)
+        .zip(cpu_before.1)
+        .map(|(a, b)| a - b);
     shutdown.cancel();
     loop_.await?;
-    sampler.await?;
     let failed: i64 = db
         .fetch_one(sql(
             "SELECT count(*) AS n FROM email_outbox WHERE status <> 'sent'",
@@ -194,40 +258,150 @@ async fn role_run(db: &Db, port: u16, n: usize, config: &SenderConfig) -> Result
         .await?
         .try_get("n")?;
     ensure!(failed == 0, "{failed} emails not sent");
-    let peak = peak.load(Ordering::Relaxed);
-    let repeats = repeats.load(Ordering::Relaxed);
-    if repeats > 0 {
-        progress(&format!(
-            "/proc/net/tcp listed a socket twice {repeats} times (each counted once)"
-        ));
+    Ok((n as f64 / elapsed, used, sink))
+}
+
+/// Established client connections to the sink's port, sampled from
+/// `/proc/net/tcp` every [`Sampler::EVERY`] while a measure runs, each
+/// counted once by its local address. Reading the file walks the kernel's
+/// whole table of established sockets, whatever their number: under `perf`
+/// the sampler took 12 % of the run's CPU samples at a 5 ms period and 16 %
+/// at 20 ms (machines differ), CPU that the role and the sink share on two
+/// cores. So it samples every 100 ms, and beside the ceiling's measures as
+/// beside the role's, so that what it costs falls on both. The pool's bound
+/// is a semaphore held for a connection's whole life, so a breach would last
+/// far longer than a period.
+struct Sampler {
+    peak: Arc<AtomicUsize>,
+    repeats: Arc<AtomicUsize>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Sampler {
+    const EVERY: Duration = Duration::from_millis(100);
+
+    fn start(port: u16) -> Sampler {
+        let (peak, repeats, stop) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            CancellationToken::new(),
+        );
+        let task = {
+            let (peak, repeats, stop) = (peak.clone(), repeats.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    let (open, repeated) = testbed::sockets::established_to(port);
+                    peak.fetch_max(open, Ordering::Relaxed);
+                    repeats.fetch_add(repeated, Ordering::Relaxed);
+                    tokio::time::sleep(Sampler::EVERY).await;
+                }
+            })
+        };
+        Sampler {
+            peak,
+            repeats,
+            stop,
+            task,
+        }
     }
-    ensure!(
-        peak <= config.max_connections as usize,
-        "{peak} SMTP connections open at once, above the bound {}",
-        config.max_connections
-    );
-    Ok((n as f64 / elapsed, peak))
+
+    /// The peak number of connections seen.
+    async fn stop(self) -> Result<usize> {
+        self.stop.cancel();
+        self.task.await?;
+        let repeats = self.repeats.load(Ordering::Relaxed);
+        if repeats > 0 {
+            progress(&format!(
+                "/proc/net/tcp listed a socket twice {repeats} times (each counted once)"
+            ));
+        }
+        Ok(self.peak.load(Ordering::Relaxed))
+    }
+}
+
+/// What the minimal client sends in one message.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Shape {
+    /// A four-line, one-part note (the ceiling's message before 2026-12-03).
+    Note,
+    /// The role's own message for the same email: the MIME bytes that
+    /// `email_outbox::message` builds (text and HTML parts), terminated as
+    /// lettre terminates them, so the sink parses and stores the same bytes.
+    Receipt,
+}
+
+/// The email the role run queues as its `i`th, and the ceiling's receipts.
+fn receipt(i: usize) -> Email {
+    Email {
+        from: "Billing <billing@example.com>".into(),
+        to: vec![format!("customer{i}@example.org")],
+        subject: format!("Receipt {i}"),
+        text: format!("Paid invoice {i}: 12.00 EUR\n"),
+        html: Some(format!("<p>Paid invoice {i}: <b>12.00 EUR</b></p>")),
+    }
+}
+
+/// The wire bytes of the `i`th message of `shape`, built before the clock.
+fn wire_message(shape: Shape, c: usize, i: usize) -> Result<(String, String)> {
+    let rcpt = format!("c{c}-{i}@example.org");
+    let data = match shape {
+        Shape::Note => format!(
+            "From: billing@example.com\r\nTo: {rcpt}\r\nSubject: Receipt {i}\r\n\r\nPaid invoice {i}: 12.00 EUR\r\n.\r\n"
+        ),
+        Shape::Receipt => {
+            let mut email = receipt(i);
+            email.to = vec![rcpt.clone()];
+            let q = email_outbox::message::Queued {
+                id: i64::try_from(i)?,
+                tenant_id: "tenant_bench".into(),
+                attempt: 1,
+                message_id: outbox::email::new_message_id(&email.from),
+                email,
+            };
+            let body = email_outbox::message::message(&q)
+                .map_err(|e| anyhow::anyhow!("the receipt does not build: {e}"))?
+                .formatted();
+            // lettre writes the body, then CRLF . CRLF; no line of it starts with '.'.
+            let body = String::from_utf8(body)?;
+            ensure!(!body.contains("\n."), "the receipt would need dot-stuffing");
+            format!("{body}\r\n.\r\n")
+        }
+    };
+    Ok((rcpt, data))
 }
 
 /// The sink's ceiling: `connections` plain SMTP sessions, each sending its
-/// share of `n` one-recipient messages back to back, every reply awaited.
-async fn minimal_client(port: u16, n: usize, connections: usize) -> Result<f64> {
-    let started = Instant::now();
-    let mut tasks = Vec::new();
+/// share of `n` one-recipient messages of `shape` back to back, every reply
+/// awaited. The messages are built before the clock starts.
+async fn minimal_client(port: u16, n: usize, connections: usize, shape: Shape) -> Result<f64> {
+    let mut shares = Vec::new();
     for c in 0..connections {
         let share = n / connections + usize::from(c < n % connections);
+        shares.push(
+            (0..share)
+                .map(|i| wire_message(shape, c, i))
+                .collect::<Result<Vec<_>>>()?,
+        );
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for messages in shares {
         tasks.push(tokio::spawn(async move {
             let stream = TcpStream::connect(("127.0.0.1", port)).await?;
+            stream.set_nodelay(true)?;
             let (r, mut w) = stream.into_split();
             let mut r = BufReader::new(r);
             reply(&mut r).await?;
             w.write_all(b"EHLO bench\r\n").await?;
             reply(&mut r).await?;
-            for i in 0..share {
-                let body = format!(
-                    "From: billing@example.com\r\nTo: c{c}-{i}@example.org\r\nSubject: Receipt {i}\r\n\r\nPaid invoice {i}: 12.00 EUR\r\n.\r\n"
-                );
-                for cmd in ["MAIL FROM:<billing@example.com>\r\n".to_owned(), format!("RCPT TO:<c{c}-{i}@example.org>\r\n"), "DATA\r\n".to_owned(), body] {
+            for (rcpt, data) in messages {
+                for cmd in [
+                    "MAIL FROM:<billing@example.com>\r\n".to_owned(),
+                    format!("RCPT TO:<{rcpt}>\r\n"),
+                    "DATA\r\n".to_owned(),
+                    data,
+                ] {
                     w.write_all(cmd.as_bytes()).await?;
                     reply(&mut r).await?;
                 }
@@ -323,16 +497,19 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
     )
     .context("write email.json")?;
     let mut table = String::from(
-        "| sink | email_outbox role, emails/s (median) | sink ceiling, minimal client, emails/s | ratio | peak SMTP connections (bound) |\n|---|---|---|---|---|\n",
+        "| sink | email_outbox role, emails/s (median) | sink ceiling, minimal client, the role's messages, emails/s | ratio | minimal client, one-part notes, emails/s | peak SMTP connections (bound) |\n|---|---|---|---|---|---|\n",
     );
     let bound = &report["settings"]["max_connections"];
     for s in report["sinks"].as_array().into_iter().flatten() {
         table.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.2} | {} ({bound}) |\n",
+            "| {} | {:.0} | {:.0} | {:.2} | {:.0} | {} ({bound}) |\n",
             s["sink"].as_str().unwrap_or("?"),
             s["role_emails_per_s_median"].as_f64().unwrap_or(0.0),
             s["ceiling_emails_per_s_median"].as_f64().unwrap_or(0.0),
             s["ratio_to_ceiling"].as_f64().unwrap_or(0.0),
+            s["ceiling_one_part_notes_per_s_median"]
+                .as_f64()
+                .unwrap_or(0.0),
             s["peak_smtp_connections"],
         ));
     }

@@ -29,10 +29,20 @@ impl SmtpSink {
         SmtpSink::launch(Some((ca.server_cert.clone(), ca.server_key.clone())))
     }
 
+    /// A plain sink keeping its maildir under `parent` (a benchmark puts it
+    /// on tmpfs, so that the filesystem's cost of a new file does not move
+    /// the sink's pace from one run to the next).
+    pub fn start_in(parent: &Path) -> SmtpSink {
+        SmtpSink::launch_in(parent, None)
+    }
+
     fn launch(tls: Option<(PathBuf, PathBuf)>) -> SmtpSink {
+        SmtpSink::launch_in(&std::env::temp_dir(), tls)
+    }
+
+    fn launch_in(parent: &Path, tls: Option<(PathBuf, PathBuf)>) -> SmtpSink {
         let port = free_port();
-        let maildir =
-            std::env::temp_dir().join(format!("hardcount-smtp-{}-{port}", std::process::id()));
+        let maildir = parent.join(format!("hardcount-smtp-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&maildir).expect("create maildir");
         let mut sink = SmtpSink {
             port,
@@ -50,6 +60,11 @@ impl SmtpSink {
             Some(_) => format!("smtp://127.0.0.1:{}?tls=required", self.port),
             None => format!("smtp://127.0.0.1:{}", self.port),
         }
+    }
+
+    /// The server's process id while it runs (benchmarks read its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// Stop the server; its port then refuses connections. Messages stay.
