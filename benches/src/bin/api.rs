@@ -185,6 +185,12 @@ async fn main() -> Result<()> {
         // running (this process, i.e. the API and its paced client, and the
         // Postgres and PgBouncer work it causes), the share of the cores a
         // CPU-bound neighbour must give up to it.
+        // After the publish runs' rows are vacuumed: their autovacuum would
+        // count as the load's CPU, and slow the first webhook rounds.
+        let waited = settle(&mut su).await?;
+        progress(&format!(
+            "the database settled in {waited:.1} s before the load alone"
+        ));
         let mut load_alone: BTreeMap<u32, Value> = BTreeMap::new();
         for &rate in &args.background_rates {
             let load_stop = CancellationToken::new();

@@ -5,7 +5,7 @@ use std::time::Duration;
 /// How an `email_outbox` tick is shaped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SenderConfig {
-    /// Emails claimed per batch. Default 500 (docs/adr/0050: a batch ends
+    /// Emails claimed per batch. Default 500 (docs/adr/0051: a batch ends
     /// with its slowest sends, the connections idle meanwhile).
     pub batch_size: usize,
     /// SMTP connections open at once (in use or idle), and so sends in flight at

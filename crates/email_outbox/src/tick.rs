@@ -32,7 +32,7 @@ const RESULT_GROUP: usize = 100;
 /// How long a result waits for others to share its statement. Without it a
 /// group held what finished during the previous write, two or three results
 /// at 16 connections: a transaction each, and most of the role's Postgres
-/// time spent planning them (docs/adr/0050). The claim lease covers the wait.
+/// time spent planning them (docs/adr/0051). The claim lease covers the wait.
 const RESULT_LINGER: Duration = Duration::from_millis(20);
 
 /// What the sends of a tick (or of one [`Sender::send_claimed`]) came to.
