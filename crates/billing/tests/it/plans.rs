@@ -93,6 +93,68 @@ async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
     }
 }
 
+/// The settle on statistics gathered while nothing was claimed (a table
+/// analyzed before the tick, the usual case): they estimate one claimed
+/// invoice and one open attempt, and each matching partial index looked like
+/// the cheapest outer side of the nested loop. Guards: the claim's expiry and
+/// the attempt's status compared through `coalesce`, so neither partial index
+/// serves the settle. Seen failing with the plain comparisons (mutation
+/// `settle_coalesce` in scripts/mutation-check): `invoices_auto_charge_claims`
+/// and `payment_attempts_open` drove the two nested loops, each joined to the
+/// batch by a Join Filter (in the dunning benchmark, 249,500 rows removed for
+/// a batch of 500).
+#[tokio::test]
+async fn a_settle_reaches_its_batch_by_key_when_the_statistics_saw_no_claim() {
+    let t = TestDb::new().await;
+    let (invoices, attempts) = claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "ALTER TABLE invoices SET (autovacuum_enabled = false); \
+         ALTER TABLE payment_attempts SET (autovacuum_enabled = false); \
+         UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+         WHERE number LIKE 'PLAN-%'; \
+         UPDATE payment_attempts SET provider_status = 'succeeded' \
+         WHERE idempotency_key LIKE 'plan:%'; \
+         ANALYZE invoices; ANALYZE payment_attempts; \
+         UPDATE invoices SET auto_charge_claimed_until = now() + interval '5 minutes', \
+                             auto_charge_claimed_by = 'c1' \
+         WHERE number LIKE 'PLAN-%'; \
+         UPDATE payment_attempts SET provider_status = 'unknown' \
+         WHERE idempotency_key LIKE 'plan:%'",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let plan = explain_index_driven(&t.db, SETTLE, move |s| {
+        s.bind(invoices)
+            .bind(vec!["c1".to_owned(); BATCH])
+            .bind(attempts)
+            .bind(vec!["succeeded".to_owned(); BATCH])
+            .bind(vec![None::<String>; BATCH])
+            .bind(vec![Some("pi_1".to_owned()); BATCH])
+            .bind(vec![None::<String>; BATCH])
+            .bind(vec!["{}".to_owned(); BATCH])
+            .bind(1.0_f64)
+            .bind(vec!["open".to_owned(); BATCH])
+    })
+    .await;
+    for present in [
+        "Index Scan using invoices_pkey on invoices i",
+        "Index Scan using payment_attempts_pkey on payment_attempts a",
+    ] {
+        assert!(plan.contains(present), "{present} not in\n{plan}");
+    }
+    for absent in [
+        "invoices_auto_charge_claims",
+        "payment_attempts_open",
+        "Bitmap",
+        "Seq Scan",
+        "Join Filter",
+    ] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
 /// Guards: the expected status bound per row (`was`) and the settings of
 /// `begin_index_driven` (the charge claim's transaction). Seen failing with
 /// `i.status = 'open'` written as a literal (a Seq Scan of `invoices` joined
