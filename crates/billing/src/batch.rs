@@ -89,7 +89,9 @@ pub(crate) const OPEN: &str = "open";
 /// read the claims index whole (every invoice the tick had claimed) for each
 /// batch (issue 29, point 3). It raises each attempted invoice's
 /// `attempt_count` in the same statement: the charge claim's index holds only
-/// invoices never attempted (docs/adr/0050).
+/// invoices never attempted (docs/adr/0050). The claim's expiry is compared
+/// through `coalesce`, as in the settle, so no partial index drives the loop
+/// on statistics gathered while nothing was claimed (docs/adr/0053).
 pub const START_ATTEMPTS: &str = "WITH started AS ( \
      INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                    amount, currency, provider_customer_id, \
@@ -104,7 +106,7 @@ pub const START_ATTEMPTS: &str = "WITH started AS ( \
      JOIN invoices i ON i.id = u.invoice_id \
      WHERE i.status = u.was \
        AND i.auto_charge_claimed_by = u.claimed_by \
-       AND i.auto_charge_claimed_until > now() \
+       AND coalesce(i.auto_charge_claimed_until, '-infinity') > now() \
      ON CONFLICT DO NOTHING \
      RETURNING id, invoice_id, idempotency_key \
      ), counted AS ( \

@@ -304,7 +304,8 @@ async fn settle_once(
                         first_sent_at = CASE WHEN u.unsent THEN NULL ELSE a.first_sent_at END \
                  FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[]) \
                       AS u(id, why, intent, delay, unsent) \
-                 WHERE a.id = u.id AND a.provider_status IN ('unknown', 'processing')")
+                 WHERE a.id = u.id \
+                   AND coalesce(a.provider_status, '') IN ('unknown', 'processing')")
             .bind(open.attempt)
             .bind(open.why)
             .bind(open.intent)
