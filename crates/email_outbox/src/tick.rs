@@ -213,7 +213,8 @@ impl Sender {
     /// the rest are handed back unattempted and this returns false, so a dead
     /// server costs one connection a tick, not one attempt per email. A send
     /// not started within `tick_budget` of the batch's start is handed back,
-    /// so every send starts inside its claim's lease with a send's room left.
+    /// so every send starts inside its claim's lease with two command
+    /// timeouts of it left (`SenderConfig::claim_lease`).
     async fn send_batch(
         &self,
         batch: Vec<Queued>,
@@ -241,12 +242,12 @@ impl Sender {
         }
         let down = AtomicBool::new(false);
         let limit = self.inner.config.max_connections as usize;
-        // The claim lease is the tick budget plus room for sends already
-        // started (`SenderConfig::claim_lease`): a send starts only within the
+        // The claim lease is the tick budget plus two command timeouts and a
+        // margin (`SenderConfig::claim_lease`): a send starts only within the
         // budget from this batch's claim, and what is left is handed back.
-        // Without it a batch outlasting its lease against a slow server would
-        // be claimed again and sent twice. Measured from the batch's start,
-        // which is after the claim.
+        // Without it the unsent end of a batch outlasting its lease against a
+        // slow server could be claimed again and sent twice. Measured from
+        // the batch's start, which is after the claim.
         let send_until = tokio::time::Instant::now() + self.inner.config.tick_budget;
         let unsent = std::sync::Mutex::new(Vec::new());
         let caught = std::sync::Mutex::new(Vec::new());
