@@ -380,11 +380,25 @@ impl Harness {
             if now == Some(0) {
                 // A tick still running may commit work after this read (a
                 // closing's events, a settle's emails): nothing left means
-                // nothing left twice, a second apart (seen: two events
-                // committed after the first zero, not yet fanned out when
-                // the checker ran).
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                if self.work_left().await == Some(0) {
+                // nothing left at three more reads, a second apart. Seen in
+                // CI on the PgBouncer leg: two events committed after the
+                // first zero (one read a second later did not catch them),
+                // then five events after two zeros a second apart.
+                let zero = Instant::now();
+                let mut held = true;
+                for _ in 0..3 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let again = self.work_left().await;
+                    if again != Some(0) {
+                        println!(
+                            "drain: {again:?} items left {:.1?} after nothing was",
+                            zero.elapsed()
+                        );
+                        held = false;
+                        break;
+                    }
+                }
+                if held {
                     return;
                 }
                 continue;
