@@ -338,7 +338,11 @@ impl Harness {
     }
 
     /// Work left: undispatched events, pending deliveries, queued emails,
-    /// due subscriptions, unsettled charges, dunning runs owing a step.
+    /// due subscriptions, unsettled charges, declined invoices dunning has
+    /// not enrolled yet (its next tick does, with a `dunning.started` event
+    /// each: the drain once returned between a decline and that tick, and the
+    /// checker found five events not yet fanned out), dunning runs owing a
+    /// step.
     pub async fn work_left(&self) -> Option<i64> {
         let mut su = PgConnection::connect(&self.cluster.superuser_url())
             .await
@@ -351,6 +355,10 @@ impl Harness {
                   + (SELECT count(*) FROM payment_attempts WHERE provider_status = 'unknown') \
                   + (SELECT count(*) FROM invoices i WHERE status = 'open' AND collection_method = 'automatic' \
                        AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id)) \
+                  + (SELECT count(*) FROM invoices i WHERE status = 'open' AND collection_method = 'automatic' \
+                       AND (SELECT a.provider_status FROM payment_attempts a WHERE a.invoice_id = i.id \
+                            ORDER BY a.attempt_seq DESC LIMIT 1) = 'declined' \
+                       AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id)) \
                   + (SELECT count(*) FROM dunning_runs \
                        WHERE status = 'active' OR (status = 'exhausted' AND final_action_at IS NULL)) AS n",
         )
