@@ -631,14 +631,7 @@ fn write_report(report: &Value, out_dir: Option<PathBuf>) -> Result<()> {
 
 /// This process's CPU time so far (user + system), in seconds.
 fn own_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // The fields after the command's closing parenthesis; utime and stime
-    // are the 14th and 15th of the whole line, in clock ticks (100 a second
-    // on Linux).
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let field = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
-    (field(11) + field(12)) / 100.0
+    benches::process_cpu_seconds(std::process::id())
 }
 
 fn cores() -> f64 {

@@ -25,9 +25,9 @@ use email_outbox::{Email, Sender, SenderConfig, SmtpUrl, enqueue};
 use leader::{Manager, Role, Telemetry, Timing};
 use scheduler::{RoleSpec, run_role, work};
 use serde_json::{Value, json};
-use testbed::{Leg, SmtpSink, TestDb};
+use testbed::{Leg, MinimalSink, SmtpSink, TestDb};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -84,7 +84,7 @@ async fn main() -> Result<()> {
         std::env::temp_dir()
     };
     let python = SmtpSink::start_in(&maildir_parent);
-    let fast = FastSink::start().await?;
+    let fast = MinimalSink::start(Duration::ZERO).await;
     let mut sinks = Vec::new();
     for (name, port, sink_pid) in [
         ("aiosmtpd (Python, maildir)", python.port, python.pid()),
@@ -98,20 +98,18 @@ async fn main() -> Result<()> {
             // sink's maildir grows by every message) falls on both sides.
             let role_first = run % 2 == 0;
             let mut ceilings = async || -> Result<()> {
-                progress(&format!(
-                    "{name}: run {run}/{}: minimal client, one-part notes",
-                    args.runs
-                ));
-                let sampler = Sampler::start(port);
-                note.push(minimal_client(port, args.emails, connections, Shape::Note).await?);
-                sampler.stop().await?;
-                progress(&format!(
-                    "{name}: run {run}/{}: minimal client, the role's receipts",
-                    args.runs
-                ));
-                let sampler = Sampler::start(port);
-                ceiling.push(minimal_client(port, args.emails, connections, Shape::Receipt).await?);
-                sampler.stop().await?;
+                for (shape, what, rates) in [
+                    (Shape::Note, "one-part notes", &mut note),
+                    (Shape::Receipt, "the role's receipts", &mut ceiling),
+                ] {
+                    progress(&format!(
+                        "{name}: run {run}/{}: minimal client, {what}",
+                        args.runs
+                    ));
+                    let sampler = Sampler::start(port);
+                    rates.push(minimal_client(port, args.emails, connections, shape).await?);
+                    sampler.stop().await?;
+                }
                 Ok(())
             };
             if !role_first {
@@ -430,61 +428,6 @@ async fn reply<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> Result<()> {
         );
         if line.as_bytes().get(3) != Some(&b'-') {
             return Ok(());
-        }
-    }
-}
-
-/// A minimal SMTP server: accepts every command at once and drops the message.
-struct FastSink {
-    port: u16,
-}
-
-impl FastSink {
-    async fn start() -> Result<FastSink> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let port = listener.local_addr()?.port();
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let _ = serve_session(stream).await;
-                });
-            }
-        });
-        Ok(FastSink { port })
-    }
-}
-
-async fn serve_session(stream: TcpStream) -> Result<()> {
-    let (r, mut w) = stream.into_split();
-    let mut r = BufReader::new(r);
-    w.write_all(b"220 fast sink\r\n").await?;
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if r.read_line(&mut line).await? == 0 {
-            return Ok(());
-        }
-        let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
-        match verb.as_str() {
-            "EHLO" => w.write_all(b"250-fast sink\r\n250 8BITMIME\r\n").await?,
-            "DATA" => {
-                w.write_all(b"354 go on\r\n").await?;
-                loop {
-                    line.clear();
-                    if r.read_line(&mut line).await? == 0 {
-                        return Ok(());
-                    }
-                    if line == ".\r\n" || line == ".\n" {
-                        break;
-                    }
-                }
-                w.write_all(b"250 queued\r\n").await?;
-            }
-            "QUIT" => {
-                w.write_all(b"221 bye\r\n").await?;
-                return Ok(());
-            }
-            _ => w.write_all(b"250 ok\r\n").await?,
         }
     }
 }

@@ -25,7 +25,7 @@ use db::Db;
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 
-pub use smtp::{SmtpSink, TestCa, free_port};
+pub use smtp::{MinimalSink, SmtpSink, TestCa, free_port};
 
 /// How the app reaches Postgres in this run of the suite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -250,3 +250,78 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// A minimal SMTP server in this process: every command accepted, each reply
+/// (the greeting aside) sent `reply_after` after its command, the message
+/// dropped. The email benchmark uses it with no wait to show the role's own
+/// ceiling; a test gives it a wait to play a slow server.
+pub struct MinimalSink {
+    pub port: u16,
+}
+
+impl MinimalSink {
+    /// # Panics
+    /// When no loopback port can be bound.
+    pub async fn start(reply_after: Duration) -> MinimalSink {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let port = listener.local_addr().expect("a bound address").port();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let _ = minimal_session(stream, reply_after).await;
+                });
+            }
+        });
+        MinimalSink { port }
+    }
+
+    /// `smtp://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("smtp://127.0.0.1:{}", self.port)
+    }
+}
+
+async fn minimal_session(stream: tokio::net::TcpStream, wait: Duration) -> std::io::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let pause = || async move {
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    };
+    let (r, mut w) = stream.into_split();
+    let mut r = BufReader::new(r);
+    w.write_all(b"220 minimal sink\r\n").await?;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).await? == 0 {
+            return Ok(());
+        }
+        let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+        pause().await;
+        match verb.as_str() {
+            "EHLO" => w.write_all(b"250-minimal sink\r\n250 8BITMIME\r\n").await?,
+            "DATA" => {
+                w.write_all(b"354 go on\r\n").await?;
+                loop {
+                    line.clear();
+                    if r.read_line(&mut line).await? == 0 {
+                        return Ok(());
+                    }
+                    if line == ".\r\n" || line == ".\n" {
+                        break;
+                    }
+                }
+                pause().await;
+                w.write_all(b"250 queued\r\n").await?;
+            }
+            "QUIT" => {
+                w.write_all(b"221 bye\r\n").await?;
+                return Ok(());
+            }
+            _ => w.write_all(b"250 ok\r\n").await?,
+        }
+    }
+}

@@ -79,18 +79,9 @@ async fn statistics_without_claims(t: &TestDb) {
     .unwrap();
 }
 
-/// Guards: `inv` carrying each row's answer through its `RETURNING`, so that
-/// `att` joins only the invoices written, the expected status bound per row
-/// (`was`, seen failing as the literal `'open'`: a Seq Scan of `invoices`),
-/// and the settings of `begin_index_driven`. Seen failing with `att` joining the unnested batch
-/// to `inv` again (a nested loop over the two CTE scans, 65,280 rows filtered
-/// for 256: mutation `settle_carried` in scripts/mutation-check) and with the
-/// EXPLAIN planned freely (a Bitmap Heap Scan of every claimed invoice).
-#[tokio::test]
-async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
-    let t = TestDb::new().await;
-    let (invoices, attempts) = claimed(&t).await;
-    let plan = explain_index_driven(&t.db, SETTLE, move |s| {
+/// The settle's plan for the batch `invoices` / `attempts`, all succeeded.
+async fn settle_plan(t: &TestDb, invoices: Vec<i64>, attempts: Vec<i64>) -> String {
+    explain_index_driven(&t.db, SETTLE, move |s| {
         s.bind(invoices)
             .bind(vec!["c1".to_owned(); BATCH])
             .bind(attempts)
@@ -102,7 +93,35 @@ async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
             .bind(1.0_f64)
             .bind(vec!["open".to_owned(); BATCH])
     })
-    .await;
+    .await
+}
+
+/// The attempts insert's plan for the batch `invoices`, second attempts.
+async fn attempts_plan(t: &TestDb, invoices: Vec<i64>) -> String {
+    explain_index_driven(&t.db, START_ATTEMPTS, move |s| {
+        s.bind(invoices)
+            .bind(vec![2_i32; BATCH])
+            .bind("plan-test")
+            .bind(vec!["c1".to_owned(); BATCH])
+            .bind(vec!["cus_plan".to_owned(); BATCH])
+            .bind(vec!["pm_plan".to_owned(); BATCH])
+            .bind(vec!["open".to_owned(); BATCH])
+    })
+    .await
+}
+
+/// Guards: `inv` carrying each row's answer through its `RETURNING`, so that
+/// `att` joins only the invoices written, the expected status bound per row
+/// (`was`, seen failing as the literal `'open'`: a Seq Scan of `invoices`),
+/// and the settings of `begin_index_driven`. Seen failing with `att` joining the unnested batch
+/// to `inv` again (a nested loop over the two CTE scans, 65,280 rows filtered
+/// for 256: mutation `settle_carried` in scripts/mutation-check) and with the
+/// EXPLAIN planned freely (a Bitmap Heap Scan of every claimed invoice).
+#[tokio::test]
+async fn a_settle_reaches_each_invoice_and_attempt_by_its_key() {
+    let t = TestDb::new().await;
+    let (invoices, attempts) = claimed(&t).await;
+    let plan = settle_plan(&t, invoices, attempts).await;
     for present in [
         "Index Scan using invoices_pkey on invoices i",
         "Index Scan using payment_attempts_pkey on payment_attempts a",
@@ -134,19 +153,7 @@ async fn a_settle_reaches_its_batch_by_key_when_the_statistics_saw_no_claim() {
     let t = TestDb::new().await;
     let (invoices, attempts) = claimed(&t).await;
     statistics_without_claims(&t).await;
-    let plan = explain_index_driven(&t.db, SETTLE, move |s| {
-        s.bind(invoices)
-            .bind(vec!["c1".to_owned(); BATCH])
-            .bind(attempts)
-            .bind(vec!["succeeded".to_owned(); BATCH])
-            .bind(vec![None::<String>; BATCH])
-            .bind(vec![Some("pi_1".to_owned()); BATCH])
-            .bind(vec![None::<String>; BATCH])
-            .bind(vec!["{}".to_owned(); BATCH])
-            .bind(1.0_f64)
-            .bind(vec!["open".to_owned(); BATCH])
-    })
-    .await;
+    let plan = settle_plan(&t, invoices, attempts).await;
     for present in [
         "Index Scan using invoices_pkey on invoices i",
         "Index Scan using payment_attempts_pkey on payment_attempts a",
@@ -174,16 +181,7 @@ async fn a_settle_reaches_its_batch_by_key_when_the_statistics_saw_no_claim() {
 async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key() {
     let t = TestDb::new().await;
     let (invoices, _) = claimed(&t).await;
-    let plan = explain_index_driven(&t.db, START_ATTEMPTS, move |s| {
-        s.bind(invoices)
-            .bind(vec![2_i32; BATCH])
-            .bind("plan-test")
-            .bind(vec!["c1".to_owned(); BATCH])
-            .bind(vec!["cus_plan".to_owned(); BATCH])
-            .bind(vec!["pm_plan".to_owned(); BATCH])
-            .bind(vec!["open".to_owned(); BATCH])
-    })
-    .await;
+    let plan = attempts_plan(&t, invoices).await;
     assert!(
         plan.contains("Index Scan using invoices_pkey on invoices i"),
         "{plan}"
@@ -204,16 +202,7 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
     let t = TestDb::new().await;
     let (invoices, _) = claimed(&t).await;
     statistics_without_claims(&t).await;
-    let plan = explain_index_driven(&t.db, START_ATTEMPTS, move |s| {
-        s.bind(invoices)
-            .bind(vec![2_i32; BATCH])
-            .bind("plan-test")
-            .bind(vec!["c1".to_owned(); BATCH])
-            .bind(vec!["cus_plan".to_owned(); BATCH])
-            .bind(vec!["pm_plan".to_owned(); BATCH])
-            .bind(vec!["open".to_owned(); BATCH])
-    })
-    .await;
+    let plan = attempts_plan(&t, invoices).await;
     assert!(
         plan.contains("Index Scan using invoices_pkey on invoices i"),
         "{plan}"

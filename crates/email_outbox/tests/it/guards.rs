@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use leader::Role;
-use testbed::{SmtpSink, TestDb};
+use testbed::{MinimalSink, SmtpSink, TestDb};
 
 use crate::{as_leader, config, drain, email, make_due, manager, queue, rows, sender, tick};
 
@@ -125,55 +125,6 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
     assert!(duplicates <= 20, "duplicates bounded by the claimed batch");
 }
 
-/// A server that answers every command after `delay`: each send takes four
-/// of them (MAIL, RCPT, DATA, the message).
-async fn slow_smtp_server(delay: Duration) -> u16 {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let (r, mut w) = stream.into_split();
-                let mut r = BufReader::new(r);
-                w.write_all(b"220 slow\r\n").await?;
-                let mut line = String::new();
-                loop {
-                    line.clear();
-                    if r.read_line(&mut line).await? == 0 {
-                        return Ok::<_, std::io::Error>(());
-                    }
-                    let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
-                    tokio::time::sleep(delay).await;
-                    match verb.as_str() {
-                        "EHLO" => w.write_all(b"250-slow\r\n250 8BITMIME\r\n").await?,
-                        "DATA" => {
-                            w.write_all(b"354 go on\r\n").await?;
-                            loop {
-                                line.clear();
-                                if r.read_line(&mut line).await? == 0 {
-                                    return Ok(());
-                                }
-                                if line == ".\r\n" {
-                                    break;
-                                }
-                            }
-                            tokio::time::sleep(delay).await;
-                            w.write_all(b"250 queued\r\n").await?;
-                        }
-                        "QUIT" => {
-                            w.write_all(b"221 bye\r\n").await?;
-                            return Ok(());
-                        }
-                        _ => w.write_all(b"250 ok\r\n").await?,
-                    }
-                }
-            });
-        }
-    });
-    port
-}
-
 /// Against a server slower than the batch's window, a send is started only
 /// within `tick_budget` of the batch's start: the rest of the batch is handed
 /// back unattempted (queued, its attempt not counted), not sent after the
@@ -186,7 +137,8 @@ async fn slow_smtp_server(delay: Duration) -> u16 {
 #[tokio::test]
 async fn sends_not_started_within_the_budget_are_handed_back() {
     let t = TestDb::new().await;
-    let port = slow_smtp_server(Duration::from_millis(40)).await;
+    // Each send takes four replies (MAIL, RCPT, DATA, the message).
+    let slow = MinimalSink::start(Duration::from_millis(40)).await;
     let emails: Vec<_> = (0..12)
         .map(|i| email(&format!("r{i}@example.org"), i))
         .collect();
@@ -194,7 +146,7 @@ async fn sends_not_started_within_the_budget_are_handed_back() {
     let mut c = config();
     c.max_connections = 1;
     c.tick_budget = Duration::from_millis(300);
-    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (s, _) = sender(&t.db, &slow.url(), None, c);
     let (_, report) = tick(&t.db, &s).await;
     let tally = &report.tally;
     println!("first tick: {tally:?}");
