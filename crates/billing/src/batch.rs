@@ -33,6 +33,7 @@ use std::time::Instant;
 use db::{Row, Tx, sql};
 use futures::stream::{self, StreamExt};
 use scheduler::{Payload, catch};
+use tokio::sync::Semaphore;
 
 pub use payments::{ChargeClaim, NOT_SENT, Started};
 
@@ -190,8 +191,10 @@ impl Gate {
     }
 }
 
-/// Call the provider for every started attempt, `concurrency` at once, each
-/// under the panic guard (`step` names it). The batch's first call goes
+/// Call the provider for every started attempt, each holding one of
+/// `calls`' permits (the bound on calls at once, shared by the caller's
+/// batches in flight, docs/adr/0054), each under the panic guard (`step`
+/// names it). The batch's first call goes
 /// alone: a refused key (401/403) closes `gate` and no other call is made. A
 /// call that would start after `deadline`, once `cancelled` says so, or once
 /// the gate is closed, is not made ([`Answer::NotSent`]). A panic is that
@@ -200,7 +203,7 @@ impl Gate {
 pub(crate) async fn call_all(
     provider: &Provider,
     started: Vec<Started>,
-    concurrency: usize,
+    calls: &Semaphore,
     deadline: Instant,
     cancelled: impl Fn() -> bool + Copy,
     step: impl Fn(&Started) -> String + Copy,
@@ -209,6 +212,8 @@ pub(crate) async fn call_all(
     let call = provider.config().timeout;
     let one = |s: Started| async move {
         let answer = catch(step(&s), async {
+            // Never closed: a permit, or none if it ever were.
+            let _permit = calls.acquire().await.ok();
             if Instant::now() + call > deadline || cancelled() || gate.closed() {
                 return Answer::NotSent;
             }
@@ -229,7 +234,8 @@ pub(crate) async fn call_all(
     out.extend(
         stream::iter(started)
             .map(one)
-            .buffer_unordered(concurrency.max(1))
+            // The permits bound the calls; the rest wait for one.
+            .buffer_unordered(usize::MAX)
             .collect::<Vec<_>>()
             .await,
     );

@@ -199,12 +199,12 @@ impl Biller {
     pub async fn finish_retries(
         &self,
         started: Vec<StartedRetry>,
-        concurrency: usize,
+        calls: &tokio::sync::Semaphore,
         deadline: Instant,
         cancelled: impl Fn() -> bool + Copy,
         step: impl Fn(&StartedRetry) -> String + Copy,
     ) -> Vec<(StartedRetry, Result<Result<Retried, Error>, Payload>)> {
-        retry::finish_retries(self, started, concurrency, deadline, cancelled, step).await
+        retry::finish_retries(self, started, calls, deadline, cancelled, step).await
     }
 
     /// Cancel `subscription` of `tenant_id`, now or at the period's end.

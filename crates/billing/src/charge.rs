@@ -22,11 +22,16 @@
 
 pub(crate) mod store;
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use leader::{Fence, Role, Tick};
 use scheduler::{FencedBatches, Panics, Shape};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::batch::{self, Answer, Started};
@@ -146,13 +151,90 @@ pub(crate) fn settling(biller: &Biller) -> batch::Settling<'_> {
     }
 }
 
+/// Batches of auto-charge in flight at once (docs/adr/0054): while one
+/// batch calls the provider and settles, the next are claimed and their
+/// calls start, so the database works while calls wait on the provider and
+/// the other way round. Measured: 1.7 times the charges a second with two,
+/// 1.9 with three, no more with four or six. The calls of all of them
+/// together stay within `charge_concurrency`.
+pub(crate) const IN_FLIGHT: usize = 3;
+
 /// The auto-charge step as the driver sees it: per batch, one transaction
 /// claims the invoices and records their attempts, the calls run
 /// concurrently, and one transaction settles every answer (`crate::batch`).
+/// The calls and the settle of a batch run as a task of their own, so the
+/// driver claims the next batch meanwhile; `run` waits for the oldest once
+/// [`IN_FLIGHT`] are running, and `finish` for the rest.
 pub(crate) struct AutoCharge<'a> {
     pub biller: &'a Biller,
     /// Closed by a refused key: the rest of the tick makes no call.
-    pub gate: &'a batch::Gate,
+    pub gate: &'a Arc<batch::Gate>,
+    /// `charge_concurrency` permits, shared by the batches in flight.
+    calls: Arc<Semaphore>,
+    /// The batches still calling or settling, oldest first.
+    in_flight: Mutex<VecDeque<JoinHandle<BatchDone>>>,
+}
+
+impl<'a> AutoCharge<'a> {
+    pub(crate) fn new(biller: &'a Biller, gate: &'a Arc<batch::Gate>) -> AutoCharge<'a> {
+        AutoCharge {
+            biller,
+            gate,
+            calls: Arc::new(Semaphore::new(
+                biller.inner.config.charge_concurrency.max(1),
+            )),
+            in_flight: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn take(&self, all: bool) -> Vec<JoinHandle<BatchDone>> {
+        let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        let keep = if all { 0 } else { IN_FLIGHT - 1 };
+        let n = q.len().saturating_sub(keep);
+        q.drain(..n).collect()
+    }
+
+    /// Count a finished batch into the tick's; its error is the batch's
+    /// verdict on the provider. A batch whose task panicked outside its
+    /// guarded calls panics here, as it would have in `run`.
+    async fn collect(
+        handle: JoinHandle<BatchDone>,
+        panics: &mut Panics,
+        tally: &mut ChargeTally,
+    ) -> Result<(), Error> {
+        let done = match handle.await {
+            Ok(done) => done,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Only when the runtime shuts down under it.
+            Err(e) => panic!("charge batch task ended without finishing: {e}"),
+        };
+        tally.add(&done.tally);
+        for payload in done.panics {
+            panics.record(payload);
+        }
+        done.verdict
+    }
+}
+
+/// What one batch's task came to.
+struct BatchDone {
+    tally: ChargeTally,
+    /// Calls that panicked: raised at the tick's end, after the others settled.
+    panics: Vec<scheduler::Payload>,
+    verdict: Result<(), Error>,
+}
+
+impl ChargeTally {
+    fn add(&mut self, o: &ChargeTally) {
+        self.paid += o.paid;
+        self.declined += o.declined;
+        self.unknown += o.unknown;
+        self.claim_lost += o.claim_lost;
+        self.processing += o.processing;
+        self.needs_review += o.needs_review;
+        self.released += o.released;
+        self.panicked += o.panicked;
+    }
 }
 
 impl FencedBatches for AutoCharge<'_> {
@@ -205,99 +287,146 @@ impl FencedBatches for AutoCharge<'_> {
         panics: &mut Panics,
         tally: &mut ChargeTally,
     ) -> Result<(), Error> {
-        let biller = self.biller;
-        let c = &biller.inner.config;
-        let Some(provider) = &biller.inner.provider else {
-            return Ok(());
-        };
-        // Each call its own guarded step: one that panics ends only itself
-        // (its attempt stays unknown for the reconciler, its lease expires).
-        let called = batch::call_all(
-            provider,
+        let task = tokio::spawn(charge_batch(
+            self.biller.clone(),
+            Arc::clone(self.gate),
+            Arc::clone(&self.calls),
             batch,
-            c.charge_concurrency,
+            tick.cancel.clone(),
             deadline,
-            || tick.cancel.is_cancelled(),
-            |s| format!("{}/charge invoice {}", Role::Billing, s.claim.invoice_id),
-            self.gate,
-        )
-        .await;
-        let mut answered = Vec::with_capacity(called.len());
-        for (started, result) in &called {
-            match result {
-                Ok(answer) => answered.push((started, answer)),
-                Err(_) => {
-                    tally.panicked += 1;
-                    biller
-                        .inner
-                        .telemetry
-                        .counter(
-                            "hardcount_billing_charges_total",
-                            &[("outcome", "panicked")],
-                        )
-                        .increment(1);
-                }
+        ));
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(task);
+        let mut verdict = Ok(());
+        for oldest in self.take(false) {
+            let v = Self::collect(oldest, panics, tally).await;
+            if verdict.is_ok() {
+                verdict = v;
             }
         }
-        let settled = batch::settle_all(&biller.inner.db, &answered, biller.settling()).await;
-        let t = &biller.inner.telemetry;
-        let mut health = batch::ProviderHealth::default();
-        for ((started, answer), settled) in answered.iter().zip(settled) {
-            let invoice = started.claim.invoice_id;
-            let Answer::Called(outcome) = answer else {
+        verdict
+    }
+
+    async fn finish(&self, panics: &mut Panics, tally: &mut ChargeTally) -> Result<(), Error> {
+        let mut verdict = Ok(());
+        for batch in self.take(true) {
+            let v = Self::collect(batch, panics, tally).await;
+            if verdict.is_ok() {
+                verdict = v;
+            }
+        }
+        verdict
+    }
+}
+
+/// One claimed batch: its calls (each its own guarded step: one that panics
+/// ends only itself, its attempt stays unknown for the reconciler and its
+/// lease expires), then the settling of every answer.
+async fn charge_batch(
+    biller: Biller,
+    gate: Arc<batch::Gate>,
+    calls: Arc<Semaphore>,
+    batch: Vec<Started>,
+    cancel: CancellationToken,
+    deadline: Instant,
+) -> BatchDone {
+    let mut tally = ChargeTally::default();
+    let Some(provider) = &biller.inner.provider else {
+        return BatchDone {
+            tally,
+            panics: Vec::new(),
+            verdict: Ok(()),
+        };
+    };
+    let called = batch::call_all(
+        provider,
+        batch,
+        &calls,
+        deadline,
+        || cancel.is_cancelled(),
+        |s| format!("{}/charge invoice {}", Role::Billing, s.claim.invoice_id),
+        &gate,
+    )
+    .await;
+    let mut answered = Vec::with_capacity(called.len());
+    for (started, result) in &called {
+        match result {
+            Ok(answer) => answered.push((started, answer)),
+            Err(_) => {
+                tally.panicked += 1;
+                biller
+                    .inner
+                    .telemetry
+                    .counter(
+                        "hardcount_billing_charges_total",
+                        &[("outcome", "panicked")],
+                    )
+                    .increment(1);
+            }
+        }
+    }
+    let settled = batch::settle_all(&biller.inner.db, &answered, biller.settling()).await;
+    let t = &biller.inner.telemetry;
+    let mut health = batch::ProviderHealth::default();
+    for ((started, answer), settled) in answered.iter().zip(settled) {
+        let invoice = started.claim.invoice_id;
+        let Answer::Called(outcome) = answer else {
+            tally.released += 1;
+            continue;
+        };
+        health.saw(outcome);
+        let label = match (outcome, settled) {
+            (_, Err(e)) => {
+                tally.unknown += 1;
+                warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
+                "error"
+            }
+            (ChargeOutcome::KeyRejected { .. }, Ok(_)) => {
                 tally.released += 1;
-                continue;
-            };
-            health.saw(outcome);
-            let label = match (outcome, settled) {
-                (_, Err(e)) => {
-                    tally.unknown += 1;
-                    warn!(role = %Role::Billing, invoice, error = %e, "charge not settled; left for the reconciler");
-                    "error"
-                }
-                (ChargeOutcome::KeyRejected { .. }, Ok(_)) => {
-                    tally.released += 1;
-                    "key_rejected"
-                }
-                (_, Ok(Settled::Lost)) => {
-                    tally.claim_lost += 1;
-                    "claim_lost"
-                }
-                (ChargeOutcome::Succeeded { .. }, Ok(Settled::Written)) => {
-                    tally.paid += 1;
-                    "succeeded"
-                }
-                (ChargeOutcome::Declined { code, .. }, Ok(Settled::Written)) => {
-                    tally.declined += 1;
-                    info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
-                    "declined"
-                }
-                (ChargeOutcome::Processing { .. }, Ok(Settled::Written)) => {
-                    tally.processing += 1;
-                    "processing"
-                }
-                (
-                    ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. },
-                    Ok(Settled::Written),
-                ) => {
-                    tally.needs_review += 1;
-                    "needs_review"
-                }
-                (other, Ok(Settled::Written)) => {
-                    tally.unknown += 1;
-                    warn!(role = %Role::Billing, invoice, outcome = ?other, "charge outcome unknown; left for the reconciler");
-                    "unknown"
-                }
-            };
-            t.counter("hardcount_billing_charges_total", &[("outcome", label)])
-                .increment(1);
-        }
-        // The panics are raised at the tick's end, after the others settled.
-        for (_, result) in called {
-            if let Err(payload) = result {
-                panics.record(payload);
+                "key_rejected"
             }
-        }
-        health.verdict(biller)
+            (_, Ok(Settled::Lost)) => {
+                tally.claim_lost += 1;
+                "claim_lost"
+            }
+            (ChargeOutcome::Succeeded { .. }, Ok(Settled::Written)) => {
+                tally.paid += 1;
+                "succeeded"
+            }
+            (ChargeOutcome::Declined { code, .. }, Ok(Settled::Written)) => {
+                tally.declined += 1;
+                info!(role = %Role::Billing, invoice, decline_code = %code, "charge declined");
+                "declined"
+            }
+            (ChargeOutcome::Processing { .. }, Ok(Settled::Written)) => {
+                tally.processing += 1;
+                "processing"
+            }
+            (
+                ChargeOutcome::Invalid { .. } | ChargeOutcome::NeedsReview { .. },
+                Ok(Settled::Written),
+            ) => {
+                tally.needs_review += 1;
+                "needs_review"
+            }
+            (other, Ok(Settled::Written)) => {
+                tally.unknown += 1;
+                warn!(role = %Role::Billing, invoice, outcome = ?other, "charge outcome unknown; left for the reconciler");
+                "unknown"
+            }
+        };
+        t.counter("hardcount_billing_charges_total", &[("outcome", label)])
+            .increment(1);
+    }
+    let panics = called
+        .into_iter()
+        .filter_map(|(_, result)| result.err())
+        .collect();
+    BatchDone {
+        tally,
+        panics,
+        verdict: health.verdict(&biller),
     }
 }

@@ -157,7 +157,7 @@ pub(crate) async fn start_retries_in(
 pub(crate) async fn finish_retries(
     biller: &Biller,
     started: Vec<StartedRetry>,
-    concurrency: usize,
+    calls: &tokio::sync::Semaphore,
     deadline: Instant,
     cancelled: impl Fn() -> bool + Copy,
     step: impl Fn(&StartedRetry) -> String + Copy,
@@ -170,16 +170,7 @@ pub(crate) async fn finish_retries(
     };
     // A refused key stops the rest of this batch's calls (one refused call).
     let gate = batch::Gate::default();
-    let called = batch::call_all(
-        provider,
-        started,
-        concurrency,
-        deadline,
-        cancelled,
-        step,
-        &gate,
-    )
-    .await;
+    let called = batch::call_all(provider, started, calls, deadline, cancelled, step, &gate).await;
     let answered: Vec<(&StartedRetry, &Answer)> = called
         .iter()
         .filter_map(|(s, r)| r.as_ref().ok().map(|a| (s, a)))
@@ -279,13 +270,13 @@ impl payments::Collector for Biller {
     fn finish_retries<'a>(
         &'a self,
         started: Vec<StartedRetry>,
-        concurrency: usize,
+        calls: &'a tokio::sync::Semaphore,
         deadline: Instant,
         cancelled: &'a (dyn Fn() -> bool + Sync),
         step: &'a (dyn Fn(&StartedRetry) -> String + Sync),
     ) -> futures::future::BoxFuture<'a, Vec<payments::Finished>> {
         Box::pin(async move {
-            self.finish_retries(started, concurrency, deadline, cancelled, step)
+            self.finish_retries(started, calls, deadline, cancelled, step)
                 .await
                 .into_iter()
                 .map(|(s, r)| (s, r.map(|r| r.map_err(port_error))))

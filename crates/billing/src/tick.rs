@@ -103,11 +103,8 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
     let mut asked = AskTally::default();
     if biller.inner.provider.is_some() {
         // One refused key closes the gate: no other call this tick.
-        let gate = crate::batch::Gate::default();
-        let auto_charge = AutoCharge {
-            biller,
-            gate: &gate,
-        };
+        let gate = std::sync::Arc::new(crate::batch::Gate::default());
+        let auto_charge = AutoCharge::new(biller, &gate);
         if let Some(d) = steps.run("billing/auto_charge", &auto_charge).await {
             (charge_claimed, charges) = (d.claimed, d.counts);
         }

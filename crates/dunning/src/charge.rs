@@ -148,7 +148,7 @@ pub(crate) async fn charge_runs(
     let finished = collector
         .finish_retries(
             started,
-            c.concurrency,
+            &ctx.calls,
             deadline,
             &cancelled,
             &|s: &StartedRetry| {

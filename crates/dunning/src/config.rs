@@ -7,8 +7,8 @@ use std::time::Duration;
 pub struct DunningConfig {
     /// Due runs listed per batch. Default 500.
     pub batch_size: usize,
-    /// Runs of a batch retried at once (each a few statements and one
-    /// provider call). Default 32.
+    /// Provider calls at once, across the batches in flight (each retry a
+    /// few statements and one call; docs/adr/0054). Default 32.
     pub concurrency: usize,
     /// Invoices enrolled per tick at most. Default 10,000.
     pub enrol_limit: usize,

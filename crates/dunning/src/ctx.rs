@@ -23,6 +23,9 @@ pub(crate) struct Ctx {
     /// Whoever charges invoices (billing, through the collection port).
     pub collector: Arc<dyn Collector>,
     pub telemetry: Telemetry,
+    /// `concurrency` permits, one per provider call: the bound on calls at
+    /// once, shared by the batches in flight (docs/adr/0054).
+    pub calls: tokio::sync::Semaphore,
 }
 
 impl Ctx {

@@ -40,7 +40,8 @@
 //!                of range panics here: that run is rewound in this transaction)
 //!       payments::Collector::start_retries_in   claim leases, attempts (invoice, seq)
 //!       rewind the runs that panicked or whose invoice is held
-//!     payments::Collector::finish_retries   calls, ≤ concurrency at once, each under
+//!     payments::Collector::finish_retries   calls, ≤ concurrency at once (with the
+//!                other batches in flight, docs/adr/0054), each under
 //!                the guard; one settling transaction for the batch
 //!     ONE transaction for the batch's outcomes, each run by its compare-and-set
 //!                on the count (and, for a decline, the hold) its retry wrote:

@@ -7,7 +7,8 @@
 //! run under the panic guard, a bounded number at once. The steps are in
 //! their modules; this one splits a batch among them and counts what they did.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
@@ -15,6 +16,7 @@ use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use payments::Collector;
 use scheduler::{FencedBatches, Panics, Prunes, Pruning, Retention, Shape, Steps, Stop};
+use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use crate::ctx::Ctx;
@@ -89,6 +91,7 @@ impl Dunner {
         Ok(Dunner {
             ctx: Arc::new(Ctx {
                 db,
+                calls: tokio::sync::Semaphore::new(config.concurrency.max(1)),
                 config,
                 collector,
                 telemetry,
@@ -134,10 +137,7 @@ impl Dunner {
             .once("dunning/enrol", self.enrol(&tick.fence))
             .await
             .unwrap_or(0);
-        let retries = Retries {
-            dunner: self,
-            left_out: scheduler::LeftOut::default(),
-        };
+        let retries = Retries::new(self);
         // Without a provider nothing can be retried: enrolment only.
         let driven = if self.ctx.collector.has_provider() {
             steps.run("dunning/retries", &retries).await
@@ -277,23 +277,17 @@ impl Dunner {
         ))
     }
 
-    /// Retry a listed batch ([`retry_runs`](Dunner::retry_runs)) and count
-    /// it. Returns the runs to leave out of the rest of the tick, and the
-    /// error that ends the tick as failed: the provider refused this
-    /// deployment's key (billing counted it; every run was rewound), or the
-    /// batch looks like an outage (at least [`OUTAGE_UNANSWERED`] retries
-    /// without an answer and none answered).
-    async fn retry_batch(
-        &self,
-        batch: Vec<Run>,
-        tick: &Tick,
-        deadline: Instant,
+    /// Count a retried batch ([`retry_runs`](Dunner::retry_runs)). Returns
+    /// the runs to leave out of the rest of the tick, and the error that ends
+    /// the tick as failed: the provider refused this deployment's key
+    /// (billing counted it; every run was rewound), or the batch looks like
+    /// an outage (at least [`OUTAGE_UNANSWERED`] retries without an answer
+    /// and none answered).
+    fn count_batch(
+        results: Vec<(Run, Outcome)>,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> (Vec<i64>, Option<Error>) {
-        let results = self
-            .retry_runs(batch, deadline, || tick.cancel.is_cancelled())
-            .await;
         let mut left_out = Vec::new();
         let (mut answered, mut unanswered) = (0, 0);
         let mut rejected = None;
@@ -385,13 +379,77 @@ async fn active_runs(db: &Db, statement_timeout: Duration) -> Result<i64, db::Er
     Ok(row.try_get("n")?)
 }
 
+/// Batches of retries in flight at once (docs/adr/0054): while one batch
+/// calls the provider and settles, the next are listed and their calls
+/// start. Their calls together stay within the collector's bound.
+const IN_FLIGHT: usize = 3;
+
+/// A listed batch being retried by a task of its own: its runs (listed
+/// again by no claim while it runs) and the task.
+type InFlight = (Vec<i64>, JoinHandle<Vec<(Run, Outcome)>>);
+
 /// The retry step as the driver sees it. `left_out` holds runs this tick
 /// will not list again (rewound, lost, failed, panicked, a bad policy, a row
 /// that does not decode), so a run whose retry cannot finish cannot fill
-/// every batch.
+/// every batch. A batch is retried by a task of its own, so the driver
+/// lists the next meanwhile; `run` waits for the oldest once [`IN_FLIGHT`]
+/// are running, and `finish` for the rest.
 struct Retries<'a> {
     dunner: &'a Dunner,
     left_out: scheduler::LeftOut,
+    in_flight: Mutex<VecDeque<InFlight>>,
+}
+
+impl<'a> Retries<'a> {
+    fn new(dunner: &'a Dunner) -> Retries<'a> {
+        Retries {
+            dunner,
+            left_out: scheduler::LeftOut::default(),
+            in_flight: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<InFlight>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The batches to wait for now: all of them, or those past the newest
+    /// `IN_FLIGHT - 1`.
+    fn take(&self, all: bool) -> Vec<InFlight> {
+        let mut q = self.queue();
+        let keep = if all { 0 } else { IN_FLIGHT - 1 };
+        let n = q.len().saturating_sub(keep);
+        q.drain(..n).collect()
+    }
+
+    /// Wait for batches and count them; the first error is the verdict. A
+    /// task that panicked outside its guarded runs panics here, as it would
+    /// have in `run`.
+    async fn collect(
+        &self,
+        batches: Vec<InFlight>,
+        panics: &mut Panics,
+        tally: &mut Tally,
+    ) -> Result<(), Error> {
+        let mut verdict = Ok(());
+        for (_, task) in batches {
+            let results = match task.await {
+                Ok(results) => results,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // Only when the runtime shuts down under it.
+                Err(e) => panic!("dunning batch task ended without finishing: {e}"),
+            };
+            let (left_out, outage) = Dunner::count_batch(results, panics, tally);
+            self.left_out.extend(left_out);
+            if let (Some(e), Ok(())) = (outage, &verdict) {
+                // Stop the tick as failed (short cooldown) rather than time
+                // out on every due run, or call again with a refused key:
+                // each was rewound, nothing is counted.
+                verdict = Err(e);
+            }
+        }
+        verdict
+    }
 }
 
 impl FencedBatches for Retries<'_> {
@@ -415,7 +473,8 @@ impl FencedBatches for Retries<'_> {
     }
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listing, Error> {
-        let except = self.left_out.ids();
+        let mut except = self.left_out.ids();
+        except.extend(self.queue().iter().flat_map(|(ids, _)| ids.iter().copied()));
         let listing = listing::list(&self.dunner.ctx, fence, limit, &except).await?;
         self.left_out
             .extend(listing.left_out.iter().map(LeftOut::run));
@@ -436,18 +495,22 @@ impl FencedBatches for Retries<'_> {
     ) -> Result<(), Error> {
         tally.left_out += listing.left_out.len();
         let batch = listing.runs;
-        let (left_out, outage) = self
-            .dunner
-            .retry_batch(batch, tick, deadline, panics, tally)
-            .await;
-        self.left_out.extend(left_out);
-        match outage {
-            // Stop the tick as failed (short cooldown) rather than time out on
-            // every due run, or call again with a refused key: each was
-            // rewound, nothing is counted.
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        let ids = batch.iter().map(|r| r.id).collect();
+        let (dunner, cancel) = (self.dunner.clone(), tick.cancel.clone());
+        let task = tokio::spawn(async move {
+            let cancel = &cancel;
+            dunner
+                .retry_runs(batch, deadline, move || cancel.is_cancelled())
+                .await
+        });
+        self.queue().push_back((ids, task));
+        let oldest = self.take(false);
+        self.collect(oldest, panics, tally).await
+    }
+
+    async fn finish(&self, panics: &mut Panics, tally: &mut Tally) -> Result<(), Error> {
+        let rest = self.take(true);
+        self.collect(rest, panics, tally).await
     }
 
     async fn end_tick(&self, tick: &Tick) {

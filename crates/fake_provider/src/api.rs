@@ -217,11 +217,22 @@ pub(super) async fn create_payment_intent(
     if let Some(refusal) = unauthorized(&shared, &headers) {
         return *refusal;
     }
-    let enforce_minimums = {
+    let (enforce_minimums, latency) = {
         let mut l = shared.ledger();
         l.create_requests += 1;
-        !l.ignore_minimums
+        (!l.ignore_minimums, l.latency)
     };
+    if !latency.is_zero() {
+        // A network and processing delay: requests then overlap, so a test
+        // can read how many a client had open at once.
+        {
+            let mut l = shared.ledger();
+            l.answering += 1;
+            l.most_answering = l.most_answering.max(l.answering);
+        }
+        tokio::time::sleep(latency).await;
+        shared.ledger().answering -= 1;
+    }
     let key = match idempotency_key(&headers) {
         Ok(k) => k,
         Err(refusal) => return *refusal,

@@ -151,6 +151,11 @@ pub(crate) struct Ledger {
     pub(crate) unauthorized_requests: u32,
     pub(crate) ignore_minimums: bool,
     pub(crate) clock_offset_secs: u64,
+    /// How long a create request waits before it is handled (zero: none).
+    pub(crate) latency: std::time::Duration,
+    /// Create requests waiting out `latency` now, and the most at once.
+    pub(crate) answering: usize,
+    pub(crate) most_answering: usize,
 }
 
 impl Ledger {

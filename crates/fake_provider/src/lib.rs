@@ -351,6 +351,19 @@ impl FakeProvider {
         self.shared.ledger().unauthorized_requests
     }
 
+    /// Every create request waits this long before it is handled, as over a
+    /// network; zero (the default) answers at once.
+    pub fn set_latency(&self, latency: std::time::Duration) {
+        self.shared.ledger().latency = latency;
+    }
+
+    /// The most create requests that were waiting out the latency at once
+    /// (see [`set_latency`](Self::set_latency)): how many calls a client had
+    /// open together.
+    pub fn most_at_once(&self) -> usize {
+        self.shared.ledger().most_answering
+    }
+
     /// Requests that are executing or hanging now.
     pub fn in_flight(&self) -> usize {
         self.shared.ledger().in_flight.len()

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use db::{Row, Tx};
 use futures::future::BoxFuture;
 use scheduler::Payload;
+use tokio::sync::Semaphore;
 
 /// What dunning asks of whoever charges invoices (billing).
 pub trait Collector: fmt::Debug + Send + Sync {
@@ -54,13 +55,15 @@ pub trait Collector: fmt::Debug + Send + Sync {
     /// The second half: the calls (at most `concurrency` at once; none
     /// started after `deadline` or once `cancelled` says so, each such
     /// attempt left unknown with [`NOT_SENT`]), then every answer settled.
+    /// Each call holds one of `calls`' permits: the caller's bound on calls at
+    /// once, shared by its batches in flight (docs/adr/0054).
     /// Per started retry: what it came to, or its panic. A refused key is
     /// [`Error::ProviderKeyRejected`] for its row, and the batch's other
     /// calls are not made.
     fn finish_retries<'a>(
         &'a self,
         started: Vec<StartedRetry>,
-        concurrency: usize,
+        calls: &'a Semaphore,
         deadline: Instant,
         cancelled: &'a (dyn Fn() -> bool + Sync),
         step: &'a (dyn Fn(&StartedRetry) -> String + Sync),

@@ -24,6 +24,8 @@
 //!             the role's wake listens, or it is busy and this claim found work,
 //!             or it probes (idle_probe) → loop (kept open)
 //!             else ───────────────────────────────────────▶ Stop::Drained    → ²
+//!   role.finish(…): batches still in flight written (guarded; an error fails
+//!   a drained or budget-stopped tick, a panic is raised at the end)
 //!   role.end_tick(tick); one log line if anything was claimed; Panics::finish()
 //! ```
 //!
@@ -85,7 +87,7 @@ pub async fn drive_until<R: FencedBatches>(
     let mut idle = Idle::of(role);
     // The last claim came back short: the queue was drained.
     let mut drained = false;
-    let stop = loop {
+    let mut stop = loop {
         if tick.cancel.is_cancelled() {
             break Stop::Cancelled;
         }
@@ -137,6 +139,25 @@ pub async fn drive_until<R: FencedBatches>(
             break Stop::Drained;
         }
     };
+    // Batches the role still has in flight (FencedBatches::finish) are
+    // written before the tick ends, whatever stopped it.
+    match catch(
+        format!("{name}/finish"),
+        role.finish(&mut panics, &mut counts),
+    )
+    .await
+    {
+        Err(payload) => {
+            panics.record(payload);
+            if !matches!(stop, Stop::Failed(_) | Stop::Cancelled) {
+                stop = Stop::Panicked;
+            }
+        }
+        Ok(Err(error)) if matches!(stop, Stop::Drained | Stop::Budget) => {
+            stop = Stop::Failed(error.to_string());
+        }
+        Ok(_) => {}
+    }
     // A drained tick that listened or probed, or that found work in a role
     // that asks for it, is due again at once (docs/adr/0014, 0019); else
     // after the interval.

@@ -135,6 +135,23 @@ pub trait FencedBatches: Sync {
         async { Ok(true) }
     }
 
+    /// After the last batch, before [`end_tick`](Self::end_tick): a role
+    /// whose `run` returns while its batch is still calling or settling (it
+    /// overlaps a batch's provider calls with the next claim, docs/adr/0054)
+    /// waits for those batches here and counts them, so a tick ends only
+    /// when every batch it claimed is written. Run under the panic guard; an
+    /// error fails the tick as a batch's would. Default: nothing in flight.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run), for a batch finished here.
+    fn finish(
+        &self,
+        _panics: &mut Panics,
+        _counts: &mut Self::Counts,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        async { Ok(()) }
+    }
+
     /// After the last batch, before the log line (gauges, caches).
     fn end_tick(&self, _tick: &Tick) -> impl Future<Output = ()> + Send {
         async {}

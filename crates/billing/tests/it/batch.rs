@@ -46,6 +46,44 @@ async fn status_of(db: &Db, table: &'static str, invoice: i64) -> String {
 /// one with `invoice.paid`, `payment.succeeded` and its receipt, the declined
 /// one with `payment.failed` and its email, the unknown one with nothing but
 /// its reason; one charge at the provider.
+/// Auto-charge keeps three batches in flight (docs/adr/0054): a batch's
+/// calls and settle run while the next batches are claimed. The tick still
+/// ends only when every batch it claimed is settled and counted, and all
+/// of them together make no more calls at once than `charge_concurrency`.
+///
+/// Mutations, each seen failing: `finish` returning without waiting
+/// (`AutoCharge::finish` a no-op: the last batches' charges are neither
+/// counted nor settled when the tick returns), and the shared permits not
+/// taken (`call_all` acquiring none: up to 6 calls at once, three batches
+/// of two).
+#[tokio::test]
+async fn overlapping_charge_batches_settle_before_the_tick_ends_within_the_call_bound() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    // Slow enough that the batches' calls overlap if nothing bounds them.
+    p.set_latency(Duration::from_millis(40));
+    let inv = open_invoices(&t.db, 40).await;
+    // Batches of 2 × 8 = 16 invoices: three batches, all in flight at once.
+    let (b, _) = biller(
+        &t.db,
+        BillingConfig {
+            charge_concurrency: 2,
+            ..charging(&p)
+        },
+    );
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 40, "{report:?}");
+    assert_eq!(p.total_charges(), 40);
+    for (invoice, _) in &inv {
+        assert_eq!(status_of(&t.db, "invoices", *invoice).await, "paid");
+    }
+    assert_eq!(
+        p.most_at_once(),
+        2,
+        "calls at once across the batches in flight"
+    );
+}
+
 #[tokio::test]
 async fn one_batch_settles_a_paid_a_declined_and_an_unknown_charge_each_as_alone() {
     let t = TestDb::new().await;
@@ -144,7 +182,7 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     let done = b
         .finish_retries(
             started,
-            4,
+            &tokio::sync::Semaphore::new(4),
             far,
             || false,
             |s| format!("test {}", s.claim.invoice_id),
