@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use db::{Row, sql};
+use dunning::DunningConfig;
 use fake_provider::{Behaviour, FakeProvider};
 use futures::FutureExt;
 use leader::{Manager, Role, Telemetry};
@@ -19,6 +20,45 @@ use crate::{
 };
 
 const CALL: Duration = Duration::from_secs(5);
+
+/// Dunning keeps three retry batches in flight (docs/adr/0054): a batch's
+/// calls and settle run while the next batches are listed. Each run is
+/// still retried once, the tick counts every batch before it ends, and the
+/// batches together make no more calls at once than `concurrency`.
+///
+/// Mutations, each seen failing: the listing not leaving out the runs of the
+/// batches in flight (`in_flight_listed`: a run listed again while its batch
+/// still runs loses its compare-and-set), and the calls taking no permit
+/// (`call_permits` in billing: more than 2 at once).
+#[tokio::test]
+async fn overlapping_retry_batches_retry_each_run_once_within_the_call_bound() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    // Slow enough that the batches overlap.
+    p.set_latency(Duration::from_millis(30));
+    policy(&t.db, "tenant_a", 2, "cancel_subscription").await;
+    let mut invoices = Vec::new();
+    for _ in 0..24 {
+        invoices.push(declined_invoice(&t.db, "tenant_a").await.invoice);
+    }
+    let (d, _) = dunner(
+        &t.db,
+        &p,
+        CALL,
+        DunningConfig {
+            batch_size: 4,
+            concurrency: 2,
+            ..config()
+        },
+    );
+    let r = tick(&t.db, &d).await;
+    assert_eq!((r.tally.recovered, r.tally.lost), (24, 0), "{r:?}");
+    assert_eq!(p.total_charges(), 24);
+    for invoice in invoices {
+        assert_eq!(run_of(&t.db, invoice).await, ("recovered".to_owned(), 1));
+    }
+    assert_eq!(p.most_at_once(), 2, "calls at once across the batches");
+}
 
 /// A tenant without a policy gets the built-in default at its first
 /// enrolment; each invoice is enrolled once, however many ticks see it.
