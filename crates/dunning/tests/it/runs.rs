@@ -26,10 +26,13 @@ const CALL: Duration = Duration::from_secs(5);
 /// still retried once, the tick counts every batch before it ends, and the
 /// batches together make no more calls at once than `concurrency`.
 ///
-/// Mutations, each seen failing: the listing not leaving out the runs of the
-/// batches in flight (`in_flight_listed`: a run listed again while its batch
-/// still runs loses its compare-and-set), and the calls taking no permit
-/// (`call_permits` in billing: more than 2 at once).
+/// Mutations: the calls taking no permit (`call_permits_dunning`: 9 at once)
+/// and `finish` waiting for nothing (`dunning_finish`) were seen failing it.
+/// Not pinned: the listing leaving out the runs of the batches in flight.
+/// With it removed this test still passed three times (a batch's first
+/// transaction commits before the next listing reads, here); a run listed
+/// twice would lose its compare-and-set on the attempt count and be counted
+/// lost, never charged twice.
 #[tokio::test]
 async fn overlapping_retry_batches_retry_each_run_once_within_the_call_bound() {
     let t = TestDb::new().await;
