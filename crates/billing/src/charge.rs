@@ -194,25 +194,31 @@ impl<'a> AutoCharge<'a> {
         q.drain(..n).collect()
     }
 
-    /// Count a finished batch into the tick's; its error is the batch's
-    /// verdict on the provider. A batch whose task panicked outside its
-    /// guarded calls panics here, as it would have in `run`.
+    /// Wait for finished batches and count them into the tick's; the first
+    /// error is the verdict on the provider. A batch whose task panicked
+    /// outside its guarded calls panics here, as it would have in `run`.
     async fn collect(
-        handle: JoinHandle<BatchDone>,
+        batches: Vec<JoinHandle<BatchDone>>,
         panics: &mut Panics,
         tally: &mut ChargeTally,
     ) -> Result<(), Error> {
-        let done = match handle.await {
-            Ok(done) => done,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Only when the runtime shuts down under it.
-            Err(e) => panic!("charge batch task ended without finishing: {e}"),
-        };
-        tally.add(&done.tally);
-        for payload in done.panics {
-            panics.record(payload);
+        let mut verdict = Ok(());
+        for handle in batches {
+            let done = match handle.await {
+                Ok(done) => done,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // Only when the runtime shuts down under it.
+                Err(e) => panic!("charge batch task ended without finishing: {e}"),
+            };
+            tally.add(&done.tally);
+            for payload in done.panics {
+                panics.record(payload);
+            }
+            if verdict.is_ok() {
+                verdict = done.verdict;
+            }
         }
-        done.verdict
+        verdict
     }
 }
 
@@ -299,25 +305,11 @@ impl FencedBatches for AutoCharge<'_> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(task);
-        let mut verdict = Ok(());
-        for oldest in self.take(false) {
-            let v = Self::collect(oldest, panics, tally).await;
-            if verdict.is_ok() {
-                verdict = v;
-            }
-        }
-        verdict
+        Self::collect(self.take(false), panics, tally).await
     }
 
     async fn finish(&self, panics: &mut Panics, tally: &mut ChargeTally) -> Result<(), Error> {
-        let mut verdict = Ok(());
-        for batch in self.take(true) {
-            let v = Self::collect(batch, panics, tally).await;
-            if verdict.is_ok() {
-                verdict = v;
-            }
-        }
-        verdict
+        Self::collect(self.take(true), panics, tally).await
     }
 }
 
