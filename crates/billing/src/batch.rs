@@ -56,6 +56,28 @@ macro_rules! chargeable_invoice {
 }
 pub(crate) use chargeable_invoice;
 
+/// An attempt's Idempotency-Key in SQL, as `provider::idempotency_key`
+/// computes it (a charge test pins that the two agree): `$inst` the
+/// deployment's instance (a text parameter), `$inv` the invoice's alias (its
+/// `id` and `created_at`), `$seq` the attempt sequence.
+macro_rules! attempt_key {
+    ($inst:literal, $inv:literal, $seq:literal) => {
+        concat!(
+            "'hc:' || ",
+            $inst,
+            "::text || ':invoice:' || ",
+            $inv,
+            ".id || ':' \
+             || (extract(epoch FROM ",
+            $inv,
+            ".created_at) * 1000000)::bigint \
+             || ':attempt:' || ",
+            $seq
+        )
+    };
+}
+pub(crate) use attempt_key;
+
 /// How a charge's answer was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
@@ -84,7 +106,9 @@ pub enum Answer {
 /// as `webhook_delivery`'s outcome statement does, docs/adr/0023).
 pub(crate) const OPEN: &str = "open";
 
-/// The statement of [`start_attempts_in`]; `pub` only for the plan test
+/// The statement of [`start_attempts_in`], the single charge's attempt
+/// ([`crate::Biller::charge`]; a batch claim writes its attempts itself,
+/// docs/adr/0055); `pub` only for the plan test
 /// (`tests/it/plans.rs`). Run in a `begin_index_driven` transaction, it
 /// reaches each invoice of the batch by its primary key; planned freely it
 /// read the claims index whole (every invoice the tick had claimed) for each
@@ -93,14 +117,14 @@ pub(crate) const OPEN: &str = "open";
 /// invoices never attempted (docs/adr/0050). The claim's expiry is compared
 /// through `coalesce`, as in the settle, so no partial index drives the loop
 /// on statistics gathered while nothing was claimed (docs/adr/0053).
-pub const START_ATTEMPTS: &str = "WITH started AS ( \
+pub const START_ATTEMPTS: &str = concat!(
+    "WITH started AS ( \
      INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
                                    amount, currency, provider_customer_id, \
                                    payment_method_id) \
-     SELECT i.tenant_id, i.id, u.seq, \
-            'hc:' || $3::text || ':invoice:' || i.id || ':' \
-            || (extract(epoch FROM i.created_at) * 1000000)::bigint \
-            || ':attempt:' || u.seq, \
+     SELECT i.tenant_id, i.id, u.seq, ",
+    attempt_key!("$3", "i", "u.seq"),
+    ", \
             i.amount, i.currency, u.customer, u.card \
      FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[], $7::text[]) \
           AS u(invoice_id, seq, claimed_by, customer, card, was) \
@@ -114,7 +138,8 @@ pub const START_ATTEMPTS: &str = "WITH started AS ( \
        UPDATE invoices i SET attempt_count = i.attempt_count + 1 \
        FROM started WHERE i.id = started.invoice_id \
      ) \
-     SELECT id, invoice_id, idempotency_key FROM started";
+     SELECT id, invoice_id, idempotency_key FROM started"
+);
 
 /// Record `attempts` (claim, attempt sequence) as `unknown`, before their
 /// calls, with one statement in the caller's transaction: each only while

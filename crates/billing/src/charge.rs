@@ -9,7 +9,8 @@
 //!  claim ≤ batch invoices   status open, automatic, lease free or expired, no attempt,
 //!                           AND leader_fence('billing', $token) → lease = now() + charge_lease
 //!  INSERT attempt 1 (unknown, key = (invoice, 1))   only while the claim holds it
-//!                           (the batch: in the claim's transaction, one statement)
+//!                           (the batch: the claim's own statement, which leases and
+//!                           counts only the invoices whose attempt it wrote)
 //!  POST /v1/payment_intents with that Idempotency-Key   (each under the panic guard)
 //!      succeeded ─▶ invoice open → paid (claim still ours), attempt → succeeded,
 //!                   invoice.paid + payment.succeeded + receipt email        (one transaction)

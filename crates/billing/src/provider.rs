@@ -110,7 +110,7 @@ impl ProviderConfig {
 /// invoice id handed out again) differ from the one the provider remembers;
 /// the instance keeps two installs on one provider account apart. Billing
 /// computes the same key in SQL when it writes the attempt
-/// (`batch::start_attempts_in`); a charge test pins that the two agree.
+/// (`batch::attempt_key!`); a charge test pins that the two agree.
 pub fn idempotency_key(
     instance: &str,
     invoice_id: i64,

@@ -30,7 +30,7 @@ use std::time::Instant;
 use db::{Row, sql};
 use scheduler::Payload;
 
-use crate::batch::{self, Answer, chargeable_invoice};
+use crate::batch::{self, Answer, attempt_key, chargeable_invoice};
 use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
@@ -38,43 +38,64 @@ use crate::{Biller, Error};
 pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 
 /// The statement of [`start_retries_in`]; `pub` only for the plan test
-/// (`tests/it/plans.rs`). Dunning runs it in a `begin_index_driven`
-/// transaction, so each wanted invoice is reached by its key; planned freely
-/// it read `invoices` whole (issue 29, point 3).
+/// (`tests/it/plans.rs`). One statement locks each wanted invoice that is
+/// chargeable now, writes its next attempt (as `unknown`, key of instance
+/// `$4`, under the (invoice, attempt) unique key), and sets the lease (`$3`
+/// seconds, the caller's holder) and raises `attempt_count` of exactly the
+/// invoices whose attempt was written, in one new version of each
+/// (docs/adr/0055, as auto-charge's `CLAIM_AND_START`). Dunning runs it in a
+/// `begin_index_driven` transaction, so each wanted invoice is reached by its
+/// key; planned freely it read `invoices` whole (issue 29, point 3).
 pub const START_RETRIES: &str = concat!(
     "WITH u AS ( \
-                   SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
-                 ), picked AS ( \
-                   SELECT i.id, u.claimed_by FROM invoices i \
-                   JOIN u ON u.invoice_id = i.id \
-                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE ",
+       SELECT * FROM unnest($1::bigint[], $2::text[]) AS u(invoice_id, claimed_by) \
+     ), picked AS ( \
+       SELECT i.id, u.claimed_by, i.tenant_id, i.created_at, i.amount, i.currency, \
+              c.provider_customer_id, c.payment_method_id, \
+              (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
+               WHERE a.invoice_id = i.id) AS seq \
+       FROM invoices i \
+       JOIN u ON u.invoice_id = i.id \
+       JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+       JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+       WHERE ",
     chargeable_invoice!(),
     "\
-                     AND i.review_since IS NULL \
-                     AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
-                                     WHERE a.invoice_id = i.id \
-                                       AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
-                   FOR UPDATE OF i SKIP LOCKED \
-                 ), claimed AS ( \
-                   UPDATE invoices i \
-                   SET auto_charge_claimed_until = now() + make_interval(secs => $3), \
-                       auto_charge_claimed_by = picked.claimed_by \
-                   FROM picked WHERE i.id = picked.id \
-                   RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
-                             i.auto_charge_claimed_by, i.number \
-                 ) \
-                 SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
-                        k.auto_charge_claimed_by, k.number, \
-                        (SELECT ts.email_from FROM tenant_settings ts \
-                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
-                        c.email, c.provider_customer_id, c.payment_method_id, \
-                        (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
-                         WHERE a.invoice_id = k.id) AS next_seq \
-                 FROM claimed k \
-                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id"
+         AND i.review_since IS NULL \
+         AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                         WHERE a.invoice_id = i.id \
+                           AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
+       FOR UPDATE OF i SKIP LOCKED \
+     ), started AS ( \
+       INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                     amount, currency, provider_customer_id, \
+                                     payment_method_id) \
+       SELECT p.tenant_id, p.id, p.seq, ",
+    attempt_key!("$4", "p", "p.seq"),
+    ", \
+              p.amount, p.currency, p.provider_customer_id, p.payment_method_id \
+       FROM picked p \
+       ON CONFLICT DO NOTHING \
+       RETURNING id, invoice_id, attempt_seq, idempotency_key \
+     ), claimed AS ( \
+       UPDATE invoices i \
+       SET auto_charge_claimed_until = now() + make_interval(secs => $3), \
+           auto_charge_claimed_by = p.claimed_by, \
+           attempt_count = i.attempt_count + 1 \
+       FROM started st JOIN picked p ON p.id = st.invoice_id \
+       WHERE i.id = st.invoice_id \
+       RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, \
+                 i.auto_charge_claimed_by, i.number, \
+                 st.id AS attempt_id, st.attempt_seq, st.idempotency_key \
+     ) \
+     SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, \
+            k.auto_charge_claimed_by, k.number, k.attempt_id, k.attempt_seq, k.idempotency_key, \
+            (SELECT ts.email_from FROM tenant_settings ts \
+             WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
+            c.email, c.provider_customer_id, c.payment_method_id \
+     FROM claimed k \
+     JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id"
 );
 
 /// The body of [`Biller::start_retries_in`].
@@ -101,29 +122,32 @@ pub(crate) async fn start_retries_in(
                         .map(|w| w.claimed_by.clone())
                         .collect::<Vec<_>>(),
                 )
-                .bind(c.charge_lease.as_secs_f64()),
+                .bind(c.charge_lease.as_secs_f64())
+                .bind(c.instance_id.clone()),
         )
         .await?;
-    let mut attempts = Vec::with_capacity(rows.len());
+    let mut started: HashMap<i64, StartedRetry> = HashMap::with_capacity(rows.len());
     for r in &rows {
         let by: String = r
             .try_get("auto_charge_claimed_by")
             .map_err(db::Error::from)?;
         let claim = ChargeClaim::decode(r, by)?;
-        let seq: i32 = r.try_get("next_seq").map_err(db::Error::from)?;
-        attempts.push((claim, seq));
+        started.insert(
+            claim.invoice_id,
+            StartedRetry {
+                claim,
+                attempt_id: r.try_get("attempt_id").map_err(db::Error::from)?,
+                attempt_seq: r.try_get("attempt_seq").map_err(db::Error::from)?,
+                key: r.try_get("idempotency_key").map_err(db::Error::from)?,
+                first_send: true,
+            },
+        );
     }
-    let started = batch::start_attempts_in(tx, &attempts, &c.instance_id).await?;
-    let claimed: HashMap<i64, ()> = attempts.iter().map(|(c, _)| (c.invoice_id, ())).collect();
-    let mut started: HashMap<i64, StartedRetry> = started
-        .into_iter()
-        .map(|s| (s.claim.invoice_id, s))
-        .collect();
     // Why the others were not claimed: the invoice closed, or held.
     let unclaimed: Vec<i64> = ids
         .iter()
         .copied()
-        .filter(|id| !claimed.contains_key(id))
+        .filter(|id| !started.contains_key(id))
         .collect();
     let mut closed: HashMap<i64, String> = HashMap::new();
     if !unclaimed.is_empty() {
@@ -144,7 +168,6 @@ pub(crate) async fn start_retries_in(
         .iter()
         .map(|w| match started.remove(&w.invoice_id) {
             Some(s) => Ok(s),
-            None if claimed.contains_key(&w.invoice_id) => Err(NotCharged::ClaimLost),
             None => Err(match closed.remove(&w.invoice_id) {
                 Some(status) => NotCharged::InvoiceClosed { status },
                 None => NotCharged::Held,

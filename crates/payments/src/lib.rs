@@ -198,8 +198,6 @@ pub enum NotCharged {
     /// The invoice is open but not chargeable now: another claim holds it, an
     /// attempt's outcome is still unknown, collection is paused, no saved card.
     Held,
-    /// The claim was lost before the attempt was written.
-    ClaimLost,
     /// No provider is configured.
     NoProvider,
 }

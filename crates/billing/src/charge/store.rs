@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use db::{Db, sql};
+use db::{Db, Row, sql};
 use leader::Fence;
 
 use crate::batch::ChargeClaim;
-use crate::batch::chargeable_invoice;
+use crate::batch::{attempt_key, chargeable_invoice};
 
 /// The fenced auto-charge funnel: up to `limit` open automatic invoices that
 /// have never been attempted, whose customer has a saved card and whose
@@ -32,10 +32,9 @@ pub(crate) async fn claim_charges(
     Ok(claims)
 }
 
-/// [`claim_charges`] and, in the same transaction, attempt 1 of every
-/// invoice claimed (`batch::start_attempts_in`): the batch's claims and
-/// attempts with two statements. Only a claimed invoice whose attempt was
-/// written is returned; the call may be made for it.
+/// The batch's claims and their first attempts with one statement
+/// ([`CLAIM_AND_START`]): only a claimed invoice whose attempt was written is
+/// returned; the call may be made for it.
 pub(crate) async fn claim_and_start(
     db: &Db,
     fence: &Fence,
@@ -44,40 +43,114 @@ pub(crate) async fn claim_and_start(
     (lease, instance): (Duration, &str),
     statement_timeout: Duration,
 ) -> Result<Vec<crate::batch::Started>, db::Error> {
-    // Index-driven (docs/adr/0023): the attempts' insert reaches each claimed
-    // invoice by its key (`batch::START_ATTEMPTS`).
+    // Index-driven (docs/adr/0023): the claim's update reaches each invoice
+    // whose attempt was written by its key.
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
-    let attempts: Vec<(ChargeClaim, i32)> = claims
-        .into_iter()
-        .map(|c| (c, crate::charge::AUTO_CHARGE_ATTEMPT))
-        .collect();
-    let started = crate::batch::start_attempts_in(&mut tx, &attempts, instance).await?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = tx
+        .fetch_all(
+            sql(CLAIM_AND_START)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64())
+                .bind(claimed_by.to_owned())
+                .bind(instance.to_owned())
+                .bind(crate::charge::AUTO_CHARGE_ATTEMPT),
+        )
+        .await?;
     tx.commit().await?;
-    Ok(started)
+    rows.iter()
+        .map(|r| {
+            Ok(crate::batch::Started {
+                claim: ChargeClaim::decode(r, claimed_by.to_owned())?,
+                attempt_id: r.try_get("attempt_id")?,
+                attempt_seq: crate::charge::AUTO_CHARGE_ATTEMPT,
+                key: r.try_get("idempotency_key")?,
+                first_send: true,
+            })
+        })
+        .collect()
 }
 
-/// The charge claim's statement; `pub` only for the plan test
-/// (`tests/it/plans.rs`). `i.attempt_count = 0` is what lets it walk
-/// `invoices_charge_pending`, the open automatic invoices never attempted,
-/// so a claim reads the invoices it can take and not the ones earlier
-/// batches claimed or dunning waits on (docs/adr/0050); the `NOT EXISTS` on
-/// the attempts stays the rule itself.
+/// The fenced funnel both charge claims lock their invoices with: open
+/// automatic invoices never attempted, whose lease is free or expired, in id
+/// order, `$3` at most, `$1`/`$2` the fence. `i.attempt_count = 0` is what
+/// lets it walk `invoices_charge_pending`, the open automatic invoices never
+/// attempted, so a claim reads the invoices it can take and not the ones
+/// earlier batches claimed or dunning waits on (docs/adr/0050); the `NOT
+/// EXISTS` on the attempts stays the rule itself.
+macro_rules! charge_funnel {
+    () => {
+        concat!(
+            "SELECT i.id, i.tenant_id, i.created_at, i.amount, i.currency, \
+                    c.provider_customer_id, c.payment_method_id \
+             FROM invoices i \
+             JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+             JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+             WHERE ",
+            chargeable_invoice!(),
+            "\
+               AND i.attempt_count = 0 \
+               AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
+               AND leader_fence($1, $2) \
+             ORDER BY i.id \
+             LIMIT $3 \
+             FOR UPDATE OF i SKIP LOCKED "
+        )
+    };
+}
+
+/// Auto-charge's batch claim (docs/adr/0055); `pub` only for the plan test
+/// (`tests/it/plans.rs`). One statement locks the funnel's invoices, writes
+/// attempt `$7` of each (as `unknown`, key of instance `$6`, under the
+/// (invoice, attempt) unique key), and sets the lease (`$4` seconds, holder
+/// `$5`) and raises `attempt_count` of exactly the invoices whose attempt was
+/// written, in one new version of each: the invoice is claimed and counted
+/// together, never one without the other. An invoice the funnel locked whose
+/// attempt already existed is neither claimed nor returned.
+pub const CLAIM_AND_START: &str = concat!(
+    "WITH picked AS ( ",
+    charge_funnel!(),
+    "), started AS ( \
+       INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                     amount, currency, provider_customer_id, \
+                                     payment_method_id) \
+       SELECT p.tenant_id, p.id, $7::int4, ",
+    attempt_key!("$6", "p", "$7::int4"),
+    ", \
+              p.amount, p.currency, p.provider_customer_id, p.payment_method_id \
+       FROM picked p \
+       ON CONFLICT DO NOTHING \
+       RETURNING id, invoice_id, idempotency_key \
+     ), claimed AS ( \
+       UPDATE invoices i \
+       SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+           auto_charge_claimed_by = $5, \
+           attempt_count = i.attempt_count + 1 \
+       FROM started WHERE i.id = started.invoice_id \
+       RETURNING i.id, i.tenant_id, i.subscription_id, i.amount, i.currency, i.number, \
+                 started.id AS attempt_id, started.idempotency_key \
+     ) \
+     SELECT k.id, k.tenant_id, k.subscription_id, k.amount, k.currency, k.number, \
+            k.attempt_id, k.idempotency_key, \
+            c.email, c.provider_customer_id, c.payment_method_id, \
+            (SELECT ts.email_from FROM tenant_settings ts \
+             WHERE ts.tenant_id = k.tenant_id) AS tenant_from \
+     FROM claimed k \
+     JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+     ORDER BY k.id"
+);
+
+/// The single charge claim ([`claim_charges`], [`crate::Biller::charge`]'s
+/// first half): the funnel's invoices leased, their attempts written by a
+/// later statement (`batch::START_ATTEMPTS`); `pub` only for the plan test
+/// (`tests/it/plans.rs`).
 pub const CLAIM_CHARGES: &str = concat!(
-    "WITH picked AS ( \
-            SELECT i.id FROM invoices i \
-            JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-            JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-            WHERE ",
-    chargeable_invoice!(),
-    "\
-              AND i.attempt_count = 0 \
-              AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
-              AND leader_fence($1, $2) \
-            ORDER BY i.id \
-            LIMIT $3 \
-            FOR UPDATE OF i SKIP LOCKED \
-          ), claimed AS ( \
+    "WITH picked AS ( ",
+    charge_funnel!(),
+    "), claimed AS ( \
             UPDATE invoices i \
             SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
                 auto_charge_claimed_by = $5 \

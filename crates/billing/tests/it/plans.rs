@@ -10,7 +10,7 @@ use leader::Role;
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{CLAIM_CHARGES, SETTLE, START_ATTEMPTS, START_RETRIES};
+use billing::statements::{CLAIM_AND_START, CLAIM_CHARGES, SETTLE, START_ATTEMPTS, START_RETRIES};
 
 use crate::{as_leader, due_monthly, manager};
 
@@ -228,6 +228,7 @@ async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
         s.bind(invoices)
             .bind(vec!["dunning:plan".to_owned(); BATCH])
             .bind(300.0_f64)
+            .bind("plan-test")
     })
     .await;
     assert!(
@@ -239,13 +240,15 @@ async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
     }
 }
 
-/// Guard: `i.attempt_count = 0` in the charge claim, which lets it walk
-/// `invoices_charge_pending` (docs/adr/0050). Beside the 12,800 invoices
-/// earlier batches claimed and attempted, 1,000 were never attempted; the
-/// claim, run for real as the leader (EXPLAIN ANALYZE, rolled back), reads
-/// 256 invoices for its 256 and drops none. Seen failing with the predicate
-/// removed (mutation `charge_pending` in scripts/mutation-check): the claim
-/// walks `invoices_open_automatic` and drops the 12,800 by filter.
+/// Guard: `i.attempt_count = 0` in the charge funnel, which lets both
+/// charge claims walk `invoices_charge_pending` (docs/adr/0050). Beside the
+/// 12,800 invoices earlier batches claimed and attempted, 1,000 were never
+/// attempted; each claim, run for real as the leader (EXPLAIN ANALYZE, rolled
+/// back), reads 256 invoices for its 256 and drops none, and the batch claim
+/// (`CLAIM_AND_START`) reaches each invoice it leases by its key. Seen failing
+/// with the predicate removed (mutation `charge_pending` in
+/// scripts/mutation-check): the claims walk `invoices_open_automatic` and
+/// drop the 12,800 by filter.
 #[tokio::test]
 async fn a_charge_claim_reads_only_invoices_it_can_claim() {
     let t = TestDb::new().await;
@@ -263,39 +266,54 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
     .execute(&mut su)
     .await
     .unwrap();
-    let db = t.db.clone();
-    let plan = as_leader(&manager(&t.db, "plan"), Role::Billing, |tick| async move {
-        let text: &'static str =
-            format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {CLAIM_CHARGES}").leak();
-        let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
-        let rows = tx
-            .fetch_all(
-                sql(text)
-                    .bind(tick.fence.role_name())
-                    .bind(tick.fence.token())
-                    .bind(BATCH as i64)
-                    .bind(300.0_f64)
-                    .bind("c2".to_owned()),
-            )
-            .await
-            .unwrap();
-        tx.rollback().await.unwrap();
-        rows.iter()
-            .map(|r| r.get::<String, _>(0))
-            .collect::<Vec<_>>()
-            .join("\n")
-    })
-    .await;
-    let scan = plan
-        .lines()
-        .position(|l| l.contains("on invoices i "))
-        .map(|n| plan.lines().skip(n).take(3).collect::<Vec<_>>().join("\n"))
-        .unwrap_or_else(|| panic!("no scan of invoices i in\n{plan}"));
-    assert!(
-        scan.contains(
-            "Index Scan using invoices_charge_pending on invoices i (actual rows=256 loops=1)"
-        ),
-        "{scan}\n\nin\n{plan}"
-    );
-    assert!(!scan.contains("Rows Removed"), "{scan}\n\nin\n{plan}");
+    for (name, statement) in [("single", CLAIM_CHARGES), ("batch", CLAIM_AND_START)] {
+        let db = t.db.clone();
+        let plan = as_leader(&manager(&t.db, name), Role::Billing, |tick| async move {
+            let text: &'static str =
+                format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {statement}").leak();
+            let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
+            let mut q = sql(text)
+                .bind(tick.fence.role_name())
+                .bind(tick.fence.token())
+                .bind(BATCH as i64)
+                .bind(300.0_f64)
+                .bind("c2".to_owned());
+            if statement == CLAIM_AND_START {
+                q = q.bind("plan-test".to_owned()).bind(1_i32);
+            }
+            let rows = tx.fetch_all(q).await.unwrap();
+            tx.rollback().await.unwrap();
+            rows.iter()
+                .map(|r| r.get::<String, _>(0))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .await;
+        let scan = plan
+            .lines()
+            .position(|l| l.contains("on invoices i ") && l.contains("invoices_charge_pending"))
+            .map(|n| plan.lines().skip(n).take(3).collect::<Vec<_>>().join("\n"))
+            .unwrap_or_else(|| panic!("{name}: no scan of invoices_charge_pending in\n{plan}"));
+        assert!(
+            scan.contains(
+                "Index Scan using invoices_charge_pending on invoices i (actual rows=256 loops=1)"
+            ),
+            "{name}: {scan}\n\nin\n{plan}"
+        );
+        assert!(
+            !scan.contains("Rows Removed"),
+            "{name}: {scan}\n\nin\n{plan}"
+        );
+        assert!(!plan.contains("Seq Scan"), "{name}: {plan}");
+        if statement == CLAIM_AND_START {
+            // The update's own alias of `invoices` (`i_1`) is Postgres's choice.
+            assert!(
+                plan.lines().any(
+                    |l| l.contains("Index Scan using invoices_pkey on invoices i")
+                        && l.contains("(actual rows=1 loops=256)")
+                ),
+                "{name}: {plan}"
+            );
+        }
+    }
 }
