@@ -10,7 +10,9 @@ use leader::Role;
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{CLAIM_AND_START, CLAIM_CHARGES, SETTLE, START_ATTEMPTS, START_RETRIES};
+use billing::statements::{
+    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_RETRIES, SETTLE, START_ATTEMPTS, START_RETRIES,
+};
 
 use crate::{as_leader, due_monthly, manager};
 
@@ -217,26 +219,44 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
     }
 }
 
-/// Guard: the settings of `begin_index_driven` (dunning's charge
-/// transaction). Seen failing with the EXPLAIN planned freely: a Seq Scan of
-/// `invoices` hashed against the wanted batch.
+/// Dunning's retry claim, both statements: the attempts (`START_RETRIES`) and
+/// the leases (`CLAIM_RETRIES`). Guards: the settings of `begin_index_driven`
+/// (dunning's charge transaction; seen failing with the EXPLAIN planned
+/// freely: a Seq Scan of `invoices` hashed against the wanted batch), and the
+/// leases joined to the batch's unnested holders by key (seen failing with
+/// the join key hidden from the index, `i.id + 0`: a Seq Scan of `invoices`
+/// and a Join Filter, mutation `claim_retries_key` in scripts/mutation-check;
+/// the first shape of this change, one statement whose update took each
+/// holder from the locking CTE, made the dunning benchmark 15 % slower,
+/// docs/adr/0055). Not pinned, because it does not hold: on this
+/// never-analyzed fixture the attempts statement's locking loop is driven
+/// from `invoices_open_automatic`, the batch joined by a filter (docs/adr/0055).
 #[tokio::test]
 async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
     let t = TestDb::new().await;
     let (invoices, _) = claimed(&t).await;
-    let plan = explain_index_driven(&t.db, START_RETRIES, move |s| {
+    let attempts = {
+        let invoices = invoices.clone();
+        explain_index_driven(&t.db, START_RETRIES, move |s| {
+            s.bind(invoices).bind("plan-test")
+        })
+        .await
+    };
+    let claims = explain_index_driven(&t.db, CLAIM_RETRIES, move |s| {
         s.bind(invoices)
             .bind(vec!["dunning:plan".to_owned(); BATCH])
             .bind(300.0_f64)
-            .bind("plan-test")
     })
     .await;
-    assert!(
-        plan.contains("Index Scan using invoices_pkey on invoices i"),
-        "{plan}"
-    );
     for absent in ["Bitmap", "Seq Scan", "Hash"] {
-        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+        assert!(!attempts.contains(absent), "{absent} in\n{attempts}");
+    }
+    assert!(
+        claims.contains("Index Scan using invoices_pkey on invoices i"),
+        "{claims}"
+    );
+    for absent in ["Bitmap", "Seq Scan", "Hash", "Join Filter"] {
+        assert!(!claims.contains(absent), "{absent} in\n{claims}");
     }
 }
 
