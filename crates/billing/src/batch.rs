@@ -45,13 +45,24 @@ use crate::provider::{ChargeOutcome, PaymentRequest, Provider};
 /// or expired, collection not paused, a saved payment method. Auto-charge's
 /// claim and dunning's retry claim both select by it (each adds which
 /// attempts it tolerates), so the rule is written once and cannot drift. A
-/// string literal for `concat!`, ending in a space.
+/// string literal for `concat!`, ending in a space. With an argument, the
+/// status `open` is compared to that SQL expression instead of the literal:
+/// a statement that reaches its batch by key binds it per row, so no partial
+/// index of open invoices matches its predicate and drives the loop
+/// (docs/adr/0049).
 macro_rules! chargeable_invoice {
     () => {
-        "i.status = 'open' AND i.collection_method = 'automatic' \
-         AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
-         AND s.pause_collection_behavior IS NULL \
-         AND c.payment_method_id IS NOT NULL "
+        chargeable_invoice!("'open'")
+    };
+    ($open:literal) => {
+        concat!(
+            "i.status = ",
+            $open,
+            " AND i.collection_method = 'automatic' \
+             AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+             AND s.pause_collection_behavior IS NULL \
+             AND c.payment_method_id IS NOT NULL "
+        )
     };
 }
 pub(crate) use chargeable_invoice;
