@@ -1,13 +1,14 @@
 //! The set-based charge primitives auto-charge and dunning's retries share
-//! (docs/adr/0017): a batch's attempts recorded with one statement, the
-//! provider calls made concurrently, and every answer of the batch settled in
-//! one transaction. Each row's write keeps its own condition (the claim still
+//! (docs/adr/0017): a batch's attempts recorded before its calls (by each
+//! claim's own statements since docs/adr/0055; `START_ATTEMPTS` here is the
+//! single charge's), the provider calls made concurrently, and every answer
+//! of the batch settled in one transaction. Each row's write keeps its own condition (the claim still
 //! ours and unexpired, the attempt still unknown), so a row whose condition
 //! fails writes nothing while the others are written.
 //!
 //! ```text
-//!  (the claim's transaction)  INSERT attempts … SELECT FROM unnest JOIN invoices
-//!                             WHERE the row's claim holds the invoice      one statement
+//!  (the claim)                lock, INSERT attempts, lease and count the invoices
+//!                             whose attempt was written        charge/store.rs, retry.rs
 //!  calls                      POST /v1/payment_intents, charge_concurrency at once,
 //!                             each under the panic guard
 //!  settle (one transaction)   paid:     invoice open → paid + attempt → succeeded
@@ -120,7 +121,9 @@ pub(crate) const OPEN: &str = "open";
 /// The statement of [`start_attempts_in`], the single charge's attempt
 /// ([`crate::Biller::charge`]; a batch claim writes its attempts itself,
 /// docs/adr/0055); `pub` only for the plan test
-/// (`tests/it/plans.rs`). Run in a `begin_index_driven` transaction, it
+/// (`tests/it/plans.rs`). Its plan test runs it in a `begin_index_driven`
+/// transaction, as the batch path did before docs/adr/0055 (the single path
+/// runs it in a plain one, for one invoice); there it
 /// reaches each invoice of the batch by its primary key; planned freely it
 /// read the claims index whole (every invoice the tick had claimed) for each
 /// batch (issue 29, point 3). It raises each attempted invoice's

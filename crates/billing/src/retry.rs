@@ -2,11 +2,12 @@
 //! earlier attempts were declined, under the same guards as auto-charge.
 //!
 //! ```text
-//!  claim the invoice        open, automatic, claim lease free or expired,
+//!  lock the invoice         open, automatic, claim lease free or expired,
 //!                           no attempt of unknown outcome, card saved, not paused
-//!                           → lease = now() + charge_lease, claimed_by = the caller's
 //!  INSERT attempt N         N = the invoice's last attempt + 1, key = (invoice, N),
-//!                           only while the claim holds the invoice
+//!                           under that row lock, with the card it will charge
+//!  claim the invoice        only if its attempt was written: lease = now() +
+//!                           charge_lease, claimed_by = the caller's, count + 1
 //!  POST /v1/payment_intents with that Idempotency-Key
 //!    succeeded ─▶ invoice paid (claim still ours) + invoice.paid, payment.succeeded, receipt
 //!    declined  ─▶ attempt declined(code), claim released, payment.failed + email
@@ -82,9 +83,12 @@ pub const START_RETRIES: &str = concat!(
               p.amount, p.currency, p.provider_customer_id, p.payment_method_id \
        FROM picked p \
        ON CONFLICT DO NOTHING \
-       RETURNING id, invoice_id, attempt_seq, idempotency_key \
+       RETURNING id, invoice_id, attempt_seq, idempotency_key, provider_customer_id, \
+                 payment_method_id \
      ) \
-     SELECT id, invoice_id, attempt_seq, idempotency_key FROM started"
+     SELECT id, invoice_id, attempt_seq, idempotency_key, provider_customer_id, \
+            payment_method_id \
+     FROM started"
 );
 
 /// Set before [`START_RETRIES`], for the transaction: the planner keeps its
@@ -95,7 +99,9 @@ pub const START_RETRIES: &str = concat!(
 pub const WRITTEN_JOIN_ORDER: &str = "SELECT set_config('join_collapse_limit', '1', true), \
             set_config('enable_seqscan', 'off', true)";
 
-/// Set after [`START_RETRIES`]: the two settings are the session's again.
+/// Set after [`START_RETRIES`]: the two settings back at their reset values,
+/// which are the ones the transaction had (neither `begin_index_driven` nor
+/// the app sets them).
 pub const ANY_JOIN_ORDER: &str = "SELECT set_config(name, reset_val, true) FROM pg_settings \
      WHERE name IN ('join_collapse_limit', 'enable_seqscan')";
 
@@ -121,6 +127,15 @@ pub const CLAIM_RETRIES: &str = "WITH claimed AS ( \
      FROM claimed k \
      JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
      JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id";
+
+/// An attempt `START_RETRIES` wrote, as it wrote it.
+struct Written {
+    attempt_id: i64,
+    attempt_seq: i32,
+    key: String,
+    customer: String,
+    card: String,
+}
 
 /// The body of [`Biller::start_retries_in`].
 pub(crate) async fn start_retries_in(
@@ -149,15 +164,17 @@ pub(crate) async fn start_retries_in(
         )
         .await?;
     tx.fetch_all(sql(ANY_JOIN_ORDER)).await?;
-    let mut written: HashMap<i64, (i64, i32, String)> = HashMap::with_capacity(rows.len());
+    let mut written: HashMap<i64, Written> = HashMap::with_capacity(rows.len());
     for r in &rows {
         written.insert(
             r.try_get("invoice_id").map_err(db::Error::from)?,
-            (
-                r.try_get("id").map_err(db::Error::from)?,
-                r.try_get("attempt_seq").map_err(db::Error::from)?,
-                r.try_get("idempotency_key").map_err(db::Error::from)?,
-            ),
+            Written {
+                attempt_id: r.try_get("id").map_err(db::Error::from)?,
+                attempt_seq: r.try_get("attempt_seq").map_err(db::Error::from)?,
+                key: r.try_get("idempotency_key").map_err(db::Error::from)?,
+                customer: r.try_get("provider_customer_id").map_err(db::Error::from)?,
+                card: r.try_get("payment_method_id").map_err(db::Error::from)?,
+            },
         );
     }
     let (claim_ids, holders): (Vec<i64>, Vec<String>) = wanted
@@ -181,17 +198,22 @@ pub(crate) async fn start_retries_in(
         let by: String = r
             .try_get("auto_charge_claimed_by")
             .map_err(db::Error::from)?;
-        let claim = ChargeClaim::decode(r, by)?;
-        let Some((attempt_id, attempt_seq, key)) = written.remove(&claim.invoice_id) else {
+        let mut claim = ChargeClaim::decode(r, by)?;
+        let Some(w) = written.remove(&claim.invoice_id) else {
             continue;
         };
+        // The call charges what the attempt recorded. `CLAIM_RETRIES` reads
+        // the customer again with a later snapshot, and a card changed in
+        // between must not be charged under an attempt that names the old one.
+        claim.provider_customer = w.customer;
+        claim.payment_method = w.card;
         started.insert(
             claim.invoice_id,
             StartedRetry {
                 claim,
-                attempt_id,
-                attempt_seq,
-                key,
+                attempt_id: w.attempt_id,
+                attempt_seq: w.attempt_seq,
+                key: w.key,
                 first_send: true,
             },
         );

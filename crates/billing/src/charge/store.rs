@@ -24,8 +24,8 @@ pub(crate) async fn claim_charges(
     lease: Duration,
     statement_timeout: Duration,
 ) -> Result<Vec<ChargeClaim>, db::Error> {
-    // Index-driven (docs/adr/0023): the attempts' insert reaches each claimed
-    // invoice by its key (`batch::START_ATTEMPTS`).
+    // Index-driven (docs/adr/0023), as the batch claim: the funnel walks
+    // `invoices_charge_pending` and its update reaches each invoice by key.
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let claims = claim_charges_in(&mut tx, fence, limit, claimed_by, lease).await?;
     tx.commit().await?;
