@@ -90,6 +90,40 @@ macro_rules! attempt_key {
 }
 pub(crate) use attempt_key;
 
+/// The head of every statement that writes attempts, up to its `FROM`: the
+/// columns of an attempt row and, from `$inv` (the invoice's alias, its
+/// `tenant_id`, `id`, `amount`, `currency`, `created_at`), `$seq`, `$customer`
+/// and `$card` (SQL expressions), each row's values, its key built by
+/// [`attempt_key!`] for instance `$inst`. A string literal for `concat!`,
+/// ending in a space.
+macro_rules! insert_attempts {
+    ($inst:literal, $inv:literal, $seq:literal, $customer:literal, $card:literal) => {
+        concat!(
+            "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, \
+                                           idempotency_key, amount, currency, \
+                                           provider_customer_id, payment_method_id) \
+             SELECT ",
+            $inv,
+            ".tenant_id, ",
+            $inv,
+            ".id, ",
+            $seq,
+            ", ",
+            $crate::batch::attempt_key!($inst, $inv, $seq),
+            ", ",
+            $inv,
+            ".amount, ",
+            $inv,
+            ".currency, ",
+            $customer,
+            ", ",
+            $card,
+            " "
+        )
+    };
+}
+pub(crate) use insert_attempts;
+
 /// How a charge's answer was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
@@ -132,15 +166,9 @@ pub(crate) const OPEN: &str = "open";
 /// through `coalesce`, as in the settle, so no partial index drives the loop
 /// on statistics gathered while nothing was claimed (docs/adr/0053).
 pub const START_ATTEMPTS: &str = concat!(
-    "WITH started AS ( \
-     INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                   amount, currency, provider_customer_id, \
-                                   payment_method_id) \
-     SELECT i.tenant_id, i.id, u.seq, ",
-    attempt_key!("$3", "i", "u.seq"),
-    ", \
-            i.amount, i.currency, u.customer, u.card \
-     FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[], $7::text[]) \
+    "WITH started AS ( ",
+    insert_attempts!("$3", "i", "u.seq", "u.customer", "u.card"),
+    "FROM unnest($1::bigint[], $2::int4[], $4::text[], $5::text[], $6::text[], $7::text[]) \
           AS u(invoice_id, seq, claimed_by, customer, card, was) \
      JOIN invoices i ON i.id = u.invoice_id \
      WHERE i.status = u.was \

@@ -31,7 +31,7 @@ use std::time::Instant;
 use db::{Row, sql};
 use scheduler::Payload;
 
-use crate::batch::{self, Answer, attempt_key, chargeable_invoice};
+use crate::batch::{self, Answer, chargeable_invoice, insert_attempts};
 use crate::batch::{ChargeClaim, Settled};
 use crate::provider::ChargeOutcome;
 use crate::{Biller, Error};
@@ -73,15 +73,15 @@ pub const START_RETRIES: &str = concat!(
                          WHERE a.invoice_id = i.id \
                            AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
        FOR UPDATE OF i SKIP LOCKED \
-     ), started AS ( \
-       INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                     amount, currency, provider_customer_id, \
-                                     payment_method_id) \
-       SELECT p.tenant_id, p.id, p.seq, ",
-    attempt_key!("$2", "p", "p.seq"),
-    ", \
-              p.amount, p.currency, p.provider_customer_id, p.payment_method_id \
-       FROM picked p \
+     ), started AS ( ",
+    insert_attempts!(
+        "$2",
+        "p",
+        "p.seq",
+        "p.provider_customer_id",
+        "p.payment_method_id"
+    ),
+    "FROM picked p \
        ON CONFLICT DO NOTHING \
        RETURNING id, invoice_id, attempt_seq, idempotency_key, provider_customer_id, \
                  payment_method_id \

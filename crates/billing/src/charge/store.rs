@@ -7,7 +7,7 @@ use db::{Db, Row, sql};
 use leader::Fence;
 
 use crate::batch::ChargeClaim;
-use crate::batch::{attempt_key, chargeable_invoice};
+use crate::batch::{chargeable_invoice, insert_attempts};
 
 /// The fenced auto-charge funnel: up to `limit` open automatic invoices that
 /// have never been attempted, whose customer has a saved card and whose
@@ -46,21 +46,16 @@ pub(crate) async fn claim_and_start(
     // Index-driven (docs/adr/0023): the claim's update reaches each invoice
     // whose attempt was written by its key.
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
         .fetch_all(
-            sql(CLAIM_AND_START)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(limit)
-                .bind(lease.as_secs_f64())
-                .bind(claimed_by.to_owned())
+            funnel(CLAIM_AND_START, fence, limit, claimed_by, lease)
                 .bind(instance.to_owned())
                 .bind(crate::charge::AUTO_CHARGE_ATTEMPT),
         )
         .await?;
-    tx.commit().await?;
-    rows.iter()
+    // Decoded before the commit: a row that cannot be read claims nothing.
+    let started = rows
+        .iter()
         .map(|r| {
             Ok(crate::batch::Started {
                 claim: ChargeClaim::decode(r, claimed_by.to_owned())?,
@@ -70,7 +65,27 @@ pub(crate) async fn claim_and_start(
                 first_send: true,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, db::Error>>()?;
+    tx.commit().await?;
+    Ok(started)
+}
+
+/// A charge claim's statement (`text`) with the parameters of the funnel and
+/// the lease bound: `$1`/`$2` the fence, `$3` the limit, `$4` the lease in
+/// seconds, `$5` the holder.
+fn funnel(
+    text: &'static str,
+    fence: &Fence,
+    limit: usize,
+    claimed_by: &str,
+    lease: Duration,
+) -> db::Stmt<'static> {
+    sql(text)
+        .bind(fence.role_name())
+        .bind(fence.token())
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .bind(lease.as_secs_f64())
+        .bind(claimed_by.to_owned())
 }
 
 /// The fenced funnel both charge claims lock their invoices with: open
@@ -112,15 +127,15 @@ macro_rules! charge_funnel {
 pub const CLAIM_AND_START: &str = concat!(
     "WITH picked AS ( ",
     charge_funnel!(),
-    "), started AS ( \
-       INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                     amount, currency, provider_customer_id, \
-                                     payment_method_id) \
-       SELECT p.tenant_id, p.id, $7::int4, ",
-    attempt_key!("$6", "p", "$7::int4"),
-    ", \
-              p.amount, p.currency, p.provider_customer_id, p.payment_method_id \
-       FROM picked p \
+    "), started AS ( ",
+    insert_attempts!(
+        "$6",
+        "p",
+        "$7::int4",
+        "p.provider_customer_id",
+        "p.payment_method_id"
+    ),
+    "FROM picked p \
        ON CONFLICT DO NOTHING \
        RETURNING id, invoice_id, idempotency_key \
      ), claimed AS ( \
@@ -174,16 +189,8 @@ async fn claim_charges_in(
     claimed_by: &str,
     lease: Duration,
 ) -> Result<Vec<ChargeClaim>, db::Error> {
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = tx
-        .fetch_all(
-            sql(CLAIM_CHARGES)
-                .bind(fence.role_name())
-                .bind(fence.token())
-                .bind(limit)
-                .bind(lease.as_secs_f64())
-                .bind(claimed_by.to_owned()),
-        )
+        .fetch_all(funnel(CLAIM_CHARGES, fence, limit, claimed_by, lease))
         .await?;
     rows.iter()
         .map(|r| ChargeClaim::decode(r, claimed_by.to_owned()))
