@@ -115,7 +115,7 @@ impl Drop for Serve {
     }
 }
 
-fn metric(body: &str, series: &str) -> Option<f64> {
+pub(crate) fn metric(body: &str, series: &str) -> Option<f64> {
     body.lines()
         .find_map(|l| {
             l.strip_prefix(series)

@@ -285,8 +285,8 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let mut wakes = Vec::new();
     for rc in &config.roles {
         let listens = crate::roles::entry(rc.role).is_some_and(|e| e.listens);
-        let wake =
-            (config.listen_url.is_some() && listens).then(|| Wake::new(rc.role, rc.interval));
+        let wake = (config.listen_url.is_some() && listens)
+            .then(|| Wake::reporting(rc.role, rc.interval, &telemetry));
         wakes.extend(wake.clone());
         match work_for(rc.role, &config, &db, &telemetry, wake)? {
             Some(work) => specs.push(RoleSpec {

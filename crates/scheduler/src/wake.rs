@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use leader::Role;
+use leader::{Role, Telemetry};
+use metrics::Counter;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -49,6 +50,9 @@ struct Inner {
     poll: Duration,
     notify: Notify,
     listening: AtomicBool,
+    /// `hardcount_wakeups_total{role}`: notifications the listener received
+    /// on this role's channel.
+    received: Counter,
 }
 
 impl Wake {
@@ -57,12 +61,23 @@ impl Wake {
     /// lost notification costs at most that. Not listening until [`listen`]
     /// says so.
     pub fn new(role: Role, poll: Duration) -> Wake {
+        Wake::reporting(role, poll, &Telemetry::noop())
+    }
+
+    /// As [`Wake::new`], counting each notification [`listen`] receives for
+    /// the role in `hardcount_wakeups_total{role}`: an operator (or a test)
+    /// can tell a role that is woken from one that only polls.
+    pub fn reporting(role: Role, poll: Duration, telemetry: &Telemetry) -> Wake {
+        let received = telemetry.counter("hardcount_wakeups_total", &[("role", role.as_str())]);
+        // The series exists from the start, at 0, so a rate over it is defined.
+        received.increment(0);
         Wake {
             inner: Arc::new(Inner {
                 channel: wake_channel(role),
                 poll,
                 notify: Notify::new(),
                 listening: AtomicBool::new(false),
+                received,
             }),
         }
     }
@@ -133,6 +148,7 @@ pub async fn listen(url: String, wakes: Vec<Wake>, retry: Duration, shutdown: Ca
                 None => break,
                 Some(Ok(channel)) => {
                     for wake in wakes.iter().filter(|w| w.channel() == channel) {
+                        wake.inner.received.increment(1);
                         wake.poke();
                     }
                 }

@@ -15,3 +15,18 @@ pub async fn attempt_key(db: &Db, invoice: i64, seq: i32) -> Option<String> {
     .expect("reading a payment attempt")
     .map(|r| r.get("idempotency_key"))
 }
+
+/// The creation instant of `invoice` in microseconds since the epoch: the part
+/// of an attempt's idempotency key that `billing::provider::idempotency_key`
+/// takes, so a test can hold the key SQL computed against the documented one.
+pub async fn invoice_created_micros(db: &Db, invoice: i64) -> i64 {
+    db.fetch_one(
+        sql(
+            "SELECT (extract(epoch FROM created_at) * 1000000)::bigint FROM invoices WHERE id = $1",
+        )
+        .bind(invoice),
+    )
+    .await
+    .expect("reading an invoice's creation instant")
+    .get(0)
+}

@@ -80,17 +80,7 @@ async fn a_paid_invoice_is_charged_once_announced_and_receipted() {
     assert_eq!(p.total_charges(), 1);
     let key = crate::attempt_key(&t.db, invoice, 1).await.unwrap();
     // The key the attempt's INSERT computed is the one the client documents.
-    let created: i64 =
-        t.db.fetch_one(
-            sql(
-                "SELECT (extract(epoch FROM created_at) * 1000000)::bigint FROM invoices \
-                 WHERE id = $1",
-            )
-            .bind(invoice),
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let created = testbed::payments::invoice_created_micros(&t.db, invoice).await;
     assert_eq!(
         key,
         billing::provider::idempotency_key("default", invoice, created, 1)
@@ -224,6 +214,13 @@ async fn a_stale_leader_and_the_new_leader_charging_one_invoice_charge_it_once()
     // The replaced leader's fence claims nothing more.
     assert!(b.claim_charges(&old_fence, 10).await.unwrap().is_empty());
     assert_eq!(p.total_charges(), 1);
+    // The single path's attempt (`START_ATTEMPTS`) is keyed as the client
+    // documents, as the batch path's is (above).
+    let created = testbed::payments::invoice_created_micros(&t.db, invoice).await;
+    assert_eq!(
+        crate::attempt_key(&t.db, invoice, 1).await.unwrap(),
+        billing::provider::idempotency_key("default", invoice, created, 1)
+    );
     assert_eq!(invoice_status(&t.db, invoice).await, "paid");
     assert_eq!(
         events(&t.db).await,

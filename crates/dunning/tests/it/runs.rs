@@ -130,9 +130,16 @@ async fn decline_decline_success_recovers_after_the_third_retry() {
             (4, "succeeded".to_owned())
         ]
     );
+    // Each retry's key, written by `START_RETRIES`, is the one the client
+    // documents.
+    let created = testbed::payments::invoice_created_micros(&t.db, a.invoice).await;
     for seq in 2..=4 {
         let key = crate::attempt_key(&t.db, a.invoice, seq).await.unwrap();
         assert!(p.has_result(&key), "{key}");
+        assert_eq!(
+            key,
+            billing::provider::idempotency_key("default", a.invoice, created, seq)
+        );
     }
     let charges = p.charges();
     assert_eq!(p.total_charges(), 1, "{charges:?}");
