@@ -205,16 +205,15 @@ pub const WINDOW_OPEN_AT: &str = concat!(
 ///
 /// The joins are written in the order they run, each by a key of the rows
 /// before it, and run so (`Db::begin_index_driven_as_written`): the due runs
-/// in `dunning_runs_due` order, then each run's invoice, subscription and
-/// customer by their primary keys, its policy by `(tenant_id, id)`. The
-/// invoice, subscription and customer are joined by id alone: their composite
-/// foreign keys (migrations 0006 and 0010) already hold them to the run's
-/// tenant, and an equality on `tenant_id` there put them in one class of
-/// equal columns, from which the planner, on tables never analyzed, reached
-/// each by `tenant_id` alone (`invoices_tenant_number_key`,
-/// `subscriptions_tenant_plan`): every invoice of the tenant read for each
-/// due run. Searching the join orders also cost 8 to 17 ms of planning per
-/// call, more than the statement's execution (docs/adr/0056).
+/// in `dunning_runs_due` order, a batch at a time (with bitmap scans allowed,
+/// every due run was read and sorted for each batch), then each run's
+/// invoice, subscription and customer by their primary keys, its policy by
+/// `(tenant_id, id)`. The invoice, subscription and customer are joined by id
+/// alone: their composite foreign keys (migrations 0006 and 0010) already hold
+/// them to the run's tenant, and an equality on `tenant_id` there let the
+/// planner reach them by `tenant_id` alone where it estimated the tables tiny.
+/// Searching the join orders also cost 8 to 17 ms of planning per call, more
+/// than the statement's execution (docs/adr/0056).
 pub const LIST_DUE: &str = concat!(
     "SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
             r.first_declined_at, r.next_attempt_at, \

@@ -298,11 +298,11 @@ async fn listing_plan(t: &TestDb) -> String {
 /// `dunning_runs_due` order (no sort of every due run) and reaches each run's
 /// invoice, subscription, customer and policy by its key, on tables that
 /// were never analyzed. Seen failing with the invoice, subscription and
-/// customer joined on `tenant_id` as well as their ids: the planner then
-/// reached the invoices and subscriptions by `tenant_id` alone
-/// (`invoices_tenant_number_key`, `subscriptions_tenant_plan`), every row of
-/// the tenant for each due run (scripts/mutation-check `listing_tenant_join`).
-/// And with bitmap scans allowed the due runs were all read and sorted.
+/// customer joined on `tenant_id` as well as their ids: on these small tables
+/// the planner then reached the invoices and subscriptions by `tenant_id`
+/// alone (`invoices_tenant_number_key`, `subscriptions_tenant_plan`)
+/// (scripts/mutation-check `listing_tenant_join`). And with bitmap scans
+/// allowed the due runs were all read and sorted (docs/adr/0056).
 #[tokio::test]
 async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
     let t = TestDb::new().await;
