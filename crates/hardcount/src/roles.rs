@@ -217,6 +217,8 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_leader_next_slot_timestamp_seconds",
     "hardcount_leader_slots_missed_total",
     "hardcount_leader_slot_lateness_seconds",
+    // Wake-up notifications received, for a role that `listens` (docs/adr/0014).
+    "hardcount_wakeups_total",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`
