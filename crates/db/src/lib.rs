@@ -42,9 +42,19 @@ pub use sqlx::Row;
 pub use sqlx::postgres::PgRow;
 pub use sqlx::types::Json;
 
+/// The planner settings of [`Db::begin_index_driven`], appended to its
+/// `BEGIN` message (each preceded by `; `).
+macro_rules! index_driven {
+    () => {
+        "; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_hashjoin = off; \
+         SET LOCAL enable_mergejoin = off; SET LOCAL enable_material = off; \
+         SET LOCAL jit = off"
+    };
+}
+
 /// The one setting [`Db::begin_index_driven_as_written`] adds (see
-/// [`WRITTEN_JOIN_ORDER`]).
-macro_rules! written_join_order {
+/// [`AS_WRITTEN`]).
+macro_rules! as_written {
     () => {
         "SET LOCAL join_collapse_limit = 1"
     };
@@ -290,16 +300,10 @@ impl Db {
     /// # Cancel safety
     /// As [`Db::begin_with_timeout`].
     pub async fn begin_index_driven(&self, limit: Duration) -> Result<Tx> {
-        self.begin_bounded(
-            limit,
-            "; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_hashjoin = off; \
-             SET LOCAL enable_mergejoin = off; SET LOCAL enable_material = off; \
-             SET LOCAL jit = off",
-        )
-        .await
+        self.begin_bounded(limit, index_driven!()).await
     }
 
-    /// [`Db::begin_index_driven`], with [`WRITTEN_JOIN_ORDER`] as well: for
+    /// [`Db::begin_index_driven`], with [`AS_WRITTEN`] as well: for
     /// a statement of many joins written so that each joins its table by a
     /// key of the rows before it. The planner then takes the joins in the
     /// order written instead of searching the orders: it neither spends
@@ -310,16 +314,8 @@ impl Db {
     /// # Cancel safety
     /// As [`Db::begin_with_timeout`].
     pub async fn begin_index_driven_as_written(&self, limit: Duration) -> Result<Tx> {
-        self.begin_bounded(
-            limit,
-            concat!(
-                "; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_hashjoin = off; \
-                 SET LOCAL enable_mergejoin = off; SET LOCAL enable_material = off; \
-                 SET LOCAL jit = off; ",
-                written_join_order!()
-            ),
-        )
-        .await
+        self.begin_bounded(limit, concat!(index_driven!(), "; ", as_written!()))
+            .await
     }
 
     async fn begin_bounded(&self, limit: Duration, planner: &str) -> Result<Tx> {
@@ -399,7 +395,7 @@ pub fn hex_text(text: &str) -> String {
 /// What [`Db::begin_index_driven_as_written`] adds to
 /// [`Db::begin_index_driven`]'s settings; a plan test runs it before its
 /// EXPLAIN in an index-driven transaction.
-pub const WRITTEN_JOIN_ORDER: &str = written_join_order!();
+pub const AS_WRITTEN: &str = as_written!();
 
 /// The floor of the idle-in-transaction bound [`Db::begin_with_timeout`]
 /// sets: a loaded client's scheduling gap between two statements of a short

@@ -259,14 +259,7 @@ async fn the_window_rule_follows_local_hours_weekdays_and_both_dst_transitions()
 /// anti join on the policies, per due run).
 #[tokio::test]
 async fn the_window_is_one_hashed_lookup_in_the_due_runs_scan() {
-    let t = TestDb::new().await;
-    let p = fake_provider::FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 2, "pause_collection").await;
-    for _ in 0..20 {
-        declined_invoice(&t.db, "tenant_a").await;
-    }
-    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
-    assert_eq!(enrol(&t.db, &d).await, 20);
+    let t = twenty_enrolled_runs().await;
     let joined = listing_plan(&t).await;
     let plan: Vec<&str> = joined.lines().collect();
     let scan = plan
@@ -281,10 +274,24 @@ async fn the_window_is_one_hashed_lookup_in_the_due_runs_scan() {
     assert!(!joined.contains("Anti Join"), "{joined}");
 }
 
+/// A database whose one tenant has 20 declined invoices, each enrolled in a
+/// dunning run; its tables never analyzed.
+async fn twenty_enrolled_runs() -> TestDb {
+    let t = TestDb::new().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    for _ in 0..20 {
+        declined_invoice(&t.db, "tenant_a").await;
+    }
+    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
+    assert_eq!(enrol(&t.db, &d).await, 20);
+    t
+}
+
 /// EXPLAIN of `LIST_DUE` as the role plans it (an index-driven transaction
 /// with the joins in their written order), on tables never analyzed.
 async fn listing_plan(t: &TestDb) -> String {
-    explain_index_driven_after(&t.db, Some(db::WRITTEN_JOIN_ORDER), LIST_DUE, |s| {
+    explain_index_driven_after(&t.db, Some(db::AS_WRITTEN), LIST_DUE, |s| {
         s.bind("dunning")
             .bind(1_i64)
             .bind(Vec::<i64>::new())
@@ -305,14 +312,7 @@ async fn listing_plan(t: &TestDb) -> String {
 /// allowed the due runs were all read and sorted (docs/adr/0056).
 #[tokio::test]
 async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
-    let t = TestDb::new().await;
-    let p = fake_provider::FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 2, "pause_collection").await;
-    for _ in 0..20 {
-        declined_invoice(&t.db, "tenant_a").await;
-    }
-    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
-    assert_eq!(enrol(&t.db, &d).await, 20);
+    let t = twenty_enrolled_runs().await;
     let plan = listing_plan(&t).await;
     let lines: Vec<&str> = plan.lines().map(str::trim).collect();
     let reached = |scan: &str, cond: &str| {
