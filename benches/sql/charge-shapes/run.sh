@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The charge shapes of docs/adr/0057 ("measured before building it"), SQL only, on the
+# bed's Postgres: N open automatic invoices (default 20,480, 80 batches of 256) per
+# database, each charged once.
+#   today   the claim writes the attempt and a new invoice version (lease, count); the
+#           settle a second invoice version and the attempt's outcome; two events and
+#           a receipt email per charge
+#   queue   the claim deletes the batch from a queue table and writes the attempt with
+#           the lease on it; the settle writes the invoice once; the same events and
+#           email. The queue's rows are inserted before the clock (in the redesign the
+#           billing closing would insert them); that insert is timed on its own.
+#   today-lean  today without invoices_tenant_created (migration 0040)
+# Prints, per round and shape: the wall time in ms (one backend, one statement after
+# another, so about its CPU), WAL bytes per charge, and invoices paid.
+# Run from the repository root after a build:
+#   scripts/bed run benches/sql/charge-shapes/run.sh [ROUNDS] [N]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+hc=${HARDCOUNT_BIN:-${CARGO_TARGET_DIR:-target}/debug/hardcount}
+host=${HARDCOUNT_TEST_PG%:*}
+port=${HARDCOUNT_TEST_PG#*:}
+n=${2:-20480}
+q() { psql -X -q -h "$host" -p "$port" -U postgres "$@"; }
+timed() { # database, file: "T ms, W B of WAL per charge"
+  q -d "$1" -At <<SQL
+CHECKPOINT;
+SELECT pg_current_wal_lsn() AS l0 \gset
+SELECT clock_timestamp() AS t0 \gset
+\o /dev/null
+\i $2
+\o
+SELECT round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000) || ' ms, '
+       || round(pg_wal_lsn_diff(pg_current_wal_lsn(), :'l0') / $n.0) || ' B of WAL per charge';
+SQL
+}
+for round in $(seq 1 "${1:-3}"); do
+  for shape in today queue today-lean; do
+    db="charges_${round}_${shape//-/_}"
+    q -d postgres -c "CREATE DATABASE $db" >/dev/null
+    url="postgres://postgres@$host:$port/$db"
+    DATABASE_URL=$url MIGRATION_DATABASE_URL=$url "$hc" migrate >/dev/null
+    q -d "$db" -v n="$n" -f "$here/setup.sql" >/dev/null
+    if [ "$shape" = today-lean ]; then
+      q -d "$db" -c "DROP INDEX IF EXISTS invoices_tenant_created" >/dev/null
+    else
+      q -d "$db" -c "CREATE INDEX IF NOT EXISTS invoices_tenant_created ON invoices (tenant_id, created_at)" >/dev/null
+    fi
+    fill=""
+    if [ "$shape" = queue ]; then
+      echo "INSERT INTO charge_queue SELECT id FROM invoices ORDER BY id;" > "/tmp/charge-queue-fill.sql"
+      fill=" (queue filled before: $(timed "$db" /tmp/charge-queue-fill.sql))"
+    fi
+    out=$(timed "$db" "$here/${shape%-lean}.sql")
+    paid=$(q -d "$db" -At -c "SELECT count(*) FROM invoices WHERE status = 'paid'")
+    echo "round $round, $shape: $out, $paid paid$fill"
+  done
+done
