@@ -11,9 +11,12 @@
 #           billing closing would insert them); that insert is timed on its own.
 #   today-lean  today without invoices_tenant_created (migration 0040)
 # Prints, per round and shape: the wall time in ms (one backend, one statement after
-# another, so about its CPU), WAL bytes per charge, and invoices paid.
-# Run from the repository root after a build:
-#   scripts/bed run benches/sql/charge-shapes/run.sh [ROUNDS] [N]
+# another, so about its CPU), WAL bytes per charge, and invoices paid. The order of the
+# shapes rotates from round to round and each database is dropped after its run; with
+# autovacuum on, the vacuum of the databases before made whichever shape ran last the
+# slowest, so run it with autovacuum off. From the repository root after a build:
+#   HARDCOUNT_BED_PG_OPTS="-c autovacuum=off" \
+#     scripts/bed run benches/sql/charge-shapes/run.sh [ROUNDS] [N]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 hc=${HARDCOUNT_BIN:-${CARGO_TARGET_DIR:-target}/debug/hardcount}
@@ -33,8 +36,10 @@ SELECT round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000) 
        || round(pg_wal_lsn_diff(pg_current_wal_lsn(), :'l0') / $n.0) || ' B of WAL per charge';
 SQL
 }
+shapes=(today queue today-lean)
 for round in $(seq 1 "${1:-3}"); do
-  for shape in today queue today-lean; do
+  for k in 0 1 2; do
+    shape=${shapes[$(( (round + k - 1) % 3 ))]}
     db="charges_${round}_${shape//-/_}"
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"
@@ -53,5 +58,6 @@ for round in $(seq 1 "${1:-3}"); do
     out=$(timed "$db" "$here/${shape%-lean}.sql")
     paid=$(q -d "$db" -At -c "SELECT count(*) FROM invoices WHERE status = 'paid'")
     echo "round $round, $shape: $out, $paid paid$fill"
+    q -d postgres -c "DROP DATABASE $db" >/dev/null
   done
 done

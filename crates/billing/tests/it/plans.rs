@@ -228,8 +228,9 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
 /// for the attempts, the status bound per row and the written join order
 /// without sequential scans (seen failing without each: the locking loop
 /// driven from `invoices_open_automatic`, from the one subscription through
-/// `invoices_tenant_created`, or from a Seq Scan of `invoices`, the batch
-/// joined by a Join Filter: mutations `retry_was` and `retry_seqscan` in
+/// `invoices_tenant_created` (before migration 0040 dropped it), or from a Seq
+/// Scan of `invoices`, the batch joined by a Join Filter: mutations `retry_was`
+/// and `retry_seqscan` in
 /// scripts/mutation-check); for the leases, the holders unnested and joined by
 /// key (mutation `claim_retries_key`; the first shape of this change, one
 /// statement whose update took each holder from the locking CTE, made the
