@@ -34,6 +34,9 @@ use url::Url;
 
 use crate::failure::Failure;
 
+mod coalesce;
+use coalesce::Coalesced;
+
 /// How TLS is used on the connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TlsMode {
@@ -242,7 +245,7 @@ impl Connector {
             .map_err(|e| Failure::Connect(format!("cannot keep a probe of the socket: {e}")))?;
         let stream: Box<dyn AsyncTokioStream> = match &self.security {
             Security::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
-            _ => Box::new(tcp),
+            _ => Box::new(Coalesced::new(tcp)),
         };
         let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)
             .await
@@ -310,7 +313,7 @@ impl fmt::Debug for Connector {
 /// stream type it uses for that is public but deprecated (docs/adr/0016).
 #[allow(deprecated)]
 async fn implicit_tls(tcp: TcpStream, params: TlsParameters) -> Result<TlsOverTcp, Failure> {
-    let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(tcp));
+    let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(Coalesced::new(tcp)));
     stream
         .upgrade_tls(params)
         .await
