@@ -364,6 +364,35 @@ impl AsyncTokioStream for TlsOverTcp {
 mod tests {
     use super::*;
 
+    /// Every connection sets `TCP_NODELAY` (docs/adr/0016). Since the socket
+    /// holds lettre's writes until the next read (docs/adr/0058), a message
+    /// under 64 KiB leaves in one write and Nagle's algorithm no longer
+    /// delays it, so the timing test (`one_connection_is_not_held_back_by_nagle`)
+    /// passes without the option; a larger message is still sent in pieces,
+    /// and its last piece would wait for the server's delayed ACK. So the
+    /// option itself is checked, on the socket lettre's session writes to.
+    /// Seen failing with `set_nodelay(false)` (mutation `email_nodelay`).
+    #[tokio::test]
+    async fn every_connection_sets_tcp_nodelay() {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let mut s = BufReader::new(s);
+            s.get_mut().write_all(b"220 test ESMTP\r\n").await.unwrap();
+            let mut line = String::new();
+            while s.read_line(&mut line).await.unwrap_or(0) > 0 {
+                s.get_mut().write_all(b"250 test\r\n").await.unwrap();
+                line.clear();
+            }
+        });
+        let url = SmtpUrl::parse(&format!("smtp://127.0.0.1:{port}")).unwrap();
+        let connector = Connector::new(&url, None, Duration::from_secs(5)).unwrap();
+        let conn = connector.connect().await.unwrap();
+        assert!(conn.probe.nodelay().unwrap());
+    }
+
     #[test]
     fn the_four_forms_parse() {
         let cases = [
