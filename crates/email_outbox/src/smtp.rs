@@ -34,9 +34,6 @@ use url::Url;
 
 use crate::failure::Failure;
 
-mod coalesce;
-use coalesce::Coalesced;
-
 /// How TLS is used on the connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TlsMode {
@@ -245,7 +242,7 @@ impl Connector {
             .map_err(|e| Failure::Connect(format!("cannot keep a probe of the socket: {e}")))?;
         let stream: Box<dyn AsyncTokioStream> = match &self.security {
             Security::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
-            _ => Box::new(Coalesced::new(tcp)),
+            _ => Box::new(tcp),
         };
         let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)
             .await
@@ -313,7 +310,7 @@ impl fmt::Debug for Connector {
 /// stream type it uses for that is public but deprecated (docs/adr/0016).
 #[allow(deprecated)]
 async fn implicit_tls(tcp: TcpStream, params: TlsParameters) -> Result<TlsOverTcp, Failure> {
-    let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(Coalesced::new(tcp)));
+    let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(tcp));
     stream
         .upgrade_tls(params)
         .await
@@ -364,14 +361,10 @@ impl AsyncTokioStream for TlsOverTcp {
 mod tests {
     use super::*;
 
-    /// Every connection sets `TCP_NODELAY` (docs/adr/0016). Since the socket
-    /// holds lettre's writes until the next read (docs/adr/0058), a message
-    /// under 64 KiB leaves in one write and Nagle's algorithm no longer
-    /// delays it, so the timing test (`one_connection_is_not_held_back_by_nagle`)
-    /// passes without the option; a larger message is still sent in pieces,
-    /// and its last piece would wait for the server's delayed ACK. So the
-    /// option itself is checked, on the socket lettre's session writes to.
-    /// Seen failing with `set_nodelay(false)` (mutation `email_nodelay`).
+    /// Every connection sets `TCP_NODELAY` (docs/adr/0016), checked on the
+    /// socket lettre's session writes to: a deterministic pin beside the
+    /// timing test `one_connection_is_not_held_back_by_nagle`. Seen failing
+    /// with `set_nodelay(false)` (mutation `email_nodelay`).
     #[tokio::test]
     async fn every_connection_sets_tcp_nodelay() {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
