@@ -454,7 +454,15 @@ impl Harness {
         // A last duplicate may still be on its way to the receiver or sink.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let mut su = self.su().await;
-        let report = checker::check(&mut su, &self.provider, &self.rx, &self.sink).await;
+        let logs: Vec<String> = (0..self.replicas.len())
+            .map(|i| {
+                std::fs::read_to_string(self.dir.join(format!("replica-{i}.log")))
+                    .unwrap_or_default()
+            })
+            .collect();
+        let unrecorded = checker::Unrecorded::from_logs(&logs);
+        let report =
+            checker::check(&mut su, &self.provider, &self.rx, &self.sink, unrecorded).await;
         println!(
             "checker after {after} (drained in {drained:.1?}): {}",
             report.summary()
