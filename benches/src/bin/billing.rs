@@ -7,6 +7,9 @@
 //! ```
 //!
 //! Writes `docs/benchmarks/billing.md` (between the markers) and `billing.json`.
+//! With `--provider-bin target/release/fake_provider` the fake provider runs as
+//! a process of its own (as `hardcount serve` meets a provider), so the CPU of
+//! the charge phase is reported for the service and the provider apart.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +43,86 @@ struct Args {
     /// Where the report goes (default docs/benchmarks).
     #[arg(long)]
     out_dir: Option<std::path::PathBuf>,
+    /// Run the fake provider as its own process from this binary (the
+    /// workspace's `fake_provider`) instead of in this process.
+    #[arg(long)]
+    provider_bin: Option<std::path::PathBuf>,
+}
+
+/// The fake provider the charges go to: in this process, or a child process
+/// whose CPU is counted apart.
+enum Provider {
+    InProcess(FakeProvider),
+    Child {
+        child: tokio::process::Child,
+        base_url: String,
+    },
+}
+
+impl Provider {
+    async fn start(bin: Option<&std::path::Path>) -> Result<Provider> {
+        let Some(bin) = bin else {
+            return Ok(Provider::InProcess(FakeProvider::start().await?));
+        };
+        // A free port: bound, read and released for the child to take.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut child = tokio::process::Command::new(bin)
+            .env("FAKE_PROVIDER_ADDR", format!("127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("start {}", bin.display()))?;
+        let stdout = child.stdout.take().context("the provider's stdout")?;
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+        let ready = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .context("the provider did not say it listens within 10 s")??;
+        ensure!(
+            ready.as_deref().is_some_and(|l| l.contains("listening")),
+            "the provider said {ready:?} instead of listening"
+        );
+        Ok(Provider::Child {
+            child,
+            base_url: format!("http://127.0.0.1:{port}"),
+        })
+    }
+
+    fn base_url(&self) -> String {
+        match self {
+            Provider::InProcess(p) => p.base_url(),
+            Provider::Child { base_url, .. } => base_url.clone(),
+        }
+    }
+
+    /// Successful charges the provider has counted.
+    async fn total_charges(&self) -> Result<usize> {
+        match self {
+            Provider::InProcess(p) => Ok(p.total_charges() as usize),
+            Provider::Child { base_url, .. } => {
+                let text = reqwest::Client::new()
+                    .get(format!("{base_url}/_test/charges"))
+                    .bearer_auth(TEST_SECRET_KEY)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .text()
+                    .await?;
+                let v: Value = serde_json::from_str(&text)?;
+                let total = v["total"].as_u64().context("no total in /_test/charges")?;
+                Ok(usize::try_from(total)?)
+            }
+        }
+    }
+
+    /// CPU seconds of the child so far; `None` in process (counted in ours).
+    fn cpu_seconds(&self) -> Option<f64> {
+        match self {
+            Provider::InProcess(_) => None,
+            Provider::Child { child, .. } => child.id().map(benches::process_cpu_seconds),
+        }
+    }
 }
 
 fn progress(msg: &str) {
@@ -95,7 +178,7 @@ async fn main() -> Result<()> {
 
     let mut charges = Value::Null;
     if !args.no_charges {
-        let provider = FakeProvider::start().await?;
+        let provider = Provider::start(args.provider_bin.as_deref()).await?;
         let charging = BillingConfig {
             provider: Some(ProviderConfig::new(
                 provider.base_url(),
@@ -105,23 +188,47 @@ async fn main() -> Result<()> {
         };
         progress("charging: one tick against the fake provider");
         let biller = Biller::new(db.clone(), charging, Telemetry::noop())?;
+        let (cpu_before, provider_before) = (benches::CpuSnapshot::take(), provider.cpu_seconds());
         let charged = one_tick(&db, &biller).await;
+        let cpu = benches::CpuSnapshot::take().since(&cpu_before);
+        let provider_cpu = provider
+            .cpu_seconds()
+            .zip(provider_before)
+            .map(|(after, before)| after - before);
         let paid = charged.charges.paid;
+        let at_provider = provider.total_charges().await?;
         ensure!(
-            paid == args.subscriptions && provider.total_charges() as usize == paid,
-            "charged {paid} of {} ({} at the provider): {charged:?}",
+            paid == args.subscriptions && at_provider == paid,
+            "charged {paid} of {} ({at_provider} at the provider): {charged:?}",
             args.subscriptions,
-            provider.total_charges()
         );
         let s = charged.elapsed.as_secs_f64();
         progress(&format!(
             "charged {paid} in {s:.2} s: {:.0} charges/s",
             paid as f64 / s
         ));
+        progress(&format!(
+            "CPU s while charging: bench process {:.2}, provider process {}, Postgres {:.2}, \
+             PgBouncer {:.2}, others {:.2}, of {:.2}",
+            cpu.this_process,
+            provider_cpu.map_or("- (in process)".to_owned(), |c| format!("{c:.2}")),
+            cpu.postgres,
+            cpu.pgbouncer,
+            (cpu.others - provider_cpu.unwrap_or(0.0)).max(0.0),
+            cpu.capacity
+        ));
         charges = json!({
             "charges": paid,
             "tick_seconds": s,
             "charges_per_s": paid as f64 / s,
+            "provider": if provider_cpu.is_some() { "own process" } else { "in process" },
+            "cpu_seconds": {
+                "bench_process": cpu.this_process,
+                "provider_process": provider_cpu,
+                "postgres": cpu.postgres,
+                "pgbouncer": cpu.pgbouncer,
+                "capacity": cpu.capacity,
+            },
         });
     }
 
