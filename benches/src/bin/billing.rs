@@ -64,10 +64,7 @@ impl Provider {
         let Some(bin) = bin else {
             return Ok(Provider::InProcess(FakeProvider::start().await?));
         };
-        // A free port: bound, read and released for the child to take.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let port = testbed::free_port();
         let mut child = tokio::process::Command::new(bin)
             .env("FAKE_PROVIDER_ADDR", format!("127.0.0.1:{port}"))
             .stdout(std::process::Stdio::piped())
