@@ -79,6 +79,29 @@ impl TestDb {
         t
     }
 
+    /// [`TestDb::new`], on a database whose every session loads Postgres's
+    /// `auto_explain` and sends each statement's plan, with the planner
+    /// settings in effect that differ from the defaults, to the client as a
+    /// NOTICE ([`plans::PlansNoticed`] collects them). Set before the app
+    /// pool's first connection, so through PgBouncer as well every server
+    /// connection of this database has it.
+    pub async fn with_plans_noticed() -> TestDb {
+        let t = Self::new().await;
+        let mut admin = admin_connection(&t.name).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE {name} SET session_preload_libraries = 'auto_explain'; \
+             ALTER DATABASE {name} SET auto_explain.log_min_duration = 0; \
+             ALTER DATABASE {name} SET auto_explain.log_settings = on; \
+             ALTER DATABASE {name} SET auto_explain.log_level = 'notice'",
+            name = t.name
+        )))
+        .execute(&mut admin)
+        .await
+        .expect("set auto_explain on the test database");
+        let _ = admin.close().await;
+        t
+    }
+
     /// A new, empty database: nothing migrated. Its app pool cannot do much.
     pub async fn unmigrated(max_connections: u32) -> TestDb {
         static SEQ: AtomicU32 = AtomicU32::new(0);

@@ -36,3 +36,109 @@ pub async fn explain_index_driven_after(
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// The plans a role's own calls ran with, as Postgres's `auto_explain`
+/// reported them: what pins the planner settings a role's transaction runs a
+/// statement under, where an EXPLAIN in the test applies the settings itself
+/// and so cannot see them go missing from the role.
+///
+/// [`crate::TestDb::with_plans_noticed`] sets the database up so that every
+/// statement's plan, with the planner settings in effect that differ from
+/// the defaults (`Settings:`), comes back to the client as a NOTICE; sqlx
+/// hands notices to `tracing` (target `sqlx::postgres::notice`), and
+/// [`PlansNoticed::start`] collects them on this thread.
+pub struct PlansNoticed {
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    _guard: tracing::subscriber::DefaultGuard,
+}
+
+impl PlansNoticed {
+    /// Collect the notices of the statements this thread runs from now until
+    /// the value is dropped (a `#[tokio::test]` runs its futures on one
+    /// thread).
+    pub fn start() -> PlansNoticed {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(Notices(seen.clone()));
+        PlansNoticed {
+            seen,
+            _guard: tracing::subscriber::set_default(subscriber),
+        }
+    }
+
+    /// The plans noticed for `statement` (its whole text), in the order run.
+    pub fn plans_of(&self, statement: &str) -> Vec<String> {
+        let query = format!("Query Text: {statement}");
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.contains(&query))
+            .cloned()
+            .collect()
+    }
+
+    /// The plan of `statement` (its whole text), which ran once.
+    ///
+    /// # Panics
+    /// If it ran never or more than once.
+    pub fn plan_of(&self, statement: &str) -> String {
+        let mut plans = self.plans_of(statement);
+        assert!(
+            plans.len() == 1,
+            "{} plans noticed for {statement:?} among {} notices",
+            plans.len(),
+            self.seen.lock().unwrap().len()
+        );
+        plans.remove(0)
+    }
+}
+
+/// The settings of `Db::begin_index_driven`, as a plan's `Settings:` line
+/// names them.
+pub const INDEX_DRIVEN_SETTINGS: [&str; 5] = [
+    "enable_bitmapscan = 'off'",
+    "enable_hashjoin = 'off'",
+    "enable_mergejoin = 'off'",
+    "enable_material = 'off'",
+    "jit = 'off'",
+];
+
+/// A noticed plan's `Settings:` line: the planner settings in effect that
+/// differ from the defaults; empty when none did.
+pub fn planner_settings(plan: &str) -> &str {
+    plan.lines()
+        .map(str::trim_start)
+        .find(|l| l.starts_with("Settings:"))
+        .unwrap_or("")
+}
+
+/// The `tracing` layer of [`PlansNoticed`].
+struct Notices(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Notices {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if event.metadata().target() == "sqlx::postgres::notice" {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+    }
+}
+
+/// An event's `message` field.
+struct Message(String);
+
+impl tracing::field::Visit for Message {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            value.clone_into(&mut self.0);
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" && self.0.is_empty() {
+            self.0 = format!("{value:?}");
+        }
+    }
+}

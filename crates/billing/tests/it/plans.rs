@@ -8,14 +8,20 @@ use std::time::Duration;
 use db::{Row, sql};
 use leader::Role;
 use testbed::TestDb;
-use testbed::plans::{explain_index_driven, explain_index_driven_after};
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, explain_index_driven_after,
+    planner_settings,
+};
 
 use billing::statements::{
     CLAIM_AND_START, CLAIM_CHARGES, CLAIM_RETRIES, SETTLE, START_ATTEMPTS, START_RETRIES,
     WRITTEN_JOIN_ORDER,
 };
 
-use crate::{as_leader, due_monthly, manager};
+use billing::{BillingConfig, ProviderConfig, RetryRequest, SecretKey};
+use fake_provider::{FakeProvider, TEST_SECRET_KEY};
+
+use crate::{as_leader, biller, config, due_monthly, manager, open_invoices, tick};
 
 const CLAIMED: i64 = 12_800;
 const BATCH: usize = 256;
@@ -234,9 +240,9 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
 /// scripts/mutation-check); for the leases, the holders unnested and joined by
 /// key (mutation `claim_retries_key`; the first shape of this change, one
 /// statement whose update took each holder from the locking CTE, made the
-/// dunning benchmark 15 % slower, docs/adr/0055). Not pinned here: that
-/// `start_retries_in` runs `WRITTEN_JOIN_ORDER` first (the test runs it
-/// itself).
+/// dunning benchmark 15 % slower, docs/adr/0055). That
+/// `start_retries_in` runs `WRITTEN_JOIN_ORDER` first (this test runs it
+/// itself) is pinned by `the_charge_paths_own_calls_plan_as_their_tests_do`.
 #[tokio::test]
 async fn a_dunning_retry_claim_reaches_each_invoice_by_its_key() {
     let t = TestDb::new().await;
@@ -341,6 +347,74 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
                 ),
                 "{name}: {plan}"
             );
+        }
+    }
+}
+
+/// Guard (issue 29, point 3): the settings the plan tests above apply
+/// themselves are the ones the charge path's own calls run with. The plans
+/// are those the calls ran, reported by `auto_explain`: a tick charging four
+/// invoices runs its batch claim (`CLAIM_AND_START`) and its settle
+/// (`SETTLE`) in index-driven transactions, and `Biller::start_retries_in`
+/// (in the index-driven transaction dunning opens for it) runs
+/// `START_RETRIES` in the written join order without sequential scans, then
+/// `CLAIM_RETRIES` with both back at their defaults. Seen failing under each
+/// of the mutations `claim_index_driven` and `settle_index_driven` (a plain
+/// `begin_with_timeout` in `charge::store::claim_and_start`,
+/// `batch::settle::settle_once`), `retry_written_order` (`start_retries_in`
+/// without `WRITTEN_JOIN_ORDER`) and `retry_order_reset` (without
+/// `ANY_JOIN_ORDER`) in scripts/mutation-check.
+#[tokio::test]
+async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
+    let t = TestDb::with_plans_noticed().await;
+    let p = FakeProvider::start().await.unwrap();
+    let invoices = open_invoices(&t.db, 4).await;
+    let charging = BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout: Duration::from_secs(5),
+        }),
+        ..config()
+    };
+    let (b, _) = biller(&t.db, charging);
+    let written_order = ["join_collapse_limit = '1'", "enable_seqscan = 'off'"];
+
+    // A retry started and rolled back: the invoices stay open and unclaimed.
+    let retries = PlansNoticed::start();
+    let mut tx =
+        t.db.begin_index_driven(Duration::from_secs(5))
+            .await
+            .unwrap();
+    let wanted = [RetryRequest {
+        invoice_id: invoices[0].0,
+        claimed_by: "plans".to_owned(),
+    }];
+    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
+    assert!(started[0].is_ok(), "{:?}", started[0].as_ref().err());
+    drop(tx);
+    let start = retries.plan_of(START_RETRIES);
+    let start = planner_settings(&start);
+    for set in INDEX_DRIVEN_SETTINGS.iter().chain(&written_order) {
+        assert!(start.contains(set), "{set} not in {start:?}");
+    }
+    let claim = retries.plan_of(CLAIM_RETRIES);
+    let claim = planner_settings(&claim);
+    for set in written_order {
+        assert!(!claim.contains(set), "{set} still in {claim:?}");
+    }
+    drop(retries);
+
+    let charges = PlansNoticed::start();
+    assert_eq!(tick(&t.db, &b).await.charges.paid, 4);
+    for statement in [CLAIM_AND_START, SETTLE] {
+        let plans = charges.plans_of(statement);
+        assert!(!plans.is_empty(), "no plan of {statement:?}");
+        for plan in &plans {
+            let settings = planner_settings(plan);
+            for set in INDEX_DRIVEN_SETTINGS {
+                assert!(settings.contains(set), "{set} not in {settings:?}");
+            }
         }
     }
 }

@@ -1,17 +1,23 @@
 //! The business window's rule as the listing evaluates it (docs/adr/0045),
 //! on fixed instants: hours, weekdays, windows past midnight, the end of the
 //! day, zones, and both daylight-saving transitions of Europe/Berlin in 2026.
-//! And the listing's plan: the window is one hashed lookup per due run, and
-//! each due run reaches its rows by their keys.
+//! And the plans: the window is one hashed lookup per due run, each due run
+//! reaches its rows by their keys, and the listing and the retries run with
+//! the planner settings their plan tests assume (as `auto_explain` reports
+//! the role's own calls).
 
 use std::time::Duration;
 
+use billing::statements::{CLAIM_RETRIES, START_RETRIES};
 use db::{Row, sql};
 use dunning::statements::{LIST_DUE, WINDOW_OPEN_AT};
+use leader::Role;
 use testbed::TestDb;
-use testbed::plans::explain_index_driven_after;
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven_after, planner_settings,
+};
 
-use crate::{declined_invoice, dunner, enrol, policy};
+use crate::{as_leader, declined_invoice, dunner, enrol, manager, policy, tick};
 
 /// (zone, opens, closes, weekdays, instant in UTC, open?)
 type Case = (
@@ -279,13 +285,20 @@ async fn the_window_is_one_hashed_lookup_in_the_due_runs_scan() {
 async fn twenty_enrolled_runs() -> TestDb {
     let t = TestDb::new().await;
     let p = fake_provider::FakeProvider::start().await.unwrap();
+    enrol_twenty(&t, &p).await;
+    t
+}
+
+/// Twenty declined invoices of one tenant on `t`, each enrolled in a dunning
+/// run; the dunner that enrolled them.
+async fn enrol_twenty(t: &TestDb, p: &fake_provider::FakeProvider) -> dunning::Dunner {
     policy(&t.db, "tenant_a", 2, "pause_collection").await;
     for _ in 0..20 {
         declined_invoice(&t.db, "tenant_a").await;
     }
-    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
+    let (d, _) = dunner(&t.db, p, Duration::from_secs(5), crate::config());
     assert_eq!(enrol(&t.db, &d).await, 20);
-    t
+    d
 }
 
 /// EXPLAIN of `LIST_DUE` as the role plans it (an index-driven transaction
@@ -310,10 +323,35 @@ async fn listing_plan(t: &TestDb) -> String {
 /// alone (`invoices_tenant_number_key`, `subscriptions_tenant_plan`)
 /// (scripts/mutation-check `listing_tenant_join`). And with bitmap scans
 /// allowed the due runs were all read and sorted (docs/adr/0056).
+///
+/// The plan is the one the role's own call ran (`Dunner::list_due` as the
+/// leader, reported by `auto_explain`), so the transaction's planner settings
+/// are pinned as well: the index-driven ones and the written join order
+/// (`Db::begin_index_driven_as_written`). Seen failing with `list_due`
+/// opening a plain `begin_index_driven` transaction (mutation
+/// `listing_as_written`): the settings lacked `join_collapse_limit`. The
+/// plan's shape did not change on these tables; what the setting saves there
+/// is the search of join orders at every call, 8 to 17 ms of planning
+/// (docs/adr/0056), which no plan shows.
 #[tokio::test]
 async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
-    let t = twenty_enrolled_runs().await;
-    let plan = listing_plan(&t).await;
+    let t = TestDb::with_plans_noticed().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    let d = enrol_twenty(&t, &p).await;
+    let noticed = PlansNoticed::start();
+    let listed = as_leader(&manager(&t.db, "plans"), Role::Dunning, |tick| async move {
+        d.list_due(&tick.fence, 500).await.unwrap().len()
+    })
+    .await;
+    assert_eq!(listed, 20);
+    let plan = noticed.plan_of(LIST_DUE);
+    let settings = planner_settings(&plan);
+    for set in INDEX_DRIVEN_SETTINGS
+        .iter()
+        .chain(&["join_collapse_limit = '1'"])
+    {
+        assert!(settings.contains(set), "{set} not in {settings:?}");
+    }
     let lines: Vec<&str> = plan.lines().map(str::trim).collect();
     let reached = |scan: &str, cond: &str| {
         let at = lines
@@ -349,4 +387,32 @@ async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
     );
     assert!(!plan.contains("Sort Key"), "{plan}");
     assert!(!plan.contains("Join Filter"), "{plan}");
+}
+
+/// Guard (issue 29, point 3): a tick starts its retries (billing's
+/// `START_RETRIES`, then `CLAIM_RETRIES`) in an index-driven transaction
+/// (`dunning::charge`), the settings under which billing's plan test
+/// (`a_dunning_retry_claim_reaches_each_invoice_by_its_key`) shows each
+/// invoice reached by its key; that test applies them itself. The plans here
+/// are the ones the tick ran, reported by `auto_explain`. Seen failing with
+/// the transaction opened by a plain `begin_with_timeout` (mutation
+/// `retry_index_driven` in scripts/mutation-check).
+#[tokio::test]
+async fn a_tick_starts_its_retries_in_an_index_driven_transaction() {
+    let t = TestDb::with_plans_noticed().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    let d = enrol_twenty(&t, &p).await;
+    let noticed = PlansNoticed::start();
+    let report = tick(&t.db, &d).await;
+    assert_eq!(p.total_charges(), 20, "{report:?}");
+    for statement in [START_RETRIES, CLAIM_RETRIES] {
+        let plans = noticed.plans_of(statement);
+        assert!(!plans.is_empty(), "no plan of {statement:?}");
+        for plan in &plans {
+            let settings = planner_settings(plan);
+            for set in INDEX_DRIVEN_SETTINGS {
+                assert!(settings.contains(set), "{set} not in {settings:?}");
+            }
+        }
+    }
 }
