@@ -6,10 +6,10 @@
 //! statement texts.
 
 use email_outbox::statements::{CLAIM_DUE, RECORD_RESULTS};
-use testbed::TestDb;
-use testbed::plans::explain_index_driven;
+use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
+use testbed::{SmtpSink, TestDb};
 
-use crate::{email, queue};
+use crate::{config, email, queue, sender, tick};
 
 /// 1,000 emails queued in one transaction: they share one `next_attempt_at`.
 async fn backlog(t: &TestDb) -> Vec<i64> {
@@ -78,5 +78,36 @@ async fn a_group_of_results_finds_each_email_by_its_key() {
         "Seq Scan on email_outbox",
     ] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the plans above are read under `begin_index_driven`'s settings,
+/// which the EXPLAIN applies itself; here a tick's own claim and results
+/// (three emails to the SMTP sink), as `auto_explain` reported them, ran
+/// under those settings. Seen failing with a plain `begin_with_timeout` in
+/// `store::claim` or in `store::results::record_results` (mutations
+/// `email_claim_index_driven` and `email_results_index_driven` in
+/// scripts/mutation-check).
+#[tokio::test]
+async fn a_ticks_own_claim_and_results_plan_as_these_tests_do() {
+    let t = TestDb::with_plans_noticed().await;
+    let sink = SmtpSink::start();
+    let emails: Vec<_> = (0..3).map(|n| email("a@example.com", n)).collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let noticed = PlansNoticed::start();
+    let (_, report) = tick(&t.db, &s).await;
+    for statement in [CLAIM_DUE, RECORD_RESULTS] {
+        let plans = noticed.plans_of(statement);
+        assert!(
+            !plans.is_empty(),
+            "no plan of {statement:?} in a tick: {report:?}"
+        );
+        for plan in &plans {
+            let settings = planner_settings(plan);
+            for set in INDEX_DRIVEN_SETTINGS {
+                assert!(settings.contains(set), "{set} not in {settings:?}");
+            }
+        }
     }
 }

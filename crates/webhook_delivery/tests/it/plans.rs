@@ -9,10 +9,10 @@
 
 use db::{Row, sql};
 use testbed::TestDb;
-use testbed::plans::explain_index_driven;
+use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
 use webhook_delivery::statements::{APPLY_OUTCOMES, CLAIM_DUE};
 
-use crate::{endpoint, events};
+use crate::{config, endpoint, events, tick, worker};
 
 /// 1,500 pending deliveries: 500 events to 3 endpoints, fanned out as the
 /// outbox does, so each fan-out's deliveries share one `next_attempt_at`.
@@ -131,5 +131,35 @@ async fn a_prune_reads_its_batch_in_index_order_and_sorts_nothing() {
     );
     for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the plans above are read under `begin_index_driven`'s settings,
+/// which the EXPLAIN applies itself; here a tick's own claim and outcomes
+/// (three deliveries to an endpoint that refuses connections), as
+/// `auto_explain` reported them, ran under those settings. Seen failing with
+/// a plain `begin_with_timeout` in the claim (`store::claim`) or in
+/// `store::outcomes::record_outcomes` (mutations `delivery_claim_index_driven`
+/// and `delivery_outcomes_index_driven` in scripts/mutation-check).
+#[tokio::test]
+async fn a_ticks_own_claim_and_outcomes_plan_as_these_tests_do() {
+    let t = TestDb::with_plans_noticed().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/refused").await;
+    events(&t.db, "tenant_a", 3).await;
+    let (w, _) = worker(&t.db, config());
+    let noticed = PlansNoticed::start();
+    let report = tick(&t.db, &w).await;
+    for statement in [CLAIM_DUE, APPLY_OUTCOMES] {
+        let plans = noticed.plans_of(statement);
+        assert!(
+            !plans.is_empty(),
+            "no plan of {statement:?} in a tick: {report:?}"
+        );
+        for plan in &plans {
+            let settings = planner_settings(plan);
+            for set in INDEX_DRIVEN_SETTINGS {
+                assert!(settings.contains(set), "{set} not in {settings:?}");
+            }
+        }
     }
 }

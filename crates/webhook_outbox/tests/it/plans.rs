@@ -4,12 +4,13 @@
 //! fresh database or after a burst; the plan is read with EXPLAIN inside the
 //! kind of transaction the role uses, on the role's own statement text.
 
+use leader::Role;
 use testbed::TestDb;
-use testbed::plans::explain_index_driven;
+use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
 use webhook_outbox::statements::CLAIM_AND_FAN_OUT;
-use webhook_outbox::{NewEvent, enqueue_many};
+use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 
-use crate::endpoint;
+use crate::{as_leader, dispatcher, endpoint, event, manager};
 
 /// Guard: the planner settings of `Db::begin_index_driven`. Seen failing with
 /// `begin_with_timeout` in the EXPLAIN's transaction (a Bitmap Heap Scan of
@@ -49,5 +50,39 @@ async fn the_fan_out_claims_its_events_in_index_order() {
         "Seq Scan on webhook_events",
     ] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the plan above is read under `begin_index_driven`'s settings, which
+/// the EXPLAIN applies itself; here the role's own fan-out of three events,
+/// as `auto_explain` reported it, ran under those settings. Seen failing
+/// with a plain `begin_with_timeout` in `store` (mutation
+/// `fan_out_index_driven` in scripts/mutation-check).
+#[tokio::test]
+async fn the_roles_own_fan_out_plans_as_this_test_does() {
+    let t = TestDb::with_plans_noticed().await;
+    endpoint(&t, "tenant_a", &[], true).await;
+    for n in 0..3 {
+        event(
+            &t.db,
+            "tenant_a",
+            "invoice.paid",
+            &format!(r#"{{"n": {n}}}"#),
+        )
+        .await;
+    }
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let noticed = PlansNoticed::start();
+    let dispatched = as_leader(
+        &manager(&t.db, "plans"),
+        Role::WebhookOutbox,
+        |tick| async move { d.dispatch_batch(&tick.fence, 100).await.unwrap() },
+    )
+    .await;
+    assert_eq!(dispatched, 3);
+    let plan = noticed.plan_of(CLAIM_AND_FAN_OUT);
+    let settings = planner_settings(&plan);
+    for set in INDEX_DRIVEN_SETTINGS {
+        assert!(settings.contains(set), "{set} not in {settings:?}");
     }
 }
