@@ -14,8 +14,8 @@ use testbed::plans::{
 };
 
 use billing::statements::{
-    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_RETRIES, SETTLE, START_ATTEMPTS, START_RETRIES,
-    WRITTEN_JOIN_ORDER,
+    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, SETTLE, START_ATTEMPTS,
+    START_RETRIES, WRITTEN_JOIN_ORDER,
 };
 
 use billing::{BillingConfig, ProviderConfig, RetryRequest, SecretKey};
@@ -353,22 +353,33 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
 
 /// Guard (issue 29, point 3): the settings the plan tests above apply
 /// themselves are the ones the charge path's own calls run with. The plans
-/// are those the calls ran, reported by `auto_explain`: a tick charging four
-/// invoices runs its batch claim (`CLAIM_AND_START`) and its settle
+/// are those the calls ran, reported by `auto_explain`: the closing's listing
+/// (`CLAIM_DUE`) of a tick invoicing four subscriptions, a tick charging the four
+/// invoices, which runs its batch claim (`CLAIM_AND_START`) and its settle
 /// (`SETTLE`) in index-driven transactions, and `Biller::start_retries_in`
 /// (in the index-driven transaction dunning opens for it) runs
 /// `START_RETRIES` in the written join order without sequential scans, then
 /// `CLAIM_RETRIES` with both back at their defaults. Seen failing under each
-/// of the mutations `claim_index_driven` and `settle_index_driven` (a plain
-/// `begin_with_timeout` in `charge::store::claim_and_start`,
-/// `batch::settle::settle_once`), `retry_written_order` (`start_retries_in`
+/// of the mutations `closing_index_driven`, `claim_index_driven` and
+/// `settle_index_driven` (a plain `begin_with_timeout` in `store::claim_due`,
+/// `charge::store::claim_and_start`, `batch::settle::settle_once`), `retry_written_order` (`start_retries_in`
 /// without `WRITTEN_JOIN_ORDER`) and `retry_order_reset` (without
 /// `ANY_JOIN_ORDER`) in scripts/mutation-check.
 #[tokio::test]
 async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     let t = TestDb::with_plans_noticed().await;
     let p = FakeProvider::start().await.unwrap();
+    let closing = PlansNoticed::start();
     let invoices = open_invoices(&t.db, 4).await;
+    let listings = closing.plans_of(CLAIM_DUE);
+    assert!(!listings.is_empty(), "no plan of the closing's listing");
+    for plan in &listings {
+        let settings = planner_settings(plan);
+        for set in INDEX_DRIVEN_SETTINGS {
+            assert!(settings.contains(set), "{set} not in {settings:?}");
+        }
+    }
+    drop(closing);
     let charging = BillingConfig {
         provider: Some(ProviderConfig {
             base_url: p.base_url(),
