@@ -29,7 +29,7 @@ mod answer;
 pub use answer::{
     ChargeOutcome, DeclineClass, HARD_DECLINES, RAW_LIMIT, classify, decline_class, is_intent_id,
 };
-use answer::{RETRY_AFTER_MARK, escape_prefix, intent_outcome, needs_review};
+use answer::{RETRY_AFTER_MARK, intent_outcome, needs_review, raw_answer};
 
 /// A provider secret key (`sk_…`). `Debug` and `Display` redact it.
 #[derive(Clone, PartialEq, Eq)]
@@ -286,7 +286,12 @@ impl Provider {
                 Err(unknown) => return Err(unknown),
             };
             if !(200..300).contains(&status) {
-                return Err(classify(status, &text, false, None));
+                return Err(classify(
+                    status,
+                    &text,
+                    false,
+                    self.config.secret_key.expose(),
+                ));
             }
             let Ok(list) = serde_json::from_str::<serde_json::Value>(&text) else {
                 return Err(needs_review(
@@ -354,8 +359,7 @@ impl Provider {
     async fn read(&self, sent: Result<reqwest::Response, reqwest::Error>) -> ChargeOutcome {
         match self.fetch(sent).await {
             Ok((status, replayed, text)) => {
-                let raw = self.raw(&text);
-                classify(status, &text, replayed, Some(raw))
+                classify(status, &text, replayed, self.config.secret_key.expose())
             }
             Err(unknown) => unknown,
         }
@@ -364,8 +368,7 @@ impl Provider {
     /// An answer's first bytes as they may be stored: escaped, the secret key
     /// redacted, at most [`RAW_LIMIT`] characters.
     fn raw(&self, text: &str) -> String {
-        let text = text.replace(self.config.secret_key.expose(), "[redacted]");
-        escape_prefix(&text)
+        raw_answer(text, self.config.secret_key.expose())
     }
 }
 

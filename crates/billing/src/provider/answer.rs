@@ -85,6 +85,18 @@ pub const RAW_LIMIT: usize = 256;
 
 pub(super) const RETRY_AFTER_MARK: &str = "\u{1}retry-after:";
 
+/// An answer's first bytes as they may be stored: `secret` (the key the
+/// request was sent with) redacted, escaped, at most [`RAW_LIMIT`]
+/// characters. Built only for an answer that keeps it (one that needs
+/// review).
+pub(super) fn raw_answer(text: &str, secret: &str) -> String {
+    if !secret.is_empty() && text.contains(secret) {
+        escape_prefix(&text.replace(secret, "[redacted]"))
+    } else {
+        escape_prefix(text)
+    }
+}
+
 pub(super) fn escape_prefix(text: &str) -> String {
     let mut out = String::new();
     for c in text.chars() {
@@ -166,8 +178,9 @@ pub(super) fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -
 
 /// An answer's meaning, by status and Stripe's error body (a pure table;
 /// docs/adr/0024 lists its rows and the documentation each relies on).
-/// `replayed`: the answer carried `Idempotent-Replayed: true`.
-pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) -> ChargeOutcome {
+/// `replayed`: the answer carried `Idempotent-Replayed: true`; `secret`: the
+/// key the request was sent with, redacted from an answer kept for review.
+pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> ChargeOutcome {
     let (retry_after, body) = match body.strip_prefix(RETRY_AFTER_MARK) {
         Some(rest) => match rest.split_once('\n') {
             Some((secs, body)) => (secs.parse::<u64>().ok(), body),
@@ -175,17 +188,17 @@ pub fn classify(status: u16, body: &str, replayed: bool, raw: Option<String>) ->
         },
         None => (None, body),
     };
-    let raw = || raw.clone().unwrap_or_else(|| escape_prefix(body));
+    let raw = || raw_answer(body, secret);
     let parsed: Option<serde_json::Value> = serde_json::from_str(body).ok();
-    let json = parsed.clone().unwrap_or_default();
+    let json = parsed.as_ref().unwrap_or(&serde_json::Value::Null);
     let s = |v: &serde_json::Value| v.as_str().map(str::to_owned);
     let error = &json["error"];
     let (kind, code) = (s(&error["type"]).unwrap_or_default(), s(&error["code"]));
     let message = s(&error["message"]).unwrap_or_default();
     let carried = || s(&error["payment_intent"]["id"]).filter(|id| is_intent_id(id));
     match status {
-        200..=299 => match parsed {
-            Some(pi) => intent_outcome(&pi, raw),
+        200..=299 => match &parsed {
+            Some(pi) => intent_outcome(pi, raw),
             None => needs_review(format!("HTTP {status} whose body is not JSON"), Some(raw())),
         },
         401 | 403 => ChargeOutcome::KeyRejected {
@@ -330,7 +343,7 @@ mod tests {
         ];
         for (status, body, replayed, want) in cases {
             assert_eq!(
-                label(classify(status, &body, replayed, None)),
+                label(classify(status, &body, replayed, "")),
                 want,
                 "{status} {body}"
             );
@@ -375,5 +388,32 @@ mod tests {
         let raw = escape_prefix("a\u{0}b\nc");
         assert_eq!(raw, "a\\0b\\nc");
         assert!(escape_prefix(&"x".repeat(5000)).len() <= RAW_LIMIT + 4);
+    }
+
+    /// Every answer kept for review is kept without the key the request was
+    /// sent with (every caller passes it: the charge's answer and the
+    /// reconciler's lookup by key alike).
+    #[test]
+    fn an_answer_kept_for_review_never_keeps_the_secret_key() {
+        let key = "sk_test_very_secret";
+        for (status, body) in [
+            (200, format!("<html>{key}</html>")),
+            (
+                400,
+                format!(r#"{{"error":{{"type":"idempotency_error","message":"{key}"}}}}"#),
+            ),
+            (
+                402,
+                format!(r#"{{"error":{{"decline_code":"bad code {key}"}}}}"#),
+            ),
+        ] {
+            match classify(status, &body, false, key) {
+                ChargeOutcome::NeedsReview { raw: Some(raw), .. } => {
+                    assert!(!raw.contains("very_secret"), "{raw}");
+                    assert!(raw.contains("[redacted]"), "{raw}");
+                }
+                other => panic!("{status} {body}: {other:?}"),
+            }
+        }
     }
 }
