@@ -13,7 +13,7 @@ use scheduler::Prune;
 use crate::{Biller, Error};
 
 /// The prune statement of [`RawAnswers`]; `pub` only for the plan tests
-/// (`tests/it/record.rs`). Resolved attempts (succeeded, declined, failed)
+/// (`tests/it/plans.rs`). Resolved attempts (succeeded, declined, failed)
 /// resolved more than the retention ago, oldest first through
 /// `payment_attempts_raw_answer_kept` (migration 0030); fenced next to
 /// `FOR UPDATE OF p SKIP LOCKED`, as the claims are. An attempt whose invoice
@@ -33,6 +33,15 @@ pub const CLEAR_RAW_ANSWERS: &str = "WITH doomed AS MATERIALIZED ( \
          UPDATE payment_attempts a SET raw_answer = NULL \
          FROM doomed WHERE a.id = doomed.id";
 
+/// Set before [`CLEAR_RAW_ANSWERS`], for its transaction. On statistics
+/// that do not know how few attempts keep an answer (a table never analyzed,
+/// or analyzed before a burst), the planner estimated a few dozen rows
+/// passing the statement's conditions and read `payment_attempts` whole and
+/// sorted it, instead of walking the partial index; without sequential scans
+/// it walks the index in order and stops at the batch. `pub` only for the
+/// plan test.
+pub const NO_SEQUENTIAL_SCAN: &str = "SELECT set_config('enable_seqscan', 'off', true)";
+
 /// The raw answers of resolved attempts, as a prune kind.
 pub(crate) struct RawAnswers<'a>(pub &'a Biller);
 
@@ -49,6 +58,7 @@ impl Prune for RawAnswers<'_> {
             .db
             .begin_index_driven(inner.config.statement_timeout)
             .await?;
+        tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await?;
         let cleared = tx
             .execute(
                 sql(CLEAR_RAW_ANSWERS)

@@ -14,8 +14,8 @@ use testbed::plans::{
 };
 
 use billing::statements::{
-    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, SETTLE, START_ATTEMPTS,
-    START_RETRIES, WRITTEN_JOIN_ORDER,
+    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS,
+    NO_SEQUENTIAL_SCAN, SETTLE, START_ATTEMPTS, START_RETRIES, WRITTEN_JOIN_ORDER,
 };
 
 use billing::{BillingConfig, ProviderConfig, RetryRequest, SecretKey};
@@ -355,14 +355,18 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
 /// themselves are the ones the charge path's own calls run with. The plans
 /// are those the calls ran, reported by `auto_explain`: the closing's listing
 /// (`CLAIM_DUE`) of a tick invoicing four subscriptions, a tick charging the four
-/// invoices, which runs its batch claim (`CLAIM_AND_START`) and its settle
-/// (`SETTLE`) in index-driven transactions, and `Biller::start_retries_in`
+/// invoices, which runs its batch claim (`CLAIM_AND_START`), its settle
+/// (`SETTLE`) and its retention's `CLEAR_RAW_ANSWERS` in index-driven
+/// transactions (the last without sequential scans), and `Biller::start_retries_in`
 /// (in the index-driven transaction dunning opens for it) runs
 /// `START_RETRIES` in the written join order without sequential scans, then
 /// `CLAIM_RETRIES` with both back at their defaults. Seen failing under each
-/// of the mutations `closing_index_driven`, `claim_index_driven` and
-/// `settle_index_driven` (a plain `begin_with_timeout` in `store::claim_due`,
-/// `charge::store::claim_and_start`, `batch::settle::settle_once`), `retry_written_order` (`start_retries_in`
+/// of the mutations `closing_index_driven`, `claim_index_driven`,
+/// `settle_index_driven` and `raw_answers_index_driven` (a plain
+/// `begin_with_timeout` in `store::claim_due`,
+/// `charge::store::claim_and_start`, `batch::settle::settle_once`,
+/// `retention`), `raw_answers_seqscan` (the clearing without
+/// `NO_SEQUENTIAL_SCAN`), `retry_written_order` (`start_retries_in`
 /// without `WRITTEN_JOIN_ORDER`) and `retry_order_reset` (without
 /// `ANY_JOIN_ORDER`) in scripts/mutation-check.
 #[tokio::test]
@@ -388,7 +392,14 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
         }),
         ..config()
     };
+    let month = Duration::from_secs(30 * 86_400);
     let (b, _) = biller(&t.db, charging);
+    let b = b.with_retention(scheduler::Retention {
+        keep: month,
+        lease_history: month,
+        every: Duration::ZERO,
+        batch: 1000,
+    });
     let written_order = ["join_collapse_limit = '1'", "enable_seqscan = 'off'"];
 
     // A retry started and rolled back: the invoices stay open and unclaimed.
@@ -418,14 +429,61 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
 
     let charges = PlansNoticed::start();
     assert_eq!(tick(&t.db, &b).await.charges.paid, 4);
-    for statement in [CLAIM_AND_START, SETTLE] {
+    for statement in [CLAIM_AND_START, SETTLE, CLEAR_RAW_ANSWERS] {
         let plans = charges.plans_of(statement);
         assert!(!plans.is_empty(), "no plan of {statement:?}");
+        let extra: &[&str] = if statement == CLEAR_RAW_ANSWERS {
+            &["enable_seqscan = 'off'"]
+        } else {
+            &[]
+        };
         for plan in &plans {
             let settings = planner_settings(plan);
-            for set in INDEX_DRIVEN_SETTINGS {
+            for set in INDEX_DRIVEN_SETTINGS.iter().chain(extra) {
                 assert!(settings.contains(set), "{set} not in {settings:?}");
             }
         }
+    }
+}
+
+/// Guard: the retention's clearing of old raw answers (`CLEAR_RAW_ANSWERS`)
+/// reads the attempts it clears in `payment_attempts_raw_answer_kept`
+/// order, the batch and no more, on a table never analyzed: 12,800 attempts
+/// resolved between 400 and 397 days ago, one in 64 keeping its answer (an
+/// answer is kept only for review). The clearing runs after
+/// `NO_SEQUENTIAL_SCAN`, as the role runs it (pinned by
+/// `the_charge_paths_own_calls_plan_as_their_tests_do`). Seen failing without
+/// it: a Seq Scan of every attempt, estimated at 32 rows, and a Sort, for each
+/// batch (this test found it; the statement had no plan test before). And
+/// with the statement ordered by `p.id` alone (mutation `raw_answers_order`
+/// in scripts/mutation-check).
+#[tokio::test]
+async fn the_raw_answers_clearing_reads_its_batch_in_index_order() {
+    let t = TestDb::new().await;
+    claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE payment_attempts SET provider_status = 'succeeded', \
+                raw_answer = CASE WHEN id % 64 = 0 THEN 'kept' END, \
+                resolved_at = now() - interval '400 days' + id * interval '20 seconds' \
+         WHERE idempotency_key LIKE 'plan:%'",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let plan =
+        explain_index_driven_after(&t.db, Some(NO_SEQUENTIAL_SCAN), CLEAR_RAW_ANSWERS, |s| {
+            s.bind("billing")
+                .bind(1_i64)
+                .bind(30.0 * 86_400.0_f64)
+                .bind(1000_i64)
+        })
+        .await;
+    assert!(
+        plan.contains("Index Scan using payment_attempts_raw_answer_kept on payment_attempts p"),
+        "{plan}"
+    );
+    for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
 }

@@ -8,7 +8,7 @@ use email_outbox::statements::PRUNE_FINISHED;
 use leader::{Fence, Role};
 use scheduler::Retention;
 use testbed::TestDb;
-use testbed::plans::explain_index_driven;
+use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
 
 use crate::{as_leader, config, email, manager, queue, sender, tick};
 
@@ -154,5 +154,34 @@ async fn a_prune_reads_its_emails_in_index_order() {
     );
     for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard: the plan above is read under `begin_index_driven`'s settings, which
+/// the EXPLAIN applies itself; here a tick's own prune, as `auto_explain`
+/// reported it, ran under those settings. The transaction is
+/// `scheduler::run_prune_statement`'s, which the webhook roles' prunes share.
+/// Seen failing with a plain `begin_with_timeout` there (mutation
+/// `prune_index_driven` in scripts/mutation-check).
+#[tokio::test]
+async fn a_ticks_own_prune_plans_as_this_test_does() {
+    let t = TestDb::with_plans_noticed().await;
+    let e = queue(&t.db, "tenant_a", &[email("a@example.com", 0)]).await;
+    finish(&t, &e, "sent", 40).await;
+    // Nothing is due, so no connection is made to this address.
+    let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
+    let s = s.with_retention(Retention {
+        keep: MONTH,
+        lease_history: MONTH,
+        every: Duration::ZERO,
+        batch: 1000,
+    });
+    let noticed = PlansNoticed::start();
+    let _ = tick(&t.db, &s).await;
+    assert_eq!(ids(&t.db).await, Vec::<i64>::new());
+    let plan = noticed.plan_of(PRUNE_FINISHED);
+    let settings = planner_settings(&plan);
+    for set in INDEX_DRIVEN_SETTINGS {
+        assert!(settings.contains(set), "{set} not in {settings:?}");
     }
 }
