@@ -117,7 +117,11 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
     if closings.is_empty() {
         return Ok(Attempt::Committed(Vec::new()));
     }
-    let mut tx = db.begin_with_timeout(how.statement_timeout).await?;
+    // Index-driven (docs/adr/0060): the compare-and-set and the writes after
+    // it join the batch to their tables by key. Planned freely, with
+    // statistics that had seen the subscriptions, the compare-and-set read
+    // every subscription into a hash for each batch.
+    let mut tx = db.begin_index_driven(how.statement_timeout).await?;
     let attempt = close_in(&mut tx, closings, how).await?;
     match attempt {
         Attempt::Committed(_) => tx.commit().await?,

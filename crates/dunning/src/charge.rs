@@ -239,7 +239,10 @@ pub(crate) async fn charge_runs(
     }
     let pairs: Vec<(&Run, DateTime<Utc>)> = rewind.iter().map(|(r, h, _)| (*r, *h)).collect();
     let last = async {
-        let mut tx = db.begin_with_timeout(timeout).await?;
+        // Index-driven (docs/adr/0023, 0060): each statement joins the
+        // batch to `dunning_runs` by key. Planned freely, with statistics
+        // that had seen the runs, each read every active run into a hash.
+        let mut tx = db.begin_index_driven(timeout).await?;
         let recovered = outcomes::recover_in(&mut tx, &recover).await?;
         let declined = outcomes::decline_in(&mut tx, &declines).await?;
         let rewound = outcomes::rewind_in(&mut tx, &pairs).await?;

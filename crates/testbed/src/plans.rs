@@ -50,6 +50,7 @@ pub async fn explain_index_driven_after(
 pub struct PlansNoticed {
     seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     _guard: tracing::subscriber::DefaultGuard,
+    _second: tracing::Dispatch,
 }
 
 impl PlansNoticed {
@@ -59,10 +60,19 @@ impl PlansNoticed {
     pub fn start() -> PlansNoticed {
         use tracing_subscriber::layer::SubscriberExt as _;
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        // tracing decides whether a log line is enabled when it is first
+        // hit, and with one dispatcher registered it asks only the hitting
+        // thread's: another test's thread could hit sqlx's notice line first
+        // and cache it as disabled (seen: no plan noticed when these tests ran
+        // side by side). With two registered it asks them all.
+        let second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
         let subscriber = tracing_subscriber::registry().with(Notices(seen.clone()));
+        let guard = tracing::subscriber::set_default(subscriber);
+        tracing::callsite::rebuild_interest_cache();
         PlansNoticed {
             seen,
-            _guard: tracing::subscriber::set_default(subscriber),
+            _guard: guard,
+            _second: second,
         }
     }
 
@@ -74,6 +84,21 @@ impl PlansNoticed {
             .unwrap()
             .iter()
             .filter(|m| m.contains(&query))
+            .cloned()
+            .collect()
+    }
+
+    /// The plans noticed for the statements whose text contains `marker`
+    /// (for a statement written inline in the role's code), in the order run.
+    pub fn plans_containing(&self, marker: &str) -> Vec<String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| {
+                m.split_once("Query Text: ")
+                    .is_some_and(|(_, text)| text.lines().next().unwrap_or("").contains(marker))
+            })
             .cloned()
             .collect()
     }

@@ -354,14 +354,14 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
 /// Guard (issue 29, point 3): the settings the plan tests above apply
 /// themselves are the ones the charge path's own calls run with. The plans
 /// are those the calls ran, reported by `auto_explain`: the closing's listing
-/// (`CLAIM_DUE`) of a tick invoicing four subscriptions, a tick charging the four
+/// (`CLAIM_DUE`) and compare-and-set of a tick invoicing four subscriptions, a tick charging the four
 /// invoices, which runs its batch claim (`CLAIM_AND_START`), its settle
 /// (`SETTLE`) and its retention's `CLEAR_RAW_ANSWERS` in index-driven
 /// transactions (the last without sequential scans), and `Biller::start_retries_in`
 /// (in the index-driven transaction dunning opens for it) runs
 /// `START_RETRIES` in the written join order without sequential scans, then
 /// `CLAIM_RETRIES` with both back at their defaults. Seen failing under each
-/// of the mutations `closing_index_driven`, `claim_index_driven`,
+/// of the mutations `closing_index_driven`, `close_index_driven`, `claim_index_driven`,
 /// `settle_index_driven` and `raw_answers_index_driven` (a plain
 /// `begin_with_timeout` in `store::claim_due`,
 /// `charge::store::claim_and_start`, `batch::settle::settle_once`,
@@ -375,8 +375,12 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     let p = FakeProvider::start().await.unwrap();
     let closing = PlansNoticed::start();
     let invoices = open_invoices(&t.db, 4).await;
-    let listings = closing.plans_of(CLAIM_DUE);
+    let mut listings = closing.plans_of(CLAIM_DUE);
     assert!(!listings.is_empty(), "no plan of the closing's listing");
+    // The closing's compare-and-set (`invoice::close_once`, docs/adr/0060).
+    let cas = closing.plans_containing("UPDATE subscriptions s SET current_period_start");
+    assert_eq!(cas.len(), 1, "{cas:#?}");
+    listings.extend(cas);
     for plan in &listings {
         let settings = planner_settings(plan);
         for set in INDEX_DRIVEN_SETTINGS {

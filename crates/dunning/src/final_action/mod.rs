@@ -214,7 +214,9 @@ async fn final_actions(
     runs: &[(&Run, Option<outbox::email::Email>)],
     statement_timeout: Duration,
 ) -> Result<Vec<FinalActed>, Error> {
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    // Index-driven (docs/adr/0060): the batch's runs, invoices and
+    // subscriptions by key, whatever the statistics say.
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let ids: Vec<i64> = runs.iter().map(|(r, _)| r.id).collect();
     let stamped: HashSet<i64> = tx
         .fetch_all(

@@ -17,7 +17,7 @@ use testbed::plans::{
     INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven_after, planner_settings,
 };
 
-use crate::{as_leader, declined_invoice, dunner, enrol, manager, policy, tick};
+use crate::{as_leader, declined_invoice, dunner, enrol, manager, policy, run_of, tick};
 
 /// (zone, opens, closes, weekdays, instant in UTC, open?)
 type Case = (
@@ -391,12 +391,13 @@ async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
 
 /// Guard (issue 29, point 3): a tick starts its retries (billing's
 /// `START_RETRIES`, then `CLAIM_RETRIES`) in an index-driven transaction
-/// (`dunning::charge`), the settings under which billing's plan test
+/// (`dunning::charge`), and writes their outcomes in another, the settings under which billing's plan test
 /// (`a_dunning_retry_claim_reaches_each_invoice_by_its_key`) shows each
 /// invoice reached by its key; that test applies them itself. The plans here
 /// are the ones the tick ran, reported by `auto_explain`. Seen failing with
-/// the transaction opened by a plain `begin_with_timeout` (mutation
-/// `retry_index_driven` in scripts/mutation-check).
+/// either transaction opened by a plain `begin_with_timeout` (mutations
+/// `retry_index_driven` and `dunning_outcomes_index_driven` in
+/// scripts/mutation-check).
 #[tokio::test]
 async fn a_tick_starts_its_retries_in_an_index_driven_transaction() {
     let t = TestDb::with_plans_noticed().await;
@@ -405,14 +406,60 @@ async fn a_tick_starts_its_retries_in_an_index_driven_transaction() {
     let noticed = PlansNoticed::start();
     let report = tick(&t.db, &d).await;
     assert_eq!(p.total_charges(), 20, "{report:?}");
-    for statement in [START_RETRIES, CLAIM_RETRIES] {
-        let plans = noticed.plans_of(statement);
-        assert!(!plans.is_empty(), "no plan of {statement:?}");
-        for plan in &plans {
-            let settings = planner_settings(plan);
-            for set in INDEX_DRIVEN_SETTINGS {
-                assert!(settings.contains(set), "{set} not in {settings:?}");
-            }
+    let mut plans = noticed.plans_of(START_RETRIES);
+    plans.extend(noticed.plans_of(CLAIM_RETRIES));
+    // The batch's outcomes (`outcomes::recover_in`): twenty recovered runs.
+    plans.extend(noticed.plans_containing("SET status = 'recovered', ended_at = now()"));
+    assert_eq!(plans.len(), 3, "{plans:#?}");
+    for plan in &plans {
+        let settings = planner_settings(plan);
+        for set in INDEX_DRIVEN_SETTINGS {
+            assert!(settings.contains(set), "{set} not in {settings:?}");
+        }
+    }
+}
+
+/// Guard (docs/adr/0060): a tick writes its batch's declines, the runs they
+/// exhaust (`outcomes::decline_in`) and their final actions
+/// (`final_action::final_actions`) in index-driven transactions: each
+/// statement joins the batch to its table by key. The plans are the ones the
+/// tick ran, reported by `auto_explain`. Seen failing with either
+/// transaction opened by a plain `begin_with_timeout` (mutations
+/// `dunning_outcomes_index_driven` and `final_actions_index_driven` in
+/// scripts/mutation-check); planned freely on the dunning benchmark's 20,000
+/// runs, each of these statements read every active run into a hash.
+#[tokio::test]
+async fn a_ticks_declines_and_final_actions_run_in_index_driven_transactions() {
+    let t = TestDb::with_plans_noticed().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "pause_collection").await;
+    let declined = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(
+        &declined.customer,
+        fake_provider::Behaviour::Decline("insufficient_funds".into()),
+    );
+    let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
+    assert_eq!(enrol(&t.db, &d).await, 1);
+    let noticed = PlansNoticed::start();
+    let report = tick(&t.db, &d).await;
+    assert_eq!(
+        run_of(&t.db, declined.invoice).await.0,
+        "exhausted",
+        "{report:?}"
+    );
+    let exhausts =
+        noticed.plans_containing("SET status = 'exhausted', ended_at = now(), next_attempt_at");
+    let stamps = noticed.plans_containing("UPDATE dunning_runs SET final_action_at = now()");
+    assert_eq!(
+        (exhausts.len(), stamps.len()),
+        (1, 1),
+        "{report:?}\n{:#?}",
+        noticed.plans_containing("")
+    );
+    for plan in exhausts.iter().chain(&stamps) {
+        let settings = planner_settings(plan);
+        for set in INDEX_DRIVEN_SETTINGS {
+            assert!(settings.contains(set), "{set} not in {settings:?}");
         }
     }
 }
