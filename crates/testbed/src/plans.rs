@@ -129,6 +129,21 @@ pub const INDEX_DRIVEN_SETTINGS: [&str; 5] = [
     "jit = 'off'",
 ];
 
+/// Asserts that there is at least one plan in `plans` and that each was
+/// planned with every one of `settings` (its `Settings:` line names them).
+///
+/// # Panics
+/// If `plans` is empty or a plan lacks a setting.
+pub fn assert_planned_with(plans: &[String], settings: &[&str]) {
+    assert!(!plans.is_empty(), "no plan noticed");
+    for plan in plans {
+        let line = planner_settings(plan);
+        for set in settings {
+            assert!(line.contains(set), "{set} not in {line:?}\n{plan}");
+        }
+    }
+}
+
 /// A noticed plan's `Settings:` line: the planner settings in effect that
 /// differ from the defaults; empty when none did.
 pub fn planner_settings(plan: &str) -> &str {

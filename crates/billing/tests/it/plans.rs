@@ -9,8 +9,8 @@ use db::{Row, sql};
 use leader::Role;
 use testbed::TestDb;
 use testbed::plans::{
-    INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, explain_index_driven_after,
-    planner_settings,
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
+    explain_index_driven_after, planner_settings,
 };
 
 use billing::statements::{
@@ -375,18 +375,11 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     let p = FakeProvider::start().await.unwrap();
     let closing = PlansNoticed::start();
     let invoices = open_invoices(&t.db, 4).await;
-    let mut listings = closing.plans_of(CLAIM_DUE);
-    assert!(!listings.is_empty(), "no plan of the closing's listing");
+    assert_planned_with(&closing.plans_of(CLAIM_DUE), &INDEX_DRIVEN_SETTINGS);
     // The closing's compare-and-set (`invoice::close_once`, docs/adr/0060).
     let cas = closing.plans_containing("UPDATE subscriptions s SET current_period_start");
     assert_eq!(cas.len(), 1, "{cas:#?}");
-    listings.extend(cas);
-    for plan in &listings {
-        let settings = planner_settings(plan);
-        for set in INDEX_DRIVEN_SETTINGS {
-            assert!(settings.contains(set), "{set} not in {settings:?}");
-        }
-    }
+    assert_planned_with(&cas, &INDEX_DRIVEN_SETTINGS);
     drop(closing);
     let charging = BillingConfig {
         provider: Some(ProviderConfig {
@@ -419,11 +412,10 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
     assert!(started[0].is_ok(), "{:?}", started[0].as_ref().err());
     drop(tx);
-    let start = retries.plan_of(START_RETRIES);
-    let start = planner_settings(&start);
-    for set in INDEX_DRIVEN_SETTINGS.iter().chain(&written_order) {
-        assert!(start.contains(set), "{set} not in {start:?}");
-    }
+    assert_planned_with(
+        &[retries.plan_of(START_RETRIES)],
+        &[&INDEX_DRIVEN_SETTINGS[..], &written_order].concat(),
+    );
     let claim = retries.plan_of(CLAIM_RETRIES);
     let claim = planner_settings(&claim);
     for set in written_order {
@@ -433,21 +425,12 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
 
     let charges = PlansNoticed::start();
     assert_eq!(tick(&t.db, &b).await.charges.paid, 4);
-    for statement in [CLAIM_AND_START, SETTLE, CLEAR_RAW_ANSWERS] {
-        let plans = charges.plans_of(statement);
-        assert!(!plans.is_empty(), "no plan of {statement:?}");
-        let extra: &[&str] = if statement == CLEAR_RAW_ANSWERS {
-            &["enable_seqscan = 'off'"]
-        } else {
-            &[]
-        };
-        for plan in &plans {
-            let settings = planner_settings(plan);
-            for set in INDEX_DRIVEN_SETTINGS.iter().chain(extra) {
-                assert!(settings.contains(set), "{set} not in {settings:?}");
-            }
-        }
-    }
+    assert_planned_with(&charges.plans_of(CLAIM_AND_START), &INDEX_DRIVEN_SETTINGS);
+    assert_planned_with(&charges.plans_of(SETTLE), &INDEX_DRIVEN_SETTINGS);
+    assert_planned_with(
+        &charges.plans_of(CLEAR_RAW_ANSWERS),
+        &[&INDEX_DRIVEN_SETTINGS[..], &["enable_seqscan = 'off'"]].concat(),
+    );
 }
 
 /// Guard: the retention's clearing of old raw answers (`CLEAR_RAW_ANSWERS`)

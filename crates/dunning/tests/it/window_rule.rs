@@ -14,7 +14,7 @@ use dunning::statements::{LIST_DUE, WINDOW_OPEN_AT};
 use leader::Role;
 use testbed::TestDb;
 use testbed::plans::{
-    INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven_after, planner_settings,
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven_after,
 };
 
 use crate::{as_leader, declined_invoice, dunner, enrol, manager, policy, run_of, tick};
@@ -345,13 +345,10 @@ async fn the_listing_reaches_each_due_runs_rows_by_their_keys() {
     .await;
     assert_eq!(listed, 20);
     let plan = noticed.plan_of(LIST_DUE);
-    let settings = planner_settings(&plan);
-    for set in INDEX_DRIVEN_SETTINGS
-        .iter()
-        .chain(&["join_collapse_limit = '1'"])
-    {
-        assert!(settings.contains(set), "{set} not in {settings:?}");
-    }
+    assert_planned_with(
+        std::slice::from_ref(&plan),
+        &[&INDEX_DRIVEN_SETTINGS[..], &["join_collapse_limit = '1'"]].concat(),
+    );
     let lines: Vec<&str> = plan.lines().map(str::trim).collect();
     let reached = |scan: &str, cond: &str| {
         let at = lines
@@ -411,12 +408,7 @@ async fn a_tick_starts_its_retries_in_an_index_driven_transaction() {
     // The batch's outcomes (`outcomes::recover_in`): twenty recovered runs.
     plans.extend(noticed.plans_containing("SET status = 'recovered', ended_at = now()"));
     assert_eq!(plans.len(), 3, "{plans:#?}");
-    for plan in &plans {
-        let settings = planner_settings(plan);
-        for set in INDEX_DRIVEN_SETTINGS {
-            assert!(settings.contains(set), "{set} not in {settings:?}");
-        }
-    }
+    assert_planned_with(&plans, &INDEX_DRIVEN_SETTINGS);
 }
 
 /// Guard (docs/adr/0060): a tick writes its batch's declines, the runs they
@@ -456,10 +448,5 @@ async fn a_ticks_declines_and_final_actions_run_in_index_driven_transactions() {
         "{report:?}\n{:#?}",
         noticed.plans_containing("")
     );
-    for plan in exhausts.iter().chain(&stamps) {
-        let settings = planner_settings(plan);
-        for set in INDEX_DRIVEN_SETTINGS {
-            assert!(settings.contains(set), "{set} not in {settings:?}");
-        }
-    }
+    assert_planned_with(&[exhausts, stamps].concat(), &INDEX_DRIVEN_SETTINGS);
 }

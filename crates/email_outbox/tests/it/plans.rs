@@ -6,7 +6,9 @@
 //! statement texts.
 
 use email_outbox::statements::{CLAIM_DUE, RECORD_RESULTS};
-use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
+};
 use testbed::{SmtpSink, TestDb};
 
 use crate::{config, email, queue, sender, tick};
@@ -103,11 +105,6 @@ async fn a_ticks_own_claim_and_results_plan_as_these_tests_do() {
             !plans.is_empty(),
             "no plan of {statement:?} in a tick: {report:?}"
         );
-        for plan in &plans {
-            let settings = planner_settings(plan);
-            for set in INDEX_DRIVEN_SETTINGS {
-                assert!(settings.contains(set), "{set} not in {settings:?}");
-            }
-        }
+        assert_planned_with(&plans, &INDEX_DRIVEN_SETTINGS);
     }
 }

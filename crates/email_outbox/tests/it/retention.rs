@@ -8,7 +8,9 @@ use email_outbox::statements::PRUNE_FINISHED;
 use leader::{Fence, Role};
 use scheduler::Retention;
 use testbed::TestDb;
-use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
+};
 
 use crate::{as_leader, config, email, manager, queue, sender, tick};
 
@@ -179,9 +181,5 @@ async fn a_ticks_own_prune_plans_as_this_test_does() {
     let noticed = PlansNoticed::start();
     let _ = tick(&t.db, &s).await;
     assert_eq!(ids(&t.db).await, Vec::<i64>::new());
-    let plan = noticed.plan_of(PRUNE_FINISHED);
-    let settings = planner_settings(&plan);
-    for set in INDEX_DRIVEN_SETTINGS {
-        assert!(settings.contains(set), "{set} not in {settings:?}");
-    }
+    assert_planned_with(&[noticed.plan_of(PRUNE_FINISHED)], &INDEX_DRIVEN_SETTINGS);
 }

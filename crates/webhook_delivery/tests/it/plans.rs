@@ -9,7 +9,9 @@
 
 use db::{Row, sql};
 use testbed::TestDb;
-use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
+};
 use webhook_delivery::statements::{APPLY_OUTCOMES, CLAIM_DUE};
 
 use crate::{config, endpoint, events, tick, worker};
@@ -155,11 +157,6 @@ async fn a_ticks_own_claim_and_outcomes_plan_as_these_tests_do() {
             !plans.is_empty(),
             "no plan of {statement:?} in a tick: {report:?}"
         );
-        for plan in &plans {
-            let settings = planner_settings(plan);
-            for set in INDEX_DRIVEN_SETTINGS {
-                assert!(settings.contains(set), "{set} not in {settings:?}");
-            }
-        }
+        assert_planned_with(&plans, &INDEX_DRIVEN_SETTINGS);
     }
 }

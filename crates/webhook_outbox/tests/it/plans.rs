@@ -6,7 +6,9 @@
 
 use leader::Role;
 use testbed::TestDb;
-use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, explain_index_driven, planner_settings};
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
+};
 use webhook_outbox::statements::CLAIM_AND_FAN_OUT;
 use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 
@@ -80,9 +82,8 @@ async fn the_roles_own_fan_out_plans_as_this_test_does() {
     )
     .await;
     assert_eq!(dispatched, 3);
-    let plan = noticed.plan_of(CLAIM_AND_FAN_OUT);
-    let settings = planner_settings(&plan);
-    for set in INDEX_DRIVEN_SETTINGS {
-        assert!(settings.contains(set), "{set} not in {settings:?}");
-    }
+    assert_planned_with(
+        &[noticed.plan_of(CLAIM_AND_FAN_OUT)],
+        &INDEX_DRIVEN_SETTINGS,
+    );
 }
