@@ -87,3 +87,53 @@ async fn the_roles_own_fan_out_plans_as_this_test_does() {
         &INDEX_DRIVEN_SETTINGS,
     );
 }
+
+/// What the fan-out should do and does not yet: on statistics that have seen
+/// a backlog, reach each tenant's undispatched events through
+/// `webhook_events_undispatched` `(tenant_id, id)`, not by walking the primary
+/// key and filtering by tenant (which reads every later event of the other
+/// tenants, dispatched or not, to find a small tenant's few). 100,000 events
+/// of a big tenant, half of them dispatched, and 5 of a small tenant after
+/// them, analyzed. It fails today: the `fill` step walks
+/// `webhook_events_pkey` from the last event taken. The `auto_explain` audit
+/// of the webhook and tenants benchmarks (2026-12-04) saw the same after
+/// autovacuum's analyze, with claims of 20 to 163 ms. Ordering by
+/// `(tenant_id, id)` does not help: the tenant is fixed by an equality, so
+/// the planner reduces the order to `id`. Run it with `--ignored`.
+#[tokio::test]
+#[ignore = "known plan problem after an analyze; see its comment"]
+async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_big", &[], true).await;
+    endpoint(&t, "tenant_small", &[], true).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "INSERT INTO webhook_events (tenant_id, event_type, payload, dispatched_at) \
+         SELECT 'tenant_big', 'invoice.paid', '{}', CASE WHEN g <= 50000 THEN now() END \
+         FROM generate_series(1, 100000) g; \
+         INSERT INTO webhook_events (tenant_id, event_type, payload) \
+         SELECT 'tenant_small', 'invoice.paid', '{}' FROM generate_series(1, 5); \
+         ANALYZE webhook_events",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
+        s.bind("webhook_outbox")
+            .bind(1_i64)
+            .bind(500_i64)
+            .bind("hardcount_wake_webhook_delivery")
+            .bind(10_000_i64)
+            .bind("")
+            .bind(64_i64)
+    })
+    .await;
+    for absent in [
+        "Index Scan using webhook_events_pkey on webhook_events e ",
+        "Index Scan using webhook_events_pkey on webhook_events e_1 ",
+        "Seq Scan on webhook_events",
+        "Bitmap",
+    ] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
