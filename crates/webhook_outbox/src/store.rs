@@ -45,9 +45,10 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
              SELECT x.*, row_number() OVER () AS turn FROM ( \
                SELECT e.id, e.tenant_id FROM webhook_events e \
-               WHERE e.dispatched_at IS NULL AND e.tenant_id = t.tenant_id \
+               WHERE e.dispatched_at IS NULL \
+                 AND e.tenant_id >= t.tenant_id AND e.tenant_id <= t.tenant_id \
                  AND leader_fence($1, $2) \
-               ORDER BY e.id \
+               ORDER BY e.tenant_id, e.id \
                LIMIT s.quota \
                FOR UPDATE SKIP LOCKED) x) pick), \
          whole AS MATERIALIZED ( \
@@ -56,9 +57,10 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT more.* FROM whole w CROSS JOIN share s, LATERAL ( \
              SELECT x.*, s.quota + row_number() OVER () AS turn FROM ( \
                SELECT e.id, e.tenant_id FROM webhook_events e \
-               WHERE e.dispatched_at IS NULL AND e.tenant_id = w.tenant_id AND e.id > w.last_id \
+               WHERE e.dispatched_at IS NULL \
+                 AND (e.tenant_id, e.id) > (w.tenant_id, w.last_id) AND e.tenant_id <= w.tenant_id \
                  AND leader_fence($1, $2) \
-               ORDER BY e.id \
+               ORDER BY e.tenant_id, e.id \
                LIMIT ($3 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
                FOR UPDATE SKIP LOCKED) x) more), \
          claimed AS (SELECT id, tenant_id, turn FROM first UNION ALL SELECT id, tenant_id, turn FROM fill), \

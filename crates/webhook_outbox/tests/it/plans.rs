@@ -88,20 +88,18 @@ async fn the_roles_own_fan_out_plans_as_this_test_does() {
     );
 }
 
-/// What the fan-out should do and does not yet: on statistics that have seen
-/// a backlog, reach each tenant's undispatched events through
-/// `webhook_events_undispatched` `(tenant_id, id)`, not by walking the primary
-/// key and filtering by tenant (which reads every later event of the other
-/// tenants, dispatched or not, to find a small tenant's few). 100,000 events
-/// of a big tenant, half of them dispatched, and 5 of a small tenant after
-/// them, analyzed. It fails today: the `fill` step walks
-/// `webhook_events_pkey` from the last event taken. The `auto_explain` audit
-/// of the webhook and tenants benchmarks (2026-12-04) saw the same after
-/// autovacuum's analyze, with claims of 20 to 163 ms. Ordering by
-/// `(tenant_id, id)` does not help: the tenant is fixed by an equality, so
-/// the planner reduces the order to `id`. Run it with `--ignored`.
+/// Guard (docs/adr/0061): on statistics that have seen a backlog, the
+/// fan-out reaches each tenant's undispatched events through
+/// `webhook_events_undispatched` `(tenant_id, id)`, both its first share
+/// (`e`) and its fill (`e_1`), not by walking the primary key and filtering by
+/// tenant, which reads every later event of the other tenants, dispatched or
+/// not, to find a small tenant's few. 100,000 events of a big tenant, half of
+/// them dispatched, and 5 of a small tenant after them, analyzed. Seen failing
+/// with the tenant matched by equality and the events ordered by `id`
+/// (mutation `fan_out_tenant_range`): the fill walked `webhook_events_pkey`
+/// from the last event taken; the `auto_explain` audit of the webhook and
+/// tenants benchmarks saw both steps do so after autovacuum's analyze.
 #[tokio::test]
-#[ignore = "known plan problem after an analyze; see its comment"]
 async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
     let t = TestDb::new().await;
     endpoint(&t, "tenant_big", &[], true).await;
@@ -128,6 +126,11 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
             .bind(64_i64)
     })
     .await;
+    for scan in ["e", "e_1"] {
+        let by_tenant =
+            format!("Index Scan using webhook_events_undispatched on webhook_events {scan} ");
+        assert!(plan.contains(&by_tenant), "{by_tenant} not in\n{plan}");
+    }
     for absent in [
         "Index Scan using webhook_events_pkey on webhook_events e ",
         "Index Scan using webhook_events_pkey on webhook_events e_1 ",
