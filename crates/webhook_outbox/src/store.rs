@@ -37,7 +37,11 @@ pub(crate) struct Batch {
 /// `db::fair`): `tenants` walks `webhook_events_undispatched` (tenant, id)
 /// one descent per tenant after the cursor (`$6`, at most `$7` tenants),
 /// `first` takes each one's share of the limit in id order, `fill` shares the
-/// rest between the tenants that took all of theirs.
+/// rest between the tenants that took all of theirs. Both match their tenant
+/// by a range (`>=` and `<=`, a row comparison in `fill`) and order by
+/// `(tenant_id, id)`: with an equality the planner reduced the order to `id`
+/// and, on analyzed statistics, walked the primary key filtering by tenant,
+/// reading every later event of the other tenants (docs/adr/0061).
 pub const CLAIM_AND_FAN_OUT: &str = concat!(
     "WITH RECURSIVE ",
     db::fair_tenants!("webhook_events", "dispatched_at IS NULL", "$6", "$7", "$3"),
