@@ -78,26 +78,25 @@ impl PlansNoticed {
 
     /// The plans noticed for `statement` (its whole text), in the order run.
     pub fn plans_of(&self, statement: &str) -> Vec<String> {
-        let query = format!("Query Text: {statement}");
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|m| m.contains(&query))
-            .cloned()
-            .collect()
+        self.plans_where(|text| text.starts_with(statement))
     }
 
     /// The plans noticed for the statements whose text contains `marker`
     /// (for a statement written inline in the role's code), in the order run.
     pub fn plans_containing(&self, marker: &str) -> Vec<String> {
+        self.plans_where(|text| text.contains(marker))
+    }
+
+    /// The plans whose statement's text (the line after `Query Text: `)
+    /// passes `keep`.
+    fn plans_where(&self, keep: impl Fn(&str) -> bool) -> Vec<String> {
         self.seen
             .lock()
             .unwrap()
             .iter()
             .filter(|m| {
                 m.split_once("Query Text: ")
-                    .is_some_and(|(_, text)| text.lines().next().unwrap_or("").contains(marker))
+                    .is_some_and(|(_, text)| keep(text.lines().next().unwrap_or("")))
             })
             .cloned()
             .collect()

@@ -3,23 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use billing::{BillingConfig, ProviderConfig, Retried, RetryRequest, SecretKey};
+use billing::{BillingConfig, Retried, RetryRequest};
 use db::{Db, Row, sql};
-use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+use fake_provider::{Behaviour, FakeProvider};
 use testbed::TestDb;
 
-use crate::{biller, config, open_invoices, tick};
-
-fn charging(p: &FakeProvider) -> BillingConfig {
-    BillingConfig {
-        provider: Some(ProviderConfig {
-            base_url: p.base_url(),
-            secret_key: SecretKey::new(TEST_SECRET_KEY),
-            timeout: Duration::from_secs(5),
-        }),
-        ..config()
-    }
-}
+use crate::{biller, charging, open_invoices, tick};
 
 async fn strings(db: &Db, q: &'static str) -> Vec<String> {
     let mut v: Vec<String> = db
@@ -68,7 +57,7 @@ async fn overlapping_charge_batches_settle_before_the_tick_ends_within_the_call_
         &t.db,
         BillingConfig {
             charge_concurrency: 2,
-            ..charging(&p)
+            ..charging(&p, Duration::from_secs(5))
         },
     );
     let report = tick(&t.db, &b).await;
@@ -91,7 +80,7 @@ async fn one_batch_settles_a_paid_a_declined_and_an_unknown_charge_each_as_alone
     let inv = open_invoices(&t.db, 3).await;
     p.set_behaviour(&inv[1].1, Behaviour::Decline("insufficient_funds".into()));
     p.set_behaviour(&inv[2].1, Behaviour::ServerError(503));
-    let (b, _) = biller(&t.db, charging(&p));
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let report = tick(&t.db, &b).await;
     let c = &report.charges;
     assert_eq!((c.paid, c.declined, c.unknown), (1, 1, 1), "{report:?}");
@@ -156,7 +145,7 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     let p = FakeProvider::start().await.unwrap();
     let inv = open_invoices(&t.db, 3).await;
     p.set_behaviour(&inv[1].1, Behaviour::Decline("insufficient_funds".into()));
-    let (b, _) = biller(&t.db, charging(&p));
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let wanted: Vec<RetryRequest> = inv
         .iter()
         .map(|(id, _)| RetryRequest {

@@ -4,24 +4,13 @@
 
 use std::time::Duration;
 
-use billing::{BillingConfig, Charged, ProviderConfig, SecretKey};
+use billing::{Charged, ProviderConfig, SecretKey};
 use db::{Db, Row, sql};
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use leader::Role;
 use testbed::TestDb;
 
-use crate::{as_leader, biller, config, due_monthly, manager, strings, tick};
-
-fn charging(p: &FakeProvider, timeout: Duration) -> BillingConfig {
-    BillingConfig {
-        provider: Some(ProviderConfig {
-            base_url: p.base_url(),
-            secret_key: SecretKey::new(TEST_SECRET_KEY),
-            timeout,
-        }),
-        ..config()
-    }
-}
+use crate::{as_leader, biller, charging, config, due_monthly, manager, strings, tick};
 
 /// One open automatic invoice of 1200 EUR (billed by a tick without a
 /// provider), and its customer's `cus_…`.

@@ -18,9 +18,10 @@ mod tenants;
 use std::sync::Arc;
 use std::time::Duration;
 
-use billing::{Biller, BillingConfig, TickReport};
+use billing::{Biller, BillingConfig, ProviderConfig, SecretKey, TickReport};
 use chrono::{DateTime, Utc};
 use db::{Db, Row, sql};
+use fake_provider::{FakeProvider, TEST_SECRET_KEY};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
@@ -31,6 +32,18 @@ pub fn config() -> BillingConfig {
         tick_budget: Duration::from_secs(30),
         statement_timeout: Duration::from_secs(10),
         ..BillingConfig::default()
+    }
+}
+
+/// [`config`] charging through the fake provider `p`, each call bounded by `timeout`.
+pub fn charging(p: &FakeProvider, timeout: Duration) -> BillingConfig {
+    BillingConfig {
+        provider: Some(ProviderConfig {
+            base_url: p.base_url(),
+            secret_key: SecretKey::new(TEST_SECRET_KEY),
+            timeout,
+        }),
+        ..config()
     }
 }
 

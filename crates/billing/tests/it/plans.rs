@@ -18,10 +18,10 @@ use billing::statements::{
     NO_SEQUENTIAL_SCAN, SETTLE, START_ATTEMPTS, START_RETRIES, WRITTEN_JOIN_ORDER,
 };
 
-use billing::{BillingConfig, ProviderConfig, RetryRequest, SecretKey};
-use fake_provider::{FakeProvider, TEST_SECRET_KEY};
+use billing::RetryRequest;
+use fake_provider::FakeProvider;
 
-use crate::{as_leader, biller, config, due_monthly, manager, open_invoices, tick};
+use crate::{as_leader, biller, charging, due_monthly, manager, open_invoices, tick};
 
 const CLAIMED: i64 = 12_800;
 const BATCH: usize = 256;
@@ -381,16 +381,8 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     assert_eq!(cas.len(), 1, "{cas:#?}");
     assert_planned_with(&cas, &INDEX_DRIVEN_SETTINGS);
     drop(closing);
-    let charging = BillingConfig {
-        provider: Some(ProviderConfig {
-            base_url: p.base_url(),
-            secret_key: SecretKey::new(TEST_SECRET_KEY),
-            timeout: Duration::from_secs(5),
-        }),
-        ..config()
-    };
     let month = Duration::from_secs(30 * 86_400);
-    let (b, _) = biller(&t.db, charging);
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let b = b.with_retention(scheduler::Retention {
         keep: month,
         lease_history: month,
