@@ -28,7 +28,7 @@
 //! call it looks up. A refused key (401/403) stops every lookup of the tick
 //! and fails it.
 
-mod store;
+pub(crate) mod store;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

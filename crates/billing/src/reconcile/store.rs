@@ -153,9 +153,21 @@ pub(crate) async fn stamp_checked(
     tx.commit().await
 }
 
+/// The statement of [`free_stale_holds`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`).
+pub const FREE_STALE_HOLDS: &str = "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+     WHERE id IN (SELECT id FROM invoices \
+                  WHERE auto_charge_claimed_until <= now() AND leader_fence($1, $2) \
+                  ORDER BY auto_charge_claimed_until, id LIMIT $3 \
+                  FOR UPDATE SKIP LOCKED) \
+       AND auto_charge_claimed_until <= now()";
+
 /// The stale-hold sweep, fenced: free up to `limit` auto-charge claims past
 /// their expiry, the longest expired first. One statement; a freed row
-/// leaves the sweep, so no row can hold up the ones behind it.
+/// leaves the sweep, so no row can hold up the ones behind it. Index-driven
+/// (docs/adr/0060): the expired claims through `invoices_auto_charge_claims`,
+/// each freed by its key; planned freely, on a table never analyzed, it
+/// hashed the batch and read every invoice for each batch.
 pub(crate) async fn free_stale_holds(
     db: &Db,
     fence: &Fence,
@@ -163,18 +175,13 @@ pub(crate) async fn free_stale_holds(
     statement_timeout: Duration,
 ) -> Result<u64, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let n = tx
         .execute(
-            sql("UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
-                 WHERE id IN (SELECT id FROM invoices \
-                              WHERE auto_charge_claimed_until <= now() AND leader_fence($1, $2) \
-                              ORDER BY auto_charge_claimed_until, id LIMIT $3 \
-                              FOR UPDATE SKIP LOCKED) \
-                   AND auto_charge_claimed_until <= now()")
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit),
+            sql(FREE_STALE_HOLDS)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit),
         )
         .await?;
     tx.commit().await?;

@@ -14,14 +14,14 @@ use testbed::plans::{
 };
 
 use billing::statements::{
-    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS,
+    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS, FREE_STALE_HOLDS,
     NO_SEQUENTIAL_SCAN, SETTLE, START_ATTEMPTS, START_RETRIES, WRITTEN_JOIN_ORDER,
 };
 
 use billing::RetryRequest;
 use fake_provider::FakeProvider;
 
-use crate::{as_leader, biller, charging, due_monthly, manager, open_invoices, tick};
+use crate::{as_leader, biller, charging, config, due_monthly, manager, open_invoices, tick};
 
 const CLAIMED: i64 = 12_800;
 const BATCH: usize = 256;
@@ -464,5 +464,46 @@ async fn the_raw_answers_clearing_reads_its_batch_in_index_order() {
     );
     for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// Guard (issue 29, point 3): the stale-hold sweep (`FREE_STALE_HOLDS`), as
+/// the role's own tick runs it, reaches the expired claims through
+/// `invoices_auto_charge_claims` and frees each by its key, on a table never
+/// analyzed: 12,800 claimed invoices, 300 of them expired (a replica that
+/// died mid-charge). Without an index-driven transaction it hashed the batch
+/// and joined it to a read of every invoice, for each batch of the sweep
+/// (this test found it; the statement had no plan test before). The batch's
+/// ids are still made distinct by a `HashAggregate`, which reads only them. Seen failing with the sweep in a
+/// plain `begin_with_timeout` (mutation `stale_holds_index_driven` in
+/// scripts/mutation-check).
+#[tokio::test]
+async fn the_stale_hold_sweep_frees_its_batch_by_key() {
+    let t = TestDb::with_plans_noticed().await;
+    claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE invoices SET auto_charge_claimed_until = now() - id * interval '1 second' \
+         WHERE id IN (SELECT id FROM invoices WHERE number LIKE 'PLAN-%' ORDER BY id LIMIT 300)",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (b, _) = biller(&t.db, config());
+    let sweep = PlansNoticed::start();
+    assert_eq!(tick(&t.db, &b).await.reconciled.holds_freed, 300);
+    let plans = sweep.plans_of(FREE_STALE_HOLDS);
+    assert!(!plans.is_empty(), "no plan noticed for the sweep");
+    assert_planned_with(&plans, &INDEX_DRIVEN_SETTINGS);
+    for plan in &plans {
+        for by_key in [
+            "Index Scan using invoices_auto_charge_claims on invoices",
+            "Index Scan using invoices_pkey on invoices ",
+        ] {
+            assert!(plan.contains(by_key), "{by_key} not in\n{plan}");
+        }
+        for absent in ["Seq Scan", "Hash Join", "Bitmap"] {
+            assert!(!plan.contains(absent), "{absent} in\n{plan}");
+        }
     }
 }
