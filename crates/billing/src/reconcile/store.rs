@@ -26,6 +26,57 @@ pub(crate) struct UnknownAttempt {
     pub claim: ChargeClaim,
 }
 
+/// The statement of [`claim_unknown`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`).
+pub const CLAIM_UNKNOWN: &str = "WITH picked AS ( \
+      SELECT a.id AS attempt_id, i.id, \
+             (a.first_sent_at IS NULL \
+              OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
+      FROM payment_attempts a \
+      JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
+      JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+      JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+      WHERE a.provider_status IN ('unknown', 'processing') AND i.status = 'open' \
+        AND i.review_since IS NULL \
+        AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
+        AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
+        AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
+        AND (a.first_sent_at IS NOT NULL \
+             OR (s.status = 'active' AND s.pause_collection_behavior IS NULL)) \
+        AND a.id <> ALL ($6) \
+        AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
+                        WHERE e.invoice_id = a.invoice_id \
+                          AND e.provider_status IN ('unknown', 'processing') \
+                          AND e.attempt_seq < a.attempt_seq) \
+        AND leader_fence($1, $2) \
+      ORDER BY a.last_checked_at NULLS FIRST, a.id \
+      LIMIT $3 \
+      FOR UPDATE OF i SKIP LOCKED \
+    ), claimed AS ( \
+      UPDATE invoices i \
+      SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
+          auto_charge_claimed_by = $5 \
+      FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
+      RETURNING i.id, i.tenant_id, i.subscription_id, i.number \
+    ), sent AS ( \
+      UPDATE payment_attempts a SET first_sent_at = now() \
+      FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
+    ) \
+    SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
+           a.provider_payment_intent, p.resend_ok, \
+           (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
+           k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
+           (SELECT ts.email_from FROM tenant_settings ts \
+            WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
+           COALESCE(a.provider_customer_id, c.provider_customer_id) AS provider_customer_id, \
+           COALESCE(a.payment_method_id, c.payment_method_id) AS payment_method_id \
+    FROM claimed k \
+    JOIN picked p ON p.id = k.id \
+    JOIN payment_attempts a ON a.id = p.attempt_id \
+    JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
+    JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+    ORDER BY a.last_checked_at NULLS FIRST, a.id";
+
 /// The fenced reconciler funnel: up to `limit` open attempts (unknown or
 /// processing) of open invoices not flagged for review, whose auto-charge
 /// claim is free or expired (so no call of theirs can still be in flight) and
@@ -37,6 +88,11 @@ pub(crate) struct UnknownAttempt {
 /// invoice is still chargeable (the subscription active, its collection not
 /// paused; the invoice open and not flagged), and is stamped as sent now,
 /// since the reconciler may send it.
+///
+/// Index-driven (docs/adr/0060): the open attempts in
+/// `payment_attempts_open` order, so the limit stops the walk, each one's
+/// rows reached by key; planned freely, on tables never analyzed, it read
+/// every open attempt through a bitmap and sorted them, for each batch.
 pub(crate) async fn claim_unknown(
     db: &Db,
     fence: &Fence,
@@ -47,66 +103,17 @@ pub(crate) async fn claim_unknown(
     statement_timeout: Duration,
 ) -> Result<Vec<UnknownAttempt>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
-            sql(
-                "WITH picked AS ( \
-                   SELECT a.id AS attempt_id, i.id, \
-                          (a.first_sent_at IS NULL \
-                           OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
-                   FROM payment_attempts a \
-                   JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
-                   JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-                   JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   WHERE a.provider_status IN ('unknown', 'processing') AND i.status = 'open' \
-                     AND i.review_since IS NULL \
-                     AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
-                     AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
-                     AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
-                     AND (a.first_sent_at IS NOT NULL \
-                          OR (s.status = 'active' AND s.pause_collection_behavior IS NULL)) \
-                     AND a.id <> ALL ($6) \
-                     AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
-                                     WHERE e.invoice_id = a.invoice_id \
-                                       AND e.provider_status IN ('unknown', 'processing') \
-                                       AND e.attempt_seq < a.attempt_seq) \
-                     AND leader_fence($1, $2) \
-                   ORDER BY a.last_checked_at NULLS FIRST, a.id \
-                   LIMIT $3 \
-                   FOR UPDATE OF i SKIP LOCKED \
-                 ), claimed AS ( \
-                   UPDATE invoices i \
-                   SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
-                       auto_charge_claimed_by = $5 \
-                   FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
-                   RETURNING i.id, i.tenant_id, i.subscription_id, i.number \
-                 ), sent AS ( \
-                   UPDATE payment_attempts a SET first_sent_at = now() \
-                   FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
-                 ) \
-                 SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
-                        a.provider_payment_intent, p.resend_ok, \
-                        (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
-                        k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
-                        (SELECT ts.email_from FROM tenant_settings ts \
-                         WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
-                        COALESCE(a.provider_customer_id, c.provider_customer_id) AS provider_customer_id, \
-                        COALESCE(a.payment_method_id, c.payment_method_id) AS payment_method_id \
-                 FROM claimed k \
-                 JOIN picked p ON p.id = k.id \
-                 JOIN payment_attempts a ON a.id = p.attempt_id \
-                 JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-                 JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                 ORDER BY a.last_checked_at NULLS FIRST, a.id",
-            )
-            .bind(fence.role_name())
-            .bind(fence.token())
-            .bind(limit)
-            .bind(lease.as_secs_f64())
-            .bind(claimed_by.to_owned())
-            .bind(except.to_vec())
-            .bind(resend_window.as_secs_f64()),
+            sql(CLAIM_UNKNOWN)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(limit)
+                .bind(lease.as_secs_f64())
+                .bind(claimed_by.to_owned())
+                .bind(except.to_vec())
+                .bind(resend_window.as_secs_f64()),
         )
         .await?;
     tx.commit().await?;

@@ -14,8 +14,9 @@ use testbed::plans::{
 };
 
 use billing::statements::{
-    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS, FREE_STALE_HOLDS,
-    NO_SEQUENTIAL_SCAN, SETTLE, START_ATTEMPTS, START_RETRIES, WRITTEN_JOIN_ORDER,
+    CLAIM_AND_START, CLAIM_CHARGES, CLAIM_DUE, CLAIM_RETRIES, CLAIM_UNKNOWN, CLEAR_RAW_ANSWERS,
+    FREE_STALE_HOLDS, NO_SEQUENTIAL_SCAN, SETTLE, START_ATTEMPTS, START_RETRIES,
+    WRITTEN_JOIN_ORDER,
 };
 
 use billing::RetryRequest;
@@ -506,4 +507,52 @@ async fn the_stale_hold_sweep_frees_its_batch_by_key() {
             assert!(!plan.contains(absent), "{absent} in\n{plan}");
         }
     }
+}
+
+/// Guard (issue 29, point 3): the reconciler's claim of open attempts
+/// (`CLAIM_UNKNOWN`), as the role's own tick runs it, walks
+/// `payment_attempts_open` and reaches each attempt's invoice, subscription
+/// and customer by key, on tables never analyzed: 12,800 invoices each with
+/// an attempt never answered, all but three still claimed by a charge in
+/// flight; the three are then sent and paid. Seen failing with the claim in
+/// a plain `begin_with_timeout` (this test found it; the statement had no
+/// plan test before): a Bitmap Heap Scan of every open attempt and a Sort,
+/// for each batch (mutation `unknown_claim_index_driven` in
+/// scripts/mutation-check).
+#[tokio::test]
+async fn the_reconcilers_claim_reaches_each_attempts_rows_by_key() {
+    let t = TestDb::with_plans_noticed().await;
+    let p = FakeProvider::start().await.unwrap();
+    claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \
+         WHERE id IN (SELECT id FROM invoices WHERE number LIKE 'PLAN-%' ORDER BY id LIMIT 3)",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let sweep = PlansNoticed::start();
+    let report = tick(&t.db, &b).await;
+    let plans = sweep.plans_of(CLAIM_UNKNOWN);
+    assert!(!plans.is_empty(), "no plan noticed for the claim");
+    for plan in &plans {
+        for by_key in [
+            "Index Scan using payment_attempts_open on payment_attempts a_1",
+            "Index Scan using invoices_pkey on invoices i ",
+        ] {
+            assert!(plan.contains(by_key), "{by_key} not in\n{plan}");
+        }
+        for absent in [
+            "Seq Scan",
+            "Hash Join",
+            "Bitmap",
+            "Merge Join",
+            "Sort Key: a_1",
+        ] {
+            assert!(!plan.contains(absent), "{absent} in\n{plan}");
+        }
+    }
+    assert_eq!(report.reconciled.paid, 3, "{report:?}");
 }
