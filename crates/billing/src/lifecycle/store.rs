@@ -33,7 +33,7 @@ pub(crate) async fn claim_trials(
     statement_timeout: Duration,
 ) -> Result<Listed<TrialEnded>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
@@ -80,16 +80,16 @@ pub(crate) async fn activate_trials(
     if trials.is_empty() {
         return Ok(Vec::new());
     }
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \
                  SET status = 'active', current_period_start = i.trial_end, \
                      current_period_end = i.period_end, next_billing_at = i.period_end, \
                      updated_at = now() \
-                 FROM unnest($1::bigint[], $2::timestamptz[], $3::timestamptz[]) \
-                      AS i(id, trial_end, period_end) \
-                 WHERE s.id = i.id AND s.status = 'trialing' AND s.trial_end = i.trial_end \
+                 FROM unnest($1::bigint[], $2::timestamptz[], $3::timestamptz[], $4::text[]) \
+                      AS i(id, trial_end, period_end, status) \
+                 WHERE s.id = i.id AND s.status = i.status AND s.trial_end = i.trial_end \
                  RETURNING s.id, s.tenant_id, s.current_period_start, s.current_period_end")
             .bind(
                 trials
@@ -98,7 +98,12 @@ pub(crate) async fn activate_trials(
                     .collect::<Vec<_>>(),
             )
             .bind(trials.iter().map(|(t, _)| t.trial_end).collect::<Vec<_>>())
-            .bind(trials.iter().map(|(_, end)| *end).collect::<Vec<_>>()),
+            .bind(trials.iter().map(|(_, end)| *end).collect::<Vec<_>>())
+            // The expected status per row, not a literal: a literal
+            // `'trialing'` lets the planner walk every trial through
+            // `subscriptions_trial_due` instead of reaching the batch by key
+            // (docs/adr/0053's reason, for the settle).
+            .bind(vec!["trialing"; trials.len()]),
         )
         .await?;
     let mut activated = Vec::with_capacity(rows.len());
@@ -148,7 +153,7 @@ pub(crate) async fn claim_lifted_pauses(
     statement_timeout: Duration,
 ) -> Result<Listed<LiftedPause>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
@@ -192,7 +197,7 @@ pub(crate) async fn resume_lifted_pauses(
     if pauses.is_empty() {
         return Ok(Vec::new());
     }
-    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let mut tx = db.begin_index_driven(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \

@@ -556,3 +556,92 @@ async fn the_reconcilers_claim_reaches_each_attempts_rows_by_key() {
     }
     assert_eq!(report.reconciled.paid, 3, "{report:?}");
 }
+
+/// Guard (issue 29, point 3): the lifecycle's fenced listings and
+/// compare-and-sets, as the role's own tick runs them, read only their batch
+/// on a table never analyzed: 12,800 active subscriptions not due, 300
+/// trials ended and 300 collection pauses past their resume time. The
+/// listings walk `subscriptions_trial_due` and `subscriptions_pause_resumes`
+/// in order; the compare-and-sets reach each listed subscription by its key.
+/// This test found them reading more (the statements had no plan test
+/// before): in plain transactions (`begin_with_timeout`) the listings sorted
+/// what they read, and the trials' compare-and-set, with `s.status =
+/// 'trialing'` written as a literal, walked every trial through
+/// `subscriptions_trial_due` and ran the whole batch for each. Seen failing
+/// under mutations `trials_index_driven`, `trial_cas_index_driven`,
+/// `pauses_index_driven`, `resume_cas_index_driven` (each transaction plain)
+/// and `trial_status_per_row` (the literal status) in scripts/mutation-check.
+#[tokio::test]
+async fn the_lifecycle_reads_only_its_batches() {
+    let t = TestDb::with_plans_noticed().await;
+    due_monthly(&t.db, "tenant_a", 1).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, next_billing_at, \
+                                    trial_end, pause_collection_behavior, \
+                                    pause_collection_resumes_at, pause_collection_set_by) \
+         SELECT s.tenant_id, s.customer_id, s.plan_id, \
+                CASE WHEN g <= 300 THEN 'trialing' ELSE 'active' END, \
+                now() - interval '14 days', now() - interval '14 days', \
+                CASE WHEN g <= 300 THEN now() - g * interval '1 second' \
+                     ELSE now() + interval '16 days' END, \
+                CASE WHEN g <= 300 THEN NULL ELSE now() + interval '16 days' END, \
+                CASE WHEN g <= 300 THEN now() - g * interval '1 second' END, \
+                CASE WHEN g > 300 AND g <= 600 THEN 'keep_as_draft' END, \
+                CASE WHEN g > 300 AND g <= 600 THEN now() - g * interval '1 second' END, \
+                CASE WHEN g > 300 AND g <= 600 THEN 'api' END \
+         FROM (SELECT * FROM subscriptions LIMIT 1) s, generate_series(1, 13400) g",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (b, _) = biller(&t.db, config());
+    let lifecycle = PlansNoticed::start();
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.lifecycle.trials_ended, report.lifecycle.resumed),
+        (300, 300),
+        "{report:?}"
+    );
+    // A listing walks its index in order; a compare-and-set runs its batch
+    // (`i`) and reaches each row by an index condition on its id.
+    let walk = |index: &str| format!("Index Scan using {index} on subscriptions s ");
+    let by_key = |plan: &str| {
+        plan.contains("Function Scan on i ")
+            && plan
+                .lines()
+                .any(|l| l.contains("Index Cond: ") && l.contains("id = i.id)"))
+    };
+    for (marker, listing) in [
+        (
+            "WHERE s.status = 'trialing' AND s.trial_end <= now()",
+            Some("subscriptions_trial_due"),
+        ),
+        (
+            "WHERE s.pause_collection_resumes_at <= now()",
+            Some("subscriptions_pause_resumes"),
+        ),
+        (
+            "SET status = 'active', current_period_start = i.trial_end",
+            None,
+        ),
+        ("SET pause_collection_behavior = NULL", None),
+    ] {
+        let plans = lifecycle.plans_containing(marker);
+        assert!(!plans.is_empty(), "no plan noticed for {marker}");
+        for plan in &plans {
+            match listing {
+                Some(index) => assert!(
+                    plan.contains(&walk(index)),
+                    "{} not in\n{plan}",
+                    walk(index)
+                ),
+                None => assert!(by_key(plan), "the batch not reached by key in\n{plan}"),
+            }
+            for absent in ["Seq Scan", "Hash Join", "Bitmap", "Sort"] {
+                assert!(!plan.contains(absent), "{absent} in\n{plan}");
+            }
+        }
+    }
+}
