@@ -569,8 +569,11 @@ async fn the_reconcilers_claim_reaches_each_attempts_rows_by_key() {
 /// 'trialing'` written as a literal, walked every trial through
 /// `subscriptions_trial_due` and ran the whole batch for each. Seen failing
 /// under mutations `trials_index_driven`, `trial_cas_index_driven`,
-/// `pauses_index_driven`, `resume_cas_index_driven` (each transaction plain)
-/// and `trial_status_per_row` (the literal status) in scripts/mutation-check.
+/// `resume_cas_index_driven` (each transaction plain) and
+/// `trial_status_per_row` (the literal status) in scripts/mutation-check.
+/// The pause listing walked its index in a plain transaction too, on these
+/// rows; it runs index-driven like the other three, and only its plan is
+/// pinned here.
 #[tokio::test]
 async fn the_lifecycle_reads_only_its_batches() {
     let t = TestDb::with_plans_noticed().await;
