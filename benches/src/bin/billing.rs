@@ -47,6 +47,11 @@ struct Args {
     /// workspace's `fake_provider`) instead of in this process.
     #[arg(long)]
     provider_bin: Option<std::path::PathBuf>,
+    /// After the charges, this many trials that ended a moment ago, activated
+    /// by one more tick (the lifecycle step: its listing, compare-and-set
+    /// and `subscription.trial_ended` per trial); 0 skips it.
+    #[arg(long, default_value_t = 0)]
+    ended_trials: usize,
 }
 
 /// The fake provider the charges go to: in this process, or a child process
@@ -229,6 +234,37 @@ async fn main() -> Result<()> {
         });
     }
 
+    let mut trials = Value::Null;
+    if args.ended_trials > 0 {
+        progress(&format!("seeding {} ended trials", args.ended_trials));
+        seed_ended_trials(&mut su, args.ended_trials).await?;
+        progress("lifecycle: one tick");
+        let ended = one_tick(&db, &biller).await;
+        let announced = count(
+            &db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'subscription.trial_ended'",
+        )
+        .await?;
+        ensure!(
+            ended.lifecycle.trials_ended == args.ended_trials
+                && usize::try_from(announced)? == args.ended_trials,
+            "one tick activated {} of {} trials ({announced} announced): {ended:?}",
+            ended.lifecycle.trials_ended,
+            args.ended_trials
+        );
+        let s = ended.elapsed.as_secs_f64();
+        progress(&format!(
+            "activated {} trials in {s:.2} s: {:.0} trials/s",
+            args.ended_trials,
+            args.ended_trials as f64 / s
+        ));
+        trials = json!({
+            "trials": args.ended_trials,
+            "tick_seconds": s,
+            "trials_per_s": args.ended_trials as f64 / s,
+        });
+    }
+
     benches::machine_at_end(&mut machine);
     let report = json!({
         "machine": machine,
@@ -248,6 +284,7 @@ async fn main() -> Result<()> {
             "batches": billed.batches,
         },
         "charging": charges,
+        "trials": trials,
     });
     write_report(&report, args.out_dir)?;
     Ok(())
@@ -294,6 +331,31 @@ async fn seed(db: &Db, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// `n` trialing subscriptions of the seeded tenant whose trial ended within
+/// the last `n` milliseconds (each an existing customer's, the plan billed
+/// monthly), written as the superuser like the rest of the seed.
+async fn seed_ended_trials(su: &mut sqlx::PgConnection, n: usize) -> Result<()> {
+    let n = i64::try_from(n)?;
+    sqlx::query(
+        "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, trial_end) \
+         SELECT c.tenant_id, c.id, p.id, 'trialing', t.start, t.start, t.end_, t.end_ \
+         FROM generate_series(1, $1) g \
+         CROSS JOIN (SELECT tenant_id, id FROM customers WHERE tenant_id = 'tenant_bench' \
+                     ORDER BY id LIMIT 1) c \
+         CROSS JOIN (SELECT id FROM plans WHERE tenant_id = 'tenant_bench') p \
+         CROSS JOIN LATERAL (SELECT now() - interval '14 days' AS start, \
+                                    now() - g * interval '1 millisecond' AS end_) t",
+    )
+    .bind(n)
+    .execute(&mut *su)
+    .await?;
+    sqlx::query("ANALYZE subscriptions")
+        .execute(&mut *su)
+        .await?;
+    Ok(())
+}
+
 async fn one_tick(db: &Db, biller: &Biller) -> TickReport {
     let b = Arc::new(biller.clone());
     let m = testbed::leadership::manager(db, "bench");
@@ -328,10 +390,22 @@ fn write_report(report: &Value, out_dir: Option<std::path::PathBuf>) -> Result<(
             f(&c["charges_per_s"])
         )
     };
+    let t = &report["trials"];
+    let trials = if t.is_null() {
+        String::new()
+    } else {
+        format!(
+            "| ended trials activated in one tick | {} in {:.2} s: **{:.0} trials/s** |\n",
+            t["trials"],
+            f(&t["tick_seconds"]),
+            f(&t["trials_per_s"])
+        )
+    };
     let generated = format!(
         "| measure | result |\n|---|---|\n\
          | due subscriptions billed in one tick | {} in {:.2} s: **{:.0} invoices/s** ({} batches) |\n\
-         | charges against the fake provider | {charges} |\n\n\
+         | charges against the fake provider | {charges} |\n\
+         {trials}\n\
          {}",
         b["invoices"],
         f(&b["tick_seconds"]),

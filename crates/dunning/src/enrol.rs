@@ -33,7 +33,7 @@ pub(crate) async fn enrol(ctx: &Ctx, fence: &Fence) -> Result<usize, Error> {
 /// Enrol, fenced: create the built-in default policy for tenants without one,
 /// then a run for up to `limit` enrollable invoices with their tenant's
 /// default policy (one per invoice, `ON CONFLICT DO NOTHING`), and
-/// `dunning.started` for each run created; one transaction. A tenant whose
+/// `dunning.started` for each run created (one statement); one transaction. A tenant whose
 /// default policy's first offset is out of range (written before migration
 /// 0021's checks) enrols nothing: its offset would fail the statement for
 /// every tenant.
@@ -92,6 +92,7 @@ async fn insert_runs(
             .bind(limit),
         )
         .await?;
+    let mut events = Vec::with_capacity(rows.len());
     for r in &rows {
         let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
         let next: DateTime<Utc> = r.try_get("next_attempt_at").map_err(db::Error::from)?;
@@ -103,8 +104,14 @@ async fn insert_runs(
             "attempt_count": 0,
             "next_attempt_at": next.to_rfc3339(),
         });
-        outbox::webhook::enqueue(&mut tx, &tenant, "dunning.started", &payload.to_string()).await?;
+        events.push((tenant, payload.to_string()));
     }
+    // One statement for the batch's events, not a round trip per run.
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
+        .iter()
+        .map(|(tenant, payload)| (tenant.as_str(), "dunning.started", payload.as_str()))
+        .collect();
+    outbox::webhook::enqueue_many(&mut tx, &refs).await?;
     tx.commit().await?;
     Ok(rows.len())
 }

@@ -107,6 +107,7 @@ pub(crate) async fn activate_trials(
         )
         .await?;
     let mut activated = Vec::with_capacity(rows.len());
+    let mut events = Vec::with_capacity(rows.len());
     for r in &rows {
         let id: i64 = r.try_get("id").map_err(db::Error::from)?;
         let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
@@ -120,17 +121,27 @@ pub(crate) async fn activate_trials(
             "current_period_start": start.to_rfc3339(),
             "current_period_end": end.to_rfc3339(),
         });
-        outbox::webhook::enqueue(
-            &mut tx,
-            &tenant,
-            "subscription.trial_ended",
-            &payload.to_string(),
-        )
-        .await?;
+        events.push((tenant, payload.to_string()));
         activated.push(id);
     }
+    announce(&mut tx, "subscription.trial_ended", &events).await?;
     tx.commit().await?;
     Ok(activated)
+}
+
+/// One `event_type` event per (tenant, payload), in one statement: a batch of
+/// 500 announced in one round trip instead of 500.
+async fn announce(
+    tx: &mut db::Tx,
+    event_type: &str,
+    events: &[(String, String)],
+) -> Result<(), Error> {
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
+        .iter()
+        .map(|(tenant, payload)| (tenant.as_str(), event_type, payload.as_str()))
+        .collect();
+    outbox::webhook::enqueue_many(tx, &refs).await?;
+    Ok(())
 }
 
 /// A pause-collection whose resume time has passed, as the resume funnel read it.
@@ -214,11 +225,14 @@ pub(crate) async fn resume_lifted_pauses(
             .bind(pauses.iter().map(|p| p.set_by.clone()).collect::<Vec<_>>()),
         )
         .await?;
+    let by_id: std::collections::HashMap<i64, &LiftedPause> =
+        pauses.iter().map(|p| (p.subscription_id, p)).collect();
     let mut resumed = Vec::with_capacity(rows.len());
+    let mut events = Vec::with_capacity(rows.len());
     for r in &rows {
         let id: i64 = r.try_get("id").map_err(db::Error::from)?;
         let tenant: String = r.try_get("tenant_id").map_err(db::Error::from)?;
-        let p = pauses.iter().find(|p| p.subscription_id == id);
+        let p = by_id.get(&id);
         let payload = serde_json::json!({
             "object": "subscription",
             "id": id,
@@ -228,15 +242,10 @@ pub(crate) async fn resume_lifted_pauses(
                 "resumes_at": p.resumes_at.to_rfc3339(),
             })),
         });
-        outbox::webhook::enqueue(
-            &mut tx,
-            &tenant,
-            "subscription.collection_resumed",
-            &payload.to_string(),
-        )
-        .await?;
+        events.push((tenant, payload.to_string()));
         resumed.push(id);
     }
+    announce(&mut tx, "subscription.collection_resumed", &events).await?;
     tx.commit().await?;
     Ok(resumed)
 }

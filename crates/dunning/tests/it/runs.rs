@@ -94,6 +94,41 @@ async fn enrolment_takes_each_declined_invoice_once_with_the_built_in_default() 
     assert_eq!(p.total_charges(), 0);
 }
 
+/// Runs of two tenants enrolled in one tick: each gets one `dunning.started`,
+/// under its own tenant and naming its own run and invoice, though the batch's
+/// events are written by one statement.
+#[tokio::test]
+async fn one_enrolment_announces_each_run_under_its_own_tenant() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let mut invoices = Vec::new();
+    for tenant in ["tenant_a", "tenant_b", "tenant_a"] {
+        invoices.push(declined_invoice(&t.db, tenant).await.invoice);
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.enrolled, 3);
+    let rows =
+        t.db.fetch_all(sql("SELECT r.invoice_id, \
+                    count(e.id) AS announced, \
+                    bool_and(e.tenant_id = r.tenant_id \
+                             AND (e.payload->>'id')::bigint = r.id \
+                             AND (e.payload->>'invoice')::bigint = r.invoice_id) AS its_own \
+             FROM dunning_runs r \
+             LEFT JOIN webhook_events e ON e.event_type = 'dunning.started' \
+                                       AND (e.payload->>'id')::bigint = r.id \
+             GROUP BY r.id ORDER BY r.invoice_id"))
+            .await
+            .unwrap();
+    let seen: Vec<(i64, i64, bool)> = rows
+        .iter()
+        .map(|r| (r.get("invoice_id"), r.get("announced"), r.get("its_own")))
+        .collect();
+    invoices.sort_unstable();
+    let want: Vec<(i64, i64, bool)> = invoices.iter().map(|&i| (i, 1, true)).collect();
+    assert_eq!(seen, want);
+    assert_eq!(events(&t.db).await.len(), 3);
+}
+
 /// Declined, declined, then paid: recovered after the third retry, the
 /// invoice paid once, each attempt charged once under its own key, the
 /// subscription still active.
