@@ -28,8 +28,8 @@ async fn serve_runs_dunning_and_a_declined_invoice_recovers() {
            SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
                   now() + interval '30 days' FROM customers c, plans p; \
          INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
-                               collection_method) \
-           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic' \
+                               collection_method, attempt_count) \
+           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic', 1 \
            FROM subscriptions; \
          INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
                                        currency, provider_status, decline_code, resolved_at) \

@@ -260,9 +260,10 @@ async fn seed(su: &mut sqlx::PgConnection, mix: &Mix) -> Result<()> {
                                     current_period_start, current_period_end, next_billing_at) \
          SELECT 'tenant_bench', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
                 now() + interval '30 days' FROM customers c, plans p WHERE $1 > 0",
+        // attempt_count 1: each invoice's one attempt, inserted next (migration 0038).
         "INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
-                               collection_method) \
-         SELECT 'tenant_bench', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic' \
+                               collection_method, attempt_count) \
+         SELECT 'tenant_bench', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic', 1 \
          FROM subscriptions WHERE $1 > 0",
         "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
                                        currency, provider_status, decline_code, resolved_at) \

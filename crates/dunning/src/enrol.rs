@@ -37,6 +37,12 @@ pub(crate) async fn enrol(ctx: &Ctx, fence: &Fence) -> Result<usize, Error> {
 /// default policy's first offset is out of range (written before migration
 /// 0021's checks) enrols nothing: its offset would fail the statement for
 /// every tenant.
+///
+/// Both statements read only invoices attempted at least once:
+/// `attempt_count` is raised by every attempt's insert (migration 0038), so an
+/// invoice whose latest attempt was declined has one, and the many invoices
+/// of a tick waiting for their first charge are passed over without their
+/// latest attempt looked up (docs/adr/0063).
 async fn insert_runs(
     db: &Db,
     fence: &Fence,
@@ -53,6 +59,7 @@ async fn insert_runs(
              JOIN LATERAL (SELECT a.provider_status FROM payment_attempts a \
                            WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
              WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+               AND i.attempt_count > 0 \
                AND l.provider_status = 'declined' \
                AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
                AND NOT EXISTS (SELECT 1 FROM dunning_policies p \
@@ -78,6 +85,7 @@ async fn insert_runs(
                                WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
                  JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \
                  WHERE i.status = 'open' AND i.collection_method = 'automatic' \
+                   AND i.attempt_count > 0 \
                    AND l.provider_status = 'declined' \
                    AND array_ndims(p.retry_offsets_secs) = 1 \
                    AND p.retry_offsets_secs[1] BETWEEN 1 AND 31622400 \

@@ -206,10 +206,16 @@ async fn declined_invoice(t: &TestDb, tenant: &str) -> i64 {
         .unwrap()
         .get("id");
     t.db.execute(
-        sql("INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                           amount, currency, provider_status, decline_code, resolved_at) \
-             VALUES ($1, $2, 1, 'k-' || $2, 1200, 'EUR', 'declined', 'insufficient_funds', \
-                     now() - interval '1 hour')")
+        // The attempt raises the invoice's count, as billing's attempts insert
+        // does (migration 0038).
+        sql("WITH a AS ( \
+               INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                             amount, currency, provider_status, decline_code, resolved_at) \
+               VALUES ($1, $2, 1, 'k-' || $2, 1200, 'EUR', 'declined', 'insufficient_funds', \
+                       now() - interval '1 hour') \
+               RETURNING invoice_id) \
+             UPDATE invoices SET attempt_count = attempt_count + 1 \
+             WHERE id IN (SELECT invoice_id FROM a)")
         .bind(tenant.to_owned())
         .bind(invoice),
     )

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use db::sql;
+use db::{Row, sql};
 use fake_provider::FakeProvider;
 use testbed::TestDb;
 
@@ -153,4 +153,59 @@ async fn a_run_row_that_does_not_decode_is_left_out_and_the_claim_goes_on() {
         rendered.contains("hardcount_dunning_rows_undecodable_total 1"),
         "{rendered}"
     );
+}
+
+/// A tenant whose default policy was written before the checks, with a first
+/// offset no interval can hold: its declined invoice comes first in id order
+/// and the enrolment's limit is one, yet the tick enrols the next tenant's
+/// invoice (with the built-in default) and leaves the corrupt tenant's alone,
+/// tick after tick, without failing.
+///
+/// Mutation check: `enrol_policy_skip` (the runs' insert checks no range of
+/// the first offset) fails the enrolment on the corrupt offset; seen failing
+/// under it.
+#[tokio::test]
+async fn a_corrupt_default_policy_enrols_nothing_and_takes_no_other_tenants_place() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let a_policy = policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let b = declined_invoice(&t.db, "tenant_b").await;
+    let mut su = t.superuser().await;
+    sqlx::query("ALTER TABLE dunning_policies DROP CONSTRAINT dunning_policies_offsets_in_range")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE dunning_policies SET retry_offsets_secs = '{9223372036854775807}' WHERE id = $1",
+    )
+    .bind(a_policy)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (d, _) = dunner(
+        &t.db,
+        &p,
+        CALL,
+        dunning::DunningConfig {
+            enrol_limit: 1,
+            ..config()
+        },
+    );
+    for enrolled in [1, 0] {
+        let r = tick(&t.db, &d).await;
+        assert!(!matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+        assert_eq!(r.enrolled, enrolled, "{r:?}");
+    }
+    let runs =
+        t.db.fetch_all(sql("SELECT r.invoice_id, p.name FROM dunning_runs r \
+             JOIN dunning_policies p ON p.id = r.policy_id ORDER BY r.invoice_id"))
+            .await
+            .unwrap();
+    let runs: Vec<(i64, String)> = runs
+        .iter()
+        .map(|r| (r.get("invoice_id"), r.get("name")))
+        .collect();
+    assert_eq!(runs, [(b.invoice, "Default".to_owned())]);
+    assert!(a.invoice < b.invoice);
 }

@@ -471,13 +471,15 @@ async fn a_batch_exhausting_two_invoices_of_one_subscription_pauses_it_once() {
         .unwrap()
         .get(0);
     t.db.execute(
-        sql(
-            "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                           amount, currency, provider_status, decline_code, \
-                                           resolved_at) \
-             VALUES ('tenant_a', $1, 1, 'hardcount-invoice-' || $1 || '-attempt-1', 1200, 'EUR', \
-                     'declined', 'insufficient_funds', now() - interval '1 hour')",
-        )
+        sql("WITH a AS ( \
+               INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                             amount, currency, provider_status, decline_code, \
+                                             resolved_at) \
+               VALUES ('tenant_a', $1, 1, 'hardcount-invoice-' || $1 || '-attempt-1', 1200, \
+                       'EUR', 'declined', 'insufficient_funds', now() - interval '1 hour') \
+               RETURNING invoice_id) \
+             UPDATE invoices SET attempt_count = attempt_count + 1 \
+             WHERE id IN (SELECT invoice_id FROM a)")
         .bind(second),
     )
     .await

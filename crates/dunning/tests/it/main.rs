@@ -155,10 +155,16 @@ pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
         .unwrap()
         .get("id");
     db.execute(
-        sql("INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                           amount, currency, provider_status, decline_code, resolved_at) \
-             VALUES ($1, $2, 1, 'hardcount-invoice-' || $2 || '-attempt-1', 1200, 'EUR', \
-                     'declined', 'insufficient_funds', now() - interval '1 hour')")
+        // The attempt raises the invoice's count, as billing's attempts insert
+        // does (migration 0038): enrolment reads only invoices attempted.
+        sql("WITH a AS ( \
+               INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                             amount, currency, provider_status, decline_code, resolved_at) \
+               VALUES ($1, $2, 1, 'hardcount-invoice-' || $2 || '-attempt-1', 1200, 'EUR', \
+                       'declined', 'insufficient_funds', now() - interval '1 hour') \
+               RETURNING invoice_id) \
+             UPDATE invoices SET attempt_count = attempt_count + 1 \
+             WHERE id IN (SELECT invoice_id FROM a)")
         .bind(tenant)
         .bind(invoice),
     )
