@@ -24,7 +24,7 @@
 pub(crate) mod store;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -174,6 +174,10 @@ pub(crate) struct AutoCharge<'a> {
     calls: Arc<Semaphore>,
     /// The batches still calling or settling, oldest first.
     in_flight: Mutex<VecDeque<JoinHandle<BatchDone>>>,
+    /// The last invoice id a batch of this tick claimed: the next claim walks
+    /// on from it, so the invoices the funnel passes over are read once a
+    /// tick (docs/adr/0064).
+    after: AtomicI64,
 }
 
 impl<'a> AutoCharge<'a> {
@@ -185,6 +189,7 @@ impl<'a> AutoCharge<'a> {
                 biller.inner.config.charge_concurrency.max(1),
             )),
             in_flight: Mutex::new(VecDeque::new()),
+            after: AtomicI64::new(0),
         }
     }
 
@@ -271,15 +276,20 @@ impl FencedBatches for AutoCharge<'_> {
         if b.provider.is_none() || self.gate.closed() {
             return Ok(Vec::new());
         }
-        Ok(store::claim_and_start(
+        let started = store::claim_and_start(
             &b.db,
             fence,
             limit,
             &claim_identity(fence),
             (c.charge_lease, &c.instance_id),
+            self.after.load(Ordering::Relaxed),
             c.statement_timeout,
         )
-        .await?)
+        .await?;
+        if let Some(last) = started.iter().map(|s| s.claim.invoice_id).max() {
+            self.after.fetch_max(last, Ordering::Relaxed);
+        }
+        Ok(started)
     }
 
     fn claimed(batch: &Vec<Started>) -> usize {

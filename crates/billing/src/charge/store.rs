@@ -41,6 +41,7 @@ pub(crate) async fn claim_and_start(
     limit: usize,
     claimed_by: &str,
     (lease, instance): (Duration, &str),
+    after: i64,
     statement_timeout: Duration,
 ) -> Result<Vec<crate::batch::Started>, db::Error> {
     // Index-driven (docs/adr/0023): the claim's update reaches each invoice
@@ -50,7 +51,8 @@ pub(crate) async fn claim_and_start(
         .fetch_all(
             funnel(CLAIM_AND_START, fence, limit, claimed_by, lease)
                 .bind(instance.to_owned())
-                .bind(crate::charge::AUTO_CHARGE_ATTEMPT),
+                .bind(crate::charge::AUTO_CHARGE_ATTEMPT)
+                .bind(after),
         )
         .await?;
     // Decoded before the commit: a row that cannot be read claims nothing.
@@ -94,9 +96,12 @@ fn funnel(
 /// lets it walk `invoices_charge_pending`, the open automatic invoices never
 /// attempted, so a claim reads the invoices it can take and not the ones
 /// earlier batches claimed or dunning waits on (docs/adr/0050); the `NOT
-/// EXISTS` on the attempts stays the rule itself.
+/// EXISTS` on the attempts stays the rule itself. `$after` is the id the
+/// walk starts after: the auto-charge tick passes the last id its previous
+/// batch claimed, so invoices it cannot charge (a customer without a card, a
+/// paused subscription) are read once per tick, not once per batch.
 macro_rules! charge_funnel {
-    () => {
+    ($after:literal) => {
         concat!(
             "SELECT i.id, i.tenant_id, i.created_at, i.amount, i.currency, \
                     c.provider_customer_id, c.payment_method_id \
@@ -107,6 +112,9 @@ macro_rules! charge_funnel {
             chargeable_invoice!(),
             "\
                AND i.attempt_count = 0 \
+               AND i.id > ",
+            $after,
+            " \
                AND NOT EXISTS (SELECT 1 FROM payment_attempts a WHERE a.invoice_id = i.id) \
                AND leader_fence($1, $2) \
              ORDER BY i.id \
@@ -119,14 +127,14 @@ macro_rules! charge_funnel {
 /// Auto-charge's batch claim (docs/adr/0055); `pub` only for the plan test
 /// (`tests/it/plans.rs`). One statement locks the funnel's invoices, writes
 /// attempt `$7` of each (as `unknown`, key of instance `$6`, under the
-/// (invoice, attempt) unique key), and sets the lease (`$4` seconds, holder
+/// (invoice, attempt) unique key), after invoice `$8`, and sets the lease (`$4` seconds, holder
 /// `$5`) and raises `attempt_count` of exactly the invoices whose attempt was
 /// written, in one new version of each: the invoice is claimed and counted
 /// together, never one without the other. An invoice the funnel locked whose
 /// attempt already existed is neither claimed nor returned.
 pub const CLAIM_AND_START: &str = concat!(
     "WITH picked AS ( ",
-    charge_funnel!(),
+    charge_funnel!("$8"),
     "), started AS ( ",
     insert_attempts!(
         "$6",
@@ -164,7 +172,7 @@ pub const CLAIM_AND_START: &str = concat!(
 /// (`tests/it/plans.rs`).
 pub const CLAIM_CHARGES: &str = concat!(
     "WITH picked AS ( ",
-    charge_funnel!(),
+    charge_funnel!("0"),
     "), claimed AS ( \
             UPDATE invoices i \
             SET auto_charge_claimed_until = now() + make_interval(secs => $4), \
