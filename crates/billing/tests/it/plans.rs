@@ -347,8 +347,9 @@ async fn a_charge_claim_reads_only_invoices_it_can_claim() {
 /// `charge::store::claim_and_start`, `batch::settle::settle_once`,
 /// `retention`), `raw_answers_seqscan` (the clearing without
 /// `NO_SEQUENTIAL_SCAN`), `retry_written_order` (`start_retries_in`
-/// without `WRITTEN_JOIN_ORDER`) and `retry_order_reset` (without
-/// `ANY_JOIN_ORDER`) in scripts/mutation-check.
+/// without `WRITTEN_JOIN_ORDER`), `retry_order_reset` (without
+/// `ANY_JOIN_ORDER`) and `claim_written_order` (the batch claim free to
+/// reorder its joins, docs/adr/0065) in scripts/mutation-check.
 #[tokio::test]
 async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     let t = TestDb::with_plans_noticed().await;
@@ -397,7 +398,10 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
 
     let charges = PlansNoticed::start();
     assert_eq!(tick(&t.db, &b).await.charges.paid, 4);
-    assert_planned_with(&charges.plans_of(CLAIM_AND_START), &INDEX_DRIVEN_SETTINGS);
+    assert_planned_with(
+        &charges.plans_of(CLAIM_AND_START),
+        &[&INDEX_DRIVEN_SETTINGS[..], &["join_collapse_limit = '1'"]].concat(),
+    );
     assert_planned_with(&charges.plans_of(SETTLE), &INDEX_DRIVEN_SETTINGS);
     assert_planned_with(
         &charges.plans_of(CLEAR_RAW_ANSWERS),
@@ -705,7 +709,10 @@ async fn explain_charge_claim(
     as_leader(&manager(&t.db, name), Role::Billing, |tick| async move {
         let text: &'static str =
             format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {statement}").leak();
-        let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
+        let mut tx = db
+            .begin_index_driven_as_written(Duration::from_secs(5))
+            .await
+            .unwrap();
         let mut q = sql(text)
             .bind(tick.fence.role_name())
             .bind(tick.fence.token())
@@ -723,4 +730,50 @@ async fn explain_charge_claim(
             .join("\n")
     })
     .await
+}
+
+/// Guard: on tables never analyzed, 1,000 customers each with one open
+/// invoice, the batch claim (`CLAIM_AND_START`, in the transaction
+/// `claim_and_start` opens: index-driven, joins as written) reaches each
+/// invoice's subscription and customer by key, once per invoice. Left free to
+/// reorder the joins, the planner joined every customer of the tenant to each
+/// invoice and each such pair to the tenant's subscriptions: 255,176 pairs
+/// and 31.8 s for one claim on the bed (docs/adr/0065). Seen failing with
+/// this test's transaction `begin_index_driven`, free to reorder the joins
+/// (the statement timeout of 5 s); that `claim_and_start` opens this
+/// transaction is pinned by `the_charge_paths_own_calls_plan_as_their_tests_do`
+/// (mutation `claim_written_order`).
+#[tokio::test]
+async fn the_batch_claim_reaches_each_subscription_and_customer_by_key() {
+    let t = TestDb::new().await;
+    sqlx::raw_sql(
+        "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+           VALUES ('tenant_a', 'Pro', 1200, 'EUR', 'month', 1); \
+         INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+           SELECT 'tenant_a', 'c' || g || '@example.org', 'cus_' || g, 'pm_card_visa' \
+           FROM generate_series(1, 1000) g; \
+         INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, next_billing_at) \
+           SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
+                  now() + interval '30 days' FROM customers c, plans p; \
+         INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, \
+                               currency, collection_method, status, finalized_at, number) \
+           SELECT 'tenant_a', s.id, now() - interval '30 days', now(), 1200, 'EUR', \
+                  'automatic', 'open', now(), 'N-' || lpad(s.id::text, 6, '0') \
+           FROM subscriptions s",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let plan = explain_charge_claim(&t, "by-key", CLAIM_AND_START, 0).await;
+    for table in ["subscriptions s ", "customers c "] {
+        let line = plan
+            .lines()
+            .find(|l| l.contains(&format!("on {table}")) && l.contains("Index Scan"))
+            .unwrap_or_else(|| panic!("no index scan of {table}in\n{plan}"));
+        assert!(
+            line.contains("(actual rows=1 loops=256)"),
+            "{line}\n\nin\n{plan}"
+        );
+    }
 }
