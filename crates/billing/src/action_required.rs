@@ -175,11 +175,7 @@ async fn ask(
         ));
         events.push((tenant, payload));
     }
-    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
-        .iter()
-        .map(|(t, p)| (t.as_str(), "invoice.payment_action_required", p.as_str()))
-        .collect();
-    outbox::webhook::enqueue_many(&mut tx, &refs).await?;
+    outbox::webhook::enqueue_many_of(&mut tx, "invoice.payment_action_required", &events).await?;
     let refs: Vec<(&str, &outbox::email::Email)> =
         emails.iter().map(|(t, e)| (t.as_str(), e)).collect();
     outbox::email::enqueue_many_or_record(&mut tx, &refs, telemetry).await?;

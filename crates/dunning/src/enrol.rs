@@ -115,11 +115,7 @@ async fn insert_runs(
         events.push((tenant, payload.to_string()));
     }
     // One statement for the batch's events, not a round trip per run.
-    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
-        .iter()
-        .map(|(tenant, payload)| (tenant.as_str(), "dunning.started", payload.as_str()))
-        .collect();
-    outbox::webhook::enqueue_many(&mut tx, &refs).await?;
+    outbox::webhook::enqueue_many_of(&mut tx, "dunning.started", &events).await?;
     tx.commit().await?;
     Ok(rows.len())
 }

@@ -119,6 +119,23 @@ pub async fn enqueue_many(tx: &mut db::Tx, events: &[NewEvent<'_>]) -> Result<u6
         .map_err(EnqueueError::Db)
 }
 
+/// [`enqueue_many`] for events of one type, each a (tenant, payload JSON) a
+/// producer built for its batch.
+///
+/// # Errors
+/// As [`enqueue_many`].
+pub async fn enqueue_many_of(
+    tx: &mut db::Tx,
+    event_type: &str,
+    events: &[(String, String)],
+) -> Result<u64, EnqueueError> {
+    let refs: Vec<NewEvent<'_>> = events
+        .iter()
+        .map(|(tenant, payload)| (tenant.as_str(), event_type, payload.as_str()))
+        .collect();
+    enqueue_many(tx, &refs).await
+}
+
 /// What [`enqueue`] refuses before it sends anything.
 fn check(tenant_id: &str, event_type: &str, payload_json: &str) -> Result<(), EnqueueError> {
     if tenant_id.trim().is_empty() {

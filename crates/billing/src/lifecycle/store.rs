@@ -124,24 +124,9 @@ pub(crate) async fn activate_trials(
         events.push((tenant, payload.to_string()));
         activated.push(id);
     }
-    announce(&mut tx, "subscription.trial_ended", &events).await?;
+    outbox::webhook::enqueue_many_of(&mut tx, "subscription.trial_ended", &events).await?;
     tx.commit().await?;
     Ok(activated)
-}
-
-/// One `event_type` event per (tenant, payload), in one statement: a batch of
-/// 500 announced in one round trip instead of 500.
-async fn announce(
-    tx: &mut db::Tx,
-    event_type: &str,
-    events: &[(String, String)],
-) -> Result<(), Error> {
-    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
-        .iter()
-        .map(|(tenant, payload)| (tenant.as_str(), event_type, payload.as_str()))
-        .collect();
-    outbox::webhook::enqueue_many(tx, &refs).await?;
-    Ok(())
 }
 
 /// A pause-collection whose resume time has passed, as the resume funnel read it.
@@ -245,7 +230,7 @@ pub(crate) async fn resume_lifted_pauses(
         events.push((tenant, payload.to_string()));
         resumed.push(id);
     }
-    announce(&mut tx, "subscription.collection_resumed", &events).await?;
+    outbox::webhook::enqueue_many_of(&mut tx, "subscription.collection_resumed", &events).await?;
     tx.commit().await?;
     Ok(resumed)
 }
