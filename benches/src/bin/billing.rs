@@ -57,6 +57,12 @@ struct Args {
     /// charge claim passes over (docs/adr/0064); the rest are charged.
     #[arg(long, default_value_t = 0)]
     without_card: usize,
+    /// Leave every table unanalyzed (autovacuum off on each, no ANALYZE after
+    /// the seeds), as a first import or a restore leaves them; the run fails if
+    /// any table was analyzed by its end. For sweeping the plans the money
+    /// statements choose without statistics (benches/never-analyzed.sh).
+    #[arg(long)]
+    never_analyzed: bool,
 }
 
 /// The fake provider the charges go to: in this process, or a child process
@@ -155,9 +161,13 @@ async fn main() -> Result<()> {
     let mut su = t.superuser().await;
     let mut machine = benches::machine(&mut su).await?;
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), args.pool)?;
+    let analyze = !args.never_analyzed;
+    if args.never_analyzed {
+        benches::keep_tables_unanalyzed(&mut su).await?;
+    }
 
     progress(&format!("seeding {} due subscriptions", args.subscriptions));
-    seed(&t.api(), args.subscriptions).await?;
+    seed(&t.api(), args.subscriptions, analyze).await?;
 
     progress("billing: one tick");
     let biller = Biller::new(db.clone(), config.clone(), Telemetry::noop())?;
@@ -257,7 +267,7 @@ async fn main() -> Result<()> {
     let mut trials = Value::Null;
     if args.ended_trials > 0 {
         progress(&format!("seeding {} ended trials", args.ended_trials));
-        seed_ended_trials(&mut su, args.ended_trials).await?;
+        seed_ended_trials(&mut su, args.ended_trials, analyze).await?;
         progress("lifecycle: one tick");
         let ended = one_tick(&db, &biller).await;
         let announced = count(
@@ -285,6 +295,13 @@ async fn main() -> Result<()> {
         });
     }
 
+    if args.never_analyzed {
+        let analyzed = benches::tables_analyzed(&mut su).await?;
+        ensure!(
+            analyzed.is_empty(),
+            "--never-analyzed, but these tables were analyzed during the run: {analyzed:?}"
+        );
+    }
     benches::machine_at_end(&mut machine);
     let report = json!({
         "machine": machine,
@@ -296,6 +313,11 @@ async fn main() -> Result<()> {
             "batch_size": config.batch_size,
             "charge_concurrency": config.charge_concurrency,
             "without_card": args.without_card,
+            "statistics": if args.never_analyzed {
+                "never analyzed (autovacuum off on every table)"
+            } else {
+                "analyzed after the seed"
+            },
             "build": benches::build_profile(),
         },
         "billing": {
@@ -313,7 +335,7 @@ async fn main() -> Result<()> {
 
 /// `n` active monthly subscriptions (each its own customer with a saved card)
 /// whose period ended a minute ago: due once each.
-async fn seed(db: &Db, n: usize) -> Result<()> {
+async fn seed(db: &Db, n: usize, analyze: bool) -> Result<()> {
     let n = i64::try_from(n)?;
     let mut tx = db.begin().await?;
     // The API role writes under row-level security (docs/adr/0035): the
@@ -348,14 +370,16 @@ async fn seed(db: &Db, n: usize) -> Result<()> {
     ))
     .await?;
     tx.commit().await?;
-    db.execute(sql("ANALYZE")).await.ok();
+    if analyze {
+        db.execute(sql("ANALYZE")).await.ok();
+    }
     Ok(())
 }
 
 /// `n` trialing subscriptions of the seeded tenant whose trial ended within
 /// the last `n` milliseconds (each an existing customer's, the plan billed
 /// monthly), written as the superuser like the rest of the seed.
-async fn seed_ended_trials(su: &mut sqlx::PgConnection, n: usize) -> Result<()> {
+async fn seed_ended_trials(su: &mut sqlx::PgConnection, n: usize, analyze: bool) -> Result<()> {
     let n = i64::try_from(n)?;
     sqlx::query(
         "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
@@ -371,9 +395,11 @@ async fn seed_ended_trials(su: &mut sqlx::PgConnection, n: usize) -> Result<()> 
     .bind(n)
     .execute(&mut *su)
     .await?;
-    sqlx::query("ANALYZE subscriptions")
-        .execute(&mut *su)
-        .await?;
+    if analyze {
+        sqlx::query("ANALYZE subscriptions")
+            .execute(&mut *su)
+            .await?;
+    }
     Ok(())
 }
 

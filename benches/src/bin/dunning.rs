@@ -47,6 +47,11 @@ struct Args {
     /// Where the report goes (default docs/benchmarks).
     #[arg(long)]
     out_dir: Option<std::path::PathBuf>,
+    /// Leave every table unanalyzed (autovacuum off on each, no ANALYZE after
+    /// the seed), as a first import or a restore leaves them; the run fails if
+    /// any table was analyzed by its end (benches/never-analyzed.sh).
+    #[arg(long)]
+    never_analyzed: bool,
 }
 
 fn progress(msg: &str) {
@@ -78,7 +83,10 @@ async fn main() -> Result<()> {
         "seeding {} due runs ({} to recover, {} to decline, {} to exhaust)",
         args.runs, mix.recover, mix.declined, mix.exhausted
     ));
-    seed(&mut su, &mix).await?;
+    if args.never_analyzed {
+        benches::keep_tables_unanalyzed(&mut su).await?;
+    }
+    seed(&mut su, &mix, !args.never_analyzed).await?;
 
     // The provider on a runtime of its own thread, so its work is not
     // scheduled among the role's futures.
@@ -180,6 +188,13 @@ async fn main() -> Result<()> {
         args.runs,
         elapsed.as_secs_f64()
     ));
+    if args.never_analyzed {
+        let analyzed = benches::tables_analyzed(&mut su).await?;
+        ensure!(
+            analyzed.is_empty(),
+            "--never-analyzed, but these tables were analyzed during the run: {analyzed:?}"
+        );
+    }
     benches::machine_at_end(&mut machine);
     let report = json!({
         "machine": machine,
@@ -197,6 +212,11 @@ async fn main() -> Result<()> {
                 mix.recover, mix.declined, mix.exhausted
             ),
             "release": cfg!(not(debug_assertions)),
+            "statistics": if args.never_analyzed {
+                "never analyzed (autovacuum off on every table)"
+            } else {
+                "analyzed after the seed"
+            },
         },
         "tick_seconds": elapsed.as_secs_f64(),
         "runs_per_s": rate,
@@ -243,7 +263,7 @@ impl Mix {
 /// runs on a policy whose retry 2 is a day later (so it is not due again in
 /// the tick); exhausting runs on the two-retry policy at retry 2, pausing
 /// collection.
-async fn seed(su: &mut sqlx::PgConnection, mix: &Mix) -> Result<()> {
+async fn seed(su: &mut sqlx::PgConnection, mix: &Mix, analyze: bool) -> Result<()> {
     let statements = [
         "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, warn_after, \
                                        is_default) \
@@ -291,7 +311,9 @@ async fn seed(su: &mut sqlx::PgConnection, mix: &Mix) -> Result<()> {
             .execute(&mut *su)
             .await?;
     }
-    sqlx::query("ANALYZE").execute(&mut *su).await?;
+    if analyze {
+        sqlx::query("ANALYZE").execute(&mut *su).await?;
+    }
     Ok(())
 }
 

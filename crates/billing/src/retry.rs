@@ -44,35 +44,42 @@ pub use payments::{NotCharged, Retried, RetryRequest, StartedRetry};
 /// `$2`, under the (invoice, attempt) unique key); [`CLAIM_RETRIES`], in the
 /// same transaction, then leases and counts exactly the invoices whose
 /// attempt was written, in one new version of each (docs/adr/0055). Dunning
-/// runs both in a `begin_index_driven` transaction; planned freely this one
-/// read `invoices` whole (issue 29, point 3). It reaches each wanted invoice
-/// by its key only with help: the invoice's status is bound per row (`was`),
-/// so no partial index of open invoices matches, and [`WRITTEN_JOIN_ORDER`]
-/// is set before it. Without them, on a never-analyzed table the planner
-/// drove the locking loop from `invoices_open_automatic` (or from the
-/// subscriptions, or a sequential scan of `invoices`), with the batch joined
-/// by a filter: every open invoice read for each batch (docs/adr/0055). (One
-/// statement, as auto-charge's, would join the inserted rows to the locked
-/// ones for each row's holder: a nested loop of the batch against itself once
-/// hash joins are off, 15 % fewer runs a second.)
+/// runs both in a `begin_index_driven` transaction.
+///
+/// Each wanted invoice is reached and locked, with its subscription and
+/// customer, in a LATERAL subquery evaluated once per row of the batch
+/// (docs/adr/0066), so the batch drives the loop and each invoice is read by
+/// its key whatever the statistics say. Written as one join of the batch to
+/// `invoices`, the planner could drive the loop from `invoices` and join the
+/// batch by a filter: on tables never analyzed the chargeable conditions'
+/// default selectivities made every open invoice look like one, and a batch
+/// of 500 then read all of them for each of its rows (0.8 to 1.1 s at 10,000
+/// invoices; before that, docs/adr/0055's binding of the status per row
+/// (`was`) and [`WRITTEN_JOIN_ORDER`], both kept, had stopped the drive from
+/// `invoices_open_automatic` and from a sequential scan). (One statement, as
+/// auto-charge's, would join the inserted rows to the locked ones for each
+/// row's holder: a nested loop of the batch against itself once hash joins
+/// are off, 15 % fewer runs a second.)
 pub const START_RETRIES: &str = concat!(
     "WITH picked AS ( \
-       SELECT i.id, i.tenant_id, i.created_at, i.amount, i.currency, \
-              c.provider_customer_id, c.payment_method_id, \
-              (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
-               WHERE a.invoice_id = i.id) AS seq \
-       FROM unnest($1::bigint[], $3::text[]) AS u(invoice_id, was) \
-       JOIN invoices i ON i.id = u.invoice_id \
-       JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-       JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-       WHERE ",
+       SELECT p.* FROM unnest($1::bigint[], $3::text[]) AS u(invoice_id, was) \
+       CROSS JOIN LATERAL ( \
+         SELECT i.id, i.tenant_id, i.created_at, i.amount, i.currency, \
+                c.provider_customer_id, c.payment_method_id, \
+                (SELECT COALESCE(max(a.attempt_seq), 0) + 1 FROM payment_attempts a \
+                 WHERE a.invoice_id = i.id) AS seq \
+         FROM invoices i \
+         JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
+         JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+         WHERE i.id = u.invoice_id AND ",
     chargeable_invoice!("u.was"),
     "\
-         AND i.review_since IS NULL \
-         AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
-                         WHERE a.invoice_id = i.id \
-                           AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
-       FOR UPDATE OF i SKIP LOCKED \
+           AND i.review_since IS NULL \
+           AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                           WHERE a.invoice_id = i.id \
+                             AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
+         FOR UPDATE OF i SKIP LOCKED \
+       ) p \
      ), started AS ( ",
     insert_attempts!(
         "$2",

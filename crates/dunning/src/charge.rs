@@ -385,17 +385,19 @@ pub(crate) async fn record_attempts_in(
         return Ok(HashMap::new());
     }
     // In id order, so two workers counting overlapping batches lock their
-    // rows in one order rather than deadlocking.
+    // rows in one order rather than deadlocking (the statement locks them in
+    // the batch's order).
     let mut runs = runs.to_vec();
     runs.sort_by_key(|r| r.id);
     let rows = tx
         .fetch_all(
-            sql("UPDATE dunning_runs r \
-                 SET attempt_count = r.attempt_count + 1, \
-                     next_attempt_at = now() + make_interval(secs => $3), updated_at = now() \
-                 FROM unnest($1::bigint[], $2::int4[]) AS u(id, expected) \
-                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.expected \
-                 RETURNING r.id, r.next_attempt_at")
+            sql(outcomes::update_held_runs!(
+                batch: "unnest($1::bigint[], $2::int4[]) AS u(id, expected)",
+                check: "r.status = 'active' AND r.attempt_count = u.expected",
+                set: "attempt_count = r.attempt_count + 1, \
+                      next_attempt_at = now() + make_interval(secs => $3), updated_at = now()",
+                returning: "r.id, r.next_attempt_at",
+            ))
             .bind(runs.iter().map(|r| r.id).collect::<Vec<_>>())
             .bind(runs.iter().map(|r| r.attempt_count).collect::<Vec<_>>())
             .bind(hold.as_secs_f64()),

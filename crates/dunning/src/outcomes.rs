@@ -17,6 +17,42 @@ use db::{Db, Row, Tx, sql};
 use crate::Error;
 use crate::run::{Retry, Run};
 
+/// A compare-and-set of a batch of runs as one statement: the batch `u`
+/// (an `unnest` of arrays, one row per run, with `id`), each run locked in a
+/// LATERAL subquery only while it passes `check` (conditions on `r`, the run,
+/// and `u`), then `UPDATE dunning_runs r SET set FROM` the runs locked (named
+/// `u` again, every column of the batch) `RETURNING returning`.
+///
+/// Written as `UPDATE … FROM unnest(…) WHERE r.id = u.id AND check`, the
+/// planner may drive the loop from `dunning_runs` and join the batch by a
+/// filter: on tables never analyzed, `status = 'active'`'s default selectivity
+/// makes every active run look like a few, and a batch of 500 then read all of
+/// them for each of its rows (873 ms at 10,000 runs, docs/adr/0066). The
+/// LATERAL subquery can only be evaluated once per row of the batch, so each
+/// run is reached by its key whatever the statistics say; the update then
+/// joins only the rows locked, with no condition of its own on `r`. The rows
+/// are locked in the batch's order.
+macro_rules! update_held_runs {
+    (batch: $batch:literal, check: $check:literal, set: $set:literal, returning: $ret:literal $(,)?) => {
+        concat!(
+            "WITH held AS ( \
+               SELECT u.* FROM ",
+            $batch,
+            " \
+               CROSS JOIN LATERAL (SELECT 1 FROM dunning_runs r \
+                                   WHERE r.id = u.id AND ",
+            $check,
+            " FOR UPDATE) h \
+             ) \
+             UPDATE dunning_runs r SET ",
+            $set,
+            " FROM held u WHERE r.id = u.id RETURNING ",
+            $ret
+        )
+    };
+}
+pub(crate) use update_held_runs;
+
 /// [`recover`] for a batch, in the caller's transaction: each run (whose
 /// retry `attempt` paid its invoice) → recovered only while it holds that
 /// count, with one statement, and `dunning.recovered` for each run that
@@ -27,11 +63,12 @@ pub(crate) async fn recover_in(tx: &mut Tx, runs: &[(&Run, i32)]) -> Result<Hash
     }
     let rows = tx
         .fetch_all(
-            sql("UPDATE dunning_runs r \
-                 SET status = 'recovered', ended_at = now(), updated_at = now() \
-                 FROM unnest($1::bigint[], $2::int4[]) AS u(id, attempt) \
-                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
-                 RETURNING r.id")
+            sql(update_held_runs!(
+                batch: "unnest($1::bigint[], $2::int4[]) AS u(id, attempt)",
+                check: "r.status = 'active' AND r.attempt_count = u.attempt",
+                set: "status = 'recovered', ended_at = now(), updated_at = now()",
+                returning: "r.id",
+            ))
             .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
             .bind(runs.iter().map(|(_, a)| *a).collect::<Vec<_>>()),
         )
@@ -88,13 +125,14 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
     if !next.is_empty() {
         let changed = tx
             .fetch_all(
-                sql("UPDATE dunning_runs r \
-                     SET next_attempt_at = u.next, last_decline_code = u.code, updated_at = now() \
-                     FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[], \
-                                 $5::timestamptz[]) AS u(id, attempt, next, code, held) \
-                     WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
-                       AND r.next_attempt_at = u.held \
-                     RETURNING r.id")
+                sql(update_held_runs!(
+                    batch: "unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[], \
+                                   $5::timestamptz[]) AS u(id, attempt, next, code, held)",
+                    check: "r.status = 'active' AND r.attempt_count = u.attempt \
+                            AND r.next_attempt_at = u.held",
+                    set: "next_attempt_at = u.next, last_decline_code = u.code, updated_at = now()",
+                    returning: "r.id",
+                ))
                 .bind(next.iter().map(|d| d.run.id).collect::<Vec<_>>())
                 .bind(next.iter().map(|d| d.attempt).collect::<Vec<_>>())
                 .bind(next.iter().map(|d| d.next).collect::<Vec<_>>())
@@ -109,12 +147,13 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
     if !last.is_empty() {
         let changed = tx
             .fetch_all(
-                sql("UPDATE dunning_runs r \
-                     SET status = 'exhausted', ended_at = now(), next_attempt_at = now(), \
-                         last_decline_code = u.code, updated_at = now() \
-                     FROM unnest($1::bigint[], $2::int4[], $3::text[]) AS u(id, attempt, code) \
-                     WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.attempt \
-                     RETURNING r.id")
+                sql(update_held_runs!(
+                    batch: "unnest($1::bigint[], $2::int4[], $3::text[]) AS u(id, attempt, code)",
+                    check: "r.status = 'active' AND r.attempt_count = u.attempt",
+                    set: "status = 'exhausted', ended_at = now(), next_attempt_at = now(), \
+                          last_decline_code = u.code, updated_at = now()",
+                    returning: "r.id",
+                ))
                 .bind(last.iter().map(|d| d.run.id).collect::<Vec<_>>())
                 .bind(last.iter().map(|d| d.attempt).collect::<Vec<_>>())
                 .bind(last.iter().map(|d| d.code.clone()).collect::<Vec<_>>()),
@@ -169,13 +208,14 @@ pub(crate) async fn rewind_in(
     }
     let rows = tx
         .fetch_all(
-            sql("UPDATE dunning_runs r \
-                 SET attempt_count = u.listed, next_attempt_at = u.listed_at, updated_at = now() \
-                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::timestamptz[]) \
-                      AS u(id, listed, listed_at, held) \
-                 WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.listed + 1 \
-                   AND r.next_attempt_at = u.held \
-                 RETURNING r.id")
+            sql(update_held_runs!(
+                batch: "unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::timestamptz[]) \
+                        AS u(id, listed, listed_at, held)",
+                check: "r.status = 'active' AND r.attempt_count = u.listed + 1 \
+                        AND r.next_attempt_at = u.held",
+                set: "attempt_count = u.listed, next_attempt_at = u.listed_at, updated_at = now()",
+                returning: "r.id",
+            ))
             .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
             .bind(
                 runs.iter()

@@ -7,6 +7,7 @@
 mod bad_rows;
 mod final_action;
 mod guards;
+mod never_analyzed;
 mod reconcile;
 mod retention;
 mod runs;
