@@ -98,19 +98,18 @@ pub const START_RETRIES: &str = concat!(
      FROM started"
 );
 
-/// Set before [`START_RETRIES`], for the transaction: the planner keeps its
-/// joins in the order written (the batch, then each invoice by key, then its
-/// subscription and customer) and scans no table whole, instead of starting
-/// from a table whose statistics call it nearly empty. [`ANY_JOIN_ORDER`]
-/// undoes it after.
-pub const WRITTEN_JOIN_ORDER: &str = "SELECT set_config('join_collapse_limit', '1', true), \
-            set_config('enable_seqscan', 'off', true)";
+/// Set before [`START_RETRIES`], for the transaction: the planner keeps the
+/// joins inside its LATERAL subquery in the order written (each invoice by
+/// key, then its subscription and customer). [`ANY_JOIN_ORDER`] undoes it
+/// after. (It also turned sequential scans off until the LATERAL subquery
+/// made that change no plan, docs/adr/0066.)
+pub const WRITTEN_JOIN_ORDER: &str = "SELECT set_config('join_collapse_limit', '1', true)";
 
-/// Set after [`START_RETRIES`]: the two settings back at their reset values,
-/// which are the ones the transaction had (neither `begin_index_driven` nor
-/// the app sets them).
+/// Set after [`START_RETRIES`]: the setting back at its reset value, which
+/// is the one the transaction had (neither `begin_index_driven` nor the app
+/// sets it).
 pub const ANY_JOIN_ORDER: &str = "SELECT set_config(name, reset_val, true) FROM pg_settings \
-     WHERE name IN ('join_collapse_limit', 'enable_seqscan')";
+     WHERE name = 'join_collapse_limit'";
 
 /// The second statement of [`start_retries_in`]: the lease (`$3` seconds)
 /// and `attempt_count` of each invoice `$1` whose attempt [`START_RETRIES`]

@@ -232,13 +232,13 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
 /// (`CLAIM_RETRIES`), each reaching every invoice of the batch by its key.
 /// Guards: the settings of `begin_index_driven` (seen failing with the EXPLAIN
 /// planned freely: a Seq Scan of `invoices` hashed against the wanted batch);
-/// for the attempts, the status bound per row and the written join order
-/// without sequential scans (seen failing without each: the locking loop
-/// driven from `invoices_open_automatic`, from the one subscription through
-/// `invoices_tenant_created` (before migration 0040 dropped it), or from a Seq
-/// Scan of `invoices`, the batch joined by a Join Filter: mutations `retry_was`
-/// and `retry_seqscan` in
-/// scripts/mutation-check); for the leases, the holders unnested and joined by
+/// for the attempts, the status bound per row (seen failing without it: the
+/// invoice reached through `invoices_open_automatic`, mutation `retry_was` in
+/// scripts/mutation-check; before the LATERAL subquery of docs/adr/0066 the
+/// locking loop was also driven from the one subscription, or from a Seq Scan
+/// of `invoices`, the batch joined by a Join Filter, which sequential scans
+/// turned off had stopped here; that setting changes no plan now and was
+/// dropped); for the leases, the holders unnested and joined by
 /// key (mutation `claim_retries_key`; the first shape of this change, one
 /// statement whose update took each holder from the locking CTE, made the
 /// dunning benchmark 15 % slower, docs/adr/0055). That
@@ -383,7 +383,7 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
         every: Duration::ZERO,
         batch: 1000,
     });
-    let written_order = ["join_collapse_limit = '1'", "enable_seqscan = 'off'"];
+    let written_order = ["join_collapse_limit = '1'"];
 
     // A retry started and rolled back: the invoices stay open and unclaimed.
     let retries = PlansNoticed::start();
