@@ -11,19 +11,22 @@
 # did at 1,000 customers). From the repository root, after
 #   cargo build --release -p benches --bins -p fake_provider
 # run
-#   benches/never-analyzed.sh [--bound 10ms] [--sizes "2 100 1000 10000"] [--out DIR]
+#   benches/never-analyzed.sh [--bound 10ms] [--sizes "2 100 1000 10000"] [--tenants N] [--out DIR]
+# (--tenants spreads billing's subscriptions over N tenants; dunning's runs stay one tenant's).
 # Each run's audit and log are kept in DIR (default /tmp/never-analyzed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bound=10ms
 sizes="2 100 1000 10000"
 out=/tmp/never-analyzed
+tenants=1
 while [ $# -gt 0 ]; do
   case $1 in
     --bound) bound=$2; shift 2 ;;
     --sizes) sizes=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) echo "usage: benches/never-analyzed.sh [--bound 10ms] [--sizes \"2 100\"] [--out DIR]" >&2; exit 2 ;;
+    --tenants) tenants=$2; shift 2 ;;
+    *) echo "usage: benches/never-analyzed.sh [--bound 10ms] [--sizes \"2 100\"] [--tenants N] [--out DIR]" >&2; exit 2 ;;
   esac
 done
 bin=${CARGO_TARGET_DIR:-target}/release
@@ -47,7 +50,7 @@ for n in $sizes; do
   for mode in analyzed never-analyzed; do
     flag=(); [ "$mode" = never-analyzed ] && flag=(--never-analyzed)
     run "billing-$n-$mode" "$bin/billing" --subscriptions "$n" --without-card $((n / 3)) \
-      --ended-trials "$n" --provider-bin "$bin/fake_provider" "${flag[@]}"
+      --ended-trials "$n" --tenants "$tenants" --provider-bin "$bin/fake_provider" "${flag[@]}"
     run "dunning-$n-$mode" "$bin/dunning" --runs "$n" "${flag[@]}"
   done
 done

@@ -63,6 +63,10 @@ struct Args {
     /// statements choose without statistics (benches/never-analyzed.sh).
     #[arg(long)]
     never_analyzed: bool,
+    /// Tenants the subscriptions are spread over, evenly (the first is
+    /// `tenant_bench`, the ended trials' tenant).
+    #[arg(long, default_value_t = 1)]
+    tenants: usize,
 }
 
 /// The fake provider the charges go to: in this process, or a child process
@@ -146,6 +150,10 @@ fn progress(msg: &str) {
 async fn main() -> Result<()> {
     let args = Args::parse();
     ensure!(args.subscriptions > 0, "--subscriptions must be positive");
+    ensure!(
+        (1..=args.subscriptions).contains(&args.tenants),
+        "--tenants must be between 1 and --subscriptions"
+    );
     let mut config = BillingConfig {
         tick_budget: Duration::from_secs(3600),
         statement_timeout: Duration::from_secs(300),
@@ -167,7 +175,22 @@ async fn main() -> Result<()> {
     }
 
     progress(&format!("seeding {} due subscriptions", args.subscriptions));
-    seed(&t.api(), args.subscriptions, analyze).await?;
+    let api = t.api();
+    for k in 0..args.tenants {
+        // Tenant k takes the subscriptions numbered k, k + tenants, …
+        let numbers: Vec<i64> = (k..args.subscriptions)
+            .step_by(args.tenants)
+            .map(|g| i64::try_from(g + 1))
+            .collect::<Result<_, _>>()?;
+        let tenant = match k {
+            0 => "tenant_bench".to_owned(),
+            k => format!("tenant_bench_{k}"),
+        };
+        seed(&api, &tenant, &numbers).await?;
+    }
+    if analyze {
+        api.execute(sql("ANALYZE")).await.ok();
+    }
 
     progress("billing: one tick");
     let biller = Biller::new(db.clone(), config.clone(), Telemetry::noop())?;
@@ -313,6 +336,7 @@ async fn main() -> Result<()> {
             "batch_size": config.batch_size,
             "charge_concurrency": config.charge_concurrency,
             "without_card": args.without_card,
+            "tenants": args.tenants,
             "statistics": if args.never_analyzed {
                 "never analyzed (autovacuum off on every table)"
             } else {
@@ -333,46 +357,48 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-/// `n` active monthly subscriptions (each its own customer with a saved card)
-/// whose period ended a minute ago: due once each.
-async fn seed(db: &Db, n: usize, analyze: bool) -> Result<()> {
-    let n = i64::try_from(n)?;
+/// Active monthly subscriptions of `tenant`, each its own customer (numbered
+/// by `numbers`, `cus_bench{g}`) with a saved card, whose period ended a
+/// minute ago: due once each.
+async fn seed(db: &Db, tenant: &str, numbers: &[i64]) -> Result<()> {
     let mut tx = db.begin().await?;
     // The API role writes under row-level security (docs/adr/0035): the
     // tenant is set for this transaction, as the tenant API sets it.
-    tx.fetch_one(sql(
-        "SELECT set_config('hardcount.tenant_id', 'tenant_bench', true)",
-    ))
-    .await?;
-    tx.execute(sql(
-        "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
-         VALUES ('tenant_bench', 'Pro', 1200, 'EUR', 'month', 1)",
-    ))
+    tx.fetch_one(sql("SELECT set_config('hardcount.tenant_id', $1, true)").bind(tenant.to_owned()))
+        .await?;
+    tx.execute(
+        sql(
+            "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+             VALUES ($1, 'Pro', 1200, 'EUR', 'month', 1)",
+        )
+        .bind(tenant.to_owned()),
+    )
     .await?;
     tx.execute(
         sql(
             "INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
-             SELECT 'tenant_bench', 'c' || g || '@example.org', 'cus_bench' || g, 'pm_card_visa' \
-             FROM generate_series(1, $1) g",
+             SELECT $1, 'c' || g || '@example.org', 'cus_bench' || g, 'pm_card_visa' \
+             FROM unnest($2::bigint[]) g",
         )
-        .bind(n),
+        .bind(tenant.to_owned())
+        .bind(numbers.to_vec()),
     )
     .await?;
-    tx.execute(sql(
-        "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
-                                    current_period_start, current_period_end, next_billing_at) \
-         SELECT c.tenant_id, c.id, p.id, 'active', b.start, b.start, b.end_, b.end_ \
-         FROM customers c \
-         CROSS JOIN (SELECT id FROM plans WHERE tenant_id = 'tenant_bench') p \
-         CROSS JOIN (SELECT now() - interval '1 month 1 minute' AS start, \
-                            now() - interval '1 minute' AS end_) b \
-         WHERE c.tenant_id = 'tenant_bench'",
-    ))
+    tx.execute(
+        sql(
+            "INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                        current_period_start, current_period_end, next_billing_at) \
+             SELECT c.tenant_id, c.id, p.id, 'active', b.start, b.start, b.end_, b.end_ \
+             FROM customers c \
+             CROSS JOIN (SELECT id FROM plans WHERE tenant_id = $1) p \
+             CROSS JOIN (SELECT now() - interval '1 month 1 minute' AS start, \
+                                now() - interval '1 minute' AS end_) b \
+             WHERE c.tenant_id = $1",
+        )
+        .bind(tenant.to_owned()),
+    )
     .await?;
     tx.commit().await?;
-    if analyze {
-        db.execute(sql("ANALYZE")).await.ok();
-    }
     Ok(())
 }
 

@@ -366,6 +366,17 @@ impl FencedBatches for DueBilling<'_> {
         batch.rows.len() + batch.undecodable.len()
     }
 
+    /// The listing visits at most `TENANTS_PER_CLAIM` tenants a claim and
+    /// gives each a share of the batch (docs/adr/0048): with more tenants
+    /// due, or shares that do not divide the batch, it comes back short
+    /// while subscriptions wait. Drained only when a listing finds nothing,
+    /// or the next tick would be an interval (an hour by default) away
+    /// (docs/adr/0067). Rows the tick cannot close are left out of later
+    /// listings (`left_out`), so the loop ends.
+    fn short_batch_drains(&self) -> bool {
+        false
+    }
+
     async fn run(
         &self,
         batch: store::Listed<Due>,

@@ -20,7 +20,8 @@
 //!        ── role.run(claim, …) if it claimed any (guarded step; the role guards each item)
 //!             error (its outside service is down) ────────▶ Stop::Failed(e)  → Failed(e)
 //!        ── cancel fired? → Cancelled
-//!        ── fewer than batch_size claimed:
+//!        ── fewer than batch_size claimed (none, for a role whose short batch
+//!           does not drain: FencedBatches::short_batch_drains):
 //!             the role's wake listens, or it is busy and this claim found work,
 //!             or it probes (idle_probe) → loop (kept open)
 //!             else ───────────────────────────────────────▶ Stop::Drained    → ²
@@ -113,7 +114,11 @@ pub async fn drive_until<R: FencedBatches>(
             Some(Ok(claim)) => claim,
         };
         let n = R::claimed(&claim);
-        drained = n < shape.batch_size;
+        drained = if role.short_batch_drains() {
+            n < shape.batch_size
+        } else {
+            n == 0
+        };
         idle.claimed(n);
         if n > 0 {
             batches += 1;

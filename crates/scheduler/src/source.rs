@@ -113,6 +113,16 @@ pub trait FencedBatches: Sync {
         false
     }
 
+    /// Whether a claim of fewer than `batch_size` rows means the queue is
+    /// drained (the default: the claim took all there was). A role whose
+    /// claim can come back short while rows wait, because it visits only
+    /// some tenants per claim (docs/adr/0048), says no: its tick claims
+    /// again, and ends drained only when a claim finds nothing
+    /// (docs/adr/0067).
+    fn short_batch_drains(&self) -> bool {
+        true
+    }
+
     /// How often a drained tick asks [`probe`](Self::probe) whether new work
     /// is waiting instead of ending (docs/adr/0019); `None` (the default)
     /// ends it. A probing tick without a listening wake stays open until its
