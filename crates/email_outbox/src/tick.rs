@@ -480,6 +480,16 @@ impl FencedBatches for Sends<'_> {
         batch.len()
     }
 
+    /// The claim visits at most `TENANTS_PER_CLAIM` tenants and gives each a
+    /// share of the batch (docs/adr/0048), so it comes back short while
+    /// emails of other tenants wait; drained only when a claim finds nothing,
+    /// or they would wait the interval, a batch of 64 tenants at a time
+    /// (docs/adr/0067). A claim leases what it takes and a failed send backs
+    /// off, so the loop ends.
+    fn short_batch_drains(&self) -> bool {
+        false
+    }
+
     async fn run(
         &self,
         batch: Vec<Queued>,
