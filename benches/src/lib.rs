@@ -127,34 +127,15 @@ pub async fn machine(su: &mut PgConnection) -> Result<Map<String, Value>> {
     ]))
 }
 
-/// Turn autovacuum off on every table of the database `su` is connected to, so
-/// that none is analyzed during the run: the planner then sees the tables as a
-/// first import or a restore leaves them (Postgres 15 restores no statistics).
-/// For the `--never-analyzed` runs of the billing and dunning benchmarks.
-pub async fn keep_tables_unanalyzed(su: &mut PgConnection) -> Result<()> {
-    let tables: Vec<String> =
-        sqlx::query_scalar("SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables")
-            .fetch_all(&mut *su)
-            .await?;
-    for table in tables {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
-        )))
-        .execute(&mut *su)
-        .await?;
+/// For a `--never-analyzed` run of the billing and dunning benchmarks: fails
+/// when any table was analyzed during the run
+/// ([`testbed::plans::keep_tables_unanalyzed`] was applied at its start).
+pub async fn ensure_never_analyzed(su: &mut PgConnection) -> Result<()> {
+    let analyzed = testbed::plans::tables_analyzed(su).await?;
+    if !analyzed.is_empty() {
+        bail!("--never-analyzed, but these tables were analyzed during the run: {analyzed:?}");
     }
     Ok(())
-}
-
-/// The tables of `su`'s database that have been analyzed, by hand or by
-/// autovacuum; empty is what a `--never-analyzed` run must end with.
-pub async fn tables_analyzed(su: &mut PgConnection) -> Result<Vec<String>> {
-    Ok(sqlx::query_scalar(
-        "SELECT relname::text FROM pg_stat_user_tables \
-         WHERE last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL ORDER BY relname",
-    )
-    .fetch_all(su)
-    .await?)
 }
 
 /// Add the end-of-run load figures to `machine`.

@@ -171,7 +171,7 @@ async fn main() -> Result<()> {
     let db = Db::connect_lazy(&t.app_url(Leg::PgBouncer), args.pool)?;
     let analyze = !args.never_analyzed;
     if args.never_analyzed {
-        benches::keep_tables_unanalyzed(&mut su).await?;
+        testbed::plans::keep_tables_unanalyzed(&mut su).await?;
     }
 
     progress(&format!("seeding {} due subscriptions", args.subscriptions));
@@ -319,11 +319,7 @@ async fn main() -> Result<()> {
     }
 
     if args.never_analyzed {
-        let analyzed = benches::tables_analyzed(&mut su).await?;
-        ensure!(
-            analyzed.is_empty(),
-            "--never-analyzed, but these tables were analyzed during the run: {analyzed:?}"
-        );
+        benches::ensure_never_analyzed(&mut su).await?;
     }
     benches::machine_at_end(&mut machine);
     let report = json!({

@@ -84,7 +84,7 @@ async fn main() -> Result<()> {
         args.runs, mix.recover, mix.declined, mix.exhausted
     ));
     if args.never_analyzed {
-        benches::keep_tables_unanalyzed(&mut su).await?;
+        testbed::plans::keep_tables_unanalyzed(&mut su).await?;
     }
     seed(&mut su, &mix, !args.never_analyzed).await?;
 
@@ -189,11 +189,7 @@ async fn main() -> Result<()> {
         elapsed.as_secs_f64()
     ));
     if args.never_analyzed {
-        let analyzed = benches::tables_analyzed(&mut su).await?;
-        ensure!(
-            analyzed.is_empty(),
-            "--never-analyzed, but these tables were analyzed during the run: {analyzed:?}"
-        );
+        benches::ensure_never_analyzed(&mut su).await?;
     }
     benches::machine_at_end(&mut machine);
     let report = json!({

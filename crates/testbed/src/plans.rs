@@ -181,3 +181,40 @@ impl tracing::field::Visit for Message {
         }
     }
 }
+
+/// Turn autovacuum off on every table of the database `su` is connected to,
+/// so that none is analyzed while a test or benchmark runs: the planner then
+/// sees the tables as a first import or a restore leaves them (Postgres 15
+/// restores no statistics; docs/adr/0065, 0066).
+///
+/// # Errors
+/// A table that cannot be altered (`su` is not the superuser).
+pub async fn keep_tables_unanalyzed(su: &mut sqlx::PgConnection) -> sqlx::Result<()> {
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables")
+            .fetch_all(&mut *su)
+            .await?;
+    for table in tables {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        )))
+        .execute(&mut *su)
+        .await?;
+    }
+    Ok(())
+}
+
+/// The tables of `su`'s database that have been analyzed, by hand or by
+/// autovacuum: empty is what a run after [`keep_tables_unanalyzed`] must end
+/// with.
+///
+/// # Errors
+/// The statistics view cannot be read.
+pub async fn tables_analyzed(su: &mut sqlx::PgConnection) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(
+        "SELECT relname::text FROM pg_stat_user_tables \
+         WHERE last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL ORDER BY relname",
+    )
+    .fetch_all(su)
+    .await
+}

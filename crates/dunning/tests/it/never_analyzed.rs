@@ -8,7 +8,7 @@ use billing::statements::START_RETRIES;
 use db::{Row, sql};
 use fake_provider::Behaviour;
 use testbed::TestDb;
-use testbed::plans::PlansNoticed;
+use testbed::plans::{PlansNoticed, keep_tables_unanalyzed, tables_analyzed};
 
 use crate::{dunner, tick};
 
@@ -26,18 +26,7 @@ const RUNS: i64 = 1_000;
 /// first, so nothing is analyzed.
 async fn seed(t: &TestDb) {
     let mut su = t.superuser().await;
-    let tables: Vec<String> = sqlx::query_scalar("SELECT relname::text FROM pg_stat_user_tables")
-        .fetch_all(&mut su)
-        .await
-        .unwrap();
-    for table in tables {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE \"{table}\" SET (autovacuum_enabled = false)"
-        )))
-        .execute(&mut su)
-        .await
-        .unwrap();
-    }
+    keep_tables_unanalyzed(&mut su).await.unwrap();
     let statements = [
         "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
                                        warn_after, is_default) \
@@ -119,15 +108,11 @@ async fn a_ticks_batch_writes_reach_each_row_by_key_on_tables_never_analyzed() {
         (400, 400, 200),
         "{report:?}"
     );
-    let mut su = t.superuser().await;
-    let analyzed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_user_tables \
-         WHERE last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL",
-    )
-    .fetch_one(&mut su)
-    .await
-    .unwrap();
-    assert_eq!(analyzed, 0, "a table was analyzed during the test");
+    let analyzed = tables_analyzed(&mut t.superuser().await).await.unwrap();
+    assert!(
+        analyzed.is_empty(),
+        "analyzed during the test: {analyzed:?}"
+    );
     for (statement, plans, key) in [
         (
             "the retry claim",
