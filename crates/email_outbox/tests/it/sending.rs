@@ -113,7 +113,14 @@ async fn a_dead_server_costs_one_connection_and_loses_nothing() {
         .collect();
     queue(&t.db, "tenant_a", &emails).await;
     sink.stop();
-    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    // Batches of 4: the first batch's first send gets no reply, and no second
+    // batch is claimed or attempted, though batches are sent two at a time
+    // (docs/adr/0068). Seen failing under mutation `email_dead_probe` (the
+    // unanswered batch not waited for): a second batch was claimed and its
+    // first email attempted too.
+    let mut c = config();
+    c.batch_size = 4;
+    let (s, _) = sender(&t.db, &sink.url(), None, c);
     let (end, report) = tick(&t.db, &s).await;
     assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
     assert_eq!(
@@ -123,7 +130,7 @@ async fn a_dead_server_costs_one_connection_and_loses_nothing() {
             report.tally.retried,
             report.tally.handed_back
         ),
-        (10, 1, 1, 9)
+        (4, 1, 1, 3)
     );
     let attempts: Vec<i32> = rows(&t.db).await.iter().map(|r| r.attempts).collect();
     assert_eq!(attempts, [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
@@ -179,4 +186,102 @@ async fn bad_input_is_refused_by_field_and_the_transaction_goes_on() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(rows(&t.db).await.len(), 1);
+}
+
+/// Batches in flight (docs/adr/0068): the next batch is claimed and starts
+/// sending while the last sends of one are still out. The sink holds its
+/// reply to the last email of the first batch until the first email of the
+/// second batch reaches it, so a tick that waited for a whole batch before
+/// claiming the next would wait on that reply until the send timeout, and
+/// the held email would end without a reply. Seen failing under mutation
+/// `email_in_flight` (one batch at a time): the held email got no reply and
+/// the tick failed as unreachable.
+#[tokio::test]
+async fn the_next_batch_sends_while_the_last_sends_of_one_are_out() {
+    let t = TestDb::new().await;
+    let port = holding_sink("c3@example.org", "c4@example.org").await;
+    let emails: Vec<_> = (0..8)
+        .map(|i| email(&format!("c{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 4;
+    c.max_connections = 4;
+    c.send_timeout = std::time::Duration::from_secs(2);
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (end, report) = tick(&t.db, &s).await;
+    assert_eq!(
+        (
+            &end,
+            report.batches,
+            report.tally.sent,
+            report.tally.unreachable
+        ),
+        (&TickEnd::Drained, 2, 8, 0),
+        "{report:?}"
+    );
+    assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
+}
+
+/// A loopback SMTP server that accepts everything, except that it answers
+/// the end of `hold`'s message only once a `RCPT` for `until` has arrived on
+/// any connection (or after 10 s, so a failing test does not hang).
+async fn holding_sink(hold: &'static str, until: &'static str) -> u16 {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (seen, _) = tokio::sync::watch::channel(false);
+    let seen = std::sync::Arc::new(seen);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let (r, mut w) = stream.into_split();
+                let mut r = BufReader::new(r);
+                w.write_all(b"220 holding sink\r\n").await?;
+                let (mut line, mut rcpt) = (String::new(), String::new());
+                loop {
+                    line.clear();
+                    if r.read_line(&mut line).await? == 0 {
+                        return std::io::Result::Ok(());
+                    }
+                    let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+                    let answer: &[u8] = match verb.as_str() {
+                        "RCPT" => {
+                            rcpt = line.clone();
+                            if line.contains(until) {
+                                seen.send_replace(true);
+                            }
+                            b"250 ok\r\n"
+                        }
+                        "DATA" => {
+                            w.write_all(b"354 go on\r\n").await?;
+                            loop {
+                                line.clear();
+                                if r.read_line(&mut line).await? == 0 || line == ".\r\n" {
+                                    break;
+                                }
+                            }
+                            if rcpt.contains(hold) {
+                                let mut rx = seen.subscribe();
+                                let _ = tokio::time::timeout(
+                                    std::time::Duration::from_secs(10),
+                                    rx.wait_for(|s| *s),
+                                )
+                                .await;
+                            }
+                            b"250 queued\r\n"
+                        }
+                        "QUIT" => {
+                            w.write_all(b"221 bye\r\n").await?;
+                            return Ok(());
+                        }
+                        _ => b"250 ok\r\n",
+                    };
+                    w.write_all(answer).await?;
+                }
+            });
+        }
+    });
+    port
 }
