@@ -6,6 +6,8 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/sink/smtp_sink.py");
@@ -257,6 +259,31 @@ pub fn free_port() -> u16 {
 /// ceiling; a test gives it a wait to play a slow server.
 pub struct MinimalSink {
     pub port: u16,
+    connections: Arc<Connections>,
+}
+
+/// The sink's open sessions, and the most open at once since last asked.
+#[derive(Default)]
+struct Connections {
+    open: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// One accepted session, counted open until it is dropped.
+struct Session(Arc<Connections>);
+
+impl Session {
+    fn open(c: &Arc<Connections>) -> Session {
+        let now = c.open.fetch_add(1, Ordering::SeqCst) + 1;
+        c.peak.fetch_max(now, Ordering::SeqCst);
+        Session(c.clone())
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl MinimalSink {
@@ -267,14 +294,31 @@ impl MinimalSink {
             .await
             .expect("bind a loopback port");
         let port = listener.local_addr().expect("a bound address").port();
+        let connections = Arc::new(Connections::default());
+        let counted = connections.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                let session = Session::open(&counted);
                 tokio::spawn(async move {
                     let _ = minimal_session(stream, reply_after).await;
+                    drop(session);
                 });
             }
         });
-        MinimalSink { port }
+        MinimalSink { port, connections }
+    }
+
+    /// The most sessions this sink had open at once since the last call (or
+    /// its start), counted as it accepts and ends them; the count starts
+    /// again from those open now.
+    pub fn take_peak(&self) -> usize {
+        let c = &self.connections;
+        c.peak.swap(c.open.load(Ordering::SeqCst), Ordering::SeqCst)
+    }
+
+    /// Sessions open now.
+    pub fn open_sessions(&self) -> usize {
+        self.connections.open.load(Ordering::SeqCst)
     }
 
     /// `smtp://127.0.0.1:PORT`.
