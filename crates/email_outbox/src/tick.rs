@@ -274,6 +274,8 @@ impl Sender {
         done.panics.extend(panic);
         let first = self.result(&q, &reply);
         if matches!(reply, Reply::NoReply(_)) {
+            // The batch still sending stops too.
+            down.store(true, Ordering::Relaxed);
             done.tally.unreachable += 1;
             done.reachable = false;
             warn!(role = ROLE, error = ?reply, "SMTP server unreachable; handing the batch back");
