@@ -23,15 +23,13 @@
 
 pub(crate) mod store;
 
-use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use leader::{Fence, Role, Tick};
 use scheduler::{FencedBatches, Panics, Shape};
 use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -173,7 +171,7 @@ pub(crate) struct AutoCharge<'a> {
     /// `charge_concurrency` permits, shared by the batches in flight.
     calls: Arc<Semaphore>,
     /// The batches still calling or settling, oldest first.
-    in_flight: Mutex<VecDeque<JoinHandle<BatchDone>>>,
+    in_flight: scheduler::InFlight<BatchDone>,
     /// The last invoice id a batch of this tick claimed: the next claim walks
     /// on from it, so the invoices the funnel passes over are read once a
     /// tick (docs/adr/0064).
@@ -188,34 +186,21 @@ impl<'a> AutoCharge<'a> {
             calls: Arc::new(Semaphore::new(
                 biller.inner.config.charge_concurrency.max(1),
             )),
-            in_flight: Mutex::new(VecDeque::new()),
+            in_flight: scheduler::InFlight::new(IN_FLIGHT),
             after: AtomicI64::new(0),
         }
     }
 
-    fn take(&self, all: bool) -> Vec<JoinHandle<BatchDone>> {
-        let mut q = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        let keep = if all { 0 } else { IN_FLIGHT - 1 };
-        let n = q.len().saturating_sub(keep);
-        q.drain(..n).collect()
-    }
-
-    /// Wait for finished batches and count them into the tick's; the first
-    /// error is the verdict on the provider. A batch whose task panicked
-    /// outside its guarded calls panics here, as it would have in `run`.
+    /// Wait for finished batches (all, or those past the newest) and count
+    /// them into the tick's; the first error is the verdict on the provider.
     async fn collect(
-        batches: Vec<JoinHandle<BatchDone>>,
+        &self,
+        all: bool,
         panics: &mut Panics,
         tally: &mut ChargeTally,
     ) -> Result<(), Error> {
         let mut verdict = Ok(());
-        for handle in batches {
-            let done = match handle.await {
-                Ok(done) => done,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // Only when the runtime shuts down under it.
-                Err(e) => panic!("charge batch task ended without finishing: {e}"),
-            };
+        for ((), done) in self.in_flight.wait(all).await {
             tally.add(&done.tally);
             for payload in done.panics {
                 panics.record(payload);
@@ -312,15 +297,12 @@ impl FencedBatches for AutoCharge<'_> {
             tick.cancel.clone(),
             deadline,
         ));
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(task);
-        Self::collect(self.take(false), panics, tally).await
+        self.in_flight.push((), task);
+        self.collect(false, panics, tally).await
     }
 
     async fn finish(&self, panics: &mut Panics, tally: &mut ChargeTally) -> Result<(), Error> {
-        Self::collect(self.take(true), panics, tally).await
+        self.collect(true, panics, tally).await
     }
 }
 

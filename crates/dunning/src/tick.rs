@@ -7,8 +7,7 @@
 //! run under the panic guard, a bounded number at once. The steps are in
 //! their modules; this one splits a batch among them and counts what they did.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
@@ -16,7 +15,6 @@ use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use payments::Collector;
 use scheduler::{FencedBatches, Panics, Prunes, Pruning, Retention, Shape, Steps, Stop};
-use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use crate::ctx::Ctx;
@@ -384,10 +382,6 @@ async fn active_runs(db: &Db, statement_timeout: Duration) -> Result<i64, db::Er
 /// start. Their calls together stay within the collector's bound.
 const IN_FLIGHT: usize = 3;
 
-/// A listed batch being retried by a task of its own: its runs (listed
-/// again by no claim while it runs) and the task.
-type InFlight = (Vec<i64>, JoinHandle<Vec<(Run, Outcome)>>);
-
 /// The retry step as the driver sees it. `left_out` holds runs this tick
 /// will not list again (rewound, lost, failed, panicked, a bad policy, a row
 /// that does not decode), so a run whose retry cannot finish cannot fill
@@ -397,7 +391,9 @@ type InFlight = (Vec<i64>, JoinHandle<Vec<(Run, Outcome)>>);
 struct Retries<'a> {
     dunner: &'a Dunner,
     left_out: scheduler::LeftOut,
-    in_flight: Mutex<VecDeque<InFlight>>,
+    /// Listed batches being retried by tasks of their own, each with its
+    /// runs' ids (listed again by no claim while it runs).
+    in_flight: scheduler::InFlight<Vec<(Run, Outcome)>, Vec<i64>>,
 }
 
 impl<'a> Retries<'a> {
@@ -405,40 +401,20 @@ impl<'a> Retries<'a> {
         Retries {
             dunner,
             left_out: scheduler::LeftOut::default(),
-            in_flight: Mutex::new(VecDeque::new()),
+            in_flight: scheduler::InFlight::new(IN_FLIGHT),
         }
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<InFlight>> {
-        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The batches to wait for now: all of them, or those past the newest
-    /// `IN_FLIGHT - 1`.
-    fn take(&self, all: bool) -> Vec<InFlight> {
-        let mut q = self.queue();
-        let keep = if all { 0 } else { IN_FLIGHT - 1 };
-        let n = q.len().saturating_sub(keep);
-        q.drain(..n).collect()
-    }
-
-    /// Wait for batches and count them; the first error is the verdict. A
-    /// task that panicked outside its guarded runs panics here, as it would
-    /// have in `run`.
+    /// Wait for batches (all, or those past the newest) and count them; the
+    /// first error is the verdict.
     async fn collect(
         &self,
-        batches: Vec<InFlight>,
+        all: bool,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
         let mut verdict = Ok(());
-        for (_, task) in batches {
-            let results = match task.await {
-                Ok(results) => results,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // Only when the runtime shuts down under it.
-                Err(e) => panic!("dunning batch task ended without finishing: {e}"),
-            };
+        for (_, results) in self.in_flight.wait(all).await {
             let (left_out, outage) = Dunner::count_batch(results, panics, tally);
             self.left_out.extend(left_out);
             if let (Some(e), Ok(())) = (outage, &verdict) {
@@ -474,7 +450,8 @@ impl FencedBatches for Retries<'_> {
 
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Listing, Error> {
         let mut except = self.left_out.ids();
-        except.extend(self.queue().iter().flat_map(|(ids, _)| ids.iter().copied()));
+        self.in_flight
+            .with_meta(|batches| except.extend(batches.flat_map(|ids| ids.iter().copied())));
         let listing = listing::list(&self.dunner.ctx, fence, limit, &except).await?;
         self.left_out
             .extend(listing.left_out.iter().map(LeftOut::run));
@@ -503,14 +480,12 @@ impl FencedBatches for Retries<'_> {
                 .retry_runs(batch, deadline, move || cancel.is_cancelled())
                 .await
         });
-        self.queue().push_back((ids, task));
-        let oldest = self.take(false);
-        self.collect(oldest, panics, tally).await
+        self.in_flight.push(ids, task);
+        self.collect(false, panics, tally).await
     }
 
     async fn finish(&self, panics: &mut Panics, tally: &mut Tally) -> Result<(), Error> {
-        let rest = self.take(true);
-        self.collect(rest, panics, tally).await
+        self.collect(true, panics, tally).await
     }
 
     async fn end_tick(&self, tick: &Tick) {

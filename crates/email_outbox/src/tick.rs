@@ -4,7 +4,6 @@
 //! on a tick that prunes ([`Sender::with_retention`]) the retention prune as
 //! its last step.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -14,7 +13,6 @@ use futures::StreamExt;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Prune, Prunes, Pruning, Retention, Shape, Stop};
 use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -551,7 +549,7 @@ struct Sends<'a> {
     /// more sends either.
     down: Arc<AtomicBool>,
     /// The batches still sending or writing results, oldest first.
-    in_flight: std::sync::Mutex<VecDeque<JoinHandle<BatchDone>>>,
+    in_flight: scheduler::InFlight<BatchDone>,
 }
 
 impl<'a> Sends<'a> {
@@ -559,33 +557,20 @@ impl<'a> Sends<'a> {
         Sends {
             sender,
             down: Arc::new(AtomicBool::new(false)),
-            in_flight: std::sync::Mutex::new(VecDeque::new()),
+            in_flight: scheduler::InFlight::new(IN_FLIGHT),
         }
     }
 
-    fn take(&self, all: bool) -> Vec<JoinHandle<BatchDone>> {
-        let mut q = lock(&self.in_flight);
-        let keep = if all { 0 } else { IN_FLIGHT - 1 };
-        let n = q.len().saturating_sub(keep);
-        q.drain(..n).collect()
-    }
-
-    /// Wait for finished batches and count them into the tick's. A batch
-    /// whose task panicked outside its guarded sends panics here, as it would
-    /// have in `run`.
+    /// Wait for finished batches (all, or those past the newest) and count
+    /// them into the tick's.
     async fn collect(
-        batches: Vec<JoinHandle<BatchDone>>,
+        &self,
+        all: bool,
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
         let mut verdict = Ok(());
-        for handle in batches {
-            let done = match handle.await {
-                Ok(done) => done,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // Only when the runtime shuts down under it.
-                Err(e) => panic!("email batch task ended without finishing: {e}"),
-            };
+        for ((), done) in self.in_flight.wait(all).await {
             tally.add(&done.tally);
             for p in done.panics {
                 panics.record(p);
@@ -650,22 +635,23 @@ impl FencedBatches for Sends<'_> {
             Probed::Done(done) => {
                 // Unanswered, cancelled or past its window: the batches before
                 // it are waited for too, and the tick's verdict follows.
-                lock(&self.in_flight).push_back(tokio::spawn(std::future::ready(done)));
-                Self::collect(self.take(true), panics, tally).await
+                self.in_flight
+                    .push((), tokio::spawn(std::future::ready(done)));
+                self.collect(true, panics, tally).await
             }
             Probed::Answered(rest) => {
                 let (sender, cancel, down) =
                     (self.sender.clone(), tick.cancel.clone(), self.down.clone());
                 let task =
                     tokio::spawn(async move { sender.send_rest(rest, &cancel, &down).await });
-                lock(&self.in_flight).push_back(task);
-                Self::collect(self.take(false), panics, tally).await
+                self.in_flight.push((), task);
+                self.collect(false, panics, tally).await
             }
         }
     }
 
     async fn finish(&self, panics: &mut Panics, tally: &mut Tally) -> Result<(), Error> {
-        Self::collect(self.take(true), panics, tally).await
+        self.collect(true, panics, tally).await
     }
 
     async fn end_tick(&self, tick: &Tick) {

@@ -39,6 +39,7 @@
 mod config;
 mod driver;
 mod idle;
+mod in_flight;
 mod panics;
 mod retention;
 mod role_loop;
@@ -49,6 +50,7 @@ mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{drive, drive_until};
+pub use in_flight::InFlight;
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use retention::{
