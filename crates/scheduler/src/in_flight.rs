@@ -66,3 +66,29 @@ impl<T, M> InFlight<T, M> {
         done
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::InFlight;
+
+    #[tokio::test]
+    async fn waits_for_the_batches_past_the_newest_and_then_for_all() {
+        let q: InFlight<u32, &str> = InFlight::new(2);
+        for (name, n) in [("a", 1), ("b", 2), ("c", 3)] {
+            q.push(name, tokio::spawn(async move { n }));
+        }
+        let kept: Vec<&str> = q.with_meta(|m| m.copied().collect());
+        assert_eq!(kept, ["a", "b", "c"]);
+        assert_eq!(q.wait(false).await, [("a", 1), ("b", 2)]);
+        assert_eq!(q.wait(false).await, []);
+        assert_eq!(q.wait(true).await, [("c", 3)]);
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a batch panicked")]
+    async fn a_task_that_panicked_panics_in_the_wait() {
+        let q: InFlight<()> = InFlight::new(1);
+        q.push((), tokio::spawn(async { panic!("a batch panicked") }));
+        q.wait(false).await;
+    }
+}
