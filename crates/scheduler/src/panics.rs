@@ -13,7 +13,7 @@ use std::cell::RefCell;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, PanicHookInfo};
 use std::pin::Pin;
-use std::sync::Once;
+use std::sync::{Arc, Once};
 use std::task::{Context, Poll};
 
 use tracing::error;
@@ -22,7 +22,9 @@ pub type Payload = Box<dyn Any + Send + 'static>;
 
 thread_local! {
     /// The guarded steps being polled on this thread, innermost last.
-    static STEPS: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+    /// Shared with the guards, so a poll pushes a reference count, not a copy
+    /// of the name.
+    static STEPS: RefCell<Vec<Arc<str>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Install the hook that logs a guarded panic with its step and stack through
@@ -62,8 +64,12 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 }
 
 /// Polls `inner` with its step name on the thread-local stack, catching a panic.
+///
+/// `inner` is boxed when the guard is made, so the guard itself is two
+/// pointers wide: a task spawned with it, or a future holding it, moves those
+/// and not the guarded future, which for an HTTP attempt is some 16 KiB.
 struct Guarded<F> {
-    step: String,
+    step: Arc<str>,
     inner: Pin<Box<F>>,
 }
 
@@ -71,7 +77,7 @@ impl<F: Future> Future for Guarded<F> {
     type Output = Result<F::Output, Payload>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let step = self.step.clone();
+        let step = Arc::clone(&self.step);
         STEPS.with(|s| s.borrow_mut().push(step));
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.as_mut().poll(cx)));
         STEPS.with(|s| s.borrow_mut().pop());
@@ -84,13 +90,16 @@ impl<F: Future> Future for Guarded<F> {
 }
 
 /// Run `fut` as the step `step`, returning its panic as a value (for items run
-/// concurrently; hand the payload to [`Panics::record`]).
-pub async fn catch<F: Future>(step: String, fut: F) -> Result<F::Output, Payload> {
+/// concurrently; hand the payload to [`Panics::record`]). `fut` is boxed here,
+/// at once, not at the first poll (see [`Guarded`]).
+pub fn catch<F: Future>(
+    step: String,
+    fut: F,
+) -> impl Future<Output = Result<F::Output, Payload>> {
     Guarded {
-        step,
+        step: Arc::from(step),
         inner: Box::pin(fut),
     }
-    .await
 }
 
 /// The panics of one tick: run steps and batch items under it, then [`finish`](Panics::finish).
