@@ -117,7 +117,9 @@ pub(crate) async fn attempt(
         let turn = match wait_turn(shared, &d, start_by).await {
             Waited::Turn(turn) => turn,
             Waited::OutOfTime => {
-                return Attempted::Step(Step::Done(outcomes::release(shared, id, attempt).await));
+                return Attempted::Step(Step::Done(
+                    Box::pin(outcomes::release(shared, id, attempt)).await,
+                ));
             }
             Waited::Busy => {
                 return Attempted::Hold {
@@ -196,7 +198,12 @@ pub(crate) async fn attempt(
                 next: NextState::Dead,
                 observed,
             };
-            let outcome = outcomes::record(shared, row, Some((d.row.endpoint_id, reason))).await;
+            let outcome = Box::pin(outcomes::record(
+                shared,
+                row,
+                Some((d.row.endpoint_id, reason)),
+            ))
+            .await;
             return Attempted::Step(Step::Done(outcome));
         }
     };
