@@ -92,10 +92,7 @@ impl<F: Future> Future for Guarded<F> {
 /// Run `fut` as the step `step`, returning its panic as a value (for items run
 /// concurrently; hand the payload to [`Panics::record`]). `fut` is boxed here,
 /// at once, not at the first poll (see [`Guarded`]).
-pub fn catch<F: Future>(
-    step: String,
-    fut: F,
-) -> impl Future<Output = Result<F::Output, Payload>> {
+pub fn catch<F: Future>(step: String, fut: F) -> impl Future<Output = Result<F::Output, Payload>> {
     Guarded {
         step: Arc::from(step),
         inner: Box::pin(fut),
