@@ -65,9 +65,10 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 /// Polls `inner` with its step name on the thread-local stack, catching a panic.
 ///
-/// `inner` is boxed when the guard is made, so the guard itself is two
-/// pointers wide: a task spawned with it, or a future holding it, moves those
-/// and not the guarded future, which for an HTTP attempt is some 16 KiB.
+/// `inner` is boxed when the guard is made, so the guard itself is three
+/// words (the box and the name's shared pointer): a task spawned with it, or a
+/// future holding it, moves those and not the guarded future, which for a
+/// webhook attempt was some 16 KiB (docs/adr/0069).
 struct Guarded<F> {
     step: Arc<str>,
     inner: Pin<Box<F>>,
