@@ -15,19 +15,30 @@
 //! ```
 //!
 //! Writes `docs/benchmarks/api.md` (between its markers) and `api.json`.
+//!
+//! One concern per module: `wrk` (its Lua scripts, its runs, its output read),
+//! `webhooks` (the webhook benchmark run beside a paced publishing load and
+//! the CPU that load takes), `report` (medians, the generated markdown, the JSON).
+
+mod report;
+mod webhooks;
+mod wrk;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use clap::Parser;
 use db::Db;
 use serde_json::{Value, json};
 use testbed::{Leg, TestDb};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+use crate::report::{median, summary, write_report};
+use crate::webhooks::{WEBHOOK_FLAGS, cores, own_cpu_seconds, paced_publish, webhooks_bench};
+use crate::wrk::{get_lua, publish_lua, script, tempdir, which, wrk};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -72,15 +83,6 @@ struct Args {
 
 fn progress(msg: &str) {
     eprintln!("[api bench] {msg}");
-}
-
-/// What one wrk run measured.
-#[derive(Debug, Clone)]
-struct Run {
-    rps: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    errors: u64,
 }
 
 #[tokio::main]
@@ -322,54 +324,6 @@ async fn main() -> Result<()> {
 const PUBLISH_BODY: &str =
     r#"{"type": "invoice.paid", "data": {"invoice": 1234, "amount": 1200, "currency": "EUR"}}"#;
 
-fn publish_lua(key: &str, idempotent: bool) -> String {
-    let idem = if idempotent {
-        r#"
-local counter = 0
-local thread_id = 0
-function setup(thread)
-  thread_id = thread_id + 1
-  thread:set("tid", thread_id)
-end
-function request()
-  counter = counter + 1
-  wrk.headers["Idempotency-Key"] = "bench-" .. tid .. "-" .. counter .. "-" .. os.time()
-  return wrk.format()
-end
-"#
-    } else {
-        ""
-    };
-    format!(
-        "wrk.method = \"POST\"\nwrk.body = '{PUBLISH_BODY}'\nwrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {key}\"\n{idem}"
-    )
-}
-
-fn get_lua(key: &str) -> String {
-    format!("wrk.method = \"GET\"\nwrk.headers[\"Authorization\"] = \"Bearer {key}\"\n")
-}
-
-fn tempdir() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("hardcount-api-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
-fn script(dir: &std::path::Path, name: &str, text: &str) -> Result<PathBuf> {
-    let path = dir.join(name);
-    std::fs::write(&path, text)?;
-    Ok(path)
-}
-
-fn which(cmd: &str) -> Result<()> {
-    let ok = std::process::Command::new("sh")
-        .args(["-c", &format!("command -v {cmd}")])
-        .stdout(Stdio::null())
-        .status()?
-        .success();
-    if ok { Ok(()) } else { bail!("{cmd} not found") }
-}
-
 /// Wait until no autovacuum worker has run for 3 s (at most 5 minutes),
 /// then CHECKPOINT: the page reads measure a read, not a read beside the
 /// vacuum of the ~170,000 rows the publish runs just wrote. Returns the
@@ -400,240 +354,4 @@ async fn set_rls(su: &mut sqlx::PgConnection, on: bool) -> Result<()> {
         .await?;
     }
     Ok(())
-}
-
-/// One wrk run: 2 threads, `connections`, `seconds`, latency distribution.
-async fn wrk(script: &PathBuf, url: &str, connections: usize, seconds: u64) -> Result<Run> {
-    let out = tokio::process::Command::new("wrk")
-        .arg("-t2")
-        .arg(format!("-c{connections}"))
-        .arg(format!("-d{seconds}s"))
-        .arg("--latency")
-        .arg("-s")
-        .arg(script)
-        .arg(url)
-        .output()
-        .await?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(out.status.success(), "wrk failed: {text}");
-    parse_wrk(&text).with_context(|| format!("cannot read wrk's output:\n{text}"))
-}
-
-fn parse_wrk(text: &str) -> Option<Run> {
-    let mut rps = None;
-    let (mut p50, mut p99) = (None, None);
-    let mut errors = 0;
-    for line in text.lines() {
-        let l = line.trim();
-        if let Some(v) = l.strip_prefix("Requests/sec:") {
-            rps = v.trim().parse().ok();
-        } else if let Some(v) = l.strip_prefix("50%") {
-            p50 = ms(v.trim());
-        } else if let Some(v) = l.strip_prefix("99%") {
-            p99 = ms(v.trim());
-        } else if let Some(v) = l.strip_prefix("Non-2xx or 3xx responses:") {
-            errors += v.trim().parse::<u64>().unwrap_or(0);
-        } else if let Some(v) = l.strip_prefix("Socket errors:") {
-            errors += v
-                .split(',')
-                .filter_map(|p| p.split_whitespace().last()?.parse::<u64>().ok())
-                .sum::<u64>();
-        }
-    }
-    Some(Run {
-        rps: rps?,
-        p50_ms: p50?,
-        p99_ms: p99?,
-        errors,
-    })
-}
-
-fn ms(v: &str) -> Option<f64> {
-    let (num, factor) = if let Some(n) = v.strip_suffix("us") {
-        (n, 0.001)
-    } else if let Some(n) = v.strip_suffix("ms") {
-        (n, 1.0)
-    } else if let Some(n) = v.strip_suffix('s') {
-        (n, 1000.0)
-    } else {
-        return None;
-    };
-    num.parse::<f64>().ok().map(|n| n * factor)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn summary(runs: &[Run]) -> Value {
-    json!({
-        "requests_per_s_median": median(runs.iter().map(|r| r.rps).collect()),
-        "p50_ms_median": median(runs.iter().map(|r| r.p50_ms).collect()),
-        "p99_ms_median": median(runs.iter().map(|r| r.p99_ms).collect()),
-        "errors": runs.iter().map(|r| r.errors).sum::<u64>(),
-        "runs": runs.iter().map(|r| json!({
-            "requests_per_s": r.rps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors,
-        })).collect::<Vec<_>>(),
-    })
-}
-
-/// The webhook benchmark's throughput phase, as its own release binary
-/// (built beside this one), its report in `dir`; the median deliveries/s.
-const WEBHOOK_FLAGS: &[&str] = &[
-    "--skip-latency",
-    "--skip-comparison-runs",
-    "--skip-fairness",
-];
-
-async fn webhooks_bench(dir: &std::path::Path) -> Result<f64> {
-    std::fs::create_dir_all(dir)?;
-    // The report's hand-written half is copied from docs/benchmarks.
-    let exe = std::env::current_exe()?.with_file_name("webhooks");
-    ensure!(
-        exe.exists(),
-        "{} is missing: cargo build --release -p benches --bin webhooks",
-        exe.display()
-    );
-    let status = tokio::process::Command::new(&exe)
-        .args(WEBHOOK_FLAGS)
-        .arg("--out-dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .status()
-        .await?;
-    ensure!(status.success(), "the webhook benchmark failed");
-    let report: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("webhooks.json"))?)?;
-    report
-        .as_array()
-        .and_then(|rows| {
-            rows.iter().find(|r| {
-                r["name"]
-                    .as_str()
-                    .is_some_and(|n| n.starts_with("throughput at the shipped defaults"))
-            })
-        })
-        .and_then(|r| r["value"].as_f64())
-        .context("no throughput row in the webhook benchmark's report")
-}
-
-/// Publish at `rate` per second until `stop`; (published, failed).
-async fn paced_publish(
-    url: String,
-    key: String,
-    rate: u32,
-    stop: CancellationToken,
-) -> Result<(u64, u64)> {
-    let client = reqwest::Client::new();
-    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate.max(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let failed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let tasks = tokio_util::task::TaskTracker::new();
-    let started = Instant::now();
-    while !stop.is_cancelled() {
-        tokio::select! {
-            () = stop.cancelled() => break,
-            _ = tick.tick() => {}
-        }
-        let (client, url, key) = (client.clone(), url.clone(), key.clone());
-        let (sent, failed) = (sent.clone(), failed.clone());
-        tasks.spawn(async move {
-            let ok = client
-                .post(&url)
-                .header("authorization", format!("Bearer {key}"))
-                .header("content-type", "application/json")
-                .body(PUBLISH_BODY)
-                .send()
-                .await
-                .is_ok_and(|r| r.status().as_u16() == 201);
-            let counter = if ok { &sent } else { &failed };
-            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        });
-    }
-    tasks.close();
-    tasks.wait().await;
-    let _ = started;
-    Ok((
-        sent.load(std::sync::atomic::Ordering::Relaxed),
-        failed.load(std::sync::atomic::Ordering::Relaxed),
-    ))
-}
-
-fn write_report(report: &Value, out_dir: Option<PathBuf>) -> Result<()> {
-    let dir = benches::report_dir(out_dir)?;
-    std::fs::write(
-        dir.join("api.json"),
-        serde_json::to_string_pretty(report)? + "\n",
-    )?;
-    let r = &report["results"];
-    let row = |k: &str| -> String {
-        let v = &r[k];
-        if v.is_null() {
-            return "| (not run) | | | |".to_owned();
-        }
-        format!(
-            "| {:.0} | {:.2} | {:.2} | {} |",
-            v["requests_per_s_median"].as_f64().unwrap_or(0.0),
-            v["p50_ms_median"].as_f64().unwrap_or(0.0),
-            v["p99_ms_median"].as_f64().unwrap_or(0.0),
-            v["errors"]
-        )
-    };
-    let mut md = String::new();
-    md.push_str(
-        "| Measure | Row-level security | Requests/s (median) | p50 ms | p99 ms | Errors |\n",
-    );
-    md.push_str("|---|---|---:|---:|---:|---:|\n");
-    for (name, label) in [
-        ("publish", "POST /v1/events"),
-        (
-            "publish_idempotent",
-            "POST /v1/events with an Idempotency-Key",
-        ),
-        ("page_100", "GET /v1/events?limit=100"),
-    ] {
-        for (rls, on) in [("rls_on", "on"), ("rls_off", "off")] {
-            let key = format!("{rls}.{name}");
-            if r[&key].is_null() {
-                continue;
-            }
-            md.push_str(&format!("| {label} | {on} {}\n", row(&key)));
-        }
-    }
-    let w = &report["webhooks"];
-    if !w.is_null() {
-        md.push_str(&format!(
-            "\nWebhook throughput benchmark (`webhooks {}`), interleaved rounds, medians: \
-             {:.0} deliveries/s alone.\n\n\
-             | API load | Deliveries/s | Ratio to alone | API process's share of the cores | 1 − that share | the load alone: API, Postgres and PgBouncer's share of the cores | 1 − that share |\n\
-             |---|---:|---:|---:|---:|---:|---:|\n",
-            w["webhook_bench_flags"].as_str().unwrap_or(""),
-            w["deliveries_per_s_alone_median"].as_f64().unwrap_or(0.0),
-        ));
-        for b in w["beside"].as_array().into_iter().flatten() {
-            md.push_str(&format!(
-                "| {} events/s | {:.0} | {:.2} | {:.1} % | {:.2} | {:.1} % | {:.2} |\n",
-                b["api_events_per_s"],
-                b["deliveries_per_s_median"].as_f64().unwrap_or(0.0),
-                b["ratio"].as_f64().unwrap_or(0.0),
-                b["api_process_core_share_median"].as_f64().unwrap_or(0.0) * 100.0,
-                b["ratio_expected_from_core_share"].as_f64().unwrap_or(0.0),
-                b["load_alone"]["core_share"].as_f64().unwrap_or(0.0) * 100.0,
-                b["ratio_expected_from_load_alone"].as_f64().unwrap_or(0.0),
-            ));
-        }
-    }
-    md.push('\n');
-    md.push_str(&benches::machine_and_settings(report));
-    benches::write_generated(&dir, "api.md", &md)
-}
-
-/// This process's CPU time so far (user + system), in seconds.
-fn own_cpu_seconds() -> f64 {
-    benches::process_cpu_seconds(std::process::id())
-}
-
-fn cores() -> f64 {
-    std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
 }
