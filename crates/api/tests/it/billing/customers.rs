@@ -1,0 +1,196 @@
+//! Customers over HTTP: created, read, listed by cursor and updated, each
+//! refusal naming its field, another tenant's customer missing; and a create
+//! retried with its idempotency key.
+
+use db::{Row as _, sql};
+use reqwest::Method;
+use serde_json::json;
+
+use super::bed;
+
+#[tokio::test]
+async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_field() {
+    let b = bed().await;
+    let c = b
+        .created(
+            &b.a,
+            "/v1/customers",
+            json!({"email": "ada@example.org", "name": "Ada",
+                   "provider_customer_id": "cus_ada", "payment_method": "pm_card_visa"}),
+        )
+        .await;
+    assert_eq!(c["email"], "ada@example.org");
+    assert_eq!(c["payment_method"], "pm_card_visa");
+    assert_eq!(c["provider_customer_id"], "cus_ada");
+    let id = c["id"].as_i64().unwrap();
+    let got = b.s.get(&b.a, &format!("/v1/customers/{id}")).await;
+    assert_eq!((got.status, &got.body), (200, &c));
+
+    let u =
+        b.s.post(
+            &b.a,
+            &format!("/v1/customers/{id}"),
+            json!({"email": "grace@example.org"}),
+        )
+        .await;
+    assert_eq!(u.status, 200, "{}", u.text);
+    assert_eq!(
+        (u.body["email"].as_str(), u.body["name"].as_str()),
+        (Some("grace@example.org"), Some("Ada"))
+    );
+
+    let p = Method::POST;
+    b.check_refusals(
+        &b.a,
+        &[
+            // The outbox's own check (lettre) and the CHECK's function refuse these.
+            (p.clone(), "/v1/customers".into(), Some(json!({"email": "not an address"})), 400, "parameter_invalid", "email"),
+            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@[192.0.2.1]"})), 400, "parameter_invalid", "email"),
+            (p.clone(), "/v1/customers".into(), Some(json!({"email": " ada@example.org"})), 400, "parameter_invalid", "email"),
+            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "payment_method": "pm_x"})), 400, "parameter_invalid", "payment_method"),
+            (p.clone(), "/v1/customers".into(), Some(json!({"email": "a@example.org", "payment_method": "card", "provider_customer_id": "cus_1"})), 400, "parameter_invalid", "payment_method"),
+        ],
+    )
+    .await;
+    let dup =
+        b.s.post(
+            &b.a,
+            "/v1/customers",
+            json!({"email": "a@example.org", "provider_customer_id": "cus_ada"}),
+        )
+        .await;
+    assert_eq!(
+        (dup.status, dup.refusal().0.as_str()),
+        (409, "already_exists"),
+        "{}",
+        dup.text
+    );
+    b.check_refusals(
+        &b.a,
+        &[
+            (
+                p.clone(),
+                "/v1/customers".into(),
+                Some(json!({"name": "x"})),
+                400,
+                "parameter_missing",
+                "email",
+            ),
+            (
+                p.clone(),
+                "/v1/customers".into(),
+                Some(json!({"email": "a@example.org", "nick": "x"})),
+                400,
+                "parameter_unknown",
+                "nick",
+            ),
+            (
+                p.clone(),
+                format!("/v1/customers/{id}"),
+                Some(json!({"email": "no"})),
+                400,
+                "parameter_invalid",
+                "email",
+            ),
+            (
+                Method::GET,
+                "/v1/customers?limit=0".into(),
+                None,
+                400,
+                "parameter_out_of_range",
+                "limit",
+            ),
+            (
+                Method::GET,
+                "/v1/customers?starting_after=zz".into(),
+                None,
+                400,
+                "parameter_invalid",
+                "starting_after",
+            ),
+        ],
+    )
+    .await;
+    // Another tenant's customer does not exist for this key: 404, never 403.
+    b.check_refusals(
+        &b.b,
+        &[
+            (
+                Method::GET,
+                format!("/v1/customers/{id}"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/customers/{id}"),
+                Some(json!({"name": "Eve"})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(b.s.get(&b.b, "/v1/customers").await.body["data"], json!([]));
+
+    // Pages: newest first, the cursor carries on without repeats.
+    let second = b.customer(&b.a).await;
+    let page = b.s.get(&b.a, "/v1/customers?limit=1").await;
+    assert_eq!(page.body["data"][0]["id"].as_i64(), Some(second));
+    assert_eq!(page.body["has_more"], true);
+    let cursor = page.body["next_cursor"].as_str().unwrap();
+    let next =
+        b.s.get(
+            &b.a,
+            &format!("/v1/customers?limit=1&starting_after={cursor}"),
+        )
+        .await;
+    assert_eq!(next.body["data"][0]["id"].as_i64(), Some(id));
+    assert_eq!(next.body["has_more"], false);
+}
+
+#[tokio::test]
+async fn a_retried_create_with_its_key_returns_the_first_answer_and_creates_nothing_more() {
+    let b = bed().await;
+    let body = json!({"email": "ada@example.org"});
+    let first =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            "/v1/customers",
+            Some(body.clone()),
+            Some("k-1"),
+        )
+        .await;
+    let again =
+        b.s.call(&b.a, Method::POST, "/v1/customers", Some(body), Some("k-1"))
+            .await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        (again.status, &again.text, again.replayed),
+        (201, &first.text, true)
+    );
+    let other =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            "/v1/customers",
+            Some(json!({"email": "x@example.org"})),
+            Some("k-1"),
+        )
+        .await;
+    assert_eq!(
+        (other.status, other.refusal().0.as_str()),
+        (409, "idempotency_key_reused")
+    );
+    let n: i64 =
+        b.t.db
+            .fetch_one(sql("SELECT count(*) AS n FROM customers"))
+            .await
+            .unwrap()
+            .get("n");
+    assert_eq!(n, 1);
+}

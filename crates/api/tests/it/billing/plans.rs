@@ -1,0 +1,146 @@
+//! Plans over HTTP: created as the table allows, each refusal naming its
+//! field, another tenant's plan missing.
+
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use super::bed;
+
+#[tokio::test]
+async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
+    let b = bed().await;
+    let plan = b
+        .created(
+            &b.a,
+            "/v1/plans",
+            json!({"name": "Pro", "amount": 1999, "currency": "EUR", "interval": "week", "interval_count": 2}),
+        )
+        .await;
+    assert_eq!(
+        (
+            plan["amount"].as_i64(),
+            plan["currency"].as_str(),
+            plan["interval"].as_str(),
+            plan["interval_count"].as_i64()
+        ),
+        (Some(1999), Some("EUR"), Some("week"), Some(2))
+    );
+    let id = plan["id"].as_i64().unwrap();
+    assert_eq!(b.s.get(&b.a, &format!("/v1/plans/{id}")).await.body, plan);
+    assert_eq!(b.s.get(&b.a, "/v1/plans").await.body["data"][0], plan);
+    let ok = json!({"name": "Pro", "amount": 1, "currency": "EUR", "interval": "month"});
+    let with = |k: &str, v: Value| {
+        let mut o = ok.clone();
+        o[k] = v;
+        Some(o)
+    };
+    let p = Method::POST;
+    let path = "/v1/plans".to_string();
+    b.check_refusals(
+        &b.a,
+        &[
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(0)),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(-5)),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
+            // Past bigint: refused by the body's type, never a 500.
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(1e20)),
+                400,
+                "parameter_invalid_type",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(9_223_372_036_854_775_808u64)),
+                400,
+                "parameter_invalid",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("currency", json!("eur")),
+                400,
+                "parameter_invalid",
+                "currency",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("currency", json!("EURO")),
+                400,
+                "parameter_invalid",
+                "currency",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval", json!("fortnight")),
+                400,
+                "parameter_invalid",
+                "interval",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval_count", json!(0)),
+                400,
+                "parameter_out_of_range",
+                "interval_count",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval_count", json!(1001)),
+                400,
+                "parameter_out_of_range",
+                "interval_count",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("name", json!("")),
+                400,
+                "parameter_invalid",
+                "name",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("name", json!("a\u{0}b")),
+                400,
+                "parameter_invalid",
+                "name",
+            ),
+        ],
+    )
+    .await;
+    b.check_refusals(
+        &b.b,
+        &[(
+            Method::GET,
+            format!("/v1/plans/{id}"),
+            None,
+            404,
+            "resource_missing",
+            "id",
+        )],
+    )
+    .await;
+}

@@ -1,0 +1,288 @@
+//! Subscriptions over HTTP: started (active or trialing) as billing expects,
+//! paused, resumed and canceled through billing, each refusing what the state
+//! does not allow, another tenant's customer, plan and subscription missing.
+
+use db::{Row as _, sql};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use super::{bed, events};
+
+#[tokio::test]
+async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_customer() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let s = b.subscription(&b.a, plan).await;
+    assert_eq!(s["status"], "active");
+    // The watermark is the period's end: billing's due funnel closes it then.
+    assert_eq!(s["next_billing_at"], s["current_period_end"]);
+    assert_eq!(s["billing_anchor"], s["current_period_start"]);
+    let id = s["id"].as_i64().unwrap();
+    let events: i64 = b
+        .t
+        .db
+        .fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'subscription.created'",
+        ))
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(events, 1);
+
+    let customer = b.customer(&b.a).await;
+    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
+    let trial = b
+        .created(
+            &b.a,
+            "/v1/subscriptions",
+            json!({"customer": customer, "plan": plan, "trial_end": near}),
+        )
+        .await;
+    assert_eq!(
+        (trial["status"].as_str(), &trial["next_billing_at"]),
+        (Some("trialing"), &Value::Null)
+    );
+    assert_eq!(trial["current_period_end"], trial["trial_end"]);
+
+    let other_customer = b.customer(&b.b).await;
+    let other_plan = b.plan(&b.b, "EUR", 100).await;
+    let p = Method::POST;
+    let path = "/v1/subscriptions".to_string();
+    b.check_refusals(
+        &b.a,
+        &[
+            (p.clone(), path.clone(), Some(json!({"customer": other_customer, "plan": plan})), 404, "resource_missing", "customer"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": other_plan})), 404, "resource_missing", "plan"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "trial_end": "2001-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "trial_end"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "trial_end": "2099-01-01T00:00:00Z"})), 400, "parameter_out_of_range", "trial_end"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "billing_anchor": "yesterday"})), 400, "parameter_invalid", "billing_anchor"),
+            (p.clone(), path.clone(), Some(json!({"customer": customer, "plan": plan, "collection_method": "cash"})), 400, "parameter_invalid", "collection_method"),
+        ],
+    )
+    .await;
+    b.check_refusals(
+        &b.b,
+        &[
+            (
+                Method::GET,
+                format!("/v1/subscriptions/{id}"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/cancel"),
+                Some(json!({})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/pause"),
+                Some(json!({"behavior": "void"})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/resume"),
+                None,
+                404,
+                "resource_missing",
+                "id",
+            ),
+            (
+                p.clone(),
+                format!("/v1/subscriptions/{id}/change_plan"),
+                Some(json!({"plan": other_plan})),
+                404,
+                "resource_missing",
+                "id",
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_does_not_allow() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let s = b.subscription(&b.a, plan).await;
+    let id = s["id"].as_i64().unwrap();
+    let path = |a: &str| format!("/v1/subscriptions/{id}/{a}");
+    // Resuming what is not paused is a state conflict.
+    let r =
+        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+            .await;
+    assert_eq!(
+        (r.status, r.refusal().0.as_str()),
+        (409, "invalid_state"),
+        "{}",
+        r.text
+    );
+
+    let p = Method::POST;
+    b.check_refusals(
+        &b.a,
+        &[
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({"behavior": "stop"})),
+                400,
+                "parameter_invalid",
+                "behavior",
+            ),
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({"behavior": "void", "resumes_at": "2001-01-01T00:00:00Z"})),
+                400,
+                "parameter_out_of_range",
+                "resumes_at",
+            ),
+            (
+                p.clone(),
+                path("pause"),
+                Some(json!({})),
+                400,
+                "parameter_missing",
+                "behavior",
+            ),
+            (
+                p.clone(),
+                path("cancel"),
+                Some(json!({"at_period_end": "yes"})),
+                400,
+                "parameter_invalid_type",
+                "at_period_end",
+            ),
+        ],
+    )
+    .await;
+    let paused =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            &path("pause"),
+            Some(json!({"behavior": "keep_as_draft"})),
+            Some("p-1"),
+        )
+        .await;
+    assert_eq!(paused.status, 200, "{}", paused.text);
+    assert_eq!(paused.body["pause_collection"]["behavior"], "keep_as_draft");
+    assert_eq!(paused.body["pause_collection"]["set_by"], "api");
+    let replay =
+        b.s.call(
+            &b.a,
+            Method::POST,
+            &path("pause"),
+            Some(json!({"behavior": "keep_as_draft"})),
+            Some("p-1"),
+        )
+        .await;
+    assert_eq!(
+        (replay.text.as_str(), replay.replayed),
+        (paused.text.as_str(), true)
+    );
+    let resumed =
+        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+            .await;
+    assert_eq!(
+        (resumed.status, &resumed.body["pause_collection"]),
+        (200, &Value::Null),
+        "{}",
+        resumed.text
+    );
+    let kinds = events(&b.t).await;
+    assert!(
+        kinds.contains(&"subscription.collection_paused".to_owned())
+            && kinds.contains(&"subscription.collection_resumed".to_owned()),
+        "{kinds:?}"
+    );
+
+    let at_end =
+        b.s.post(&b.a, &path("cancel"), json!({"at_period_end": true}))
+            .await;
+    assert_eq!(
+        (at_end.status, &at_end.body["cancel_at_period_end"]),
+        (200, &json!(true)),
+        "{}",
+        at_end.text
+    );
+    assert_eq!(at_end.body["status"], "active");
+    let now = b.s.post(&b.a, &path("cancel"), json!({})).await;
+    assert_eq!(
+        (now.status, now.body["status"].as_str()),
+        (200, Some("canceled")),
+        "{}",
+        now.text
+    );
+    let again = b.s.post(&b.a, &path("cancel"), json!({})).await;
+    assert_eq!(
+        (again.status, again.refusal().0.as_str()),
+        (409, "invalid_state")
+    );
+    let pause =
+        b.s.post(&b.a, &path("pause"), json!({"behavior": "void"}))
+            .await;
+    assert_eq!(
+        (pause.status, pause.refusal().0.as_str()),
+        (409, "invalid_state")
+    );
+    assert!(
+        events(&b.t)
+            .await
+            .contains(&"subscription.canceled".to_owned())
+    );
+}
+
+/// A trialing subscription is canceled now with nothing invoiced and
+/// `subscription.canceled` announced; canceling it at its period's end is
+/// refused by the field, and a canceled one cannot be canceled again.
+///
+/// Catches: the trial cancel missing (seen: 409 `invalid_state`, "the
+/// subscription is not active").
+#[tokio::test]
+async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let customer = b.customer(&b.a).await;
+    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
+    let trial = b
+        .created(
+            &b.a,
+            "/v1/subscriptions",
+            json!({"customer": customer, "plan": plan, "trial_end": near}),
+        )
+        .await;
+    let id = trial["id"].as_i64().unwrap();
+    let cancel = format!("/v1/subscriptions/{id}/cancel");
+    let later =
+        b.s.post(&b.a, &cancel, json!({"at_period_end": true}))
+            .await;
+    assert_eq!(later.status, 400, "{:?}", later.body);
+    assert_eq!(later.refusal().1.as_deref(), Some("at_period_end"));
+    let now = b.s.post(&b.a, &cancel, json!({})).await;
+    assert_eq!(now.status, 200, "{:?}", now.body);
+    assert_eq!(now.body["status"], "canceled");
+    let count = |q: &'static str| {
+        let db = b.t.db.clone();
+        async move { db.fetch_one(sql(q)).await.unwrap().get::<i64, _>("n") }
+    };
+    assert_eq!(count("SELECT count(*) AS n FROM invoices").await, 0);
+    assert_eq!(
+        count(
+            "SELECT count(*) AS n FROM webhook_events WHERE event_type = 'subscription.canceled'"
+        )
+        .await,
+        1
+    );
+    let again = b.s.post(&b.a, &cancel, json!({})).await;
+    assert_eq!(again.status, 409, "{:?}", again.body);
+}
