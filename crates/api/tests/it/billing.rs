@@ -13,7 +13,7 @@ use reqwest::Method;
 use serde_json::{Value, json};
 use testbed::TestDb;
 
-use crate::support::{Answer, Served, serve, tenant};
+use crate::{Answer, Served, serve, tenant};
 
 /// A request `(method, path, body)` and the refusal it must get: `(status, code, param)`.
 type Refusal<'a> = (Method, String, Option<Value>, u16, &'a str, &'a str);
@@ -36,9 +36,9 @@ async fn bed() -> Bed {
 
 impl Bed {
     async fn created(&self, key: &str, path: &str, body: Value) -> Value {
-        let r = self.s.post(key, path, body).await;
+        let r = self.s.post(path, key, body).await;
         assert_eq!(r.status, 201, "{path}: {}", r.text);
-        r.body
+        r.json
     }
 
     async fn customer(&self, key: &str) -> i64 {
@@ -81,10 +81,10 @@ impl Bed {
         for (method, path, body, status, code, param) in cases {
             let r: Answer = self
                 .s
-                .call(key, method.clone(), path, body.clone(), None)
+                .call(method.clone(), path, key, body.as_ref(), None)
                 .await;
             assert_eq!(
-                (r.status, r.refusal()),
+                (r.status.as_u16(), r.refusal()),
                 (*status, (code.to_string(), Some(param.to_string()))),
                 "{method} {path} {body:?}: {}",
                 r.text

@@ -11,12 +11,12 @@ use serde_json::{Value, json};
 use testbed::TestDb;
 use testbed::leadership::{as_leader, manager};
 
-use crate::support::{Served, serve, tenant};
+use crate::{Served, serve, tenant};
 
 const PATH: &str = "/v1/dunning/policy";
 
-async fn put(s: &Served, key: &str, body: Value) -> crate::support::Answer {
-    s.call(key, Method::PUT, PATH, Some(body), None).await
+async fn put(s: &Served, key: &str, body: Value) -> crate::Answer {
+    s.call(Method::PUT, PATH, key, Some(&body), None).await
 }
 
 /// A policy of one 60 s retry with `window` (`Value::Null`: none).
@@ -107,14 +107,14 @@ async fn a_bad_business_window_is_refused_by_its_field() {
     for (body, code, param) in cases {
         let r = put(&s, &key, body.clone()).await;
         assert_eq!(
-            (r.status, r.refusal()),
+            (r.status.as_u16(), r.refusal()),
             (400, (code.to_owned(), Some(param.to_owned()))),
             "{body}: {}",
             r.text
         );
     }
-    let got = s.get(&key, PATH).await;
-    assert_eq!(got.body["id"], Value::Null, "{}", got.text);
+    let got = s.get(PATH, &key).await;
+    assert_eq!(got.json["id"], Value::Null, "{}", got.text);
 }
 
 /// A window is written and read back as the tenant wrote it; weekdays left
@@ -124,13 +124,13 @@ async fn a_business_window_is_read_back_as_written() {
     let t = TestDb::new().await;
     let s = serve(&t).await;
     let key = tenant(&t, "tenant_a").await;
-    assert_eq!(s.get(&key, PATH).await.body["business_window"], Value::Null);
+    assert_eq!(s.get(PATH, &key).await.json["business_window"], Value::Null);
     let window = json!({"time_zone": "Europe/Berlin", "opens": "09:00:30", "closes": "24:00",
                         "weekdays": [5, 1, 2]});
     let w = put(&s, &key, with_window(window.clone())).await;
     assert_eq!(w.status, 200, "{}", w.text);
-    assert_eq!(w.body["business_window"], window);
-    assert_eq!(s.get(&key, PATH).await.body, w.body);
+    assert_eq!(w.json["business_window"], window);
+    assert_eq!(s.get(PATH, &key).await.json, w.json);
     let every_day = put(
         &s,
         &key,
@@ -138,7 +138,7 @@ async fn a_business_window_is_read_back_as_written() {
     )
     .await;
     assert_eq!(
-        every_day.body["business_window"],
+        every_day.json["business_window"],
         json!({"time_zone": "Asia/Kolkata", "opens": "22:00", "closes": "06:00",
                "weekdays": [1, 2, 3, 4, 5, 6, 7]}),
         "{}",
@@ -146,7 +146,7 @@ async fn a_business_window_is_read_back_as_written() {
     );
     let none = put(&s, &key, with_window(Value::Null)).await;
     assert_eq!(
-        (none.status, &none.body["business_window"]),
+        (none.status.as_u16(), &none.json["business_window"]),
         (200, &Value::Null)
     );
 }
@@ -260,7 +260,7 @@ async fn a_window_written_through_the_api_holds_the_tenants_runs_already_schedul
     )
     .await;
     assert_eq!(closed.status, 200, "{}", closed.text);
-    let first = closed.body["id"].as_i64().unwrap();
+    let first = closed.json["id"].as_i64().unwrap();
     let invoice = declined_invoice(&t, "tenant_a").await;
     let telemetry = Telemetry::noop();
     let biller = billing::Biller::new(

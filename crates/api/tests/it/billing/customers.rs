@@ -23,19 +23,19 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     assert_eq!(c["payment_method"], "pm_card_visa");
     assert_eq!(c["provider_customer_id"], "cus_ada");
     let id = c["id"].as_i64().unwrap();
-    let got = b.s.get(&b.a, &format!("/v1/customers/{id}")).await;
-    assert_eq!((got.status, &got.body), (200, &c));
+    let got = b.s.get(&format!("/v1/customers/{id}"), &b.a).await;
+    assert_eq!((got.status.as_u16(), &got.json), (200, &c));
 
     let u =
         b.s.post(
-            &b.a,
             &format!("/v1/customers/{id}"),
+            &b.a,
             json!({"email": "grace@example.org"}),
         )
         .await;
     assert_eq!(u.status, 200, "{}", u.text);
     assert_eq!(
-        (u.body["email"].as_str(), u.body["name"].as_str()),
+        (u.json["email"].as_str(), u.json["name"].as_str()),
         (Some("grace@example.org"), Some("Ada"))
     );
 
@@ -54,13 +54,13 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     .await;
     let dup =
         b.s.post(
-            &b.a,
             "/v1/customers",
+            &b.a,
             json!({"email": "a@example.org", "provider_customer_id": "cus_ada"}),
         )
         .await;
     assert_eq!(
-        (dup.status, dup.refusal().0.as_str()),
+        (dup.status.as_u16(), dup.refusal().0.as_str()),
         (409, "already_exists"),
         "{}",
         dup.text
@@ -134,56 +134,56 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
         ],
     )
     .await;
-    assert_eq!(b.s.get(&b.b, "/v1/customers").await.body["data"], json!([]));
+    assert_eq!(b.s.get("/v1/customers", &b.b).await.json["data"], json!([]));
 
     // Pages: newest first, the cursor carries on without repeats.
     let second = b.customer(&b.a).await;
-    let page = b.s.get(&b.a, "/v1/customers?limit=1").await;
-    assert_eq!(page.body["data"][0]["id"].as_i64(), Some(second));
-    assert_eq!(page.body["has_more"], true);
-    let cursor = page.body["next_cursor"].as_str().unwrap();
+    let page = b.s.get("/v1/customers?limit=1", &b.a).await;
+    assert_eq!(page.json["data"][0]["id"].as_i64(), Some(second));
+    assert_eq!(page.json["has_more"], true);
+    let cursor = page.json["next_cursor"].as_str().unwrap();
     let next =
         b.s.get(
-            &b.a,
             &format!("/v1/customers?limit=1&starting_after={cursor}"),
+            &b.a,
         )
         .await;
-    assert_eq!(next.body["data"][0]["id"].as_i64(), Some(id));
-    assert_eq!(next.body["has_more"], false);
+    assert_eq!(next.json["data"][0]["id"].as_i64(), Some(id));
+    assert_eq!(next.json["has_more"], false);
 }
 
 #[tokio::test]
 async fn a_retried_create_with_its_key_returns_the_first_answer_and_creates_nothing_more() {
     let b = bed().await;
     let body = json!({"email": "ada@example.org"});
-    let first =
+    // The same request twice, under the same key.
+    let create = || {
         b.s.call(
-            &b.a,
             Method::POST,
             "/v1/customers",
-            Some(body.clone()),
+            &b.a,
+            Some(&body),
             Some("k-1"),
         )
-        .await;
-    let again =
-        b.s.call(&b.a, Method::POST, "/v1/customers", Some(body), Some("k-1"))
-            .await;
+    };
+    let first = create().await;
+    let again = create().await;
     assert_eq!(first.status, 201);
     assert_eq!(
-        (again.status, &again.text, again.replayed),
+        (again.status.as_u16(), &again.text, again.replayed),
         (201, &first.text, true)
     );
     let other =
         b.s.call(
-            &b.a,
             Method::POST,
             "/v1/customers",
-            Some(json!({"email": "x@example.org"})),
+            &b.a,
+            Some(&json!({"email": "x@example.org"})),
             Some("k-1"),
         )
         .await;
     assert_eq!(
-        (other.status, other.refusal().0.as_str()),
+        (other.status.as_u16(), other.refusal().0.as_str()),
         (409, "idempotency_key_reused")
     );
     let n: i64 =

@@ -11,15 +11,15 @@ use super::{bed, begun};
 #[tokio::test]
 async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_tenants() {
     let b = bed().await;
-    let built_in = b.s.get(&b.a, "/v1/dunning/policy").await;
+    let built_in = b.s.get("/v1/dunning/policy", &b.a).await;
     assert_eq!(
-        (built_in.status, &built_in.body["id"]),
+        (built_in.status.as_u16(), &built_in.json["id"]),
         (200, &Value::Null),
         "{}",
         built_in.text
     );
     assert_eq!(
-        built_in.body["retry_offsets_secs"],
+        built_in.json["retry_offsets_secs"],
         json!([86400, 259200, 432000, 604800])
     );
     let put = Method::PUT;
@@ -43,31 +43,31 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
     .await;
     let w =
         b.s.call(
-            &b.a,
             put.clone(),
             &path,
-            body(json!([60, 3600]), json!([1])),
+            &b.a,
+            body(json!([60, 3600]), json!([1])).as_ref(),
             None,
         )
         .await;
     assert_eq!(w.status, 200, "{}", w.text);
-    let first = w.body["id"].as_i64().unwrap();
+    let first = w.json["id"].as_i64().unwrap();
     let w2 =
         b.s.call(
-            &b.a,
             put.clone(),
             &path,
-            body(json!([120]), json!([])),
+            &b.a,
+            body(json!([120]), json!([])).as_ref(),
             None,
         )
         .await;
     assert_eq!(w2.status, 200, "{}", w2.text);
-    let got = b.s.get(&b.a, "/v1/dunning/policy").await;
-    assert_eq!(got.body, w2.body);
-    assert_ne!(got.body["id"].as_i64(), Some(first));
+    let got = b.s.get("/v1/dunning/policy", &b.a).await;
+    assert_eq!(got.json, w2.json);
+    assert_ne!(got.json["id"].as_i64(), Some(first));
     // The other tenant still has the built-in default.
     assert_eq!(
-        b.s.get(&b.b, "/v1/dunning/policy").await.body["id"],
+        b.s.get("/v1/dunning/policy", &b.b).await.json["id"],
         Value::Null
     );
 
@@ -105,15 +105,15 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
         .await
         .unwrap()
         .get("id");
-    let one = b.s.get(&b.a, &format!("/v1/dunning/runs/{run}")).await;
+    let one = b.s.get(&format!("/v1/dunning/runs/{run}"), &b.a).await;
     assert_eq!(one.status, 200, "{}", one.text);
-    assert_eq!(one.body["attempts"][0]["decline_code"], "card_declined");
+    assert_eq!(one.json["attempts"][0]["decline_code"], "card_declined");
     assert_eq!(
-        b.s.get(&b.a, "/v1/dunning/runs").await.body["data"][0]["id"].as_i64(),
+        b.s.get("/v1/dunning/runs", &b.a).await.json["data"][0]["id"].as_i64(),
         Some(run)
     );
-    let inv = b.s.get(&b.a, &format!("/v1/invoices/{invoice}")).await;
-    assert_eq!(inv.body["payment_attempts"][0]["status"], "declined");
+    let inv = b.s.get(&format!("/v1/invoices/{invoice}"), &b.a).await;
+    assert_eq!(inv.json["payment_attempts"][0]["status"], "declined");
     b.check_refusals(
         &b.b,
         &[
@@ -137,7 +137,7 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
     )
     .await;
     assert_eq!(
-        b.s.get(&b.b, "/v1/dunning/runs").await.body["data"],
+        b.s.get("/v1/dunning/runs", &b.b).await.json["data"],
         json!([])
     );
 }

@@ -26,8 +26,8 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
         (Some(1999), Some("EUR"), Some("week"), Some(2))
     );
     let id = plan["id"].as_i64().unwrap();
-    assert_eq!(b.s.get(&b.a, &format!("/v1/plans/{id}")).await.body, plan);
-    assert_eq!(b.s.get(&b.a, "/v1/plans").await.body["data"][0], plan);
+    assert_eq!(b.s.get(&format!("/v1/plans/{id}"), &b.a).await.json, plan);
+    assert_eq!(b.s.get("/v1/plans", &b.a).await.json["data"][0], plan);
     let ok = json!({"name": "Pro", "amount": 1, "currency": "EUR", "interval": "month"});
     let with = |k: &str, v: Value| {
         let mut o = ok.clone();

@@ -7,7 +7,6 @@ use reqwest::Method;
 use serde_json::json;
 
 use super::{bed, begun, events};
-use crate::support::Served;
 
 #[tokio::test]
 async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
@@ -17,41 +16,41 @@ async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
     let usd = b.plan(&b.a, "USD", 3000).await;
     let id = begun(&b, eur, 10).await;
     let path = format!("/v1/subscriptions/{id}/change_plan");
-    let r = b.s.post(&b.a, &path, json!({"plan": usd})).await;
+    let r = b.s.post(&path, &b.a, json!({"plan": usd})).await;
     assert_eq!(
-        (r.status, r.refusal().0.as_str()),
+        (r.status.as_u16(), r.refusal().0.as_str()),
         (409, "currency_mismatch"),
         "{}",
         r.text
     );
-    let r = b.s.post(&b.a, &path, json!({"plan": eur})).await;
+    let r = b.s.post(&path, &b.a, json!({"plan": eur})).await;
     assert_eq!(
-        (r.status, r.refusal().0.as_str()),
+        (r.status.as_u16(), r.refusal().0.as_str()),
         (409, "invalid_state"),
         "{}",
         r.text
     );
-    let r = b.s.post(&b.a, &path, json!({"plan": 999_999})).await;
+    let r = b.s.post(&path, &b.a, json!({"plan": 999_999})).await;
     assert_eq!(
-        (r.status, r.refusal()),
+        (r.status.as_u16(), r.refusal()),
         (404, ("resource_missing".into(), Some("plan".into()))),
         "{}",
         r.text
     );
 
-    let r = b.s.post(&b.a, &path, json!({"plan": eur2})).await;
+    let r = b.s.post(&path, &b.a, json!({"plan": eur2})).await;
     assert_eq!(r.status, 200, "{}", r.text);
-    assert_eq!(r.body["plan"].as_i64(), Some(eur2));
+    assert_eq!(r.json["plan"].as_i64(), Some(eur2));
     let invoices =
-        b.s.get(&b.a, &format!("/v1/invoices?subscription={id}"))
+        b.s.get(&format!("/v1/invoices?subscription={id}"), &b.a)
             .await;
-    let inv = &invoices.body["data"][0];
+    let inv = &invoices.json["data"][0];
     assert_eq!(inv["reason"], "plan_change", "{}", invoices.text);
     // About 10 days of a month's 3000, pro rata: well under the full amount.
     let amount = inv["amount"].as_i64().unwrap();
     assert!((800..=1100).contains(&amount), "{amount}");
-    let one = b.s.get(&b.a, &format!("/v1/invoices/{}", inv["id"])).await;
-    assert_eq!(one.body["payment_attempts"], json!([]), "{}", one.text);
+    let one = b.s.get(&format!("/v1/invoices/{}", inv["id"]), &b.a).await;
+    assert_eq!(one.json["payment_attempts"], json!([]), "{}", one.text);
     b.check_refusals(
         &b.b,
         &[(
@@ -64,7 +63,7 @@ async fn a_plan_change_invoices_the_used_part_and_refuses_another_currency() {
         )],
     )
     .await;
-    assert_eq!(b.s.get(&b.b, "/v1/invoices").await.body["data"], json!([]));
+    assert_eq!(b.s.get("/v1/invoices", &b.b).await.json["data"], json!([]));
 }
 
 /// The billing role moves the period while a plan change is between its
@@ -105,15 +104,12 @@ async fn a_plan_change_that_loses_the_race_with_billing_writes_nothing_and_answe
         .await
         .unwrap()
         .get("x");
-    let s = Served {
-        base: b.s.base.clone(),
-        http: b.s.http.clone(),
-    };
+    let s = b.s.clone();
     let key = b.a.clone();
     let change = tokio::spawn(async move {
         s.post(
-            &key,
             &format!("/v1/subscriptions/{id}/change_plan"),
+            &key,
             json!({"plan": eur2}),
         )
         .await
@@ -144,7 +140,7 @@ async fn a_plan_change_that_loses_the_race_with_billing_writes_nothing_and_answe
     mover.commit().await.unwrap();
     let r = change.await.unwrap();
     assert_eq!(
-        (r.status, r.refusal().0.as_str()),
+        (r.status.as_u16(), r.refusal().0.as_str()),
         (409, "subscription_period_moved"),
         "{}",
         r.text
@@ -167,16 +163,16 @@ async fn a_cancel_now_invoices_the_used_part_in_the_same_transaction() {
     let eur = b.plan(&b.a, "EUR", 3000).await;
     let id = begun(&b, eur, 10).await;
     let r =
-        b.s.post(&b.a, &format!("/v1/subscriptions/{id}/cancel"), json!({}))
+        b.s.post(&format!("/v1/subscriptions/{id}/cancel"), &b.a, json!({}))
             .await;
     assert_eq!(
-        (r.status, r.body["status"].as_str()),
+        (r.status.as_u16(), r.json["status"].as_str()),
         (200, Some("canceled")),
         "{}",
         r.text
     );
-    let list = b.s.get(&b.a, "/v1/invoices").await;
-    assert_eq!(list.body["data"][0]["reason"], "cancel", "{}", list.text);
+    let list = b.s.get("/v1/invoices", &b.a).await;
+    assert_eq!(list.json["data"][0]["reason"], "cancel", "{}", list.text);
     let kinds = events(&b.t).await;
     assert!(kinds.contains(&"invoice.finalized".to_owned()), "{kinds:?}");
 }

@@ -117,10 +117,10 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
     let path = |a: &str| format!("/v1/subscriptions/{id}/{a}");
     // Resuming what is not paused is a state conflict.
     let r =
-        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+        b.s.call(Method::POST, &path("resume"), &b.a, None, None)
             .await;
     assert_eq!(
-        (r.status, r.refusal().0.as_str()),
+        (r.status.as_u16(), r.refusal().0.as_str()),
         (409, "invalid_state"),
         "{}",
         r.text
@@ -167,22 +167,22 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
     .await;
     let paused =
         b.s.call(
-            &b.a,
             Method::POST,
             &path("pause"),
-            Some(json!({"behavior": "keep_as_draft"})),
+            &b.a,
+            Some(&json!({"behavior": "keep_as_draft"})),
             Some("p-1"),
         )
         .await;
     assert_eq!(paused.status, 200, "{}", paused.text);
-    assert_eq!(paused.body["pause_collection"]["behavior"], "keep_as_draft");
-    assert_eq!(paused.body["pause_collection"]["set_by"], "api");
+    assert_eq!(paused.json["pause_collection"]["behavior"], "keep_as_draft");
+    assert_eq!(paused.json["pause_collection"]["set_by"], "api");
     let replay =
         b.s.call(
-            &b.a,
             Method::POST,
             &path("pause"),
-            Some(json!({"behavior": "keep_as_draft"})),
+            &b.a,
+            Some(&json!({"behavior": "keep_as_draft"})),
             Some("p-1"),
         )
         .await;
@@ -191,10 +191,10 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
         (paused.text.as_str(), true)
     );
     let resumed =
-        b.s.call(&b.a, Method::POST, &path("resume"), None, None)
+        b.s.call(Method::POST, &path("resume"), &b.a, None, None)
             .await;
     assert_eq!(
-        (resumed.status, &resumed.body["pause_collection"]),
+        (resumed.status.as_u16(), &resumed.json["pause_collection"]),
         (200, &Value::Null),
         "{}",
         resumed.text
@@ -207,32 +207,32 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
     );
 
     let at_end =
-        b.s.post(&b.a, &path("cancel"), json!({"at_period_end": true}))
+        b.s.post(&path("cancel"), &b.a, json!({"at_period_end": true}))
             .await;
     assert_eq!(
-        (at_end.status, &at_end.body["cancel_at_period_end"]),
+        (at_end.status.as_u16(), &at_end.json["cancel_at_period_end"]),
         (200, &json!(true)),
         "{}",
         at_end.text
     );
-    assert_eq!(at_end.body["status"], "active");
-    let now = b.s.post(&b.a, &path("cancel"), json!({})).await;
+    assert_eq!(at_end.json["status"], "active");
+    let now = b.s.post(&path("cancel"), &b.a, json!({})).await;
     assert_eq!(
-        (now.status, now.body["status"].as_str()),
+        (now.status.as_u16(), now.json["status"].as_str()),
         (200, Some("canceled")),
         "{}",
         now.text
     );
-    let again = b.s.post(&b.a, &path("cancel"), json!({})).await;
+    let again = b.s.post(&path("cancel"), &b.a, json!({})).await;
     assert_eq!(
-        (again.status, again.refusal().0.as_str()),
+        (again.status.as_u16(), again.refusal().0.as_str()),
         (409, "invalid_state")
     );
     let pause =
-        b.s.post(&b.a, &path("pause"), json!({"behavior": "void"}))
+        b.s.post(&path("pause"), &b.a, json!({"behavior": "void"}))
             .await;
     assert_eq!(
-        (pause.status, pause.refusal().0.as_str()),
+        (pause.status.as_u16(), pause.refusal().0.as_str()),
         (409, "invalid_state")
     );
     assert!(
@@ -264,13 +264,13 @@ async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
     let id = trial["id"].as_i64().unwrap();
     let cancel = format!("/v1/subscriptions/{id}/cancel");
     let later =
-        b.s.post(&b.a, &cancel, json!({"at_period_end": true}))
+        b.s.post(&cancel, &b.a, json!({"at_period_end": true}))
             .await;
-    assert_eq!(later.status, 400, "{:?}", later.body);
+    assert_eq!(later.status, 400, "{:?}", later.json);
     assert_eq!(later.refusal().1.as_deref(), Some("at_period_end"));
-    let now = b.s.post(&b.a, &cancel, json!({})).await;
-    assert_eq!(now.status, 200, "{:?}", now.body);
-    assert_eq!(now.body["status"], "canceled");
+    let now = b.s.post(&cancel, &b.a, json!({})).await;
+    assert_eq!(now.status, 200, "{:?}", now.json);
+    assert_eq!(now.json["status"], "canceled");
     let count = |q: &'static str| {
         let db = b.t.db.clone();
         async move { db.fetch_one(sql(q)).await.unwrap().get::<i64, _>("n") }
@@ -283,6 +283,6 @@ async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
         .await,
         1
     );
-    let again = b.s.post(&b.a, &cancel, json!({})).await;
-    assert_eq!(again.status, 409, "{:?}", again.body);
+    let again = b.s.post(&cancel, &b.a, json!({})).await;
+    assert_eq!(again.status, 409, "{:?}", again.json);
 }
