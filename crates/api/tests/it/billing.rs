@@ -66,6 +66,18 @@ impl Bed {
             .unwrap()
     }
 
+    /// A subscription of a new customer to `plan`, trialing for ten days.
+    async fn trialing(&self, key: &str, plan: i64) -> Value {
+        let customer = self.customer(key).await;
+        let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
+        self.created(
+            key,
+            "/v1/subscriptions",
+            json!({"customer": customer, "plan": plan, "trial_end": near}),
+        )
+        .await
+    }
+
     async fn subscription(&self, key: &str, plan: i64) -> Value {
         let customer = self.customer(key).await;
         self.created(

@@ -29,15 +29,8 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
         .get("n");
     assert_eq!(events, 1);
 
+    let trial = b.trialing(&b.a, plan).await;
     let customer = b.customer(&b.a).await;
-    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
-    let trial = b
-        .created(
-            &b.a,
-            "/v1/subscriptions",
-            json!({"customer": customer, "plan": plan, "trial_end": near}),
-        )
-        .await;
     assert_eq!(
         (trial["status"].as_str(), &trial["next_billing_at"]),
         (Some("trialing"), &Value::Null)
@@ -252,15 +245,7 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
 async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
     let b = bed().await;
     let plan = b.plan(&b.a, "EUR", 3000).await;
-    let customer = b.customer(&b.a).await;
-    let near = (chrono::Utc::now() + chrono::TimeDelta::days(10)).to_rfc3339();
-    let trial = b
-        .created(
-            &b.a,
-            "/v1/subscriptions",
-            json!({"customer": customer, "plan": plan, "trial_end": near}),
-        )
-        .await;
+    let trial = b.trialing(&b.a, plan).await;
     let id = trial["id"].as_i64().unwrap();
     let cancel = format!("/v1/subscriptions/{id}/cancel");
     let later =

@@ -17,15 +17,17 @@ async fn an_endpoint_s_secret_is_shown_once_and_never_again() {
     let key = tenant(&t, "acme").await;
     let body = json!({"url": "https://hooks.example.com/in", "event_types": ["invoice.paid"]});
 
-    let created = s
-        .call(
+    // Created, then retried below with the same key and body.
+    let create = || {
+        s.call(
             "POST",
             "/v1/webhook_endpoints",
             &key,
             Some(&body),
             Some("e-1"),
         )
-        .await;
+    };
+    let created = create().await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.text);
     let ep = &created.json;
     let secret = ep["secret"].as_str().unwrap();
@@ -43,15 +45,7 @@ async fn an_endpoint_s_secret_is_shown_once_and_never_again() {
     assert!(clear.is_none() && sealed.is_some());
 
     // A retry with the same key and body: the first answer, nothing new.
-    let again = s
-        .call(
-            "POST",
-            "/v1/webhook_endpoints",
-            &key,
-            Some(&body),
-            Some("e-1"),
-        )
-        .await;
+    let again = create().await;
     assert!(again.replayed);
     assert_eq!((again.status, &again.text), (created.status, &created.text));
     // The recorded answer the replay came from holds the secret sealed too.
