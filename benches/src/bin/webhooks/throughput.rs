@@ -39,6 +39,9 @@ pub struct Run {
     first_dispatched: f64,
     first_delivered: f64,
     attempts: i64,
+    /// Per tenth of `db_wall`: events enqueued, events fanned out, deliveries
+    /// claimed (their last attempt's start) and delivered.
+    timeline: [Vec<i64>; 4],
     pub cpu: CpuUse,
     bouncer: Option<Bouncer>,
     ticks: Arc<Ticks>,
@@ -161,6 +164,7 @@ pub async fn run(
     .bind(db_t0)
     .fetch_one(&mut su)
     .await?;
+    let timeline = timeline(&mut su, db_t0, db_wall).await?;
     let got = Arrivals::of(&receiver.take(), &endpoints)?;
     ensure!(
         got.first.len() == deliveries,
@@ -185,12 +189,42 @@ pub async fn run(
         first_dispatched,
         first_delivered,
         attempts,
+        timeline,
         cpu,
         bouncer,
         ticks,
         verified: got.verified,
         pg,
     })
+}
+
+/// How the run's work spread over its wall time, in tenths of `db_wall` from
+/// `db_t0` (both on the database clock): where the pipeline filled, and where
+/// a stage waited on the one before it.
+async fn timeline(su: &mut sqlx::PgConnection, db_t0: f64, db_wall: f64) -> Result<[Vec<i64>; 4]> {
+    let (enqueued, fanned_out, claimed, delivered): (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>) =
+        sqlx::query_as(
+            "WITH b AS (SELECT g AS tenth FROM generate_series(1, 10) g), \
+                  t(at, stage) AS ( \
+                    SELECT created_at, 0 FROM webhook_events \
+                    UNION ALL SELECT dispatched_at, 1 FROM webhook_events \
+                    UNION ALL SELECT last_attempt_at, 2 FROM webhook_deliveries \
+                    UNION ALL SELECT delivered_at, 3 FROM webhook_deliveries), \
+                  c AS ( \
+                    SELECT stage, least(10, greatest(1, width_bucket( \
+                             extract(epoch FROM at)::float8 - $1, 0, $2, 10))) AS tenth \
+                    FROM t WHERE at IS NOT NULL) \
+             SELECT array_agg((SELECT count(*) FROM c WHERE c.stage = 0 AND c.tenth = b.tenth) ORDER BY tenth), \
+                    array_agg((SELECT count(*) FROM c WHERE c.stage = 1 AND c.tenth = b.tenth) ORDER BY tenth), \
+                    array_agg((SELECT count(*) FROM c WHERE c.stage = 2 AND c.tenth = b.tenth) ORDER BY tenth), \
+                    array_agg((SELECT count(*) FROM c WHERE c.stage = 3 AND c.tenth = b.tenth) ORDER BY tenth) \
+             FROM b",
+        )
+        .bind(db_t0)
+        .bind(db_wall.max(1e-3))
+        .fetch_one(su)
+        .await?;
+    Ok([enqueued, fanned_out, claimed, delivered])
 }
 
 /// The median run's figures and details, and every run's rate.
@@ -303,6 +337,23 @@ pub fn figures(args: &Args, shape: &Shape, runs: &[Run], report: &mut Report) {
             t.claimed.load(Relaxed),
             t.delivered.load(Relaxed),
             t.not_delivered.load(Relaxed)
+        ),
+    );
+    let [enqueued, fanned_out, claimed, delivered] = &m.timeline;
+    let tenths = |v: &Vec<i64>| {
+        v.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    report.detail(
+        "throughput (median run): by tenth of the database-clock wall time",
+        format!(
+            "events enqueued {}; fanned out {}; deliveries claimed {}; delivered {}",
+            tenths(enqueued),
+            tenths(fanned_out),
+            tenths(claimed),
+            tenths(delivered)
         ),
     );
     report.detail(
