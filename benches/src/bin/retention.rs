@@ -15,7 +15,7 @@ use anyhow::{Result, bail};
 use clap::Parser;
 use db::Db;
 use leader::{Manager, Role, Telemetry, Timing};
-use scheduler::{IDLE_PROBE, Retention, RoleSpec, run_role, work};
+use scheduler::{IDLE_PROBE, Retention, RoleSpec, Wake, run_role, work};
 use serde_json::{Value, json};
 use testbed::receiver::Receiver;
 use testbed::{Leg, TestDb};
@@ -206,9 +206,15 @@ async fn run_once(
         every,
         ..Retention::default()
     });
+    // As `hardcount serve`: the fan-out hands its deliveries over (docs/adr/0070).
+    let delivery = Wake::new(
+        Role::WebhookDelivery,
+        scheduler::default_interval(Role::WebhookDelivery),
+    );
     let mut dispatcher =
         Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?
-            .with_idle_probe(IDLE_PROBE);
+            .with_idle_probe(IDLE_PROBE)
+            .with_hand_over(delivery.clone());
     if let Some(r) = retention {
         dispatcher = dispatcher.with_retention(r);
     }
@@ -222,7 +228,8 @@ async fn run_once(
         },
         telemetry,
     )?
-    .with_idle_probe(IDLE_PROBE);
+    .with_idle_probe(IDLE_PROBE)
+    .with_wake(delivery);
     let shutdown = CancellationToken::new();
     let specs = [
         RoleSpec {

@@ -14,7 +14,7 @@ use anyhow::{Result, bail};
 use clap::Parser;
 use db::Db;
 use leader::{Manager, Role, Telemetry, Timing};
-use scheduler::{IDLE_PROBE, RoleSpec, run_role, work};
+use scheduler::{IDLE_PROBE, RoleSpec, Wake, run_role, work};
 use serde_json::{Value, json};
 use testbed::receiver::Receiver;
 use testbed::{Leg, TestDb};
@@ -89,8 +89,14 @@ async fn main() -> Result<()> {
         telemetry.clone(),
         "bench-tenants".into(),
     );
+    // As `hardcount serve`: the fan-out hands its deliveries over (docs/adr/0070).
+    let delivery = Wake::new(
+        Role::WebhookDelivery,
+        scheduler::default_interval(Role::WebhookDelivery),
+    );
     let dispatcher = Dispatcher::new(db.clone(), DispatcherConfig::default(), telemetry.clone())?
-        .with_idle_probe(IDLE_PROBE);
+        .with_idle_probe(IDLE_PROBE)
+        .with_hand_over(delivery.clone());
     let worker = Worker::new(
         db.clone(),
         WorkerConfig {
@@ -100,7 +106,8 @@ async fn main() -> Result<()> {
         },
         telemetry,
     )?
-    .with_idle_probe(IDLE_PROBE);
+    .with_idle_probe(IDLE_PROBE)
+    .with_wake(delivery);
     let shutdown = CancellationToken::new();
     let specs = [
         RoleSpec {

@@ -134,6 +134,7 @@ fn work_for(
     db: &Db,
     telemetry: &Telemetry,
     wake: Option<Wake>,
+    hand_over: Option<Wake>,
 ) -> Result<Option<Work>> {
     Ok(match role {
         Role::WebhookOutbox => {
@@ -144,6 +145,9 @@ fn work_for(
                     .with_retention(config.retention.role(config.retention.webhooks));
             if let Some(wake) = wake {
                 dispatcher = dispatcher.with_wake(wake);
+            }
+            if let Some(delivery) = hand_over {
+                dispatcher = dispatcher.with_hand_over(delivery);
             }
             let dispatcher = Arc::new(dispatcher);
             Some(scheduler::work(move |tick| {
@@ -283,12 +287,31 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // With HARDCOUNT_LISTEN_URL, the webhook roles are woken by their
     // producers' pg_notify instead of waiting for their interval.
     let mut wakes = Vec::new();
+    // The delivery role's wake always exists when this process runs it: the
+    // outbox role pokes it after each fan-out (docs/adr/0070), listener or not.
+    let delivery_wake = config
+        .roles
+        .iter()
+        .find(|rc| rc.role == Role::WebhookDelivery)
+        .map(|rc| match config.listen_url {
+            Some(_) => Wake::reporting(rc.role, rc.interval, &telemetry),
+            None => Wake::new(rc.role, rc.interval),
+        });
     for rc in &config.roles {
         let listens = crate::roles::entry(rc.role).is_some_and(|e| e.listens);
-        let wake = (config.listen_url.is_some() && listens)
-            .then(|| Wake::reporting(rc.role, rc.interval, &telemetry));
-        wakes.extend(wake.clone());
-        match work_for(rc.role, &config, &db, &telemetry, wake)? {
+        let wake = if rc.role == Role::WebhookDelivery {
+            delivery_wake.clone()
+        } else {
+            (config.listen_url.is_some() && listens)
+                .then(|| Wake::reporting(rc.role, rc.interval, &telemetry))
+        };
+        if config.listen_url.is_some() && listens {
+            wakes.extend(wake.clone());
+        }
+        let hand_over = (rc.role == Role::WebhookOutbox)
+            .then(|| delivery_wake.clone())
+            .flatten();
+        match work_for(rc.role, &config, &db, &telemetry, wake, hand_over)? {
             Some(work) => specs.push(RoleSpec {
                 role: rc.role,
                 interval: rc.interval,

@@ -11,6 +11,10 @@
 //! ```
 //!
 //! None waits past the tick's deadline, and a cancel ends every wait at once.
+//! A poke of the role's wake ends the two pauses that are not a listener's
+//! too, and the tick claims at once: another role of this process that just
+//! committed work for it says so ([`Wake::poke`], docs/adr/0070), where a
+//! listener is not there to.
 
 use std::time::{Duration, Instant};
 
@@ -92,7 +96,7 @@ impl Idle {
         }
         let Some(every) = self.probe_every.filter(|_| !(self.busy && self.found)) else {
             return tokio::select! {
-                () = tokio::time::sleep(BUSY_POLL.min(left())) => Ok(()),
+                _ = pause(role.wake(), BUSY_POLL.min(left())) => Ok(()),
                 () = tick.cancel.cancelled() => Err(Stop::Cancelled),
             };
         };
@@ -100,15 +104,16 @@ impl Idle {
             self.kept_open = true;
             let wait = self.pause.min(every);
             self.pause = (wait * 2).min(every);
-            tokio::select! {
-                () = tokio::time::sleep(wait.min(left())) => {}
+            let poked = tokio::select! {
+                poked = pause(role.wake(), wait.min(left())) => poked,
                 () = tick.cancel.cancelled() => return Err(Stop::Cancelled),
-            }
+            };
             if left().is_zero() {
                 return Err(Stop::Drained);
             }
-            // A listener that came up meanwhile takes over at the claim.
-            if listening(role) {
+            // Work handed over in this process needs no probe; a listener
+            // that came up meanwhile takes over at the claim.
+            if poked || listening(role) {
                 return Ok(());
             }
             match panics.step("probe", role.probe()).await {
@@ -117,6 +122,17 @@ impl Idle {
                 Some(Ok(true)) => return Ok(()),
                 Some(Ok(false)) => {}
             }
+        }
+    }
+}
+
+/// Sleep `at_most`, or less if `wake` is poked first. True when poked.
+async fn pause(wake: Option<&Wake>, at_most: Duration) -> bool {
+    match wake {
+        Some(wake) => wake.wait(at_most).await,
+        None => {
+            tokio::time::sleep(at_most).await;
+            false
         }
     }
 }

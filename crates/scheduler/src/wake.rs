@@ -97,7 +97,10 @@ impl Wake {
 
     /// Wake the role: the next (or current) wait returns at once. A poke while
     /// nobody waits is kept (one, not counted), so a notification that arrives
-    /// while a batch runs is not lost.
+    /// while a batch runs is not lost. The listener pokes on a notification;
+    /// another role of this process pokes when it commits work for this one
+    /// (a hand-over, docs/adr/0070), which ends a probing or busy tick's pause
+    /// even with no listener.
     pub fn poke(&self) {
         self.inner.notify.notify_one();
     }

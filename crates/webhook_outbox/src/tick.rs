@@ -36,6 +36,8 @@ pub struct Dispatcher {
     config: DispatcherConfig,
     telemetry: Telemetry,
     wake: Option<Wake>,
+    /// The delivery role's wake in this process, poked after each fan-out.
+    hand_over: Option<Wake>,
     idle_probe: Option<Duration>,
     pruning: Option<Arc<Pruning>>,
     /// Where the next claim starts among tenants (docs/adr/0048).
@@ -56,6 +58,7 @@ impl Dispatcher {
             config,
             telemetry,
             wake: None,
+            hand_over: None,
             idle_probe: None,
             pruning: None,
             cursor: db::TenantCursor::default(),
@@ -68,6 +71,19 @@ impl Dispatcher {
     #[must_use]
     pub fn with_wake(mut self, wake: Wake) -> Dispatcher {
         self.wake = Some(wake);
+        self
+    }
+
+    /// Hand the fanned-out deliveries over (docs/adr/0070): after each batch
+    /// that inserted deliveries, poke `delivery`, the `webhook_delivery`
+    /// role's wake in this process, so that a tick of that role waiting out a
+    /// probe's or a busy claim's pause claims them at once. Not while that
+    /// wake listens: the fan-out's `pg_notify` wakes it then, in any replica.
+    /// Harmless when this process does not lead that role: the poke waits for
+    /// its next tick, one claim that may find nothing.
+    #[must_use]
+    pub fn with_hand_over(mut self, delivery: Wake) -> Dispatcher {
+        self.hand_over = Some(delivery);
         self
     }
 
@@ -156,6 +172,12 @@ impl Dispatcher {
             self.config.statement_timeout,
         )
         .await?;
+        // A listening delivery role hears the fan-out's own pg_notify.
+        if batch.deliveries > 0
+            && let Some(delivery) = self.hand_over.as_ref().filter(|w| !w.is_listening())
+        {
+            delivery.poke();
+        }
         if batch.events > 0 {
             self.telemetry
                 .counter("hardcount_webhook_events_dispatched_total", &[])

@@ -74,11 +74,14 @@ impl Loops {
             Worker::new(db.clone(), shape.worker.clone(), telemetry)?.with_idle_probe(IDLE_PROBE);
         let shutdown = CancellationToken::new();
         let mut handles = Vec::new();
+        // As `hardcount serve`: the delivery role's wake exists listener or
+        // not, and the outbox pokes it after each fan-out (docs/adr/0070).
+        let wakes = [Role::WebhookOutbox, Role::WebhookDelivery]
+            .map(|role| Wake::new(role, shape.interval));
+        dispatcher = dispatcher.with_hand_over(wakes[1].clone());
+        worker = worker.with_wake(wakes[1].clone());
         if shape.listen {
-            let wakes = [Role::WebhookOutbox, Role::WebhookDelivery]
-                .map(|role| Wake::new(role, shape.interval));
             dispatcher = dispatcher.with_wake(wakes[0].clone());
-            worker = worker.with_wake(wakes[1].clone());
             handles.push(tokio::spawn(listen(
                 listen_url.to_owned(),
                 wakes.to_vec(),

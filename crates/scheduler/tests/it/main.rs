@@ -1,5 +1,6 @@
 //! Role loops and the panic guard against real Postgres, in both legs of the bed.
 
+mod hand_over;
 mod steps;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -26,6 +26,7 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use scheduler::Wake;
 use testbed::TestDb;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
@@ -98,6 +99,17 @@ pub async fn endpoint(t: &TestDb, tenant: &str, url: &str) -> Endpoint {
 /// Enqueue events for `tenant` and fan them out, so each endpoint of the
 /// tenant gets one pending delivery per event. Returns the event ids.
 pub async fn events(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
+    events_handed_over(db, tenant, n, None).await
+}
+
+/// [`events`], the fan-out handing its deliveries over to `hand_over` (the
+/// delivery role's wake in this process; docs/adr/0070).
+pub async fn events_handed_over(
+    db: &Db,
+    tenant: &str,
+    n: usize,
+    hand_over: Option<&Wake>,
+) -> Vec<i64> {
     let mut tx = db.begin().await.unwrap();
     let mut ids = Vec::new();
     for i in 0..n {
@@ -109,8 +121,11 @@ pub async fn events(db: &Db, tenant: &str, n: usize) -> Vec<i64> {
         );
     }
     tx.commit().await.unwrap();
-    let dispatcher =
+    let mut dispatcher =
         Dispatcher::new(db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
+    if let Some(wake) = hand_over {
+        dispatcher = dispatcher.with_hand_over(wake.clone());
+    }
     as_leader(
         &manager(db, "outbox"),
         Role::WebhookOutbox,

@@ -1,17 +1,18 @@
 //! Idle probes of the delivery role (docs/adr/0019): without a listener, the
 //! idle, led role asks every `scheduler::IDLE_PROBE` whether a delivery is
 //! due and delivers a fanned-out one within about a probe, not the interval;
-//! a fan-out in the same process ends the probe's pause at once (docs/adr/0020).
+//! a fan-out in the same process that hands its deliveries over ends the
+//! probe's pause at once (docs/adr/0070).
 
 use std::time::Duration;
 
 use leader::Role;
-use scheduler::{IDLE_PROBE, RoleSpec, run_role, work};
+use scheduler::{IDLE_PROBE, RoleSpec, Wake, run_role, work};
 use testbed::TestDb;
 use testbed::receiver::Receiver;
 use tokio_util::sync::CancellationToken;
 
-use crate::{config, endpoint, events, manager, worker};
+use crate::{config, endpoint, events, events_handed_over, manager, worker};
 
 /// With a 5 s interval and no listener, each of three deliveries fanned out
 /// while the role is idle reaches the receiver within 500 ms of the fan-out's
@@ -40,6 +41,49 @@ async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_int
     let mut waits = Vec::new();
     for n in 1..=3 {
         events(&t.db, "tenant_a", 1).await;
+        waits.push(rx.until_count(n, Duration::from_secs(20)).await);
+        tokio::time::sleep(Duration::from_millis(70)).await;
+    }
+    shutdown.cancel();
+    role.await.unwrap();
+    println!("fan-out commit to POST: {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
+}
+
+/// With no listener and a 16 s probe period (the first pause 2 s), each of
+/// three deliveries fanned out by a dispatcher that hands them over to the
+/// role's wake reaches the receiver within 500 ms of the fan-out's commit.
+///
+/// Mutation check: the fan-out without its poke (`hand_over_fan_out`)
+/// leaves each delivery to the role's next probe, 2 s or more on, and this
+/// test fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_handed_over_in_this_process_reaches_the_idle_role_at_once() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w
+        .with_idle_probe(Duration::from_secs(16))
+        .with_wake(wake.clone());
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval: Duration::from_secs(5),
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut waits = Vec::new();
+    for n in 1..=3 {
+        events_handed_over(&t.db, "tenant_a", 1, Some(&wake)).await;
         waits.push(rx.until_count(n, Duration::from_secs(20)).await);
         tokio::time::sleep(Duration::from_millis(70)).await;
     }
