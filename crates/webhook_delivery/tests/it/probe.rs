@@ -11,22 +11,20 @@ use scheduler::{IDLE_PROBE, RoleSpec, Wake, run_role, work};
 use testbed::TestDb;
 use testbed::receiver::Receiver;
 use tokio_util::sync::CancellationToken;
+use webhook_delivery::Worker;
 
-use crate::{config, endpoint, events, events_handed_over, manager, worker};
+use crate::{config, endpoint, events_handed_over, manager, worker};
 
-/// With a 5 s interval and no listener, each of three deliveries fanned out
-/// while the role is idle reaches the receiver within 500 ms of the fan-out's
-/// commit.
-///
-/// Mutation check: a probe that never sees a due delivery leaves the role to
-/// its budget and this test fails (scripts/mutation-check `delivery_probe`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_interval() {
+/// Run `w` as the led delivery role at a 5 s interval and, once it idles,
+/// fan out one event three times (handing each over to `hand_over`), each
+/// after the last one's POST arrived. Returns how long each POST took to
+/// arrive once its fan-out had committed.
+async fn waits_to_post(hand_over: Option<&Wake>, w: impl Fn(Worker) -> Worker) -> Vec<Duration> {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_idle_probe(IDLE_PROBE);
+    let (plain, _) = worker(&t.db, config());
+    let w = w(plain);
     let spec = RoleSpec {
         role: Role::WebhookDelivery,
         interval: Duration::from_secs(5),
@@ -40,13 +38,25 @@ async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_int
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut waits = Vec::new();
     for n in 1..=3 {
-        events(&t.db, "tenant_a", 1).await;
+        events_handed_over(&t.db, "tenant_a", 1, hand_over).await;
         waits.push(rx.until_count(n, Duration::from_secs(20)).await);
         tokio::time::sleep(Duration::from_millis(70)).await;
     }
     shutdown.cancel();
     role.await.unwrap();
     println!("fan-out commit to POST: {waits:?}");
+    waits
+}
+
+/// With a 5 s interval and no listener, each of three deliveries fanned out
+/// while the role is idle reaches the receiver within 500 ms of the fan-out's
+/// commit.
+///
+/// Mutation check: a probe that never sees a due delivery leaves the role to
+/// its budget and this test fails (scripts/mutation-check `delivery_probe`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_interval() {
+    let waits = waits_to_post(None, |w| w.with_idle_probe(IDLE_PROBE)).await;
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
@@ -62,34 +72,12 @@ async fn a_fanned_out_delivery_reaches_the_idle_probing_role_well_inside_one_int
 /// test fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fan_out_handed_over_in_this_process_reaches_the_idle_role_at_once() {
-    let t = TestDb::new().await;
-    let rx = Receiver::answering(200).await;
-    endpoint(&t, "tenant_a", &rx.url()).await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w
-        .with_idle_probe(Duration::from_secs(16))
-        .with_wake(wake.clone());
-    let spec = RoleSpec {
-        role: Role::WebhookDelivery,
-        interval: Duration::from_secs(5),
-        work: work(move |tick| {
-            let w = w.clone();
-            async move { w.run_tick(&tick).await.end }
-        }),
-    };
-    let shutdown = CancellationToken::new();
-    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut waits = Vec::new();
-    for n in 1..=3 {
-        events_handed_over(&t.db, "tenant_a", 1, Some(&wake)).await;
-        waits.push(rx.until_count(n, Duration::from_secs(20)).await);
-        tokio::time::sleep(Duration::from_millis(70)).await;
-    }
-    shutdown.cancel();
-    role.await.unwrap();
-    println!("fan-out commit to POST: {waits:?}");
+    let waits = waits_to_post(Some(&wake), |w| {
+        w.with_idle_probe(Duration::from_secs(16))
+            .with_wake(wake.clone())
+    })
+    .await;
     assert!(
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
