@@ -74,7 +74,10 @@
 //!   [`scheduler::BUSY_POLL`], and a [`Worker`] that probes
 //!   ([`Worker::with_idle_probe`], docs/adr/0019) keeps its drained tick open
 //!   too, asking every [`scheduler::IDLE_PROBE`] with one index read whether a
-//!   delivery is due, until its budget.
+//!   delivery is due, until its budget. A wake that does not listen still
+//!   ends those pauses when poked: the fan-out in the same process hands its
+//!   deliveries over that way (`webhook_outbox::Dispatcher::with_hand_over`,
+//!   docs/adr/0070).
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration

@@ -81,7 +81,9 @@ impl Worker {
 
     /// Listen for wake-ups (docs/adr/0014): while `wake` is listening, a tick
     /// that drained stays open and claims again when the outbox's fan-out
-    /// commits (or at `wake`'s poll interval) until its budget.
+    /// commits (or at `wake`'s poll interval) until its budget. While it does
+    /// not, a poke still ends a probe's or a busy tick's pause: the fan-out's
+    /// hand-over in this process (docs/adr/0070).
     #[must_use]
     pub fn with_wake(mut self, wake: Wake) -> Worker {
         self.wake = Some(wake);
