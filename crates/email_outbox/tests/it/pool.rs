@@ -24,9 +24,10 @@ use crate::{as_leader, config, drain, email, manager, queue, rows, sender};
 /// open to the sink (sampled every millisecond) never exceed three, and
 /// every email is sent.
 ///
-/// Mutation check (`email_pool_bound`): removing the pool's permit lets the
-/// two batches open six connections at once; this test was run against that
-/// mutation and failed, then the permit was restored.
+/// Mutation check (`email_pool_bound`): both bounds lifted (the pool's permits
+/// and the sender's, docs/adr/0068, each `max_connections`) lets the two
+/// batches open six connections at once, and this test fails. Either bound
+/// alone holds it at three, so lifting one survives.
 #[tokio::test]
 async fn open_connections_never_exceed_the_bound() {
     let t = TestDb::new().await;
