@@ -121,7 +121,15 @@ async fn three_replicas_run_every_5_second_slot_once_within_a_second() {
         "{} slots, the latest claimed {worst:.3}s after its time",
         ran.len()
     );
-    assert_eq!(last_slot(&t, role).await, slots.last().copied());
+    // The stop can cut the last slot's tick after its work ran: that tick is
+    // released interrupted, which stamps nothing, so its slot would run again
+    // after a restart, and `last_slot` is the slot before it.
+    let stamped = last_slot(&t, role).await;
+    let before_last = slots.len().checked_sub(2).map(|i| slots[i]);
+    assert!(
+        stamped == slots.last().copied() || stamped == before_last,
+        "last_slot {stamped:?}, slots run {slots:?}"
+    );
 }
 
 /// A downtime runs the latest slot once and counts the others; a failed
