@@ -298,19 +298,19 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
             None => Wake::new(rc.role, rc.interval),
         });
     for rc in &config.roles {
-        let listens = crate::roles::entry(rc.role).is_some_and(|e| e.listens);
+        let listens =
+            config.listen_url.is_some() && crate::roles::entry(rc.role).is_some_and(|e| e.listens);
         let wake = if rc.role == Role::WebhookDelivery {
             delivery_wake.clone()
         } else {
-            (config.listen_url.is_some() && listens)
-                .then(|| Wake::reporting(rc.role, rc.interval, &telemetry))
+            listens.then(|| Wake::reporting(rc.role, rc.interval, &telemetry))
         };
-        if config.listen_url.is_some() && listens {
+        if listens {
             wakes.extend(wake.clone());
         }
-        let hand_over = (rc.role == Role::WebhookOutbox)
-            .then(|| delivery_wake.clone())
-            .flatten();
+        let hand_over = delivery_wake
+            .clone()
+            .filter(|_| rc.role == Role::WebhookOutbox);
         match work_for(rc.role, &config, &db, &telemetry, wake, hand_over)? {
             Some(work) => specs.push(RoleSpec {
                 role: rc.role,
