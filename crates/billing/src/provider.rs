@@ -286,12 +286,29 @@ impl Provider {
                 Err(unknown) => return Err(unknown),
             };
             if !(200..300).contains(&status) {
-                return Err(classify(
-                    status,
-                    &text,
-                    false,
-                    self.config.secret_key.expose(),
-                ));
+                // A refused read says nothing of the charge: a 4xx here is
+                // never a decline or a failure of the attempt (docs/adr/0071).
+                return Err(
+                    match classify(status, &text, false, self.config.secret_key.expose()) {
+                        ChargeOutcome::Declined { code, .. } => needs_review(
+                            format!(
+                                "HTTP {status} {code} listing the customer's payment intents: \
+                                 whether this attempt charged cannot be read there; check the \
+                                 provider's dashboard"
+                            ),
+                            Some(self.raw(&text)),
+                        ),
+                        ChargeOutcome::Invalid { reason } => needs_review(
+                            format!(
+                                "the provider refused the listing of the customer's payment \
+                                 intents ({reason}): whether this attempt charged cannot be read \
+                                 there; check the provider's dashboard"
+                            ),
+                            Some(self.raw(&text)),
+                        ),
+                        other => other,
+                    },
+                );
             }
             let Ok(list) = serde_json::from_str::<serde_json::Value>(&text) else {
                 return Err(needs_review(

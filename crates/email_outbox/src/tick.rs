@@ -192,6 +192,7 @@ impl Sender {
             &self.inner.cursor,
             limit,
             c.claim_lease(),
+            c.retry_delays.len() + 1,
             c.statement_timeout,
         )
         .await?)

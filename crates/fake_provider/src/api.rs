@@ -372,6 +372,16 @@ pub(super) fn list_query(raw: Option<&str>) -> Result<ListQuery, Box<Response>> 
 /// Stripe's list object of the intents `q` selects: newest first, from just
 /// before `starting_after` (in that order), `limit` of them.
 pub(super) fn list(l: &Ledger, q: &ListQuery) -> Result<Value, Box<Response>> {
+    if let Some(c) = q
+        .customer
+        .as_ref()
+        .filter(|c| l.deleted_customers.contains(*c))
+    {
+        return Err(Box::new(missing(
+            "customer",
+            format!("No such customer: '{c}'"),
+        )));
+    }
     let before = match &q.starting_after {
         Some(id) => *l.by_id.get(id).ok_or_else(|| {
             Box::new(missing(

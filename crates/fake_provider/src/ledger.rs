@@ -150,6 +150,9 @@ pub(crate) struct Ledger {
     /// Requests of any route refused with 401.
     pub(crate) unauthorized_requests: u32,
     pub(crate) ignore_minimums: bool,
+    /// Customers deleted at the provider: a list filtered by one is refused
+    /// with 404 `resource_missing` on `customer`.
+    pub(crate) deleted_customers: std::collections::HashSet<String>,
     pub(crate) clock_offset_secs: u64,
     /// How long a create request waits before it is handled (zero: none).
     pub(crate) latency: std::time::Duration,

@@ -33,7 +33,9 @@
 //!      otherwise                     ──▶ 200 payment_intent status succeeded (charged)
 //!  GET  /v1/payment_intents/{id}     the intent as it is now, or 404 resource_missing param intent
 //!  GET  /v1/payment_intents?customer=cus_…&created[gte]=UNIX&limit=1..100&starting_after=pi_…
-//!                                    {"object":"list","url","has_more","data"} newest first
+//!                                    {"object":"list","url","has_more","data"} newest first;
+//!                                    a deleted customer (FakeProvider::delete_customer):
+//!                                    404 resource_missing, param customer
 //!  GET  /_test/charges               {"by_key": {key: n}, "total": n}   (successful charges)
 //!  POST /_test/behaviour             customer=cus_…&behaviour=succeed|decline|hang|error|
 //!                                    stored_error|processing|missing_payment_method|malformed|
@@ -284,6 +286,16 @@ impl FakeProvider {
             .ledger()
             .behaviour
             .insert(customer.to_owned(), behaviour);
+    }
+
+    /// Delete `customer` (`cus_…`) at the provider: from now on a list of
+    /// payment intents filtered by it is refused with 404 `resource_missing`
+    /// on `customer`. Its intents and charges stay counted.
+    pub fn delete_customer(&self, customer: &str) {
+        self.shared
+            .ledger()
+            .deleted_customers
+            .insert(customer.to_owned());
     }
 
     /// Whether amounts under the currency's minimum ([`minimum_amount`]) are

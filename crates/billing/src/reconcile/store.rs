@@ -6,7 +6,7 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::Fence;
 
-use crate::batch::ChargeClaim;
+use crate::batch::{ChargeClaim, chargeable_invoice};
 
 /// An attempt still open (unknown or processing), with the claim the
 /// reconciler took on its invoice.
@@ -28,7 +28,8 @@ pub(crate) struct UnknownAttempt {
 
 /// The statement of [`claim_unknown`]; `pub` only for the plan test
 /// (`tests/it/plans.rs`).
-pub const CLAIM_UNKNOWN: &str = "WITH picked AS ( \
+pub const CLAIM_UNKNOWN: &str = concat!(
+    "WITH picked AS ( \
       SELECT a.id AS attempt_id, i.id, \
              (a.first_sent_at IS NULL \
               OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
@@ -41,8 +42,9 @@ pub const CLAIM_UNKNOWN: &str = "WITH picked AS ( \
         AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
         AND (i.auto_charge_claimed_until IS NULL OR i.auto_charge_claimed_until <= now()) \
         AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
-        AND (a.first_sent_at IS NOT NULL \
-             OR (s.status = 'active' AND s.pause_collection_behavior IS NULL)) \
+        AND (a.first_sent_at IS NOT NULL OR ( ",
+    chargeable_invoice!(),
+    ")) \
         AND a.id <> ALL ($6) \
         AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
                         WHERE e.invoice_id = a.invoice_id \
@@ -75,7 +77,8 @@ pub const CLAIM_UNKNOWN: &str = "WITH picked AS ( \
     JOIN payment_attempts a ON a.id = p.attempt_id \
     JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
     JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-    ORDER BY a.last_checked_at NULLS FIRST, a.id";
+    ORDER BY a.last_checked_at NULLS FIRST, a.id"
+);
 
 /// The fenced reconciler funnel: up to `limit` open attempts (unknown or
 /// processing) of open invoices not flagged for review, whose auto-charge
@@ -84,10 +87,12 @@ pub const CLAIM_UNKNOWN: &str = "WITH picked AS ( \
 /// open attempt of an invoice; each invoice taken under a fresh claim lease by
 /// the same conditional UPDATE auto-charge uses. An attempt whose key no
 /// request executed (`first_sent_at` NULL: recorded, then never sent because
-/// the budget ran out or the tick was cancelled) is listed only while its
-/// invoice is still chargeable (the subscription active, its collection not
-/// paused; the invoice open and not flagged), and is stamped as sent now,
-/// since the reconciler may send it.
+/// the budget ran out, the tick was cancelled or the key was refused) is
+/// listed only while its invoice is still chargeable by auto-charge's own
+/// rule (`chargeable_invoice!`: open, automatic, collection not paused, a
+/// saved card; whatever the subscription's status, so a cancelled
+/// subscription's final invoice too, docs/adr/0071) and not flagged, and is
+/// stamped as sent now, since the reconciler may send it.
 ///
 /// Index-driven (docs/adr/0060): the open attempts in
 /// `payment_attempts_open` order, so the limit stops the walk, each one's

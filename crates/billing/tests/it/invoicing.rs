@@ -412,9 +412,9 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
 }
 
 // Guard: an attempt recorded but never sent is sent later only while its
-// invoice is chargeable. Seen failing with the predicate `OR (s.status =
-// 'active' AND s.pause_collection_behavior IS NULL)` made `OR true`
-// (mutation `unsent_chargeable`): sent while collection is paused.
+// invoice is chargeable. Seen failing with the reconciler's chargeable rule
+// (`chargeable_invoice!()` in its never-sent branch) made `true` (mutation
+// `unsent_chargeable`): sent while collection is paused.
 #[tokio::test]
 async fn an_attempt_never_sent_is_sent_later_only_while_the_invoice_is_chargeable() {
     let t = TestDb::new().await;
@@ -444,6 +444,50 @@ async fn an_attempt_never_sent_is_sent_later_only_while_the_invoice_is_chargeabl
     ))
     .await
     .unwrap();
+    tick(&t.db, &b).await;
+    assert_eq!(p.total_charges(), 1);
+    let status: String =
+        t.db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(invoice))
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(status, "paid");
+}
+
+/// The final invoice of a cancelled subscription (the closing that ends a
+/// subscription writes its last invoice and `canceled` in one compare-and-set)
+/// is charged by auto-charge like any other. When its attempt was recorded and
+/// never sent (here a rolled key refused the first call), the reconciler sends
+/// it once the key is fixed, by auto-charge's own rule of what is chargeable,
+/// whatever the subscription's status; else nothing would ever take the
+/// invoice again. Seen failing with the reconciler's old rule, the
+/// subscription `active` (docs/adr/0071; mutation `unsent_final_invoice`):
+/// no charge, the invoice open.
+#[tokio::test]
+async fn a_cancelled_subscriptions_final_invoice_whose_attempt_was_never_sent_is_sent_later() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, _) = crate::open_invoices(&t.db, 1).await[0].clone();
+    sqlx::query(
+        "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), next_billing_at = NULL",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    p.roll_secret_key("sk_test_rolled_elsewhere");
+    let (b, _) = biller(&t.db, charging(&p));
+    tick(&t.db, &b).await;
+    assert_eq!(p.unauthorized_requests(), 1);
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT provider_status || ':' || (first_sent_at IS NULL)::text FROM payment_attempts"
+        )
+        .await,
+        vec!["unknown:true"],
+        "recorded, never sent"
+    );
+    p.roll_secret_key(TEST_SECRET_KEY);
     tick(&t.db, &b).await;
     assert_eq!(p.total_charges(), 1);
     let status: String =

@@ -267,3 +267,70 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
     );
     assert_eq!(p.total_charges(), 1);
 }
+
+/// The customer is deleted at the provider after a charge whose answer was
+/// lost: the list of its intents is refused with 404 `resource_missing` on
+/// `customer`. A refused read says nothing of the charge, so it is not a
+/// decline (which would announce `payment.failed`, email the customer and hand
+/// the invoice to dunning, whose retry would charge again under a new key):
+/// the attempt needs review, the invoice is flagged, nothing is announced,
+/// and the provider counted the one charge. Seen failing with the listing's
+/// refusal passed on as `classify` reads it (docs/adr/0071; mutation
+/// `lookup_refusal_declined`): declined, `payment.failed` announced.
+#[tokio::test]
+async fn a_listing_refused_for_a_deleted_customer_is_not_taken_for_a_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Hang);
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    assert_eq!(p.total_charges(), 1);
+    p.delete_customer(&open[0].1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (
+            report.reconciled.declined,
+            report.reconciled.needs_review,
+            report.reconciled.paid
+        ),
+        (0, 1, 0),
+        "{report:?}"
+    );
+    let r =
+        t.db.fetch_one(sql(
+            "SELECT provider_status, last_error FROM payment_attempts",
+        ))
+        .await
+        .unwrap();
+    let (status, error): (String, Option<String>) = (r.get(0), r.get(1));
+    assert_eq!(status, "needs_review");
+    assert!(
+        error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("resource_missing"),
+        "{error:?}"
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT (review_reason IS NOT NULL)::text FROM invoices"
+        )
+        .await,
+        vec!["true"]
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type <> 'invoice.finalized'"
+        )
+        .await,
+        Vec::<String>::new()
+    );
+    assert_eq!(p.total_charges(), 1);
+}

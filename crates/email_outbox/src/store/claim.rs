@@ -36,7 +36,7 @@ pub const CLAIM_DUE: &str = concat!(
     "first AS MATERIALIZED ( \
            SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
              SELECT x.*, row_number() OVER () AS turn FROM ( \
-               SELECT m.id, m.tenant_id, m.next_attempt_at FROM email_outbox m \
+               SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts AS made FROM email_outbox m \
                WHERE m.status = 'queued' AND m.tenant_id = t.tenant_id \
                  AND m.next_attempt_at <= now() \
                  AND leader_fence($1, $2) \
@@ -48,7 +48,7 @@ pub const CLAIM_DUE: &str = concat!(
            WHERE f.turn = s.quota), \
          fill AS MATERIALIZED ( \
            SELECT more.* FROM whole w, LATERAL ( \
-             SELECT m.id, m.tenant_id, m.next_attempt_at FROM email_outbox m \
+             SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts AS made FROM email_outbox m \
              WHERE m.status = 'queued' AND m.tenant_id = w.tenant_id \
                AND m.next_attempt_at <= now() \
                AND (m.next_attempt_at, m.id) > (w.next_attempt_at, w.id) \
@@ -56,13 +56,20 @@ pub const CLAIM_DUE: &str = concat!(
              ORDER BY m.next_attempt_at, m.id \
              LIMIT ($3 - (SELECT count(*) FROM first)) / greatest(1, (SELECT count(*) FROM whole)) \
              FOR UPDATE SKIP LOCKED) more), \
-         due AS (SELECT id FROM first UNION ALL SELECT id FROM fill), \
+         due AS (SELECT id, made FROM first UNION ALL SELECT id, made FROM fill), \
+         exhausted AS ( \
+           UPDATE email_outbox m \
+           SET status = 'failed', \
+               last_reply_code = NULL, \
+               last_reply_text = 'attempts_exhausted: every attempt was claimed and none wrote a result' \
+           FROM due WHERE m.id = due.id AND due.made >= $7 \
+           RETURNING m.id), \
          claimed AS ( \
            UPDATE email_outbox m \
            SET attempts = m.attempts + 1, \
                next_attempt_at = now() + make_interval(secs => $4), \
                last_attempt_at = now() \
-           FROM due WHERE m.id = due.id \
+           FROM due WHERE m.id = due.id AND due.made < $7 \
            RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
                      m.subject, m.text_body, m.html_body) \
          SELECT claimed.*, share.tenants, share.last_tenant FROM share LEFT JOIN claimed ON true"
@@ -81,12 +88,21 @@ pub const CLAIM_DUE: &str = concat!(
 ///
 /// The fence sits in the innermost WHERE, next to `FOR UPDATE SKIP LOCKED`: a
 /// stale token claims nothing, and rows another claim holds are skipped.
+///
+/// The ceiling: a due email already claimed `max_attempts` times (the
+/// attempts a send's result would allow, `retry_delays` and one) is not
+/// handed out again; the same statement marks it `failed` with
+/// `attempts_exhausted`. An attempt whose process died before its result
+/// (killed, out of memory) is counted by its claim, so an email that takes the
+/// process down at every send stops after its attempts, as a webhook delivery
+/// does (docs/adr/0072), instead of coming back to every next leader.
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
     cursor: &TenantCursor,
     limit: usize,
     lease: Duration,
+    max_attempts: usize,
     statement_timeout: Duration,
 ) -> Result<Vec<Queued>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -102,7 +118,8 @@ pub(crate) async fn claim_due(
                     .bind(limit)
                     .bind(lease.as_secs_f64())
                     .bind(after)
-                    .bind(bound),
+                    .bind(bound)
+                    .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX)),
             )
             .await?;
         tx.commit().await?;

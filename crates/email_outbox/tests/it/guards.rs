@@ -163,3 +163,52 @@ async fn sends_not_started_within_the_budget_are_handed_back() {
     drain(&t, &s, 20).await;
     assert!(rows(&t.db).await.iter().all(|r| r.status == "sent"));
 }
+
+/// The ceiling: an email whose every attempt was claimed and none wrote a
+/// result (a sender killed during each send, as out of memory) is not claimed
+/// again; the claim marks it `failed`, `attempts_exhausted`, without sending.
+/// An email with an attempt left is sent as usual. The test's config allows
+/// three attempts (two retry delays).
+///
+/// Mutation check: removing `AND due.made < $7` from the claim's update
+/// (mutation `email_ceiling`) sends the exhausted email a fourth time; seen
+/// failing under it (docs/adr/0072).
+#[tokio::test]
+async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let ids = queue(
+        &t.db,
+        "tenant_a",
+        &[email("ada@example.org", 1), email("bob@example.org", 2)],
+    )
+    .await;
+    sqlx::query("UPDATE email_outbox SET attempts = CASE id WHEN $1 THEN 3 ELSE 2 END")
+        .bind(ids[0])
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    make_due(&t).await;
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let _ = tick(&t.db, &s).await;
+    let rows = rows(&t.db).await;
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.status.as_str(), r.attempts))
+            .collect::<Vec<_>>(),
+        vec![("failed", 3), ("sent", 3)],
+        "{rows:?}"
+    );
+    assert!(
+        rows[0]
+            .reply_text
+            .as_deref()
+            .is_some_and(|t| t.starts_with("attempts_exhausted")),
+        "{rows:?}"
+    );
+    assert_eq!(
+        sink.messages().len(),
+        1,
+        "only the email with an attempt left"
+    );
+}

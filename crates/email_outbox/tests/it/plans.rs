@@ -36,6 +36,7 @@ async fn a_claim_reads_its_batch_in_index_order_and_sorts_nothing() {
             .bind(30.0_f64)
             .bind("")
             .bind(50_i64)
+            .bind(6_i32)
     })
     .await;
     assert!(
