@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 use url::Url;
 
+use crate::backoff::RetrySchedule;
 use crate::breaker::Admit;
 use crate::delivery::Claimed;
 use crate::fairness::{Stalled, Turn};
@@ -405,11 +406,15 @@ async fn wait_turn(shared: &Shared, d: &Claimed, start_by: &StartBy) -> Waited {
     }
 }
 
-/// The next state after a failed attempt that heard nothing (its
-/// processing panicked, say): a retry on the schedule, or dead.
-pub(crate) fn after_failure(shared: &Shared, attempt: i32) -> NextState {
-    let made = u32::try_from(attempt).unwrap_or(0);
-    let schedule = &shared.config.retry_schedule;
+/// The next state of attempt `attempt` of a delivery last resent at
+/// `resent_at` that failed hearing nothing (its processing panicked, say): a
+/// retry on the schedule, or dead. The schedule starts again at a resend, as
+/// an answered attempt's verdict does (migration 0026).
+pub(crate) fn after_failure(
+    schedule: &RetrySchedule,
+    (attempt, resent_at): (i32, i32),
+) -> NextState {
+    let made = u32::try_from(attempt - resent_at).unwrap_or(0);
     match verdict::verdict(Heard::NoAnswer, made, schedule, &mut rand::rng()) {
         Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
         _ => NextState::Dead,
@@ -428,4 +433,26 @@ fn open_secret(
     keyring
         .open(tenant_id, &sealed.key_id, &sealed.ciphertext)
         .map_err(|e: OpenError| e.to_string())
+}
+
+#[cfg(test)]
+mod after_failure_tests {
+    use super::*;
+
+    /// A panicked attempt of a resent delivery counts from the resend, as an
+    /// answered one does: the default schedule allows eight attempts, so the
+    /// 8th since the resend is the last and an earlier one is retried. Seen
+    /// failing with `attempt - resent_at` made `attempt` (mutation
+    /// `panic_after_resend`): the resent delivery's first panic was its death.
+    #[test]
+    fn a_panicked_attempt_counts_from_the_last_resend() {
+        let schedule = RetrySchedule::default();
+        let last = i32::try_from(schedule.0.len()).unwrap() + 1;
+        let retried = |s| matches!(s, NextState::RetryAfter(_));
+        assert!(retried(after_failure(&schedule, (1, 0))));
+        assert!(!retried(after_failure(&schedule, (last, 0))));
+        // Resent after a death at `last`: attempts since then start at one.
+        assert!(retried(after_failure(&schedule, (last + 2, last + 1))));
+        assert!(!retried(after_failure(&schedule, (2 * last + 1, last + 1))));
+    }
 }

@@ -81,7 +81,11 @@ pub(crate) const CARRY_QUIET: Duration = Duration::from_millis(50);
 
 /// Attempts running as tasks of their own, each yielding its delivery's key
 /// and what the attempt left, or its panic. Dropping it aborts them.
-pub(crate) type Running = FuturesUnordered<Guarded<(i64, i32), Attempted>>;
+pub(crate) type Running = FuturesUnordered<Guarded<Key, Attempted>>;
+
+/// A running attempt's delivery, its attempt number and the attempt it was
+/// last resent at (where its retry schedule starts again, migration 0026).
+pub(crate) type Key = (i64, i32, i32);
 
 /// A guarded task's key and its output or its panic.
 pub(crate) type Guarded<K, O> = Pin<Box<dyn Future<Output = (K, Result<O, Payload>)> + Send>>;
@@ -164,7 +168,7 @@ pub(crate) async fn attempt_batch(
                 cancel: cancel.clone(),
                 busy: busy.clone(),
             };
-            let key = (d.row.id, d.row.attempt);
+            let key = (d.row.id, d.row.attempt, d.row.resent_at_attempt);
             let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
             let target = d.row.enabled.then(|| {
                 targets
@@ -262,9 +266,9 @@ pub(crate) async fn collect(
         tokio::select! {
             // In this order: what finished first, the carry timer last.
             biased;
-            Some(((id, attempt), result)) = running.next(), if !running.is_empty() => {
+            Some((key, result)) = running.next(), if !running.is_empty() => {
                 progress = tokio::time::Instant::now();
-                finished(shared, id, attempt, result, &mut buffer, &mut holds, panics, report);
+                finished(shared, key, result, &mut buffer, &mut holds, panics, report);
                 if pipeline.is_some_and(|left| running.len() <= left)
                     && let Some((at, busy)) = carry.take()
                 {
@@ -279,8 +283,8 @@ pub(crate) async fn collect(
             }
             // Only while this batch runs: once it is done or carried, the
             // rest wait for the next batch (a late one would be written alone).
-            Some(((id, attempt), result)) = carried.next(), if !carried.is_empty() && !running.is_empty() => {
-                finished(shared, id, attempt, result, &mut buffer, &mut holds, panics, report);
+            Some((key, result)) = carried.next(), if !carried.is_empty() && !running.is_empty() => {
+                finished(shared, key, result, &mut buffer, &mut holds, panics, report);
             }
             Some((n, written)) = writes.next(), if !writes.is_empty() => match written {
                 Ok(outcomes) => {
@@ -317,8 +321,7 @@ pub(crate) async fn collect(
 #[allow(clippy::too_many_arguments)]
 fn finished(
     shared: &Shared,
-    id: i64,
-    attempt: i32,
+    (id, attempt, resent_at): Key,
     result: Result<Attempted, Payload>,
     buffer: &mut OutcomeBuffer,
     holds: &mut Vec<HoldRow>,
@@ -348,7 +351,7 @@ fn finished(
                 ..Observed::default()
             };
             panics.record(payload);
-            let next = attempt::after_failure(shared, attempt);
+            let next = attempt::after_failure(&shared.config.retry_schedule, (attempt, resent_at));
             buffer.push(Finished {
                 row: OutcomeRow {
                     id,
