@@ -22,6 +22,11 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 pub const REPLAYED: &str = "idempotent-replayed";
 /// Marks a sealed secret in a recorded answer: `hc-sealed:<key id>:<base64url>`.
 const SEALED: &str = "hc-sealed:";
+/// A recorded answer that holds a sealed secret starts with this character,
+/// the token's byte offset in the JSON that follows, and the character again.
+/// serde_json escapes U+0001 inside strings and no JSON text starts with it,
+/// so no text a tenant wrote can make an answer read as sealed.
+const SEALED_AT: char = '\u{1}';
 
 /// A tenant's transaction. Dropped without [`Scope::respond`], it
 /// rolls back: nothing of the request stays, nor its
@@ -212,8 +217,12 @@ impl Scope {
                 sealed.key_id,
                 URL_SAFE_NO_PAD.encode(&sealed.ciphertext)
             );
-            self.record(key, status, text.replace(secret, &token))
-                .await?;
+            let recorded = text.replace(secret, &token);
+            let recorded = match recorded.find(&token) {
+                Some(at) => format!("{SEALED_AT}{at}{SEALED_AT}{recorded}"),
+                None => recorded,
+            };
+            self.record(key, status, recorded).await?;
         }
         self.tx.commit().await?;
         Ok(json_response(status, text))
@@ -239,14 +248,47 @@ impl Scope {
         Ok(())
     }
 
-    /// A recorded answer with its sealed secret (if any) opened.
+    /// A recorded answer with its sealed secret (if any) opened. Only an
+    /// answer marked by [`SEALED_AT`] holds one: an answer whose text merely
+    /// contains `hc-sealed:` (a customer's name, an event's data) is replayed
+    /// as it was recorded.
     fn unseal(&self, recorded: String) -> Result<String, ApiError> {
-        let Some(at) = recorded.find(SEALED) else {
-            return Ok(recorded);
+        let Some(marked) = recorded.strip_prefix(SEALED_AT) else {
+            return Ok(self.unseal_unmarked(recorded));
         };
-        let rest = &recorded[at + SEALED.len()..];
-        let end = rest.find('"').ok_or_else(ApiError::internal)?;
-        let (key_id, b64) = rest[..end].split_once(':').ok_or_else(ApiError::internal)?;
+        let (at, json) = marked
+            .split_once(SEALED_AT)
+            .ok_or_else(ApiError::internal)?;
+        let at: usize = at.parse().map_err(|_| ApiError::internal())?;
+        let (before, token) = (json.get(..at), json.get(at..));
+        let (Some(before), Some(token)) = (before, token.and_then(|t| t.strip_prefix(SEALED)))
+        else {
+            return Err(ApiError::internal());
+        };
+        let end = token.find('"').ok_or_else(ApiError::internal)?;
+        let (key_id, b64) = token[..end]
+            .split_once(':')
+            .ok_or_else(ApiError::internal)?;
+        let secret = self.open_sealed(key_id, b64)?;
+        Ok(format!("{before}{secret}{}", &token[end..]))
+    }
+
+    /// An answer recorded before answers were marked (at most a day before
+    /// the upgrade): its first `hc-sealed:` token is opened if it is one of
+    /// this tenant's, and the answer is replayed as recorded otherwise.
+    fn unseal_unmarked(&self, recorded: String) -> String {
+        let opened = recorded.find(SEALED).and_then(|at| {
+            let rest = &recorded[at + SEALED.len()..];
+            let end = rest.find('"')?;
+            let (key_id, b64) = rest[..end].split_once(':')?;
+            let secret = self.open_sealed(key_id, b64).ok()?;
+            Some(format!("{}{secret}{}", &recorded[..at], &rest[end..]))
+        });
+        opened.unwrap_or(recorded)
+    }
+
+    /// The secret a sealed token holds, opened with this tenant's keyring.
+    fn open_sealed(&self, key_id: &str, b64: &str) -> Result<String, ApiError> {
         let ciphertext = URL_SAFE_NO_PAD
             .decode(b64)
             .map_err(|_| ApiError::internal())?;
@@ -256,12 +298,7 @@ impl Scope {
         let secret = keyring
             .open(&self.tenant, key_id, &ciphertext)
             .map_err(|_| ApiError::internal())?;
-        Ok(format!(
-            "{}{}{}",
-            &recorded[..at],
-            secret.expose().as_str(),
-            &rest[end..]
-        ))
+        Ok(secret.expose().to_string())
     }
 
     /// Commit with `body` as the answer, recorded under the request's

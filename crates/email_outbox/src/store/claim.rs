@@ -36,7 +36,7 @@ pub const CLAIM_DUE: &str = concat!(
     "first AS MATERIALIZED ( \
            SELECT pick.* FROM tenants t CROSS JOIN share s, LATERAL ( \
              SELECT x.*, row_number() OVER () AS turn FROM ( \
-               SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts AS made FROM email_outbox m \
+               SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts - m.resent_at_attempt AS made FROM email_outbox m \
                WHERE m.status = 'queued' AND m.tenant_id = t.tenant_id \
                  AND m.next_attempt_at <= now() \
                  AND leader_fence($1, $2) \
@@ -48,7 +48,7 @@ pub const CLAIM_DUE: &str = concat!(
            WHERE f.turn = s.quota), \
          fill AS MATERIALIZED ( \
            SELECT more.* FROM whole w, LATERAL ( \
-             SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts AS made FROM email_outbox m \
+             SELECT m.id, m.tenant_id, m.next_attempt_at, m.attempts - m.resent_at_attempt AS made FROM email_outbox m \
              WHERE m.status = 'queued' AND m.tenant_id = w.tenant_id \
                AND m.next_attempt_at <= now() \
                AND (m.next_attempt_at, m.id) > (w.next_attempt_at, w.id) \
@@ -90,8 +90,8 @@ pub const CLAIM_DUE: &str = concat!(
 /// stale token claims nothing, and rows another claim holds are skipped.
 ///
 /// The ceiling: a due email already claimed `max_attempts` times (the
-/// attempts a send's result would allow, `retry_delays` and one) is not
-/// handed out again; the same statement marks it `failed` with
+/// attempts a send's result would allow, `retry_delays` and one) since it was
+/// last resent (`resent_at_attempt`, migration 0041) is not handed out again; the same statement marks it `failed` with
 /// `attempts_exhausted`. An attempt whose process died before its result
 /// (killed, out of memory) is counted by its claim, so an email that takes the
 /// process down at every send stops after its attempts, as a webhook delivery

@@ -212,3 +212,38 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
         "only the email with an attempt left"
     );
 }
+
+/// A resend (the API's: back to queued, `resent_at_attempt = attempts`) of an
+/// email whose attempts were spent gets its one more attempt: the ceiling
+/// counts the claims since the resend (migration 0041).
+///
+/// Mutation check: counting `made` from zero again (`m.attempts AS made`,
+/// mutation `email_ceiling_resend`) fails the resent email at its claim,
+/// `attempts_exhausted`, with nothing sent; seen failing under it.
+#[tokio::test]
+async fn a_resent_email_whose_attempts_were_spent_is_sent() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    for q in [
+        "UPDATE email_outbox SET status = 'failed', attempts = 3",
+        "UPDATE email_outbox SET status = 'queued', next_attempt_at = now(), \
+                resent_at_attempt = attempts",
+    ] {
+        sqlx::query(q)
+            .execute(&mut t.superuser().await)
+            .await
+            .unwrap();
+    }
+    let (s, _) = sender(&t.db, &sink.url(), None, config());
+    let _ = tick(&t.db, &s).await;
+    let rows = rows(&t.db).await;
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.status.as_str(), r.attempts))
+            .collect::<Vec<_>>(),
+        vec![("sent", 4)],
+        "{rows:?}"
+    );
+    assert_eq!(sink.messages().len(), 1);
+}

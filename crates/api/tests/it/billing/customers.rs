@@ -194,3 +194,37 @@ async fn a_retried_create_with_its_key_returns_the_first_answer_and_creates_noth
             .get("n");
     assert_eq!(n, 1);
 }
+
+/// A name that looks like a sealed secret's token does not break the replay:
+/// only an answer recorded by `respond_with_secret` (marked at its start) is
+/// opened. Seen failing with every recorded answer scanned for `hc-sealed:`
+/// (mutation `unseal_unmarked`): the retry answered 500 for ever, and a client
+/// that gave up and sent a new key would have created the customer twice.
+#[tokio::test]
+async fn a_replay_whose_answer_holds_sealed_looking_text_returns_it_as_recorded() {
+    let b = bed().await;
+    for (n, name) in ["hc-sealed:x", "hc-sealed:k1:AAAA", "hc-sealed:"]
+        .into_iter()
+        .enumerate()
+    {
+        let body = json!({"email": format!("ada{n}@example.org"), "name": name});
+        let idem = format!("s-{n}");
+        let create = || {
+            b.s.call(
+                Method::POST,
+                "/v1/customers",
+                &b.a,
+                Some(&body),
+                Some(&idem),
+            )
+        };
+        let first = create().await;
+        assert_eq!(first.status, 201, "{}", first.text);
+        let again = create().await;
+        assert_eq!(
+            (again.status.as_u16(), &again.text, again.replayed),
+            (201, &first.text, true),
+            "{name}"
+        );
+    }
+}

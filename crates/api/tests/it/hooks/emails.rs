@@ -68,6 +68,12 @@ async fn an_email_is_queued_read_listed_and_resent_only_when_failed() {
         (&a.json["status"], &a.json["attempts"]),
         (&json!("queued"), &json!(3))
     );
+    // The claim's attempt ceiling counts from here (migration 0041).
+    let resent: i32 = sqlx::query_scalar("SELECT resent_at_attempt FROM email_outbox")
+        .fetch_one(&mut su)
+        .await
+        .unwrap();
+    assert_eq!(resent, 3);
     let replay = s.call("POST", &resend, &key, None, Some("res-1")).await;
     assert_eq!((replay.replayed, &replay.text), (true, &a.text));
     let again = s.call("POST", &resend, &key, None, None).await;
