@@ -18,7 +18,7 @@ use utoipa::{IntoParams, ToSchema};
 use webhook_delivery::{EndpointError, Keyring, MAX_ROTATION_OVERLAP, RotateError};
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, Code};
 use crate::extract::{Id, JsonBody, Query};
 use crate::page::{List, Page};
 use crate::responses::{ReadErrors, WriteErrors};
@@ -384,7 +384,8 @@ pub async fn enable(
 
 /// Send the endpoint's dead deliveries again: each whose last attempt was
 /// at or after `since` goes back to pending, due now, with its attempts
-/// counted afresh.
+/// counted afresh. A disabled endpoint is refused (409 `invalid_state`):
+/// enable it first.
 #[utoipa::path(
     post, path = "/v1/webhook_endpoints/{id}/recover", tag = "webhook_endpoints",
     params(
@@ -405,7 +406,18 @@ pub async fn recover(
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
     }
-    found(read(&mut scope, id).await?, id)?;
+    // A disabled endpoint's deliveries die at their next claim unsent
+    // (`endpoint_disabled`): refused here, as the operator's recovery skips
+    // them, rather than reported recovered.
+    if !found(read(&mut scope, id).await?, id)?.enabled {
+        return Err(ApiError::conflict(
+            Code::InvalidState,
+            format!(
+                "webhook endpoint {id} is disabled: its deliveries would die unsent; \
+                 enable it (POST /v1/webhook_endpoints/{id}/enable), then recover"
+            ),
+        ));
+    }
     let recovered = deliveries::recover_dead(&mut scope, id, body.value.since).await?;
     scope
         .respond(StatusCode::OK, &Recovered { recovered })

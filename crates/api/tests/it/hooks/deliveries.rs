@@ -112,7 +112,8 @@ async fn a_delivery_shows_each_attempt_and_is_resent_when_terminal() {
 }
 
 /// Recover sends an endpoint's dead deliveries since a time again, and
-/// counts them; a later `since` or another status recovers nothing.
+/// counts them, once the endpoint is enabled; a later `since` or another
+/// status recovers nothing.
 #[tokio::test]
 async fn recover_puts_an_endpoint_s_dead_deliveries_back_to_pending() {
     let t = TestDb::new().await;
@@ -146,7 +147,30 @@ async fn recover_puts_an_endpoint_s_dead_deliveries_back_to_pending() {
         (&json!(410), &json!("endpoint_gone"))
     );
 
+    // The 410 disabled the endpoint: recovering into it would only kill the
+    // deliveries again unsent, so it is refused until the endpoint is enabled.
+    // Seen failing with the route's enabled check removed (mutation
+    // `recover_disabled`): 200, three "recovered".
     let recover = format!("/v1/webhook_endpoints/{id}/recover");
+    let refused = s
+        .post(&recover, &key, json!({"since": "2000-01-01T00:00:00Z"}))
+        .await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (StatusCode::CONFLICT, "invalid_state"),
+        "{}",
+        refused.text
+    );
+    let enabled = s
+        .call(
+            "POST",
+            &format!("/v1/webhook_endpoints/{id}/enable"),
+            &key,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(enabled.status, StatusCode::OK, "{}", enabled.text);
     let later = s
         .post(&recover, &key, json!({"since": "2999-01-01T00:00:00Z"}))
         .await;
