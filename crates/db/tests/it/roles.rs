@@ -277,7 +277,8 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     ] {
         want.push(format!("webhook_deliveries.{c}:UPDATE"));
     }
-    for c in ["status", "next_attempt_at"] {
+    // A resend records where the claim's ceiling counts from (migration 0041).
+    for c in ["status", "next_attempt_at", "resent_at_attempt"] {
         want.push(format!("email_outbox.{c}:UPDATE"));
     }
     // Turning an endpoint on again ends its failing run (migration 0031).
