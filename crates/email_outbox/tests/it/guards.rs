@@ -189,16 +189,8 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
         .await
         .unwrap();
     make_due(&t).await;
-    let (s, _) = sender(&t.db, &sink.url(), None, config());
-    let _ = tick(&t.db, &s).await;
-    let rows = rows(&t.db).await;
-    assert_eq!(
-        rows.iter()
-            .map(|r| (r.status.as_str(), r.attempts))
-            .collect::<Vec<_>>(),
-        vec![("failed", 3), ("sent", 3)],
-        "{rows:?}"
-    );
+    let rows = after_one_tick(&t, &sink).await;
+    assert_eq!(states(&rows), vec![("failed", 3), ("sent", 3)], "{rows:?}");
     assert!(
         rows[0]
             .reply_text
@@ -235,15 +227,21 @@ async fn a_resent_email_whose_attempts_were_spent_is_sent() {
             .await
             .unwrap();
     }
+    let rows = after_one_tick(&t, &sink).await;
+    assert_eq!(states(&rows), vec![("sent", 4)], "{rows:?}");
+    assert_eq!(sink.messages().len(), 1);
+}
+
+/// One tick of a sender to `sink`; then every email's row.
+async fn after_one_tick(t: &TestDb, sink: &SmtpSink) -> Vec<crate::Row_> {
     let (s, _) = sender(&t.db, &sink.url(), None, config());
     let _ = tick(&t.db, &s).await;
-    let rows = rows(&t.db).await;
-    assert_eq!(
-        rows.iter()
-            .map(|r| (r.status.as_str(), r.attempts))
-            .collect::<Vec<_>>(),
-        vec![("sent", 4)],
-        "{rows:?}"
-    );
-    assert_eq!(sink.messages().len(), 1);
+    rows(&t.db).await
+}
+
+/// Each email's (status, attempts), in id order.
+fn states(rows: &[crate::Row_]) -> Vec<(&str, i32)> {
+    rows.iter()
+        .map(|r| (r.status.as_str(), r.attempts))
+        .collect()
 }
