@@ -467,7 +467,7 @@ async fn an_attempt_never_sent_is_sent_later_only_while_the_invoice_is_chargeabl
 async fn a_cancelled_subscriptions_final_invoice_whose_attempt_was_never_sent_is_sent_later() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let (invoice, _) = crate::open_invoices(&t.db, 1).await[0].clone();
+    crate::open_invoices(&t.db, 1).await;
     sqlx::query(
         "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), next_billing_at = NULL",
     )
@@ -490,12 +490,10 @@ async fn a_cancelled_subscriptions_final_invoice_whose_attempt_was_never_sent_is
     p.roll_secret_key(TEST_SECRET_KEY);
     tick(&t.db, &b).await;
     assert_eq!(p.total_charges(), 1);
-    let status: String =
-        t.db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(invoice))
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(status, "paid");
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        vec!["paid"]
+    );
 }
 
 #[tokio::test]

@@ -213,13 +213,7 @@ async fn an_expired_claim_is_freed_and_the_invoice_charged_once() {
 async fn a_refused_lookup_is_not_taken_for_a_decline() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(&open[0].1, Behaviour::Hang);
-    let (b, _) = biller(
-        &t.db,
-        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
-    );
-    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    let (b, _) = charged_then_hung(&t, &p).await;
     let mut su = t.superuser().await;
     for q in [
         "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL",
@@ -239,6 +233,21 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
         "{report:?}"
     );
     in_review_charged_once(&t, &p, "idempotency_error").await;
+}
+
+/// One open invoice charged by a provider that then hangs: its attempt is
+/// unknown after the tick, with one charge counted. The biller (a 300 ms
+/// call timeout, a 1 s claim lease) and the invoice's provider customer.
+async fn charged_then_hung(t: &TestDb, p: &FakeProvider) -> (billing::Biller, String) {
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::Hang);
+    let (b, _) = biller(
+        &t.db,
+        charging(p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    assert_eq!(p.total_charges(), 1);
+    (b, open[0].1.clone())
 }
 
 /// The one attempt needs review with `why` in its error, its invoice is
@@ -288,15 +297,8 @@ async fn in_review_charged_once(t: &TestDb, p: &FakeProvider, why: &str) {
 async fn a_listing_refused_for_a_deleted_customer_is_not_taken_for_a_decline() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    p.set_behaviour(&open[0].1, Behaviour::Hang);
-    let (b, _) = biller(
-        &t.db,
-        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
-    );
-    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
-    assert_eq!(p.total_charges(), 1);
-    p.delete_customer(&open[0].1);
+    let (b, customer) = charged_then_hung(&t, &p).await;
+    p.delete_customer(&customer);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(
