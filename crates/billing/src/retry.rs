@@ -325,13 +325,22 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
             attempt_seq,
             reason: "declined, but the claim was lost before settling".to_owned(),
         },
+        (Answer::Called(ChargeOutcome::Processing { payment_intent }), Settled::Written) => {
+            Retried::Processing {
+                attempt_seq,
+                payment_intent,
+            }
+        }
+        (Answer::Called(ChargeOutcome::Processing { .. }), Settled::Lost) => Retried::Unknown {
+            attempt_seq,
+            reason: "processing, but the claim was lost before settling".to_owned(),
+        },
         (Answer::Called(ChargeOutcome::Unknown { reason, .. }), _) => Retried::Unknown {
             attempt_seq,
             reason,
         },
         // Not a definite answer for dunning: the run is rewound, and no retry
-        // of the invoice is claimed while its attempt is processing or waits
-        // for an operator.
+        // of the invoice is claimed while its attempt waits for an operator.
         (Answer::Called(other), _) => Retried::Unknown {
             attempt_seq,
             reason: format!("{other:?}"),

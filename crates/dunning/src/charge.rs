@@ -20,7 +20,7 @@ use crate::Error;
 use crate::ctx::Ctx;
 use crate::final_action;
 use crate::notices::{sender, warning};
-use crate::outcomes::{self, Decline, stopped};
+use crate::outcomes::{self, Decline, Waiting, stopped};
 use crate::policy::AfterDecline;
 use crate::run::{Outcome, Retry, Run};
 
@@ -164,6 +164,10 @@ pub(crate) async fn charge_runs(
     let mut recover: Vec<(&Run, i32)> = Vec::new();
     let mut rewind: Vec<(&Run, DateTime<Utc>, Outcome)> = Vec::new();
     let mut declined: Vec<(&Run, String)> = Vec::new();
+    // Answered `processing` (docs/adr/0073): the attempt counts, and the run
+    // waits for its next retry (or, after its last, a hold) while billing's
+    // reconciler settles the attempt.
+    let mut waiting: Vec<Waiting<'_>> = Vec::new();
     for (s, result) in finished {
         let Some(&run) = run_of.get(&s.claim.invoice_id) else {
             continue;
@@ -172,6 +176,7 @@ pub(crate) async fn charge_runs(
         let label = match &result {
             Ok(Ok(Retried::Paid { .. })) => "succeeded",
             Ok(Ok(Retried::Declined { .. })) => "declined",
+            Ok(Ok(Retried::Processing { .. })) => "processing",
             Ok(Ok(Retried::Unknown { .. })) => "unknown",
             Ok(Ok(Retried::NotCharged(_))) => "not_charged",
             Ok(Err(_)) => "error",
@@ -182,6 +187,15 @@ pub(crate) async fn charge_runs(
         match result {
             Ok(Ok(Retried::Paid { .. })) => recover.push((run, run.attempt_count + 1)),
             Ok(Ok(Retried::Declined { code, .. })) => declined.push((run, code)),
+            Ok(Ok(Retried::Processing { .. })) => waiting.push(Waiting {
+                run,
+                count: run.attempt_count + 1,
+                was: hold,
+                next: match planned.get(&run.id) {
+                    Some(AfterDecline::Next { at }) => Some(*at),
+                    _ => None,
+                },
+            }),
             Ok(Ok(Retried::Unknown { reason, .. })) => {
                 let unanswered = reason != payments::NOT_SENT;
                 let r = Retry::Rewound {
@@ -246,13 +260,33 @@ pub(crate) async fn charge_runs(
         let recovered = outcomes::recover_in(&mut tx, &recover).await?;
         let declined = outcomes::decline_in(&mut tx, &declines).await?;
         let rewound = outcomes::rewind_in(&mut tx, &pairs).await?;
+        let waited = outcomes::wait_in(&mut tx, &waiting, c.attempt_hold).await?;
         tx.commit().await?;
-        Ok::<_, Error>((recovered, declined, rewound))
+        Ok::<_, Error>((recovered, declined, rewound, waited))
     };
-    let (recovered, declined, rewound) = match last.await {
+    let (recovered, declined, rewound, waited) = match last.await {
         Ok(x) => x,
-        Err(e) => one_at_a_time(ctx, e, &recover, &declines, &pairs, &held, &mut out).await,
+        Err(e) => {
+            let batch = Transitions {
+                recover: &recover,
+                declines: &declines,
+                rewind: &pairs,
+                waiting: &waiting,
+            };
+            one_at_a_time(ctx, e, batch, &held, &mut out).await
+        }
     };
+    for w in &waiting {
+        let id = w.run.id;
+        if out.contains_key(&id) {
+            continue;
+        }
+        let r = match waited.get(&id) {
+            Some(&next_attempt_at) => Retry::Pending { next_attempt_at },
+            None => Retry::Lost,
+        };
+        out.insert(id, Some(Ok(Ok(r))));
+    }
     for (run, _) in recover {
         if out.contains_key(&run.id) {
             continue;
@@ -304,19 +338,36 @@ pub(crate) async fn charge_runs(
         .collect()
 }
 
+/// The transitions of a batch's outcomes, as its last transaction writes them.
+struct Transitions<'b, 'r> {
+    recover: &'b [(&'r Run, i32)],
+    declines: &'b [Decline<'r>],
+    rewind: &'b [(&'r Run, DateTime<Utc>)],
+    waiting: &'b [Waiting<'r>],
+}
+
 /// The fallback when the outcomes' one transaction failed (`e`): each run's
 /// transition in its own transaction. Returns the runs recovered, declined
-/// (or exhausted) and rewound; the error of a run whose own transition
-/// failed goes in `out`.
+/// (or exhausted), rewound and waiting; the error of a run whose own
+/// transition failed goes in `out`.
 async fn one_at_a_time(
     ctx: &Ctx,
     e: Error,
-    recover: &[(&Run, i32)],
-    declines: &[Decline<'_>],
-    pairs: &[(&Run, DateTime<Utc>)],
+    batch: Transitions<'_, '_>,
     held: &HashMap<i64, DateTime<Utc>>,
     out: &mut HashMap<i64, Outcome>,
-) -> (HashSet<i64>, HashSet<i64>, HashSet<i64>) {
+) -> (
+    HashSet<i64>,
+    HashSet<i64>,
+    HashSet<i64>,
+    HashMap<i64, DateTime<Utc>>,
+) {
+    let Transitions {
+        recover,
+        declines,
+        rewind: pairs,
+        waiting,
+    } = batch;
     let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
     // One at a time, as before batching. A run whose own
     // transition fails too is rewound (by the hold its record
@@ -352,6 +403,21 @@ async fn one_at_a_time(
             Err(e) => failed.push((run, e)),
         }
     }
+    let mut waited = HashMap::new();
+    for w in waiting {
+        let one = async {
+            let mut tx = db.begin_with_timeout(timeout).await?;
+            let waits =
+                outcomes::wait_in(&mut tx, std::slice::from_ref(w), ctx.config.attempt_hold)
+                    .await?;
+            tx.commit().await?;
+            Ok::<_, Error>(waits)
+        };
+        match one.await {
+            Ok(waits) => waited.extend(waits),
+            Err(e) => failed.push((w.run, e)),
+        }
+    }
     for (run, e) in failed {
         match outcomes::rewind(db, run, held[&run.id], timeout).await {
             Ok(_) => {
@@ -369,7 +435,7 @@ async fn one_at_a_time(
             rewound.insert(run.id);
         }
     }
-    (recovered, declined, rewound)
+    (recovered, declined, rewound, waited)
 }
 
 /// The attempt compare-and-set of a batch, one statement in the caller's transaction:

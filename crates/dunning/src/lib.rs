@@ -12,9 +12,11 @@
 //!       + dunning.started                                                enrol.rs
 //!  2. list ≤ batch runs (fenced)        active and due, or exhausted with the final
 //!       AND leader_fence('dunning', $token)    action owed; FOR UPDATE SKIP LOCKED;
-//!       per row: not_chargeable (no payment method, or a hard decline on the
-//!       payment method the customer still has; not marked while collection is
-//!       paused: billing holds those), policy_valid (migration 0021's CHECK
+//!       per row: not_chargeable (every retry made: retries_spent, or
+//!       outcome_pending while the last one's outcome is unsettled; no payment
+//!       method, or a hard decline on the payment method the customer still
+//!       has; these two not marked while collection is paused: billing holds
+//!       those), policy_valid (migration 0021's CHECK
 //!       expressions, repeated), the tenant's sender
 //!       only tenants whose default policy's business window is open at the
 //!       statement's now(), in its zone (docs/adr/0045): a closed tenant's due
@@ -32,6 +34,8 @@
 //!                  AND the customer's payment method is still the one listed
 //!                + dunning.retry_skipped (+ warning) / dunning.exhausted
 //!                then the final action step of each exhausted run  not_attempted.rs
+//!                (retries_spent: exhausted at n, no count; outcome_pending:
+//!                next_attempt_at = now() + hold, nothing counted, docs/adr/0073)
 //!     ONE transaction for the others:                                   charge.rs
 //!       record:  attempt_count = n + 1, next_attempt_at = now() + hold
 //!                WHERE status = 'active' AND attempt_count = n  (per row, one
@@ -46,6 +50,8 @@
 //!     ONE transaction for the batch's outcomes, each run by its compare-and-set
 //!                on the count (and, for a decline, the hold) its retry wrote:
 //!       paid        ─▶ run recovered + dunning.recovered
+//!       processing  ─▶ the count stays; next_attempt_at = the policy's next
+//!                      retry, or after the last one now() + hold (docs/adr/0073)
 //!       declined    ─▶ next attempt from the policy + dunning.attempt_failed
 //!                      (+ warning email), or, after the last retry:
 //!                      run exhausted + dunning.exhausted,

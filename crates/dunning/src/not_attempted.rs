@@ -2,7 +2,9 @@
 //! (no payment method, or a hard decline on the payment method the customer
 //! still has) is counted without a provider call, so the run reaches its
 //! final action on time; a payment method added before the count is charged
-//! instead.
+//! instead. A run whose retries are spent (its last answered `processing`,
+//! docs/adr/0073) is exhausted at its count once that attempt has settled,
+//! and waits a hold while it has not; neither makes a call.
 
 use std::collections::{HashMap, HashSet};
 
@@ -15,7 +17,7 @@ use crate::Error;
 use crate::ctx::Ctx;
 use crate::final_action;
 use crate::notices::{not_attempted, sender};
-use crate::outcomes::payload;
+use crate::outcomes::{self, Waiting, payload};
 use crate::policy::AfterDecline;
 use crate::run::{NotChargeable, Outcome, Retry, Run};
 
@@ -31,10 +33,34 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
     let mut exhausted: Vec<(&Run, String)> = Vec::new();
     let mut out: HashMap<i64, Outcome> = HashMap::with_capacity(runs.len());
     let mut rows: Vec<NotAttempted<'_>> = Vec::new();
+    // Spent runs whose last retry is still unsettled: a hold, nothing counted.
+    let mut waiting: Vec<Waiting<'_>> = Vec::new();
     for run in &runs {
         let Some(why) = run.not_chargeable else {
             continue;
         };
+        match why {
+            NotChargeable::OutcomePending => {
+                waiting.push(Waiting {
+                    run,
+                    count: run.attempt_count,
+                    was: run.next_attempt_at,
+                    next: None,
+                });
+                continue;
+            }
+            // Nothing to plan: the policy has no retry left.
+            NotChargeable::RetriesSpent => {
+                rows.push(NotAttempted {
+                    run,
+                    why,
+                    next: None,
+                    email: None,
+                });
+                continue;
+            }
+            NotChargeable::NoPaymentMethod | NotChargeable::PaymentMethodUnchanged => {}
+        }
         let attempt = run.attempt_count + 1;
         let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
         let prepared = scheduler::catch(step, async {
@@ -66,31 +92,43 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
     let counted = async {
         let mut tx = ctx.db.begin_with_timeout(c.statement_timeout).await?;
         let won = not_attempted_in(&mut tx, &rows).await?;
+        let waited = outcomes::wait_in(&mut tx, &waiting, c.attempt_hold).await?;
         tx.commit().await?;
-        Ok::<_, Error>(won)
+        Ok::<_, Error>((won, waited))
     };
     match counted.await {
         Err(e) => {
             // Rolled back: nothing counted, the runs are as listed.
-            warn!(role = %Role::Dunning, error = %e, runs = rows.len(), "retries not attempted were not counted");
+            warn!(role = %Role::Dunning, error = %e, runs = rows.len() + waiting.len(), "retries not attempted were not counted");
             let why = e.to_string();
-            for n in &rows {
+            let ids = rows.iter().map(|n| n.run.id);
+            for id in ids.chain(waiting.iter().map(|w| w.run.id)) {
                 let e = Error::NotCounted(why.clone());
-                out.insert(n.run.id, Some(Ok(Err(e))));
+                out.insert(id, Some(Ok(Err(e))));
             }
         }
-        Ok(won) => {
+        Ok((won, waited)) => {
+            for w in &waiting {
+                let r = match waited.get(&w.run.id) {
+                    Some(&next_attempt_at) => Retry::Pending { next_attempt_at },
+                    None => Retry::Lost,
+                };
+                out.insert(w.run.id, Some(Ok(Ok(r))));
+            }
             for n in rows {
                 let id = n.run.id;
                 if !won.contains(&id) {
                     out.insert(id, Some(Ok(Ok(Retry::Lost))));
                     continue;
                 }
-                t.counter(
-                    "hardcount_dunning_attempts_total",
-                    &[("outcome", "not_attempted")],
-                )
-                .increment(1);
+                // A spent run's exhaustion makes no attempt.
+                if n.why != NotChargeable::RetriesSpent {
+                    t.counter(
+                        "hardcount_dunning_attempts_total",
+                        &[("outcome", "not_attempted")],
+                    )
+                    .increment(1);
+                }
                 match n.next {
                     Some(_) => {
                         out.insert(id, Some(Ok(Ok(Retry::NotAttempted { why: n.why }))));
@@ -119,6 +157,14 @@ struct NotAttempted<'a> {
     pub email: Option<outbox::email::Email>,
 }
 
+impl NotAttempted<'_> {
+    /// What the run's count advances by: a retry not attempted counts; a
+    /// spent run is exhausted at the count its last retry left.
+    fn step(&self) -> i32 {
+        i32::from(self.why != NotChargeable::RetriesSpent)
+    }
+}
+
 /// Count due retries that cannot be charged, one statement in the caller's
 /// transaction: per run, by the attempt compare-and-set (the count as
 /// listed), only while the invoice is open and the customer's payment method
@@ -136,19 +182,21 @@ async fn not_attempted_in(tx: &mut Tx, rows: &[NotAttempted<'_>]) -> Result<Hash
     let changed = tx
         .fetch_all(
             sql("UPDATE dunning_runs r \
-                 SET attempt_count = r.attempt_count + 1, \
+                 SET attempt_count = r.attempt_count + u.step, \
                      next_attempt_at = COALESCE(u.next, now()), \
                      status = CASE WHEN u.next IS NULL THEN 'exhausted' ELSE 'active' END, \
                      ended_at = CASE WHEN u.next IS NULL THEN now() END, \
                      updated_at = now() \
-                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[]) \
-                      AS u(id, expected, next, payment_method), \
+                 FROM unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[], \
+                             $5::int4[]) \
+                      AS u(id, expected, next, payment_method, step), \
                       invoices i, subscriptions s, customers c \
                  WHERE r.id = u.id AND r.status = 'active' AND r.attempt_count = u.expected \
                    AND i.tenant_id = r.tenant_id AND i.id = r.invoice_id AND i.status = 'open' \
                    AND s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
                    AND c.tenant_id = s.tenant_id AND c.id = s.customer_id \
-                   AND c.payment_method_id IS NOT DISTINCT FROM u.payment_method \
+                   AND (u.step = 0 \
+                        OR c.payment_method_id IS NOT DISTINCT FROM u.payment_method) \
                  RETURNING r.id")
             .bind(rows.iter().map(|n| n.run.id).collect::<Vec<_>>())
             .bind(rows.iter().map(|n| n.run.attempt_count).collect::<Vec<_>>())
@@ -157,7 +205,8 @@ async fn not_attempted_in(tx: &mut Tx, rows: &[NotAttempted<'_>]) -> Result<Hash
                 rows.iter()
                     .map(|n| n.run.payment_method.clone())
                     .collect::<Vec<_>>(),
-            ),
+            )
+            .bind(rows.iter().map(|n| n.step()).collect::<Vec<_>>()),
         )
         .await?;
     let mut won: HashSet<i64> = HashSet::with_capacity(changed.len());
@@ -171,7 +220,7 @@ async fn not_attempted_in(tx: &mut Tx, rows: &[NotAttempted<'_>]) -> Result<Hash
         .map(|n| {
             let (tenant, attempt, why) = (
                 n.run.tenant_id.as_str(),
-                n.run.attempt_count + 1,
+                n.run.attempt_count + n.step(),
                 n.why.as_str(),
             );
             match n.next {

@@ -8,7 +8,7 @@
 //! an event or email is queued in the write's transaction and only when the
 //! write changed the row.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -234,6 +234,53 @@ pub(crate) async fn rewind_in(
         .iter()
         .map(|r| r.try_get("id"))
         .collect::<Result<_, _>>()?)
+}
+
+/// Runs that wait for a pending attempt (docs/adr/0073), one statement in the
+/// caller's transaction: each run's `next_attempt_at` set to its `next`, or
+/// to `hold` from now, only while it has the `count` and `next_attempt_at`
+/// (`was`) given: a retry answered `processing` proves the count and hold its
+/// record wrote, and a spent run waiting for its last retry's outcome proves
+/// the count and time it was listed with. Nothing is counted or announced.
+/// Returns the runs that now wait, each with the time it waits until.
+pub(crate) async fn wait_in(
+    tx: &mut Tx,
+    runs: &[Waiting<'_>],
+    hold: Duration,
+) -> Result<HashMap<i64, DateTime<Utc>>, db::Error> {
+    if runs.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = tx
+        .fetch_all(
+            sql(update_held_runs!(
+                batch: "unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::timestamptz[]) \
+                        AS u(id, expected, was, next)",
+                check: "r.status = 'active' AND r.attempt_count = u.expected \
+                        AND r.next_attempt_at = u.was",
+                set: "next_attempt_at = COALESCE(u.next, now() + make_interval(secs => $5)), \
+                      updated_at = now()",
+                returning: "r.id, r.next_attempt_at",
+            ))
+            .bind(runs.iter().map(|w| w.run.id).collect::<Vec<_>>())
+            .bind(runs.iter().map(|w| w.count).collect::<Vec<_>>())
+            .bind(runs.iter().map(|w| w.was).collect::<Vec<_>>())
+            .bind(runs.iter().map(|w| w.next).collect::<Vec<_>>())
+            .bind(hold.as_secs_f64()),
+        )
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get("id")?, r.try_get("next_attempt_at")?)))
+        .collect()
+}
+
+/// A run [`wait_in`] sets waiting: proves `count` and `was`, then waits
+/// until `next` (`None`: a hold from now).
+pub(crate) struct Waiting<'a> {
+    pub run: &'a Run,
+    pub count: i32,
+    pub was: DateTime<Utc>,
+    pub next: Option<DateTime<Utc>>,
 }
 
 /// Undo `record_attempts_in` for one run through the same compare-and-set: the run is again

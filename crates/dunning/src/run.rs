@@ -46,6 +46,14 @@ pub enum NotChargeable {
     /// The last attempt was a hard decline (or wanted authentication) on the
     /// payment method the customer still has (docs/adr/0024).
     PaymentMethodUnchanged,
+    /// Every retry of the policy was made, the last one answered `processing`
+    /// and since settled without paying the invoice (docs/adr/0073): the run
+    /// is exhausted at its count, with no further charge.
+    RetriesSpent,
+    /// Every retry of the policy was made and the last one's outcome is still
+    /// pending (processing, unknown, or in review): the run waits a hold for
+    /// it, with no charge and nothing counted (docs/adr/0073).
+    OutcomePending,
 }
 
 impl NotChargeable {
@@ -53,6 +61,8 @@ impl NotChargeable {
         match self {
             NotChargeable::NoPaymentMethod => "no_payment_method",
             NotChargeable::PaymentMethodUnchanged => "payment_method_unchanged",
+            NotChargeable::RetriesSpent => "retries_spent",
+            NotChargeable::OutcomePending => "outcome_pending",
         }
     }
 
@@ -60,6 +70,8 @@ impl NotChargeable {
         Some(match s {
             "no_payment_method" => NotChargeable::NoPaymentMethod,
             "payment_method_unchanged" => NotChargeable::PaymentMethodUnchanged,
+            "retries_spent" => NotChargeable::RetriesSpent,
+            "outcome_pending" => NotChargeable::OutcomePending,
             _ => return None,
         })
     }
@@ -82,6 +94,11 @@ pub enum Retry {
         code: String,
         final_action: FinalActed,
     },
+    /// The provider accepted the retry and has not settled it (`processing`),
+    /// or, after the policy's last retry, that retry's outcome is still
+    /// pending: the attempt counts, and the run waits until `next_attempt_at`
+    /// (docs/adr/0073). Billing's reconciler settles the attempt meanwhile.
+    Pending { next_attempt_at: DateTime<Utc> },
     /// No definite answer (timeout, 5xx, a lost or held claim, an error):
     /// the attempt was rewound, the run is as it was listed. `unanswered`:
     /// the provider was asked and gave no answer to rely on.

@@ -34,6 +34,9 @@ pub struct Tally {
     pub declined: usize,
     /// Due retries counted without a provider call (not chargeable).
     pub not_attempted: usize,
+    /// Retries answered `processing`, and spent runs still waiting for their
+    /// last retry's outcome: waiting, nothing rewound (docs/adr/0073).
+    pub pending: usize,
     pub exhausted: usize,
     pub rewound: usize,
     /// Of the rewound: the provider gave no answer to rely on.
@@ -320,6 +323,9 @@ impl Dunner {
                     answered += 1;
                 }
                 Retry::NotAttempted { .. } => tally.not_attempted += 1,
+                // An answer, but not of the provider's health: neither side
+                // of the outage test (a spent run's wait made no call).
+                Retry::Pending { .. } => tally.pending += 1,
                 Retry::Exhausted { .. } => {
                     tally.exhausted += 1;
                     answered += 1;

@@ -183,6 +183,14 @@ pub enum Retried {
     },
     /// A definite decline, recorded with its code and announced.
     Declined { attempt_seq: i32, code: String },
+    /// Accepted and not settled yet (`processing`: a bank debit can take days,
+    /// https://docs.stripe.com/payments/paymentintents/lifecycle): recorded as
+    /// such; billing's reconciler polls it and settles it as paid or declined.
+    /// The attempt was made: it counts.
+    Processing {
+        attempt_seq: i32,
+        payment_intent: String,
+    },
     /// No answer to rely on (timeout, 5xx): the attempt is left unknown for
     /// the reconciler, which settles it by its key.
     Unknown { attempt_seq: i32, reason: String },

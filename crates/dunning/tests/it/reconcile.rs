@@ -1,5 +1,6 @@
 //! A retry whose call timed out after the provider charged: billing's payment
 //! reconciler finds the charge by its key, and dunning never charges again.
+//! A retry answered `processing`: counted, and its later decline ends the run.
 
 use std::time::Duration;
 
@@ -9,8 +10,8 @@ use leader::{Role, Telemetry};
 use testbed::TestDb;
 
 use crate::{
-    as_leader, billing, config, declined_invoice, dunner_with, events, invoice_status, manager,
-    policy, run_of, tick,
+    as_leader, attempts, billing, config, declined_invoice, dunner_with, events, invoice_status,
+    manager, policy, run_of, tick,
 };
 
 /// The provider charges retry 1 and then hangs: the attempt is unknown and
@@ -54,5 +55,101 @@ async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
     assert_eq!(
         events(&t.db).await,
         ["dunning.started", "dunning.recovered"]
+    );
+}
+
+/// A retry answered `processing` (a bank debit settles days later,
+/// https://docs.stripe.com/payments/paymentintents/lifecycle) is an attempt
+/// made (docs/adr/0073). With a two-retry policy:
+/// - retry 1 is answered `processing`: the run keeps count 1, and while the
+///   intent is processing no retry charges the invoice;
+/// - the intent fails and billing's reconciler records the decline: retry 2
+///   charges (count 2), and is answered `processing` too;
+/// - the policy has no retry left: while retry 2 is processing the run waits
+///   without a call; once it fails, the run is exhausted at count 2 and takes
+///   its final action, with no third charge.
+///
+/// Before, `processing` rewound the run, so a decline that came through the
+/// reconciler never counted: the run retried at count 0 for ever and never
+/// reached its final action.
+/// Mutations: `processing_counts` (the answer rewound again) leaves the count
+/// at 0 after retry 1; `spent_not_charged` (the listing's spent rule removed)
+/// sends a third charge request. Both seen failing here.
+#[tokio::test]
+async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_run() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Processing);
+    let charging = BillingConfig {
+        charge_lease: Duration::from_secs(1),
+        ..billing(&p, Duration::from_millis(300))
+    };
+    let (d, metrics) = dunner_with(&t.db, charging.clone(), config());
+    let biller = Biller::new(t.db.clone(), charging, Telemetry::noop()).unwrap();
+    let due_now = || async {
+        sqlx::query("UPDATE dunning_runs SET next_attempt_at = now() WHERE invoice_id = $1")
+            .bind(a.invoice)
+            .execute(&mut t.superuser().await)
+            .await
+            .unwrap();
+    };
+    // The intent of attempt `seq` fails, and billing's reconciler records it.
+    let fails = |seq: usize| {
+        let (p, t, biller, db) = (&p, &t, biller.clone(), t.db.clone());
+        async move {
+            let intent = p.intents()[seq - 2].id.clone();
+            assert!(p.settle_processing(&intent, false));
+            // Its next poll due now, its claim expired.
+            sqlx::query("UPDATE payment_attempts SET next_check_at = now() WHERE attempt_seq = $1")
+                .bind(i32::try_from(seq).unwrap())
+                .execute(&mut t.superuser().await)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            as_leader(&manager(&db, "biller"), Role::Billing, |tick| async move {
+                biller.run_tick(&tick).await
+            })
+            .await;
+        }
+    };
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    // Retry 2 is due (120 s after a decline an hour ago), but held.
+    let r = tick(&t.db, &d).await;
+    assert_eq!((r.tally.rewound, r.tally.unanswered), (1, 0), "{r:?}");
+    assert_eq!(p.create_requests(), 1);
+    fails(2).await;
+    let seen = attempts(&t.db, a.invoice).await;
+    assert_eq!(seen[1], (2, "declined".to_owned()), "{seen:?}");
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
+    let seen = attempts(&t.db, a.invoice).await;
+    assert_eq!(seen[2], (3, "processing".to_owned()), "{seen:?}");
+    // Spent, the last retry processing: a hold, no call, nothing counted.
+    due_now().await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
+    assert_eq!(p.create_requests(), 2);
+    fails(3).await;
+    due_now().await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("exhausted".to_owned(), 2));
+    assert_eq!((p.create_requests(), p.total_charges()), (2, 0));
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "open");
+    let events = events(&t.db).await;
+    assert!(
+        events.iter().any(|e| e == "dunning.exhausted"),
+        "{events:?}"
+    );
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("hardcount_dunning_attempts_total{outcome=\"processing\"} 2"),
+        "{rendered}"
     );
 }
