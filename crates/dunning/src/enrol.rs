@@ -1,7 +1,8 @@
 //! Enrolment, the tick's first step: a run for each open automatic invoice
 //! whose latest payment attempt billing recorded as declined (the hand-off,
-//! docs/adr/0013), with its tenant's default policy and `dunning.started`;
-//! fenced, one transaction.
+//! docs/adr/0013), or an operator settled as not charged (docs/adr/0074),
+//! with its tenant's default policy and `dunning.started`; fenced, one
+//! transaction.
 
 use std::time::Duration;
 
@@ -14,7 +15,9 @@ use crate::ctx::Ctx;
 use crate::policy;
 
 /// Enrolment, fenced: a run for each open automatic invoice whose latest
-/// attempt was declined and that has none yet, with its tenant's default
+/// attempt was declined (or settled by an operator as not charged: nothing
+/// else would take the invoice again, docs/adr/0074) and that has none yet,
+/// with its tenant's default
 /// policy (created as the built-in default if the tenant has none).
 ///
 /// # Errors
@@ -56,11 +59,12 @@ async fn insert_runs(
                                            warn_after, final_notice, is_default) \
              SELECT DISTINCT i.tenant_id, 'Default', $3, $4, $5, true, true \
              FROM invoices i \
-             JOIN LATERAL (SELECT a.provider_status FROM payment_attempts a \
+             JOIN LATERAL (SELECT a.provider_status, a.reviewed_at FROM payment_attempts a \
                            WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
              WHERE i.status = 'open' AND i.collection_method = 'automatic' \
                AND i.attempt_count > 0 \
-               AND l.provider_status = 'declined' \
+               AND (l.provider_status = 'declined' \
+                    OR (l.provider_status = 'failed' AND l.reviewed_at IS NOT NULL)) \
                AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \
                AND NOT EXISTS (SELECT 1 FROM dunning_policies p \
                                WHERE p.tenant_id = i.tenant_id AND p.is_default) \
@@ -80,13 +84,15 @@ async fn insert_runs(
                  SELECT i.tenant_id, i.id, p.id, l.declined_at, \
                         l.declined_at + make_interval(secs => p.retry_offsets_secs[1]::float8) \
                  FROM invoices i \
-                 JOIN LATERAL (SELECT a.provider_status, COALESCE(a.resolved_at, a.created_at) AS declined_at \
+                 JOIN LATERAL (SELECT a.provider_status, a.reviewed_at, \
+                                      COALESCE(a.resolved_at, a.created_at) AS declined_at \
                                FROM payment_attempts a \
                                WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
                  JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \
                  WHERE i.status = 'open' AND i.collection_method = 'automatic' \
                    AND i.attempt_count > 0 \
-                   AND l.provider_status = 'declined' \
+                   AND (l.provider_status = 'declined' \
+                        OR (l.provider_status = 'failed' AND l.reviewed_at IS NOT NULL)) \
                    AND array_ndims(p.retry_offsets_secs) = 1 \
                    AND p.retry_offsets_secs[1] BETWEEN 1 AND 31622400 \
                    AND NOT EXISTS (SELECT 1 FROM dunning_runs r WHERE r.invoice_id = i.id) \

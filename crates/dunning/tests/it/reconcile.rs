@@ -153,3 +153,65 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
         "{rendered}"
     );
 }
+
+/// An attempt whose answer could not be read goes to an operator, who finds
+/// nothing charged at the provider and settles it as not charged
+/// (`billing_settle_attempt`, migration 0019: "the invoice is chargeable
+/// again and dunning takes it"). Auto-charge takes only invoices never
+/// attempted, so dunning must: the next tick enrols the invoice, and its
+/// first retry charges it once (docs/adr/0074).
+/// Mutation: `settled_not_charged_enrolled` (enrolment back to declined
+/// attempts only) enrols nothing; seen failing here.
+#[tokio::test]
+async fn an_attempt_an_operator_settles_as_not_charged_is_taken_by_dunning() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    // The fixture's attempt, as if its answer had not parsed.
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "UPDATE payment_attempts SET provider_status = 'needs_review', decline_code = NULL, \
+                resolved_at = NULL WHERE invoice_id = $1",
+    )
+    .bind(a.invoice)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE invoices SET review_since = now(), review_reason = 'unreadable' WHERE id = $1",
+    )
+    .bind(a.invoice)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (d, _) = dunner_with(&t.db, billing(&p, Duration::from_secs(5)), config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.enrolled, 0, "nothing while it waits for review: {r:?}");
+    let op = t.operator();
+    let listed = billing::review::needing_review(&op).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let settled = billing::review::settle(
+        &op,
+        listed[0].attempt_id,
+        billing::review::Settlement::Failed,
+        None,
+        "oncall",
+        "no intent at the provider",
+    )
+    .await
+    .unwrap();
+    assert_eq!(settled, "failed");
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.enrolled, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    sqlx::query("UPDATE dunning_runs SET next_attempt_at = now() WHERE invoice_id = $1")
+        .bind(a.invoice)
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.recovered, 1, "{r:?}");
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+    assert_eq!((p.create_requests(), p.total_charges()), (1, 1));
+}
