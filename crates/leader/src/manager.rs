@@ -99,7 +99,8 @@ impl Manager {
     /// abandoned at once (`LostReason::HeartbeatFailed`).
     ///
     /// # Errors
-    /// Only ACQUIRE's: a database error or a missing lease row. A failed
+    /// Only ACQUIRE's: a database error, a missing lease row, or no answer
+    /// within `statement_timeout` and `store::CLIENT_MARGIN` (a silent link). A failed
     /// RELEASE is logged; the lease then expires on its own. A completed tick
     /// whose RELEASE fails is therefore not stamped and runs again once the
     /// lease expires: the fence and the claims' CAS guards contain the rerun
@@ -128,16 +129,17 @@ impl Manager {
         // The lease's expiry counts from the database's now() inside ACQUIRE, which
         // is no earlier than this instant: anchor the trust window here.
         let acquire_sent = Instant::now();
-        let acquired = store::acquire(
+        let acquire = store::acquire(
             &self.db,
             role,
             &self.holder_id,
             t.ttl,
             interval,
             t.statement_timeout,
-        )
-        .await
-        .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
+        );
+        let acquired = store::answered(role, "ACQUIRE", t.statement_timeout, acquire)
+            .await
+            .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
         let token = match acquired? {
             Acquire::Lost {
                 due_in,
@@ -204,16 +206,17 @@ impl Manager {
         let candidate = reading.as_ref().and_then(|r| r.candidate(cron));
         let sent = SystemTime::now();
         let acquire_sent = Instant::now();
-        let a = store::acquire_slot(
+        let acquire = store::acquire_slot(
             &self.db,
             role,
             &self.holder_id,
             t.ttl,
             candidate,
             t.statement_timeout,
-        )
-        .await
-        .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false))?;
+        );
+        let a = store::answered(role, "ACQUIRE", t.statement_timeout, acquire)
+            .await
+            .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false))?;
         let first_seen = reading.map_or(a.db_now, |r| r.first_seen);
         let since = a.since.unwrap_or(first_seen);
         self.remember(
@@ -485,7 +488,7 @@ impl Manager {
         }
 
         let released = tokio::time::timeout(
-            t.statement_timeout + Duration::from_millis(500),
+            t.statement_timeout + store::CLIENT_MARGIN,
             store::release(
                 &self.db,
                 role,

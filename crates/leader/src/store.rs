@@ -39,8 +39,45 @@ pub enum StoreError {
         "leader_leases is missing rows for {0:?}; re-run the seed from migrations/0001_leader_leases.sql as the schema owner"
     )]
     MissingRoles(Vec<String>),
+    /// No answer within the server's `statement_timeout` and a margin: the
+    /// link to the database went silent (no reset, no reply), so the server's
+    /// own timeout cannot answer either.
+    #[error(
+        "{statement} for role {role} got no answer within {after:?}: the connection to the \
+         database is stalled; the role polls again"
+    )]
+    NoAnswer {
+        role: Role,
+        statement: &'static str,
+        after: Duration,
+    },
     #[error(transparent)]
     Db(#[from] db::Error),
+}
+
+/// How long past a lease statement's server `statement_timeout` the client
+/// waits before it gives up on a silent link (ACQUIRE, RELEASE).
+pub const CLIENT_MARGIN: Duration = Duration::from_millis(500);
+
+/// `call` (a lease statement of `role` run under `statement_timeout`), given
+/// up as [`StoreError::NoAnswer`] once [`CLIENT_MARGIN`] past that timeout.
+/// A statement given up on may still have committed: an ACQUIRE won that
+/// way holds a lease nobody ticks under, which expires after its TTL (the
+/// fence keeps anyone from acting on it).
+pub(crate) async fn answered<T>(
+    role: Role,
+    statement: &'static str,
+    statement_timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let after = statement_timeout + CLIENT_MARGIN;
+    tokio::time::timeout(after, call)
+        .await
+        .unwrap_or(Err(StoreError::NoAnswer {
+            role,
+            statement,
+            after,
+        }))
 }
 
 impl StoreError {

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use db::{Db, Row, sql};
 use leader::{Fence, LostReason, Role, TickEnd, TickOutcome, Timing};
+use testbed::proxy::{FaultProxy, Mode};
 use testbed::{Leg, TestDb};
 use tokio_util::sync::CancellationToken;
 
@@ -318,4 +319,53 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
     assert!(!l.completed && l.holder_id.is_none());
     let cooldown = l.cooldown.expect("a lost tick cools down");
     assert!((50.0..=60.0).contains(&cooldown), "cooldown {cooldown}");
+}
+
+/// ACQUIRE over a link that went silent (a black-holed connection: no reset,
+/// no reply, so the server's `statement_timeout` cannot answer either) gives
+/// up after that timeout and `CLIENT_MARGIN`, as RENEW and RELEASE do, and the
+/// role loop polls again instead of waiting on it for ever (and ignoring a
+/// shutdown meanwhile).
+/// Mutation: `acquire_client_timeout` (the client's wait removed) leaves the
+/// poll waiting until this test's own limit; seen failing here.
+#[tokio::test]
+async fn an_acquire_over_a_silent_link_gives_up() {
+    let t = TestDb::new().await;
+    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
+    let url = format!(
+        "postgres://hardcount_app@{}/{}",
+        proxy.host_port(),
+        t.name()
+    );
+    let db = Db::connect_lazy(&url, 1).unwrap();
+    let (m, _) = manager(&db, fast(), "silent");
+    // The pool's one connection, opened over the working link.
+    assert_eq!(
+        crate::drained(&m, Role::Billing, Duration::ZERO).await,
+        TickOutcome::Completed
+    );
+    proxy.set(Mode::Blackhole);
+    let started = Instant::now();
+    let shutdown = CancellationToken::new();
+    let poll = m.lead(Role::Billing, Duration::ZERO, &shutdown, |_| async {
+        TickEnd::Drained
+    });
+    let out = tokio::time::timeout(Duration::from_secs(10), poll)
+        .await
+        .expect("ACQUIRE still waiting on a silent link after 10 s");
+    assert!(
+        matches!(
+            out,
+            Err(leader::store::StoreError::NoAnswer {
+                statement: "ACQUIRE",
+                ..
+            })
+        ),
+        "{out:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
 }
