@@ -93,7 +93,7 @@ impl FromRequestParts<Api> for Caller {
             .and_then(|v| v.strip_prefix("Bearer "))
             .and_then(|k| parse(k.trim()))
             .ok_or_else(ApiError::unauthorized)?;
-        api.limiter().check(&presented.prefix)?;
+        api.limiter().check(&presented.hash)?;
         Ok(Caller(presented))
     }
 }

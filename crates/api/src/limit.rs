@@ -1,7 +1,9 @@
 //! A per-key rate limit (GCRA, `governor`), checked before a request takes a
-//! database connection. Keyed by the key's visible prefix: an unknown prefix
-//! is refused 401 by the database a moment later, and the table of prefixes
-//! seen is trimmed to the recently active ones when it grows.
+//! database connection. Keyed by the SHA-256 of the whole key as presented
+//! (docs/adr/0076): a key nobody holds is refused 401 by the database a
+//! moment later, and spends only its own bucket, never the bucket of the real
+//! key whose visible prefix it copies. The table of keys seen is trimmed to
+//! the recently active ones when it grows.
 
 use std::num::NonZeroU32;
 
@@ -10,11 +12,11 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 
 use crate::error::ApiError;
 
-/// Past this many prefixes tracked, the idle ones are dropped.
+/// Past this many keys tracked, the idle ones are dropped.
 const TRIM_ABOVE: usize = 100_000;
 
 pub struct Limiter {
-    inner: DefaultKeyedRateLimiter<String>,
+    inner: DefaultKeyedRateLimiter<[u8; 32]>,
     clock: DefaultClock,
 }
 
@@ -28,16 +30,14 @@ impl Limiter {
 
     /// # Errors
     /// 429 with the seconds until the next request would pass.
-    pub fn check(&self, prefix: &str) -> Result<(), ApiError> {
+    pub fn check(&self, key_hash: &[u8; 32]) -> Result<(), ApiError> {
         if self.inner.len() > TRIM_ABOVE {
             self.inner.retain_recent();
         }
-        self.inner
-            .check_key(&prefix.to_owned())
-            .map_err(|not_until| {
-                let wait = not_until.wait_time_from(self.clock.now());
-                ApiError::rate_limited(wait.as_secs_f64().ceil() as u64)
-            })
+        self.inner.check_key(key_hash).map_err(|not_until| {
+            let wait = not_until.wait_time_from(self.clock.now());
+            ApiError::rate_limited(wait.as_secs_f64().ceil() as u64)
+        })
     }
 }
 

@@ -106,3 +106,41 @@ async fn a_page_of_events_is_read_in_index_order_after_an_unseen_burst() {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
 }
+
+/// The rate limit is the key's own (docs/adr/0076): keys that copy a real
+/// key's visible prefix (it is shown to operators and in key listings) with
+/// other secrets are refused 401, then 429 once their own burst is spent,
+/// and the real key is still served; it is limited by its own burst.
+///
+/// Mutation: `limit_by_prefix` (the bucket keyed by the prefix again) lets
+/// the forged keys spend the real key's burst, so the real key gets 429;
+/// seen failing here.
+#[tokio::test]
+async fn keys_that_copy_a_prefix_do_not_spend_the_real_keys_rate() {
+    let t = TestDb::new().await;
+    let config = api::ApiConfig {
+        rate_per_second: std::num::NonZeroU32::new(1).unwrap(),
+        rate_burst: std::num::NonZeroU32::new(2).unwrap(),
+        ..api::ApiConfig::default()
+    };
+    let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
+    let s = crate::serve_api(api::Api::new(t.api(), Some(keyring), config)).await;
+    let key = tenant(&t, "acme").await;
+    // The same prefix, another 43-character secret.
+    let forged = format!("{}{}", &key[..12], "A".repeat(43));
+    assert_ne!(forged, key);
+    let mut forged_seen = Vec::new();
+    for _ in 0..6 {
+        forged_seen.push(s.get("/v1/events", &forged).await.status.as_u16());
+    }
+    // A token comes back each second: a slow machine may see a third 401.
+    assert_eq!(forged_seen[..2], [401, 401], "{forged_seen:?}");
+    assert!(forged_seen.contains(&429), "{forged_seen:?}");
+    let first = s.get("/v1/events", &key).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        seen.push(s.get("/v1/events", &key).await.status.as_u16());
+    }
+    assert!(seen.contains(&429), "limited by its own burst: {seen:?}");
+}
