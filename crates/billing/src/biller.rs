@@ -274,13 +274,14 @@ impl Biller {
 
     /// A cancel now inside the caller's transaction (dunning's final action,
     /// which writes its notice in the same transaction): the used part
-    /// invoiced as [`Biller::cancel_subscription`] does. `None` when the
-    /// subscription is not active or its period moved under the snapshot:
+    /// invoiced as [`Biller::cancel_subscription`] does, after the periods it
+    /// is behind (docs/adr/0077). `None` when the subscription is not active:
     /// nothing written.
     ///
     /// # Errors
     /// [`Error::SubscriptionPeriodMoved`] when the period is already invoiced
-    /// (the caller must roll back), [`Error::Unbillable`], or a database error.
+    /// or moved (the caller must roll back), or more than `catch_up_periods`
+    /// are due; [`Error::Unbillable`], or a database error.
     pub async fn cancel_now_in(
         &self,
         tx: &mut db::Tx,

@@ -5,7 +5,9 @@
 //! ```text
 //!  now         fresh snapshot: the active subscription, its plan, the tenant's
 //!              invoice_on_cancel (default true), now()
-//!              close::cancel (pure): invoice [period start, now) pro rata, or none
+//!              close::cancel_behind (pure): the periods ended before now closed
+//!                as the tick would, then invoice [period start, now) pro rata, or
+//!                none (docs/adr/0077)
 //!              invoice::close_periods: the CAS on (status, period start,
 //!                watermark, cancel_at_period_end) sets status = 'canceled';
 //!                the invoice (reason 'cancel'), invoice.finalized,
@@ -80,58 +82,63 @@ pub(crate) async fn cancel_subscription_in(
     if cancel_trial_in(tx, tenant_id, subscription).await? {
         return Ok(Canceled { invoice_id: None });
     }
-    let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
-        return Err(not_found());
-    };
-    let at = now.clamp(due.current_period_start, due.current_period_end);
-    let closing = close::cancel(&due, at, invoice)?;
-    let outcomes = match invoice::close_in(tx, &[&closing], biller.writing()).await? {
-        invoice::Attempt::Deduplicated(_) => {
-            return Err(Error::SubscriptionPeriodMoved { subscription });
-        }
-        invoice::Attempt::Committed(outcomes) => outcomes,
-    };
-    match outcomes.first().map(|(_, c)| *c) {
-        Some(Closed::Invoiced { invoice_id }) => {
-            biller
-                .inner
-                .telemetry
-                .counter(
-                    "hardcount_billing_invoices_created_total",
-                    &[("source", "cancel")],
-                )
-                .increment(1);
-            Ok(Canceled {
-                invoice_id: Some(invoice_id),
-            })
-        }
-        Some(Closed::Advanced) => Ok(Canceled { invoice_id: None }),
-        _ => Err(Error::SubscriptionPeriodMoved { subscription }),
+    match cancel_now_in(biller, tx, tenant_id, subscription).await? {
+        Some(canceled) => Ok(canceled),
+        None => Err(not_found()),
     }
 }
 
-/// The body of [`Biller::cancel_now_in`].
+/// The body of [`Biller::cancel_now_in`]: `None` when the subscription is
+/// not active (or not this tenant's).
+///
+/// A subscription behind (its period ended before `now` and the tick has
+/// not closed it yet) has those periods closed and invoiced first, as the
+/// tick would, in the same compare-and-set, and the period holding `now`
+/// truncated there (docs/adr/0077): a cancel never drops the time used
+/// since the last closing. More than `catch_up_periods` behind, nothing is
+/// written ([`Error::SubscriptionPeriodMoved`]: once the tick catches up,
+/// the cancel goes through).
 pub(crate) async fn cancel_now_in(
     biller: &Biller,
     tx: &mut db::Tx,
     tenant_id: &str,
     subscription: i64,
 ) -> Result<Option<Canceled>, Error> {
+    let moved = || Error::SubscriptionPeriodMoved { subscription };
     let Some((due, invoice, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
         return Ok(None);
     };
-    let at = now.clamp(due.current_period_start, due.current_period_end);
-    let closing = close::cancel(&due, at, invoice)?;
-    match invoice::close_in(tx, &[&closing], biller.writing()).await? {
-        invoice::Attempt::Deduplicated(_) => Err(Error::SubscriptionPeriodMoved { subscription }),
-        invoice::Attempt::Committed(outcomes) => Ok(match outcomes.first().map(|(_, c)| *c) {
-            Some(Closed::Invoiced { invoice_id }) => Some(Canceled {
-                invoice_id: Some(invoice_id),
-            }),
-            Some(Closed::Advanced) => Some(Canceled { invoice_id: None }),
-            _ => None,
-        }),
+    let max = biller.inner.config.catch_up_periods;
+    let closings = close::cancel_behind(&due, now, invoice, max)?.ok_or_else(moved)?;
+    let refs: Vec<&close::Closing> = closings.iter().collect();
+    let outcomes = match invoice::close_in(tx, &refs, biller.writing()).await? {
+        invoice::Attempt::Deduplicated(_) => return Err(moved()),
+        invoice::Attempt::Committed(outcomes) => outcomes,
+    };
+    let mut invoices = Vec::new();
+    for (_, outcome) in outcomes {
+        match outcome {
+            Closed::Invoiced { invoice_id } => invoices.push(invoice_id),
+            Closed::Advanced => {}
+            // Not under the snapshot's row lock; kept as the loss it would be.
+            _ => return Err(moved()),
+        }
     }
+    if !invoices.is_empty() {
+        biller
+            .inner
+            .telemetry
+            .counter(
+                "hardcount_billing_invoices_created_total",
+                &[("source", "cancel")],
+            )
+            .increment(invoices.len() as u64);
+    }
+    // The invoice of the used part: the last closing's, when it invoiced.
+    let last_invoiced = closings.last().is_some_and(|c| c.invoiced);
+    Ok(Some(Canceled {
+        invoice_id: invoices.last().copied().filter(|_| last_invoiced),
+    }))
 }
 
 /// An active subscription's snapshot, whether its tenant invoices a cancel,

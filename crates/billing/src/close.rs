@@ -200,6 +200,44 @@ pub fn cancel(due: &Due, at: DateTime<Utc>, invoice: bool) -> Result<Closing, Un
     })
 }
 
+/// A cancel now of a subscription that may be behind (docs/adr/0077): the
+/// periods that ended before `now` closed as the tick would close them
+/// ([`close_behind`], at most `max`), then the period holding `now`
+/// truncated there by [`cancel`]. Not behind: [`cancel`] at `now`, held to
+/// the current period. A period that ends the subscription
+/// (`cancel_at_period_end`) ends the chain, with no cancel after it.
+///
+/// # Errors
+/// [`Unbillable`] as [`close_behind`] and [`cancel`]; `Ok(None)` when `now`
+/// is still more than `max` periods ahead (the tick catches up first).
+pub fn cancel_behind(
+    due: &Due,
+    now: DateTime<Utc>,
+    invoice: bool,
+    max: usize,
+) -> Result<Option<Vec<Closing>>, Unbillable> {
+    if now <= due.current_period_end {
+        let at = now.max(due.current_period_start);
+        return Ok(Some(vec![cancel(due, at, invoice)?]));
+    }
+    let mut chain = close_behind(due, now, max)?;
+    let last = &chain[chain.len() - 1];
+    if last.ends {
+        return Ok(Some(chain));
+    }
+    if last.next_end < now {
+        return Ok(None);
+    }
+    let holding_now = Due {
+        current_period_start: last.next_start,
+        current_period_end: last.next_end,
+        next_billing_at: last.next_end,
+        ..due.clone()
+    };
+    chain.push(cancel(&holding_now, now, invoice)?);
+    Ok(Some(chain))
+}
+
 /// A plan change at `at`: the current period truncated to `[start, at)` and
 /// invoiced pro rata on the old plan; the next period `[at, end)` on `plan`,
 /// ending at the next boundary of the anchor's grid for `plan`'s interval.
@@ -419,5 +457,39 @@ mod tests {
         // Nothing used: nothing invoiced.
         let c = cancel(&d, at(2024, 2, 29), true).unwrap();
         assert_eq!((c.amount, c.invoiced), (0, false));
+    }
+
+    #[test]
+    fn a_cancel_of_a_subscription_behind_closes_its_periods_first() {
+        // Hourly plan, the period 00-01 due and not closed, cancelled at 02:15.
+        let hour = |h| Utc.with_ymd_and_hms(2024, 1, 1, h, 0, 0).unwrap();
+        let mut d = due(hour(0), hour(0), hour(1));
+        d.interval_unit = "hour".into();
+        let now = hour(2) + chrono::TimeDelta::minutes(15);
+        let chain = cancel_behind(&d, now, true, 100).unwrap().unwrap();
+        let parts: Vec<_> = chain
+            .iter()
+            .map(|c| (c.period_start, c.next_start, c.reason, c.ends))
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                (hour(0), hour(1), Reason::Period, false),
+                (hour(1), hour(2), Reason::Period, false),
+                (hour(2), now, Reason::Cancel, true),
+            ]
+        );
+        // A quarter of the hour used: 1200 / 4.
+        assert_eq!(chain[2].amount, 300);
+        // Not behind: the cancel alone, as before.
+        let inside = hour(0) + chrono::TimeDelta::minutes(30);
+        let one = cancel_behind(&d, inside, true, 100).unwrap().unwrap();
+        assert_eq!(one, [cancel(&d, inside, true).unwrap()]);
+        // Further behind than the bound: refused, nothing closed.
+        assert_eq!(cancel_behind(&d, now, true, 1).unwrap(), None);
+        // Ending at its period's end: that closing ends it, no cancel after.
+        d.cancel_at_period_end = true;
+        let chain = cancel_behind(&d, now, true, 100).unwrap().unwrap();
+        assert_eq!((chain.len(), chain[0].ends), (1, true));
     }
 }

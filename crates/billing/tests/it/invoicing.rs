@@ -241,6 +241,59 @@ async fn invoice_numbers_are_per_tenant_sequential_and_without_gaps() {
     );
 }
 
+/// A cancel now of a subscription whose period ended before the tick closed
+/// it (billing down, or behind): the ended periods are invoiced in full, as
+/// the tick would, and the period holding now pro rata, in one
+/// compare-and-set (docs/adr/0077). Before, the cancel truncated at the old
+/// period's end: that period was invoiced, and the time used since it ended
+/// never was.
+/// Mutation: `cancel_not_behind` (the chain skipped: the old clamp) invoices
+/// one period only; seen failing here.
+#[tokio::test]
+async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_the_used_part() {
+    let t = TestDb::new().await;
+    let p = plan(&t.db, "tenant_a", "day", 10, 1000).await;
+    // Two ten-day periods ended, not closed; half of the third used.
+    let start = Utc::now() - TimeDelta::days(25);
+    let sub = subscription(
+        &t.db,
+        "tenant_a",
+        p,
+        start,
+        start,
+        start + TimeDelta::days(10),
+    )
+    .await;
+    let (b, _) = biller(&t.db, config());
+    let c = b
+        .cancel_subscription("tenant_a", sub, CancelAt::Now)
+        .await
+        .unwrap();
+    let rows = t
+        .db
+        .fetch_all(
+            sql("SELECT amount, reason, id FROM invoices WHERE subscription_id = $1 ORDER BY period_start")
+                .bind(sub),
+        )
+        .await
+        .unwrap();
+    let invoices: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(invoices.len(), 3, "{invoices:?}");
+    assert_eq!(invoices[0], (1000, "period".to_owned()));
+    assert_eq!(invoices[1], (1000, "period".to_owned()));
+    assert_eq!(invoices[2].1, "cancel");
+    assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
+    assert_eq!(c.invoice_id, Some(rows[2].get::<i64, _>(2)));
+    let status: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(status, "canceled");
+    // Nothing left for the tick.
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+}
+
 #[tokio::test]
 async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
     let t = TestDb::new().await;
