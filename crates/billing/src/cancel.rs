@@ -82,6 +82,9 @@ pub(crate) async fn cancel_subscription_in(
     if cancel_trial_in(tx, tenant_id, subscription).await? {
         return Ok(Canceled { invoice_id: None });
     }
+    // A trial that ended is activated first, as the tick would, so the
+    // cancel invoices the paid time since (docs/adr/0077).
+    crate::lifecycle::activate_ended_trial_in(tx, tenant_id, subscription).await?;
     match cancel_now_in(biller, tx, tenant_id, subscription).await? {
         Some(canceled) => Ok(canceled),
         None => Err(not_found()),
@@ -179,7 +182,9 @@ async fn snapshot_in(
 
 /// Cancel a trialing subscription now: nothing was used that is paid for,
 /// so nothing is invoiced (as a provider cancels a trial), announced with
-/// `subscription.canceled`; `false` when it is not trialing.
+/// `subscription.canceled`; `false` when it is not trialing, or its trial
+/// has ended (its paid time is invoiced by the cancel of the activated
+/// subscription, docs/adr/0077).
 async fn cancel_trial_in(
     tx: &mut db::Tx,
     tenant_id: &str,
@@ -191,6 +196,7 @@ async fn cancel_trial_in(
                 "UPDATE subscriptions SET status = 'canceled', canceled_at = now(), \
                         updated_at = now() \
                  WHERE tenant_id = $1 AND id = $2 AND status = 'trialing' \
+                   AND trial_end > now() \
                  RETURNING plan_id, trial_end",
             )
             .bind(tenant_id.to_owned())

@@ -213,7 +213,10 @@ pub(crate) async fn close_in(
     }
     write_balances(tx, &numbered, &won).await?;
     announce(tx, &numbered, &created, &won, &senders, how).await?;
-    announce_subscriptions(tx, &heads, &won).await?;
+    // A chain's end is its tail's: a cancel after the periods it was behind
+    // (docs/adr/0077) is announced by its last closing, not its first.
+    let tails_of: Vec<&Closing> = heads.iter().map(|c| tail(c)).collect();
+    announce_subscriptions(tx, &tails_of, &won).await?;
     let mut outcomes = Vec::with_capacity(closings.len());
     for c in &heads {
         if !won.contains_key(&c.subscription_id) {

@@ -45,6 +45,25 @@ pub struct LifecycleTally {
     pub panicked: usize,
 }
 
+/// Activate `tenant_id`'s subscription `subscription` in `tx` if it is
+/// trialing and its trial has ended, as the tick's trial step would (its
+/// compare-and-set and `subscription.trial_ended`): a cancel now then
+/// invoices the paid time since the trial ended (docs/adr/0077). `false`
+/// when it is not such a trial.
+pub(crate) async fn activate_ended_trial_in(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<bool, Error> {
+    let Some(trial) = store::ended_trial_in(tx, tenant_id, subscription).await? else {
+        return Ok(false);
+    };
+    let end = first_period_end(&trial)?;
+    Ok(!store::activate_trials_in(tx, &[(trial, end)])
+        .await?
+        .is_empty())
+}
+
 /// The first paid period's end of an ended trial.
 fn first_period_end(t: &TrialEnded) -> Result<chrono::DateTime<chrono::Utc>, Unbillable> {
     let bad = || Unbillable::Interval {

@@ -100,7 +100,7 @@ impl Manager {
     ///
     /// # Errors
     /// Only ACQUIRE's: a database error, a missing lease row, or no answer
-    /// within `statement_timeout` and `store::CLIENT_MARGIN` (a silent link). A failed
+    /// within [`Timing::acquire_bound`] (a silent link). A failed
     /// RELEASE is logged; the lease then expires on its own. A completed tick
     /// whose RELEASE fails is therefore not stamped and runs again once the
     /// lease expires: the fence and the claims' CAS guards contain the rerun
@@ -137,7 +137,7 @@ impl Manager {
             interval,
             t.statement_timeout,
         );
-        let acquired = store::answered(role, "ACQUIRE", t.statement_timeout, acquire)
+        let acquired = store::answered(role, "ACQUIRE", t.acquire_bound(), acquire)
             .await
             .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false));
         let token = match acquired? {
@@ -214,7 +214,7 @@ impl Manager {
             candidate,
             t.statement_timeout,
         );
-        let a = store::answered(role, "ACQUIRE", t.statement_timeout, acquire)
+        let a = store::answered(role, "ACQUIRE", t.acquire_bound(), acquire)
             .await
             .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false))?;
         let first_seen = reading.map_or(a.db_now, |r| r.first_seen);

@@ -56,21 +56,17 @@ pub enum StoreError {
 }
 
 /// How long past a lease statement's server `statement_timeout` the client
-/// waits before it gives up on a silent link (ACQUIRE, RELEASE).
+/// waits before it gives up on a silent link.
 pub const CLIENT_MARGIN: Duration = Duration::from_millis(500);
 
-/// `call` (a lease statement of `role` run under `statement_timeout`), given
-/// up as [`StoreError::NoAnswer`] once [`CLIENT_MARGIN`] past that timeout.
-/// A statement given up on may still have committed: an ACQUIRE won that
-/// way holds a lease nobody ticks under, which expires after its TTL (the
-/// fence keeps anyone from acting on it).
+/// `call` (a lease statement of `role`), given up as
+/// [`StoreError::NoAnswer`] after `after`.
 pub(crate) async fn answered<T>(
     role: Role,
     statement: &'static str,
-    statement_timeout: Duration,
+    after: Duration,
     call: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    let after = statement_timeout + CLIENT_MARGIN;
     tokio::time::timeout(after, call)
         .await
         .unwrap_or(Err(StoreError::NoAnswer {

@@ -180,6 +180,17 @@ impl Timing {
         self.heartbeat / 10
     }
 
+    /// How long a poll waits for ACQUIRE's answer before it gives up on a
+    /// silent link (docs/adr/0075): the TTL, the statement timeout and
+    /// `store::CLIENT_MARGIN`. Any lease the ACQUIRE could have taken has
+    /// expired by then (its expiry is the TTL from the statement's clock,
+    /// which is after the send), so giving up leaves nothing held; an answer
+    /// that comes earlier but past the abandon deadline is still released as
+    /// lost (a BEGIN queued in PgBouncer is answered late, not lost).
+    pub fn acquire_bound(&self) -> Duration {
+        self.ttl + self.statement_timeout + crate::store::CLIENT_MARGIN
+    }
+
     /// The longest sleep before the next poll of a lease that was not won:
     /// `held_poll` while another term holds it, else `max_poll`.
     pub fn poll_cap(&self, held: bool) -> Duration {

@@ -81,17 +81,14 @@ pub(super) async fn announce(
 }
 
 /// `subscription.updated` for a plan change, `subscription.canceled` for an
-/// end, of the subscriptions that won.
+/// end, of the subscriptions that won; `last` holds each chain's last closing.
 pub(super) async fn announce_subscriptions(
     tx: &mut db::Tx,
-    heads: &[&Closing],
+    last: &[&Closing],
     won: &HashMap<i64, Won>,
 ) -> Result<(), Error> {
     let mut events = Vec::new();
-    for c in heads
-        .iter()
-        .filter(|c| won.contains_key(&c.subscription_id))
-    {
+    for c in last.iter().filter(|c| won.contains_key(&c.subscription_id)) {
         let (kind, status) = match c.reason {
             Reason::Cancel => ("subscription.canceled", "canceled"),
             Reason::Period if c.ends => ("subscription.canceled", "canceled"),

@@ -81,6 +81,20 @@ pub(crate) async fn activate_trials(
         return Ok(Vec::new());
     }
     let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let activated = activate_trials_in(&mut tx, trials).await?;
+    tx.commit().await?;
+    Ok(activated)
+}
+
+/// [`activate_trials`] in the caller's transaction (a cancel now of a
+/// trial that ended and was not activated yet, docs/adr/0077).
+pub(crate) async fn activate_trials_in(
+    tx: &mut db::Tx,
+    trials: &[(TrialEnded, DateTime<Utc>)],
+) -> Result<Vec<i64>, Error> {
+    if trials.is_empty() {
+        return Ok(Vec::new());
+    }
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \
@@ -124,9 +138,41 @@ pub(crate) async fn activate_trials(
         events.push((tenant, payload.to_string()));
         activated.push(id);
     }
-    outbox::webhook::enqueue_many_of(&mut tx, "subscription.trial_ended", &events).await?;
-    tx.commit().await?;
+    outbox::webhook::enqueue_many_of(tx, "subscription.trial_ended", &events).await?;
     Ok(activated)
+}
+
+/// `tenant_id`'s subscription `subscription` if it is trialing and its trial
+/// has ended (at the transaction's `now()`), its row locked.
+pub(crate) async fn ended_trial_in(
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+) -> Result<Option<TrialEnded>, db::Error> {
+    let row = tx
+        .fetch_optional(
+            sql("SELECT s.id, s.tenant_id, s.billing_anchor, s.trial_end, \
+                        p.interval_unit, p.interval_count \
+                 FROM subscriptions s \
+                 JOIN plans p ON p.tenant_id = s.tenant_id AND p.id = s.plan_id \
+                 WHERE s.tenant_id = $1 AND s.id = $2 \
+                   AND s.status = 'trialing' AND s.trial_end <= now() \
+                 FOR UPDATE OF s")
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?;
+    row.map(|r| {
+        Ok(TrialEnded {
+            subscription_id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            billing_anchor: r.try_get("billing_anchor")?,
+            trial_end: r.try_get("trial_end")?,
+            interval_unit: r.try_get("interval_unit")?,
+            interval_count: r.try_get("interval_count")?,
+        })
+    })
+    .transpose()
 }
 
 /// A pause-collection whose resume time has passed, as the resume funnel read it.

@@ -290,6 +290,16 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
             .unwrap()
             .get(0);
     assert_eq!(status, "canceled");
+    // Announced once, by the chain's last closing; each invoice finalized.
+    assert_eq!(
+        event_types(&t.db).await,
+        [
+            "invoice.finalized",
+            "invoice.finalized",
+            "invoice.finalized",
+            "subscription.canceled"
+        ]
+    );
     // Nothing left for the tick.
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }

@@ -346,3 +346,57 @@ async fn a_plan_change_invoices_the_used_part_pro_rata() {
     let err = b.change_plan("tenant_a", sub, 999_999).await.unwrap_err();
     assert_eq!(err.code(), "subscription_not_found");
 }
+
+/// A cancel now of a trial still running invoices nothing; of a trial that
+/// ended before the tick activated it, the trial is activated first (as the
+/// tick would, with `subscription.trial_ended`) and the paid time since its
+/// end is invoiced pro rata (docs/adr/0077). Before, both were canceled
+/// without an invoice.
+/// Mutation: `cancel_ended_trial` (the cancel of a trial without its end
+/// check) invoices nothing for the ended trial; seen failing here.
+#[tokio::test]
+async fn a_cancel_after_a_trial_ended_invoices_the_paid_time_since() {
+    let t = TestDb::new().await;
+    let p = plan(&t.db, "tenant_a", "day", 10, 1000).await;
+    let now = Utc::now();
+    let running = trialing(&t.db, p, now - TimeDelta::days(1), now + TimeDelta::days(1)).await;
+    // Its trial ended five days ago, on its anchor's grid: its first paid
+    // period is [now - 5 d, now + 5 d), half used.
+    let ended = trialing(
+        &t.db,
+        p,
+        now - TimeDelta::days(15),
+        now - TimeDelta::days(5),
+    )
+    .await;
+    let (b, _) = biller(&t.db, config());
+    let c = b
+        .cancel_subscription("tenant_a", running, billing::CancelAt::Now)
+        .await
+        .unwrap();
+    assert_eq!(c.invoice_id, None);
+    let c = b
+        .cancel_subscription("tenant_a", ended, billing::CancelAt::Now)
+        .await
+        .unwrap();
+    let invoice = c.invoice_id.expect("the paid time since the trial ended");
+    let r =
+        t.db.fetch_one(
+            sql("SELECT amount, reason, subscription_id FROM invoices WHERE id = $1").bind(invoice),
+        )
+        .await
+        .unwrap();
+    let (amount, reason, sub): (i64, String, i64) = (r.get(0), r.get(1), r.get(2));
+    assert!((499..=501).contains(&amount), "{amount}");
+    assert_eq!((reason.as_str(), sub), ("cancel", ended));
+    assert_eq!(count(&t.db, "subscription.trial_ended").await, 1);
+    assert_eq!(count(&t.db, "subscription.canceled").await, 2);
+    let statuses: Vec<String> =
+        t.db.fetch_all(sql("SELECT status FROM subscriptions ORDER BY id"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    assert_eq!(statuses, ["canceled", "canceled"]);
+}

@@ -323,9 +323,9 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
 
 /// ACQUIRE over a link that went silent (a black-holed connection: no reset,
 /// no reply, so the server's `statement_timeout` cannot answer either) gives
-/// up after that timeout and `CLIENT_MARGIN`, as RENEW and RELEASE do, and the
-/// role loop polls again instead of waiting on it for ever (and ignoring a
-/// shutdown meanwhile).
+/// up after `Timing::acquire_bound` (1.7 s at the fast timings), as RENEW and
+/// RELEASE give up on theirs, and the role loop polls again instead of
+/// waiting on it for ever (and ignoring a shutdown meanwhile).
 /// Mutation: `acquire_client_timeout` (the client's wait removed) leaves the
 /// poll waiting until this test's own limit; seen failing here.
 #[tokio::test]
