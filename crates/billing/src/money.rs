@@ -5,7 +5,7 @@
 //! exponent: 1200 JPY is ¥1200 (exponent 0), 1200 EUR is €12.00 (2), 1200 KWD is
 //! 1.200 KWD (3). The provider's API mostly agrees; where Stripe departs from
 //! ISO 4217 (it takes ISK with two decimals, and MGA with none) the charge path
-//! converts, not this module.
+//! converts (`provider::provider_amount`, docs/adr/0078), not this module.
 
 /// Currencies whose minor unit is the major unit (ISO 4217 exponent 0).
 const EXPONENT_0: [&str; 17] = [

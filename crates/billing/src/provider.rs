@@ -131,12 +131,33 @@ fn key_instance(key: &str) -> Option<&str> {
     key.strip_prefix("hc:")?.split(':').next()
 }
 
+/// `amount` ISO 4217 minor units of `currency` (as invoices hold them,
+/// `crate::money`) in the provider's minor units, where Stripe departs from
+/// ISO 4217 (docs/adr/0078): ISK is two-decimal in its API, amounts in
+/// hundredths of a króna that must be whole krónur (ISO: no decimals), so
+/// × 100; MGA is zero-decimal in its API (ISO: two decimals), so ÷ 100, a
+/// fraction of an ariary rounded half up (under one ariary, which no
+/// card can be charged). Every other currency as it is.
+/// Sources: <https://docs.stripe.com/currencies> (zero-decimal currencies,
+/// MGA among them) and
+/// <https://support.stripe.com/questions/deprecation-of-fractional-isk-charges-and-refunds>.
+pub fn provider_amount(amount: i64, currency: &str) -> i64 {
+    if currency.eq_ignore_ascii_case("ISK") {
+        amount.saturating_mul(100)
+    } else if currency.eq_ignore_ascii_case("MGA") {
+        amount.saturating_add(50).div_euclid(100)
+    } else {
+        amount
+    }
+}
+
 /// What is charged: an invoice's amount to its customer's saved card, under
 /// the attempt's key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PaymentRequest {
     pub invoice_id: i64,
-    /// Integer minor units.
+    /// Integer ISO 4217 minor units, as the invoice holds them; sent in the
+    /// provider's ([`provider_amount`]).
     pub amount: i64,
     /// ISO 4217 as stored (upper case); sent lower case.
     pub currency: String,
@@ -154,12 +175,15 @@ impl PaymentRequest {
     /// exactly as it first was.
     fn form(&self) -> String {
         let mut f = url::form_urlencoded::Serializer::new(String::new());
-        f.append_pair("amount", &self.amount.to_string())
-            .append_pair("currency", &self.currency.to_ascii_lowercase())
-            .append_pair("customer", &self.customer)
-            .append_pair("payment_method", &self.payment_method)
-            .append_pair("confirm", "true")
-            .append_pair("off_session", "true");
+        f.append_pair(
+            "amount",
+            &provider_amount(self.amount, &self.currency).to_string(),
+        )
+        .append_pair("currency", &self.currency.to_ascii_lowercase())
+        .append_pair("customer", &self.customer)
+        .append_pair("payment_method", &self.payment_method)
+        .append_pair("confirm", "true")
+        .append_pair("off_session", "true");
         if let Some(instance) = key_instance(&self.key) {
             f.append_pair("metadata[hardcount_instance]", instance)
                 .append_pair("metadata[hardcount_invoice]", &self.invoice_id.to_string())
@@ -439,6 +463,18 @@ mod tests {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("https://***@api.example.com"), "{err}");
         assert!(!err.contains("hunter2") && !err.contains("user:"), "{err}");
+    }
+
+    #[test]
+    fn amounts_are_converted_only_where_stripe_departs_from_iso() {
+        assert_eq!(provider_amount(1200, "ISK"), 120_000);
+        assert_eq!(provider_amount(1200, "isk"), 120_000);
+        assert_eq!(provider_amount(120_000, "MGA"), 1200);
+        assert_eq!(provider_amount(120_049, "MGA"), 1200);
+        assert_eq!(provider_amount(120_050, "MGA"), 1201);
+        for (amount, currency) in [(1200, "EUR"), (1200, "JPY"), (1234, "KWD"), (17_500, "HUF")] {
+            assert_eq!(provider_amount(amount, currency), amount, "{currency}");
+        }
     }
 
     #[test]

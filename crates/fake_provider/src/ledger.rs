@@ -80,6 +80,8 @@ impl Intent {
             id: self.id.clone(),
             key: self.key.clone(),
             customer: self.customer.clone(),
+            amount: self.amount,
+            currency: self.currency.clone(),
             status: self.status.as_str().to_owned(),
             metadata: self.metadata.clone(),
         }

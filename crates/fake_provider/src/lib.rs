@@ -212,6 +212,10 @@ pub struct IntentView {
     /// The idempotency key of the request that created it.
     pub key: Option<String>,
     pub customer: String,
+    /// As requested: the provider's minor units (ISK in hundredths, MGA whole).
+    pub amount: u64,
+    /// Lower case, as requested.
+    pub currency: String,
     /// `succeeded`, `processing` or `requires_payment_method`, as now.
     pub status: String,
     pub metadata: BTreeMap<String, String>,

@@ -127,6 +127,16 @@ pub(super) fn check_amount(
         1
     };
     match amount.parse::<u64>() {
+        // ISK stays two-decimal in the API, but only whole krónur are
+        // charged (https://support.stripe.com/questions/deprecation-of-fractional-isk-charges-and-refunds).
+        Ok(a) if currency == "isk" && a % 100 != 0 => Err(refuse(
+            "invalid_charge_amount_no_decimal_compatible",
+            "amount",
+            format!(
+                "Invalid amount: {a}. Currency ISK has become effectively zero-decimal and \
+                 charged amounts must be evenly divisible by 100."
+            ),
+        )),
         Ok(a) if a < minimum => Err(refuse(
             "amount_too_small",
             "amount",

@@ -542,3 +542,52 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
     );
     assert_eq!(p.create_requests(), 2);
 }
+
+/// Amounts go to the provider in its minor units where Stripe departs from
+/// ISO 4217 (docs/adr/0078): an ISK invoice of 1,200 kr (ISO minor units:
+/// krónur) is sent as 120000 (Stripe's hundredths), an MGA invoice of
+/// 1,200.37 Ar (ISO: two decimals) as 1200 (Stripe: whole ariary), a EUR
+/// invoice as it is; each is charged once and paid. The fake provider
+/// refuses an ISK amount not in whole krónur, as Stripe does.
+/// Mutation: `provider_amount_iso` (amounts sent as stored) sends ISK 1200
+/// (12 kr, refused by the fake as fractional-free ISK would not be) and MGA
+/// 120037; seen failing here.
+#[tokio::test]
+async fn amounts_go_to_the_provider_in_its_minor_units() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 3).await;
+    let mut su = t.superuser().await;
+    for ((id, _), (currency, amount)) in open.iter().zip([("ISK", 1200), ("MGA", 120_037)]) {
+        sqlx::query("UPDATE invoices SET currency = $2, amount = $3 WHERE id = $1")
+            .bind(id)
+            .bind(currency)
+            .bind(amount as i64)
+            .execute(&mut su)
+            .await
+            .unwrap();
+    }
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 3, "{report:?}");
+    let mut sent: Vec<(String, u64)> = p
+        .intents()
+        .iter()
+        .map(|i| (i.currency.clone(), i.amount))
+        .collect();
+    sent.sort();
+    let eur: i64 =
+        t.db.fetch_one(sql("SELECT amount FROM invoices WHERE id = $1").bind(open[2].0))
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(
+        sent,
+        [
+            ("eur".to_owned(), u64::try_from(eur).unwrap()),
+            ("isk".to_owned(), 120_000),
+            ("mga".to_owned(), 1200)
+        ]
+    );
+    assert_eq!(p.total_charges(), 3);
+}
