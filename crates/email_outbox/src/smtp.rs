@@ -244,20 +244,31 @@ impl Connector {
             Security::Implicit(params) => Box::new(implicit_tls(tcp, params.clone()).await?),
             _ => Box::new(tcp),
         };
+        // A refusal before any message (the greeting, EHLO, STARTTLS, AUTH) is
+        // the session's, not an email's: no reply to the message, as a
+        // refused connect is. As an SMTP error, a permanent code there (a 554
+        // greeting, a 535 to stale credentials) failed every queued email
+        // for good, one per connection (docs/adr/0079).
+        let refused = |step: &str| {
+            let step = step.to_owned();
+            move |e: lettre::transport::smtp::Error| {
+                Failure::Connect(format!("the server refused the session at {step}: {e}"))
+            }
+        };
         let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)
             .await
-            .map_err(Failure::Smtp)?;
+            .map_err(refused("the greeting"))?;
         match &self.security {
             Security::StartTls { params, required } if *required || conn.can_starttls() => conn
                 .starttls(params.clone(), &self.hello)
                 .await
-                .map_err(Failure::Smtp)?,
+                .map_err(refused("STARTTLS"))?,
             _ => {}
         }
         if let Some(credentials) = &self.credentials {
             conn.auth(DEFAULT_MECHANISMS, credentials)
                 .await
-                .map_err(Failure::Smtp)?;
+                .map_err(refused("AUTH"))?;
         }
         Ok(Conn { smtp: conn, probe })
     }

@@ -207,19 +207,19 @@ pub async fn resend(
         return Ok(replay);
     }
     // Only a failed row is reset: the sender claims only queued rows and
-    // writes a result only by compare-and-set on (id, attempts, queued), so
-    // nothing of it holds a failed one. `attempts` is kept, so an attempt
-    // number once handed out never matches again; the schedule is spent, so
-    // a resent email has one more attempt. The claim's ceiling counts from
-    // `resent_at_attempt` (migration 0041), so it does not take the resend for
-    // an attempt that died. A refused email (`refused`) was never sendable and
-    // stays failed.
+    // writes a result only by compare-and-set on (id, attempts, queued).
+    // `attempts` moves one past every number handed out (migration 0042), so
+    // a result still in flight for the last attempt never matches the resent
+    // email; the schedule is spent, so a resent email has one more attempt.
+    // The claim's ceiling counts from `resent_at_attempt` (migration 0041),
+    // so it does not take the resend for an attempt that died. A refused
+    // email (`refused`) was never sendable and stays failed.
     let reset = scope
         .tx()
         .execute(
             db::sql(
                 "UPDATE email_outbox SET status = 'queued', next_attempt_at = now(),
-                        resent_at_attempt = attempts
+                        attempts = attempts + 1, resent_at_attempt = attempts + 1
                  WHERE tenant_id = api_tenant() AND id = $1
                    AND status = 'failed' AND refused IS NULL",
             )

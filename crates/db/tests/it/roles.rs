@@ -277,8 +277,9 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     ] {
         want.push(format!("webhook_deliveries.{c}:UPDATE"));
     }
-    // A resend records where the claim's ceiling counts from (migration 0041).
-    for c in ["status", "next_attempt_at", "resent_at_attempt"] {
+    // A resend records where the claim's ceiling counts from (migration
+    // 0041) and moves the attempt number past the last (migration 0042).
+    for c in ["status", "next_attempt_at", "resent_at_attempt", "attempts"] {
         want.push(format!("email_outbox.{c}:UPDATE"));
     }
     // Turning an endpoint on again ends its failing run (migration 0031).
@@ -301,7 +302,7 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "INSERT INTO webhook_delivery_attempts (tenant_id, delivery_id, attempt) VALUES ('t', 1, 1)",
             "UPDATE invoices SET status = 'paid'",
             "UPDATE email_outbox SET sent_at = now()",
-            "UPDATE email_outbox SET attempts = 0",
+            "UPDATE email_outbox SET last_reply_code = 250",
             "SELECT * FROM api_keys",
             "SELECT * FROM tenants",
             "SELECT * FROM leader_status",

@@ -88,9 +88,12 @@ impl Sender {
             }
             self.attempt(first).await
         };
+        let panic_seen = panic.as_ref().map(|_| ());
         done.panics.extend(panic);
         let first = self.result(&q, &reply);
-        if matches!(reply, Reply::NoReply(_)) {
+        // A panicked send is not the server's silence (as in `send_rest`):
+        // its email is retried, and the batch goes on.
+        if matches!(reply, Reply::NoReply(_)) && panic_seen.is_none() {
             // The batch still sending stops too.
             down.store(true, Ordering::Relaxed);
             done.tally.unreachable += 1;

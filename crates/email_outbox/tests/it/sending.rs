@@ -100,6 +100,45 @@ async fn a_451_is_retried_and_delivered_and_a_550_fails_at_once_with_its_reply()
     );
 }
 
+/// A server that refuses the session before any message (here a 554
+/// greeting; stale credentials get a 535 to AUTH, a relay without STARTTLS a
+/// 502, the same way) gave no reply to a message: the batch's first email
+/// counts one attempt and stays queued, the rest are handed back, and the
+/// tick fails as for a dead server (docs/adr/0079). Before, the 554 was each
+/// email's permanent failure, one per connection: every queued email failed
+/// for good.
+/// Mutation: `session_refusal_permanent` (a refused greeting an SMTP error
+/// again) fails the emails; seen failing here.
+#[tokio::test]
+async fn a_server_refusing_the_session_fails_no_email() {
+    let t = TestDb::new().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let _ = stream.write_all(b"554 5.3.2 no service here\r\n").await;
+        }
+    });
+    let emails: Vec<_> = (0..4)
+        .map(|i| email(&format!("c{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 4;
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (end, report) = tick(&t.db, &s).await;
+    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
+    assert_eq!(report.tally.unreachable, 1, "{report:?}");
+    let seen: Vec<(String, i32)> = rows(&t.db)
+        .await
+        .iter()
+        .map(|r| (r.status.clone(), r.attempts))
+        .collect();
+    let queued = |attempts| ("queued".to_owned(), attempts);
+    assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
+}
+
 /// The sink stops while ten emails are queued. The tick that meets the dead
 /// server makes one connection attempt (the first email, which counts as a
 /// failed attempt), hands the other nine back unattempted and ends as failed

@@ -1,0 +1,11 @@
+-- A resend (POST /v1/emails/{id}/resend) moves an email's attempt number one
+-- past every number handed out, as a webhook delivery's resend does
+-- (migration 0026), so a result still in flight for the last attempt can
+-- never match the resent email (docs/adr/0079).
+--
+-- Before, the resend kept `attempts`, and the email went back to `queued`: the
+-- very (id, attempts, queued) state a result's compare-and-set matches. A
+-- sender that claimed attempt N and stalled past its lease, while the claim's
+-- ceiling failed the email and the tenant resent it, could then write its late
+-- result onto the resent email before anyone sent it.
+GRANT UPDATE (attempts) ON email_outbox TO hardcount_api;
