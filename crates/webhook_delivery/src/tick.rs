@@ -133,7 +133,7 @@ pub(crate) async fn claim_due(
 ) -> Result<Vec<Claimed>, Error> {
     let config = &shared.config;
     let claimed_at = Instant::now();
-    let rows = store::claim_due(
+    let (rows, exhausted) = store::claim_due(
         &shared.db,
         fence,
         &shared.cursor,
@@ -143,6 +143,16 @@ pub(crate) async fn claim_due(
         config.statement_timeout,
     )
     .await?;
+    if exhausted > 0 {
+        // Claimed as many times as they have attempts with no outcome
+        // written: each attempt's worker died (killed, out of memory). Dead
+        // by the claim, counted and logged as any death.
+        warn!(role = %leader::Role::WebhookDelivery, deliveries = exhausted, "deliveries dead at their attempt ceiling with no outcome written (attempts_exhausted): their workers died mid-attempt");
+        shared
+            .telemetry
+            .counter("hardcount_webhook_deliveries_total", &[("outcome", "dead")])
+            .increment(exhausted);
+    }
     Ok(rows
         .into_iter()
         .map(|row| Claimed { row, claimed_at })

@@ -204,7 +204,9 @@ macro_rules! reset {
 }
 
 /// Send a delivered or dead delivery again: back to pending, due now, its
-/// attempts counted afresh. A pending one is already going: 409.
+/// attempts counted afresh. A pending one is already going: 409. One whose
+/// endpoint is disabled would die unsent at its next claim: 409 too, enable
+/// the endpoint first (as its recovery says).
 #[utoipa::path(
     post, path = "/v1/deliveries/{id}/resend", tag = "deliveries",
     params(
@@ -222,6 +224,31 @@ pub async fn resend(
     let mut scope = Scope::begin(&api, &caller).await?;
     if let Some(replay) = scope.idempotent(&idem, b"").await? {
         return Ok(replay);
+    }
+    let before = read(&mut scope, id)
+        .await?
+        .ok_or_else(|| ApiError::missing("delivery", id))?;
+    let endpoint = before.endpoint_id;
+    let enabled: Option<bool> = scope
+        .tx()
+        .fetch_optional(
+            db::sql(
+                "SELECT enabled FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1",
+            )
+            .bind(endpoint),
+        )
+        .await?
+        .map(|r| r.try_get("enabled"))
+        .transpose()
+        .map_err(db::Error::from)?;
+    if enabled == Some(false) {
+        return Err(ApiError::conflict(
+            Code::InvalidState,
+            format!(
+                "webhook endpoint {endpoint} is disabled: delivery {id} would die unsent; \
+                 enable it (POST /v1/webhook_endpoints/{endpoint}/enable), then resend"
+            ),
+        ));
     }
     let reset = scope
         .tx()

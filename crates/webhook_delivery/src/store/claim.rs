@@ -119,7 +119,9 @@ pub const CLAIM_DUE: &str = concat!(
                    e.event_type, e.message_id, e.payload::text AS payload, \
                    to_char(e.created_at AT TIME ZONE 'UTC', \
                            'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time) \
-         SELECT claimed.*, share.tenants, share.last_tenant FROM share LEFT JOIN claimed ON true"
+         SELECT claimed.*, share.tenants, share.last_tenant, \
+                (SELECT count(*) FROM exhausted) AS exhausted \
+         FROM share LEFT JOIN claimed ON true"
 );
 
 /// The fenced funnel: claim up to `limit` due pending deliveries in one
@@ -145,7 +147,8 @@ pub const CLAIM_DUE: &str = concat!(
 /// (since it was last resent, `resent_at_attempt`) is not handed out again; the same statement marks it `dead` with `last_error =
 /// 'attempts_exhausted'` (a worker that dies while attempting, e.g. out of
 /// memory, never writes an outcome, and the claim lease would otherwise bring
-/// the row back to every next leader forever, issue 12).
+/// the row back to every next leader forever, issue 12). Returns the rows
+/// claimed and how many the ceiling marked dead meanwhile.
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
@@ -154,10 +157,11 @@ pub(crate) async fn claim_due(
     lease: Duration,
     max_attempts: u32,
     statement_timeout: Duration,
-) -> Result<Vec<ClaimedRow>, db::Error> {
+) -> Result<(Vec<ClaimedRow>, u64), db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
     let mut walk = Walk::default();
+    let mut exhausted = 0u64;
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
         let rows = tx
@@ -173,6 +177,10 @@ pub(crate) async fn claim_due(
             )
             .await?;
         tx.commit().await?;
+        if let Some(r) = rows.first() {
+            let dead: i64 = r.try_get("exhausted")?;
+            exhausted += u64::try_from(dead).unwrap_or(0);
+        }
         let mut claimed = cursor
             .claimed(rows, bound)?
             .iter()
@@ -180,10 +188,10 @@ pub(crate) async fn claim_due(
             .collect::<Result<Vec<_>, _>>()?;
         if !claimed.is_empty() {
             claimed.sort_by_key(|c| c.id);
-            return Ok(claimed);
+            return Ok((claimed, exhausted));
         }
     }
-    Ok(Vec::new())
+    Ok((Vec::new(), exhausted))
 }
 
 /// Whether any delivery is due: one read of the partial index

@@ -207,7 +207,9 @@ async fn a_grouped_outcome_write_refuses_only_its_stale_rows() {
 ///
 /// Mutation check: turning the `exhausted` CTE's predicate into `false` (no row
 /// marked dead) leaves the exhausted row pending; this test was run against that
-/// mutation and failed, then the predicate was restored.
+/// mutation and failed, then the predicate was restored. The death is counted
+/// as any other (`outcome="dead"`); mutation `ceiling_death_counted` (the
+/// count dropped) fails here.
 #[tokio::test]
 async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
     let t = TestDb::new().await;
@@ -226,7 +228,7 @@ async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
     .execute(&mut su)
     .await
     .unwrap();
-    let (w, _) = worker(&t.db, cfg);
+    let (w, metrics) = worker(&t.db, cfg);
     let claimed = as_leader(
         &manager(&t.db, "worker"),
         Role::WebhookDelivery,
@@ -234,6 +236,11 @@ async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
     )
     .await;
     assert_eq!(claimed, 1);
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("hardcount_webhook_deliveries_total{outcome=\"dead\"} 1"),
+        "{rendered}"
+    );
     let d = deliveries(&t.db).await;
     assert_eq!(
         (

@@ -161,6 +161,26 @@ async fn recover_puts_an_endpoint_s_dead_deliveries_back_to_pending() {
         "{}",
         refused.text
     );
+    // So is a resend of one of them. Mutation `resend_disabled` (the check
+    // removed): 200 "pending", and the delivery dies unsent at its claim.
+    let dead = rest.json["data"][0]["id"].as_i64().unwrap();
+    let refused = s
+        .call(
+            "POST",
+            &format!("/v1/deliveries/{dead}/resend"),
+            &key,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (StatusCode::CONFLICT, "invalid_state"),
+        "{}",
+        refused.text
+    );
+    let still = s.get(&format!("/v1/deliveries/{dead}"), &key).await;
+    assert_eq!(still.json["status"], "dead");
     let enabled = s
         .call(
             "POST",
