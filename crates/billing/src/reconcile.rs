@@ -121,7 +121,10 @@ fn started(u: &UnknownAttempt) -> Started {
         attempt_id: u.attempt_id,
         attempt_seq: u.attempt_seq,
         key: u.idempotency_key.clone(),
-        first_send: false,
+        // The claim stamped `first_sent_at` on an attempt never sent: an
+        // answer that says nothing was sent (a refused key, no call made)
+        // takes the stamp back, as after auto-charge's own first send.
+        first_send: u.never_sent,
     }
 }
 
@@ -219,6 +222,11 @@ impl FencedBatches for UnknownSweep<'_> {
         for (s, result) in &results {
             match result {
                 Err(_) => tally.failed += 1,
+                // Not looked up (out of time, cancelled, the key refused): a
+                // never-sent attempt keeps "never sent" (docs/adr/0081), so
+                // the chargeable rule decides its next send and its resend
+                // window starts at a real send.
+                Ok(None) if s.first_send => answers.push((s, Answer::NotSent)),
                 Ok(None) => {}
                 Ok(Some(outcome)) => answers.push((s, Answer::Called(outcome.clone()))),
             }

@@ -22,6 +22,10 @@ pub(crate) struct UnknownAttempt {
     pub resend_ok: bool,
     /// Unix seconds from which the customer's intents are listed.
     pub listed_since: i64,
+    /// No request of it had been sent before this claim stamped
+    /// `first_sent_at` (docs/adr/0081): if this look sends nothing either,
+    /// the stamp is taken back, so the attempt stays "never sent".
+    pub never_sent: bool,
     /// Amount, currency, customer and card as the attempt was sent.
     pub claim: ChargeClaim,
 }
@@ -65,7 +69,7 @@ pub const CLAIM_UNKNOWN: &str = concat!(
       FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
     ) \
     SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
-           a.provider_payment_intent, p.resend_ok, \
+           a.provider_payment_intent, p.resend_ok, a.first_sent_at IS NULL AS never_sent, \
            (extract(epoch FROM a.created_at))::bigint - 300 AS listed_since, \
            k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
            (SELECT ts.email_from FROM tenant_settings ts \
@@ -131,6 +135,7 @@ pub(crate) async fn claim_unknown(
                 payment_intent: r.try_get("provider_payment_intent")?,
                 resend_ok: r.try_get("resend_ok")?,
                 listed_since: r.try_get("listed_since")?,
+                never_sent: r.try_get("never_sent")?,
                 claim: ChargeClaim::decode(r, claimed_by.to_owned())?,
             })
         })

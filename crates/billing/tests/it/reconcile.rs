@@ -312,3 +312,56 @@ async fn a_listing_refused_for_a_deleted_customer_is_not_taken_for_a_decline() {
     );
     in_review_charged_once(&t, &p, "resource_missing").await;
 }
+
+/// A look that sends nothing leaves a never-sent attempt never sent
+/// (docs/adr/0081). The key is rolled: auto-charge's 401 leaves attempt 1
+/// unknown and never sent; the reconciler's look at it is refused too (401).
+/// Its claim had stamped `first_sent_at`; the stamp is taken back. Then the
+/// tenant pauses collection and the key is mended: the attempt, still never
+/// sent, follows auto-charge's rule (docs/adr/0071) and the paused invoice
+/// is not charged. Before, the stamp stayed, the rule was skipped, and the
+/// reconciler sent the charge into the pause.
+/// Mutation: `reconcile_never_sent_kept` (the reconciler's first send taken
+/// as false again) charges the paused invoice; seen failing here.
+#[tokio::test]
+async fn a_look_refused_leaves_a_never_sent_attempt_to_the_chargeable_rule() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.roll_secret_key("sk_test_rolled_elsewhere");
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let first_sent = || async {
+        t.db.fetch_one(sql(
+            "SELECT first_sent_at IS NULL AS never FROM payment_attempts",
+        ))
+        .await
+        .unwrap()
+        .get::<bool, _>("never")
+    };
+    assert!(matches!(tick(&t.db, &b).await.end, TickEnd::Failed(_)));
+    assert!(first_sent().await, "auto-charge's 401 sent nothing");
+    assert!(matches!(tick(&t.db, &b).await.end, TickEnd::Failed(_)));
+    assert!(
+        first_sent().await,
+        "the reconciler's 401 sent nothing either"
+    );
+    sqlx::query("UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft'")
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    p.roll_secret_key(TEST_SECRET_KEY);
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (p.create_requests(), p.total_charges()),
+        (0, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["open"],
+        "{open:?}"
+    );
+}
