@@ -374,3 +374,113 @@ impl<S: Send + Sync> FromRequestParts<S> for Idempotency {
         })
     }
 }
+
+/// What [`reseal_recorded_answers`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ResealedAnswers {
+    /// Recorded answers whose secret is now sealed under the current key.
+    pub resealed: usize,
+    /// Answers whose secret opens with no key listed, by (tenant, key): they
+    /// replay as 500 until they expire (a day after they were recorded).
+    pub skipped: Vec<(String, String)>,
+}
+
+/// Seal the webhook secret held by every recorded idempotent answer (an
+/// endpoint created or its secret rotated under an idempotency key,
+/// [`Scope::respond_with_secret`]) under `keyring`'s current key, as
+/// `webhook_delivery::reseal_secrets` does for the endpoints' own secrets
+/// (docs/adr/0082): after `hardcount secrets rotate-key`, dropping an older
+/// key strands no answer a client may still replay. `owner` is the schema
+/// owner's pool (row-level security does not bind it). In batches of 100,
+/// each one transaction with its rows locked; idempotent.
+///
+/// # Errors
+/// A database error; the batches before it stay resealed.
+pub async fn reseal_recorded_answers(
+    owner: &db::Db,
+    keyring: &webhook_delivery::Keyring,
+) -> Result<ResealedAnswers, db::Error> {
+    let mut report = ResealedAnswers::default();
+    let current = format!("{SEALED}{}:", keyring.current_id());
+    let (mut after_tenant, mut after_key) = (String::new(), String::new());
+    loop {
+        let mut tx = owner.begin().await?;
+        let rows = tx
+            .fetch_all(
+                db::sql(
+                    "SELECT tenant_id, idempotency_key, response FROM api_idempotency_keys
+                     WHERE starts_with(response, chr(1))
+                       AND (tenant_id, idempotency_key) > ($1, $2)
+                     ORDER BY tenant_id, idempotency_key
+                     LIMIT 100
+                     FOR UPDATE",
+                )
+                .bind(after_tenant.clone())
+                .bind(after_key.clone()),
+            )
+            .await?;
+        let Some(last) = rows.last() else {
+            tx.commit().await?;
+            return Ok(report);
+        };
+        after_tenant = last.try_get("tenant_id")?;
+        after_key = last.try_get("idempotency_key")?;
+        for r in &rows {
+            let tenant: String = r.try_get("tenant_id")?;
+            let key: String = r.try_get("idempotency_key")?;
+            let recorded: String = r.try_get("response")?;
+            match resealed(&recorded, &tenant, keyring, &current) {
+                Ok(None) => {}
+                Ok(Some(text)) => {
+                    tx.execute(
+                        db::sql(
+                            "UPDATE api_idempotency_keys SET response = $3
+                             WHERE tenant_id = $1 AND idempotency_key = $2",
+                        )
+                        .bind(tenant)
+                        .bind(key)
+                        .bind(text),
+                    )
+                    .await?;
+                    report.resealed += 1;
+                }
+                Err(()) => report.skipped.push((tenant, key)),
+            }
+        }
+        tx.commit().await?;
+    }
+}
+
+/// A marked recorded answer with its sealed token under the current key
+/// (whose token starts `current`): `None` when it is already, `Err` when the
+/// token does not open with any key held. The token's offset is unchanged:
+/// only the token itself is rewritten.
+fn resealed(
+    recorded: &str,
+    tenant: &str,
+    keyring: &webhook_delivery::Keyring,
+    current: &str,
+) -> Result<Option<String>, ()> {
+    let marked = recorded.strip_prefix(SEALED_AT).ok_or(())?;
+    let (at, json) = marked.split_once(SEALED_AT).ok_or(())?;
+    let offset: usize = at.parse().map_err(|_| ())?;
+    let (before, token) = (json.get(..offset).ok_or(())?, json.get(offset..).ok_or(())?);
+    if token.starts_with(current) {
+        return Ok(None);
+    }
+    let body = token.strip_prefix(SEALED).ok_or(())?;
+    let end = body.find('"').ok_or(())?;
+    let (key_id, b64) = body[..end].split_once(':').ok_or(())?;
+    let ciphertext = URL_SAFE_NO_PAD.decode(b64).map_err(|_| ())?;
+    let secret = keyring.open(tenant, key_id, &ciphertext).map_err(|_| ())?;
+    let sealed = keyring.seal(tenant, &secret);
+    let token = format!(
+        "{SEALED}{}:{}",
+        sealed.key_id,
+        URL_SAFE_NO_PAD.encode(&sealed.ciphertext)
+    );
+    Ok(Some(format!(
+        "{SEALED_AT}{offset}{SEALED_AT}{before}{token}{}",
+        &body[end..]
+    )))
+}

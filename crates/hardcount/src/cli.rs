@@ -284,7 +284,21 @@ pub async fn secrets_command(command: SecretsCommand, common: &Common) -> Result
             })?;
             let owner = Db::connect_lazy(&common.migration_database_url()?, 1)?;
             let report = webhook_delivery::reseal_secrets(&owner, &keyring).await?;
+            // The answers recorded under idempotency keys that show a secret
+            // (docs/adr/0082): a replay after the old key is dropped opens them.
+            let answers = api::scope::reseal_recorded_answers(&owner, &keyring).await?;
             owner.close().await;
+            println!(
+                "resealed the secrets of {} recorded API answer(s) under key {:?}",
+                answers.resealed,
+                keyring.current_id()
+            );
+            for (tenant, key) in &answers.skipped {
+                println!(
+                    "skipped the recorded answer of tenant {tenant:?} under idempotency key {key:?}: \
+                     its secret opens with no key listed; it replays as an error until it expires"
+                );
+            }
             if report.skipped.is_empty() {
                 println!(
                     "resealed the secrets of {} webhook endpoint(s) under key {:?} ({} expired previous secret(s) dropped); \

@@ -229,3 +229,75 @@ async fn without_a_secrets_key_an_endpoint_is_not_created_503() {
             .get("n");
     assert_eq!(n, 0);
 }
+
+/// A secrets key rotation reseals the secret in answers recorded under
+/// idempotency keys too (docs/adr/0082): an endpoint created under one, the
+/// key rotated (`api::scope::reseal_recorded_answers`, which `hardcount
+/// secrets rotate-key` runs after the endpoints' own reseal) and the old key
+/// dropped, the client's retry with the same idempotency key replays the
+/// first answer, the same secret, not a 500 that would send it to a new key
+/// and a second endpoint.
+/// Mutation: `recorded_answers_not_resealed` (the answers left under the old
+/// key) replays 500; seen failing here.
+#[tokio::test]
+async fn a_replay_after_a_key_rotation_shows_the_same_secret() {
+    use webhook_delivery::Keyring;
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let body = json!({"url": "https://hooks.example.com/in"});
+    let first = s
+        .call(
+            "POST",
+            "/v1/webhook_endpoints",
+            &key,
+            Some(&body),
+            Some("ep-1"),
+        )
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
+    let next = Keyring::generate_entry("k2").unwrap();
+    let both = Keyring::parse(&format!("{},{}", next.as_str(), testbed::SECRETS_KEY)).unwrap();
+    let owner = db::Db::connect_lazy(&t.superuser_url(), 1).unwrap();
+    webhook_delivery::reseal_secrets(&owner, &both)
+        .await
+        .unwrap();
+    let report = api::scope::reseal_recorded_answers(&owner, &both)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.resealed, report.skipped.len()),
+        (1, 0),
+        "{report:?}"
+    );
+    // Idempotent: already under the current key.
+    let again = api::scope::reseal_recorded_answers(&owner, &both)
+        .await
+        .unwrap();
+    assert_eq!(again.resealed, 0);
+    let only_new = Keyring::parse(next.as_str()).unwrap();
+    let rotated = serve_api(api::Api::new(
+        t.api(),
+        Some(only_new),
+        api::ApiConfig::default(),
+    ))
+    .await;
+    let replay = rotated
+        .call(
+            "POST",
+            "/v1/webhook_endpoints",
+            &key,
+            Some(&body),
+            Some("ep-1"),
+        )
+        .await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{}", replay.text);
+    assert!(replay.replayed);
+    assert_eq!(replay.text, first.text, "the same answer, the same secret");
+    let endpoints: i64 =
+        t.db.fetch_one(sql("SELECT count(*) AS n FROM webhook_endpoints"))
+            .await
+            .unwrap()
+            .get("n");
+    assert_eq!(endpoints, 1);
+}
