@@ -85,7 +85,8 @@ async fn insert_runs(
                         l.declined_at + make_interval(secs => p.retry_offsets_secs[1]::float8) \
                  FROM invoices i \
                  JOIN LATERAL (SELECT a.provider_status, a.reviewed_at, \
-                                      COALESCE(a.resolved_at, a.created_at) AS declined_at \
+                                      COALESCE(a.reviewed_at, a.resolved_at, a.created_at) \
+                                        AS declined_at \
                                FROM payment_attempts a \
                                WHERE a.invoice_id = i.id ORDER BY a.attempt_seq DESC LIMIT 1) l ON true \
                  JOIN dunning_policies p ON p.tenant_id = i.tenant_id AND p.is_default \

@@ -220,14 +220,14 @@ pub const LIST_DUE: &str = concat!(
             i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
             i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
             CASE WHEN r.status <> 'active' THEN NULL \
-                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN \
-                   CASE WHEN EXISTS ( \
+                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) AND EXISTS ( \
                      SELECT 1 FROM (SELECT a.provider_status FROM payment_attempts a \
                                     WHERE a.invoice_id = r.invoice_id \
                                     ORDER BY a.attempt_seq DESC LIMIT 1) l \
                      WHERE l.provider_status IN ('unknown', 'processing', 'needs_review')) \
-                   THEN 'outcome_pending' ELSE 'retries_spent' END \
+                 THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
+                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
                  WHEN EXISTS ( \
                    SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \

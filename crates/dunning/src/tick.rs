@@ -325,7 +325,13 @@ impl Dunner {
                 Retry::NotAttempted { .. } => tally.not_attempted += 1,
                 // An answer, but not of the provider's health: neither side
                 // of the outage test (a spent run's wait made no call).
-                Retry::Pending { .. } => tally.pending += 1,
+                // Left out of the tick: one whose next retry is already past
+                // would be listed again and only refused (its attempt holds
+                // the invoice).
+                Retry::Pending { .. } => {
+                    tally.pending += 1;
+                    left_out.push(run.id);
+                }
                 Retry::Exhausted { .. } => {
                     tally.exhausted += 1;
                     answered += 1;

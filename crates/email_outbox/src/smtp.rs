@@ -249,10 +249,16 @@ impl Connector {
         // refused connect is. As an SMTP error, a permanent code there (a 554
         // greeting, a 535 to stale credentials) failed every queued email
         // for good, one per connection (docs/adr/0079).
+        // A transient (4xx) refusal, a 421 "too many connections" among them,
+        // stays the one email's retry.
         let refused = |step: &str| {
             let step = step.to_owned();
             move |e: lettre::transport::smtp::Error| {
-                Failure::Connect(format!("the server refused the session at {step}: {e}"))
+                if e.is_transient() {
+                    Failure::Smtp(e)
+                } else {
+                    Failure::Connect(format!("the server refused the session at {step}: {e}"))
+                }
             }
         };
         let mut conn = AsyncSmtpConnection::connect_with_transport(stream, &self.hello)

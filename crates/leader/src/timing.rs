@@ -182,11 +182,11 @@ impl Timing {
 
     /// How long a poll waits for ACQUIRE's answer before it gives up on a
     /// silent link (docs/adr/0075): the TTL, the statement timeout and
-    /// `store::CLIENT_MARGIN`. Any lease the ACQUIRE could have taken has
-    /// expired by then (its expiry is the TTL from the statement's clock,
-    /// which is after the send), so giving up leaves nothing held; an answer
-    /// that comes earlier but past the abandon deadline is still released as
-    /// lost (a BEGIN queued in PgBouncer is answered late, not lost).
+    /// `store::CLIENT_MARGIN`, so that an answer that is only late (a BEGIN
+    /// queued in PgBouncer) still comes back and, past the abandon deadline,
+    /// is released as lost. An ACQUIRE given up on may still commit later and
+    /// hold the lease for up to a TTL: nobody acts on its token (the fence),
+    /// and the other replicas wait that TTL at most.
     pub fn acquire_bound(&self) -> Duration {
         self.ttl + self.statement_timeout + crate::store::CLIENT_MARGIN
     }

@@ -66,8 +66,9 @@ async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
 /// - the intent fails and billing's reconciler records the decline: retry 2
 ///   charges (count 2), and is answered `processing` too;
 /// - the policy has no retry left: while retry 2 is processing the run waits
-///   without a call; once it fails, the run is exhausted at count 2 and takes
-///   its final action, with no third charge.
+///   without a call; once it fails, the run is exhausted at count 2 (not
+///   while collection is paused) and takes its final action, with no third
+///   charge.
 ///
 /// Before, `processing` rewound the run, so a decline that came through the
 /// reconciler never counted: the run retried at count 0 for ever and never
@@ -136,6 +137,26 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
     assert_eq!(p.create_requests(), 2);
     fails(3).await;
+    // A pause holds a spent run as it holds charges: no final action while
+    // collection is paused. Mutation `spent_under_pause` (the pause's branch
+    // of the listing removed) exhausts it here.
+    let pause = |behavior: Option<&'static str>| {
+        let t = &t;
+        async move {
+            sqlx::query("UPDATE subscriptions SET pause_collection_behavior = $1 WHERE id = $2")
+                .bind(behavior)
+                .bind(a.subscription)
+                .execute(&mut t.superuser().await)
+                .await
+                .unwrap();
+        }
+    };
+    pause(Some("keep_as_draft")).await;
+    due_now().await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 0, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
+    pause(None).await;
     due_now().await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.exhausted, 1, "{r:?}");
