@@ -253,24 +253,12 @@ impl Scope {
     /// contains `hc-sealed:` (a customer's name, an event's data) is replayed
     /// as it was recorded.
     fn unseal(&self, recorded: String) -> Result<String, ApiError> {
-        let Some(marked) = recorded.strip_prefix(SEALED_AT) else {
+        let Some(marked) = Marked::of(&recorded) else {
             return Ok(self.unseal_unmarked(recorded));
         };
-        let (at, json) = marked
-            .split_once(SEALED_AT)
-            .ok_or_else(ApiError::internal)?;
-        let at: usize = at.parse().map_err(|_| ApiError::internal())?;
-        let (before, token) = (json.get(..at), json.get(at..));
-        let (Some(before), Some(token)) = (before, token.and_then(|t| t.strip_prefix(SEALED)))
-        else {
-            return Err(ApiError::internal());
-        };
-        let end = token.find('"').ok_or_else(ApiError::internal)?;
-        let (key_id, b64) = token[..end]
-            .split_once(':')
-            .ok_or_else(ApiError::internal)?;
-        let secret = self.open_sealed(key_id, b64)?;
-        Ok(format!("{before}{secret}{}", &token[end..]))
+        let m = marked.ok_or_else(ApiError::internal)?;
+        let secret = self.open_sealed(m.key_id, m.b64)?;
+        Ok(format!("{}{secret}{}", m.before, m.after))
     }
 
     /// An answer recorded before answers were marked (at most a day before
@@ -401,7 +389,6 @@ pub async fn reseal_recorded_answers(
     keyring: &webhook_delivery::Keyring,
 ) -> Result<ResealedAnswers, db::Error> {
     let mut report = ResealedAnswers::default();
-    let current = format!("{SEALED}{}:", keyring.current_id());
     let (mut after_tenant, mut after_key) = (String::new(), String::new());
     loop {
         let mut tx = owner.begin().await?;
@@ -429,7 +416,7 @@ pub async fn reseal_recorded_answers(
             let tenant: String = r.try_get("tenant_id")?;
             let key: String = r.try_get("idempotency_key")?;
             let recorded: String = r.try_get("response")?;
-            match resealed(&recorded, &tenant, keyring, &current) {
+            match resealed(&recorded, &tenant, keyring) {
                 Ok(None) => {}
                 Ok(Some(text)) => {
                     tx.execute(
@@ -451,36 +438,66 @@ pub async fn reseal_recorded_answers(
     }
 }
 
-/// A marked recorded answer with its sealed token under the current key
-/// (whose token starts `current`): `None` when it is already, `Err` when the
-/// token does not open with any key held. The token's offset is unchanged:
-/// only the token itself is rewritten.
+/// A recorded answer marked by [`SEALED_AT`], in parts: the JSON before its
+/// sealed token (which starts at `offset`), the token's key id and
+/// ciphertext (base64url), and the JSON after it.
+struct Marked<'a> {
+    offset: usize,
+    before: &'a str,
+    key_id: &'a str,
+    b64: &'a str,
+    after: &'a str,
+}
+
+impl<'a> Marked<'a> {
+    /// `None`: not marked; `Some(None)`: marked, but not as
+    /// [`Scope::respond_with_secret`] writes it.
+    fn of(recorded: &'a str) -> Option<Option<Marked<'a>>> {
+        recorded.strip_prefix(SEALED_AT).map(Marked::parts)
+    }
+
+    /// What follows the first [`SEALED_AT`]: `offset`, [`SEALED_AT`], the JSON.
+    fn parts(marked: &'a str) -> Option<Marked<'a>> {
+        let (at, json) = marked.split_once(SEALED_AT)?;
+        let offset: usize = at.parse().ok()?;
+        let before = json.get(..offset)?;
+        let token = json.get(offset..)?.strip_prefix(SEALED)?;
+        let end = token.find('"')?;
+        let (key_id, b64) = token[..end].split_once(':')?;
+        Some(Marked {
+            offset,
+            before,
+            key_id,
+            b64,
+            after: &token[end..],
+        })
+    }
+}
+
+/// A marked recorded answer with its sealed token under the keyring's
+/// current key: `None` when it is already, `Err` when the token does not
+/// open with any key held. The token's offset is unchanged: only the token
+/// itself is rewritten.
 fn resealed(
     recorded: &str,
     tenant: &str,
     keyring: &webhook_delivery::Keyring,
-    current: &str,
 ) -> Result<Option<String>, ()> {
-    let marked = recorded.strip_prefix(SEALED_AT).ok_or(())?;
-    let (at, json) = marked.split_once(SEALED_AT).ok_or(())?;
-    let offset: usize = at.parse().map_err(|_| ())?;
-    let (before, token) = (json.get(..offset).ok_or(())?, json.get(offset..).ok_or(())?);
-    if token.starts_with(current) {
+    let m = Marked::of(recorded).flatten().ok_or(())?;
+    if m.key_id == keyring.current_id() {
         return Ok(None);
     }
-    let body = token.strip_prefix(SEALED).ok_or(())?;
-    let end = body.find('"').ok_or(())?;
-    let (key_id, b64) = body[..end].split_once(':').ok_or(())?;
-    let ciphertext = URL_SAFE_NO_PAD.decode(b64).map_err(|_| ())?;
-    let secret = keyring.open(tenant, key_id, &ciphertext).map_err(|_| ())?;
+    let ciphertext = URL_SAFE_NO_PAD.decode(m.b64).map_err(|_| ())?;
+    let secret = keyring
+        .open(tenant, m.key_id, &ciphertext)
+        .map_err(|_| ())?;
     let sealed = keyring.seal(tenant, &secret);
-    let token = format!(
-        "{SEALED}{}:{}",
-        sealed.key_id,
-        URL_SAFE_NO_PAD.encode(&sealed.ciphertext)
-    );
     Ok(Some(format!(
-        "{SEALED_AT}{offset}{SEALED_AT}{before}{token}{}",
-        &body[end..]
+        "{SEALED_AT}{}{SEALED_AT}{}{SEALED}{}:{}{}",
+        m.offset,
+        m.before,
+        sealed.key_id,
+        URL_SAFE_NO_PAD.encode(&sealed.ciphertext),
+        m.after
     )))
 }

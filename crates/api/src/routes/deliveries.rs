@@ -225,23 +225,23 @@ pub async fn resend(
     if let Some(replay) = scope.idempotent(&idem, b"").await? {
         return Ok(replay);
     }
-    let before = read(&mut scope, id)
-        .await?
-        .ok_or_else(|| ApiError::missing("delivery", id))?;
-    let endpoint = before.endpoint_id;
-    let enabled: Option<bool> = scope
+    // The endpoint's state, by the delivery (none: the 404 comes below).
+    let endpoint = scope
         .tx()
         .fetch_optional(
             db::sql(
-                "SELECT enabled FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1",
+                "SELECT e.id, e.enabled FROM webhook_deliveries d
+                 JOIN webhook_endpoints e ON e.tenant_id = d.tenant_id AND e.id = d.endpoint_id
+                 WHERE d.tenant_id = api_tenant() AND d.id = $1",
             )
-            .bind(endpoint),
+            .bind(id),
         )
         .await?
-        .map(|r| r.try_get("enabled"))
-        .transpose()
-        .map_err(db::Error::from)?;
-    if enabled == Some(false) {
+        .map(|r| -> Result<(i64, bool), db::Error> {
+            Ok((r.try_get("id")?, r.try_get("enabled")?))
+        })
+        .transpose()?;
+    if let Some((endpoint, false)) = endpoint {
         return Err(ApiError::conflict(
             Code::InvalidState,
             format!(

@@ -56,16 +56,19 @@ pub(crate) async fn claim_trials(
         )
         .await?;
     tx.commit().await?;
-    Ok(decode_each(&rows, |r| {
-        Ok(TrialEnded {
-            subscription_id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            billing_anchor: r.try_get("billing_anchor")?,
-            trial_end: r.try_get("trial_end")?,
-            interval_unit: r.try_get("interval_unit")?,
-            interval_count: r.try_get("interval_count")?,
-        })
-    }))
+    Ok(decode_each(&rows, trial_ended))
+}
+
+/// A trialing subscription row as [`claim_trials`] and [`ended_trial_in`] read it.
+fn trial_ended(r: &db::PgRow) -> Result<TrialEnded, db::Error> {
+    Ok(TrialEnded {
+        subscription_id: r.try_get("id")?,
+        tenant_id: r.try_get("tenant_id")?,
+        billing_anchor: r.try_get("billing_anchor")?,
+        trial_end: r.try_get("trial_end")?,
+        interval_unit: r.try_get("interval_unit")?,
+        interval_count: r.try_get("interval_count")?,
+    })
 }
 
 /// Activate ended trials, one transaction: per row, trialing → active by
@@ -162,17 +165,7 @@ pub(crate) async fn ended_trial_in(
             .bind(subscription),
         )
         .await?;
-    row.map(|r| {
-        Ok(TrialEnded {
-            subscription_id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            billing_anchor: r.try_get("billing_anchor")?,
-            trial_end: r.try_get("trial_end")?,
-            interval_unit: r.try_get("interval_unit")?,
-            interval_count: r.try_get("interval_count")?,
-        })
-    })
-    .transpose()
+    row.as_ref().map(trial_ended).transpose()
 }
 
 /// A pause-collection whose resume time has passed, as the resume funnel read it.

@@ -41,6 +41,21 @@ async fn event_types(db: &Db) -> Vec<String> {
     strings(db, "SELECT event_type FROM webhook_events ORDER BY id").await
 }
 
+/// A subscription of `tenant` to a ten-day plan of 1000 whose first period
+/// began `days_ago` days ago.
+async fn ten_day_subscription(db: &Db, tenant: &str, days_ago: i64) -> i64 {
+    let p = plan(db, tenant, "day", 10, 1000).await;
+    let start = Utc::now() - TimeDelta::days(days_ago);
+    subscription(db, tenant, p, start, start, start + TimeDelta::days(10)).await
+}
+
+async fn subscription_status(db: &Db, sub: i64) -> String {
+    db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
+        .await
+        .unwrap()
+        .get(0)
+}
+
 async fn subjects(db: &Db) -> Vec<String> {
     strings(db, "SELECT subject FROM email_outbox ORDER BY id").await
 }
@@ -252,18 +267,8 @@ async fn invoice_numbers_are_per_tenant_sequential_and_without_gaps() {
 #[tokio::test]
 async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_the_used_part() {
     let t = TestDb::new().await;
-    let p = plan(&t.db, "tenant_a", "day", 10, 1000).await;
     // Two ten-day periods ended, not closed; half of the third used.
-    let start = Utc::now() - TimeDelta::days(25);
-    let sub = subscription(
-        &t.db,
-        "tenant_a",
-        p,
-        start,
-        start,
-        start + TimeDelta::days(10),
-    )
-    .await;
+    let sub = ten_day_subscription(&t.db, "tenant_a", 25).await;
     let (b, _) = biller(&t.db, config());
     let c = b
         .cancel_subscription("tenant_a", sub, CancelAt::Now)
@@ -284,12 +289,7 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
     assert_eq!(invoices[2].1, "cancel");
     assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
     assert_eq!(c.invoice_id, Some(rows[2].get::<i64, _>(2)));
-    let status: String =
-        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(status, "canceled");
+    assert_eq!(subscription_status(&t.db, sub).await, "canceled");
     // Announced once, by the chain's last closing; each invoice finalized.
     assert_eq!(
         event_types(&t.db).await,
@@ -307,18 +307,8 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
 #[tokio::test]
 async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
     let t = TestDb::new().await;
-    let p = plan(&t.db, "tenant_a", "day", 10, 1000).await;
     // Half of a ten-day period used.
-    let start = Utc::now() - TimeDelta::days(5);
-    let sub = subscription(
-        &t.db,
-        "tenant_a",
-        p,
-        start,
-        start,
-        start + TimeDelta::days(10),
-    )
-    .await;
+    let sub = ten_day_subscription(&t.db, "tenant_a", 5).await;
     let (b, _) = biller(&t.db, config());
     let c = b
         .cancel_subscription("tenant_a", sub, CancelAt::Now)
@@ -333,12 +323,7 @@ async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
     let (amount, reason): (i64, String) = (r.get(0), r.get(1));
     assert!((499..=501).contains(&amount), "{amount}");
     assert_eq!(reason, "cancel");
-    let status: String =
-        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(status, "canceled");
+    assert_eq!(subscription_status(&t.db, sub).await, "canceled");
     assert_eq!(
         event_types(&t.db).await,
         vec!["invoice.finalized", "subscription.canceled"]
@@ -354,16 +339,7 @@ async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
         )
         .await
         .unwrap();
-    let p = plan(&t.db, "tenant_b", "day", 10, 1000).await;
-    let sub = subscription(
-        &t.db,
-        "tenant_b",
-        p,
-        start,
-        start,
-        start + TimeDelta::days(10),
-    )
-    .await;
+    let sub = ten_day_subscription(&t.db, "tenant_b", 5).await;
     let c = b
         .cancel_subscription("tenant_b", sub, CancelAt::Now)
         .await
