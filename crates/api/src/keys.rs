@@ -19,6 +19,10 @@ pub enum KeysError {
     NoTenant(String),
     #[error("no API key with prefix {0:?}")]
     NoKey(String),
+    #[error(
+        "contact_email {0:?} is not a bare email address such as ops@example.com (no display name, no angle brackets); nothing was created"
+    )]
+    BadContactEmail(String),
     #[error("{0}")]
     Invalid(String),
     #[error("database: {0}")]
@@ -84,8 +88,13 @@ pub async fn create_tenant(
         ));
     }
     if let Some(email) = contact_email {
-        outbox::email::mailbox("contact_email", email)
-            .map_err(|e| KeysError::Invalid(e.to_string()))?;
+        // The column holds a bare address (`tenants_contact_email_valid`); a
+        // mailbox with a display name parses but would be refused there.
+        let bare = outbox::email::mailbox("contact_email", email)
+            .is_ok_and(|m| m.name.is_none() && !email.contains('<'));
+        if !bare {
+            return Err(KeysError::BadContactEmail(email.to_owned()));
+        }
     }
     let row = db
         .fetch_optional(
@@ -98,7 +107,15 @@ pub async fn create_tenant(
             .bind(name.trim().to_owned())
             .bind(contact_email.map(str::to_owned)),
         )
-        .await?;
+        .await
+        .map_err(|e| match e.constraint() {
+            // The database is stricter than the parser in a few corners
+            // (migrations/0022_email_addresses.sql).
+            Some("tenants_contact_email_valid") => {
+                KeysError::BadContactEmail(contact_email.unwrap_or_default().to_owned())
+            }
+            _ => KeysError::Db(e),
+        })?;
     match row {
         Some(row) => Ok(tenant(&row)?),
         None => Err(KeysError::TenantExists(id.to_owned())),

@@ -152,6 +152,7 @@ fn keys_error(e: KeysError) -> ApiError {
         KeysError::TenantExists(_) => ApiError::conflict(Code::AlreadyExists, e.to_string()),
         KeysError::NoTenant(id) => ApiError::missing("tenant", id),
         KeysError::NoKey(prefix) => ApiError::missing("API key", prefix),
+        KeysError::BadContactEmail(_) => ApiError::param("contact_email", e.to_string()),
         KeysError::Invalid(m) => ApiError::invalid(Code::ParameterInvalid, "body", m),
         KeysError::Db(e) => ApiError::from_db(&e),
     }

@@ -157,9 +157,28 @@ async fn an_operator_steers_roles_tenants_and_keys_over_http() {
     )
     .await;
     assert_eq!((bad.status, bad.param()), (StatusCode::BAD_REQUEST, "id"));
+    // A display name parses as a mailbox but the column holds a bare
+    // address; a space at the end passes the parser (it trims) and only the
+    // column's rule refuses it. Both name the field and create nothing.
+    for contact in ["Ops <ops@gamma.example>", "ops@gamma.example "] {
+        let named = op(
+            &s,
+            "POST",
+            "/operator/v1/tenants",
+            Some(json!({"id": "gamma", "name": "Gamma", "contact_email": contact})),
+        )
+        .await;
+        assert_eq!(
+            (named.status, named.param()),
+            (StatusCode::BAD_REQUEST, "contact_email"),
+            "{}",
+            named.text
+        );
+        assert!(named.text.contains("bare email address"), "{}", named.text);
+    }
     let tenants = op(&s, "GET", "/operator/v1/tenants", None).await;
     assert!(
-        tenants.text.contains("ops@beta.example"),
+        tenants.text.contains("ops@beta.example") && !tenants.text.contains("gamma"),
         "{}",
         tenants.text
     );

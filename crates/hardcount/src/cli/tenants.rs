@@ -17,7 +17,7 @@ pub enum TenantsCommand {
         /// A name for people (default: the id).
         #[arg(long)]
         name: Option<String>,
-        /// Where operational notices go (an endpoint turned off).
+        /// Where operational notices go (an endpoint turned off): a bare address such as ops@example.com.
         #[arg(long)]
         contact_email: Option<String>,
     },
