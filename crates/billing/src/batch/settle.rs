@@ -81,6 +81,36 @@ pub const SETTLE: &str = "WITH u AS ( \
      SELECT COALESCE((SELECT array_agg(id) FROM inv), '{}') AS invoices, \
             COALESCE((SELECT array_agg(id) FROM att), '{}') AS attempts";
 
+/// The settle's statement for the rows left open (unknown, retry later, key
+/// refused, not sent); `pub` only for the plan test. It notes why, when to
+/// look again and, for a key no request executed, takes back the send stamp
+/// (docs/adr/0081), but only while the claim the row was sent under still
+/// holds its invoice (`auto_charge_claimed_by`, unique per claim), proved
+/// under a share lock of the invoice: a batch whose calls outlasted its lease,
+/// after the reconciler took the invoice over and sent the key, must not mark
+/// that attempt never sent (docs/adr/0083). The lock waits out a takeover in
+/// flight and re-reads its holder; a claim that meets it skips the invoice.
+/// Expiry alone is not checked: a lapsed claim nobody took still writes.
+pub const SETTLE_OPEN: &str = "WITH u AS ( \
+       SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[], \
+                            $7::bigint[], $8::text[]) \
+              AS u(id, why, intent, delay, unsent, invoice_id, claimed_by) \
+     ), held AS ( \
+       SELECT u.* FROM u JOIN invoices i ON i.id = u.invoice_id \
+       WHERE i.auto_charge_claimed_by = u.claimed_by \
+       FOR SHARE OF i \
+     ) \
+     UPDATE payment_attempts a SET last_error = h.why, \
+            provider_payment_intent = COALESCE(h.intent, a.provider_payment_intent), \
+            lookups = a.lookups + 1, \
+            next_check_at = now() + make_interval(secs => COALESCE(h.delay, \
+                least($6 * power(2, least(a.lookups, 12)), 3600))), \
+            first_sent_at = CASE WHEN h.unsent THEN NULL ELSE a.first_sent_at END \
+     FROM held h \
+     WHERE a.id = h.id \
+       AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
+     RETURNING a.id";
+
 /// Settle every answered attempt of a batch in one transaction (see the
 /// module's diagram). Returns, per row of `answers` and in their order, how it
 /// was written: [`Settled::Lost`] when its claim no longer held the invoice or
@@ -198,6 +228,9 @@ struct Cols {
 #[derive(Default)]
 struct Open {
     attempt: Vec<i64>,
+    /// The claim each row was sent under, which the write proves.
+    invoice: Vec<i64>,
+    claimed_by: Vec<String>,
     why: Vec<String>,
     intent: Vec<Option<String>>,
     /// Seconds until the next look; `None`: the reconciler's backoff.
@@ -255,6 +288,8 @@ async fn settle_once(
                 .push((s.claim.invoice_id, s.claim.claimed_by.clone()));
         }
         open.attempt.push(s.attempt_id);
+        open.invoice.push(s.claim.invoice_id);
+        open.claimed_by.push(s.claim.claimed_by.clone());
         open.why.push(why);
         open.intent.push(intent);
         open.delay.push(delay);
@@ -294,26 +329,24 @@ async fn settle_once(
             return Ok(Once::RolledBack(bad));
         }
     };
+    let mut kept_open = HashSet::new();
     if !open.attempt.is_empty() {
-        tx.execute(
-            sql("UPDATE payment_attempts a SET last_error = u.why, \
-                        provider_payment_intent = COALESCE(u.intent, a.provider_payment_intent), \
-                        lookups = a.lookups + 1, \
-                        next_check_at = now() + make_interval(secs => COALESCE(u.delay, \
-                            least($6 * power(2, least(a.lookups, 12)), 3600))), \
-                        first_sent_at = CASE WHEN u.unsent THEN NULL ELSE a.first_sent_at END \
-                 FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[]) \
-                      AS u(id, why, intent, delay, unsent) \
-                 WHERE a.id = u.id \
-                   AND coalesce(a.provider_status, '') IN ('unknown', 'processing')")
-            .bind(open.attempt)
-            .bind(open.why)
-            .bind(open.intent)
-            .bind(open.delay)
-            .bind(open.unsent)
-            .bind(backoff),
-        )
-        .await?;
+        let rows = tx
+            .fetch_all(
+                sql(SETTLE_OPEN)
+                    .bind(open.attempt.clone())
+                    .bind(open.why)
+                    .bind(open.intent)
+                    .bind(open.delay)
+                    .bind(open.unsent)
+                    .bind(backoff)
+                    .bind(open.invoice)
+                    .bind(open.claimed_by),
+            )
+            .await?;
+        for r in rows {
+            kept_open.insert(r.try_get::<i64, _>(0).map_err(db::Error::from)?);
+        }
     }
     if !open.release.is_empty() {
         let (ids, by): (Vec<i64>, Vec<String>) = open.release.into_iter().unzip();
@@ -378,7 +411,13 @@ async fn settle_once(
     tx.commit().await?;
     let lost: Vec<i64> = answers
         .iter()
-        .filter(|(s, a)| resolution(a).is_some() && !won.contains(&s.attempt_id))
+        .filter(|(s, a)| {
+            if resolution(a).is_some() {
+                !won.contains(&s.attempt_id)
+            } else {
+                !kept_open.contains(&s.attempt_id)
+            }
+        })
         .map(|(s, _)| s.attempt_id)
         .collect();
     Ok(Once::Committed(lost))

@@ -207,3 +207,84 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
         vec![format!("Receipt for invoice INV-{:06}", inv[2].0)]
     );
 }
+
+/// Two retries started and then given up before their calls (the tick was
+/// cancelled): each is settled not sent, its send stamp taken back and its
+/// claim given back. But the first one's invoice was taken over meanwhile
+/// (its lease ran out and the reconciler claimed it, and may have sent the
+/// key): the settle writes nothing on that attempt, so it stays stamped sent
+/// and under the resend window, and its claim stays the reconciler's
+/// (docs/adr/0083). The second, still held by its claim, is settled as before.
+///
+/// Mutation check: `settle_open_claim` (the holder's predicate dropped from
+/// `SETTLE_OPEN`) takes back the first attempt's stamp; seen failing.
+#[tokio::test]
+async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let inv = open_invoices(&t.db, 2).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let wanted: Vec<RetryRequest> = inv
+        .iter()
+        .map(|(id, _)| RetryRequest {
+            invoice_id: *id,
+            claimed_by: format!("test:{id}"),
+        })
+        .collect();
+    let mut tx = t.db.begin().await.unwrap();
+    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
+    tx.commit().await.unwrap();
+    let started: Vec<_> = started.into_iter().map(|s| s.unwrap()).collect();
+    t.db.execute(
+        sql(
+            "UPDATE invoices SET auto_charge_claimed_by = 'reconciler:9:1:1', \
+                    auto_charge_claimed_until = now() + interval '10 minutes' \
+             WHERE id = $1",
+        )
+        .bind(inv[0].0),
+    )
+    .await
+    .unwrap();
+    let far = Instant::now() + Duration::from_secs(600);
+    let done = b
+        .finish_retries(
+            started,
+            &tokio::sync::Semaphore::new(4),
+            far,
+            || true,
+            |s| format!("test {}", s.claim.invoice_id),
+        )
+        .await;
+    assert_eq!(done.len(), 2);
+    assert_eq!(p.total_charges(), 0, "nothing was sent");
+    let row = |id: i64| {
+        let db = t.db.clone();
+        async move {
+            let r = db
+                .fetch_one(
+                    sql("SELECT a.first_sent_at IS NOT NULL AS stamped, a.lookups, \
+                                coalesce(i.auto_charge_claimed_by, '') AS holder \
+                         FROM payment_attempts a JOIN invoices i ON i.id = a.invoice_id \
+                         WHERE a.invoice_id = $1")
+                    .bind(id),
+                )
+                .await
+                .unwrap();
+            (
+                r.get::<bool, _>("stamped"),
+                r.get::<i32, _>("lookups"),
+                r.get::<String, _>("holder"),
+            )
+        }
+    };
+    assert_eq!(
+        row(inv[0].0).await,
+        (true, 0, "reconciler:9:1:1".to_owned()),
+        "the attempt taken over is left to its new claim"
+    );
+    assert_eq!(
+        row(inv[1].0).await,
+        (false, 1, String::new()),
+        "the attempt still held is settled not sent and its claim given back"
+    );
+}

@@ -7,11 +7,12 @@ use testbed::TestDb;
 use testbed::plans::{INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, planner_settings};
 
 use billing::statements::{
-    CLAIM_AND_START, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS, SETTLE, START_RETRIES,
+    CLAIM_AND_START, CLAIM_DUE, CLAIM_RETRIES, CLEAR_RAW_ANSWERS, SETTLE, SETTLE_OPEN,
+    START_RETRIES,
 };
 
 use billing::RetryRequest;
-use fake_provider::FakeProvider;
+use fake_provider::{Behaviour, FakeProvider};
 
 use crate::{biller, charging, open_invoices, tick};
 
@@ -20,8 +21,9 @@ use crate::{biller, charging, open_invoices, tick};
 /// path's own calls run with. The plans
 /// are those the calls ran, reported by `auto_explain`: the closing's listing
 /// (`CLAIM_DUE`) and compare-and-set of a tick invoicing four subscriptions, a tick charging the four
-/// invoices, which runs its batch claim (`CLAIM_AND_START`), its settle
-/// (`SETTLE`) and its retention's `CLEAR_RAW_ANSWERS` in index-driven
+/// invoices (one answered 429, left open), which runs its batch claim
+/// (`CLAIM_AND_START`), its settle (`SETTLE`, and `SETTLE_OPEN` for the row
+/// left open) and its retention's `CLEAR_RAW_ANSWERS` in index-driven
 /// transactions (the last without sequential scans), and `Biller::start_retries_in`
 /// (in the index-driven transaction dunning opens for it) runs
 /// `START_RETRIES` in the written join order without sequential scans, then
@@ -82,12 +84,19 @@ async fn the_charge_paths_own_calls_plan_as_their_tests_do() {
     drop(retries);
 
     let charges = PlansNoticed::start();
-    assert_eq!(tick(&t.db, &b).await.charges.paid, 4);
+    p.set_behaviour(
+        &invoices[3].1,
+        Behaviour::RateLimited {
+            retry_after_secs: 60,
+        },
+    );
+    assert_eq!(tick(&t.db, &b).await.charges.paid, 3);
     assert_planned_with(
         &charges.plans_of(CLAIM_AND_START),
         &[&INDEX_DRIVEN_SETTINGS[..], &["join_collapse_limit = '1'"]].concat(),
     );
     assert_planned_with(&charges.plans_of(SETTLE), &INDEX_DRIVEN_SETTINGS);
+    assert_planned_with(&charges.plans_of(SETTLE_OPEN), &INDEX_DRIVEN_SETTINGS);
     assert_planned_with(
         &charges.plans_of(CLEAR_RAW_ANSWERS),
         &[&INDEX_DRIVEN_SETTINGS[..], &["enable_seqscan = 'off'"]].concat(),

@@ -1,11 +1,11 @@
-//! The charge path's batch writes, the settle (`SETTLE`) and the attempts
-//! insert (`START_ATTEMPTS`), reach each invoice and attempt of their batch by
+//! The charge path's batch writes, the settle (`SETTLE`, `SETTLE_OPEN`) and
+//! the attempts insert (`START_ATTEMPTS`), reach each invoice and attempt of their batch by
 //! its key, also on statistics gathered while nothing was claimed.
 
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{SETTLE, START_ATTEMPTS};
+use billing::statements::{SETTLE, SETTLE_OPEN, START_ATTEMPTS};
 
 use super::{BATCH, claimed};
 
@@ -165,6 +165,45 @@ async fn the_attempts_of_a_batch_reach_each_invoice_by_its_key_when_the_statisti
     );
     for absent in [
         "invoices_auto_charge_claims",
+        "Bitmap",
+        "Seq Scan",
+        "Join Filter",
+    ] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}
+
+/// The settle of rows left open (`SETTLE_OPEN`) on statistics gathered while
+/// nothing was claimed: each invoice reached by its key to prove and share-lock
+/// its claim, each attempt by its key. Guard: the attempt's open status
+/// compared through `coalesce`; seen failing with the plain `IN` (mutation
+/// `settle_open_coalesce`: `payment_attempts_open` drove the loop with a Join
+/// Filter over the batch).
+#[tokio::test]
+async fn a_settle_left_open_reaches_its_batch_by_key_when_the_statistics_saw_no_claim() {
+    let t = TestDb::new().await;
+    let (invoices, attempts) = claimed(&t).await;
+    statistics_without_claims(&t).await;
+    let plan = explain_index_driven(&t.db, SETTLE_OPEN, move |s| {
+        s.bind(attempts)
+            .bind(vec!["not sent".to_owned(); BATCH])
+            .bind(vec![None::<String>; BATCH])
+            .bind(vec![Some(0.0_f64); BATCH])
+            .bind(vec![true; BATCH])
+            .bind(1.0_f64)
+            .bind(invoices)
+            .bind(vec!["c1".to_owned(); BATCH])
+    })
+    .await;
+    for present in [
+        "Index Scan using invoices_pkey on invoices i",
+        "Index Scan using payment_attempts_pkey on payment_attempts a",
+    ] {
+        assert!(plan.contains(present), "{present} not in\n{plan}");
+    }
+    for absent in [
+        "invoices_auto_charge_claims",
+        "payment_attempts_open",
         "Bitmap",
         "Seq Scan",
         "Join Filter",
