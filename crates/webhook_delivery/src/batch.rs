@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use leader::Role;
-use scheduler::{Panics, Payload, catch};
+use scheduler::{Panics, Payload, Wake, catch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::warn;
@@ -114,11 +114,13 @@ pub(crate) type Guarded<K, O> = Pin<Box<dyn Future<Output = (K, Result<O, Payloa
 /// logged, and its delivery, still `pending` at this attempt, comes due
 /// again when its claim lease ends (at-least-once: the receiver may see it
 /// again, with the same `webhook-id`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn attempt_batch(
     shared: &Arc<Shared>,
     claimed: Vec<Claimed>,
     tick_deadline: Instant,
     cancel: &CancellationToken,
+    wake: Option<&Wake>,
     carried: &mut Running,
     panics: &mut Panics,
     report: &mut Tally,
@@ -129,7 +131,7 @@ pub(crate) async fn attempt_batch(
         // Nothing claimed, attempts carried: collect those that are done
         // and go back to claiming (after BUSY_POLL, or a wake-up).
         let running = std::mem::take(carried);
-        let carry = (tokio::time::Instant::now(), CancellationToken::new());
+        let carry = Carry::at(tokio::time::Instant::now());
         collect(shared, running, carried, Some(carry), None, panics, report).await;
         return;
     }
@@ -153,7 +155,7 @@ pub(crate) async fn attempt_batch(
             .collect();
         report.held += outcomes::hold(shared, &held).await;
     }
-    let busy = CancellationToken::new();
+    let carry = Carry::at(tokio::time::Instant::now() + carry_after);
     // Each endpoint's URL and secrets, prepared once for this batch.
     let mut targets: HashMap<i64, Arc<Prepared>> = HashMap::new();
     let running: Running = claimed
@@ -166,7 +168,7 @@ pub(crate) async fn attempt_batch(
                     .checked_sub(config.request_timeout)
                     .unwrap_or(d.claimed_at),
                 cancel: cancel.clone(),
-                busy: busy.clone(),
+                busy: carry.busy.clone(),
             };
             let key = (d.row.id, d.row.attempt, d.row.resent_at_attempt);
             let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
@@ -177,23 +179,54 @@ pub(crate) async fn attempt_batch(
                     .clone()
             });
             let shared = Arc::clone(shared);
+            let (moved, wake) = (carry.moved.clone(), wake.cloned());
             spawn_guarded(key, step, async move {
-                attempt::attempt(&shared, d, target, &start_by).await
+                let done = attempt::attempt(&shared, d, target, &start_by).await;
+                // A carried attempt's result is written only by the driver's
+                // next batch: wake it, so that a listening role does not
+                // wait out its interval while the claim lease runs and then
+                // claim the delivery again (docs/adr/0084).
+                if moved.is_cancelled()
+                    && let Some(wake) = wake
+                {
+                    wake.poke();
+                }
+                done
             })
         })
         .collect();
-    let carry_at = tokio::time::Instant::now() + carry_after;
     let pipeline = full.then(|| running.len() / 2);
     collect(
         shared,
         running,
         carried,
-        Some((carry_at, busy)),
+        Some(carry),
         pipeline,
         panics,
         report,
     )
     .await;
+}
+
+/// When and how a batch's attempts are carried (see [`collect`]).
+pub(crate) struct Carry {
+    /// The batch's carry instant.
+    at: tokio::time::Instant,
+    /// Fired at that instant: attempts still waiting for a turn are held.
+    busy: CancellationToken,
+    /// Fired when the attempts are moved to `carried`: each pokes the
+    /// role's wake as it finishes.
+    moved: CancellationToken,
+}
+
+impl Carry {
+    pub(crate) fn at(at: tokio::time::Instant) -> Carry {
+        Carry {
+            at,
+            busy: CancellationToken::new(),
+            moved: CancellationToken::new(),
+        }
+    }
 }
 
 /// Collect the attempts of `running` (and of `carried`, as they finish):
@@ -217,7 +250,7 @@ pub(crate) async fn collect(
     shared: &Arc<Shared>,
     mut running: Running,
     carried: &mut Running,
-    mut carry: Option<(tokio::time::Instant, CancellationToken)>,
+    mut carry: Option<Carry>,
     pipeline: Option<usize>,
     panics: &mut Panics,
     report: &mut Tally,
@@ -256,11 +289,11 @@ pub(crate) async fn collect(
         // Carried at the batch's deadline, or as it is once nothing of it
         // has finished for CARRY_QUIET (if not too much is carried already).
         let early = running.len() + carried.len() <= 2 * shared.config.batch_size;
-        let carry_at = carry.as_ref().map(|(at, _)| {
+        let carry_at = carry.as_ref().map(|c| {
             if early {
-                (*at).min(progress + CARRY_QUIET)
+                c.at.min(progress + CARRY_QUIET)
             } else {
-                *at
+                c.at
             }
         });
         tokio::select! {
@@ -270,7 +303,7 @@ pub(crate) async fn collect(
                 progress = tokio::time::Instant::now();
                 finished(shared, key, result, &mut buffer, &mut holds, panics, report);
                 if pipeline.is_some_and(|left| running.len() <= left)
-                    && let Some((at, busy)) = carry.take()
+                    && let Some(Carry { at, busy, moved }) = carry.take()
                 {
                     // What still waits for a turn at the batch's carry
                     // instant is held then, as if it had not been carried.
@@ -278,6 +311,7 @@ pub(crate) async fn collect(
                         tokio::time::sleep_until(at).await;
                         busy.cancel();
                     });
+                    moved.cancel();
                     carried.extend(std::mem::take(&mut running));
                 }
             }
@@ -306,10 +340,11 @@ pub(crate) async fn collect(
             }
             () = sleep_until_some(flush_at) => {}
             () = sleep_until_some(carry_at) => {
-                if let Some((at, busy)) = carry.take() {
+                if let Some(Carry { at, busy, moved }) = carry.take() {
                     if tokio::time::Instant::now() >= at {
                         busy.cancel();
                     }
+                    moved.cancel();
                     carried.extend(std::mem::take(&mut running));
                 }
             }

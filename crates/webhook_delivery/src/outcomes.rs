@@ -87,12 +87,14 @@ pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
             )
         }
         Ok(false) => {
+            // A later claim has the delivery: nothing was handed back.
             debug!(
                 role = %Role::WebhookDelivery,
                 delivery = id,
                 attempt,
                 "unsent webhook claim already superseded"
-            )
+            );
+            return Outcome::Stale;
         }
         Err(e) => warn!(
             role = %Role::WebhookDelivery, delivery = id, attempt, error = %e,

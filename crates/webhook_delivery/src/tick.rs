@@ -287,6 +287,7 @@ impl FencedBatches for Deliveries<'_> {
             batch.claimed,
             deadline,
             &tick.cancel,
+            self.wake,
             &mut carried,
             panics,
             tally,

@@ -100,6 +100,51 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     assert_eq!(outcomes(&metrics, "delivered"), 1.0);
 }
 
+/// A claim whose start deadline passed is not sent, even if its turn is free:
+/// it is handed back unsent; if a later claim superseded it meanwhile, the hand-back writes nothing and says
+/// so: `Stale`, counted, not `Released` (docs/adr/0084). The later claim's
+/// attempt is untouched and delivers.
+///
+/// Mutation checks: `release_superseded` (the hand-back reporting `Released`
+/// whatever it matched) and `late_turn_started` (a turn ready at once taken
+/// past the start deadline: the superseded claim is sent) fail this test.
+#[tokio::test]
+async fn an_unsent_claim_superseded_before_its_hand_back_is_stale() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let (w, metrics) = worker(&t.db, config());
+    let (wr, tr) = (&w, &t);
+    let (first, second) = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let first = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            make_due(tr).await;
+            let second = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            (first, second)
+        },
+    )
+    .await;
+    // Past the first claim's start deadline (claimed_at + claim_margin).
+    tokio::time::sleep(config().claim_margin + Duration::from_millis(200)).await;
+    assert_eq!(w.deliver(first).await, Outcome::Stale);
+    assert!(
+        rx.requests().is_empty(),
+        "the superseded claim sent nothing"
+    );
+    assert_eq!(outcomes(&metrics, "stale"), 1.0);
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("pending", 2));
+    assert_eq!(
+        w.deliver(second).await,
+        Outcome::Released,
+        "its turn is past too"
+    );
+    assert_eq!(deliveries(&t.db).await[0].attempts, 1, "handed back");
+}
+
 /// A claim sets `claimed_until` a lease ahead, so a worker that dies after
 /// claiming leaves the delivery to come due again by itself, and not before:
 /// a tick right after the claim finds nothing due.

@@ -8,10 +8,10 @@ use leader::Role;
 use scheduler::{RoleSpec, Wake, listen, run_role, work};
 use testbed::Leg;
 use testbed::TestDb;
-use testbed::receiver::Receiver;
+use testbed::receiver::{Receiver, Reply};
 use tokio_util::sync::CancellationToken;
 
-use crate::{config, endpoint, events, manager, worker};
+use crate::{config, deliveries, endpoint, events, manager, outcomes, worker};
 
 /// With a 5 s interval, each of three events fanned out while the listening
 /// role is idle reaches the receiver within 500 ms of the fan-out's commit.
@@ -67,4 +67,60 @@ async fn a_fanned_out_delivery_wakes_the_idle_listening_role_within_milliseconds
         waits.iter().all(|w| *w < Duration::from_millis(500)),
         "{waits:?}"
     );
+}
+
+/// A listening role whose one delivery is slow (800 ms, past the batch's
+/// carry instant of 500 ms) carries it and waits for a wake-up, at most its
+/// interval (3 s, longer than the 2 s claim lease). The attempt pokes the
+/// role as it finishes, so its result is written at once: one request, the
+/// delivery delivered at its first attempt, nothing stale (docs/adr/0084).
+///
+/// Mutation check: `carried_poke` (no poke) leaves the result unwritten
+/// until the interval, when the lease has ended: the delivery is claimed and
+/// sent again, and this test fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carried_attempt_wakes_the_listening_role_before_its_lease_ends() {
+    let t = TestDb::new().await;
+    let rx = Receiver::start(|_| Reply::Delayed(Duration::from_millis(800), 200)).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let interval = Duration::from_secs(3);
+    let wake = Wake::new(Role::WebhookDelivery, interval);
+    let (w, metrics) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let shutdown = CancellationToken::new();
+    let listener = tokio::spawn(listen(
+        t.app_url(Leg::Direct),
+        vec![wake.clone()],
+        Duration::from_millis(200),
+        shutdown.child_token(),
+    ));
+    let started = Instant::now();
+    while !wake.is_listening() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never listening"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval,
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    events(&t.db, "tenant_a", 1).await;
+    rx.until_count(1, Duration::from_secs(10)).await;
+    // Past the lease (2 s) and the interval (3 s) after the first request.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    shutdown.cancel();
+    listener.await.unwrap();
+    role.await.unwrap();
+    assert_eq!(rx.requests().len(), 1, "sent again");
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!((d.status.as_str(), d.attempts), ("delivered", 1));
+    assert_eq!(outcomes(&metrics, "stale"), 0.0);
 }
