@@ -75,6 +75,7 @@ fn run(r: &PgRow) -> Result<Run, String> {
         not_chargeable: not_chargeable
             .map(|s| NotChargeable::parse(&s).ok_or(format!("not_chargeable {s:?}")))
             .transpose()?,
+        owed_code: get!(r, "owed_code")?,
         email_from: get!(r, "email_from")?,
         policy: Policy {
             offsets_secs: get!(r, "retry_offsets_secs")?,
@@ -220,7 +221,8 @@ pub const LIST_DUE: &str = concat!(
             i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
             i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
             CASE WHEN r.status <> 'active' THEN NULL \
-                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) AND EXISTS ( \
+                 WHEN (r.attempt_count >= cardinality(p.retry_offsets_secs) \
+                       OR r.owed_notice_attempt = r.attempt_count) AND EXISTS ( \
                      SELECT 1 FROM (SELECT a.provider_status FROM payment_attempts a \
                                     WHERE a.invoice_id = r.invoice_id \
                                     ORDER BY a.attempt_seq DESC LIMIT 1) l \
@@ -228,6 +230,7 @@ pub const LIST_DUE: &str = concat!(
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
                  WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
+                 WHEN r.owed_notice_attempt = r.attempt_count THEN 'decline_unannounced' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
                  WHEN EXISTS ( \
                    SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
@@ -236,6 +239,10 @@ pub const LIST_DUE: &str = concat!(
                    WHERE l.decline_code = ANY ($5) \
                      AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
                  THEN 'payment_method_unchanged' END AS not_chargeable, \
+            CASE WHEN r.status = 'active' AND r.owed_notice_attempt = r.attempt_count THEN ( \
+                SELECT coalesce(a.decline_code, a.provider_status) FROM payment_attempts a \
+                WHERE a.invoice_id = r.invoice_id ORDER BY a.attempt_seq DESC LIMIT 1) \
+            END AS owed_code, \
             COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
               THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
                    AND 1 <= ALL (p.retry_offsets_secs) \
@@ -278,7 +285,10 @@ pub const LIST_DUE: &str = concat!(
 /// payment method, nor when its last attempt was a hard decline (or wanted
 /// authentication) on the payment method the customer still has. A run
 /// whose subscription's collection is paused is not marked: billing's claim
-/// holds it (rewound), so a pause stops the schedule as it stops charges. Rows whose
+/// holds it (rewound), so a pause stops the schedule as it stops charges. A
+/// run whose retry was answered `processing` waits while that attempt is
+/// pending (`outcome_pending`) and, once it settled without paying, owes its
+/// decline's notices (`decline_unannounced`, docs/adr/0085). Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A run of a tenant whose business window is closed at the

@@ -4,7 +4,9 @@
 //! final action on time; a payment method added before the count is charged
 //! instead. A run whose retries are spent (its last answered `processing`,
 //! docs/adr/0073) is exhausted at its count once that attempt has settled,
-//! and waits a hold while it has not; neither makes a call.
+//! and waits a hold while it has not; a run whose earlier retry was answered
+//! `processing` and has since been declined has that decline announced and
+//! its next retry scheduled (docs/adr/0085). None of them makes a call.
 
 use std::collections::{HashMap, HashSet};
 
@@ -16,8 +18,8 @@ use tracing::warn;
 use crate::Error;
 use crate::ctx::Ctx;
 use crate::final_action;
-use crate::notices::{not_attempted, sender};
-use crate::outcomes::{self, Waiting, payload};
+use crate::notices::{not_attempted, sender, warning};
+use crate::outcomes::{self, Decline, Waiting, payload};
 use crate::policy::AfterDecline;
 use crate::run::{NotChargeable, Outcome, Retry, Run};
 
@@ -35,6 +37,8 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
     let mut rows: Vec<NotAttempted<'_>> = Vec::new();
     // Spent runs whose last retry is still unsettled: a hold, nothing counted.
     let mut waiting: Vec<Waiting<'_>> = Vec::new();
+    // Retries answered `processing` since declined: announced as a decline.
+    let mut declines: Vec<Decline<'_>> = Vec::new();
     for run in &runs {
         let Some(why) = run.not_chargeable else {
             continue;
@@ -57,6 +61,16 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
                     next: None,
                     email: None,
                 });
+                continue;
+            }
+            NotChargeable::DeclineUnannounced => {
+                let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
+                match scheduler::catch(step, async { owed_decline(ctx, run) }).await {
+                    Ok(d) => declines.push(d),
+                    Err(payload) => {
+                        out.insert(run.id, Some(Err(payload)));
+                    }
+                }
                 continue;
             }
             NotChargeable::NoPaymentMethod | NotChargeable::PaymentMethodUnchanged => {}
@@ -93,8 +107,9 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
         let mut tx = ctx.db.begin_with_timeout(c.statement_timeout).await?;
         let won = not_attempted_in(&mut tx, &rows).await?;
         let waited = outcomes::wait_in(&mut tx, &waiting, c.attempt_hold).await?;
+        let announced = outcomes::decline_in(&mut tx, &declines).await?;
         tx.commit().await?;
-        Ok::<_, Error>((won, waited))
+        Ok::<_, Error>((won, waited, announced))
     };
     match counted.await {
         Err(e) => {
@@ -102,12 +117,26 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
             warn!(role = %Role::Dunning, error = %e, runs = rows.len() + waiting.len(), "retries not attempted were not counted");
             let why = e.to_string();
             let ids = rows.iter().map(|n| n.run.id);
-            for id in ids.chain(waiting.iter().map(|w| w.run.id)) {
+            let ids = ids
+                .chain(waiting.iter().map(|w| w.run.id))
+                .chain(declines.iter().map(|d| d.run.id));
+            for id in ids {
                 let e = Error::NotCounted(why.clone());
                 out.insert(id, Some(Ok(Err(e))));
             }
         }
-        Ok((won, waited)) => {
+        Ok((won, waited, announced)) => {
+            for d in &declines {
+                let id = d.run.id;
+                if !announced.contains(&id) {
+                    out.insert(id, Some(Ok(Ok(Retry::Lost))));
+                } else if d.next.is_some() {
+                    let code = d.code.clone();
+                    out.insert(id, Some(Ok(Ok(Retry::Declined { code }))));
+                } else {
+                    exhausted.push((d.run, d.code.clone()));
+                }
+            }
             for w in &waiting {
                 let r = match waited.get(&w.run.id) {
                     Some(&next_attempt_at) => Retry::Pending { next_attempt_at },
@@ -145,6 +174,40 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
             (run, outcome)
         })
         .collect()
+}
+
+/// The decline of a run's last retry, answered `processing` and since
+/// settled without paying (docs/adr/0085), as a decline at once would have
+/// been written: the next retry from the policy (or, if the policy has none
+/// left now, exhaustion) and the warning, over the run's count and the hold
+/// it was listed with. The count does not move: the retry was counted when
+/// it was answered.
+fn owed_decline<'a>(ctx: &Ctx, run: &'a Run) -> Decline<'a> {
+    let code = run
+        .owed_code
+        .clone()
+        .unwrap_or_else(|| "declined".to_owned());
+    let attempt = run.attempt_count;
+    let (next, email) = match run.policy.after_decline(run.first_declined_at, attempt) {
+        AfterDecline::Next { at } => {
+            let at = at.max(Utc::now());
+            let from = sender(run, &ctx.config.email_from);
+            let email = run
+                .policy
+                .warns_after(attempt)
+                .then(|| warning(run, from, &code, at));
+            (Some(at), email)
+        }
+        AfterDecline::Exhausted => (None, None),
+    };
+    Decline {
+        run,
+        attempt,
+        held: run.next_attempt_at,
+        code,
+        next,
+        email: ctx.sendable(run, email),
+    }
 }
 
 /// A due retry that cannot be charged, as [`not_attempted_in`] counts it.

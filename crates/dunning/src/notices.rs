@@ -54,11 +54,12 @@ pub(crate) fn not_attempted(
         NotChargeable::PaymentMethodUnchanged => {
             "your card was declined in a way that trying it again will not change"
         }
-        // Never warned of (docs/adr/0073): a spent run is exhausted, a pending
-        // one waits without a count.
-        NotChargeable::RetriesSpent | NotChargeable::OutcomePending => {
-            "your last payment has not been settled yet"
-        }
+        // Never warned of (docs/adr/0073, 0085): a spent run is exhausted, a
+        // pending one waits without a count, a decline owed its notices gets
+        // the decline's warning.
+        NotChargeable::RetriesSpent
+        | NotChargeable::OutcomePending
+        | NotChargeable::DeclineUnannounced => "your last payment has not been settled yet",
     };
     outbox::email::Email {
         from: from.to_owned(),

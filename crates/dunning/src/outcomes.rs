@@ -130,7 +130,8 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
                                    $5::timestamptz[]) AS u(id, attempt, next, code, held)",
                     check: "r.status = 'active' AND r.attempt_count = u.attempt \
                             AND r.next_attempt_at = u.held",
-                    set: "next_attempt_at = u.next, last_decline_code = u.code, updated_at = now()",
+                    set: "next_attempt_at = u.next, last_decline_code = u.code, \
+                          owed_notice_attempt = NULL, updated_at = now()",
                     returning: "r.id",
                 ))
                 .bind(next.iter().map(|d| d.run.id).collect::<Vec<_>>())
@@ -151,7 +152,8 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
                     batch: "unnest($1::bigint[], $2::int4[], $3::text[]) AS u(id, attempt, code)",
                     check: "r.status = 'active' AND r.attempt_count = u.attempt",
                     set: "status = 'exhausted', ended_at = now(), next_attempt_at = now(), \
-                          last_decline_code = u.code, updated_at = now()",
+                          last_decline_code = u.code, owed_notice_attempt = NULL, \
+                          updated_at = now()",
                     returning: "r.id",
                 ))
                 .bind(last.iter().map(|d| d.run.id).collect::<Vec<_>>())
@@ -237,12 +239,17 @@ pub(crate) async fn rewind_in(
 }
 
 /// Runs that wait for a pending attempt (docs/adr/0073), one statement in the
-/// caller's transaction: each run's `next_attempt_at` set to its `next`, or
-/// to `hold` from now, only while it has the `count` and `next_attempt_at`
-/// (`was`) given: a retry answered `processing` proves the count and hold its
-/// record wrote, and a spent run waiting for its last retry's outcome proves
-/// the count and time it was listed with. Nothing is counted or announced.
-/// Returns the runs that now wait, each with the time it waits until.
+/// caller's transaction: each run's `next_attempt_at` set to `hold` from now
+/// (or its `next`, if sooner), only while it has the `count` and
+/// `next_attempt_at` (`was`) given: a retry answered `processing` proves the
+/// count and hold its record wrote, and a spent run waiting for its last
+/// retry's outcome proves the count and time it was listed with. A retry
+/// answered `processing` with a retry planned after it (`next`) also records
+/// that its attempt owes its decline's notices (`owed_notice_attempt`): the
+/// listing holds the run while the attempt is pending and has its decline
+/// announced once it settles (docs/adr/0085). Nothing is counted or
+/// announced here. Returns the runs that now wait, each with the time it
+/// waits until.
 pub(crate) async fn wait_in(
     tx: &mut Tx,
     runs: &[Waiting<'_>],
@@ -258,7 +265,9 @@ pub(crate) async fn wait_in(
                         AS u(id, expected, was, next)",
                 check: "r.status = 'active' AND r.attempt_count = u.expected \
                         AND r.next_attempt_at = u.was",
-                set: "next_attempt_at = COALESCE(u.next, now() + make_interval(secs => $5)), \
+                set: "next_attempt_at = LEAST(u.next, now() + make_interval(secs => $5)), \
+                      owed_notice_attempt = CASE WHEN u.next IS NOT NULL THEN u.expected \
+                                                 ELSE r.owed_notice_attempt END, \
                       updated_at = now()",
                 returning: "r.id, r.next_attempt_at",
             ))

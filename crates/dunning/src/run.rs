@@ -33,6 +33,9 @@ pub struct Run {
     pub payment_method: Option<String>,
     /// Why an active run's due retry cannot be charged, if it cannot.
     pub not_chargeable: Option<NotChargeable>,
+    /// With [`NotChargeable::DeclineUnannounced`]: what the retry that was
+    /// answered `processing` settled as (its decline code, else its status).
+    pub owed_code: Option<String>,
     /// The tenant's sender (`tenant_settings.email_from`), if it set one.
     pub email_from: Option<String>,
     pub policy: Policy,
@@ -54,6 +57,11 @@ pub enum NotChargeable {
     /// pending (processing, unknown, or in review): the run waits a hold for
     /// it, with no charge and nothing counted (docs/adr/0073).
     OutcomePending,
+    /// The last retry was answered `processing` and has since settled without
+    /// paying the invoice: its decline is announced (`dunning.attempt_failed`,
+    /// the warning) and the next retry scheduled, with no charge
+    /// (docs/adr/0085).
+    DeclineUnannounced,
 }
 
 impl NotChargeable {
@@ -63,6 +71,7 @@ impl NotChargeable {
             NotChargeable::PaymentMethodUnchanged => "payment_method_unchanged",
             NotChargeable::RetriesSpent => "retries_spent",
             NotChargeable::OutcomePending => "outcome_pending",
+            NotChargeable::DeclineUnannounced => "decline_unannounced",
         }
     }
 
@@ -72,6 +81,7 @@ impl NotChargeable {
             "payment_method_unchanged" => NotChargeable::PaymentMethodUnchanged,
             "retries_spent" => NotChargeable::RetriesSpent,
             "outcome_pending" => NotChargeable::OutcomePending,
+            "decline_unannounced" => NotChargeable::DeclineUnannounced,
             _ => return None,
         })
     }

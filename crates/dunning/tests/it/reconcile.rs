@@ -10,8 +10,8 @@ use leader::{Role, Telemetry};
 use testbed::TestDb;
 
 use crate::{
-    as_leader, attempts, billing, config, declined_invoice, dunner_with, events, invoice_status,
-    manager, policy, run_of, tick,
+    as_leader, attempts, billing, config, declined_invoice, dunner_with, dunning_emails, events,
+    invoice_status, manager, policy, run_of, tick,
 };
 
 /// The provider charges retry 1 and then hangs: the attempt is unknown and
@@ -118,16 +118,33 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
-    // Retry 2 is due (120 s after a decline an hour ago), but held.
+    // Retry 2 is due (120 s after a decline an hour ago), but the run waits
+    // while retry 1 is processing: a hold, no call, nothing announced.
     let r = tick(&t.db, &d).await;
-    assert_eq!((r.tally.rewound, r.tally.unanswered), (1, 0), "{r:?}");
+    assert_eq!((r.tally.pending, r.tally.rewound), (1, 0), "{r:?}");
     assert_eq!(p.create_requests(), 1);
+    assert_eq!(events(&t.db).await, vec!["dunning.started"]);
     fails(2).await;
     let seen = attempts(&t.db, a.invoice).await;
     assert_eq!(seen[1], (2, "declined".to_owned()), "{seen:?}");
+    // Retry 1's decline is announced as a decline at once would have been
+    // (docs/adr/0085): `dunning.attempt_failed` and the policy's warning
+    // (it warns after retry 1), once. Mutation `owed_notice_announced` (the
+    // listing's branch removed) charges retry 2 with neither sent. The run's
+    // hold is over.
+    due_now().await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.declined, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(
+        events(&t.db).await,
+        vec!["dunning.started", "dunning.attempt_failed"]
+    );
+    assert_eq!(dunning_emails(&t.db).await.len(), 1);
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
+    assert_eq!(dunning_emails(&t.db).await.len(), 1, "announced once");
     let seen = attempts(&t.db, a.invoice).await;
     assert_eq!(seen[2], (3, "processing".to_owned()), "{seen:?}");
     // Spent, the last retry processing: a hold, no call, nothing counted.
