@@ -283,7 +283,8 @@ fn interval(unit: &str, count: i32) -> Result<Interval, Unbillable> {
     })
 }
 
-/// The invoice amount of `[start, end)` on `due`'s plan: whole or pro rata.
+/// The invoice amount of `[start, end)` on `due`'s plan: whole or pro rata,
+/// in the steps its currency is charged in (docs/adr/0086).
 fn amount_for(
     due: &Due,
     interval: Interval,
@@ -295,7 +296,13 @@ fn amount_for(
     if start == b && end >= b_next {
         return Ok(due.amount);
     }
-    Ok(period::pro_rata(due.amount, end - start, b_next - b))
+    let step = crate::provider::amount_step(&due.currency);
+    Ok(period::pro_rata_in_steps(
+        due.amount,
+        end - start,
+        b_next - b,
+        step,
+    ))
 }
 
 #[cfg(test)]
@@ -392,6 +399,37 @@ mod tests {
         // A whole period is the plan's amount.
         d = due(at(2024, 1, 31), at(2024, 2, 29), at(2024, 3, 31));
         assert_eq!(close(&d).unwrap().amount, 1200);
+    }
+
+    /// Guard (docs/adr/0086): a three-decimal currency's pro rata amount is
+    /// rounded half up to whole tens of its minor unit, which is what the
+    /// provider charges; other currencies keep the minor unit. Seen failing
+    /// with `amount_step` answering 1 (mutation `three_decimal_step`).
+    #[test]
+    fn a_three_decimal_pro_rata_amount_is_made_in_tens() {
+        // 14 of February 2024's 29 days of 1.200 KWD: 579.31 fils → 580.
+        let mut d = due(at(2024, 1, 31), at(2024, 2, 15), at(2024, 2, 29));
+        d.currency = "KWD".into();
+        assert_eq!(close(&d).unwrap().amount, 580);
+        // 13 of 28 days: 557.14 → 560 (555 and more rounds up to 560).
+        d = due(at(2023, 1, 31), at(2023, 2, 15), at(2023, 2, 28));
+        d.currency = "BHD".into();
+        assert_eq!(close(&d).unwrap().amount, 560);
+        let days = chrono::TimeDelta::days;
+        assert_eq!(
+            crate::period::pro_rata_in_steps(1110, days(1), days(2), 10),
+            560
+        );
+        assert_eq!(
+            crate::period::pro_rata_in_steps(1090, days(1), days(2), 10),
+            550
+        );
+        assert_eq!(
+            crate::period::pro_rata_in_steps(1090, days(1), days(2), 1),
+            545
+        );
+        d.currency = "EUR".into();
+        assert_eq!(close(&d).unwrap().amount, 557);
     }
 
     #[test]

@@ -140,13 +140,21 @@ pub fn containing(
 /// (half a minor unit or more rounds up; never a float). `used` is clamped
 /// to `[0, full]`; a zero or negative `full` charges the whole amount.
 pub fn pro_rata(amount: i64, used: TimeDelta, full: TimeDelta) -> i64 {
+    pro_rata_in_steps(amount, used, full, 1)
+}
+
+/// [`pro_rata`] rounded half up to a multiple of `step` minor units (1:
+/// the minor unit itself): what a provider that takes a currency only in
+/// steps of `step` can charge (`provider::amount_step`, docs/adr/0086).
+/// A `step` below 1 is 1.
+pub fn pro_rata_in_steps(amount: i64, used: TimeDelta, full: TimeDelta, step: i64) -> i64 {
     let full = i128::from(full.num_milliseconds());
     if full <= 0 {
         return amount;
     }
     let used = i128::from(used.num_milliseconds()).clamp(0, full);
-    let amount = i128::from(amount);
-    let rounded = (2 * amount * used + full) / (2 * full);
+    let (amount, step) = (i128::from(amount), i128::from(step.max(1)));
+    let rounded = (2 * amount * used + full * step) / (2 * full * step) * step;
     i64::try_from(rounded).unwrap_or(i64::MAX)
 }
 

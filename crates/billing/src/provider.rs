@@ -151,6 +151,21 @@ pub fn provider_amount(amount: i64, currency: &str) -> i64 {
     }
 }
 
+/// The steps, in ISO 4217 minor units, that the provider charges `currency`
+/// in: 10 for the three-decimal currencies, 1 for every other. Stripe takes
+/// three-decimal amounts (KWD, BHD, JOD, OMR, TND) only with a last digit of
+/// 0 and asks integrations to round to the nearest ten
+/// (<https://docs.stripe.com/currencies>, "Three-decimal currencies"), so an
+/// invoice in one is made in such steps: a pro rata amount rounded half up to
+/// them, a plan's price refused by the API unless it is one (docs/adr/0086).
+pub fn amount_step(currency: &str) -> i64 {
+    if crate::money::exponent(currency) == 3 {
+        10
+    } else {
+        1
+    }
+}
+
 /// What is charged: an invoice's amount to its customer's saved card, under
 /// the attempt's key.
 #[derive(Debug, Clone, PartialEq, Eq)]

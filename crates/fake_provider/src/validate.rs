@@ -114,6 +114,9 @@ pub(super) fn validate(
     Ok(params)
 }
 
+/// The three-decimal currencies Stripe takes, lower case as sent.
+const THREE_DECIMAL: [&str; 5] = ["bhd", "jod", "kwd", "omr", "tnd"];
+
 /// `amount` (all digits) within `currency`'s minimum (when enforced, else 1)
 /// and [`MAX_AMOUNT`]: Stripe's `amount_too_small` / `amount_too_large`.
 pub(super) fn check_amount(
@@ -135,6 +138,16 @@ pub(super) fn check_amount(
             format!(
                 "Invalid amount: {a}. Currency ISK has become effectively zero-decimal and \
                  charged amounts must be evenly divisible by 100."
+            ),
+        )),
+        // Three-decimal currencies only with a last digit of 0
+        // (https://docs.stripe.com/currencies, "Three-decimal currencies").
+        Ok(a) if THREE_DECIMAL.contains(&currency) && a % 10 != 0 => Err(refuse(
+            "parameter_invalid_integer",
+            "amount",
+            format!(
+                "Invalid amount: {a}. Amounts in {currency} must be rounded to the nearest ten \
+                 (the last digit must be 0)."
             ),
         )),
         Ok(a) if a < minimum => Err(refuse(

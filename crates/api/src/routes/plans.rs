@@ -56,7 +56,9 @@ impl Interval {
 pub struct NewPlan {
     #[schema(min_length = 1, max_length = 200)]
     pub name: String,
-    /// Integer minor units of `currency` (cents for EUR, yen for JPY), above 0.
+    /// Integer minor units of `currency` (cents for EUR, yen for JPY), above 0;
+    /// in a three-decimal currency (KWD, BHD, JOD, OMR, TND) a multiple of 10,
+    /// as the provider charges them.
     #[schema(minimum = 1)]
     pub amount: i64,
     /// ISO 4217, upper case (`EUR`).
@@ -139,6 +141,17 @@ pub async fn create(
         return Err(ApiError::param(
             "currency",
             "currency is an ISO 4217 code in upper case, e.g. EUR",
+        ));
+    }
+    let step = billing::provider::amount_step(&p.currency);
+    if p.amount % step != 0 {
+        return Err(ApiError::param(
+            "amount",
+            format!(
+                "an amount in {} is charged in steps of {step} minor units (the provider takes \
+                 three-decimal currencies with a last digit of 0): make it end in 0",
+                p.currency
+            ),
         ));
     }
     let count = p.interval_count.unwrap_or(1);

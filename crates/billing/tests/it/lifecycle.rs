@@ -347,6 +347,47 @@ async fn a_plan_change_invoices_the_used_part_pro_rata() {
     assert_eq!(err.code(), "subscription_not_found");
 }
 
+/// A three-decimal currency is charged only in tens of its minor unit
+/// (https://docs.stripe.com/currencies, "Three-decimal currencies"): a plan
+/// change's pro rata invoice in KWD is made in tens, rounded half up, and the
+/// provider, which refuses any other last digit, charges it once
+/// (docs/adr/0086). Mutation `three_decimal_step` (`amount_step` answering 1)
+/// invoices 1003 or 1037 fils, which the provider refuses; seen failing.
+#[tokio::test]
+async fn a_three_decimal_pro_rata_invoice_is_made_in_tens_and_charged() {
+    let t = TestDb::new().await;
+    let p = fake_provider::FakeProvider::start().await.unwrap();
+    let basic = plan(&t.db, "tenant_a", "month", 1, 3110).await;
+    let pro = plan(&t.db, "tenant_a", "year", 1, 50_000).await;
+    sqlx::query("UPDATE plans SET currency = 'KWD'")
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    let start = (Utc::now() - TimeDelta::days(10)).trunc_subsecs(0);
+    let month = billing::period::Interval {
+        unit: billing::period::Unit::Month,
+        count: 1,
+    };
+    let end = billing::period::end_after(start, month, start).unwrap();
+    let sub = crate::subscription(&t.db, "tenant_a", basic, start, start, end).await;
+    let (b, _) = biller(
+        &t.db,
+        crate::charging(&p, std::time::Duration::from_secs(5)),
+    );
+    let change = b.plan_change("tenant_a", sub, pro).await.unwrap();
+    let want = billing::period::pro_rata_in_steps(3110, change.at - start, end - start, 10);
+    assert_eq!((change.amount(), want % 10), (want, 0));
+    b.apply_plan_change(&change).await.unwrap();
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.charges.paid, 1, "{report:?}");
+    let sent: Vec<(String, u64)> = p
+        .intents()
+        .iter()
+        .map(|i| (i.currency.clone(), i.amount))
+        .collect();
+    assert_eq!(sent, [("kwd".to_owned(), u64::try_from(want).unwrap())]);
+}
+
 /// A cancel now of a trial still running invoices nothing; of a trial that
 /// ended before the tick activated it, the trial is activated first (as the
 /// tick would, with `subscription.trial_ended`) and the paid time since its

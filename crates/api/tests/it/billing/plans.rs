@@ -55,6 +55,18 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
                 "parameter_out_of_range",
                 "amount",
             ),
+            // A three-decimal currency is charged in tens of its minor unit
+            // (docs/adr/0086): 1.235 KWD cannot be charged.
+            (
+                p.clone(),
+                path.clone(),
+                Some(
+                    json!({"name": "Pro", "amount": 1235, "currency": "KWD", "interval": "month"}),
+                ),
+                400,
+                "parameter_invalid",
+                "amount",
+            ),
             // Past bigint: refused by the body's type, never a 500.
             (
                 p.clone(),
