@@ -229,8 +229,8 @@ pub const LIST_DUE: &str = concat!(
                      WHERE l.provider_status IN ('unknown', 'processing', 'needs_review')) \
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
-                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN r.owed_notice_attempt = r.attempt_count THEN 'decline_unannounced' \
+                 WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
                  WHEN EXISTS ( \
                    SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \

@@ -355,7 +355,7 @@ pub(crate) async fn decline(
 ) -> Result<bool, Error> {
     let update = sql(
         "UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
-                             updated_at = now() \
+                             owed_notice_attempt = NULL, updated_at = now() \
                       WHERE id = $1 AND status = 'active' AND attempt_count = $2 \
                         AND next_attempt_at = $5",
     )
@@ -388,7 +388,8 @@ pub(crate) async fn exhaust(
 ) -> Result<bool, Error> {
     let update = sql(
         "UPDATE dunning_runs SET status = 'exhausted', ended_at = now(), \
-                             next_attempt_at = now(), last_decline_code = $3, updated_at = now() \
+                             next_attempt_at = now(), last_decline_code = $3, \
+                             owed_notice_attempt = NULL, updated_at = now() \
                       WHERE id = $1 AND status = 'active' AND attempt_count = $2",
     )
     .bind(run.id)

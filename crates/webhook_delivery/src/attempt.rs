@@ -402,7 +402,7 @@ async fn wait_turn(shared: &Shared, d: &Claimed, start_by: &StartBy) -> Waited {
             // A turn ready at once is taken even past the deadline (the
             // timeout polls it first): a task scheduled late must not start
             // a request that could outlast its claim (docs/adr/0084).
-            Ok(Ok(_)) if std::time::Instant::now() >= start_by.deadline => Waited::OutOfTime,
+            Ok(Ok(_)) if tokio::time::Instant::now() >= deadline => Waited::OutOfTime,
             Ok(Ok(turn)) => Waited::Turn(turn),
             Ok(Err(Stalled(quiet))) => Waited::Stalled(quiet),
             Err(_) => Waited::OutOfTime,

@@ -20,6 +20,8 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
@@ -131,7 +133,7 @@ pub(crate) async fn attempt_batch(
         // Nothing claimed, attempts carried: collect those that are done
         // and go back to claiming (after BUSY_POLL, or a wake-up).
         let running = std::mem::take(carried);
-        let carry = Carry::at(tokio::time::Instant::now());
+        let carry = Carry::new(tokio::time::Instant::now(), None);
         collect(shared, running, carried, Some(carry), None, panics, report).await;
         return;
     }
@@ -155,7 +157,7 @@ pub(crate) async fn attempt_batch(
             .collect();
         report.held += outcomes::hold(shared, &held).await;
     }
-    let carry = Carry::at(tokio::time::Instant::now() + carry_after);
+    let carry = Carry::new(tokio::time::Instant::now() + carry_after, wake.cloned());
     // Each endpoint's URL and secrets, prepared once for this batch.
     let mut targets: HashMap<i64, Arc<Prepared>> = HashMap::new();
     let running: Running = claimed
@@ -179,18 +181,10 @@ pub(crate) async fn attempt_batch(
                     .clone()
             });
             let shared = Arc::clone(shared);
-            let (moved, wake) = (carry.moved.clone(), wake.cloned());
+            let (moved, wake) = (Arc::clone(&carry.moved), wake.cloned());
             spawn_guarded(key, step, async move {
                 let done = attempt::attempt(&shared, d, target, &start_by).await;
-                // A carried attempt's result is written only by the driver's
-                // next batch: wake it, so that a listening role does not
-                // wait out its interval while the claim lease runs and then
-                // claim the delivery again (docs/adr/0084).
-                if moved.is_cancelled()
-                    && let Some(wake) = wake
-                {
-                    wake.poke();
-                }
+                moved.finished(wake.as_ref());
                 done
             })
         })
@@ -214,18 +208,62 @@ pub(crate) struct Carry {
     at: tokio::time::Instant,
     /// Fired at that instant: attempts still waiting for a turn are held.
     busy: CancellationToken,
-    /// Fired when the attempts are moved to `carried`: each pokes the
-    /// role's wake as it finishes.
-    moved: CancellationToken,
+    /// Shared with the batch's attempt tasks: whether they were carried.
+    moved: Arc<Moved>,
+    /// The role's wake, poked for a carried attempt that has finished.
+    wake: Option<Wake>,
 }
 
 impl Carry {
-    pub(crate) fn at(at: tokio::time::Instant) -> Carry {
+    pub(crate) fn new(at: tokio::time::Instant, wake: Option<Wake>) -> Carry {
         Carry {
             at,
             busy: CancellationToken::new(),
-            moved: CancellationToken::new(),
+            moved: Arc::default(),
+            wake,
         }
+    }
+
+    /// The batch's attempts still running are moved to `carried`, `taken`
+    /// of them having been collected: poke the wake if one has finished
+    /// uncollected, as each still running will when it finishes.
+    fn moved(&self, taken: usize) {
+        if self.moved.carry(taken)
+            && let Some(wake) = &self.wake
+        {
+            wake.poke();
+        }
+    }
+}
+
+/// A carried attempt's result is written only by the driver's next batch,
+/// so the role's wake is poked for it: a listening role then does not wait
+/// out its interval while the claim lease runs and claim the delivery again
+/// (docs/adr/0084). Either the attempt sees that it was carried or the
+/// driver sees that it had finished (both sides `SeqCst`), so no carried
+/// result is left without a poke.
+#[derive(Debug, Default)]
+pub(crate) struct Moved {
+    carried: AtomicBool,
+    finished: AtomicUsize,
+}
+
+impl Moved {
+    /// In an attempt's task, once it has its result.
+    fn finished(&self, wake: Option<&Wake>) {
+        self.finished.fetch_add(1, SeqCst);
+        if self.carried.load(SeqCst)
+            && let Some(wake) = wake
+        {
+            wake.poke();
+        }
+    }
+
+    /// In the driver, as the attempts are carried: whether more finished
+    /// than the `taken` it collected.
+    fn carry(&self, taken: usize) -> bool {
+        self.carried.store(true, SeqCst);
+        self.finished.load(SeqCst) > taken
     }
 }
 
@@ -264,8 +302,9 @@ pub(crate) async fn collect(
     let mut writes = FuturesUnordered::new();
     // Hold groups written by tasks of their own, like outcome groups.
     let mut held = FuturesUnordered::new();
-    // The last time an attempt of `running` finished.
+    // The last time an attempt of `running` finished, and how many did.
     let mut progress = tokio::time::Instant::now();
+    let mut taken = 0;
     loop {
         let lingered = buffer
             .flush_at
@@ -301,17 +340,19 @@ pub(crate) async fn collect(
             biased;
             Some((key, result)) = running.next(), if !running.is_empty() => {
                 progress = tokio::time::Instant::now();
+                taken += 1;
                 finished(shared, key, result, &mut buffer, &mut holds, panics, report);
                 if pipeline.is_some_and(|left| running.len() <= left)
-                    && let Some(Carry { at, busy, moved }) = carry.take()
+                    && let Some(c) = carry.take()
                 {
+                    let (at, busy) = (c.at, c.busy.clone());
                     // What still waits for a turn at the batch's carry
                     // instant is held then, as if it had not been carried.
                     tokio::spawn(async move {
                         tokio::time::sleep_until(at).await;
                         busy.cancel();
                     });
-                    moved.cancel();
+                    c.moved(taken);
                     carried.extend(std::mem::take(&mut running));
                 }
             }
@@ -340,11 +381,11 @@ pub(crate) async fn collect(
             }
             () = sleep_until_some(flush_at) => {}
             () = sleep_until_some(carry_at) => {
-                if let Some(Carry { at, busy, moved }) = carry.take() {
-                    if tokio::time::Instant::now() >= at {
-                        busy.cancel();
+                if let Some(c) = carry.take() {
+                    if tokio::time::Instant::now() >= c.at {
+                        c.busy.cancel();
                     }
-                    moved.cancel();
+                    c.moved(taken);
                     carried.extend(std::mem::take(&mut running));
                 }
             }

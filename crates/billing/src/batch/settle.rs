@@ -90,14 +90,18 @@ pub const SETTLE: &str = "WITH u AS ( \
 /// after the reconciler took the invoice over and sent the key, must not mark
 /// that attempt never sent (docs/adr/0083). The lock waits out a takeover in
 /// flight and re-reads its holder; a claim that meets it skips the invoice.
-/// Expiry alone is not checked: a lapsed claim nobody took still writes.
+/// Expiry alone is not checked: a lapsed claim nobody took still writes, and
+/// so does one the stale-hold sweep gave back (no holder) while no look has
+/// been made at the attempt since (`last_checked_at`, stamped after every
+/// look): left stamped, a never-sent attempt would skip auto-charge's rule.
 pub const SETTLE_OPEN: &str = "WITH u AS ( \
        SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::float8[], $5::bool[], \
                             $7::bigint[], $8::text[]) \
               AS u(id, why, intent, delay, unsent, invoice_id, claimed_by) \
      ), held AS ( \
-       SELECT u.* FROM u JOIN invoices i ON i.id = u.invoice_id \
-       WHERE i.auto_charge_claimed_by = u.claimed_by \
+       SELECT u.*, i.auto_charge_claimed_by IS NULL AS freed \
+       FROM u JOIN invoices i ON i.id = u.invoice_id \
+       WHERE i.auto_charge_claimed_by = u.claimed_by OR i.auto_charge_claimed_by IS NULL \
        FOR SHARE OF i \
      ) \
      UPDATE payment_attempts a SET last_error = h.why, \
@@ -107,7 +111,7 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
                 least($6 * power(2, least(a.lookups, 12)), 3600))), \
             first_sent_at = CASE WHEN h.unsent THEN NULL ELSE a.first_sent_at END \
      FROM held h \
-     WHERE a.id = h.id \
+     WHERE a.id = h.id AND (NOT h.freed OR a.last_checked_at IS NULL) \
        AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
      RETURNING a.id";
 
@@ -116,7 +120,8 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
 /// was written: [`Settled::Lost`] when its claim no longer held the invoice or
 /// its attempt was already settled (nothing written for it); an answer that
 /// leaves the attempt open (unknown, later, key refused, not sent) is
-/// `Written` (its reason noted). A batch that cannot be written whole is
+/// `Written` (its reason noted), or `Lost` if another claim has the invoice
+/// ([`SETTLE_OPEN`]). A batch that cannot be written whole is
 /// settled again one row at a time, so an `Err` is that row's own.
 pub(crate) async fn settle_all(
     db: &Db,

@@ -208,21 +208,29 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     );
 }
 
-/// Two retries started and then given up before their calls (the tick was
+/// Four retries started and then given up before their calls (the tick was
 /// cancelled): each is settled not sent, its send stamp taken back and its
-/// claim given back. But the first one's invoice was taken over meanwhile
-/// (its lease ran out and the reconciler claimed it, and may have sent the
-/// key): the settle writes nothing on that attempt, so it stays stamped sent
-/// and under the resend window, and its claim stays the reconciler's
-/// (docs/adr/0083). The second, still held by its claim, is settled as before.
+/// claim given back, unless another claim has had the attempt since
+/// (docs/adr/0083):
+/// 0. its invoice was taken over (its lease ran out and the reconciler
+///    claimed it, and may have sent the key): nothing written, the attempt
+///    stays stamped sent and under the resend window, the claim the
+///    reconciler's;
+/// 1. still held by its claim: settled not sent;
+/// 2. given back by the stale-hold sweep, never looked at since: settled not
+///    sent (left stamped, it would skip auto-charge's rule);
+/// 3. given back after a reconciler's look (`last_checked_at`): nothing
+///    written.
 ///
-/// Mutation check: `settle_open_claim` (the holder's predicate dropped from
-/// `SETTLE_OPEN`) takes back the first attempt's stamp; seen failing.
+/// Mutation checks: `settle_open_claim` (the holder's predicate dropped from
+/// `SETTLE_OPEN`) takes back the first attempt's stamp, and
+/// `settle_open_freed_look` (a freed claim's look not checked) the fourth's;
+/// seen failing.
 #[tokio::test]
 async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let inv = open_invoices(&t.db, 2).await;
+    let inv = open_invoices(&t.db, 4).await;
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let wanted: Vec<RetryRequest> = inv
         .iter()
@@ -245,6 +253,19 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
     )
     .await
     .unwrap();
+    t.db.execute(
+        sql("UPDATE invoices SET auto_charge_claimed_by = NULL, \
+                    auto_charge_claimed_until = NULL WHERE id = ANY($1)")
+        .bind(vec![inv[2].0, inv[3].0]),
+    )
+    .await
+    .unwrap();
+    t.db.execute(
+        sql("UPDATE payment_attempts SET last_checked_at = now() WHERE invoice_id = $1")
+            .bind(inv[3].0),
+    )
+    .await
+    .unwrap();
     let far = Instant::now() + Duration::from_secs(600);
     let done = b
         .finish_retries(
@@ -255,7 +276,7 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
             |s| format!("test {}", s.claim.invoice_id),
         )
         .await;
-    assert_eq!(done.len(), 2);
+    assert_eq!(done.len(), 4);
     assert_eq!(p.total_charges(), 0, "nothing was sent");
     let row = |id: i64| {
         let db = t.db.clone();
@@ -286,5 +307,15 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
         row(inv[1].0).await,
         (false, 1, String::new()),
         "the attempt still held is settled not sent and its claim given back"
+    );
+    assert_eq!(
+        row(inv[2].0).await,
+        (false, 1, String::new()),
+        "a claim the sweep gave back, never looked at since, is settled not sent"
+    );
+    assert_eq!(
+        row(inv[3].0).await,
+        (true, 0, String::new()),
+        "an attempt looked at since its claim was given back is left as the look left it"
     );
 }
