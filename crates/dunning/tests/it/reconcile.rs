@@ -192,6 +192,43 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     );
 }
 
+/// A retry answered `processing` whose next retry is days away waits a hold
+/// (600 s), not until that retry: its decline is announced within a hold of
+/// the reconciler's (docs/adr/0085). Mutation `owed_notice_hold` (the wait
+/// back to the planned retry) waits two days; seen failing.
+#[tokio::test]
+async fn a_processing_retry_is_looked_at_again_after_a_hold() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Processing);
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE dunning_policies SET retry_offsets_secs = '{86400, 172800}'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let (d, _) = dunner_with(&t.db, billing(&p, Duration::from_millis(300)), config());
+    assert_eq!(tick(&t.db, &d).await.enrolled, 1);
+    // Retry 1 due now; retry 2 two days away.
+    sqlx::query("UPDATE dunning_runs SET first_declined_at = now(), next_attempt_at = now()")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    let (waits, marked): (f64, Option<i32>) = sqlx::query_as(
+        "SELECT extract(epoch FROM next_attempt_at - now())::float8, owed_notice_attempt \
+         FROM dunning_runs WHERE invoice_id = $1",
+    )
+    .bind(a.invoice)
+    .fetch_one(&mut su)
+    .await
+    .unwrap();
+    assert!((500.0..=700.0).contains(&waits), "waits {waits} s");
+    assert_eq!(marked, Some(1));
+}
+
 /// An attempt whose answer could not be read goes to an operator, who finds
 /// nothing charged at the provider and settles it as not charged
 /// (`billing_settle_attempt`, migration 0019: "the invoice is chargeable
