@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use billing::{BillingConfig, Retried, RetryRequest};
+use billing::{BillingConfig, Retried, RetryRequest, StartedRetry};
 use db::{Db, Row, sql};
 use fake_provider::{Behaviour, FakeProvider};
 use testbed::TestDb;
@@ -28,6 +28,22 @@ async fn status_of(db: &Db, table: &'static str, invoice: i64) -> String {
         _ => "SELECT provider_status FROM payment_attempts WHERE invoice_id = $1",
     };
     db.fetch_one(sql(q).bind(invoice)).await.unwrap().get(0)
+}
+
+/// Retries of `inv` started in one committed transaction, each claimed by
+/// `test:{id}`.
+async fn start_retries(db: &Db, b: &billing::Biller, inv: &[(i64, String)]) -> Vec<StartedRetry> {
+    let wanted: Vec<RetryRequest> = inv
+        .iter()
+        .map(|(id, _)| RetryRequest {
+            invoice_id: *id,
+            claimed_by: format!("test:{id}"),
+        })
+        .collect();
+    let mut tx = db.begin().await.unwrap();
+    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
+    tx.commit().await.unwrap();
+    started.into_iter().map(|s| s.unwrap()).collect()
 }
 
 /// Three invoices charged in one batch of one tick: one paid, one declined,
@@ -146,17 +162,7 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     let inv = open_invoices(&t.db, 3).await;
     p.set_behaviour(&inv[1].1, Behaviour::Decline("insufficient_funds".into()));
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
-    let wanted: Vec<RetryRequest> = inv
-        .iter()
-        .map(|(id, _)| RetryRequest {
-            invoice_id: *id,
-            claimed_by: format!("test:{id}"),
-        })
-        .collect();
-    let mut tx = t.db.begin().await.unwrap();
-    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
-    tx.commit().await.unwrap();
-    let started: Vec<_> = started.into_iter().map(|s| s.unwrap()).collect();
+    let started = start_retries(&t.db, &b, &inv).await;
     assert_eq!(started.len(), 3);
     t.db.execute(
         sql(
@@ -232,17 +238,7 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
     let p = FakeProvider::start().await.unwrap();
     let inv = open_invoices(&t.db, 4).await;
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
-    let wanted: Vec<RetryRequest> = inv
-        .iter()
-        .map(|(id, _)| RetryRequest {
-            invoice_id: *id,
-            claimed_by: format!("test:{id}"),
-        })
-        .collect();
-    let mut tx = t.db.begin().await.unwrap();
-    let started = b.start_retries_in(&mut tx, &wanted).await.unwrap();
-    tx.commit().await.unwrap();
-    let started: Vec<_> = started.into_iter().map(|s| s.unwrap()).collect();
+    let started = start_retries(&t.db, &b, &inv).await;
     t.db.execute(
         sql(
             "UPDATE invoices SET auto_charge_claimed_by = 'reconciler:9:1:1', \

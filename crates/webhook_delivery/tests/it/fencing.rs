@@ -12,6 +12,25 @@ use crate::{
 };
 use testbed::receiver::{Receiver, Reply};
 
+/// The one due delivery claimed, then made due and claimed again: the first
+/// claim superseded by the second.
+async fn claimed_twice(
+    t: &TestDb,
+    w: &webhook_delivery::Worker,
+) -> (webhook_delivery::Claimed, webhook_delivery::Claimed) {
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let first = w.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            make_due(t).await;
+            let second = w.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
+            (first, second)
+        },
+    )
+    .await
+}
+
 /// A leader replaced by a takeover claims nothing with its old token, while
 /// the new leader's claim in the same moment takes the due deliveries.
 ///
@@ -64,18 +83,7 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
     events(&t.db, "tenant_a", 1).await;
     let (w, metrics) = worker(&t.db, config());
 
-    let (wr, tr) = (&w, &t);
-    let (first, second) = as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            let first = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
-            make_due(tr).await;
-            let second = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
-            (first, second)
-        },
-    )
-    .await;
+    let (first, second) = claimed_twice(&t, &w).await;
     assert_eq!(
         (first.id(), first.attempt(), second.attempt()),
         (second.id(), 1, 2)
@@ -115,18 +123,7 @@ async fn an_unsent_claim_superseded_before_its_hand_back_is_stale() {
     endpoint(&t, "tenant_a", &rx.url()).await;
     events(&t.db, "tenant_a", 1).await;
     let (w, metrics) = worker(&t.db, config());
-    let (wr, tr) = (&w, &t);
-    let (first, second) = as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            let first = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
-            make_due(tr).await;
-            let second = wr.claim_due(&tick.fence, 10).await.unwrap().pop().unwrap();
-            (first, second)
-        },
-    )
-    .await;
+    let (first, second) = claimed_twice(&t, &w).await;
     // Past the first claim's start deadline (claimed_at + claim_margin).
     tokio::time::sleep(config().claim_margin + Duration::from_millis(200)).await;
     assert_eq!(w.deliver(first).await, Outcome::Stale);
