@@ -4,6 +4,7 @@
 //! that it was seen failing under (`scripts/mutation-check`).
 
 mod batch;
+mod cancel;
 mod charges;
 mod drain;
 mod guards;

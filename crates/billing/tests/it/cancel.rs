@@ -1,0 +1,149 @@
+//! Cancelling a subscription: now (the used part invoiced, the periods it is
+//! behind closed first) or at its period's end (docs/adr/0025, 0077).
+
+use billing::CancelAt;
+use chrono::{TimeDelta, Utc};
+use db::{Db, Row, sql};
+use sqlx::Executor;
+use testbed::TestDb;
+
+use crate::invoicing::{event_types, invoice_rows};
+use crate::{biller, config, due_monthly, plan, subscription, tick};
+
+/// A subscription of `tenant` to a ten-day plan of 1000 whose first period
+/// began `days_ago` days ago.
+async fn ten_day_subscription(db: &Db, tenant: &str, days_ago: i64) -> i64 {
+    let p = plan(db, tenant, "day", 10, 1000).await;
+    let start = Utc::now() - TimeDelta::days(days_ago);
+    subscription(db, tenant, p, start, start, start + TimeDelta::days(10)).await
+}
+
+async fn subscription_status(db: &Db, sub: i64) -> String {
+    db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A cancel now of a subscription whose period ended before the tick closed
+/// it (billing down, or behind): the ended periods are invoiced in full, as
+/// the tick would, and the period holding now pro rata, in one
+/// compare-and-set (docs/adr/0077). Before, the cancel truncated at the old
+/// period's end: that period was invoiced, and the time used since it ended
+/// never was.
+/// Mutation: `cancel_not_behind` (the chain skipped: the old clamp) invoices
+/// one period only; seen failing here.
+#[tokio::test]
+async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_the_used_part() {
+    let t = TestDb::new().await;
+    // Two ten-day periods ended, not closed; half of the third used.
+    let sub = ten_day_subscription(&t.db, "tenant_a", 25).await;
+    let (b, _) = biller(&t.db, config());
+    let c = b
+        .cancel_subscription("tenant_a", sub, CancelAt::Now)
+        .await
+        .unwrap();
+    let rows = t
+        .db
+        .fetch_all(
+            sql("SELECT amount, reason, id FROM invoices WHERE subscription_id = $1 ORDER BY period_start")
+                .bind(sub),
+        )
+        .await
+        .unwrap();
+    let invoices: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(invoices.len(), 3, "{invoices:?}");
+    assert_eq!(invoices[0], (1000, "period".to_owned()));
+    assert_eq!(invoices[1], (1000, "period".to_owned()));
+    assert_eq!(invoices[2].1, "cancel");
+    assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
+    assert_eq!(c.invoice_id, Some(rows[2].get::<i64, _>(2)));
+    assert_eq!(subscription_status(&t.db, sub).await, "canceled");
+    // Announced once, by the chain's last closing; each invoice finalized.
+    assert_eq!(
+        event_types(&t.db).await,
+        [
+            "invoice.finalized",
+            "invoice.finalized",
+            "invoice.finalized",
+            "subscription.canceled"
+        ]
+    );
+    // Nothing left for the tick.
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+}
+
+#[tokio::test]
+async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
+    let t = TestDb::new().await;
+    // Half of a ten-day period used.
+    let sub = ten_day_subscription(&t.db, "tenant_a", 5).await;
+    let (b, _) = biller(&t.db, config());
+    let c = b
+        .cancel_subscription("tenant_a", sub, CancelAt::Now)
+        .await
+        .unwrap();
+    let r =
+        t.db.fetch_one(
+            sql("SELECT amount, reason FROM invoices WHERE id = $1").bind(c.invoice_id.unwrap()),
+        )
+        .await
+        .unwrap();
+    let (amount, reason): (i64, String) = (r.get(0), r.get(1));
+    assert!((499..=501).contains(&amount), "{amount}");
+    assert_eq!(reason, "cancel");
+    assert_eq!(subscription_status(&t.db, sub).await, "canceled");
+    assert_eq!(
+        event_types(&t.db).await,
+        vec!["invoice.finalized", "subscription.canceled"]
+    );
+    // Canceled is canceled: a second cancel finds no active subscription.
+    let again = b.cancel_subscription("tenant_a", sub, CancelAt::Now).await;
+    assert_eq!(again.unwrap_err().code(), "subscription_not_found");
+    // A tenant that does not invoice cancels.
+    t.superuser()
+        .await
+        .execute(
+            "INSERT INTO tenant_settings (tenant_id, invoice_on_cancel) VALUES ('tenant_b', false)",
+        )
+        .await
+        .unwrap();
+    let sub = ten_day_subscription(&t.db, "tenant_b", 5).await;
+    let c = b
+        .cancel_subscription("tenant_b", sub, CancelAt::Now)
+        .await
+        .unwrap();
+    assert_eq!(c.invoice_id, None);
+}
+
+#[tokio::test]
+async fn a_cancel_at_period_end_bills_the_last_full_period_then_ends() {
+    let t = TestDb::new().await;
+    let sub = due_monthly(&t.db, "tenant_a", 1).await[0];
+    let (b, _) = biller(&t.db, config());
+    b.cancel_subscription("tenant_a", sub, CancelAt::PeriodEnd)
+        .await
+        .unwrap();
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 1);
+    assert_eq!(invoice_rows(&t.db).await[0].1, 1200);
+    let r =
+        t.db.fetch_one(
+            sql("SELECT status, next_billing_at IS NULL AS ended FROM subscriptions WHERE id = $1")
+                .bind(sub),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.get::<String, _>(0), r.get::<bool, _>(1)),
+        ("canceled".into(), true)
+    );
+    assert_eq!(
+        event_types(&t.db).await,
+        vec![
+            "subscription.updated",
+            "invoice.finalized",
+            "subscription.canceled"
+        ]
+    );
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+}
