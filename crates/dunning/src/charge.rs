@@ -19,7 +19,6 @@ use tracing::{debug, warn};
 use crate::Error;
 use crate::ctx::Ctx;
 use crate::final_action;
-use crate::notices::{sender, warning};
 use crate::outcomes::{self, Decline, Waiting, stopped};
 use crate::policy::AfterDecline;
 use crate::run::{Outcome, Retry, Run};
@@ -218,7 +217,6 @@ pub(crate) async fn charge_runs(
     // Per declined run, under the guard: the transition it takes (from the
     // plan made before the charge) and its warning; a panic here rewinds
     // that run with the others.
-    let from = &c.email_from;
     let mut declines: Vec<Decline<'_>> = Vec::new();
     for (run, code) in declined {
         let attempt = run.attempt_count + 1;
@@ -227,27 +225,11 @@ pub(crate) async fn charge_runs(
         let prepared = scheduler::catch(step, async {
             let plan =
                 plan.unwrap_or_else(|| run.policy.after_decline(run.first_declined_at, attempt));
-            match plan {
-                AfterDecline::Next { at } => {
-                    let email = run
-                        .policy
-                        .warns_after(attempt)
-                        .then(|| warning(run, sender(run, from), &code, at));
-                    (Some(at), email)
-                }
-                AfterDecline::Exhausted => (None, None),
-            }
+            Decline::planned(ctx, run, (attempt, held[&run.id]), code, plan)
         })
         .await;
         match prepared {
-            Ok((next, email)) => declines.push(Decline {
-                run,
-                attempt,
-                held: held[&run.id],
-                code,
-                next,
-                email: ctx.sendable(run, email),
-            }),
+            Ok(decline) => declines.push(decline),
             Err(payload) => rewind.push((run, held[&run.id], Some(Err(payload)))),
         }
     }

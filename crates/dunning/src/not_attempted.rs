@@ -18,7 +18,7 @@ use tracing::warn;
 use crate::Error;
 use crate::ctx::Ctx;
 use crate::final_action;
-use crate::notices::{not_attempted, sender, warning};
+use crate::notices::{not_attempted, sender};
 use crate::outcomes::{self, Decline, Waiting, payload};
 use crate::policy::AfterDecline;
 use crate::run::{NotChargeable, Outcome, Retry, Run};
@@ -187,27 +187,17 @@ fn owed_decline<'a>(ctx: &Ctx, run: &'a Run) -> Decline<'a> {
         .owed_code
         .clone()
         .unwrap_or_else(|| "declined".to_owned());
-    let attempt = run.attempt_count;
-    let (next, email) = match run.policy.after_decline(run.first_declined_at, attempt) {
-        AfterDecline::Next { at } => {
-            let at = at.max(Utc::now());
-            let from = sender(run, &ctx.config.email_from);
-            let email = run
-                .policy
-                .warns_after(attempt)
-                .then(|| warning(run, from, &code, at));
-            (Some(at), email)
-        }
-        AfterDecline::Exhausted => (None, None),
+    let plan = match run
+        .policy
+        .after_decline(run.first_declined_at, run.attempt_count)
+    {
+        AfterDecline::Next { at } => AfterDecline::Next {
+            at: at.max(Utc::now()),
+        },
+        AfterDecline::Exhausted => AfterDecline::Exhausted,
     };
-    Decline {
-        run,
-        attempt,
-        held: run.next_attempt_at,
-        code,
-        next,
-        email: ctx.sendable(run, email),
-    }
+    let listed = (run.attempt_count, run.next_attempt_at);
+    Decline::planned(ctx, run, listed, code, plan)
 }
 
 /// A due retry that cannot be charged, as [`not_attempted_in`] counts it.

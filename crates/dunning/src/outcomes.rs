@@ -15,6 +15,9 @@ use chrono::{DateTime, Utc};
 use db::{Db, Row, Tx, sql};
 
 use crate::Error;
+use crate::ctx::Ctx;
+use crate::notices::{sender, warning};
+use crate::policy::AfterDecline;
 use crate::run::{Retry, Run};
 
 /// A compare-and-set of a batch of runs as one statement: the batch `u`
@@ -109,6 +112,36 @@ pub(crate) struct Decline<'a> {
     /// The warning, if the policy sends one (the final notice is the final
     /// action's, sent only if the action changed something).
     pub email: Option<outbox::email::Email>,
+}
+
+impl<'a> Decline<'a> {
+    /// The decline of `run`'s retry `attempt`, to land over `held`: the next
+    /// retry as `plan` says (or exhaustion), and the warning if the policy
+    /// warns after that retry (none when exhausted: the final notice is the
+    /// final action's).
+    pub(crate) fn planned(
+        ctx: &Ctx,
+        run: &'a Run,
+        (attempt, held): (i32, DateTime<Utc>),
+        code: String,
+        plan: AfterDecline,
+    ) -> Decline<'a> {
+        let next = match plan {
+            AfterDecline::Next { at } => Some(at),
+            AfterDecline::Exhausted => None,
+        };
+        let email = next
+            .filter(|_| run.policy.warns_after(attempt))
+            .map(|at| warning(run, sender(run, &ctx.config.email_from), &code, at));
+        Decline {
+            run,
+            attempt,
+            held,
+            code,
+            next,
+            email: ctx.sendable(run, email),
+        }
+    }
 }
 
 /// [`decline`] and [`exhaust`] for a batch, in the caller's transaction: one

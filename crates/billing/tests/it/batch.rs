@@ -46,6 +46,27 @@ async fn start_retries(db: &Db, b: &billing::Biller, inv: &[(i64, String)]) -> V
     started.into_iter().map(|s| s.unwrap()).collect()
 }
 
+/// `started` called (four at a time, no deadline; none if `cancelled`) and
+/// settled.
+async fn finish_retries(
+    b: &billing::Biller,
+    started: Vec<StartedRetry>,
+    cancelled: bool,
+) -> Vec<(
+    StartedRetry,
+    Result<Result<Retried, billing::Error>, scheduler::Payload>,
+)> {
+    let far = Instant::now() + Duration::from_secs(600);
+    b.finish_retries(
+        started,
+        &tokio::sync::Semaphore::new(4),
+        far,
+        move || cancelled,
+        |s| format!("test {}", s.claim.invoice_id),
+    )
+    .await
+}
+
 /// Three invoices charged in one batch of one tick: one paid, one declined,
 /// one answered 503. Each is settled as it would have been alone: the paid
 /// one with `invoice.paid`, `payment.succeeded` and its receipt, the declined
@@ -173,16 +194,7 @@ async fn a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row() {
     )
     .await
     .unwrap();
-    let far = Instant::now() + Duration::from_secs(600);
-    let done = b
-        .finish_retries(
-            started,
-            &tokio::sync::Semaphore::new(4),
-            far,
-            || false,
-            |s| format!("test {}", s.claim.invoice_id),
-        )
-        .await;
+    let done = finish_retries(&b, started, false).await;
     for (s, result) in done {
         let retried = result.expect("no panic").expect("no error");
         if s.claim.invoice_id != inv[2].0 {
@@ -262,16 +274,7 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
     )
     .await
     .unwrap();
-    let far = Instant::now() + Duration::from_secs(600);
-    let done = b
-        .finish_retries(
-            started,
-            &tokio::sync::Semaphore::new(4),
-            far,
-            || true,
-            |s| format!("test {}", s.claim.invoice_id),
-        )
-        .await;
+    let done = finish_retries(&b, started, true).await;
     assert_eq!(done.len(), 4);
     assert_eq!(p.total_charges(), 0, "nothing was sent");
     let row = |id: i64| {
