@@ -18,7 +18,7 @@ host=${HARDCOUNT_TEST_PG%:*}
 port=${HARDCOUNT_TEST_PG#*:}
 q() { psql -X -q -h "$host" -p "$port" -U postgres "$@"; }
 for round in $(seq 1 "${1:-3}"); do
-  for shape in today from-events from-events-lean; do
+  for shape in ${HARDCOUNT_SHAPES:-today from-events from-events-lean preclaimed}; do
     db="shapes_${round}_${shape//-/_}"
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"

@@ -30,6 +30,10 @@
 //! merged worst-first, the first panic raised after the last step; a step's
 //! rows left out for the rest of the tick are a [`LeftOut`].
 //!
+//! A hand-over ([`Relay`], docs/adr/0087): a role may claim rows for another
+//! role of the same process while that one leads here, proving its fence, and
+//! hand them over through that role's [`Wake`].
+//!
 //! Retention ([`Pruning`], [`Prunes`], docs/adr/0040): a role that prunes
 //! holds back a slice of a tick's budget, at most once every [`PRUNE_EVERY`],
 //! and deletes what it finished once old, a fenced batch per statement.
@@ -41,6 +45,7 @@ mod driver;
 mod idle;
 mod in_flight;
 mod panics;
+mod relay;
 mod retention;
 mod role_loop;
 mod source;
@@ -53,6 +58,7 @@ pub use driver::{drive, drive_until};
 pub use in_flight::InFlight;
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
+pub use relay::{Offer, Relay};
 pub use retention::{
     DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Prunes,
     Pruning, Retention, run_prune_statement,

@@ -26,6 +26,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::relay::Relay;
+
 /// The channel a role listens on and its producers notify:
 /// `hardcount_wake_<role>`.
 pub fn wake_channel(role: Role) -> &'static str {
@@ -53,6 +55,8 @@ struct Inner {
     /// `hardcount_wakeups_total{role}`: notifications the listener received
     /// on this role's channel.
     received: Counter,
+    /// Claims another role of this process made for this one (docs/adr/0087).
+    relay: Relay,
 }
 
 impl Wake {
@@ -78,6 +82,7 @@ impl Wake {
                 notify: Notify::new(),
                 listening: AtomicBool::new(false),
                 received,
+                relay: Relay::default(),
             }),
         }
     }
@@ -88,6 +93,12 @@ impl Wake {
 
     pub fn poll(&self) -> Duration {
         self.inner.poll
+    }
+
+    /// The rows another role of this process claimed for this one and hands
+    /// over with its poke (docs/adr/0087).
+    pub fn relay(&self) -> &Relay {
+        &self.inner.relay
     }
 
     /// Whether a session connection currently LISTENs for this role.

@@ -64,7 +64,19 @@ pub(crate) async fn run_tick(
         idle_probe,
         carried: Mutex::new(Running::new()),
         waits: AtomicUsize::new(0),
+        claimed_from_table: Mutex::new(None),
     };
+    // While this tick runs, the fan-out of this process may claim deliveries
+    // for it (docs/adr/0087).
+    let token = tick.fence.token();
+    if let Some(wake) = wake {
+        let config = &shared.config;
+        wake.relay().lead(
+            token,
+            config.claim_lease(),
+            HANDED_BATCHES * config.batch_size,
+        );
+    }
     // A tick that prunes holds back the prune's slice of the budget.
     let plan = shared
         .pruning
@@ -76,6 +88,14 @@ pub(crate) async fn run_tick(
     );
     let driven = scheduler::drive_until(&deliveries, tick, work_until).await;
     let mut t = driven.counts;
+    if let Some(wake) = wake {
+        wake.relay().unlead(token);
+        // A cancelled tick (a shutdown, a lost lease) hands back at once what
+        // the fan-out claimed for it; otherwise the next tick takes it.
+        if tick.cancel.is_cancelled() {
+            hand_back_handed(shared, wake, &mut t).await;
+        }
+    }
     // Collect the attempts carried past their batches; a panic among them
     // is raised after the count, as the driver raises its own.
     let carried = deliveries.take_carried();
@@ -159,6 +179,56 @@ pub(crate) async fn claim_due(
         .collect())
 }
 
+/// How many batches of deliveries the fan-out may claim for this role ahead
+/// of its claims (docs/adr/0087).
+const HANDED_BATCHES: usize = 4;
+
+/// While handed deliveries fill whole batches, the table is still claimed
+/// from at least this often, so retries and held deliveries are not kept
+/// waiting behind a long fan-out (docs/adr/0087).
+const CLAIM_TABLE_EVERY: Duration = Duration::from_secs(1);
+
+/// The deliveries the fan-out of this process claimed for this role
+/// (docs/adr/0087), at most `limit`, each with the instant before the
+/// fan-out's statement as its claim time.
+fn take_handed(wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error> {
+    let Some(wake) = wake else {
+        return Ok(Vec::new());
+    };
+    let mut handed = wake
+        .relay()
+        .take(limit)
+        .into_iter()
+        .map(|(claimed_at, r)| {
+            Ok(Claimed {
+                row: store::ClaimedRow::from_row(&r)?,
+                claimed_at,
+            })
+        })
+        .collect::<Result<Vec<_>, db::Error>>()?;
+    handed.sort_by_key(|c| c.row.id);
+    Ok(handed)
+}
+
+/// Hand back unsent, due at once, every delivery the fan-out claimed for this
+/// role that no tick took. Those that cannot be read or written come due
+/// when their claim leases end.
+async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
+    match take_handed(Some(wake), usize::MAX) {
+        Ok(left) if !left.is_empty() => {
+            let held: Vec<store::HoldRow> = left
+                .iter()
+                .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
+                .collect();
+            t.held += crate::outcomes::hold(shared, &held).await;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            warn!(role = %Role::WebhookDelivery, error = %e, "could not read the deliveries handed over; they come due when their claim leases end")
+        }
+    }
+}
+
 /// At a tick's end: forget the limits nothing holds, set the breaker gauge.
 fn end_of_tick(shared: &Shared) {
     shared.limits.prune();
@@ -204,6 +274,8 @@ struct Deliveries<'a> {
     carried: Mutex<Running>,
     /// Empty claims counted as one item, taken off the tick's report.
     waits: AtomicUsize,
+    /// When this tick last ran its claim statement.
+    claimed_from_table: Mutex<Option<Instant>>,
 }
 
 /// A claim: the deliveries claimed, or none while attempts are carried.
@@ -237,8 +309,25 @@ impl FencedBatches for Deliveries<'_> {
         }
     }
 
+    /// The deliveries the fan-out handed over first, then the claim
+    /// statement for the rest of `limit`. While handed deliveries fill the
+    /// batch, the statement still runs every [`CLAIM_TABLE_EVERY`], for half
+    /// the batch.
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        let claimed = claim_due(self.shared, fence, limit).await?;
+        let table_due = self
+            .claimed_from_table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none_or(|at| at.elapsed() >= CLAIM_TABLE_EVERY);
+        let handed_limit = if table_due { limit.div_ceil(2) } else { limit };
+        let mut claimed = take_handed(self.wake, handed_limit)?;
+        if claimed.len() < limit {
+            *self
+                .claimed_from_table
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+            claimed.extend(claim_due(self.shared, fence, limit - claimed.len()).await?);
+        }
         let waits = claimed.is_empty()
             && !self
                 .carried

@@ -2,11 +2,11 @@
 //! the dispatcher's fenced claim and set-based fan-out, and the retention
 //! prune of dispatched events (docs/adr/0040).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use db::{Db, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
+use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::{Fence, Role};
-use scheduler::wake_channel;
+use scheduler::{Offer, wake_channel};
 
 use crate::Error;
 
@@ -82,24 +82,48 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
-           RETURNING e.id, e.tenant_id, e.event_type), \
+           RETURNING e.id, e.tenant_id, e.event_type, e.message_id, e.payload, e.created_at), \
+         relay AS MATERIALIZED ( \
+           SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          ins AS ( \
-           INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
-           SELECT s.tenant_id, s.id, ep.id \
-           FROM stamped s \
-           JOIN webhook_endpoints ep \
-             ON ep.tenant_id = s.tenant_id \
-            AND ep.enabled \
-            AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
-           ORDER BY s.id, ep.id \
+           INSERT INTO webhook_deliveries \
+               (tenant_id, event_id, endpoint_id, attempts, claimed_until, last_attempt_at) \
+           SELECT f.tenant_id, f.event_id, f.endpoint_id, \
+                  CASE WHEN f.handed THEN 1 ELSE 0 END, \
+                  CASE WHEN f.handed THEN now() + make_interval(secs => $9) END, \
+                  CASE WHEN f.handed THEN now() END \
+           FROM ( \
+             SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
+                    r.leads AND row_number() OVER (ORDER BY s.id, ep.id) <= $10 AS handed \
+             FROM stamped s \
+             JOIN webhook_endpoints ep \
+               ON ep.tenant_id = s.tenant_id \
+              AND ep.enabled \
+              AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
+             CROSS JOIN relay r) f \
+           ORDER BY f.event_id, f.endpoint_id \
            ON CONFLICT (event_id, endpoint_id) DO NOTHING \
-           RETURNING 1), \
+           RETURNING id, tenant_id, event_id, endpoint_id, attempts, resent_at_attempt), \
+         handed AS ( \
+           SELECT i.id, i.tenant_id, i.event_id, i.endpoint_id, i.attempts, i.resent_at_attempt, \
+                  ep.url, ep.secret_ciphertext, ep.secret_key_id, ep.enabled, ep.disabled_reason, \
+                  CASE WHEN ep.previous_secret_expires_at > now() \
+                       THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
+                  CASE WHEN ep.previous_secret_expires_at > now() \
+                       THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
+                  s.event_type, s.message_id, s.payload::text AS payload, \
+                  to_char(s.created_at AT TIME ZONE 'UTC', \
+                          'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time \
+           FROM ins i \
+           JOIN stamped s ON s.id = i.event_id \
+           JOIN webhook_endpoints ep ON ep.id = i.endpoint_id \
+           WHERE i.attempts = 1), \
          wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
                 (SELECT count(*) FROM ins) AS inserted, \
                 (SELECT count(*) FROM wake) AS woken, \
-                share.tenants, share.last_tenant \
-         FROM share"
+                share.tenants, share.last_tenant, handed.* \
+         FROM share LEFT JOIN handed ON true"
 );
 
 /// The fenced funnel: in one transaction and one statement, claim up to
@@ -129,23 +153,36 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// whatever the statistics say (`Db::begin_index_driven`, docs/adr/0023). The claim proves
 /// the fence in its innermost WHERE, so a stale token claims nothing and
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
+///
+/// With an `offer` from the delivery role of this process (docs/adr/0087),
+/// the first `offer.room` deliveries are inserted already claimed for it
+/// (attempt 1, its claim lease, as its own claim would write them) when the
+/// statement also proves that role's token (`leader_fence('webhook_delivery',
+/// $8)`; a stale one claims none), and are returned with what their attempt
+/// needs, in the columns the delivery role's claim returns.
 pub(crate) async fn claim_and_fan_out(
     db: &Db,
     fence: &Fence,
     cursor: &TenantCursor,
     limit: usize,
     max_deliveries: usize,
+    offer: Option<Offer>,
     statement_timeout: Duration,
-) -> Result<Batch, Error> {
+) -> Result<(Batch, Handed), Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
     let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
     let mut walk = Walk::default();
     let mut batch = Batch::default();
+    let mut handed = Handed {
+        at: Instant::now(),
+        rows: Vec::new(),
+    };
     while let Some(after) = walk.next(cursor) {
+        let at = Instant::now();
         let mut tx = db.begin_index_driven(statement_timeout).await?;
-        let row = tx
-            .fetch_one(
+        let mut rows = tx
+            .fetch_all(
                 sql(CLAIM_AND_FAN_OUT)
                     .bind(fence.role_name())
                     .bind(fence.token())
@@ -153,10 +190,17 @@ pub(crate) async fn claim_and_fan_out(
                     .bind(wake_channel(Role::WebhookDelivery))
                     .bind(max_deliveries)
                     .bind(after)
-                    .bind(bound),
+                    .bind(bound)
+                    .bind(offer.map(|o| o.token))
+                    .bind(offer.map_or(0.0, |o| o.lease.as_secs_f64()))
+                    .bind(offer.map_or(0, |o| i64::try_from(o.room).unwrap_or(i64::MAX))),
             )
             .await?;
         tx.commit().await?;
+        // `share` is one row: the summary, beside each delivery handed.
+        let Some(row) = rows.first() else {
+            break;
+        };
         let count = |column: &str| -> Result<u64, Error> {
             let n: i64 = row.try_get(column).map_err(db::Error::from)?;
             Ok(u64::try_from(n).unwrap_or(0))
@@ -171,10 +215,25 @@ pub(crate) async fn claim_and_fan_out(
             deliveries: count("inserted")?,
         };
         if batch.events > 0 {
+            // The summary row alone when nothing was claimed for the
+            // delivery role (its columns are null).
+            rows.retain(|r| {
+                r.try_get::<Option<i64>, _>("id")
+                    .is_ok_and(|id| id.is_some())
+            });
+            handed = Handed { at, rows };
             break;
         }
     }
-    Ok(batch)
+    Ok((batch, handed))
+}
+
+/// Deliveries a fan-out claimed for the delivery role (docs/adr/0087), and
+/// the instant before its statement was sent (no later than their lease's
+/// start).
+pub(crate) struct Handed {
+    pub at: Instant,
+    pub rows: Vec<PgRow>,
 }
 
 /// The prune statement of [`prune_dispatched`]; `pub` only for the plan test

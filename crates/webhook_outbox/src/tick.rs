@@ -81,6 +81,11 @@ impl Dispatcher {
     /// wake listens: the fan-out's `pg_notify` wakes it then, in any replica.
     /// Harmless when this process does not lead that role: the poke waits for
     /// its next tick, one claim that may find nothing.
+    ///
+    /// While a tick of that role runs here, the fan-out also inserts up to
+    /// its room of deliveries already claimed for it, proving its token, and
+    /// hands their rows over through `delivery`'s [`scheduler::Relay`]: that
+    /// role sends them without a claim statement (docs/adr/0087).
     #[must_use]
     pub fn with_hand_over(mut self, delivery: Wake) -> Dispatcher {
         self.hand_over = Some(delivery);
@@ -163,15 +168,23 @@ impl Dispatcher {
     }
 
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        let batch = store::claim_and_fan_out(
+        let relay = self.hand_over.as_ref().map(Wake::relay);
+        let (batch, handed) = store::claim_and_fan_out(
             &self.db,
             fence,
             &self.cursor,
             limit,
             self.config.max_deliveries_per_statement,
+            relay.and_then(|r| r.offer()),
             self.config.statement_timeout,
         )
         .await?;
+        let claimed_for_delivery = handed.rows.len();
+        if let Some(relay) = relay
+            && claimed_for_delivery > 0
+        {
+            relay.hand(handed.at, handed.rows);
+        }
         // A listening delivery role hears the fan-out's own pg_notify.
         if batch.deliveries > 0
             && let Some(delivery) = self.hand_over.as_ref().filter(|w| !w.is_listening())
@@ -186,6 +199,7 @@ impl Dispatcher {
                 role = %Role::WebhookOutbox,
                 events = batch.events,
                 deliveries = batch.deliveries,
+                claimed_for_delivery,
                 "webhook batch fanned out"
             );
         }

@@ -34,7 +34,10 @@ pub(crate) struct ClaimedRow {
 }
 
 impl ClaimedRow {
-    fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
+    /// One row of [`CLAIM_DUE`], or of the fan-out's deliveries claimed for
+    /// this role (`webhook_outbox`'s `CLAIM_AND_FAN_OUT`, the same columns;
+    /// docs/adr/0087).
+    pub(crate) fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
         Ok(ClaimedRow {
             id: r.try_get("id")?,
             tenant_id: r.try_get("tenant_id")?,

@@ -11,6 +11,7 @@ mod fencing;
 mod outcomes;
 mod plans;
 mod probe;
+mod relay;
 mod retention;
 mod rotation;
 mod sealed;

@@ -40,6 +40,9 @@ async fn the_fan_out_claims_its_events_in_index_order() {
             .bind(10_000_i64)
             .bind("")
             .bind(64_i64)
+            .bind(None::<i64>)
+            .bind(0.0_f64)
+            .bind(0_i64)
     })
     .await;
     assert!(
@@ -124,6 +127,9 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
             .bind(10_000_i64)
             .bind("")
             .bind(64_i64)
+            .bind(None::<i64>)
+            .bind(0.0_f64)
+            .bind(0_i64)
     })
     .await;
     for scan in ["e", "e_1"] {

@@ -1,0 +1,138 @@
+//! Claims made for a role by another role of the same process
+//! (docs/adr/0087): the webhook fan-out writes the deliveries it inserts
+//! already claimed for the delivery role when that role leads here, and
+//! hands their rows over through the delivery role's [`crate::Wake`] instead
+//! of leaving them for a claim statement.
+//!
+//! The receiving role publishes its lead while a tick runs ([`Relay::lead`]):
+//! its fence token, the claim lease and how many rows may wait. The sender
+//! reads it ([`Relay::offer`]) and proves that token in its own statement
+//! (`leader_fence`), so a lead that ended meanwhile claims nothing. The rows
+//! wait here with the instant they were claimed at; the receiver takes them
+//! before it claims ([`Relay::take`]), and a row that waits past its lease is
+//! simply claimed again by whoever leads, as a claim whose worker died is.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use db::PgRow;
+
+/// What the receiving role lets a sender claim for it now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    /// The receiving tick's fence token, to prove in the sender's statement.
+    pub token: i64,
+    /// The claim lease the receiver would set itself.
+    pub lease: Duration,
+    /// How many more rows may wait to be taken.
+    pub room: usize,
+}
+
+/// Rows claimed for a role by another, waiting to be taken. Cheap to share
+/// (the [`crate::Wake`] holds it); every method takes one short lock.
+#[derive(Debug, Default)]
+pub struct Relay {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    lead: Option<Lead>,
+    rows: VecDeque<(Instant, PgRow)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Lead {
+    token: i64,
+    lease: Duration,
+    capacity: usize,
+}
+
+impl Relay {
+    /// The receiving role leads under `token` until [`Relay::unlead`]: a
+    /// sender may claim for it with `lease`, while fewer than `capacity` rows
+    /// wait.
+    pub fn lead(&self, token: i64, lease: Duration, capacity: usize) {
+        self.lock().lead = Some(Lead {
+            token,
+            lease,
+            capacity,
+        });
+    }
+
+    /// The tick that led under `token` ended: no more claims for it. A later
+    /// tick's lead is left as it is.
+    pub fn unlead(&self, token: i64) {
+        let mut s = self.lock();
+        if s.lead.is_some_and(|l| l.token == token) {
+            s.lead = None;
+        }
+    }
+
+    /// What a sender may claim now; `None` while the receiver does not lead
+    /// here or no room is left.
+    pub fn offer(&self) -> Option<Offer> {
+        let s = self.lock();
+        let lead = s.lead?;
+        let room = lead.capacity.saturating_sub(s.rows.len());
+        (room > 0).then_some(Offer {
+            token: lead.token,
+            lease: lead.lease,
+            room,
+        })
+    }
+
+    /// Rows a sender claimed at `at` (an instant taken before its statement
+    /// was sent, so no earlier than the lease's start on the database).
+    pub fn hand(&self, at: Instant, rows: impl IntoIterator<Item = PgRow>) {
+        self.lock().rows.extend(rows.into_iter().map(|r| (at, r)));
+    }
+
+    /// Up to `limit` waiting rows, oldest first, each with the instant it was
+    /// claimed at.
+    pub fn take(&self, limit: usize) -> Vec<(Instant, PgRow)> {
+        let mut s = self.lock();
+        let n = limit.min(s.rows.len());
+        s.rows.drain(..n).collect()
+    }
+
+    /// Rows waiting to be taken.
+    pub fn waiting(&self) -> usize {
+        self.lock().rows.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_offer_needs_a_lead_and_room_and_ends_with_its_own_tick() {
+        let relay = Relay::default();
+        assert_eq!(relay.offer(), None, "no lead");
+        relay.lead(7, Duration::from_secs(30), 2);
+        assert_eq!(
+            relay.offer(),
+            Some(Offer {
+                token: 7,
+                lease: Duration::from_secs(30),
+                room: 2
+            })
+        );
+        relay.lead(8, Duration::from_secs(30), 2);
+        relay.unlead(7);
+        assert_eq!(
+            relay.offer().map(|o| o.token),
+            Some(8),
+            "a later lead stays"
+        );
+        relay.unlead(8);
+        assert_eq!(relay.offer(), None);
+        assert!(relay.take(10).is_empty());
+    }
+}
