@@ -78,6 +78,13 @@
 //!   ends those pauses when poked: the fan-out in the same process hands its
 //!   deliveries over that way (`webhook_outbox::Dispatcher::with_hand_over`,
 //!   docs/adr/0070).
+//! - **Claimed by the fan-out** (docs/adr/0087): while a tick runs, it
+//!   publishes its token on its wake's [`scheduler::Relay`], and the fan-out
+//!   of this process inserts up to four batches of deliveries already claimed
+//!   for it, proving that token, and hands their rows over. The tick takes
+//!   them before it claims (the claim statement still runs for the rest of a
+//!   batch, and at least every second); a cancelled tick hands back those it
+//!   did not take, and any left come due when their lease ends.
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration

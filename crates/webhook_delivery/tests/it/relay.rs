@@ -140,3 +140,40 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
     let d = deliveries(&t.db).await;
     assert!(d[0].delivered && d[0].attempts == 2, "{d:?}");
 }
+
+/// A tick cancelled (a shutdown, a lost lease) with deliveries handed over
+/// and not yet taken hands them back at once, unsent and their attempt not
+/// counted, instead of leaving them to their claim lease.
+///
+/// Mutation check: without the hand-back they stay claimed for their lease
+/// and this test fails (scripts/mutation-check `relay_hand_back`).
+#[tokio::test]
+async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let report = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            relay
+                .relay()
+                .lead(tick.fence.token(), Duration::from_secs(30), 10);
+            events_handed_over(&db, "tenant_a", 2, Some(&relay)).await;
+            assert_eq!(relay.relay().waiting(), 2);
+            tick.cancel.cancel();
+            w.run_tick(&tick).await
+        },
+    )
+    .await;
+    assert_eq!((report.claimed, report.held), (0, 2), "{report:?}");
+    assert_eq!(wake.relay().waiting(), 0);
+    let d = deliveries(&t.db).await;
+    assert!(
+        d.iter().all(|d| d.attempts == 0 && d.due_in <= 0.0),
+        "{d:?}"
+    );
+}
