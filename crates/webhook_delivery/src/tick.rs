@@ -352,7 +352,12 @@ impl FencedBatches for Deliveries<'_> {
         self.idle_probe
     }
 
+    /// Deliveries handed over wait here, claimed, where the table's probe
+    /// does not see them.
     async fn probe(&self) -> Result<bool, Error> {
+        if self.wake.is_some_and(|w| w.relay().waiting() > 0) {
+            return Ok(true);
+        }
         Ok(store::any_due(&self.shared.db).await?)
     }
 

@@ -168,28 +168,27 @@ impl Dispatcher {
     }
 
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        let relay = self.hand_over.as_ref().map(Wake::relay);
         let (batch, handed) = store::claim_and_fan_out(
             &self.db,
             fence,
             &self.cursor,
             limit,
             self.config.max_deliveries_per_statement,
-            relay.and_then(|r| r.offer()),
+            self.hand_over.as_ref().and_then(|w| w.relay().offer()),
             self.config.statement_timeout,
         )
         .await?;
         let claimed_for_delivery = handed.rows.len();
-        if let Some(relay) = relay
-            && claimed_for_delivery > 0
-        {
-            relay.hand(handed.at, handed.rows);
-        }
-        // A listening delivery role hears the fan-out's own pg_notify.
-        if batch.deliveries > 0
-            && let Some(delivery) = self.hand_over.as_ref().filter(|w| !w.is_listening())
-        {
-            delivery.poke();
+        if let Some(delivery) = self.hand_over.as_ref() {
+            if claimed_for_delivery > 0 {
+                delivery.relay().hand(handed.at, handed.rows);
+            }
+            // A listening delivery role hears the fan-out's own pg_notify,
+            // but it may hear it before the rows claimed for it are handed
+            // over here, claim nothing and wait: those are poked for.
+            if claimed_for_delivery > 0 || (batch.deliveries > 0 && !delivery.is_listening()) {
+                delivery.poke();
+            }
         }
         if batch.events > 0 {
             self.telemetry
