@@ -7,6 +7,10 @@
 #                50 events writes each delivery once, delivered, and stamps the events
 #   from-events-lean  from-events without webhook_deliveries_finished (what partitioning by
 #                time would let go)
+#   preclaimed   the fan-out inserts each delivery already claimed (attempt 1, its lease;
+#                docs/adr/0087), a read of them by id with their events and endpoints,
+#                outcomes in groups of 250 as today
+# HARDCOUNT_SHAPES picks shapes (default: all four).
 # Prints, per round and shape: the shape's wall time in ms (one backend, one statement
 # after another), WAL bytes per delivery, and deliveries written as delivered.
 # Run from the repository root after a build:

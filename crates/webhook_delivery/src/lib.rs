@@ -80,7 +80,7 @@
 //!   docs/adr/0070).
 //! - **Claimed by the fan-out** (docs/adr/0087): while a tick runs, it
 //!   publishes its token on its wake's [`scheduler::Relay`], and the fan-out
-//!   of this process inserts up to four batches of deliveries already claimed
+//!   of this process inserts up to eight batches of deliveries already claimed
 //!   for it, proving that token, and hands their rows over. The tick takes
 //!   them before it claims (the claim statement still runs for the rest of a
 //!   batch, and at least every second); a cancelled tick hands back those it

@@ -181,7 +181,7 @@ pub(crate) async fn claim_due(
 
 /// How many batches of deliveries the fan-out may claim for this role ahead
 /// of its claims (docs/adr/0087).
-const HANDED_BATCHES: usize = 4;
+const HANDED_BATCHES: usize = 8;
 
 /// While handed deliveries fill whole batches, the table is still claimed
 /// from at least this often, so retries and held deliveries are not kept

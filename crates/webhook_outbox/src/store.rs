@@ -82,7 +82,7 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
-           RETURNING e.id, e.tenant_id, e.event_type, e.message_id, e.payload, e.created_at), \
+           RETURNING e.id, e.tenant_id, e.event_type), \
          relay AS MATERIALIZED ( \
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          ins AS ( \
@@ -111,11 +111,11 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                        THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
                   CASE WHEN ep.previous_secret_expires_at > now() \
                        THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
-                  s.event_type, s.message_id, s.payload::text AS payload, \
-                  to_char(s.created_at AT TIME ZONE 'UTC', \
+                  ev.event_type, ev.message_id, ev.payload::text AS payload, \
+                  to_char(ev.created_at AT TIME ZONE 'UTC', \
                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time \
            FROM ins i \
-           JOIN stamped s ON s.id = i.event_id \
+           JOIN webhook_events ev ON ev.id = i.event_id \
            JOIN webhook_endpoints ep ON ep.id = i.endpoint_id \
            WHERE i.attempts = 1), \
          wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
