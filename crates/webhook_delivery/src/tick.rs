@@ -326,7 +326,14 @@ impl FencedBatches for Deliveries<'_> {
                 .claimed_from_table
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-            claimed.extend(claim_due(self.shared, fence, limit - claimed.len()).await?);
+            match claim_due(self.shared, fence, limit - claimed.len()).await {
+                Ok(more) => claimed.extend(more),
+                // The handed deliveries are claimed already: send them.
+                Err(e) if !claimed.is_empty() => {
+                    warn!(role = %Role::WebhookDelivery, error = %e, "the claim statement failed; sending the deliveries handed over");
+                }
+                Err(e) => return Err(e),
+            }
         }
         let waits = claimed.is_empty()
             && !self

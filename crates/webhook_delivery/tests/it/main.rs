@@ -27,8 +27,9 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use scheduler::Wake;
+use scheduler::{RoleSpec, Wake, run_role, work};
 use testbed::TestDb;
+use tokio_util::sync::CancellationToken;
 use webhook_delivery::backoff::RetrySchedule;
 use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{Endpoint, Keyring, TickReport, Worker, WorkerConfig, create_endpoint};
@@ -136,6 +137,22 @@ pub async fn events_handed_over(
     )
     .await;
     ids
+}
+
+/// Run `w` as the led delivery role at a 5 s interval, in the background,
+/// until the token is cancelled; then await the handle.
+pub fn led_role(db: &Db, w: Worker) -> (tokio::task::JoinHandle<()>, CancellationToken) {
+    let spec = RoleSpec {
+        role: Role::WebhookDelivery,
+        interval: Duration::from_secs(5),
+        work: work(move |tick| {
+            let w = w.clone();
+            async move { w.run_tick(&tick).await.end }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let role = tokio::spawn(run_role(manager(db, "w"), spec, shutdown.child_token()));
+    (role, shutdown)
 }
 
 /// One webhook_delivery tick as leader.

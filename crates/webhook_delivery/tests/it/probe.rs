@@ -7,13 +7,12 @@
 use std::time::Duration;
 
 use leader::Role;
-use scheduler::{IDLE_PROBE, RoleSpec, Wake, run_role, work};
+use scheduler::{IDLE_PROBE, Wake};
 use testbed::TestDb;
 use testbed::receiver::Receiver;
-use tokio_util::sync::CancellationToken;
 use webhook_delivery::Worker;
 
-use crate::{config, endpoint, events_handed_over, manager, worker};
+use crate::{config, endpoint, events_handed_over, led_role, worker};
 
 /// Run `w` as the led delivery role at a 5 s interval and, once it idles,
 /// fan out one event three times (handing each over to `hand_over`), each
@@ -25,16 +24,7 @@ async fn waits_to_post(hand_over: Option<&Wake>, w: impl Fn(Worker) -> Worker) -
     endpoint(&t, "tenant_a", &rx.url()).await;
     let (plain, _) = worker(&t.db, config());
     let w = w(plain);
-    let spec = RoleSpec {
-        role: Role::WebhookDelivery,
-        interval: Duration::from_secs(5),
-        work: work(move |tick| {
-            let w = w.clone();
-            async move { w.run_tick(&tick).await.end }
-        }),
-    };
-    let shutdown = CancellationToken::new();
-    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    let (role, shutdown) = led_role(&t.db, w);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut waits = Vec::new();
     for n in 1..=3 {

@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use db::{Row, sql};
 use leader::Role;
-use scheduler::{RoleSpec, Wake, run_role, work};
+use scheduler::Wake;
 use testbed::TestDb;
 use testbed::receiver::Receiver;
-use tokio_util::sync::CancellationToken;
 
-use crate::{as_leader, config, deliveries, endpoint, events_handed_over, manager, tick, worker};
+use crate::{
+    as_leader, config, deliveries, endpoint, events_handed_over, led_role, manager, tick, worker,
+};
 
 /// While the delivery role leads under a token, a fan-out handed its relay
 /// claims up to the room offered (attempt 1, the lease ahead) and leaves the
@@ -80,16 +81,7 @@ async fn deliveries_handed_over_are_sent_once_by_the_running_tick() {
     let w = w
         .with_idle_probe(Duration::from_secs(16))
         .with_wake(wake.clone());
-    let spec = RoleSpec {
-        role: Role::WebhookDelivery,
-        interval: Duration::from_secs(5),
-        work: work(move |tick| {
-            let w = w.clone();
-            async move { w.run_tick(&tick).await.end }
-        }),
-    };
-    let shutdown = CancellationToken::new();
-    let role = tokio::spawn(run_role(manager(&t.db, "w"), spec, shutdown.child_token()));
+    let (role, shutdown) = led_role(&t.db, w);
     tokio::time::sleep(Duration::from_millis(300)).await;
     events_handed_over(&t.db, "tenant_a", 3, Some(&wake)).await;
     rx.until_count(6, Duration::from_secs(5)).await;
