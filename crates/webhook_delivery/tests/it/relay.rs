@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use db::{Row, sql};
+use db::{Db, Row, sql};
 use leader::Role;
 use scheduler::Wake;
 use testbed::TestDb;
@@ -14,6 +14,14 @@ use testbed::receiver::Receiver;
 use crate::{
     as_leader, config, deliveries, endpoint, events_handed_over, led_role, manager, tick, worker,
 };
+
+/// Offer `wake`'s relay to the fan-out as a delivery tick leading under
+/// `token` would (its lease, its room), then fan out `events` events of
+/// tenant_a handed over to it.
+async fn offered(db: &Db, wake: &Wake, token: i64, lease: Duration, room: usize, events: usize) {
+    wake.relay().lead(token, lease, room);
+    events_handed_over(db, "tenant_a", events, Some(wake)).await;
+}
 
 /// While the delivery role leads under a token, a fan-out handed its relay
 /// claims up to the room offered (attempt 1, the lease ahead) and leaves the
@@ -34,11 +42,9 @@ async fn the_fan_out_claims_for_the_delivery_role_only_under_its_live_token() {
         Role::WebhookDelivery,
         |tick| async move {
             let token = tick.fence.token();
-            relay.relay().lead(token + 1, Duration::from_secs(30), 3);
-            events_handed_over(&db, "tenant_a", 1, Some(&relay)).await;
+            offered(&db, &relay, token + 1, Duration::from_secs(30), 3, 1).await;
             assert_eq!(relay.relay().waiting(), 0, "a stale token claims nothing");
-            relay.relay().lead(token, Duration::from_secs(30), 3);
-            events_handed_over(&db, "tenant_a", 2, Some(&relay)).await;
+            offered(&db, &relay, token, Duration::from_secs(30), 3, 2).await;
             assert_eq!(relay.relay().waiting(), 3, "the room offered");
         },
     )
@@ -115,10 +121,15 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
         &manager(&t.db, "w"),
         Role::WebhookDelivery,
         |tick| async move {
-            relay
-                .relay()
-                .lead(tick.fence.token(), Duration::from_secs(1), 10);
-            events_handed_over(&db, "tenant_a", 1, Some(&relay)).await;
+            offered(
+                &db,
+                &relay,
+                tick.fence.token(),
+                Duration::from_secs(1),
+                10,
+                1,
+            )
+            .await;
             assert_eq!(relay.relay().take(10).len(), 1, "handed, then dropped");
         },
     )
@@ -151,10 +162,15 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
         &manager(&t.db, "w"),
         Role::WebhookDelivery,
         |tick| async move {
-            relay
-                .relay()
-                .lead(tick.fence.token(), Duration::from_secs(30), 10);
-            events_handed_over(&db, "tenant_a", 2, Some(&relay)).await;
+            offered(
+                &db,
+                &relay,
+                tick.fence.token(),
+                Duration::from_secs(30),
+                10,
+                2,
+            )
+            .await;
             assert_eq!(relay.relay().waiting(), 2);
             tick.cancel.cancel();
             w.run_tick(&tick).await
