@@ -84,7 +84,7 @@ impl Relay {
     }
 
     /// Rows a sender claimed at `at` (an instant taken before its statement
-    /// was sent, so no earlier than the lease's start on the database).
+    /// was sent, so no later than the lease's start on the database).
     pub fn hand(&self, at: Instant, rows: impl IntoIterator<Item = PgRow>) {
         self.lock().rows.extend(rows.into_iter().map(|r| (at, r)));
     }

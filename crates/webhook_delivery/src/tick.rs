@@ -285,6 +285,20 @@ struct Batch {
 }
 
 impl Deliveries<'_> {
+    /// Let the fan-out claim for this tick (`open`), or not while the table
+    /// holds a backlog (docs/adr/0087).
+    fn open_relay(&self, fence: &Fence, open: bool) {
+        if let Some(wake) = self.wake {
+            let config = &self.shared.config;
+            let room = if open {
+                HANDED_BATCHES * config.batch_size
+            } else {
+                0
+            };
+            wake.relay().lead(fence.token(), config.claim_lease(), room);
+        }
+    }
+
     fn take_carried(&self) -> Running {
         std::mem::take(&mut *self.carried.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -310,9 +324,10 @@ impl FencedBatches for Deliveries<'_> {
     }
 
     /// The deliveries the fan-out handed over first, then the claim
-    /// statement for the rest of `limit`. While handed deliveries fill the
-    /// batch, the statement still runs every [`CLAIM_TABLE_EVERY`], for half
-    /// the batch.
+    /// statement for the rest of `limit`, then handed ones again if the
+    /// table had less. While handed deliveries fill the batch, the statement
+    /// still runs every [`CLAIM_TABLE_EVERY`], for half the batch; a full
+    /// claim closes the relay until one comes back short.
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
         let table_due = self
             .claimed_from_table
@@ -326,13 +341,25 @@ impl FencedBatches for Deliveries<'_> {
                 .claimed_from_table
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-            match claim_due(self.shared, fence, limit - claimed.len()).await {
-                Ok(more) => claimed.extend(more),
+            let asked = limit - claimed.len();
+            match claim_due(self.shared, fence, asked).await {
+                Ok(more) => {
+                    // A full claim means the table holds a backlog: the
+                    // fan-out leaves its deliveries to this statement, in
+                    // due order and by tenant, until a claim comes back
+                    // short.
+                    self.open_relay(fence, more.len() < asked);
+                    claimed.extend(more);
+                }
                 // The handed deliveries are claimed already: send them.
                 Err(e) if !claimed.is_empty() => {
                     warn!(role = %Role::WebhookDelivery, error = %e, "the claim statement failed; sending the deliveries handed over");
                 }
                 Err(e) => return Err(e),
+            }
+            // Fill the batch from the relay when the table had less.
+            if claimed.len() < limit {
+                claimed.extend(take_handed(self.wake, limit - claimed.len())?);
             }
         }
         let waits = claimed.is_empty()

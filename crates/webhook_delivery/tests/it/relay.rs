@@ -125,7 +125,7 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
                 &db,
                 &relay,
                 tick.fence.token(),
-                Duration::from_secs(1),
+                Duration::from_secs(3),
                 10,
                 1,
             )
@@ -137,7 +137,7 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
     let (w, _) = worker(&t.db, config());
     tick(&t.db, &w).await;
     assert_eq!(rx.count(), 0, "not claimable while its lease runs");
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(Duration::from_millis(3200)).await;
     tick(&t.db, &w).await;
     assert_eq!(rx.count(), 1);
     let d = deliveries(&t.db).await;
