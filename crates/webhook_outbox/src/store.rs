@@ -94,9 +94,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                   CASE WHEN f.handed THEN now() END \
            FROM ( \
              SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
-                    r.leads AND row_number() OVER (ORDER BY c.turn, s.id, ep.id) <= $10 AS handed \
+                    r.leads AND row_number() OVER (ORDER BY s.id, ep.id) <= $10 AS handed \
              FROM stamped s \
-             JOIN claimed c ON c.id = s.id \
              JOIN webhook_endpoints ep \
                ON ep.tenant_id = s.tenant_id \
               AND ep.enabled \
@@ -156,8 +155,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 ///
 /// With an `offer` from the delivery role of this process (docs/adr/0087),
-/// the first `offer.room` deliveries, by the claim's turns (tenants
-/// interleaved), are inserted already claimed for it
+/// the first `offer.room` deliveries (by event and endpoint) are inserted
+/// already claimed for it
 /// (attempt 1, its claim lease, as its own claim would write them) when the
 /// statement also proves that role's token (`leader_fence('webhook_delivery',
 /// $8)`; a stale one claims none), and are returned with what their attempt
