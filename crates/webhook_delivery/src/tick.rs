@@ -69,14 +69,7 @@ pub(crate) async fn run_tick(
     // While this tick runs, the fan-out of this process may claim deliveries
     // for it (docs/adr/0087).
     let token = tick.fence.token();
-    if let Some(wake) = wake {
-        let config = &shared.config;
-        wake.relay().lead(
-            token,
-            config.claim_lease(),
-            HANDED_BATCHES * config.batch_size,
-        );
-    }
+    deliveries.open_relay(&tick.fence, true);
     // A tick that prunes holds back the prune's slice of the budget.
     let plan = shared
         .pruning
