@@ -3,16 +3,19 @@
 //! its tick without a claim statement, and claimed again after their lease
 //! when nobody takes them.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use db::{Db, Row, sql};
 use leader::Role;
 use scheduler::Wake;
 use testbed::TestDb;
-use testbed::receiver::Receiver;
+use testbed::receiver::{Receiver, Reply};
+use webhook_delivery::WorkerConfig;
 
 use crate::{
-    as_leader, config, deliveries, endpoint, events_handed_over, led_role, manager, tick, worker,
+    as_leader, config, deliveries, endpoint, events, events_handed_over, led_role, manager, tick,
+    worker,
 };
 
 /// Offer `wake`'s relay to the fan-out as a delivery tick leading under
@@ -184,4 +187,143 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
         d.iter().all(|d| d.attempts == 0 && d.due_in <= 0.0),
         "{d:?}"
     );
+}
+
+/// A claim statement that comes back full means the table holds a backlog:
+/// the tick closes its relay (no room offered, so the fan-out leaves its
+/// deliveries pending, to be claimed in due order and by tenant) until a
+/// claim comes back short, which opens it again. Each request records
+/// whether the relay offered room when it arrived: the first batch's (a
+/// full claim; the answers wait 50 ms, so the short claim of the backlog's
+/// last row is made after it) saw none, the last request (claimed by the
+/// short claim) saw some.
+///
+/// Mutation check: with the relay left open after a full claim, the first
+/// request sees room offered and this test fails (scripts/mutation-check
+/// `relay_closes`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_claim_statement_closes_the_relay_until_one_comes_back_short() {
+    let t = TestDb::new().await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (relay, log) = (wake.clone(), seen.clone());
+    let rx = Receiver::start(move |_| {
+        log.lock().unwrap().push(relay.relay().offer().is_some());
+        Reply::Delayed(Duration::from_millis(50), 200)
+    })
+    .await;
+    for path in ["/a", "/b", "/c"] {
+        endpoint(&t, "tenant_a", &rx.url_at(path)).await;
+    }
+    // A backlog of 21 deliveries in the table, claimed two at a time.
+    events(&t.db, "tenant_a", 7).await;
+    let (w, _) = worker(
+        &t.db,
+        WorkerConfig {
+            batch_size: 2,
+            ..config()
+        },
+    );
+    let w = w.with_wake(wake.clone());
+    let report = tick(&t.db, &w).await;
+    assert_eq!((report.claimed, report.delivered), (21, 21), "{report:?}");
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 21);
+    assert!(!seen[0], "the first, full claim closed the relay: {seen:?}");
+    assert!(seen[20], "the last, short claim opened it: {seen:?}");
+}
+
+/// While deliveries handed over fill whole batches, the claim statement still
+/// runs at least once a second, for half a batch, so a delivery due in the
+/// table (a retry, a held one) is not kept behind a long fan-out. One
+/// request at a time (`max_in_flight` 1) makes arrival order the claim's:
+/// the table's delivery is in the first batch, beside one handed over, not
+/// after the twenty handed over.
+///
+/// Mutation check: a tick that takes a whole batch from the relay whenever it
+/// can sends the table's delivery last and this test fails
+/// (scripts/mutation-check `relay_table_every`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_is_claimed_beside_handed_deliveries_that_fill_batches() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_b", &rx.url_at("/table")).await;
+    events(&t.db, "tenant_b", 1).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/a")).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let config = WorkerConfig {
+        batch_size: 2,
+        max_in_flight: 1,
+        ..config()
+    };
+    let (w, _) = worker(&t.db, config);
+    let w = w.with_wake(wake.clone());
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let report = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let lease = Duration::from_secs(30);
+            offered(&db, &relay, tick.fence.token(), lease, 100, 10).await;
+            assert_eq!(relay.relay().waiting(), 20);
+            w.run_tick(&tick).await
+        },
+    )
+    .await;
+    assert_eq!(report.delivered, 21, "{report:?}");
+    let paths: Vec<String> = rx.requests().into_iter().map(|r| r.path).collect();
+    let table = paths.iter().position(|p| p == "/table");
+    assert!(table.is_some_and(|at| at < 4), "{paths:?}");
+}
+
+/// A claim statement that fails after the batch took deliveries handed over
+/// does not drop them: they are claimed already (their attempt counted, their
+/// lease running), so the tick sends them. The statement is made to fail by
+/// a lock on `webhook_endpoints` held past the role's statement timeout.
+///
+/// Mutation check: a tick that returns the statement's error at once leaves
+/// the handed deliveries to their 30 s lease, no request arrives, and this
+/// test fails (scripts/mutation-check `relay_claim_failed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_claim_statement_still_sends_the_deliveries_handed_over() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let config = WorkerConfig {
+        statement_timeout: Duration::from_millis(300),
+        ..config()
+    };
+    let (w, _) = worker(&t.db, config);
+    let w = w.with_wake(wake.clone());
+    let (db, relay, rx, t) = (t.db.clone(), wake.clone(), &rx, &t);
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            offered(
+                &db,
+                &relay,
+                tick.fence.token(),
+                Duration::from_secs(30),
+                10,
+                2,
+            )
+            .await;
+            let mut su = t.superuser().await;
+            sqlx::raw_sql("BEGIN; LOCK TABLE webhook_endpoints IN ACCESS EXCLUSIVE MODE")
+                .execute(&mut su)
+                .await
+                .unwrap();
+            let sent = async {
+                rx.until_count(4, Duration::from_secs(5)).await;
+                sqlx::raw_sql("COMMIT").execute(&mut su).await.unwrap();
+            };
+            tokio::join!(w.run_tick(&tick), sent);
+        },
+    )
+    .await;
+    assert_eq!(rx.count(), 4, "each handed delivery sent once");
 }
