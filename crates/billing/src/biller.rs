@@ -108,13 +108,16 @@ impl Biller {
         charge::settling(self)
     }
 
-    /// Change `subscription`'s plan to `plan` now: truncate the current
-    /// period, invoice its used part pro rata, start the next period on the
-    /// new plan. One transaction; see [`Biller::apply_plan_change`].
+    /// Change `subscription`'s plan to `plan` now: close the periods that
+    /// ended and the tick has not closed, as it would (at most
+    /// `catch_up_periods`, docs/adr/0088), truncate the period holding now,
+    /// invoice its used part pro rata, start the next period on the new
+    /// plan. One transaction; see [`Biller::apply_plan_change`].
     ///
     /// # Errors
     /// [`Error::SubscriptionNotFound`], [`Error::SubscriptionPeriodMoved`]
-    /// (nothing written), [`Error::Unbillable`], or a database error.
+    /// (nothing written; also when further behind than `catch_up_periods`),
+    /// [`Error::Unbillable`], or a database error.
     pub async fn change_plan(
         &self,
         tenant_id: &str,
@@ -144,7 +147,9 @@ impl Biller {
     /// Read a fresh snapshot and compute the change, writing nothing.
     ///
     /// # Errors
-    /// [`Error::SubscriptionNotFound`], [`Error::Unbillable`], or a database error.
+    /// [`Error::SubscriptionNotFound`], [`Error::SubscriptionPeriodMoved`]
+    /// (further behind than `catch_up_periods`), [`Error::Unbillable`], or a
+    /// database error.
     pub async fn plan_change(
         &self,
         tenant_id: &str,
@@ -155,7 +160,8 @@ impl Biller {
     }
 
     /// Write `change` if its snapshot still holds: the compare-and-set on
-    /// (status, period start, watermark) first, then the invoice and
+    /// (status, period start, watermark) first, then the invoices (the
+    /// periods it was behind, then the used part) and their
     /// `invoice.finalized`, in one transaction.
     ///
     /// # Errors

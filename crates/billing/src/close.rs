@@ -216,9 +216,41 @@ pub fn cancel_behind(
     invoice: bool,
     max: usize,
 ) -> Result<Option<Vec<Closing>>, Unbillable> {
+    behind_then(due, now, max, |d, at| cancel(d, at, invoice))
+}
+
+/// A plan change now of a subscription that may be behind (docs/adr/0088):
+/// as [`cancel_behind`], with [`truncate`] onto `plan` in place of the
+/// cancel. `Ok(None)` also when a period that ends the subscription
+/// (`cancel_at_period_end`) ended before `now`: there is no period left to
+/// change.
+///
+/// # Errors
+/// [`Unbillable`] as [`close_behind`] and [`truncate`].
+pub fn truncate_behind(
+    due: &Due,
+    plan: &Plan,
+    now: DateTime<Utc>,
+    max: usize,
+) -> Result<Option<Vec<Closing>>, Unbillable> {
+    let chain = behind_then(due, now, max, |d, at| truncate(d, plan, at))?;
+    Ok(chain.filter(|c| c.last().is_some_and(|last| !last.ends)))
+}
+
+/// The periods `due` is behind at `now` closed ([`close_behind`], at most
+/// `max`), then `at_now` for the period holding `now`, at `now`; not behind,
+/// `at_now` for the current period at `now`, never before its start. A chain
+/// that ends the subscription is returned as it is, without `at_now`.
+/// `Ok(None)` when `now` is more than `max` periods ahead.
+fn behind_then(
+    due: &Due,
+    now: DateTime<Utc>,
+    max: usize,
+    at_now: impl FnOnce(&Due, DateTime<Utc>) -> Result<Closing, Unbillable>,
+) -> Result<Option<Vec<Closing>>, Unbillable> {
     if now <= due.current_period_end {
         let at = now.max(due.current_period_start);
-        return Ok(Some(vec![cancel(due, at, invoice)?]));
+        return Ok(Some(vec![at_now(due, at)?]));
     }
     let mut chain = close_behind(due, now, max)?;
     let last = &chain[chain.len() - 1];
@@ -234,7 +266,7 @@ pub fn cancel_behind(
         next_billing_at: last.next_end,
         ..due.clone()
     };
-    chain.push(cancel(&holding_now, now, invoice)?);
+    chain.push(at_now(&holding_now, now)?);
     Ok(Some(chain))
 }
 
@@ -529,5 +561,54 @@ mod tests {
         d.cancel_at_period_end = true;
         let chain = cancel_behind(&d, now, true, 100).unwrap().unwrap();
         assert_eq!((chain.len(), chain[0].ends), (1, true));
+    }
+
+    #[test]
+    fn a_plan_change_of_a_subscription_behind_closes_its_periods_first() {
+        // Hourly plan, the period 00-01 due and not closed, changed at 02:15
+        // to a two-hourly plan.
+        let hour = |h| Utc.with_ymd_and_hms(2024, 1, 1, h, 0, 0).unwrap();
+        let mut d = due(hour(0), hour(0), hour(1));
+        d.interval_unit = "hour".into();
+        let plan = Plan {
+            id: 9,
+            interval_unit: "hour".into(),
+            interval_count: 2,
+            amount: 5000,
+            currency: "EUR".into(),
+        };
+        let now = hour(2) + chrono::TimeDelta::minutes(15);
+        let chain = truncate_behind(&d, &plan, now, 100).unwrap().unwrap();
+        let parts: Vec<_> = chain
+            .iter()
+            .map(|c| {
+                (
+                    c.period_start,
+                    c.next_start,
+                    c.next_end,
+                    c.reason,
+                    c.plan_id,
+                )
+            })
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                (hour(0), hour(1), hour(2), Reason::Period, None),
+                (hour(1), hour(2), hour(3), Reason::Period, None),
+                (hour(2), now, hour(4), Reason::PlanChange, Some(9)),
+            ]
+        );
+        // The used quarter of the old plan's hour: 1200 / 4.
+        assert_eq!(chain[2].amount, 300);
+        // Not behind: the truncation alone, as before.
+        let inside = hour(0) + chrono::TimeDelta::minutes(30);
+        let one = truncate_behind(&d, &plan, inside, 100).unwrap().unwrap();
+        assert_eq!(one, [truncate(&d, &plan, inside).unwrap()]);
+        // Further behind than the bound: refused, nothing closed.
+        assert_eq!(truncate_behind(&d, &plan, now, 1).unwrap(), None);
+        // Ended at its period's end: no period is left to change.
+        d.cancel_at_period_end = true;
+        assert_eq!(truncate_behind(&d, &plan, now, 100).unwrap(), None);
     }
 }

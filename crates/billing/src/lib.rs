@@ -65,8 +65,10 @@
 //!    attempt never sent is sent only while its invoice is chargeable;
 //! 7. **stale holds**: expired claims are freed.
 //!
-//! A plan change ([`Biller::change_plan`]) truncates the current period through
-//! the closing's compare-and-set and invoices the used part pro rata; it fails
+//! A plan change ([`Biller::change_plan`]) closes the periods that ended and
+//! were not closed yet, as the tick would (docs/adr/0088), then truncates the
+//! period holding now through the closing's compare-and-set and invoices the
+//! used part pro rata; it fails
 //! with [`Error::SubscriptionPeriodMoved`] (`subscription_period_moved`) and
 //! writes nothing when the watermark moved, and with
 //! [`Error::PlanCurrencyMismatch`] for a plan in another currency. A cancel

@@ -3,8 +3,11 @@
 //!
 //! ```text
 //!  fresh snapshot: the active subscription, its plan, the new plan, now()
-//!  close::truncate (pure): invoice [period start, now) pro rata on the old plan
+//!  close::truncate_behind (pure): the periods ended before now closed as the tick
+//!                          would (docs/adr/0088), then
+//!                          invoice [period start, now) pro rata on the old plan
 //!                          next period [now, end_after(anchor, new interval)) on the new plan
+//!  more than catch_up_periods behind ─▶ Error::SubscriptionPeriodMoved; nothing written
 //!  one transaction, the caller's (`change_plan_in`) or its own (invoice::close_in, as the tick's closing):
 //!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
 //!    2. INSERT the invoice under idx_invoices_billing_period_dedup
@@ -34,18 +37,29 @@ pub struct PlanChange {
     pub plan: Plan,
     /// When the old plan stops (the database's now at the snapshot).
     pub at: DateTime<Utc>,
-    closing: Closing,
+    /// The periods the subscription is behind, closed as the tick would,
+    /// then the truncated period; never empty.
+    closings: Vec<Closing>,
 }
 
 impl PlanChange {
     /// The truncated period's invoice amount (old plan, pro rata).
     pub fn amount(&self) -> i64 {
-        self.closing.amount
+        self.change().amount
     }
 
     /// The new period `[at, end)`.
     pub fn next_period(&self) -> (DateTime<Utc>, DateTime<Utc>) {
-        (self.closing.next_start, self.closing.next_end)
+        (self.change().next_start, self.change().next_end)
+    }
+
+    /// How many periods that had ended are closed before the change.
+    pub fn closed_behind(&self) -> usize {
+        self.closings.len() - 1
+    }
+
+    fn change(&self) -> &Closing {
+        &self.closings[self.closings.len() - 1]
     }
 }
 
@@ -90,7 +104,8 @@ pub(crate) async fn change_plan_in(
     subscription: i64,
     plan: i64,
 ) -> Result<PlanChanged, Error> {
-    let change = plan_change_in(tx, tenant_id, subscription, plan).await?;
+    let max = biller.inner.config.catch_up_periods;
+    let change = plan_change_in(tx, tenant_id, subscription, plan, max).await?;
     apply_plan_change_in(biller, tx, &change).await
 }
 
@@ -103,17 +118,20 @@ pub(crate) async fn plan_change(
 ) -> Result<PlanChange, Error> {
     let timeout = biller.inner.config.statement_timeout;
     let mut tx = biller.inner.db.begin_with_timeout(timeout).await?;
-    let change = plan_change_in(&mut tx, tenant_id, subscription, plan).await;
+    let max = biller.inner.config.catch_up_periods;
+    let change = plan_change_in(&mut tx, tenant_id, subscription, plan, max).await;
     tx.commit().await?;
     change
 }
 
-/// A fresh snapshot read in `tx` and the change computed from it.
+/// A fresh snapshot read in `tx` and the change computed from it, after
+/// at most `max` periods the subscription is behind.
 async fn plan_change_in(
     tx: &mut db::Tx,
     tenant_id: &str,
     subscription: i64,
     plan: i64,
+    max: usize,
 ) -> Result<PlanChange, Error> {
     let Some((due, new_plan, now)) =
         plan_change_snapshot(tx, tenant_id, subscription, plan).await?
@@ -133,15 +151,17 @@ async fn plan_change_in(
             to: new_plan.currency,
         });
     }
-    // A change inside the period: never before its start (a clock step
-    // back), never past its end (the tick closes that first).
-    let at = now.clamp(due.current_period_start, due.current_period_end);
-    let closing = close::truncate(&due, &new_plan, at)?;
+    // Never before the period's start (a clock step back). Past its end,
+    // the periods that ended are closed first, as the tick would close
+    // them: the time used since is invoiced on the old plan (docs/adr/0088).
+    let at = now.max(due.current_period_start);
+    let closings = close::truncate_behind(&due, &new_plan, at, max)?
+        .ok_or(Error::SubscriptionPeriodMoved { subscription })?;
     Ok(PlanChange {
         due,
         plan: new_plan,
         at,
-        closing,
+        closings,
     })
 }
 
@@ -180,28 +200,37 @@ pub(crate) async fn apply_plan_change_in(
     let moved = || Error::SubscriptionPeriodMoved {
         subscription: change.due.subscription_id,
     };
-    let outcomes = match invoice::close_in(tx, &[&change.closing], biller.writing()).await? {
+    let refs: Vec<&Closing> = change.closings.iter().collect();
+    let outcomes = match invoice::close_in(tx, &refs, biller.writing()).await? {
         invoice::Attempt::Deduplicated(_) => return Err(moved()),
         invoice::Attempt::Committed(outcomes) => outcomes,
     };
-    match outcomes.first().map(|(_, c)| *c) {
-        Some(Closed::Invoiced { invoice_id }) => {
-            biller
-                .inner
-                .telemetry
-                .counter(
-                    "hardcount_billing_invoices_created_total",
-                    &[("source", "plan_change")],
-                )
-                .increment(1);
-            Ok(PlanChanged {
-                invoice_id: Some(invoice_id),
-            })
+    let mut invoices = Vec::new();
+    for (_, outcome) in outcomes {
+        match outcome {
+            Closed::Invoiced { invoice_id } => invoices.push(invoice_id),
+            // Nothing used: no invoice, only the plan and the next period.
+            Closed::Advanced => {}
+            _ => return Err(moved()),
         }
-        // Nothing used: no invoice, only the plan and the next period.
-        Some(Closed::Advanced) => Ok(PlanChanged { invoice_id: None }),
-        _ => Err(moved()),
     }
+    if !invoices.is_empty() {
+        biller
+            .inner
+            .telemetry
+            .counter(
+                "hardcount_billing_invoices_created_total",
+                &[("source", "plan_change")],
+            )
+            .increment(invoices.len() as u64);
+    }
+    // The invoice of the used part: the last closing's, when it invoiced.
+    Ok(PlanChanged {
+        invoice_id: invoices
+            .last()
+            .copied()
+            .filter(|_| change.change().invoiced),
+    })
 }
 
 /// A subscription's fresh snapshot for a plan change, the new plan, and the

@@ -155,7 +155,7 @@ pub(crate) async fn attempt_batch(
                 (d.row.id, d.row.attempt, wait, None)
             })
             .collect();
-        report.held += outcomes::hold(shared, &held).await;
+        report.held += outcomes::hold(shared, &held).await.unwrap_or(0);
     }
     let carry = Carry::new(tokio::time::Instant::now() + carry_after, wake.cloned());
     // Each endpoint's URL and secrets, prepared once for this batch.
@@ -318,7 +318,7 @@ pub(crate) async fn collect(
             let group = std::mem::take(&mut holds);
             let shared = Arc::clone(shared);
             held.push(AbortOnDropHandle::new(tokio::spawn(async move {
-                outcomes::hold(&shared, &group).await
+                outcomes::hold(&shared, &group).await.unwrap_or(0)
             })));
         }
         if running.is_empty() && writes.is_empty() && held.is_empty() {

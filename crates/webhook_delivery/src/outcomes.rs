@@ -106,9 +106,9 @@ pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
 
 /// Hand back unsent claims to come due after their waits, in one statement
 /// ([`store::hold_unsent`]); counts each held one. Returns how many were
-/// held (a claim superseded meanwhile is left alone). If the write fails,
-/// the claims come due when their claim leases end.
-pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> usize {
+/// held (a claim superseded meanwhile is left alone), or `None` if the write
+/// failed: the claims then come due when their claim leases end.
+pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<usize> {
     let statement_timeout = shared.config.statement_timeout;
     match store::hold_unsent(&shared.db, held, statement_timeout).await {
         Ok(n) => {
@@ -117,14 +117,14 @@ pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> usize {
                 count(shared, &Outcome::Held);
             }
             debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
-            n
+            Some(n)
         }
         Err(e) => {
             warn!(
                 role = %Role::WebhookDelivery, claims = held.len(), error = %e,
                 "could not hand back unsent webhook claims; they come due when their leases end"
             );
-            0
+            None
         }
     }
 }

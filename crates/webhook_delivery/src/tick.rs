@@ -213,7 +213,7 @@ async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
                 .iter()
                 .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
                 .collect();
-            t.held += crate::outcomes::hold(shared, &held).await;
+            t.held += crate::outcomes::hold(shared, &held).await.unwrap_or(0);
         }
         Ok(_) => {}
         Err(e) => {

@@ -153,7 +153,10 @@ impl Worker {
     /// Make the attempt `claimed` stands for and write its outcome, outside a
     /// tick (the tick does the same for each delivery it claims, writing the
     /// outcomes in groups). The attempt is handed back unsent if it cannot
-    /// start within the claim margin.
+    /// start within the claim margin (`Released`), or held back for a while
+    /// (`Held`: its endpoint's breaker is open, its secret cannot be opened,
+    /// its share stalled). Either hand-back of a claim that a later claim
+    /// superseded meanwhile writes nothing and is `Stale`.
     pub async fn deliver(&self, claimed: Claimed) -> Outcome {
         let shared = &self.shared;
         let start_by = StartBy {
@@ -177,13 +180,15 @@ impl Worker {
                 attempt,
                 wait,
                 why,
-            } => {
-                if outcomes::hold(shared, &[(id, attempt, wait, why)]).await == 1 {
-                    Outcome::Held
-                } else {
-                    Outcome::Released
+            } => match outcomes::hold(shared, &[(id, attempt, wait, why)]).await {
+                Some(1) => Outcome::Held,
+                // A later claim has the delivery: nothing was handed back.
+                Some(_) => {
+                    outcomes::count(shared, &Outcome::Stale);
+                    Outcome::Stale
                 }
-            }
+                None => Outcome::Released,
+            },
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::{biller, config, due_monthly, plan, subscription, tick};
 
 /// A subscription of `tenant` to a ten-day plan of 1000 whose first period
 /// began `days_ago` days ago.
-async fn ten_day_subscription(db: &Db, tenant: &str, days_ago: i64) -> i64 {
+pub(crate) async fn ten_day_subscription(db: &Db, tenant: &str, days_ago: i64) -> i64 {
     let p = plan(db, tenant, "day", 10, 1000).await;
     let start = Utc::now() - TimeDelta::days(days_ago);
     subscription(db, tenant, p, start, start, start + TimeDelta::days(10)).await

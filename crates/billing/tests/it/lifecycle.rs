@@ -299,11 +299,13 @@ async fn a_plan_change_racing_the_tick_one_wins_the_other_writes_nothing() {
     assert_eq!(b.close_period(&due).await.unwrap(), Closed::PeriodMoved);
     assert_eq!(plan_of(&t.db, subs[1]).await, pro);
 
+    // The tick's closing for the first; for the second, the plan change's
+    // chain: the ended period, as the tick would close it, then the minute
+    // used since, on the old plan (docs/adr/0088).
     let all = invoices(&t.db).await;
-    for sub in &subs {
-        assert_eq!(all.iter().filter(|i| i.subscription == *sub).count(), 1);
-    }
-    assert_eq!(finalized(&t.db).await.len(), 2);
+    let count = |sub: i64| all.iter().filter(|i| i.subscription == sub).count();
+    assert_eq!((count(subs[0]), count(subs[1])), (1, 2), "{all:?}");
+    assert_eq!(finalized(&t.db).await.len(), 3);
 }
 
 /// A plan change mid-period invoices the used part pro rata on the old plan
@@ -345,6 +347,57 @@ async fn a_plan_change_invoices_the_used_part_pro_rata() {
     // An unknown plan or subscription is named, not a 409.
     let err = b.change_plan("tenant_a", sub, 999_999).await.unwrap_err();
     assert_eq!(err.code(), "subscription_not_found");
+}
+
+/// A plan change of a subscription whose period ended before the tick closed
+/// it (billing down, or behind): the ended periods are invoiced in full on
+/// the old plan, as the tick would, then the used part of the period holding
+/// now pro rata, and the next period starts now on the new plan, in one
+/// compare-and-set (docs/adr/0088). Before, the change truncated at the old
+/// period's end: that period was invoiced, the time used since never was.
+///
+/// Mutation check: `plan_change_not_behind` (the chain skipped: the old
+/// clamp) invoices one period only; seen failing here.
+#[tokio::test]
+async fn a_plan_change_of_a_subscription_behind_invoices_every_ended_period_and_the_used_part() {
+    let t = TestDb::new().await;
+    // Two ten-day periods of 1000 ended, not closed; half of the third used.
+    let sub = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 25).await;
+    let pro = plan(&t.db, "tenant_a", "day", 10, 3000).await;
+    let (b, _) = biller(&t.db, config());
+    let change = b.plan_change("tenant_a", sub, pro).await.unwrap();
+    assert_eq!(change.closed_behind(), 2);
+    let changed = b.apply_plan_change(&change).await.unwrap();
+    let rows = t
+        .db
+        .fetch_all(
+            sql("SELECT amount, reason, id FROM invoices WHERE subscription_id = $1 ORDER BY period_start")
+                .bind(sub),
+        )
+        .await
+        .unwrap();
+    let invoices: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(invoices.len(), 3, "{invoices:?}");
+    assert_eq!(invoices[0], (1000, "period".to_owned()));
+    assert_eq!(invoices[1], (1000, "period".to_owned()));
+    assert_eq!(invoices[2].1, "plan_change");
+    assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
+    assert_eq!(changed.invoice_id, Some(rows[2].get::<i64, _>(2)));
+    assert_eq!(plan_of(&t.db, sub).await, pro);
+    let (start, end, _) = crate::period(&t.db, sub).await;
+    assert_eq!((start, end), (change.at, change.next_period().1));
+    // Announced once, by the chain's last closing; each invoice finalized.
+    assert_eq!(
+        crate::invoicing::event_types(&t.db).await,
+        [
+            "invoice.finalized",
+            "invoice.finalized",
+            "invoice.finalized",
+            "subscription.updated"
+        ]
+    );
+    // Nothing left for the tick.
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }
 
 /// A three-decimal currency is charged only in tens of its minor unit

@@ -142,6 +142,41 @@ async fn an_unsent_claim_superseded_before_its_hand_back_is_stale() {
     assert_eq!(deliveries(&t.db).await[0].attempts, 1, "handed back");
 }
 
+/// The same for a claim held back rather than released: here its endpoint's
+/// secret cannot be opened with the worker's keyring. The superseded claim's
+/// hold writes nothing and says so (`Stale`, counted); the later claim's hold
+/// lands (`Held`).
+///
+/// Mutation check: `hold_superseded` (the hold reporting `Released` whenever
+/// it held nothing, as it did before) fails this test.
+#[tokio::test]
+async fn a_held_claim_superseded_before_its_hold_is_stale() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let other = webhook_delivery::Keyring::parse(
+        &webhook_delivery::Keyring::generate_entry("other").unwrap(),
+    )
+    .unwrap();
+    let config = webhook_delivery::WorkerConfig {
+        secrets: Some(other),
+        ..config()
+    };
+    let (w, metrics) = worker(&t.db, config);
+    let (first, second) = claimed_twice(&t, &w).await;
+    assert_eq!(w.deliver(first).await, Outcome::Stale);
+    assert_eq!(outcomes(&metrics, "stale"), 1.0);
+    assert_eq!(deliveries(&t.db).await[0].attempts, 2, "the later claim's");
+    assert_eq!(w.deliver(second).await, Outcome::Held);
+    let d = &deliveries(&t.db).await[0];
+    assert_eq!(
+        (d.attempts, d.last_error.as_deref()),
+        (1, Some("bad_secret"))
+    );
+    assert!(rx.requests().is_empty(), "nothing was sent");
+}
+
 /// A claim sets `claimed_until` a lease ahead, so a worker that dies after
 /// claiming leaves the delivery to come due again by itself, and not before:
 /// a tick right after the claim finds nothing due.

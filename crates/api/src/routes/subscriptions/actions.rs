@@ -216,8 +216,10 @@ pub async fn resume(
     answer(scope, id).await
 }
 
-/// Change the plan now: the period is cut at now, its used part invoiced
-/// pro rata on the old plan, and a new period starts on the new plan.
+/// Change the plan now: the periods that ended and billing has not closed
+/// yet are invoiced first, as billing would; the period holding now is cut
+/// there, its used part invoiced pro rata on the old plan, and a new period
+/// starts on the new plan (docs/adr/0088).
 #[utoipa::path(
     post, path = "/v1/subscriptions/{id}/change_plan", tag = "subscriptions",
     params(
@@ -225,7 +227,7 @@ pub async fn resume(
         ("Idempotency-Key" = Option<String>, Header, description = IDEM),
     ),
     request_body = ChangePlan,
-    responses((status = 200, description = "Changed; announced with invoice.finalized (the used part) and subscription.updated. 409 `subscription_period_moved` when billing moved the period meanwhile (nothing written), `currency_mismatch` for a plan in another currency.", body = Subscription), WriteErrors),
+    responses((status = 200, description = "Changed; announced with invoice.finalized (each period that had ended and billing had not yet invoiced, then the used part) and subscription.updated. 409 `subscription_period_moved` when billing moved the period meanwhile, or the subscription is further behind than one billing tick closes (nothing written; it goes through once billing has caught up), `currency_mismatch` for a plan in another currency.", body = Subscription), WriteErrors),
 )]
 pub async fn change_plan(
     State(api): State<Api>,
