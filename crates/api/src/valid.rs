@@ -119,7 +119,9 @@ pub fn billing_error(e: billing::Error) -> ApiError {
         E::SubscriptionPeriodMoved { .. } => ApiError::conflict(
             Code::SubscriptionPeriodMoved,
             "the subscription's period moved while the change was made (billing closed it, \
-             or another change did); nothing was written: read it again and retry",
+             or another change did), or billing is further behind on it than one tick \
+             closes; nothing was written: read it again and retry once billing has \
+             closed its ended periods",
         ),
         E::PlanCurrencyMismatch { from, to, .. } => ApiError::conflict(
             Code::CurrencyMismatch,

@@ -222,8 +222,8 @@ pub fn cancel_behind(
 /// A plan change now of a subscription that may be behind (docs/adr/0088):
 /// as [`cancel_behind`], with [`truncate`] onto `plan` in place of the
 /// cancel. `Ok(None)` also when a period that ends the subscription
-/// (`cancel_at_period_end`) ended before `now`: there is no period left to
-/// change.
+/// (`cancel_at_period_end`) ended at or before `now`: there is no period
+/// left to change.
 ///
 /// # Errors
 /// [`Unbillable`] as [`close_behind`] and [`truncate`].
@@ -233,6 +233,10 @@ pub fn truncate_behind(
     now: DateTime<Utc>,
     max: usize,
 ) -> Result<Option<Vec<Closing>>, Unbillable> {
+    // Its period set to end it has ended, at `now` or before.
+    if due.cancel_at_period_end && now >= due.current_period_end {
+        return Ok(None);
+    }
     let chain = behind_then(due, now, max, |d, at| truncate(d, plan, at))?;
     Ok(chain.filter(|c| c.last().is_some_and(|last| !last.ends)))
 }
@@ -607,8 +611,11 @@ mod tests {
         assert_eq!(one, [truncate(&d, &plan, inside).unwrap()]);
         // Further behind than the bound: refused, nothing closed.
         assert_eq!(truncate_behind(&d, &plan, now, 1).unwrap(), None);
-        // Ended at its period's end: no period is left to change.
+        // Ended at its period's end: no period is left to change, not even
+        // at the end's very instant.
         d.cancel_at_period_end = true;
         assert_eq!(truncate_behind(&d, &plan, now, 100).unwrap(), None);
+        assert_eq!(truncate_behind(&d, &plan, hour(1), 100).unwrap(), None);
+        assert!(truncate_behind(&d, &plan, inside, 100).unwrap().is_some());
     }
 }

@@ -201,7 +201,9 @@ pub enum Error {
     )]
     ProviderKeyRejected { status: u16 },
     /// A plan change found the period moved since its snapshot (the tick
-    /// closed it, or another change truncated it): nothing was written.
+    /// closed it, or another change truncated it), or the subscription
+    /// further behind than `catch_up_periods`, or its period set to end it
+    /// ended (docs/adr/0088): nothing was written.
     /// Code `subscription_period_moved` (HTTP 409 once the API exists).
     #[error("subscription {subscription} period moved under the plan change; nothing written")]
     SubscriptionPeriodMoved { subscription: i64 },

@@ -105,9 +105,10 @@ pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
 }
 
 /// Hand back unsent claims to come due after their waits, in one statement
-/// ([`store::hold_unsent`]); counts each held one. Returns how many were
-/// held (a claim superseded meanwhile is left alone), or `None` if the write
-/// failed: the claims then come due when their claim leases end.
+/// ([`store::hold_unsent`]); counts each held one `held`, and each claim a
+/// later claim superseded meanwhile (left alone) `stale`. Returns how many
+/// were held, or `None` if the write failed: the claims then come due when
+/// their claim leases end.
 pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<usize> {
     let statement_timeout = shared.config.statement_timeout;
     match store::hold_unsent(&shared.db, held, statement_timeout).await {
@@ -115,6 +116,9 @@ pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<usize> {
             let n = usize::try_from(n).unwrap_or(usize::MAX);
             for _ in 0..n {
                 count(shared, &Outcome::Held);
+            }
+            for _ in n..held.len() {
+                count(shared, &Outcome::Stale);
             }
             debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
             Some(n)

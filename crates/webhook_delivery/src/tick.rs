@@ -181,6 +181,14 @@ const HANDED_BATCHES: usize = 8;
 /// waiting behind a long fan-out (docs/adr/0087).
 const CLAIM_TABLE_EVERY: Duration = Duration::from_secs(1);
 
+/// How many of a batch of `limit` a claim takes from the relay first: all of
+/// it, or half while the claim statement is due (not run yet in this tick,
+/// or last run `last` at least [`CLAIM_TABLE_EVERY`] before `now`).
+fn handed_limit(last: Option<Instant>, now: Instant, limit: usize) -> usize {
+    let table_due = last.is_none_or(|at| now.saturating_duration_since(at) >= CLAIM_TABLE_EVERY);
+    if table_due { limit.div_ceil(2) } else { limit }
+}
+
 /// The deliveries the fan-out of this process claimed for this role
 /// (docs/adr/0087), at most `limit`, each with the instant before the
 /// fan-out's statement as its claim time.
@@ -322,13 +330,11 @@ impl FencedBatches for Deliveries<'_> {
     /// still runs every [`CLAIM_TABLE_EVERY`], for half the batch; a full
     /// claim closes the relay until one comes back short.
     async fn claim(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        let table_due = self
+        let last = *self
             .claimed_from_table
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none_or(|at| at.elapsed() >= CLAIM_TABLE_EVERY);
-        let handed_limit = if table_due { limit.div_ceil(2) } else { limit };
-        let mut claimed = take_handed(self.wake, handed_limit)?;
+            .unwrap_or_else(|p| p.into_inner());
+        let mut claimed = take_handed(self.wake, handed_limit(last, Instant::now(), limit))?;
         if claimed.len() < limit {
             *self
                 .claimed_from_table
@@ -450,5 +456,27 @@ impl Prune for Finished<'_> {
             self.0.config.statement_timeout,
         )
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The claim statement's turn beside handed deliveries (docs/adr/0087):
+    /// at a tick's first claim, then once [`CLAIM_TABLE_EVERY`] has passed
+    /// since the last, half the batch is left to it.
+    ///
+    /// Mutation check: `relay_table_cadence` (the statement's turn only at
+    /// the tick's first claim) fails this test.
+    #[test]
+    fn the_claim_statement_gets_half_a_batch_once_a_second() {
+        let now = Instant::now();
+        let ago = |ms| now.checked_sub(Duration::from_millis(ms)).unwrap();
+        assert_eq!(handed_limit(None, now, 5), 3, "the tick's first claim");
+        assert_eq!(handed_limit(Some(ago(400)), now, 5), 5);
+        assert_eq!(handed_limit(Some(ago(999)), now, 5), 5);
+        assert_eq!(handed_limit(Some(ago(1000)), now, 5), 3);
+        assert_eq!(handed_limit(Some(ago(4000)), now, 500), 250);
     }
 }

@@ -183,10 +183,7 @@ impl Worker {
             } => match outcomes::hold(shared, &[(id, attempt, wait, why)]).await {
                 Some(1) => Outcome::Held,
                 // A later claim has the delivery: nothing was handed back.
-                Some(_) => {
-                    outcomes::count(shared, &Outcome::Stale);
-                    Outcome::Stale
-                }
+                Some(_) => Outcome::Stale,
                 None => Outcome::Released,
             },
         }

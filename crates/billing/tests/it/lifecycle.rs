@@ -249,8 +249,8 @@ async fn plan_of(db: &Db, sub: i64) -> i64 {
 }
 
 /// A plan change racing the tick on one due subscription, both ways round:
-/// whichever commits first wins, the other writes nothing (one invoice, one
-/// `invoice.finalized`), and a plan change that lost says
+/// whichever commits first wins, the other writes nothing (no second invoice
+/// of the period), and a plan change that lost says
 /// `subscription_period_moved`.
 ///
 /// Mutation check: removing the snapshot proof from the closing's UPDATE
@@ -354,7 +354,7 @@ async fn a_plan_change_invoices_the_used_part_pro_rata() {
 /// the old plan, as the tick would, then the used part of the period holding
 /// now pro rata, and the next period starts now on the new plan, in one
 /// compare-and-set (docs/adr/0088). Before, the change truncated at the old
-/// period's end: that period was invoiced, the time used since never was.
+/// period's end: the time used since, on the old plan, was billed on the new.
 ///
 /// Mutation check: `plan_change_not_behind` (the chain skipped: the old
 /// clamp) invoices one period only; seen failing here.

@@ -147,8 +147,10 @@ async fn an_unsent_claim_superseded_before_its_hand_back_is_stale() {
 /// hold writes nothing and says so (`Stale`, counted); the later claim's hold
 /// lands (`Held`).
 ///
-/// Mutation check: `hold_superseded` (the hold reporting `Released` whenever
-/// it held nothing, as it did before) fails this test.
+/// Mutation checks: `hold_superseded` (the hold reporting `Released` whenever
+/// it held nothing, as it did before) and `hold_superseded_counted` (the
+/// superseded hold not counted `stale`, as the tick's hold also did not)
+/// fail this test.
 #[tokio::test]
 async fn a_held_claim_superseded_before_its_hold_is_stale() {
     let t = TestDb::new().await;

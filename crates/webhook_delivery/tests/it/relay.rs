@@ -252,9 +252,12 @@ async fn the_table_is_claimed_beside_handed_deliveries_that_fill_batches() {
     endpoint(&t, "tenant_a", &rx.url_at("/a")).await;
     endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    // A start deadline far enough that no handed delivery is released
+    // unsent while the twenty-one go out one at a time.
     let config = WorkerConfig {
         batch_size: 2,
         max_in_flight: 1,
+        claim_margin: Duration::from_secs(5),
         ..config()
     };
     let (w, _) = worker(&t.db, config);
@@ -292,8 +295,10 @@ async fn a_failed_claim_statement_still_sends_the_deliveries_handed_over() {
     endpoint(&t, "tenant_a", &rx.url()).await;
     endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    // The start deadline past the failing statement's 300 ms.
     let config = WorkerConfig {
         statement_timeout: Duration::from_millis(300),
+        claim_margin: Duration::from_secs(5),
         ..config()
     };
     let (w, _) = worker(&t.db, config);

@@ -227,7 +227,7 @@ pub async fn resume(
         ("Idempotency-Key" = Option<String>, Header, description = IDEM),
     ),
     request_body = ChangePlan,
-    responses((status = 200, description = "Changed; announced with invoice.finalized (each period that had ended and billing had not yet invoiced, then the used part) and subscription.updated. 409 `subscription_period_moved` when billing moved the period meanwhile, or the subscription is further behind than one billing tick closes (nothing written; it goes through once billing has caught up), `currency_mismatch` for a plan in another currency.", body = Subscription), WriteErrors),
+    responses((status = 200, description = "Changed; announced with invoice.finalized (each period that had ended and billing had not yet invoiced, then the used part) and subscription.updated. 409 `subscription_period_moved` when billing moved the period meanwhile, or the subscription is further behind than one billing tick closes, or its last period, set to end it, has ended (nothing written), `currency_mismatch` for a plan in another currency.", body = Subscription), WriteErrors),
 )]
 pub async fn change_plan(
     State(api): State<Api>,
