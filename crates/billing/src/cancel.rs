@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use db::{Row, sql};
 
 use crate::close::{self, Due};
-use crate::invoice::{self, Closed};
+use crate::invoice;
 use crate::{Biller, Error};
 
 /// When a cancel takes effect.
@@ -113,35 +113,8 @@ pub(crate) async fn cancel_now_in(
     };
     let max = biller.inner.config.catch_up_periods;
     let closings = close::cancel_behind(&due, now, invoice, max)?.ok_or_else(moved)?;
-    let refs: Vec<&close::Closing> = closings.iter().collect();
-    let outcomes = match invoice::close_in(tx, &refs, biller.writing()).await? {
-        invoice::Attempt::Deduplicated(_) => return Err(moved()),
-        invoice::Attempt::Committed(outcomes) => outcomes,
-    };
-    let mut invoices = Vec::new();
-    for (_, outcome) in outcomes {
-        match outcome {
-            Closed::Invoiced { invoice_id } => invoices.push(invoice_id),
-            Closed::Advanced => {}
-            // Not under the snapshot's row lock; kept as the loss it would be.
-            _ => return Err(moved()),
-        }
-    }
-    if !invoices.is_empty() {
-        biller
-            .inner
-            .telemetry
-            .counter(
-                "hardcount_billing_invoices_created_total",
-                &[("source", "cancel")],
-            )
-            .increment(invoices.len() as u64);
-    }
-    // The invoice of the used part: the last closing's, when it invoiced.
-    let last_invoiced = closings.last().is_some_and(|c| c.invoiced);
-    Ok(Some(Canceled {
-        invoice_id: invoices.last().copied().filter(|_| last_invoiced),
-    }))
+    let invoice_id = invoice::close_chain_in(biller, tx, &closings, "cancel").await?;
+    Ok(Some(Canceled { invoice_id }))
 }
 
 /// An active subscription's snapshot, whether its tenant invoices a cancel,

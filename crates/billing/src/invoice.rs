@@ -130,6 +130,52 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
     Ok(attempt)
 }
 
+/// One subscription's chain of closings written by a cancel or a plan change
+/// ([`close_in`], in the caller's transaction): every invoice it made is
+/// counted in `hardcount_billing_invoices_created_total{source}`. Returns the
+/// last closing's own invoice, when it made one (the used part).
+///
+/// # Errors
+/// [`Error::SubscriptionPeriodMoved`] when the chain's compare-and-set lost
+/// or one of its periods was already invoiced (the caller must roll back),
+/// or a database error.
+pub(crate) async fn close_chain_in(
+    biller: &crate::Biller,
+    tx: &mut db::Tx,
+    closings: &[Closing],
+    source: &'static str,
+) -> Result<Option<i64>, Error> {
+    let moved = || Error::SubscriptionPeriodMoved {
+        subscription: closings[0].subscription_id,
+    };
+    let refs: Vec<&Closing> = closings.iter().collect();
+    let outcomes = match close_in(tx, &refs, biller.writing()).await? {
+        Attempt::Deduplicated(_) => return Err(moved()),
+        Attempt::Committed(outcomes) => outcomes,
+    };
+    let mut invoices = Vec::new();
+    for (_, outcome) in outcomes {
+        match outcome {
+            Closed::Invoiced { invoice_id } => invoices.push(invoice_id),
+            // Nothing used: no invoice, only the subscription's new period.
+            Closed::Advanced => {}
+            _ => return Err(moved()),
+        }
+    }
+    if !invoices.is_empty() {
+        biller
+            .inner
+            .telemetry
+            .counter(
+                "hardcount_billing_invoices_created_total",
+                &[("source", source)],
+            )
+            .increment(invoices.len() as u64);
+    }
+    let last_invoiced = closings.last().is_some_and(|c| c.invoiced);
+    Ok(invoices.last().copied().filter(|_| last_invoiced))
+}
+
 /// [`close_periods`]' work inside the caller's transaction, without its
 /// retry: on a dedup hit the caller must roll back (what was written before
 /// the hit is part of the transaction).

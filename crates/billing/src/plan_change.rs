@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 use db::{Row, sql};
 
 use crate::close::{self, Closing, Due, Plan};
-use crate::invoice::{self, Closed};
+use crate::invoice;
 use crate::store::due;
 use crate::{Biller, Error};
 
@@ -197,40 +197,8 @@ pub(crate) async fn apply_plan_change_in(
     tx: &mut db::Tx,
     change: &PlanChange,
 ) -> Result<PlanChanged, Error> {
-    let moved = || Error::SubscriptionPeriodMoved {
-        subscription: change.due.subscription_id,
-    };
-    let refs: Vec<&Closing> = change.closings.iter().collect();
-    let outcomes = match invoice::close_in(tx, &refs, biller.writing()).await? {
-        invoice::Attempt::Deduplicated(_) => return Err(moved()),
-        invoice::Attempt::Committed(outcomes) => outcomes,
-    };
-    let mut invoices = Vec::new();
-    for (_, outcome) in outcomes {
-        match outcome {
-            Closed::Invoiced { invoice_id } => invoices.push(invoice_id),
-            // Nothing used: no invoice, only the plan and the next period.
-            Closed::Advanced => {}
-            _ => return Err(moved()),
-        }
-    }
-    if !invoices.is_empty() {
-        biller
-            .inner
-            .telemetry
-            .counter(
-                "hardcount_billing_invoices_created_total",
-                &[("source", "plan_change")],
-            )
-            .increment(invoices.len() as u64);
-    }
-    // The invoice of the used part: the last closing's, when it invoiced.
-    Ok(PlanChanged {
-        invoice_id: invoices
-            .last()
-            .copied()
-            .filter(|_| change.change().invoiced),
-    })
+    let invoice_id = invoice::close_chain_in(biller, tx, &change.closings, "plan_change").await?;
+    Ok(PlanChanged { invoice_id })
 }
 
 /// A subscription's fresh snapshot for a plan change, the new plan, and the

@@ -18,6 +18,26 @@ pub(crate) async fn ten_day_subscription(db: &Db, tenant: &str, days_ago: i64) -
     subscription(db, tenant, p, start, start, start + TimeDelta::days(10)).await
 }
 
+/// Asserts that `sub` of [`ten_day_subscription`] (25 days ago) has three
+/// invoices, in period order: two whole periods, then half of the third for
+/// `reason`; returns that last invoice's id.
+pub(crate) async fn two_periods_and_half_of_one(db: &Db, sub: i64, reason: &str) -> i64 {
+    let rows = db
+        .fetch_all(
+            sql("SELECT amount, reason, id FROM invoices WHERE subscription_id = $1 ORDER BY period_start")
+                .bind(sub),
+        )
+        .await
+        .unwrap();
+    let invoices: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(invoices.len(), 3, "{invoices:?}");
+    assert_eq!(invoices[0], (1000, "period".to_owned()));
+    assert_eq!(invoices[1], (1000, "period".to_owned()));
+    assert_eq!(invoices[2].1, reason);
+    assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
+    rows[2].get(2)
+}
+
 async fn subscription_status(db: &Db, sub: i64) -> String {
     db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(sub))
         .await
@@ -43,21 +63,8 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
         .cancel_subscription("tenant_a", sub, CancelAt::Now)
         .await
         .unwrap();
-    let rows = t
-        .db
-        .fetch_all(
-            sql("SELECT amount, reason, id FROM invoices WHERE subscription_id = $1 ORDER BY period_start")
-                .bind(sub),
-        )
-        .await
-        .unwrap();
-    let invoices: Vec<(i64, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-    assert_eq!(invoices.len(), 3, "{invoices:?}");
-    assert_eq!(invoices[0], (1000, "period".to_owned()));
-    assert_eq!(invoices[1], (1000, "period".to_owned()));
-    assert_eq!(invoices[2].1, "cancel");
-    assert!((499..=501).contains(&invoices[2].0), "{invoices:?}");
-    assert_eq!(c.invoice_id, Some(rows[2].get::<i64, _>(2)));
+    let last = two_periods_and_half_of_one(&t.db, sub, "cancel").await;
+    assert_eq!(c.invoice_id, Some(last));
     assert_eq!(subscription_status(&t.db, sub).await, "canceled");
     // Announced once, by the chain's last closing; each invoice finalized.
     assert_eq!(

@@ -3,11 +3,12 @@
 //! its tick without a claim statement, and claimed again after their lease
 //! when nobody takes them.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use leader::Role;
+use leader::{Role, Tick};
 use scheduler::Wake;
 use testbed::TestDb;
 use testbed::receiver::{Receiver, Reply};
@@ -24,6 +25,29 @@ use crate::{
 async fn offered(db: &Db, wake: &Wake, token: i64, lease: Duration, room: usize, events: usize) {
     wake.relay().lead(token, lease, room);
     events_handed_over(db, "tenant_a", events, Some(wake)).await;
+}
+
+/// As the delivery role's leader: [`offered`] under the tick's own token
+/// (`lease`, `room`, `events`), then `then` with the tick.
+async fn leading_offered<T, F, Fut>(
+    db: &Db,
+    wake: &Wake,
+    (lease, room, events): (Duration, usize, usize),
+    then: F,
+) -> T
+where
+    F: FnOnce(Tick) -> Fut,
+    Fut: Future<Output = T>,
+{
+    as_leader(
+        &manager(db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            offered(db, wake, tick.fence.token(), lease, room, events).await;
+            then(tick).await
+        },
+    )
+    .await
 }
 
 /// While the delivery role leads under a token, a fan-out handed its relay
@@ -119,23 +143,10 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (db, relay) = (t.db.clone(), wake.clone());
-    as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            offered(
-                &db,
-                &relay,
-                tick.fence.token(),
-                Duration::from_secs(3),
-                10,
-                1,
-            )
-            .await;
-            assert_eq!(relay.relay().take(10).len(), 1, "handed, then dropped");
-        },
-    )
+    let offer = (Duration::from_secs(3), 10, 1);
+    leading_offered(&t.db, &wake, offer, |_| async {
+        assert_eq!(wake.relay().take(10).len(), 1, "handed, then dropped");
+    })
     .await;
     let (w, _) = worker(&t.db, config());
     tick(&t.db, &w).await;
@@ -160,25 +171,13 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let (w, _) = worker(&t.db, config());
     let w = w.with_wake(wake.clone());
-    let (db, relay) = (t.db.clone(), wake.clone());
-    let report = as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            offered(
-                &db,
-                &relay,
-                tick.fence.token(),
-                Duration::from_secs(30),
-                10,
-                2,
-            )
-            .await;
-            assert_eq!(relay.relay().waiting(), 2);
-            tick.cancel.cancel();
-            w.run_tick(&tick).await
-        },
-    )
+    let offer = (Duration::from_secs(30), 10, 2);
+    let relay = &wake;
+    let report = leading_offered(&t.db, &wake, offer, |tick| async move {
+        assert_eq!(relay.relay().waiting(), 2);
+        tick.cancel.cancel();
+        w.run_tick(&tick).await
+    })
     .await;
     assert_eq!((report.claimed, report.held), (0, 2), "{report:?}");
     assert_eq!(wake.relay().waiting(), 0);
@@ -262,17 +261,12 @@ async fn the_table_is_claimed_beside_handed_deliveries_that_fill_batches() {
     };
     let (w, _) = worker(&t.db, config);
     let w = w.with_wake(wake.clone());
-    let (db, relay) = (t.db.clone(), wake.clone());
-    let report = as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            let lease = Duration::from_secs(30);
-            offered(&db, &relay, tick.fence.token(), lease, 100, 10).await;
-            assert_eq!(relay.relay().waiting(), 20);
-            w.run_tick(&tick).await
-        },
-    )
+    let offer = (Duration::from_secs(30), 100, 10);
+    let relay = &wake;
+    let report = leading_offered(&t.db, &wake, offer, |tick| async move {
+        assert_eq!(relay.relay().waiting(), 20);
+        w.run_tick(&tick).await
+    })
     .await;
     assert_eq!(report.delivered, 21, "{report:?}");
     let paths: Vec<String> = rx.requests().into_iter().map(|r| r.path).collect();
@@ -303,32 +297,20 @@ async fn a_failed_claim_statement_still_sends_the_deliveries_handed_over() {
     };
     let (w, _) = worker(&t.db, config);
     let w = w.with_wake(wake.clone());
-    let (db, relay, rx, t) = (t.db.clone(), wake.clone(), &rx, &t);
-    as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            offered(
-                &db,
-                &relay,
-                tick.fence.token(),
-                Duration::from_secs(30),
-                10,
-                2,
-            )
-            .await;
-            let mut su = t.superuser().await;
-            sqlx::raw_sql("BEGIN; LOCK TABLE webhook_endpoints IN ACCESS EXCLUSIVE MODE")
-                .execute(&mut su)
-                .await
-                .unwrap();
-            let sent = async {
-                rx.until_count(4, Duration::from_secs(5)).await;
-                sqlx::raw_sql("COMMIT").execute(&mut su).await.unwrap();
-            };
-            tokio::join!(w.run_tick(&tick), sent);
-        },
-    )
+    let offer = (Duration::from_secs(30), 10, 2);
+    let (t, rx) = (&t, &rx);
+    leading_offered(&t.db, &wake, offer, |tick| async move {
+        let mut su = t.superuser().await;
+        sqlx::raw_sql("BEGIN; LOCK TABLE webhook_endpoints IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut su)
+            .await
+            .unwrap();
+        let sent = async {
+            rx.until_count(4, Duration::from_secs(5)).await;
+            sqlx::raw_sql("COMMIT").execute(&mut su).await.unwrap();
+        };
+        tokio::join!(w.run_tick(&tick), sent);
+    })
     .await;
     assert_eq!(rx.count(), 4, "each handed delivery sent once");
 }
