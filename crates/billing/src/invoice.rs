@@ -131,7 +131,9 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
 }
 
 /// One subscription's chain of closings written by a cancel or a plan change
-/// ([`close_in`], in the caller's transaction): every invoice it made is
+/// ([`close_in`], in the caller's transaction), after its pause of collection
+/// is lifted if the pause's resume time has passed, as the tick lifts it
+/// before it closes periods (docs/adr/0088): every invoice it made is
 /// counted in `hardcount_billing_invoices_created_total{source}`. Returns the
 /// last closing's own invoice, when it made one (the used part).
 ///
@@ -148,6 +150,7 @@ pub(crate) async fn close_chain_in(
     let moved = || Error::SubscriptionPeriodMoved {
         subscription: closings[0].subscription_id,
     };
+    crate::lifecycle::resume_lifted_pause_in(tx, closings[0].subscription_id).await?;
     let refs: Vec<&Closing> = closings.iter().collect();
     let outcomes = match close_in(tx, &refs, biller.writing()).await? {
         Attempt::Deduplicated(_) => return Err(moved()),

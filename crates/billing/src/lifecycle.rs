@@ -64,6 +64,23 @@ pub(crate) async fn activate_ended_trial_in(
         .is_empty())
 }
 
+/// Resume `subscription`'s collection in `tx` if its pause's resume time has
+/// passed, as the tick's resume step would (its compare-and-set and
+/// `subscription.collection_resumed`): a cancel or a plan change then
+/// invoices the periods it closes as the tick does after that step
+/// (docs/adr/0088). `false` when there is no such pause.
+pub(crate) async fn resume_lifted_pause_in(
+    tx: &mut db::Tx,
+    subscription: i64,
+) -> Result<bool, Error> {
+    let Some(pause) = store::lifted_pause_in(tx, subscription).await? else {
+        return Ok(false);
+    };
+    Ok(!store::resume_lifted_pauses_in(tx, &[pause])
+        .await?
+        .is_empty())
+}
+
 /// The first paid period's end of an ended trial.
 fn first_period_end(t: &TrialEnded) -> Result<chrono::DateTime<chrono::Utc>, Unbillable> {
     let bad = || Unbillable::Interval {

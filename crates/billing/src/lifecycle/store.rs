@@ -220,6 +220,35 @@ pub(crate) async fn claim_lifted_pauses(
     }))
 }
 
+/// `subscription`'s pause-collection if its resume time has passed (at the
+/// transaction's `now()`), its row locked.
+pub(crate) async fn lifted_pause_in(
+    tx: &mut db::Tx,
+    subscription: i64,
+) -> Result<Option<LiftedPause>, db::Error> {
+    let row = tx
+        .fetch_optional(
+            sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
+                        s.pause_collection_resumes_at, s.pause_collection_set_by \
+                 FROM subscriptions s \
+                 WHERE s.id = $1 AND s.pause_collection_resumes_at <= now() \
+                   AND s.pause_collection_resumes_at >= '1970-01-01 00:00:00+00' \
+                 FOR UPDATE OF s")
+            .bind(subscription),
+        )
+        .await?;
+    row.map(|r| {
+        Ok(LiftedPause {
+            subscription_id: r.try_get("id")?,
+            tenant_id: r.try_get("tenant_id")?,
+            behavior: r.try_get("pause_collection_behavior")?,
+            resumes_at: r.try_get("pause_collection_resumes_at")?,
+            set_by: r.try_get("pause_collection_set_by")?,
+        })
+    })
+    .transpose()
+}
+
 /// Resume collection, one transaction: per row, the pause cleared by
 /// compare-and-set on the pause as read (behaviour, resume time, setter),
 /// and `subscription.collection_resumed` in the same transaction. Returns the
@@ -233,6 +262,16 @@ pub(crate) async fn resume_lifted_pauses(
         return Ok(Vec::new());
     }
     let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let resumed = resume_lifted_pauses_in(&mut tx, pauses).await?;
+    tx.commit().await?;
+    Ok(resumed)
+}
+
+/// [`resume_lifted_pauses`] in the caller's transaction.
+pub(crate) async fn resume_lifted_pauses_in(
+    tx: &mut db::Tx,
+    pauses: &[LiftedPause],
+) -> Result<Vec<i64>, Error> {
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \
@@ -269,7 +308,6 @@ pub(crate) async fn resume_lifted_pauses(
         events.push((tenant, payload.to_string()));
         resumed.push(id);
     }
-    outbox::webhook::enqueue_many_of(&mut tx, "subscription.collection_resumed", &events).await?;
-    tx.commit().await?;
+    outbox::webhook::enqueue_many_of(tx, "subscription.collection_resumed", &events).await?;
     Ok(resumed)
 }

@@ -387,6 +387,36 @@ async fn a_plan_change_of_a_subscription_behind_invoices_every_ended_period_and_
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }
 
+/// A plan change of a subscription behind whose pause of collection has
+/// passed its resume time, not lifted yet by the tick: the pause is lifted
+/// first, as the tick's resume step would (with its event), so the periods
+/// the change closes are collected as the tick would collect them, not kept
+/// as drafts (docs/adr/0088). A cancel now writes its chain through the same
+/// function (`invoice::close_chain_in`).
+///
+/// Mutation check: `chain_lifts_pause` (the lift skipped) leaves all three
+/// invoices drafts; seen failing here.
+#[tokio::test]
+async fn a_plan_change_behind_lifts_a_pause_past_its_resume_time_first() {
+    let t = TestDb::new().await;
+    let sub = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 25).await;
+    pause(&t.db, sub, Utc::now() - TimeDelta::days(1)).await;
+    let pro = plan(&t.db, "tenant_a", "day", 10, 3000).await;
+    let (b, _) = biller(&t.db, config());
+    b.change_plan("tenant_a", sub, pro).await.unwrap();
+    assert_eq!(paused(&t.db, sub).await, None);
+    let statuses: Vec<String> =
+        t.db.fetch_all(sql("SELECT status FROM invoices ORDER BY period_start"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    assert_eq!(statuses, ["open", "open", "open"]);
+    assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
+    assert_eq!(count(&t.db, "invoice.finalized").await, 3);
+}
+
 /// A three-decimal currency is charged only in tens of its minor unit
 /// (https://docs.stripe.com/currencies, "Three-decimal currencies"): a plan
 /// change's pro rata invoice in KWD is made in tens, rounded half up, and the
