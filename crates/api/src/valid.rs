@@ -120,8 +120,8 @@ pub fn billing_error(e: billing::Error) -> ApiError {
             Code::SubscriptionPeriodMoved,
             "the subscription's period moved while the change was made (billing closed it, \
              or another change did), or billing is further behind on it than one tick \
-             closes; nothing was written: read it again and retry once billing has \
-             closed its ended periods",
+             closes, or its last period, set to end it, has ended; nothing was written: \
+             read it again, and retry while it is still active",
         ),
         E::PlanCurrencyMismatch { from, to, .. } => ApiError::conflict(
             Code::CurrencyMismatch,

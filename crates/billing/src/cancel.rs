@@ -8,7 +8,8 @@
 //!              close::cancel_behind (pure): the periods ended before now closed
 //!                as the tick would, then invoice [period start, now) pro rata, or
 //!                none (docs/adr/0077)
-//!              invoice::close_periods: the CAS on (status, period start,
+//!              invoice::close_chain_in: a pause past its resume time lifted
+//!                (docs/adr/0088); the CAS on (status, period start,
 //!                watermark, cancel_at_period_end) sets status = 'canceled';
 //!                the invoice (reason 'cancel'), invoice.finalized,
 //!                subscription.canceled; CAS lost ─▶ SubscriptionPeriodMoved

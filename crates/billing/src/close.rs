@@ -237,8 +237,8 @@ pub fn truncate_behind(
     if due.cancel_at_period_end && now >= due.current_period_end {
         return Ok(None);
     }
-    let chain = behind_then(due, now, max, |d, at| truncate(d, plan, at))?;
-    Ok(chain.filter(|c| c.last().is_some_and(|last| !last.ends)))
+    // So no closing of the chain ends the subscription: it ends in the change.
+    behind_then(due, now, max, |d, at| truncate(d, plan, at))
 }
 
 /// The periods `due` is behind at `now` closed ([`close_behind`], at most

@@ -150,7 +150,7 @@ pub(crate) async fn close_chain_in(
     let moved = || Error::SubscriptionPeriodMoved {
         subscription: closings[0].subscription_id,
     };
-    crate::lifecycle::resume_lifted_pause_in(tx, closings[0].subscription_id).await?;
+    crate::lifecycle::resume_lifted_pause_in(biller, tx, closings[0].subscription_id).await?;
     let refs: Vec<&Closing> = closings.iter().collect();
     let outcomes = match close_in(tx, &refs, biller.writing()).await? {
         Attempt::Deduplicated(_) => return Err(moved()),
@@ -196,9 +196,10 @@ pub(crate) async fn close_in(
         }
     }
     let tail = |c: &Closing| tails[&c.subscription_id];
-    // The compare-and-set, first statement of the transaction: a concurrent
-    // closer waits on the row lock, re-checks against the winner's row and
-    // matches nothing.
+    // The compare-and-set, the transaction's first write to the subscription
+    // (a cancel or a plan change may have locked its row before, reading it
+    // or lifting its pause): a concurrent closer waits on the row lock,
+    // re-checks against the winner's row and matches nothing.
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \

@@ -70,15 +70,24 @@ pub(crate) async fn activate_ended_trial_in(
 /// invoices the periods it closes as the tick does after that step
 /// (docs/adr/0088). `false` when there is no such pause.
 pub(crate) async fn resume_lifted_pause_in(
+    biller: &Biller,
     tx: &mut db::Tx,
     subscription: i64,
 ) -> Result<bool, Error> {
     let Some(pause) = store::lifted_pause_in(tx, subscription).await? else {
         return Ok(false);
     };
-    Ok(!store::resume_lifted_pauses_in(tx, &[pause])
+    let resumed = !store::resume_lifted_pauses_in(tx, &[pause])
         .await?
-        .is_empty())
+        .is_empty();
+    if resumed {
+        biller
+            .inner
+            .telemetry
+            .counter("hardcount_billing_collections_resumed_total", &[])
+            .increment(1);
+    }
+    Ok(resumed)
 }
 
 /// The first paid period's end of an ended trial.

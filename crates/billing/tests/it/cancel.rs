@@ -80,6 +80,41 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }
 
+/// A cancel now, not behind, of a subscription whose pause of collection
+/// passed its resume time a day ago and was not lifted yet: the pause is
+/// lifted first, as the tick's resume step would, so the used part's invoice
+/// is collected (open), not kept as a draft (docs/adr/0088).
+///
+/// Mutation check: `chain_lifts_pause` (the lift skipped) leaves the invoice
+/// a draft; seen failing here.
+#[tokio::test]
+async fn a_cancel_now_lifts_a_pause_past_its_resume_time_first() {
+    let t = TestDb::new().await;
+    let sub = ten_day_subscription(&t.db, "tenant_a", 5).await;
+    crate::lifecycle::pause(&t.db, sub, Utc::now() - TimeDelta::days(1)).await;
+    let (b, _) = biller(&t.db, config());
+    let c = b
+        .cancel_subscription("tenant_a", sub, CancelAt::Now)
+        .await
+        .unwrap();
+    assert_eq!(crate::lifecycle::paused(&t.db, sub).await, None);
+    let status: String = t
+        .db
+        .fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(c.invoice_id.unwrap()))
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "open");
+    assert_eq!(
+        event_types(&t.db).await,
+        [
+            "subscription.collection_resumed",
+            "invoice.finalized",
+            "subscription.canceled"
+        ]
+    );
+}
+
 #[tokio::test]
 async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
     let t = TestDb::new().await;

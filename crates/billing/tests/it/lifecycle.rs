@@ -169,7 +169,7 @@ async fn racing_activations_of_one_listed_trial_activate_it_once() {
     assert_eq!(count(&t.db, "subscription.trial_ended").await, 1);
 }
 
-async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
+pub(crate) async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
     db.execute(
         sql(
             "UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft', \
@@ -183,7 +183,7 @@ async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
     .unwrap();
 }
 
-async fn paused(db: &Db, sub: i64) -> Option<String> {
+pub(crate) async fn paused(db: &Db, sub: i64) -> Option<String> {
     db.fetch_one(sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub))
         .await
         .unwrap()
