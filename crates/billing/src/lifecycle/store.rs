@@ -209,15 +209,17 @@ pub(crate) async fn claim_lifted_pauses(
         )
         .await?;
     tx.commit().await?;
-    Ok(decode_each(&rows, |r| {
-        Ok(LiftedPause {
-            subscription_id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            behavior: r.try_get("pause_collection_behavior")?,
-            resumes_at: r.try_get("pause_collection_resumes_at")?,
-            set_by: r.try_get("pause_collection_set_by")?,
-        })
-    }))
+    Ok(decode_each(&rows, lifted_pause))
+}
+
+fn lifted_pause(r: &db::PgRow) -> Result<LiftedPause, db::Error> {
+    Ok(LiftedPause {
+        subscription_id: r.try_get("id")?,
+        tenant_id: r.try_get("tenant_id")?,
+        behavior: r.try_get("pause_collection_behavior")?,
+        resumes_at: r.try_get("pause_collection_resumes_at")?,
+        set_by: r.try_get("pause_collection_set_by")?,
+    })
 }
 
 /// `subscription`'s pause-collection if its resume time has passed (at the
@@ -237,16 +239,7 @@ pub(crate) async fn lifted_pause_in(
             .bind(subscription),
         )
         .await?;
-    row.map(|r| {
-        Ok(LiftedPause {
-            subscription_id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            behavior: r.try_get("pause_collection_behavior")?,
-            resumes_at: r.try_get("pause_collection_resumes_at")?,
-            set_by: r.try_get("pause_collection_set_by")?,
-        })
-    })
-    .transpose()
+    row.as_ref().map(lifted_pause).transpose()
 }
 
 /// Resume collection, one transaction: per row, the pause cleared by
