@@ -4,6 +4,31 @@
 
 mod store;
 
+/// The columns a claimed delivery is read with (`webhook_delivery`'s
+/// `ClaimedRow::from_row`), in a statement that names the delivery, its
+/// event and its endpoint `$d`, `$e` and `$ep`. The delivery role's claim
+/// and the fan-out's deliveries claimed for that role (docs/adr/0087) both
+/// select them, so the two cannot drift apart.
+#[macro_export]
+#[rustfmt::skip]
+macro_rules! webhook_claimed_columns {
+    ($d:literal, $e:literal, $ep:literal) => {
+        concat!(
+            $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
+            $d, ".attempts, ", $d, ".resent_at_attempt, ",
+            $ep, ".url, ", $ep, ".secret_ciphertext, ", $ep, ".secret_key_id, ",
+            $ep, ".enabled, ", $ep, ".disabled_reason, ",
+            "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
+            $ep, ".previous_secret_ciphertext END AS previous_secret_ciphertext, ",
+            "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
+            $ep, ".previous_secret_key_id END AS previous_secret_key_id, ",
+            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
+            "to_char(", $e, ".created_at AT TIME ZONE 'UTC', ",
+            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time"
+        )
+    };
+}
+
 /// Why [`enqueue`] refused an event. Nothing was written.
 #[derive(Debug, thiserror::Error)]
 pub enum EnqueueError {

@@ -105,15 +105,9 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            ON CONFLICT (event_id, endpoint_id) DO NOTHING \
            RETURNING id, tenant_id, event_id, endpoint_id, attempts, resent_at_attempt), \
          handed AS ( \
-           SELECT i.id, i.tenant_id, i.event_id, i.endpoint_id, i.attempts, i.resent_at_attempt, \
-                  ep.url, ep.secret_ciphertext, ep.secret_key_id, ep.enabled, ep.disabled_reason, \
-                  CASE WHEN ep.previous_secret_expires_at > now() \
-                       THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
-                  CASE WHEN ep.previous_secret_expires_at > now() \
-                       THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
-                  ev.event_type, ev.message_id, ev.payload::text AS payload, \
-                  to_char(ev.created_at AT TIME ZONE 'UTC', \
-                          'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time \
+           SELECT ",
+    outbox::webhook_claimed_columns!("i", "ev", "ep"),
+    " \
            FROM ins i \
            JOIN webhook_events ev ON ev.id = i.event_id \
            JOIN webhook_endpoints ep ON ep.id = i.endpoint_id \

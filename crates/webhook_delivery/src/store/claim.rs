@@ -35,8 +35,8 @@ pub(crate) struct ClaimedRow {
 
 impl ClaimedRow {
     /// One row of [`CLAIM_DUE`], or of the fan-out's deliveries claimed for
-    /// this role (`webhook_outbox`'s `CLAIM_AND_FAN_OUT`, the same columns;
-    /// docs/adr/0087).
+    /// this role (`webhook_outbox`'s `CLAIM_AND_FAN_OUT`; docs/adr/0087): both
+    /// select `outbox::webhook_claimed_columns!`.
     pub(crate) fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
         Ok(ClaimedRow {
             id: r.try_get("id")?,
@@ -112,16 +112,9 @@ pub const CLAIM_DUE: &str = concat!(
          FROM due, webhook_events e, webhook_endpoints ep \
          WHERE d.id = due.id AND due.made < $5 \
            AND e.id = d.event_id AND ep.id = d.endpoint_id \
-         RETURNING d.id, d.tenant_id, d.event_id, d.endpoint_id, d.attempts, d.resent_at_attempt, \
-                   ep.url, ep.secret_ciphertext, ep.secret_key_id, \
-                   ep.enabled, ep.disabled_reason, \
-                   CASE WHEN ep.previous_secret_expires_at > now() \
-                        THEN ep.previous_secret_ciphertext END AS previous_secret_ciphertext, \
-                   CASE WHEN ep.previous_secret_expires_at > now() \
-                        THEN ep.previous_secret_key_id END AS previous_secret_key_id, \
-                   e.event_type, e.message_id, e.payload::text AS payload, \
-                   to_char(e.created_at AT TIME ZONE 'UTC', \
-                           'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time) \
+         RETURNING ",
+    outbox::webhook_claimed_columns!("d", "e", "ep"),
+    ") \
          SELECT claimed.*, share.tenants, share.last_tenant, \
                 (SELECT count(*) FROM exhausted) AS exhausted \
          FROM share LEFT JOIN claimed ON true"
