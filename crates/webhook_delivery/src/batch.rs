@@ -68,6 +68,14 @@ impl Tally {
         };
         *slot += 1;
     }
+
+    /// A hand-back statement's counts; nothing when it failed (its claims
+    /// come due when their leases end).
+    pub(crate) fn holds(&mut self, holds: Option<outcomes::Holds>) {
+        let h = holds.unwrap_or_default();
+        self.held += h.held;
+        self.stale += h.stale;
+    }
 }
 
 /// A batch does not wait longer than this (or half the request timeout, if
@@ -155,7 +163,7 @@ pub(crate) async fn attempt_batch(
                 (d.row.id, d.row.attempt, wait, None)
             })
             .collect();
-        report.held += outcomes::hold(shared, &held).await.unwrap_or(0);
+        report.holds(outcomes::hold(shared, &held).await);
     }
     let carry = Carry::new(tokio::time::Instant::now() + carry_after, wake.cloned());
     // Each endpoint's URL and secrets, prepared once for this batch.
@@ -318,7 +326,7 @@ pub(crate) async fn collect(
             let group = std::mem::take(&mut holds);
             let shared = Arc::clone(shared);
             held.push(AbortOnDropHandle::new(tokio::spawn(async move {
-                outcomes::hold(&shared, &group).await.unwrap_or(0)
+                outcomes::hold(&shared, &group).await
             })));
         }
         if running.is_empty() && writes.is_empty() && held.is_empty() {
@@ -377,7 +385,7 @@ pub(crate) async fn collect(
             },
             Some(n) = held.next(), if !held.is_empty() => {
                 // A task that did not finish left its claims to their leases.
-                report.held += n.unwrap_or(0);
+                report.holds(n.ok().flatten());
             }
             () = sleep_until_some(flush_at) => {}
             () = sleep_until_some(carry_at) => {

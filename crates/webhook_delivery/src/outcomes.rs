@@ -104,16 +104,24 @@ pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
     Outcome::Released
 }
 
+/// What one hand-back statement did: the claims held, and the claims a later
+/// claim had superseded (left alone).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Holds {
+    pub held: usize,
+    pub stale: usize,
+}
+
 /// Hand back unsent claims to come due after their waits, in one statement
 /// ([`store::hold_unsent`]); counts each held one `held`, and each claim a
-/// later claim superseded meanwhile (left alone) `stale`. Returns how many
-/// were held, or `None` if the write failed: the claims then come due when
+/// later claim superseded meanwhile (left alone) `stale`. Returns both
+/// counts, or `None` if the write failed: the claims then come due when
 /// their claim leases end.
-pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<usize> {
+pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<Holds> {
     let statement_timeout = shared.config.statement_timeout;
     match store::hold_unsent(&shared.db, held, statement_timeout).await {
         Ok(n) => {
-            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            let n = usize::try_from(n).unwrap_or(usize::MAX).min(held.len());
             for _ in 0..n {
                 count(shared, &Outcome::Held);
             }
@@ -121,7 +129,10 @@ pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<usize> {
                 count(shared, &Outcome::Stale);
             }
             debug!(role = %Role::WebhookDelivery, held = n, "unsent webhook claims handed back for later");
-            Some(n)
+            Some(Holds {
+                held: n,
+                stale: held.len() - n,
+            })
         }
         Err(e) => {
             warn!(

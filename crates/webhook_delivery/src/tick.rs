@@ -221,7 +221,7 @@ async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
                 .iter()
                 .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
                 .collect();
-            t.held += crate::outcomes::hold(shared, &held).await.unwrap_or(0);
+            t.holds(crate::outcomes::hold(shared, &held).await);
         }
         Ok(_) => {}
         Err(e) => {

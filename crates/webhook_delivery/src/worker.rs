@@ -181,7 +181,7 @@ impl Worker {
                 wait,
                 why,
             } => match outcomes::hold(shared, &[(id, attempt, wait, why)]).await {
-                Some(1) => Outcome::Held,
+                Some(h) if h.held == 1 => Outcome::Held,
                 // A later claim has the delivery: nothing was handed back.
                 Some(_) => Outcome::Stale,
                 None => Outcome::Released,

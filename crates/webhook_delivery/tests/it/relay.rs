@@ -10,8 +10,9 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Tick};
 use scheduler::Wake;
-use testbed::TestDb;
+use sqlx::postgres::PgListener;
 use testbed::receiver::{Receiver, Reply};
+use testbed::{Leg, TestDb};
 use webhook_delivery::WorkerConfig;
 
 use crate::{
@@ -94,6 +95,51 @@ async fn the_fan_out_claims_for_the_delivery_role_only_under_its_live_token() {
     );
 }
 
+/// A fan-out that claimed every delivery it inserted for the delivery role
+/// of its process notifies nobody: it pokes that role in process, and a
+/// listening tick woken by the notification would find nothing in the table
+/// to claim (docs/adr/0090). One that left a delivery pending notifies the
+/// role's channel, as before.
+///
+/// Mutation check: the wake's condition as it was (any delivery inserted)
+/// notifies for the handed ones too, and this test fails
+/// (scripts/mutation-check `relay_no_notify`); the fan-out without its notify
+/// fails it at the pending one (`fanout_notify`).
+#[tokio::test]
+async fn a_fan_out_that_handed_every_delivery_over_notifies_nobody() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let mut listener = PgListener::connect(&t.app_url(Leg::Direct)).await.unwrap();
+    listener
+        .listen(scheduler::wake_channel(Role::WebhookDelivery))
+        .await
+        .unwrap();
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let heard = leading_offered(
+        &t.db,
+        &wake,
+        (Duration::from_secs(30), 2, 2),
+        |tick| async move {
+            let all_handed = notified(&mut listener).await;
+            // Two waiting: a room of one for two more deliveries.
+            let lease = Duration::from_secs(30);
+            offered(&db, &relay, tick.fence.token(), lease, 3, 2).await;
+            (all_handed, notified(&mut listener).await)
+        },
+    )
+    .await;
+    assert_eq!(wake.relay().waiting(), 3);
+    assert_eq!(heard, (false, true), "(all handed, one left pending)");
+}
+
+/// Whether `listener` hears a notification within 500 ms.
+async fn notified(listener: &mut PgListener) -> bool {
+    tokio::time::timeout(Duration::from_millis(500), listener.recv())
+        .await
+        .is_ok()
+}
+
 /// A fan-out while a delivery tick runs in the same process hands its
 /// deliveries over: each is sent once, at attempt 1, and its attempt is the
 /// one the fan-out's transaction counted (`last_attempt_at` is the
@@ -160,10 +206,14 @@ async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
 
 /// A tick cancelled (a shutdown, a lost lease) with deliveries handed over
 /// and not yet taken hands them back at once, unsent and their attempt not
-/// counted, instead of leaving them to their claim lease.
+/// counted, instead of leaving them to their claim lease. One that a later
+/// claim superseded meanwhile is left to that claim and reported stale
+/// (docs/adr/0089).
 ///
-/// Mutation check: without the hand-back they stay claimed for their lease
-/// and this test fails (scripts/mutation-check `relay_hand_back`).
+/// Mutation checks: without the hand-back they stay claimed for their lease
+/// and this test fails (scripts/mutation-check `relay_hand_back`); so does
+/// a tick's report leaving the superseded hold out of `stale`
+/// (`hold_stale_reported`).
 #[tokio::test]
 async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let t = TestDb::new().await;
@@ -171,21 +221,28 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let (w, _) = worker(&t.db, config());
     let w = w.with_wake(wake.clone());
-    let offer = (Duration::from_secs(30), 10, 2);
-    let relay = &wake;
+    let offer = (Duration::from_secs(30), 10, 3);
+    let (relay, db) = (&wake, &t.db);
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
-        assert_eq!(relay.relay().waiting(), 2);
+        assert_eq!(relay.relay().waiting(), 3);
+        // The last one claimed again, as after its lease.
+        db.execute(sql("UPDATE webhook_deliveries SET attempts = 2 \
+             WHERE id = (SELECT max(id) FROM webhook_deliveries)"))
+            .await
+            .unwrap();
         tick.cancel.cancel();
         w.run_tick(&tick).await
     })
     .await;
-    assert_eq!((report.claimed, report.held), (0, 2), "{report:?}");
+    let counts = (report.claimed, report.held, report.stale);
+    assert_eq!(counts, (0, 2, 1), "{report:?}");
     assert_eq!(wake.relay().waiting(), 0);
-    let d = deliveries(&t.db).await;
-    assert!(
-        d.iter().all(|d| d.attempts == 0 && d.due_in <= 0.0),
-        "{d:?}"
-    );
+    let d: Vec<(i32, bool)> = deliveries(&t.db)
+        .await
+        .iter()
+        .map(|d| (d.attempts, d.due_in <= 0.0))
+        .collect();
+    assert_eq!(d, [(0, true), (0, true), (2, false)]);
 }
 
 /// A claim statement that comes back full means the table holds a backlog:
