@@ -10,7 +10,7 @@
 //!  COMMIT                            │      insert one delivery per enabled endpoint
 //!                                    └──▶     of the same tenant subscribed to the type
 //!                    webhook_events          ON CONFLICT (event_id, endpoint_id) DO NOTHING
-//!                                           pg_notify(webhook_delivery) if any inserted pending
+//!                                           pg_notify(webhook_delivery) if any inserted
 //!                                         COMMIT                  ──▶ webhook_deliveries
 //! ```
 //!
@@ -41,9 +41,7 @@
 //! - **Woken, not only polled** (docs/adr/0014). [`enqueue`] also sends
 //!   `pg_notify` on the role's channel ([`scheduler::wake_channel`]) in the
 //!   producer's transaction, and the fan-out notifies `webhook_delivery` when
-//!   it inserted pending deliveries (not when it claimed every one it inserted
-//!   for the delivery role of its process, which it pokes in process instead:
-//!   docs/adr/0090). A [`Dispatcher`] given a listening
+//!   it inserted deliveries. A [`Dispatcher`] given a listening
 //!   [`scheduler::Wake`] ([`Dispatcher::with_wake`]) keeps its tick open
 //!   between notifications; without one, a tick that finds work claims again
 //!   every [`scheduler::BUSY_POLL`], and a [`Dispatcher`] that probes

@@ -112,7 +112,7 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            JOIN webhook_events ev ON ev.id = i.event_id \
            JOIN webhook_endpoints ep ON ep.id = i.endpoint_id \
            WHERE i.attempts = 1), \
-         wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins WHERE attempts = 0)) \
+         wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
                 (SELECT count(*) FROM ins) AS inserted, \
                 (SELECT count(*) FROM wake) AS woken, \
@@ -123,10 +123,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// The fenced funnel: in one transaction and one statement, claim up to
 /// `limit` undispatched events, stamp them dispatched, insert one pending
 /// delivery per enabled endpoint of the event's tenant subscribed to its type,
-/// and, if any was inserted pending, wake the `webhook_delivery` role
-/// (`pg_notify`, sent at commit; docs/adr/0014). Deliveries claimed for the
-/// delivery role of this process are not notified for: the caller hands them
-/// over and pokes that role in process (docs/adr/0090).
+/// and, if any was inserted, wake the `webhook_delivery` role (`pg_notify`,
+/// sent at commit; docs/adr/0014).
 ///
 /// Tenants are interleaved (docs/adr/0048): every tenant with undispatched
 /// events among the next [`db::TENANTS_PER_CLAIM`] after `cursor` gets its

@@ -10,9 +10,8 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Tick};
 use scheduler::Wake;
-use sqlx::postgres::PgListener;
 use testbed::receiver::{Receiver, Reply};
-use testbed::{Leg, TestDb};
+use testbed::TestDb;
 use webhook_delivery::WorkerConfig;
 
 use crate::{
@@ -93,51 +92,6 @@ async fn the_fan_out_claims_for_the_delivery_role_only_under_its_live_token() {
             (0, false)
         ]
     );
-}
-
-/// A fan-out that claimed every delivery it inserted for the delivery role
-/// of its process notifies nobody: it pokes that role in process, and a
-/// listening tick woken by the notification would find nothing in the table
-/// to claim (docs/adr/0090). One that left a delivery pending notifies the
-/// role's channel, as before.
-///
-/// Mutation check: the wake's condition as it was (any delivery inserted)
-/// notifies for the handed ones too, and this test fails
-/// (scripts/mutation-check `relay_no_notify`); the fan-out without its notify
-/// fails it at the pending one (`fanout_notify`).
-#[tokio::test]
-async fn a_fan_out_that_handed_every_delivery_over_notifies_nobody() {
-    let t = TestDb::new().await;
-    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let mut listener = PgListener::connect(&t.app_url(Leg::Direct)).await.unwrap();
-    listener
-        .listen(scheduler::wake_channel(Role::WebhookDelivery))
-        .await
-        .unwrap();
-    let (db, relay) = (t.db.clone(), wake.clone());
-    let heard = leading_offered(
-        &t.db,
-        &wake,
-        (Duration::from_secs(30), 2, 2),
-        |tick| async move {
-            let all_handed = notified(&mut listener).await;
-            // Two waiting: a room of one for two more deliveries.
-            let lease = Duration::from_secs(30);
-            offered(&db, &relay, tick.fence.token(), lease, 3, 2).await;
-            (all_handed, notified(&mut listener).await)
-        },
-    )
-    .await;
-    assert_eq!(wake.relay().waiting(), 3);
-    assert_eq!(heard, (false, true), "(all handed, one left pending)");
-}
-
-/// Whether `listener` hears a notification within 500 ms.
-async fn notified(listener: &mut PgListener) -> bool {
-    tokio::time::timeout(Duration::from_millis(500), listener.recv())
-        .await
-        .is_ok()
 }
 
 /// A fan-out while a delivery tick runs in the same process hands its
