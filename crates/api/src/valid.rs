@@ -21,8 +21,12 @@ pub fn event_type(param: &str, value: &str) -> Result<(), ApiError> {
     }
 }
 
-/// A payload's JSON text within what the outbox accepts.
-pub fn payload(param: &str, json: &str) -> Result<(), ApiError> {
+/// A payload within what the outbox accepts: `json`, the text of `value`,
+/// within its size, and no string or key of `value` holding a NUL (jsonb
+/// cannot store one). The NUL is looked for in the parsed strings, not in
+/// the text: a string holding a backslash and `u0000` is written `\\u0000`
+/// there, and is stored as it is.
+pub fn payload(param: &str, value: &serde_json::Value, json: &str) -> Result<(), ApiError> {
     if json.len() > outbox::webhook::MAX_PAYLOAD_BYTES {
         return Err(ApiError::out_of_range(
             param,
@@ -33,7 +37,7 @@ pub fn payload(param: &str, json: &str) -> Result<(), ApiError> {
             ),
         ));
     }
-    if json.contains("\\u0000") {
+    if outbox::webhook::contains_nul(value) {
         return Err(ApiError::param(
             param,
             "the payload holds a NUL character (\\u0000), which cannot be stored",

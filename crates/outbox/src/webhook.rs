@@ -197,7 +197,7 @@ fn check_event(event_type: &str, payload_json: &str) -> Result<(), EnqueueError>
 }
 
 /// True if a string or key anywhere in `value` holds a NUL character.
-fn contains_nul(value: &serde_json::Value) -> bool {
+pub fn contains_nul(value: &serde_json::Value) -> bool {
     use serde_json::Value;
     match value {
         Value::String(s) => s.contains('\0'),

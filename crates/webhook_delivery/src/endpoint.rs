@@ -87,6 +87,12 @@ pub fn parse_endpoint_url(url: &str) -> Result<Url, EndpointError> {
     if parsed.host_str().is_none_or(str::is_empty) {
         return Err(EndpointError::MissingHost);
     }
+    // The URL is stored and sent as parsed: percent-encoding can make it
+    // several times longer than what was given.
+    let stored = parsed.as_str().len();
+    if stored > MAX_URL_LEN {
+        return Err(EndpointError::UrlTooLong { len: stored });
+    }
     Ok(parsed)
 }
 
@@ -425,6 +431,15 @@ mod tests {
         assert!(matches!(
             parse_endpoint_url(&long),
             Err(EndpointError::UrlTooLong { .. })
+        ));
+        // 1,000 bytes as given, 3,000 once percent-encoded as stored.
+        // Mutation `endpoint_url_stored_len` (the stored length unchecked)
+        // accepts it.
+        let encoded = format!("https://example.com/{}", "\"".repeat(1000));
+        assert!(encoded.len() <= MAX_URL_LEN);
+        assert!(matches!(
+            parse_endpoint_url(&encoded),
+            Err(EndpointError::UrlTooLong { len }) if len > 3000
         ));
     }
 

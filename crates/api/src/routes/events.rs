@@ -89,7 +89,7 @@ pub async fn publish(
     let NewEvent { event_type, data } = &body.value;
     valid::event_type("type", event_type)?;
     let payload = data.to_string();
-    valid::payload("data", &payload)?;
+    valid::payload("data", data, &payload)?;
     if idem.key.is_none() {
         // Nothing to bind a key to: authenticate, insert and commit in one
         // message.

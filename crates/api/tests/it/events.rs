@@ -144,3 +144,26 @@ async fn keys_that_copy_a_prefix_do_not_spend_the_real_keys_rate() {
     }
     assert!(seen.contains(&429), "limited by its own burst: {seen:?}");
 }
+
+/// A payload whose string holds a backslash followed by `u0000` (text, not
+/// a NUL) is stored and answered as sent; one whose string holds a NUL is
+/// refused with a 400 naming `data`, and nothing is written.
+///
+/// Catches: the NUL looked for in the payload's JSON text (as it was), where
+/// the escaped backslash reads `\\u0000` and the first payload was refused
+/// (mutation `payload_nul_text`).
+#[tokio::test]
+async fn a_backslash_before_u0000_is_text_and_only_a_nul_is_refused() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let text = json!({"type": "file.saved", "data": {"path": "C:\\u0000"}});
+    let a = s.post("/v1/events", &key, text.clone()).await;
+    assert_eq!(a.status, 201, "{}", a.text);
+    assert_eq!(a.json["data"]["path"], "C:\\u0000");
+    let nul = json!({"type": "file.saved", "data": {"path": "C:\u{0}"}});
+    let refused = s.post("/v1/events", &key, nul).await;
+    assert_eq!(refused.status, 400, "{}", refused.text);
+    assert_eq!(refused.json["error"]["param"], "data", "{}", refused.text);
+    assert_eq!(events_of(&t, "acme").await, 1);
+}
