@@ -226,6 +226,23 @@ impl fmt::Debug for Provider {
 /// How many pages of a customer's intents a lookup reads (100 each).
 const LOOKUP_PAGES: usize = 5;
 
+/// What a customer's intents since an attempt say of it
+/// ([`Provider::find_payment_intent`]).
+#[derive(Debug)]
+pub enum Listed {
+    /// An intent carries the attempt's key: what it says.
+    Found(ChargeOutcome),
+    /// None of them carries it (the request never executed, or it was a
+    /// legacy key sent without metadata).
+    Absent,
+    /// More of them than a lookup reads, none of those read carrying it
+    /// (docs/adr/0090): whether the rest do is not known.
+    Unread {
+        /// How many were read.
+        read: usize,
+    },
+}
+
 impl Provider {
     /// # Errors
     /// The HTTP client could not be built (no TLS roots); the message names
@@ -292,16 +309,16 @@ impl Provider {
 
     /// The provider's record of the attempt under `key`, found among the
     /// customer's intents created since `since` (Unix seconds) by its
-    /// `metadata[hardcount_attempt]`: `Ok(None)` when no intent carries it
-    /// (the request never executed, or it was a legacy key sent without
-    /// metadata), `Err` with why the list could not be read.
+    /// `metadata[hardcount_attempt]` ([`Listed`]), newest first, at most
+    /// `LOOKUP_PAGES` pages; `Err` with why the list could not be read.
     pub async fn find_payment_intent(
         &self,
         customer: &str,
         key: &str,
         since: i64,
-    ) -> Result<Option<ChargeOutcome>, ChargeOutcome> {
+    ) -> Result<Listed, ChargeOutcome> {
         let mut after: Option<String> = None;
+        let mut read = 0;
         for _ in 0..LOOKUP_PAGES {
             let url = {
                 let mut query = url::form_urlencoded::Serializer::new(String::new());
@@ -360,24 +377,18 @@ impl Provider {
                 .iter()
                 .find(|pi| pi["metadata"]["hardcount_attempt"].as_str() == Some(key))
             {
-                return Ok(Some(intent_outcome(found, || self.raw(&text))));
+                return Ok(Listed::Found(intent_outcome(found, || self.raw(&text))));
             }
+            read += data.len();
             match (
                 list["has_more"].as_bool(),
                 data.last().and_then(|pi| pi["id"].as_str()),
             ) {
                 (Some(true), Some(last)) => after = Some(last.to_owned()),
-                _ => return Ok(None),
+                _ => return Ok(Listed::Absent),
             }
         }
-        Err(ChargeOutcome::Unknown {
-            reason: format!(
-                "more than {} recent intents of the customer; not found in them",
-                LOOKUP_PAGES * 100
-            ),
-            payment_intent: None,
-            outage: false,
-        })
+        Ok(Listed::Unread { read })
     }
 
     async fn fetch(

@@ -40,7 +40,7 @@ use tracing::{info, warn};
 
 use crate::batch::Settled;
 use crate::batch::{self, Answer, Gate, Started};
-use crate::provider::ChargeOutcome;
+use crate::provider::{ChargeOutcome, Listed};
 use crate::{Biller, Error};
 use store::UnknownAttempt;
 
@@ -76,7 +76,8 @@ fn check_identity(fence: &Fence) -> String {
 /// What the provider's record says of one open attempt, without ever
 /// sending it again once its key may be forgotten (docs/adr/0024): the
 /// intent by id when an answer named one; else the customer's intents
-/// searched for the attempt's metadata; else, only while the key is
+/// searched for the attempt's metadata; else (none carries it, or more
+/// intents than a lookup reads: docs/adr/0090), only while the key is
 /// certainly alive, the same request under the same key (which answers
 /// the stored result, or executes once if the first never did); else
 /// needs review.
@@ -91,23 +92,41 @@ async fn look_up(biller: &Biller, u: &UnknownAttempt) -> ChargeOutcome {
     if let Some(pi) = &u.payment_intent {
         return provider.get_payment_intent(pi).await;
     }
+    // Nothing under the key has left (docs/adr/0081), so no intent carries
+    // it: the request goes without a listing, whose refusal or outage would
+    // say nothing and yet leave the attempt counted as sent (docs/adr/0091).
+    if u.never_sent {
+        return provider
+            .create_payment_intent(&batch::request(&started(u)))
+            .await;
+    }
     let key = &u.idempotency_key;
     match provider
         .find_payment_intent(&u.claim.provider_customer, key, u.listed_since)
         .await
     {
-        Ok(Some(found)) => found,
+        Ok(Listed::Found(found)) => found,
         Err(why) => why,
-        Ok(None) if u.resend_ok => {
+        Ok(Listed::Absent | Listed::Unread { .. }) if u.resend_ok => {
             provider
                 .create_payment_intent(&batch::request(&started(u)))
                 .await
         }
-        Ok(None) => ChargeOutcome::NeedsReview {
+        Ok(Listed::Absent) => ChargeOutcome::NeedsReview {
             reason: "no payment intent carries this attempt's key, and the key may be \
                      forgotten by the provider (first sent before the resend window): \
                      sending it again could charge twice; check the provider's dashboard"
                 .into(),
+            raw: None,
+            payment_intent: None,
+        },
+        Ok(Listed::Unread { read }) => ChargeOutcome::NeedsReview {
+            reason: format!(
+                "none of the customer's {read} newest payment intents since this attempt \
+                 carries its key, more were not read, and the key may be forgotten by the \
+                 provider (first sent before the resend window): sending it again could \
+                 charge twice; check the provider's dashboard"
+            ),
             raw: None,
             payment_intent: None,
         },

@@ -317,6 +317,7 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
         (Answer::Called(ChargeOutcome::Succeeded { .. }), Settled::Lost) => Retried::Unknown {
             attempt_seq,
             reason: "charged, but the claim was lost before settling".to_owned(),
+            unanswered: false,
         },
         (Answer::Called(ChargeOutcome::Declined { code, .. }), Settled::Written) => {
             Retried::Declined { attempt_seq, code }
@@ -324,6 +325,7 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
         (Answer::Called(ChargeOutcome::Declined { .. }), Settled::Lost) => Retried::Unknown {
             attempt_seq,
             reason: "declined, but the claim was lost before settling".to_owned(),
+            unanswered: false,
         },
         (Answer::Called(ChargeOutcome::Processing { payment_intent }), Settled::Written) => {
             Retried::Processing {
@@ -334,20 +336,24 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
         (Answer::Called(ChargeOutcome::Processing { .. }), Settled::Lost) => Retried::Unknown {
             attempt_seq,
             reason: "processing, but the claim was lost before settling".to_owned(),
+            unanswered: false,
         },
         (Answer::Called(ChargeOutcome::Unknown { reason, .. }), _) => Retried::Unknown {
             attempt_seq,
             reason,
+            unanswered: true,
         },
         // Not a definite answer for dunning: the run is rewound, and no retry
         // of the invoice is claimed while its attempt waits for an operator.
         (Answer::Called(other), _) => Retried::Unknown {
             attempt_seq,
             reason: format!("{other:?}"),
+            unanswered: false,
         },
         (Answer::NotSent, _) => Retried::Unknown {
             attempt_seq,
             reason: batch::NOT_SENT.to_owned(),
+            unanswered: false,
         },
     }
 }

@@ -56,7 +56,8 @@ pub(crate) async fn charge_runs(
             let attempt = run.attempt_count + 1;
             let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
             let plan = scheduler::catch(step, async {
-                run.policy.after_decline(run.first_declined_at, attempt)
+                run.policy
+                    .after_decline(run.first_declined_at, attempt, Utc::now())
             })
             .await;
             match plan {
@@ -195,8 +196,9 @@ pub(crate) async fn charge_runs(
                     _ => None,
                 },
             }),
-            Ok(Ok(Retried::Unknown { reason, .. })) => {
-                let unanswered = reason != payments::NOT_SENT;
+            Ok(Ok(Retried::Unknown {
+                reason, unanswered, ..
+            })) => {
                 let r = Retry::Rewound {
                     why: reason,
                     unanswered,
@@ -223,8 +225,10 @@ pub(crate) async fn charge_runs(
         let plan = planned.get(&run.id).cloned();
         let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
         let prepared = scheduler::catch(step, async {
-            let plan =
-                plan.unwrap_or_else(|| run.policy.after_decline(run.first_declined_at, attempt));
+            let plan = plan.unwrap_or_else(|| {
+                run.policy
+                    .after_decline(run.first_declined_at, attempt, Utc::now())
+            });
             Decline::planned(ctx, run, (attempt, held[&run.id]), code, plan)
         })
         .await;

@@ -78,7 +78,10 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
         let attempt = run.attempt_count + 1;
         let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
         let prepared = scheduler::catch(step, async {
-            match run.policy.after_decline(run.first_declined_at, attempt) {
+            match run
+                .policy
+                .after_decline(run.first_declined_at, attempt, Utc::now())
+            {
                 AfterDecline::Next { at } => {
                     let from = sender(run, &c.email_from);
                     let email = run
@@ -187,15 +190,10 @@ fn owed_decline<'a>(ctx: &Ctx, run: &'a Run) -> Decline<'a> {
         .owed_code
         .clone()
         .unwrap_or_else(|| "declined".to_owned());
-    let plan = match run
+    // Announced now: the next retry no sooner than the policy's gap from now.
+    let plan = run
         .policy
-        .after_decline(run.first_declined_at, run.attempt_count)
-    {
-        AfterDecline::Next { at } => AfterDecline::Next {
-            at: at.max(Utc::now()),
-        },
-        AfterDecline::Exhausted => AfterDecline::Exhausted,
-    };
+        .after_decline(run.first_declined_at, run.attempt_count, Utc::now());
     let listed = (run.attempt_count, run.next_attempt_at);
     Decline::planned(ctx, run, listed, code, plan)
 }

@@ -162,28 +162,48 @@ pub enum AfterDecline {
 }
 
 impl Policy {
-    /// What a decline of retry `attempt` (1-based) leads to. Planned before
-    /// the charge, from the run as listed.
+    /// What a decline of retry `attempt` (1-based), made (or counted) at
+    /// `now`, leads to. Planned before the charge, from the run as listed.
+    ///
+    /// The next retry is at its offset from the first decline, but never
+    /// sooner after this one than the policy's gap between the two offsets:
+    /// a retry made late (collection paused, a business window shut, the
+    /// role down) moves the rest of the schedule on by its lateness, instead
+    /// of leaving every later retry due at once (docs/adr/0092).
     ///
     /// # Panics
     /// When the next retry's time is out of range (an offset the funnel's
     /// check should have refused, or a corrupt `first_declined_at`). The panic
     /// guard rewinds the attempt and leaves the run out of the tick.
-    pub fn after_decline(&self, first_declined_at: DateTime<Utc>, attempt: i32) -> AfterDecline {
+    pub fn after_decline(
+        &self,
+        first_declined_at: DateTime<Utc>,
+        attempt: i32,
+        now: DateTime<Utc>,
+    ) -> AfterDecline {
         let n = usize::try_from(attempt).unwrap_or(0);
         match self.offsets_secs.get(n) {
             None => AfterDecline::Exhausted,
             Some(&secs) => {
+                let out_of_range = || -> ! {
+                    panic!(
+                        "dunning policy offset {secs} s (retry {}) is out of range",
+                        n + 1
+                    )
+                };
                 let at = TimeDelta::try_seconds(secs)
                     .filter(|d| *d > TimeDelta::zero())
                     .and_then(|d| first_declined_at.checked_add_signed(d))
-                    .unwrap_or_else(|| {
-                        panic!(
-                            "dunning policy offset {secs} s (retry {}) is out of range",
-                            n + 1
-                        )
-                    });
-                AfterDecline::Next { at }
+                    .unwrap_or_else(|| out_of_range());
+                let previous = n
+                    .checked_sub(1)
+                    .and_then(|i| self.offsets_secs.get(i))
+                    .copied()
+                    .unwrap_or(0);
+                let gap = TimeDelta::try_seconds((secs - previous).max(0))
+                    .and_then(|gap| now.checked_add_signed(gap))
+                    .unwrap_or_else(|| out_of_range());
+                AfterDecline::Next { at: at.max(gap) }
             }
         }
     }
@@ -213,23 +233,48 @@ mod tests {
         let p = policy(&DEFAULT_OFFSETS_SECS);
         let t0: DateTime<Utc> = "2026-01-31T10:00:00Z".parse().unwrap();
         let day = TimeDelta::days(1);
-        // Retry 1 declined → retry 2 at day 3, not day 1 + 3.
+        // Retry 1 declined on time → retry 2 at day 3, not day 1 + 3.
         assert_eq!(
-            p.after_decline(t0, 1),
+            p.after_decline(t0, 1, t0 + day),
             AfterDecline::Next { at: t0 + day * 3 }
         );
         assert_eq!(
-            p.after_decline(t0, 3),
+            p.after_decline(t0, 3, t0 + day * 5),
             AfterDecline::Next { at: t0 + day * 7 }
         );
-        assert_eq!(p.after_decline(t0, 4), AfterDecline::Exhausted);
+        assert_eq!(
+            p.after_decline(t0, 4, t0 + day * 7),
+            AfterDecline::Exhausted
+        );
         assert!(p.warns_after(1) && !p.warns_after(2));
+    }
+
+    /// A retry made late moves the rest on by its lateness: retry 1 (day 1)
+    /// made on day 10 schedules retry 2 two days on (the gap between days 1
+    /// and 3), not at day 3, which has passed; retry 2 made a day late
+    /// schedules retry 3 two days on, at day 6 instead of day 5.
+    ///
+    /// Mutation check: the offset alone (`dunning_retry_gap`: the gap's floor
+    /// dropped, as before) schedules retry 2 at once, and this test fails.
+    #[test]
+    fn a_late_retry_moves_the_rest_of_the_schedule_on() {
+        let p = policy(&DEFAULT_OFFSETS_SECS);
+        let t0: DateTime<Utc> = "2026-01-31T10:00:00Z".parse().unwrap();
+        let day = TimeDelta::days(1);
+        assert_eq!(
+            p.after_decline(t0, 1, t0 + day * 10),
+            AfterDecline::Next { at: t0 + day * 12 }
+        );
+        assert_eq!(
+            p.after_decline(t0, 2, t0 + day * 4),
+            AfterDecline::Next { at: t0 + day * 6 }
+        );
     }
 
     #[test]
     #[should_panic(expected = "out of range")]
     fn a_corrupt_offset_panics_rather_than_schedules() {
-        policy(&[60, i64::MAX]).after_decline(Utc::now(), 1);
+        policy(&[60, i64::MAX]).after_decline(Utc::now(), 1, Utc::now());
     }
 
     #[test]

@@ -413,7 +413,11 @@ pub(super) async fn list_payment_intents(
     if let Some(refusal) = unauthorized(&shared, &headers) {
         return *refusal;
     }
-    let listed = list_query(raw.as_deref()).and_then(|q| list(&shared.ledger(), &q));
+    let listed = list_query(raw.as_deref()).and_then(|q| {
+        let mut l = shared.ledger();
+        l.list_requests += 1;
+        list(&l, &q)
+    });
     match listed {
         Ok(body) => axum::Json(body).into_response(),
         Err(refusal) => *refusal,

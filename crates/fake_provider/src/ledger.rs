@@ -149,6 +149,8 @@ pub(crate) struct Ledger {
     pub(crate) intents: Vec<Intent>,
     pub(crate) by_id: HashMap<String, usize>,
     pub(crate) create_requests: u32,
+    /// `GET /v1/payment_intents` requests that passed authentication.
+    pub(crate) list_requests: u32,
     /// Requests of any route refused with 401.
     pub(crate) unauthorized_requests: u32,
     pub(crate) ignore_minimums: bool,

@@ -33,6 +33,7 @@
 //!      otherwise                     ──▶ 200 payment_intent status succeeded (charged)
 //!  GET  /v1/payment_intents/{id}     the intent as it is now, or 404 resource_missing param intent
 //!  GET  /v1/payment_intents?customer=cus_…&created[gte]=UNIX&limit=1..100&starting_after=pi_…
+//!                                    counted by list_requests()
 //!                                    {"object":"list","url","has_more","data"} newest first;
 //!                                    a deleted customer (FakeProvider::delete_customer):
 //!                                    404 resource_missing, param customer
@@ -360,6 +361,11 @@ impl FakeProvider {
     /// replays and refusals included: whether a request was sent (again).
     pub fn create_requests(&self) -> u32 {
         self.shared.ledger().create_requests
+    }
+
+    /// `GET /v1/payment_intents` (list) requests that passed authentication.
+    pub fn list_requests(&self) -> u32 {
+        self.shared.ledger().list_requests
     }
 
     /// Requests of any route refused with 401 (a wrong or rolled key).

@@ -191,9 +191,17 @@ pub enum Retried {
         attempt_seq: i32,
         payment_intent: String,
     },
-    /// No answer to rely on (timeout, 5xx): the attempt is left unknown for
-    /// the reconciler, which settles it by its key.
-    Unknown { attempt_seq: i32, reason: String },
+    /// No answer to rely on (timeout, 5xx, a refusal billing cannot read as
+    /// a charge or a decline, an answer whose claim was lost): the attempt is
+    /// left unknown for the reconciler, which settles it by its key.
+    /// `unanswered`: no answer came at all (a timeout, a transport error, a
+    /// 5xx), what an outage looks like; a refusal or an answer not relied on
+    /// is an answer (docs/adr/0092).
+    Unknown {
+        attempt_seq: i32,
+        reason: String,
+        unanswered: bool,
+    },
     /// Nothing was charged.
     NotCharged(NotCharged),
 }

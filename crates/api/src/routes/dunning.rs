@@ -105,7 +105,9 @@ pub struct NewPolicy {
     #[schema(min_length = 1, max_length = 200)]
     pub name: Option<String>,
     /// Retry n is due `retry_offsets_secs[n - 1]` seconds after the first
-    /// decline: 1 to 20 retries, each 1 s to 366 days.
+    /// decline, and never sooner after retry n - 1 than the gap between
+    /// their offsets: a retry made late (collection paused, a business
+    /// window shut) moves the rest on. 1 to 20 retries, each 1 s to 366 days.
     #[schema(min_items = 1, max_items = 20)]
     pub retry_offsets_secs: Vec<i64>,
     pub final_action: FinalAction,

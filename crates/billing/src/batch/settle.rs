@@ -280,9 +280,18 @@ async fn settle_once(
                 let delay = s.first_send.then_some(0.0);
                 (reason.clone(), payment_intent.clone(), delay, false)
             }
-            Answer::Called(ChargeOutcome::RetryLater { reason, after }) => {
-                (reason.clone(), None, Some(after.as_secs_f64()), false)
-            }
+            // A 429 was refused before execution: a first send's stamp is
+            // taken back, as after a refused key (docs/adr/0091).
+            Answer::Called(ChargeOutcome::RetryLater {
+                reason,
+                after,
+                in_flight,
+            }) => (
+                reason.clone(),
+                None,
+                Some(after.as_secs_f64()),
+                s.first_send && !in_flight,
+            ),
             Answer::Called(ChargeOutcome::KeyRejected { message, .. }) => {
                 (message.clone(), None, Some(0.0), s.first_send)
             }

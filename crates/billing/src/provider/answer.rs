@@ -27,8 +27,14 @@ pub enum ChargeOutcome {
         outage: bool,
     },
     /// 409 (the key in flight) or 429: not executed; the same key later,
-    /// not before `after`.
-    RetryLater { reason: String, after: Duration },
+    /// not before `after`. `in_flight` for the 409: another request under
+    /// the key has left and may execute; a 429 is refused before execution,
+    /// so nothing under the key was sent by it (docs/adr/0091).
+    RetryLater {
+        reason: String,
+        after: Duration,
+        in_flight: bool,
+    },
     /// 401/403: this deployment's key is wrong or rolled. Nothing executed;
     /// nothing is recorded against the customer, and no further call is made
     /// this tick.
@@ -117,6 +123,19 @@ pub fn is_intent_id(id: &str) -> bool {
         })
 }
 
+/// An intent billing's request did not confirm ([`intent_outcome`]): for
+/// review, with its id.
+fn unconfirmed(id: String, status: &str, raw: impl Fn() -> String) -> ChargeOutcome {
+    ChargeOutcome::NeedsReview {
+        reason: format!(
+            "payment intent in status {status}: it was never confirmed with the customer's \
+             card, so nothing was charged by it; check the provider's dashboard"
+        ),
+        raw: Some(raw()),
+        payment_intent: Some(id),
+    }
+}
+
 /// The shape a decline or error code must have to be stored.
 fn is_code(code: &str) -> bool {
     (1..=64).contains(&code.len()) && code.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
@@ -149,10 +168,19 @@ pub(super) fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -
     match pi["status"].as_str() {
         Some("succeeded") => ChargeOutcome::Succeeded { payment_intent: id },
         Some("processing" | "requires_capture") => ChargeOutcome::Processing { payment_intent: id },
-        Some("requires_action" | "requires_confirmation") => ChargeOutcome::Declined {
+        Some("requires_action") => ChargeOutcome::Declined {
             code: "authentication_required".into(),
             payment_intent: Some(id),
         },
+        // Created and never confirmed, or never tried on the card: billing
+        // creates with `confirm=true`, so nothing it asked for happened and
+        // nothing was charged. Not a decline: no customer is told their card
+        // failed, and dunning does not hold the card as declined
+        // (docs/adr/0091).
+        Some("requires_confirmation") => unconfirmed(id, "requires_confirmation", raw),
+        Some("requires_payment_method") if error.is_null() => {
+            unconfirmed(id, "requires_payment_method, with no payment error", raw)
+        }
         Some("requires_payment_method" | "canceled") => match code {
             Some(c) if !is_code(c) => {
                 needs_review("a decline code of the wrong shape".into(), Some(raw()))
@@ -242,10 +270,12 @@ pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> Charge
         409 => ChargeOutcome::RetryLater {
             reason: format!("HTTP 409 {kind}: another request with this key is in flight"),
             after: Duration::from_secs(5),
+            in_flight: true,
         },
         429 => ChargeOutcome::RetryLater {
             reason: format!("HTTP 429 {kind}: rate limited"),
             after: Duration::from_secs(retry_after.unwrap_or(60).clamp(1, 3600)),
+            in_flight: false,
         },
         400 | 404 if kind == "idempotency_error" => needs_review(
             format!(
@@ -325,6 +355,8 @@ mod tests {
             (200, r#"{"id":"pi_1","status":"requires_action"}"#.into(), false, "declined:authentication_required"),
             (200, r#"{"id":"pi_1","status":"requires_payment_method","last_payment_error":{"code":"card_declined","decline_code":"insufficient_funds"}}"#.into(), false, "declined:insufficient_funds"),
             (200, r#"{"id":"pi_1","status":"canceled"}"#.into(), false, "declined:canceled"),
+            (200, r#"{"id":"pi_1","status":"requires_confirmation"}"#.into(), false, "review"),
+            (200, r#"{"id":"pi_1","status":"requires_payment_method","last_payment_error":null}"#.into(), false, "review"),
             (200, r#"{"object":"payment_intent","status":"succeeded"}"#.into(), false, "review"),
             (200, r#"{"id":"pi_bad id/../x","status":"succeeded"}"#.into(), false, "review"),
             (200, "<html>upstream proxy error</html>".into(), false, "review"),

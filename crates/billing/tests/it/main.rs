@@ -10,6 +10,7 @@ mod drain;
 mod guards;
 mod invoicing;
 mod lifecycle;
+mod lookup;
 mod periods;
 mod plans;
 mod reconcile;

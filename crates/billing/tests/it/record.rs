@@ -16,7 +16,7 @@ use crate::{biller, config, open_invoices, strings, tick};
 
 /// Charging through `p` with a 300 ms call budget and a 1 s claim lease, and
 /// the reconciler looking again at once.
-fn charging(p: &FakeProvider) -> BillingConfig {
+pub(crate) fn charging(p: &FakeProvider) -> BillingConfig {
     BillingConfig {
         provider: Some(ProviderConfig {
             base_url: p.base_url(),
@@ -34,7 +34,7 @@ async fn count(db: &Db, q: &'static str) -> i64 {
 }
 
 /// Past the claim lease, so the reconciler may look.
-async fn after_the_lease() {
+pub(crate) async fn after_the_lease() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
 }
 

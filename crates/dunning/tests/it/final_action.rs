@@ -37,6 +37,7 @@ async fn exhaustion_runs_the_final_action_once() {
     p.set_behaviour(&a.customer, Behaviour::Decline("card_declined".into()));
     let (d, metrics) = dunner(&t.db, &p, CALL, config());
     assert_eq!(tick(&t.db, &d).await.tally.declined, 1);
+    crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.exhausted, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("exhausted".to_owned(), 2));

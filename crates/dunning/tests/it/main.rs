@@ -208,6 +208,31 @@ pub async fn payment_failed(db: &Db) -> i64 {
     .get("n")
 }
 
+/// Every active run scheduled later made due now, as its schedule's gap would
+/// after a while. The test runs are declined an hour before their policy's
+/// one-minute offsets, so a retry made now schedules the next one a minute on,
+/// not at its passed offset (docs/adr/0092).
+pub async fn due_now(db: &Db) {
+    db.execute(sql("UPDATE dunning_runs SET next_attempt_at = now() \
+         WHERE status = 'active' AND next_attempt_at > now()"))
+        .await
+        .unwrap();
+}
+
+/// Seconds from now to the run's next attempt.
+pub async fn next_retry_in(db: &Db, invoice: i64) -> f64 {
+    db.fetch_one(
+        sql(
+            "SELECT extract(epoch FROM next_attempt_at - now())::float8 AS s \
+             FROM dunning_runs WHERE invoice_id = $1",
+        )
+        .bind(invoice),
+    )
+    .await
+    .unwrap()
+    .get("s")
+}
+
 /// Seconds from the run's first decline to its next attempt.
 pub async fn next_retry_offset(db: &Db, invoice: i64) -> f64 {
     db.fetch_one(

@@ -118,8 +118,10 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
-    // Retry 2 is due (120 s after a decline an hour ago), but the run waits
-    // while retry 1 is processing: a hold, no call, nothing announced.
+    // Retry 2 is due (made due: it is the policy's gap after retry 1), but
+    // the run waits while retry 1 is processing: a hold, no call, nothing
+    // announced.
+    due_now().await;
     let r = tick(&t.db, &d).await;
     assert_eq!((r.tally.pending, r.tally.rewound), (1, 0), "{r:?}");
     assert_eq!(p.create_requests(), 1);
@@ -141,6 +143,8 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
         vec!["dunning.started", "dunning.attempt_failed"]
     );
     assert_eq!(dunning_emails(&t.db).await.len(), 1);
+    // Retry 2 is the policy's gap after the decline was announced (docs/adr/0092).
+    due_now().await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));

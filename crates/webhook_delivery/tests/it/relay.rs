@@ -10,8 +10,8 @@ use std::time::Duration;
 use db::{Db, Row, sql};
 use leader::{Role, Tick};
 use scheduler::Wake;
-use testbed::receiver::{Receiver, Reply};
 use testbed::TestDb;
+use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::WorkerConfig;
 
 use crate::{

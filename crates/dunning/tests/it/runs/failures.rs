@@ -146,6 +146,32 @@ async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
     assert!(rendered.contains(&line), "{rendered}");
 }
 
+/// Answers that are not a charge or a decline (here, bodies billing cannot
+/// trust, which it sends to review) are answers: a batch of them is not an
+/// outage, and the tick does not fail for it. Each run is rewound, as for
+/// any outcome not relied on.
+///
+/// Mutation check: every unknown outcome counted unanswered, as before
+/// (`dunning_answered_unknown`), takes the batch for an outage, and this test
+/// fails.
+#[tokio::test]
+async fn answers_not_relied_on_are_not_an_outage() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    for _ in 0..dunning::OUTAGE_UNANSWERED {
+        let a = declined_invoice(&t.db, "tenant_a").await;
+        p.set_behaviour(
+            &a.customer,
+            Behaviour::Malformed(fake_provider::MalformedKind::NotJson),
+        );
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert!(!matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+    assert_eq!(r.tally.unanswered, 0, "{r:?}");
+}
+
 /// A rolled secret key during retries is this deployment's error: one call is
 /// refused, the batch's runs are rewound uncounted, nothing is recorded
 /// against the customers (no `payment.failed`, no email), the tick ends

@@ -40,13 +40,16 @@ async fn a_hard_decline_waits_for_a_new_payment_method() {
         "{asked:?}"
     );
     p.set_behaviour(&a.customer, Behaviour::Succeed);
+    crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.not_attempted, 1, "{r:?}");
     assert_eq!(r.tally.recovered + r.tally.declined, 0, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
     assert_eq!(p.create_requests(), 1);
     assert_eq!(crate::payment_failed(&t.db).await, 1);
-    assert_eq!(crate::next_retry_offset(&t.db, a.invoice).await, 180.0);
+    // Retry 3 the policy's gap (60 s) after retry 2, counted an hour late.
+    let next = crate::next_retry_in(&t.db, a.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
     assert_eq!(
         events(&t.db).await,
         [
@@ -65,6 +68,7 @@ async fn a_hard_decline_waits_for_a_new_payment_method() {
         )
         .await
         .unwrap();
+    crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.recovered, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("recovered".to_owned(), 3));
@@ -74,7 +78,8 @@ async fn a_hard_decline_waits_for_a_new_payment_method() {
 
 /// A customer without a payment method: each due retry is counted without a
 /// provider call, the next one scheduled by the policy (60 s × n after the
-/// first decline), the warning asks for a payment method, and the last one
+/// first decline, or the gap after the one before when that has passed:
+/// docs/adr/0092), the warning asks for a payment method, and the last one
 /// exhausts the run: the invoice is written off, announced, and the final
 /// notice says so. Nothing is sent to the provider, no `payment.failed`.
 ///
@@ -92,7 +97,9 @@ async fn a_run_without_a_payment_method_reaches_its_final_action_on_schedule() {
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.not_attempted, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
-    assert_eq!(crate::next_retry_offset(&t.db, a.invoice).await, 120.0);
+    let next = crate::next_retry_in(&t.db, a.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
+    crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.exhausted, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("exhausted".to_owned(), 2));
@@ -182,6 +189,7 @@ async fn adding_a_payment_method_resumes_charging() {
     crate::remove_payment_method(&t.db, &a.customer).await;
     let (d, _) = dunner(&t.db, &p, CALL, config());
     assert_eq!(tick(&t.db, &d).await.tally.not_attempted, 1);
+    crate::due_now(&t.db).await;
     let d2 = d.clone();
     let listed = crate::as_leader(
         &crate::manager(&t.db, "lister"),

@@ -142,7 +142,8 @@ async fn decline_decline_success_recovers_after_the_third_retry() {
             run_of(&t.db, a.invoice).await,
             ("active".to_owned(), expected)
         );
-        // The next retry is 60 s × n after the first decline, an hour ago: due now.
+        // The next retry is a minute on (the policy's gap); made due now.
+        crate::due_now(&t.db).await;
     }
     p.set_behaviour(&a.customer, Behaviour::Succeed);
     let r = tick(&t.db, &d).await;

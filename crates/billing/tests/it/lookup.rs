@@ -1,0 +1,200 @@
+//! The reconciler's look at an open attempt. Among more of the customer's
+//! payment intents than it reads (docs/adr/0090): inside the resend window
+//! the same request goes again under the same key, which the provider
+//! answers with its stored result; past it, the attempt needs review. Before,
+//! such an attempt stayed unknown at every look, for ever. And a first send
+//! refused with 429 left nothing sent (docs/adr/0091): the attempt stays
+//! never sent, and its next send is made without a listing.
+
+use std::time::Duration;
+
+use billing::ReconcileTally;
+use db::{Row, sql};
+use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
+use testbed::TestDb;
+
+use crate::record::{after_the_lease, charging};
+use crate::{biller, open_invoices, strings, tick};
+
+/// `n` more succeeded intents of `customer`, each under a key of its own,
+/// sent to the provider as another integration of the same account would.
+async fn crowd(p: &FakeProvider, customer: &str, n: usize) {
+    let client = reqwest::Client::new();
+    for i in 0..n {
+        let answer = client
+            .post(format!("{}/v1/payment_intents", p.base_url()))
+            .bearer_auth(TEST_SECRET_KEY)
+            .header("idempotency-key", format!("elsewhere-{i}"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(
+                url::form_urlencoded::Serializer::new(String::new())
+                    .append_pair("amount", "500")
+                    .append_pair("currency", "usd")
+                    .append_pair("customer", customer)
+                    .append_pair("payment_method", "pm_card_visa")
+                    .append_pair("confirm", "true")
+                    .append_pair("off_session", "true")
+                    .finish(),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200, "{}", answer.text().await.unwrap());
+    }
+}
+
+/// The charge hangs (charged and stored, never answered), then 500 more of
+/// the customer's intents are made: the attempt's is the 501st newest. The
+/// lookup reads 500 without finding it; inside the resend window the same
+/// request goes again, the provider answers its stored success, and the
+/// invoice is paid with one charge under the key.
+///
+/// Mutation check: the unread rest not resent (`lookup_unread_resend`: as
+/// past the window) leaves the attempt for review, and this test fails; the
+/// lookup as it was (unknown again at every look) fails it too.
+#[tokio::test]
+async fn an_attempt_beyond_the_intents_read_is_resent_under_its_key_inside_the_window() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let customer = open[0].1.clone();
+    p.set_behaviour(&customer, Behaviour::Hang);
+    let (b, _) = biller(&t.db, charging(&p));
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    p.set_behaviour(&customer, Behaviour::Succeed);
+    crowd(&p, &customer, 500).await;
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.paid, 1, "{report:?}");
+    assert_eq!(p.total_charges(), 501, "one charge under the attempt's key");
+    assert_eq!(
+        p.create_requests(),
+        502,
+        "the attempt, the crowd, the resend"
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["paid"]
+    );
+    after_the_lease().await;
+    let again = tick(&t.db, &b).await;
+    assert_eq!(again.reconciled, ReconcileTally::default(), "{again:?}");
+}
+
+/// The same past the resend window (the first send 13 h ago, the key maybe
+/// forgotten): the attempt needs review, saying why, and is never sent again.
+///
+/// Mutation check: the unread rest read as no answer (`lookup_unread_review`:
+/// unknown again, as before) leaves the attempt unknown, and this test fails.
+#[tokio::test]
+async fn past_the_window_an_attempt_beyond_the_intents_read_needs_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let customer = open[0].1.clone();
+    p.set_behaviour(&customer, Behaviour::Hang);
+    let (b, _) = biller(&t.db, charging(&p));
+    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
+    p.set_behaviour(&customer, Behaviour::Succeed);
+    crowd(&p, &customer, 500).await;
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE payment_attempts SET first_sent_at = now() - interval '13 hours'")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.needs_review, 1, "{report:?}");
+    assert_eq!(p.create_requests(), 501, "never sent again");
+    let reason = strings(&t.db, "SELECT review_reason FROM invoices").await;
+    assert!(reason[0].contains("500 newest"), "{reason:?}");
+}
+
+/// Whether the one attempt is still never sent (`first_sent_at IS NULL`).
+async fn never_sent(t: &TestDb) -> bool {
+    t.db.fetch_one(sql(
+        "SELECT first_sent_at IS NULL AS never FROM payment_attempts",
+    ))
+    .await
+    .unwrap()
+    .get("never")
+}
+
+/// Auto-charge's first send is answered 429 (refused before execution:
+/// nothing stored under the key), so the attempt stays never sent. The
+/// tenant then pauses collection: the attempt follows auto-charge's rule
+/// (docs/adr/0071, 0081) and the paused invoice is not charged.
+///
+/// Mutation check: the 429 taken as a send (`rate_limited_unsent`: the stamp
+/// kept, as before) lets the reconciler skip the rule and charge into the
+/// pause, and this test fails.
+#[tokio::test]
+async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let customer = open[0].1.clone();
+    p.set_behaviour(
+        &customer,
+        Behaviour::RateLimited {
+            retry_after_secs: 1,
+        },
+    );
+    let (b, _) = biller(&t.db, charging(&p));
+    let first = tick(&t.db, &b).await;
+    assert_eq!(
+        (p.create_requests(), p.total_charges()),
+        (1, 0),
+        "{first:?}"
+    );
+    assert!(never_sent(&t).await, "a 429 sent nothing");
+    sqlx::query("UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft'")
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    p.set_behaviour(&customer, Behaviour::Succeed);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (p.create_requests(), p.total_charges()),
+        (1, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["open"]
+    );
+}
+
+/// A never-sent attempt (its first send refused with 429) is sent by the
+/// reconciler without listing the customer's intents first: no request under
+/// its key has left, so none carries it, and a refused or failed listing
+/// would only have left the attempt counted as sent. It is paid by one send.
+///
+/// Mutation check: the listing made first (`never_sent_listed`: the
+/// reconciler's branch for never-sent attempts removed) makes a list request,
+/// and this test fails.
+#[tokio::test]
+async fn a_never_sent_attempt_is_sent_without_a_listing() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let customer = open[0].1.clone();
+    p.set_behaviour(
+        &customer,
+        Behaviour::RateLimited {
+            retry_after_secs: 1,
+        },
+    );
+    let (b, _) = biller(&t.db, charging(&p));
+    tick(&t.db, &b).await;
+    p.set_behaviour(&customer, Behaviour::Succeed);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.paid, 1, "{report:?}");
+    assert_eq!(
+        (p.list_requests(), p.create_requests(), p.total_charges()),
+        (0, 2, 1)
+    );
+    assert!(!never_sent(&t).await, "sent");
+}
