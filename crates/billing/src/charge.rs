@@ -70,8 +70,9 @@ pub struct ChargeTally {
     /// Refused as invalid or unreadable: waiting for an operator.
     pub needs_review: usize,
     /// Attempts recorded but not sent (the budget ended, or the tick was
-    /// cancelled, during the batch): their claims were given back and the
-    /// reconciler sends each by its key.
+    /// cancelled, during the batch; the key was refused; the send was
+    /// refused with 429): their claims were given back and the reconciler
+    /// sends each by its key.
     pub released: usize,
     pub panicked: usize,
 }
@@ -395,6 +396,17 @@ async fn charge_batch(
             ) => {
                 tally.needs_review += 1;
                 "needs_review"
+            }
+            // Refused before execution: nothing sent, the claim given back,
+            // the reconciler sends it after `Retry-After` (docs/adr/0091).
+            (
+                ChargeOutcome::RetryLater {
+                    in_flight: false, ..
+                },
+                Ok(Settled::Written),
+            ) if started.first_send => {
+                tally.released += 1;
+                "rate_limited"
             }
             (other, Ok(Settled::Written)) => {
                 tally.unknown += 1;

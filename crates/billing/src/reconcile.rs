@@ -7,10 +7,11 @@
 //!            per attempt, concurrently, each under the panic guard, the provider's
 //!            record (docs/adr/0024), never a resend once the key may be forgotten:
 //!              an intent id known      ─▶ GET /v1/payment_intents/{id}
+//!              never sent              ─▶ the POST under its key (docs/adr/0091)
 //!              else                    ─▶ the customer's recent intents, matched on
-//!                                         metadata[hardcount_attempt]
-//!              not found, key alive    ─▶ the same POST under the same key
-//!              not found, key may be gone ─▶ needs review
+//!                                         metadata[hardcount_attempt] (at most 500)
+//!              not found or not reached, key alive ─▶ the same POST under the same key
+//!              not found or not reached, key may be gone ─▶ needs review (0090)
 //!            then one settling transaction for the batch (crate::batch):
 //!                succeeded  ─▶ invoice.paid, payment.succeeded, receipt
 //!                declined   ─▶ payment.failed, its email
@@ -95,41 +96,38 @@ async fn look_up(biller: &Biller, u: &UnknownAttempt) -> ChargeOutcome {
     // Nothing under the key has left (docs/adr/0081), so no intent carries
     // it: the request goes without a listing, whose refusal or outage would
     // say nothing and yet leave the attempt counted as sent (docs/adr/0091).
-    if u.never_sent {
-        return provider
-            .create_payment_intent(&batch::request(&started(u)))
-            .await;
-    }
-    let key = &u.idempotency_key;
-    match provider
-        .find_payment_intent(&u.claim.provider_customer, key, u.listed_since)
-        .await
-    {
-        Ok(Listed::Found(found)) => found,
-        Err(why) => why,
-        Ok(Listed::Absent | Listed::Unread { .. }) if u.resend_ok => {
-            provider
+    let listed = if u.never_sent {
+        Ok(Listed::Absent)
+    } else {
+        provider
+            .find_payment_intent(
+                &u.claim.provider_customer,
+                &u.idempotency_key,
+                u.listed_since,
+            )
+            .await
+    };
+    let searched = match listed {
+        Ok(Listed::Found(found)) => return found,
+        Err(why) => return why,
+        _ if u.resend_ok => {
+            return provider
                 .create_payment_intent(&batch::request(&started(u)))
-                .await
+                .await;
         }
-        Ok(Listed::Absent) => ChargeOutcome::NeedsReview {
-            reason: "no payment intent carries this attempt's key, and the key may be \
-                     forgotten by the provider (first sent before the resend window): \
-                     sending it again could charge twice; check the provider's dashboard"
-                .into(),
-            raw: None,
-            payment_intent: None,
-        },
-        Ok(Listed::Unread { read }) => ChargeOutcome::NeedsReview {
-            reason: format!(
-                "none of the customer's {read} newest payment intents since this attempt \
-                 carries its key, more were not read, and the key may be forgotten by the \
-                 provider (first sent before the resend window): sending it again could \
-                 charge twice; check the provider's dashboard"
-            ),
-            raw: None,
-            payment_intent: None,
-        },
+        Ok(Listed::Absent) => "no payment intent carries this attempt's key".to_owned(),
+        Ok(Listed::Unread { read }) => format!(
+            "none of the customer's {read} newest payment intents since this attempt carries \
+             its key, and more were not read"
+        ),
+    };
+    ChargeOutcome::NeedsReview {
+        reason: format!(
+            "{searched}; the key may be forgotten by the provider (first sent before the \
+             resend window): sending it again could charge twice; check the provider's dashboard"
+        ),
+        raw: None,
+        payment_intent: None,
     }
 }
 

@@ -343,6 +343,21 @@ fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
             reason,
             unanswered: true,
         },
+        // Refused before execution for load: what an outage looks like to
+        // dunning's rule, which then stops its tick for the cooldown instead
+        // of sending the rest of its due runs into the limit (docs/adr/0092).
+        (
+            Answer::Called(ChargeOutcome::RetryLater {
+                reason,
+                in_flight: false,
+                ..
+            }),
+            _,
+        ) => Retried::Unknown {
+            attempt_seq,
+            reason,
+            unanswered: true,
+        },
         // Not a definite answer for dunning: the run is rewound, and no retry
         // of the invoice is claimed while its attempt waits for an operator.
         (Answer::Called(other), _) => Retried::Unknown {

@@ -195,8 +195,9 @@ pub enum Retried {
     /// a charge or a decline, an answer whose claim was lost): the attempt is
     /// left unknown for the reconciler, which settles it by its key.
     /// `unanswered`: no answer came at all (a timeout, a transport error, a
-    /// 5xx), what an outage looks like; a refusal or an answer not relied on
-    /// is an answer (docs/adr/0092).
+    /// 5xx) or the provider refused it for load (429), what an outage looks
+    /// like; a refusal of the request, or an answer not relied on, is an
+    /// answer (docs/adr/0092).
     Unknown {
         attempt_seq: i32,
         reason: String,

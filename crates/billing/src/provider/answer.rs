@@ -123,17 +123,22 @@ pub fn is_intent_id(id: &str) -> bool {
         })
 }
 
-/// An intent billing's request did not confirm ([`intent_outcome`]): for
-/// review, with its id.
-fn unconfirmed(id: String, status: &str, raw: impl Fn() -> String) -> ChargeOutcome {
+/// An intent [`intent_outcome`] cannot book: for review, with its id.
+fn intent_review(id: String, reason: String, raw: impl Fn() -> String) -> ChargeOutcome {
     ChargeOutcome::NeedsReview {
-        reason: format!(
-            "payment intent in status {status}: it was never confirmed with the customer's \
-             card, so nothing was charged by it; check the provider's dashboard"
-        ),
+        reason,
         raw: Some(raw()),
         payment_intent: Some(id),
     }
+}
+
+/// An intent billing's request did not confirm ([`intent_outcome`]).
+fn unconfirmed(id: String, status: &str, raw: impl Fn() -> String) -> ChargeOutcome {
+    let reason = format!(
+        "payment intent in status {status}: it was never confirmed with the customer's card, \
+         so nothing was charged by it; check the provider's dashboard"
+    );
+    intent_review(id, reason, raw)
 }
 
 /// The shape a decline or error code must have to be stored.
@@ -196,11 +201,7 @@ pub(super) fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -
                 payment_intent: Some(id),
             },
         },
-        other => ChargeOutcome::NeedsReview {
-            reason: format!("payment intent in status {other:?}"),
-            raw: Some(raw()),
-            payment_intent: Some(id),
-        },
+        other => intent_review(id, format!("payment intent in status {other:?}"), raw),
     }
 }
 
@@ -461,6 +462,15 @@ mod tests {
                 other => panic!("{status} {body}: {other:?}"),
             }
         }
+        // An answer kept without `classify` (a listing of intents, an intent
+        // read by id) is redacted where it is kept: `raw_answer`. Mutation
+        // `raw_redacted` keeps it whole.
+        let listing = format!(r#"{{"data":[{{"id":"pi_1","status":"weird","note":"{key}"}}]}}"#);
+        let kept = raw_answer(&listing, key);
+        assert!(
+            !kept.contains("very_secret") && kept.contains("[redacted]"),
+            "{kept}"
+        );
     }
 
     /// The reason of an answer that is not kept raw (stored as the attempt's

@@ -84,7 +84,7 @@ async fn an_attempt_beyond_the_intents_read_is_resent_under_its_key_inside_the_w
 /// The same past the resend window (the first send 13 h ago, the key maybe
 /// forgotten): the attempt needs review, saying why, and is never sent again.
 ///
-/// Mutation check: the unread rest read as no answer (`lookup_unread_review`:
+/// Mutation check: the unread rest read as no answer (`lookup_unread_unknown`:
 /// unknown again, as before) leaves the attempt unknown, and this test fails.
 #[tokio::test]
 async fn past_the_window_an_attempt_beyond_the_intents_read_needs_review() {
@@ -147,6 +147,7 @@ async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
         (1, 0),
         "{first:?}"
     );
+    assert_eq!(first.charges.released, 1, "{first:?}");
     assert!(never_sent(&t).await, "a 429 sent nothing");
     sqlx::query("UPDATE subscriptions SET pause_collection_behavior = 'keep_as_draft'")
         .execute(&mut t.superuser().await)

@@ -143,7 +143,11 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
         vec!["dunning.started", "dunning.attempt_failed"]
     );
     assert_eq!(dunning_emails(&t.db).await.len(), 1);
-    // Retry 2 is the policy's gap after the decline was announced (docs/adr/0092).
+    // Retry 2 is the policy's gap (60 s) after the decline was announced, not
+    // at its passed offset (docs/adr/0092). Mutation `owed_decline_gap` (the
+    // gap counted from the first decline) leaves it due at once.
+    let next = crate::next_retry_in(&t.db, a.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
     due_now().await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");

@@ -172,6 +172,38 @@ async fn answers_not_relied_on_are_not_an_outage() {
     assert_eq!(r.tally.unanswered, 0, "{r:?}");
 }
 
+/// The provider refuses every retry of a batch for load (429): that is an
+/// outage to dunning's rule, and the tick stops for the cooldown instead of
+/// sending the rest of its due runs into the limit. Each run is rewound.
+///
+/// Mutation check: the 429 counted as an answer (`dunning_rate_limited_outage`)
+/// lets the tick end drained, and this test fails.
+#[tokio::test]
+async fn a_batch_refused_for_load_is_an_outage() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let mut runs = Vec::new();
+    for _ in 0..dunning::OUTAGE_UNANSWERED {
+        let a = declined_invoice(&t.db, "tenant_a").await;
+        p.set_behaviour(
+            &a.customer,
+            Behaviour::RateLimited {
+                retry_after_secs: 30,
+            },
+        );
+        runs.push(a);
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
+    assert_eq!(r.tally.unanswered, runs.len(), "{r:?}");
+    for a in &runs {
+        assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    }
+    assert_eq!(p.total_charges(), 0);
+}
+
 /// A rolled secret key during retries is this deployment's error: one call is
 /// refused, the batch's runs are rewound uncounted, nothing is recorded
 /// against the customers (no `payment.failed`, no email), the tick ends
