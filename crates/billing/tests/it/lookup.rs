@@ -43,6 +43,32 @@ async fn crowd(p: &FakeProvider, customer: &str, n: usize) {
     }
 }
 
+/// One open invoice whose auto-charge is answered as `first` says, charged
+/// by one tick of a biller over `p`; then its customer's charges succeed.
+/// Returns the biller, the customer and the tick's report.
+async fn first_send(
+    t: &TestDb,
+    p: &FakeProvider,
+    first: Behaviour,
+) -> (billing::Biller, String, billing::TickReport) {
+    let open = open_invoices(&t.db, 1).await;
+    let customer = open[0].1.clone();
+    p.set_behaviour(&customer, first);
+    let (b, _) = biller(&t.db, charging(p));
+    let report = tick(&t.db, &b).await;
+    p.set_behaviour(&customer, Behaviour::Succeed);
+    (b, customer, report)
+}
+
+/// [`first_send`] hanging (charged and stored, never answered), then 500
+/// more of the customer's intents made: the attempt's is the 501st newest.
+async fn hung_behind_500(t: &TestDb, p: &FakeProvider) -> billing::Biller {
+    let (b, customer, first) = first_send(t, p, Behaviour::Hang).await;
+    assert_eq!(first.charges.unknown, 1, "{first:?}");
+    crowd(p, &customer, 500).await;
+    b
+}
+
 /// The charge hangs (charged and stored, never answered), then 500 more of
 /// the customer's intents are made: the attempt's is the 501st newest. The
 /// lookup reads 500 without finding it; inside the resend window the same
@@ -56,13 +82,7 @@ async fn crowd(p: &FakeProvider, customer: &str, n: usize) {
 async fn an_attempt_beyond_the_intents_read_is_resent_under_its_key_inside_the_window() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    let customer = open[0].1.clone();
-    p.set_behaviour(&customer, Behaviour::Hang);
-    let (b, _) = biller(&t.db, charging(&p));
-    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
-    p.set_behaviour(&customer, Behaviour::Succeed);
-    crowd(&p, &customer, 500).await;
+    let b = hung_behind_500(&t, &p).await;
     after_the_lease().await;
     let report = tick(&t.db, &b).await;
     assert_eq!(report.reconciled.paid, 1, "{report:?}");
@@ -90,13 +110,7 @@ async fn an_attempt_beyond_the_intents_read_is_resent_under_its_key_inside_the_w
 async fn past_the_window_an_attempt_beyond_the_intents_read_needs_review() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    let customer = open[0].1.clone();
-    p.set_behaviour(&customer, Behaviour::Hang);
-    let (b, _) = biller(&t.db, charging(&p));
-    assert_eq!(tick(&t.db, &b).await.charges.unknown, 1);
-    p.set_behaviour(&customer, Behaviour::Succeed);
-    crowd(&p, &customer, 500).await;
+    let b = hung_behind_500(&t, &p).await;
     let mut su = t.superuser().await;
     sqlx::query("UPDATE payment_attempts SET first_sent_at = now() - interval '13 hours'")
         .execute(&mut su)
@@ -109,6 +123,11 @@ async fn past_the_window_an_attempt_beyond_the_intents_read_needs_review() {
     let reason = strings(&t.db, "SELECT review_reason FROM invoices").await;
     assert!(reason[0].contains("500 newest"), "{reason:?}");
 }
+
+/// A 429 whose `Retry-After` is one second.
+const RATE_LIMITED: Behaviour = Behaviour::RateLimited {
+    retry_after_secs: 1,
+};
 
 /// Whether the one attempt is still never sent (`first_sent_at IS NULL`).
 async fn never_sent(t: &TestDb) -> bool {
@@ -132,16 +151,7 @@ async fn never_sent(t: &TestDb) -> bool {
 async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    let customer = open[0].1.clone();
-    p.set_behaviour(
-        &customer,
-        Behaviour::RateLimited {
-            retry_after_secs: 1,
-        },
-    );
-    let (b, _) = biller(&t.db, charging(&p));
-    let first = tick(&t.db, &b).await;
+    let (b, _, first) = first_send(&t, &p, RATE_LIMITED).await;
     assert_eq!(
         (p.create_requests(), p.total_charges()),
         (1, 0),
@@ -153,7 +163,6 @@ async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
         .execute(&mut t.superuser().await)
         .await
         .unwrap();
-    p.set_behaviour(&customer, Behaviour::Succeed);
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(
@@ -179,17 +188,7 @@ async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
 async fn a_never_sent_attempt_is_sent_without_a_listing() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    let customer = open[0].1.clone();
-    p.set_behaviour(
-        &customer,
-        Behaviour::RateLimited {
-            retry_after_secs: 1,
-        },
-    );
-    let (b, _) = biller(&t.db, charging(&p));
-    tick(&t.db, &b).await;
-    p.set_behaviour(&customer, Behaviour::Succeed);
+    let (b, _, _) = first_send(&t, &p, RATE_LIMITED).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(report.reconciled.paid, 1, "{report:?}");

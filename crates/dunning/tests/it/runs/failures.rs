@@ -10,7 +10,7 @@ use db::{Row, sql};
 use fake_provider::{Behaviour, FakeProvider};
 use futures::FutureExt;
 use leader::{Manager, Role, Telemetry};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use testbed::TestDb;
 use testbed::leadership::fast_timing;
 use tokio_util::sync::CancellationToken;
@@ -116,6 +116,25 @@ async fn a_retry_that_panics_is_rewound_and_the_other_runs_go_on() {
     );
 }
 
+/// [`dunning::OUTAGE_UNANSWERED`] due runs whose retries the provider
+/// answers as `behaviour` says, and one tick over them: its report, the runs,
+/// and the tick's metrics.
+async fn one_batch_answered(
+    t: &TestDb,
+    p: &FakeProvider,
+    behaviour: Behaviour,
+) -> (dunning::TickReport, Vec<crate::Declined>, PrometheusHandle) {
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let mut runs = Vec::new();
+    for _ in 0..dunning::OUTAGE_UNANSWERED {
+        let a = declined_invoice(&t.db, "tenant_a").await;
+        p.set_behaviour(&a.customer, behaviour.clone());
+        runs.push(a);
+    }
+    let (d, metrics) = dunner(&t.db, p, CALL, config());
+    (tick(&t.db, &d).await, runs, metrics)
+}
+
 /// The provider answers 503 to every retry: each run's attempt is rewound
 /// (nothing counted), and the tick stops as failed so the role retries after
 /// the short cooldown instead of timing out on every due run.
@@ -123,15 +142,7 @@ async fn a_retry_that_panics_is_rewound_and_the_other_runs_go_on() {
 async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    let mut runs = Vec::new();
-    for _ in 0..dunning::OUTAGE_UNANSWERED {
-        let a = declined_invoice(&t.db, "tenant_a").await;
-        p.set_behaviour(&a.customer, Behaviour::ServerError(503));
-        runs.push(a);
-    }
-    let (d, metrics) = dunner(&t.db, &p, CALL, config());
-    let r = tick(&t.db, &d).await;
+    let (r, runs, metrics) = one_batch_answered(&t, &p, Behaviour::ServerError(503)).await;
     assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
     assert_eq!(r.tally.unanswered, runs.len(), "{r:?}");
     for a in &runs {
@@ -158,16 +169,8 @@ async fn a_provider_outage_rewinds_every_retry_and_fails_the_tick() {
 async fn answers_not_relied_on_are_not_an_outage() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    for _ in 0..dunning::OUTAGE_UNANSWERED {
-        let a = declined_invoice(&t.db, "tenant_a").await;
-        p.set_behaviour(
-            &a.customer,
-            Behaviour::Malformed(fake_provider::MalformedKind::NotJson),
-        );
-    }
-    let (d, _) = dunner(&t.db, &p, CALL, config());
-    let r = tick(&t.db, &d).await;
+    let malformed = Behaviour::Malformed(fake_provider::MalformedKind::NotJson);
+    let (r, _, _) = one_batch_answered(&t, &p, malformed).await;
     assert!(!matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
     assert_eq!(r.tally.unanswered, 0, "{r:?}");
 }
@@ -182,20 +185,10 @@ async fn answers_not_relied_on_are_not_an_outage() {
 async fn a_batch_refused_for_load_is_an_outage() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    let mut runs = Vec::new();
-    for _ in 0..dunning::OUTAGE_UNANSWERED {
-        let a = declined_invoice(&t.db, "tenant_a").await;
-        p.set_behaviour(
-            &a.customer,
-            Behaviour::RateLimited {
-                retry_after_secs: 30,
-            },
-        );
-        runs.push(a);
-    }
-    let (d, _) = dunner(&t.db, &p, CALL, config());
-    let r = tick(&t.db, &d).await;
+    let limited = Behaviour::RateLimited {
+        retry_after_secs: 30,
+    };
+    let (r, runs, _) = one_batch_answered(&t, &p, limited).await;
     assert!(matches!(r.end, leader::TickEnd::Failed(_)), "{r:?}");
     assert_eq!(r.tally.unanswered, runs.len(), "{r:?}");
     for a in &runs {
