@@ -36,7 +36,7 @@ use crate::run::{Retry, Run};
 /// joins only the rows locked, with no condition of its own on `r`. The rows
 /// are locked in the batch's order.
 macro_rules! update_held_runs {
-    (batch: $batch:literal, check: $check:literal, set: $set:literal, returning: $ret:literal $(,)?) => {
+    (batch: $batch:literal, check: $check:expr, set: $set:literal, returning: $ret:literal $(,)?) => {
         concat!(
             "WITH held AS ( \
                SELECT u.* FROM ",
@@ -55,6 +55,21 @@ macro_rules! update_held_runs {
     };
 }
 pub(crate) use update_held_runs;
+
+/// The run's invoice is still open (`r` the run). A decline or an exhaustion
+/// lands only under it: an invoice paid by hand after the run was listed
+/// announces no decline (docs/adr/0094).
+macro_rules! invoice_open {
+    ($run:literal) => {
+        concat!(
+            "EXISTS (SELECT 1 FROM invoices i WHERE i.tenant_id = ",
+            $run,
+            ".tenant_id AND i.id = ",
+            $run,
+            ".invoice_id AND i.status = 'open')"
+        )
+    };
+}
 
 /// [`recover`] for a batch, in the caller's transaction: each run (whose
 /// retry `attempt` paid its invoice) → recovered only while it holds that
@@ -147,7 +162,8 @@ impl<'a> Decline<'a> {
 /// [`decline`] and [`exhaust`] for a batch, in the caller's transaction: one
 /// statement for the runs whose next retry is scheduled, one for the runs
 /// exhausted, each run only while it holds the count and the hold its retry
-/// wrote; then
+/// wrote and its invoice is still open (one paid by hand after the listing
+/// announces no decline: docs/adr/0094); then
 /// `dunning.attempt_failed` / `dunning.exhausted` and the emails of the runs
 /// that changed, with one statement each. Returns the runs that changed (an
 /// exhausted one still owes its final action).
@@ -161,8 +177,11 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
                 sql(update_held_runs!(
                     batch: "unnest($1::bigint[], $2::int4[], $3::timestamptz[], $4::text[], \
                                    $5::timestamptz[]) AS u(id, attempt, next, code, held)",
-                    check: "r.status = 'active' AND r.attempt_count = u.attempt \
-                            AND r.next_attempt_at = u.held",
+                    check: concat!(
+                        "r.status = 'active' AND r.attempt_count = u.attempt \
+                         AND r.next_attempt_at = u.held AND ",
+                        invoice_open!("r")
+                    ),
                     set: "next_attempt_at = u.next, last_decline_code = u.code, \
                           owed_notice_attempt = NULL, updated_at = now()",
                     returning: "r.id",
@@ -183,7 +202,10 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
             .fetch_all(
                 sql(update_held_runs!(
                     batch: "unnest($1::bigint[], $2::int4[], $3::text[]) AS u(id, attempt, code)",
-                    check: "r.status = 'active' AND r.attempt_count = u.attempt",
+                    check: concat!(
+                        "r.status = 'active' AND r.attempt_count = u.attempt AND ",
+                        invoice_open!("r")
+                    ),
                     set: "status = 'exhausted', ended_at = now(), next_attempt_at = now(), \
                           last_decline_code = u.code, owed_notice_attempt = NULL, \
                           updated_at = now()",
@@ -386,12 +408,13 @@ pub(crate) async fn decline(
     email: Option<outbox::email::Email>,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
-    let update = sql(
-        "UPDATE dunning_runs SET next_attempt_at = $3, last_decline_code = $4, \
+    let update = sql(concat!(
+        "UPDATE dunning_runs r SET next_attempt_at = $3, last_decline_code = $4, \
                              owed_notice_attempt = NULL, updated_at = now() \
                       WHERE id = $1 AND status = 'active' AND attempt_count = $2 \
-                        AND next_attempt_at = $5",
-    )
+                        AND next_attempt_at = $5 AND ",
+        invoice_open!("r")
+    ))
     .bind(run.id)
     .bind(attempt)
     .bind(next)
@@ -419,12 +442,13 @@ pub(crate) async fn exhaust(
     code: &str,
     statement_timeout: Duration,
 ) -> Result<bool, Error> {
-    let update = sql(
-        "UPDATE dunning_runs SET status = 'exhausted', ended_at = now(), \
+    let update = sql(concat!(
+        "UPDATE dunning_runs r SET status = 'exhausted', ended_at = now(), \
                              next_attempt_at = now(), last_decline_code = $3, \
                              owed_notice_attempt = NULL, updated_at = now() \
-                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
-    )
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2 AND ",
+        invoice_open!("r")
+    ))
     .bind(run.id)
     .bind(attempt)
     .bind(code.to_owned());

@@ -298,3 +298,67 @@ async fn an_attempt_an_operator_settles_as_not_charged_is_taken_by_dunning() {
     assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
     assert_eq!((p.create_requests(), p.total_charges()), (1, 1));
 }
+
+/// A retry answered `processing` whose debit then fails owes its decline's
+/// notices (docs/adr/0085). The run is listed so; then the customer pays the
+/// invoice by hand before the decline is written: nothing is announced (no
+/// `dunning.attempt_failed`, no warning), the run is left as listed, and the
+/// next tick stops it.
+///
+/// Mutation check: the decline without its invoice check
+/// (`owed_decline_paid`) announces the decline of a paid invoice, and this
+/// test fails.
+#[tokio::test]
+async fn an_owed_decline_of_an_invoice_paid_since_its_listing_is_not_announced() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Processing);
+    let charging = BillingConfig {
+        charge_lease: Duration::from_secs(1),
+        ..billing(&p, Duration::from_millis(300))
+    };
+    let (d, _) = dunner_with(&t.db, charging.clone(), config());
+    assert_eq!(tick(&t.db, &d).await.tally.pending, 1);
+    // The debit fails; billing's reconciler records the decline.
+    assert!(p.settle_processing(&p.intents()[0].id, false));
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE payment_attempts SET next_check_at = now()")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let biller = Biller::new(t.db.clone(), charging, Telemetry::noop()).unwrap();
+    as_leader(
+        &manager(&t.db, "biller"),
+        Role::Billing,
+        |tick| async move { biller.run_tick(&tick).await },
+    )
+    .await;
+    sqlx::query("UPDATE dunning_runs SET next_attempt_at = now()")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let d2 = d.clone();
+    let listed = as_leader(
+        &manager(&t.db, "lister"),
+        Role::Dunning,
+        |tick| async move { d2.list_due(&tick.fence, 10).await.unwrap() },
+    )
+    .await;
+    assert_eq!(
+        listed[0].not_chargeable,
+        Some(dunning::NotChargeable::DeclineUnannounced)
+    );
+    sqlx::query("UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = $1")
+        .bind(a.invoice)
+        .execute(&mut su)
+        .await
+        .unwrap();
+    assert_eq!(d.retry(&listed[0]).await.unwrap(), dunning::Retry::Lost);
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert!(dunning_emails(&t.db).await.is_empty());
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(tick(&t.db, &d).await.tally.stopped, 1);
+}
