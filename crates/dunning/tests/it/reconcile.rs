@@ -9,10 +9,46 @@ use fake_provider::{Behaviour, FakeProvider};
 use leader::{Role, Telemetry};
 use testbed::TestDb;
 
+use dunning::Dunner;
+use metrics_exporter_prometheus::PrometheusHandle;
+
 use crate::{
-    as_leader, attempts, billing, config, declined_invoice, dunner_with, dunning_emails, events,
-    invoice_status, manager, policy, run_of, tick,
+    Declined, as_leader, attempts, billing, config, declined_invoice, dunner_with, dunning_emails,
+    events, invoice_status, manager, policy, run_of, tick,
 };
+
+/// One declined invoice's run on a policy of `retries` retries (pausing
+/// collection at the end), whose retries `p` answers as `behaviour` says,
+/// and a dunner charging through billing with a 1 s claim lease and a 300 ms
+/// call: the invoice, the dunner, its metrics, and billing's configuration
+/// (for a biller whose reconciler looks after the lease).
+async fn declined_run(
+    t: &TestDb,
+    p: &FakeProvider,
+    retries: usize,
+    behaviour: Behaviour,
+) -> (Declined, Dunner, PrometheusHandle, BillingConfig) {
+    policy(&t.db, "tenant_a", retries, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, behaviour);
+    let charging = BillingConfig {
+        charge_lease: Duration::from_secs(1),
+        ..billing(p, Duration::from_millis(300))
+    };
+    let (d, metrics) = dunner_with(&t.db, charging.clone(), config());
+    (a, d, metrics, charging)
+}
+
+/// Past billing's claim lease, one billing tick (its reconciler looks at the
+/// attempts whose next look is due).
+async fn reconciler_looks(db: &db::Db, charging: &BillingConfig) {
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let biller = Biller::new(db.clone(), charging.clone(), Telemetry::noop()).unwrap();
+    as_leader(&manager(db, "biller"), Role::Billing, |tick| async move {
+        biller.run_tick(&tick).await
+    })
+    .await;
+}
 
 /// The provider charges retry 1 and then hangs: the attempt is unknown and
 /// the run rewound; while the attempt is unknown no retry charges the
@@ -24,14 +60,7 @@ use crate::{
 async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    let a = declined_invoice(&t.db, "tenant_a").await;
-    p.set_behaviour(&a.customer, Behaviour::Hang);
-    let charging = BillingConfig {
-        charge_lease: Duration::from_secs(1),
-        ..billing(&p, Duration::from_millis(300))
-    };
-    let (d, _) = dunner_with(&t.db, charging.clone(), config());
+    let (a, d, _, charging) = declined_run(&t, &p, 3, Behaviour::Hang).await;
     assert_eq!(tick(&t.db, &d).await.tally.rewound, 1);
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
     assert_eq!(p.total_charges(), 1);
@@ -39,14 +68,7 @@ async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
     p.set_behaviour(&a.customer, Behaviour::Succeed);
     assert_eq!(tick(&t.db, &d).await.tally.rewound, 1);
     assert_eq!(p.total_charges(), 1);
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let biller = Biller::new(t.db.clone(), charging, Telemetry::noop()).unwrap();
-    as_leader(
-        &manager(&t.db, "biller"),
-        Role::Billing,
-        |tick| async move { biller.run_tick(&tick).await },
-    )
-    .await;
+    reconciler_looks(&t.db, &charging).await;
     assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.stopped, 1, "{r:?}");
@@ -80,15 +102,7 @@ async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
 async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_run() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 2, "pause_collection").await;
-    let a = declined_invoice(&t.db, "tenant_a").await;
-    p.set_behaviour(&a.customer, Behaviour::Processing);
-    let charging = BillingConfig {
-        charge_lease: Duration::from_secs(1),
-        ..billing(&p, Duration::from_millis(300))
-    };
-    let (d, metrics) = dunner_with(&t.db, charging.clone(), config());
-    let biller = Biller::new(t.db.clone(), charging, Telemetry::noop()).unwrap();
+    let (a, d, metrics, charging) = declined_run(&t, &p, 2, Behaviour::Processing).await;
     let due_now = || async {
         sqlx::query("UPDATE dunning_runs SET next_attempt_at = now() WHERE invoice_id = $1")
             .bind(a.invoice)
@@ -98,7 +112,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     };
     // The intent of attempt `seq` fails, and billing's reconciler records it.
     let fails = |seq: usize| {
-        let (p, t, biller, db) = (&p, &t, biller.clone(), t.db.clone());
+        let (p, t, charging) = (&p, &t, &charging);
         async move {
             let intent = p.intents()[seq - 2].id.clone();
             assert!(p.settle_processing(&intent, false));
@@ -108,11 +122,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
                 .execute(&mut t.superuser().await)
                 .await
                 .unwrap();
-            tokio::time::sleep(Duration::from_millis(1200)).await;
-            as_leader(&manager(&db, "biller"), Role::Billing, |tick| async move {
-                biller.run_tick(&tick).await
-            })
-            .await;
+            reconciler_looks(&t.db, charging).await;
         }
     };
     let r = tick(&t.db, &d).await;
@@ -312,14 +322,7 @@ async fn an_attempt_an_operator_settles_as_not_charged_is_taken_by_dunning() {
 async fn an_owed_decline_of_an_invoice_paid_since_its_listing_is_not_announced() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 2, "pause_collection").await;
-    let a = declined_invoice(&t.db, "tenant_a").await;
-    p.set_behaviour(&a.customer, Behaviour::Processing);
-    let charging = BillingConfig {
-        charge_lease: Duration::from_secs(1),
-        ..billing(&p, Duration::from_millis(300))
-    };
-    let (d, _) = dunner_with(&t.db, charging.clone(), config());
+    let (a, d, _, charging) = declined_run(&t, &p, 2, Behaviour::Processing).await;
     assert_eq!(tick(&t.db, &d).await.tally.pending, 1);
     // The debit fails; billing's reconciler records the decline.
     assert!(p.settle_processing(&p.intents()[0].id, false));
@@ -328,14 +331,7 @@ async fn an_owed_decline_of_an_invoice_paid_since_its_listing_is_not_announced()
         .execute(&mut su)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let biller = Biller::new(t.db.clone(), charging, Telemetry::noop()).unwrap();
-    as_leader(
-        &manager(&t.db, "biller"),
-        Role::Billing,
-        |tick| async move { biller.run_tick(&tick).await },
-    )
-    .await;
+    reconciler_looks(&t.db, &charging).await;
     sqlx::query("UPDATE dunning_runs SET next_attempt_at = now()")
         .execute(&mut su)
         .await
