@@ -13,8 +13,8 @@ use dunning::Dunner;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::{
-    Declined, as_leader, attempts, billing, config, declined_invoice, dunner_with, dunning_emails,
-    events, invoice_status, manager, policy, run_of, tick,
+    Declined, as_leader, attempts, billing, config, declined_invoice, due_now, dunner_with,
+    dunning_emails, events, invoice_status, manager, policy, run_of, tick,
 };
 
 /// One declined invoice's run on a policy of `retries` retries (pausing
@@ -103,13 +103,6 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let (a, d, metrics, charging) = declined_run(&t, &p, 2, Behaviour::Processing).await;
-    let due_now = || async {
-        sqlx::query("UPDATE dunning_runs SET next_attempt_at = now() WHERE invoice_id = $1")
-            .bind(a.invoice)
-            .execute(&mut t.superuser().await)
-            .await
-            .unwrap();
-    };
     // The intent of attempt `seq` fails, and billing's reconciler records it.
     let fails = |seq: usize| {
         let (p, t, charging) = (&p, &t, &charging);
@@ -131,7 +124,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     // Retry 2 is due (made due: it is the policy's gap after retry 1), but
     // the run waits while retry 1 is processing: a hold, no call, nothing
     // announced.
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!((r.tally.pending, r.tally.rewound), (1, 0), "{r:?}");
     assert_eq!(p.create_requests(), 1);
@@ -144,7 +137,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     // (it warns after retry 1), once. Mutation `owed_notice_announced` (the
     // listing's branch removed) charges retry 2 with neither sent. The run's
     // hold is over.
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.declined, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
@@ -158,7 +151,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     // gap counted from the first decline) leaves it due at once.
     let next = crate::next_retry_in(&t.db, a.invoice).await;
     assert!((55.0..=60.0).contains(&next), "{next}");
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
@@ -166,7 +159,7 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let seen = attempts(&t.db, a.invoice).await;
     assert_eq!(seen[2], (3, "processing".to_owned()), "{seen:?}");
     // Spent, the last retry processing: a hold, no call, nothing counted.
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
@@ -187,12 +180,12 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
         }
     };
     pause(Some("keep_as_draft")).await;
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.exhausted, 0, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
     pause(None).await;
-    due_now().await;
+    due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.exhausted, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("exhausted".to_owned(), 2));
@@ -332,10 +325,7 @@ async fn an_owed_decline_of_an_invoice_paid_since_its_listing_is_not_announced()
         .await
         .unwrap();
     reconciler_looks(&t.db, &charging).await;
-    sqlx::query("UPDATE dunning_runs SET next_attempt_at = now()")
-        .execute(&mut su)
-        .await
-        .unwrap();
+    due_now(&t.db).await;
     let d2 = d.clone();
     let listed = as_leader(
         &manager(&t.db, "lister"),
