@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 
 use crate::hardcount;
 
-/// A running `hardcount dev` whose stdout is collected line by line.
+/// A running `hardcount dev` whose stdout and stderr are collected line by line
+/// (stderr so that a failure shows the error `dev` exited with).
 struct Dev {
     child: Child,
     stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
 }
 
 impl Dev {
@@ -33,38 +35,35 @@ impl Dev {
     fn spawn(mut cmd: Command) -> Dev {
         let mut child = cmd
             .arg("dev")
-            .env(
-                "HARDCOUNT_HTTP_ADDR",
-                format!("127.0.0.1:{}", testbed::free_port()),
-            )
-            .env(
-                "HARDCOUNT_API_ADDR",
-                format!("127.0.0.1:{}", testbed::free_port()),
-            )
+            // Ports the kernel picks at bind: a port found free beforehand can
+            // be taken by another test's process before `dev` binds it.
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+            .env("HARDCOUNT_API_ADDR", "127.0.0.1:0")
             .stdout(Stdio::piped())
-            // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see its logs.
-            .stderr(if std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let stdout = Arc::new(Mutex::new(String::new()));
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let sink = stdout.clone();
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                let mut s = sink.lock().unwrap();
-                s.push_str(&line);
-                s.push('\n');
-            }
-        });
-        Dev { child, stdout }
+        let stdout = collect(child.stdout.take().unwrap(), false);
+        // Set HARDCOUNT_TEST_SERVE_LOGS=1 to see its logs as they come.
+        let echo = std::env::var_os("HARDCOUNT_TEST_SERVE_LOGS").is_some();
+        let stderr = collect(child.stderr.take().unwrap(), echo);
+        Dev {
+            child,
+            stdout,
+            stderr,
+        }
     }
 
     fn stdout(&self) -> String {
         self.stdout.lock().unwrap().clone()
+    }
+
+    /// Its stdout, then the last lines of its logs: what a failed assertion shows.
+    fn output(&self) -> String {
+        let stderr = self.stderr.lock().unwrap();
+        let lines: Vec<&str> = stderr.lines().collect();
+        let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+        format!("{}--- stderr (last 40 lines) ---\n{tail}", self.stdout())
     }
 
     /// Wait until stdout has a line containing `what`; how long that took.
@@ -72,15 +71,17 @@ impl Dev {
         let started = Instant::now();
         while !self.stdout().contains(what) {
             if let Some(status) = self.child.try_wait().unwrap() {
+                // Give the readers a moment to drain the pipes.
+                std::thread::sleep(Duration::from_millis(200));
                 panic!(
                     "dev exited ({status}) before printing {what:?}:\n{}",
-                    self.stdout()
+                    self.output()
                 );
             }
             assert!(
                 started.elapsed() < limit,
                 "dev did not print {what:?} within {limit:?}:\n{}",
-                self.stdout()
+                self.output()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -113,6 +114,23 @@ impl Drop for Dev {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Read `pipe` line by line into a buffer (echoing each line to stderr if `echo`).
+fn collect(pipe: impl std::io::Read + Send + 'static, echo: bool) -> Arc<Mutex<String>> {
+    let buf = Arc::new(Mutex::new(String::new()));
+    let sink = buf.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if echo {
+                eprintln!("{line}");
+            }
+            let mut s = sink.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    buf
 }
 
 /// A state directory of its own, removed at the end (its Postgres stopped first
@@ -192,16 +210,16 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
             Instant::now() < deadline,
             "no receipt email in {}:\n{}",
             inbox.display(),
-            first.stdout()
+            first.output()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(state.postgres_running());
-    assert_eq!(first.interrupt().await, Some(0), "{}", first.stdout());
+    assert_eq!(first.interrupt().await, Some(0), "{}", first.output());
     assert!(
         first.stdout().contains("stopped the local Postgres"),
         "{}",
-        first.stdout()
+        first.output()
     );
     assert!(!state.postgres_running(), "dev left its Postgres running");
 
@@ -221,7 +239,7 @@ async fn dev_from_nothing_delivers_webhooks_then_ctrl_c_stops_its_postgres_and_a
         out.contains("nothing to do"),
         "migrations ran again:\n{out}"
     );
-    assert_eq!(second.interrupt().await, Some(0), "{}", second.stdout());
+    assert_eq!(second.interrupt().await, Some(0), "{}", second.output());
     assert!(!state.postgres_running(), "dev left its Postgres running");
     println!("dev: first delivery {cold:?} after start from nothing, {warm:?} on a rerun");
 }
@@ -282,7 +300,7 @@ async fn dev_runs_from_a_clone_in_a_directory_the_postgres_user_cannot_reach() {
         .map(|rest| PathBuf::from(rest.trim_end_matches(')')))
         .unwrap_or_else(|| panic!("no data directory printed:\n{out}"));
     assert!(data.join("PG_VERSION").exists(), "{}", data.display());
-    assert_eq!(dev.interrupt().await, Some(0), "{}", dev.stdout());
+    assert_eq!(dev.interrupt().await, Some(0), "{}", dev.output());
     assert!(
         !data.join("postmaster.pid").exists(),
         "dev left its Postgres running"

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lettre::address::Envelope;
-use lettre::transport::smtp::response::Response;
+use lettre::transport::smtp::response::{Response, Severity};
 use tokio::sync::Semaphore;
 
 use crate::failure::Failure;
@@ -52,13 +52,25 @@ impl Pool {
         }
     }
 
-    /// Send one message on a pooled connection.
-    pub(crate) async fn send(&self, envelope: &Envelope, body: &[u8]) -> Result<Response, Failure> {
+    /// Send one message (the row `email`'s) on a pooled connection. A
+    /// connection whose answer to the message was not a completion (2xx) is
+    /// out of step with its server and is not used again.
+    pub(crate) async fn send(
+        &self,
+        email: i64,
+        envelope: &Envelope,
+        body: &[u8],
+    ) -> Result<Response, Failure> {
         // The semaphore is never closed.
         let _permit = self.permits.acquire().await.ok();
         let mut conn = self.checkout().await?;
+        // The row's id only: recipients and bodies stay out of logs, which is
+        // also why lettre is built without its `tracing` feature (it logs
+        // every line it writes, AUTH's credentials among them).
+        tracing::trace!(email, "sending on a pooled connection");
         let result = conn.smtp.send(envelope, body).await;
-        if !conn.smtp.has_broken() {
+        let out_of_step = result.as_ref().is_ok_and(|r| !completed(r));
+        if !conn.smtp.has_broken() && !out_of_step {
             self.lock().push(Idle {
                 conn,
                 since: Instant::now(),
@@ -113,6 +125,12 @@ impl Pool {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// A 2xx answer: the only one that says the server took the message (RFC 5321
+/// 4.2.5). lettre counts a 3xx to the message's end as success too.
+pub(crate) fn completed(response: &Response) -> bool {
+    response.code().severity == Severity::PositiveCompletion
 }
 
 async fn within<T>(

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::failure::Failure;
 use crate::message::{Queued, message};
-use crate::pool::Pool;
+use crate::pool::{Pool, completed};
 use crate::verdict::Reply;
 
 /// Send `q` once. Never panics on the server's behalf: every failure becomes
@@ -21,11 +21,19 @@ pub(crate) async fn send(pool: &Pool, q: &Queued, deadline: Duration) -> Reply {
         }
     };
     let body = msg.formatted();
-    match tokio::time::timeout(deadline, pool.send(msg.envelope(), &body)).await {
+    let text =
+        |r: &lettre::transport::smtp::response::Response| r.message().collect::<Vec<_>>().join(" ");
+    match tokio::time::timeout(deadline, pool.send(q.id, msg.envelope(), &body)).await {
         Err(_) => Reply::NoReply(format!("no answer within {deadline:?}")),
-        Ok(Ok(response)) => Reply::Accepted {
+        Ok(Ok(response)) if completed(&response) => Reply::Accepted {
             code: u16::from(response.code()),
-            text: response.message().collect::<Vec<_>>().join(" "),
+            text: text(&response),
+        },
+        // A 3xx to the message's end: the server did not say it took the
+        // message, so it is sent again (the pool drops that connection).
+        Ok(Ok(response)) => Reply::Transient {
+            code: u16::from(response.code()),
+            text: format!("not a completion to the message's end: {}", text(&response)),
         },
         Ok(Err(Failure::Connect(why))) => Reply::NoReply(why),
         Ok(Err(Failure::Smtp(e))) => match e.status() {
@@ -38,6 +46,16 @@ pub(crate) async fn send(pool: &Pool, q: &Queued, deadline: Duration) -> Reply {
                 text: e.to_string(),
             },
             None if e.is_tls() => Reply::NoReply(format!("TLS failed: {e}")),
+            // lettre refused to send this message on this server before a
+            // command went out: an address that needs SMTPUTF8 where the
+            // server does not offer it. This email's permanent failure (it
+            // can be resent), not a server that is down: as "no reply" it
+            // stopped every email's batch and failed the tick each time it
+            // came due.
+            None if e.is_client() => Reply::Permanent {
+                code: 0,
+                text: format!("not sendable on this server: {e}"),
+            },
             None => Reply::NoReply(e.to_string()),
         },
     }

@@ -135,3 +135,50 @@ pub async fn drain(t: &testbed::TestDb, s: &Sender, ticks: usize) {
     }
     panic!("still queued after {ticks} ticks: {:?}", rows(&t.db).await);
 }
+
+/// A loopback SMTP server that answers EHLO with `ehlo` (its lines, CRLF
+/// ended), AUTH with 235, the end of every message with `end_reply` and any
+/// other command with 250. Its port.
+pub async fn scripted_sink(ehlo: &'static str, end_reply: &'static str) -> u16 {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (r, mut w) = stream.into_split();
+                let mut r = BufReader::new(r);
+                w.write_all(b"220 scripted sink\r\n").await?;
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if r.read_line(&mut line).await? == 0 {
+                        return std::io::Result::Ok(());
+                    }
+                    let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+                    let answer: &str = match verb.as_str() {
+                        "EHLO" => ehlo,
+                        "AUTH" => "235 2.7.0 accepted\r\n",
+                        "DATA" => {
+                            w.write_all(b"354 go on\r\n").await?;
+                            loop {
+                                line.clear();
+                                if r.read_line(&mut line).await? == 0 || line == ".\r\n" {
+                                    break;
+                                }
+                            }
+                            end_reply
+                        }
+                        "QUIT" => {
+                            w.write_all(b"221 bye\r\n").await?;
+                            return Ok(());
+                        }
+                        _ => "250 ok\r\n",
+                    };
+                    w.write_all(answer.as_bytes()).await?;
+                }
+            });
+        }
+    });
+    port
+}

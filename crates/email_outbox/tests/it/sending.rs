@@ -324,3 +324,73 @@ async fn holding_sink(hold: &'static str, until: &'static str) -> u16 {
     });
     port
 }
+
+/// An address the server cannot take (it needs SMTPUTF8, which the server
+/// does not offer, so lettre refuses before a command goes out) is that
+/// email's permanent failure; the rest of its batch is sent and the tick does
+/// not fail. Before, the refusal was "no reply": the batch was handed back as
+/// for a dead server and the tick failed, every time that email came due.
+/// Mutation `email_client_refusal_down` (the arm removed) fails it; seen
+/// failing.
+#[tokio::test]
+async fn an_address_the_server_cannot_take_fails_that_email_and_the_rest_are_sent() {
+    let t = TestDb::new().await;
+    let port =
+        crate::scripted_sink("250-scripted sink\r\n250 8BITMIME\r\n", "250 queued\r\n").await;
+    let mut emails = vec![email("jörg@bücher.de", 0)];
+    emails.extend((1..4).map(|i| email(&format!("c{i}@example.org"), i)));
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 4;
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (end, report) = tick(&t.db, &s).await;
+    assert!(!matches!(end, TickEnd::Failed(_)), "{end:?}");
+    assert_eq!(
+        (
+            report.tally.unreachable,
+            report.tally.failed,
+            report.tally.sent
+        ),
+        (0, 1, 3),
+        "{report:?}"
+    );
+    let r = rows(&t.db).await;
+    assert_eq!(
+        (r[0].status.as_str(), r[0].attempts),
+        ("failed", 1),
+        "{r:?}"
+    );
+    assert!(
+        r[0].reply_text
+            .as_deref()
+            .unwrap_or("")
+            .contains("SMTPUTF8"),
+        "{:?}",
+        r[0].reply_text
+    );
+    assert!(r[1..].iter().all(|r| r.status == "sent"), "{r:?}");
+}
+
+/// A 3xx to the message's end is not a completion (RFC 5321 4.2.5: only a
+/// 2xx says the server took the message): the email is retried, not written
+/// sent. lettre counts any positive answer as success. Mutation
+/// `email_end_reply_any_positive` (every answer accepted) fails it; seen failing.
+#[tokio::test]
+async fn a_3xx_to_the_end_of_a_message_is_not_a_send() {
+    let t = TestDb::new().await;
+    let port = crate::scripted_sink("250 scripted sink\r\n", "354 more, please\r\n").await;
+    queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, config());
+    let (_, report) = tick(&t.db, &s).await;
+    assert_eq!(
+        (report.tally.sent, report.tally.retried),
+        (0, 1),
+        "{report:?}"
+    );
+    let r = rows(&t.db).await;
+    assert_eq!(
+        (r[0].status.as_str(), r[0].attempts, r[0].reply_code),
+        ("queued", 1, Some(354)),
+        "{r:?}"
+    );
+}
