@@ -249,9 +249,13 @@ impl Biller {
     /// [`crate::SET_BY_API`], announced with `subscription.collection_paused`.
     /// Replaces any pause in force, dunning's included.
     ///
+    /// The periods that ended before now are closed first, as the tick would
+    /// (docs/adr/0096).
+    ///
     /// # Errors
     /// [`Error::SubscriptionNotFound`], [`Error::InvalidState`] (canceled),
-    /// or a database error; on any error the caller must roll back.
+    /// [`Error::SubscriptionPeriodMoved`] (more than `catch_up_periods`
+    /// behind), or a database error; on any error the caller must roll back.
     pub async fn pause_collection_in(
         &self,
         tx: &mut db::Tx,
@@ -260,22 +264,28 @@ impl Biller {
         behavior: &str,
         resumes_at: Option<DateTime<Utc>>,
     ) -> Result<CollectionPause, Error> {
-        collection::pause_collection_in(tx, tenant_id, subscription, behavior, resumes_at).await
+        collection::pause_collection_in(self, tx, tenant_id, subscription, behavior, resumes_at)
+            .await
     }
 
     /// Clear `subscription`'s pause in the caller's transaction, announced
     /// with `subscription.collection_resumed`; returns the pause cleared.
     ///
+    /// The periods that ended before now are closed first, under the pause
+    /// (docs/adr/0096).
+    ///
     /// # Errors
     /// [`Error::SubscriptionNotFound`], [`Error::InvalidState`] (no pause in
-    /// force), or a database error; on any error the caller must roll back.
+    /// force), [`Error::SubscriptionPeriodMoved`] (more than
+    /// `catch_up_periods` behind), or a database error; on any error the
+    /// caller must roll back.
     pub async fn resume_collection_in(
         &self,
         tx: &mut db::Tx,
         tenant_id: &str,
         subscription: i64,
     ) -> Result<CollectionPause, Error> {
-        collection::resume_collection_in(tx, tenant_id, subscription).await
+        collection::resume_collection_in(self, tx, tenant_id, subscription).await
     }
 
     /// A cancel now inside the caller's transaction (dunning's final action,

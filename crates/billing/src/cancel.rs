@@ -13,9 +13,11 @@
 //!                watermark, cancel_at_period_end) sets status = 'canceled';
 //!                the invoice (reason 'cancel'), invoice.finalized,
 //!                subscription.canceled; CAS lost ─▶ SubscriptionPeriodMoved
-//!  period end  UPDATE … SET cancel_at_period_end = true + subscription.updated;
-//!              the tick closes the period as usual and ends the subscription
-//!              in the same compare-and-set (close::close)
+//!  period end  close_ended_in: the periods ended before now closed as the tick
+//!              would (docs/adr/0096), then UPDATE … SET cancel_at_period_end =
+//!              true + subscription.updated; the tick closes the period holding
+//!              now as usual and ends the subscription in the same
+//!              compare-and-set (close::close)
 //! ```
 
 use chrono::{DateTime, Utc};
@@ -75,7 +77,7 @@ pub(crate) async fn cancel_subscription_in(
         plan: 0,
     };
     if at == CancelAt::PeriodEnd {
-        return match cancel_at_period_end_in(tx, tenant_id, subscription).await? {
+        return match cancel_at_period_end_in(biller, tx, tenant_id, subscription).await? {
             true => Ok(Canceled { invoice_id: None }),
             false => Err(not_found()),
         };
@@ -116,6 +118,42 @@ pub(crate) async fn cancel_now_in(
     let closings = close::cancel_behind(&due, now, invoice, max)?.ok_or_else(moved)?;
     let invoice_id = invoice::close_chain_in(biller, tx, &closings, "cancel").await?;
     Ok(Some(Canceled { invoice_id }))
+}
+
+/// The periods an active subscription is behind (ended at the database's
+/// now, not closed yet by the tick) closed and invoiced as the tick would
+/// close them, in `tx` with its row locked (docs/adr/0096): so that a change
+/// that takes effect now (a cancel at the period's end, a pause or a resume
+/// of collection) never reaches back into a period that ended before it.
+/// Nothing when the subscription is not active or not behind. `source` is
+/// the label of `hardcount_billing_invoices_created_total`.
+///
+/// # Errors
+/// [`Error::SubscriptionPeriodMoved`] when it is more than
+/// `catch_up_periods` behind (once the tick catches up, the change goes
+/// through) or the closing's compare-and-set lost; a database error. On any
+/// error the caller must roll back.
+pub(crate) async fn close_ended_in(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    tenant_id: &str,
+    subscription: i64,
+    source: &'static str,
+) -> Result<(), Error> {
+    let Some((due, _, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
+        return Ok(());
+    };
+    if due.current_period_end > now {
+        return Ok(());
+    }
+    let max = biller.inner.config.catch_up_periods;
+    let closings = close::close_behind(&due, now, max)?;
+    let last = &closings[closings.len() - 1];
+    if !last.ends && last.next_end <= now {
+        return Err(Error::SubscriptionPeriodMoved { subscription });
+    }
+    invoice::close_chain_in(biller, tx, &closings, source).await?;
+    Ok(())
 }
 
 /// An active subscription's snapshot, whether its tenant invoices a cancel,
@@ -196,12 +234,30 @@ async fn cancel_trial_in(
 }
 
 /// Mark an active subscription to end with its period, announced with
-/// `subscription.updated`; `false` when there is no such subscription.
+/// `subscription.updated`; `false` when there is no such subscription. The
+/// period is the one holding now: the periods that ended before it are
+/// closed first, whole, unless it was already marked (then the period that
+/// ended is its last, as the tick will close it).
 async fn cancel_at_period_end_in(
+    biller: &Biller,
     tx: &mut db::Tx,
     tenant_id: &str,
     subscription: i64,
 ) -> Result<bool, Error> {
+    let marked = tx
+        .fetch_optional(
+            sql("SELECT cancel_at_period_end FROM subscriptions \
+                 WHERE tenant_id = $1 AND id = $2 AND status = 'active' FOR UPDATE")
+            .bind(tenant_id.to_owned())
+            .bind(subscription),
+        )
+        .await?
+        .map(|r| r.try_get::<bool, _>("cancel_at_period_end"))
+        .transpose()
+        .map_err(db::Error::from)?;
+    if marked == Some(false) {
+        close_ended_in(biller, tx, tenant_id, subscription, "cancel").await?;
+    }
     let row = tx
         .fetch_optional(
             sql(

@@ -2,6 +2,8 @@
 //! caller's transaction with their event, as dunning's pause writes its own.
 //!
 //! ```text
+//!  both    cancel::close_ended_in: the periods ended before now closed as the
+//!          tick would, before the change (docs/adr/0096)
 //!  pause   SELECT … FOR UPDATE (the row lock serializes every pause writer)
 //!          canceled ─▶ Error::InvalidState; nothing written
 //!          UPDATE … SET pause_collection_* = (behavior, resumes_at, 'api')
@@ -21,7 +23,7 @@
 use chrono::{DateTime, Utc};
 use db::{Row, Tx, sql};
 
-use crate::Error;
+use crate::{Biller, Error};
 
 /// Who writes a pause through these functions (`pause_collection_set_by`).
 pub const SET_BY_API: &str = "api";
@@ -84,13 +86,19 @@ fn pause_json(p: &CollectionPause) -> serde_json::Value {
 }
 
 /// The body of [`crate::Biller::pause_collection_in`].
+///
+/// The periods that ended before now are closed first, as the tick would
+/// have closed them without this pause (docs/adr/0096): a pause never voids,
+/// writes off or drafts time used before it.
 pub(crate) async fn pause_collection_in(
+    biller: &Biller,
     tx: &mut Tx,
     tenant_id: &str,
     subscription: i64,
     behavior: &str,
     resumes_at: Option<DateTime<Utc>>,
 ) -> Result<CollectionPause, Error> {
+    crate::cancel::close_ended_in(biller, tx, tenant_id, subscription, "collection").await?;
     let (status, replaced) = locked(tx, tenant_id, subscription).await?;
     if status == "canceled" {
         return Err(Error::InvalidState {
@@ -132,11 +140,16 @@ pub(crate) async fn pause_collection_in(
 }
 
 /// The body of [`crate::Biller::resume_collection_in`].
+///
+/// The periods that ended before now are closed first, under the pause they
+/// ended in (docs/adr/0096): a resume does not make them chargeable.
 pub(crate) async fn resume_collection_in(
+    biller: &Biller,
     tx: &mut Tx,
     tenant_id: &str,
     subscription: i64,
 ) -> Result<CollectionPause, Error> {
+    crate::cancel::close_ended_in(biller, tx, tenant_id, subscription, "collection").await?;
     let (_, pause) = locked(tx, tenant_id, subscription).await?;
     let Some(pause) = pause else {
         return Err(Error::InvalidState {

@@ -59,8 +59,9 @@ pub struct NewSubscription {
     #[schema(minimum = 1)]
     pub plan: i64,
     /// Every period boundary is `billing_anchor + k × interval`; default:
-    /// the trial's end, or now. The first period runs from now (or the
-    /// trial's end) to the grid's next boundary and is invoiced pro rata.
+    /// the trial's end, or now. At most one interval after now (or the
+    /// trial's end). The first period runs from now (or the trial's end) to
+    /// the grid's next boundary and is invoiced pro rata.
     pub billing_anchor: Option<DateTime<Utc>>,
     /// A trial until this time (in the future, at most 730 days on): no
     /// period is billed before it.
@@ -250,6 +251,22 @@ pub async fn create(
         return Err(ApiError::out_of_range(
             "trial_end",
             format!("trial_end is in the future, at most {MAX_TRIAL_DAYS} days on"),
+        ));
+    }
+    // The anchor's grid sets where the first period ends: its first boundary
+    // after the start. An anchor more than one interval after the start made
+    // a first period longer than the plan's interval, and billing prices a
+    // period pro rata of at most one interval: months of service invoiced as
+    // one, or, far enough ahead, a subscription never invoiced. As the
+    // provider answers ("billing_cycle_anchor cannot be later than next
+    // natural billing date"), refused (docs/adr/0096).
+    let start = n.trial_end.unwrap_or(now);
+    if let Some(a) = n.billing_anchor
+        && period::boundary(start, interval, 1).is_none_or(|natural| a > natural)
+    {
+        return Err(ApiError::out_of_range(
+            "billing_anchor",
+            "billing_anchor is at most one interval after the first period's start (now, or trial_end)",
         ));
     }
     // As billing expects a row (its test seeders and the trial step): an

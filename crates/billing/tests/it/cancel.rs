@@ -162,10 +162,23 @@ async fn a_cancel_now_invoices_the_used_part_unless_the_tenant_says_not_to() {
 async fn a_cancel_at_period_end_bills_the_last_full_period_then_ends() {
     let t = TestDb::new().await;
     let sub = due_monthly(&t.db, "tenant_a", 1).await[0];
+    // Its period ends in a moment: the cancel is made inside it.
+    let mut su = t.superuser().await;
+    su.execute(
+        "UPDATE subscriptions SET \
+                billing_anchor = billing_anchor + (now() + interval '2 seconds' - current_period_end), \
+                current_period_start = current_period_start + (now() + interval '2 seconds' - current_period_end), \
+                next_billing_at = now() + interval '2 seconds', \
+                current_period_end = now() + interval '2 seconds'",
+    )
+    .await
+    .unwrap();
     let (b, _) = biller(&t.db, config());
     b.cancel_subscription("tenant_a", sub, CancelAt::PeriodEnd)
         .await
         .unwrap();
+    assert_eq!(invoice_rows(&t.db).await.len(), 0);
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 1);
     assert_eq!(invoice_rows(&t.db).await[0].1, 1200);
     let r =
@@ -188,4 +201,43 @@ async fn a_cancel_at_period_end_bills_the_last_full_period_then_ends() {
         ]
     );
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+}
+
+/// A cancel at the period's end made while the subscription is behind (two
+/// ten-day periods ended, the tick not run since) ends it with the period
+/// holding now, as the provider ends a subscription "at the end of the
+/// current period": the two that ended are invoiced whole by the cancel, and
+/// the subscription runs on to the end of the third (docs/adr/0096). Before,
+/// the flag alone was set, and the tick's next closing of the oldest period
+/// ended the subscription 15 days ago: ten days used, never invoiced.
+/// Mutation `cape_behind_left` (the catch-up skipped) fails it; seen failing.
+#[tokio::test]
+async fn a_cancel_at_period_end_while_behind_ends_with_the_period_holding_now() {
+    let t = TestDb::new().await;
+    let sub = ten_day_subscription(&t.db, "tenant_a", 25).await;
+    let (b, _) = biller(&t.db, config());
+    b.cancel_subscription("tenant_a", sub, CancelAt::PeriodEnd)
+        .await
+        .unwrap();
+    assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+    let amounts: Vec<i64> = invoice_rows(&t.db).await.iter().map(|r| r.1).collect();
+    assert_eq!(amounts, [1000, 1000]);
+    let r = t
+        .db
+        .fetch_one(
+            sql("SELECT status, cancel_at_period_end, \
+                        current_period_end - now() BETWEEN interval '4 days' AND interval '6 days' AS five_days_on \
+                 FROM subscriptions WHERE id = $1")
+            .bind(sub),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.get::<String, _>(0),
+            r.get::<bool, _>(1),
+            r.get::<bool, _>(2)
+        ),
+        ("active".into(), true, true)
+    );
 }
