@@ -364,12 +364,19 @@ async fn metrics(State(s): State<AppState>) -> String {
     s.metrics.render()
 }
 
-/// One check: the schema, then (when ready) the cluster facts from
-/// `leader_status` into `telemetry`. `Err` says why it is not ready.
+/// One check: the schema, then the cluster facts from `leader_status` into
+/// `telemetry`. `Err` says why it is not ready. A check that cannot read
+/// `leader_status` exports every role's last tick as unknown, never the ages
+/// of the last read (docs/adr/0097); a read-only database is read, so its
+/// ages grow while nothing runs.
 async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result<(), String> {
+    let unknown = |why: String| {
+        scheduler::mark_status_unknown(telemetry);
+        Err(why)
+    };
     match tokio::time::timeout(CHECK_TIMEOUT, db::check_schema_ready(db)).await {
-        Err(_) => return Err(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
-        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return unknown(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
+        Ok(Err(e)) => return unknown(e.to_string()),
         Ok(Ok(())) => {}
     }
     // A database that takes no writes (turned read-only, a standby after a
@@ -378,15 +385,14 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
     let writable = db.fetch_one(db::sql(
         "SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean) AS writable",
     ));
-    match tokio::time::timeout(CHECK_TIMEOUT, writable).await {
-        Err(_) => return Err(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
-        Ok(Err(e)) => return Err(e.to_string()),
-        Ok(Ok(row)) => {
-            if !db::Row::try_get::<bool, _>(&row, "writable").unwrap_or(false) {
-                return Err("the database is read-only: no role can run".to_owned());
-            }
-        }
-    }
+    let ready = match tokio::time::timeout(CHECK_TIMEOUT, writable).await {
+        Err(_) => return unknown(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
+        Ok(Err(e)) => return unknown(e.to_string()),
+        Ok(Ok(row)) => match db::Row::try_get::<bool, _>(&row, "writable") {
+            Ok(true) => Ok(()),
+            _ => Err("the database is read-only: no role can run".to_owned()),
+        },
+    };
     if tokio::time::timeout(
         CHECK_TIMEOUT,
         scheduler::export_status(db, telemetry, roles),
@@ -395,8 +401,9 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
     .is_err()
     {
         warn!("reading leader_status for /metrics took over {CHECK_TIMEOUT:?}");
+        scheduler::mark_status_unknown(telemetry);
     }
-    Ok(())
+    ready
 }
 
 /// Refresh `snapshot` once now, then every [`REFRESH_EVERY`] until `stop`.

@@ -65,6 +65,6 @@ pub use retention::{
 };
 pub use role_loop::{RoleSpec, Work, run_role, run_role_on, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};
-pub use status::{export_status, precreate_series};
+pub use status::{export_status, mark_status_unknown, precreate_series};
 pub use steps::{LeftOut, Steps, worst};
 pub use wake::{Wake, listen, wake_channel};

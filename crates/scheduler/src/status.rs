@@ -34,6 +34,18 @@ pub fn precreate_series(telemetry: &Telemetry) {
 pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
     match leader::store::status(db).await {
         Ok(rows) => {
+            // A role of this replica with no lease row (deleted by hand) has
+            // no last tick to show.
+            for role in roles {
+                if !rows.iter().any(|r| r.role.as_str() == role.as_str()) {
+                    telemetry
+                        .gauge(
+                            "hardcount_leader_last_tick_known",
+                            &[("role", role.as_str())],
+                        )
+                        .set(0.0);
+                }
+            }
             for row in rows {
                 let role = row.role.as_str();
                 let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
@@ -71,17 +83,27 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
         }
         Err(e) => {
             warn!(error = %e, "cannot read leader_status for metrics");
-            telemetry
-                .counter("hardcount_leader_status_errors_total", &[])
-                .increment(1);
-            for role in Role::ALL {
-                telemetry
-                    .gauge(
-                        "hardcount_leader_last_tick_known",
-                        &[("role", role.as_str())],
-                    )
-                    .set(0.0);
-            }
+            mark_status_unknown(telemetry);
         }
+    }
+}
+
+/// What a replica that could not read `leader_status` exports: the read
+/// counted failed and every role's last tick unknown, never the ages of its
+/// last good read, which would stay healthy while nothing runs (ADR-114: an
+/// error state is exported as such; docs/adr/0097). For a read that failed, timed
+/// out, or was not made because the database did not answer its readiness
+/// check.
+pub fn mark_status_unknown(telemetry: &Telemetry) {
+    telemetry
+        .counter("hardcount_leader_status_errors_total", &[])
+        .increment(1);
+    for role in Role::ALL {
+        telemetry
+            .gauge(
+                "hardcount_leader_last_tick_known",
+                &[("role", role.as_str())],
+            )
+            .set(0.0);
     }
 }

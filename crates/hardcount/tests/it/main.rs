@@ -9,6 +9,7 @@ mod idle_connections;
 mod in_process;
 mod operate;
 mod production_build;
+mod status;
 
 use std::process::{Command, Output};
 

@@ -1,0 +1,81 @@
+//! What `/metrics` says about the leaders when the database stops answering.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use db::Db;
+use hardcount::http::{StatusSnapshot, refresh_status};
+use leader::{Role, Telemetry};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::Executor as _;
+use testbed::proxy::{FaultProxy, Mode};
+use testbed::{Leg, TestDb};
+use tokio_util::sync::CancellationToken;
+
+const KNOWN: &str = "hardcount_leader_last_tick_known{role=\"webhook_outbox\"} 1";
+const UNKNOWN: &str = "hardcount_leader_last_tick_known{role=\"webhook_outbox\"} 0";
+
+async fn until(metrics: &PrometheusHandle, what: &str, limit: Duration) {
+    let started = Instant::now();
+    while !metrics.render().contains(what) {
+        assert!(
+            started.elapsed() < limit,
+            "no {what:?} within {limit:?}:\n{}",
+            metrics.render()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A replica whose database stops answering (connections reset, then a link
+/// that swallows everything) exports every role's last tick as unknown and
+/// counts the failed reads, and exports the ages again once it reads. Before,
+/// the readiness check returned before the status read, so the last good
+/// ages stayed exported at known = 1: the stall alert, gated on known = 1,
+/// saw a healthy, frozen age for the whole outage, and the unknown and
+/// read-error alerts saw nothing (docs/adr/0097). Mutation
+/// `status_frozen_on_outage` (the unknown marking of a failed check removed)
+/// fails it; seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_cannot_read_its_database_exports_every_last_tick_unknown() {
+    let t = TestDb::new().await;
+    t.superuser()
+        .await
+        .execute(
+            "UPDATE leader_leases SET last_tick_ended_at = now() WHERE role = 'webhook_outbox'",
+        )
+        .await
+        .unwrap();
+    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
+    let url = format!(
+        "postgres://hardcount_app@{}/{}",
+        proxy.host_port(),
+        t.name()
+    );
+    let db = Db::connect_lazy(&url, 2).unwrap();
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let metrics = recorder.handle();
+    let stop = CancellationToken::new();
+    let refresher = tokio::spawn(refresh_status(
+        db,
+        Telemetry::new(Arc::new(recorder)),
+        vec![Role::WebhookOutbox],
+        Arc::new(StatusSnapshot::default()),
+        stop.clone(),
+    ));
+    until(&metrics, KNOWN, Duration::from_secs(10)).await;
+    for mode in [Mode::Reset, Mode::Blackhole] {
+        proxy.set(mode);
+        until(&metrics, UNKNOWN, Duration::from_secs(10)).await;
+        let errors = metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix("hardcount_leader_status_errors_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        assert!(errors >= Some(1.0), "{mode}: {}", metrics.render());
+        proxy.set(Mode::Pass);
+        until(&metrics, KNOWN, Duration::from_secs(15)).await;
+    }
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), refresher).await;
+}
