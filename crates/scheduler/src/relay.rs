@@ -5,7 +5,8 @@
 //! of leaving them for a claim statement.
 //!
 //! The receiving role publishes its lead while a tick runs ([`Relay::lead`]):
-//! its fence token, the claim lease and how many rows may wait. The sender
+//! its fence token, the claim lease and how many rows, and how many bytes of
+//! them, may wait. The sender
 //! reads it ([`Relay::offer`]) and proves that token in its own statement
 //! (`leader_fence`), so a lead that ended meanwhile claims nothing. The rows
 //! wait here with the instant they were claimed at; the receiver takes them
@@ -27,6 +28,9 @@ pub struct Offer {
     pub lease: Duration,
     /// How many more rows may wait to be taken.
     pub room: usize,
+    /// How many more bytes (as the sender counts them: the rows' payloads)
+    /// may wait: rows alone do not bound the memory they hold.
+    pub bytes: usize,
 }
 
 /// Rows claimed for a role by another, waiting to be taken. Cheap to share
@@ -39,7 +43,10 @@ pub struct Relay {
 #[derive(Debug, Default)]
 struct State {
     lead: Option<Lead>,
-    rows: VecDeque<(Instant, PgRow)>,
+    /// Each row with the instant it was claimed at and its size in bytes.
+    rows: VecDeque<(Instant, PgRow, usize)>,
+    /// The sum of the waiting rows' sizes.
+    bytes: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -47,17 +54,19 @@ struct Lead {
     token: i64,
     lease: Duration,
     capacity: usize,
+    bytes: usize,
 }
 
 impl Relay {
     /// The receiving role leads under `token` until [`Relay::unlead`]: a
     /// sender may claim for it with `lease`, while fewer than `capacity` rows
-    /// wait.
-    pub fn lead(&self, token: i64, lease: Duration, capacity: usize) {
+    /// and fewer than `bytes` bytes of them wait.
+    pub fn lead(&self, token: i64, lease: Duration, capacity: usize, bytes: usize) {
         self.lock().lead = Some(Lead {
             token,
             lease,
             capacity,
+            bytes,
         });
     }
 
@@ -76,17 +85,24 @@ impl Relay {
         let s = self.lock();
         let lead = s.lead?;
         let room = lead.capacity.saturating_sub(s.rows.len());
-        (room > 0).then_some(Offer {
+        let bytes = lead.bytes.saturating_sub(s.bytes);
+        (room > 0 && bytes > 0).then_some(Offer {
             token: lead.token,
             lease: lead.lease,
             room,
+            bytes,
         })
     }
 
     /// Rows a sender claimed at `at` (an instant taken before its statement
-    /// was sent, so no later than the lease's start on the database).
-    pub fn hand(&self, at: Instant, rows: impl IntoIterator<Item = PgRow>) {
-        self.lock().rows.extend(rows.into_iter().map(|r| (at, r)));
+    /// was sent, so no later than the lease's start on the database), each
+    /// with its size in bytes.
+    pub fn hand(&self, at: Instant, rows: impl IntoIterator<Item = (PgRow, usize)>) {
+        let mut s = self.lock();
+        for (row, bytes) in rows {
+            s.bytes += bytes;
+            s.rows.push_back((at, row, bytes));
+        }
     }
 
     /// Up to `limit` waiting rows, oldest first, each with the instant it was
@@ -94,7 +110,9 @@ impl Relay {
     pub fn take(&self, limit: usize) -> Vec<(Instant, PgRow)> {
         let mut s = self.lock();
         let n = limit.min(s.rows.len());
-        s.rows.drain(..n).collect()
+        let taken: Vec<(Instant, PgRow, usize)> = s.rows.drain(..n).collect();
+        s.bytes -= taken.iter().map(|t| t.2).sum::<usize>();
+        taken.into_iter().map(|(at, row, _)| (at, row)).collect()
     }
 
     /// Rows waiting to be taken.
@@ -115,16 +133,19 @@ mod tests {
     fn an_offer_needs_a_lead_and_room_and_ends_with_its_own_tick() {
         let relay = Relay::default();
         assert_eq!(relay.offer(), None, "no lead");
-        relay.lead(7, Duration::from_secs(30), 2);
+        relay.lead(7, Duration::from_secs(30), 2, 100);
         assert_eq!(
             relay.offer(),
             Some(Offer {
                 token: 7,
                 lease: Duration::from_secs(30),
-                room: 2
+                room: 2,
+                bytes: 100
             })
         );
-        relay.lead(8, Duration::from_secs(30), 2);
+        relay.lead(7, Duration::from_secs(30), 2, 0);
+        assert_eq!(relay.offer(), None, "no bytes left");
+        relay.lead(8, Duration::from_secs(30), 2, 100);
         relay.unlead(7);
         assert_eq!(
             relay.offer().map(|o| o.token),

@@ -296,7 +296,11 @@ impl Deliveries<'_> {
             } else {
                 0
             };
-            wake.relay().lead(fence.token(), config.claim_lease(), room);
+            // Rows wait with their payloads: at most one batch's worth at the
+            // largest payload, what one claim statement may hold anyway.
+            let bytes = config.batch_size * outbox::webhook::MAX_PAYLOAD_BYTES;
+            wake.relay()
+                .lead(fence.token(), config.claim_lease(), room, bytes);
         }
     }
 

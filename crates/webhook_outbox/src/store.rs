@@ -82,7 +82,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
-           RETURNING e.id, e.tenant_id, e.event_type), \
+           RETURNING e.id, e.tenant_id, e.event_type, \
+                     CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes), \
          relay AS MATERIALIZED ( \
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          ins AS ( \
@@ -94,13 +95,14 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                   CASE WHEN f.handed THEN now() END \
            FROM ( \
              SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
-                    r.leads AND row_number() OVER (ORDER BY s.id, ep.id) <= $10 AS handed \
+                    r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
              FROM stamped s \
              JOIN webhook_endpoints ep \
                ON ep.tenant_id = s.tenant_id \
               AND ep.enabled \
               AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
-             CROSS JOIN relay r) f \
+             CROSS JOIN relay r \
+             WINDOW w AS (ORDER BY s.id, ep.id)) f \
            ORDER BY f.event_id, f.endpoint_id \
            ON CONFLICT (event_id, endpoint_id) DO NOTHING \
            RETURNING id, tenant_id, event_id, endpoint_id, attempts, resent_at_attempt), \
@@ -149,8 +151,9 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 ///
 /// With an `offer` from the delivery role of this process (docs/adr/0087),
-/// the first `offer.room` deliveries (by event and endpoint) are inserted
-/// already claimed for it
+/// the first `offer.room` deliveries (by event and endpoint) whose payloads
+/// fit in `offer.bytes` together (docs/adr/0098) are inserted already claimed
+/// for it
 /// (attempt 1, its claim lease, as its own claim would write them) when the
 /// statement also proves that role's token (`leader_fence('webhook_delivery',
 /// $8)`; a stale one claims none), and are returned with what their attempt
@@ -188,7 +191,8 @@ pub(crate) async fn claim_and_fan_out(
                     .bind(bound)
                     .bind(offer.map(|o| o.token))
                     .bind(offer.map_or(0.0, |o| o.lease.as_secs_f64()))
-                    .bind(offer.map_or(0, |o| i64::try_from(o.room).unwrap_or(i64::MAX))),
+                    .bind(offer.map_or(0, |o| i64::try_from(o.room).unwrap_or(i64::MAX)))
+                    .bind(offer.map_or(0, |o| i64::try_from(o.bytes).unwrap_or(i64::MAX))),
             )
             .await?;
         tx.commit().await?;
@@ -216,6 +220,14 @@ pub(crate) async fn claim_and_fan_out(
                 r.try_get::<Option<i64>, _>("id")
                     .is_ok_and(|id| id.is_some())
             });
+            // Each row's size as the offer counts it: its payload's text.
+            let rows = rows
+                .into_iter()
+                .map(|r| {
+                    let bytes = r.try_get::<&str, _>("payload").map_or(0, str::len);
+                    (r, bytes)
+                })
+                .collect();
             handed = Handed { at, rows };
             break;
         }
@@ -228,7 +240,8 @@ pub(crate) async fn claim_and_fan_out(
 /// start).
 pub(crate) struct Handed {
     pub at: Instant,
-    pub rows: Vec<PgRow>,
+    /// Each row with its payload's size in bytes.
+    pub rows: Vec<(PgRow, usize)>,
 }
 
 /// The prune statement of [`prune_dispatched`]; `pub` only for the plan test

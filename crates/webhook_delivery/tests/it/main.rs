@@ -112,12 +112,24 @@ pub async fn events_handed_over(
     n: usize,
     hand_over: Option<&Wake>,
 ) -> Vec<i64> {
+    let payloads: Vec<String> = (0..n)
+        .map(|i| format!(r#"{{"invoice": "in_{i}", "amount_due": {}}}"#, 1000 + i))
+        .collect();
+    payloads_handed_over(db, tenant, &payloads, hand_over).await
+}
+
+/// [`events_handed_over`] with these payloads, one event each.
+pub async fn payloads_handed_over(
+    db: &Db,
+    tenant: &str,
+    payloads: &[String],
+    hand_over: Option<&Wake>,
+) -> Vec<i64> {
     let mut tx = db.begin().await.unwrap();
     let mut ids = Vec::new();
-    for i in 0..n {
-        let payload = format!(r#"{{"invoice": "in_{i}", "amount_due": {}}}"#, 1000 + i);
+    for payload in payloads {
         ids.push(
-            webhook_outbox::enqueue(&mut tx, tenant, "invoice.finalized", &payload)
+            webhook_outbox::enqueue(&mut tx, tenant, "invoice.finalized", payload)
                 .await
                 .unwrap(),
         );

@@ -15,15 +15,15 @@ use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::WorkerConfig;
 
 use crate::{
-    as_leader, config, deliveries, endpoint, events, events_handed_over, led_role, manager, tick,
-    worker,
+    as_leader, config, deliveries, endpoint, events, events_handed_over, led_role, manager,
+    payloads_handed_over, tick, worker,
 };
 
 /// Offer `wake`'s relay to the fan-out as a delivery tick leading under
 /// `token` would (its lease, its room), then fan out `events` events of
 /// tenant_a handed over to it.
 async fn offered(db: &Db, wake: &Wake, token: i64, lease: Duration, room: usize, events: usize) {
-    wake.relay().lead(token, lease, room);
+    wake.relay().lead(token, lease, room, usize::MAX);
     events_handed_over(db, "tenant_a", events, Some(wake)).await;
 }
 
@@ -92,6 +92,43 @@ async fn the_fan_out_claims_for_the_delivery_role_only_under_its_live_token() {
             (0, false)
         ]
     );
+}
+
+/// The room is bounded in payload bytes as well as rows (docs/adr/0098): four
+/// events of about 60 KiB to two endpoints (eight deliveries) under a room of
+/// 100 rows and 200 KiB hand over three, and leave the rest pending for the
+/// claim statement. Before, rows alone bounded it: eight batches of rows, each
+/// with its own copy of a payload of up to 256 KiB, about 1 GiB held by one
+/// statement's result and the relay at the shipped defaults.
+///
+/// Mutation check: the fan-out without its bytes bound hands all eight over,
+/// and this test fails (scripts/mutation-check `relay_bytes_unbounded`).
+#[tokio::test]
+async fn the_fan_out_hands_over_no_more_payload_bytes_than_offered() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/b").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let blob = "x".repeat(60 * 1024);
+    let payloads: Vec<String> = (0..4)
+        .map(|i| format!(r#"{{"n": {i}, "blob": "{blob}"}}"#))
+        .collect();
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let lease = Duration::from_secs(30);
+            relay
+                .relay()
+                .lead(tick.fence.token(), lease, 100, 200 * 1024);
+            payloads_handed_over(&db, "tenant_a", &payloads, Some(&relay)).await;
+            assert_eq!(relay.relay().waiting(), 3, "the bytes offered");
+        },
+    )
+    .await;
+    let attempts: Vec<i32> = deliveries(&t.db).await.iter().map(|d| d.attempts).collect();
+    assert_eq!(attempts, [1, 1, 1, 0, 0, 0, 0, 0]);
 }
 
 /// A fan-out while a delivery tick runs in the same process hands its

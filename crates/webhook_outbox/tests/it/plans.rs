@@ -43,6 +43,7 @@ async fn the_fan_out_claims_its_events_in_index_order() {
             .bind(None::<i64>)
             .bind(0.0_f64)
             .bind(0_i64)
+            .bind(0_i64)
     })
     .await;
     assert!(
@@ -129,6 +130,7 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
             .bind(64_i64)
             .bind(None::<i64>)
             .bind(0.0_f64)
+            .bind(0_i64)
             .bind(0_i64)
     })
     .await;
