@@ -408,10 +408,11 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     tracker.close();
 
     root.cancelled().await;
-    // Lead gives cancelled work its grace, then releases on its own deadline.
-    let t = config.timing;
+    // Lead gives cancelled work its grace, then releases on its own deadline;
+    // an ACQUIRE already sent is answered within its bound, then released
+    // (docs/adr/0099). Only then is the lease pool closed.
     if tokio::time::timeout(
-        t.cancel_grace + t.statement_timeout + Duration::from_secs(2),
+        config.timing.shutdown_bound() + Duration::from_secs(2),
         tracker.wait(),
     )
     .await

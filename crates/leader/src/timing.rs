@@ -191,6 +191,19 @@ impl Timing {
         self.ttl + self.statement_timeout + crate::store::CLIENT_MARGIN
     }
 
+    /// The longest a role loop takes to stop once shutdown is asked: an
+    /// ACQUIRE already sent, answered as late as [`Timing::acquire_bound`]
+    /// (or running work given its `cancel_grace`), then that term's RELEASE.
+    /// `serve` waits this long before it closes the lease pool: closed
+    /// sooner, a late-won ACQUIRE's RELEASE found the pool closed and the
+    /// lease stood held, with nobody working, for a TTL.
+    pub fn shutdown_bound(&self) -> Duration {
+        self.acquire_bound()
+            .max(self.cancel_grace + self.statement_timeout)
+            + self.statement_timeout
+            + crate::store::CLIENT_MARGIN
+    }
+
     /// The longest sleep before the next poll of a lease that was not won:
     /// `held_poll` while another term holds it, else `max_poll`.
     pub fn poll_cap(&self, held: bool) -> Duration {
@@ -207,6 +220,18 @@ impl Default for Timing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `serve` outwaits an ACQUIRE answered at its bound and its RELEASE,
+    /// within the 30 s a Kubernetes pod is given (deploy/kubernetes). Fails
+    /// with the wait `serve` used before (grace, a statement, 2 s: 5 s).
+    #[test]
+    fn shutdown_outwaits_an_acquire_and_its_release() {
+        for t in [Timing::ADR, Timing::FAST] {
+            assert!(t.shutdown_bound() >= t.acquire_bound() + t.statement_timeout);
+            assert!(t.shutdown_bound() >= t.cancel_grace + t.statement_timeout * 2);
+            assert!(t.shutdown_bound() + Duration::from_secs(2) < Duration::from_secs(30));
+        }
+    }
 
     #[test]
     fn the_adr_constants_keep_abandon_plus_statement_timeout_under_ttl() {
