@@ -54,11 +54,16 @@ const EXPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// named; nothing is logged yet).
 pub fn init(cli: &Cli) -> Result<Telemetry> {
     let common = &cli.common;
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(common.rust_log.trim()).unwrap_or_else(|e| {
-            eprintln!("RUST_LOG={:?}: {e}; logging at info", common.rust_log);
-            "info".into()
-        });
+    // An empty RUST_LOG is unset (README), not a filter with no rules, which
+    // turned every line off (docs/adr/0101).
+    let wanted = match common.rust_log.trim() {
+        "" => "info",
+        set => set,
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(wanted).unwrap_or_else(|e| {
+        eprintln!("RUST_LOG={:?}: {e}; logging at info", common.rust_log);
+        "info".into()
+    });
     // Colours only on a terminal: a file, a pipe or a container's log keeps
     // plain text that grep and a log pipeline read as written.
     let lines = tracing_subscriber::fmt::layer()
@@ -76,6 +81,11 @@ pub fn init(cli: &Cli) -> Result<Telemetry> {
             .boxed(),
         other => bail!("HARDCOUNT_LOG_FORMAT is {other:?}; expected text or json"),
     };
+    // The OTLP exporter's own debug lines carry the endpoint's URL, and with
+    // it any credentials in it (docs/adr/0101): never on stderr.
+    let lines = lines.with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+        !(meta.target().starts_with("opentelemetry") && *meta.level() > tracing::Level::INFO)
+    }));
     let traces = match Secret::set(&common.otlp_endpoint) {
         Some(base) => Some(tracer_provider(&traces_url(base)?)?),
         None => None,

@@ -45,8 +45,14 @@ pub enum KeyringError {
     Empty,
     #[error("{SECRETS_KEY_VAR}: entry {0} is not <id>:<base64 of 32 bytes>")]
     Shape(usize),
-    #[error("{SECRETS_KEY_VAR}: key id {0:?} must be 1 to 32 of A-Z a-z 0-9 _ -")]
-    BadId(String),
+    /// Not echoed: an entry written the wrong way round (`<base64>:<id>`)
+    /// has its key where the id goes (docs/adr/0101).
+    #[error(
+        "{SECRETS_KEY_VAR}: entry {0}'s key id is not 1 to 32 of A-Z a-z 0-9 _ - (entries are <id>:<base64>)"
+    )]
+    BadId(usize),
+    #[error("key id {0:?} must be 1 to 32 of A-Z a-z 0-9 _ -")]
+    BadNewId(String),
     #[error("{SECRETS_KEY_VAR}: key {0:?} is not standard base64 of exactly 32 bytes")]
     BadKey(String),
     #[error("{SECRETS_KEY_VAR}: key id {0:?} is listed twice")]
@@ -130,7 +136,7 @@ impl Keyring {
             let (id, encoded) = entry.split_once(':').ok_or(KeyringError::Shape(i + 1))?;
             let id = id.trim();
             if !valid_id(id) {
-                return Err(KeyringError::BadId(id.to_owned()));
+                return Err(KeyringError::BadId(i + 1));
             }
             let decoded = Zeroizing::new(
                 STANDARD
@@ -163,10 +169,10 @@ impl Keyring {
     /// `hardcount secrets generate-key`.
     ///
     /// # Errors
-    /// [`KeyringError::BadId`] for an id that could not be parsed back.
+    /// [`KeyringError::BadNewId`] for an id that could not be parsed back.
     pub fn generate_entry(id: &str) -> Result<Zeroizing<String>, KeyringError> {
         if !valid_id(id) {
-            return Err(KeyringError::BadId(id.to_owned()));
+            return Err(KeyringError::BadNewId(id.to_owned()));
         }
         let mut key = Zeroizing::new([0u8; KEY_LEN]);
         rand::rng().fill_bytes(key.as_mut());
@@ -333,7 +339,13 @@ mod tests {
         for (text, expected) in [
             ("", KeyringError::Empty),
             ("nocolon", KeyringError::Shape(1)),
-            ("bad id:AAAA", KeyringError::BadId("bad id".into())),
+            ("bad id:AAAA", KeyringError::BadId(1)),
+            // Written the wrong way round: the key is where the id goes, and
+            // is not echoed (it was, as the id, before docs/adr/0101).
+            (
+                &format!("{}:k1", K1.split_once(':').unwrap().1),
+                KeyringError::BadId(1),
+            ),
             ("k1:c2hvcnQ=", KeyringError::BadKey("k1".into())),
             ("k1:not base64!", KeyringError::BadKey("k1".into())),
             (&format!("{K1},{K1}"), KeyringError::Duplicate("k1".into())),
@@ -343,7 +355,9 @@ mod tests {
             let shown = err.to_string();
             assert!(shown.contains(SECRETS_KEY_VAR), "{shown}");
             assert!(
-                !shown.contains("AAEC") && !shown.contains("c2hvcnQ"),
+                !shown.contains("AAEC")
+                    && !shown.contains("c2hvcnQ")
+                    && !shown.contains(K1.split_once(':').unwrap().1),
                 "{shown}"
             );
         }

@@ -103,6 +103,45 @@ async fn a_tick_prunes_old_sent_and_failed_emails_and_keeps_the_rest() {
     );
 }
 
+/// An email refused for its content at enqueue (written `failed`, never
+/// attempted) ages from its refusal and goes with the others: one refused 40
+/// days ago is pruned, one refused now stays. Before, its `last_attempt_at`
+/// stayed NULL, which is never older than the cut: every refused email, with
+/// its recipients and bodies, was kept for ever (docs/adr/0100). Mutation
+/// `refused_email_unaged` (the insert's stamp removed) fails it; seen failing.
+#[tokio::test]
+async fn a_refused_email_is_pruned_once_its_refusal_is_old() {
+    let t = TestDb::new().await;
+    let mut refused = email("a@example.com", 0);
+    refused.to = vec!["not an address".into()];
+    for _ in 0..2 {
+        let mut tx = t.db.begin().await.unwrap();
+        email_outbox::enqueue_or_record(&mut tx, "tenant_a", &refused, &leader::Telemetry::noop())
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let e = ids(&t.db).await;
+    owner(
+        &t,
+        format!(
+            "UPDATE email_outbox SET created_at = created_at - interval '40 days', \
+                    last_attempt_at = last_attempt_at - interval '40 days' WHERE id = {}",
+            e[0]
+        ),
+    )
+    .await;
+    let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
+    let s = s.with_retention(Retention {
+        keep: MONTH,
+        lease_history: MONTH,
+        every: Duration::ZERO,
+        batch: 1000,
+    });
+    let _ = tick(&t.db, &s).await;
+    assert_eq!(ids(&t.db).await, vec![e[1]]);
+}
+
 /// Mutation check: removing `AND leader_fence($1, $2)` from PRUNE_FINISHED
 /// (`store/prune.rs`) makes the old token delete the three; this test was run
 /// against that mutation and failed, then the predicate was restored. The

@@ -122,6 +122,55 @@ async fn a_trace_level_serve_run_prints_no_password_and_no_key() {
     assert!(!all.contains(key_bytes), "the secrets key was printed");
 }
 
+/// An empty `RUST_LOG` is unset (README: the default, `info`), not a filter
+/// with no rules: that turned every line off, panics and lost leases
+/// included (docs/adr/0101). Mutation `empty_rust_log_silent` (the empty
+/// value passed to the filter again) fails it; seen failing.
+#[tokio::test]
+async fn an_empty_rust_log_logs_at_info() {
+    let t = TestDb::new().await;
+    let all = run_until(
+        hardcount()
+            .arg("serve")
+            .env("DATABASE_URL", t.app_url(Leg::current()))
+            .env("HARDCOUNT_ROLES", "webhook_outbox")
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+            .env("RUST_LOG", " "),
+        "serving",
+        Duration::from_secs(30),
+    );
+    assert!(all.contains("serving"), "nothing logged: {all:?}");
+}
+
+/// The OTLP exporter's debug lines carry the endpoint's URL with its
+/// credentials: at `RUST_LOG=debug`, with an endpoint that refuses (port 1),
+/// two batch exports (5 s apart) fail and neither the token nor the URL
+/// reaches stderr (docs/adr/0101). Mutation `otlp_debug_lines` (the stderr
+/// filter removed) fails it; seen failing.
+#[tokio::test]
+async fn a_debug_serve_run_prints_no_otlp_credentials() {
+    let t = TestDb::new().await;
+    let all = run_until(
+        hardcount()
+            .arg("serve")
+            .env("DATABASE_URL", t.app_url(Leg::current()))
+            .env("HARDCOUNT_ROLES", "webhook_outbox")
+            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+            .env(
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "http://otlp:seeded-otlp-tok@127.0.0.1:1",
+            )
+            .env("RUST_LOG", "debug"),
+        "a line never printed",
+        Duration::from_secs(12),
+    );
+    assert!(all.contains("serving"), "{all}");
+    assert!(
+        !all.contains("seeded-otlp-tok"),
+        "the OTLP token was printed"
+    );
+}
+
 /// Issue 25, point 6: `HARDCOUNT_LOG_FORMAT=json` makes every line one JSON
 /// object, and every line logged within a tick carries the tick's `role`,
 /// `token` and `tick` id (the `tick` span of `Manager::lead`); a format

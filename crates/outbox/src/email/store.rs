@@ -78,9 +78,10 @@ pub(crate) async fn insert_batch(tx: &mut Tx, rows: &[NewRow<'_>]) -> Result<u64
     tx.execute(
         sql("INSERT INTO email_outbox \
                (tenant_id, message_id, sender, recipients, subject, text_body, html_body, \
-                status, refused, last_reply_text) \
+                status, refused, last_reply_text, last_attempt_at) \
              SELECT e.tenant_id, e.message_id, e.sender, ($4::text[])[e.lo:e.hi], e.subject, \
-                    e.text_body, e.html_body, e.status, e.refused, e.reply_text \
+                    e.text_body, e.html_body, e.status, e.refused, e.reply_text, \
+                    CASE WHEN e.refused IS NOT NULL THEN now() END \
              FROM unnest($1::text[], $2::text[], $3::text[], $5::int4[], $6::int4[], \
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], \
                          $12::text[]) \

@@ -101,7 +101,7 @@ pub const CLAIM_DUE: &str = concat!(
          due AS (SELECT id, made FROM first UNION ALL SELECT id, made FROM fill), \
          exhausted AS ( \
            UPDATE webhook_deliveries d \
-           SET status = 'dead', last_error = 'attempts_exhausted' \
+           SET status = 'dead', last_error = 'attempts_exhausted', next_attempt_at = now() \
            FROM due WHERE d.id = due.id AND due.made >= $5 \
            RETURNING d.id), \
          claimed AS ( \

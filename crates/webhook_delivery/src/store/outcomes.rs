@@ -91,7 +91,9 @@ pub(crate) async fn record_outcome(
 /// its attempt's row of the delivery's history (`webhook_delivery_attempts`,
 /// at the attempt's claim time), in the same statement: it is fenced by the
 /// same compare-and-set, so a stale attempt writes no history either. The
-/// delivering attempt is the delivery row's own `last_*` columns. Each
+/// delivering attempt is the delivery row's own `last_*` columns. An outcome
+/// that finishes a delivery stamps `next_attempt_at` now: the retention
+/// prune's age is from when it finished (docs/adr/0100). Each
 /// endpoint of the group has its `failing_since` (migration 0031) set when
 /// the group holds only failures for it, cleared when one of them
 /// delivered, and left unwritten when that is already so.
@@ -101,7 +103,7 @@ pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
              claimed_until = NULL, \
              next_attempt_at = CASE WHEN o.next_state = 'pending' \
                                     THEN now() + make_interval(secs => o.retry_secs) \
-                                    ELSE d.next_attempt_at END, \
+                                    ELSE now() END, \
              delivered_at = CASE WHEN o.next_state = 'delivered' THEN now() END, \
              last_status_code = o.status_code, \
              last_error = o.error, \

@@ -7,9 +7,10 @@ use db::Db;
 use leader::Fence;
 
 /// The prune statement of [`prune_finished`]; `pub` only for the plan tests
-/// (`tests/it/plans.rs`). A finished delivery's age is its `next_attempt_at`
-/// (when its last attempt came due; migration 0030 says why not
-/// `last_attempt_at`), read in order through `webhook_deliveries_finished`;
+/// (`tests/it/plans.rs`). A finished delivery's age is its `next_attempt_at`,
+/// which the write that finishes it stamps (docs/adr/0100; migration 0030
+/// says why not `last_attempt_at`), read in order through
+/// `webhook_deliveries_finished`;
 /// its attempt rows go in the same statement, found by their primary key's
 /// first column. The fence sits next to `FOR UPDATE SKIP LOCKED`, as in the
 /// claim: a replaced leader deletes nothing, and a delivery an API resend

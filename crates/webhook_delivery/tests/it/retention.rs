@@ -133,6 +133,50 @@ async fn a_tick_prunes_old_finished_deliveries_with_their_attempts_and_keeps_the
     );
 }
 
+/// A delivery that dies in a tick is kept for the whole retention from its
+/// death, however long it waited before: one refused with 410 and one past
+/// the attempt ceiling, both due since 40 days (a role down, a backlog),
+/// under a month's retention, are dead and still there after the tick that
+/// killed them and pruned. Before, a finishing write left `next_attempt_at`
+/// as it was, so that tick's prune deleted both seconds after they died,
+/// before a resend or a recover could reach them (docs/adr/0100). Mutation
+/// `dead_pruned_at_death` (the outcome's stamp and the ceiling's removed)
+/// fails it; seen failing.
+#[tokio::test]
+async fn a_delivery_that_dies_after_a_long_wait_is_kept_for_the_retention() {
+    let t = TestDb::new().await;
+    let gone = Receiver::answering(410).await;
+    let fine = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &gone.url()).await;
+    endpoint(&t, "tenant_a", &fine.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let d = ids(&t.db).await;
+    age(&t, &d, 40).await;
+    owner(
+        &t,
+        &format!(
+            "UPDATE webhook_deliveries SET attempts = 1000 WHERE id = {}",
+            d[1]
+        ),
+    )
+    .await;
+    let (w, _) = worker(&t.db, pruning(1000));
+    tick(&t.db, &w).await;
+    let left: Vec<(i64, String)> =
+        t.db.fetch_all(sql("SELECT id, status FROM webhook_deliveries ORDER BY id"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get("id"), r.get("status")))
+            .collect();
+    assert_eq!(
+        left,
+        [(d[0], "dead".to_owned()), (d[1], "dead".to_owned())],
+        "{left:?}"
+    );
+    assert_eq!(fine.count(), 0, "the exhausted one was not sent");
+}
+
 /// A leader replaced by a takeover deletes nothing with its old token; the
 /// new leader's prune in the same moment deletes the old rows.
 ///
