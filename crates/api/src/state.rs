@@ -8,6 +8,7 @@ use billing::{Biller, BillingConfig};
 use db::Db;
 use leader::Telemetry;
 use webhook_delivery::Keyring;
+use webhook_delivery::ssrf::{Allowlist, Ports};
 
 use crate::limit::Limiter;
 
@@ -28,6 +29,14 @@ pub struct ApiConfig {
     /// statement timeout of their own transactions); the provider is unused:
     /// the API charges nothing.
     pub billing: BillingConfig,
+    /// The delivery role's SSRF guard (`HARDCOUNT_WEBHOOK_ALLOWLIST`, the
+    /// ports): an endpoint URL it refuses on its face (an IP literal, a
+    /// port) is refused when it is registered (docs/adr/0102).
+    pub webhook_allowlist: Allowlist,
+    pub webhook_ports: Ports,
+    /// The most dead deliveries one recover puts back to pending; the
+    /// answer says whether more may remain (docs/adr/0102).
+    pub recover_batch: usize,
 }
 
 impl Default for ApiConfig {
@@ -39,6 +48,9 @@ impl Default for ApiConfig {
             statement_timeout: Duration::from_secs(5),
             max_concurrent: 256,
             billing: BillingConfig::default(),
+            webhook_allowlist: Allowlist::default(),
+            webhook_ports: Ports::default(),
+            recover_batch: 10_000,
         }
     }
 }

@@ -377,6 +377,12 @@ impl ServeSettings {
             w.notice_from = Some(from);
         }
         webhook_delivery.validate()?;
+        // The API refuses endpoint URLs the delivery role's guard would.
+        let api = self.api(secrets_for_api)?.map(|mut a| {
+            a.config.webhook_allowlist = webhook_delivery.allowlist.clone();
+            a.config.webhook_ports = webhook_delivery.ports;
+            a
+        });
         Ok(Config {
             database_url: database_url.into(),
             roles_explicit: roles_explicit(&self.roles),
@@ -387,7 +393,7 @@ impl ServeSettings {
             dunning: self.dunning()?,
             listen_url: self.listen_url()?,
             lease_database_url: self.lease_database_url()?,
-            api: self.api(secrets_for_api)?,
+            api,
             retention: self.retention()?,
             timing: parse::lease_profile(self.lease_profile.as_deref())?,
         })

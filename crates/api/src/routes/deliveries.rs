@@ -269,24 +269,36 @@ pub async fn resend(
     scope.respond(StatusCode::OK, &delivery).await
 }
 
-/// The endpoint's dead deliveries whose last attempt (or, never attempted,
-/// creation) was at or after `since` back to pending, as [`resend`] does
-/// one; how many.
+/// At most `limit` of the endpoint's dead deliveries whose last attempt (or,
+/// never attempted, creation) was at or after `since` back to pending, as
+/// [`resend`] does one, lowest ids first; how many. Bounded so that a long
+/// outage's deaths are recovered call by call within the statement timeout,
+/// where one statement for all of them timed out at every retry
+/// (docs/adr/0102). A row another transaction holds is left for the next call.
 pub(crate) async fn recover_dead(
     scope: &mut Scope,
     endpoint_id: i64,
     since: DateTime<Utc>,
+    limit: usize,
 ) -> Result<u64, ApiError> {
     Ok(scope
         .tx()
         .execute(
+            // Picked once (MATERIALIZED): as a subquery of the UPDATE, the
+            // LIMIT held per scan of it, and a rescan reset more.
             db::sql(concat!(
+                "WITH picked AS MATERIALIZED (
+                   SELECT id FROM webhook_deliveries
+                   WHERE tenant_id = api_tenant() AND status = 'dead' AND endpoint_id = $1
+                     AND coalesce(last_attempt_at, created_at) >= $2
+                   ORDER BY id LIMIT $3
+                   FOR UPDATE SKIP LOCKED) ",
                 reset!(),
-                " AND status = 'dead' AND endpoint_id = $1
-                   AND coalesce(last_attempt_at, created_at) >= $2"
+                " AND id IN (SELECT id FROM picked)"
             ))
             .bind(endpoint_id)
-            .bind(since),
+            .bind(since)
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
         )
         .await?)
 }

@@ -74,8 +74,11 @@ pub struct Recovery {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Recovered {
-    /// How many dead deliveries went back to pending.
+    /// How many dead deliveries went back to pending (at most 10,000 a call).
     pub recovered: u64,
+    /// True when the call recovered as many as one call may: call again
+    /// (with a new idempotency key) until it is false.
+    pub has_more: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -162,7 +165,7 @@ pub async fn create(
     body: JsonBody<NewEndpoint>,
 ) -> Result<Response, ApiError> {
     let NewEndpoint { url, event_types } = &body.value;
-    checked_url(url)?;
+    guarded_url(&api, url)?;
     event_type_filter(event_types)?;
     let keyring = keyring(&api)?;
     let mut scope = Scope::begin(&api, &caller).await?;
@@ -248,7 +251,7 @@ pub async fn update(
     body: JsonBody<EndpointUpdate>,
 ) -> Result<Response, ApiError> {
     let EndpointUpdate { url, event_types } = &body.value;
-    let url = url.as_deref().map(checked_url).transpose()?;
+    let url = url.as_deref().map(|u| guarded_url(&api, u)).transpose()?;
     if let Some(types) = event_types {
         event_type_filter(types)?;
     }
@@ -384,8 +387,8 @@ pub async fn enable(
 
 /// Send the endpoint's dead deliveries again: each whose last attempt was
 /// at or after `since` goes back to pending, due now, with its attempts
-/// counted afresh. A disabled endpoint is refused (409 `invalid_state`):
-/// enable it first.
+/// counted afresh, at most 10,000 a call (`has_more` says to call again). A
+/// disabled endpoint is refused (409 `invalid_state`): enable it first.
 #[utoipa::path(
     post, path = "/v1/webhook_endpoints/{id}/recover", tag = "webhook_endpoints",
     params(
@@ -418,9 +421,17 @@ pub async fn recover(
             ),
         ));
     }
-    let recovered = deliveries::recover_dead(&mut scope, id, body.value.since).await?;
+    let batch = api.config().recover_batch;
+    let recovered = deliveries::recover_dead(&mut scope, id, body.value.since, batch).await?;
+    let has_more = recovered >= batch as u64;
     scope
-        .respond(StatusCode::OK, &Recovered { recovered })
+        .respond(
+            StatusCode::OK,
+            &Recovered {
+                recovered,
+                has_more,
+            },
+        )
         .await
 }
 
@@ -492,10 +503,21 @@ fn keyring(api: &Api) -> Result<&Keyring, ApiError> {
 }
 
 /// The URL as [`webhook_delivery::create_endpoint`] checks it, as a 400 naming `url`.
-fn checked_url(url: &str) -> Result<String, ApiError> {
-    webhook_delivery::parse_endpoint_url(url)
-        .map(|u| u.to_string())
-        .map_err(endpoint_error)
+fn checked_url(url: &str) -> Result<url::Url, ApiError> {
+    webhook_delivery::parse_endpoint_url(url).map_err(endpoint_error)
+}
+
+/// [`checked_url`], then what the delivery role's SSRF guard decides from
+/// the URL alone: its port, and an IP literal against the allowlist. A URL
+/// refused there is refused at every attempt (each retried for a day, the
+/// endpoint disabled days later), so it is a 400 now. A host name is left to
+/// delivery time, when it is resolved (docs/adr/0102).
+fn guarded_url(api: &Api, url: &str) -> Result<String, ApiError> {
+    let parsed = checked_url(url)?;
+    let c = api.config();
+    webhook_delivery::ssrf::check_url(&parsed, &c.webhook_allowlist, c.webhook_ports)
+        .map_err(|e| ApiError::param("url", format!("webhooks are not sent to this URL: {e}")))?;
+    Ok(parsed.to_string())
 }
 
 fn event_type_filter(types: &[String]) -> Result<(), ApiError> {

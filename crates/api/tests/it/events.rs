@@ -121,7 +121,7 @@ async fn keys_that_copy_a_prefix_do_not_spend_the_real_keys_rate() {
     let config = api::ApiConfig {
         rate_per_second: std::num::NonZeroU32::new(1).unwrap(),
         rate_burst: std::num::NonZeroU32::new(2).unwrap(),
-        ..api::ApiConfig::default()
+        ..crate::config()
     };
     let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
     let s = crate::serve_api(api::Api::new(t.api(), Some(keyring), config)).await;

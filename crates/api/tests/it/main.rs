@@ -23,7 +23,16 @@ pub struct Served {
 /// Serve the API with the test bed's secrets key.
 pub async fn serve(t: &TestDb) -> Served {
     let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
-    serve_api(Api::new(t.api(), Some(keyring), ApiConfig::default())).await
+    serve_api(Api::new(t.api(), Some(keyring), config())).await
+}
+
+/// The defaults, with loopback allowed for webhooks, as the tests' receivers
+/// listen there (the delivery roles of these tests allow it too).
+pub fn config() -> ApiConfig {
+    ApiConfig {
+        webhook_allowlist: webhook_delivery::ssrf::Allowlist::parse("127.0.0.0/8").unwrap(),
+        ..ApiConfig::default()
+    }
 }
 
 pub async fn serve_api(api: Api) -> Served {

@@ -13,11 +13,7 @@ const TOKEN: &str = "op-token-0123456789abcdef0123456789abcdef";
 
 async fn serve(t: &TestDb) -> Served {
     let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
-    let tenant_api = api::router(api::Api::new(
-        t.api(),
-        Some(keyring),
-        api::ApiConfig::default(),
-    ));
+    let tenant_api = api::router(api::Api::new(t.api(), Some(keyring), crate::config()));
     let operator = api::operator::Operator::new(t.operator(), TOKEN).unwrap();
     let app = tenant_api.merge(api::operator::router(operator));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -215,3 +215,55 @@ async fn recover_puts_an_endpoint_s_dead_deliveries_back_to_pending() {
     let again = s.post(&recover, &key, body).await;
     assert_eq!(again.json["recovered"], 0, "pending ones are not terminal");
 }
+
+/// A recover puts back at most one call's worth, lowest ids first, and says
+/// whether more may remain: five dead deliveries, two a call, come back in
+/// three calls (2, 2, 1). Before, one statement reset them all, and a long
+/// outage's deaths timed out at every retry (docs/adr/0102). Mutation
+/// `recover_unbounded` (the limit removed) fails it; seen failing.
+#[tokio::test]
+async fn a_recover_is_bounded_per_call_and_says_when_more_remain() {
+    let t = TestDb::new().await;
+    let config = api::ApiConfig {
+        recover_batch: 2,
+        ..crate::config()
+    };
+    let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
+    let s = crate::serve_api(api::Api::new(t.api(), Some(keyring), config)).await;
+    let key = tenant(&t, "acme").await;
+    let rx = Receiver::answering(410).await;
+    let ep = new_endpoint(&s, &key, &rx.url()).await;
+    let id = ep["id"].as_i64().unwrap();
+    for n in 0..5 {
+        s.post("/v1/events", &key, json!({"type": "a.b", "data": {"n": n}}))
+            .await;
+    }
+    deliver(&t, &worker(&t)).await;
+    let enabled = s
+        .call(
+            "POST",
+            &format!("/v1/webhook_endpoints/{id}/enable"),
+            &key,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(enabled.status, StatusCode::OK, "{}", enabled.text);
+    let recover = format!("/v1/webhook_endpoints/{id}/recover");
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let a = s
+            .post(&recover, &key, json!({"since": "2000-01-01T00:00:00Z"}))
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+        seen.push((a.json["recovered"].clone(), a.json["has_more"].clone()));
+    }
+    assert_eq!(
+        seen,
+        [
+            (json!(2), json!(true)),
+            (json!(2), json!(true)),
+            (json!(1), json!(false))
+        ]
+    );
+}

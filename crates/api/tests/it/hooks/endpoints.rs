@@ -113,6 +113,16 @@ async fn each_bad_endpoint_input_names_its_field() {
             json!({"url": "https://x.example/", "secret": "whsec_mine"}),
             "secret",
         ),
+        // What the delivery role's guard refuses on the URL alone: the
+        // metadata address, a private and a loopback literal outside the
+        // allowlist (127.0.0.0/8 here), a port outside 80, 443, 1024 up.
+        // Before, each was 201 and its deliveries failed for a day
+        // (docs/adr/0102). Mutation `endpoint_url_unguarded` (the guard not
+        // asked) fails it; seen failing.
+        (json!({"url": "http://169.254.169.254/latest"}), "url"),
+        (json!({"url": "http://10.0.0.1/h"}), "url"),
+        (json!({"url": "http://[::1]/h"}), "url"),
+        (json!({"url": "https://hooks.example.com:22/h"}), "url"),
     ];
     for (body, param) in cases {
         let a = s.post("/v1/webhook_endpoints", &key, body.clone()).await;
@@ -130,6 +140,14 @@ async fn each_bad_endpoint_input_names_its_field() {
             &format!("/v1/webhook_endpoints/{id}"),
             &key,
             json!({"url": "gopher://x/"}),
+        )
+        .await;
+    assert_eq!((a.status, a.param()), (StatusCode::BAD_REQUEST, "url"));
+    let a = s
+        .post(
+            &format!("/v1/webhook_endpoints/{id}"),
+            &key,
+            json!({"url": "http://10.0.0.1/h"}),
         )
         .await;
     assert_eq!((a.status, a.param()), (StatusCode::BAD_REQUEST, "url"));
@@ -209,7 +227,7 @@ async fn an_endpoint_is_updated_disabled_and_enabled_again() {
 #[tokio::test]
 async fn without_a_secrets_key_an_endpoint_is_not_created_503() {
     let t = TestDb::new().await;
-    let s = serve_api(api::Api::new(t.api(), None, api::ApiConfig::default())).await;
+    let s = serve_api(api::Api::new(t.api(), None, crate::config())).await;
     let key = tenant(&t, "acme").await;
     let a = s
         .post(
@@ -276,12 +294,7 @@ async fn a_replay_after_a_key_rotation_shows_the_same_secret() {
         .unwrap();
     assert_eq!(again.resealed, 0);
     let only_new = Keyring::parse(next.as_str()).unwrap();
-    let rotated = serve_api(api::Api::new(
-        t.api(),
-        Some(only_new),
-        api::ApiConfig::default(),
-    ))
-    .await;
+    let rotated = serve_api(api::Api::new(t.api(), Some(only_new), crate::config())).await;
     let replay = rotated
         .call(
             "POST",
