@@ -149,13 +149,19 @@ pub(crate) async fn resume_collection_in(
     tenant_id: &str,
     subscription: i64,
 ) -> Result<CollectionPause, Error> {
-    crate::cancel::close_ended_in(biller, tx, tenant_id, subscription, "collection").await?;
-    let (_, pause) = locked(tx, tenant_id, subscription).await?;
-    let Some(pause) = pause else {
+    let (_, before) = locked(tx, tenant_id, subscription).await?;
+    let Some(before) = before else {
         return Err(Error::InvalidState {
             subscription,
             reason: "the subscription's collection is not paused",
         });
+    };
+    crate::cancel::close_ended_in(biller, tx, tenant_id, subscription, "collection").await?;
+    // A pause past its resume time is lifted (and announced) by the closing,
+    // as the tick lifts it: resumed already.
+    let (_, pause) = locked(tx, tenant_id, subscription).await?;
+    let Some(pause) = pause else {
+        return Ok(before);
     };
     tx.execute(
         sql(

@@ -27,6 +27,7 @@ use db::{Row, sql};
 
 use crate::close::{self, Closing, Due, Plan};
 use crate::invoice;
+use crate::period::{self, Interval, Unit};
 use crate::store::due;
 use crate::{Biller, Error};
 
@@ -158,6 +159,26 @@ async fn plan_change_in(
     let at = now.max(due.current_period_start);
     let closings = close::truncate_behind(&due, &new_plan, at, max)?
         .ok_or(Error::SubscriptionPeriodMoved { subscription })?;
+    // The change keeps the anchor's grid. Before the first period has begun,
+    // an anchor more than one of the new plan's intervals ahead would make a
+    // period longer than the one interval it is priced by (docs/adr/0096).
+    let new = Unit::parse(&new_plan.interval_unit)
+        .zip(u32::try_from(new_plan.interval_count).ok())
+        .map(|(unit, count)| Interval { unit, count });
+    // (Only then: from an anchor in the past the grid's next boundary is
+    // within an interval, a few days past it at a month's end.)
+    if let Some(c) = closings.last()
+        && due.billing_anchor > c.next_start
+        && new
+            .and_then(|i| period::boundary(c.next_start, i, 1))
+            .is_some_and(|natural| c.next_end > natural)
+    {
+        return Err(Error::InvalidState {
+            subscription,
+            reason: "the billing anchor is more than one of the new plan's intervals ahead: \
+                     change the plan once the first period has begun, or to a longer interval",
+        });
+    }
     Ok(PlanChange {
         due,
         plan: new_plan,

@@ -274,7 +274,8 @@ pub async fn resend(
 /// [`resend`] does one, lowest ids first; how many. Bounded so that a long
 /// outage's deaths are recovered call by call within the statement timeout,
 /// where one statement for all of them timed out at every retry
-/// (docs/adr/0102). A row another transaction holds is left for the next call.
+/// (docs/adr/0102). A row another transaction holds (a prune, another reset)
+/// is skipped; a batch made short by that reads as the last.
 pub(crate) async fn recover_dead(
     scope: &mut Scope,
     endpoint_id: i64,

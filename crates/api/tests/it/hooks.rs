@@ -66,6 +66,30 @@ pub(crate) async fn new_endpoint(s: &Served, key: &str, url: &str) -> Value {
     a.json
 }
 
+/// `n` events of `key`'s tenant to a new endpoint that answers 410, fanned
+/// out and delivered: every delivery dead (the first 410 turned the endpoint
+/// off), then the endpoint turned on again. Its id.
+pub(crate) async fn dead_on_enabled_endpoint(t: &TestDb, s: &Served, key: &str, n: usize) -> i64 {
+    let rx = Receiver::answering(410).await;
+    let id = new_endpoint(s, key, &rx.url()).await["id"]
+        .as_i64()
+        .unwrap();
+    for n in 0..n {
+        s.post("/v1/events", key, json!({"type": "a.b", "data": {"n": n}}))
+            .await;
+    }
+    deliver(t, &worker(t)).await;
+    let on = s
+        .post(
+            &format!("/v1/webhook_endpoints/{id}/enable"),
+            key,
+            json!({}),
+        )
+        .await;
+    assert_eq!(on.status, StatusCode::OK, "{}", on.text);
+    id
+}
+
 /// Row-level security hides another tenant's rows: every route answers 404
 /// for them, as for an id that does not exist, and changes nothing.
 #[tokio::test]

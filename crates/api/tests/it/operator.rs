@@ -313,23 +313,8 @@ async fn an_operator_replays_dead_deliveries_across_tenants() {
 async fn an_operator_replay_puts_back_at_most_its_limit() {
     let t = TestDb::new().await;
     let s = serve(&t).await;
-    let rx = Receiver::answering(410).await;
     let key = tenant(&t, "acme").await;
-    let ep = new_endpoint(&s, &key, &rx.url()).await;
-    for n in 0..5 {
-        s.post("/v1/events", &key, json!({"type": "a.b", "data": {"n": n}}))
-            .await;
-    }
-    deliver(&t, &worker(&t)).await;
-    let id = ep["id"].as_i64().unwrap();
-    let on = s
-        .post(
-            &format!("/v1/webhook_endpoints/{id}/enable"),
-            &key,
-            json!({}),
-        )
-        .await;
-    assert_eq!(on.status, StatusCode::OK, "{}", on.text);
+    crate::hooks::dead_on_enabled_endpoint(&t, &s, &key, 5).await;
     let mut seen = Vec::new();
     for _ in 0..3 {
         let a = op(

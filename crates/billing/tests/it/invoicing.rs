@@ -154,6 +154,41 @@ async fn a_pause_or_a_resume_does_not_reach_back_into_a_period_that_ended_before
     assert_eq!(status(resumed).await, ["void"]);
 }
 
+/// A resume of a pause whose resume time has passed, on a subscription
+/// behind, answers with that pause: the closing of the ended periods lifts it
+/// (and announces it), as the tick would. The first form of 0096's catch-up
+/// then found no pause and answered 409 "not paused", rolling everything back.
+#[tokio::test]
+async fn a_resume_of_a_lapsed_pause_while_behind_succeeds() {
+    let t = TestDb::new().await;
+    let (b, _) = biller(&t.db, config());
+    let sub = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 15).await;
+    t.db.execute(
+        sql(
+            "UPDATE subscriptions SET pause_collection_behavior = 'void', \
+                    pause_collection_resumes_at = now() - interval '1 day' WHERE id = $1",
+        )
+        .bind(sub),
+    )
+    .await
+    .unwrap();
+    let mut tx = t.db.begin().await.unwrap();
+    let lifted = b
+        .resume_collection_in(&mut tx, "tenant_a", sub)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(lifted.behavior, "void");
+    let paused: Option<String> =
+        t.db.fetch_one(
+            sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(paused, None);
+}
+
 #[tokio::test]
 async fn a_free_invoice_is_paid_at_once_without_a_provider_call() {
     let t = TestDb::new().await;
@@ -325,6 +360,44 @@ async fn a_plan_change_to_another_currency_is_refused_and_a_change_is_announced(
         event_types(&t.db).await,
         vec!["invoice.finalized", "subscription.updated"]
     );
+}
+
+/// A plan change keeps the anchor's grid: before the first period has begun,
+/// an anchor more than one of the new plan's intervals ahead is refused
+/// (409), where the change made a period of 300 days priced as one month
+/// (docs/adr/0096). Within one interval the change goes through. Mutation
+/// `plan_change_long_period` (the check removed) fails it; seen failing.
+#[tokio::test]
+async fn a_plan_change_before_a_far_anchor_is_refused() {
+    let t = TestDb::new().await;
+    let yearly = plan(&t.db, "tenant_a", "year", 1, 12000).await;
+    let monthly = plan(&t.db, "tenant_a", "month", 1, 1000).await;
+    let weekly = plan(&t.db, "tenant_a", "week", 1, 300).await;
+    let now = Utc::now();
+    let far = subscription(
+        &t.db,
+        "tenant_a",
+        yearly,
+        now + TimeDelta::days(300),
+        now,
+        now + TimeDelta::days(300),
+    )
+    .await;
+    let near = subscription(
+        &t.db,
+        "tenant_a",
+        yearly,
+        now + TimeDelta::days(20),
+        now,
+        now + TimeDelta::days(20),
+    )
+    .await;
+    let (b, _) = biller(&t.db, config());
+    let err = b.change_plan("tenant_a", far, monthly).await.unwrap_err();
+    assert_eq!(err.code(), "invalid_state", "{err}");
+    let err = b.change_plan("tenant_a", near, weekly).await.unwrap_err();
+    assert_eq!(err.code(), "invalid_state", "{err}");
+    b.change_plan("tenant_a", near, monthly).await.unwrap();
 }
 
 // Guard: the customer is asked once per invoice. Seen failing with the

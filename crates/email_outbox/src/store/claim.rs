@@ -60,6 +60,7 @@ pub const CLAIM_DUE: &str = concat!(
          exhausted AS ( \
            UPDATE email_outbox m \
            SET status = 'failed', \
+               last_attempt_at = now(), \
                last_reply_code = NULL, \
                last_reply_text = 'attempts_exhausted: every attempt was claimed and none wrote a result' \
            FROM due WHERE m.id = due.id AND due.made >= $7 \

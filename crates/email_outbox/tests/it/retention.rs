@@ -49,6 +49,16 @@ async fn prune_with(db: &Db, fence: &Fence, limit: i64) -> u64 {
     n
 }
 
+/// A month's retention, pruned at every tick.
+fn every_tick() -> Retention {
+    Retention {
+        keep: MONTH,
+        lease_history: MONTH,
+        every: Duration::ZERO,
+        batch: 1000,
+    }
+}
+
 /// Finish `ids` as `status`, their last attempt `days` ago.
 async fn finish(t: &TestDb, ids: &[i64], status: &str, days: u32) {
     let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
@@ -85,12 +95,7 @@ async fn a_tick_prunes_old_sent_and_failed_emails_and_keeps_the_rest() {
     .await;
     // Nothing is due, so no connection is made to this address.
     let (s, metrics) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
-    let s = s.with_retention(Retention {
-        keep: MONTH,
-        lease_history: MONTH,
-        every: Duration::ZERO,
-        batch: 1000,
-    });
+    let s = s.with_retention(every_tick());
     let _ = tick(&t.db, &s).await;
     assert_eq!(ids(&t.db).await, vec![e[2], e[3], e[4]]);
     assert!(
@@ -132,14 +137,43 @@ async fn a_refused_email_is_pruned_once_its_refusal_is_old() {
     )
     .await;
     let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
-    let s = s.with_retention(Retention {
-        keep: MONTH,
-        lease_history: MONTH,
-        every: Duration::ZERO,
-        batch: 1000,
-    });
+    let s = s.with_retention(every_tick());
     let _ = tick(&t.db, &s).await;
     assert_eq!(ids(&t.db).await, vec![e[1]]);
+}
+
+/// An email the claim's ceiling fails ages from then, however old its last
+/// claim: due since 40 days (the role down) with every attempt used, under a
+/// month's retention, it is failed and still there after the tick that failed
+/// it and pruned. Before, its last claim's time stayed its age, and that
+/// tick's prune deleted it before anyone could resend it (docs/adr/0100).
+/// Mutation `email_exhausted_unaged` (the ceiling's stamp removed) fails it;
+/// seen failing.
+#[tokio::test]
+async fn an_email_failed_by_the_ceiling_is_kept_for_the_retention() {
+    let t = TestDb::new().await;
+    let e = queue(&t.db, "tenant_a", &[email("a@example.com", 0)]).await;
+    owner(
+        &t,
+        format!(
+            "UPDATE email_outbox SET attempts = 100, \
+                    last_attempt_at = now() - interval '40 days', \
+                    next_attempt_at = now() - interval '40 days' WHERE id = {}",
+            e[0]
+        ),
+    )
+    .await;
+    let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
+    let s = s.with_retention(every_tick());
+    let _ = tick(&t.db, &s).await;
+    let status: Vec<String> =
+        t.db.fetch_all(sql("SELECT status FROM email_outbox"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get("status"))
+            .collect();
+    assert_eq!(status, ["failed"]);
 }
 
 /// Mutation check: removing `AND leader_fence($1, $2)` from PRUNE_FINISHED
@@ -211,12 +245,7 @@ async fn a_ticks_own_prune_plans_as_this_test_does() {
     finish(&t, &e, "sent", 40).await;
     // Nothing is due, so no connection is made to this address.
     let (s, _) = sender(&t.db, "smtp://127.0.0.1:9", None, config());
-    let s = s.with_retention(Retention {
-        keep: MONTH,
-        lease_history: MONTH,
-        every: Duration::ZERO,
-        batch: 1000,
-    });
+    let s = s.with_retention(every_tick());
     let noticed = PlansNoticed::start();
     let _ = tick(&t.db, &s).await;
     assert_eq!(ids(&t.db).await, Vec::<i64>::new());

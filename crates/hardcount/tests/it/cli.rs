@@ -130,12 +130,7 @@ async fn a_trace_level_serve_run_prints_no_password_and_no_key() {
 async fn an_empty_rust_log_logs_at_info() {
     let t = TestDb::new().await;
     let all = run_until(
-        hardcount()
-            .arg("serve")
-            .env("DATABASE_URL", t.app_url(Leg::current()))
-            .env("HARDCOUNT_ROLES", "webhook_outbox")
-            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
-            .env("RUST_LOG", " "),
+        serve_outbox(&t).env("RUST_LOG", " "),
         "serving",
         Duration::from_secs(30),
     );
@@ -151,11 +146,7 @@ async fn an_empty_rust_log_logs_at_info() {
 async fn a_debug_serve_run_prints_no_otlp_credentials() {
     let t = TestDb::new().await;
     let all = run_until(
-        hardcount()
-            .arg("serve")
-            .env("DATABASE_URL", t.app_url(Leg::current()))
-            .env("HARDCOUNT_ROLES", "webhook_outbox")
-            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+        serve_outbox(&t)
             .env(
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
                 "http://otlp:seeded-otlp-tok@127.0.0.1:1",
@@ -180,11 +171,7 @@ async fn a_debug_serve_run_prints_no_otlp_credentials() {
 async fn json_logs_are_one_object_per_line_and_a_ticks_lines_carry_role_token_and_tick() {
     let t = TestDb::new().await;
     let all = run_until(
-        hardcount()
-            .arg("serve")
-            .env("DATABASE_URL", t.app_url(Leg::current()))
-            .env("HARDCOUNT_ROLES", "webhook_outbox")
-            .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0")
+        serve_outbox(&t)
             .env("HARDCOUNT_LOG_FORMAT", "json")
             .env("RUST_LOG", "info,scheduler=debug"),
         "nothing claimed",
@@ -216,6 +203,17 @@ async fn json_logs_are_one_object_per_line_and_a_ticks_lines_carry_role_token_an
     let all = text(&out);
     assert_eq!(out.status.code(), Some(1), "{all}");
     assert!(all.contains("HARDCOUNT_LOG_FORMAT is \"yaml\""), "{all}");
+}
+
+/// `hardcount serve` of the webhook outbox role alone on `t`, its health
+/// port on a port the kernel picks.
+fn serve_outbox(t: &TestDb) -> std::process::Command {
+    let mut cmd = hardcount();
+    cmd.arg("serve")
+        .env("DATABASE_URL", t.app_url(Leg::current()))
+        .env("HARDCOUNT_ROLES", "webhook_outbox")
+        .env("HARDCOUNT_HTTP_ADDR", "127.0.0.1:0");
+    cmd
 }
 
 /// Run `cmd` until a line of its output contains `needle` (then kill it), or

@@ -38,16 +38,17 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
     assert_eq!(trial["current_period_end"], trial["trial_end"]);
 
     // An anchor inside the first interval ends the first period there.
+    let anchor = days_on(20);
     let anchored = b
         .created(
             &b.a,
             "/v1/subscriptions",
-            json!({"customer": customer, "plan": plan, "billing_anchor": days_on(20)}),
+            json!({"customer": customer, "plan": plan, "billing_anchor": anchor}),
         )
         .await;
     assert_eq!(
         anchored["current_period_end"].as_str().map(at),
-        Some(at(&days_on(20)))
+        Some(at(&anchor))
     );
     let customer = b.customer(&b.a).await;
 

@@ -231,24 +231,7 @@ async fn a_recover_is_bounded_per_call_and_says_when_more_remain() {
     let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
     let s = crate::serve_api(api::Api::new(t.api(), Some(keyring), config)).await;
     let key = tenant(&t, "acme").await;
-    let rx = Receiver::answering(410).await;
-    let ep = new_endpoint(&s, &key, &rx.url()).await;
-    let id = ep["id"].as_i64().unwrap();
-    for n in 0..5 {
-        s.post("/v1/events", &key, json!({"type": "a.b", "data": {"n": n}}))
-            .await;
-    }
-    deliver(&t, &worker(&t)).await;
-    let enabled = s
-        .call(
-            "POST",
-            &format!("/v1/webhook_endpoints/{id}/enable"),
-            &key,
-            None,
-            None,
-        )
-        .await;
-    assert_eq!(enabled.status, StatusCode::OK, "{}", enabled.text);
+    let id = super::dead_on_enabled_endpoint(&t, &s, &key, 5).await;
     let recover = format!("/v1/webhook_endpoints/{id}/recover");
     let mut seen = Vec::new();
     for _ in 0..3 {
