@@ -140,14 +140,26 @@ pub(crate) async fn close_ended_in(
     subscription: i64,
     source: &'static str,
 ) -> Result<(), Error> {
-    let Some((due, _, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
-        return Ok(());
-    };
+    match snapshot_in(tx, tenant_id, subscription).await? {
+        Some((due, _, now)) => close_snapshot_ended(biller, tx, &due, now, source).await,
+        None => Ok(()),
+    }
+}
+
+/// [`close_ended_in`] on a snapshot the caller read (and locked) in `tx`.
+async fn close_snapshot_ended(
+    biller: &Biller,
+    tx: &mut db::Tx,
+    due: &Due,
+    now: DateTime<Utc>,
+    source: &'static str,
+) -> Result<(), Error> {
+    let subscription = due.subscription_id;
     if due.current_period_end > now {
         return Ok(());
     }
     let max = biller.inner.config.catch_up_periods;
-    let closings = close::close_behind(&due, now, max)?;
+    let closings = close::close_behind(due, now, max)?;
     let last = &closings[closings.len() - 1];
     if !last.ends && last.next_end <= now {
         return Err(Error::SubscriptionPeriodMoved { subscription });
@@ -244,19 +256,12 @@ async fn cancel_at_period_end_in(
     tenant_id: &str,
     subscription: i64,
 ) -> Result<bool, Error> {
-    let marked = tx
-        .fetch_optional(
-            sql("SELECT cancel_at_period_end FROM subscriptions \
-                 WHERE tenant_id = $1 AND id = $2 AND status = 'active' FOR UPDATE")
-            .bind(tenant_id.to_owned())
-            .bind(subscription),
-        )
-        .await?
-        .map(|r| r.try_get::<bool, _>("cancel_at_period_end"))
-        .transpose()
-        .map_err(db::Error::from)?;
-    if marked == Some(false) {
-        close_ended_in(biller, tx, tenant_id, subscription, "cancel").await?;
+    // The snapshot locks the row for the update below.
+    let Some((due, _, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
+        return Ok(false);
+    };
+    if !due.cancel_at_period_end {
+        close_snapshot_ended(biller, tx, &due, now, "cancel").await?;
     }
     let row = tx
         .fetch_optional(

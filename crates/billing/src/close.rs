@@ -305,7 +305,7 @@ pub fn truncate(due: &Due, plan: &Plan, at: DateTime<Utc>) -> Result<Closing, Un
     })
 }
 
-fn interval(unit: &str, count: i32) -> Result<Interval, Unbillable> {
+pub(crate) fn interval(unit: &str, count: i32) -> Result<Interval, Unbillable> {
     let bad = || Unbillable::Interval {
         unit: unit.to_owned(),
         count,

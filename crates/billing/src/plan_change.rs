@@ -27,7 +27,7 @@ use db::{Row, sql};
 
 use crate::close::{self, Closing, Due, Plan};
 use crate::invoice;
-use crate::period::{self, Interval, Unit};
+use crate::period;
 use crate::store::due;
 use crate::{Biller, Error};
 
@@ -162,9 +162,7 @@ async fn plan_change_in(
     // The change keeps the anchor's grid. Before the first period has begun,
     // an anchor more than one of the new plan's intervals ahead would make a
     // period longer than the one interval it is priced by (docs/adr/0096).
-    let new = Unit::parse(&new_plan.interval_unit)
-        .zip(u32::try_from(new_plan.interval_count).ok())
-        .map(|(unit, count)| Interval { unit, count });
+    let new = close::interval(&new_plan.interval_unit, new_plan.interval_count).ok();
     // (Only then: from an anchor in the past the grid's next boundary is
     // within an interval, a few days past it at a month's end.)
     if let Some(c) = closings.last()

@@ -79,6 +79,12 @@ pub(crate) async fn dead_on_enabled_endpoint(t: &TestDb, s: &Served, key: &str, 
             .await;
     }
     deliver(t, &worker(t)).await;
+    enable(s, key, id).await;
+    id
+}
+
+/// Turn the endpoint `id` on again.
+pub(crate) async fn enable(s: &Served, key: &str, id: i64) {
     let on = s
         .post(
             &format!("/v1/webhook_endpoints/{id}/enable"),
@@ -87,7 +93,6 @@ pub(crate) async fn dead_on_enabled_endpoint(t: &TestDb, s: &Served, key: &str, 
         )
         .await;
     assert_eq!(on.status, StatusCode::OK, "{}", on.text);
-    id
 }
 
 /// Row-level security hides another tenant's rows: every route answers 404

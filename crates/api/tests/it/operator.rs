@@ -265,14 +265,7 @@ async fn an_operator_replays_dead_deliveries_across_tenants() {
     .await;
     assert_eq!(none.json["replayed"], 0, "{}", none.text);
     for (key, id) in &endpoints {
-        let on = s
-            .post(
-                &format!("/v1/webhook_endpoints/{id}/enable"),
-                key,
-                json!({}),
-            )
-            .await;
-        assert_eq!(on.status, StatusCode::OK, "{}", on.text);
+        crate::hooks::enable(&s, key, *id).await;
     }
     let acme = op(
         &s,

@@ -373,25 +373,14 @@ async fn a_plan_change_before_a_far_anchor_is_refused() {
     let yearly = plan(&t.db, "tenant_a", "year", 1, 12000).await;
     let monthly = plan(&t.db, "tenant_a", "month", 1, 1000).await;
     let weekly = plan(&t.db, "tenant_a", "week", 1, 300).await;
-    let now = Utc::now();
-    let far = subscription(
-        &t.db,
-        "tenant_a",
-        yearly,
-        now + TimeDelta::days(300),
-        now,
-        now + TimeDelta::days(300),
-    )
-    .await;
-    let near = subscription(
-        &t.db,
-        "tenant_a",
-        yearly,
-        now + TimeDelta::days(20),
-        now,
-        now + TimeDelta::days(20),
-    )
-    .await;
+    // On the yearly plan, its first period from now to an anchor `days` on.
+    let anchored = |days: i64| {
+        let (db, now) = (t.db.clone(), Utc::now());
+        let anchor = now + TimeDelta::days(days);
+        async move { subscription(&db, "tenant_a", yearly, anchor, now, anchor).await }
+    };
+    let far = anchored(300).await;
+    let near = anchored(20).await;
     let (b, _) = biller(&t.db, config());
     let err = b.change_plan("tenant_a", far, monthly).await.unwrap_err();
     assert_eq!(err.code(), "invalid_state", "{err}");

@@ -136,6 +136,21 @@ pub async fn drain(t: &testbed::TestDb, s: &Sender, ticks: usize) {
     panic!("still queued after {ticks} ticks: {:?}", rows(&t.db).await);
 }
 
+/// After DATA, in a test's SMTP server: answer 354, then read the message up
+/// to its final dot (or the connection's end).
+pub async fn take_message(
+    r: &mut (impl tokio::io::AsyncBufRead + Unpin),
+    w: &mut (impl tokio::io::AsyncWrite + Unpin),
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    w.write_all(b"354 go on\r\n").await?;
+    let mut line = String::new();
+    while r.read_line(&mut line).await? > 0 && line != ".\r\n" {
+        line.clear();
+    }
+    Ok(())
+}
+
 /// A loopback SMTP server that answers EHLO with `ehlo` (its lines, CRLF
 /// ended), AUTH with 235, the end of every message with `end_reply` and any
 /// other command with 250. Its port.
@@ -160,13 +175,7 @@ pub async fn scripted_sink(ehlo: &'static str, end_reply: &'static str) -> u16 {
                         "EHLO" => ehlo,
                         "AUTH" => "235 2.7.0 accepted\r\n",
                         "DATA" => {
-                            w.write_all(b"354 go on\r\n").await?;
-                            loop {
-                                line.clear();
-                                if r.read_line(&mut line).await? == 0 || line == ".\r\n" {
-                                    break;
-                                }
-                            }
+                            take_message(&mut r, &mut w).await?;
                             end_reply
                         }
                         "QUIT" => {

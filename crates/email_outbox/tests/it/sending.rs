@@ -294,13 +294,7 @@ async fn holding_sink(hold: &'static str, until: &'static str) -> u16 {
                             b"250 ok\r\n"
                         }
                         "DATA" => {
-                            w.write_all(b"354 go on\r\n").await?;
-                            loop {
-                                line.clear();
-                                if r.read_line(&mut line).await? == 0 || line == ".\r\n" {
-                                    break;
-                                }
-                            }
+                            crate::take_message(&mut r, &mut w).await?;
                             if rcpt.contains(hold) {
                                 let mut rx = seen.subscribe();
                                 let _ = tokio::time::timeout(
