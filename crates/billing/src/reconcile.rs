@@ -41,7 +41,7 @@ use tracing::{info, warn};
 
 use crate::batch::Settled;
 use crate::batch::{self, Answer, Gate, Started};
-use crate::provider::{ChargeOutcome, Listed};
+use crate::provider::{self, ChargeOutcome, Listed};
 use crate::{Biller, Error};
 use store::UnknownAttempt;
 
@@ -107,13 +107,23 @@ async fn look_up(biller: &Biller, u: &UnknownAttempt) -> ChargeOutcome {
             )
             .await
     };
+    // Whether the first request is known not to have executed: never sent,
+    // or no intent carries the key's metadata (a legacy key has none, and an
+    // unread listing did not look at them all).
+    let first_ruled_out = u.never_sent
+        || (matches!(listed, Ok(Listed::Absent)) && !provider::is_legacy_key(&u.idempotency_key));
     let searched = match listed {
         Ok(Listed::Found(found)) => return found,
         Err(why) => return why,
         _ if u.resend_ok => {
-            return provider
+            let answer = provider
                 .create_payment_intent(&batch::request(&started(u)))
                 .await;
+            return if first_ruled_out {
+                answer
+            } else {
+                unproven_refusal(answer)
+            };
         }
         Ok(Listed::Absent) => "no payment intent carries this attempt's key".to_owned(),
         Ok(Listed::Unread { read }) => format!(
@@ -125,6 +135,36 @@ async fn look_up(biller: &Biller, u: &UnknownAttempt) -> ChargeOutcome {
         reason: format!(
             "{searched}; the key may be forgotten by the provider (first sent before the \
              resend window): sending it again could charge twice; check the provider's dashboard"
+        ),
+        raw: None,
+        payment_intent: None,
+    }
+}
+
+/// A resend's refusal where the first request may have executed: Stripe's
+/// rate limiter and its checks of most invalid parameters run before its
+/// idempotency layer, so they answer a key whose first request charged as
+/// they would a new one (https://docs.stripe.com/error-low-level). A 400
+/// or a missing payment method or customer then says nothing of the first
+/// request: a person decides (docs/adr/0103), rather than the attempt being
+/// written not charged, or declined, and the invoice charged again under a
+/// new key.
+fn unproven_refusal(answer: ChargeOutcome) -> ChargeOutcome {
+    let refusal = match &answer {
+        ChargeOutcome::Invalid { reason } => reason.clone(),
+        ChargeOutcome::Declined {
+            code,
+            payment_intent: None,
+        } if code == "resource_missing" => {
+            "the payment method or customer is missing (resource_missing)".to_owned()
+        }
+        _ => return answer,
+    };
+    ChargeOutcome::NeedsReview {
+        reason: format!(
+            "the resend under the attempt's key was refused before the provider's idempotency \
+             check ({refusal}), and the first request may have charged: check the provider's \
+             dashboard"
         ),
         raw: None,
         payment_intent: None,

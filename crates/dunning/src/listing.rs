@@ -222,7 +222,8 @@ pub const LIST_DUE: &str = concat!(
             i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
             CASE WHEN r.status <> 'active' THEN NULL \
                  WHEN (r.attempt_count >= cardinality(p.retry_offsets_secs) \
-                       OR r.owed_notice_attempt = r.attempt_count) AND EXISTS ( \
+                       OR r.owed_notice_attempt = r.attempt_count \
+                       OR c.payment_method_id IS NULL) AND EXISTS ( \
                      SELECT 1 FROM (SELECT a.provider_status FROM payment_attempts a \
                                     WHERE a.invoice_id = r.invoice_id \
                                     ORDER BY a.attempt_seq DESC LIMIT 1) l \
@@ -288,7 +289,10 @@ pub const LIST_DUE: &str = concat!(
 /// holds it (rewound), so a pause stops the schedule as it stops charges. A
 /// run whose retry was answered `processing` waits while that attempt is
 /// pending (`outcome_pending`) and, once it settled without paying, owes its
-/// decline's notices (`decline_unannounced`, docs/adr/0085). Rows whose
+/// decline's notices (`decline_unannounced`, docs/adr/0085); so does one
+/// whose customer has no payment method left while its last retry's outcome
+/// is unknown, else it would be counted, and perhaps written off or
+/// canceled, over a charge that may yet be found paid (docs/adr/0103). Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A run of a tenant whose business window is closed at the

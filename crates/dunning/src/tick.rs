@@ -272,10 +272,16 @@ impl Dunner {
                 final_action::final_action(db, &*self.ctx.collector, run, notice, timeout).await?,
             ));
         }
-        Ok(stopped(
-            outcomes::stop(db, run, &run.invoice_status, timeout).await?,
-            &run.invoice_status,
-        ))
+        let applied = outcomes::stop(db, run, &run.invoice_status, timeout).await?;
+        // Paid meanwhile (a retry's charge found by billing's reconciler, or
+        // paid by hand): the run ends recovered, and counts as one.
+        if applied && run.invoice_status == "paid" {
+            self.ctx
+                .telemetry
+                .counter("hardcount_dunning_recoveries_total", &[])
+                .increment(1);
+        }
+        Ok(stopped(applied, &run.invoice_status))
     }
 
     /// Count a retried batch ([`retry_runs`](Dunner::retry_runs)). Returns

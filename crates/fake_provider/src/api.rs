@@ -244,21 +244,25 @@ pub(super) async fn create_payment_intent(
     let customer = value(&params, "customer");
     let (effect, mut intent, hang) = {
         let mut l = shared.ledger();
+        let behaviour = l
+            .behaviour
+            .get(customer)
+            .cloned()
+            .unwrap_or(Behaviour::Succeed);
+        // The plan's refusals come before the replay: Stripe's rate limiter
+        // and its checks of most invalid parameters run in front of its
+        // idempotency layer (https://docs.stripe.com/error-low-level), so they
+        // answer a key that has a stored result as they would a new one.
+        let effect = match plan(&behaviour, value(&params, "payment_method")) {
+            Ok(e) => e,
+            Err(answer) => return *answer,
+        };
         if let Some(answer) = key
             .as_deref()
             .and_then(|k| replay_or_refusal(&l, k, &params))
         {
             return answer;
         }
-        let behaviour = l
-            .behaviour
-            .get(customer)
-            .cloned()
-            .unwrap_or(Behaviour::Succeed);
-        let effect = match plan(&behaviour, value(&params, "payment_method")) {
-            Ok(e) => e,
-            Err(answer) => return *answer,
-        };
         l.next_intent += 1;
         let id = format!("pi_fake{:08}", l.next_intent);
         let intent = Intent::new(id, key.clone(), &params, l.now());

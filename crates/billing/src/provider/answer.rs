@@ -18,7 +18,8 @@ pub enum ChargeOutcome {
     /// Accepted, not settled (`processing`, `requires_capture`): polled by id.
     Processing { payment_intent: String },
     /// Not known whether it charged: a timeout, a transport error, a 5xx
-    /// (fresh or a stored one replayed). `outage` when it says the provider
+    /// (fresh or a stored one replayed), a 4xx Stripe does not document as a
+    /// refusal before execution (424, or a proxy's 408). `outage` when it says the provider
     /// is down now (no connection, or a fresh 5xx); a replayed answer says the
     /// provider is up.
     Unknown {
@@ -296,7 +297,7 @@ pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> Charge
                 payment_intent: None,
             }
         }
-        400..=499 => ChargeOutcome::Invalid {
+        400 | 404 => ChargeOutcome::Invalid {
             reason: format!(
                 "HTTP {status} {kind} {}{}: {message}",
                 code.unwrap_or_default(),
@@ -304,6 +305,16 @@ pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> Charge
                     .map(|p| format!(" (param {p})"))
                     .unwrap_or_default()
             ),
+        },
+        // Any other 4xx says nothing of whether the request executed: Stripe's
+        // 424 is a failure "in a dependency external to Stripe" after it began
+        // (https://docs.stripe.com/api/errors), and a 408 or 499 comes from a
+        // proxy in the way. Not a refusal, so not "not charged": the
+        // reconciler looks it up (docs/adr/0103).
+        400..=499 => ChargeOutcome::Unknown {
+            reason: format!("HTTP {status} {kind}: whether the request executed is not known"),
+            payment_intent: carried(),
+            outage: false,
         },
         _ => ChargeOutcome::Unknown {
             // "HTTP 5…" is an outage when fresh; a stored one replayed is not.
@@ -375,6 +386,9 @@ mod tests {
             (400, r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer"}}"#.into(), false, "declined:resource_missing"),
             (404, r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"intent"}}"#.into(), false, "invalid"),
             (400, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "review"),
+            (424, r#"{"error":{"type":"api_error","payment_intent":{"id":"pi_9"}}}"#.into(), false, "unknown:pi"),
+            (408, "".into(), false, "unknown"),
+            (422, r#"{"error":{"type":"invalid_request_error"}}"#.into(), false, "unknown"),
             (409, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "later:5"),
             (429, r(r#"7"#, r#"{"error":{"type":"rate_limit_error"}}"#), false, "later:7"),
             (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), false, "later:60"),

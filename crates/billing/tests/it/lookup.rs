@@ -13,7 +13,7 @@ use db::{Row, sql};
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use testbed::TestDb;
 
-use crate::record::{after_the_lease, charging};
+use crate::record::{after_the_lease, charging, legacy_attempt};
 use crate::{biller, open_invoices, strings, tick};
 
 /// `n` more succeeded intents of `customer`, each under a key of its own,
@@ -197,4 +197,45 @@ async fn a_never_sent_attempt_is_sent_without_a_listing() {
         (0, 2, 1)
     );
     assert!(!never_sent(&t).await, "sent");
+}
+
+/// A resend refused before the provider's idempotency layer says nothing of
+/// the first request (https://docs.stripe.com/error-low-level): here a legacy
+/// key's first request charged, its answer was lost, and the card was then
+/// detached, so the resend under the same key is answered 404
+/// `resource_missing` on the payment method. The attempt needs review: it is
+/// not declined (a `payment.failed`, and dunning charging again under a new
+/// key). Mutation `resend_refusal_declines` (the reconciler takes the
+/// resend's answer as it comes) and it is written `declined`.
+#[tokio::test]
+async fn a_resend_refused_before_the_key_is_checked_needs_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let first = legacy_attempt(&t, &p, Behaviour::Succeed).await;
+    assert!(
+        matches!(first, billing::provider::ChargeOutcome::Succeeded { .. }),
+        "{first:?}"
+    );
+    let customer = strings(&t.db, "SELECT provider_customer_id FROM customers").await;
+    p.set_behaviour(&customer[0], Behaviour::MissingPaymentMethod);
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.reconciled.needs_review, report.reconciled.declined),
+        (1, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT provider_status FROM payment_attempts").await,
+        ["needs_review"]
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT event_type FROM webhook_events WHERE event_type LIKE 'payment.%'"
+        )
+        .await,
+        Vec::<String>::new()
+    );
+    assert_eq!(p.total_charges(), 1);
 }

@@ -117,46 +117,8 @@ async fn a_stored_500_with_its_intent_is_read_by_id() {
 async fn one_stored_500_does_not_fail_the_tick() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 1).await;
-    let (invoice, customer) = open[0].clone();
-    p.set_behaviour(
-        &customer,
-        Behaviour::StoredServerError { with_intent: false },
-    );
-    let key = format!("hardcount-invoice-{invoice}-attempt-1");
-    let provider = billing::Provider::new(ProviderConfig::new(
-        p.base_url(),
-        SecretKey::new(TEST_SECRET_KEY),
-    ))
-    .unwrap();
-    let pm: String =
-        t.db.fetch_one(sql("SELECT payment_method_id FROM customers"))
-            .await
-            .unwrap()
-            .get(0);
-    let req = billing::provider::PaymentRequest {
-        invoice_id: invoice,
-        amount: 1200,
-        currency: "EUR".into(),
-        customer: customer.clone(),
-        payment_method: pm,
-        key: key.clone(),
-    };
-    let first = provider.create_payment_intent(&req).await;
+    let first = legacy_attempt(&t, &p, Behaviour::StoredServerError { with_intent: false }).await;
     assert!(first.is_outage(), "a fresh 500: {first:?}");
-    let mut su = t.superuser().await;
-    sqlx::query(
-        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
-                                       currency, provider_customer_id, payment_method_id) \
-         SELECT i.tenant_id, i.id, 1, $2, i.amount, i.currency, c.provider_customer_id, c.payment_method_id \
-         FROM invoices i JOIN subscriptions s ON s.id = i.subscription_id \
-         JOIN customers c ON c.id = s.customer_id WHERE i.id = $1",
-    )
-    .bind(invoice)
-    .bind(key)
-    .execute(&mut su)
-    .await
-    .unwrap();
     let (b, _) = biller(&t.db, charging(&p));
     let report = tick(&t.db, &b).await;
     assert!(!matches!(report.end, TickEnd::Failed(_)), "{report:?}");
@@ -590,4 +552,52 @@ async fn amounts_go_to_the_provider_in_its_minor_units() {
         ]
     );
     assert_eq!(p.total_charges(), 3);
+}
+
+/// One open invoice's attempt under a legacy key (from before migration
+/// 0019: sent without metadata, so no listing finds it), sent once to `p`
+/// answering as `first` says, and written open as the charge path writes
+/// it before its call. Returns the first answer.
+pub async fn legacy_attempt(
+    t: &TestDb,
+    p: &FakeProvider,
+    first: Behaviour,
+) -> billing::provider::ChargeOutcome {
+    let open = open_invoices(&t.db, 1).await;
+    let (invoice, customer) = open[0].clone();
+    p.set_behaviour(&customer, first);
+    let key = format!("hardcount-invoice-{invoice}-attempt-1");
+    let provider = billing::Provider::new(ProviderConfig::new(
+        p.base_url(),
+        SecretKey::new(TEST_SECRET_KEY),
+    ))
+    .unwrap();
+    let pm: String =
+        t.db.fetch_one(sql("SELECT payment_method_id FROM customers"))
+            .await
+            .unwrap()
+            .get(0);
+    let req = billing::provider::PaymentRequest {
+        invoice_id: invoice,
+        amount: 1200,
+        currency: "EUR".into(),
+        customer,
+        payment_method: pm,
+        key: key.clone(),
+    };
+    let answer = provider.create_payment_intent(&req).await;
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
+                                       currency, provider_customer_id, payment_method_id) \
+         SELECT i.tenant_id, i.id, 1, $2, i.amount, i.currency, c.provider_customer_id, c.payment_method_id \
+         FROM invoices i JOIN subscriptions s ON s.id = i.subscription_id \
+         JOIN customers c ON c.id = s.customer_id WHERE i.id = $1",
+    )
+    .bind(invoice)
+    .bind(key)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    answer
 }

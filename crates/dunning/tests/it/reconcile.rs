@@ -14,7 +14,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::{
     Declined, as_leader, attempts, billing, config, declined_invoice, due_now, dunner_with,
-    dunning_emails, events, invoice_status, manager, policy, run_of, tick,
+    dunning_emails, events, invoice_status, manager, policy, remove_payment_method, run_of, tick,
 };
 
 /// One declined invoice's run on a policy of `retries` retries (pausing
@@ -54,13 +54,15 @@ async fn reconciler_looks(db: &db::Db, charging: &BillingConfig) {
 /// the run rewound; while the attempt is unknown no retry charges the
 /// invoice; once billing's claim lease has expired, billing's reconciler
 /// repeats the request with the same key, the stored charge answers, and the
-/// invoice is settled paid; the next dunning tick ends the run as recovered.
-/// The provider counted one charge.
+/// invoice is settled paid; the next dunning tick ends the run as recovered,
+/// and counts it in `hardcount_dunning_recoveries_total`. The provider
+/// counted one charge. Mutation `stop_uncounted` (the stop's count removed)
+/// and the counter is missing.
 #[tokio::test]
 async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let (a, d, _, charging) = declined_run(&t, &p, 3, Behaviour::Hang).await;
+    let (a, d, metrics, charging) = declined_run(&t, &p, 3, Behaviour::Hang).await;
     assert_eq!(tick(&t.db, &d).await.tally.rewound, 1);
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
     assert_eq!(p.total_charges(), 1);
@@ -77,6 +79,51 @@ async fn a_timeout_whose_charge_succeeded_is_found_by_the_reconciler_by_key() {
     assert_eq!(
         events(&t.db).await,
         ["dunning.started", "dunning.recovered"]
+    );
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("hardcount_dunning_recoveries_total 1"),
+        "{rendered}"
+    );
+}
+
+/// A run whose last retry's outcome is unknown waits, also once the customer
+/// has no payment method left: on a one-retry policy, retry 1 charges and
+/// hangs (rewound, count 0), the card is removed, and the run is due. It is
+/// not counted "not attempted" and exhausted, its invoice not written off
+/// while the charge may have gone through: billing's reconciler then finds
+/// it paid and the run ends recovered, with no final action. Mutation
+/// `pending_no_method` (the listing's pending rule for a run without a
+/// method removed) and the run is exhausted with the invoice still open.
+#[tokio::test]
+async fn a_run_without_a_method_waits_for_its_unknown_retry() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (a, d, _, charging) = declined_run(&t, &p, 1, Behaviour::Hang).await;
+    assert_eq!(tick(&t.db, &d).await.tally.rewound, 1);
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    remove_payment_method(&t.db, &a.customer).await;
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    reconciler_looks(&t.db, &charging).await;
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+    // The wait's hold passed.
+    due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.stopped, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("recovered".to_owned(), 0));
+    assert_eq!(p.total_charges(), 1);
+    // Billing asked for a method when the card went: no final action.
+    assert_eq!(
+        events(&t.db).await,
+        [
+            "dunning.started",
+            "invoice.payment_action_required",
+            "dunning.recovered"
+        ]
     );
 }
 
@@ -152,6 +199,8 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let next = crate::next_retry_in(&t.db, a.invoice).await;
     assert!((55.0..=60.0).contains(&next), "{next}");
     due_now(&t.db).await;
+    let dbg: Vec<String> = sqlx::query_scalar("SELECT row_to_json(r)::text || (SELECT string_agg(row_to_json(a)::text, ';') FROM payment_attempts a) || (SELECT row_to_json(c)::text FROM customers c) || now()::text FROM dunning_runs r").fetch_all(&mut t.superuser().await).await.unwrap();
+    eprintln!("DBG {dbg:?}");
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
@@ -160,6 +209,8 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     assert_eq!(seen[2], (3, "processing".to_owned()), "{seen:?}");
     // Spent, the last retry processing: a hold, no call, nothing counted.
     due_now(&t.db).await;
+    let dbg: Vec<String> = sqlx::query_scalar("SELECT row_to_json(r)::text || (SELECT string_agg(row_to_json(a)::text, ';') FROM payment_attempts a) || (SELECT row_to_json(c)::text FROM customers c) || now()::text FROM dunning_runs r").fetch_all(&mut t.superuser().await).await.unwrap();
+    eprintln!("DBG {dbg:?}");
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
