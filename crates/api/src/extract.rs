@@ -21,31 +21,40 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let json = req
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(';').next())
-            .map(|m| {
-                let m = m.trim().to_ascii_lowercase();
-                m == "application/json" || (m.starts_with("application/") && m.ends_with("+json"))
-            })
-            .unwrap_or(false);
-        if !json {
+        if !declares_json(&req) {
             return Err(ApiError::unsupported_media_type());
         }
-        let raw = Bytes::from_request(req, state)
-            .await
-            .map_err(|e: BytesRejection| {
-                if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                    ApiError::body_too_large(crate::MAX_BODY_BYTES)
-                } else {
-                    ApiError::param("body", format!("the request body could not be read: {e}"))
-                }
-            })?;
+        let raw = body(req, state).await?;
         let value = parse_json(&raw)?;
         Ok(JsonBody { value, raw })
     }
+}
+
+/// Whether the request's content type is JSON (`application/json`, or an
+/// `application/…+json`).
+fn declares_json(req: &Request) -> bool {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|m| {
+            let m = m.trim().to_ascii_lowercase();
+            m == "application/json" || (m.starts_with("application/") && m.ends_with("+json"))
+        })
+        .unwrap_or(false)
+}
+
+/// The body's bytes; one over the limit is a 413.
+async fn body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    Bytes::from_request(req, state)
+        .await
+        .map_err(|e: BytesRejection| {
+            if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::body_too_large(crate::MAX_BODY_BYTES)
+            } else {
+                ApiError::param("body", format!("the request body could not be read: {e}"))
+            }
+        })
 }
 
 /// [`JsonBody`] for an action whose body may be left out: an empty body
@@ -56,21 +65,18 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T>
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let declared = req.headers().contains_key(header::CONTENT_TYPE);
-        if declared {
-            return JsonBody::from_request(req, state)
-                .await
-                .map(OptionalJsonBody);
+        // Many clients send their content type on every request, an empty
+        // one too: the body decides, then the type.
+        let json = declares_json(&req);
+        let raw = body(req, state).await?;
+        if raw.is_empty() {
+            let value = parse_json(b"{}")?;
+            return Ok(OptionalJsonBody(JsonBody { value, raw }));
         }
-        let raw = Bytes::from_request(req, state)
-            .await
-            .map_err(|e: BytesRejection| {
-                ApiError::param("body", format!("the request body could not be read: {e}"))
-            })?;
-        if !raw.is_empty() {
+        if !json {
             return Err(ApiError::unsupported_media_type());
         }
-        let value = parse_json(b"{}")?;
+        let value = parse_json(&raw)?;
         Ok(OptionalJsonBody(JsonBody { value, raw }))
     }
 }

@@ -174,10 +174,15 @@ pub async fn create(
         )
         .await
         .map_err(|e| match e.constraint() {
-            Some("customers_provider_customer_key") => ApiError::conflict(
-                Code::AlreadyExists,
-                "another customer of this tenant has this provider_customer_id",
-            ),
+            // The same answer for a customer of another tenant (migration
+            // 0045), which names neither it nor its tenant.
+            Some("customers_provider_customer_key" | "customers_provider_customer_of_one_tenant") => {
+                ApiError::conflict(
+                    Code::AlreadyExists,
+                    "another customer has this provider_customer_id: a provider customer \
+                     belongs to one customer",
+                )
+            }
             _ => ApiError::from_db(&e),
         })?;
     let customer = Customer::from_row(&row)?;

@@ -166,4 +166,14 @@ async fn a_backslash_before_u0000_is_text_and_only_a_nul_is_refused() {
     assert_eq!(refused.status, 400, "{}", refused.text);
     assert_eq!(refused.json["error"]["param"], "data", "{}", refused.text);
     assert_eq!(events_of(&t, "acme").await, 1);
+    // A NUL in the list's type filter is refused naming the filter, not a
+    // body the GET does not have. Mutation `type_filter_unchecked` and the
+    // param is `body`.
+    let filter = s.get("/v1/events?type=a%00b", &key).await;
+    assert_eq!(
+        (filter.status.as_u16(), filter.param()),
+        (400, "type"),
+        "{}",
+        filter.text
+    );
 }

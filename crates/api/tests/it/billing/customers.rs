@@ -135,6 +135,25 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
     )
     .await;
     assert_eq!(b.s.get("/v1/customers", &b.b).await.json["data"], json!([]));
+    // Nor can another tenant take its provider customer (and so its card):
+    // every tenant charges through the one provider account. Mutation
+    // `provider_customer_shared` (migration 0045's index per tenant again)
+    // and this is 201.
+    let taken =
+        b.s.post(
+            "/v1/customers",
+            &b.b,
+            json!({"email": "eve@example.org", "provider_customer_id": "cus_ada",
+                   "payment_method": "pm_card_visa"}),
+        )
+        .await;
+    assert_eq!(
+        (taken.status.as_u16(), taken.refusal().0.as_str()),
+        (409, "already_exists"),
+        "{}",
+        taken.text
+    );
+    assert!(!taken.text.contains("tenant_a"), "{}", taken.text);
 
     // Pages: newest first, the cursor carries on without repeats.
     let second = b.customer(&b.a).await;

@@ -141,7 +141,10 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
     let s = b.subscription(&b.a, plan).await;
     let id = s["id"].as_i64().unwrap();
     let path = |a: &str| format!("/v1/subscriptions/{id}/{a}");
-    // Resuming what is not paused is a state conflict.
+    // Resuming what is not paused is a state conflict, with no body or an
+    // empty one sent with a JSON content type, as many clients send every
+    // request (it was a 400 invalid_json). Mutation `empty_body_typed` (the
+    // content type decides before the body) and the second is 400.
     let r =
         b.s.call(Method::POST, &path("resume"), &b.a, None, None)
             .await;
@@ -151,6 +154,14 @@ async fn pause_resume_and_cancel_go_through_billing_and_refuse_what_the_state_do
         "{}",
         r.text
     );
+    let typed = reqwest::Client::new()
+        .post(format!("{}{}", b.s.base, path("resume")))
+        .bearer_auth(&b.a)
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(typed.status(), 409, "{}", typed.text().await.unwrap());
 
     let p = Method::POST;
     b.check_refusals(
