@@ -9,9 +9,10 @@
 //! event and a receipt email every few seconds, and runs the roles through [`crate::run`], as `serve` does. Ctrl-C
 //! stops all of it, including the Postgres it started; the data stays.
 
-mod billing;
+// Reached by the settings' tests too: what dev makes of blank intervals.
+pub(crate) mod billing;
 mod demo;
-mod dunning;
+pub(crate) mod dunning;
 mod postgres;
 mod smtp;
 
@@ -38,7 +39,7 @@ pub async fn run(
     let (owner_url, app_url) = match Secret::set(&common.database_url) {
         Some(url) => (common.migration_database_url()?, url.to_owned()),
         _ => {
-            let state_dir = absolute(&settings.state_dir)?;
+            let state_dir = absolute(&settings.state_dir())?;
             let pg = local.insert(LocalPostgres::start(&state_dir)?);
             println!(
                 "Postgres 15 on 127.0.0.1:{} (data in {})",
@@ -56,7 +57,7 @@ pub async fn run(
     // are sealed with it now.
     let keyring = match common.keyring()? {
         Some(keyring) => keyring,
-        None => dev_key(&absolute(&settings.state_dir)?)?,
+        None => dev_key(&absolute(&settings.state_dir())?)?,
     };
     // dev plays the API too: it seeds the demo endpoint as the owner.
     let owner = Db::connect_lazy(&owner_url, 1)?;
@@ -76,7 +77,7 @@ pub async fn run(
     // Declared here so the sink outlives the roles that send to it.
     let mut sink = None;
     if Secret::set(&serve.smtp_url).is_none() {
-        let s = sink.insert(smtp::LocalSmtp::start(&absolute(&settings.state_dir)?)?);
+        let s = sink.insert(smtp::LocalSmtp::start(&absolute(&settings.state_dir())?)?);
         println!(
             "SMTP sink on {}: received mail lands in {}",
             db::redacted_url(&s.url()),
@@ -86,7 +87,8 @@ pub async fn run(
     }
     // Declared here so the provider outlives the roles that charge it; dunning
     // charges the provider billing is given, so billing's is set first.
-    let _provider = billing::start_provider(&mut settings.serve).await?;
+    let billing_demo = billing::prepare(&mut settings.serve);
+    let _provider = billing_demo.start_provider(&mut settings.serve).await?;
     let dunning_demo = dunning::prepare(&mut settings.serve);
     let serve = &mut settings.serve;
     // The tenant API on loopback, over the local cluster (README "Call it"),
@@ -110,7 +112,14 @@ pub async fn run(
         }
         None => None,
     };
-    let config = serve.config(app_url.clone(), Some(keyring.clone()))?;
+    let mut config = serve.config(app_url.clone(), Some(keyring.clone()))?;
+    // The operator API as `serve` adds it, over the local cluster's
+    // hardcount_operator unless HARDCOUNT_OPERATOR_DATABASE_URL says otherwise.
+    let operator_url = match (&local, Secret::set(&common.operator_database_url)) {
+        (Some(pg), None) => Some(pg.role_url("hardcount_operator").into()),
+        _ => common.operator_database_url.clone(),
+    };
+    serve.add_operator_api(&mut config, &operator_url)?;
     let listener = crate::bind(serve).await?;
     let addr = listener.local_addr()?;
 
@@ -128,7 +137,7 @@ pub async fn run(
         ))
         .await
         .context("creating the demo tenant")?;
-    billing::seed(&owner, &keyring, &receiver).await?;
+    billing_demo.seed(&owner, &keyring, &receiver).await?;
     dunning_demo.seed(&owner, &db, demo_stop.clone()).await?;
     owner.close().await;
     let trickle = tokio::spawn(demo::trickle(db.clone(), event_every, demo_stop.clone()));

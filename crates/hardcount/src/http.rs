@@ -3,7 +3,10 @@
 //! No request runs a query. A background task ([`refresh_status`]) checks the
 //! schema and reads `leader_status` every [`REFRESH_EVERY`] on its own
 //! one-connection pool, each step under [`CHECK_TIMEOUT`], and keeps a
-//! [`StatusSnapshot`]; `/readyz` and `/metrics` read that. A flood of probes or
+//! [`StatusSnapshot`]; `/readyz` and `/metrics` read that. When the leases
+//! have a path of their own (`HARDCOUNT_LEASE_DATABASE_URL`), the same task
+//! checks it answers too, on a one-connection pool of its own and beside
+//! the other checks: no role can lead without it. A flood of probes or
 //! scrapes therefore costs the database nothing and the app pool no connection
 //! (issue 12, point 7). Every request is also bounded by tower layers:
 //! [`REQUEST_TIMEOUT`] and at most [`MAX_CONCURRENT_REQUESTS`] served at once
@@ -350,7 +353,7 @@ impl Drop for InHandler {
 }
 
 /// Ready when the last background check found the database answering and the
-/// schema current, recently.
+/// schema current (and the lease path answering, when it is its own), recently.
 async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
     if s.status.is_ready() {
         (StatusCode::OK, "ready\n")
@@ -406,10 +409,35 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
     ready
 }
 
+/// The lease path, when it is not DATABASE_URL's: answering within
+/// [`CHECK_TIMEOUT`]. Without it every ACQUIRE and RENEW fails while the app
+/// pool answers. The reason never shows the URL.
+async fn check_lease_path(lease_db: Option<&Db>) -> Result<(), String> {
+    let Some(lease_db) = lease_db else {
+        return Ok(());
+    };
+    match tokio::time::timeout(
+        CHECK_TIMEOUT,
+        lease_db.fetch_one(db::sql("SELECT 1 AS one")),
+    )
+    .await
+    {
+        Err(_) => Err(format!(
+            "the lease path (HARDCOUNT_LEASE_DATABASE_URL) did not answer within {CHECK_TIMEOUT:?}"
+        )),
+        Ok(Err(e)) => Err(format!(
+            "the lease path (HARDCOUNT_LEASE_DATABASE_URL) failed: {e}"
+        )),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
 /// Refresh `snapshot` once now, then every [`REFRESH_EVERY`] until `stop`.
+/// `lease_db` is the lease path's own check pool, when the leases have one.
 /// Logs a change of readiness once, with the reason.
 pub async fn refresh_status(
     db: Db,
+    lease_db: Option<Db>,
     telemetry: Telemetry,
     roles: Vec<leader::Role>,
     snapshot: Arc<StatusSnapshot>,
@@ -417,7 +445,13 @@ pub async fn refresh_status(
 ) {
     let mut was_ready = true;
     loop {
-        let result = check(&db, &telemetry, &roles).await;
+        // Side by side, so the lease check adds nothing to a cycle's length
+        // (`STALE_AFTER`).
+        let (app, lease) = tokio::join!(
+            check(&db, &telemetry, &roles),
+            check_lease_path(lease_db.as_ref())
+        );
+        let result = app.and(lease);
         match (&result, was_ready) {
             (Err(why), true) => warn!(reason = %why, "not ready"),
             (Ok(()), false) => info!("ready again"),

@@ -3,8 +3,8 @@
 //! [`run`] serves a [`Config`] on a listener the caller bound until a
 //! cancellation token the caller owns is cancelled, so tests start the real
 //! service in-process on port 0. [`execute`] runs one command line; the binary's
-//! `main` parses it, owns the signals (the first SIGTERM or SIGINT cancels, a
-//! second exits at once) and calls it.
+//! `main` parses it, owns the signals (the first SIGTERM, SIGINT or SIGHUP
+//! cancels, a second exits at once) and calls it.
 //!
 //! Modules: `settings` reads the environment (the only code that does, through
 //! clap's `env` attributes so `--help` lists every variable); `cli` is the
@@ -40,11 +40,7 @@ pub async fn execute(cli: Cli, shutdown: CancellationToken) -> Result<()> {
     match cli.command {
         Command::Serve(settings) => {
             let mut config = settings.config(common.database_url()?, common.keyring()?)?;
-            if let Some(api) = &mut config.api {
-                api.operator = settings.operator_api(&common.operator_database_url)?;
-            } else {
-                settings.operator_api(&common.operator_database_url)?;
-            }
+            settings.add_operator_api(&mut config, &common.operator_database_url)?;
             let listener = bind(&settings).await?;
             run(config, listener, shutdown).await
         }

@@ -1,9 +1,10 @@
 //! The `hardcount` binary: parse the command line, own the signals, and hand
 //! everything else to the library.
 //!
-//! The first SIGTERM or SIGINT cancels the root token: `serve` stops acquiring,
-//! running ticks are released as interrupted, and the process exits 0. A second
-//! signal exits at once (130).
+//! The first SIGTERM, SIGINT or SIGHUP cancels the root token: `serve` stops
+//! acquiring, running ticks are released as interrupted, and the process exits
+//! 0; `dev` also stops the Postgres it started. A second signal exits at once
+//! (130).
 
 use std::process::ExitCode;
 
@@ -44,17 +45,21 @@ fn main() -> ExitCode {
     }
 }
 
-/// Cancel `shutdown` on the first SIGTERM or SIGINT; exit at once on the second.
+/// Cancel `shutdown` on the first SIGTERM, SIGINT or SIGHUP; exit at once on
+/// the second. SIGHUP (a closed terminal) would otherwise end the process
+/// without unwinding, leaving `dev`'s Postgres running.
 fn on_signals(shutdown: CancellationToken) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
     tokio::spawn(async move {
         tokio::select! {
             _ = term.recv() => info!("SIGTERM: stopping; running ticks are released as interrupted"),
             _ = int.recv() => info!("SIGINT: stopping; running ticks are released as interrupted"),
+            _ = hup.recv() => info!("SIGHUP: stopping; running ticks are released as interrupted"),
         }
         shutdown.cancel();
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, _ = hup.recv() => {} }
         warn!("second signal: exiting at once");
         std::process::exit(130);
     });

@@ -357,11 +357,18 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     // one-connection pool: no request queries, and a flood of probes cannot take
     // a connection from the roles (issue 12, point 7).
     let status_db = Db::connect_lazy(config.database_url.expose(), 1)?;
+    // A lease path of its own is checked on a connection of its own, not one
+    // of the lease pool's, which are the RENEWs'.
+    let lease_status_db = match &config.lease_database_url {
+        Some(url) => Some(Db::connect_lazy(url.expose(), 1)?),
+        None => None,
+    };
     let status = Arc::new(StatusSnapshot::default());
     // The boot checks above just passed: ready until the first refresh says otherwise.
     status.set(true);
     let refresher = tokio::spawn(refresh_status(
         status_db.clone(),
+        lease_status_db.clone(),
         telemetry.clone(),
         specs.iter().map(|s| s.role).collect(),
         status.clone(),
@@ -427,6 +434,9 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     }
     let _ = refresher.await;
     status_db.close().await;
+    if let Some(lease_status_db) = lease_status_db {
+        lease_status_db.close().await;
+    }
     lease_db.close().await;
     db.close().await;
     info!("stopped");

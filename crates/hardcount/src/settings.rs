@@ -7,7 +7,6 @@
 //! `1h`, `2h 30m`, `1d`).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Result, anyhow};
@@ -30,7 +29,8 @@ pub use bounds::{BREAKER_COOLOFF, DISABLE_AFTER, RETRY_DELAY, WEBHOOK_IN_FLIGHT,
 pub use common::Common;
 pub use dev::DevSettings;
 pub use parse::duration;
-use parse::{non_empty, retry_schedule, roles_explicit, whole};
+pub(crate) use parse::non_empty;
+use parse::{retry_schedule, roles_explicit, whole};
 
 pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:8080";
 
@@ -144,7 +144,7 @@ pub struct ServeSettings {
     /// A PEM file of the CA that signed the SMTP server's certificate, for a
     /// private relay [default: the public web roots].
     #[arg(long, env = "HARDCOUNT_SMTP_CA_FILE")]
-    pub smtp_ca_file: Option<PathBuf>,
+    pub smtp_ca_file: Option<String>,
     /// `true` to allow SMTP_URL's user and password over a connection that
     /// may be plain (`smtp://` without `tls=required`, or `tls=opportunistic`),
     /// for a relay on loopback or a private link; anything else refuses such a

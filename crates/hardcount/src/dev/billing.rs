@@ -11,12 +11,16 @@
 //! whose first periods end 30, 60 and 90 seconds after the start (a fresh
 //! fake provider knows none of the old charges). Unless set, billing ticks
 //! every 10 seconds (`HARDCOUNT_BILLING_INTERVAL`).
+//!
+//! With `BILLING_PROVIDER_URL` set, none of this happens: the provider's
+//! customers are real, so no demo subscription is seeded for it to charge,
+//! and billing keeps its own interval.
 
 use anyhow::{Context, Result};
 use db::{Db, Row, sql};
 
 use super::demo::TENANT;
-use crate::settings::ServeSettings;
+use crate::settings::{ServeSettings, non_empty};
 
 const PLAN: &str = "Demo (every 2 minutes)";
 
@@ -55,27 +59,58 @@ pub const NO_PROVIDER: &str = "no fake payment provider is built in (hardcount w
      its dev-provider feature), so billing charges nothing unless BILLING_PROVIDER_URL (and \
      BILLING_PROVIDER_SECRET_KEY) is set; the webhook and email demos run without it";
 
-/// Start the fake provider unless a provider is configured, and point
-/// billing (and dunning, which charges through billing) at it; tick billing
-/// every 10 s unless its interval is set.
-pub async fn start_provider(serve: &mut ServeSettings) -> Result<Option<LocalProvider>> {
-    if serve.billing_interval.is_none() {
+/// What the local run does for billing, decided from the settings as given.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Demo {
+    /// No BILLING_PROVIDER_URL was given: start the fake provider (in a build
+    /// that has it), tick billing every 10 s and seed the demo subscriptions.
+    /// With one given, its customers are real: nothing is seeded to charge.
+    demo_provider: bool,
+}
+
+/// Before the provider starts: decide from BILLING_PROVIDER_URL whether this
+/// is the demo, and then tick billing every 10 s unless its interval is set.
+pub fn prepare(serve: &mut ServeSettings) -> Demo {
+    let demo_provider = non_empty(&serve.billing_provider_url).is_none();
+    if demo_provider && non_empty(&serve.billing_interval).is_none() {
         serve.billing_interval = Some("10s".to_owned());
     }
-    if serve
-        .billing_provider_url
-        .as_deref()
-        .is_some_and(|u| !u.trim().is_empty())
-    {
-        return Ok(None);
+    Demo { demo_provider }
+}
+
+impl Demo {
+    /// Start the fake provider for the demo and point billing (and dunning,
+    /// which charges through billing) at it; None with a provider configured.
+    pub async fn start_provider(&self, serve: &mut ServeSettings) -> Result<Option<LocalProvider>> {
+        if !self.demo_provider {
+            return Ok(None);
+        }
+        #[cfg(not(feature = "dev-provider"))]
+        {
+            let _ = serve;
+            println!("{NO_PROVIDER}");
+            Ok(None)
+        }
+        #[cfg(feature = "dev-provider")]
+        start_fake(serve).await.map(Some)
     }
-    #[cfg(not(feature = "dev-provider"))]
-    {
-        println!("{NO_PROVIDER}");
-        Ok(None)
+
+    /// [`seed`], for the demo only.
+    pub async fn seed(
+        &self,
+        db: &Db,
+        keyring: &webhook_delivery::Keyring,
+        receiver_url: &str,
+    ) -> Result<()> {
+        if !self.demo_provider {
+            println!(
+                "demo billing: not seeded, BILLING_PROVIDER_URL is set (a real provider's \
+                 customers are not charged for a demo)"
+            );
+            return Ok(());
+        }
+        seed(db, keyring, receiver_url).await
     }
-    #[cfg(feature = "dev-provider")]
-    start_fake(serve).await.map(Some)
 }
 
 #[cfg(feature = "dev-provider")]
@@ -107,7 +142,7 @@ async fn start_fake(serve: &mut ServeSettings) -> Result<LocalProvider> {
 /// The demo plan, its customers and three fresh subscriptions, and an
 /// endpoint on `receiver_url` for the billing events. `db` is the owner's:
 /// only the owner writes an endpoint's sealed secret here (docs/adr/0015).
-pub async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &str) -> Result<()> {
+async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &str) -> Result<()> {
     let mut tx = db.begin().await?;
     let plan: i64 = match tx
         .fetch_optional(
@@ -207,4 +242,69 @@ pub async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &s
         }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        settings: ServeSettings,
+    }
+
+    fn settings(args: &[&str]) -> ServeSettings {
+        Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .unwrap()
+            .settings
+    }
+
+    /// README: dev starts the fake provider, ticks billing every 10 s and
+    /// seeds the demo subscriptions only when BILLING_PROVIDER_URL is unset.
+    /// Fails if dev, given a real provider, seeds made-up customers for it to
+    /// charge (the seed would reach for the database, which does not
+    /// answer), starts the fake in its place, or overrides billing's interval.
+    #[tokio::test]
+    async fn a_real_provider_gets_no_demo_subscriptions_and_keeps_billing_s_interval() {
+        let url = "https://api.stripe.com";
+        let mut real = settings(&[
+            "--billing-provider-url",
+            url,
+            "--billing-provider-secret-key",
+            "sk_live_x",
+        ]);
+        let demo = prepare(&mut real);
+        assert_eq!(
+            demo,
+            Demo {
+                demo_provider: false
+            }
+        );
+        assert_eq!(real.billing_interval, None);
+        assert!(demo.start_provider(&mut real).await.unwrap().is_none());
+        assert_eq!(real.billing_provider_url.as_deref(), Some(url));
+        let nowhere = Db::connect_lazy("postgres://hardcount_app@127.0.0.1:1/none", 1).unwrap();
+        let entry = webhook_delivery::Keyring::generate_entry("t").unwrap();
+        let keyring = webhook_delivery::Keyring::parse(&entry).unwrap();
+        demo.seed(&nowhere, &keyring, "http://127.0.0.1:1/webhooks")
+            .await
+            .unwrap();
+
+        for args in [&[][..], &["--billing-provider-url", " "]] {
+            let mut unset = settings(args);
+            assert_eq!(
+                prepare(&mut unset),
+                Demo {
+                    demo_provider: true
+                }
+            );
+            assert_eq!(unset.billing_interval.as_deref(), Some("10s"));
+        }
+        let mut set = settings(&["--billing-interval", "30m"]);
+        assert!(prepare(&mut set).demo_provider);
+        assert_eq!(set.billing_interval.as_deref(), Some("30m"));
+    }
 }

@@ -22,7 +22,7 @@ use anyhow::Result;
 use db::{Db, Row, sql};
 use tokio_util::sync::CancellationToken;
 
-use crate::settings::ServeSettings;
+use crate::settings::{ServeSettings, non_empty};
 
 const CUSTOMER: &str = "cus_demo_dunning";
 
@@ -35,14 +35,10 @@ pub struct Demo {
 /// set (`billing::start_provider`): note the provider dunning will charge, and
 /// tick dunning every 5 s unless told otherwise.
 pub fn prepare(serve: &mut ServeSettings) -> Demo {
-    if serve.dunning_interval.is_none() {
+    if non_empty(&serve.dunning_interval).is_none() {
         serve.dunning_interval = Some("5s".to_owned());
     }
-    let base_url = serve
-        .billing_provider_url
-        .as_deref()
-        .filter(|u| !u.trim().is_empty())
-        .map(str::to_owned);
+    let base_url = non_empty(&serve.billing_provider_url);
     Demo { base_url }
 }
 

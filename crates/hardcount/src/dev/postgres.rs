@@ -70,18 +70,29 @@ impl LocalPostgres {
                 "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories=''",
                 pg.port
             );
-            run(as_postgres("pg_ctl")
+            let started = run(as_postgres("pg_ctl")
                 .arg("-D")
                 .arg(&data)
                 .arg("-l")
                 .arg(pg.dir.join("postgres.log"))
-                .args(["-w", "-t", "60", "start", "-o", &options]))
-            .with_context(|| {
-                format!(
-                    "pg_ctl start; see {}",
-                    pg.dir.join("postgres.log").display()
-                )
-            })?;
+                .args(["-w", "-t", "60", "start", "-o", &options]));
+            if let Err(e) = started {
+                // A start that timed out leaves a server coming up that no
+                // one would stop, and the next run would take it for its own
+                // reuse; stop it (a no-op when none is running).
+                let _ = run(as_postgres("pg_ctl").arg("-D").arg(&data).args([
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "stop",
+                ]));
+                return Err(e).with_context(|| {
+                    format!(
+                        "pg_ctl start; see {}",
+                        pg.dir.join("postgres.log").display()
+                    )
+                });
+            }
             pg.started_here = true;
         }
         pg.ensure_database()?;
@@ -158,13 +169,20 @@ impl Drop for LocalPostgres {
             .arg("-D")
             .arg(self.dir.join("data"))
             .args(["-m", "fast", "-w", "stop"]));
-        match stopped {
-            Ok(_) => println!(
+        // Written without println!, which panics once a hung-up terminal
+        // (SIGHUP) refuses the line.
+        use std::io::Write as _;
+        let _ = match stopped {
+            Ok(_) => writeln!(
+                std::io::stdout(),
                 "stopped the local Postgres (data kept in {})",
                 self.dir.join("data").display()
             ),
-            Err(e) => eprintln!("could not stop the local Postgres: {e:#}"),
-        }
+            Err(e) => writeln!(
+                std::io::stderr(),
+                "could not stop the local Postgres: {e:#}"
+            ),
+        };
     }
 }
 

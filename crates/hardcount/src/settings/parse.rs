@@ -82,7 +82,7 @@ pub(super) fn whole(var: &str, text: &str, bounds: RangeInclusive<usize>) -> Res
 }
 
 /// Set and not blank: an empty variable means unset, as it does to a shell user.
-pub(super) fn non_empty(value: &Option<String>) -> Option<String> {
+pub(crate) fn non_empty(value: &Option<String>) -> Option<String> {
     value
         .as_deref()
         .map(str::trim)

@@ -15,7 +15,7 @@ use super::ServeSettings;
 use super::bounds::RETENTION;
 use super::parse::{database_url, duration, non_empty, whole};
 use crate::secret::Secret;
-use crate::serve::{ApiServe, EmailConfig, OperatorServe, RetentionSettings};
+use crate::serve::{ApiServe, Config, EmailConfig, OperatorServe, RetentionSettings};
 
 impl ServeSettings {
     /// The HARDCOUNT_RETENTION_* settings (docs/adr/0040), each refused by
@@ -118,6 +118,21 @@ impl ServeSettings {
             token: token.into(),
             database_url: url.into(),
         }))
+    }
+
+    /// Add the operator API ([`Self::operator_api`]) to `config`, as `serve`
+    /// and `dev` both do. Checked even when there is no tenant API, so a
+    /// token that would be ignored is refused.
+    pub(crate) fn add_operator_api(
+        &self,
+        config: &mut Config,
+        operator_url: &Option<Secret>,
+    ) -> Result<()> {
+        let operator = self.operator_api(operator_url)?;
+        if let Some(api) = &mut config.api {
+            api.operator = operator;
+        }
+        Ok(())
     }
 
     /// `HARDCOUNT_LEASE_DATABASE_URL`, checked as DATABASE_URL is; None when
@@ -272,14 +287,14 @@ impl ServeSettings {
                  HARDCOUNT_SMTP_INSECURE_AUTH=true for a relay on loopback or a private link"
             );
         }
-        let ca_pem = match &self.smtp_ca_file {
-            Some(path) if !path.as_os_str().is_empty() => {
-                Some(std::fs::read(path).with_context(|| {
-                    format!("HARDCOUNT_SMTP_CA_FILE={}: cannot read it", path.display())
-                })?)
-            }
-            _ => None,
-        };
+        // Text, not a path: clap refuses an empty path before a blank
+        // variable can count as unset.
+        let ca_pem = non_empty(&self.smtp_ca_file)
+            .map(|path| {
+                std::fs::read(&path)
+                    .with_context(|| format!("HARDCOUNT_SMTP_CA_FILE={path}: cannot read it"))
+            })
+            .transpose()?;
         let mut sender = SenderConfig::default();
         if let Some(text) = non_empty(&self.email_connections) {
             sender.max_connections = text

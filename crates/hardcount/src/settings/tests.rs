@@ -308,6 +308,18 @@ fn the_email_sender_reaches_billing_and_dunning_and_one_that_does_not_parse_is_r
     }
 }
 
+#[derive(Parser)]
+struct Dev {
+    #[command(flatten)]
+    settings: DevSettings,
+}
+
+/// A variable set to the empty string is unset (README), as flags given ""
+/// show: clap parses both alike. Fails if a setting is typed so that clap
+/// refuses "" (HARDCOUNT_SMTP_CA_FILE and HARDCOUNT_DEV_DIR were paths: exit
+/// 2), if dev's own defaults do not stand in for "", or if dev takes a blank
+/// interval for a set one and keeps billing at 1 h and dunning at 15 m
+/// instead of its 10 s and 5 s.
 #[test]
 fn a_blank_variable_means_unset() {
     let config = check(&["--roles", " ", "--webhook-timeout", ""]).unwrap();
@@ -319,6 +331,40 @@ fn a_blank_variable_means_unset() {
     };
     let err = bad.http_addr().unwrap_err().to_string();
     assert!(err.contains("HARDCOUNT_HTTP_ADDR=\"8080\""), "{err}");
+
+    let config = check(&["--smtp-url", "smtp://127.0.0.1:2525", "--smtp-ca-file", ""]).unwrap();
+    assert_eq!(config.email.map(|e| e.ca_pem), Some(None));
+
+    let blank = [
+        "dev",
+        "--state-dir",
+        "",
+        "--event-every",
+        "",
+        "--billing-interval",
+        "",
+        "--dunning-interval",
+        " ",
+    ];
+    let mut dev = Dev::try_parse_from(blank)
+        .map_err(|e| e.to_string())
+        .unwrap()
+        .settings;
+    assert_eq!(dev.state_dir(), std::path::Path::new(".hardcount-dev"));
+    assert_eq!(dev.event_every().unwrap(), Duration::from_secs(2));
+    crate::dev::billing::prepare(&mut dev.serve);
+    crate::dev::dunning::prepare(&mut dev.serve);
+    let config = dev.serve.config("postgres://x".into(), None).unwrap();
+    let interval = |role| {
+        config
+            .roles
+            .iter()
+            .find(|rc| rc.role == role)
+            .unwrap()
+            .interval
+    };
+    assert_eq!(interval(Role::Billing), Duration::from_secs(10));
+    assert_eq!(interval(Role::Dunning), Duration::from_secs(5));
 }
 
 #[test]

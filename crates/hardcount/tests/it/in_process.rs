@@ -189,3 +189,73 @@ async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
         .unwrap()
         .unwrap();
 }
+
+/// With HARDCOUNT_LEASE_DATABASE_URL, the leases have a path of their own, and
+/// no role can lead while it is down even though DATABASE_URL answers: a
+/// lease path that swallows everything makes `/readyz` 503 (same body) within
+/// a check cycle, and ready again once it passes. Before, `/readyz` checked
+/// DATABASE_URL only and stayed 200 through the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_not_ready_while_the_lease_path_does_not_answer() {
+    use testbed::proxy::{FaultProxy, Mode};
+    let t = TestDb::new().await;
+    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
+    let lease_url = format!(
+        "postgres://hardcount_app@{}/{}",
+        proxy.host_port(),
+        t.name()
+    );
+    let cli = Cli::try_parse_from([
+        "hardcount",
+        "serve",
+        "--roles",
+        "webhook_outbox",
+        "--lease-database-url",
+        &lease_url,
+    ])
+    .unwrap();
+    let Command::Serve(settings) = cli.command else {
+        panic!("not serve: {:?}", cli.command)
+    };
+    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/readyz", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let probe = || async {
+        let r = client.get(&url).send().await.expect("answered within 1 s");
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    // Each wait: one refresh and one check timeout (4 s), with room.
+    let until = |want: u16, why: &'static str| {
+        let probe = &probe;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(8);
+            loop {
+                let answer = probe().await;
+                if answer.0 == want {
+                    return answer;
+                }
+                assert!(Instant::now() < deadline, "{why}: still {answer:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert_eq!(until(200, "never ready").await.1, "ready\n");
+    proxy.set(Mode::Blackhole);
+    let answer = until(503, "ready with the lease path blackholed").await;
+    assert_eq!(answer.1, "not ready\n");
+    proxy.set(Mode::Pass);
+    until(200, "not ready again once the lease path passes").await;
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(25), server)
+        .await
+        .expect("run returns after cancel")
+        .unwrap()
+        .unwrap();
+}

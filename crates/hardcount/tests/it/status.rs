@@ -58,6 +58,7 @@ async fn a_replica_that_cannot_read_its_database_exports_every_last_tick_unknown
     let stop = CancellationToken::new();
     let refresher = tokio::spawn(refresh_status(
         db,
+        None,
         Telemetry::new(Arc::new(recorder)),
         vec![Role::WebhookOutbox],
         Arc::new(StatusSnapshot::default()),
