@@ -374,7 +374,7 @@ async fn metrics(State(s): State<AppState>) -> String {
 /// ages grow while nothing runs.
 async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result<(), String> {
     let unknown = |why: String| {
-        scheduler::mark_status_unknown(telemetry);
+        scheduler::mark_status_unknown(telemetry, roles);
         Err(why)
     };
     match tokio::time::timeout(CHECK_TIMEOUT, db::check_schema_ready(db)).await {
@@ -404,7 +404,7 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
     .is_err()
     {
         warn!("reading leader_status for /metrics took over {CHECK_TIMEOUT:?}");
-        scheduler::mark_status_unknown(telemetry);
+        scheduler::mark_status_unknown(telemetry, roles);
     }
     ready
 }

@@ -4,18 +4,34 @@ use db::Db;
 use leader::{Role, Telemetry};
 use tracing::warn;
 
+/// The lease-lost reasons an alert counts with `increase()`
+/// (`HardcountTickPanicked`, `HardcountLeasesLost`).
+const ALERTED_LOSSES: [&str; 4] = [
+    "panicked",
+    "heartbeat_failed",
+    "superseded",
+    "heartbeat_timeout",
+];
+
 /// Create the series that must exist before anything happens, so an alert on
-/// `increase(...[1h]) > 0` fires on the first event after a start:
-/// `hardcount_leader_lease_lost_total{role, reason="panicked"}` at 0 for every role.
+/// `increase(...[1h]) > 0` fires on the first event after a start (a series
+/// born at 1 has no increase to show): `hardcount_leader_lease_lost_total`
+/// at 0 for every role and every reason an alert counts, and
+/// `hardcount_billing_provider_key_rejected_total` at 0.
 pub fn precreate_series(telemetry: &Telemetry) {
     for role in Role::ALL {
-        telemetry
-            .counter(
-                "hardcount_leader_lease_lost_total",
-                &[("role", role.as_str()), ("reason", "panicked")],
-            )
-            .increment(0);
+        for reason in ALERTED_LOSSES {
+            telemetry
+                .counter(
+                    "hardcount_leader_lease_lost_total",
+                    &[("role", role.as_str()), ("reason", reason)],
+                )
+                .increment(0);
+        }
     }
+    telemetry
+        .counter("hardcount_billing_provider_key_rejected_total", &[])
+        .increment(0);
 }
 
 /// Export one reading of `leader_status`:
@@ -75,30 +91,29 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
                         )
                         .set(next);
                 }
-                let paused = if row.paused_at.is_some() { 1.0 } else { 0.0 };
-                telemetry
-                    .gauge("hardcount_leader_paused", &[("role", role)])
-                    .set(paused);
             }
         }
         Err(e) => {
             warn!(error = %e, "cannot read leader_status for metrics");
-            mark_status_unknown(telemetry);
+            mark_status_unknown(telemetry, roles);
         }
     }
 }
 
 /// What a replica that could not read `leader_status` exports: the read
-/// counted failed and every role's last tick unknown, never the ages of its
-/// last good read, which would stay healthy while nothing runs (ADR-114: an
-/// error state is exported as such; docs/adr/0097). For a read that failed, timed
-/// out, or was not made because the database did not answer its readiness
-/// check.
-pub fn mark_status_unknown(telemetry: &Telemetry) {
+/// counted failed and the last tick of each of `roles` (the roles the
+/// deployment runs, as [`export_status`] takes them) unknown, never the ages
+/// of its last good read, which would stay healthy while nothing runs
+/// (ADR-114: an error state is exported as such; docs/adr/0097). A role the
+/// deployment does not run gets no series: nothing would set it back once
+/// the database answers, and it would page for a role no one runs. For a
+/// read that failed, timed out, or was not made because the database did not
+/// answer its readiness check.
+pub fn mark_status_unknown(telemetry: &Telemetry, roles: &[Role]) {
     telemetry
         .counter("hardcount_leader_status_errors_total", &[])
         .increment(1);
-    for role in Role::ALL {
+    for role in roles {
         telemetry
             .gauge(
                 "hardcount_leader_last_tick_known",
