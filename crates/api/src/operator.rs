@@ -159,11 +159,16 @@ fn keys_error(e: KeysError) -> ApiError {
 }
 
 /// A definer function's refusal (RAISE): 404 for `what` that does not
-/// exist, 409 with the function's own words otherwise.
+/// exist, 409 with the function's own words for a state it refuses (a plain
+/// RAISE, or `object_not_in_prerequisite_state`: a second settle, an invoice
+/// not open, an intent that pays another attempt), 400 with them for a value
+/// it refuses (`invalid_parameter_value`). Those were a 500 and a 400 that
+/// named neither (docs/adr/0106).
 fn refusal(what: &'static str, id: i64) -> impl Fn(db::Error) -> ApiError {
     move |e| match (e.code().as_deref(), e.server_message()) {
         (Some("P0002"), _) => ApiError::missing(what, id),
-        (Some("P0001"), Some(m)) => ApiError::conflict(Code::InvalidState, m.to_owned()),
+        (Some("P0001" | "55000"), Some(m)) => ApiError::conflict(Code::InvalidState, m.to_owned()),
+        (Some("22023"), Some(m)) => ApiError::invalid(Code::ParameterInvalid, "body", m),
         _ => ApiError::from_db(&e),
     }
 }

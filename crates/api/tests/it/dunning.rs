@@ -164,7 +164,7 @@ async fn local(db: &Db, zone: &str, secs: f64) -> String {
 }
 
 /// An open automatic invoice of `tenant` whose charge was declined an hour ago.
-async fn declined_invoice(t: &TestDb, tenant: &str) -> i64 {
+pub async fn declined_invoice(t: &TestDb, tenant: &str) -> i64 {
     let writer = t.api_as(tenant);
     let customer: i64 = writer
         .fetch_one(sql(

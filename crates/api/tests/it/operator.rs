@@ -237,6 +237,54 @@ async fn an_operator_steers_roles_tenants_and_keys_over_http() {
     );
 }
 
+/// A settle the function refuses answers in its words: a 409 for the
+/// attempt's state (a declined attempt is not waiting for review; it was a
+/// 500 that named nothing, which a tool may retry), a 400 for a value (an
+/// intent of the wrong shape; it was a 400 about a NUL character). Mutation
+/// `settle_refusal_500` (the state refusal left to the generic mapping) and
+/// the first is 500.
+#[tokio::test]
+async fn a_refused_settle_answers_in_the_functions_words() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    tenant(&t, "acme").await;
+    crate::dunning::declined_invoice(&t, "acme").await;
+    let attempt: i64 = db::Row::get(
+        &t.db
+            .fetch_one(db::sql("SELECT id FROM payment_attempts"))
+            .await
+            .unwrap(),
+        0,
+    );
+    let path = format!("/operator/v1/payment-attempts/{attempt}/settle");
+    let state = op(
+        &s,
+        "POST",
+        &path,
+        Some(json!({"outcome": "failed", "by": "ops", "note": "drill"})),
+    )
+    .await;
+    assert_eq!(state.status, StatusCode::CONFLICT, "{}", state.text);
+    assert!(
+        state.text.contains("not waiting for review"),
+        "{}",
+        state.text
+    );
+    let value = op(
+        &s,
+        "POST",
+        &path,
+        Some(json!({"outcome": "paid", "by": "ops", "note": "drill", "payment_intent": "nope"})),
+    )
+    .await;
+    assert_eq!(value.status, StatusCode::BAD_REQUEST, "{}", value.text);
+    assert!(
+        value.text.contains("not a PaymentIntent id"),
+        "{}",
+        value.text
+    );
+}
+
 /// Replay across tenants: dead deliveries of enabled endpoints since a time
 /// back to pending, for one tenant or all, each once.
 ///

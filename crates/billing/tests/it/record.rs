@@ -452,11 +452,40 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
     .unwrap_err()
     .to_string();
     assert!(refused.contains("not waiting for review"), "{refused}");
+    // The other invoice's charge, found by customer and amount, pays it
+    // already: one charge pays one invoice (docs/adr/0106). Mutation
+    // `settle_intent_reused` (the check removed) and the second invoice is
+    // paid by it.
+    let paid_intent: String =
+        t.db.fetch_one(sql(
+            "SELECT provider_payment_intent FROM payment_attempts WHERE provider_status = 'succeeded'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    let twice = billing::review::settle(
+        &op,
+        attempt,
+        billing::review::Settlement::Paid,
+        Some(&paid_intent),
+        "oncall",
+        "found succeeded in the dashboard",
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(twice.contains("one charge pays one invoice"), "{twice}");
+    let own = p
+        .intents()
+        .into_iter()
+        .map(|i| i.id)
+        .find(|id| *id != paid_intent)
+        .unwrap();
     let settled = billing::review::settle(
         &op,
         attempt,
         billing::review::Settlement::Paid,
-        Some("pi_fake00000001"),
+        Some(&own),
         "oncall",
         "found succeeded in the dashboard",
     )
