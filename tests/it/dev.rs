@@ -1,5 +1,6 @@
 //! `hardcount dev` as a newcomer runs it: no DATABASE_URL, no Postgres running
-//! for it, an empty state directory (its own, through HARDCOUNT_DEV_DIR).
+//! for it, an empty state directory (its own, through HARDCOUNT_DEV_DIR); and
+//! what it shares with `serve` (the operator API, the signals that stop it).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -19,8 +20,18 @@ struct Dev {
 
 impl Dev {
     fn start(state_dir: &Path) -> Dev {
+        Dev::start_with(state_dir, &[])
+    }
+
+    /// [`Dev::start`] with `env` set on top (none of the operator's, provider's
+    /// or tenant API database's variables from the test's own environment).
+    fn start_with(state_dir: &Path, env: &[(&str, &str)]) -> Dev {
         let mut cmd = hardcount();
-        cmd.env("HARDCOUNT_DEV_DIR", state_dir);
+        cmd.env("HARDCOUNT_DEV_DIR", state_dir)
+            .env_remove("HARDCOUNT_OPERATOR_TOKEN")
+            .env_remove("BILLING_PROVIDER_URL")
+            .env_remove("HARDCOUNT_API_DATABASE_URL")
+            .envs(env.iter().copied());
         Dev::spawn(cmd)
     }
 
@@ -90,27 +101,84 @@ impl Dev {
 
     /// SIGINT (Ctrl-C), then the exit code.
     async fn interrupt(&mut self) -> Option<i32> {
+        self.signal("-INT").await
+    }
+
+    /// Send `signal` (`-INT`, `-HUP`), then the exit code (`None` for a signal).
+    async fn signal(&mut self, signal: &str) -> Option<i32> {
         let pid = self.child.id().to_string();
         assert!(
             Command::new("kill")
-                .args(["-INT", &pid])
+                .args([signal, &pid])
                 .status()
                 .unwrap()
                 .success()
         );
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.exit_code(signal).await
+    }
+
+    /// Its exit code once it exits within 40 s (`None` for a signal), its
+    /// pipes drained; `after` names what it was waiting out.
+    async fn exit_code(&mut self, after: &str) -> Option<i32> {
+        let deadline = Instant::now() + Duration::from_secs(40);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 return status.code();
             }
-            assert!(Instant::now() < deadline, "dev did not exit after SIGINT");
+            assert!(
+                Instant::now() < deadline,
+                "dev did not exit after {after}:\n{}",
+                self.output()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The tenant API's bound address, from its log line (`run` binds it
+    /// after dev says it is ready).
+    async fn api_addr(&self) -> String {
+        let started = Instant::now();
+        loop {
+            let addr = self
+                .stderr
+                .lock()
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("tenant API listening"))
+                .find_map(|l| l.split("addr=").nth(1))
+                .and_then(|rest| rest.split_whitespace().next())
+                .map(str::to_owned);
+            if let Some(addr) = addr {
+                return addr;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "no tenant API address logged:\n{}",
+                self.output()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }
 
 impl Drop for Dev {
+    /// A failed test's dev is interrupted first, so it stops its SMTP sink and
+    /// Postgres itself (a kill leaves the sink running); killed only if it
+    /// outlives that.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-INT", &self.child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while let Ok(None) = self.child.try_wait() {
+                if Instant::now() > deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -307,4 +375,73 @@ async fn dev_runs_from_a_clone_in_a_directory_the_postgres_user_cannot_reach() {
     );
     // The cluster belongs to this test's clone only.
     let _ = std::fs::remove_dir_all(data.parent().unwrap());
+}
+
+/// How long a dev from nothing may take to say it is ready (initdb, migrations).
+const READY_WITHIN: Duration = Duration::from_secs(120);
+
+/// `dev` adds the operator API as `serve` does: with a token of 64
+/// characters, `/operator/v1/leaders` answers 200 to it (over the local
+/// cluster's hardcount_operator) and 401 without it; a token too short is
+/// refused by its variable's name and dev exits non-zero, its Postgres
+/// stopped. Before, dev built its configuration without the operator API:
+/// the route was a 404 and the short token was ignored (dev got ready).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dev_serves_the_operator_api_with_its_token_and_refuses_a_short_one() {
+    let state = StateDir::new();
+
+    let mut short = Dev::start_with(&state.0, &[("HARDCOUNT_OPERATOR_TOKEN", "too-short")]);
+    let exit = short.exit_code("a token too short").await;
+    assert!(
+        matches!(exit, Some(code) if code != 0),
+        "{exit:?}:\n{}",
+        short.output()
+    );
+    assert!(
+        short
+            .stderr
+            .lock()
+            .unwrap()
+            .contains("HARDCOUNT_OPERATOR_TOKEN is too short"),
+        "{}",
+        short.output()
+    );
+    assert!(!state.postgres_running(), "dev left its Postgres running");
+
+    let token = "0123456789abcdef".repeat(4);
+    let mut dev = Dev::start_with(&state.0, &[("HARDCOUNT_OPERATOR_TOKEN", &token)]);
+    dev.until_printed("ready in ", READY_WITHIN).await;
+    let leaders = format!("http://{}/operator/v1/leaders", dev.api_addr().await);
+    let http = reqwest::Client::new();
+    let answer = http.get(&leaders).bearer_auth(&token).send().await.unwrap();
+    let status = answer.status().as_u16();
+    let body = answer.text().await.unwrap();
+    assert_eq!(status, 200, "{body}\n{}", dev.output());
+    assert!(body.contains("billing"), "{body}");
+    let anonymous = http.get(&leaders).send().await.unwrap().status().as_u16();
+    assert_eq!(anonymous, 401);
+    assert_eq!(dev.signal("-INT").await, Some(0), "{}", dev.output());
+    assert!(!state.postgres_running(), "dev left its Postgres running");
+}
+
+/// A closed terminal (SIGHUP) stops dev as Ctrl-C does: it exits 0 and stops
+/// the Postgres it started. Before, SIGHUP's default action ended the process
+/// without running a destructor, leaving the cluster running for every later
+/// run to reuse and never stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_stops_dev_and_the_postgres_it_started() {
+    let state = StateDir::new();
+    let mut dev = Dev::start(&state.0);
+    dev.until_printed("ready in ", READY_WITHIN).await;
+    assert!(state.postgres_running());
+    assert_eq!(dev.signal("-HUP").await, Some(0), "{}", dev.output());
+    assert!(
+        dev.stdout
+            .lock()
+            .unwrap()
+            .contains("stopped the local Postgres"),
+        "{}",
+        dev.output()
+    );
+    assert!(!state.postgres_running(), "dev left its Postgres running");
 }

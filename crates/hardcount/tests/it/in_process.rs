@@ -125,6 +125,73 @@ async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
         .unwrap();
 }
 
+/// `serve` of webhook_outbox alone, in-process with `extra` flags, and a
+/// client that wants every `/readyz` answer within a second.
+struct Readyz {
+    url: String,
+    client: reqwest::Client,
+    shutdown: CancellationToken,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Readyz {
+    async fn serve(t: &TestDb, extra: &[&str]) -> Readyz {
+        let args = ["hardcount", "serve", "--roles", "webhook_outbox"];
+        let cli = Cli::try_parse_from(args.iter().chain(extra)).unwrap();
+        let Command::Serve(settings) = cli.command else {
+            panic!("not serve: {:?}", cli.command)
+        };
+        let config = settings.config(t.app_url(Leg::current()), None).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/readyz", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        Readyz {
+            url,
+            client,
+            shutdown,
+            server,
+        }
+    }
+
+    async fn probe(&self) -> (u16, String) {
+        let r = self
+            .client
+            .get(&self.url)
+            .send()
+            .await
+            .expect("answered within 1 s");
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// Probe every 200 ms until the status is `want`, within `limit`.
+    async fn until(&self, want: u16, limit: Duration, why: &str) -> (u16, String) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let answer = self.probe().await;
+            if answer.0 == want {
+                return answer;
+            }
+            assert!(Instant::now() < deadline, "{why}: still {answer:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Cancel, and `run` returns within `limit`.
+    async fn stop(self, limit: Duration) {
+        self.shutdown.cancel();
+        tokio::time::timeout(limit, self.server)
+            .await
+            .expect("run returns after cancel")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 /// Issue 12, point 7: `/readyz` ran its queries on the app pool per request with
 /// no deadline, and echoed driver errors. Here the schema check is blocked (an
 /// owner holds `_sqlx_migrations` in ACCESS EXCLUSIVE): every probe is still
@@ -136,28 +203,10 @@ async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
     let t = TestDb::new().await;
-    let cli = Cli::try_parse_from(["hardcount", "serve", "--roles", "webhook_outbox"]).unwrap();
-    let Command::Serve(settings) = cli.command else {
-        panic!("not serve: {:?}", cli.command)
-    };
-    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/readyz", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(1))
-        .build()
-        .unwrap();
-    let probe = || async {
-        let r = client.get(&url).send().await.expect("answered within 1 s");
-        (r.status().as_u16(), r.text().await.unwrap())
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while probe().await.0 != 200 {
-        assert!(Instant::now() < deadline, "never ready");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let served = Readyz::serve(&t, &[]).await;
+    served
+        .until(200, Duration::from_secs(10), "never ready")
+        .await;
 
     let mut owner = t.superuser().await;
     sqlx::raw_sql("BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
@@ -168,7 +217,7 @@ async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
     // snapshot left to go stale would take up to 10 s.
     let deadline = Instant::now() + Duration::from_secs(6);
     let answer = loop {
-        let answer = probe().await;
+        let answer = served.probe().await;
         if answer.0 == 503 {
             break answer;
         }
@@ -181,13 +230,7 @@ async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
     };
     assert_eq!(answer, (503, "not ready\n".to_owned()));
     sqlx::raw_sql("ROLLBACK").execute(&mut owner).await.unwrap();
-
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(15), server)
-        .await
-        .expect("run returns after cancel")
-        .unwrap()
-        .unwrap();
+    served.stop(Duration::from_secs(15)).await;
 }
 
 /// With HARDCOUNT_LEASE_DATABASE_URL, the leases have a path of their own, and
@@ -205,57 +248,19 @@ async fn readyz_is_not_ready_while_the_lease_path_does_not_answer() {
         proxy.host_port(),
         t.name()
     );
-    let cli = Cli::try_parse_from([
-        "hardcount",
-        "serve",
-        "--roles",
-        "webhook_outbox",
-        "--lease-database-url",
-        &lease_url,
-    ])
-    .unwrap();
-    let Command::Serve(settings) = cli.command else {
-        panic!("not serve: {:?}", cli.command)
-    };
-    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/readyz", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(1))
-        .build()
-        .unwrap();
-    let probe = || async {
-        let r = client.get(&url).send().await.expect("answered within 1 s");
-        (r.status().as_u16(), r.text().await.unwrap())
-    };
+    let served = Readyz::serve(&t, &["--lease-database-url", &lease_url]).await;
     // Each wait: one refresh and one check timeout (4 s), with room.
-    let until = |want: u16, why: &'static str| {
-        let probe = &probe;
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(8);
-            loop {
-                let answer = probe().await;
-                if answer.0 == want {
-                    return answer;
-                }
-                assert!(Instant::now() < deadline, "{why}: still {answer:?}");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    };
-    assert_eq!(until(200, "never ready").await.1, "ready\n");
+    let within = Duration::from_secs(8);
+    let ready = served.until(200, within, "never ready").await;
+    assert_eq!(ready.1, "ready\n");
     proxy.set(Mode::Blackhole);
-    let answer = until(503, "ready with the lease path blackholed").await;
+    let answer = served
+        .until(503, within, "ready with the lease path blackholed")
+        .await;
     assert_eq!(answer.1, "not ready\n");
     proxy.set(Mode::Pass);
-    until(200, "not ready again once the lease path passes").await;
-
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(25), server)
-        .await
-        .expect("run returns after cancel")
-        .unwrap()
-        .unwrap();
+    served
+        .until(200, within, "not ready again once the lease path passes")
+        .await;
+    served.stop(Duration::from_secs(25)).await;
 }

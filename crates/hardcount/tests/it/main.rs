@@ -1,11 +1,10 @@
 //! The crate's own tests: the command line (parsing, refusals, the one-call
-//! commands) as the real binary, `dev`'s own wiring and signals, and
-//! [`hardcount::run`] in-process on a listener the test bound. Whole replicas
-//! (SIGTERM, failover, webhooks end to end, `dev` from nothing) are system
-//! tests, in the workspace's top-level `tests/`.
+//! commands) as the real binary, and [`hardcount::run`] in-process on a
+//! listener the test bound. Whole replicas (SIGTERM, failover, webhooks end to
+//! end, `dev` from nothing, its operator API and signals) are system tests, in
+//! the workspace's top-level `tests/`.
 
 mod cli;
-mod dev;
 mod history;
 mod idle_connections;
 mod in_process;
