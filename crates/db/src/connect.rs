@@ -36,6 +36,29 @@ pub const SSL_MODES: [&str; 6] = [
 
 const PEM_CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----";
 
+/// The query parameters sqlx 0.9's Postgres URL parser uses (besides
+/// `options[…]`); any other it logs, value and all, and ignores.
+const SQLX_PARAMETERS: [&str; 18] = [
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
 /// Check `url` as the service will use it: it parses as a Postgres URL, its
 /// `sslmode` is one of [`SSL_MODES`] and its `sslrootcert` holds a certificate.
 /// Nothing connects. Call it where the URL enters, to name its variable.
@@ -63,6 +86,18 @@ pub(crate) fn options_or_refusal(url: &str) -> Result<PgConnectOptions, String> 
         match &*key {
             "sslmode" | "ssl-mode" => mode = Some(value.into_owned()),
             "sslrootcert" | "ssl-root-cert" | "ssl-ca" => root_cert = Some(value.into_owned()),
+            // sqlx logs a parameter it does not use with its value, at warn
+            // (docs/adr/0107): a secret one (libpq's `sslpassword`) is refused
+            // here, by its name only, before the parse could print it.
+            k if !SQLX_PARAMETERS.contains(&k)
+                && !k.starts_with("options[")
+                && crate::redact::is_secret_parameter(k) =>
+            {
+                return Err(format!(
+                    "connect parameter {k} is not one the Postgres client uses, and it \
+                     would log its value as ignored: remove it"
+                ));
+            }
             _ => {}
         }
     }
@@ -77,9 +112,18 @@ pub(crate) fn options_or_refusal(url: &str) -> Result<PgConnectOptions, String> 
     if let Some(cert) = &root_cert {
         check_root_cert(cert)?;
     }
-    let options: PgConnectOptions = url
+    let mut options: PgConnectOptions = url
         .parse()
         .map_err(|e: sqlx::Error| redact_error(&e.to_string(), url))?;
+    // sqlx takes every `sslrootcert` for a path: PEM text written in the URL,
+    // which the check above accepts, would be opened as a file at the first
+    // connection and fail there (docs/adr/0107).
+    if let Some(pem) = root_cert
+        .as_ref()
+        .filter(|c| c.starts_with(PEM_CERTIFICATE))
+    {
+        options = options.ssl_root_cert_from_pem(pem.clone().into_bytes());
+    }
     if root_cert.is_some() && matches!(options.get_ssl_mode(), PgSslMode::Require) {
         // libpq: "if a root CA file exists, the behavior of sslmode=require
         // will be the same as that of verify-ca".
@@ -174,6 +218,14 @@ mod tests {
                 "postgres://app:hunter2@db:notaport/x".into(),
                 Some("invalid port"),
             ),
+            // sqlx would log this one's value as an ignored parameter (mutation
+            // `unknown_secret_parameter_parsed`); a parameter it ignores that
+            // is not secret is left to its warning.
+            (
+                "postgres://app@db/x?sslmode=require&sslpassword=hunter2".into(),
+                Some("connect parameter sslpassword is not one the Postgres client uses"),
+            ),
+            ("postgres://app:hunter2@db/x?connect_timeout=10".into(), None),
         ];
         for (url, refusal) in rows {
             let got = check_url(&url);

@@ -36,9 +36,19 @@ async fn tls_to_postgres_is_verified_as_the_url_says() {
     let ca = TestCa::new();
     let unrelated = TestCa::new();
     let server = TlsPostgres::start(&ca);
+    // The CA written in the URL itself, as PEM text (docs/adr/0107): sqlx
+    // took it for a path. Mutation `inline_root_cert_as_path` (the PEM not
+    // handed over) and the row is refused at the handshake.
+    let inline: String =
+        url::form_urlencoded::byte_serialize(&std::fs::read(&ca.ca_cert).unwrap()).collect();
     let ca = ca.ca_cert.display().to_string();
     let unrelated = unrelated.ca_cert.display().to_string();
     let rows = [
+        (
+            "localhost",
+            format!("sslmode=verify-full&sslrootcert={inline}"),
+            Encrypted,
+        ),
         (
             "localhost",
             format!("sslmode=verify-full&sslrootcert={ca}"),
