@@ -58,6 +58,11 @@ impl Biller {
                 None
             }
         };
+        // At 0 from the start, so an alert's increase() sees the first
+        // refusal of the key (docs/adr/0105).
+        telemetry
+            .counter("hardcount_billing_provider_key_rejected_total", &[])
+            .increment(0);
         Ok(Biller {
             inner: Arc::new(Inner {
                 db,

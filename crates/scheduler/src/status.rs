@@ -16,8 +16,9 @@ const ALERTED_LOSSES: [&str; 4] = [
 /// Create the series that must exist before anything happens, so an alert on
 /// `increase(...[1h]) > 0` fires on the first event after a start (a series
 /// born at 1 has no increase to show): `hardcount_leader_lease_lost_total`
-/// at 0 for every role and every reason an alert counts, and
-/// `hardcount_billing_provider_key_rejected_total` at 0.
+/// at 0 for every role and every reason an alert counts. (A role's own
+/// series are born where the role is built: billing's key refusal in
+/// `Biller::new`.)
 pub fn precreate_series(telemetry: &Telemetry) {
     for role in Role::ALL {
         for reason in ALERTED_LOSSES {
@@ -29,9 +30,6 @@ pub fn precreate_series(telemetry: &Telemetry) {
                 .increment(0);
         }
     }
-    telemetry
-        .counter("hardcount_billing_provider_key_rejected_total", &[])
-        .increment(0);
 }
 
 /// Export one reading of `leader_status`:

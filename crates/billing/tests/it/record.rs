@@ -208,6 +208,15 @@ async fn a_rolled_key_records_nothing_against_customers_and_fails_the_tick() {
     open_invoices(&t.db, 100).await;
     p.roll_secret_key("sk_test_rolled_elsewhere");
     let (b, metrics) = biller(&t.db, charging(&p));
+    // The series exists at 0 from the start, so the alert's increase() sees
+    // the first refusal (docs/adr/0105). Mutation `key_rejected_unborn`.
+    assert!(
+        metrics
+            .render()
+            .contains("hardcount_billing_provider_key_rejected_total 0"),
+        "{}",
+        metrics.render()
+    );
     let report = tick(&t.db, &b).await;
     assert!(
         matches!(report.end, TickEnd::Failed(ref why) if why.contains("BILLING_PROVIDER_SECRET_KEY")),
