@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use db::sql;
 use leader::Fence;
-use scheduler::Prune;
+use scheduler::{Prune, Pruned};
 
 use crate::{Biller, Error};
 
@@ -33,14 +33,11 @@ pub const CLEAR_RAW_ANSWERS: &str = "WITH doomed AS MATERIALIZED ( \
          UPDATE payment_attempts a SET raw_answer = NULL \
          FROM doomed WHERE a.id = doomed.id";
 
-/// Set before [`CLEAR_RAW_ANSWERS`], for its transaction. On statistics
-/// that do not know how few attempts keep an answer (a table never analyzed,
-/// or analyzed before a burst), the planner estimated a few dozen rows
-/// passing the statement's conditions and read `payment_attempts` whole and
-/// sorted it, instead of walking the partial index; without sequential scans
-/// it walks the index in order and stops at the batch. `pub` only for the
-/// plan test.
-pub const NO_SEQUENTIAL_SCAN: &str = "SELECT set_config('enable_seqscan', 'off', true)";
+/// Set before [`CLEAR_RAW_ANSWERS`], for its transaction: on statistics
+/// that do not know how few attempts keep an answer, the planner read
+/// `payment_attempts` whole and sorted it instead of walking the partial
+/// index. `pub` only for the plan test.
+pub use db::NO_SEQUENTIAL_SCAN;
 
 /// The raw answers of resolved attempts, as a prune kind.
 pub(crate) struct RawAnswers<'a>(pub &'a Biller);
@@ -52,7 +49,7 @@ impl Prune for RawAnswers<'_> {
         "payment_logs"
     }
 
-    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, Error> {
+    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<Pruned, Error> {
         let inner = &self.0.inner;
         let mut tx = inner
             .db
@@ -69,6 +66,6 @@ impl Prune for RawAnswers<'_> {
             )
             .await?;
         tx.commit().await?;
-        Ok(cleared)
+        Ok(cleared.into())
     }
 }

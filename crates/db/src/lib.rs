@@ -397,6 +397,14 @@ pub fn hex_text(text: &str) -> String {
 /// EXPLAIN in an index-driven transaction.
 pub const AS_WRITTEN: &str = as_written!();
 
+/// Run first in an index-driven transaction whose statement walks a partial
+/// index in order up to a limit, where statistics that do not know how few
+/// rows qualify (a table never analyzed, or analyzed before a burst) make a
+/// whole read and a sort of the table look cheaper: without sequential scans
+/// the planner walks the index and stops at the limit. Billing's raw-answer
+/// clearing and the event prune use it (docs/adr/0040, docs/adr/0108).
+pub const NO_SEQUENTIAL_SCAN: &str = "SELECT set_config('enable_seqscan', 'off', true)";
+
 /// The floor of the idle-in-transaction bound [`Db::begin_with_timeout`]
 /// sets: a loaded client's scheduling gap between two statements of a short
 /// transaction is not a stall.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Prune, Prunes, Pruning, Retention, Shape, Stop};
+use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop};
 use tokio::sync::Semaphore;
 use tracing::debug;
 
@@ -346,7 +346,12 @@ impl Prune for Finished<'_> {
         "emails"
     }
 
-    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
+    async fn prune(
+        &self,
+        fence: &Fence,
+        keep: Duration,
+        limit: usize,
+    ) -> Result<Pruned, db::Error> {
         let inner = &self.0.inner;
         store::prune_finished(
             &inner.db,
@@ -356,5 +361,6 @@ impl Prune for Finished<'_> {
             inner.config.statement_timeout,
         )
         .await
+        .map(Pruned::from)
     }
 }

@@ -60,8 +60,8 @@ pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};
 pub use relay::{Offer, Relay};
 pub use retention::{
-    DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Prunes,
-    Pruning, Retention, run_prune_statement,
+    DEFAULT_RETENTION, LeaseHistory, MAX_SLICE, PRUNE_BATCH, PRUNE_EVERY, Prune, PrunePlan, Pruned,
+    Prunes, Pruning, Retention, run_prune_statement,
 };
 pub use role_loop::{RoleSpec, Work, run_role, run_role_on, work};
 pub use source::{BUSY_POLL, Driven, FencedBatches, IDLE_PROBE, PROBE_BACKOFF, Shape, Stop};

@@ -7,7 +7,7 @@
 //!   ├─ the role's own work until            start + budget − slice   (due)
 //!   │                                       start + budget           (not due)
 //!   └─ Prunes::run(kind) for each kind      one fenced statement of ≤ batch rows,
-//!      (and Prunes::lease_history)          again until one comes back short,
+//!      (and Prunes::lease_history)          again until one reads a short batch,
 //!                                           the tick's deadline or a cancel
 //! ```
 //!
@@ -168,6 +168,26 @@ pub fn slice(budget: Duration) -> Duration {
     (budget / 10).min(MAX_SLICE)
 }
 
+/// What one prune statement did: the rows it deleted, and the candidates it
+/// read. A kind whose old rows can be kept back (an event with deliveries
+/// left) reads past them and deletes fewer than it read; the round goes on
+/// while a statement reads a full batch, whatever it deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pruned {
+    pub deleted: u64,
+    pub read: u64,
+}
+
+impl From<u64> for Pruned {
+    /// A kind that deletes every row it reads.
+    fn from(deleted: u64) -> Pruned {
+        Pruned {
+            deleted,
+            read: deleted,
+        }
+    }
+}
+
 /// One kind of row a role deletes once old.
 pub trait Prune: Sync {
     type Error: fmt::Display + Send;
@@ -177,7 +197,8 @@ pub trait Prune: Sync {
 
     /// Delete at most `limit` rows of this kind finished more than `keep`
     /// ago (on the database clock), oldest first, in one statement that
-    /// proves `leader_fence($role, $token)`; return how many went.
+    /// proves `leader_fence($role, $token)` and reads at most `limit`
+    /// candidates; return how many went and how many were read.
     ///
     /// # Errors
     /// A database error; nothing of this batch was deleted.
@@ -186,7 +207,7 @@ pub trait Prune: Sync {
         fence: &Fence,
         keep: Duration,
         limit: usize,
-    ) -> impl Future<Output = Result<u64, Self::Error>> + Send;
+    ) -> impl Future<Output = Result<Pruned, Self::Error>> + Send;
 }
 
 /// The role's own lease history (`leader_terms`), pruned through
@@ -200,14 +221,21 @@ impl Prune for LeaseHistory<'_> {
         "lease_history"
     }
 
-    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, Self::Error> {
+    async fn prune(
+        &self,
+        fence: &Fence,
+        keep: Duration,
+        limit: usize,
+    ) -> Result<Pruned, Self::Error> {
         let limit = u32::try_from(limit).unwrap_or(u32::MAX);
-        leader::store::prune_own_terms(self.0, fence, keep, limit).await
+        leader::store::prune_own_terms(self.0, fence, keep, limit)
+            .await
+            .map(Pruned::from)
     }
 }
 
-/// The prunes of one tick that prunes, each kind run until a batch comes back
-/// short, the tick's deadline, or a cancel.
+/// The prunes of one tick that prunes, each kind run until a statement reads
+/// a short batch, the tick's deadline, or a cancel.
 pub struct Prunes<'t> {
     tick: &'t Tick,
     telemetry: &'t Telemetry,
@@ -256,10 +284,10 @@ impl<'t> Prunes<'t> {
         while !self.tick.cancel.is_cancelled() && Instant::now() < self.deadline {
             let step = format!("{}/prune/{name}", self.tick.fence.role_name());
             match catch(step, kind.prune(&self.tick.fence, keep, batch)).await {
-                Ok(Ok(n)) => {
-                    total += n;
-                    counter.increment(n);
-                    if n < batch as u64 {
+                Ok(Ok(Pruned { deleted, read })) => {
+                    total += deleted;
+                    counter.increment(deleted);
+                    if read < batch as u64 {
                         break;
                     }
                 }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use leader::{Fence, Role, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Prune, Prunes, Shape, Stop, Wake};
+use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Shape, Stop, Wake};
 use tracing::warn;
 
 use crate::batch::{Running, Tally, attempt_batch, collect};
@@ -451,7 +451,12 @@ impl Prune for Finished<'_> {
         "webhook_deliveries"
     }
 
-    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
+    async fn prune(
+        &self,
+        fence: &Fence,
+        keep: Duration,
+        limit: usize,
+    ) -> Result<Pruned, db::Error> {
         store::prune_finished(
             &self.0.db,
             fence,
@@ -460,6 +465,7 @@ impl Prune for Finished<'_> {
             self.0.config.statement_timeout,
         )
         .await
+        .map(Pruned::from)
     }
 }
 

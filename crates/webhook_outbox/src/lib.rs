@@ -69,7 +69,9 @@ mod tick;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{CLAIM_AND_FAN_OUT, PRUNE_DISPATCHED};
+    pub use crate::store::{
+        CLAIM_AND_FAN_OUT, PRUNE_DISPATCHED, PruneCursor, PrunedEvents, pruned_events,
+    };
 }
 
 pub use config::{ConfigError, DispatcherConfig};

@@ -3,17 +3,19 @@
 //! and on a tick that prunes ([`Dispatcher::with_retention`]) the retention
 //! prune as its last step.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Prune, Prunes, Pruning, Retention, Shape, Stop, Wake};
+use scheduler::{
+    FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop, Wake,
+};
 use tracing::debug;
 
 use crate::Error;
 use crate::config::DispatcherConfig;
-use crate::store::{self, Batch};
+use crate::store::{self, Batch, PruneCursor};
 
 /// What one tick did.
 #[derive(Debug)]
@@ -42,6 +44,8 @@ pub struct Dispatcher {
     pruning: Option<Arc<Pruning>>,
     /// Where the next claim starts among tenants (docs/adr/0048).
     cursor: db::TenantCursor,
+    /// Where the event prune's next statement reads from (docs/adr/0108).
+    prune_from: Arc<Mutex<PruneCursor>>,
 }
 
 impl Dispatcher {
@@ -62,6 +66,7 @@ impl Dispatcher {
             idle_probe: None,
             pruning: None,
             cursor: db::TenantCursor::default(),
+            prune_from: Arc::default(),
         })
     }
 
@@ -269,6 +274,9 @@ impl FencedBatches for Fanout<'_> {
 }
 
 /// The retention prune of dispatched events ([`store::prune_dispatched`]).
+/// Each statement reads on from where the last one stopped, across ticks, and
+/// a pass starts again from the oldest once a statement reads a short batch
+/// (docs/adr/0108): events kept back by their deliveries are read once a pass.
 struct Dispatched<'a>(&'a Dispatcher);
 
 impl Prune for Dispatched<'_> {
@@ -278,14 +286,30 @@ impl Prune for Dispatched<'_> {
         "webhook_events"
     }
 
-    async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<u64, db::Error> {
-        store::prune_dispatched(
+    async fn prune(
+        &self,
+        fence: &Fence,
+        keep: Duration,
+        limit: usize,
+    ) -> Result<Pruned, db::Error> {
+        let from = *self.0.prune_from.lock().unwrap_or_else(|p| p.into_inner());
+        let pruned = store::prune_dispatched(
             &self.0.db,
             fence,
             keep,
             limit,
+            from,
             self.0.config.statement_timeout,
         )
-        .await
+        .await?;
+        let next = match pruned.last {
+            Some(last) if pruned.read >= limit as u64 => last,
+            _ => PruneCursor::default(),
+        };
+        *self.0.prune_from.lock().unwrap_or_else(|p| p.into_inner()) = next;
+        Ok(Pruned {
+            deleted: pruned.deleted,
+            read: pruned.read,
+        })
     }
 }

@@ -4,12 +4,15 @@
 
 use std::time::Duration;
 
+use db::NO_SEQUENTIAL_SCAN;
 use db::{Db, Row, sql};
 use leader::{Fence, Role};
 use scheduler::Retention;
 use testbed::TestDb;
-use testbed::plans::explain_index_driven;
-use webhook_outbox::statements::PRUNE_DISPATCHED;
+use testbed::plans::{
+    INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven_after,
+};
+use webhook_outbox::statements::{PRUNE_DISPATCHED, PruneCursor, PrunedEvents, pruned_events};
 use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 
 use crate::{as_leader, dispatcher, endpoint, event, manager};
@@ -33,20 +36,29 @@ async fn event_ids(db: &Db) -> Vec<i64> {
         .collect()
 }
 
-async fn prune_with(db: &Db, fence: &Fence, limit: i64) -> u64 {
+async fn prune_from(db: &Db, fence: &Fence, limit: i64, from: PruneCursor) -> PrunedEvents {
     let mut tx = db.begin_index_driven(Duration::from_secs(5)).await.unwrap();
-    let n = tx
-        .execute(
+    tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await.unwrap();
+    let row = tx
+        .fetch_one(
             sql(PRUNE_DISPATCHED)
                 .bind(fence.role_name())
                 .bind(fence.token())
                 .bind(MONTH.as_secs_f64())
-                .bind(limit),
+                .bind(limit)
+                .bind(from.at)
+                .bind(from.id),
         )
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    n
+    pruned_events(&row).unwrap()
+}
+
+async fn prune_with(db: &Db, fence: &Fence, limit: i64) -> u64 {
+    prune_from(db, fence, limit, PruneCursor::default())
+        .await
+        .deleted
 }
 
 /// Five events fanned out: e0..e3 to tenant_a's endpoint, e4 to nobody
@@ -164,9 +176,11 @@ async fn a_stale_token_prunes_no_event_and_a_batch_is_bounded() {
 }
 
 /// Guard: `webhook_events_dispatched (dispatched_at, id)` (migration 0030).
-/// Seen failing with the index keyed on `id` alone instead. The delivery
-/// check is an index probe per event. 20,000 events: on a table of a few
-/// hundred, a sort of all of them is the cheaper plan and is chosen.
+/// Seen failing with the index keyed on `id` alone instead. The cursor is a
+/// bound of the index scan, not a filter after it (docs/adr/0108), and
+/// without `NO_SEQUENTIAL_SCAN` the table is read whole and sorted (seen).
+/// The delivery check is an index probe per event. 20,000 events: on a table
+/// of a few hundred, a sort of all of them is the cheaper plan and is chosen.
 #[tokio::test]
 async fn a_prune_reads_its_events_in_index_order() {
     let t = TestDb::new().await;
@@ -176,18 +190,120 @@ async fn a_prune_reads_its_events_in_index_order() {
     let mut tx = t.db.begin().await.unwrap();
     enqueue_many(&mut tx, &events).await.unwrap();
     tx.commit().await.unwrap();
-    let plan = explain_index_driven(&t.db, PRUNE_DISPATCHED, |s| {
+    let plan = explain_index_driven_after(&t.db, Some(NO_SEQUENTIAL_SCAN), PRUNE_DISPATCHED, |s| {
         s.bind("webhook_outbox")
             .bind(1_i64)
             .bind(86_400.0_f64)
             .bind(1000_i64)
+            .bind(PruneCursor::default().at)
+            .bind(0_i64)
     })
     .await;
     assert!(
-        plan.contains("Index Scan using webhook_events_dispatched on webhook_events"),
+        plan.contains("Scan using webhook_events_dispatched on webhook_events"),
         "{plan}"
     );
+    let bound = plan
+        .lines()
+        .find(|l| l.contains("ROW(dispatched_at, id) > ROW("))
+        .unwrap_or_default();
+    assert!(bound.contains("Index Cond:"), "{plan}");
     for absent in ["Sort", "Bitmap", "Seq Scan", "Hash"] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
+}
+
+/// An event kept back by its deliveries is read once a pass, not by every
+/// statement (docs/adr/0108): a statement reads at most its limit from the
+/// cursor on, deleting what it may, and the round goes on while statements
+/// read full batches. Four old events of `tenant_a` keep their deliveries and
+/// come first in stamp order; three of `tenant_b` have none. With batches of
+/// two, the first statement reads two kept-back events and deletes nothing,
+/// and the round still reaches and deletes the three.
+///
+/// Mutation checks: the round stopping on a statement that deleted less than
+/// its limit (`prune_round_on_deleted`, `scheduler/src/retention.rs`), the
+/// cursor not moved on (`prune_cursor_stays`, `tick.rs`) and the statement
+/// without its cursor predicate (`prune_cursor_ignored`) each leave the
+/// three events; each was seen failing this test. The role's own statements
+/// run index-driven without sequential scans, as the plan test below
+/// applies them itself (mutation `prune_events_seqscan`).
+#[tokio::test]
+async fn a_prune_reads_past_events_kept_back_once_a_pass() {
+    let t = TestDb::with_plans_noticed().await;
+    endpoint(&t, "tenant_a", &[], true).await;
+    let mut kept = Vec::new();
+    for _ in 0..4 {
+        kept.push(event(&t.db, "tenant_a", "invoice.paid", "{}").await);
+    }
+    let mut free = Vec::new();
+    for _ in 0..3 {
+        free.push(event(&t.db, "tenant_b", "invoice.paid", "{}").await);
+    }
+    let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
+    as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move { plain.run_tick(&tick).await },
+    )
+    .await;
+    owner(
+        &t,
+        "UPDATE webhook_events SET dispatched_at = now() - interval '40 days'".to_owned(),
+    )
+    .await;
+
+    let db = &t.db;
+    let (first, second) = as_leader(
+        &manager(&t.db, "d"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            let first = prune_from(db, &tick.fence, 2, PruneCursor::default()).await;
+            let second = prune_from(db, &tick.fence, 2, first.last.unwrap()).await;
+            (first, second)
+        },
+    )
+    .await;
+    assert_eq!((first.read, first.deleted), (2, 0), "{first:?}");
+    assert_eq!(first.last.map(|c| c.id), Some(kept[1]), "{first:?}");
+    assert_eq!((second.read, second.deleted), (2, 0), "{second:?}");
+    assert_eq!(second.last.map(|c| c.id), Some(kept[3]), "{second:?}");
+    assert_eq!(event_ids(&t.db).await.len(), 7);
+
+    let (d, metrics) = dispatcher(
+        &t.db,
+        DispatcherConfig {
+            tick_budget: Duration::from_secs(2),
+            ..DispatcherConfig::default()
+        },
+    );
+    let d = d.with_retention(Retention {
+        keep: MONTH,
+        lease_history: MONTH,
+        every: Duration::ZERO,
+        batch: 2,
+    });
+    let plans = PlansNoticed::start();
+    for _ in 0..2 {
+        let d = d.clone();
+        as_leader(
+            &manager(&t.db, "d"),
+            Role::WebhookOutbox,
+            |tick| async move { d.run_tick(&tick).await },
+        )
+        .await;
+    }
+    assert_eq!(event_ids(&t.db).await, kept);
+    assert_planned_with(
+        &plans.plans_of(PRUNE_DISPATCHED),
+        &[&INDEX_DRIVEN_SETTINGS[..], &["enable_seqscan = 'off'"]].concat(),
+    );
+    assert!(
+        metrics
+            .render()
+            .lines()
+            .any(|l| l == "hardcount_retention_pruned_total{kind=\"webhook_events\"} 3"),
+        "{}",
+        metrics.render()
+    );
 }
