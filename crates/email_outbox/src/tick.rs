@@ -14,7 +14,7 @@ use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop};
 use tokio::sync::Semaphore;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::config::SenderConfig;
 use crate::error::Error;
@@ -184,9 +184,13 @@ impl Sender {
     ///
     /// # Errors
     /// A database error; nothing was claimed.
+    /// An email the claim fails at its attempt ceiling (every attempt claimed,
+    /// none wrote a result: each send's process died) is logged and counted
+    /// as any failure, `hardcount_emails_total{outcome="failed",
+    /// smtp_class="none"}` (docs/adr/0109).
     pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Queued>, Error> {
         let c = &self.inner.config;
-        Ok(store::claim_due(
+        let (claimed, exhausted) = store::claim_due(
             &self.inner.db,
             fence,
             &self.inner.cursor,
@@ -195,7 +199,18 @@ impl Sender {
             c.retry_delays.len() + 1,
             c.statement_timeout,
         )
-        .await?)
+        .await?;
+        if exhausted > 0 {
+            warn!(role = %Role::EmailOutbox, emails = exhausted, "emails failed at their attempt ceiling with no result written (attempts_exhausted): the process died at each of their sends");
+            self.inner
+                .telemetry
+                .counter(
+                    "hardcount_emails_total",
+                    &[("outcome", "failed"), ("smtp_class", "none")],
+                )
+                .increment(exhausted);
+        }
+        Ok(claimed)
     }
 
     async fn refresh_gauges(&self) {

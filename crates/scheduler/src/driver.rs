@@ -10,7 +10,8 @@
 //!                                     (after a short batch: Stop::Drained → see ²)
 //!        ── after a short batch (only when kept open, below): the idle policy
 //!           (`idle.rs`) waits for a wake-up or the wake's poll interval
-//!           (listening), or BUSY_POLL (busy and the last claim found work), or
+//!           (listening), or BUSY_POLL (busy and the last claim found work,
+//!           listening or not), or
 //!           else probes until a probe says work is waiting (pauses from
 //!           idle_probe / PROBE_BACKOFF after the start or after work, doubling
 //!           up to idle_probe; a failed probe → Stop::Failed)

@@ -2,7 +2,9 @@
 //!
 //! ```text
 //!  after a short batch
-//!   ├─ the role's wake listens ──────────▶ wait for a wake-up or its poll, claim again
+//!   ├─ the role's wake listens ──────────▶ wait for a wake-up or its poll (BUSY_POLL
+//!   │                                      when busy and the last claim found work),
+//!   │                                      claim again
 //!   ├─ busy and the last claim found work ▶ wait BUSY_POLL, claim again
 //!   ├─ probes (idle_probe) ──────────────▶ probe after a pause (short after work,
 //!   │                                      doubling up to the period) until a probe
@@ -87,10 +89,18 @@ impl Idle {
         let left = || deadline.saturating_duration_since(Instant::now() + reserve);
         if let Some(wake) = role.wake().filter(|w| w.is_listening()) {
             // A listener that goes down pokes too: the claim after it finds
-            // what was missed.
+            // what was missed. A busy role whose last claim found work claims
+            // again after BUSY_POLL, as without a listener: its fair claim
+            // comes back short while other tenants' rows wait, and nothing
+            // announces those (docs/adr/0109).
             self.kept_open = true;
+            let poll = if self.busy && self.found {
+                BUSY_POLL
+            } else {
+                wake.poll()
+            };
             return tokio::select! {
-                _ = wake.wait(wake.poll().min(left())) => Ok(()),
+                _ = wake.wait(poll.min(left())) => Ok(()),
                 () = tick.cancel.cancelled() => Err(Stop::Cancelled),
             };
         }

@@ -73,7 +73,9 @@ pub const CLAIM_DUE: &str = concat!(
            FROM due WHERE m.id = due.id AND due.made < $7 \
            RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
                      m.subject, m.text_body, m.html_body) \
-         SELECT claimed.*, share.tenants, share.last_tenant FROM share LEFT JOIN claimed ON true"
+         SELECT claimed.*, share.tenants, share.last_tenant, \
+                (SELECT count(*) FROM exhausted) AS exhausted \
+         FROM share LEFT JOIN claimed ON true"
 );
 
 /// The fenced funnel: claim up to `limit` due queued emails in one `UPDATE …
@@ -96,7 +98,8 @@ pub const CLAIM_DUE: &str = concat!(
 /// `attempts_exhausted`. An attempt whose process died before its result
 /// (killed, out of memory) is counted by its claim, so an email that takes the
 /// process down at every send stops after its attempts, as a webhook delivery
-/// does (docs/adr/0072), instead of coming back to every next leader.
+/// does (docs/adr/0072), instead of coming back to every next leader. Returns
+/// the claimed emails and how many the ceiling failed (docs/adr/0109).
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
@@ -105,10 +108,11 @@ pub(crate) async fn claim_due(
     lease: Duration,
     max_attempts: usize,
     statement_timeout: Duration,
-) -> Result<Vec<Queued>, db::Error> {
+) -> Result<(Vec<Queued>, u64), db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
     let mut walk = Walk::default();
+    let mut exhausted = 0u64;
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
         let rows = tx
@@ -124,6 +128,10 @@ pub(crate) async fn claim_due(
             )
             .await?;
         tx.commit().await?;
+        for r in &rows {
+            let failed: i64 = r.try_get("exhausted")?;
+            exhausted += u64::try_from(failed).unwrap_or(0);
+        }
         let mut claimed = cursor
             .claimed(rows, bound)?
             .iter()
@@ -131,8 +139,8 @@ pub(crate) async fn claim_due(
             .collect::<Result<Vec<_>, _>>()?;
         if !claimed.is_empty() {
             claimed.sort_by_key(|q| q.id);
-            return Ok(claimed);
+            return Ok((claimed, exhausted));
         }
     }
-    Ok(Vec::new())
+    Ok((Vec::new(), exhausted))
 }

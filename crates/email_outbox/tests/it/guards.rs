@@ -172,7 +172,9 @@ async fn sends_not_started_within_the_budget_are_handed_back() {
 ///
 /// Mutation check: removing `AND due.made < $7` from the claim's update
 /// (mutation `email_ceiling`) sends the exhausted email a fourth time; seen
-/// failing under it (docs/adr/0072).
+/// failing under it (docs/adr/0072). Such a failure is counted as any other
+/// (docs/adr/0109); mutation `email_ceiling_uncounted` (the count dropped)
+/// fails it too.
 #[tokio::test]
 async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
     let t = TestDb::new().await;
@@ -189,8 +191,17 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
         .await
         .unwrap();
     make_due(&t).await;
-    let rows = after_one_tick(&t, &sink).await;
+    let (s, metrics) = sender(&t.db, &sink.url(), None, config());
+    let _ = tick(&t.db, &s).await;
+    let rows = rows(&t.db).await;
     assert_eq!(states(&rows), vec![("failed", 3), ("sent", 3)], "{rows:?}");
+    // Counted as any failure, so `HardcountEmailsFailing` sees it.
+    let failed = "hardcount_emails_total{outcome=\"failed\",smtp_class=\"none\"} 1";
+    assert!(
+        metrics.render().lines().any(|l| l == failed),
+        "{}",
+        metrics.render()
+    );
     assert!(
         rows[0]
             .reply_text

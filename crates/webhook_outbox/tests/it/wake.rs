@@ -227,3 +227,31 @@ async fn a_killed_listener_connection_falls_back_to_polling_and_nothing_is_lost(
         total
     );
 }
+
+/// Events of three tenants enqueued in one transaction (one notification)
+/// into the idle, led, listening role: a fair claim gives each tenant a third
+/// of the batch, so the first claims come back short (498 of 500) while
+/// events wait, and no notification announces those. The role claims again
+/// after `BUSY_POLL`, as without a listener, and all 1,200 are fanned out
+/// well within the 5 s poll interval.
+///
+/// Mutation check: `listening_busy_waits_poll` (a listening role waiting
+/// its whole poll after a short claim that found work) makes each short claim
+/// wait 5 s, and this test fails; seen failing under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_several_tenants_is_fanned_out_without_waiting_the_poll() {
+    let t = TestDb::new().await;
+    let waits = waits_to_fan_out(&t, 1, async |_| {
+        let events: Vec<webhook_outbox::NewEvent<'_>> = ["tenant_a", "tenant_b", "tenant_c"]
+            .iter()
+            .flat_map(|tenant| (0..400).map(move |_| (*tenant, "invoice.paid", "{}")))
+            .collect();
+        let mut tx = t.db.begin().await.unwrap();
+        webhook_outbox::enqueue_many(&mut tx, &events)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    })
+    .await;
+    assert!(waits[0] < Duration::from_secs(2), "{waits:?}");
+}
