@@ -104,6 +104,20 @@ pub(crate) enum Attempt {
 struct Won {
     customer_id: i64,
     pause: Option<String>,
+    resumes_at: Option<DateTime<Utc>>,
+}
+
+impl Won {
+    /// The pause `c`'s invoice is made under: the subscription's, when the
+    /// period ended before the pause's resume time (or it has none). A
+    /// period's invoice is made when it ends, and a pause applies to the
+    /// invoices made while it stands (docs/adr/0110), whenever billing
+    /// closes the period.
+    fn pause_of(&self, c: &Closing) -> Option<&str> {
+        self.pause
+            .as_deref()
+            .filter(|_| self.resumes_at.is_none_or(|at| c.next_start < at))
+    }
 }
 
 /// One invoice to insert.
@@ -131,9 +145,10 @@ async fn close_once(db: &Db, closings: &[&Closing], how: Writing<'_>) -> Result<
 }
 
 /// One subscription's chain of closings written by a cancel or a plan change
-/// ([`close_in`], in the caller's transaction), after its pause of collection
-/// is lifted if the pause's resume time has passed, as the tick lifts it
-/// before it closes periods (docs/adr/0088): every invoice it made is
+/// ([`close_in`], in the caller's transaction; a period that ended before
+/// its pause of collection's resume time is invoiced under the pause), then
+/// the pause lifted if its resume time has passed, as the tick lifts it once
+/// the periods behind are closed (docs/adr/0088, 0110): every invoice it made is
 /// counted in `hardcount_billing_invoices_created_total{source}`. Returns the
 /// last closing's own invoice, when it made one (the used part).
 ///
@@ -150,12 +165,14 @@ pub(crate) async fn close_chain_in(
     let moved = || Error::SubscriptionPeriodMoved {
         subscription: closings[0].subscription_id,
     };
-    crate::lifecycle::resume_lifted_pause_in(biller, tx, closings[0].subscription_id).await?;
     let refs: Vec<&Closing> = closings.iter().collect();
     let outcomes = match close_in(tx, &refs, biller.writing()).await? {
         Attempt::Deduplicated(_) => return Err(moved()),
         Attempt::Committed(outcomes) => outcomes,
     };
+    // A pause past its resume time is lifted once the periods that ended
+    // under it are closed under it, as the tick lifts it (docs/adr/0110).
+    crate::lifecycle::resume_lifted_pause_in(biller, tx, closings[0].subscription_id).await?;
     let mut invoices = Vec::new();
     for (_, outcome) in outcomes {
         match outcome {
@@ -220,7 +237,8 @@ pub(crate) async fn close_in(
                    AND s.current_period_start = i.period_start \
                    AND s.next_billing_at = i.watermark \
                    AND s.cancel_at_period_end = i.cape \
-                 RETURNING s.id, s.customer_id, s.pause_collection_behavior")
+                 RETURNING s.id, s.customer_id, s.pause_collection_behavior, \
+                           s.pause_collection_resumes_at")
             .bind(heads.iter().map(|c| c.subscription_id).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.status.clone()).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.period_start).collect::<Vec<_>>())
@@ -240,6 +258,9 @@ pub(crate) async fn close_in(
                 customer_id: r.try_get("customer_id").map_err(db::Error::from)?,
                 pause: r
                     .try_get("pause_collection_behavior")
+                    .map_err(db::Error::from)?,
+                resumes_at: r
+                    .try_get("pause_collection_resumes_at")
                     .map_err(db::Error::from)?,
             },
         );
@@ -307,7 +328,7 @@ async fn dispose_all<'a>(
     };
     let unpaused: Vec<BalanceKey> = invoiced
         .iter()
-        .filter(|c| won[&c.subscription_id].pause.is_none())
+        .filter(|c| won[&c.subscription_id].pause_of(c).is_none())
         .map(|c| key(c))
         .collect();
     let mut balances: HashMap<BalanceKey, i64> = HashMap::new();
@@ -343,7 +364,7 @@ async fn dispose_all<'a>(
         let balance = balances.get(&k).copied().unwrap_or(0);
         let (d, left) = dispose(
             c.amount,
-            won[&c.subscription_id].pause.as_deref(),
+            won[&c.subscription_id].pause_of(c),
             balance,
             c.collection_method == "automatic",
             money::provider_minimum(&c.currency),

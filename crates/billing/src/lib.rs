@@ -52,10 +52,12 @@
 //! 1. **expired trials** activate by compare-and-set on status (and the trial
 //!    end read) with `subscription.trial_ended`; a trial that ends off the
 //!    anchor's grid starts a partial period (`lifecycle`);
-//! 2. **lifted pause-collections** resume by compare-and-set on the pause read,
-//!    with `subscription.collection_resumed` in the same transaction;
-//! 3. **due billing** (above); a partial period is invoiced pro rata, rounded
-//!    half up ([`period::pro_rata`], [`close`]);
+//! 2. **due billing** (above); a partial period is invoiced pro rata, rounded
+//!    half up ([`period::pro_rata`], [`close`]); a period that ended before a
+//!    pause's resume time is invoiced under the pause, whenever it is closed;
+//! 3. **lifted pause-collections** resume by compare-and-set on the pause read,
+//!    with `subscription.collection_resumed` in the same transaction, once the
+//!    subscription is not behind (docs/adr/0110);
 //! 4. **auto-charge** (above), `charge_concurrency` calls at a time;
 //! 5. **the payment-method request** (`action_required`): an open automatic
 //!    invoice whose customer has no payment method is announced with

@@ -69,25 +69,18 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
         plan.map_or_else(|| Instant::now() + budget, |p| p.work_until),
     );
     let mut lifecycle = LifecycleTally::default();
+    let mut add = |counts: &LifecycleTally| {
+        lifecycle.trials_ended += counts.trials_ended;
+        lifecycle.resumed += counts.resumed;
+        lifecycle.lost += counts.lost;
+        lifecycle.panicked += counts.panicked;
+    };
     let trials = Trials {
         biller,
         left_out: LeftOut::default(),
     };
-    let resumes = Resumes {
-        biller,
-        left_out: LeftOut::default(),
-    };
-    for d in [
-        steps.run("billing/trials", &trials).await,
-        steps.run("billing/resumes", &resumes).await,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        lifecycle.trials_ended += d.counts.trials_ended;
-        lifecycle.resumed += d.counts.resumed;
-        lifecycle.lost += d.counts.lost;
-        lifecycle.panicked += d.counts.panicked;
+    if let Some(d) = steps.run("billing/trials", &trials).await {
+        add(&d.counts);
     }
     let due_billing = DueBilling {
         biller,
@@ -98,6 +91,16 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
         .await
         .map(|d| (d.batches, d.claimed, d.counts))
         .unwrap_or_default();
+    // After the due billing: a period that ended before a pause's resume time
+    // is closed under the pause first, and the pause of a subscription still
+    // behind waits for the next tick (docs/adr/0110).
+    let resumes = Resumes {
+        biller,
+        left_out: LeftOut::default(),
+    };
+    if let Some(d) = steps.run("billing/resumes", &resumes).await {
+        add(&d.counts);
+    }
     let (mut charge_claimed, mut charges) = (0, ChargeTally::default());
     let mut reconciled = ReconcileTally::default();
     let mut asked = AskTally::default();

@@ -179,7 +179,10 @@ pub(crate) struct LiftedPause {
 }
 
 /// The fenced resume funnel: up to `limit` subscriptions whose
-/// pause-collection resume time has passed, oldest first.
+/// pause-collection resume time has passed, oldest first, and which are not
+/// behind: a period that ended before the resume time is closed under the
+/// pause first, by the due billing after this step, and the next tick lifts
+/// the pause (docs/adr/0110).
 pub(crate) async fn claim_lifted_pauses(
     db: &Db,
     fence: &Fence,
@@ -189,6 +192,9 @@ pub(crate) async fn claim_lifted_pauses(
 ) -> Result<Listed<LiftedPause>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut tx = db.begin_index_driven(statement_timeout).await?;
+    // The "not behind" predicate made a table never analyzed look cheaper to
+    // read whole and sort than to walk the index in order.
+    tx.fetch_all(sql(db::NO_SEQUENTIAL_SCAN)).await?;
     let rows = tx
         .fetch_all(
             sql("SELECT s.id, s.tenant_id, s.pause_collection_behavior, \
@@ -197,6 +203,7 @@ pub(crate) async fn claim_lifted_pauses(
                          AND s.pause_collection_resumes_at < '10000-01-01 00:00:00+00') AS decodable \
                  FROM subscriptions s \
                  WHERE s.pause_collection_resumes_at <= now() \
+                   AND (s.next_billing_at IS NULL OR s.next_billing_at > now()) \
                    AND s.id <> ALL ($4) \
                    AND leader_fence($1, $2) \
                  ORDER BY s.pause_collection_resumes_at, s.id \

@@ -81,12 +81,14 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
 }
 
 /// A cancel now, not behind, of a subscription whose pause of collection
-/// passed its resume time a day ago and was not lifted yet: the pause is
-/// lifted first, as the tick's resume step would, so the used part's invoice
-/// is collected (open), not kept as a draft (docs/adr/0088).
+/// passed its resume time a day ago and was not lifted yet: the used part
+/// ends after the resume time, so its invoice is collected (open), not kept
+/// as a draft, and the pause is lifted, as the tick's resume step would
+/// (docs/adr/0088, 0110).
 ///
-/// Mutation check: `chain_lifts_pause` (the lift skipped) leaves the invoice
-/// a draft; seen failing here.
+/// Mutation checks: `chain_lifts_pause_cancel` (the lift skipped) leaves the
+/// pause; `pause_of_ignores_resume` (a pause applied whatever its resume
+/// time) leaves the invoice a draft; each seen failing here.
 #[tokio::test]
 async fn a_cancel_now_lifts_a_pause_past_its_resume_time_first() {
     let t = TestDb::new().await;
@@ -108,9 +110,9 @@ async fn a_cancel_now_lifts_a_pause_past_its_resume_time_first() {
     assert_eq!(
         event_types(&t.db).await,
         [
-            "subscription.collection_resumed",
             "invoice.finalized",
-            "subscription.canceled"
+            "subscription.canceled",
+            "subscription.collection_resumed"
         ]
     );
 }

@@ -1,7 +1,7 @@
 //! Trials ending, pause-collections resuming and plan changes: each a
 //! compare-and-set on what was read, its event in the same transaction.
 
-use billing::{Closed, Error};
+use billing::{BillingConfig, Closed, Error};
 use chrono::{DateTime, SubsecRound, TimeDelta, TimeZone, Utc};
 use db::{Db, Row, sql};
 use leader::Role;
@@ -201,7 +201,11 @@ pub(crate) async fn paused(db: &Db, sub: i64) -> Option<String> {
 #[tokio::test]
 async fn a_lifted_pause_resumes_once_and_a_changed_pause_is_left_alone() {
     let t = TestDb::new().await;
-    let subs = due_monthly(&t.db, "tenant_a", 2).await;
+    // Not behind: the resume step lifts only those (docs/adr/0110).
+    let mut subs = Vec::new();
+    for _ in 0..2 {
+        subs.push(crate::cancel::ten_day_subscription(&t.db, "tenant_a", 5).await);
+    }
     let past = Utc::now() - TimeDelta::minutes(5);
     pause(&t.db, subs[0], past).await;
     pause(&t.db, subs[1], past).await;
@@ -228,7 +232,7 @@ async fn a_lifted_pause_resumes_once_and_a_changed_pause_is_left_alone() {
     assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
 }
 
-/// A tick resumes a lifted pause as its second step.
+/// A tick resumes a lifted pause, after its due billing.
 #[tokio::test]
 async fn the_tick_resumes_a_lifted_pause() {
     let t = TestDb::new().await;
@@ -387,17 +391,20 @@ async fn a_plan_change_of_a_subscription_behind_invoices_every_ended_period_and_
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }
 
-/// A plan change of a subscription behind whose pause of collection has
-/// passed its resume time, not lifted yet by the tick: the pause is lifted
-/// first, as the tick's resume step would (with its event), so the periods
-/// the change closes are collected as the tick would collect them, not kept
-/// as drafts (docs/adr/0088). A cancel now writes its chain through the same
-/// function (`invoice::close_chain_in`).
+/// A plan change of a subscription behind whose pause of collection passed
+/// its resume time a day ago, not lifted yet by the tick: the two periods
+/// that ended before the resume time (15 and 5 days ago) are invoiced under
+/// the pause, kept as drafts, as they would have been when they ended; the
+/// used part, ending now, after the resume time, is collected; then the pause
+/// is lifted, with its event (docs/adr/0088, 0110). A cancel now writes its
+/// chain through the same function (`invoice::close_chain_in`).
 ///
-/// Mutation check: `chain_lifts_pause` (the lift skipped) leaves all three
-/// invoices drafts; seen failing here.
+/// Mutation checks: `chain_lifts_pause` (the lift skipped) leaves the pause;
+/// `pause_read_at_closing` (a pause taken as it stands when the period is
+/// closed, as before) collects the two periods that ended under it; each seen
+/// failing here.
 #[tokio::test]
-async fn a_plan_change_behind_lifts_a_pause_past_its_resume_time_first() {
+async fn a_plan_change_behind_closes_the_periods_under_a_pause_then_lifts_it() {
     let t = TestDb::new().await;
     let sub = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 25).await;
     pause(&t.db, sub, Utc::now() - TimeDelta::days(1)).await;
@@ -405,16 +412,60 @@ async fn a_plan_change_behind_lifts_a_pause_past_its_resume_time_first() {
     let (b, _) = biller(&t.db, config());
     b.change_plan("tenant_a", sub, pro).await.unwrap();
     assert_eq!(paused(&t.db, sub).await, None);
-    let statuses: Vec<String> =
-        t.db.fetch_all(sql("SELECT status FROM invoices ORDER BY period_start"))
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-    assert_eq!(statuses, ["open", "open", "open"]);
+    assert_eq!(statuses(&t.db).await, ["draft", "draft", "open"]);
     assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
-    assert_eq!(count(&t.db, "invoice.finalized").await, 3);
+    assert_eq!(count(&t.db, "invoice.finalized").await, 1);
+}
+
+/// The tick closes a subscription's periods behind before it lifts a pause
+/// past its resume time (docs/adr/0110): both periods that ended before the
+/// resume time (15 and 5 days ago) are kept as drafts, though the tick that
+/// closes them runs after it, and the pause is lifted once the subscription
+/// is not behind. With one period closed a tick (`catch_up_periods` 1), the
+/// first tick leaves the pause, since the second period is still to close
+/// under it; the second tick closes it, then lifts the pause.
+///
+/// Mutation checks: `resume_while_behind` (the resume step's listing without
+/// its "not behind" predicate) lifts the pause at the first tick and the
+/// second period is collected; `pause_read_at_closing` collects both; each
+/// seen failing here.
+#[tokio::test]
+async fn the_tick_closes_the_periods_under_a_pause_before_it_lifts_it() {
+    let t = TestDb::new().await;
+    let sub = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 25).await;
+    pause(&t.db, sub, Utc::now() - TimeDelta::days(1)).await;
+    let (b, _) = biller(
+        &t.db,
+        BillingConfig {
+            catch_up_periods: 1,
+            ..config()
+        },
+    );
+    let first = tick(&t.db, &b).await;
+    assert_eq!(
+        (first.tally.invoiced, first.lifecycle.resumed),
+        (1, 0),
+        "{first:?}"
+    );
+    assert!(paused(&t.db, sub).await.is_some());
+    let second = tick(&t.db, &b).await;
+    assert_eq!(
+        (second.tally.invoiced, second.lifecycle.resumed),
+        (1, 1),
+        "{second:?}"
+    );
+    assert_eq!(paused(&t.db, sub).await, None);
+    assert_eq!(statuses(&t.db).await, ["draft", "draft"]);
+    assert_eq!(count(&t.db, "subscription.collection_resumed").await, 1);
+}
+
+async fn statuses(db: &Db) -> Vec<String> {
+    db.fetch_all(sql("SELECT status FROM invoices ORDER BY period_start"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }
 
 /// A three-decimal currency is charged only in tens of its minor unit

@@ -186,7 +186,8 @@ pub async fn pause(
     answer(scope, id).await
 }
 
-/// Resume collection; 409 `invalid_state` when it is not paused.
+/// Resume collection, of a canceled subscription too (its open invoices are
+/// charged again); 409 `invalid_state` when it is not paused.
 #[utoipa::path(
     post, path = "/v1/subscriptions/{id}/resume", tag = "subscriptions",
     params(
@@ -207,7 +208,12 @@ pub async fn resume(
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
     }
-    live(&mut scope, id).await?;
+    // A canceled subscription too: its invoices made before the pause are
+    // held while it stands, and only a resume lifts a pause without a resume
+    // time (docs/adr/0110).
+    read(&mut scope, id)
+        .await?
+        .ok_or_else(|| ApiError::missing("subscription", id))?;
     let tenant = scope.tenant().to_owned();
     api.biller()
         .resume_collection_in(scope.tx(), &tenant, id)

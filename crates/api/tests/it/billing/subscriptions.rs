@@ -315,3 +315,65 @@ async fn a_trialing_subscription_is_canceled_now_with_nothing_invoiced() {
     let again = b.s.post(&cancel, &b.a, json!({})).await;
     assert_eq!(again.status, 409, "{:?}", again.json);
 }
+
+/// A subscription paused without a resume time and then canceled can still
+/// be resumed (docs/adr/0110). Every charger holds a paused subscription's
+/// invoices, canceled or not (docs/adr/0071), and only a resume lifts such a
+/// pause: refused with 409 on a canceled subscription, it left the invoices
+/// made before the pause open and uncharged for ever. The resume keeps the
+/// subscription canceled and announces itself.
+///
+/// Mutation check: `resume_canceled_refused` (the resume refusing a canceled
+/// subscription, as before) fails this test; seen failing under it.
+#[tokio::test]
+async fn a_canceled_subscription_whose_collection_is_paused_can_be_resumed() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let s = b.subscription(&b.a, plan).await;
+    let id = s["id"].as_i64().unwrap();
+    let path = |a: &str| format!("/v1/subscriptions/{id}/{a}");
+    let paused =
+        b.s.post(&path("pause"), &b.a, json!({"behavior": "keep_as_draft"}))
+            .await;
+    assert_eq!(paused.status, 200, "{}", paused.text);
+    let canceled = b.s.post(&path("cancel"), &b.a, json!({})).await;
+    assert_eq!(canceled.json["status"], "canceled", "{}", canceled.text);
+    assert_eq!(
+        canceled.json["pause_collection"]["behavior"],
+        "keep_as_draft"
+    );
+    let resumed =
+        b.s.call(Method::POST, &path("resume"), &b.a, None, None)
+            .await;
+    assert_eq!(
+        (
+            resumed.status.as_u16(),
+            resumed.json["status"].as_str(),
+            &resumed.json["pause_collection"]
+        ),
+        (200, Some("canceled"), &Value::Null),
+        "{}",
+        resumed.text
+    );
+    let held: bool =
+        b.t.db
+            .fetch_one(sql(
+                "SELECT pause_collection_behavior IS NOT NULL AS held FROM subscriptions",
+            ))
+            .await
+            .unwrap()
+            .get("held");
+    assert!(!held);
+    assert!(
+        events(&b.t)
+            .await
+            .contains(&"subscription.collection_resumed".to_owned())
+    );
+    let again =
+        b.s.call(Method::POST, &path("resume"), &b.a, None, None)
+            .await;
+    assert_eq!(
+        (again.status.as_u16(), again.refusal().0.as_str()),
+        (409, "invalid_state")
+    );
+}
