@@ -405,6 +405,11 @@ pub const AS_WRITTEN: &str = as_written!();
 /// clearing and the event prune use it (docs/adr/0040, docs/adr/0108).
 pub const NO_SEQUENTIAL_SCAN: &str = "SELECT set_config('enable_seqscan', 'off', true)";
 
+/// How long a dropped transaction's `ROLLBACK` waits for its replies (a
+/// statement still running, then the rollback's own) before the connection
+/// is closed instead of returned to the pool.
+pub const ROLLBACK_LIMIT: Duration = Duration::from_secs(10);
+
 /// The floor of the idle-in-transaction bound [`Db::begin_with_timeout`]
 /// sets: a loaded client's scheduling gap between two statements of a short
 /// transaction is not a stall.
@@ -550,8 +555,11 @@ impl Drop for Pooled {
                     };
                     rt.spawn(async move {
                         // Drains any reply still pending from a dropped
-                        // statement, then ends the transaction.
-                        let _ = conn.finish("ROLLBACK").await;
+                        // statement, then ends the transaction. A link gone
+                        // silent never answers: past the bound the
+                        // connection, still Unknown, is closed, so it does
+                        // not hold its pool slot for ever (docs/adr/0111).
+                        let _ = tokio::time::timeout(ROLLBACK_LIMIT, conn.finish("ROLLBACK")).await;
                     });
                 }
                 Err(_) => drop(conn.detach()),

@@ -91,6 +91,12 @@ pub enum ScheduleError {
 /// day covers every yearly pattern, and `0 0 0 29 2 *` (a leap day) too.
 const MUST_FIRE_WITHIN_DAYS: i64 = 366 * 4 + 1;
 
+/// The longest schedule text accepted: `leader_leases.schedule` keeps at
+/// most this many characters (migration 0034), and a release that wrote a
+/// longer one failed at every tick, so its slot ran again each lease lifetime
+/// (docs/adr/0111).
+pub const MAX_SCHEDULE_CHARS: usize = 512;
+
 /// At most this many skipped slots are counted after a downtime (a 1-second
 /// schedule down for a day skips 86 400): past it the count says "at least".
 pub const MISSED_COUNT_LIMIT: u64 = 10_000;
@@ -143,6 +149,15 @@ impl CronSchedule {
             zone,
             expr: expr.to_owned(),
         };
+        let written = schedule.to_string().chars().count();
+        if written > MAX_SCHEDULE_CHARS {
+            return Err(ScheduleError::Parse {
+                expr: format!("{}…", expr.chars().take(40).collect::<String>()),
+                reason: format!(
+                    "{written} characters, more than the {MAX_SCHEDULE_CHARS} leader_status keeps"
+                ),
+            });
+        }
         match schedule.next_after(now) {
             Some(next) if next - now <= chrono::TimeDelta::days(MUST_FIRE_WITHIN_DAYS) => {
                 Ok(schedule)
@@ -294,6 +309,14 @@ mod tests {
         assert!(err.to_string().contains("never fires"), "{err}");
         // A leap day does, within four years.
         assert!(CronSchedule::parse("0 0 0 29 2 *", None, now).is_ok());
+        // Longer than leader_status keeps: every release would fail
+        // (docs/adr/0111). Mutation `schedule_length_unchecked`.
+        let minutes = (0..60).map(|m| m.to_string()).collect::<Vec<_>>().join(",");
+        let long = format!("{minutes},{minutes},{minutes},{minutes} * * * *");
+        let err = CronSchedule::parse(&long, None, now).unwrap_err();
+        assert!(err.to_string().contains("more than the 512"), "{err}");
+        let fits = format!("{minutes} * * * *");
+        assert!(CronSchedule::parse(&fits, None, now).is_ok());
     }
 
     #[test]

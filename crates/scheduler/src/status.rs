@@ -107,10 +107,20 @@ pub async fn export_status(db: &Db, telemetry: &Telemetry, roles: &[Role]) {
 /// the database answers, and it would page for a role no one runs. For a
 /// read that failed, timed out, or was not made because the database did not
 /// answer its readiness check.
+///
+/// Every role's `paused` goes to 0: this replica cannot say a role is paused,
+/// and the alerts take the largest `paused` of all replicas, so a 1 kept from
+/// its last good read would hold back every replica's stall alert for a role
+/// unpaused since (docs/adr/0111). The replicas that can read say the truth.
 pub fn mark_status_unknown(telemetry: &Telemetry, roles: &[Role]) {
     telemetry
         .counter("hardcount_leader_status_errors_total", &[])
         .increment(1);
+    for role in Role::ALL {
+        telemetry
+            .gauge("hardcount_leader_paused", &[("role", role.as_str())])
+            .set(0.0);
+    }
     for role in roles {
         telemetry
             .gauge(

@@ -92,3 +92,46 @@ async fn a_statement_dropped_in_a_transaction_is_rolled_back_before_reuse() {
     assert!(row.get::<f64, _>("lag") < 0.25);
     assert_eq!(bouncer::idle_in_transaction(&mut su).await, 0);
 }
+
+/// A transaction dropped while its statement's reply is held on a silent
+/// link (a host gone, its address moved: no reset reaches the client) does
+/// not hold its pool connection for ever: the `ROLLBACK` that drains the
+/// reply gives up after `ROLLBACK_LIMIT` and the connection is closed, so
+/// closing the pool (as `serve` does at shutdown, waiting for every
+/// connection to come back) finishes while the link is still silent
+/// (docs/adr/0111). Before, the rollback waited for the reply without end,
+/// and the pool's one connection (the status check's pool has one) never
+/// came back.
+///
+/// Mutation check: `rollback_unbounded` (the rollback without its bound)
+/// leaves the pool's one connection taken, and this test fails; seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_dropped_on_a_silent_link_frees_its_connection() {
+    use testbed::proxy::{FaultProxy, Mode};
+    let t = TestDb::new().await;
+    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
+    let url = format!(
+        "postgres://hardcount_app@{}/{}",
+        proxy.host_port(),
+        t.name()
+    );
+    let db = Db::connect_lazy(&url, 1).unwrap();
+    let mut tx = db.begin_with_timeout(Duration::from_secs(5)).await.unwrap();
+    let statement = tx.fetch_all(sql("SELECT pg_sleep(0.3)"));
+    let silenced = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        proxy.set(Mode::Blackhole);
+        tokio::time::sleep(Duration::from_millis(900)).await;
+    };
+    tokio::select! {
+        r = statement => panic!("the reply came through the blackhole: {r:?}"),
+        () = silenced => {}
+    }
+    drop(tx);
+    let started = Instant::now();
+    tokio::time::timeout(db::ROLLBACK_LIMIT + Duration::from_secs(5), db.close())
+        .await
+        .expect("the pool's one connection is still held by the dropped transaction");
+    println!("the pool closed after {:?}", started.elapsed());
+    proxy.set(Mode::Pass);
+}
