@@ -98,12 +98,20 @@ pub(crate) async fn pause_collection_in(
     behavior: &str,
     resumes_at: Option<DateTime<Utc>>,
 ) -> Result<CollectionPause, Error> {
+    let (before, _) = locked(tx, tenant_id, subscription).await?;
     crate::cancel::close_ended_in(biller, tx, tenant_id, subscription, "collection").await?;
     let (status, replaced) = locked(tx, tenant_id, subscription).await?;
     if status == "canceled" {
+        // Canceled by the closing just made, which the refusal rolls back:
+        // the subscription still reads active until the tick closes it.
+        let reason = if before == "canceled" {
+            "a canceled subscription's collection cannot be paused"
+        } else {
+            "the subscription ends with its period, which has ended; billing cancels it at its next tick"
+        };
         return Err(Error::InvalidState {
             subscription,
-            reason: "a canceled subscription's collection cannot be paused",
+            reason,
         });
     }
     tx.execute(

@@ -377,3 +377,49 @@ async fn a_canceled_subscription_whose_collection_is_paused_can_be_resumed() {
         (409, "invalid_state")
     );
 }
+
+/// A pause of a subscription set to end with its period, when that period
+/// has ended and billing has not closed it yet: the closing the pause makes
+/// first cancels it, and the refusal rolls that back, so the subscription
+/// still reads active. The 409 says so, instead of "a canceled
+/// subscription's collection cannot be paused" about a subscription the
+/// caller reads as active (docs/adr/0110). Mutation `pause_ended_reason`
+/// (the old reason) fails it; seen failing.
+#[tokio::test]
+async fn a_pause_after_the_last_period_ended_says_billing_ends_it() {
+    let b = bed().await;
+    let plan = b.plan(&b.a, "EUR", 3000).await;
+    let s = b.subscription(&b.a, plan).await;
+    let id = s["id"].as_i64().unwrap();
+    sqlx::query(
+        "UPDATE subscriptions SET cancel_at_period_end = true, \
+                current_period_start = now() - interval '40 days', \
+                current_period_end = now() - interval '10 days', \
+                next_billing_at = now() - interval '10 days', \
+                billing_anchor = now() - interval '40 days' \
+         WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&mut b.t.superuser().await)
+    .await
+    .unwrap();
+    let path = format!("/v1/subscriptions/{id}/pause");
+    let r = b.s.post(&path, &b.a, json!({"behavior": "void"})).await;
+    assert_eq!(
+        (r.status.as_u16(), r.refusal().0.as_str()),
+        (409, "invalid_state"),
+        "{}",
+        r.text
+    );
+    assert!(r.text.contains("ends with its period"), "{}", r.text);
+    let now =
+        b.s.call(
+            Method::GET,
+            &format!("/v1/subscriptions/{id}"),
+            &b.a,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(now.json["status"], "active", "{}", now.text);
+}
