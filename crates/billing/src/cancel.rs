@@ -8,11 +8,11 @@
 //!              close::cancel_behind (pure): the periods ended before now closed
 //!                as the tick would, then invoice [period start, now) pro rata, or
 //!                none (docs/adr/0077)
-//!              invoice::close_chain_in: a pause past its resume time lifted
-//!                (docs/adr/0088); the CAS on (status, period start,
+//!              invoice::close_chain_in: the CAS on (status, period start,
 //!                watermark, cancel_at_period_end) sets status = 'canceled';
 //!                the invoice (reason 'cancel'), invoice.finalized,
-//!                subscription.canceled; CAS lost ─▶ SubscriptionPeriodMoved
+//!                subscription.canceled; then a pause past its resume time
+//!                lifted (docs/adr/0088, 0110); CAS lost ─▶ SubscriptionPeriodMoved
 //!  period end  close_ended_in: the periods ended before now closed as the tick
 //!              would (docs/adr/0096), then UPDATE … SET cancel_at_period_end =
 //!              true + subscription.updated; the tick closes the period holding

@@ -214,8 +214,8 @@ pub(crate) async fn close_in(
     }
     let tail = |c: &Closing| tails[&c.subscription_id];
     // The compare-and-set, the transaction's first write to the subscription
-    // (a cancel or a plan change may have locked its row before, reading it
-    // or lifting its pause): a concurrent closer waits on the row lock,
+    // (a cancel or a plan change may have locked its row before, reading
+    // it): a concurrent closer waits on the row lock,
     // re-checks against the winner's row and matches nothing.
     let rows = tx
         .fetch_all(

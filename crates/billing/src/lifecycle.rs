@@ -1,6 +1,7 @@
-//! The first two steps of the billing tick: expired trials and lifted
-//! pause-collections. Each is a fenced listing and a compare-and-set on what
-//! was listed, with its event in the same transaction.
+//! Two steps of the billing tick: expired trials (the first) and lifted
+//! pause-collections (after due billing, docs/adr/0110). Each is a fenced
+//! listing and a compare-and-set on what was listed, with its event in the
+//! same transaction.
 //!
 //! ```text
 //!  trials   status = 'trialing', trial_end <= now()  AND leader_fence  (fenced)
@@ -9,7 +10,8 @@
 //!           UPDATE … SET status = 'active', period, watermark
 //!             WHERE status = 'trialing' AND trial_end = $read       CAS
 //!           + subscription.trial_ended                  (one transaction)
-//!  resumes  pause_collection_resumes_at <= now()      AND leader_fence  (fenced)
+//!  resumes  pause_collection_resumes_at <= now()
+//!           AND not behind (next_billing_at null or later) AND leader_fence  (fenced)
 //!           UPDATE … SET pause_collection_* = NULL
 //!             WHERE behaviour, resumes_at, set_by = $read           CAS
 //!           + subscription.collection_resumed           (one transaction)
@@ -66,9 +68,10 @@ pub(crate) async fn activate_ended_trial_in(
 
 /// Resume `subscription`'s collection in `tx` if its pause's resume time has
 /// passed, as the tick's resume step would (its compare-and-set and
-/// `subscription.collection_resumed`): a cancel or a plan change then
-/// invoices the periods it closes as the tick does after that step
-/// (docs/adr/0088). `false` when there is no such pause.
+/// `subscription.collection_resumed`), once a cancel or a plan change has
+/// closed the periods it was behind, each under the pause it ended in, as
+/// the tick closes them before that step (docs/adr/0088, 0110). `false` when
+/// there is no such pause.
 pub(crate) async fn resume_lifted_pause_in(
     biller: &Biller,
     tx: &mut db::Tx,

@@ -8,7 +8,8 @@
 //!                          invoice [period start, now) pro rata on the old plan
 //!                          next period [now, end_after(anchor, new interval)) on the new plan
 //!  more than catch_up_periods behind ─▶ Error::SubscriptionPeriodMoved; nothing written
-//!  written by invoice::close_chain_in: a pause past its resume time lifted first
+//!  written by invoice::close_chain_in: each period under the pause it ended in, then
+//!                          a pause past its resume time lifted (docs/adr/0110)
 //!  one transaction, the caller's (`change_plan_in`) or its own (invoice::close_in, as the tick's closing):
 //!    1. UPDATE subscriptions … WHERE status, period start, watermark = $read  (CAS)
 //!    2. INSERT the invoice under idx_invoices_billing_period_dedup

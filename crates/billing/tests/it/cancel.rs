@@ -90,7 +90,7 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
 /// pause; `pause_of_ignores_resume` (a pause applied whatever its resume
 /// time) leaves the invoice a draft; each seen failing here.
 #[tokio::test]
-async fn a_cancel_now_lifts_a_pause_past_its_resume_time_first() {
+async fn a_cancel_now_collects_the_used_part_after_a_passed_pause_then_lifts_it() {
     let t = TestDb::new().await;
     let sub = ten_day_subscription(&t.db, "tenant_a", 5).await;
     crate::lifecycle::pause(&t.db, sub, Utc::now() - TimeDelta::days(1)).await;

@@ -128,7 +128,8 @@ pub(crate) async fn claim_due(
             )
             .await?;
         tx.commit().await?;
-        for r in &rows {
+        // The statement's one count, on each of its rows.
+        if let Some(r) = rows.first() {
             let failed: i64 = r.try_get("exhausted")?;
             exhausted += u64::try_from(failed).unwrap_or(0);
         }

@@ -84,8 +84,10 @@ async fn a_late_result_from_a_stale_attempt_is_refused_and_counted() {
 
 /// A sender that dies mid-batch (its tick dropped while sends are in flight)
 /// leaves its claims to their lease; once the lease ends another sender sends
-/// every email. Nothing is lost, and duplicates are bounded by the batch the
-/// dead sender had claimed.
+/// every email. Nothing is lost, and duplicates are bounded by the batches
+/// the dead sender had claimed: two in flight at most (docs/adr/0068), each
+/// of 10 here. (It said one batch of 20, and failed now and then once a
+/// second batch was in flight.)
 #[tokio::test]
 async fn a_sender_dropped_mid_batch_loses_nothing() {
     let t = TestDb::new().await;
@@ -95,7 +97,7 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
         .collect();
     queue(&t.db, "tenant_a", &emails).await;
     let mut c = config();
-    c.batch_size = 20;
+    c.batch_size = 10;
     c.max_connections = 2;
     let (s, _) = sender(&t.db, &sink.url(), None, c.clone());
     let s2 = s.clone();
@@ -114,7 +116,7 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
         .filter(|r| r.status == "queued" && r.attempts > 0)
         .count();
     println!("dying sender: {before} emails reached the sink, {claimed_unfinished} left claimed");
-    assert!(claimed_unfinished <= 20, "at most one batch is in flight");
+    assert!(claimed_unfinished <= 20, "at most two batches are in flight");
     // The lease ends (forced), then another sender takes over.
     let (s, _) = sender(&t.db, &sink.url(), None, c);
     drain(&t, &s, 10).await;
@@ -122,7 +124,7 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
     let received = sink.messages().len();
     let duplicates = received - 40;
     println!("{received} messages for 40 emails: {duplicates} duplicates");
-    assert!(duplicates <= 20, "duplicates bounded by the claimed batch");
+    assert!(duplicates <= 20, "duplicates bounded by the claimed batches");
 }
 
 /// Against a server slower than the batch's window, a send is started only
@@ -182,7 +184,11 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
     let ids = queue(
         &t.db,
         "tenant_a",
-        &[email("ada@example.org", 1), email("bob@example.org", 2)],
+        &[
+            email("ada@example.org", 1),
+            email("bob@example.org", 2),
+            email("cy@example.org", 3),
+        ],
     )
     .await;
     sqlx::query("UPDATE email_outbox SET attempts = CASE id WHEN $1 THEN 3 ELSE 2 END")
@@ -194,8 +200,14 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
     let (s, metrics) = sender(&t.db, &sink.url(), None, config());
     let _ = tick(&t.db, &s).await;
     let rows = rows(&t.db).await;
-    assert_eq!(states(&rows), vec![("failed", 3), ("sent", 3)], "{rows:?}");
-    // Counted as any failure, so `HardcountEmailsFailing` sees it.
+    assert_eq!(
+        states(&rows),
+        vec![("failed", 3), ("sent", 3), ("sent", 3)],
+        "{rows:?}"
+    );
+    // Counted as any failure, so `HardcountEmailsFailing` sees it, once:
+    // the count is the statement's, on each of its rows (mutation
+    // `email_ceiling_counted_per_row`, seen failing).
     let failed = "hardcount_emails_total{outcome=\"failed\",smtp_class=\"none\"} 1";
     assert!(
         metrics.render().lines().any(|l| l == failed),
@@ -211,8 +223,8 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
     );
     assert_eq!(
         sink.messages().len(),
-        1,
-        "only the email with an attempt left"
+        2,
+        "only the emails with an attempt left"
     );
 }
 
