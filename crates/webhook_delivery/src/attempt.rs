@@ -199,12 +199,12 @@ pub(crate) async fn attempt(
                 next: NextState::Dead,
                 observed,
             };
-            let outcome = Box::pin(outcomes::record(
-                shared,
-                row,
-                Some((d.row.endpoint_id, reason)),
-            ))
-            .await;
+            let gone = crate::store::Gone {
+                endpoint_id: d.row.endpoint_id,
+                url: d.row.url.clone(),
+                reason,
+            };
+            let outcome = Box::pin(outcomes::record(shared, row, Some(gone))).await;
             return Attempted::Step(Step::Done(outcome));
         }
     };

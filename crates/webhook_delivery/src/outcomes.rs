@@ -15,11 +15,12 @@ use crate::store::{self, NextState, OutcomeRow};
 use leader::Role;
 
 /// Write one outcome (a 410's, with its endpoint disabled in the same
-/// transaction) by compare-and-set on (`id`, `attempt`, pending); not counted.
+/// transaction while it still has the URL that answered) by compare-and-set
+/// on (`id`, `attempt`, pending); not counted.
 pub(crate) async fn record(
     shared: &Shared,
     row: OutcomeRow,
-    disable_endpoint: Option<(i64, String)>,
+    disable_endpoint: Option<store::Gone>,
 ) -> Outcome {
     let written = store::record_outcome(
         &shared.db,

@@ -225,14 +225,18 @@ pub async fn resend(
     if let Some(replay) = scope.idempotent(&idem, b"").await? {
         return Ok(replay);
     }
-    // The endpoint's state, by the delivery (none: the 404 comes below).
+    // The endpoint's state, by the delivery (none: the 404 comes below),
+    // locked: a disable in flight is waited for and seen, not missed, so the
+    // reset below never lands on an endpoint turned off meanwhile
+    // (docs/adr/0112).
     let endpoint = scope
         .tx()
         .fetch_optional(
             db::sql(
                 "SELECT e.id, e.enabled FROM webhook_deliveries d
                  JOIN webhook_endpoints e ON e.tenant_id = d.tenant_id AND e.id = d.endpoint_id
-                 WHERE d.tenant_id = api_tenant() AND d.id = $1",
+                 WHERE d.tenant_id = api_tenant() AND d.id = $1
+                 FOR SHARE OF e",
             )
             .bind(id),
         )

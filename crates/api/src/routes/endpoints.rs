@@ -264,7 +264,9 @@ pub async fn update(
         .fetch_optional(
             db::sql(concat!(
                 "UPDATE webhook_endpoints
-                 SET url = coalesce($2, url), event_types = coalesce($3, event_types)
+                 SET url = coalesce($2, url), event_types = coalesce($3, event_types),
+                     failing_since = CASE WHEN $2 IS DISTINCT FROM NULL AND $2 <> url
+                                          THEN NULL ELSE failing_since END
                  WHERE tenant_id = api_tenant() AND id = $1
                  RETURNING ",
                 columns!()
@@ -412,7 +414,8 @@ pub async fn recover(
     // A disabled endpoint's deliveries die at their next claim unsent
     // (`endpoint_disabled`): refused here, as the operator's recovery skips
     // them, rather than reported recovered.
-    if !found(read(&mut scope, id).await?, id)?.enabled {
+    // Locked, so a disable in flight is waited for and seen (docs/adr/0112).
+    if !found(read_locked(&mut scope, id).await?, id)?.enabled {
         return Err(ApiError::conflict(
             Code::InvalidState,
             format!(
@@ -475,16 +478,29 @@ async fn set_enabled(
 }
 
 async fn read(scope: &mut Scope, id: i64) -> Result<Option<Endpoint>, ApiError> {
+    fetch(scope, id, false).await
+}
+
+/// [`read`], its row locked `FOR SHARE` until the transaction ends.
+async fn read_locked(scope: &mut Scope, id: i64) -> Result<Option<Endpoint>, ApiError> {
+    fetch(scope, id, true).await
+}
+
+async fn fetch(scope: &mut Scope, id: i64, locked: bool) -> Result<Option<Endpoint>, ApiError> {
+    const READ: &str = concat!(
+        "SELECT ",
+        columns!(),
+        " FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1"
+    );
+    const LOCKED: &str = concat!(
+        "SELECT ",
+        columns!(),
+        " FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1 FOR SHARE"
+    );
+    let statement = if locked { LOCKED } else { READ };
     let row = scope
         .tx()
-        .fetch_optional(
-            db::sql(concat!(
-                "SELECT ",
-                columns!(),
-                " FROM webhook_endpoints WHERE tenant_id = api_tenant() AND id = $1"
-            ))
-            .bind(id),
-        )
+        .fetch_optional(db::sql(statement).bind(id))
         .await?;
     Ok(row.as_ref().map(Endpoint::from_row).transpose()?)
 }

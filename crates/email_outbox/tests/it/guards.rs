@@ -116,7 +116,10 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
         .filter(|r| r.status == "queued" && r.attempts > 0)
         .count();
     println!("dying sender: {before} emails reached the sink, {claimed_unfinished} left claimed");
-    assert!(claimed_unfinished <= 20, "at most two batches are in flight");
+    assert!(
+        claimed_unfinished <= 20,
+        "at most two batches are in flight"
+    );
     // The lease ends (forced), then another sender takes over.
     let (s, _) = sender(&t.db, &sink.url(), None, c);
     drain(&t, &s, 10).await;
@@ -124,7 +127,10 @@ async fn a_sender_dropped_mid_batch_loses_nothing() {
     let received = sink.messages().len();
     let duplicates = received - 40;
     println!("{received} messages for 40 emails: {duplicates} duplicates");
-    assert!(duplicates <= 20, "duplicates bounded by the claimed batches");
+    assert!(
+        duplicates <= 20,
+        "duplicates bounded by the claimed batches"
+    );
 }
 
 /// Against a server slower than the batch's window, a send is started only

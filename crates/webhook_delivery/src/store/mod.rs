@@ -26,7 +26,7 @@ pub(crate) use endpoints::{
 };
 pub use outcomes::APPLY_OUTCOMES;
 pub(crate) use outcomes::{
-    HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
+    Gone, HoldRow, NextState, Observed, OutcomeRow, hold_unsent, record_outcome, record_outcomes,
     release_unsent,
 };
 pub use prune::PRUNE_FINISHED;

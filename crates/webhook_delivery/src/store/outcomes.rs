@@ -59,26 +59,38 @@ pub(crate) async fn record_outcomes(
     Ok(applied)
 }
 
+/// A 410 Gone heard from `url`, the endpoint's address when the attempt was
+/// claimed: what it turns off, and why.
+#[derive(Debug, Clone)]
+pub(crate) struct Gone {
+    pub endpoint_id: i64,
+    pub url: String,
+    pub reason: String,
+}
+
 /// Write one attempt's outcome like [`record_outcomes`]. `disable_endpoint`
 /// (a 410) disables the endpoint in the same transaction, only when the
-/// outcome was applied. Returns false for a stale attempt: nothing was written.
+/// outcome was applied and the endpoint still has the URL that answered: a
+/// tenant that moved it meanwhile to a new address keeps it on
+/// (docs/adr/0112). Returns false for a stale attempt: nothing was written.
 pub(crate) async fn record_outcome(
     db: &Db,
     row: &OutcomeRow,
-    disable_endpoint: Option<(i64, String)>,
+    disable_endpoint: Option<Gone>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = apply_outcomes(&mut tx, std::slice::from_ref(row))
         .await?
         .contains(&(row.id, row.attempt));
-    if applied && let Some((endpoint_id, reason)) = disable_endpoint {
+    if applied && let Some(gone) = disable_endpoint {
         tx.execute(
             sql("UPDATE webhook_endpoints \
                  SET enabled = false, disabled_reason = $2, disabled_at = now() \
-                 WHERE id = $1 AND enabled")
-            .bind(endpoint_id)
-            .bind(reason),
+                 WHERE id = $1 AND enabled AND url = $3")
+            .bind(gone.endpoint_id)
+            .bind(gone.reason)
+            .bind(gone.url),
         )
         .await?;
     }

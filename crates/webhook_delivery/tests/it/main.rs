@@ -8,6 +8,7 @@ mod disabling;
 mod endpoints;
 mod fairness;
 mod fencing;
+mod gone;
 mod outcomes;
 mod plans;
 mod probe;

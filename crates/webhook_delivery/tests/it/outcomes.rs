@@ -277,58 +277,6 @@ async fn a_10_mb_answer_is_read_only_up_to_the_bound_in_one_attempt() {
     assert!(rx.huge_written() < TEN_MB);
 }
 
-/// 410 Gone: the delivery is dead, the endpoint disabled with the reason, and
-/// the endpoint's other pending deliveries die without a request.
-#[tokio::test]
-async fn a_410_kills_the_delivery_and_disables_the_endpoint() {
-    let t = TestDb::new().await;
-    let rx = Receiver::answering(410).await;
-    let ep = endpoint(&t, "tenant_a", &rx.url()).await;
-    events(&t.db, "tenant_a", 3).await;
-    let config = WorkerConfig {
-        batch_size: 1,
-        ..config()
-    };
-    let (w, metrics) = worker(&t.db, config);
-
-    let report = tick(&t.db, &w).await;
-    assert_eq!((report.claimed, report.dead), (3, 3), "{report:?}");
-    assert_eq!(rx.requests().len(), 1, "only the first delivery was sent");
-    let ds = deliveries(&t.db).await;
-    assert!(ds.iter().all(|d| d.status == "dead"), "{ds:?}");
-    assert_eq!(ds[0].last_status_code, Some(410));
-    assert_eq!(ds[0].last_error.as_deref(), Some("endpoint_gone"));
-    for d in &ds[1..] {
-        assert_eq!(d.last_error.as_deref(), Some("endpoint_disabled"), "{d:?}");
-    }
-    let row =
-        t.db.fetch_one(
-            sql(
-                "SELECT enabled, disabled_reason, disabled_at IS NOT NULL AS stamped \
-                 FROM webhook_endpoints WHERE id = $1",
-            )
-            .bind(ep.id),
-        )
-        .await
-        .unwrap();
-    assert!(!row.get::<bool, _>("enabled"));
-    assert!(row.get::<bool, _>("stamped"));
-    let reason: String = row.get("disabled_reason");
-    assert_eq!(
-        reason,
-        format!("receiver answered 410 Gone to delivery {}", ds[0].id)
-    );
-    assert_eq!(outcomes(&metrics, "dead"), 3.0);
-    assert_eq!(
-        series(&metrics, "hardcount_webhook_deliveries_dead", ""),
-        Some(3.0)
-    );
-
-    // New events skip the disabled endpoint.
-    events(&t.db, "tenant_a", 1).await;
-    assert_eq!(deliveries(&t.db).await.len(), 3);
-}
-
 /// Loopback is not in the allowlist here: neither an IP literal (refused by
 /// `check_url`) nor a name that resolves to it (refused inside the resolver)
 /// reaches the receiver. The refusal is recorded and retried like a failure,

@@ -250,3 +250,69 @@ async fn a_recover_is_bounded_per_call_and_says_when_more_remain() {
         ]
     );
 }
+
+/// A resend or a recover while a disable of its endpoint is in flight waits
+/// for it and is refused, instead of reading the endpoint enabled, answering
+/// 200 and leaving the deliveries to die unsent at their next claim
+/// (docs/adr/0112). The disable is held uncommitted in another transaction
+/// while each request is made, then committed.
+///
+/// Mutation checks: `resend_unlocked` and `recover_unlocked` (the endpoint
+/// read without `FOR SHARE`) answer 200 before the disable commits; each
+/// seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_or_recover_racing_a_disable_is_refused() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let rx = Receiver::answering(410).await;
+    let ep = new_endpoint(&s, &key, &rx.url()).await;
+    let id = ep["id"].as_i64().unwrap();
+    s.post("/v1/events", &key, json!({"type": "a.b", "data": {}}))
+        .await;
+    deliver(&t, &worker(&t)).await;
+    let list = s
+        .get(&format!("/v1/deliveries?endpoint_id={id}"), &key)
+        .await;
+    let dead = list.json["data"][0]["id"].as_i64().unwrap();
+    let enable = format!("/v1/webhook_endpoints/{id}/enable");
+    let resend = format!("/v1/deliveries/{dead}/resend");
+    let recover = format!("/v1/webhook_endpoints/{id}/recover");
+    for request in ["resend", "recover"] {
+        let on = s.call("POST", &enable, &key, None, None).await;
+        assert_eq!(on.status, StatusCode::OK, "{}", on.text);
+        let mut disabling = t.superuser().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "BEGIN; UPDATE webhook_endpoints SET enabled = false, disabled_at = now(), \
+             disabled_reason = 'racing' WHERE id = {id}"
+        )))
+        .execute(&mut disabling)
+        .await
+        .unwrap();
+        let call = async {
+            match request {
+                "resend" => s.call("POST", &resend, &key, None, None).await,
+                _ => {
+                    s.post(&recover, &key, json!({"since": "2000-01-01T00:00:00Z"}))
+                        .await
+                }
+            }
+        };
+        let commit = async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            sqlx::raw_sql("COMMIT")
+                .execute(&mut disabling)
+                .await
+                .unwrap();
+        };
+        let (answer, ()) = tokio::join!(call, commit);
+        assert_eq!(
+            (answer.status, answer.code()),
+            (StatusCode::CONFLICT, "invalid_state"),
+            "{request}: {}",
+            answer.text
+        );
+    }
+    let still = s.get(&format!("/v1/deliveries/{dead}"), &key).await;
+    assert_eq!(still.json["status"], "dead");
+}

@@ -178,6 +178,27 @@ async fn an_endpoint_is_updated_disabled_and_enabled_again() {
     let ep = new_endpoint(&s, &key, "https://a.example/").await;
     let id = ep["id"].as_i64().unwrap();
     let path = format!("/v1/webhook_endpoints/{id}");
+    // Failing for days at the old address: a new address starts afresh, and
+    // is not turned off for the old one's failures before any attempt
+    // reaches it (docs/adr/0112). Mutation `failing_kept_on_new_url`.
+    let failing = "UPDATE webhook_endpoints SET failing_since = now() - interval '4 days'";
+    sqlx::query(failing)
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    let failing_since = async || -> bool {
+        t.db.fetch_one(db::sql(
+            "SELECT failing_since IS NOT NULL AS failing FROM webhook_endpoints",
+        ))
+        .await
+        .unwrap()
+        .get("failing")
+    };
+    let same = s
+        .post(&path, &key, json!({"url": "https://a.example/"}))
+        .await;
+    assert_eq!(same.status, StatusCode::OK, "{}", same.text);
+    assert!(failing_since().await, "the same address keeps its failures");
     let a = s
         .post(
             &path,
@@ -186,6 +207,7 @@ async fn an_endpoint_is_updated_disabled_and_enabled_again() {
         )
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert!(!failing_since().await, "a new address starts afresh");
     assert_eq!(
         (&a.json["url"], &a.json["event_types"]),
         (&json!("https://b.example/x"), &json!(["a.b"]))
