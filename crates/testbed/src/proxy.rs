@@ -74,6 +74,21 @@ impl FaultProxy {
         self.addr
     }
 
+    /// A proxy in front of the test leg's server, and `t`'s app URL through
+    /// it: the database as a replica behind a link the test can break.
+    ///
+    /// # Panics
+    /// If the leg's address does not parse or no loopback port can be bound.
+    pub async fn in_front_of(t: &crate::TestDb) -> (FaultProxy, String) {
+        let proxy = FaultProxy::start(crate::Leg::current().addr().parse().unwrap()).await;
+        let url = format!(
+            "postgres://hardcount_app@{}/{}",
+            proxy.host_port(),
+            t.name()
+        );
+        (proxy, url)
+    }
+
     /// `host:port` of the proxy, for a database URL.
     pub fn host_port(&self) -> String {
         self.addr.to_string()

@@ -109,12 +109,7 @@ async fn a_statement_dropped_in_a_transaction_is_rolled_back_before_reuse() {
 async fn a_transaction_dropped_on_a_silent_link_frees_its_connection() {
     use testbed::proxy::{FaultProxy, Mode};
     let t = TestDb::new().await;
-    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
-    let url = format!(
-        "postgres://hardcount_app@{}/{}",
-        proxy.host_port(),
-        t.name()
-    );
+    let (proxy, url) = FaultProxy::in_front_of(&t).await;
     let db = Db::connect_lazy(&url, 1).unwrap();
     let mut tx = db.begin_with_timeout(Duration::from_secs(5)).await.unwrap();
     let statement = tx.fetch_all(sql("SELECT pg_sleep(0.3)"));

@@ -242,12 +242,7 @@ async fn readyz_answers_from_the_snapshot_while_the_database_is_blocked() {
 async fn readyz_is_not_ready_while_the_lease_path_does_not_answer() {
     use testbed::proxy::{FaultProxy, Mode};
     let t = TestDb::new().await;
-    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
-    let lease_url = format!(
-        "postgres://hardcount_app@{}/{}",
-        proxy.host_port(),
-        t.name()
-    );
+    let (proxy, lease_url) = FaultProxy::in_front_of(&t).await;
     let served = Readyz::serve(&t, &["--lease-database-url", &lease_url]).await;
     // Each wait: one refresh and one check timeout (4 s), with room.
     let within = Duration::from_secs(8);

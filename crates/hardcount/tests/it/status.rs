@@ -8,8 +8,8 @@ use hardcount::http::{StatusSnapshot, refresh_status};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sqlx::Executor as _;
+use testbed::TestDb;
 use testbed::proxy::{FaultProxy, Mode};
-use testbed::{Leg, TestDb};
 use tokio_util::sync::CancellationToken;
 
 const KNOWN: &str = "hardcount_leader_last_tick_known{role=\"webhook_outbox\"} 1";
@@ -49,12 +49,7 @@ async fn a_replica_that_cannot_read_its_database_exports_every_last_tick_unknown
         )
         .await
         .unwrap();
-    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
-    let url = format!(
-        "postgres://hardcount_app@{}/{}",
-        proxy.host_port(),
-        t.name()
-    );
+    let (proxy, url) = FaultProxy::in_front_of(&t).await;
     let db = Db::connect_lazy(&url, 2).unwrap();
     let recorder = PrometheusBuilder::new().build_recorder();
     let metrics = recorder.handle();

@@ -331,12 +331,7 @@ async fn a_renewal_blocked_by_a_row_lock_is_abandoned_and_the_work_cancelled_bef
 #[tokio::test]
 async fn an_acquire_over_a_silent_link_gives_up() {
     let t = TestDb::new().await;
-    let proxy = FaultProxy::start(Leg::current().addr().parse().unwrap()).await;
-    let url = format!(
-        "postgres://hardcount_app@{}/{}",
-        proxy.host_port(),
-        t.name()
-    );
+    let (proxy, url) = FaultProxy::in_front_of(&t).await;
     let db = Db::connect_lazy(&url, 1).unwrap();
     let (m, _) = manager(&db, fast(), "silent");
     // The pool's one connection, opened over the working link.

@@ -7,13 +7,14 @@ use std::time::Duration;
 use db::NO_SEQUENTIAL_SCAN;
 use db::{Db, Row, sql};
 use leader::{Fence, Role};
+use metrics_exporter_prometheus::PrometheusHandle;
 use scheduler::Retention;
 use testbed::TestDb;
 use testbed::plans::{
     INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven_after,
 };
 use webhook_outbox::statements::{PRUNE_DISPATCHED, PruneCursor, PrunedEvents, pruned_events};
-use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
+use webhook_outbox::{Dispatcher, DispatcherConfig, NewEvent, enqueue_many};
 
 use crate::{as_leader, dispatcher, endpoint, event, manager};
 
@@ -61,6 +62,55 @@ async fn prune_with(db: &Db, fence: &Fence, limit: i64) -> u64 {
         .deleted
 }
 
+/// One tick of a dispatcher without retention, led by `holder`: every event
+/// fanned out. Returns the tick's fence.
+async fn fan_out(t: &TestDb, holder: &str) -> Fence {
+    let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
+    as_leader(
+        &manager(&t.db, holder),
+        Role::WebhookOutbox,
+        |tick| async move {
+            plain.run_tick(&tick).await;
+            tick.fence
+        },
+    )
+    .await
+}
+
+/// A dispatcher that prunes at every tick, `batch` events a statement, with
+/// its metrics.
+fn pruning(t: &TestDb, budget: Duration, batch: usize) -> (Dispatcher, PrometheusHandle) {
+    let (d, metrics) = dispatcher(
+        &t.db,
+        DispatcherConfig {
+            tick_budget: budget,
+            ..DispatcherConfig::default()
+        },
+    );
+    let d = d.with_retention(Retention {
+        keep: MONTH,
+        lease_history: MONTH,
+        every: Duration::ZERO,
+        batch,
+    });
+    (d, metrics)
+}
+
+/// Whether `metrics` counts `n` pruned events.
+fn counts_pruned(metrics: &PrometheusHandle, n: u64) -> bool {
+    let line = format!("hardcount_retention_pruned_total{{kind=\"webhook_events\"}} {n}");
+    metrics.render().lines().any(|l| l == line)
+}
+
+/// Every dispatched event stamped 40 days ago.
+async fn age_dispatched(t: &TestDb) {
+    owner(
+        t,
+        "UPDATE webhook_events SET dispatched_at = now() - interval '40 days'".to_owned(),
+    )
+    .await;
+}
+
 /// Five events fanned out: e0..e3 to tenant_a's endpoint, e4 to nobody
 /// (tenant_b has none). The deliveries of e0 and e1 are gone (pruned); e0,
 /// e1, e2 and e4 were dispatched 40 days ago, e3 today, and e5 is not
@@ -82,13 +132,7 @@ async fn an_old_dispatched_event_goes_once_its_deliveries_are_gone() {
         );
     }
     e.push(event(&t.db, "tenant_b", "invoice.paid", "{}").await);
-    let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
-    as_leader(
-        &manager(&t.db, "d"),
-        Role::WebhookOutbox,
-        |tick| async move { plain.run_tick(&tick).await },
-    )
-    .await;
+    fan_out(&t, "d").await;
     e.push(event(&t.db, "tenant_a", "invoice.paid", "{}").await);
     owner(
         &t,
@@ -102,19 +146,7 @@ async fn an_old_dispatched_event_goes_once_its_deliveries_are_gone() {
     )
     .await;
 
-    let (d, metrics) = dispatcher(
-        &t.db,
-        DispatcherConfig {
-            tick_budget: Duration::from_millis(500),
-            ..DispatcherConfig::default()
-        },
-    );
-    let d = d.with_retention(Retention {
-        keep: MONTH,
-        lease_history: MONTH,
-        every: Duration::ZERO,
-        batch: 1000,
-    });
+    let (d, metrics) = pruning(&t, Duration::from_millis(500), 1000);
     // The tick dispatches e5 (young now), then prunes.
     as_leader(
         &manager(&t.db, "d"),
@@ -123,14 +155,7 @@ async fn an_old_dispatched_event_goes_once_its_deliveries_are_gone() {
     )
     .await;
     assert_eq!(event_ids(&t.db).await, vec![e[2], e[3], e[5]]);
-    assert!(
-        metrics
-            .render()
-            .lines()
-            .any(|l| l == "hardcount_retention_pruned_total{kind=\"webhook_events\"} 3"),
-        "{}",
-        metrics.render()
-    );
+    assert!(counts_pruned(&metrics, 3), "{}", metrics.render());
 }
 
 /// Mutation check: removing `AND leader_fence($1, $2)` from PRUNE_DISPATCHED
@@ -143,21 +168,8 @@ async fn a_stale_token_prunes_no_event_and_a_batch_is_bounded() {
     for _ in 0..3 {
         event(&t.db, "tenant_b", "invoice.paid", "{}").await;
     }
-    let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let old = as_leader(
-        &manager(&t.db, "old"),
-        Role::WebhookOutbox,
-        |tick| async move {
-            plain.run_tick(&tick).await;
-            tick.fence
-        },
-    )
-    .await;
-    owner(
-        &t,
-        "UPDATE webhook_events SET dispatched_at = now() - interval '40 days'".to_owned(),
-    )
-    .await;
+    let old = fan_out(&t, "old").await;
+    age_dispatched(&t).await;
     let db = &t.db;
     let (by_old, by_new) = as_leader(
         &manager(&t.db, "new"),
@@ -240,18 +252,8 @@ async fn a_prune_reads_past_events_kept_back_once_a_pass() {
     for _ in 0..3 {
         free.push(event(&t.db, "tenant_b", "invoice.paid", "{}").await);
     }
-    let (plain, _) = dispatcher(&t.db, DispatcherConfig::default());
-    as_leader(
-        &manager(&t.db, "d"),
-        Role::WebhookOutbox,
-        |tick| async move { plain.run_tick(&tick).await },
-    )
-    .await;
-    owner(
-        &t,
-        "UPDATE webhook_events SET dispatched_at = now() - interval '40 days'".to_owned(),
-    )
-    .await;
+    fan_out(&t, "d").await;
+    age_dispatched(&t).await;
 
     let db = &t.db;
     let (first, second) = as_leader(
@@ -270,19 +272,7 @@ async fn a_prune_reads_past_events_kept_back_once_a_pass() {
     assert_eq!(second.last.map(|c| c.id), Some(kept[3]), "{second:?}");
     assert_eq!(event_ids(&t.db).await.len(), 7);
 
-    let (d, metrics) = dispatcher(
-        &t.db,
-        DispatcherConfig {
-            tick_budget: Duration::from_secs(2),
-            ..DispatcherConfig::default()
-        },
-    );
-    let d = d.with_retention(Retention {
-        keep: MONTH,
-        lease_history: MONTH,
-        every: Duration::ZERO,
-        batch: 2,
-    });
+    let (d, metrics) = pruning(&t, Duration::from_secs(2), 2);
     let plans = PlansNoticed::start();
     for _ in 0..2 {
         let d = d.clone();
@@ -298,12 +288,5 @@ async fn a_prune_reads_past_events_kept_back_once_a_pass() {
         &plans.plans_of(PRUNE_DISPATCHED),
         &[&INDEX_DRIVEN_SETTINGS[..], &["enable_seqscan = 'off'"]].concat(),
     );
-    assert!(
-        metrics
-            .render()
-            .lines()
-            .any(|l| l == "hardcount_retention_pruned_total{kind=\"webhook_events\"} 3"),
-        "{}",
-        metrics.render()
-    );
+    assert!(counts_pruned(&metrics, 3), "{}", metrics.render());
 }
