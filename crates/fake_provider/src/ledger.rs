@@ -80,6 +80,7 @@ impl Intent {
             id: self.id.clone(),
             key: self.key.clone(),
             customer: self.customer.clone(),
+            payment_method: self.payment_method.clone(),
             amount: self.amount,
             currency: self.currency.clone(),
             status: self.status.as_str().to_owned(),

@@ -213,6 +213,8 @@ pub struct IntentView {
     /// The idempotency key of the request that created it.
     pub key: Option<String>,
     pub customer: String,
+    /// `pm_…`, as requested.
+    pub payment_method: String,
     /// As requested: the provider's minor units (ISK in hundredths, MGA whole).
     pub amount: u64,
     /// Lower case, as requested.

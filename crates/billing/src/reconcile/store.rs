@@ -36,7 +36,8 @@ pub const CLAIM_UNKNOWN: &str = concat!(
     "WITH picked AS ( \
       SELECT a.id AS attempt_id, i.id, \
              (a.first_sent_at IS NULL \
-              OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok \
+              OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok, \
+             c.provider_customer_id AS customer_now, c.payment_method_id AS method_now \
       FROM payment_attempts a \
       JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
       JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
@@ -65,7 +66,8 @@ pub const CLAIM_UNKNOWN: &str = concat!(
       FROM (SELECT DISTINCT id FROM picked) p WHERE i.id = p.id \
       RETURNING i.id, i.tenant_id, i.subscription_id, i.number \
     ), sent AS ( \
-      UPDATE payment_attempts a SET first_sent_at = now() \
+      UPDATE payment_attempts a SET first_sent_at = now(), \
+             provider_customer_id = p.customer_now, payment_method_id = p.method_now \
       FROM picked p WHERE a.id = p.attempt_id AND a.first_sent_at IS NULL \
     ) \
     SELECT a.id AS attempt_id, a.attempt_seq, a.idempotency_key, a.amount, a.currency, \
@@ -74,8 +76,12 @@ pub const CLAIM_UNKNOWN: &str = concat!(
            k.id, k.tenant_id, k.subscription_id, k.number, c.email, \
            (SELECT ts.email_from FROM tenant_settings ts \
             WHERE ts.tenant_id = k.tenant_id) AS tenant_from, \
-           COALESCE(a.provider_customer_id, c.provider_customer_id) AS provider_customer_id, \
-           COALESCE(a.payment_method_id, c.payment_method_id) AS payment_method_id \
+           CASE WHEN a.first_sent_at IS NULL THEN p.customer_now \
+                ELSE COALESCE(a.provider_customer_id, c.provider_customer_id) END \
+             AS provider_customer_id, \
+           CASE WHEN a.first_sent_at IS NULL THEN p.method_now \
+                ELSE COALESCE(a.payment_method_id, c.payment_method_id) END \
+             AS payment_method_id \
     FROM claimed k \
     JOIN picked p ON p.id = k.id \
     JOIN payment_attempts a ON a.id = p.attempt_id \
@@ -96,7 +102,9 @@ pub const CLAIM_UNKNOWN: &str = concat!(
 /// rule (`chargeable_invoice!`: open, automatic, collection not paused, a
 /// saved card; whatever the subscription's status, so a cancelled
 /// subscription's final invoice too, docs/adr/0071) and not flagged, and is
-/// stamped as sent now, since the reconciler may send it.
+/// stamped as sent now, since the reconciler may send it, with the customer's
+/// payment method as it is now, which the attempt records: the customer may
+/// have replaced the card it was recorded with (docs/adr/0113).
 ///
 /// Index-driven (docs/adr/0060): the open attempts in
 /// `payment_attempts_open` order, so the limit stops the walk, each one's

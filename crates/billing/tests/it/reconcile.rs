@@ -365,3 +365,45 @@ async fn a_look_refused_leaves_a_never_sent_attempt_to_the_chargeable_rule() {
         "{open:?}"
     );
 }
+
+/// An attempt recorded and never sent (here the provider refused the key, so
+/// no request of it executed), after which the customer replaced the card:
+/// the reconciler sends it with the customer's card as it is now, and the
+/// attempt records that card. Before, it was sent with the card recorded at
+/// its start, one the customer had replaced (docs/adr/0113).
+///
+/// Mutation check: `unsent_old_card` (the never-sent attempt sent with the
+/// card it recorded) charges the replaced card; seen failing.
+#[tokio::test]
+async fn an_attempt_never_sent_is_sent_with_the_customers_card_as_it_is_now() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    open_invoices(&t.db, 1).await;
+    p.roll_secret_key("sk_test_rolled_elsewhere");
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_secs(5), Duration::from_secs(60)),
+    );
+    tick(&t.db, &b).await;
+    assert_eq!(p.unauthorized_requests(), 1);
+    let recorded = "SELECT payment_method_id || ':' || (first_sent_at IS NULL)::text \
+                    FROM payment_attempts";
+    assert_eq!(strings(&t.db, recorded).await, ["pm_card_visa:true"]);
+    sqlx::query("UPDATE customers SET payment_method_id = 'pm_card_mastercard'")
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    p.roll_secret_key(TEST_SECRET_KEY);
+    tick(&t.db, &b).await;
+    let sent: Vec<String> = p
+        .intents()
+        .iter()
+        .map(|i| i.payment_method.clone())
+        .collect();
+    assert_eq!(sent, ["pm_card_mastercard"]);
+    assert_eq!(strings(&t.db, recorded).await, ["pm_card_mastercard:false"]);
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["paid"]
+    );
+}
