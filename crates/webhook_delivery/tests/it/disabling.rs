@@ -10,7 +10,8 @@ use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::WorkerConfig;
 
 use crate::{
-    as_leader, config, deliveries, endpoint, events, make_due, manager, series, tick, worker,
+    as_leader, config, deliveries, endpoint, endpoint_state, events, make_due, manager, series,
+    tick, worker,
 };
 
 async fn failing_since(t: &TestDb, endpoint: i64) -> Option<f64> {
@@ -66,11 +67,7 @@ async fn an_abort_header_ends_one_message_s_retries_and_keeps_the_endpoint() {
     tick(&t.db, &w).await;
     let ds = deliveries(&t.db).await;
     assert_eq!(ds[1].status, "delivered", "{ds:?}");
-    let on: bool =
-        t.db.fetch_one(sql("SELECT enabled FROM webhook_endpoints WHERE id = $1").bind(ep.id))
-            .await
-            .unwrap()
-            .get("enabled");
+    let on = endpoint_state(&t.db, ep.id).await.enabled;
     assert!(on, "the abort header turned the endpoint off");
 }
 
@@ -166,29 +163,15 @@ async fn an_endpoint_failing_for_too_long_is_turned_off_and_its_tenant_told() {
     })
     .await;
     assert_eq!(by_new, 1);
-    let row =
-        t.db.fetch_one(
-            sql(
-                "SELECT enabled, disabled_reason, disabled_at IS NOT NULL AS stamped \
-                 FROM webhook_endpoints WHERE id = $1",
-            )
-            .bind(old.id),
-        )
-        .await
-        .unwrap();
-    assert!(!row.get::<bool, _>("enabled"));
-    assert!(row.get::<bool, _>("stamped"));
-    let reason: String = row.get("disabled_reason");
+    let off = endpoint_state(&t.db, old.id).await;
+    assert!(!off.enabled && off.stamped, "{off:?}");
+    let reason = off.reason.unwrap_or_default();
     assert!(
         reason.starts_with("every attempt failed since "),
         "{reason}"
     );
     for other in [healthy.id, young.id] {
-        let on: bool =
-            t.db.fetch_one(sql("SELECT enabled FROM webhook_endpoints WHERE id = $1").bind(other))
-                .await
-                .unwrap()
-                .get("enabled");
+        let on = endpoint_state(&t.db, other).await.enabled;
         assert!(on, "endpoint {other} was turned off");
     }
 

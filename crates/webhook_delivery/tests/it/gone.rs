@@ -5,12 +5,11 @@
 
 use std::time::Duration;
 
-use db::{Row, sql};
 use testbed::TestDb;
 use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::WorkerConfig;
 
-use crate::{config, deliveries, endpoint, events, outcomes, series, tick, worker};
+use crate::{config, deliveries, endpoint, endpoint_state, events, outcomes, series, tick, worker};
 
 /// 410 Gone: the delivery is dead, the endpoint disabled with the reason, and
 /// the endpoint's other pending deliveries die without a request.
@@ -36,19 +35,9 @@ async fn a_410_kills_the_delivery_and_disables_the_endpoint() {
     for d in &ds[1..] {
         assert_eq!(d.last_error.as_deref(), Some("endpoint_disabled"), "{d:?}");
     }
-    let row =
-        t.db.fetch_one(
-            sql(
-                "SELECT enabled, disabled_reason, disabled_at IS NOT NULL AS stamped \
-                 FROM webhook_endpoints WHERE id = $1",
-            )
-            .bind(ep.id),
-        )
-        .await
-        .unwrap();
-    assert!(!row.get::<bool, _>("enabled"));
-    assert!(row.get::<bool, _>("stamped"));
-    let reason: String = row.get("disabled_reason");
+    let off = endpoint_state(&t.db, ep.id).await;
+    assert!(!off.enabled && off.stamped, "{off:?}");
+    let reason = off.reason.unwrap_or_default();
     assert_eq!(
         reason,
         format!("receiver answered 410 Gone to delivery {}", ds[0].id)
@@ -100,11 +89,7 @@ async fn a_410_from_an_address_the_endpoint_has_left_does_not_turn_it_off() {
         .unwrap();
     let report = ticking.await.unwrap();
     assert_eq!(report.dead, 1, "{report:?}");
-    let enabled: bool =
-        t.db.fetch_one(sql("SELECT enabled FROM webhook_endpoints WHERE id = $1").bind(ep.id))
-            .await
-            .unwrap()
-            .get("enabled");
+    let enabled = endpoint_state(&t.db, ep.id).await.enabled;
     assert!(
         enabled,
         "the 410 of the old address turned the endpoint off"

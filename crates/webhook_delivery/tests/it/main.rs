@@ -179,6 +179,33 @@ pub async fn tick(db: &Db, w: &Worker) -> TickReport {
     .await
 }
 
+/// Whether an endpoint is on, whether its turn-off is stamped, and why it was
+/// turned off.
+#[derive(Debug)]
+pub struct EndpointState {
+    pub enabled: bool,
+    pub stamped: bool,
+    pub reason: Option<String>,
+}
+
+pub async fn endpoint_state(db: &Db, id: i64) -> EndpointState {
+    let row = db
+        .fetch_one(
+            sql(
+                "SELECT enabled, disabled_reason, disabled_at IS NOT NULL AS stamped \
+                 FROM webhook_endpoints WHERE id = $1",
+            )
+            .bind(id),
+        )
+        .await
+        .unwrap();
+    EndpointState {
+        enabled: row.get("enabled"),
+        stamped: row.get("stamped"),
+        reason: row.get("disabled_reason"),
+    }
+}
+
 /// A delivery row, as the tests look at it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
