@@ -19,22 +19,38 @@ pub(crate) fn sender<'a>(run: &'a Run, configured: &'a str) -> &'a str {
     run.email_from.as_deref().unwrap_or(configured)
 }
 
-/// After a declined retry the policy warns about: when the next one is.
+/// After a declined retry the policy warns about: what the decline asks of
+/// the customer (its class, as billing's email of a first decline words it)
+/// and when the next retry is. The only email of a declined retry: billing
+/// sends none for a retry (docs/adr/0114).
 pub(crate) fn warning(
     run: &Run,
     from: &str,
     code: &str,
     next: DateTime<Utc>,
 ) -> outbox::email::Email {
+    use payments::{DeclineClass, decline_class};
     let invoice = invoice(run);
+    let at = next.format("%Y-%m-%d %H:%M UTC");
+    let ask = match decline_class(code) {
+        DeclineClass::Soft => {
+            format!("We will try again on {at}; you can also update your payment method now.")
+        }
+        DeclineClass::Hard => format!(
+            "We will not try this card again: please add a new payment method before {at}, \
+             when we will charge it."
+        ),
+        DeclineClass::AuthenticationRequired => format!(
+            "Your bank asks you to authenticate this payment: please confirm it, or add \
+             another payment method before {at}, when we will try again."
+        ),
+    };
     outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Payment for invoice {invoice} failed: we will retry"),
         text: format!(
-            "We could not charge your saved card for invoice {invoice} ({code}). \
-             We will try again on {}. Please update your payment method.\n",
-            next.format("%Y-%m-%d %H:%M UTC")
+            "We could not charge your saved card for invoice {invoice} ({code}). {ask}\n"
         ),
         html: None,
     }

@@ -237,6 +237,32 @@ pub struct Canceled {
     pub invoice_id: Option<i64>,
 }
 
+/// How a decline is followed up (Stripe's decline-code table, "next steps":
+/// https://docs.stripe.com/declines/codes). Billing words its first
+/// attempt's email by it, dunning its warning after a retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeclineClass {
+    /// Retry on the dunning schedule (`insufficient_funds`, `generic_decline`, …).
+    Soft,
+    /// Do not try the same card again: wait for a new payment method and ask
+    /// the customer for one.
+    Hard,
+    /// The bank wants the customer present (3-D Secure): ask them to
+    /// authenticate; no off-session retry of the same card.
+    AuthenticationRequired,
+}
+
+/// The class of a decline code.
+pub fn decline_class(code: &str) -> DeclineClass {
+    if code == "authentication_required" {
+        DeclineClass::AuthenticationRequired
+    } else if HARD_DECLINES.contains(&code) {
+        DeclineClass::Hard
+    } else {
+        DeclineClass::Soft
+    }
+}
+
 /// Decline codes whose next step in Stripe's table is "the customer should
 /// use another card" or "do not try again", and the provider's
 /// `resource_missing` (no usable payment method).

@@ -403,7 +403,14 @@ async fn settle_once(
                     "payment.failed",
                     payment_payload(c, s.attempt_seq, pi, Some(code)),
                 ));
-                emails.push((tenant, failed_email(c, code, how.email_from)));
+                // A retry's decline is dunning's to announce, as its policy
+                // says (the warning, or the final notice after the last):
+                // billing's "we will try again" beside it was a second
+                // email, and after the last retry an untrue one
+                // (docs/adr/0114).
+                if s.attempt_seq == crate::charge::AUTO_CHARGE_ATTEMPT {
+                    emails.push((tenant, failed_email(c, code, how.email_from)));
+                }
             }
             Answer::Called(
                 ChargeOutcome::Invalid { reason } | ChargeOutcome::NeedsReview { reason, .. },

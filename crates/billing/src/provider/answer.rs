@@ -54,31 +54,7 @@ pub enum ChargeOutcome {
     },
 }
 
-/// How a decline is followed up (Stripe's decline-code table, "next steps").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeclineClass {
-    /// Retry on the dunning schedule (`insufficient_funds`, `generic_decline`, …).
-    Soft,
-    /// Do not try the same card again: wait for a new payment method and ask
-    /// the customer for one.
-    Hard,
-    /// The bank wants the customer present (3-D Secure): ask them to
-    /// authenticate; no off-session retry of the same card.
-    AuthenticationRequired,
-}
-
-pub use payments::HARD_DECLINES;
-
-/// The class of a decline code.
-pub fn decline_class(code: &str) -> DeclineClass {
-    if code == "authentication_required" {
-        DeclineClass::AuthenticationRequired
-    } else if HARD_DECLINES.contains(&code) {
-        DeclineClass::Hard
-    } else {
-        DeclineClass::Soft
-    }
-}
+pub use payments::{DeclineClass, HARD_DECLINES, decline_class};
 
 impl ChargeOutcome {
     /// Whether this answer says the provider is down now.

@@ -69,6 +69,11 @@ async fn exhaustion_runs_the_final_action_once() {
             format!("Final notice for invoice {}", a.invoice)
         ]
     );
+    // Those two are every email: billing sends none for a retry's decline,
+    // whose "we will try again" would be untrue after the last (docs/adr/0114;
+    // mutation `retry_decline_billing_email`).
+    let all = crate::strings(&t.db, "SELECT subject FROM email_outbox ORDER BY id").await;
+    assert_eq!(all, dunning_emails(&t.db).await);
     assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 3);
     let rendered = metrics.render();
     assert!(

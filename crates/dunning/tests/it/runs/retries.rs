@@ -299,3 +299,38 @@ async fn dunning_mail_is_from_the_tenants_sender_when_it_has_one() {
         ]
     );
 }
+
+/// A declined retry sends the customer one email: the policy's warning,
+/// worded by the decline's class (a hard decline asks for a new payment
+/// method), and billing's payment-failed email of a first attempt is not
+/// sent beside it. After the last retry the final notice is the only one
+/// (`exhaustion_runs_the_final_action_once`). Docs/adr/0114.
+///
+/// Mutation checks: `retry_decline_billing_email` (billing emails every
+/// attempt's decline, as before) and `warning_ignores_class` (the warning
+/// words every decline as a soft one) each seen failing it.
+#[tokio::test]
+async fn a_declined_retry_sends_one_email_that_asks_what_its_decline_needs() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("expired_card".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.tally.declined, 1);
+    let texts = crate::strings(
+        &t.db,
+        "SELECT subject || ' | ' || text_body FROM email_outbox ORDER BY id",
+    )
+    .await;
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    let invoice = a.invoice;
+    assert!(
+        texts[0].starts_with(&format!(
+            "Payment for invoice {invoice} failed: we will retry | \
+             We could not charge your saved card for invoice {invoice} (expired_card). \
+             We will not try this card again: please add a new payment method before "
+        )),
+        "{texts:?}"
+    );
+}
