@@ -428,6 +428,16 @@ async fn one_at_a_time(
 /// each run counted only if it still has the count it was listed with
 /// (`attempt_count = $expected`, per row). Returns the runs counted, with the
 /// hold each was given (which [`outcomes::rewind_in`] proves).
+///
+/// A retry with another planned after it is marked as owing its decline's
+/// notices (`owed_notice_attempt`) from here, before billing is called: the
+/// outcome that announces a decline clears the mark, a rewind takes it back.
+/// A process that dies after billing settled the retry's decline and before
+/// the outcome leaves the run counted and held; once the hold has passed, the
+/// listing finds the decline unannounced and writes it as the outcome would
+/// have (docs/adr/0115), where it used to charge the next retry at once. The
+/// last retry is not marked: its decline exhausts the run, as a spent run's
+/// listing does (docs/adr/0085).
 pub(crate) async fn record_attempts_in(
     tx: &mut Tx,
     runs: &[&Run],
@@ -444,15 +454,23 @@ pub(crate) async fn record_attempts_in(
     let rows = tx
         .fetch_all(
             sql(outcomes::update_held_runs!(
-                batch: "unnest($1::bigint[], $2::int4[]) AS u(id, expected)",
+                batch: "unnest($1::bigint[], $2::int4[], $4::bool[]) AS u(id, expected, owes)",
                 check: "r.status = 'active' AND r.attempt_count = u.expected",
                 set: "attempt_count = r.attempt_count + 1, \
-                      next_attempt_at = now() + make_interval(secs => $3), updated_at = now()",
+                      next_attempt_at = now() + make_interval(secs => $3), \
+                      owed_notice_attempt = CASE WHEN u.owes THEN r.attempt_count + 1 \
+                                                 ELSE r.owed_notice_attempt END, \
+                      updated_at = now()",
                 returning: "r.id, r.next_attempt_at",
             ))
             .bind(runs.iter().map(|r| r.id).collect::<Vec<_>>())
             .bind(runs.iter().map(|r| r.attempt_count).collect::<Vec<_>>())
-            .bind(hold.as_secs_f64()),
+            .bind(hold.as_secs_f64())
+            .bind(
+                runs.iter()
+                    .map(|r| r.policy.has_retry_after(r.attempt_count + 1))
+                    .collect::<Vec<_>>(),
+            ),
         )
         .await?;
     let mut held = HashMap::with_capacity(rows.len());

@@ -255,7 +255,10 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
 
 /// [`rewind`] for a batch, one statement in the caller's transaction: each
 /// run back to its listed count and next attempt, only while it holds the
-/// count and the hold its record wrote. Returns the runs rewound.
+/// count and the hold its record wrote, with the mark of a decline owed that
+/// the record wrote taken back (a chargeable run owed none before it: such a
+/// run is listed `decline_unannounced` or `outcome_pending`, never charged).
+/// Returns the runs rewound.
 pub(crate) async fn rewind_in(
     tx: &mut Tx,
     runs: &[(&Run, DateTime<Utc>)],
@@ -270,7 +273,8 @@ pub(crate) async fn rewind_in(
                         AS u(id, listed, listed_at, held)",
                 check: "r.status = 'active' AND r.attempt_count = u.listed + 1 \
                         AND r.next_attempt_at = u.held",
-                set: "attempt_count = u.listed, next_attempt_at = u.listed_at, updated_at = now()",
+                set: "attempt_count = u.listed, next_attempt_at = u.listed_at, \
+                      owed_notice_attempt = NULL, updated_at = now()",
                 returning: "r.id",
             ))
             .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
@@ -359,9 +363,12 @@ pub(crate) async fn rewind(
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let n = tx
         .execute(
-            sql("UPDATE dunning_runs SET attempt_count = $2, next_attempt_at = $3, updated_at = now() \
+            sql(
+                "UPDATE dunning_runs SET attempt_count = $2, next_attempt_at = $3, \
+                        owed_notice_attempt = NULL, updated_at = now() \
                  WHERE id = $1 AND status = 'active' AND attempt_count = $2 + 1 \
-                   AND next_attempt_at = $4")
+                   AND next_attempt_at = $4",
+            )
             .bind(run.id)
             .bind(run.attempt_count)
             .bind(run.next_attempt_at)

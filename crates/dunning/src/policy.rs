@@ -212,6 +212,11 @@ impl Policy {
     pub fn warns_after(&self, attempt: i32) -> bool {
         self.warn_after.contains(&attempt)
     }
+
+    /// Whether retry `attempt` (1-based) has another planned after it.
+    pub fn has_retry_after(&self, attempt: i32) -> bool {
+        usize::try_from(attempt).is_ok_and(|n| n < self.offsets_secs.len())
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use db::{Row, sql};
 use fake_provider::{Behaviour, FakeProvider};
 use leader::Role;
 use testbed::TestDb;
@@ -231,4 +232,98 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
         .filter(|e| e == "dunning.attempt_failed")
         .count();
     assert_eq!(failed, 3);
+}
+
+/// A crash after billing settled a retry's decline and before dunning wrote
+/// it (here: a trigger refuses the outcome, its fallback and the rewind, so
+/// the run is left as its record wrote it). Once the hold has passed, the
+/// listing finds the decline unannounced: it is announced once, with the
+/// policy's warning, and the next retry is the policy's gap from then; the
+/// card is not charged again at once (docs/adr/0115).
+///
+/// Mutation check: `record_owes_nothing` (the record leaves
+/// `owed_notice_attempt` alone, as before: the next tick charged retry 2 at
+/// once and retry 1's decline was never announced) seen failing it.
+#[tokio::test]
+async fn a_decline_settled_before_a_crash_is_announced_after_the_hold() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&x.customer, Behaviour::Decline("insufficient_funds".into()));
+    let mut su = t.superuser().await;
+    for ddl in [
+        "CREATE FUNCTION refuse_all_but_records() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.attempt_count <= OLD.attempt_count THEN \
+           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_all_but_records BEFORE UPDATE ON dunning_runs \
+         FOR EACH ROW EXECUTE FUNCTION refuse_all_but_records()",
+    ] {
+        sqlx::query(ddl).execute(&mut su).await.unwrap();
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.errors, 1, "{r:?}");
+    assert_eq!(p.create_requests(), 1);
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    sqlx::query("DROP TRIGGER refuse_all_but_records ON dunning_runs")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    crate::due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.declined, 1, "{r:?}");
+    assert_eq!(p.create_requests(), 1, "retry 2 charged at once");
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    let next = crate::next_retry_in(&t.db, x.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.attempt_failed"]
+    );
+    assert_eq!(
+        dunning_emails(&t.db).await,
+        [format!(
+            "Payment for invoice {} failed: we will retry",
+            x.invoice
+        )]
+    );
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// A retry recorded and then rewound (billing found its invoice held by
+/// another claim, so no call was made) keeps no mark that its decline is
+/// owed: the count goes back, and a mark left at the count it had would, once
+/// a retry is counted without a call (a customer without a card), take the
+/// run for one whose decline waits to be announced (docs/adr/0115).
+/// Mutation `rewind_keeps_owed` seen failing it.
+#[tokio::test]
+async fn a_run_rewound_after_its_record_owes_nothing() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "UPDATE invoices SET auto_charge_claimed_by = 'another claim', \
+                auto_charge_claimed_until = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(x.invoice)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    tick(&t.db, &d).await;
+    assert_eq!(p.create_requests(), 0);
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 0));
+    let owed: Option<i32> =
+        t.db.fetch_one(
+            sql("SELECT owed_notice_attempt FROM dunning_runs WHERE invoice_id = $1")
+                .bind(x.invoice),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(owed, None);
 }
