@@ -224,10 +224,13 @@ pub const LIST_DUE: &str = concat!(
                  WHEN (r.attempt_count >= cardinality(p.retry_offsets_secs) \
                        OR r.owed_notice_attempt = r.attempt_count \
                        OR c.payment_method_id IS NULL) AND EXISTS ( \
-                     SELECT 1 FROM (SELECT a.provider_status FROM payment_attempts a \
+                     SELECT 1 FROM (SELECT a.provider_status, a.first_sent_at \
+                                    FROM payment_attempts a \
                                     WHERE a.invoice_id = r.invoice_id \
                                     ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                     WHERE l.provider_status IN ('unknown', 'processing', 'needs_review')) \
+                     WHERE l.provider_status IN ('unknown', 'processing', 'needs_review') \
+                       AND NOT (l.first_sent_at IS NULL AND c.payment_method_id IS NULL \
+                                AND r.owed_notice_attempt IS DISTINCT FROM r.attempt_count)) \
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
                  WHEN r.owed_notice_attempt = r.attempt_count THEN 'decline_unannounced' \
@@ -292,7 +295,14 @@ pub const LIST_DUE: &str = concat!(
 /// decline's notices (`decline_unannounced`, docs/adr/0085); so does one
 /// whose customer has no payment method left while its last retry's outcome
 /// is unknown, else it would be counted, and perhaps written off or
-/// canceled, over a charge that may yet be found paid (docs/adr/0103). Rows whose
+/// canceled, over a charge that may yet be found paid (docs/adr/0103). An
+/// attempt no request of which was ever sent (`first_sent_at` NULL: the
+/// budget ran out, or the provider refused the call before reading its key)
+/// cannot be found paid, and billing sends it only once the customer has a
+/// card again: with no card, it does not hold the run, which goes on to
+/// `no_payment_method` or `retries_spent` (docs/adr/0116). Not when the run
+/// owes that attempt's notices (a retry recorded and never called): that
+/// retry waits to be sent or rewound. Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A run of a tenant whose business window is closed at the

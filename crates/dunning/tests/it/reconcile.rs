@@ -399,3 +399,106 @@ async fn an_owed_decline_of_an_invoice_paid_since_its_listing_is_not_announced()
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
     assert_eq!(tick(&t.db, &d).await.tally.stopped, 1);
 }
+
+/// A retry refused for load (429, before the provider read its key) is an
+/// attempt no request of which executed (`first_sent_at` NULL, docs/adr/0081).
+/// The customer then removes their card: billing will not send it without
+/// one, and nothing can be found paid, so it does not hold the run: the next
+/// due retry is counted not attempted (`dunning.retry_skipped`) on schedule,
+/// where it used to wait, a hold at a time, until a card came. With a card
+/// again, billing's reconciler sends that attempt, with the new card, and it
+/// pays the invoice once (docs/adr/0116).
+///
+/// Mutation check: `unsent_holds_run` (the listing's exception for an
+/// attempt never sent removed) leaves the run waiting; seen failing it.
+#[tokio::test]
+async fn a_retry_never_sent_does_not_hold_a_run_whose_customer_has_no_card() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let limited = Behaviour::RateLimited {
+        retry_after_secs: 1,
+    };
+    let (a, d, _, charging) = declined_run(&t, &p, 2, limited).await;
+    assert_eq!(tick(&t.db, &d).await.tally.unanswered, 1);
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(p.total_charges(), 0);
+    remove_payment_method(&t.db, &a.customer).await;
+    due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.not_attempted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.retry_skipped"]
+    );
+    // The attempt is still open and never sent: a card brings it out.
+    assert_eq!(
+        attempts(&t.db, a.invoice).await,
+        [(1, "declined".to_owned()), (2, "unknown".to_owned())]
+    );
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    testbed::tenant_writer(&t.db, "tenant_a")
+        .execute(
+            db::sql(
+                "UPDATE customers SET payment_method_id = 'pm_card_mastercard' \
+                     WHERE provider_customer_id = $1",
+            )
+            .bind(a.customer.clone()),
+        )
+        .await
+        .unwrap();
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE payment_attempts SET next_check_at = now() WHERE invoice_id = $1")
+        .bind(a.invoice)
+        .execute(&mut su)
+        .await
+        .unwrap();
+    reconciler_looks(&t.db, &charging).await;
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+    // The refused request and the one sent with the new card.
+    assert_eq!((p.create_requests(), p.total_charges()), (2, 1));
+    let methods: Vec<String> = p.intents().into_iter().map(|i| i.payment_method).collect();
+    assert_eq!(methods, ["pm_card_mastercard"]);
+}
+
+/// The same retry refused for load, but the process dies before dunning
+/// rewinds it (here a trigger refuses the rewind): the run is left counted,
+/// owing that retry's notices (docs/adr/0115), with the attempt never sent.
+/// With the card removed the run still waits for that attempt: no decline
+/// was made, so none is announced, and the retry is not counted twice.
+///
+/// Mutation check: `unsent_owed_released` (the exception for a never-sent
+/// attempt applied also to a run that owes its notices) announces a decline
+/// `unknown`; seen failing it.
+#[tokio::test]
+async fn a_retry_never_sent_and_never_rewound_is_not_announced_as_declined() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let limited = Behaviour::RateLimited {
+        retry_after_secs: 1,
+    };
+    let (a, d, _, _) = declined_run(&t, &p, 2, limited).await;
+    let mut su = t.superuser().await;
+    for ddl in [
+        "CREATE FUNCTION refuse_rewinds() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.attempt_count < OLD.attempt_count THEN \
+           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_rewinds BEFORE UPDATE ON dunning_runs \
+         FOR EACH ROW EXECUTE FUNCTION refuse_rewinds()",
+    ] {
+        sqlx::query(ddl).execute(&mut su).await.unwrap();
+    }
+    tick(&t.db, &d).await;
+    sqlx::query("DROP TRIGGER refuse_rewinds ON dunning_runs")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    remove_payment_method(&t.db, &a.customer).await;
+    due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert_eq!(p.total_charges(), 0);
+}
