@@ -200,8 +200,8 @@ impl Biller {
     /// panic guard (`step` names it; a call that would start after
     /// `deadline` or once `cancelled` is not made and stays unknown for the
     /// reconciler), then every answer settled in one transaction
-    /// (`invoice.paid`, `payment.succeeded` and the receipt; `payment.failed`
-    /// and its email), each row by its own compare-and-set. Per started
+    /// (`invoice.paid`, `payment.succeeded` and the receipt; `payment.failed`,
+    /// with no email: a retry's is dunning's, docs/adr/0114), each row by its own compare-and-set. Per started
     /// retry: what it came to, or its panic (its attempt stays unknown for the
     /// reconciler, its claim lease expires). A refused key (401/403) is
     /// [`Error::ProviderKeyRejected`] for its row, counted on

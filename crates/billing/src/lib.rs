@@ -110,7 +110,9 @@
 //!   attempt), and the provider's idempotency key is fixed by that pair.
 //! - **A charge's result and its announcements commit together**: paid with
 //!   `invoice.paid`, `payment.succeeded` and the receipt; declined with
-//!   `payment.failed` and its email; only while the claim still holds it.
+//!   `payment.failed` and, for an invoice's first attempt, its email (a
+//!   retry's is the dunning policy's, docs/adr/0114); only while the claim
+//!   still holds it.
 //! - **The secret key is never shown**: not in logs, errors or `Debug`.
 //! - **An unknown outcome is settled by its key, once**: the reconciler looks it
 //!   up only after the claim that made the call expired, under its own claim;

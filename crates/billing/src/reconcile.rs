@@ -14,7 +14,7 @@
 //!              not found or not reached, key may be gone ─▶ needs review (0090)
 //!            then one settling transaction for the batch (crate::batch):
 //!                succeeded  ─▶ invoice.paid, payment.succeeded, receipt
-//!                declined   ─▶ payment.failed, its email
+//!                declined   ─▶ payment.failed, its email for a first attempt
 //!                processing ─▶ polled again at a backoff (no dunning meanwhile)
 //!                invalid, unreadable ─▶ needs review (invoice flagged)
 //!                otherwise  ─▶ stays open, its reason noted, looked at again later

@@ -10,7 +10,8 @@
 //!                           charge_lease, claimed_by = the caller's, count + 1
 //!  POST /v1/payment_intents with that Idempotency-Key
 //!    succeeded ─▶ invoice paid (claim still ours) + invoice.paid, payment.succeeded, receipt
-//!    declined  ─▶ attempt declined(code), claim released, payment.failed + email
+//!    declined  ─▶ attempt declined(code), claim released, payment.failed (the
+//!                 customer's email is the dunning policy's, docs/adr/0114)
 //!    unknown   ─▶ attempt stays unknown for the reconciler; no claim takes the
 //!                 invoice again until the reconciler settles it
 //! ```

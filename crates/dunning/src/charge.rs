@@ -432,6 +432,9 @@ async fn one_at_a_time(
 /// A retry with another planned after it is marked as owing its decline's
 /// notices (`owed_notice_attempt`) from here, before billing is called: the
 /// outcome that announces a decline clears the mark, a rewind takes it back.
+/// A mark already at the run's count is kept: that retry's decline is still
+/// owed (a run held by a pause of collection is charged, refused by billing
+/// and rewound), and the rewind gives it back with the count.
 /// A process that dies after billing settled the retry's decline and before
 /// the outcome leaves the run counted and held; once the hold has passed, the
 /// listing finds the decline unannounced and writes it as the outcome would
@@ -458,7 +461,9 @@ pub(crate) async fn record_attempts_in(
                 check: "r.status = 'active' AND r.attempt_count = u.expected",
                 set: "attempt_count = r.attempt_count + 1, \
                       next_attempt_at = now() + make_interval(secs => $3), \
-                      owed_notice_attempt = CASE WHEN u.owes THEN r.attempt_count + 1 \
+                      owed_notice_attempt = CASE WHEN u.owes AND r.owed_notice_attempt \
+                                                   IS DISTINCT FROM r.attempt_count \
+                                                 THEN r.attempt_count + 1 \
                                                  ELSE r.owed_notice_attempt END, \
                       updated_at = now()",
                 returning: "r.id, r.next_attempt_at",

@@ -229,11 +229,17 @@ pub const LIST_DUE: &str = concat!(
                                     WHERE a.invoice_id = r.invoice_id \
                                     ORDER BY a.attempt_seq DESC LIMIT 1) l \
                      WHERE l.provider_status IN ('unknown', 'processing', 'needs_review') \
-                       AND NOT (l.first_sent_at IS NULL AND c.payment_method_id IS NULL \
-                                AND r.owed_notice_attempt IS DISTINCT FROM r.attempt_count)) \
+                       AND NOT (l.first_sent_at IS NULL AND c.payment_method_id IS NULL)) \
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
-                 WHEN r.owed_notice_attempt = r.attempt_count THEN 'decline_unannounced' \
+                 WHEN r.owed_notice_attempt = r.attempt_count AND NOT EXISTS ( \
+                     SELECT 1 FROM (SELECT a.provider_status, a.first_sent_at \
+                                    FROM payment_attempts a \
+                                    WHERE a.invoice_id = r.invoice_id \
+                                    ORDER BY a.attempt_seq DESC LIMIT 1) l \
+                     WHERE l.first_sent_at IS NULL \
+                       AND l.provider_status IN ('unknown', 'processing', 'needs_review')) \
+                 THEN 'decline_unannounced' \
                  WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
                  WHEN EXISTS ( \
@@ -300,9 +306,10 @@ pub const LIST_DUE: &str = concat!(
 /// budget ran out, or the provider refused the call before reading its key)
 /// cannot be found paid, and billing sends it only once the customer has a
 /// card again: with no card, it does not hold the run, which goes on to
-/// `no_payment_method` or `retries_spent` (docs/adr/0116). Not when the run
-/// owes that attempt's notices (a retry recorded and never called): that
-/// retry waits to be sent or rewound. Rows whose
+/// `no_payment_method` or `retries_spent` (docs/adr/0116), also when the run
+/// owes that attempt's notices (a retry recorded, refused unread and never
+/// rewound): no decline was made, so none is announced, and the next retry
+/// is counted not attempted. Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A run of a tenant whose business window is closed at the

@@ -45,10 +45,18 @@ pub(crate) fn warning(
              another payment method before {at}, when we will try again."
         ),
     };
+    // The subject ends as every warning's does ("we will retry"); a hard
+    // decline's says that a new payment method comes first.
+    let subject = match decline_class(code) {
+        DeclineClass::Soft => format!("Payment for invoice {invoice} failed: we will retry"),
+        DeclineClass::Hard | DeclineClass::AuthenticationRequired => {
+            format!("Payment for invoice {invoice} failed: add a payment method and we will retry")
+        }
+    };
     outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
-        subject: format!("Payment for invoice {invoice} failed: we will retry"),
+        subject,
         text: format!(
             "We could not charge your saved card for invoice {invoice} ({code}). {ask}\n"
         ),

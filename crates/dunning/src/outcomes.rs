@@ -256,9 +256,8 @@ pub(crate) async fn decline_in(tx: &mut Tx, rows: &[Decline<'_>]) -> Result<Hash
 /// [`rewind`] for a batch, one statement in the caller's transaction: each
 /// run back to its listed count and next attempt, only while it holds the
 /// count and the hold its record wrote, with the mark of a decline owed that
-/// the record wrote taken back (a chargeable run owed none before it: such a
-/// run is listed `decline_unannounced` or `outcome_pending`, never charged).
-/// Returns the runs rewound.
+/// the record wrote taken back (the mark at the rewound count, one a pause
+/// held, stays; docs/adr/0115). Returns the runs rewound.
 pub(crate) async fn rewind_in(
     tx: &mut Tx,
     runs: &[(&Run, DateTime<Utc>)],
@@ -274,7 +273,8 @@ pub(crate) async fn rewind_in(
                 check: "r.status = 'active' AND r.attempt_count = u.listed + 1 \
                         AND r.next_attempt_at = u.held",
                 set: "attempt_count = u.listed, next_attempt_at = u.listed_at, \
-                      owed_notice_attempt = NULL, updated_at = now()",
+                      owed_notice_attempt = NULLIF(r.owed_notice_attempt, u.listed + 1), \
+                      updated_at = now()",
                 returning: "r.id",
             ))
             .bind(runs.iter().map(|(r, _)| r.id).collect::<Vec<_>>())
@@ -365,7 +365,8 @@ pub(crate) async fn rewind(
         .execute(
             sql(
                 "UPDATE dunning_runs SET attempt_count = $2, next_attempt_at = $3, \
-                        owed_notice_attempt = NULL, updated_at = now() \
+                        owed_notice_attempt = NULLIF(owed_notice_attempt, $2 + 1), \
+                        updated_at = now() \
                  WHERE id = $1 AND status = 'active' AND attempt_count = $2 + 1 \
                    AND next_attempt_at = $4",
             )

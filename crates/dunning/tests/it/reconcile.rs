@@ -199,8 +199,6 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     let next = crate::next_retry_in(&t.db, a.invoice).await;
     assert!((55.0..=60.0).contains(&next), "{next}");
     due_now(&t.db).await;
-    let dbg: Vec<String> = sqlx::query_scalar("SELECT row_to_json(r)::text || (SELECT string_agg(row_to_json(a)::text, ';') FROM payment_attempts a) || (SELECT row_to_json(c)::text FROM customers c) || now()::text FROM dunning_runs r").fetch_all(&mut t.superuser().await).await.unwrap();
-    eprintln!("DBG {dbg:?}");
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
@@ -209,8 +207,6 @@ async fn a_retry_answered_processing_counts_and_its_later_decline_exhausts_the_r
     assert_eq!(seen[2], (3, "processing".to_owned()), "{seen:?}");
     // Spent, the last retry processing: a hold, no call, nothing counted.
     due_now(&t.db).await;
-    let dbg: Vec<String> = sqlx::query_scalar("SELECT row_to_json(r)::text || (SELECT string_agg(row_to_json(a)::text, ';') FROM payment_attempts a) || (SELECT row_to_json(c)::text FROM customers c) || now()::text FROM dunning_runs r").fetch_all(&mut t.superuser().await).await.unwrap();
-    eprintln!("DBG {dbg:?}");
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.pending, 1, "{r:?}");
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
@@ -464,12 +460,13 @@ async fn a_retry_never_sent_does_not_hold_a_run_whose_customer_has_no_card() {
 /// The same retry refused for load, but the process dies before dunning
 /// rewinds it (here a trigger refuses the rewind): the run is left counted,
 /// owing that retry's notices (docs/adr/0115), with the attempt never sent.
-/// With the card removed the run still waits for that attempt: no decline
-/// was made, so none is announced, and the retry is not counted twice.
+/// With the card removed, no decline was made, so none is announced: the run
+/// goes on without a card, its next retry counted not attempted
+/// (docs/adr/0116), and it does not wait for a card for ever.
 ///
-/// Mutation check: `unsent_owed_released` (the exception for a never-sent
-/// attempt applied also to a run that owes its notices) announces a decline
-/// `unknown`; seen failing it.
+/// Mutation check: `unsent_owed_announced` (the listing announces an owed
+/// decline whatever became of its attempt) announces a decline `unknown`;
+/// seen failing it.
 #[tokio::test]
 async fn a_retry_never_sent_and_never_rewound_is_not_announced_as_declined() {
     let t = TestDb::new().await;
@@ -477,7 +474,7 @@ async fn a_retry_never_sent_and_never_rewound_is_not_announced_as_declined() {
     let limited = Behaviour::RateLimited {
         retry_after_secs: 1,
     };
-    let (a, d, _, _) = declined_run(&t, &p, 2, limited).await;
+    let (a, d, _, _) = declined_run(&t, &p, 3, limited).await;
     let mut su = t.superuser().await;
     for ddl in [
         "CREATE FUNCTION refuse_rewinds() RETURNS trigger LANGUAGE plpgsql AS $$ \
@@ -497,8 +494,63 @@ async fn a_retry_never_sent_and_never_rewound_is_not_announced_as_declined() {
     remove_payment_method(&t.db, &a.customer).await;
     due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
-    assert_eq!(r.tally.pending, 1, "{r:?}");
+    assert_eq!(r.tally.not_attempted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 2));
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.retry_skipped"]
+    );
+    assert_eq!(p.total_charges(), 0);
+}
+
+/// A retry answered `processing` owes its decline's notices (docs/adr/0085);
+/// collection is then paused and the debit fails. While paused the run is
+/// held as a charge is: listed for the charge, refused by billing, rewound.
+/// The rewind takes back only what its record wrote, so the mark the
+/// processing answer left stays (docs/adr/0115), and once collection resumes
+/// the decline is announced once and retry 2 waits for the policy's gap.
+///
+/// Mutation check: `rewind_clears_any_owed` (the rewinds clear every mark,
+/// as 0115 first did) charges retry 2 at once on the resume, retry 1's
+/// decline never announced; seen failing it.
+#[tokio::test]
+async fn an_owed_decline_outlives_a_pause_of_collection() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (a, d, _, charging) = declined_run(&t, &p, 3, Behaviour::Processing).await;
+    assert_eq!(tick(&t.db, &d).await.tally.pending, 1);
+    assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
+    let mut su = t.superuser().await;
+    let pause = |behavior: Option<&'static str>| {
+        sqlx::query("UPDATE subscriptions SET pause_collection_behavior = $1 WHERE id = $2")
+            .bind(behavior)
+            .bind(a.subscription)
+    };
+    pause(Some("keep_as_draft")).execute(&mut su).await.unwrap();
+    let intent = p.intents()[0].id.clone();
+    assert!(p.settle_processing(&intent, false));
+    sqlx::query("UPDATE payment_attempts SET next_check_at = now() WHERE attempt_seq = 2")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    reconciler_looks(&t.db, &charging).await;
+    assert_eq!(
+        attempts(&t.db, a.invoice).await[1],
+        (2, "declined".to_owned())
+    );
+    due_now(&t.db).await;
+    tick(&t.db, &d).await;
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
     assert_eq!(events(&t.db).await, ["dunning.started"]);
-    assert_eq!(p.total_charges(), 0);
+    pause(None).execute(&mut su).await.unwrap();
+    due_now(&t.db).await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.declined, 1, "{r:?}");
+    assert_eq!(p.create_requests(), 1, "retry 2 charged at once");
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.attempt_failed"]
+    );
+    let next = crate::next_retry_in(&t.db, a.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
 }

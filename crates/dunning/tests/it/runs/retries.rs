@@ -327,7 +327,7 @@ async fn a_declined_retry_sends_one_email_that_asks_what_its_decline_needs() {
     let invoice = a.invoice;
     assert!(
         texts[0].starts_with(&format!(
-            "Payment for invoice {invoice} failed: we will retry | \
+            "Payment for invoice {invoice} failed: add a payment method and we will retry | \
              We could not charge your saved card for invoice {invoice} (expired_card). \
              We will not try this card again: please add a new payment method before "
         )),
