@@ -216,11 +216,12 @@ async fn pause(
 ) -> Result<Response, ApiError> {
     let role = role(&name)?;
     let PauseBody { reason, by } = &body.value;
-    for (field, value) in [("reason", reason), ("by", by)] {
-        if value.trim().is_empty() || value.chars().count() > 500 {
+    // The bounds of `leader_leases` (migration 0007) and the CLI's.
+    for (field, value, most) in [("reason", reason, 500), ("by", by, 200)] {
+        if value.trim().is_empty() || value.chars().count() > most {
             return Err(ApiError::param(
                 field,
-                format!("{field} is 1 to 500 characters"),
+                format!("{field} is 1 to {most} characters"),
             ));
         }
     }

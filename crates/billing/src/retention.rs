@@ -2,7 +2,10 @@
 //! answer kept on a resolved payment attempt, cleared once old. The attempt
 //! itself is money and is never deleted; `raw_answer` (migration 0019, the
 //! first bytes of an answer that did not parse) is the only request or
-//! response text the service keeps of a call.
+//! response text the service keeps of a call. And the tenant API's
+//! idempotency keys, deleted once they can no longer be replayed
+//! (docs/adr/0117): the API is a producer, not a role, so a role prunes for
+//! it.
 
 use std::time::Duration;
 
@@ -67,5 +70,58 @@ impl Prune for RawAnswers<'_> {
             .await?;
         tx.commit().await?;
         Ok(cleared.into())
+    }
+}
+
+/// How long an idempotency key answers with its first answer (docs/adr/0035;
+/// `crates/api/src/scope.rs` reuses an older one in place).
+pub const IDEMPOTENCY_KEY_LIFE: Duration = Duration::from_secs(24 * 3600);
+
+/// The prune statement of [`IdempotencyKeys`]; `pub` only for the plan test.
+/// Keys older than their life (`$3`), oldest first through
+/// `api_idempotency_keys_created`, fenced, deleted by the table's key. No row
+/// lock is taken to choose them (that needs UPDATE, which the app is not
+/// granted): the age is checked again on the row deleted, so a key a request
+/// reused in place meanwhile (a new `created_at`) is waited for and kept.
+pub const DELETE_IDEMPOTENCY_KEYS: &str = "WITH doomed AS MATERIALIZED ( \
+           SELECT k.tenant_id, k.idempotency_key FROM api_idempotency_keys k \
+           WHERE k.created_at < now() - make_interval(secs => $3) \
+             AND leader_fence($1, $2) \
+           ORDER BY k.created_at \
+           LIMIT $4) \
+         DELETE FROM api_idempotency_keys a USING doomed \
+         WHERE a.tenant_id = doomed.tenant_id AND a.idempotency_key = doomed.idempotency_key \
+           AND a.created_at < now() - make_interval(secs => $3)";
+
+/// The tenant API's idempotency keys past their life, as a prune kind. The
+/// configured retention does not apply: a key is kept exactly as long as it
+/// can be replayed.
+pub(crate) struct IdempotencyKeys<'a>(pub &'a Biller);
+
+impl Prune for IdempotencyKeys<'_> {
+    type Error = Error;
+
+    fn kind(&self) -> &'static str {
+        "idempotency_keys"
+    }
+
+    async fn prune(&self, fence: &Fence, _keep: Duration, limit: usize) -> Result<Pruned, Error> {
+        let inner = &self.0.inner;
+        let mut tx = inner
+            .db
+            .begin_index_driven(inner.config.statement_timeout)
+            .await?;
+        tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await?;
+        let deleted = tx
+            .execute(
+                sql(DELETE_IDEMPOTENCY_KEYS)
+                    .bind(fence.role_name())
+                    .bind(fence.token())
+                    .bind(IDEMPOTENCY_KEY_LIFE.as_secs_f64())
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+            )
+            .await?;
+        tx.commit().await?;
+        Ok(deleted.into())
     }
 }

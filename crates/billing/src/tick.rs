@@ -17,7 +17,7 @@ use crate::close::{self, Due};
 use crate::invoice::{self, Closed};
 use crate::lifecycle::{LifecycleTally, Resumes, Trials};
 use crate::reconcile::{ReconcileTally, StaleHolds, UnknownSweep};
-use crate::retention::RawAnswers;
+use crate::retention::{IdempotencyKeys, RawAnswers};
 use crate::store;
 use crate::{Biller, Error};
 
@@ -134,6 +134,7 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
         && let Some(mut prunes) = Prunes::of(&plan, pruning, tick, &biller.inner.telemetry)
     {
         prunes.run(&RawAnswers(biller)).await;
+        prunes.run(&IdempotencyKeys(biller)).await;
         prunes.lease_history(&biller.inner.db).await;
         prunes.finish();
     }

@@ -26,6 +26,10 @@ use webhook_outbox::{Dispatcher, DispatcherConfig};
 use crate::http::{AppState, StatusSnapshot, refresh_status, router};
 use crate::secret::Secret;
 
+/// How often histogram samples are drained into their buckets, scraped or
+/// not (the interval `PrometheusBuilder::install` would use).
+const METRICS_UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
 /// What [`run`] runs; built from the environment by `settings`.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -374,6 +378,23 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         status.clone(),
         root.clone(),
     ));
+    // `build_recorder` starts no upkeep: a histogram's samples are drained
+    // into its buckets only by a render, so a replica nobody scrapes
+    // (Prometheus down, a scrape config that misses it, `dev` alone) kept
+    // every sample of every attempt and tick, about 8 bytes each, until it
+    // ran out of memory. The upkeep drains them whether or not anyone reads.
+    let upkeep = tokio::spawn({
+        let (metrics, stop) = (metrics.clone(), root.clone());
+        async move {
+            while stop
+                .run_until_cancelled(tokio::time::sleep(METRICS_UPKEEP_EVERY))
+                .await
+                .is_some()
+            {
+                metrics.run_upkeep();
+            }
+        }
+    });
     let app = router(AppState { status, metrics });
     let http_stop = root.clone();
     let http = tokio::spawn(crate::http::serve_bounded(listener, app, http_stop));
@@ -433,6 +454,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
         api_db.close().await;
     }
     let _ = refresher.await;
+    let _ = upkeep.await;
     status_db.close().await;
     if let Some(lease_status_db) = lease_status_db {
         lease_status_db.close().await;

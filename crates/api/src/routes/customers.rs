@@ -43,17 +43,34 @@ pub struct NewCustomer {
     pub provider_customer_id: Option<String>,
 }
 
-/// What to change; a field left out is unchanged.
+/// What to change; a field left out is unchanged. `name` and
+/// `payment_method` given as `null` are removed.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CustomerUpdate {
     #[schema(max_length = 320)]
     pub email: Option<String>,
-    #[schema(max_length = 200)]
-    pub name: Option<String>,
-    /// Needs the customer's `provider_customer_id`.
-    #[schema(pattern = r"^pm_[A-Za-z0-9_]+$")]
-    pub payment_method: Option<String>,
+    /// `null` removes the name.
+    #[serde(default, deserialize_with = "given")]
+    #[schema(value_type = Option<String>, max_length = 200)]
+    pub name: Option<Option<String>>,
+    /// Needs the customer's `provider_customer_id`. `null` removes the saved
+    /// payment method: the customer's invoices then wait for a new one
+    /// (billing asks the customer for one; dunning counts its retries "not
+    /// attempted").
+    #[serde(default, deserialize_with = "given")]
+    #[schema(value_type = Option<String>, pattern = r"^pm_[A-Za-z0-9_]+$")]
+    pub payment_method: Option<Option<String>>,
+}
+
+/// A field given (`Some`), `null` included (`Some(None)`), as against left
+/// out (`None`, through `#[serde(default)]`).
+fn given<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -207,8 +224,8 @@ pub async fn update(
     body: JsonBody<CustomerUpdate>,
 ) -> Result<Response, ApiError> {
     let u = &body.value;
-    check_name(&u.name)?;
-    if let Some(pm) = &u.payment_method {
+    check_name(u.name.as_ref().unwrap_or(&None))?;
+    if let Some(Some(pm)) = &u.payment_method {
         valid::provider_id("payment_method", pm, "pm_")?;
     }
     let mut scope = Scope::begin(&api, &caller).await?;
@@ -231,7 +248,7 @@ pub async fn update(
         .await?
         .ok_or_else(|| ApiError::missing("customer", id))?;
     let current = Customer::from_row(&current)?;
-    if u.payment_method.is_some() && current.provider_customer_id.is_none() {
+    if matches!(u.payment_method, Some(Some(_))) && current.provider_customer_id.is_none() {
         return Err(ApiError::param(
             "payment_method",
             "this customer has no provider_customer_id, which a payment method needs",
@@ -241,8 +258,9 @@ pub async fn update(
         .tx()
         .fetch_one(
             db::sql(concat!(
-                "UPDATE customers SET email = COALESCE($2, email), name = COALESCE($3, name),
-                        payment_method_id = COALESCE($4, payment_method_id)
+                "UPDATE customers SET email = COALESCE($2, email),
+                        name = CASE WHEN $5 THEN $3 ELSE name END,
+                        payment_method_id = CASE WHEN $6 THEN $4 ELSE payment_method_id END
                  WHERE tenant_id = api_tenant() AND id = $1
                  RETURNING ",
                 columns!(),
@@ -250,8 +268,10 @@ pub async fn update(
             ))
             .bind(id)
             .bind(u.email.clone())
-            .bind(u.name.clone())
-            .bind(u.payment_method.clone()),
+            .bind(u.name.clone().flatten())
+            .bind(u.payment_method.clone().flatten())
+            .bind(u.name.is_some())
+            .bind(u.payment_method.is_some()),
         )
         .await?;
     let customer = Customer::from_row(&row)?;

@@ -56,9 +56,10 @@ impl Interval {
 pub struct NewPlan {
     #[schema(min_length = 1, max_length = 200)]
     pub name: String,
-    /// Integer minor units of `currency` (cents for EUR, yen for JPY), above 0;
-    /// in a three-decimal currency (KWD, BHD, JOD, OMR, TND) a multiple of 10,
-    /// as the provider charges them.
+    /// Integer minor units of `currency` (cents for EUR, yen for JPY), above 0
+    /// and at most what the provider charges in one payment (99,999,999 of its
+    /// minor units: 999,999.99 EUR); in a three-decimal currency (KWD, BHD,
+    /// JOD, OMR, TND) a multiple of 10, as the provider charges them.
     #[schema(minimum = 1)]
     pub amount: i64,
     /// ISO 4217, upper case (`EUR`).
@@ -141,6 +142,17 @@ pub async fn create(
         return Err(ApiError::param(
             "currency",
             "currency is an ISO 4217 code in upper case, e.g. EUR",
+        ));
+    }
+    let most = billing::provider::MAX_PROVIDER_AMOUNT;
+    if billing::provider::provider_amount(p.amount, &p.currency) > most {
+        return Err(ApiError::out_of_range(
+            "amount",
+            format!(
+                "the provider charges at most {most} of its minor units in one payment \
+                 (999,999.99 in a two-decimal currency): {} {} is more",
+                p.amount, p.currency
+            ),
         ));
     }
     let step = billing::provider::amount_step(&p.currency);

@@ -128,6 +128,26 @@ async fn an_operator_steers_roles_tenants_and_keys_over_http() {
         (no_reason.status, no_reason.param()),
         (StatusCode::BAD_REQUEST, "reason")
     );
+    // `by` is bounded at the column's 200 characters, with the API's own
+    // words (it was checked at 500, and 201 to 500 met the CHECK's message).
+    let long_by = op(
+        &s,
+        "POST",
+        "/operator/v1/leaders/billing/pause",
+        Some(json!({"reason": "incident", "by": "o".repeat(201)})),
+    )
+    .await;
+    assert_eq!(
+        (long_by.status, long_by.param()),
+        (StatusCode::BAD_REQUEST, "by"),
+        "{}",
+        long_by.text
+    );
+    assert!(
+        long_by.text.contains("1 to 200 characters"),
+        "{}",
+        long_by.text
+    );
 
     let made = op(
         &s,

@@ -15,6 +15,7 @@ mod periods;
 mod plans;
 mod reconcile;
 mod record;
+mod retention;
 mod tenants;
 
 use std::sync::Arc;

@@ -38,6 +38,22 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
         (u.json["email"].as_str(), u.json["name"].as_str()),
         (Some("grace@example.org"), Some("Ada"))
     );
+    assert_eq!(u.json["payment_method"], "pm_card_visa", "left out: kept");
+    // `null` removes the card (and the name): it was taken as "left out",
+    // answered 200, and the card a customer had taken away stayed charged
+    // (docs/adr/0117; mutation `customer_null_kept`).
+    let u =
+        b.s.post(
+            &format!("/v1/customers/{id}"),
+            &b.a,
+            json!({"payment_method": null, "name": null}),
+        )
+        .await;
+    assert_eq!(u.status, 200, "{}", u.text);
+    assert_eq!(
+        (&u.json["payment_method"], &u.json["name"], &u.json["email"]),
+        (&json!(null), &json!(null), &json!("grace@example.org"))
+    );
 
     let p = Method::POST;
     b.check_refusals(

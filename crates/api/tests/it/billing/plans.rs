@@ -67,6 +67,28 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
                 "parameter_invalid",
                 "amount",
             ),
+            // More than the provider charges in one payment (eight digits
+            // of its minor units): every charge would go to review. In ISK
+            // the provider counts hundredths, so 1,000,000 ISK is too much
+            // (docs/adr/0117; mutation `plan_amount_unbounded`).
+            (
+                p.clone(),
+                path.clone(),
+                with("amount", json!(100_000_000)),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                Some(
+                    json!({"name": "Pro", "amount": 1_000_000, "currency": "ISK", "interval": "month"}),
+                ),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
             // Past bigint: refused by the body's type, never a 500.
             (
                 p.clone(),
