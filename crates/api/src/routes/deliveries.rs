@@ -254,6 +254,31 @@ pub async fn resend(
             ),
         ));
     }
+    // A delivered row's delivering attempt lives only in its `last_*`
+    // columns, which the resent delivery's next attempt overwrites: it goes
+    // into the history first, under the row's lock, so the history keeps
+    // what was delivered before (docs/adr/0119). A dead row's last attempt
+    // is in the history already.
+    scope
+        .tx()
+        .execute(
+            db::sql(
+                "WITH d AS (
+                   SELECT tenant_id, id, attempts, last_attempt_at, delivered_at,
+                          last_status_code, last_latency_ms
+                   FROM webhook_deliveries
+                   WHERE tenant_id = api_tenant() AND id = $1 AND status = 'delivered'
+                   FOR UPDATE)
+                 INSERT INTO webhook_delivery_attempts
+                        (tenant_id, delivery_id, attempt, attempted_at, status_code, latency_ms)
+                 SELECT tenant_id, id, attempts, COALESCE(last_attempt_at, delivered_at, now()),
+                        last_status_code, last_latency_ms
+                 FROM d
+                 ON CONFLICT (delivery_id, attempt) DO NOTHING",
+            )
+            .bind(id),
+        )
+        .await?;
     let reset = scope
         .tx()
         .execute(db::sql(concat!(reset!(), " AND id = $1")).bind(id))

@@ -7,6 +7,7 @@ use axum::response::Response;
 use chrono::{DateTime, Utc};
 use db::{PgRow, Row as _};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
@@ -27,8 +28,11 @@ pub struct NewEvent {
     #[serde(rename = "type")]
     #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
     pub event_type: String,
-    /// The event's payload, any JSON value (at most 256 KiB as JSON text).
-    pub data: serde_json::Value,
+    /// The event's payload, any JSON value (at most 256 KiB as JSON text),
+    /// stored and delivered as given: numbers are not read through a 64-bit
+    /// float (a 23-digit integer and `1.10` arrive as sent).
+    #[schema(value_type = serde_json::Value)]
+    pub data: Box<RawValue>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -36,7 +40,10 @@ pub struct Event {
     pub id: i64,
     #[serde(rename = "type")]
     pub event_type: String,
-    pub data: serde_json::Value,
+    /// As stored (Postgres `jsonb`: keys ordered, whitespace normalized,
+    /// numbers exact).
+    #[schema(value_type = serde_json::Value)]
+    pub data: Box<RawValue>,
     /// The Standard Webhooks `webhook-id` every delivery of it carries.
     pub message_id: String,
     pub created_at: DateTime<Utc>,
@@ -46,7 +53,7 @@ pub struct Event {
 
 impl Event {
     fn from_row(row: &PgRow) -> Result<Event, db::Error> {
-        let db::Json(data) = row.try_get::<db::Json<serde_json::Value>, _>("payload")?;
+        let db::Json(data) = row.try_get::<db::Json<Box<RawValue>>, _>("payload")?;
         Ok(Event {
             id: row.try_get("id")?,
             event_type: row.try_get("event_type")?,
@@ -88,8 +95,13 @@ pub async fn publish(
 ) -> Result<Response, ApiError> {
     let NewEvent { event_type, data } = &body.value;
     valid::event_type("type", event_type)?;
-    let payload = data.to_string();
-    valid::payload("data", data, &payload)?;
+    // The payload's own text, as the caller wrote it: parsed into a
+    // `serde_json::Value` and printed again, a number was read through an
+    // f64 (docs/adr/0119). The parsed copy only looks for NUL characters.
+    let payload = data.get();
+    let parsed: serde_json::Value =
+        serde_json::from_str(payload).map_err(|_| ApiError::internal())?;
+    valid::payload("data", &parsed, payload)?;
     if idem.key.is_none() {
         // Nothing to bind a key to: authenticate, insert and commit in one
         // message.

@@ -177,3 +177,54 @@ async fn a_backslash_before_u0000_is_text_and_only_a_nul_is_refused() {
         filter.text
     );
 }
+
+/// A payload is stored and answered with its numbers as the caller wrote
+/// them: a 23-digit integer and `1.10` were read through a 64-bit float and
+/// stored as `1.2345678901234568e22` and `1.1` (docs/adr/0119). Both publish
+/// paths (one message without a key, the keyed transaction) and the read.
+///
+/// Mutation check: `payload_through_value` (the payload parsed into a
+/// `serde_json::Value` and printed again, as before) seen failing it.
+#[tokio::test]
+async fn a_payloads_numbers_are_kept_as_written() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let body = r#"{"type": "meter.read", "data": {"big": 12345678901234567890123, "p": 1.10}}"#;
+    for idem in [None, Some("reading-1")] {
+        let mut req = s
+            .client
+            .post(format!("{}/v1/events", s.base))
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(body);
+        if let Some(idem) = idem {
+            req = req.header("idempotency-key", idem);
+        }
+        let answer = req.send().await.unwrap();
+        assert_eq!(answer.status(), 201);
+        let text = answer.text().await.unwrap();
+        for exact in ["12345678901234567890123", "1.10"] {
+            assert!(text.contains(exact), "{idem:?}: {exact} not in {text}");
+        }
+    }
+    let stored: Vec<String> =
+        t.db.fetch_all(db::sql(
+            "SELECT payload::text AS p FROM webhook_events ORDER BY id",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| db::Row::get(r, "p"))
+        .collect();
+    assert_eq!(
+        stored, [r#"{"p": 1.10, "big": 12345678901234567890123}"#; 2],
+        "as stored"
+    );
+    let read = s.get("/v1/events?type=meter.read", &key).await;
+    assert!(
+        read.text.contains("12345678901234567890123"),
+        "{}",
+        read.text
+    );
+}

@@ -17,7 +17,7 @@ use testbed::TestDb;
 #[derive(Clone)]
 pub struct Served {
     pub base: String,
-    client: reqwest::Client,
+    pub client: reqwest::Client,
 }
 
 /// Serve the API with the test bed's secrets key.

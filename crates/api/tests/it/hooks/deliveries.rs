@@ -25,7 +25,8 @@ async fn make_due(t: &TestDb) {
 /// failed attempt (status, latency, category, the start of the answer) and
 /// then the delivering one; a resend of the delivered delivery is pending
 /// again at once, and resending it while pending is a 409. Fails if the
-/// reset also takes pending rows (seen: a 200 where the 409 belongs).
+/// reset also takes pending rows (seen: a 200 where the 409 belongs). After
+/// the resend is delivered, the history holds both delivering attempts.
 #[tokio::test]
 async fn a_delivery_shows_each_attempt_and_is_resent_when_terminal() {
     let t = TestDb::new().await;
@@ -99,6 +100,22 @@ async fn a_delivery_shows_each_attempt_and_is_resent_when_terminal() {
     );
     deliver(&t, &w).await;
     assert_eq!(rx.count(), 3, "the resend is delivered again");
+    // The first delivering attempt is still in the history beside the new
+    // one: it lived only in the row's last_* columns, which the resent
+    // attempt overwrote (docs/adr/0119; mutation `resend_drops_delivering`).
+    let again = s.get(&format!("/v1/deliveries/{d_id}"), &key).await;
+    let history: Vec<(i64, i64)> = again.json["attempt_history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["attempt"].as_i64().unwrap(),
+                a["status_code"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(history, [(1, 500), (2, 204), (4, 204)], "{}", again.text);
 
     let a = s.get("/v1/deliveries", &key).await;
     assert_eq!((a.status, a.param()), (StatusCode::BAD_REQUEST, "event_id"));
