@@ -101,6 +101,15 @@ pub enum ScheduleInvalid {
     RetryCount(usize),
     #[error("retry {index} is {secs} s after the first decline; each is 1 to {MAX_OFFSET_SECS} s")]
     Offset { index: usize, secs: i64 },
+    #[error(
+        "retry_offsets_secs[{index}] is {secs} s, not after the retry before it ({before} s): \
+         each offset counts from the first decline, so they increase"
+    )]
+    NotLater {
+        index: usize,
+        secs: i64,
+        before: i64,
+    },
     #[error("warn_after names retry {retry}; a policy of {retries} retries has 1 to {retries}")]
     WarnAfter {
         index: usize,
@@ -115,14 +124,17 @@ impl ScheduleInvalid {
     pub fn field(&self) -> String {
         match self {
             ScheduleInvalid::RetryCount(_) => "retry_offsets_secs".to_owned(),
-            ScheduleInvalid::Offset { index, .. } => format!("retry_offsets_secs[{index}]"),
+            ScheduleInvalid::Offset { index, .. } | ScheduleInvalid::NotLater { index, .. } => {
+                format!("retry_offsets_secs[{index}]")
+            }
             ScheduleInvalid::WarnAfter { index, .. } => format!("warn_after[{index}]"),
         }
     }
 }
 
 /// Check a schedule as the table's CHECKs do, so a policy the API writes is
-/// one the funnel follows.
+/// one the funnel follows; and, the API's own rule, that each offset is
+/// later than the one before.
 ///
 /// # Errors
 /// The first rule broken, in field order.
@@ -136,6 +148,16 @@ pub fn check_schedule(offsets_secs: &[i64], warn_after: &[i32]) -> Result<(), Sc
         .find(|(_, s)| !(1..=MAX_OFFSET_SECS).contains(*s))
     {
         return Err(ScheduleInvalid::Offset { index, secs });
+    }
+    // Not a CHECK of the table (a row written before this rule is followed
+    // as it is): the API's own, since a later retry at an earlier offset
+    // runs back to back with the one before (docs/adr/0117).
+    if let Some(index) = (1..offsets_secs.len()).find(|&i| offsets_secs[i] <= offsets_secs[i - 1]) {
+        return Err(ScheduleInvalid::NotLater {
+            index,
+            secs: offsets_secs[index],
+            before: offsets_secs[index - 1],
+        });
     }
     let retries = offsets_secs.len();
     if let Some((index, &retry)) = warn_after
@@ -284,8 +306,11 @@ mod tests {
 
     #[test]
     fn a_schedule_is_checked_as_the_table_checks_it() {
-        let ok: &[(&[i64], &[i32])] =
-            &[(&[1], &[]), (&[60, 31_622_400], &[1, 2]), (&[5; 20], &[20])];
+        let ok: &[(&[i64], &[i32])] = &[
+            (&[1], &[]),
+            (&[60, 31_622_400], &[1, 2]),
+            (&[1, 2, 3, 4, 5], &[5]),
+        ];
         for (offsets, warn) in ok {
             assert_eq!(
                 check_schedule(offsets, warn),
@@ -298,7 +323,9 @@ mod tests {
             (&[5; 21], &[], "retry_offsets_secs"),
             (&[60, 0], &[], "retry_offsets_secs[1]"),
             (&[31_622_401], &[], "retry_offsets_secs[0]"),
-            (&[60, 60], &[1, 3], "warn_after[1]"),
+            (&[60, 120], &[1, 3], "warn_after[1]"),
+            (&[60, 60], &[], "retry_offsets_secs[1]"),
+            (&[60, 120, 90], &[], "retry_offsets_secs[2]"),
             (&[60], &[0], "warn_after[0]"),
         ];
         for (offsets, warn, field) in bad {

@@ -273,8 +273,10 @@ impl ServeSettings {
         let mut intervals = Vec::new();
         for entry in crate::roles::REGISTRY {
             if let Some(text) = non_empty(self.interval(entry.role)) {
-                // The scheduler owns the bounds (1s to 30d); this only reads the text.
-                let any = Duration::from_millis(1)..=Duration::MAX;
+                // The scheduler owns the bounds (1s to 30d) and names them; this
+                // only reads the text (a bound of its own here answered `0s`
+                // with "at least 1ms").
+                let any = Duration::ZERO..=Duration::MAX;
                 intervals.push((entry.role, duration(entry.interval, &text, any)?));
             }
         }

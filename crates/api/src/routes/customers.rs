@@ -38,7 +38,8 @@ pub struct NewCustomer {
     /// needs `provider_customer_id`.
     #[schema(pattern = r"^pm_[A-Za-z0-9_]+$")]
     pub payment_method: Option<String>,
-    /// The provider's customer, e.g. `cus_123`; unique in the tenant.
+    /// The provider's customer, e.g. `cus_123`; one customer of one tenant
+    /// in the deployment (docs/adr/0103).
     #[schema(pattern = r"^cus_[A-Za-z0-9_]+$")]
     pub provider_customer_id: Option<String>,
 }

@@ -107,7 +107,8 @@ pub struct NewPolicy {
     /// Retry n is due `retry_offsets_secs[n - 1]` seconds after the first
     /// decline, and never sooner after retry n - 1 than the gap between
     /// their offsets: a retry made late (collection paused, a business
-    /// window shut) moves the rest on. 1 to 20 retries, each 1 s to 366 days.
+    /// window shut) moves the rest on. 1 to 20 retries, each 1 s to 366 days
+    /// and later than the one before.
     #[schema(min_items = 1, max_items = 20)]
     pub retry_offsets_secs: Vec<i64>,
     pub final_action: FinalAction,
@@ -320,7 +321,9 @@ pub async fn put_policy(
     valid::text("name", &name, MAX_NAME_CHARS)?;
     dunning::check_schedule(&p.retry_offsets_secs, &p.warn_after).map_err(|e| {
         let code = match e {
-            dunning::ScheduleInvalid::RetryCount(_) => Code::ParameterInvalid,
+            dunning::ScheduleInvalid::RetryCount(_) | dunning::ScheduleInvalid::NotLater { .. } => {
+                Code::ParameterInvalid
+            }
             _ => Code::ParameterOutOfRange,
         };
         ApiError::invalid(code, e.field(), e.to_string())

@@ -24,8 +24,11 @@ pub struct PaymentAttempt {
     pub attempt: i32,
     pub amount: i64,
     pub currency: String,
-    /// `succeeded`, `declined`, or `unknown` until the answer (or the
-    /// reconciler) settles it.
+    /// `succeeded` or `declined`; `unknown` until the answer (or the
+    /// reconciler) settles it; `processing` while the provider settles it
+    /// (a bank debit); `needs_review` while an operator decides an answer
+    /// that cannot be relied on; `failed` when the provider refused the
+    /// request before executing it, or an operator settled it as not charged.
     pub status: String,
     pub decline_code: Option<String>,
     pub payment_intent: Option<String>,

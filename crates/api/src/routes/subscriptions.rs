@@ -85,7 +85,8 @@ pub struct Subscription {
     pub id: i64,
     pub customer: i64,
     pub plan: i64,
-    /// `trialing`, `active`, `paused` or `canceled`.
+    /// `trialing`, `active` or `canceled`. A pause of collection leaves it
+    /// `active` and shows in `pause_collection`.
     pub status: String,
     pub billing_anchor: DateTime<Utc>,
     pub current_period_start: DateTime<Utc>,

@@ -2,7 +2,7 @@
 //! (`leader_history`, migration 0027), newest term first, read as
 //! `leader status` reads its view, over the operator's URL.
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use db::Db;
 use leader::{Role, Term};
 
@@ -24,21 +24,31 @@ pub struct HistoryArgs {
 }
 
 /// Print the terms `args` asks for, and any overlap between two terms of one
-/// role among them (there should be none).
+/// role among them (there should be none). An overlap is named on standard
+/// error, with `--json` too, and fails the command, so a script that checks
+/// the history sees it (docs/adr/0117).
 pub async fn history(db: &Db, args: HistoryArgs) -> Result<()> {
     let terms = leader::store::history(db, args.role, args.limit).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&terms)?);
-        return Ok(());
+    } else {
+        print_terms(&terms);
     }
-    print_terms(&terms);
-    for o in leader::overlapping_terms(&terms) {
-        println!(
+    let overlaps = leader::overlapping_terms(&terms);
+    for o in &overlaps {
+        eprintln!(
             "OVERLAP: {} token {} began {:.3} s before token {} ended",
             printable(&o.role),
             o.later_token,
             o.overlap_us as f64 / 1e6,
             o.earlier_token
+        );
+    }
+    if !overlaps.is_empty() {
+        bail!(
+            "{} overlap(s) between terms of one role: two replicas led it at once, \
+             which the lease design rules out; keep these terms and report them",
+            overlaps.len()
         );
     }
     Ok(())

@@ -67,6 +67,10 @@ fn nonsense_is_refused_by_the_setting_s_name() {
             "HARDCOUNT_BILLING_INTERVAL is 500ms: a role's interval must be from 1s",
         ),
         (
+            &["--billing-interval", "0s"],
+            "HARDCOUNT_BILLING_INTERVAL is 0ns: a role's interval must be from 1s",
+        ),
+        (
             &["--webhook-delivery-interval", "1 fortnight"],
             "HARDCOUNT_WEBHOOK_DELIVERY_INTERVAL=\"1 fortnight\": unknown time unit",
         ),

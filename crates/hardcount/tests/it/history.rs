@@ -95,3 +95,47 @@ async fn leader_history_lists_terms_newest_first_by_role_and_limit() {
     let out = run(&["leader", "history", "--limit", "0"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
+
+/// Two terms of one role that overlap (written by hand: the lease design
+/// rules them out) are named on standard error and fail the command, with
+/// `--json` too, whose standard output stays the terms as JSON; the command
+/// exited 0 and `--json` did not look (docs/adr/0117). Mutation
+/// `history_overlap_exits_0` seen failing it.
+#[tokio::test]
+async fn an_overlap_in_the_history_fails_the_command() {
+    let t = TestDb::new().await;
+    let mut su = t.superuser().await;
+    sqlx::query(
+        "INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at, released_at, \
+                                   tick_end) \
+         VALUES ('dunning', 1, 'a:1:00000000', now() - interval '60 s', now() - interval '30 s', \
+                 now() - interval '30 s', 'completed'), \
+                ('dunning', 2, 'b:1:00000000', now() - interval '40 s', now() - interval '10 s', \
+                 now() - interval '10 s', 'completed')",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let operator = t.operator_url(Leg::current());
+    for json in [false, true] {
+        let mut args = vec!["leader", "history", "dunning"];
+        if json {
+            args.push("--json");
+        }
+        let out = hardcount()
+            .args(&args)
+            .env("HARDCOUNT_OPERATOR_DATABASE_URL", &operator)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{json}: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("OVERLAP: dunning token 2 began 10.000 s before token 1 ended"),
+            "{stderr}"
+        );
+        if json {
+            let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(rows.len(), 2);
+        }
+    }
+}

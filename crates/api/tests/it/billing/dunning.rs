@@ -35,6 +35,11 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
             (put.clone(), path.clone(), body(json!([]), json!([])), 400, "parameter_invalid", "retry_offsets_secs"),
             (put.clone(), path.clone(), body(json!([60, 0]), json!([])), 400, "parameter_out_of_range", "retry_offsets_secs[1]"),
             (put.clone(), path.clone(), body(json!([31_622_401]), json!([])), 400, "parameter_out_of_range", "retry_offsets_secs[0]"),
+            // Offsets count from the first decline: one not after the one
+            // before ran back to back with it (docs/adr/0117; mutation
+            // `offsets_not_increasing`).
+            (put.clone(), path.clone(), body(json!([86_400, 60]), json!([])), 400, "parameter_invalid", "retry_offsets_secs[1]"),
+            (put.clone(), path.clone(), body(json!([60, 60]), json!([])), 400, "parameter_invalid", "retry_offsets_secs[1]"),
             (put.clone(), path.clone(), body(json!([60, 120]), json!([3])), 400, "parameter_out_of_range", "warn_after[0]"),
             (put.clone(), path.clone(), Some(json!({"retry_offsets_secs": [60], "final_action": "refund"})), 400, "parameter_invalid", "final_action"),
             (put.clone(), path.clone(), Some(json!({"retry_offsets_secs": [60], "final_action": "pause_collection", "pause_behavior": "x"})), 400, "parameter_invalid", "pause_behavior"),
