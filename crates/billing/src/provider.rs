@@ -151,12 +151,18 @@ pub fn provider_amount(amount: i64, currency: &str) -> i64 {
     }
 }
 
-/// The largest amount, in the provider's minor units, of one payment: "up to
-/// eight digits" (<https://docs.stripe.com/currencies>, "Minimum and maximum
-/// charge amounts"; 999,999.99 in a two-decimal currency). A plan priced
-/// above it is refused by the API, since every charge of it would be
-/// refused as invalid and sent to review.
-pub const MAX_PROVIDER_AMOUNT: i64 = 99_999_999;
+/// The largest amount, in the provider's minor units, of one payment in
+/// `currency`: "up to eight digits" (999,999.99 in a two-decimal currency),
+/// twelve for IDR (<https://docs.stripe.com/currencies>, "Minimum and maximum
+/// charge amounts"). A plan priced above it is refused by the API, since
+/// every charge of it would be refused as invalid and sent to review.
+pub fn max_provider_amount(currency: &str) -> i64 {
+    if currency.eq_ignore_ascii_case("IDR") {
+        999_999_999_999
+    } else {
+        99_999_999
+    }
+}
 
 /// The steps, in ISO 4217 minor units, that the provider charges `currency`
 /// in: 10 for the three-decimal currencies, 1 for every other. Stripe takes

@@ -53,24 +53,37 @@ impl Prune for RawAnswers<'_> {
     }
 
     async fn prune(&self, fence: &Fence, keep: Duration, limit: usize) -> Result<Pruned, Error> {
-        let inner = &self.0.inner;
-        let mut tx = inner
-            .db
-            .begin_index_driven(inner.config.statement_timeout)
-            .await?;
-        tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await?;
-        let cleared = tx
-            .execute(
-                sql(CLEAR_RAW_ANSWERS)
-                    .bind(fence.role_name())
-                    .bind(fence.token())
-                    .bind(keep.as_secs_f64())
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
-            )
-            .await?;
-        tx.commit().await?;
-        Ok(cleared.into())
+        prune_with(self.0, CLEAR_RAW_ANSWERS, fence, keep, limit).await
     }
+}
+
+/// One prune statement of billing's (`$1`, `$2` the fence, `$3` the age in
+/// seconds, `$4` the batch), in an index-driven transaction without
+/// sequential scans; how many rows it wrote.
+async fn prune_with(
+    biller: &Biller,
+    statement: &'static str,
+    fence: &Fence,
+    age: Duration,
+    limit: usize,
+) -> Result<Pruned, Error> {
+    let inner = &biller.inner;
+    let mut tx = inner
+        .db
+        .begin_index_driven(inner.config.statement_timeout)
+        .await?;
+    tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await?;
+    let written = tx
+        .execute(
+            sql(statement)
+                .bind(fence.role_name())
+                .bind(fence.token())
+                .bind(age.as_secs_f64())
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+        )
+        .await?;
+    tx.commit().await?;
+    Ok(written.into())
 }
 
 /// How long an idempotency key answers with its first answer (docs/adr/0035;
@@ -106,22 +119,13 @@ impl Prune for IdempotencyKeys<'_> {
     }
 
     async fn prune(&self, fence: &Fence, _keep: Duration, limit: usize) -> Result<Pruned, Error> {
-        let inner = &self.0.inner;
-        let mut tx = inner
-            .db
-            .begin_index_driven(inner.config.statement_timeout)
-            .await?;
-        tx.fetch_all(sql(NO_SEQUENTIAL_SCAN)).await?;
-        let deleted = tx
-            .execute(
-                sql(DELETE_IDEMPOTENCY_KEYS)
-                    .bind(fence.role_name())
-                    .bind(fence.token())
-                    .bind(IDEMPOTENCY_KEY_LIFE.as_secs_f64())
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
-            )
-            .await?;
-        tx.commit().await?;
-        Ok(deleted.into())
+        prune_with(
+            self.0,
+            DELETE_IDEMPOTENCY_KEYS,
+            fence,
+            IDEMPOTENCY_KEY_LIFE,
+            limit,
+        )
+        .await
     }
 }

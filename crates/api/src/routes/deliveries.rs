@@ -388,7 +388,12 @@ async fn with_history(
         .into_iter()
         .map(|(mut d, delivering)| {
             d.attempt_history = by_delivery.remove(&d.id).unwrap_or_default();
-            d.attempt_history.extend(delivering);
+            // A resend that committed between the row's read and this one has
+            // copied the delivering attempt into the history already.
+            let copied = |a: &Attempt| d.attempt_history.iter().any(|h| h.attempt == a.attempt);
+            if let Some(a) = delivering.filter(|a| !copied(a)) {
+                d.attempt_history.push(a);
+            }
             d
         })
         .collect())

@@ -11,7 +11,7 @@ use serde_json::value::RawValue;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, Code};
 use crate::extract::{Id, JsonBody, Query};
 use crate::page::{List, Page};
 use crate::responses::{ReadErrors, WriteErrors};
@@ -99,13 +99,21 @@ pub async fn publish(
     // `serde_json::Value` and printed again, a number was read through an
     // f64 (docs/adr/0119). The parsed copy only looks for NUL characters.
     let payload = data.get();
-    let parsed: serde_json::Value =
-        serde_json::from_str(payload).map_err(|_| ApiError::internal())?;
+    // A RawValue checks the syntax only: a number out of an f64's range
+    // (`1e400`) or a lone surrogate (`"\ud800"`) passes it and fails here,
+    // a 400 as it was when the whole body was read into a Value.
+    let parsed: serde_json::Value = serde_json::from_str(payload).map_err(|e| {
+        ApiError::invalid(
+            Code::InvalidJson,
+            "data",
+            format!("the payload is not JSON: {e}"),
+        )
+    })?;
     valid::payload("data", &parsed, payload)?;
     if idem.key.is_none() {
         // Nothing to bind a key to: authenticate, insert and commit in one
         // message.
-        let insert = outbox::webhook::enqueue_for_caller(event_type, &payload)
+        let insert = outbox::webhook::enqueue_for_caller(event_type, payload)
             .map_err(valid::enqueue_error)?;
         let rows = Scope::run_once(&api, &caller, &insert).await?;
         let row = rows.first().ok_or_else(ApiError::internal)?;
@@ -117,7 +125,7 @@ pub async fn publish(
     }
     let tenant = scope.tenant().to_owned();
     // The row as stored, from the insert itself: one round trip.
-    let row = outbox::webhook::enqueue_returning(scope.tx(), &tenant, event_type, &payload)
+    let row = outbox::webhook::enqueue_returning(scope.tx(), &tenant, event_type, payload)
         .await
         .map_err(valid::enqueue_error)?;
     let event = Event::from_row(&row)?;

@@ -58,7 +58,7 @@ pub struct NewPlan {
     pub name: String,
     /// Integer minor units of `currency` (cents for EUR, yen for JPY), above 0
     /// and at most what the provider charges in one payment (99,999,999 of its
-    /// minor units: 999,999.99 EUR); in a three-decimal currency (KWD, BHD,
+    /// minor units: 999,999.99 EUR; twelve digits in IDR); in a three-decimal currency (KWD, BHD,
     /// JOD, OMR, TND) a multiple of 10, as the provider charges them.
     #[schema(minimum = 1)]
     pub amount: i64,
@@ -144,14 +144,14 @@ pub async fn create(
             "currency is an ISO 4217 code in upper case, e.g. EUR",
         ));
     }
-    let most = billing::provider::MAX_PROVIDER_AMOUNT;
+    let most = billing::provider::max_provider_amount(&p.currency);
     if billing::provider::provider_amount(p.amount, &p.currency) > most {
         return Err(ApiError::out_of_range(
             "amount",
             format!(
-                "the provider charges at most {most} of its minor units in one payment \
-                 (999,999.99 in a two-decimal currency): {} {} is more",
-                p.amount, p.currency
+                "the provider charges at most {most} of its minor units of {} in one \
+                 payment: {} is more",
+                p.currency, p.amount
             ),
         ));
     }

@@ -227,4 +227,21 @@ async fn a_payloads_numbers_are_kept_as_written() {
         "{}",
         read.text
     );
+    // Past an f64 the payload is still refused as JSON it cannot hold, a 400
+    // naming `data`, never a 500 (a review found the first form answered 500).
+    for data in [r#"{"n": 1e400}"#, r#""\ud800""#] {
+        let body = format!(r#"{{"type": "meter.read", "data": {data}}}"#);
+        let answer = s
+            .client
+            .post(format!("{}/v1/events", s.base))
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 400, "{data}");
+        let text = answer.text().await.unwrap();
+        assert!(text.contains(r#""param":"data""#), "{data}: {text}");
+    }
 }

@@ -245,6 +245,8 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     want.push("email_outbox:SELECT".into());
     want.push("email_outbox:INSERT".into());
     want.push("webhook_delivery_attempts:SELECT".into());
+    // Migration 0049: a resend keeps the delivering attempt in the history.
+    want.push("webhook_delivery_attempts:INSERT".into());
     // Billing's producers in the API's transaction, and the dunning policy
     // and runs (migration 0025).
     for c in [
@@ -299,7 +301,8 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
             "DELETE FROM webhook_events",
             "UPDATE webhook_deliveries SET last_status_code = 200",
             "UPDATE webhook_deliveries SET claimed_until = NULL",
-            "INSERT INTO webhook_delivery_attempts (tenant_id, delivery_id, attempt) VALUES ('t', 1, 1)",
+            "UPDATE webhook_delivery_attempts SET status_code = 200",
+            "DELETE FROM webhook_delivery_attempts",
             "UPDATE invoices SET status = 'paid'",
             "UPDATE email_outbox SET sent_at = now()",
             "UPDATE email_outbox SET last_reply_code = 250",
@@ -423,7 +426,8 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         ]
     );
     // Migration 0030: the retention prunes delete finished webhook and email
-    // rows; nothing else, and never money (invoices, attempts, runs).
+    // rows; migration 0048 idempotency keys a day old; nothing else, and
+    // never money (invoices, attempts, runs).
     let deletes: Vec<&String> = granted
         .iter()
         .filter(|g| g.contains(":DELETE") || g.contains(":TRUNCATE"))
@@ -431,6 +435,7 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
     assert_eq!(
         deletes,
         [
+            "api_idempotency_keys:DELETE",
             "email_outbox:DELETE",
             "webhook_deliveries:DELETE",
             "webhook_delivery_attempts:DELETE",

@@ -28,6 +28,15 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
     let id = plan["id"].as_i64().unwrap();
     assert_eq!(b.s.get(&format!("/v1/plans/{id}"), &b.a).await.json, plan);
     assert_eq!(b.s.get("/v1/plans", &b.a).await.json["data"][0], plan);
+    // The most the provider takes in one payment is a price (docs/adr/0117).
+    for (amount, currency) in [(99_999_999_i64, "EUR"), (999_999_999_999, "IDR")] {
+        b.created(
+            &b.a,
+            "/v1/plans",
+            json!({"name": "Most", "amount": amount, "currency": currency, "interval": "month"}),
+        )
+        .await;
+    }
     let ok = json!({"name": "Pro", "amount": 1, "currency": "EUR", "interval": "month"});
     let with = |k: &str, v: Value| {
         let mut o = ok.clone();
@@ -84,6 +93,17 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
                 path.clone(),
                 Some(
                     json!({"name": "Pro", "amount": 1_000_000, "currency": "ISK", "interval": "month"}),
+                ),
+                400,
+                "parameter_out_of_range",
+                "amount",
+            ),
+            // IDR has twelve digits: 10,000,000,000.00 IDR is one too many.
+            (
+                p.clone(),
+                path.clone(),
+                Some(
+                    json!({"name": "Pro", "amount": 1_000_000_000_000_i64, "currency": "IDR", "interval": "month"}),
                 ),
                 400,
                 "parameter_out_of_range",
