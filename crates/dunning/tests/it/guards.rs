@@ -189,16 +189,12 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
     let y = declined_invoice(&t.db, "tenant_a").await;
     p.set_behaviour(&x.customer, Behaviour::Decline("do_not_honor".into()));
     p.set_behaviour(&y.customer, Behaviour::Decline("insufficient_funds".into()));
-    let mut su = t.superuser().await;
-    for ddl in [
-        "CREATE FUNCTION refuse_do_not_honor() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN IF NEW.last_decline_code = 'do_not_honor' THEN \
-           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
-        "CREATE TRIGGER refuse_do_not_honor BEFORE UPDATE ON dunning_runs \
-         FOR EACH ROW EXECUTE FUNCTION refuse_do_not_honor()",
-    ] {
-        sqlx::query(ddl).execute(&mut su).await.unwrap();
-    }
+    crate::refuse_run_updates(
+        &t,
+        "refuse_do_not_honor",
+        "NEW.last_decline_code = 'do_not_honor'",
+    )
+    .await;
     let (d, _) = dunner(&t.db, &p, CALL, config());
     let r = tick(&t.db, &d).await;
     assert_eq!((r.tally.errors, r.tally.declined), (1, 1), "{r:?}");
@@ -216,10 +212,7 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
             "dunning.attempt_failed"
         ]
     );
-    sqlx::query("DROP TRIGGER refuse_do_not_honor ON dunning_runs")
-        .execute(&mut su)
-        .await
-        .unwrap();
+    crate::allow_run_updates(&t, "refuse_do_not_honor").await;
     p.set_behaviour(&x.customer, Behaviour::Decline("card_declined".into()));
     crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
@@ -251,26 +244,19 @@ async fn a_decline_settled_before_a_crash_is_announced_after_the_hold() {
     policy(&t.db, "tenant_a", 3, "pause_collection").await;
     let x = declined_invoice(&t.db, "tenant_a").await;
     p.set_behaviour(&x.customer, Behaviour::Decline("insufficient_funds".into()));
-    let mut su = t.superuser().await;
-    for ddl in [
-        "CREATE FUNCTION refuse_all_but_records() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN IF NEW.attempt_count <= OLD.attempt_count THEN \
-           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
-        "CREATE TRIGGER refuse_all_but_records BEFORE UPDATE ON dunning_runs \
-         FOR EACH ROW EXECUTE FUNCTION refuse_all_but_records()",
-    ] {
-        sqlx::query(ddl).execute(&mut su).await.unwrap();
-    }
+    crate::refuse_run_updates(
+        &t,
+        "refuse_all_but_records",
+        "NEW.attempt_count <= OLD.attempt_count",
+    )
+    .await;
     let (d, _) = dunner(&t.db, &p, CALL, config());
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.errors, 1, "{r:?}");
     assert_eq!(p.create_requests(), 1);
     assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
     assert_eq!(events(&t.db).await, ["dunning.started"]);
-    sqlx::query("DROP TRIGGER refuse_all_but_records ON dunning_runs")
-        .execute(&mut su)
-        .await
-        .unwrap();
+    crate::allow_run_updates(&t, "refuse_all_but_records").await;
     crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.declined, 1, "{r:?}");

@@ -475,21 +475,14 @@ async fn a_retry_never_sent_and_never_rewound_is_not_announced_as_declined() {
         retry_after_secs: 1,
     };
     let (a, d, _, _) = declined_run(&t, &p, 3, limited).await;
-    let mut su = t.superuser().await;
-    for ddl in [
-        "CREATE FUNCTION refuse_rewinds() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN IF NEW.attempt_count < OLD.attempt_count THEN \
-           RAISE EXCEPTION 'refused for the test'; END IF; RETURN NEW; END $$",
-        "CREATE TRIGGER refuse_rewinds BEFORE UPDATE ON dunning_runs \
-         FOR EACH ROW EXECUTE FUNCTION refuse_rewinds()",
-    ] {
-        sqlx::query(ddl).execute(&mut su).await.unwrap();
-    }
+    crate::refuse_run_updates(
+        &t,
+        "refuse_rewinds",
+        "NEW.attempt_count < OLD.attempt_count",
+    )
+    .await;
     tick(&t.db, &d).await;
-    sqlx::query("DROP TRIGGER refuse_rewinds ON dunning_runs")
-        .execute(&mut su)
-        .await
-        .unwrap();
+    crate::allow_run_updates(&t, "refuse_rewinds").await;
     assert_eq!(run_of(&t.db, a.invoice).await, ("active".to_owned(), 1));
     remove_payment_method(&t.db, &a.customer).await;
     due_now(&t.db).await;
