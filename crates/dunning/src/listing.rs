@@ -223,35 +223,25 @@ pub const LIST_DUE: &str = concat!(
             CASE WHEN r.status <> 'active' THEN NULL \
                  WHEN (r.attempt_count >= cardinality(p.retry_offsets_secs) \
                        OR r.owed_notice_attempt = r.attempt_count \
-                       OR c.payment_method_id IS NULL) AND EXISTS ( \
-                     SELECT 1 FROM (SELECT a.provider_status, a.first_sent_at \
-                                    FROM payment_attempts a \
-                                    WHERE a.invoice_id = r.invoice_id \
-                                    ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                     WHERE l.provider_status IN ('unknown', 'processing', 'needs_review') \
-                       AND NOT (l.first_sent_at IS NULL AND c.payment_method_id IS NULL)) \
+                       OR c.payment_method_id IS NULL) \
+                      AND coalesce(la.provider_status IN ('unknown', 'processing', 'needs_review') \
+                                   AND NOT (la.first_sent_at IS NULL \
+                                            AND c.payment_method_id IS NULL), false) \
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
-                 WHEN r.owed_notice_attempt = r.attempt_count AND NOT EXISTS ( \
-                     SELECT 1 FROM (SELECT a.provider_status, a.first_sent_at \
-                                    FROM payment_attempts a \
-                                    WHERE a.invoice_id = r.invoice_id \
-                                    ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                     WHERE l.first_sent_at IS NULL \
-                       AND l.provider_status IN ('unknown', 'processing', 'needs_review')) \
+                 WHEN r.owed_notice_attempt = r.attempt_count \
+                      AND NOT coalesce(la.first_sent_at IS NULL \
+                                       AND la.provider_status IN ('unknown', 'processing', \
+                                                                  'needs_review'), false) \
                  THEN 'decline_unannounced' \
                  WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
-                 WHEN EXISTS ( \
-                   SELECT 1 FROM (SELECT a.decline_code, a.payment_method_id \
-                                  FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
-                                  ORDER BY a.attempt_seq DESC LIMIT 1) l \
-                   WHERE l.decline_code = ANY ($5) \
-                     AND l.payment_method_id IS NOT DISTINCT FROM c.payment_method_id) \
+                 WHEN coalesce(la.decline_code = ANY ($5) \
+                               AND la.payment_method_id IS NOT DISTINCT FROM c.payment_method_id, \
+                               false) \
                  THEN 'payment_method_unchanged' END AS not_chargeable, \
-            CASE WHEN r.status = 'active' AND r.owed_notice_attempt = r.attempt_count THEN ( \
-                SELECT coalesce(a.decline_code, a.provider_status) FROM payment_attempts a \
-                WHERE a.invoice_id = r.invoice_id ORDER BY a.attempt_seq DESC LIMIT 1) \
+            CASE WHEN r.status = 'active' AND r.owed_notice_attempt = r.attempt_count \
+                 THEN coalesce(la.decline_code, la.provider_status) \
             END AS owed_code, \
             COALESCE(CASE WHEN array_ndims(p.retry_offsets_secs) = 1 \
               THEN array_position(p.retry_offsets_secs, NULL) IS NULL \
@@ -272,6 +262,10 @@ pub const LIST_DUE: &str = concat!(
      JOIN customers c ON c.id = s.customer_id \
      JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
      LEFT JOIN tenant_settings ts ON ts.tenant_id = r.tenant_id \
+     LEFT JOIN LATERAL ( \
+       SELECT a.provider_status, a.first_sent_at, a.decline_code, a.payment_method_id \
+       FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
+       ORDER BY a.attempt_seq DESC LIMIT 1) la ON true \
      WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
             OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
        AND r.id <> ALL ($3) \
