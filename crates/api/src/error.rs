@@ -207,6 +207,19 @@ impl ApiError {
         )
     }
 
+    /// An operator request that ran out of time. The operator API takes no
+    /// idempotency key: what the request did is read back, not replayed.
+    pub fn operator_timeout() -> Self {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorType::ApiError,
+            Code::Timeout,
+            "the request took too long; it may or may not have taken effect: read the state back before retrying",
+        );
+        e.retry_after = Some(1);
+        e
+    }
+
     pub fn timeout() -> Self {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

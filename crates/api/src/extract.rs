@@ -44,13 +44,22 @@ fn declares_json(req: &Request) -> bool {
         .unwrap_or(false)
 }
 
-/// The body's bytes; one over the limit is a 413.
+/// The body limit of the routes a request reached, where it is not the tenant
+/// API's [`crate::MAX_BODY_BYTES`]: set as a request extension by their router.
+#[derive(Clone, Copy)]
+pub(crate) struct BodyLimit(pub usize);
+
+/// The body's bytes; one over the limit is a 413 naming the limit.
 async fn body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    let limit = req
+        .extensions()
+        .get::<BodyLimit>()
+        .map_or(crate::MAX_BODY_BYTES, |l| l.0);
     Bytes::from_request(req, state)
         .await
         .map_err(|e: BytesRejection| {
             if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::body_too_large(crate::MAX_BODY_BYTES)
+                ApiError::body_too_large(limit)
             } else {
                 ApiError::param("body", format!("the request body could not be read: {e}"))
             }

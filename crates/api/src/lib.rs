@@ -160,7 +160,7 @@ pub fn router(api: Api) -> Router {
         .with_state(api)
         .layer(
             ServiceBuilder::new()
-                .map_response(json_errors)
+                .map_response(|r| json_errors(r, MAX_BODY_BYTES, ApiError::timeout))
                 .layer(TimeoutLayer::with_status_code(
                     StatusCode::SERVICE_UNAVAILABLE,
                     timeout,
@@ -172,8 +172,14 @@ pub fn router(api: Api) -> Router {
         )
 }
 
-/// The limit layers answer with empty bodies; give them the one error shape.
-fn json_errors(response: Response<Body>) -> Response<Body> {
+/// The limit layers answer with empty bodies; give them the one error shape,
+/// naming the body limit of the routes they guard and answering a timeout
+/// with `timeout`.
+pub(crate) fn json_errors(
+    response: Response<Body>,
+    body_limit: usize,
+    timeout: fn() -> ApiError,
+) -> Response<Body> {
     let status = response.status();
     let is_json = response
         .headers()
@@ -183,8 +189,8 @@ fn json_errors(response: Response<Body>) -> Response<Body> {
         return response;
     }
     match status {
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::body_too_large(MAX_BODY_BYTES),
-        StatusCode::SERVICE_UNAVAILABLE | StatusCode::REQUEST_TIMEOUT => ApiError::timeout(),
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::body_too_large(body_limit),
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::REQUEST_TIMEOUT => timeout(),
         StatusCode::NOT_FOUND => ApiError::route_not_found(),
         StatusCode::METHOD_NOT_ALLOWED => ApiError::method_not_allowed(),
         _ => ApiError::internal(),

@@ -19,22 +19,26 @@
 //! POST /operator/v1/deliveries/replay             {"since", "tenant_id", "endpoint_id", "limit"}
 //! ```
 
-use axum::Router;
+use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use chrono::{DateTime, Utc};
 use db::{Db, Row as _};
 use leader::Role;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
+use tower::ServiceBuilder;
+use tower::limit::GlobalConcurrencyLimitLayer;
 use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::TimeoutLayer;
 
 use crate::error::{ApiError, Code};
-use crate::extract::{Id, JsonBody, Query};
+use crate::extract::{BodyLimit, Id, JsonBody, Query};
 use crate::keys::{self, KeysError};
 
 /// The shortest operator token accepted: 32 characters (of a random
@@ -74,7 +78,21 @@ impl Operator {
     }
 }
 
-/// The operator routes, to merge beside [`crate::router`]'s.
+/// The largest operator request body: every body is a few small fields.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Operator requests served at once, the rest waiting: one per connection of
+/// the operator role's pool (`hardcount serve` opens this many).
+pub const MAX_CONCURRENT: usize = 4;
+
+/// How long an operator request may run before it is answered 503. A replay
+/// of its largest limit is well inside it.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The operator routes, to merge beside [`crate::router`]'s. They carry
+/// limits of their own (a router's layers do not reach routes merged into it
+/// later): the body limit, a timeout and a concurrency cap, with the limit
+/// layers' empty answers given the one error shape.
 pub fn router(op: Operator) -> Router {
     Router::new()
         .route("/operator/v1/leaders", get(leaders))
@@ -95,7 +113,18 @@ pub fn router(op: Operator) -> Router {
         .route("/operator/v1/payment-attempts/{id}/settle", post(settle))
         .route("/operator/v1/deliveries/replay", post(replay))
         .with_state(op)
-        .layer(RequestBodyLimitLayer::new(64 * 1024))
+        .layer(
+            ServiceBuilder::new()
+                .map_response(|r| crate::json_errors(r, MAX_BODY_BYTES, ApiError::operator_timeout))
+                .layer(TimeoutLayer::with_status_code(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    REQUEST_TIMEOUT,
+                ))
+                .layer(GlobalConcurrencyLimitLayer::new(MAX_CONCURRENT))
+                .map_response(|r: Response<_>| r.map(Body::new))
+                .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
+                .layer(Extension(BodyLimit(MAX_BODY_BYTES))),
+        )
 }
 
 /// A caller that presented the operator token.

@@ -5,7 +5,9 @@
 //! and its one settling transaction; then ONE transaction for the outcomes
 //! (recovered, declined or exhausted, rewound), and, when it fails, each
 //! run's transition in its own transaction (a run whose own fails too is
-//! rewound by its hold). Exhausted runs then take their final action.
+//! left as its record wrote it, counted and held, for the listing to write
+//! its outcome from its attempt: docs/adr/0120). Exhausted runs then take
+//! their final action.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -259,7 +261,7 @@ pub(crate) async fn charge_runs(
                 rewind: &pairs,
                 waiting: &waiting,
             };
-            one_at_a_time(ctx, e, batch, &held, &mut out).await
+            one_at_a_time(ctx, e, batch, &mut out).await
         }
     };
     for w in &waiting {
@@ -340,7 +342,6 @@ async fn one_at_a_time(
     ctx: &Ctx,
     e: Error,
     batch: Transitions<'_, '_>,
-    held: &HashMap<i64, DateTime<Utc>>,
     out: &mut HashMap<i64, Outcome>,
 ) -> (
     HashSet<i64>,
@@ -355,10 +356,7 @@ async fn one_at_a_time(
         waiting,
     } = batch;
     let (db, timeout) = (&ctx.db, ctx.config.statement_timeout);
-    // One at a time, as before batching. A run whose own
-    // transition fails too is rewound (by the hold its record
-    // wrote, so a transition that did land stays): as listed,
-    // rather than counted with a hold and no schedule.
+    // One at a time, as before batching.
     debug!(role = %Role::Dunning, error = %e, "batched transitions failed; one run at a time");
     let mut failed: Vec<(&Run, Error)> = Vec::new();
     let mut declined = HashSet::new();
@@ -404,15 +402,16 @@ async fn one_at_a_time(
             Err(e) => failed.push((w.run, e)),
         }
     }
+    // A run whose own transition failed too had an answer that billing
+    // settled. It is left as its record wrote it: counted, held for
+    // `attempt_hold`, owing its decline when a retry follows (docs/adr/0115),
+    // as a crash leaves it. Once the hold has passed, the listing writes the
+    // outcome from the attempt: a decline announced once with the policy's
+    // next retry, a last retry exhausted, a paid invoice recovered, a
+    // processing one waited on. Rewound, the run was charged again at once,
+    // and its decline was never announced (docs/adr/0120).
     for (run, e) in failed {
-        match outcomes::rewind(db, run, held[&run.id], timeout).await {
-            Ok(_) => {
-                warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry outcome not written; rewound");
-            }
-            Err(re) => {
-                warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, rewind = %re, "retry outcome not written and not rewound; the run waits out its hold");
-            }
-        }
+        warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry outcome not written; the run waits out its hold, then its outcome is read from its attempt");
         out.insert(run.id, Some(Ok(Err(e))));
     }
     let mut rewound = HashSet::new();

@@ -60,7 +60,8 @@
 //!                   ─▶ rewind: attempt_count = n, next_attempt_at as listed
 //!                      WHERE attempt_count = n + 1 AND next_attempt_at = hold
 //!     that transaction failed ─▶ each run's transition in its own transaction;
-//!                a run whose own fails too is rewound (by its hold)
+//!                a run whose own fails too stays counted and held; after
+//!                the hold the listing writes its outcome from its attempt
 //!                (the writes of the outcomes: outcomes.rs)
 //!  final action step (one transaction; per run, or the batch's exhausted runs
 //!     together, then per run on an error)                     final_action/mod.rs

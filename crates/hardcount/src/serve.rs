@@ -38,6 +38,10 @@ pub struct Config {
     pub roles: Vec<RoleConfig>,
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
+    /// Interval and schedule variables set for roles this replica does not
+    /// run (HARDCOUNT_ROLES): they take effect only on a replica that runs
+    /// the role. `run` warns of each at startup.
+    pub ignored: Vec<String>,
     pub webhook_delivery: WorkerConfig,
     /// SMTP_URL and the sender's settings; None when SMTP_URL is unset.
     pub email: Option<EmailConfig>,
@@ -247,6 +251,12 @@ fn work_for(
 /// implement named in `HARDCOUNT_ROLES`, an invalid role configuration.
 pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
     scheduler::install_panic_hook();
+    for var in &config.ignored {
+        warn!(
+            setting = %var,
+            "ignored: it is set for a role this replica does not run (HARDCOUNT_ROLES); set it on the replicas that run the role"
+        );
+    }
     let db = Db::connect_lazy(config.database_url.expose(), 10)?;
     // The first statement on DATABASE_URL: a refused connection (TLS, auth)
     // says which variable to fix.
@@ -487,7 +497,10 @@ async fn serve_api(
         telemetry,
     ));
     if let Some(o) = a.operator {
-        let operator_db = Db::connect_lazy(o.database_url.expose(), 4)?;
+        let operator_db = Db::connect_lazy(
+            o.database_url.expose(),
+            api::operator::MAX_CONCURRENT as u32,
+        )?;
         let operator = api::operator::Operator::new(operator_db, o.token.expose())
             .map_err(|e| anyhow::anyhow!("HARDCOUNT_OPERATOR_TOKEN: {e}"))?;
         app = app.merge(api::operator::router(operator));

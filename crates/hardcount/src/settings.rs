@@ -283,6 +283,24 @@ impl ServeSettings {
         let mut roles = scheduler::roles_from_env(roles.as_deref(), |role| {
             intervals.iter().find(|(r, _)| *r == role).map(|(_, d)| *d)
         })?;
+        // An interval or schedule set for a role this replica does not run
+        // does nothing here: `serve` says so at startup (a replica's schedule
+        // set on the wrong replica was silently ignored).
+        let mut ignored = Vec::new();
+        for entry in crate::roles::REGISTRY {
+            if roles.iter().any(|rc| rc.role == entry.role) {
+                continue;
+            }
+            if non_empty(self.interval(entry.role)).is_some() {
+                ignored.push(entry.interval.to_owned());
+            }
+            if non_empty(self.schedule(entry.role)).is_some() {
+                ignored.push(format!(
+                    "HARDCOUNT_{}_SCHEDULE",
+                    entry.role.as_str().to_ascii_uppercase()
+                ));
+            }
+        }
         for entry in crate::roles::REGISTRY {
             let Some(text) = non_empty(self.schedule(entry.role)) else {
                 continue;
@@ -389,6 +407,7 @@ impl ServeSettings {
             database_url: database_url.into(),
             roles_explicit: roles_explicit(&self.roles),
             roles,
+            ignored,
             webhook_delivery,
             email: self.email()?,
             billing: self.billing()?,

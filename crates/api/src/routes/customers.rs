@@ -45,12 +45,15 @@ pub struct NewCustomer {
 }
 
 /// What to change; a field left out is unchanged. `name` and
-/// `payment_method` given as `null` are removed.
+/// `payment_method` given as `null` are removed; `email` cannot be.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CustomerUpdate {
-    #[schema(max_length = 320)]
-    pub email: Option<String>,
+    /// `null` is refused: every customer has an email, where its receipts
+    /// and dunning notices go.
+    #[serde(default, deserialize_with = "given")]
+    #[schema(value_type = Option<String>, max_length = 320)]
+    pub email: Option<Option<String>>,
     /// `null` removes the name.
     #[serde(default, deserialize_with = "given")]
     #[schema(value_type = Option<String>, max_length = 200)]
@@ -225,6 +228,12 @@ pub async fn update(
     body: JsonBody<CustomerUpdate>,
 ) -> Result<Response, ApiError> {
     let u = &body.value;
+    if u.email == Some(None) {
+        return Err(ApiError::param(
+            "email",
+            "email cannot be removed: every customer has one (its receipts and dunning notices go there); give the new address",
+        ));
+    }
     check_name(u.name.as_ref().unwrap_or(&None))?;
     if let Some(Some(pm)) = &u.payment_method {
         valid::provider_id("payment_method", pm, "pm_")?;
@@ -233,7 +242,7 @@ pub async fn update(
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
     }
-    if let Some(email) = &u.email {
+    if let Some(Some(email)) = &u.email {
         check_email(&mut scope, email).await?;
     }
     let current = scope
@@ -268,7 +277,7 @@ pub async fn update(
                 ""
             ))
             .bind(id)
-            .bind(u.email.clone())
+            .bind(u.email.clone().flatten())
             .bind(u.name.clone().flatten())
             .bind(u.payment_method.clone().flatten())
             .bind(u.name.is_some())

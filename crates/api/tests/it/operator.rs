@@ -399,3 +399,57 @@ async fn an_operator_replay_puts_back_at_most_its_limit() {
         ]
     );
 }
+
+/// The operator routes carry their own limits (docs/adr/0120): a body over
+/// their 64 KiB is a 413 in the one error shape naming that limit, whether
+/// the limit layer refused it from its Content-Length or the body ran over
+/// while read (no Content-Length). Merged after the tenant API's layers, the
+/// routes had none of them: the first answer was an empty 413, the second
+/// named the tenant API's 1 MiB. Called in process (`oneshot`): over a socket
+/// the server answers from the Content-Length and closes while the client
+/// still writes. Mutations `operator_errors_bare` (the error mapping taken
+/// out) and `operator_limit_named` (the extractor names the tenant API's
+/// limit) each fail it.
+#[tokio::test]
+async fn an_operator_body_over_its_limit_is_refused_in_the_one_shape() {
+    use tower::ServiceExt as _;
+    let t = TestDb::new().await;
+    let big = json!({"reason": "x".repeat(api::operator::MAX_BODY_BYTES), "by": "ops"}).to_string();
+    let limit = api::operator::MAX_BODY_BYTES.to_string();
+    for declared in [true, false] {
+        let operator = api::operator::Operator::new(t.operator(), TOKEN).unwrap();
+        let mut request = axum::http::Request::post("/operator/v1/leaders/billing/pause")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json");
+        if declared {
+            request = request.header("content-length", big.len());
+        }
+        let answer = api::operator::router(operator)
+            .oneshot(request.body(axum::body::Body::from(big.clone())).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let body = axum::body::to_bytes(answer.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        assert_eq!(
+            v["error"]["code"], "body_too_large",
+            "declared {declared}: {v}"
+        );
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(&limit), "declared {declared}: {message}");
+    }
+    // Nothing was paused.
+    let s = serve(&t).await;
+    let status = op(&s, "GET", "/operator/v1/leaders", None).await;
+    assert!(
+        status.json["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["paused_at"].is_null()),
+        "{}",
+        status.text
+    );
+}

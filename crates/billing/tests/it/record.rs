@@ -543,6 +543,78 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
     assert_eq!(p.create_requests(), 2);
 }
 
+/// A sibling invoice's attempt whose answer was a stored 500 naming its intent
+/// is `unknown`, yet the provider charged it. An operator settling another
+/// invoice's attempt with that intent is refused (docs/adr/0120), and the
+/// reconciler then pays the sibling with it: one charge, one invoice paid.
+/// Mutation `settle_unknown_sibling` (the check back to 0046's succeeded or
+/// processing) lets the settle pay the second invoice, and the reconciler
+/// pays the first with the same charge.
+#[tokio::test]
+async fn a_settle_cannot_take_an_unknown_siblings_intent() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 2).await;
+    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
+    p.set_behaviour(
+        &open[1].1,
+        Behaviour::StoredServerError { with_intent: true },
+    );
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.charges.needs_review, report.charges.unknown),
+        (1, 1),
+        "{report:?}"
+    );
+    let op = t.operator();
+    let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
+    let sibling: String =
+        t.db.fetch_one(sql(
+            "SELECT provider_payment_intent FROM payment_attempts WHERE provider_status = 'unknown'",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    let refused = billing::review::settle(
+        &op,
+        attempt,
+        billing::review::Settlement::Paid,
+        Some(&sibling),
+        "oncall",
+        "found by customer and amount",
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("one charge pays one invoice") && refused.contains("unknown"),
+        "{refused}"
+    );
+    p.prune_keys();
+    after_the_lease().await;
+    assert_eq!(tick(&t.db, &b).await.reconciled.paid, 1);
+    // Both charges were made; the sibling's pays the sibling, and the invoice
+    // under review waits for its own.
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
+             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
+        )
+        .await,
+        ["open needs_review", "paid succeeded"]
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
+        )
+        .await,
+        1
+    );
+}
+
 /// Amounts go to the provider in its minor units where Stripe departs from
 /// ISO 4217 (docs/adr/0078): an ISK invoice of 1,200 kr (ISO minor units:
 /// krónur) is sent as 120000 (Stripe's hundredths), an MGA invoice of

@@ -172,16 +172,18 @@ async fn a_stale_leaders_retries_racing_the_new_leaders_batch_charge_each_run_on
 
 /// Two runs declined in one batch; a trigger refuses one run's decline
 /// (`do_not_honor`), so the batch's outcome transaction fails, and so does
-/// that run's own transition in the fallback. That run is rewound: count and
-/// next attempt as listed, nothing announced; the other run's decline, written
-/// by the fallback, is counted once and stays. With the trigger gone the
-/// rewound run's next retry is counted once too.
+/// that run's own transition in the fallback. That run is left as its record
+/// wrote it: counted, held, owing its decline (docs/adr/0120), nothing
+/// announced yet; the other run's decline, written by the fallback, is
+/// counted once and stays. Once the hold has passed, the first run's decline
+/// is announced once with the policy's warning and next retry, and its retry
+/// is not charged a second time.
 ///
-/// Mutation check: `dunning_fallback_rewind` (the fallback leaves a run whose
-/// transition failed as its record wrote it) leaves the run counted with a
-/// short hold; seen failing under it.
+/// Mutation check: `fallback_rewinds_failed` (the fallback rewinds such a
+/// run, as before: retry 1 was charged again at once and its first decline
+/// never announced) fails it.
 #[tokio::test]
-async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
+async fn when_the_outcome_and_its_fallback_both_fail_the_decline_is_announced_after_the_hold() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     policy(&t.db, "tenant_a", 3, "pause_collection").await;
@@ -198,8 +200,23 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
     let (d, _) = dunner(&t.db, &p, CALL, config());
     let r = tick(&t.db, &d).await;
     assert_eq!((r.tally.errors, r.tally.declined), (1, 1), "{r:?}");
-    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 0));
-    assert_eq!(crate::next_retry_offset(&t.db, x.invoice).await, 60.0);
+    assert_eq!(p.create_requests(), 2);
+    // Counted and held by its record, owing retry 1's decline.
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    let held = crate::next_retry_in(&t.db, x.invoice).await;
+    assert!(
+        held > 120.0,
+        "held for attempt_hold, not the policy's gap: {held}"
+    );
+    let owed: Option<i32> =
+        t.db.fetch_one(
+            sql("SELECT owed_notice_attempt FROM dunning_runs WHERE invoice_id = $1")
+                .bind(x.invoice),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(owed, Some(1));
     assert_eq!(run_of(&t.db, y.invoice).await, ("active".to_owned(), 1));
     // Retry 2 is the policy's gap (60 s) after retry 1, made an hour late.
     let next = crate::next_retry_in(&t.db, y.invoice).await;
@@ -216,8 +233,21 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
     p.set_behaviour(&x.customer, Behaviour::Decline("card_declined".into()));
     crate::due_now(&t.db).await;
     let r = tick(&t.db, &d).await;
+    // x's decline announced from its attempt, y's retry 2 declined.
     assert_eq!(r.tally.declined, 2, "{r:?}");
+    assert_eq!(p.create_requests(), 3, "x's retry 1 charged twice");
+    assert_eq!(crate::attempts(&t.db, x.invoice).await.len(), 2);
     assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    let next = crate::next_retry_in(&t.db, x.invoice).await;
+    assert!((55.0..=60.0).contains(&next), "{next}");
+    let last_code: Option<String> =
+        t.db.fetch_one(
+            sql("SELECT last_decline_code FROM dunning_runs WHERE invoice_id = $1").bind(x.invoice),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(last_code.as_deref(), Some("do_not_honor"));
     assert_eq!(run_of(&t.db, y.invoice).await, ("active".to_owned(), 2));
     let failed = events(&t.db)
         .await
@@ -225,6 +255,54 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_run_is_rewound() {
         .filter(|e| e == "dunning.attempt_failed")
         .count();
     assert_eq!(failed, 3);
+    let warnings = dunning_emails(&t.db).await;
+    assert_eq!(
+        warnings
+            .iter()
+            .filter(|s| s.contains(&x.invoice.to_string()))
+            .count(),
+        1,
+        "{warnings:?}"
+    );
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// The last retry's decline, where the exhaustion and its one-run fallback
+/// both fail: the run is left counted and held (docs/adr/0120). Once the hold
+/// has passed, the listing finds it spent and exhausts it, with its final
+/// notice; the card is not charged past the policy. (ADR 0026 rewound such a
+/// run because a counted run with no schedule was charged again; the listing
+/// of docs/adr/0115 reads its outcome instead.) Mutation
+/// `fallback_rewinds_failed` does not reach this path (it rewinds a decline
+/// with a next retry); `exhaust_left_rewound` does, and fails it.
+#[tokio::test]
+async fn when_the_last_retrys_exhaustion_and_its_fallback_fail_the_run_is_exhausted_after_the_hold()
+{
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&x.customer, Behaviour::Decline("insufficient_funds".into()));
+    crate::refuse_run_updates(&t, "refuse_exhaust", "NEW.status = 'exhausted'").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.errors, 1, "{r:?}");
+    assert_eq!(p.create_requests(), 1);
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 1));
+    crate::allow_run_updates(&t, "refuse_exhaust").await;
+    crate::due_now(&t.db).await;
+    tick(&t.db, &d).await;
+    assert_eq!(p.create_requests(), 1, "charged past the policy");
+    assert_eq!(run_of(&t.db, x.invoice).await.0, "exhausted");
+    assert!(
+        events(&t.db)
+            .await
+            .contains(&"dunning.exhausted".to_owned()),
+        "{:?}",
+        events(&t.db).await
+    );
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+    assert_eq!(p.create_requests(), 1);
 }
 
 /// A crash after billing settled a retry's decline and before dunning wrote

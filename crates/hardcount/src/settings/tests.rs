@@ -477,3 +477,28 @@ fn a_cron_schedule_reaches_its_role_and_a_bad_one_is_refused_by_name() {
         assert!(err.starts_with(&var) && err.contains(says), "{err}");
     }
 }
+
+/// An interval or schedule set for a role this replica does not run is
+/// listed as ignored, for `serve` to warn of at startup (docs/adr/0120); one
+/// for a role it runs is not. It was silently ignored: a daily billing
+/// schedule set on the replicas that run only the outboxes never took
+/// effect, and nothing said so. Mutation `ignored_setting_unlisted`.
+#[test]
+fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
+    let config = check(&[
+        "--roles",
+        "webhook_outbox,webhook_delivery",
+        "--billing-schedule",
+        "@daily",
+        "--dunning-interval",
+        "30s",
+        "--webhook-outbox-schedule",
+        "@hourly",
+    ])
+    .unwrap();
+    assert_eq!(
+        config.ignored,
+        ["HARDCOUNT_BILLING_SCHEDULE", "HARDCOUNT_DUNNING_INTERVAL"]
+    );
+    assert!(check(&[]).unwrap().ignored.is_empty());
+}

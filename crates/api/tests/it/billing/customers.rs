@@ -108,6 +108,17 @@ async fn customers_are_created_read_listed_and_updated_each_refusal_naming_its_f
                 "parameter_invalid",
                 "email",
             ),
+            // `null` cannot remove the email every customer has: it was read
+            // as "left out" and answered 200 with nothing changed
+            // (docs/adr/0120; mutation `customer_email_null_kept`).
+            (
+                p.clone(),
+                format!("/v1/customers/{id}"),
+                Some(json!({"email": null})),
+                400,
+                "parameter_invalid",
+                "email",
+            ),
             (
                 Method::GET,
                 "/v1/customers?limit=0".into(),
