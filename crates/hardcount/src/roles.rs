@@ -215,6 +215,8 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_retention_pruned_total",
     // A role on a cron schedule (docs/adr/0043).
     "hardcount_leader_next_slot_timestamp_seconds",
+    // The first slot a cron role that never completed a tick waits for (docs/adr/0121).
+    "hardcount_leader_first_slot_timestamp_seconds",
     "hardcount_leader_slots_missed_total",
     "hardcount_leader_slot_lateness_seconds",
     // Wake-up notifications received, for a role that `listens` (docs/adr/0014).

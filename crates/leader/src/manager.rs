@@ -219,6 +219,20 @@ impl Manager {
             .inspect_err(|_| self.announcer.announce(role, Heard::AcquireFailed, false))?;
         let first_seen = reading.map_or(a.db_now, |r| r.first_seen);
         let since = a.since.unwrap_or(first_seen);
+        if a.since.is_none() {
+            // A role that has never completed a tick has no next slot on its
+            // row (RELEASE writes it): export the first slot this replica
+            // waits for, so that an alert on a role with no known tick can
+            // tell "before its first slot" from "never ran" (docs/adr/0121).
+            if let Some(first) = cron.next_after(since) {
+                self.telemetry
+                    .gauge(
+                        "hardcount_leader_first_slot_timestamp_seconds",
+                        &[("role", role.as_str())],
+                    )
+                    .set(epoch(first));
+            }
+        }
         self.remember(
             role,
             Reading {

@@ -125,6 +125,68 @@ async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
         .unwrap();
 }
 
+/// A role on a cron schedule that has not reached its first slot exports the
+/// slot it waits for (`hardcount_leader_first_slot_timestamp_seconds`), so
+/// `HardcountRoleLastTickUnknown` waits for it instead of paging a fresh
+/// install for up to a day (docs/adr/0121). Fails if the gauge is not
+/// exported, or names another slot than the next new year on the database
+/// clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_role_before_its_first_slot_exports_that_slot() {
+    let t = TestDb::new().await;
+    let cli = Cli::try_parse_from([
+        "hardcount",
+        "serve",
+        "--roles",
+        "billing",
+        "--billing-schedule",
+        "0 0 0 1 1 *",
+    ])
+    .unwrap();
+    let Command::Serve(settings) = cli.command else {
+        panic!("not serve: {:?}", cli.command)
+    };
+    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+    let new_year: f64 =
+        t.db.fetch_one(sql(
+            "SELECT extract(epoch FROM date_trunc('year', now()) + interval '1 year')::float8 AS s",
+        ))
+        .await
+        .unwrap()
+        .get("s");
+    let gauge = "hardcount_leader_first_slot_timestamp_seconds{role=\"billing\"} ";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (value, body) = loop {
+        let body = match reqwest::get(format!("{base}/metrics")).await {
+            Ok(r) if r.status().is_success() => r.text().await.unwrap(),
+            _ => String::new(),
+        };
+        if let Some(line) = body.lines().find(|l| l.starts_with(gauge)) {
+            break (line[gauge.len()..].parse::<f64>().unwrap(), body);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no first slot exported; /metrics:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(value, new_year);
+    assert!(
+        body.contains("hardcount_leader_last_tick_known{role=\"billing\"} 0"),
+        "{body}"
+    );
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), server)
+        .await
+        .expect("run returns after cancel")
+        .unwrap()
+        .unwrap();
+}
+
 /// `serve` of webhook_outbox alone, in-process with `extra` flags, and a
 /// client that wants every `/readyz` answer within a second.
 struct Readyz {
