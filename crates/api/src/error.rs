@@ -210,22 +210,22 @@ impl ApiError {
     /// An operator request that ran out of time. The operator API takes no
     /// idempotency key: what the request did is read back, not replayed.
     pub fn operator_timeout() -> Self {
-        let mut e = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorType::ApiError,
-            Code::Timeout,
+        ApiError::timed_out(
             "the request took too long; it may or may not have taken effect: read the state back before retrying",
-        );
-        e.retry_after = Some(1);
-        e
+        )
     }
 
     pub fn timeout() -> Self {
+        ApiError::timed_out("the request took too long; retry it with the same idempotency key")
+    }
+
+    /// 503 `timeout`, retry after a second.
+    fn timed_out(message: &'static str) -> Self {
         let mut e = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorType::ApiError,
             Code::Timeout,
-            "the request took too long; retry it with the same idempotency key",
+            message,
         );
         e.retry_after = Some(1);
         e

@@ -9,50 +9,80 @@ use testbed::{Leg, TestDb};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+/// `hardcount serve` with `args` (after `serve`), run in this process on a
+/// listener bound on port 0 until its `shutdown` is cancelled.
+struct Served {
+    base: String,
+    shutdown: CancellationToken,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Served {
+    async fn start(t: &TestDb, args: &[&str]) -> Served {
+        let cli = Cli::try_parse_from(["hardcount", "serve"].iter().chain(args)).unwrap();
+        let Command::Serve(settings) = cli.command else {
+            panic!("not serve: {:?}", cli.command)
+        };
+        let config = settings.config(t.app_url(Leg::current()), None).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+        Served {
+            base,
+            shutdown,
+            server,
+        }
+    }
+
+    /// `/metrics` once `found` finds what it looks for in it (within 20 s),
+    /// with what it found; `waiting_for` names it in the failure.
+    async fn metrics_until<T>(
+        &self,
+        waiting_for: &str,
+        found: impl Fn(&str) -> Option<T>,
+    ) -> (T, String) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let body = match reqwest::get(format!("{}/metrics", self.base)).await {
+                Ok(r) if r.status().is_success() => r.text().await.unwrap(),
+                _ => String::new(),
+            };
+            if let Some(x) = found(&body) {
+                return (x, body);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{waiting_for}; /metrics:\n{body}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(15), self.server)
+            .await
+            .expect("run returns after cancel")
+            .unwrap()
+            .unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancelled() {
     let t = TestDb::new().await;
-    let cli = Cli::try_parse_from([
-        "hardcount",
-        "serve",
-        "--roles",
-        "webhook_outbox,webhook_delivery",
-    ])
-    .unwrap();
-    let Command::Serve(settings) = cli.command else {
-        panic!("not serve: {:?}", cli.command)
-    };
-    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
-
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let s = Served::start(&t, &["--roles", "webhook_outbox,webhook_delivery"]).await;
     let ticked = "hardcount_leader_last_tick_known{role=\"webhook_outbox\"} 1";
-    loop {
-        let body = match reqwest::get(format!("{base}/metrics")).await {
-            Ok(r) if r.status().is_success() => r.text().await.unwrap(),
-            _ => String::new(),
-        };
-        if body.contains(ticked) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "webhook_outbox never completed a tick; /metrics:\n{body}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let ready = reqwest::get(format!("{base}/readyz")).await.unwrap();
+    s.metrics_until("webhook_outbox never completed a tick", |b| {
+        b.contains(ticked).then_some(())
+    })
+    .await;
+    let ready = reqwest::get(format!("{}/readyz", s.base)).await.unwrap();
     assert_eq!(ready.status().as_u16(), 200);
 
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(15), server)
-        .await
-        .expect("run returns after cancel")
-        .unwrap()
-        .unwrap();
+    let base = s.base.clone();
+    s.stop().await;
     let held: i64 =
         t.db.fetch_one(sql(
             "SELECT count(*) AS n FROM leader_leases WHERE holder_id IS NOT NULL",
@@ -71,39 +101,16 @@ async fn run_serves_on_the_callers_listener_and_releases_its_leases_when_cancell
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
     let t = TestDb::new().await;
-    let cli = Cli::try_parse_from([
-        "hardcount",
-        "serve",
-        "--roles",
-        "billing",
-        "--billing-schedule",
-        "*/2 * * * * *",
-    ])
-    .unwrap();
-    let Command::Serve(settings) = cli.command else {
-        panic!("not serve: {:?}", cli.command)
-    };
-    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let s = Served::start(
+        &t,
+        &["--roles", "billing", "--billing-schedule", "*/2 * * * * *"],
+    )
+    .await;
     let next = "hardcount_leader_next_slot_timestamp_seconds{role=\"billing\"}";
-    loop {
-        let body = match reqwest::get(format!("{base}/metrics")).await {
-            Ok(r) if r.status().is_success() => r.text().await.unwrap(),
-            _ => String::new(),
-        };
-        if body.contains(next) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "billing never completed a slot; /metrics:\n{body}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    s.metrics_until("billing never completed a slot", |b| {
+        b.contains(next).then_some(())
+    })
+    .await;
     let row =
         t.db.fetch_one(sql(
             "SELECT schedule, extract(epoch FROM last_slot)::float8 AS last_slot \
@@ -117,12 +124,7 @@ async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
     );
     let slot: f64 = row.get("last_slot");
     assert_eq!(slot % 2.0, 0.0, "a slot of */2 is an even second: {slot}");
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(15), server)
-        .await
-        .expect("run returns after cancel")
-        .unwrap()
-        .unwrap();
+    s.stop().await;
 }
 
 /// A role on a cron schedule that has not reached its first slot exports the
@@ -134,23 +136,11 @@ async fn serve_runs_a_role_on_its_cron_schedule_and_exports_the_next_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cron_role_before_its_first_slot_exports_that_slot() {
     let t = TestDb::new().await;
-    let cli = Cli::try_parse_from([
-        "hardcount",
-        "serve",
-        "--roles",
-        "billing",
-        "--billing-schedule",
-        "0 0 0 1 1 *",
-    ])
-    .unwrap();
-    let Command::Serve(settings) = cli.command else {
-        panic!("not serve: {:?}", cli.command)
-    };
-    let config = settings.config(t.app_url(Leg::current()), None).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+    let s = Served::start(
+        &t,
+        &["--roles", "billing", "--billing-schedule", "0 0 0 1 1 *"],
+    )
+    .await;
     let new_year: f64 =
         t.db.fetch_one(sql(
             "SELECT extract(epoch FROM date_trunc('year', now()) + interval '1 year')::float8 AS s",
@@ -159,32 +149,19 @@ async fn a_cron_role_before_its_first_slot_exports_that_slot() {
         .unwrap()
         .get("s");
     let gauge = "hardcount_leader_first_slot_timestamp_seconds{role=\"billing\"} ";
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let (value, body) = loop {
-        let body = match reqwest::get(format!("{base}/metrics")).await {
-            Ok(r) if r.status().is_success() => r.text().await.unwrap(),
-            _ => String::new(),
-        };
-        if let Some(line) = body.lines().find(|l| l.starts_with(gauge)) {
-            break (line[gauge.len()..].parse::<f64>().unwrap(), body);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no first slot exported; /metrics:\n{body}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let (value, body) = s
+        .metrics_until("no first slot exported", |b| {
+            b.lines()
+                .find_map(|l| l.strip_prefix(gauge))
+                .map(|v| v.parse::<f64>().unwrap())
+        })
+        .await;
     assert_eq!(value, new_year);
     assert!(
         body.contains("hardcount_leader_last_tick_known{role=\"billing\"} 0"),
         "{body}"
     );
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(15), server)
-        .await
-        .expect("run returns after cancel")
-        .unwrap()
-        .unwrap();
+    s.stop().await;
 }
 
 /// `serve` of webhook_outbox alone, in-process with `extra` flags, and a
