@@ -207,6 +207,18 @@ impl ApiError {
         )
     }
 
+    /// 400 for a request a layer or an extractor of axum's own refused with
+    /// a plain-text answer (a path segment that is not UTF-8): the caller's
+    /// input, never a 500.
+    pub fn unreadable_request() -> Self {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorType::InvalidRequestError,
+            Code::ParameterInvalid,
+            "the request could not be read: check its path and query",
+        )
+    }
+
     /// An operator request that ran out of time. The operator API takes no
     /// idempotency key: what the request did is read back, not replayed.
     pub fn operator_timeout() -> Self {

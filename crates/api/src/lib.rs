@@ -193,6 +193,7 @@ pub(crate) fn json_errors(
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::REQUEST_TIMEOUT => timeout(),
         StatusCode::NOT_FOUND => ApiError::route_not_found(),
         StatusCode::METHOD_NOT_ALLOWED => ApiError::method_not_allowed(),
+        s if s.is_client_error() => ApiError::unreadable_request(),
         _ => ApiError::internal(),
     }
     .into_response()

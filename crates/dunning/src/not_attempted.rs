@@ -106,68 +106,88 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
             }
         }
     }
-    let counted = async {
-        let mut tx = ctx.db.begin_with_timeout(c.statement_timeout).await?;
-        let won = not_attempted_in(&mut tx, &rows).await?;
-        let waited = outcomes::wait_in(&mut tx, &waiting, c.attempt_hold).await?;
-        let announced = outcomes::decline_in(&mut tx, &declines).await?;
-        tx.commit().await?;
-        Ok::<_, Error>((won, waited, announced))
-    };
-    match counted.await {
+    let (won, waited, announced) = match counted_in(ctx, &rows, &waiting, &declines).await {
+        Ok(x) => x,
         Err(e) => {
-            // Rolled back: nothing counted, the runs are as listed.
-            warn!(role = %Role::Dunning, error = %e, runs = rows.len() + waiting.len(), "retries not attempted were not counted");
-            let why = e.to_string();
-            let ids = rows.iter().map(|n| n.run.id);
-            let ids = ids
-                .chain(waiting.iter().map(|w| w.run.id))
-                .chain(declines.iter().map(|d| d.run.id));
-            for id in ids {
-                let e = Error::NotCounted(why.clone());
-                out.insert(id, Some(Ok(Err(e))));
-            }
-        }
-        Ok((won, waited, announced)) => {
-            for d in &declines {
-                let id = d.run.id;
-                if !announced.contains(&id) {
-                    out.insert(id, Some(Ok(Ok(Retry::Lost))));
-                } else if d.next.is_some() {
-                    let code = d.code.clone();
-                    out.insert(id, Some(Ok(Ok(Retry::Declined { code }))));
-                } else {
-                    exhausted.push((d.run, d.code.clone()));
+            // Rolled back. One run at a time, so that a run whose own write
+            // fails (every time, for a row that breaks a check) stays as
+            // listed and holds back no other run: the batch's rollback had
+            // left every run of it as listed, tick after tick (docs/adr/0120).
+            warn!(role = %Role::Dunning, error = %e, runs = rows.len() + waiting.len() + declines.len(), "retries not attempted were not counted together; one run at a time");
+            let mut won = HashSet::new();
+            let mut waited = HashMap::new();
+            let mut announced = HashSet::new();
+            let mut not_counted = |id: i64, e: Error| {
+                warn!(role = %Role::Dunning, run = id, error = %e, "retry not attempted was not counted; the run is as listed");
+                out.insert(id, Some(Ok(Err(Error::NotCounted(e.to_string())))));
+            };
+            for n in &rows {
+                match counted_in(ctx, std::slice::from_ref(n), &[], &[]).await {
+                    Ok((w, _, _)) => won.extend(w),
+                    Err(e) => not_counted(n.run.id, e),
                 }
             }
             for w in &waiting {
-                let r = match waited.get(&w.run.id) {
-                    Some(&next_attempt_at) => Retry::Pending { next_attempt_at },
-                    None => Retry::Lost,
-                };
-                out.insert(w.run.id, Some(Ok(Ok(r))));
-            }
-            for n in rows {
-                let id = n.run.id;
-                if !won.contains(&id) {
-                    out.insert(id, Some(Ok(Ok(Retry::Lost))));
-                    continue;
-                }
-                // A spent run's exhaustion makes no attempt.
-                if n.why != NotChargeable::RetriesSpent {
-                    t.counter(
-                        "hardcount_dunning_attempts_total",
-                        &[("outcome", "not_attempted")],
-                    )
-                    .increment(1);
-                }
-                match n.next {
-                    Some(_) => {
-                        out.insert(id, Some(Ok(Ok(Retry::NotAttempted { why: n.why }))));
-                    }
-                    None => exhausted.push((n.run, n.why.as_str().to_owned())),
+                match counted_in(ctx, &[], std::slice::from_ref(w), &[]).await {
+                    Ok((_, w, _)) => waited.extend(w),
+                    Err(e) => not_counted(w.run.id, e),
                 }
             }
+            for d in &declines {
+                match counted_in(ctx, &[], &[], std::slice::from_ref(d)).await {
+                    Ok((_, _, a)) => announced.extend(a),
+                    Err(e) => not_counted(d.run.id, e),
+                }
+            }
+            (won, waited, announced)
+        }
+    };
+    for d in &declines {
+        let id = d.run.id;
+        if out.contains_key(&id) {
+            continue;
+        }
+        if !announced.contains(&id) {
+            out.insert(id, Some(Ok(Ok(Retry::Lost))));
+        } else if d.next.is_some() {
+            let code = d.code.clone();
+            out.insert(id, Some(Ok(Ok(Retry::Declined { code }))));
+        } else {
+            exhausted.push((d.run, d.code.clone()));
+        }
+    }
+    for w in &waiting {
+        if out.contains_key(&w.run.id) {
+            continue;
+        }
+        let r = match waited.get(&w.run.id) {
+            Some(&next_attempt_at) => Retry::Pending { next_attempt_at },
+            None => Retry::Lost,
+        };
+        out.insert(w.run.id, Some(Ok(Ok(r))));
+    }
+    for n in rows {
+        let id = n.run.id;
+        if out.contains_key(&id) {
+            continue;
+        }
+        if !won.contains(&id) {
+            out.insert(id, Some(Ok(Ok(Retry::Lost))));
+            continue;
+        }
+        // A spent run's exhaustion makes no attempt.
+        if n.why != NotChargeable::RetriesSpent {
+            t.counter(
+                "hardcount_dunning_attempts_total",
+                &[("outcome", "not_attempted")],
+            )
+            .increment(1);
+        }
+        match n.next {
+            Some(_) => {
+                out.insert(id, Some(Ok(Ok(Retry::NotAttempted { why: n.why }))));
+            }
+            None => exhausted.push((n.run, n.why.as_str().to_owned())),
         }
     }
     out.extend(final_action::all_exhausted(ctx, exhausted).await);
@@ -177,6 +197,23 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
             (run, outcome)
         })
         .collect()
+}
+
+/// Count `rows`, hold `waiting` and announce `declines` in one transaction:
+/// the runs counted, the holds written and the declines announced.
+async fn counted_in(
+    ctx: &Ctx,
+    rows: &[NotAttempted<'_>],
+    waiting: &[Waiting<'_>],
+    declines: &[Decline<'_>],
+) -> Result<(HashSet<i64>, HashMap<i64, DateTime<Utc>>, HashSet<i64>), Error> {
+    let c = &ctx.config;
+    let mut tx = ctx.db.begin_with_timeout(c.statement_timeout).await?;
+    let won = not_attempted_in(&mut tx, rows).await?;
+    let waited = outcomes::wait_in(&mut tx, waiting, c.attempt_hold).await?;
+    let announced = outcomes::decline_in(&mut tx, declines).await?;
+    tx.commit().await?;
+    Ok((won, waited, announced))
 }
 
 /// The decline of a run's last retry, answered `processing` and since

@@ -193,8 +193,10 @@ impl Dunner {
     /// attempt count as listed, so a stale or second worker writes nothing.
     ///
     /// # Errors
-    /// A database error or a refused event or email; a recorded attempt
-    /// was rewound (the run is as listed).
+    /// A database error or a refused event or email. A recorded attempt
+    /// without a definite answer was rewound (the run is as listed); one
+    /// whose outcome could not be written is left counted and held, for the
+    /// listing to write its outcome from its attempt (docs/adr/0120).
     ///
     /// # Panics
     /// When the retry panicked, after its attempt was rewound.
@@ -314,7 +316,7 @@ impl Dunner {
                     if let Error::Billing(payments::Error::ProviderKeyRejected { status }) = e {
                         rejected = Some(status);
                     }
-                    warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed; rewound");
+                    warn!(role = %Role::Dunning, run = run.id, tenant = %run.tenant_id, error = %e, "retry failed");
                     continue;
                 }
                 Ok(Ok(retry)) => retry,

@@ -52,7 +52,7 @@ pub struct CustomerUpdate {
     /// `null` is refused: every customer has an email, where its receipts
     /// and dunning notices go.
     #[serde(default, deserialize_with = "given")]
-    #[schema(value_type = Option<String>, max_length = 320)]
+    #[schema(value_type = String, max_length = 320)]
     pub email: Option<Option<String>>,
     /// `null` removes the name.
     #[serde(default, deserialize_with = "given")]

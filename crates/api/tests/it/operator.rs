@@ -409,9 +409,9 @@ async fn an_operator_replay_puts_back_at_most_its_limit() {
 /// the server answers from the Content-Length and closes while the client
 /// still writes. Mutations `operator_errors_bare` (the error mapping taken
 /// out) and `operator_limit_named` (the extractor names the tenant API's
-/// limit) each fail it.
+/// limit) each fail it. A path axum cannot read is a 400 in the same shape.
 #[tokio::test]
-async fn an_operator_body_over_its_limit_is_refused_in_the_one_shape() {
+async fn an_operator_body_over_its_limit_or_a_bad_path_is_refused_in_the_one_shape() {
     use tower::ServiceExt as _;
     let t = TestDb::new().await;
     let big = json!({"reason": "x".repeat(api::operator::MAX_BODY_BYTES), "by": "ops"}).to_string();
@@ -440,6 +440,24 @@ async fn an_operator_body_over_its_limit_is_refused_in_the_one_shape() {
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(&limit), "declared {declared}: {message}");
     }
+    // A path segment that is not UTF-8, refused by axum's own extractor in
+    // plain text: a 400 in the one shape, not a 500 (mutation
+    // `unreadable_as_internal`).
+    let operator = api::operator::Operator::new(t.operator(), TOKEN).unwrap();
+    let request = axum::http::Request::post("/operator/v1/leaders/%FF/unpause")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let answer = api::operator::router(operator)
+        .oneshot(request)
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::BAD_REQUEST);
+    let body = axum::body::to_bytes(answer.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    assert_eq!(v["error"]["code"], "parameter_invalid", "{v}");
     // Nothing was paused.
     let s = serve(&t).await;
     let status = op(&s, "GET", "/operator/v1/leaders", None).await;

@@ -273,8 +273,9 @@ async fn when_the_outcome_and_its_fallback_both_fail_the_decline_is_announced_af
 /// notice; the card is not charged past the policy. (ADR 0026 rewound such a
 /// run because a counted run with no schedule was charged again; the listing
 /// of docs/adr/0115 reads its outcome instead.) Mutation
-/// `fallback_rewinds_failed` does not reach this path (it rewinds a decline
-/// with a next retry); `exhaust_left_rewound` does, and fails it.
+/// `exhaust_left_rewound` (the exhaustion's failure rewinds the run) fails
+/// it; so would `fallback_rewinds_failed`, whose anchor takes the
+/// exhaustion's result too.
 #[tokio::test]
 async fn when_the_last_retrys_exhaustion_and_its_fallback_fail_the_run_is_exhausted_after_the_hold()
 {
@@ -303,6 +304,43 @@ async fn when_the_last_retrys_exhaustion_and_its_fallback_fail_the_run_is_exhaus
     );
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
     assert_eq!(p.create_requests(), 1);
+}
+
+/// Two runs without a payment method, counted not attempted in one batch; a
+/// trigger refuses one run's count every time (a row that breaks a check).
+/// The batch's transaction fails, and the other run is still counted, one
+/// run at a time; the refused run stays as listed (docs/adr/0120). The batch
+/// had left both as listed on every tick, so one bad row held back every run
+/// listed with it. Mutation `not_attempted_no_fallback` (the per-run
+/// fallback gone) fails it.
+#[tokio::test]
+async fn a_run_whose_count_always_fails_does_not_hold_back_the_others() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "mark_uncollectible").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let y = declined_invoice(&t.db, "tenant_a").await;
+    crate::remove_payment_method(&t.db, &x.customer).await;
+    crate::remove_payment_method(&t.db, &y.customer).await;
+    crate::refuse_run_updates(
+        &t,
+        "refuse_x",
+        &format!(
+            "NEW.invoice_id = {} AND NEW.attempt_count > OLD.attempt_count",
+            x.invoice
+        ),
+    )
+    .await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    let r = tick(&t.db, &d).await;
+    assert_eq!((r.tally.not_attempted, r.tally.errors), (1, 1), "{r:?}");
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(run_of(&t.db, y.invoice).await, ("active".to_owned(), 1));
+    crate::due_now(&t.db).await;
+    tick(&t.db, &d).await;
+    assert_eq!(run_of(&t.db, x.invoice).await, ("active".to_owned(), 0));
+    assert_eq!(run_of(&t.db, y.invoice).await.0, "exhausted");
+    assert_eq!(p.create_requests(), 0);
 }
 
 /// A crash after billing settled a retry's decline and before dunning wrote

@@ -143,7 +143,8 @@ async fn a_cron_role_before_its_first_slot_exports_that_slot() {
     .await;
     let new_year: f64 =
         t.db.fetch_one(sql(
-            "SELECT extract(epoch FROM date_trunc('year', now()) + interval '1 year')::float8 AS s",
+            "SELECT extract(epoch FROM make_timestamptz( \
+                 extract(year FROM now() AT TIME ZONE 'UTC')::int + 1, 1, 1, 0, 0, 0, 'UTC'))::float8 AS s",
         ))
         .await
         .unwrap()
