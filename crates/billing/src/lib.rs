@@ -152,7 +152,7 @@ pub mod statements {
     pub use crate::batch::START_ATTEMPTS;
     pub use crate::batch::settle::{SETTLE, SETTLE_OPEN};
     pub use crate::charge::store::{CLAIM_AND_START, CLAIM_CHARGES};
-    pub use crate::reconcile::store::{CLAIM_UNKNOWN, FREE_STALE_HOLDS};
+    pub use crate::reconcile::store::{CLAIM_UNKNOWN, FREE_STALE_HOLDS, OPERATOR_SETTLED};
     pub use crate::retention::{CLEAR_RAW_ANSWERS, DELETE_IDEMPOTENCY_KEYS, NO_SEQUENTIAL_SCAN};
     pub use crate::retry::{CLAIM_RETRIES, START_RETRIES, WRITTEN_JOIN_ORDER};
     pub use crate::store::CLAIM_DUE;

@@ -288,6 +288,7 @@ impl FencedBatches for UnknownSweep<'_> {
                 Ok(Some(outcome)) => answers.push((s, Answer::Called(outcome.clone()))),
             }
         }
+        taken_by_operator(biller, &mut answers).await;
         let rows: Vec<(&Started, &Answer)> = answers.iter().map(|(s, a)| (*s, a)).collect();
         let settled = batch::settle_all(&biller.inner.db, &rows, biller.settling()).await;
         let t = &biller.inner.telemetry;
@@ -414,5 +415,57 @@ impl FencedBatches for StaleHolds<'_> {
             )
             .increment(batch as u64);
         Ok(())
+    }
+}
+
+/// An answer found paid (or processing) by an intent that an operator's
+/// settle already pays with another attempt goes to review instead: one
+/// charge pays one invoice. It happens only when an operator named, for
+/// another invoice, the intent of this attempt before its answer was read
+/// (docs/adr/0120); paying both would announce one charge twice. If the
+/// check cannot be read, the answers go on as they are: it guards a
+/// person's slip, not billing's own writes.
+async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) {
+    let intents: Vec<String> = answers
+        .iter()
+        .filter_map(|(_, a)| match a {
+            Answer::Called(
+                ChargeOutcome::Succeeded { payment_intent }
+                | ChargeOutcome::Processing { payment_intent },
+            ) => Some(payment_intent.clone()),
+            _ => None,
+        })
+        .collect();
+    let c = &biller.inner.config;
+    let taken = match store::operator_settled(&biller.inner.db, &intents, c.statement_timeout).await
+    {
+        Ok(taken) => taken,
+        Err(e) => {
+            warn!(role = %Role::Billing, error = %e, "could not check the paid answers against operators' settles");
+            return;
+        }
+    };
+    for (s, answer) in answers.iter_mut() {
+        let Answer::Called(
+            ChargeOutcome::Succeeded { payment_intent }
+            | ChargeOutcome::Processing { payment_intent },
+        ) = &*answer
+        else {
+            continue;
+        };
+        let Some((_, other, invoice)) = taken
+            .iter()
+            .find(|(i, other, _)| i == payment_intent && *other != s.attempt_id)
+        else {
+            continue;
+        };
+        warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, "this attempt's charge was settled by an operator for another attempt; to review");
+        *answer = Answer::Called(ChargeOutcome::NeedsReview {
+            reason: format!(
+                "payment intent {payment_intent} is this attempt's own charge, but an operator settled attempt {other} (invoice {invoice}) paid with it, so it counts for that invoice: one charge pays one invoice. Settle this attempt --failed to charge its invoice again; if invoice {invoice} was charged by its own attempt too, refund one charge at the provider"
+            ),
+            raw: None,
+            payment_intent: Some(payment_intent.clone()),
+        });
     }
 }

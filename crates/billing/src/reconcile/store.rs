@@ -178,6 +178,36 @@ pub(crate) async fn stamp_checked(
     tx.commit().await
 }
 
+/// The statement of [`operator_settled`]; `pub` only for the plan test
+/// (`tests/it/plans.rs`). Through `payment_attempts_operator_intent`, an
+/// index of operator-settled attempts only (migration 0051).
+pub const OPERATOR_SETTLED: &str = "SELECT provider_payment_intent, id, invoice_id \
+     FROM payment_attempts \
+     WHERE reviewed_at IS NOT NULL AND provider_payment_intent IS NOT NULL \
+       AND provider_payment_intent = ANY($1) AND provider_status IN ('succeeded', 'processing')";
+
+/// Of `intents`, those an operator's settle already pays with another
+/// attempt: (intent, that attempt, its invoice). Billing's own answers give
+/// one intent per key; only a person can have named one for another
+/// invoice (docs/adr/0120).
+pub(crate) async fn operator_settled(
+    db: &Db,
+    intents: &[String],
+    statement_timeout: Duration,
+) -> Result<Vec<(String, i64, i64)>, db::Error> {
+    if intents.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let rows = tx
+        .fetch_all(sql(OPERATOR_SETTLED).bind(intents.to_vec()))
+        .await?;
+    tx.commit().await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .collect()
+}
+
 /// The statement of [`free_stale_holds`]; `pub` only for the plan test
 /// (`tests/it/plans.rs`).
 pub const FREE_STALE_HOLDS: &str = "UPDATE invoices SET auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL \

@@ -615,6 +615,102 @@ async fn a_settle_cannot_take_an_unknown_siblings_intent() {
     );
 }
 
+/// The gap migration 0050 cannot close: the sibling's attempt has not
+/// recorded its intent (a stored 500 without one), so an operator who
+/// settles another invoice with that charge passes the settle's check. The
+/// reconciler, reading the sibling's charge later, finds the intent already
+/// paying an operator-settled attempt and sends the sibling to review
+/// instead of paying it with the same charge (docs/adr/0120). Mutation
+/// `operator_intent_unchecked` (the check skipped) pays both invoices with
+/// one charge.
+#[tokio::test]
+async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 2).await;
+    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
+    p.set_behaviour(
+        &open[1].1,
+        Behaviour::StoredServerError { with_intent: false },
+    );
+    let (b, _) = biller(&t.db, charging(&p));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.charges.needs_review, report.charges.unknown),
+        (1, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM payment_attempts WHERE provider_payment_intent IS NOT NULL"
+        )
+        .await,
+        0
+    );
+    let op = t.operator();
+    let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
+    let sibling = p
+        .intents()
+        .into_iter()
+        .find(|i| i.customer == open[1].1)
+        .unwrap()
+        .id;
+    // Found by customer and amount, against the runbook: passes the settle.
+    let settled = billing::review::settle(
+        &op,
+        attempt,
+        billing::review::Settlement::Paid,
+        Some(&sibling),
+        "oncall",
+        "found by customer and amount",
+    )
+    .await
+    .unwrap();
+    assert_eq!(settled, "paid");
+    p.prune_keys();
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.reconciled.paid, report.reconciled.needs_review),
+        (0, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT i.status || ' ' || a.provider_status || ' ' || (i.review_since IS NOT NULL) \
+             FROM invoices i JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
+        )
+        .await,
+        ["paid succeeded false", "open needs_review true"]
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
+        )
+        .await,
+        1
+    );
+    let listed = billing::review::needing_review(&op).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    // The operator follows the reason: not charged for this invoice.
+    assert_eq!(
+        billing::review::settle(
+            &op,
+            listed[0].attempt_id,
+            billing::review::Settlement::Failed,
+            None,
+            "oncall",
+            "its charge counted for the other invoice",
+        )
+        .await
+        .unwrap(),
+        "failed"
+    );
+}
+
 /// Amounts go to the provider in its minor units where Stripe departs from
 /// ISO 4217 (docs/adr/0078): an ISK invoice of 1,200 kr (ISO minor units:
 /// krónur) is sent as 120000 (Stripe's hundredths), an MGA invoice of

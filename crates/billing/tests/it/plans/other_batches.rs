@@ -10,7 +10,9 @@ use testbed::plans::{
     INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven_after,
 };
 
-use billing::statements::{CLAIM_UNKNOWN, CLEAR_RAW_ANSWERS, FREE_STALE_HOLDS, NO_SEQUENTIAL_SCAN};
+use billing::statements::{
+    CLAIM_UNKNOWN, CLEAR_RAW_ANSWERS, FREE_STALE_HOLDS, NO_SEQUENTIAL_SCAN, OPERATOR_SETTLED,
+};
 
 use fake_provider::FakeProvider;
 
@@ -238,4 +240,40 @@ async fn the_lifecycle_reads_only_its_batches() {
             }
         }
     }
+}
+
+/// Guard: the reconciler's look for intents an operator's settle already pays
+/// (`OPERATOR_SETTLED`, docs/adr/0120) reads only operator-settled attempts,
+/// through their own index, on a table never analyzed: 12,800 attempts paid
+/// by billing, each with its intent, and 8 settled by an operator. Without
+/// `payment_attempts_operator_intent` (migration 0051) it read every attempt.
+#[tokio::test]
+async fn the_operator_intent_check_reads_only_operator_settled_attempts() {
+    let t = TestDb::new().await;
+    claimed(&t).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE payment_attempts SET provider_status = 'succeeded', \
+                provider_payment_intent = 'pi_plan' || id, resolved_at = now(), \
+                reviewed_at = CASE WHEN id % 1600 = 0 THEN now() END \
+         WHERE idempotency_key LIKE 'plan:%'",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let mut tx =
+        t.db.begin_with_timeout(Duration::from_secs(5))
+            .await
+            .unwrap();
+    let text: &'static str = format!("EXPLAIN {OPERATOR_SETTLED}").leak();
+    let plan: Vec<String> = tx
+        .fetch_all(db::sql(text).bind(vec!["pi_plan1".to_owned(), "pi_plan2".to_owned()]))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| db::Row::get::<String, _>(r, 0))
+        .collect();
+    let plan = plan.join("\n");
+    assert!(plan.contains("payment_attempts_operator_intent"), "{plan}");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
 }
