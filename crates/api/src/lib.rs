@@ -172,9 +172,10 @@ pub fn router(api: Api) -> Router {
         )
 }
 
-/// The limit layers answer with empty bodies; give them the one error shape,
-/// naming the body limit of the routes they guard and answering a timeout
-/// with `timeout`.
+/// The limit layers answer with empty bodies, and axum's own extractors
+/// (a path segment that is not UTF-8) in plain text; give them the one
+/// error shape, naming the body limit of the routes they guard and
+/// answering a timeout with `timeout`.
 pub(crate) fn json_errors(
     response: Response<Body>,
     body_limit: usize,

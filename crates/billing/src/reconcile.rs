@@ -12,6 +12,8 @@
 //!                                         metadata[hardcount_attempt] (at most 500)
 //!              not found or not reached, key alive ─▶ the same POST under the same key
 //!              not found or not reached, key may be gone ─▶ needs review (0090)
+//!            an answer (paid, processing, declined) whose intent an operator's
+//!            settle already gave another attempt ─▶ needs review (docs/adr/0120)
 //!            then one settling transaction for the batch (crate::batch):
 //!                succeeded  ─▶ invoice.paid, payment.succeeded, receipt
 //!                declined   ─▶ payment.failed, its email for a first attempt
@@ -418,54 +420,76 @@ impl FencedBatches for StaleHolds<'_> {
     }
 }
 
-/// An answer found paid (or processing) by an intent that an operator's
-/// settle already pays with another attempt goes to review instead: one
-/// charge pays one invoice. It happens only when an operator named, for
-/// another invoice, the intent of this attempt before its answer was read
-/// (docs/adr/0120); paying both would announce one charge twice. If the
-/// check cannot be read, the answers go on as they are: it guards a
-/// person's slip, not billing's own writes.
+/// An answer (paid, processing or declined) whose intent an operator's
+/// settle already gave another attempt, paid, goes to review instead: one
+/// charge pays one invoice, and the operator's settle must be mended by a
+/// person. It happens only when an operator named, for another invoice, the
+/// intent of this attempt before its answer was read (docs/adr/0120). If the
+/// check cannot be read, the answers go on as they are (it fails open): it
+/// guards a person's slip, not billing's own writes.
 async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) {
     let intents: Vec<String> = answers
         .iter()
-        .filter_map(|(_, a)| match a {
-            Answer::Called(
-                ChargeOutcome::Succeeded { payment_intent }
-                | ChargeOutcome::Processing { payment_intent },
-            ) => Some(payment_intent.clone()),
-            _ => None,
-        })
+        .filter_map(|(_, a)| answered_intent(a).map(|(i, _)| i.to_owned()))
         .collect();
     let c = &biller.inner.config;
     let taken = match store::operator_settled(&biller.inner.db, &intents, c.statement_timeout).await
     {
         Ok(taken) => taken,
         Err(e) => {
-            warn!(role = %Role::Billing, error = %e, "could not check the paid answers against operators' settles");
+            warn!(role = %Role::Billing, error = %e, "could not check the answers against operators' settles");
             return;
         }
     };
     for (s, answer) in answers.iter_mut() {
-        let Answer::Called(
-            ChargeOutcome::Succeeded { payment_intent }
-            | ChargeOutcome::Processing { payment_intent },
-        ) = &*answer
-        else {
+        let Some((intent, how)) = answered_intent(answer) else {
             continue;
         };
-        let Some((_, other, invoice)) = taken
+        let Some(t) = taken
             .iter()
-            .find(|(i, other, _)| i == payment_intent && *other != s.attempt_id)
+            .find(|t| t.intent == intent && t.attempt != s.attempt_id)
         else {
             continue;
         };
-        warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, "this attempt's charge was settled by an operator for another attempt; to review");
-        *answer = Answer::Called(ChargeOutcome::NeedsReview {
-            reason: format!(
-                "payment intent {payment_intent} is this attempt's own charge, but an operator settled attempt {other} (invoice {invoice}) paid with it, so it counts for that invoice: one charge pays one invoice. Settle this attempt --failed to charge its invoice again; if invoice {invoice} was charged by its own attempt too, refund one charge at the provider"
+        let (pi, other, invoice) = (intent, t.attempt, t.invoice);
+        let took = format!("an operator settled attempt {other} (invoice {invoice}) paid with it");
+        let same_customer = t.customer.as_deref() == Some(s.claim.provider_customer.as_str());
+        let reason = match how {
+            "declined" => format!(
+                "payment intent {pi}, this attempt's own, was declined, but {took}: invoice {invoice} is unpaid and is collected by hand. Settle this attempt --failed and its invoice is charged again"
             ),
+            "processing" => format!(
+                "payment intent {pi}, this attempt's own, is still processing, but {took}: wait until the provider settles it, then settle this attempt as that says; if it fails, invoice {invoice} is unpaid"
+            ),
+            _ if same_customer => format!(
+                "payment intent {pi} is this attempt's own charge, but {took}, so it counts for that invoice: one charge pays one invoice. If that invoice's own attempt charged too (its metadata hardcount_attempt), settle this attempt --paid with that charge's intent; if not, settle this attempt --failed and its invoice is charged again"
+            ),
+            _ => format!(
+                "payment intent {pi} charged this attempt's customer, but {took}, which is another customer's invoice: refund {pi} at the provider, then settle this attempt --failed and its invoice is charged again; invoice {invoice} was not paid by its own customer and is collected by hand"
+            ),
+        };
+        warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, "this attempt's intent was settled by an operator for another attempt; to review");
+        *answer = Answer::Called(ChargeOutcome::NeedsReview {
+            reason,
             raw: None,
-            payment_intent: Some(payment_intent.clone()),
+            payment_intent: Some(pi.to_owned()),
         });
+    }
+}
+
+/// The intent an answer names and what it says of it.
+fn answered_intent(answer: &Answer) -> Option<(&str, &'static str)> {
+    match answer {
+        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
+            Some((payment_intent, "succeeded"))
+        }
+        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
+            Some((payment_intent, "processing"))
+        }
+        Answer::Called(ChargeOutcome::Declined {
+            payment_intent: Some(payment_intent),
+            ..
+        }) => Some((payment_intent, "declined")),
+        _ => None,
     }
 }

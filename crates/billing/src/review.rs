@@ -34,7 +34,9 @@ pub struct AttemptForReview {
 pub enum Settlement {
     /// The provider charged it: the invoice is paid.
     Paid,
-    /// Nothing was charged: the invoice is chargeable again (dunning takes it).
+    /// Nothing was charged for this invoice (or its charge counted for
+    /// another invoice, as the review's reason said, docs/adr/0120): the
+    /// invoice is chargeable again (dunning takes it).
     Failed,
 }
 

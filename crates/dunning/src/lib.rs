@@ -211,8 +211,9 @@ pub enum Error {
     /// invoices failed: it rolled back, nothing of the batch was counted.
     #[error("dunning batch not started (rolled back, nothing counted): {0}")]
     BatchNotStarted(String),
-    /// The transaction that counts a batch's retries not attempted failed: it
-    /// rolled back, none of them was counted.
+    /// A retry not attempted could not be counted: the batch's transaction
+    /// failed, and so did this run's own (it rolled back; the run is as
+    /// listed).
     #[error("dunning retries not attempted were not counted (rolled back): {0}")]
     NotCounted(String),
     /// The provider answered none of a batch's retries (timeouts, 5xx): each

@@ -27,8 +27,9 @@ use crate::run::{NotChargeable, Outcome, Retry, Run};
 /// decline on the payment method the customer still has): per run, under
 /// the guard, the next retry from the policy (or exhaustion) and the
 /// warning; then ONE transaction counts them all by the attempt
-/// compare-and-set ([`not_attempted_in`]); then each exhausted run's
-/// final action. No provider call.
+/// compare-and-set ([`not_attempted_in`]), or, when it fails, one
+/// transaction per run (docs/adr/0120); then each exhausted run's final
+/// action. No provider call.
 pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
     let c = &ctx.config;
     let t = &ctx.telemetry;

@@ -135,8 +135,9 @@ pub enum BillingCommand {
         json: bool,
     },
     /// Settle one attempt after checking the provider's dashboard: --paid (it charged;
-    /// the invoice is paid and announced) or --failed (nothing was charged; the invoice
-    /// is chargeable again and dunning takes it). Records who and why.
+    /// the invoice is paid and announced) or --failed (nothing was charged for it, or its
+    /// charge counted for another invoice as the review's reason says; the invoice is
+    /// chargeable again and dunning takes it). Records who and why.
     Settle {
         /// The attempt's id (the first column of `hardcount billing review`).
         attempt: i64,

@@ -28,7 +28,8 @@ pub struct PaymentAttempt {
     /// reconciler) settles it; `processing` while the provider settles it
     /// (a bank debit); `needs_review` while an operator decides an answer
     /// that cannot be relied on; `failed` when the provider refused the
-    /// request before executing it, or an operator settled it as not charged.
+    /// request before executing it, or an operator settled it as not
+    /// charged for this invoice.
     pub status: String,
     pub decline_code: Option<String>,
     pub payment_intent: Option<String>,

@@ -179,22 +179,33 @@ pub(crate) async fn stamp_checked(
 }
 
 /// The statement of [`operator_settled`]; `pub` only for the plan test
-/// (`tests/it/plans.rs`). Through `payment_attempts_operator_intent`, an
-/// index of operator-settled attempts only (migration 0051).
-pub const OPERATOR_SETTLED: &str = "SELECT provider_payment_intent, id, invoice_id \
+/// (`tests/it/plans/other_batches.rs`). Through
+/// `payment_attempts_operator_intent`, an index of operator-settled attempts
+/// only (migration 0051). An operator's settle writes `succeeded` or
+/// `failed`; a failed one gave no intent to anyone.
+pub const OPERATOR_SETTLED: &str = "SELECT provider_payment_intent, id, invoice_id, provider_customer_id \
      FROM payment_attempts \
      WHERE reviewed_at IS NOT NULL AND provider_payment_intent IS NOT NULL \
-       AND provider_payment_intent = ANY($1) AND provider_status IN ('succeeded', 'processing')";
+       AND provider_payment_intent = ANY($1) AND provider_status = 'succeeded'";
 
-/// Of `intents`, those an operator's settle already pays with another
-/// attempt: (intent, that attempt, its invoice). Billing's own answers give
-/// one intent per key; only a person can have named one for another
-/// invoice (docs/adr/0120).
+/// An attempt an operator settled paid with an intent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OperatorSettled {
+    pub intent: String,
+    pub attempt: i64,
+    pub invoice: i64,
+    /// The `cus_…` it was sent for, when it was sent.
+    pub customer: Option<String>,
+}
+
+/// Of `intents`, those an operator's settle already pays with an attempt.
+/// Billing's own answers give one intent per key; only a person can have
+/// named one for another invoice (docs/adr/0120).
 pub(crate) async fn operator_settled(
     db: &Db,
     intents: &[String],
     statement_timeout: Duration,
-) -> Result<Vec<(String, i64, i64)>, db::Error> {
+) -> Result<Vec<OperatorSettled>, db::Error> {
     if intents.is_empty() {
         return Ok(Vec::new());
     }
@@ -204,7 +215,14 @@ pub(crate) async fn operator_settled(
         .await?;
     tx.commit().await?;
     rows.iter()
-        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .map(|r| {
+            Ok(OperatorSettled {
+                intent: r.try_get(0)?,
+                attempt: r.try_get(1)?,
+                invoice: r.try_get(2)?,
+                customer: r.try_get(3)?,
+            })
+        })
         .collect()
 }
 

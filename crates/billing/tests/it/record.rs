@@ -656,7 +656,7 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
         .find(|i| i.customer == open[1].1)
         .unwrap()
         .id;
-    // Found by customer and amount, against the runbook: passes the settle.
+    // Another customer's charge, taken against the runbook: passes the settle.
     let settled = billing::review::settle(
         &op,
         attempt,
@@ -695,7 +695,14 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
     );
     let listed = billing::review::needing_review(&op).await.unwrap();
     assert_eq!(listed.len(), 1);
-    // The operator follows the reason: not charged for this invoice.
+    let reason = listed[0].reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("another customer's invoice")
+            && reason.contains(&format!("refund {sibling}")),
+        "{reason}"
+    );
+    // The operator follows the reason: refunded, then settled as not counted
+    // for this invoice, which is charged again.
     assert_eq!(
         billing::review::settle(
             &op,

@@ -1,7 +1,8 @@
 //! Billing's batches outside the charge path (docs/adr/0062) read only their
 //! batch on tables never analyzed: the retention's clearing of raw answers,
-//! the stale-hold sweep, the reconciler's claim of unknown attempts, and the
-//! lifecycle's listings and compare-and-sets.
+//! the stale-hold sweep, the reconciler's claim of unknown attempts and its
+//! look for intents operators settled, and the lifecycle's listings and
+//! compare-and-sets.
 
 use std::time::Duration;
 
