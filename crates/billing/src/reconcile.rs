@@ -12,8 +12,8 @@
 //!                                         metadata[hardcount_attempt] (at most 500)
 //!              not found or not reached, key alive ─▶ the same POST under the same key
 //!              not found or not reached, key may be gone ─▶ needs review (0090)
-//!            an answer (paid, processing, declined) whose intent an operator's
-//!            settle already gave another attempt ─▶ needs review (docs/adr/0120)
+//!            an answer found paid by an intent an operator's settle already
+//!            gave another attempt ─▶ needs review (docs/adr/0120)
 //!            then one settling transaction for the batch (crate::batch):
 //!                succeeded  ─▶ invoice.paid, payment.succeeded, receipt
 //!                declined   ─▶ payment.failed, its email for a first attempt
@@ -420,13 +420,16 @@ impl FencedBatches for StaleHolds<'_> {
     }
 }
 
-/// An answer (paid, processing or declined) whose intent an operator's
-/// settle already gave another attempt, paid, goes to review instead: one
-/// charge pays one invoice, and the operator's settle must be mended by a
-/// person. It happens only when an operator named, for another invoice, the
-/// intent of this attempt before its answer was read (docs/adr/0120). If the
-/// check cannot be read, the answers go on as they are (it fails open): it
-/// guards a person's slip, not billing's own writes.
+/// An answer found paid by an intent that an operator's settle already gave
+/// another attempt goes to review instead: one charge pays one invoice, and
+/// the operator's settle must be mended by a person. It happens only when an
+/// operator named, for another invoice, the intent of this attempt before its
+/// answer was read (docs/adr/0120). A declined answer with such an intent is
+/// recorded as the decline it is (this invoice was not charged), and the log
+/// says that the other invoice was paid by no charge. A processing one is
+/// polled on until it is one or the other. If the check cannot be read, the
+/// answers go on as they are (it fails open): it guards a person's slip, not
+/// billing's own writes.
 async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) {
     let intents: Vec<String> = answers
         .iter()
@@ -442,33 +445,33 @@ async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) 
         }
     };
     for (s, answer) in answers.iter_mut() {
-        let Some((intent, how)) = answered_intent(answer) else {
+        let Some((pi, paid)) = answered_intent(answer) else {
             continue;
         };
         let Some(t) = taken
             .iter()
-            .find(|t| t.intent == intent && t.attempt != s.attempt_id)
+            .find(|t| t.intent == pi && t.attempt != s.attempt_id)
         else {
             continue;
         };
-        let (pi, other, invoice) = (intent, t.attempt, t.invoice);
+        let (other, invoice) = (t.attempt, t.invoice);
+        if !paid {
+            warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, payment_intent = %pi,
+                  "an operator settled attempt {other} (invoice {invoice}) paid with this attempt's intent, which the provider declined: invoice {invoice} was paid by no charge and is collected by hand");
+            continue;
+        }
         let took = format!("an operator settled attempt {other} (invoice {invoice}) paid with it");
         let same_customer = t.customer.as_deref() == Some(s.claim.provider_customer.as_str());
-        let reason = match how {
-            "declined" => format!(
-                "payment intent {pi}, this attempt's own, was declined, but {took}: invoice {invoice} is unpaid and is collected by hand. Settle this attempt --failed and its invoice is charged again"
-            ),
-            "processing" => format!(
-                "payment intent {pi}, this attempt's own, is still processing, but {took}: wait until the provider settles it, then settle this attempt as that says; if it fails, invoice {invoice} is unpaid"
-            ),
-            _ if same_customer => format!(
-                "payment intent {pi} is this attempt's own charge, but {took}, so it counts for that invoice: one charge pays one invoice. If that invoice's own attempt charged too (its metadata hardcount_attempt), settle this attempt --paid with that charge's intent; if not, settle this attempt --failed and its invoice is charged again"
-            ),
-            _ => format!(
+        let reason = if same_customer {
+            format!(
+                "payment intent {pi} is this attempt's own charge, but {took}, so it counts for that invoice: one charge pays one invoice. If invoice {invoice}'s own attempt charged too (the intent whose metadata hardcount_attempt is that attempt's key), refund that charge at the provider; then settle this attempt --failed and its invoice is charged again"
+            )
+        } else {
+            format!(
                 "payment intent {pi} charged this attempt's customer, but {took}, which is another customer's invoice: refund {pi} at the provider, then settle this attempt --failed and its invoice is charged again; invoice {invoice} was not paid by its own customer and is collected by hand"
-            ),
+            )
         };
-        warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, "this attempt's intent was settled by an operator for another attempt; to review");
+        warn!(role = %Role::Billing, attempt = s.attempt_id, other, invoice, "this attempt's charge was settled by an operator for another attempt; to review");
         *answer = Answer::Called(ChargeOutcome::NeedsReview {
             reason,
             raw: None,
@@ -477,19 +480,14 @@ async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) 
     }
 }
 
-/// The intent an answer names and what it says of it.
-fn answered_intent(answer: &Answer) -> Option<(&str, &'static str)> {
+/// The intent an answer names, and whether it says paid (else declined).
+fn answered_intent(answer: &Answer) -> Option<(&str, bool)> {
     match answer {
-        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
-            Some((payment_intent, "succeeded"))
-        }
-        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
-            Some((payment_intent, "processing"))
-        }
+        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => Some((payment_intent, true)),
         Answer::Called(ChargeOutcome::Declined {
             payment_intent: Some(payment_intent),
             ..
-        }) => Some((payment_intent, "declined")),
+        }) => Some((payment_intent, false)),
         _ => None,
     }
 }
