@@ -148,7 +148,7 @@ pub fn router(api: Api) -> Router {
         .expect("the OpenAPI document serializes");
     let timeout = api.config().request_timeout;
     let concurrent = api.config().max_concurrent;
-    routes
+    let routes = routes
         .route(
             "/openapi.json",
             axum::routing::get(move || async move {
@@ -157,26 +157,61 @@ pub fn router(api: Api) -> Router {
         )
         .fallback(|| async { ApiError::route_not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
-        .with_state(api)
-        .layer(
-            ServiceBuilder::new()
-                .map_response(|r| json_errors(r, MAX_BODY_BYTES, ApiError::timeout))
-                .layer(TimeoutLayer::with_status_code(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    timeout,
-                ))
-                .layer(GlobalConcurrencyLimitLayer::new(concurrent))
-                // tower-http wraps the body; the timeout above needs axum's.
-                .map_response(|r: Response<_>| r.map(Body::new))
-                .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES)),
-        )
+        .with_state(api);
+    with_limits(
+        routes,
+        Limits {
+            body: MAX_BODY_BYTES,
+            timeout,
+            concurrent,
+            timed_out: ApiError::timeout,
+        },
+    )
+}
+
+/// The limits a router's routes are served within.
+pub(crate) struct Limits {
+    /// The largest request body, in bytes.
+    pub body: usize,
+    /// How long a request that holds a place may run before a 503.
+    pub timeout: std::time::Duration,
+    /// Requests served at once; the rest wait.
+    pub concurrent: usize,
+    /// The 503 a request that ran out of time is answered with.
+    pub timed_out: fn() -> ApiError,
+}
+
+/// `router` with `limits` around every route it has now (a layer does not
+/// reach routes merged in later), and the limit layers' empty answers in the
+/// one error shape. The body limit also goes to the body extractor, which
+/// names it in a 413 for a body cut while read.
+pub(crate) fn with_limits(router: Router, limits: Limits) -> Router {
+    let Limits {
+        body,
+        timeout,
+        concurrent,
+        timed_out,
+    } = limits;
+    router.layer(
+        ServiceBuilder::new()
+            .map_response(move |r| json_errors(r, body, timed_out))
+            .layer(TimeoutLayer::with_status_code(
+                StatusCode::SERVICE_UNAVAILABLE,
+                timeout,
+            ))
+            .layer(GlobalConcurrencyLimitLayer::new(concurrent))
+            // tower-http wraps the body; the timeout above needs axum's.
+            .map_response(|r: Response<_>| r.map(Body::new))
+            .layer(RequestBodyLimitLayer::new(body))
+            .layer(axum::Extension(extract::BodyLimit(body))),
+    )
 }
 
 /// The limit layers answer with empty bodies, and axum's own extractors
 /// (a path segment that is not UTF-8) in plain text; give them the one
 /// error shape, naming the body limit of the routes they guard and
 /// answering a timeout with `timeout`.
-pub(crate) fn json_errors(
+fn json_errors(
     response: Response<Body>,
     body_limit: usize,
     timeout: fn() -> ApiError,

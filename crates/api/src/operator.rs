@@ -19,26 +19,21 @@
 //! POST /operator/v1/deliveries/replay             {"since", "tenant_id", "endpoint_id", "limit"}
 //! ```
 
-use axum::body::Body;
+use axum::Router;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Router};
 use chrono::{DateTime, Utc};
 use db::{Db, Row as _};
 use leader::Role;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
-use tower::ServiceBuilder;
-use tower::limit::GlobalConcurrencyLimitLayer;
-use tower_http::limit::RequestBodyLimitLayer;
-use tower_http::timeout::TimeoutLayer;
 
 use crate::error::{ApiError, Code};
-use crate::extract::{BodyLimit, Id, JsonBody, Query};
+use crate::extract::{Id, JsonBody, Query};
 use crate::keys::{self, KeysError};
 
 /// The shortest operator token accepted: 32 characters (of a random
@@ -94,7 +89,7 @@ pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// later): the body limit, a timeout and a concurrency cap, with the limit
 /// layers' empty answers given the one error shape.
 pub fn router(op: Operator) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/operator/v1/leaders", get(leaders))
         .route("/operator/v1/leaders/history", get(history))
         .route("/operator/v1/leaders/{role}/pause", post(pause))
@@ -112,19 +107,16 @@ pub fn router(op: Operator) -> Router {
         )
         .route("/operator/v1/payment-attempts/{id}/settle", post(settle))
         .route("/operator/v1/deliveries/replay", post(replay))
-        .with_state(op)
-        .layer(
-            ServiceBuilder::new()
-                .map_response(|r| crate::json_errors(r, MAX_BODY_BYTES, ApiError::operator_timeout))
-                .layer(TimeoutLayer::with_status_code(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    REQUEST_TIMEOUT,
-                ))
-                .layer(GlobalConcurrencyLimitLayer::new(MAX_CONCURRENT))
-                .map_response(|r: Response<_>| r.map(Body::new))
-                .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
-                .layer(Extension(BodyLimit(MAX_BODY_BYTES))),
-        )
+        .with_state(op);
+    crate::with_limits(
+        routes,
+        crate::Limits {
+            body: MAX_BODY_BYTES,
+            timeout: REQUEST_TIMEOUT,
+            concurrent: MAX_CONCURRENT,
+            timed_out: ApiError::operator_timeout,
+        },
+    )
 }
 
 /// A caller that presented the operator token.

@@ -543,6 +543,30 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
     assert_eq!(p.create_requests(), 2);
 }
 
+/// Two open invoices charged in one tick: the first's answer has no id, so
+/// its attempt waits for review; the second's is a stored 500 (naming its
+/// intent when `with_intent`), so its attempt is unknown though the provider
+/// charged it. (The attempt waiting for review, the second's customer.)
+async fn a_review_beside_a_stored_500(
+    t: &TestDb,
+    p: &FakeProvider,
+    b: &billing::Biller,
+    with_intent: bool,
+) -> (i64, String) {
+    let open = open_invoices(&t.db, 2).await;
+    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
+    p.set_behaviour(&open[1].1, Behaviour::StoredServerError { with_intent });
+    let report = tick(&t.db, b).await;
+    assert_eq!(
+        (report.charges.needs_review, report.charges.unknown),
+        (1, 1),
+        "{report:?}"
+    );
+    let op = t.operator();
+    let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
+    (attempt, open[1].1.clone())
+}
+
 /// A sibling invoice's attempt whose answer was a stored 500 naming its intent
 /// is `unknown`, yet the provider charged it. An operator settling another
 /// invoice's attempt with that intent is refused (docs/adr/0120), and the
@@ -554,21 +578,9 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
 async fn a_settle_cannot_take_an_unknown_siblings_intent() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 2).await;
-    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
-    p.set_behaviour(
-        &open[1].1,
-        Behaviour::StoredServerError { with_intent: true },
-    );
     let (b, _) = biller(&t.db, charging(&p));
-    let report = tick(&t.db, &b).await;
-    assert_eq!(
-        (report.charges.needs_review, report.charges.unknown),
-        (1, 1),
-        "{report:?}"
-    );
+    let (attempt, _) = a_review_beside_a_stored_500(&t, &p, &b, true).await;
     let op = t.operator();
-    let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
     let sibling: String =
         t.db.fetch_one(sql(
             "SELECT provider_payment_intent FROM payment_attempts WHERE provider_status = 'unknown'",
@@ -627,19 +639,8 @@ async fn a_settle_cannot_take_an_unknown_siblings_intent() {
 async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let open = open_invoices(&t.db, 2).await;
-    p.set_behaviour(&open[0].1, Behaviour::Malformed(MalformedKind::NoId));
-    p.set_behaviour(
-        &open[1].1,
-        Behaviour::StoredServerError { with_intent: false },
-    );
     let (b, _) = biller(&t.db, charging(&p));
-    let report = tick(&t.db, &b).await;
-    assert_eq!(
-        (report.charges.needs_review, report.charges.unknown),
-        (1, 1),
-        "{report:?}"
-    );
+    let (attempt, sibling_customer) = a_review_beside_a_stored_500(&t, &p, &b, false).await;
     assert_eq!(
         count(
             &t.db,
@@ -649,11 +650,10 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
         0
     );
     let op = t.operator();
-    let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
     let sibling = p
         .intents()
         .into_iter()
-        .find(|i| i.customer == open[1].1)
+        .find(|i| i.customer == sibling_customer)
         .unwrap()
         .id;
     // Another customer's charge, taken against the runbook: passes the settle.
