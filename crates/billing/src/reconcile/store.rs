@@ -180,9 +180,10 @@ pub(crate) async fn stamp_checked(
 
 /// The statement of [`operator_settled`]; `pub` only for the plan test
 /// (`tests/it/plans/other_batches.rs`). Through
-/// `payment_attempts_operator_intent`, an index of operator-settled attempts
-/// only (migration 0051). An operator's settle writes `succeeded` or
-/// `failed`; a failed one gave no intent to anyone.
+/// `payment_attempts_one_paid_intent`, the unique index of succeeded
+/// attempts' intents (migration 0052): at most one attempt read per intent.
+/// An operator's settle writes `succeeded` or `failed`; a failed one gave no
+/// intent to anyone.
 pub const OPERATOR_SETTLED: &str = "SELECT provider_payment_intent, id, invoice_id, provider_customer_id \
      FROM payment_attempts \
      WHERE reviewed_at IS NOT NULL AND provider_payment_intent IS NOT NULL \

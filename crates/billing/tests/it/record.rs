@@ -718,6 +718,173 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
     );
 }
 
+/// The race migration 0051's look leaves: an operator's settle of another
+/// invoice with the sibling's charge has run and not committed when the
+/// reconciler looks (its check reads nothing) and writes the sibling paid.
+/// Migration 0052's unique index of paid intents makes that write wait for
+/// the operator's and then fail (the sibling's attempt stays open); the next
+/// look sees the operator's settle and sends the sibling to review: one
+/// charge, one invoice paid (docs/adr/0122). Mutation
+/// `paid_intent_not_unique` (the index not unique) pays both invoices with
+/// the one charge: seen failing here.
+#[tokio::test]
+async fn a_settle_and_a_look_in_the_same_moment_pay_one_invoice() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (b, _) = biller(&t.db, charging(&p));
+    let (attempt, sibling_customer) = a_review_beside_a_stored_500(&t, &p, &b, false).await;
+    let sibling = p
+        .intents()
+        .into_iter()
+        .find(|i| i.customer == sibling_customer)
+        .unwrap()
+        .id;
+    let mut op = t.superuser().await;
+    sqlx::raw_sql("BEGIN").execute(&mut op).await.unwrap();
+    let settled: String = sqlx::query_scalar(
+        "SELECT billing_settle_attempt($1, true, $2, 'oncall', 'found by customer and amount')",
+    )
+    .bind(attempt)
+    .bind(&sibling)
+    .fetch_one(&mut op)
+    .await
+    .unwrap();
+    assert_eq!(settled, "paid");
+    p.prune_keys();
+    after_the_lease().await;
+    let looking = tokio::spawn({
+        let (db, b) = (t.db.clone(), b.clone());
+        async move { tick(&db, &b).await }
+    });
+    // The reconciler's write waits on the operator's uncommitted entry.
+    let mut watch = t.superuser().await;
+    let mut waited = false;
+    for _ in 0..200 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .unwrap();
+        if n > 0 {
+            waited = true;
+            break;
+        }
+        if looking.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut op).await.unwrap();
+    let report = looking.await.unwrap();
+    assert!(waited, "the reconciler never waited: {report:?}");
+    assert_eq!(
+        (report.reconciled.paid, report.reconciled.failed),
+        (0, 1),
+        "{report:?}"
+    );
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (report.reconciled.paid, report.reconciled.needs_review),
+        (0, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
+             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
+        )
+        .await,
+        ["paid succeeded", "open needs_review"]
+    );
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
+        )
+        .await,
+        1
+    );
+}
+
+/// The other order: billing's write of a charge paid is in flight (here its
+/// row written and not committed) when an operator settles another invoice
+/// with the same intent. The settle's own check reads before billing commits;
+/// the unique index makes its write wait and then refuses it in 0050's words
+/// (docs/adr/0122). Mutation `paid_intent_not_unique` lets the settle pay the
+/// second invoice: seen failing here.
+#[tokio::test]
+async fn a_settle_waits_for_billings_write_of_the_same_charge() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (b, _) = biller(&t.db, charging(&p));
+    let (attempt, sibling_customer) = a_review_beside_a_stored_500(&t, &p, &b, false).await;
+    let sibling = p
+        .intents()
+        .into_iter()
+        .find(|i| i.customer == sibling_customer)
+        .unwrap()
+        .id;
+    let mut billing = t.superuser().await;
+    sqlx::raw_sql("BEGIN").execute(&mut billing).await.unwrap();
+    sqlx::query(
+        "UPDATE payment_attempts SET provider_status = 'succeeded', provider_payment_intent = $1 \
+         WHERE provider_status = 'unknown'",
+    )
+    .bind(&sibling)
+    .execute(&mut billing)
+    .await
+    .unwrap();
+    let settling = tokio::spawn({
+        let op = t.operator();
+        let sibling = sibling.clone();
+        async move {
+            billing::review::settle(
+                &op,
+                attempt,
+                billing::review::Settlement::Paid,
+                Some(&sibling),
+                "oncall",
+                "found by customer and amount",
+            )
+            .await
+            .map_err(|e| e.to_string())
+        }
+    });
+    let mut watch = t.superuser().await;
+    for _ in 0..200 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .unwrap();
+        if n > 0 || settling.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut billing).await.unwrap();
+    let refused = settling.await.unwrap().unwrap_err();
+    assert!(
+        refused.contains("was just recorded paid")
+            && refused.contains("one charge pays one invoice"),
+        "{refused}"
+    );
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
+             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
+        )
+        .await,
+        ["open needs_review", "open succeeded"]
+    );
+}
+
 /// Amounts go to the provider in its minor units where Stripe departs from
 /// ISO 4217 (docs/adr/0078): an ISK invoice of 1,200 kr (ISO minor units:
 /// krónur) is sent as 120000 (Stripe's hundredths), an MGA invoice of

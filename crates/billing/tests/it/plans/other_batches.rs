@@ -244,10 +244,12 @@ async fn the_lifecycle_reads_only_its_batches() {
 }
 
 /// Guard: the reconciler's look for intents an operator's settle already pays
-/// (`OPERATOR_SETTLED`, docs/adr/0120) reads only operator-settled attempts,
-/// through their own index, on a table never analyzed: 12,800 attempts paid
-/// by billing, each with its intent, and 8 settled by an operator. Without
-/// `payment_attempts_operator_intent` (migration 0051) it read every attempt.
+/// (`OPERATOR_SETTLED`, docs/adr/0120) reads at most one attempt per intent,
+/// through the unique index of paid intents, on a table never analyzed:
+/// 12,800 attempts paid by billing, each with its intent, and 8 settled by
+/// an operator. Without `payment_attempts_one_paid_intent` (migration 0052,
+/// which dropped 0051's index) it read every attempt: mutation
+/// `operator_intent_unindexed`.
 #[tokio::test]
 async fn the_operator_intent_check_reads_only_operator_settled_attempts() {
     let t = TestDb::new().await;
@@ -275,6 +277,6 @@ async fn the_operator_intent_check_reads_only_operator_settled_attempts() {
         .map(|r| db::Row::get::<String, _>(r, 0))
         .collect();
     let plan = plan.join("\n");
-    assert!(plan.contains("payment_attempts_operator_intent"), "{plan}");
+    assert!(plan.contains("payment_attempts_one_paid_intent"), "{plan}");
     assert!(!plan.contains("Seq Scan"), "{plan}");
 }
