@@ -10,6 +10,9 @@
 #           email. The queue's rows are inserted before the clock (in the redesign the
 #           billing closing would insert them); that insert is timed on its own.
 #   today-lean  today without invoices_tenant_created (migration 0040)
+#   today-0051  today-lean without payment_attempts_one_paid_intent (the schema
+#           before migration 0052, docs/adr/0122; today-lean is the schema since)
+# HARDCOUNT_SHAPES="today today-0051" picks the shapes (default: the first three).
 # Prints, per round and shape: the wall time in ms (one backend, one statement after
 # another, so about its CPU), WAL bytes per charge, and invoices paid. The order of the
 # shapes rotates from round to round and each database is dropped after its run; with
@@ -36,26 +39,29 @@ SELECT round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000) 
        || round(pg_wal_lsn_diff(pg_current_wal_lsn(), :'l0') / $n.0) || ' B of WAL per charge';
 SQL
 }
-shapes=(today queue today-lean)
+read -r -a shapes <<< "${HARDCOUNT_SHAPES:-today queue today-lean}"
 for round in $(seq 1 "${1:-3}"); do
-  for k in 0 1 2; do
-    shape=${shapes[$(( (round + k - 1) % 3 ))]}
+  for k in $(seq 0 $(( ${#shapes[@]} - 1 ))); do
+    shape=${shapes[$(( (round + k - 1) % ${#shapes[@]} ))]}
     db="charges_${round}_${shape//-/_}"
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"
     DATABASE_URL=$url MIGRATION_DATABASE_URL=$url "$hc" migrate >/dev/null
     q -d "$db" -v n="$n" -f "$here/setup.sql" >/dev/null
-    if [ "$shape" = today-lean ]; then
+    if [ "$shape" = today-lean ] || [ "$shape" = today-0051 ]; then
       q -d "$db" -c "DROP INDEX IF EXISTS invoices_tenant_created" >/dev/null
     else
       q -d "$db" -c "CREATE INDEX IF NOT EXISTS invoices_tenant_created ON invoices (tenant_id, created_at)" >/dev/null
+    fi
+    if [ "$shape" = today-0051 ]; then
+      q -d "$db" -c "DROP INDEX payment_attempts_one_paid_intent" >/dev/null
     fi
     fill=""
     if [ "$shape" = queue ]; then
       echo "INSERT INTO charge_queue SELECT id FROM invoices ORDER BY id;" > "/tmp/charge-queue-fill.sql"
       fill=" (queue filled before: $(timed "$db" /tmp/charge-queue-fill.sql))"
     fi
-    out=$(timed "$db" "$here/${shape%-lean}.sql")
+    out=$(timed "$db" "$here/${shape%%-*}.sql")
     paid=$(q -d "$db" -At -c "SELECT count(*) FROM invoices WHERE status = 'paid'")
     echo "round $round, $shape: $out, $paid paid$fill"
     q -d postgres -c "DROP DATABASE $db" >/dev/null
