@@ -102,8 +102,12 @@ pub static REGISTRY: &[RoleEntry] = &[
         role: Role::WebhookOutbox,
         interval: "HARDCOUNT_WEBHOOK_OUTBOX_INTERVAL",
         settings: &["HARDCOUNT_WEBHOOK_OUTBOX_SCHEDULE"],
-        alerts: &[],
-        metrics: &["hardcount_webhook_events_dispatched_total"],
+        alerts: &["HardcountWebhookEventsUndispatched"],
+        metrics: &[
+            "hardcount_webhook_events_dispatched_total",
+            "hardcount_webhook_events_undispatched",
+            "hardcount_webhook_events_oldest_undispatched_age_seconds",
+        ],
         listens: true,
     },
     RoleEntry {

@@ -70,7 +70,7 @@ mod tick;
 #[doc(hidden)]
 pub mod statements {
     pub use crate::store::{
-        CLAIM_AND_FAN_OUT, PRUNE_DISPATCHED, PruneCursor, PrunedEvents, pruned_events,
+        BACKLOG, CLAIM_AND_FAN_OUT, PRUNE_DISPATCHED, PruneCursor, PrunedEvents, pruned_events,
     };
 }
 

@@ -11,7 +11,7 @@ use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{
     FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop, Wake,
 };
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::Error;
 use crate::config::DispatcherConfig;
@@ -258,6 +258,33 @@ impl FencedBatches for Fanout<'_> {
     /// at once by the next, not after the interval.
     fn due_again_after_work(&self) -> bool {
         true
+    }
+
+    /// The backlog gauges, read by the leader at each tick's end: a fan-out
+    /// that falls behind or stops making progress shows as the age of the
+    /// oldest event not yet fanned out (`HardcountWebhookEventsUndispatched`),
+    /// which no delivery gauge sees, since its deliveries do not exist yet.
+    async fn end_tick(&self, tick: &Tick) {
+        if tick.cancel.is_cancelled() {
+            return;
+        }
+        let d = self.0;
+        match store::backlog(&d.db, d.config.statement_timeout).await {
+            Ok((waiting, oldest)) => {
+                d.telemetry
+                    .gauge("hardcount_webhook_events_undispatched", &[])
+                    .set(waiting as f64);
+                d.telemetry
+                    .gauge(
+                        "hardcount_webhook_events_oldest_undispatched_age_seconds",
+                        &[],
+                    )
+                    .set(oldest);
+            }
+            Err(e) => {
+                warn!(role = %Role::WebhookOutbox, error = %e, "could not read the webhook outbox backlog");
+            }
+        }
     }
 
     async fn run(

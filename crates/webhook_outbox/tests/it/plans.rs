@@ -9,7 +9,7 @@ use testbed::TestDb;
 use testbed::plans::{
     INDEX_DRIVEN_SETTINGS, PlansNoticed, assert_planned_with, explain_index_driven,
 };
-use webhook_outbox::statements::CLAIM_AND_FAN_OUT;
+use webhook_outbox::statements::{BACKLOG, CLAIM_AND_FAN_OUT};
 use webhook_outbox::{DispatcherConfig, NewEvent, enqueue_many};
 
 use crate::{as_leader, dispatcher, endpoint, event, manager};
@@ -151,4 +151,34 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
     ] {
         assert!(!plan.contains(absent), "{absent} in\n{plan}");
     }
+}
+
+/// Guard: the backlog gauges' read (`BACKLOG`, read at every tick's end)
+/// reads the undispatched events through their partial index, not the events
+/// kept for retention: 1,000 events of which 990 are dispatched, on a table
+/// never analyzed. Mutation `outbox_backlog_seqscan` (the predicate written
+/// so that the partial index does not match) reads every event: seen failing
+/// here.
+#[tokio::test]
+async fn the_backlog_gauges_read_only_undispatched_events() {
+    let t = TestDb::new().await;
+    let payloads: Vec<String> = (0..1000).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    let events: Vec<NewEvent<'_>> = payloads
+        .iter()
+        .map(|p| ("tenant_a", "invoice.finalized", p.as_str()))
+        .collect();
+    let mut tx = t.db.begin().await.unwrap();
+    assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
+    tx.commit().await.unwrap();
+    let mut owner = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE webhook_events SET dispatched_at = now() \
+         WHERE id NOT IN (SELECT id FROM webhook_events ORDER BY id DESC LIMIT 10)",
+    )
+    .execute(&mut owner)
+    .await
+    .unwrap();
+    let plan = explain_index_driven(&t.db, BACKLOG, |s| s).await;
+    assert!(plan.contains("webhook_events_undispatched"), "{plan}");
+    assert!(!plan.contains("Seq Scan on webhook_events"), "{plan}");
 }
