@@ -543,6 +543,38 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
     assert_eq!(p.create_requests(), 2);
 }
 
+/// The id of the intent the provider made for `customer`.
+fn intent_for(p: &FakeProvider, customer: &str) -> String {
+    p.intents()
+        .into_iter()
+        .find(|i| i.customer == customer)
+        .unwrap()
+        .id
+}
+
+/// Whether a statement of this database came to wait on a lock (polled for
+/// up to 5 s, or until `finished`).
+async fn a_lock_wait(t: &TestDb, finished: impl Fn() -> bool) -> bool {
+    let mut watch = t.superuser().await;
+    for _ in 0..200 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .unwrap();
+        if n > 0 {
+            return true;
+        }
+        if finished() {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    false
+}
+
 /// Two open invoices charged in one tick: the first's answer has no id, so
 /// its attempt waits for review; the second's is a stored 500 (naming its
 /// intent when `with_intent`), so its attempt is unknown though the provider
@@ -650,12 +682,7 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
         0
     );
     let op = t.operator();
-    let sibling = p
-        .intents()
-        .into_iter()
-        .find(|i| i.customer == sibling_customer)
-        .unwrap()
-        .id;
+    let sibling = intent_for(&p, &sibling_customer);
     // Another customer's charge, taken against the runbook: passes the settle.
     let settled = billing::review::settle(
         &op,
@@ -738,12 +765,7 @@ async fn a_charge_an_operator_gave_the_same_customers_invoice_asks_for_the_other
         .execute(&mut su)
         .await
         .unwrap();
-    let sibling = p
-        .intents()
-        .into_iter()
-        .find(|i| i.customer == sibling_customer)
-        .unwrap()
-        .id;
+    let sibling = intent_for(&p, &sibling_customer);
     let op = t.operator();
     billing::review::settle(
         &op,
@@ -790,12 +812,7 @@ async fn a_declined_charge_an_operator_gave_another_invoice_is_recorded_declined
         (1, 1),
         "{report:?}"
     );
-    let sibling = p
-        .intents()
-        .into_iter()
-        .find(|i| i.customer == open[1].1)
-        .unwrap()
-        .id;
+    let sibling = intent_for(&p, &open[1].1);
     let mut su = t.superuser().await;
     sqlx::raw_sql(
         "UPDATE payment_attempts SET provider_status = 'unknown', provider_payment_intent = NULL \
@@ -859,12 +876,7 @@ async fn a_settle_and_a_look_in_the_same_moment_pay_one_invoice() {
     let p = FakeProvider::start().await.unwrap();
     let (b, _) = biller(&t.db, charging(&p));
     let (attempt, sibling_customer) = a_review_beside_a_stored_500(&t, &p, &b, false).await;
-    let sibling = p
-        .intents()
-        .into_iter()
-        .find(|i| i.customer == sibling_customer)
-        .unwrap()
-        .id;
+    let sibling = intent_for(&p, &sibling_customer);
     let mut op = t.superuser().await;
     sqlx::raw_sql("BEGIN").execute(&mut op).await.unwrap();
     let settled: String = sqlx::query_scalar(
@@ -883,24 +895,7 @@ async fn a_settle_and_a_look_in_the_same_moment_pay_one_invoice() {
         async move { tick(&db, &b).await }
     });
     // The reconciler's write waits on the operator's uncommitted entry.
-    let mut watch = t.superuser().await;
-    let mut waited = false;
-    for _ in 0..200 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&mut watch)
-        .await
-        .unwrap();
-        if n > 0 {
-            waited = true;
-            break;
-        }
-        if looking.is_finished() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let waited = a_lock_wait(&t, || looking.is_finished()).await;
     sqlx::raw_sql("COMMIT").execute(&mut op).await.unwrap();
     let report = looking.await.unwrap();
     assert!(waited, "the reconciler never waited: {report:?}");
@@ -947,12 +942,7 @@ async fn a_settle_waits_for_billings_write_of_the_same_charge() {
     let p = FakeProvider::start().await.unwrap();
     let (b, _) = biller(&t.db, charging(&p));
     let (attempt, sibling_customer) = a_review_beside_a_stored_500(&t, &p, &b, false).await;
-    let sibling = p
-        .intents()
-        .into_iter()
-        .find(|i| i.customer == sibling_customer)
-        .unwrap()
-        .id;
+    let sibling = intent_for(&p, &sibling_customer);
     let mut billing = t.superuser().await;
     sqlx::raw_sql("BEGIN").execute(&mut billing).await.unwrap();
     sqlx::query(
@@ -979,20 +969,7 @@ async fn a_settle_waits_for_billings_write_of_the_same_charge() {
             .map_err(|e| e.to_string())
         }
     });
-    let mut watch = t.superuser().await;
-    for _ in 0..200 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&mut watch)
-        .await
-        .unwrap();
-        if n > 0 || settling.is_finished() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    assert!(a_lock_wait(&t, || settling.is_finished()).await);
     sqlx::raw_sql("COMMIT").execute(&mut billing).await.unwrap();
     let refused = settling.await.unwrap().unwrap_err();
     assert!(

@@ -23,14 +23,7 @@ async fn the_fan_out_claims_its_events_in_index_order() {
     for _ in 0..3 {
         endpoint(&t, "tenant_a", &[], true).await;
     }
-    let payloads: Vec<String> = (0..1000).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
-    let events: Vec<NewEvent<'_>> = payloads
-        .iter()
-        .map(|p| ("tenant_a", "invoice.finalized", p.as_str()))
-        .collect();
-    let mut tx = t.db.begin().await.unwrap();
-    assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
-    tx.commit().await.unwrap();
+    a_thousand_events(&t).await;
 
     let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
         s.bind("webhook_outbox")
@@ -162,14 +155,7 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
 #[tokio::test]
 async fn the_backlog_gauges_read_only_undispatched_events() {
     let t = TestDb::new().await;
-    let payloads: Vec<String> = (0..1000).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
-    let events: Vec<NewEvent<'_>> = payloads
-        .iter()
-        .map(|p| ("tenant_a", "invoice.finalized", p.as_str()))
-        .collect();
-    let mut tx = t.db.begin().await.unwrap();
-    assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
-    tx.commit().await.unwrap();
+    a_thousand_events(&t).await;
     let mut owner = t.superuser().await;
     sqlx::raw_sql(
         "UPDATE webhook_events SET dispatched_at = now() \
@@ -181,4 +167,16 @@ async fn the_backlog_gauges_read_only_undispatched_events() {
     let plan = explain_index_driven(&t.db, BACKLOG, |s| s).await;
     assert!(plan.contains("webhook_events_undispatched"), "{plan}");
     assert!(!plan.contains("Seq Scan on webhook_events"), "{plan}");
+}
+
+/// 1,000 events of tenant_a, enqueued as producers do.
+async fn a_thousand_events(t: &TestDb) {
+    let payloads: Vec<String> = (0..1000).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    let events: Vec<NewEvent<'_>> = payloads
+        .iter()
+        .map(|p| ("tenant_a", "invoice.finalized", p.as_str()))
+        .collect();
+    let mut tx = t.db.begin().await.unwrap();
+    assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
+    tx.commit().await.unwrap();
 }
