@@ -12,19 +12,25 @@
 -- per intent, so 0051's index of operator-settled attempts goes.
 --
 -- An existing pair of succeeded attempts with one intent (paid twice before
--- 0050) stops the migration with their ids: a person settles which invoice
--- the charge paid first. The index is built without CONCURRENTLY (a
--- transaction forbids it): it reads payment_attempts once and holds its
--- writes while it builds.
+-- 0050, or by a fake provider before it numbered its intents per run) stops
+-- the migration, naming how many intents and the first one's attempts; ADR
+-- 0122 says how a person decides which invoice the charge paid. The table is
+-- locked against writes first, so none slips in between the check and the
+-- index. The index is built without CONCURRENTLY (a transaction forbids it):
+-- it reads payment_attempts once, and the DROP INDEX after it holds every
+-- read and write of the table until the migration commits.
 --
 -- The function is 0050's with its attempt write caught for that refusal; the
 -- owner, SECURITY DEFINER, the search path and the grants stay.
+
+LOCK TABLE payment_attempts IN SHARE MODE;
 
 DO $$
 DECLARE
     d record;
 BEGIN
-    SELECT provider_payment_intent AS intent, array_agg(id ORDER BY id) AS attempts
+    SELECT count(*) OVER () AS intents, provider_payment_intent AS intent,
+           array_agg(id ORDER BY id) AS attempts
     INTO d
     FROM payment_attempts
     WHERE provider_status = 'succeeded' AND provider_payment_intent IS NOT NULL
@@ -33,7 +39,7 @@ BEGIN
     ORDER BY provider_payment_intent
     LIMIT 1;
     IF FOUND THEN
-        RAISE EXCEPTION 'payment intent % is recorded paid for payment attempts %: one charge pays one invoice; refund or settle all but one before this migration (docs/adr/0122)', d.intent, d.attempts
+        RAISE EXCEPTION '% payment intent(s) are recorded paid for more than one payment attempt, the first % for attempts %: one charge pays one invoice; decide which invoice each paid before this migration (docs/adr/0122, "Existing duplicates")', d.intents, d.intent, d.attempts
             USING ERRCODE = 'unique_violation';
     END IF;
 END

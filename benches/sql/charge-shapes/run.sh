@@ -10,8 +10,10 @@
 #           email. The queue's rows are inserted before the clock (in the redesign the
 #           billing closing would insert them); that insert is timed on its own.
 #   today-lean  today without invoices_tenant_created (migration 0040)
-#   today-0051  today-lean without payment_attempts_one_paid_intent (the schema
-#           before migration 0052, docs/adr/0122; today-lean is the schema since)
+#   today-0051  today-lean without payment_attempts_one_paid_intent (the charge path's
+#           schema before migration 0052, docs/adr/0122: 0051's index of operator-settled
+#           attempts, which 0052 drops, takes no entry from a charge; today-lean is the
+#           schema since)
 # HARDCOUNT_SHAPES="today today-0051" picks the shapes (default: the first three).
 # Prints, per round and shape: the wall time in ms (one backend, one statement after
 # another, so about its CPU), WAL bytes per charge, and invoices paid. The order of the

@@ -429,7 +429,8 @@ impl FencedBatches for StaleHolds<'_> {
 /// says that the other invoice was paid by no charge. A processing one is
 /// polled on until it is one or the other. If the check cannot be read, the
 /// answers go on as they are (it fails open): it guards a person's slip, not
-/// billing's own writes.
+/// billing's own writes, and migration 0052's unique index of paid intents
+/// still refuses a paid write that the check missed (docs/adr/0122).
 async fn taken_by_operator(biller: &Biller, answers: &mut [(&Started, Answer)]) {
     let intents: Vec<String> = answers
         .iter()

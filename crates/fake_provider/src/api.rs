@@ -264,7 +264,7 @@ pub(super) async fn create_payment_intent(
             return answer;
         }
         l.next_intent += 1;
-        let id = format!("pi_fake{:08}", l.next_intent);
+        let id = format!("pi_fake{}_{:08}", l.run, l.next_intent);
         let intent = Intent::new(id, key.clone(), &params, l.now());
         if let Some(k) = &key {
             l.in_flight.insert(k.clone(), params.clone());

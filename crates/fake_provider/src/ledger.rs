@@ -146,6 +146,10 @@ pub(crate) struct Ledger {
     pub(crate) in_flight: HashMap<String, Vec<(String, String)>>,
     pub(crate) charges: BTreeMap<String, u32>,
     pub(crate) next_intent: u64,
+    /// This fake's part of every intent id (`pi_fake{run}_{n}`): a database
+    /// kept across restarts (`hardcount dev`, compose) never sees an id
+    /// twice, as it never would from the provider (docs/adr/0122).
+    pub(crate) run: String,
     /// Every intent created, in creation order; `by_id` indexes it.
     pub(crate) intents: Vec<Intent>,
     pub(crate) by_id: HashMap<String, usize>,
@@ -164,6 +168,17 @@ pub(crate) struct Ledger {
     /// Create requests waiting out `latency` now, and the most at once.
     pub(crate) answering: usize,
     pub(crate) most_answering: usize,
+}
+
+/// A fake's `run`, unique among the fakes of this machine's processes: the
+/// start time in nanoseconds, and a count within the process.
+pub(crate) fn run_id() -> String {
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{nanos:x}{n:x}")
 }
 
 impl Ledger {

@@ -262,6 +262,7 @@ impl FakeProvider {
         let shared = Arc::new(Shared {
             ledger: Mutex::new(Ledger {
                 secret_key: secret_key.to_owned(),
+                run: ledger::run_id(),
                 ..Ledger::default()
             }),
         });

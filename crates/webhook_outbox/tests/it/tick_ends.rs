@@ -181,7 +181,7 @@ async fn a_tick_that_found_work_is_followed_at_once_and_an_idle_one_waits_its_in
 /// A tick that ends with events left exports how many wait and how long the
 /// oldest has waited (`HardcountWebhookEventsUndispatched` reads the age); a
 /// tick that drains sets both to 0. Mutation `outbox_backlog_unset` (the
-/// gauges not set at the tick's end): seen failing here.
+/// count gauge set to 0 at the tick's end): seen failing here.
 #[tokio::test]
 async fn a_tick_exports_the_events_left_and_the_oldest_ones_age() {
     let t = TestDb::new().await;

@@ -251,7 +251,7 @@ async fn the_lifecycle_reads_only_its_batches() {
 /// which dropped 0051's index) it read every attempt: mutation
 /// `operator_intent_unindexed`.
 #[tokio::test]
-async fn the_operator_intent_check_reads_only_operator_settled_attempts() {
+async fn the_operator_intent_check_reads_at_most_one_attempt_per_intent() {
     let t = TestDb::new().await;
     claimed(&t).await;
     let mut su = t.superuser().await;
