@@ -612,7 +612,7 @@ async fn a_review_beside_a_stored_500(
 /// invoice's attempt with that intent is refused (docs/adr/0120), and the
 /// reconciler then pays the sibling with it: one charge, one invoice paid.
 /// Mutation `settle_unknown_sibling` (the check back to 0046's succeeded or
-/// processing) lets the settle pay the second invoice with the sibling's
+/// processing) lets the settle pay the invoice under review with the sibling's
 /// charge; the reconciler's write of the sibling then fails on migration
 /// 0052's unique index, and the sibling is not paid: seen failing here.
 #[tokio::test]
@@ -870,7 +870,7 @@ async fn a_declined_charge_an_operator_gave_another_invoice_is_recorded_declined
         .await,
         1
     );
-    // The first attempt's decline email, beside the receipts of none.
+    // The first attempt's decline email.
     assert_eq!(
         count(
             &t.db,

@@ -103,7 +103,7 @@ async fn after_the_key_is_rolled_the_old_one_is_refused_and_nothing_is_charged()
         401
     );
     assert_eq!(
-        get_v1(&p, "payment_intents/pi_fake1_00000001", TEST_SECRET_KEY)
+        get_v1(&p, "payment_intents/pi_nope", TEST_SECRET_KEY)
             .await
             .status,
         401
