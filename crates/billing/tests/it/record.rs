@@ -532,14 +532,7 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
         )
     );
     assert_eq!(billing::review::needing_review(&op).await.unwrap(), []);
-    assert_eq!(
-        count(
-            &t.db,
-            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
-        )
-        .await,
-        2
-    );
+    assert_eq!(paid_events(&t.db).await, 2);
     // Nothing charged again by anyone.
     after_the_lease().await;
     assert_eq!(
@@ -547,6 +540,39 @@ async fn an_operator_settles_an_attempt_that_needs_review() {
         billing::ReconcileTally::default()
     );
     assert_eq!(p.create_requests(), 2);
+}
+
+/// An operator's paid settle of `attempt` with `intent`, found by customer
+/// and amount against the runbook (the slip docs/adr/0120 and 0122 guard).
+async fn settle_paid_by_slip(op: &Db, attempt: i64, intent: &str) -> Result<String, db::Error> {
+    billing::review::settle(
+        op,
+        attempt,
+        billing::review::Settlement::Paid,
+        Some(intent),
+        "oncall",
+        "found by customer and amount",
+    )
+    .await
+}
+
+/// Each invoice's status and its attempt's, in invoice order.
+async fn invoice_and_attempt_states(db: &Db) -> Vec<String> {
+    strings(
+        db,
+        "SELECT i.status || ' ' || a.provider_status FROM invoices i \
+         JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id",
+    )
+    .await
+}
+
+/// How many `invoice.paid` events were written.
+async fn paid_events(db: &Db) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'",
+    )
+    .await
 }
 
 /// The id of the intent the provider made for `customer`.
@@ -629,17 +655,10 @@ async fn a_settle_cannot_take_an_unknown_siblings_intent() {
         .await
         .unwrap()
         .get(0);
-    let refused = billing::review::settle(
-        &op,
-        attempt,
-        billing::review::Settlement::Paid,
-        Some(&sibling),
-        "oncall",
-        "found by customer and amount",
-    )
-    .await
-    .unwrap_err()
-    .to_string();
+    let refused = settle_paid_by_slip(&op, attempt, &sibling)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(
         refused.contains("one charge pays one invoice") && refused.contains("unknown"),
         "{refused}"
@@ -650,22 +669,10 @@ async fn a_settle_cannot_take_an_unknown_siblings_intent() {
     // Both charges were made; the sibling's pays the sibling, and the invoice
     // under review waits for its own.
     assert_eq!(
-        strings(
-            &t.db,
-            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
-             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
-        )
-        .await,
+        invoice_and_attempt_states(&t.db).await,
         ["open needs_review", "paid succeeded"]
     );
-    assert_eq!(
-        count(
-            &t.db,
-            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
-        )
-        .await,
-        1
-    );
+    assert_eq!(paid_events(&t.db).await, 1);
 }
 
 /// The gap migration 0050 cannot close: the sibling's attempt has not
@@ -695,16 +702,7 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
     let op = t.operator();
     let sibling = intent_for(&p, &sibling_customer);
     // Another customer's charge, taken against the runbook: passes the settle.
-    let settled = billing::review::settle(
-        &op,
-        attempt,
-        billing::review::Settlement::Paid,
-        Some(&sibling),
-        "oncall",
-        "found by customer and amount",
-    )
-    .await
-    .unwrap();
+    let settled = settle_paid_by_slip(&op, attempt, &sibling).await.unwrap();
     assert_eq!(settled, "paid");
     p.prune_keys();
     after_the_lease().await;
@@ -723,14 +721,7 @@ async fn a_charge_an_operator_gave_another_invoice_is_not_paid_twice() {
         .await,
         ["paid succeeded false", "open needs_review true"]
     );
-    assert_eq!(
-        count(
-            &t.db,
-            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
-        )
-        .await,
-        1
-    );
+    assert_eq!(paid_events(&t.db).await, 1);
     let listed = billing::review::needing_review(&op).await.unwrap();
     assert_eq!(listed.len(), 1);
     let reason = listed[0].reason.clone().unwrap_or_default();
@@ -778,16 +769,7 @@ async fn a_charge_an_operator_gave_the_same_customers_invoice_asks_for_the_other
         .unwrap();
     let sibling = intent_for(&p, &sibling_customer);
     let op = t.operator();
-    billing::review::settle(
-        &op,
-        attempt,
-        billing::review::Settlement::Paid,
-        Some(&sibling),
-        "oncall",
-        "found by customer and amount",
-    )
-    .await
-    .unwrap();
+    settle_paid_by_slip(&op, attempt, &sibling).await.unwrap();
     p.prune_keys();
     after_the_lease().await;
     let report = tick(&t.db, &b).await;
@@ -834,16 +816,7 @@ async fn a_declined_charge_an_operator_gave_another_invoice_is_recorded_declined
     .unwrap();
     let op = t.operator();
     let attempt = billing::review::needing_review(&op).await.unwrap()[0].attempt_id;
-    billing::review::settle(
-        &op,
-        attempt,
-        billing::review::Settlement::Paid,
-        Some(&sibling),
-        "oncall",
-        "found by customer and amount",
-    )
-    .await
-    .unwrap();
+    settle_paid_by_slip(&op, attempt, &sibling).await.unwrap();
     assert!(p.settle_processing(&sibling, false));
     p.prune_keys();
     after_the_lease().await;
@@ -964,22 +937,10 @@ async fn a_settle_and_a_look_in_the_same_moment_pay_one_invoice() {
         "{report:?}"
     );
     assert_eq!(
-        strings(
-            &t.db,
-            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
-             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
-        )
-        .await,
+        invoice_and_attempt_states(&t.db).await,
         ["paid succeeded", "open needs_review"]
     );
-    assert_eq!(
-        count(
-            &t.db,
-            "SELECT count(*) FROM webhook_events WHERE event_type = 'invoice.paid'"
-        )
-        .await,
-        1
-    );
+    assert_eq!(paid_events(&t.db).await, 1);
 }
 
 /// The other order: billing's write of a charge paid is in flight (here its
@@ -1009,16 +970,9 @@ async fn a_settle_waits_for_billings_write_of_the_same_charge() {
         let op = t.operator();
         let sibling = sibling.clone();
         async move {
-            billing::review::settle(
-                &op,
-                attempt,
-                billing::review::Settlement::Paid,
-                Some(&sibling),
-                "oncall",
-                "found by customer and amount",
-            )
-            .await
-            .map_err(|e| e.to_string())
+            settle_paid_by_slip(&op, attempt, &sibling)
+                .await
+                .map_err(|e| e.to_string())
         }
     });
     assert!(a_lock_wait(&t, || settling.is_finished()).await);
@@ -1030,12 +984,7 @@ async fn a_settle_waits_for_billings_write_of_the_same_charge() {
         "{refused}"
     );
     assert_eq!(
-        strings(
-            &t.db,
-            "SELECT i.status || ' ' || a.provider_status FROM invoices i \
-             JOIN payment_attempts a ON a.invoice_id = i.id ORDER BY i.id"
-        )
-        .await,
+        invoice_and_attempt_states(&t.db).await,
         ["open needs_review", "open succeeded"]
     );
 }
