@@ -186,7 +186,15 @@ pub(crate) async fn attempt(
         Verdict::RetryAfter(wait) => NextState::RetryAfter(wait),
         Verdict::Dead => NextState::Dead,
         Verdict::EndpointGone => {
-            let reason = format!("receiver answered 410 Gone to delivery {id}");
+            // A delivery handed over unwritten has no id yet (docs/adr/0124).
+            let reason = if id > 0 {
+                format!("receiver answered 410 Gone to delivery {id}")
+            } else {
+                format!(
+                    "receiver answered 410 Gone to the first delivery of event {}",
+                    d.row.message_id
+                )
+            };
             warn!(
                 role = %Role::WebhookDelivery,
                 delivery = id,

@@ -176,12 +176,13 @@ pub mod signature;
 pub mod ssrf;
 mod store;
 mod tick;
+mod unwritten;
 
 /// The claim's and the outcome's statement texts, for the plan tests
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, PRUNE_FINISHED};
+    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, INSERT_OUTCOMES, PRUNE_FINISHED};
 }
 mod verdict;
 mod worker;

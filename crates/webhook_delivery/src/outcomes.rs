@@ -10,8 +10,7 @@ use tracing::{debug, warn};
 
 use crate::delivery::Outcome;
 use crate::shared::Shared;
-use crate::store::HoldRow;
-use crate::store::{self, NextState, OutcomeRow};
+use crate::store::{self, HoldRow, NewRow, NextState, OutcomeRow};
 use leader::Role;
 
 /// Write one outcome (a 410's, with its endpoint disabled in the same
@@ -22,13 +21,19 @@ pub(crate) async fn record(
     row: OutcomeRow,
     disable_endpoint: Option<store::Gone>,
 ) -> Outcome {
+    let new = new_rows(shared, std::slice::from_ref(&row)).1.pop();
+    if row.id < 0 && new.is_none() {
+        return forgotten(&row);
+    }
     let written = store::record_outcome(
         &shared.db,
         &row,
+        new.as_ref(),
         disable_endpoint,
         shared.config.statement_timeout,
     )
     .await;
+    settle(shared, new.iter().map(|n| n.key), written.is_ok()).await;
     match written {
         Ok(applied) => applied_outcome(&row, false, applied),
         Err(e) => {
@@ -46,17 +51,23 @@ pub(crate) async fn record(
 /// compare-and-set matched no row are `Stale`; if the write fails, all
 /// are `Unrecorded` (their deliveries come due again after their claim lease).
 pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Written {
-    let rows: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
-    let written = store::record_outcomes(&shared.db, &rows, shared.config.statement_timeout).await;
+    let all: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
+    let (rows, new) = new_rows(shared, &all);
+    let written =
+        store::record_outcomes(&shared.db, &rows, &new, shared.config.statement_timeout).await;
+    settle(shared, new.iter().map(|n| n.key), written.is_ok()).await;
     let outcomes: Vec<_> = match written {
         Ok(applied) => group
             .iter()
             .map(|f| {
                 let key = (f.row.id, f.row.attempt);
-                (
-                    key,
-                    applied_outcome(&f.row, f.refused, applied.contains(&key)),
-                )
+                let known = f.row.id > 0 || new.iter().any(|n| n.key == f.row.id);
+                let outcome = if known {
+                    applied_outcome(&f.row, f.refused, applied.contains(&key))
+                } else {
+                    forgotten(&f.row)
+                };
+                (key, outcome)
             })
             .collect(),
         Err(e) => {
@@ -78,7 +89,14 @@ pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Wri
 
 pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
     let statement_timeout = shared.config.statement_timeout;
-    match store::release_unsent(&shared.db, id, attempt, statement_timeout).await {
+    let new = unsent(shared, &[(id, attempt, Duration::ZERO, None)]).1.pop();
+    if id < 0 && new.is_none() {
+        return Outcome::Unrecorded;
+    }
+    let released =
+        store::release_unsent(&shared.db, id, attempt, new.as_ref(), statement_timeout).await;
+    settle(shared, new.iter().map(|n| n.key), released.is_ok()).await;
+    match released {
         Ok(true) => {
             debug!(
                 role = %Role::WebhookDelivery,
@@ -120,7 +138,10 @@ pub(crate) struct Holds {
 /// their claim leases end.
 pub(crate) async fn hold(shared: &Shared, held: &[HoldRow]) -> Option<Holds> {
     let statement_timeout = shared.config.statement_timeout;
-    match store::hold_unsent(&shared.db, held, statement_timeout).await {
+    let (rows, new) = unsent(shared, held);
+    let written = store::hold_unsent(&shared.db, &rows, &new, statement_timeout).await;
+    settle(shared, new.iter().map(|n| n.key), written.is_ok()).await;
+    match written {
         Ok(n) => {
             let n = usize::try_from(n).unwrap_or(usize::MAX).min(held.len());
             for _ in 0..n {
@@ -233,6 +254,67 @@ impl Drop for OutcomeBuffer {
             ),
         }
     }
+}
+
+/// `rows` split into the outcomes of deliveries in the table and the rows of
+/// deliveries handed over unwritten (docs/adr/0124). A negative id this
+/// process no longer knows (claimed long before, by a tick that was dropped)
+/// is in neither: the fan-out inserts it pending after its handoff's lease.
+fn new_rows(shared: &Shared, rows: &[OutcomeRow]) -> (Vec<OutcomeRow>, Vec<NewRow>) {
+    let mut table = Vec::new();
+    let mut new = Vec::new();
+    for row in rows {
+        if row.id > 0 {
+            table.push(row.clone());
+        } else if let Some((pair, since)) = shared.unwritten.get(row.id) {
+            new.push(NewRow::outcome(row, pair, since.elapsed()));
+        }
+    }
+    (table, new)
+}
+
+/// `held` split as [`new_rows`] splits outcomes.
+fn unsent(shared: &Shared, held: &[HoldRow]) -> (Vec<HoldRow>, Vec<NewRow>) {
+    let mut table = Vec::new();
+    let mut new = Vec::new();
+    for h in held {
+        if h.0 > 0 {
+            table.push(*h);
+        } else if let Some((pair, _)) = shared.unwritten.get(h.0) {
+            new.push(NewRow::unsent(h.0, pair, h.2, h.3.map(|f| f.to_string())));
+        }
+    }
+    (table, new)
+}
+
+/// After a write of unwritten deliveries' rows (`keys`): if it succeeded
+/// (`ok`), each is in the table now, inserted or found written, and the
+/// handoffs with nothing left to write are deleted; if it failed, they are
+/// forgotten here and left to the fan-out.
+async fn settle(shared: &Shared, keys: impl Iterator<Item = i64>, ok: bool) {
+    if !ok {
+        shared.unwritten.failed(keys);
+        return;
+    }
+    let done = shared.unwritten.written(keys);
+    let timeout = shared.config.statement_timeout;
+    if let Err(e) = store::delete_handoffs(&shared.db, &done, timeout).await {
+        warn!(
+            role = %Role::WebhookDelivery, handoffs = done.len(), error = %e,
+            "could not delete written handoffs; the fan-out finds their deliveries written after their lease"
+        );
+    }
+}
+
+/// A delivery handed over unwritten that this process no longer knows: not
+/// written here (docs/adr/0124).
+fn forgotten(row: &OutcomeRow) -> Outcome {
+    warn!(
+        role = %Role::WebhookDelivery,
+        attempt = row.attempt,
+        "webhook attempt of a handed-over delivery claimed too long ago to write; the fan-out inserts it pending after its handoff's lease"
+    );
+    Outcome::Unrecorded
 }
 
 /// The outcome of a written (`applied`) or stale attempt; logs a stale one.

@@ -1,7 +1,7 @@
 //! What a [`crate::Worker`]'s clones share, and what its steps (a tick, a
 //! batch, an attempt, an outcome write) are given: the database, the
-//! settings, the HTTP client, the metrics, the concurrency limits and the
-//! circuit breakers. Plain data; each step is a free function over it.
+//! settings, the HTTP client, the metrics, the concurrency limits, the
+//! circuit breakers and the deliveries handed over unwritten. Plain data; each step is a free function over it.
 
 use db::Db;
 use leader::Telemetry;
@@ -10,6 +10,7 @@ use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
 use crate::disabling::Disabling;
 use crate::fairness::Limits;
+use crate::unwritten::Unwritten;
 
 pub(crate) struct Shared {
     pub db: Db,
@@ -24,4 +25,7 @@ pub(crate) struct Shared {
     pub pruning: Option<scheduler::Pruning>,
     /// Where the next claim starts among tenants (docs/adr/0048).
     pub cursor: db::TenantCursor,
+    /// Deliveries handed over by this process's fan-out, not written yet
+    /// (docs/adr/0124).
+    pub unwritten: Unwritten,
 }

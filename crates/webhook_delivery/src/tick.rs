@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+use db::Row;
 use leader::{Fence, Role, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Shape, Stop, Wake};
 use tracing::warn;
@@ -191,8 +192,10 @@ fn handed_limit(last: Option<Instant>, now: Instant, limit: usize) -> usize {
 
 /// The deliveries the fan-out of this process claimed for this role
 /// (docs/adr/0087), at most `limit`, each with the instant before the
-/// fan-out's statement as its claim time.
-fn take_handed(wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error> {
+/// fan-out's statement as its claim time. They are not written yet
+/// (docs/adr/0124): each gets a negative id of this process, by which its
+/// outcome or hand-back inserts its row.
+fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error> {
     let Some(wake) = wake else {
         return Ok(Vec::new());
     };
@@ -201,13 +204,22 @@ fn take_handed(wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error>
         .take(limit)
         .into_iter()
         .map(|(claimed_at, r)| {
-            Ok(Claimed {
-                row: store::ClaimedRow::from_row(&r)?,
-                claimed_at,
-            })
+            let mut row = store::ClaimedRow::from_row(&r)?;
+            let handoff: i64 = r.try_get("handoff")?;
+            let pairs: i32 = r.try_get("handoff_pairs")?;
+            let pair = store::Pair {
+                tenant_id: row.tenant_id.clone(),
+                event_id: row.event_id,
+                endpoint_id: row.endpoint_id,
+                handoff,
+            };
+            row.id = shared
+                .unwritten
+                .adopt(pair, usize::try_from(pairs).unwrap_or(0), claimed_at);
+            Ok(Claimed { row, claimed_at })
         })
         .collect::<Result<Vec<_>, db::Error>>()?;
-    handed.sort_by_key(|c| c.row.id);
+    handed.sort_by_key(|c| (c.row.event_id, c.row.endpoint_id));
     Ok(handed)
 }
 
@@ -215,7 +227,7 @@ fn take_handed(wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error>
 /// role that no tick took. Those that cannot be read or written come due
 /// when their claim leases end.
 async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
-    match take_handed(Some(wake), usize::MAX) {
+    match take_handed(shared, Some(wake), usize::MAX) {
         Ok(left) if !left.is_empty() => {
             let held: Vec<store::HoldRow> = left
                 .iter()
@@ -230,9 +242,14 @@ async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
     }
 }
 
-/// At a tick's end: forget the limits nothing holds, set the breaker gauge.
+/// At a tick's end: forget the limits nothing holds and the handed-over
+/// deliveries no attempt can still write (claimed more than two leases ago),
+/// set the breaker gauge.
 fn end_of_tick(shared: &Shared) {
     shared.limits.prune();
+    shared
+        .unwritten
+        .forget_older(shared.config.claim_lease() * 2);
     shared
         .telemetry
         .gauge("hardcount_webhook_breakers_open", &[])
@@ -338,7 +355,7 @@ impl FencedBatches for Deliveries<'_> {
             .claimed_from_table
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let mut claimed = take_handed(self.wake, handed_limit(last, Instant::now(), limit))?;
+        let mut claimed = take_handed(self.shared, self.wake, handed_limit(last, Instant::now(), limit))?;
         if claimed.len() < limit {
             *self
                 .claimed_from_table
@@ -362,7 +379,11 @@ impl FencedBatches for Deliveries<'_> {
             }
             // Fill the batch from the relay when the table had less.
             if claimed.len() < limit {
-                claimed.extend(take_handed(self.wake, limit - claimed.len())?);
+                claimed.extend(take_handed(
+                    self.shared,
+                    self.wake,
+                    limit - claimed.len(),
+                )?);
             }
         }
         let waits = claimed.is_empty()

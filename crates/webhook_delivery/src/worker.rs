@@ -25,6 +25,7 @@ use crate::outcomes::{self, Step};
 use crate::shared::Shared;
 use crate::ssrf;
 use crate::tick::{self, TickReport};
+use crate::unwritten::Unwritten;
 
 /// Sends webhook deliveries. Cheap to clone; clones share the HTTP client and
 /// the concurrency limits.
@@ -70,6 +71,7 @@ impl Worker {
                 disabling: Disabling::default(),
                 pruning: config.retention.map(scheduler::Pruning::new),
                 cursor: db::TenantCursor::default(),
+                unwritten: Unwritten::default(),
                 config,
                 client,
                 telemetry,

@@ -12,14 +12,17 @@ use scheduler::{Offer, wake_channel};
 
 use crate::Error;
 
-/// Whether any event waits to be fanned out: one read of the partial index
+/// Whether any event waits to be fanned out, or a handoff's lease has ended
+/// (docs/adr/0124): one read of the partial index
 /// `webhook_events_undispatched`, exactly the claim's predicate without its
-/// fence and lock (it claims nothing). An idle probing tick runs it every
+/// fence and lock (it claims nothing), and one of `webhook_handoffs`, a table
+/// of about one row per fan-out in flight. An idle probing tick runs it every
 /// `scheduler::IDLE_PROBE` (docs/adr/0019).
 pub(crate) async fn any_undispatched(db: &Db) -> Result<bool, db::Error> {
     let row = db
         .fetch_one(sql(
-            "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) AS waiting",
+            "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) \
+                 OR EXISTS (SELECT 1 FROM webhook_handoffs WHERE until < now()) AS waiting",
         ))
         .await?;
     Ok(row.try_get("waiting")?)
@@ -47,8 +50,12 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<(i64
 pub(crate) struct Batch {
     /// Events claimed and stamped dispatched.
     pub events: usize,
-    /// Deliveries inserted (conflicts with existing ones are not counted).
+    /// Deliveries made: inserted pending (conflicts with existing ones are
+    /// not counted) or handed to the delivery role unwritten.
     pub deliveries: u64,
+    /// Deliveries a process that died left unwritten (an expired
+    /// `webhook_handoffs` row), inserted pending by this batch's statements.
+    pub recovered: u64,
 }
 
 /// The statement of [`claim_and_fan_out`]; `pub` only for the plan test
@@ -105,37 +112,62 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                      CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes), \
          relay AS MATERIALIZED ( \
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
+         pairs AS MATERIALIZED ( \
+           SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
+                  r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
+           FROM stamped s \
+           JOIN webhook_endpoints ep \
+             ON ep.tenant_id = s.tenant_id \
+            AND ep.enabled \
+            AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
+           CROSS JOIN relay r \
+           WINDOW w AS (ORDER BY s.id, ep.id)), \
+         expired AS ( \
+           DELETE FROM webhook_handoffs h \
+           WHERE h.until < now() AND leader_fence($1, $2) \
+           RETURNING h.tenant_ids, h.event_ids, h.endpoint_ids), \
+         lost AS ( \
+           SELECT p.tenant_id, p.event_id, p.endpoint_id \
+           FROM expired x, unnest(x.tenant_ids, x.event_ids, x.endpoint_ids) \
+                AS p(tenant_id, event_id, endpoint_id) \
+           WHERE EXISTS (SELECT 1 FROM webhook_events ev \
+                         WHERE ev.id = p.event_id AND ev.tenant_id = p.tenant_id) \
+             AND EXISTS (SELECT 1 FROM webhook_endpoints ep \
+                         WHERE ep.id = p.endpoint_id AND ep.tenant_id = p.tenant_id)), \
          ins AS ( \
-           INSERT INTO webhook_deliveries \
-               (tenant_id, event_id, endpoint_id, attempts, claimed_until, last_attempt_at) \
-           SELECT f.tenant_id, f.event_id, f.endpoint_id, \
-                  CASE WHEN f.handed THEN 1 ELSE 0 END, \
-                  CASE WHEN f.handed THEN now() + make_interval(secs => $9) END, \
-                  CASE WHEN f.handed THEN now() END \
+           INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, attempts) \
+           SELECT f.tenant_id, f.event_id, f.endpoint_id, f.attempts \
            FROM ( \
-             SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
-                    r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
-             FROM stamped s \
-             JOIN webhook_endpoints ep \
-               ON ep.tenant_id = s.tenant_id \
-              AND ep.enabled \
-              AND (cardinality(ep.event_types) = 0 OR s.event_type = ANY (ep.event_types)) \
-             CROSS JOIN relay r \
-             WINDOW w AS (ORDER BY s.id, ep.id)) f \
+             SELECT tenant_id, event_id, endpoint_id, 0 AS attempts FROM pairs WHERE NOT handed \
+             UNION ALL \
+             SELECT tenant_id, event_id, endpoint_id, 1 FROM lost) f \
            ORDER BY f.event_id, f.endpoint_id \
            ON CONFLICT (event_id, endpoint_id) DO NOTHING \
-           RETURNING id, tenant_id, event_id, endpoint_id, attempts, resent_at_attempt), \
+           RETURNING attempts), \
+         handoff AS ( \
+           INSERT INTO webhook_handoffs (until, tenant_ids, event_ids, endpoint_ids) \
+           SELECT now() + make_interval(secs => $9), \
+                  array_agg(tenant_id ORDER BY event_id, endpoint_id), \
+                  array_agg(event_id ORDER BY event_id, endpoint_id), \
+                  array_agg(endpoint_id ORDER BY event_id, endpoint_id) \
+           FROM pairs WHERE handed \
+           HAVING count(*) > 0 \
+           RETURNING id, cardinality(event_ids) AS pairs), \
          handed AS ( \
-           SELECT ",
-    outbox::webhook_claimed_columns!("i", "ev", "ep"),
+           SELECT h.id AS handoff, h.pairs AS handoff_pairs, ",
+    outbox::webhook_claimed_columns!("p", "ev", "ep"),
     " \
-           FROM ins i \
-           JOIN webhook_events ev ON ev.id = i.event_id \
-           JOIN webhook_endpoints ep ON ep.id = i.endpoint_id \
-           WHERE i.attempts = 1), \
+           FROM handoff h \
+           CROSS JOIN (SELECT 0::int8 AS id, tenant_id, event_id, endpoint_id, \
+                              1 AS attempts, 0 AS resent_at_attempt \
+                       FROM pairs WHERE handed) p \
+           JOIN webhook_events ev ON ev.id = p.event_id \
+           JOIN webhook_endpoints ep ON ep.id = p.endpoint_id), \
          wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
-                (SELECT count(*) FROM ins) AS inserted, \
+                (SELECT count(*) FROM ins WHERE attempts = 0) AS inserted, \
+                (SELECT count(*) FROM ins WHERE attempts = 1) AS recovered, \
+                (SELECT count(*) FROM pairs WHERE handed) AS handed_pairs, \
                 (SELECT count(*) FROM wake) AS woken, \
                 share.tenants, share.last_tenant, handed.* \
          FROM share LEFT JOIN handed ON true"
@@ -171,12 +203,20 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 ///
 /// With an `offer` from the delivery role of this process (docs/adr/0087),
 /// the first `offer.room` deliveries (by event and endpoint) whose payloads
-/// fit in `offer.bytes` together (docs/adr/0098) are inserted already claimed
-/// for it
-/// (attempt 1, its claim lease, as its own claim would write them) when the
-/// statement also proves that role's token (`leader_fence('webhook_delivery',
-/// $8)`; a stale one claims none), and are returned with what their attempt
-/// needs, in the columns the delivery role's claim returns.
+/// fit in `offer.bytes` together (docs/adr/0098) are handed to it unwritten
+/// (docs/adr/0124) when the statement also proves that role's token
+/// (`leader_fence('webhook_delivery', $8)`; a stale one hands none): the
+/// statement inserts one `webhook_handoffs` row holding their (tenant, event,
+/// endpoint) pairs and its claim lease, and returns them with what their
+/// attempt needs, in the columns the delivery role's claim returns (`id` 0,
+/// attempt 1), each with its handoff's id and number of pairs. The delivery
+/// role writes each delivery once, with its first outcome.
+///
+/// Each statement also takes the handoffs whose lease has ended (their
+/// process died before writing every pair, or wrote some and failed) and
+/// inserts their pairs pending at attempt 1, as an expired claim counts it,
+/// skipping pairs already written and pairs whose event or endpoint is gone;
+/// fenced by this role's token.
 pub(crate) async fn claim_and_fan_out(
     db: &Db,
     fence: &Fence,
@@ -191,6 +231,7 @@ pub(crate) async fn claim_and_fan_out(
     let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
     let mut walk = Walk::default();
     let mut batch = Batch::default();
+    let mut recovered = 0;
     let mut handed = Handed {
         at: Instant::now(),
         rows: Vec::new(),
@@ -228,15 +269,17 @@ pub(crate) async fn claim_and_fan_out(
             bound,
             row.try_get("last_tenant").map_err(db::Error::from)?,
         );
+        recovered += count("recovered")?;
         batch = Batch {
             events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
-            deliveries: count("inserted")?,
+            deliveries: count("inserted")? + count("handed_pairs")?,
+            recovered,
         };
         if batch.events > 0 {
             // The summary row alone when nothing was claimed for the
             // delivery role (its columns are null).
             rows.retain(|r| {
-                r.try_get::<Option<i64>, _>("id")
+                r.try_get::<Option<i64>, _>("handoff")
                     .is_ok_and(|id| id.is_some())
             });
             // Each row's size as the offer counts it: its payload's text.
@@ -251,6 +294,7 @@ pub(crate) async fn claim_and_fan_out(
             break;
         }
     }
+    batch.recovered = recovered;
     Ok((batch, handed))
 }
 

@@ -191,9 +191,17 @@ impl Dispatcher {
             // A listening delivery role hears the fan-out's own pg_notify,
             // but it may hear it before the rows claimed for it are handed
             // over here, claim nothing and wait: those are poked for.
-            if claimed_for_delivery > 0 || (batch.deliveries > 0 && !delivery.is_listening()) {
+            let inserted = batch.deliveries > claimed_for_delivery as u64 || batch.recovered > 0;
+            if claimed_for_delivery > 0 || (inserted && !delivery.is_listening()) {
                 delivery.poke();
             }
+        }
+        if batch.recovered > 0 {
+            warn!(
+                role = %Role::WebhookOutbox,
+                deliveries = batch.recovered,
+                "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
+            );
         }
         if batch.events > 0 {
             self.telemetry

@@ -6,6 +6,8 @@
 //!               compare-and-set on the attempt number), handing back unsent claims
 //! backlog.rs    the gauges read at the end of a tick
 //! prune.rs      the retention prune of finished deliveries and their attempts
+//! unwritten.rs  deliveries handed over unwritten: inserted with their first outcome,
+//!               and the fan-out's handoffs deleted once written (docs/adr/0124)
 //! endpoints.rs  registering an endpoint, rotating and resealing its secrets, and
 //!               turning off the endpoints that kept failing
 //! ```
@@ -15,6 +17,7 @@ mod claim;
 mod endpoints;
 mod outcomes;
 mod prune;
+mod unwritten;
 
 pub(crate) use backlog::backlog;
 pub use claim::CLAIM_DUE;
@@ -31,3 +34,5 @@ pub(crate) use outcomes::{
 };
 pub use prune::PRUNE_FINISHED;
 pub(crate) use prune::prune_finished;
+pub use unwritten::INSERT_OUTCOMES;
+pub(crate) use unwritten::{NewRow, Pair, delete_handoffs};

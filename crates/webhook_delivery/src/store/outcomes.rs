@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
 
+use super::unwritten::{NewRow, disable_gone, insert_outcomes};
+
 /// The state an attempt leaves its delivery in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum NextState {
@@ -28,7 +30,7 @@ pub(crate) struct Observed {
 }
 
 /// Longest `last_error` kept; the rest is cut at a character boundary.
-const MAX_ERROR_CHARS: usize = 1000;
+pub(super) const MAX_ERROR_CHARS: usize = 1000;
 
 /// One finished attempt's outcome, waiting to be written.
 #[derive(Debug, Clone)]
@@ -39,24 +41,42 @@ pub(crate) struct OutcomeRow {
     pub observed: Observed,
 }
 
-/// Write a group of outcomes with one statement in one transaction. Each row
-/// is a compare-and-set of its own: it is applied only if its delivery is
-/// still pending at exactly its `attempt` (no later claim has been made).
-/// Returns the `(id, attempt)` pairs that were applied; a row of `rows` not
-/// among them is stale and nothing was written for it. On an error nothing
-/// was written.
+/// Write a group of outcomes with one statement in one transaction, and the
+/// rows of deliveries handed over unwritten (`new`, docs/adr/0124) with one
+/// more in the same transaction. Each row of `rows` is a compare-and-set of
+/// its own: it is applied only if its delivery is still pending at exactly
+/// its `attempt` (no later claim has been made); each of `new` is inserted
+/// only if its pair is not written yet. Returns the `(id, attempt)` pairs
+/// that were applied (`new` by their keys); a row not among them is stale
+/// and nothing was written for it. On an error nothing was written.
 pub(crate) async fn record_outcomes(
     db: &Db,
     rows: &[OutcomeRow],
+    new: &[NewRow],
     statement_timeout: Duration,
 ) -> Result<HashSet<(i64, i32)>, db::Error> {
-    if rows.is_empty() {
+    if rows.is_empty() && new.is_empty() {
         return Ok(HashSet::new());
     }
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let applied = apply_outcomes(&mut tx, rows).await?;
+    let mut applied = if rows.is_empty() {
+        HashSet::new()
+    } else {
+        apply_outcomes(&mut tx, rows).await?
+    };
+    applied.extend(inserted(&mut tx, new).await?);
     tx.commit().await?;
     Ok(applied)
+}
+
+/// Insert `new` in `tx`; the `(key, attempt)` pairs inserted.
+async fn inserted(tx: &mut Tx, new: &[NewRow]) -> Result<Vec<(i64, i32)>, db::Error> {
+    let keys = insert_outcomes(tx, new).await?;
+    Ok(new
+        .iter()
+        .filter(|r| keys.contains(&r.key))
+        .map(|r| (r.key, r.attempt))
+        .collect())
 }
 
 /// A 410 Gone heard from `url`, the endpoint's address when the attempt was
@@ -68,31 +88,28 @@ pub(crate) struct Gone {
     pub reason: String,
 }
 
-/// Write one attempt's outcome like [`record_outcomes`]. `disable_endpoint`
-/// (a 410) disables the endpoint in the same transaction, only when the
-/// outcome was applied and the endpoint still has the URL that answered: a
-/// tenant that moved it meanwhile to a new address keeps it on
-/// (docs/adr/0112). Returns false for a stale attempt: nothing was written.
+/// Write one attempt's outcome like [`record_outcomes`]: `row`, or `new`
+/// when the delivery was handed over unwritten. `disable_endpoint` (a 410)
+/// disables the endpoint in the same transaction, only when the outcome was
+/// applied and the endpoint still has the URL that answered: a tenant that
+/// moved it meanwhile to a new address keeps it on (docs/adr/0112). Returns
+/// false for a stale attempt: nothing was written.
 pub(crate) async fn record_outcome(
     db: &Db,
     row: &OutcomeRow,
+    new: Option<&NewRow>,
     disable_endpoint: Option<Gone>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let applied = apply_outcomes(&mut tx, std::slice::from_ref(row))
-        .await?
-        .contains(&(row.id, row.attempt));
+    let applied = match new {
+        Some(new) => !inserted(&mut tx, std::slice::from_ref(new)).await?.is_empty(),
+        None => apply_outcomes(&mut tx, std::slice::from_ref(row))
+            .await?
+            .contains(&(row.id, row.attempt)),
+    };
     if applied && let Some(gone) = disable_endpoint {
-        tx.execute(
-            sql("UPDATE webhook_endpoints \
-                 SET enabled = false, disabled_reason = $2, disabled_at = now() \
-                 WHERE id = $1 AND enabled AND url = $3")
-            .bind(gone.endpoint_id)
-            .bind(gone.reason)
-            .bind(gone.url),
-        )
-        .await?;
+        disable_gone(&mut tx, gone).await?;
     }
     tx.commit().await?;
     Ok(applied)
@@ -216,13 +233,19 @@ async fn apply_outcomes(
 /// cancelled before its turn): due now (its lease cleared; `next_attempt_at`
 /// had passed when it was claimed), and the attempt not counted. The same
 /// compare-and-set as an outcome, so a claim taken over meanwhile is left alone.
-/// Returns whether the claim was handed back.
+/// Returns whether the claim was handed back. A delivery handed over
+/// unwritten is inserted instead, pending and due now ([`hold_unsent`]).
 pub(crate) async fn release_unsent(
     db: &Db,
     delivery_id: i64,
     attempt: i32,
+    new: Option<&NewRow>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
+    if let Some(new) = new {
+        let held = hold_unsent(db, &[], std::slice::from_ref(new), statement_timeout).await?;
+        return Ok(held == 1);
+    }
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let released = tx
         .execute(
@@ -247,13 +270,22 @@ pub(crate) async fn release_unsent(
 /// many were held. Not a HOT update (`next_attempt_at` is indexed); holds
 /// happen only while an endpoint or tenant is saturated. A hold that says why
 /// (an endpoint whose secret cannot be opened) writes it as `last_error`.
+/// Deliveries handed over unwritten (`new`, at attempt 0) are inserted in
+/// the same transaction, pending until their wait ends.
 pub(crate) async fn hold_unsent(
     db: &Db,
     held: &[HoldRow],
+    new: &[NewRow],
     statement_timeout: Duration,
 ) -> Result<u64, db::Error> {
     if held.is_empty() {
-        return Ok(0);
+        if new.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = db.begin_index_driven(statement_timeout).await?;
+        let n = inserted(&mut tx, new).await?.len();
+        tx.commit().await?;
+        return Ok(n as u64);
     }
     let ids: Vec<i64> = held.iter().map(|h| h.0).collect();
     let attempts: Vec<i32> = held.iter().map(|h| h.1).collect();
@@ -278,6 +310,7 @@ pub(crate) async fn hold_unsent(
             .bind(why),
         )
         .await?;
+    let n = n + inserted(&mut tx, new).await?.len() as u64;
     tx.commit().await?;
     Ok(n)
 }

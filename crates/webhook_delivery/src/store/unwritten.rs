@@ -1,0 +1,219 @@
+//! The SQL of deliveries handed over unwritten (docs/adr/0124): each is
+//! inserted once, with its first attempt's outcome or handed back unsent,
+//! and the `webhook_handoffs` row that stood for it is deleted once every
+//! pair of it is written.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use db::{Db, Row, Tx, sql};
+
+use super::outcomes::{Gone, MAX_ERROR_CHARS, NextState, Observed};
+
+/// A delivery handed over by the fan-out and not written yet, with what its
+/// row needs.
+#[derive(Debug, Clone)]
+pub(crate) struct Pair {
+    pub tenant_id: String,
+    pub event_id: i64,
+    pub endpoint_id: i64,
+    /// The `webhook_handoffs` row that stands for it until it is written.
+    pub handoff: i64,
+}
+
+/// One unwritten delivery's row, to insert: after its attempt (`attempt` 1,
+/// made `ago` seconds before the statement), or handed back unsent (`attempt`
+/// 0, due after a wait, `observed.error` saying why when it says).
+#[derive(Debug, Clone)]
+pub(crate) struct NewRow {
+    /// The id the delivery role knows it by (negative; docs/adr/0124).
+    pub key: i64,
+    pub pair: Pair,
+    pub attempt: i32,
+    pub next: NextState,
+    pub observed: Observed,
+    pub ago: Duration,
+}
+
+/// The statement of [`insert_outcomes`]; `pub` only for the plan tests
+/// (`tests/it/plans.rs`). Each row is inserted once: a pair already in
+/// `webhook_deliveries` (the fan-out inserted it pending after the handoff's
+/// lease ended) is left as it is and its outcome is stale, as an outcome
+/// whose compare-and-set found a later claim. An attempted row that did not
+/// deliver writes its attempt's history, and the endpoints' `failing_since`
+/// is kept as `APPLY_OUTCOMES` keeps it.
+pub const INSERT_OUTCOMES: &str = "WITH o AS MATERIALIZED ( \
+         SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::int4[], $5::text[], \
+                              $6::float8[], $7::int4[], $8::text[], $9::int4[], $10::text[], \
+                              $11::float8[]) \
+              AS o(tenant_id, event_id, endpoint_id, attempt, next_state, retry_secs, \
+                   status_code, error, latency_ms, snippet, ago)), \
+       applied AS ( \
+         INSERT INTO webhook_deliveries \
+             (tenant_id, event_id, endpoint_id, attempts, status, next_attempt_at, \
+              last_attempt_at, delivered_at, last_status_code, last_error, last_latency_ms) \
+         SELECT o.tenant_id, o.event_id, o.endpoint_id, o.attempt, o.next_state, \
+                CASE WHEN o.next_state = 'pending' \
+                     THEN now() + make_interval(secs => o.retry_secs) ELSE now() END, \
+                CASE WHEN o.attempt > 0 THEN now() - make_interval(secs => o.ago) END, \
+                CASE WHEN o.next_state = 'delivered' THEN now() END, \
+                o.status_code, o.error, o.latency_ms \
+         FROM o \
+         ORDER BY o.event_id, o.endpoint_id \
+         ON CONFLICT (event_id, endpoint_id) DO NOTHING \
+         RETURNING id, tenant_id, event_id, endpoint_id, attempts, status, last_attempt_at), \
+       history AS ( \
+         INSERT INTO webhook_delivery_attempts \
+             (tenant_id, delivery_id, attempt, attempted_at, status_code, latency_ms, \
+              error_category, response_snippet) \
+         SELECT a.tenant_id, a.id, a.attempts, a.last_attempt_at, o.status_code, \
+                o.latency_ms, o.error, o.snippet \
+         FROM applied a JOIN o ON o.event_id = a.event_id AND o.endpoint_id = a.endpoint_id \
+         WHERE a.attempts > 0 AND a.status <> 'delivered'), \
+       ends AS ( \
+         SELECT endpoint_id, bool_or(status = 'delivered') AS delivered \
+         FROM applied WHERE attempts > 0 GROUP BY endpoint_id), \
+       health AS ( \
+         UPDATE webhook_endpoints e \
+         SET failing_since = CASE WHEN s.delivered THEN NULL ELSE now() END \
+         FROM ends s \
+         WHERE e.id = s.endpoint_id \
+           AND (e.failing_since IS NULL) = NOT s.delivered) \
+       SELECT event_id, endpoint_id FROM applied";
+
+/// Insert `rows` ([`INSERT_OUTCOMES`]) in `tx`; returns the keys of the rows
+/// inserted. A row not among them was stale: its pair was already written.
+pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<i64>, db::Error> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n = rows.len();
+    let mut tenants = Vec::with_capacity(n);
+    let mut events = Vec::with_capacity(n);
+    let mut endpoints = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut states = Vec::with_capacity(n);
+    let mut retry_secs = Vec::with_capacity(n);
+    let mut codes = Vec::with_capacity(n);
+    let mut errors = Vec::with_capacity(n);
+    let mut latencies = Vec::with_capacity(n);
+    let mut snippets = Vec::with_capacity(n);
+    let mut ago = Vec::with_capacity(n);
+    let mut keys = HashMap::with_capacity(n);
+    for r in rows {
+        let (status, wait) = match r.next {
+            NextState::Delivered => ("delivered", 0.0),
+            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
+            NextState::Dead => ("dead", 0.0),
+        };
+        keys.insert((r.pair.event_id, r.pair.endpoint_id), r.key);
+        tenants.push(r.pair.tenant_id.clone());
+        events.push(r.pair.event_id);
+        endpoints.push(r.pair.endpoint_id);
+        attempts.push(r.attempt);
+        states.push(status.to_owned());
+        retry_secs.push(wait);
+        codes.push(r.observed.status_code.map(i32::from));
+        errors.push(
+            r.observed
+                .error
+                .as_ref()
+                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
+        );
+        latencies.push(
+            r.observed
+                .latency
+                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
+        );
+        snippets.push(r.observed.response_snippet.clone());
+        ago.push(r.ago.as_secs_f64());
+    }
+    let applied = tx
+        .fetch_all(
+            sql(INSERT_OUTCOMES)
+                .bind(tenants)
+                .bind(events)
+                .bind(endpoints)
+                .bind(attempts)
+                .bind(states)
+                .bind(retry_secs)
+                .bind(codes)
+                .bind(errors)
+                .bind(latencies)
+                .bind(snippets)
+                .bind(ago),
+        )
+        .await?;
+    applied
+        .iter()
+        .map(|r| {
+            let pair = (r.try_get::<i64, _>(0)?, r.try_get::<i64, _>(1)?);
+            Ok(keys.get(&pair).copied().unwrap_or_default())
+        })
+        .collect()
+}
+
+/// Disable the endpoint that answered 410 Gone, in `tx`, while it still has
+/// the URL that answered (docs/adr/0112).
+pub(crate) async fn disable_gone(tx: &mut Tx, gone: Gone) -> Result<(), db::Error> {
+    tx.execute(
+        sql("UPDATE webhook_endpoints \
+             SET enabled = false, disabled_reason = $2, disabled_at = now() \
+             WHERE id = $1 AND enabled AND url = $3")
+        .bind(gone.endpoint_id)
+        .bind(gone.reason)
+        .bind(gone.url),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Delete the handoffs whose every pair is written: nothing is left for the
+/// fan-out to recover from them. Best effort: a handoff left behind costs
+/// the fan-out a check of each pair (all already written) after its lease.
+pub(crate) async fn delete_handoffs(
+    db: &Db,
+    handoffs: &[i64],
+    statement_timeout: Duration,
+) -> Result<u64, db::Error> {
+    if handoffs.is_empty() {
+        return Ok(0);
+    }
+    let mut tx = db.begin_with_timeout(statement_timeout).await?;
+    let n = tx
+        .execute(sql("DELETE FROM webhook_handoffs WHERE id = ANY ($1)").bind(handoffs.to_vec()))
+        .await?;
+    tx.commit().await?;
+    Ok(n)
+}
+
+impl NewRow {
+    /// The row of an attempt's outcome (`row`, keyed by its negative id),
+    /// the attempt made `ago`.
+    pub(crate) fn outcome(row: &super::OutcomeRow, pair: Pair, ago: Duration) -> NewRow {
+        NewRow {
+            key: row.id,
+            pair,
+            attempt: row.attempt,
+            next: row.next,
+            observed: row.observed.clone(),
+            ago,
+        }
+    }
+
+    /// The row of a delivery handed back unsent: attempt 0 (none was made),
+    /// due after `wait`, with `why` as its `last_error` when given.
+    pub(crate) fn unsent(key: i64, pair: Pair, wait: Duration, why: Option<String>) -> NewRow {
+        NewRow {
+            key,
+            pair,
+            attempt: 0,
+            next: NextState::RetryAfter(wait),
+            observed: Observed {
+                error: why,
+                ..Observed::default()
+            },
+            ago: Duration::ZERO,
+        }
+    }
+}
