@@ -182,7 +182,9 @@ mod unwritten;
 /// (`tests/it/plans.rs`); not an API.
 #[doc(hidden)]
 pub mod statements {
-    pub use crate::store::{APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, INSERT_OUTCOMES, PRUNE_FINISHED};
+    pub use crate::store::{
+        APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, INSERT_OUTCOMES, PRUNE_FINISHED,
+    };
 }
 mod verdict;
 mod worker;

@@ -89,7 +89,9 @@ pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Wri
 
 pub(crate) async fn release(shared: &Shared, id: i64, attempt: i32) -> Outcome {
     let statement_timeout = shared.config.statement_timeout;
-    let new = unsent(shared, &[(id, attempt, Duration::ZERO, None)]).1.pop();
+    let new = unsent(shared, &[(id, attempt, Duration::ZERO, None)])
+        .1
+        .pop();
     if id < 0 && new.is_none() {
         return Outcome::Unrecorded;
     }

@@ -355,7 +355,11 @@ impl FencedBatches for Deliveries<'_> {
             .claimed_from_table
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let mut claimed = take_handed(self.shared, self.wake, handed_limit(last, Instant::now(), limit))?;
+        let mut claimed = take_handed(
+            self.shared,
+            self.wake,
+            handed_limit(last, Instant::now(), limit),
+        )?;
         if claimed.len() < limit {
             *self
                 .claimed_from_table
@@ -379,11 +383,7 @@ impl FencedBatches for Deliveries<'_> {
             }
             // Fill the batch from the relay when the table had less.
             if claimed.len() < limit {
-                claimed.extend(take_handed(
-                    self.shared,
-                    self.wake,
-                    limit - claimed.len(),
-                )?);
+                claimed.extend(take_handed(self.shared, self.wake, limit - claimed.len())?);
             }
         }
         let waits = claimed.is_empty()

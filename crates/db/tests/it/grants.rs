@@ -117,8 +117,9 @@ async fn the_rights_table_in_security_md_is_the_catalogs() {
 
 /// The three roles hold no right that lets them truncate or create anything,
 /// and only the app deletes, and only the finished rows its retention prunes
-/// (migration 0030) and the idempotency keys past their life (migration
-/// 0048), whatever the table shows besides.
+/// (migration 0030), the idempotency keys past their life (migration 0048)
+/// and the webhook handoffs whose deliveries are written (migration 0053),
+/// whatever the table shows besides.
 #[tokio::test]
 async fn no_role_truncates_or_creates_and_only_the_app_prunes() {
     let t = TestDb::new().await;
@@ -133,6 +134,7 @@ async fn no_role_truncates_or_creates_and_only_the_app_prunes() {
         "table `webhook_deliveries`",
         "table `webhook_delivery_attempts`",
         "table `webhook_events`",
+        "table `webhook_handoffs`",
     ];
     assert_eq!(deletes.len(), prunable.len(), "{table}");
     for line in deletes {

@@ -426,8 +426,9 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
         ]
     );
     // Migration 0030: the retention prunes delete finished webhook and email
-    // rows; migration 0048 idempotency keys a day old; nothing else, and
-    // never money (invoices, attempts, runs).
+    // rows; migration 0048 idempotency keys a day old; migration 0053 the
+    // webhook handoffs whose deliveries are written; nothing else, and never
+    // money (invoices, attempts, runs).
     let deletes: Vec<&String> = granted
         .iter()
         .filter(|g| g.contains(":DELETE") || g.contains(":TRUNCATE"))
@@ -440,6 +441,7 @@ async fn the_app_role_reads_secrets_only_sealed_and_cannot_repoint_endpoints_or_
             "webhook_deliveries:DELETE",
             "webhook_delivery_attempts:DELETE",
             "webhook_events:DELETE",
+            "webhook_handoffs:DELETE",
         ],
         "{granted:?}"
     );

@@ -103,7 +103,9 @@ pub(crate) async fn record_outcome(
 ) -> Result<bool, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = match new {
-        Some(new) => !inserted(&mut tx, std::slice::from_ref(new)).await?.is_empty(),
+        Some(new) => !inserted(&mut tx, std::slice::from_ref(new))
+            .await?
+            .is_empty(),
         None => apply_outcomes(&mut tx, std::slice::from_ref(row))
             .await?
             .contains(&(row.id, row.attempt)),

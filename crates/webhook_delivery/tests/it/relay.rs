@@ -1,7 +1,8 @@
 //! Deliveries the fan-out claims for the delivery role of its own process
 //! (docs/adr/0087): claimed only under that role's live token, sent once by
-//! its tick without a claim statement, and claimed again after their lease
-//! when nobody takes them.
+//! its tick without a claim statement, and written once, with their first
+//! outcome (docs/adr/0124); inserted pending by the fan-out after their lease
+//! when nobody wrote them.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -51,8 +52,9 @@ where
 }
 
 /// While the delivery role leads under a token, a fan-out handed its relay
-/// claims up to the room offered (attempt 1, the lease ahead) and leaves the
-/// rest pending; under a token the role does not hold it claims none.
+/// claims up to the room offered (not written: one handoff row holds their
+/// pairs, the lease ahead) and inserts the rest pending; under a token the
+/// role does not hold it claims none.
 ///
 /// Mutation check: the fan-out without `leader_fence('webhook_delivery', $8)`
 /// claims for the stale token too, and this test fails (scripts/mutation-check
@@ -76,22 +78,27 @@ async fn the_fan_out_claims_for_the_delivery_role_only_under_its_live_token() {
         },
     )
     .await;
-    let claimed: Vec<(i32, bool)> = deliveries(&t.db)
+    let pending: Vec<(i32, bool)> = deliveries(&t.db)
         .await
         .iter()
         .map(|d| (d.attempts, d.due_in > 20.0))
         .collect();
-    assert_eq!(
-        claimed,
-        [
-            (0, false),
-            (0, false),
-            (1, true),
-            (1, true),
-            (1, true),
-            (0, false)
-        ]
-    );
+    assert_eq!(pending, [(0, false), (0, false), (0, false)]);
+    assert_eq!(handoffs(&t.db).await, [(3, true)]);
+}
+
+/// Each `webhook_handoffs` row: its number of pairs, and whether its lease
+/// ends more than 20 s from now.
+async fn handoffs(db: &Db) -> Vec<(i32, bool)> {
+    db.fetch_all(sql(
+        "SELECT cardinality(event_ids) AS pairs, until > now() + interval '20 seconds' AS ahead \
+         FROM webhook_handoffs ORDER BY id",
+    ))
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get("pairs"), r.get("ahead")))
+    .collect()
 }
 
 /// The room is bounded in payload bytes as well as rows (docs/adr/0098): four
@@ -128,13 +135,18 @@ async fn the_fan_out_hands_over_no_more_payload_bytes_than_offered() {
     )
     .await;
     let attempts: Vec<i32> = deliveries(&t.db).await.iter().map(|d| d.attempts).collect();
-    assert_eq!(attempts, [1, 1, 1, 0, 0, 0, 0, 0]);
+    assert_eq!(attempts, [0, 0, 0, 0, 0], "the rest, pending");
+    assert_eq!(handoffs(&t.db).await, [(3, true)]);
 }
 
 /// A fan-out while a delivery tick runs in the same process hands its
-/// deliveries over: each is sent once, at attempt 1, and its attempt is the
-/// one the fan-out's transaction counted (`last_attempt_at` is the
-/// delivery's `created_at`: no claim statement wrote it).
+/// deliveries over: each is sent once, at attempt 1, and its row is written
+/// once, after its attempt (`created_at` after `last_attempt_at`: inserted
+/// with its outcome, not claimed and then updated); the handoff that stood
+/// for them is deleted once all are written (docs/adr/0124).
+///
+/// Mutation check: without the handoff's deletion the row stays and this
+/// test fails (scripts/mutation-check `handoff_kept`).
 ///
 /// Mutation check: a tick that never takes the handed deliveries leaves them
 /// to their claim lease (2 s here), after which the claim statement sends
@@ -161,45 +173,92 @@ async fn deliveries_handed_over_are_sent_once_by_the_running_tick() {
     assert_eq!(rx.count(), 6, "each delivery sent once");
     let d = deliveries(&t.db).await;
     assert!(d.iter().all(|d| d.delivered && d.attempts == 1), "{d:?}");
-    let handed: i64 =
+    let after: i64 =
         t.db.fetch_one(sql(
-            "SELECT count(*) AS n FROM webhook_deliveries WHERE last_attempt_at = created_at",
+            "SELECT count(*) AS n FROM webhook_deliveries WHERE created_at > last_attempt_at",
         ))
         .await
         .unwrap()
         .get("n");
-    assert_eq!(handed, 6, "claimed by the fan-out's transaction");
+    assert_eq!(after, 6, "each written after its attempt");
+    assert_eq!(handoffs(&t.db).await, [], "the handoff is deleted");
 }
 
-/// Deliveries handed over that no tick takes (the process stopped) are not
-/// lost: once their lease has passed, the claim statement of whoever leads
-/// claims and sends them.
+/// Deliveries handed over that no tick wrote (the process stopped) are not
+/// lost: once their handoff's lease has passed, the fan-out inserts them
+/// pending at attempt 1 (the attempt may have been made), skipping a pair
+/// already written, and the claim statement of whoever leads sends them at
+/// attempt 2. Before the lease ends, and under a stale token, the fan-out
+/// inserts nothing.
+///
+/// Mutation checks: a fan-out that takes handoffs before their lease ends
+/// (`handoff_early`), or under any token (`handoff_unfenced`), inserts the
+/// pending row too soon and this test fails; so does one that never takes
+/// them (`handoff_never`).
 #[tokio::test]
-async fn handed_deliveries_nobody_takes_are_claimed_again_after_their_lease() {
+async fn handed_deliveries_nobody_wrote_are_inserted_pending_after_their_lease() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let offer = (Duration::from_secs(3), 10, 1);
     leading_offered(&t.db, &wake, offer, |_| async {
-        assert_eq!(wake.relay().take(10).len(), 1, "handed, then dropped");
+        assert_eq!(wake.relay().take(10).len(), 2, "handed, then dropped");
     })
     .await;
+    // The second pair was written before the process stopped.
+    t.db.execute(sql("INSERT INTO webhook_deliveries \
+             (tenant_id, event_id, endpoint_id, attempts, status, delivered_at, last_attempt_at) \
+         SELECT tenant_ids[2], event_ids[2], endpoint_ids[2], 1, 'delivered', now(), now() \
+         FROM webhook_handoffs"))
+        .await
+        .unwrap();
     let (w, _) = worker(&t.db, config());
+    events_handed_over(&t.db, "tenant_a", 0, None).await;
     tick(&t.db, &w).await;
-    assert_eq!(rx.count(), 0, "not claimable while its lease runs");
+    assert_eq!(rx.count(), 0, "nothing inserted while the lease runs");
     tokio::time::sleep(Duration::from_millis(3200)).await;
+    let (d, db) = (dispatcher(&t.db), &t.db);
+    let old = as_leader(
+        &manager(db, "old"),
+        Role::WebhookOutbox,
+        |tick| async move { tick.fence },
+    )
+    .await;
+    let by_old = as_leader(&manager(db, "new"), Role::WebhookOutbox, |_| async move {
+        d.dispatch_batch(&old, 100).await.unwrap();
+        deliveries(db).await.len()
+    })
+    .await;
+    assert_eq!(by_old, 1, "a stale token inserts nothing");
+    events_handed_over(&t.db, "tenant_a", 0, None).await;
+    assert!(handoffs(&t.db).await.is_empty());
     tick(&t.db, &w).await;
-    assert_eq!(rx.count(), 1);
-    let d = deliveries(&t.db).await;
-    assert!(d[0].delivered && d[0].attempts == 2, "{d:?}");
+    assert_eq!(rx.count(), 1, "only the pair never written");
+    let d: Vec<(i32, bool)> = deliveries(&t.db)
+        .await
+        .iter()
+        .map(|d| (d.attempts, d.delivered))
+        .collect();
+    assert_eq!(d, [(1, true), (2, true)]);
+}
+
+/// A fan-out dispatcher of this bed, handing nothing over.
+fn dispatcher(db: &Db) -> webhook_outbox::Dispatcher {
+    webhook_outbox::Dispatcher::new(
+        db.clone(),
+        webhook_outbox::DispatcherConfig::default(),
+        leader::Telemetry::noop(),
+    )
+    .unwrap()
 }
 
 /// A tick cancelled (a shutdown, a lost lease) with deliveries handed over
-/// and not yet taken hands them back at once, unsent and their attempt not
-/// counted, instead of leaving them to their claim lease. One that a later
-/// claim superseded meanwhile is left to that claim and reported stale
-/// (docs/adr/0089).
+/// and not yet taken hands them back at once, inserted pending, due now and
+/// their attempt not counted, instead of leaving them to their handoff's
+/// lease. One the fan-out inserted meanwhile (as after the lease) is left as
+/// it is and reported stale (docs/adr/0089, 0124); the handoff is deleted.
 ///
 /// Mutation checks: without the hand-back they stay claimed for their lease
 /// and this test fails (scripts/mutation-check `relay_hand_back`); so does
@@ -216,9 +275,11 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let (relay, db) = (&wake, &t.db);
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
         assert_eq!(relay.relay().waiting(), 3);
-        // The last one claimed again, as after its lease.
-        db.execute(sql("UPDATE webhook_deliveries SET attempts = 2 \
-             WHERE id = (SELECT max(id) FROM webhook_deliveries)"))
+        // The last one inserted by the fan-out, as after the lease.
+        db.execute(sql("INSERT INTO webhook_deliveries \
+                 (tenant_id, event_id, endpoint_id, attempts, next_attempt_at) \
+             SELECT tenant_ids[3], event_ids[3], endpoint_ids[3], 1, now() + interval '1 hour' \
+             FROM webhook_handoffs"))
             .await
             .unwrap();
         tick.cancel.cancel();
@@ -233,7 +294,8 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
         .iter()
         .map(|d| (d.attempts, d.due_in <= 0.0))
         .collect();
-    assert_eq!(d, [(0, true), (0, true), (2, false)]);
+    assert_eq!(d, [(1, false), (0, true), (0, true)]);
+    assert_eq!(handoffs(&t.db).await, []);
 }
 
 /// A claim statement that comes back full means the table holds a backlog:
