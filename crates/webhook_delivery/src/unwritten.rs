@@ -24,8 +24,9 @@ struct State {
     /// Each unwritten delivery by its key, with when it was claimed.
     rows: HashMap<i64, (Pair, Instant)>,
     /// For each handoff of this process, the pairs of it not written yet. A
-    /// handoff one of whose writes failed is not here: it is left to the
-    /// fan-out, after its lease.
+    /// pair whose write failed is never counted off, so its handoff is never
+    /// deleted here but left to the fan-out, after its lease; the handoff is
+    /// dropped from this map then, only to free it.
     left: HashMap<i64, usize>,
 }
 

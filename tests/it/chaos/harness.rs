@@ -350,6 +350,7 @@ impl Harness {
         let row = sqlx::query(
             "SELECT (SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL) \
                   + (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending') \
+                  + (SELECT count(*) FROM webhook_handoffs) \
                   + (SELECT count(*) FROM email_outbox WHERE status = 'queued') \
                   + (SELECT count(*) FROM subscriptions WHERE status = 'active' AND next_billing_at <= now()) \
                   + (SELECT count(*) FROM payment_attempts WHERE provider_status = 'unknown') \
@@ -374,8 +375,9 @@ impl Harness {
     /// Some work waits only for a database clock to pass: a charge whose
     /// outcome a fault left unknown is settled by the reconciler once its
     /// claim (10 minutes) has expired, a dunning retry waits for the
-    /// invoice's claim, and a claimed email or delivery whose sender died is
-    /// due again at its claim's end. After `SETTLE` without
+    /// invoice's claim, a claimed email or delivery whose sender died is
+    /// due again at its claim's end, and the deliveries of a handoff whose
+    /// replica died are inserted at its lease's end (docs/adr/0124). After `SETTLE` without
     /// progress, with nothing in flight any more, those times are written
     /// into the past, as the suite does for such waits (ARCHITECTURE.md).
     pub async fn drain(&self, limit: Duration) {
@@ -426,7 +428,8 @@ impl Harness {
                          UPDATE email_outbox SET next_attempt_at = now() \
                          WHERE status = 'queued' AND next_attempt_at > now(); \
                          UPDATE webhook_deliveries SET next_attempt_at = now() \
-                         WHERE status = 'pending' AND next_attempt_at > now()",
+                         WHERE status = 'pending' AND next_attempt_at > now(); \
+                         UPDATE webhook_handoffs SET until = now() WHERE until > now()",
                     )
                     .await;
                     let _ = su.close().await;

@@ -130,7 +130,9 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 }
 
 /// List an event's or an endpoint's deliveries, newest first, each with
-/// its attempts.
+/// its attempts. A delivery is listed once it is written: the first attempt
+/// of one the fan-out handed straight to the sender is written with its
+/// outcome, milliseconds after the event is dispatched.
 #[utoipa::path(
     get, path = "/v1/deliveries", tag = "deliveries",
     params(ListDeliveries),
