@@ -123,3 +123,64 @@ async fn an_idle_probing_tick_ends_at_its_budget_due_now_and_at_once_when_cancel
         "a cancel ends the wait at once: {report:?}"
     );
 }
+
+/// A handoff whose lease ended (docs/adr/0124: the replica that led both
+/// webhook roles died with first attempts in flight) is found by the idle
+/// probe of a role with no event to fan out: its delivery is inserted
+/// pending, at attempt 1, within about a probe, not after the 5 s interval.
+///
+/// Mutation check: a probe that reads only the events leaves it to the
+/// interval and this test fails (scripts/mutation-check `outbox_probe_handoffs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_handoff_is_inserted_pending_by_an_idle_probing_role() {
+    let t = TestDb::new().await;
+    let endpoint_id = endpoint(&t, "tenant_a", &[], false).await;
+    let event_id = event(&t.db, "tenant_a", "invoice.paid", r#"{"n":1}"#).await;
+    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
+    let d = d.with_idle_probe(IDLE_PROBE);
+    let spec = RoleSpec {
+        role: Role::WebhookOutbox,
+        interval: Duration::from_secs(5),
+        work: work(move |tick| {
+            let d = d.clone();
+            async move { d.run_tick(&tick).await.end }
+        }),
+    };
+    let shutdown = CancellationToken::new();
+    let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    // The first tick fans the event out to no one (its endpoint is off) and
+    // goes idle; then the endpoint is on, as it was when the lost replica
+    // handed the pair over.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut su = t.superuser().await;
+    sqlx::query("UPDATE webhook_endpoints SET enabled = true, disabled_reason = NULL")
+        .execute(&mut su)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO webhook_handoffs (until, tenant_ids, event_ids, endpoint_ids) \
+         VALUES (now() - interval '1 second', ARRAY['tenant_a'], ARRAY[$1::int8], ARRAY[$2::int8])",
+    )
+    .bind(event_id)
+    .bind(endpoint_id)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let planted = Instant::now();
+    let inserted = "SELECT count(*) FROM webhook_deliveries WHERE attempts = 1";
+    while count(&t.db, inserted).await == 0 {
+        assert!(
+            planted.elapsed() < Duration::from_secs(20),
+            "never inserted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let waited = planted.elapsed();
+    shutdown.cancel();
+    role.await.unwrap();
+    assert!(waited < Duration::from_millis(1500), "{waited:?}");
+    assert_eq!(
+        count(&t.db, "SELECT count(*) FROM webhook_handoffs").await,
+        0
+    );
+}
