@@ -14,7 +14,8 @@ CREATE TABLE webhook_handoffs (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     -- The end of the handed claims' lease, on the database clock.
     until        timestamptz NOT NULL,
-    -- When the claims were made: the attempt time of a pair written later.
+    -- When the fan-out handed the pairs over (for an operator reading the table;
+    -- each pair's attempt time comes back with its row instead).
     created_at   timestamptz NOT NULL DEFAULT now(),
     tenant_ids   text[] NOT NULL,
     event_ids    bigint[] NOT NULL,

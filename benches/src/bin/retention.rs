@@ -279,7 +279,8 @@ async fn run_once(
     let wall = loop {
         let busy: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) \
-                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending')",
+                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending') \
+                 OR EXISTS (SELECT 1 FROM webhook_handoffs)",
         )
         .fetch_one(&mut su)
         .await?;

@@ -175,7 +175,8 @@ async fn main() -> Result<()> {
     .await?;
     let backlog_left: i64 = sqlx::query_scalar(
         "SELECT (SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL) \
-              + (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending')",
+              + (SELECT count(*) FROM webhook_deliveries WHERE status = 'pending') \
+              + (SELECT coalesce(sum(cardinality(event_ids)), 0) FROM webhook_handoffs)",
     )
     .fetch_one(&mut su)
     .await?;

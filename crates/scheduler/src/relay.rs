@@ -1,8 +1,8 @@
 //! Claims made for a role by another role of the same process
-//! (docs/adr/0087): the webhook fan-out writes the deliveries it inserts
-//! already claimed for the delivery role when that role leads here, and
-//! hands their rows over through the delivery role's [`crate::Wake`] instead
-//! of leaving them for a claim statement.
+//! (docs/adr/0087): the webhook fan-out hands deliveries to the delivery role
+//! when that role leads here, through the delivery role's [`crate::Wake`],
+//! instead of leaving them for a claim statement (a `webhook_handoffs` row
+//! stands for them until the delivery role writes them, docs/adr/0124).
 //!
 //! The receiving role publishes its lead while a tick runs ([`Relay::lead`]):
 //! its fence token, the claim lease and how many rows, and how many bytes of
@@ -11,7 +11,8 @@
 //! (`leader_fence`), so a lead that ended meanwhile claims nothing. The rows
 //! wait here with the instant they were claimed at; the receiver takes them
 //! before it claims ([`Relay::take`]), and a row that waits past its lease is
-//! simply claimed again by whoever leads, as a claim whose worker died is.
+//! simply claimed again, as a claim whose worker died is (for the webhook
+//! roles: inserted pending by the next fan-out).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;

@@ -191,7 +191,7 @@ pub(crate) async fn attempt(
                 format!("receiver answered 410 Gone to delivery {id}")
             } else {
                 format!(
-                    "receiver answered 410 Gone to the first delivery of event {}",
+                    "receiver answered 410 Gone to the first attempt of event {} to this endpoint",
                     d.row.message_id
                 )
             };

@@ -31,8 +31,12 @@
 //! - **At-least-once.** A claim sets `claimed_until` a lease ahead
 //!   (`request_timeout + claim_margin`) before anything is sent. If the process
 //!   dies, is frozen, or loses its lease mid-attempt, the delivery comes due
-//!   again when the lease ends. Nothing is deleted; a dead delivery stays in the
-//!   table with its last error, counted by `hardcount_webhook_deliveries_dead`.
+//!   again when the lease ends. A delivery the fan-out handed over unwritten
+//!   has its pair in a `webhook_handoffs` row with the same lease, which the
+//!   fan-out turns into a pending delivery if the lease ends before the row is
+//!   written (docs/adr/0124). Nothing is deleted but written handoffs; a dead
+//!   delivery stays in the table with its last error, counted by
+//!   `hardcount_webhook_deliveries_dead`.
 //! - **Duplicates** reach a receiver only when an attempt's result was not
 //!   recorded: the receiver took the request but the answer was lost or late
 //!   (a timeout), the outcome write failed, or the process died or was replaced
@@ -45,7 +49,8 @@
 //!   groups (up to 256, or after 20 ms, or when the batch has nothing left in
 //!   flight), one statement per group, each row still its own compare-and-set;
 //!   an outcome that cannot be written leaves its delivery to come due again
-//!   after its claim lease.
+//!   after its claim lease. A handed delivery's first outcome is an insert
+//!   that a pair already written makes stale, in the same way.
 //! - **A replaced leader claims nothing**: the claim proves
 //!   `leader_fence($role, $token)` in its innermost WHERE, and
 //!   [`Worker::claim_due`] takes a [`leader::Fence`].
@@ -78,13 +83,16 @@
 //!   ends those pauses when poked: the fan-out in the same process hands its
 //!   deliveries over that way (`webhook_outbox::Dispatcher::with_hand_over`,
 //!   docs/adr/0070).
-//! - **Claimed by the fan-out** (docs/adr/0087): while a tick runs, it
+//! - **Claimed by the fan-out** (docs/adr/0087, 0124): while a tick runs, it
 //!   publishes its token on its wake's [`scheduler::Relay`], and the fan-out
-//!   of this process inserts up to eight batches of deliveries already claimed
-//!   for it, proving that token, and hands their rows over. The tick takes
-//!   them before it claims (the claim statement still runs for the rest of a
-//!   batch, and at least every second); a cancelled tick hands back those it
-//!   did not take, and any left come due when their lease ends.
+//!   of this process hands up to eight batches of deliveries to it, proving
+//!   that token, without inserting them (one `webhook_handoffs` row holds
+//!   their pairs). The tick takes them before it claims (the claim statement
+//!   still runs for the rest of a batch, and at least every second), knows
+//!   each by a negative id until it is written (`unwritten.rs`), and inserts
+//!   each once, with its first outcome; a cancelled tick inserts pending
+//!   those it did not take, and the fan-out inserts pending any left
+//!   unwritten when their handoff's lease ends.
 //! - **Signing secrets rotate without a gap** (Standard Webhooks):
 //!   [`rotate_secret`] makes a fresh secret current and keeps the replaced one
 //!   as the endpoint's `previous_secret` until `now() + overlap` (migration
@@ -138,12 +146,14 @@
 //!               outcomes and holds written in groups
 //! attempt.rs    one attempt: its turn under the concurrency limits, the breaker, the signed POST
 //! outcomes.rs   outcomes buffered and written in groups, holds and releases, the counter
+//! unwritten.rs  the deliveries handed over and not written yet        (no SQL, no I/O)
 //! shared.rs     what a worker's clones share (db, settings, client, limits, breakers)
 //! config.rs     WorkerConfig: defaults and validation
 //! error.rs      Error
 //! store/        the SQL, a file per step: claim.rs (the fenced claim, takes &Fence; the
-//!               probe), outcomes.rs (the CAS outcome writes, holds), backlog.rs (gauges),
-//!               endpoints.rs (endpoints and their secrets)
+//!               probe), outcomes.rs (the CAS outcome writes, holds), unwritten.rs (the
+//!               handed deliveries' inserts), backlog.rs (gauges), endpoints.rs (endpoints
+//!               and their secrets)
 //! fairness.rs   the four permits of a turn: endpoint, tenant, destination, global
 //! breaker.rs    each endpoint's circuit breaker                      (no SQL, no I/O)
 //! delivery.rs   Claimed and Outcome                                  (no SQL, no I/O)

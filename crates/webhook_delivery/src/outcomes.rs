@@ -2,6 +2,7 @@
 //! pending), buffered and written in groups, one statement per group; handing
 //! back unsent claims (at once, or held until later); the outcome counter.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,34 +54,42 @@ pub(crate) async fn record(
 pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Written {
     let all: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
     let (rows, new) = new_rows(shared, &all);
-    let written =
-        store::record_outcomes(&shared.db, &rows, &new, shared.config.statement_timeout).await;
-    settle(shared, new.iter().map(|n| n.key), written.is_ok()).await;
-    let outcomes: Vec<_> = match written {
-        Ok(applied) => group
-            .iter()
-            .map(|f| {
-                let key = (f.row.id, f.row.attempt);
-                let known = f.row.id > 0 || new.iter().any(|n| n.key == f.row.id);
-                let outcome = if known {
-                    applied_outcome(&f.row, f.refused, applied.contains(&key))
-                } else {
-                    forgotten(&f.row)
-                };
-                (key, outcome)
-            })
-            .collect(),
-        Err(e) => {
+    let timeout = shared.config.statement_timeout;
+    // The deliveries in the table and those handed over unwritten
+    // (docs/adr/0124) in a transaction each: each statement keeps its
+    // endpoints' `failing_since` over its own rows, and no transaction locks
+    // endpoints in two statements, which two groups could do in opposite
+    // orders.
+    let table = store::record_outcomes(&shared.db, &rows, &[], timeout).await;
+    let handed = store::record_outcomes(&shared.db, &[], &new, timeout).await;
+    settle(shared, new.iter().map(|n| n.key), handed.is_ok()).await;
+    for (n, written) in [(rows.len(), &table), (new.len(), &handed)] {
+        if let Err(e) = written {
             warn!(
-                role = %Role::WebhookDelivery, outcomes = group.len(), error = %e,
+                role = %Role::WebhookDelivery, outcomes = n, error = %e,
                 "could not record webhook attempts; their deliveries come due again when their claim leases end"
             );
-            group
-                .iter()
-                .map(|f| ((f.row.id, f.row.attempt), Outcome::Unrecorded))
-                .collect()
         }
-    };
+    }
+    let known: HashSet<i64> = new.iter().map(|n| n.key).collect();
+    let outcomes: Vec<_> = group
+        .iter()
+        .map(|f| {
+            let key = (f.row.id, f.row.attempt);
+            let written = if f.row.id > 0 {
+                &table
+            } else if known.contains(&f.row.id) {
+                &handed
+            } else {
+                return (key, forgotten(&f.row));
+            };
+            let outcome = match written {
+                Ok(applied) => applied_outcome(&f.row, f.refused, applied.contains(&key)),
+                Err(_) => Outcome::Unrecorded,
+            };
+            (key, outcome)
+        })
+        .collect();
     for (_, outcome) in &outcomes {
         count(shared, outcome);
     }
@@ -268,8 +277,8 @@ fn new_rows(shared: &Shared, rows: &[OutcomeRow]) -> (Vec<OutcomeRow>, Vec<NewRo
     for row in rows {
         if row.id > 0 {
             table.push(row.clone());
-        } else if let Some((pair, since)) = shared.unwritten.get(row.id) {
-            new.push(NewRow::outcome(row, pair, since.elapsed()));
+        } else if let Some((pair, _)) = shared.unwritten.get(row.id) {
+            new.push(NewRow::outcome(row, pair));
         }
     }
     (table, new)

@@ -212,6 +212,7 @@ fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Result<Vec
                 event_id: row.event_id,
                 endpoint_id: row.endpoint_id,
                 handoff,
+                handed_at: r.try_get("handed_at")?,
             };
             row.id = shared
                 .unwritten
@@ -375,7 +376,8 @@ impl FencedBatches for Deliveries<'_> {
                     self.open_relay(fence, more.len() < asked);
                     claimed.extend(more);
                 }
-                // The handed deliveries are claimed already: send them.
+                // The handed deliveries are claimed already (their handoff
+                // is written, docs/adr/0124): send them.
                 Err(e) if !claimed.is_empty() => {
                     warn!(role = %Role::WebhookDelivery, error = %e, "the claim statement failed; sending the deliveries handed over");
                 }

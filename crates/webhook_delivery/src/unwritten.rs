@@ -27,7 +27,8 @@ struct State {
     /// pair whose write failed is never counted off, so its handoff is never
     /// deleted here but left to the fan-out, after its lease; the handoff is
     /// dropped from this map then, only to free it.
-    left: HashMap<i64, usize>,
+    /// With when its first pair was taken.
+    left: HashMap<i64, (usize, Instant)>,
 }
 
 impl Unwritten {
@@ -37,7 +38,7 @@ impl Unwritten {
         let mut s = self.lock();
         s.last -= 1;
         let key = s.last;
-        s.left.entry(pair.handoff).or_insert(pairs);
+        s.left.entry(pair.handoff).or_insert((pairs, since));
         s.rows.insert(key, (pair, since));
         key
     }
@@ -57,7 +58,7 @@ impl Unwritten {
             let Some((pair, _)) = s.rows.remove(&key) else {
                 continue;
             };
-            if let Some(left) = s.left.get_mut(&pair.handoff) {
+            if let Some((left, _)) = s.left.get_mut(&pair.handoff) {
                 *left = left.saturating_sub(1);
                 if *left == 0 {
                     s.left.remove(&pair.handoff);
@@ -80,17 +81,15 @@ impl Unwritten {
     }
 
     /// Forget rows claimed more than `age` ago (a tick dropped while they were
-    /// in flight never writes them): their handoffs are the fan-out's.
+    /// in flight never writes them), and handoffs first taken from then (some
+    /// of their pairs never were: the tick ended with them on the relay and
+    /// the role moved on): their handoffs are the fan-out's.
     pub(crate) fn forget_older(&self, age: Duration) {
         let now = Instant::now();
-        let old: Vec<i64> = self
-            .lock()
-            .rows
-            .iter()
-            .filter(|(_, (_, since))| now.saturating_duration_since(*since) > age)
-            .map(|(key, _)| *key)
-            .collect();
-        self.failed(old);
+        let old = |since: &Instant| now.saturating_duration_since(*since) > age;
+        let mut s = self.lock();
+        s.rows.retain(|_, (_, since)| !old(since));
+        s.left.retain(|_, (_, since)| !old(since));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -108,6 +107,7 @@ mod tests {
             event_id: 1,
             endpoint_id,
             handoff,
+            handed_at: 0.0,
         }
     }
 

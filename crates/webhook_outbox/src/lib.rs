@@ -14,6 +14,12 @@
 //!                                         COMMIT                  ──▶ webhook_deliveries
 //! ```
 //!
+//! While the delivery role leads in the same process, the statement hands up
+//! to its room of those deliveries to it instead of inserting them: one
+//! `webhook_handoffs` row holds their pairs until the delivery role writes
+//! each with its first outcome, and each statement inserts pending the pairs
+//! of handoffs whose lease ended unwritten (docs/adr/0087, 0124).
+//!
 //! Guarantees:
 //!
 //! - **An event exists iff its producer committed.** [`enqueue`] (and
@@ -25,9 +31,10 @@
 //!   and the `dispatched_at` stamp are one transaction, so a crash leaves the
 //!   batch undispatched and it is claimed again whole. A replayed batch (an
 //!   operator clearing `dispatched_at`, or a stale leader whose transaction
-//!   committed late) adds nothing: `UNIQUE (event_id, endpoint_id)` absorbs it.
-//!   Duplicates to receivers come only from the delivery side (see
-//!   `webhook_delivery`), never from here.
+//!   committed late) adds nothing: `UNIQUE (event_id, endpoint_id)` absorbs it,
+//!   and a pair already written is never handed over. Duplicates to receivers
+//!   come only from the delivery side (see `webhook_delivery`), never from
+//!   here.
 //! - **A replaced leader claims nothing.** The claim carries
 //!   `AND leader_fence($role, $token)` in its innermost WHERE, and
 //!   [`Dispatcher::dispatch_batch`] takes a [`leader::Fence`], which only a won

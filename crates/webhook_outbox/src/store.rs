@@ -114,7 +114,9 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          pairs AS MATERIALIZED ( \
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
-                  r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
+                  r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 \
+                  AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
+                                  WHERE d.event_id = s.id AND d.endpoint_id = ep.id) AS handed \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \
@@ -130,10 +132,10 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT p.tenant_id, p.event_id, p.endpoint_id \
            FROM expired x, unnest(x.tenant_ids, x.event_ids, x.endpoint_ids) \
                 AS p(tenant_id, event_id, endpoint_id) \
-           WHERE EXISTS (SELECT 1 FROM webhook_events ev \
-                         WHERE ev.id = p.event_id AND ev.tenant_id = p.tenant_id) \
-             AND EXISTS (SELECT 1 FROM webhook_endpoints ep \
-                         WHERE ep.id = p.endpoint_id AND ep.tenant_id = p.tenant_id)), \
+           WHERE EXISTS (SELECT 1 FROM webhook_events le \
+                         WHERE le.id = p.event_id AND le.tenant_id = p.tenant_id) \
+             AND EXISTS (SELECT 1 FROM webhook_endpoints lp \
+                         WHERE lp.id = p.endpoint_id AND lp.tenant_id = p.tenant_id)), \
          ins AS ( \
            INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id, attempts) \
            SELECT f.tenant_id, f.event_id, f.endpoint_id, f.attempts \
@@ -154,7 +156,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            HAVING count(*) > 0 \
            RETURNING id, cardinality(event_ids) AS pairs), \
          handed AS ( \
-           SELECT h.id AS handoff, h.pairs AS handoff_pairs, ",
+           SELECT h.id AS handoff, h.pairs AS handoff_pairs, \
+                  extract(epoch FROM now())::float8 AS handed_at, ",
     outbox::webhook_claimed_columns!("p", "ev", "ep"),
     " \
            FROM handoff h \

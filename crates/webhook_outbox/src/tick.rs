@@ -87,10 +87,11 @@ impl Dispatcher {
     /// Harmless when this process does not lead that role: the poke waits for
     /// its next tick, one claim that may find nothing.
     ///
-    /// While a tick of that role runs here, the fan-out also inserts up to
-    /// its room of deliveries already claimed for it, proving its token, and
-    /// hands their rows over through `delivery`'s [`scheduler::Relay`]: that
-    /// role sends them without a claim statement (docs/adr/0087).
+    /// While a tick of that role runs here, the fan-out also hands up to its
+    /// room of deliveries to it, proving its token, through `delivery`'s
+    /// [`scheduler::Relay`]: that role sends them without a claim statement
+    /// (docs/adr/0087) and writes each once, with its first outcome; a
+    /// `webhook_handoffs` row stands for them until then (docs/adr/0124).
     #[must_use]
     pub fn with_hand_over(mut self, delivery: Wake) -> Dispatcher {
         self.hand_over = Some(delivery);

@@ -140,7 +140,8 @@ async fn run(
     let wall = loop {
         let left: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL AND tenant_id = $1) \
-                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending' AND tenant_id = $1)",
+                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending' AND tenant_id = $1) \
+                 OR EXISTS (SELECT 1 FROM webhook_handoffs WHERE $1 = ANY (tenant_ids))",
         )
         .bind(HEALTHY)
         .fetch_one(&mut su)

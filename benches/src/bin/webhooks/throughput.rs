@@ -109,11 +109,13 @@ pub async fn run(
     }
     let mut reported = Instant::now();
     let wall = loop {
-        // Cheap enough to poll often: both probes stop at the first row of a
-        // partial index (undispatched events, pending deliveries).
+        // Cheap enough to poll often: the probes stop at the first row of a
+        // partial index (undispatched events, pending deliveries) or of the
+        // handoffs of deliveries still in flight unwritten (docs/adr/0124).
         let busy: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM webhook_events WHERE dispatched_at IS NULL) \
-                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending')",
+                 OR EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending') \
+                 OR EXISTS (SELECT 1 FROM webhook_handoffs)",
         )
         .fetch_one(&mut su)
         .await?;

@@ -130,9 +130,11 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 }
 
 /// List an event's or an endpoint's deliveries, newest first, each with
-/// its attempts. A delivery is listed once it is written: the first attempt
-/// of one the fan-out handed straight to the sender is written with its
-/// outcome, milliseconds after the event is dispatched.
+/// its attempts.
+///
+/// A delivery is listed once its row is written. Most first attempts are
+/// written with their outcome, so such a delivery is listed when its first
+/// attempt has ended, not while it is in flight.
 #[utoipa::path(
     get, path = "/v1/deliveries", tag = "deliveries",
     params(ListDeliveries),

@@ -19,11 +19,15 @@ pub(crate) struct Pair {
     pub endpoint_id: i64,
     /// The `webhook_handoffs` row that stands for it until it is written.
     pub handoff: i64,
+    /// When the fan-out handed it over, on the database clock (seconds since
+    /// the epoch): its claim, so its attempt's time, as a claim would stamp
+    /// `last_attempt_at`.
+    pub handed_at: f64,
 }
 
 /// One unwritten delivery's row, to insert: after its attempt (`attempt` 1,
-/// made `ago` seconds before the statement), or handed back unsent (`attempt`
-/// 0, due after a wait, `observed.error` saying why when it says).
+/// claimed at `pair.handed_at`), or handed back unsent (`attempt` 0, due
+/// after a wait, `observed.error` saying why when it says).
 #[derive(Debug, Clone)]
 pub(crate) struct NewRow {
     /// The id the delivery role knows it by (negative; docs/adr/0124).
@@ -32,7 +36,6 @@ pub(crate) struct NewRow {
     pub attempt: i32,
     pub next: NextState,
     pub observed: Observed,
-    pub ago: Duration,
 }
 
 /// The statement of [`insert_outcomes`]; `pub` only for the plan tests
@@ -47,7 +50,7 @@ pub const INSERT_OUTCOMES: &str = "WITH o AS MATERIALIZED ( \
                               $6::float8[], $7::int4[], $8::text[], $9::int4[], $10::text[], \
                               $11::float8[]) \
               AS o(tenant_id, event_id, endpoint_id, attempt, next_state, retry_secs, \
-                   status_code, error, latency_ms, snippet, ago)), \
+                   status_code, error, latency_ms, snippet, handed_at)), \
        applied AS ( \
          INSERT INTO webhook_deliveries \
              (tenant_id, event_id, endpoint_id, attempts, status, next_attempt_at, \
@@ -55,7 +58,7 @@ pub const INSERT_OUTCOMES: &str = "WITH o AS MATERIALIZED ( \
          SELECT o.tenant_id, o.event_id, o.endpoint_id, o.attempt, o.next_state, \
                 CASE WHEN o.next_state = 'pending' \
                      THEN now() + make_interval(secs => o.retry_secs) ELSE now() END, \
-                CASE WHEN o.attempt > 0 THEN now() - make_interval(secs => o.ago) END, \
+                CASE WHEN o.attempt > 0 THEN to_timestamp(o.handed_at) END, \
                 CASE WHEN o.next_state = 'delivered' THEN now() END, \
                 o.status_code, o.error, o.latency_ms \
          FROM o \
@@ -98,7 +101,7 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
     let mut errors = Vec::with_capacity(n);
     let mut latencies = Vec::with_capacity(n);
     let mut snippets = Vec::with_capacity(n);
-    let mut ago = Vec::with_capacity(n);
+    let mut handed_at = Vec::with_capacity(n);
     let mut keys = HashMap::with_capacity(n);
     for r in rows {
         let (status, wait) = match r.next {
@@ -126,7 +129,7 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
                 .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
         );
         snippets.push(r.observed.response_snippet.clone());
-        ago.push(r.ago.as_secs_f64());
+        handed_at.push(r.pair.handed_at);
     }
     let applied = tx
         .fetch_all(
@@ -141,7 +144,7 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
                 .bind(errors)
                 .bind(latencies)
                 .bind(snippets)
-                .bind(ago),
+                .bind(handed_at),
         )
         .await?;
     applied
@@ -188,16 +191,14 @@ pub(crate) async fn delete_handoffs(
 }
 
 impl NewRow {
-    /// The row of an attempt's outcome (`row`, keyed by its negative id),
-    /// the attempt made `ago`.
-    pub(crate) fn outcome(row: &super::OutcomeRow, pair: Pair, ago: Duration) -> NewRow {
+    /// The row of an attempt's outcome (`row`, keyed by its negative id).
+    pub(crate) fn outcome(row: &super::OutcomeRow, pair: Pair) -> NewRow {
         NewRow {
             key: row.id,
             pair,
             attempt: row.attempt,
             next: row.next,
             observed: row.observed.clone(),
-            ago,
         }
     }
 
@@ -213,7 +214,6 @@ impl NewRow {
                 error: why,
                 ..Observed::default()
             },
-            ago: Duration::ZERO,
         }
     }
 }

@@ -140,18 +140,19 @@ async fn the_fan_out_hands_over_no_more_payload_bytes_than_offered() {
 }
 
 /// A fan-out while a delivery tick runs in the same process hands its
-/// deliveries over: each is sent once, at attempt 1, and its row is written
-/// once, after its attempt (`created_at` after `last_attempt_at`: inserted
-/// with its outcome, not claimed and then updated); the handoff that stood
-/// for them is deleted once all are written (docs/adr/0124).
+/// deliveries over: each is sent once, at attempt 1, and its row is inserted
+/// after its attempt was claimed (`created_at` after `last_attempt_at`, the
+/// fan-out's time: not inserted claimed by the fan-out as before); the
+/// handoff that stood for them is deleted once all are written
+/// (docs/adr/0124).
 ///
 /// Mutation check: without the handoff's deletion the row stays and this
 /// test fails (scripts/mutation-check `handoff_kept`).
 ///
 /// Mutation check: a tick that never takes the handed deliveries leaves them
-/// to their claim lease (2 s here), after which the claim statement sends
-/// them at attempt 2, and this test fails (scripts/mutation-check
-/// `relay_taken`).
+/// to their handoff's lease, after which only a fan-out would insert them
+/// (none runs here), no request arrives and this test fails
+/// (scripts/mutation-check `relay_taken`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_handed_over_are_sent_once_by_the_running_tick() {
     let t = TestDb::new().await;
@@ -385,7 +386,7 @@ async fn the_table_is_claimed_beside_handed_deliveries_that_fill_batches() {
 }
 
 /// A claim statement that fails after the batch took deliveries handed over
-/// does not drop them: they are claimed already (their attempt counted, their
+/// does not drop them: they are claimed already (their handoff written, their
 /// lease running), so the tick sends them. The statement is made to fail by
 /// a lock on `webhook_endpoints` held past the role's statement timeout.
 ///
@@ -423,4 +424,41 @@ async fn a_failed_claim_statement_still_sends_the_deliveries_handed_over() {
     })
     .await;
     assert_eq!(rx.count(), 4, "each handed delivery sent once");
+}
+
+/// An event fanned out again (an operator cleared its `dispatched_at`, the
+/// replay of crates/webhook_outbox's docs) hands nothing over for a pair
+/// already written: the deliveries it had are not sent again, as the fan-out's
+/// `ON CONFLICT DO NOTHING` keeps them when it inserts.
+///
+/// Mutation check: without the handed pairs' check against the table, both
+/// pairs are handed over and this test fails (scripts/mutation-check
+/// `handoff_rehands_written`).
+#[tokio::test]
+async fn a_replayed_event_hands_over_no_pair_already_written() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/b").await;
+    events(&t.db, "tenant_a", 1).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "UPDATE webhook_deliveries SET status = 'delivered', delivered_at = now(), attempts = 1; \
+         UPDATE webhook_events SET dispatched_at = NULL",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let offer = (Duration::from_secs(30), 10, 0);
+    leading_offered(&t.db, &wake, offer, |_| async {
+        assert_eq!(wake.relay().waiting(), 0, "nothing handed over");
+    })
+    .await;
+    assert_eq!(handoffs(&t.db).await, []);
+    let d: Vec<bool> = deliveries(&t.db)
+        .await
+        .iter()
+        .map(|d| d.delivered)
+        .collect();
+    assert_eq!(d, [true, true]);
 }
