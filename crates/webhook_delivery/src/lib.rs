@@ -20,7 +20,8 @@
 //!                                                             └─ other / timeout / no connection
 //!                                                                  ─────▶ pending at now() + backoff,
 //!                                                                         dead after the last attempt
-//!   every write above is a compare-and-set on (id, attempt, pending); outcomes are
+//!   every write above is a compare-and-set on (id, attempt, pending), or, for a delivery
+//!   handed over unwritten, an insert a written pair refuses (adr/0124); outcomes are
 //!   written in groups, one statement each (… WHERE d.id = o.id AND d.attempts = o.attempt
 //!   AND d.status = o.was, was = 'pending'), the 410 one on its own with the endpoint's
 //!   disabling; claims and outcome groups plan by key whatever the statistics (adr/0023)
@@ -34,7 +35,8 @@
 //!   again when the lease ends. A delivery the fan-out handed over unwritten
 //!   has its pair in a `webhook_handoffs` row with the same lease, which the
 //!   fan-out turns into a pending delivery if the lease ends before the row is
-//!   written (docs/adr/0124). Nothing is deleted but written handoffs; a dead
+//!   written (docs/adr/0124). Nothing is deleted but handoffs (once written, or
+//!   once the fan-out has inserted them) and what retention prunes; a dead
 //!   delivery stays in the table with its last error, counted by
 //!   `hardcount_webhook_deliveries_dead`.
 //! - **Duplicates** reach a receiver only when an attempt's result was not

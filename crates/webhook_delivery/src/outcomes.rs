@@ -47,10 +47,13 @@ pub(crate) async fn record(
     }
 }
 
-/// Write a group of outcomes with one statement ([`store::record_outcomes`])
-/// and count each. Returns each one's key and outcome: the ones whose
-/// compare-and-set matched no row are `Stale`; if the write fails, all
-/// are `Unrecorded` (their deliveries come due again after their claim lease).
+/// Write a group of outcomes ([`store::record_outcomes`]): the deliveries in
+/// the table with one statement, those handed over unwritten with another, a
+/// transaction each, and count each. Returns each one's key and outcome: the
+/// ones whose compare-and-set matched no row (or whose pair was written
+/// already) are `Stale`; if a write fails, its rows are `Unrecorded` (the
+/// table's come due again after their claim lease, the handed ones are
+/// inserted by the fan-out after their handoff's lease).
 pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Written {
     let all: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
     let (rows, new) = new_rows(shared, &all);

@@ -10,7 +10,7 @@
 //!  COMMIT                            │      insert one delivery per enabled endpoint
 //!                                    └──▶     of the same tenant subscribed to the type
 //!                    webhook_events          ON CONFLICT (event_id, endpoint_id) DO NOTHING
-//!                                           pg_notify(webhook_delivery) if any inserted
+//!                                           pg_notify(webhook_delivery) if any made
 //!                                         COMMIT                  ──▶ webhook_deliveries
 //! ```
 //!
@@ -33,8 +33,9 @@
 //!   operator clearing `dispatched_at`, or a stale leader whose transaction
 //!   committed late) adds nothing: `UNIQUE (event_id, endpoint_id)` absorbs it,
 //!   and a pair already written is never handed over. Duplicates to receivers
-//!   come only from the delivery side (see `webhook_delivery`), never from
-//!   here.
+//!   come only from the delivery side (see `webhook_delivery`), and from a
+//!   replay of an event one of whose first attempts is still in flight
+//!   unwritten (docs/adr/0124).
 //! - **A replaced leader claims nothing.** The claim carries
 //!   `AND leader_fence($role, $token)` in its innermost WHERE, and
 //!   [`Dispatcher::dispatch_batch`] takes a [`leader::Fence`], which only a won

@@ -116,7 +116,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
                   r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 \
                   AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
-                                  WHERE d.event_id = s.id AND d.endpoint_id = ep.id) AS handed \
+                                  WHERE d.event_id = s.id AND d.endpoint_id = ep.id \
+                                  OFFSET 0) AS handed \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \
@@ -166,7 +167,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                        FROM pairs WHERE handed) p \
            JOIN webhook_events ev ON ev.id = p.event_id \
            JOIN webhook_endpoints ep ON ep.id = p.endpoint_id), \
-         wake AS (SELECT pg_notify($4, '') WHERE EXISTS (SELECT 1 FROM ins)) \
+         wake AS (SELECT pg_notify($4, '') \
+                  WHERE EXISTS (SELECT 1 FROM ins) OR EXISTS (SELECT 1 FROM handoff)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
                 (SELECT count(*) FROM ins WHERE attempts = 0) AS inserted, \
                 (SELECT count(*) FROM ins WHERE attempts = 1) AS recovered, \

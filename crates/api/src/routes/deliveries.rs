@@ -132,9 +132,9 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 /// List an event's or an endpoint's deliveries, newest first, each with
 /// its attempts.
 ///
-/// A delivery is listed once its row is written. Most first attempts are
-/// written with their outcome, so such a delivery is listed when its first
-/// attempt has ended, not while it is in flight.
+/// A delivery is listed once its row is written. A first attempt may be
+/// written with its outcome, and its delivery then listed when that attempt
+/// has ended, not while it is in flight.
 #[utoipa::path(
     get, path = "/v1/deliveries", tag = "deliveries",
     params(ListDeliveries),

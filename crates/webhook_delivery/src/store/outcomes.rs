@@ -30,7 +30,7 @@ pub(crate) struct Observed {
 }
 
 /// Longest `last_error` kept; the rest is cut at a character boundary.
-pub(super) const MAX_ERROR_CHARS: usize = 1000;
+const MAX_ERROR_CHARS: usize = 1000;
 
 /// One finished attempt's outcome, waiting to be written.
 #[derive(Debug, Clone)]
@@ -171,6 +171,54 @@ pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
 /// pending row for every group (docs/adr/0023).
 const PENDING: &str = "pending";
 
+/// An outcome group's columns as its statement binds them: the next state
+/// and its wait, and what the attempt saw (the error cut to
+/// [`MAX_ERROR_CHARS`]).
+pub(super) struct Columns {
+    pub states: Vec<String>,
+    pub retry_secs: Vec<f64>,
+    pub codes: Vec<Option<i32>>,
+    pub errors: Vec<Option<String>>,
+    pub latencies: Vec<Option<i32>>,
+    pub snippets: Vec<Option<String>>,
+}
+
+impl Columns {
+    pub(super) fn with_capacity(n: usize) -> Columns {
+        Columns {
+            states: Vec::with_capacity(n),
+            retry_secs: Vec::with_capacity(n),
+            codes: Vec::with_capacity(n),
+            errors: Vec::with_capacity(n),
+            latencies: Vec::with_capacity(n),
+            snippets: Vec::with_capacity(n),
+        }
+    }
+
+    pub(super) fn push(&mut self, next: NextState, observed: &Observed) {
+        let (status, wait) = match next {
+            NextState::Delivered => ("delivered", 0.0),
+            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
+            NextState::Dead => ("dead", 0.0),
+        };
+        self.states.push(status.to_owned());
+        self.retry_secs.push(wait);
+        self.codes.push(observed.status_code.map(i32::from));
+        self.errors.push(
+            observed
+                .error
+                .as_ref()
+                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
+        );
+        self.latencies.push(
+            observed
+                .latency
+                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
+        );
+        self.snippets.push(observed.response_snippet.clone());
+    }
+}
+
 /// The one outcome statement: `rows` unnested into a relation and joined to
 /// their deliveries by the compare-and-set predicate, in a transaction that
 /// keeps the join to primary-key lookups (`Db::begin_index_driven`).
@@ -181,48 +229,24 @@ async fn apply_outcomes(
     let n = rows.len();
     let mut ids = Vec::with_capacity(n);
     let mut attempts = Vec::with_capacity(n);
-    let mut states = Vec::with_capacity(n);
-    let mut retry_secs = Vec::with_capacity(n);
-    let mut codes = Vec::with_capacity(n);
-    let mut errors = Vec::with_capacity(n);
-    let mut latencies = Vec::with_capacity(n);
-    let mut snippets = Vec::with_capacity(n);
+    let mut c = Columns::with_capacity(n);
     for r in rows {
-        let (status, wait) = match r.next {
-            NextState::Delivered => ("delivered", 0.0),
-            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
-            NextState::Dead => ("dead", 0.0),
-        };
         ids.push(r.id);
         attempts.push(r.attempt);
-        states.push(status.to_owned());
-        retry_secs.push(wait);
-        codes.push(r.observed.status_code.map(i32::from));
-        errors.push(
-            r.observed
-                .error
-                .as_ref()
-                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
-        );
-        latencies.push(
-            r.observed
-                .latency
-                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
-        );
-        snippets.push(r.observed.response_snippet.clone());
+        c.push(r.next, &r.observed);
     }
     let applied = tx
         .fetch_all(
             sql(APPLY_OUTCOMES)
                 .bind(ids)
                 .bind(attempts)
-                .bind(states)
-                .bind(retry_secs)
-                .bind(codes)
-                .bind(errors)
-                .bind(latencies)
+                .bind(c.states)
+                .bind(c.retry_secs)
+                .bind(c.codes)
+                .bind(c.errors)
+                .bind(c.latencies)
                 .bind(vec![PENDING; n])
-                .bind(snippets),
+                .bind(c.snippets),
         )
         .await?;
     applied

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
 
-use super::outcomes::{Gone, MAX_ERROR_CHARS, NextState, Observed};
+use super::outcomes::{Columns, Gone, NextState, Observed};
 
 /// A delivery handed over by the fan-out and not written yet, with what its
 /// row needs.
@@ -95,40 +95,16 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
     let mut events = Vec::with_capacity(n);
     let mut endpoints = Vec::with_capacity(n);
     let mut attempts = Vec::with_capacity(n);
-    let mut states = Vec::with_capacity(n);
-    let mut retry_secs = Vec::with_capacity(n);
-    let mut codes = Vec::with_capacity(n);
-    let mut errors = Vec::with_capacity(n);
-    let mut latencies = Vec::with_capacity(n);
-    let mut snippets = Vec::with_capacity(n);
+    let mut c = Columns::with_capacity(n);
     let mut handed_at = Vec::with_capacity(n);
     let mut keys = HashMap::with_capacity(n);
     for r in rows {
-        let (status, wait) = match r.next {
-            NextState::Delivered => ("delivered", 0.0),
-            NextState::RetryAfter(wait) => ("pending", wait.as_secs_f64()),
-            NextState::Dead => ("dead", 0.0),
-        };
         keys.insert((r.pair.event_id, r.pair.endpoint_id), r.key);
         tenants.push(r.pair.tenant_id.clone());
         events.push(r.pair.event_id);
         endpoints.push(r.pair.endpoint_id);
         attempts.push(r.attempt);
-        states.push(status.to_owned());
-        retry_secs.push(wait);
-        codes.push(r.observed.status_code.map(i32::from));
-        errors.push(
-            r.observed
-                .error
-                .as_ref()
-                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect::<String>()),
-        );
-        latencies.push(
-            r.observed
-                .latency
-                .map(|l| i32::try_from(l.as_millis()).unwrap_or(i32::MAX)),
-        );
-        snippets.push(r.observed.response_snippet.clone());
+        c.push(r.next, &r.observed);
         handed_at.push(r.pair.handed_at);
     }
     let applied = tx
@@ -138,12 +114,12 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
                 .bind(events)
                 .bind(endpoints)
                 .bind(attempts)
-                .bind(states)
-                .bind(retry_secs)
-                .bind(codes)
-                .bind(errors)
-                .bind(latencies)
-                .bind(snippets)
+                .bind(c.states)
+                .bind(c.retry_secs)
+                .bind(c.codes)
+                .bind(c.errors)
+                .bind(c.latencies)
+                .bind(c.snippets)
                 .bind(handed_at),
         )
         .await?;

@@ -461,4 +461,12 @@ async fn a_replayed_event_hands_over_no_pair_already_written() {
         .map(|d| d.delivered)
         .collect();
     assert_eq!(d, [true, true]);
+    let again: bool =
+        t.db.fetch_one(sql(
+            "SELECT bool_and(dispatched_at IS NOT NULL) AS again FROM webhook_events",
+        ))
+        .await
+        .unwrap()
+        .get("again");
+    assert!(again, "the event was fanned out again");
 }

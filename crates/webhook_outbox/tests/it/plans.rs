@@ -180,3 +180,37 @@ async fn a_thousand_events(t: &TestDb) {
     assert_eq!(enqueue_many(&mut tx, &events).await.unwrap(), 1000);
     tx.commit().await.unwrap();
 }
+
+/// With an offer from the delivery role (docs/adr/0124), each pair's check
+/// against the deliveries already written is a probe of their unique key,
+/// not a hash of the whole table: a fan-out of 2,500 pairs reads 2,500 index
+/// entries whatever the table holds.
+#[tokio::test]
+async fn a_fan_out_that_hands_over_probes_each_pair_by_its_key() {
+    let t = TestDb::new().await;
+    for _ in 0..3 {
+        endpoint(&t, "tenant_a", &[], true).await;
+    }
+    a_thousand_events(&t).await;
+    let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
+        s.bind("webhook_outbox")
+            .bind(1_i64)
+            .bind(100_i64)
+            .bind("hardcount_wake_webhook_delivery")
+            .bind(10_000_i64)
+            .bind("")
+            .bind(64_i64)
+            .bind(Some(1_i64))
+            .bind(30.0_f64)
+            .bind(4_000_i64)
+            .bind(1_000_000_i64)
+    })
+    .await;
+    assert!(
+        plan.contains("using webhook_deliveries_event_endpoint_key on webhook_deliveries d"),
+        "{plan}"
+    );
+    for absent in ["hashed SubPlan", "Seq Scan on webhook_deliveries"] {
+        assert!(!plan.contains(absent), "{absent} in\n{plan}");
+    }
+}

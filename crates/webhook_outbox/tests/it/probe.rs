@@ -15,18 +15,9 @@ use webhook_outbox::DispatcherConfig;
 
 use crate::{as_leader, count, dispatcher, endpoint, event, manager};
 
-/// With a 5 s interval and no listener, each of five events enqueued into
-/// the idle, led role is fanned out within 500 ms of its commit (about one
-/// probe, 100 ms).
-///
-/// Mutation check: the driver ending a drained tick although the role probes
-/// (`&& probe_every.is_none() {` → `{`) leaves the role to its 5 s interval
-/// and this test fails (scripts/mutation-check `driver_probes`); so does a
-/// probe that never sees the waiting event (`outbox_probe`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_event_enqueued_into_an_idle_probing_role_is_dispatched_well_inside_one_interval() {
-    let t = TestDb::new().await;
-    endpoint(&t, "tenant_a", &[], true).await;
+/// The role led and run as `hardcount serve` runs it, probing while idle,
+/// with a 5 s interval and no listener; cancel the token to stop it.
+fn idle_probing_role(t: &TestDb) -> (tokio::task::JoinHandle<()>, CancellationToken) {
     let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
     let d = d.with_idle_probe(IDLE_PROBE);
     let spec = RoleSpec {
@@ -39,6 +30,22 @@ async fn an_event_enqueued_into_an_idle_probing_role_is_dispatched_well_inside_o
     };
     let shutdown = CancellationToken::new();
     let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    (role, shutdown)
+}
+
+/// With a 5 s interval and no listener, each of five events enqueued into
+/// the idle, led role is fanned out within 500 ms of its commit (about one
+/// probe, 100 ms).
+///
+/// Mutation check: the driver ending a drained tick although the role probes
+/// (`&& probe_every.is_none() {` → `{`) leaves the role to its 5 s interval
+/// and this test fails (scripts/mutation-check `driver_probes`); so does a
+/// probe that never sees the waiting event (`outbox_probe`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_enqueued_into_an_idle_probing_role_is_dispatched_well_inside_one_interval() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", &[], true).await;
+    let (role, shutdown) = idle_probing_role(&t);
     // Let the first tick drain the empty outbox and go idle.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let undispatched = "SELECT count(*) FROM webhook_events WHERE dispatched_at IS NULL";
@@ -136,18 +143,7 @@ async fn an_expired_handoff_is_inserted_pending_by_an_idle_probing_role() {
     let t = TestDb::new().await;
     let endpoint_id = endpoint(&t, "tenant_a", &[], false).await;
     let event_id = event(&t.db, "tenant_a", "invoice.paid", r#"{"n":1}"#).await;
-    let (d, _) = dispatcher(&t.db, DispatcherConfig::default());
-    let d = d.with_idle_probe(IDLE_PROBE);
-    let spec = RoleSpec {
-        role: Role::WebhookOutbox,
-        interval: Duration::from_secs(5),
-        work: work(move |tick| {
-            let d = d.clone();
-            async move { d.run_tick(&tick).await.end }
-        }),
-    };
-    let shutdown = CancellationToken::new();
-    let role = tokio::spawn(run_role(manager(&t.db, "a"), spec, shutdown.child_token()));
+    let (role, shutdown) = idle_probing_role(&t);
     // The first tick fans the event out to no one (its endpoint is off) and
     // goes idle; then the endpoint is on, as it was when the lost replica
     // handed the pair over.
