@@ -109,15 +109,16 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
            RETURNING e.id, e.tenant_id, e.event_type, \
-                     CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes), \
+                     CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes, \
+                     $8::int8 IS NOT NULL \
+                       AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
+                                       WHERE d.event_id = e.id OFFSET 0) AS first), \
          relay AS MATERIALIZED ( \
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          pairs AS MATERIALIZED ( \
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
-                  r.leads AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 \
-                  AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
-                                  WHERE d.event_id = s.id AND d.endpoint_id = ep.id \
-                                  OFFSET 0) AS handed \
+                  r.leads AND s.first \
+                  AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \

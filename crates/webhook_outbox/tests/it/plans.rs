@@ -181,12 +181,12 @@ async fn a_thousand_events(t: &TestDb) {
     tx.commit().await.unwrap();
 }
 
-/// With an offer from the delivery role (docs/adr/0124), each pair's check
-/// against the deliveries already written is a probe of their unique key,
-/// not a hash of the whole table: a fan-out of 2,500 pairs reads 2,500 index
-/// entries whatever the table holds.
+/// With an offer from the delivery role (docs/adr/0124), each event's check
+/// for deliveries already written (an event fanned out again) is a probe of
+/// their unique key, not a hash of the whole table: a fan-out of 500 events
+/// reads 500 index entries whatever the table holds.
 #[tokio::test]
-async fn a_fan_out_that_hands_over_probes_each_pair_by_its_key() {
+async fn a_fan_out_that_hands_over_probes_each_event_by_its_key() {
     let t = TestDb::new().await;
     for _ in 0..3 {
         endpoint(&t, "tenant_a", &[], true).await;
