@@ -117,6 +117,23 @@ pub(crate) async fn record_outcome(
     Ok(applied)
 }
 
+/// The CTE that keeps each endpoint's `failing_since` (migration 0031) from
+/// an outcome statement's `ends (endpoint_id, delivered)`: set when the
+/// statement holds only failures for it, cleared when one delivered, and left
+/// unwritten when that is already so. Shared by [`APPLY_OUTCOMES`] and
+/// `unwritten::INSERT_OUTCOMES`.
+macro_rules! endpoint_health {
+    () => {
+        "health AS ( \
+           UPDATE webhook_endpoints e \
+           SET failing_since = CASE WHEN s.delivered THEN NULL ELSE now() END \
+           FROM ends s \
+           WHERE e.id = s.endpoint_id \
+             AND (e.failing_since IS NULL) = NOT s.delivered) "
+    };
+}
+pub(super) use endpoint_health;
+
 /// The outcome statement of [`apply_outcomes`]; `pub` only for the plan tests
 /// (`tests/it/plans.rs`). An applied outcome that did not deliver also writes
 /// its attempt's row of the delivery's history (`webhook_delivery_attempts`,
@@ -128,7 +145,8 @@ pub(crate) async fn record_outcome(
 /// endpoint of the group has its `failing_since` (migration 0031) set when
 /// the group holds only failures for it, cleared when one of them
 /// delivered, and left unwritten when that is already so.
-pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
+pub const APPLY_OUTCOMES: &str = concat!(
+    "WITH applied AS ( \
          UPDATE webhook_deliveries d \
          SET status = o.next_state, \
              claimed_until = NULL, \
@@ -155,13 +173,10 @@ pub const APPLY_OUTCOMES: &str = "WITH applied AS ( \
        ends AS ( \
          SELECT endpoint_id, bool_or(next_state = 'delivered') AS delivered \
          FROM applied GROUP BY endpoint_id), \
-       health AS ( \
-         UPDATE webhook_endpoints e \
-         SET failing_since = CASE WHEN s.delivered THEN NULL ELSE now() END \
-         FROM ends s \
-         WHERE e.id = s.endpoint_id \
-           AND (e.failing_since IS NULL) = NOT s.delivered) \
-       SELECT id, attempt FROM applied";
+",
+    endpoint_health!(),
+    "       SELECT id, attempt FROM applied"
+);
 
 /// The status a compare-and-set expects its delivery in. It is bound as one
 /// more column of the unnested group (`was`), not written as a literal, so

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
 
-use super::outcomes::{Columns, Gone, NextState, Observed};
+use super::outcomes::{Columns, Gone, NextState, Observed, endpoint_health};
 
 /// A delivery handed over by the fan-out and not written yet, with what its
 /// row needs.
@@ -45,7 +45,8 @@ pub(crate) struct NewRow {
 /// whose compare-and-set found a later claim. An attempted row that did not
 /// deliver writes its attempt's history, and the endpoints' `failing_since`
 /// is kept as `APPLY_OUTCOMES` keeps it.
-pub const INSERT_OUTCOMES: &str = "WITH o AS MATERIALIZED ( \
+pub const INSERT_OUTCOMES: &str = concat!(
+    "WITH o AS MATERIALIZED ( \
          SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::int4[], $5::text[], \
                               $6::float8[], $7::int4[], $8::text[], $9::int4[], $10::text[], \
                               $11::float8[]) \
@@ -76,13 +77,10 @@ pub const INSERT_OUTCOMES: &str = "WITH o AS MATERIALIZED ( \
        ends AS ( \
          SELECT endpoint_id, bool_or(status = 'delivered') AS delivered \
          FROM applied WHERE attempts > 0 GROUP BY endpoint_id), \
-       health AS ( \
-         UPDATE webhook_endpoints e \
-         SET failing_since = CASE WHEN s.delivered THEN NULL ELSE now() END \
-         FROM ends s \
-         WHERE e.id = s.endpoint_id \
-           AND (e.failing_since IS NULL) = NOT s.delivered) \
-       SELECT event_id, endpoint_id FROM applied";
+",
+    endpoint_health!(),
+    "       SELECT event_id, endpoint_id FROM applied"
+);
 
 /// Insert `rows` ([`INSERT_OUTCOMES`]) in `tx`; returns the keys of the rows
 /// inserted. A row not among them was stale: its pair was already written.

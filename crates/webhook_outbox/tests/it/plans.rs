@@ -17,6 +17,25 @@ use crate::{as_leader, dispatcher, endpoint, event, manager};
 /// Guard: the planner settings of `Db::begin_index_driven`. Seen failing with
 /// `begin_with_timeout` in the EXPLAIN's transaction (a Bitmap Heap Scan of
 /// every undispatched event and a Sort of them all by id, to claim 100).
+/// The fan-out statement's plan for a batch of 100 events, with an offer from
+/// the delivery role's `token` (room 4,000) or none, as the outbox binds it.
+async fn explain_fan_out(t: &TestDb, token: Option<i64>) -> String {
+    explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, move |s| {
+        s.bind("webhook_outbox")
+            .bind(1_i64)
+            .bind(100_i64)
+            .bind("hardcount_wake_webhook_delivery")
+            .bind(10_000_i64)
+            .bind("")
+            .bind(64_i64)
+            .bind(token)
+            .bind(if token.is_some() { 30.0_f64 } else { 0.0 })
+            .bind(if token.is_some() { 4_000_i64 } else { 0 })
+            .bind(if token.is_some() { 1_000_000_i64 } else { 0 })
+    })
+    .await
+}
+
 #[tokio::test]
 async fn the_fan_out_claims_its_events_in_index_order() {
     let t = TestDb::new().await;
@@ -25,20 +44,7 @@ async fn the_fan_out_claims_its_events_in_index_order() {
     }
     a_thousand_events(&t).await;
 
-    let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
-        s.bind("webhook_outbox")
-            .bind(1_i64)
-            .bind(100_i64)
-            .bind("hardcount_wake_webhook_delivery")
-            .bind(10_000_i64)
-            .bind("")
-            .bind(64_i64)
-            .bind(None::<i64>)
-            .bind(0.0_f64)
-            .bind(0_i64)
-            .bind(0_i64)
-    })
-    .await;
+    let plan = explain_fan_out(&t, None).await;
     assert!(
         plan.contains("Index Scan using webhook_events_undispatched on webhook_events"),
         "{plan}"
@@ -192,20 +198,7 @@ async fn a_fan_out_that_hands_over_probes_each_event_by_its_key() {
         endpoint(&t, "tenant_a", &[], true).await;
     }
     a_thousand_events(&t).await;
-    let plan = explain_index_driven(&t.db, CLAIM_AND_FAN_OUT, |s| {
-        s.bind("webhook_outbox")
-            .bind(1_i64)
-            .bind(100_i64)
-            .bind("hardcount_wake_webhook_delivery")
-            .bind(10_000_i64)
-            .bind("")
-            .bind(64_i64)
-            .bind(Some(1_i64))
-            .bind(30.0_f64)
-            .bind(4_000_i64)
-            .bind(1_000_000_i64)
-    })
-    .await;
+    let plan = explain_fan_out(&t, Some(1)).await;
     assert!(
         plan.contains("using webhook_deliveries_event_endpoint_key on webhook_deliveries d"),
         "{plan}"
