@@ -22,7 +22,7 @@ pub(crate) async fn record(
     row: OutcomeRow,
     disable_endpoint: Option<store::Gone>,
 ) -> Outcome {
-    let new = new_rows(shared, std::slice::from_ref(&row)).1.pop();
+    let new = new_rows(shared, [&row]).1.pop();
     if row.id < 0 && new.is_none() {
         return forgotten(&row);
     }
@@ -55,8 +55,7 @@ pub(crate) async fn record(
 /// table's come due again after their claim lease, the handed ones are
 /// inserted by the fan-out after their handoff's lease).
 pub(crate) async fn write_outcomes(shared: &Shared, group: Vec<Finished>) -> Written {
-    let all: Vec<OutcomeRow> = group.iter().map(|f| f.row.clone()).collect();
-    let (rows, new) = new_rows(shared, &all);
+    let (rows, new) = new_rows(shared, group.iter().map(|f| &f.row));
     let timeout = shared.config.statement_timeout;
     // The deliveries in the table and those handed over unwritten
     // (docs/adr/0124) in a transaction each: each statement keeps its
@@ -274,7 +273,10 @@ impl Drop for OutcomeBuffer {
 /// deliveries handed over unwritten (docs/adr/0124). A negative id this
 /// process no longer knows (claimed long before, by a tick that was dropped)
 /// is in neither: the fan-out inserts it pending after its handoff's lease.
-fn new_rows(shared: &Shared, rows: &[OutcomeRow]) -> (Vec<OutcomeRow>, Vec<NewRow>) {
+fn new_rows<'a>(
+    shared: &Shared,
+    rows: impl IntoIterator<Item = &'a OutcomeRow>,
+) -> (Vec<OutcomeRow>, Vec<NewRow>) {
     let mut table = Vec::new();
     let mut new = Vec::new();
     for row in rows {
