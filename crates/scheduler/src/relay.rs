@@ -13,12 +13,17 @@
 //! before it claims ([`Relay::take`]), and a row that waits past its lease is
 //! simply claimed again, as a claim whose worker died is (for the webhook
 //! roles: inserted pending by the next fan-out).
+//!
+//! A sender that finds the room more than half taken waits for the receiver
+//! to take ([`Relay::offer_with_room`], docs/adr/0125) instead of writing what
+//! does not fit where the receiver's claim statement would read it again.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use db::PgRow;
+use tokio::sync::Notify;
 
 /// What the receiving role lets a sender claim for it now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +44,9 @@ pub struct Offer {
 #[derive(Debug, Default)]
 pub struct Relay {
     state: Mutex<State>,
+    /// Told when rows are taken or the lead changes: a sender waiting for
+    /// room looks again.
+    changed: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +77,7 @@ impl Relay {
             capacity,
             bytes,
         });
+        self.changed.notify_waiters();
     }
 
     /// The tick that led under `token` ended: no more claims for it. A later
@@ -78,6 +87,8 @@ impl Relay {
         if s.lead.is_some_and(|l| l.token == token) {
             s.lead = None;
         }
+        drop(s);
+        self.changed.notify_waiters();
     }
 
     /// What a sender may claim now; `None` while the receiver does not lead
@@ -92,6 +103,40 @@ impl Relay {
             lease: lead.lease,
             room,
             bytes,
+        })
+    }
+
+    /// [`Relay::offer`], once the receiver has taken enough: while it leads
+    /// open (a capacity above zero) with more than half its rows or bytes
+    /// waiting, wait until it takes or its lead changes, for up to `wait`,
+    /// then offer what room there is (`None` if none). Without a lead, or
+    /// with the relay closed, `None` at once.
+    ///
+    /// A sender that claims only what the offer holds then leaves the rest
+    /// where it waited before it was claimed, instead of writing it for the
+    /// receiver's claim statement (docs/adr/0125).
+    pub async fn offer_with_room(&self, wait: Duration) -> Option<Offer> {
+        let until = tokio::time::Instant::now() + wait;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the state is read: a take between the read
+            // and the wait still wakes this sender.
+            changed.as_mut().enable();
+            if !self.filling() {
+                return self.offer();
+            }
+            if tokio::time::timeout_at(until, changed).await.is_err() {
+                return self.offer();
+            }
+        }
+    }
+
+    /// The receiver leads open and more than half its room is taken.
+    fn filling(&self) -> bool {
+        let s = self.lock();
+        s.lead.is_some_and(|l| {
+            l.capacity > 0 && (s.rows.len() > l.capacity / 2 || s.bytes > l.bytes / 2)
         })
     }
 
@@ -113,6 +158,10 @@ impl Relay {
         let n = limit.min(s.rows.len());
         let taken: Vec<(Instant, PgRow, usize)> = s.rows.drain(..n).collect();
         s.bytes -= taken.iter().map(|t| t.2).sum::<usize>();
+        drop(s);
+        if n > 0 {
+            self.changed.notify_waiters();
+        }
         taken.into_iter().map(|(at, row, _)| (at, row)).collect()
     }
 
@@ -156,5 +205,26 @@ mod tests {
         relay.unlead(8);
         assert_eq!(relay.offer(), None);
         assert!(relay.take(10).is_empty());
+    }
+
+    /// Without a lead, or with the relay closed (no capacity: the receiver's
+    /// claim statement has a backlog), a sender does not wait; an empty open
+    /// relay is offered at once.
+    #[tokio::test]
+    async fn an_offer_with_room_waits_only_on_an_open_relay_filling() {
+        let relay = Relay::default();
+        let offer = || async {
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                relay.offer_with_room(Duration::from_secs(60)),
+            )
+            .await
+            .expect("offered without waiting")
+        };
+        assert_eq!(offer().await, None, "no lead");
+        relay.lead(7, Duration::from_secs(30), 0, 100);
+        assert_eq!(offer().await, None, "closed");
+        relay.lead(7, Duration::from_secs(30), 2, 100);
+        assert_eq!(offer().await.map(|o| o.room), Some(2), "empty");
     }
 }

@@ -208,7 +208,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 ///
 /// With an `offer` from the delivery role of this process (docs/adr/0087),
-/// the first `offer.room` deliveries (by event and endpoint) whose payloads
+/// events are taken only while their deliveries fit in `offer.room` (as
+/// `max_deliveries` bounds them; docs/adr/0125), and the first `offer.room` deliveries (by event and endpoint) whose payloads
 /// fit in `offer.bytes` together (docs/adr/0098) are handed to it unwritten
 /// (docs/adr/0124) when the statement also proves that role's token
 /// (`leader_fence('webhook_delivery', $8)`; a stale one hands none): the
@@ -234,6 +235,11 @@ pub(crate) async fn claim_and_fan_out(
 ) -> Result<(Batch, Handed), Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
+    // With an offer, events are taken only while their deliveries fit in
+    // its room (the first event always): the rest stay undispatched for a
+    // later statement to hand over, instead of being inserted pending
+    // (docs/adr/0125).
+    let max_deliveries = offer.map_or(max_deliveries, |o| max_deliveries.min(o.room));
     let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
     let mut walk = Walk::default();
     let mut batch = Batch::default();

@@ -17,6 +17,13 @@ use crate::Error;
 use crate::config::DispatcherConfig;
 use crate::store::{self, Batch, PruneCursor};
 
+/// How long a batch waits for the delivery role of this process to take
+/// from a relay more than half full before it fans out anyway: whatever
+/// does not fit then is inserted pending, the claim statement's to read,
+/// and a delivery role that keeps the relay full is not waited on longer
+/// than this per batch (docs/adr/0125).
+const ROOM_WAIT: Duration = Duration::from_millis(500);
+
 /// What one tick did.
 #[derive(Debug)]
 pub struct TickReport {
@@ -174,13 +181,21 @@ impl Dispatcher {
     }
 
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
+        // A relay more than half full is waited on: what this statement
+        // claims for it, it then claims only up to the room, and leaves
+        // the rest of the outbox undispatched rather than inserting it
+        // pending behind the handed rows (docs/adr/0125).
+        let offer = match self.hand_over.as_ref() {
+            Some(w) => w.relay().offer_with_room(ROOM_WAIT).await,
+            None => None,
+        };
         let (batch, handed) = store::claim_and_fan_out(
             &self.db,
             fence,
             &self.cursor,
             limit,
             self.config.max_deliveries_per_statement,
-            self.hand_over.as_ref().and_then(|w| w.relay().offer()),
+            offer,
             self.config.statement_timeout,
         )
         .await?;
@@ -239,7 +254,12 @@ impl FencedBatches for Fanout<'_> {
         Shape {
             batch_size: self.0.config.batch_size,
             budget: self.0.config.tick_budget,
-            reserve: Duration::ZERO,
+            // No batch starts that could wait for the relay past the budget.
+            reserve: if self.0.hand_over.is_some() {
+                ROOM_WAIT
+            } else {
+                Duration::ZERO
+            },
         }
     }
 

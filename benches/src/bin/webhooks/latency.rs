@@ -102,7 +102,7 @@ pub async fn phase(
     let mut su = t.superuser().await;
     let _ = receiver.take();
 
-    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct))?;
+    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct)).await?;
     tokio::time::sleep(WARM_UP).await;
 
     let bouncer0 = bouncer::snapshot(leg, t.name()).await;

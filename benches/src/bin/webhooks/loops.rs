@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use db::Db;
@@ -16,6 +17,10 @@ use webhook_delivery::Worker;
 use webhook_outbox::Dispatcher;
 
 use crate::args::Shape;
+
+/// How long [`Loops::start`] waits for the delivery role's tick to lead
+/// before it starts the fan-out anyway.
+const LEAD_WAIT: Duration = Duration::from_secs(5);
 
 /// What the role loops' ticks reported, summed.
 #[derive(Default)]
@@ -58,7 +63,7 @@ impl Loops {
     /// timing (`Timing::ADR`, docs/design.md §2.4),
     /// one `scheduler::run_role` loop per role, on `db`; with `shape.listen`,
     /// woken through a listener on `listen_url` (as `HARDCOUNT_LISTEN_URL`).
-    pub fn start(db: &Db, shape: &Shape, listen_url: &str) -> Result<Loops> {
+    pub async fn start(db: &Db, shape: &Shape, listen_url: &str) -> Result<Loops> {
         let telemetry = Telemetry::noop();
         let manager = Manager::with_holder_id(
             db.clone(),
@@ -117,11 +122,21 @@ impl Loops {
                 }),
             },
         ];
-        handles.extend(
-            specs
-                .into_iter()
-                .map(|spec| tokio::spawn(run_role(manager.clone(), spec, shutdown.clone()))),
-        );
+        // The delivery role first, as in a service that already runs: a
+        // burst then finds its tick leading, and the fan-out hands over to
+        // it from its first statement (docs/adr/0125). The wait is inside
+        // the runs' clocks.
+        let [outbox, delivery] = specs;
+        handles.push(tokio::spawn(run_role(
+            manager.clone(),
+            delivery,
+            shutdown.clone(),
+        )));
+        let leads = Instant::now() + LEAD_WAIT;
+        while wakes[1].relay().offer().is_none() && Instant::now() < leads {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        handles.push(tokio::spawn(run_role(manager, outbox, shutdown.clone())));
         Ok(Loops {
             shutdown,
             handles,

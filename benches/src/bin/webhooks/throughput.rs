@@ -95,7 +95,7 @@ pub async fn run(
         .fetch_one(&mut su)
         .await?;
     let started = Instant::now();
-    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct))?;
+    let loops = Loops::start(&db, shape, &t.app_url(Leg::Direct)).await?;
     if !args.enqueue_outside_clock {
         // Like for like with a job queue whose insert is timed: the events are
         // enqueued inside the clock, while the roles run.

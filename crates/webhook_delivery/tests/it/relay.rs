@@ -470,3 +470,79 @@ async fn a_replayed_event_hands_over_no_pair_already_written() {
         .get("again");
     assert!(again, "the event was fanned out again");
 }
+
+/// A fan-out that finds the relay more than half full waits for the tick to
+/// take before it claims, then claims only the events whose deliveries fit
+/// in the room left: a burst is handed over whole, none of it inserted
+/// pending for the claim statement to read again (docs/adr/0125). Four rows
+/// of room and four waiting: the next fan-out of four events waits until the
+/// tick takes them, then hands all four over. Then two rows free: a fan-out
+/// of four events claims two and leaves two undispatched.
+///
+/// Mutation checks: a fan-out that does not wait finds no room and inserts
+/// the second four pending, and this test fails (scripts/mutation-check
+/// `relay_room_unwaited`); one whose claim is not bounded by the room claims
+/// all four of the last fan-out and inserts two pending
+/// (`relay_room_unbounded`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let lease = Duration::from_secs(30);
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            offered(&db, &relay, tick.fence.token(), lease, 4, 4).await;
+            assert_eq!(relay.relay().waiting(), 4, "the room, full");
+            let taker = relay.clone();
+            let taken = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                taker.relay().take(4).len()
+            });
+            events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
+            assert_eq!(taken.await.unwrap(), 4);
+            assert_eq!(relay.relay().waiting(), 4, "handed over once taken");
+            assert_eq!(relay.relay().take(2).len(), 2);
+            enqueued(&db, "tenant_a", 4).await;
+            let dispatcher = dispatcher(&db).with_hand_over(relay.clone());
+            let fanned = as_leader(
+                &manager(&db, "outbox"),
+                Role::WebhookOutbox,
+                |outbox| async move { dispatcher.dispatch_batch(&outbox.fence, 500).await.unwrap() },
+            )
+            .await;
+            assert_eq!(fanned, 2, "the events whose deliveries fit");
+            assert_eq!(relay.relay().waiting(), 4);
+        },
+    )
+    .await;
+    assert!(deliveries(&t.db).await.is_empty(), "none inserted pending");
+    assert_eq!(handoffs(&t.db).await, [(4, true), (4, true), (2, true)]);
+    let undispatched: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) AS n FROM webhook_events WHERE dispatched_at IS NULL",
+        ))
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(undispatched, 2, "left for a later fan-out");
+}
+
+/// Enqueue `n` events of `tenant`, not fanned out.
+async fn enqueued(db: &Db, tenant: &str, n: usize) {
+    let mut tx = db.begin().await.unwrap();
+    for i in 0..n {
+        webhook_outbox::enqueue(
+            &mut tx,
+            tenant,
+            "invoice.finalized",
+            &format!(r#"{{"n": {i}}}"#),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
