@@ -37,6 +37,22 @@ pub struct Offer {
     /// How many more bytes (as the sender counts them: the rows' payloads)
     /// may wait: rows alone do not bound the memory they hold.
     pub bytes: usize,
+    /// The receiver had room within the sender's wait
+    /// ([`Relay::offer_with_room`]): the sender claims only about what fits
+    /// and leaves the rest where it waits. Otherwise (a plain
+    /// [`Relay::offer`], or a wait that ran out) it claims as it would
+    /// without an offer and hands over what fits.
+    pub bounded: bool,
+}
+
+/// How full the relay is, as a sender waiting for room sees it.
+enum Room {
+    /// No receiver leads.
+    Unled,
+    /// The receiver leads open with more than half its rows or bytes waiting.
+    Filling,
+    /// The receiver leads, closed or with room.
+    Free,
 }
 
 /// Rows claimed for a role by another, waiting to be taken. Cheap to share
@@ -103,28 +119,37 @@ impl Relay {
             lease: lead.lease,
             room,
             bytes,
+            bounded: false,
         })
     }
 
-    /// [`Relay::offer`], once the receiver has taken enough: while it leads
-    /// open (a capacity above zero) with more than half its rows or bytes
-    /// waiting, wait until it takes or its lead changes, for up to `wait`,
-    /// then offer what room there is (`None` if none). Without a lead, or
-    /// with the relay closed, `None` at once.
+    /// [`Relay::offer`], once the receiver has room: while it leads open (a
+    /// capacity above zero) with more than half its rows or bytes waiting,
+    /// wait until no more than half are, for up to `wait`. A lead that ends
+    /// during the wait is waited out too (the receiver's next tick leads
+    /// again after its last one collected its attempts). An offer found
+    /// within the wait is [`Offer::bounded`]; after it, the offer is what
+    /// room there is (`None` if none), not bounded. Without a lead when the
+    /// wait begins, or with the relay closed, no wait.
     ///
-    /// A sender that claims only what the offer holds then leaves the rest
-    /// where it waited before it was claimed, instead of writing it for the
-    /// receiver's claim statement (docs/adr/0125).
+    /// A sender that claims only about what a bounded offer holds leaves the
+    /// rest where it waited before it was claimed, instead of writing it for
+    /// the receiver's claim statement (docs/adr/0125).
     pub async fn offer_with_room(&self, wait: Duration) -> Option<Offer> {
         let until = tokio::time::Instant::now() + wait;
+        let mut led = false;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             // Registered before the state is read: a take between the read
             // and the wait still wakes this sender.
             changed.as_mut().enable();
-            if !self.filling() {
-                return self.offer();
+            match self.room() {
+                Room::Filling => led = true,
+                Room::Unled if led => {}
+                Room::Free | Room::Unled => {
+                    return self.offer().map(|o| Offer { bounded: true, ..o });
+                }
             }
             if tokio::time::timeout_at(until, changed).await.is_err() {
                 return self.offer();
@@ -132,12 +157,17 @@ impl Relay {
         }
     }
 
-    /// The receiver leads open and more than half its room is taken.
-    fn filling(&self) -> bool {
+    fn room(&self) -> Room {
         let s = self.lock();
-        s.lead.is_some_and(|l| {
-            l.capacity > 0 && (s.rows.len() > l.capacity / 2 || s.bytes > l.bytes / 2)
-        })
+        match s.lead {
+            None => Room::Unled,
+            Some(l)
+                if l.capacity > 0 && (s.rows.len() > l.capacity / 2 || s.bytes > l.bytes / 2) =>
+            {
+                Room::Filling
+            }
+            Some(_) => Room::Free,
+        }
     }
 
     /// Rows a sender claimed at `at` (an instant taken before its statement
@@ -190,7 +220,8 @@ mod tests {
                 token: 7,
                 lease: Duration::from_secs(30),
                 room: 2,
-                bytes: 100
+                bytes: 100,
+                bounded: false
             })
         );
         relay.lead(7, Duration::from_secs(30), 2, 0);

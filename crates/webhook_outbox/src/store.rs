@@ -235,11 +235,14 @@ pub(crate) async fn claim_and_fan_out(
 ) -> Result<(Batch, Handed), Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
-    // With an offer, events are taken only while their deliveries fit in
-    // its room (the first event always): the rest stay undispatched for a
-    // later statement to hand over, instead of being inserted pending
-    // (docs/adr/0125).
-    let max_deliveries = offer.map_or(max_deliveries, |o| max_deliveries.min(o.room));
+    // With an offer found within the wait for room, events are taken only
+    // while the deliveries before them are under its room (the first event
+    // always): the rest stay undispatched for a later statement to hand
+    // over, instead of being inserted pending (docs/adr/0125).
+    let max_deliveries = match offer {
+        Some(o) if o.bounded => max_deliveries.min(o.room),
+        _ => max_deliveries,
+    };
     let max_deliveries = i64::try_from(max_deliveries).unwrap_or(i64::MAX);
     let mut walk = Walk::default();
     let mut batch = Batch::default();

@@ -254,9 +254,10 @@ impl FencedBatches for Fanout<'_> {
         Shape {
             batch_size: self.0.config.batch_size,
             budget: self.0.config.tick_budget,
-            // No batch starts that could wait for the relay past the budget.
+            // No batch starts that could wait for the relay past the budget;
+            // at most half of it is reserved, so a short budget still works.
             reserve: if self.0.hand_over.is_some() {
-                ROOM_WAIT
+                ROOM_WAIT.min(self.0.config.tick_budget / 2)
             } else {
                 Duration::ZERO
             },

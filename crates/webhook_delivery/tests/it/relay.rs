@@ -497,9 +497,11 @@ async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
         |tick| async move {
             offered(&db, &relay, tick.fence.token(), lease, 4, 4).await;
             assert_eq!(relay.relay().waiting(), 4, "the room, full");
-            let taker = relay.clone();
+            let (taker, seen) = (relay.clone(), db.clone());
             let taken = tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Once the fan-out has its events and waits for room.
+                until_undispatched(&seen, 4).await;
+                tokio::time::sleep(Duration::from_millis(150)).await;
                 taker.relay().take(4).len()
             });
             events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
@@ -531,6 +533,23 @@ async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
     assert_eq!(undispatched, 2, "left for a later fan-out");
 }
 
+/// Until `n` events wait for the fan-out.
+async fn until_undispatched(db: &Db, n: i64) {
+    loop {
+        let waiting: i64 = db
+            .fetch_one(sql(
+                "SELECT count(*) AS n FROM webhook_events WHERE dispatched_at IS NULL",
+            ))
+            .await
+            .unwrap()
+            .get("n");
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Enqueue `n` events of `tenant`, not fanned out.
 async fn enqueued(db: &Db, tenant: &str, n: usize) {
     let mut tx = db.begin().await.unwrap();
@@ -545,4 +564,64 @@ async fn enqueued(db: &Db, tenant: &str, n: usize) {
         .unwrap();
     }
     tx.commit().await.unwrap();
+}
+
+/// A lead that ends while the fan-out waits for room is waited out: the
+/// delivery role's next tick leads again, and the fan-out hands its events
+/// over to it (docs/adr/0125). A wait that runs out fans out as without
+/// the wait: the whole batch, what fits handed over, the rest pending.
+/// Three of four rows waiting (more than half): a tick's lead ends and a
+/// new one takes them; the fan-out of four events hands all four over.
+/// Then three waiting again and nobody takes: after the wait, a fan-out of
+/// four events hands one over and inserts three pending.
+///
+/// Mutation checks: a fan-out that stops waiting when the lead ends finds
+/// no offer and inserts the first four pending, and this test fails
+/// (scripts/mutation-check `relay_room_unled`); one that bounds its claim
+/// by the room after a wait that ran out claims one event and leaves three
+/// undispatched (`relay_room_bounded_late`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_waits_out_a_lead_that_ends_and_after_its_wait_fans_out_as_before() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (db, relay) = (t.db.clone(), wake.clone());
+    let lease = Duration::from_secs(30);
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let token = tick.fence.token();
+            offered(&db, &relay, token, lease, 4, 3).await;
+            assert_eq!(relay.relay().waiting(), 3, "more than half the room");
+            let (next, seen) = (relay.clone(), db.clone());
+            let ticks = tokio::spawn(async move {
+                // Once the fan-out has its events and waits for room.
+                until_undispatched(&seen, 4).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                next.relay().unlead(token);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                next.relay().lead(token, lease, 4, usize::MAX);
+                next.relay().take(3).len()
+            });
+            events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
+            assert_eq!(ticks.await.unwrap(), 3);
+            assert_eq!(relay.relay().waiting(), 4, "handed to the next lead");
+            assert_eq!(relay.relay().take(1).len(), 1);
+            enqueued(&db, "tenant_a", 4).await;
+            let dispatcher = dispatcher(&db).with_hand_over(relay.clone());
+            let fanned = as_leader(
+                &manager(&db, "outbox"),
+                Role::WebhookOutbox,
+                |outbox| async move { dispatcher.dispatch_batch(&outbox.fence, 500).await.unwrap() },
+            )
+            .await;
+            assert_eq!(fanned, 4, "the whole batch after the wait");
+            assert_eq!(relay.relay().waiting(), 4, "what fitted");
+        },
+    )
+    .await;
+    let pending: Vec<i32> = deliveries(&t.db).await.iter().map(|d| d.attempts).collect();
+    assert_eq!(pending, [0, 0, 0], "the rest of the batch, pending");
+    assert_eq!(handoffs(&t.db).await, [(3, true), (4, true), (1, true)]);
 }
