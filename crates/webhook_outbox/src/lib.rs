@@ -18,7 +18,10 @@
 //! to its room of those deliveries to it instead of inserting them: one
 //! `webhook_handoffs` row holds their pairs until the delivery role writes
 //! each with its first outcome, and each statement inserts pending the pairs
-//! of handoffs whose lease ended unwritten (docs/adr/0087, 0124).
+//! of handoffs whose lease ended unwritten (docs/adr/0087, 0124). A batch
+//! that finds that role's relay more than half full first waits for room (up
+//! to 500 ms) and then claims about what fits, leaving the rest undispatched
+//! (docs/adr/0125).
 //!
 //! Guarantees:
 //!

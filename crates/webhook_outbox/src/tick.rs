@@ -98,7 +98,11 @@ impl Dispatcher {
     /// room of deliveries to it, proving its token, through `delivery`'s
     /// [`scheduler::Relay`]: that role sends them without a claim statement
     /// (docs/adr/0087) and writes each once, with its first outcome; a
-    /// `webhook_handoffs` row stands for them until then (docs/adr/0124).
+    /// `webhook_handoffs` row stands for them until then (docs/adr/0124). A
+    /// batch that finds that relay more than half full waits for room, up to
+    /// 500 ms, before its statement, and then claims about what fits
+    /// (docs/adr/0125); the tick reserves that wait of its budget (at most
+    /// half of it).
     #[must_use]
     pub fn with_hand_over(mut self, delivery: Wake) -> Dispatcher {
         self.hand_over = Some(delivery);
