@@ -20,6 +20,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use db::PgRow;
@@ -63,6 +64,17 @@ pub struct Relay {
     /// Told when rows are taken or the lead changes: a sender waiting for
     /// room looks again.
     changed: Notify,
+    /// Senders waiting for room now.
+    senders: AtomicUsize,
+}
+
+/// One sender counted in [`Relay::senders_waiting`] until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -138,6 +150,7 @@ impl Relay {
     pub async fn offer_with_room(&self, wait: Duration) -> Option<Offer> {
         let until = tokio::time::Instant::now() + wait;
         let mut led = false;
+        let mut waiting = None;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -151,10 +164,19 @@ impl Relay {
                     return self.offer().map(|o| Offer { bounded: true, ..o });
                 }
             }
+            if waiting.is_none() {
+                self.senders.fetch_add(1, Relaxed);
+                waiting = Some(Waiting(&self.senders));
+            }
             if tokio::time::timeout_at(until, changed).await.is_err() {
                 return self.offer();
             }
         }
+    }
+
+    /// How many senders wait for room ([`Relay::offer_with_room`]) now.
+    pub fn senders_waiting(&self) -> usize {
+        self.senders.load(Relaxed)
     }
 
     fn room(&self) -> Room {

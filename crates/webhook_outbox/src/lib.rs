@@ -20,8 +20,9 @@
 //! each with its first outcome, and each statement inserts pending the pairs
 //! of handoffs whose lease ended unwritten (docs/adr/0087, 0124). A batch
 //! that finds that role's relay more than half full first waits for room (up
-//! to 500 ms) and then claims about what fits, leaving the rest undispatched
-//! (docs/adr/0125).
+//! to 500 ms); with room found within the wait it claims about what fits,
+//! leaving the rest undispatched, and after a wait that ran out it fans out
+//! as before (docs/adr/0125).
 //!
 //! Guarantees:
 //!

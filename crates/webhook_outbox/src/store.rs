@@ -208,8 +208,7 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// inserts nothing; rows another transaction holds are skipped, not waited for.
 ///
 /// With an `offer` from the delivery role of this process (docs/adr/0087),
-/// events are taken only while their deliveries fit in `offer.room` (as
-/// `max_deliveries` bounds them; docs/adr/0125), and the first `offer.room` deliveries (by event and endpoint) whose payloads
+/// the first `offer.room` deliveries (by event and endpoint) whose payloads
 /// fit in `offer.bytes` together (docs/adr/0098) are handed to it unwritten
 /// (docs/adr/0124) when the statement also proves that role's token
 /// (`leader_fence('webhook_delivery', $8)`; a stale one hands none): the
@@ -218,6 +217,11 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// attempt needs, in the columns the delivery role's claim returns (`id` 0,
 /// attempt 1), each with its handoff's id and number of pairs. The delivery
 /// role writes each delivery once, with its first outcome.
+///
+/// A [`Offer::bounded`] offer (room found within the fan-out's wait) also
+/// bounds the claim: events are taken only while the deliveries before them
+/// are under `offer.room`, as `max_deliveries` bounds them, and the rest
+/// stay undispatched (docs/adr/0125).
 ///
 /// Each statement also takes the handoffs whose lease has ended (their
 /// process died before writing every pair, or wrote some and failed) and

@@ -100,9 +100,9 @@ impl Dispatcher {
     /// (docs/adr/0087) and writes each once, with its first outcome; a
     /// `webhook_handoffs` row stands for them until then (docs/adr/0124). A
     /// batch that finds that relay more than half full waits for room, up to
-    /// 500 ms, before its statement, and then claims about what fits
-    /// (docs/adr/0125); the tick reserves that wait of its budget (at most
-    /// half of it).
+    /// 500 ms (at most half the tick budget, which the tick reserves), before
+    /// its statement; with room found within the wait it claims about what
+    /// fits (docs/adr/0125).
     #[must_use]
     pub fn with_hand_over(mut self, delivery: Wake) -> Dispatcher {
         self.hand_over = Some(delivery);
@@ -184,13 +184,20 @@ impl Dispatcher {
         Ok(self.batch(fence, limit).await?.events)
     }
 
+    /// How long a batch waits for room in the relay: [`ROOM_WAIT`], at most
+    /// half the tick budget (a short budget still dispatches).
+    fn room_wait(&self) -> Duration {
+        ROOM_WAIT.min(self.config.tick_budget / 2)
+    }
+
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
-        // A relay more than half full is waited on: what this statement
-        // claims for it, it then claims only up to the room, and leaves
+        // A relay more than half full is waited on: with room found within
+        // the wait, this statement claims only about what fits and leaves
         // the rest of the outbox undispatched rather than inserting it
-        // pending behind the handed rows (docs/adr/0125).
+        // pending behind the handed rows; after a wait that ran out, it
+        // fans out as before (docs/adr/0125).
         let offer = match self.hand_over.as_ref() {
-            Some(w) => w.relay().offer_with_room(ROOM_WAIT).await,
+            Some(w) => w.relay().offer_with_room(self.room_wait()).await,
             None => None,
         };
         let (batch, handed) = store::claim_and_fan_out(
@@ -261,7 +268,7 @@ impl FencedBatches for Fanout<'_> {
             // No batch starts that could wait for the relay past the budget;
             // at most half of it is reserved, so a short budget still works.
             reserve: if self.0.hand_over.is_some() {
-                ROOM_WAIT.min(self.0.config.tick_budget / 2)
+                self.0.room_wait()
             } else {
                 Duration::ZERO
             },

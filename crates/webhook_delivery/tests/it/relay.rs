@@ -490,36 +490,24 @@ async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
     endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let (db, relay) = (t.db.clone(), wake.clone());
-    let lease = Duration::from_secs(30);
-    as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            offered(&db, &relay, tick.fence.token(), lease, 4, 4).await;
-            assert_eq!(relay.relay().waiting(), 4, "the room, full");
-            let (taker, seen) = (relay.clone(), db.clone());
-            let taken = tokio::spawn(async move {
-                // Once the fan-out has its events and waits for room.
-                until_undispatched(&seen, 4).await;
-                tokio::time::sleep(Duration::from_millis(150)).await;
-                taker.relay().take(4).len()
-            });
-            events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
-            assert_eq!(taken.await.unwrap(), 4);
-            assert_eq!(relay.relay().waiting(), 4, "handed over once taken");
-            assert_eq!(relay.relay().take(2).len(), 2);
-            enqueued(&db, "tenant_a", 4).await;
-            let dispatcher = dispatcher(&db).with_hand_over(relay.clone());
-            let fanned = as_leader(
-                &manager(&db, "outbox"),
-                Role::WebhookOutbox,
-                |outbox| async move { dispatcher.dispatch_batch(&outbox.fence, 500).await.unwrap() },
-            )
-            .await;
-            assert_eq!(fanned, 2, "the events whose deliveries fit");
-            assert_eq!(relay.relay().waiting(), 4);
-        },
-    )
+    leading_offered(&t.db, &wake, (LEASE, 4, 4), |_| async move {
+        assert_eq!(relay.relay().waiting(), 4, "the room, full");
+        let taker = relay.clone();
+        let taken = tokio::spawn(async move {
+            until_a_sender_waits(&taker).await;
+            taker.relay().take(4).len()
+        });
+        events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
+        assert_eq!(taken.await.unwrap(), 4);
+        assert_eq!(relay.relay().waiting(), 4, "handed over once taken");
+        assert_eq!(relay.relay().take(2).len(), 2);
+        assert_eq!(
+            one_fan_out(&db, &relay, 4).await,
+            2,
+            "the events whose deliveries fit"
+        );
+        assert_eq!(relay.relay().waiting(), 4);
+    })
     .await;
     assert!(deliveries(&t.db).await.is_empty(), "none inserted pending");
     assert_eq!(handoffs(&t.db).await, [(4, true), (4, true), (2, true)]);
@@ -531,39 +519,6 @@ async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
         .unwrap()
         .get("n");
     assert_eq!(undispatched, 2, "left for a later fan-out");
-}
-
-/// Until `n` events wait for the fan-out.
-async fn until_undispatched(db: &Db, n: i64) {
-    loop {
-        let waiting: i64 = db
-            .fetch_one(sql(
-                "SELECT count(*) AS n FROM webhook_events WHERE dispatched_at IS NULL",
-            ))
-            .await
-            .unwrap()
-            .get("n");
-        if waiting >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Enqueue `n` events of `tenant`, not fanned out.
-async fn enqueued(db: &Db, tenant: &str, n: usize) {
-    let mut tx = db.begin().await.unwrap();
-    for i in 0..n {
-        webhook_outbox::enqueue(
-            &mut tx,
-            tenant,
-            "invoice.finalized",
-            &format!(r#"{{"n": {i}}}"#),
-        )
-        .await
-        .unwrap();
-    }
-    tx.commit().await.unwrap();
 }
 
 /// A lead that ends while the fan-out waits for room is waited out: the
@@ -586,42 +541,67 @@ async fn a_fan_out_waits_out_a_lead_that_ends_and_after_its_wait_fans_out_as_bef
     endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let (db, relay) = (t.db.clone(), wake.clone());
-    let lease = Duration::from_secs(30);
-    as_leader(
-        &manager(&t.db, "w"),
-        Role::WebhookDelivery,
-        |tick| async move {
-            let token = tick.fence.token();
-            offered(&db, &relay, token, lease, 4, 3).await;
-            assert_eq!(relay.relay().waiting(), 3, "more than half the room");
-            let (next, seen) = (relay.clone(), db.clone());
-            let ticks = tokio::spawn(async move {
-                // Once the fan-out has its events and waits for room.
-                until_undispatched(&seen, 4).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                next.relay().unlead(token);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                next.relay().lead(token, lease, 4, usize::MAX);
-                next.relay().take(3).len()
-            });
-            events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
-            assert_eq!(ticks.await.unwrap(), 3);
-            assert_eq!(relay.relay().waiting(), 4, "handed to the next lead");
-            assert_eq!(relay.relay().take(1).len(), 1);
-            enqueued(&db, "tenant_a", 4).await;
-            let dispatcher = dispatcher(&db).with_hand_over(relay.clone());
-            let fanned = as_leader(
-                &manager(&db, "outbox"),
-                Role::WebhookOutbox,
-                |outbox| async move { dispatcher.dispatch_batch(&outbox.fence, 500).await.unwrap() },
-            )
-            .await;
-            assert_eq!(fanned, 4, "the whole batch after the wait");
-            assert_eq!(relay.relay().waiting(), 4, "what fitted");
-        },
-    )
+    leading_offered(&t.db, &wake, (LEASE, 4, 3), |tick| async move {
+        assert_eq!(relay.relay().waiting(), 3, "more than half the room");
+        let token = tick.fence.token();
+        let next = relay.clone();
+        let ticks = tokio::spawn(async move {
+            until_a_sender_waits(&next).await;
+            next.relay().unlead(token);
+            // Long enough for the waiting sender to see no lead.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            next.relay().lead(token, LEASE, 4, usize::MAX);
+            next.relay().take(3).len()
+        });
+        events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
+        assert_eq!(ticks.await.unwrap(), 3);
+        assert_eq!(relay.relay().waiting(), 4, "handed to the next lead");
+        assert_eq!(relay.relay().take(1).len(), 1);
+        assert_eq!(
+            one_fan_out(&db, &relay, 4).await,
+            4,
+            "the whole batch after the wait"
+        );
+        assert_eq!(relay.relay().waiting(), 4, "what fitted");
+    })
     .await;
     let pending: Vec<i32> = deliveries(&t.db).await.iter().map(|d| d.attempts).collect();
     assert_eq!(pending, [0, 0, 0], "the rest of the batch, pending");
     assert_eq!(handoffs(&t.db).await, [(3, true), (4, true), (1, true)]);
+}
+
+/// The claim lease the relay tests offer.
+const LEASE: Duration = Duration::from_secs(30);
+
+/// Until a fan-out waits for room in `wake`'s relay, or 5 s have passed (a
+/// fan-out that does not wait fails its test's assertions instead).
+async fn until_a_sender_waits(wake: &Wake) {
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while wake.relay().senders_waiting() == 0 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Enqueue `n` events of tenant_a and run one fan-out batch as the outbox's
+/// leader, handing over to `wake`'s relay; the events it claimed.
+async fn one_fan_out(db: &Db, wake: &Wake, n: usize) -> usize {
+    let mut tx = db.begin().await.unwrap();
+    for i in 0..n {
+        webhook_outbox::enqueue(
+            &mut tx,
+            "tenant_a",
+            "invoice.finalized",
+            &format!(r#"{{"n": {i}}}"#),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let dispatcher = dispatcher(db).with_hand_over(wake.clone());
+    as_leader(
+        &manager(db, "outbox"),
+        Role::WebhookOutbox,
+        |outbox| async move { dispatcher.dispatch_batch(&outbox.fence, 500).await.unwrap() },
+    )
+    .await
 }
