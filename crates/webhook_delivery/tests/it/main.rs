@@ -119,13 +119,9 @@ pub async fn events_handed_over(
     payloads_handed_over(db, tenant, &payloads, hand_over).await
 }
 
-/// [`events_handed_over`] with these payloads, one event each.
-pub async fn payloads_handed_over(
-    db: &Db,
-    tenant: &str,
-    payloads: &[String],
-    hand_over: Option<&Wake>,
-) -> Vec<i64> {
+/// Enqueue these payloads of `tenant`, one event each, in one transaction,
+/// not fanned out; their events' ids.
+pub async fn enqueue_payloads(db: &Db, tenant: &str, payloads: &[String]) -> Vec<i64> {
     let mut tx = db.begin().await.unwrap();
     let mut ids = Vec::new();
     for payload in payloads {
@@ -136,6 +132,17 @@ pub async fn payloads_handed_over(
         );
     }
     tx.commit().await.unwrap();
+    ids
+}
+
+/// [`events_handed_over`] with these payloads, one event each.
+pub async fn payloads_handed_over(
+    db: &Db,
+    tenant: &str,
+    payloads: &[String],
+    hand_over: Option<&Wake>,
+) -> Vec<i64> {
+    let ids = enqueue_payloads(db, tenant, payloads).await;
     let mut dispatcher =
         Dispatcher::new(db.clone(), DispatcherConfig::default(), Telemetry::noop()).unwrap();
     if let Some(wake) = hand_over {

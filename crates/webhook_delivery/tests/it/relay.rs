@@ -16,8 +16,8 @@ use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::WorkerConfig;
 
 use crate::{
-    as_leader, config, deliveries, endpoint, events, events_handed_over, led_role, manager,
-    payloads_handed_over, tick, worker,
+    as_leader, config, deliveries, endpoint, enqueue_payloads, events, events_handed_over,
+    led_role, manager, payloads_handed_over, tick, worker,
 };
 
 /// Offer `wake`'s relay to the fan-out as a delivery tick leading under
@@ -585,18 +585,8 @@ async fn until_a_sender_waits(wake: &Wake) {
 /// Enqueue `n` events of tenant_a and run one fan-out batch as the outbox's
 /// leader, handing over to `wake`'s relay; the events it claimed.
 async fn one_fan_out(db: &Db, wake: &Wake, n: usize) -> usize {
-    let mut tx = db.begin().await.unwrap();
-    for i in 0..n {
-        webhook_outbox::enqueue(
-            &mut tx,
-            "tenant_a",
-            "invoice.finalized",
-            &format!(r#"{{"n": {i}}}"#),
-        )
-        .await
-        .unwrap();
-    }
-    tx.commit().await.unwrap();
+    let payloads: Vec<String> = (0..n).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    enqueue_payloads(db, "tenant_a", &payloads).await;
     let dispatcher = dispatcher(db).with_hand_over(wake.clone());
     as_leader(
         &manager(db, "outbox"),
