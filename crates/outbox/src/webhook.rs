@@ -8,11 +8,26 @@ mod store;
 /// `ClaimedRow::from_row`), in a statement that names the delivery, its
 /// event and its endpoint `$d`, `$e` and `$ep`. The delivery role's claim
 /// and the fan-out's deliveries claimed for that role (docs/adr/0087) both
-/// select them, so the two cannot drift apart.
+/// select them, so the two cannot drift apart. With `carried $e`, the
+/// event's columns are read from `$e` as [`webhook_event_columns!`] already
+/// made them (the fan-out makes them once per event, not once per delivery;
+/// docs/adr/0126).
 #[macro_export]
 #[rustfmt::skip]
 macro_rules! webhook_claimed_columns {
+    ($d:literal, carried $e:literal, $ep:literal) => {
+        concat!(
+            $crate::webhook_claimed_columns!(@delivery $d, $ep), ", ",
+            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload, ", $e, ".event_time"
+        )
+    };
     ($d:literal, $e:literal, $ep:literal) => {
+        concat!(
+            $crate::webhook_claimed_columns!(@delivery $d, $ep), ", ",
+            $e, ".event_type, ", $crate::webhook_event_columns!($e)
+        )
+    };
+    (@delivery $d:literal, $ep:literal) => {
         concat!(
             $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
             $d, ".attempts, ", $d, ".resent_at_attempt, ",
@@ -21,8 +36,30 @@ macro_rules! webhook_claimed_columns {
             "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
             $ep, ".previous_secret_ciphertext END AS previous_secret_ciphertext, ",
             "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
-            $ep, ".previous_secret_key_id END AS previous_secret_key_id, ",
-            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
+            $ep, ".previous_secret_key_id END AS previous_secret_key_id"
+        )
+    };
+}
+
+/// The event's columns of [`webhook_claimed_columns!`] but its type, as
+/// they are made from `webhook_events` named `$e`: `message_id`, `payload`
+/// (its JSON text) and `event_time`. With `when $c`, `payload` and
+/// `event_time` are made only where the SQL condition `$c` holds (NULL
+/// elsewhere).
+#[macro_export]
+#[rustfmt::skip]
+macro_rules! webhook_event_columns {
+    ($e:literal, when $c:literal) => {
+        concat!(
+            $e, ".message_id, ",
+            "CASE WHEN ", $c, " THEN ", $e, ".payload::text END AS payload, ",
+            "CASE WHEN ", $c, " THEN to_char(", $e, ".created_at AT TIME ZONE 'UTC', ",
+            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END AS event_time"
+        )
+    };
+    ($e:literal) => {
+        concat!(
+            $e, ".message_id, ", $e, ".payload::text AS payload, ",
             "to_char(", $e, ".created_at AT TIME ZONE 'UTC', ",
             "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time"
         )

@@ -195,7 +195,8 @@ mod unwritten;
 #[doc(hidden)]
 pub mod statements {
     pub use crate::store::{
-        APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, INSERT_OUTCOMES, PRUNE_FINISHED,
+        APPLY_OUTCOMES, CLAIM_DUE, DISABLE_FAILING, INSERT_OUTCOMES, INSERT_OUTCOMES_TOLERANT,
+        PRUNE_FINISHED,
     };
 }
 mod verdict;

@@ -108,8 +108,9 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
-           RETURNING e.id, e.tenant_id, e.event_type, \
-                     CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes, \
+           RETURNING e.id, e.tenant_id, e.event_type, ",
+    outbox::webhook_event_columns!("e", when "$8::int8 IS NOT NULL"),
+    ", \
                      $8::int8 IS NOT NULL \
                        AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
                                        WHERE d.event_id = e.id OFFSET 0) AS first), \
@@ -117,8 +118,10 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT $8::int8 IS NOT NULL AND leader_fence('webhook_delivery', $8) AS leads), \
          pairs AS MATERIALIZED ( \
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
+                  s.event_type, s.message_id, s.payload, s.event_time, \
                   r.leads AND s.first \
-                  AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
+                  AND row_number() OVER w <= $10 \
+                  AND sum(octet_length(s.payload)) OVER w <= $11 AS handed \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \
@@ -160,13 +163,13 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          handed AS ( \
            SELECT h.id AS handoff, h.pairs AS handoff_pairs, \
                   extract(epoch FROM now())::float8 AS handed_at, ",
-    outbox::webhook_claimed_columns!("p", "ev", "ep"),
+    outbox::webhook_claimed_columns!("p", carried "p", "ep"),
     " \
            FROM handoff h \
            CROSS JOIN (SELECT 0::int8 AS id, tenant_id, event_id, endpoint_id, \
-                              1 AS attempts, 0 AS resent_at_attempt \
+                              1 AS attempts, 0 AS resent_at_attempt, \
+                              event_type, message_id, payload, event_time \
                        FROM pairs WHERE handed) p \
-           JOIN webhook_events ev ON ev.id = p.event_id \
            JOIN webhook_endpoints ep ON ep.id = p.endpoint_id), \
          wake AS (SELECT pg_notify($4, '') \
                   WHERE EXISTS (SELECT 1 FROM ins) OR EXISTS (SELECT 1 FROM handoff)) \

@@ -34,5 +34,5 @@ pub(crate) use outcomes::{
 };
 pub use prune::PRUNE_FINISHED;
 pub(crate) use prune::prune_finished;
-pub use unwritten::INSERT_OUTCOMES;
+pub use unwritten::{INSERT_OUTCOMES, INSERT_OUTCOMES_TOLERANT};
 pub(crate) use unwritten::{NewRow, Pair, delete_handoffs};

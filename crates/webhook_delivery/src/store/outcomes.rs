@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use db::{Db, Row, Tx, sql};
 
-use super::unwritten::{NewRow, disable_gone, insert_outcomes};
+use super::unwritten::{NewRow, disable_gone, insert_outcomes, pair_written};
 
 /// The state an attempt leaves its delivery in.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,6 +49,10 @@ pub(crate) struct OutcomeRow {
 /// only if its pair is not written yet. Returns the `(id, attempt)` pairs
 /// that were applied (`new` by their keys); a row not among them is stale
 /// and nothing was written for it. On an error nothing was written.
+///
+/// `new` is inserted with no conflict check first; when one of its pairs is
+/// already written, that transaction fails and the whole group is written
+/// again in a new one that skips such pairs (docs/adr/0126).
 pub(crate) async fn record_outcomes(
     db: &Db,
     rows: &[OutcomeRow],
@@ -58,20 +62,38 @@ pub(crate) async fn record_outcomes(
     if rows.is_empty() && new.is_empty() {
         return Ok(HashSet::new());
     }
+    match write_outcomes(db, rows, new, false, statement_timeout).await {
+        Err(e) if pair_written(&e) => write_outcomes(db, rows, new, true, statement_timeout).await,
+        written => written,
+    }
+}
+
+/// [`record_outcomes`] in one transaction, `new` inserted `tolerant` or not.
+async fn write_outcomes(
+    db: &Db,
+    rows: &[OutcomeRow],
+    new: &[NewRow],
+    tolerant: bool,
+    statement_timeout: Duration,
+) -> Result<HashSet<(i64, i32)>, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let mut applied = if rows.is_empty() {
         HashSet::new()
     } else {
         apply_outcomes(&mut tx, rows).await?
     };
-    applied.extend(inserted(&mut tx, new).await?);
+    applied.extend(inserted(&mut tx, new, tolerant).await?);
     tx.commit().await?;
     Ok(applied)
 }
 
 /// Insert `new` in `tx`; the `(key, attempt)` pairs inserted.
-async fn inserted(tx: &mut Tx, new: &[NewRow]) -> Result<Vec<(i64, i32)>, db::Error> {
-    let keys = insert_outcomes(tx, new).await?;
+async fn inserted(
+    tx: &mut Tx,
+    new: &[NewRow],
+    tolerant: bool,
+) -> Result<Vec<(i64, i32)>, db::Error> {
+    let keys = insert_outcomes(tx, new, tolerant).await?;
     Ok(new
         .iter()
         .filter(|r| keys.contains(&r.key))
@@ -93,7 +115,8 @@ pub(crate) struct Gone {
 /// disables the endpoint in the same transaction, only when the outcome was
 /// applied and the endpoint still has the URL that answered: a tenant that
 /// moved it meanwhile to a new address keeps it on (docs/adr/0112). Returns
-/// false for a stale attempt: nothing was written.
+/// false for a stale attempt: nothing was written. `new` is inserted as
+/// [`record_outcomes`] inserts it.
 pub(crate) async fn record_outcome(
     db: &Db,
     row: &OutcomeRow,
@@ -101,9 +124,35 @@ pub(crate) async fn record_outcome(
     disable_endpoint: Option<Gone>,
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
+    match write_outcome(
+        db,
+        row,
+        new,
+        disable_endpoint.clone(),
+        false,
+        statement_timeout,
+    )
+    .await
+    {
+        Err(e) if pair_written(&e) => {
+            write_outcome(db, row, new, disable_endpoint, true, statement_timeout).await
+        }
+        written => written,
+    }
+}
+
+/// [`record_outcome`] in one transaction, `new` inserted `tolerant` or not.
+async fn write_outcome(
+    db: &Db,
+    row: &OutcomeRow,
+    new: Option<&NewRow>,
+    disable_endpoint: Option<Gone>,
+    tolerant: bool,
+    statement_timeout: Duration,
+) -> Result<bool, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let applied = match new {
-        Some(new) => !inserted(&mut tx, std::slice::from_ref(new))
+        Some(new) => !inserted(&mut tx, std::slice::from_ref(new), tolerant)
             .await?
             .is_empty(),
         None => apply_outcomes(&mut tx, std::slice::from_ref(row))
@@ -312,7 +361,9 @@ pub(crate) async fn release_unsent(
 /// happen only while an endpoint or tenant is saturated. A hold that says why
 /// (an endpoint whose secret cannot be opened) writes it as `last_error`.
 /// Deliveries handed over unwritten (`new`, at attempt 0) are inserted in
-/// the same transaction, pending until their wait ends.
+/// the same transaction, pending until their wait ends, skipping a pair
+/// already written (rare enough on this path not to try a plain insert
+/// first).
 pub(crate) async fn hold_unsent(
     db: &Db,
     held: &[HoldRow],
@@ -324,7 +375,7 @@ pub(crate) async fn hold_unsent(
             return Ok(0);
         }
         let mut tx = db.begin_index_driven(statement_timeout).await?;
-        let n = inserted(&mut tx, new).await?.len();
+        let n = inserted(&mut tx, new, true).await?.len();
         tx.commit().await?;
         return Ok(n as u64);
     }
@@ -351,7 +402,7 @@ pub(crate) async fn hold_unsent(
             .bind(why),
         )
         .await?;
-    let n = n + inserted(&mut tx, new).await?.len() as u64;
+    let n = n + inserted(&mut tx, new, true).await?.len() as u64;
     tx.commit().await?;
     Ok(n)
 }

@@ -38,14 +38,14 @@ pub(crate) struct NewRow {
     pub observed: Observed,
 }
 
-/// The statement of [`insert_outcomes`]; `pub` only for the plan tests
-/// (`tests/it/plans.rs`). Each row is inserted once: a pair already in
-/// `webhook_deliveries` (the fan-out inserted it pending after the handoff's
-/// lease ended) is left as it is and its outcome is stale, as an outcome
-/// whose compare-and-set found a later claim. An attempted row that did not
-/// deliver writes its attempt's history, and the endpoints' `failing_since`
-/// is kept as `APPLY_OUTCOMES` keeps it.
-pub const INSERT_OUTCOMES: &str = concat!(
+/// The statement of [`insert_outcomes`], with its `ON CONFLICT` clause
+/// (`$conflict`): [`INSERT_OUTCOMES`] has none, [`INSERT_OUTCOMES_TOLERANT`]
+/// skips a pair already written. An attempted row that did not deliver
+/// writes its attempt's history, and the endpoints' `failing_since` is kept
+/// as `APPLY_OUTCOMES` keeps it.
+macro_rules! insert_outcomes_sql {
+    ($conflict:literal) => {
+        concat!(
     "WITH o AS MATERIALIZED ( \
          SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::int4[], $5::text[], \
                               $6::float8[], $7::int4[], $8::text[], $9::int4[], $10::text[], \
@@ -63,9 +63,9 @@ pub const INSERT_OUTCOMES: &str = concat!(
                 CASE WHEN o.next_state = 'delivered' THEN now() END, \
                 o.status_code, o.error, o.latency_ms \
          FROM o \
-         ORDER BY o.event_id, o.endpoint_id \
-         ON CONFLICT (event_id, endpoint_id) DO NOTHING \
-         RETURNING id, tenant_id, event_id, endpoint_id, attempts, status, last_attempt_at), \
+         ORDER BY o.event_id, o.endpoint_id ",
+    $conflict,
+    "    RETURNING id, tenant_id, event_id, endpoint_id, attempts, status, last_attempt_at), \
        history AS ( \
          INSERT INTO webhook_delivery_attempts \
              (tenant_id, delivery_id, attempt, attempted_at, status_code, latency_ms, \
@@ -80,11 +80,48 @@ pub const INSERT_OUTCOMES: &str = concat!(
 ",
     endpoint_health!(),
     "       SELECT event_id, endpoint_id FROM applied"
+        )
+    };
+}
+
+/// Each row inserted once, with no conflict clause; `pub` only for the plan
+/// tests (`tests/it/plans.rs`). A pair is almost never written already (the
+/// fan-out inserts a handed pair only after its handoff's lease ended), and
+/// a plain insert costs Postgres less per row than one that first checks
+/// for a conflict (docs/adr/0126): when one is there, the statement fails on
+/// `webhook_deliveries_event_endpoint_key` and [`insert_outcomes`]'s caller
+/// writes the group again with [`INSERT_OUTCOMES_TOLERANT`].
+pub const INSERT_OUTCOMES: &str = insert_outcomes_sql!("");
+
+/// [`INSERT_OUTCOMES`] that leaves a pair already in `webhook_deliveries`
+/// (the fan-out inserted it pending after the handoff's lease ended, or a
+/// replayed event's pair handed over twice) as it is: its outcome is stale,
+/// as an outcome whose compare-and-set found a later claim.
+pub const INSERT_OUTCOMES_TOLERANT: &str = insert_outcomes_sql!(
+    "\
+         ON CONFLICT (event_id, endpoint_id) DO NOTHING \
+     "
 );
 
-/// Insert `rows` ([`INSERT_OUTCOMES`]) in `tx`; returns the keys of the rows
-/// inserted. A row not among them was stale: its pair was already written.
-pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<i64>, db::Error> {
+/// The key a plain [`INSERT_OUTCOMES`] fails on when a pair is already
+/// written.
+const PAIR_KEY: &str = "webhook_deliveries_event_endpoint_key";
+
+/// Whether `e` is [`INSERT_OUTCOMES`] finding a pair already written: the
+/// group is to be written again with [`INSERT_OUTCOMES_TOLERANT`].
+pub(crate) fn pair_written(e: &db::Error) -> bool {
+    e.code().as_deref() == Some("23505") && e.constraint() == Some(PAIR_KEY)
+}
+
+/// Insert `rows` in `tx`; returns the keys of the rows inserted. With
+/// `tolerant` ([`INSERT_OUTCOMES_TOLERANT`]) a row not among them was stale:
+/// its pair was already written. Without it ([`INSERT_OUTCOMES`]) such a row
+/// fails the statement ([`pair_written`]), and the transaction with it.
+pub(crate) async fn insert_outcomes(
+    tx: &mut Tx,
+    rows: &[NewRow],
+    tolerant: bool,
+) -> Result<Vec<i64>, db::Error> {
     if rows.is_empty() {
         return Ok(Vec::new());
     }
@@ -107,18 +144,22 @@ pub(crate) async fn insert_outcomes(tx: &mut Tx, rows: &[NewRow]) -> Result<Vec<
     }
     let applied = tx
         .fetch_all(
-            sql(INSERT_OUTCOMES)
-                .bind(tenants)
-                .bind(events)
-                .bind(endpoints)
-                .bind(attempts)
-                .bind(c.states)
-                .bind(c.retry_secs)
-                .bind(c.codes)
-                .bind(c.errors)
-                .bind(c.latencies)
-                .bind(c.snippets)
-                .bind(handed_at),
+            sql(if tolerant {
+                INSERT_OUTCOMES_TOLERANT
+            } else {
+                INSERT_OUTCOMES
+            })
+            .bind(tenants)
+            .bind(events)
+            .bind(endpoints)
+            .bind(attempts)
+            .bind(c.states)
+            .bind(c.retry_secs)
+            .bind(c.codes)
+            .bind(c.errors)
+            .bind(c.latencies)
+            .bind(c.snippets)
+            .bind(handed_at),
         )
         .await?;
     applied

@@ -299,6 +299,93 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     assert_eq!(handoffs(&t.db).await, []);
 }
 
+/// A handed delivery whose pair the fan-out wrote meanwhile (as after its
+/// handoff's lease) is sent, and its outcome is stale: the pair is left as
+/// the fan-out wrote it. The rest of its group is written. The group's
+/// plain insert fails on the pair's key and the group is written again with
+/// the insert that skips it (docs/adr/0126).
+///
+/// Mutation check: without that second write the group's outcomes are not
+/// written, the two others are handed back or left to their lease, and
+/// this test fails (scripts/mutation-check `unwritten_conflict_retried`).
+#[tokio::test]
+async fn an_outcome_whose_pair_was_written_meanwhile_is_stale_and_its_group_is_written() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let offer = (Duration::from_secs(30), 10, 3);
+    let (relay, db) = (&wake, &t.db);
+    let report = leading_offered(&t.db, &wake, offer, |tick| async move {
+        assert_eq!(relay.relay().waiting(), 3);
+        db.execute(sql("INSERT INTO webhook_deliveries \
+                 (tenant_id, event_id, endpoint_id, attempts, next_attempt_at) \
+             SELECT tenant_ids[3], event_ids[3], endpoint_ids[3], 1, now() + interval '1 hour' \
+             FROM webhook_handoffs"))
+            .await
+            .unwrap();
+        w.run_tick(&tick).await
+    })
+    .await;
+    assert_eq!(rx.count(), 3, "each handed delivery sent");
+    let counts = (report.delivered, report.stale, report.unrecorded);
+    assert_eq!(counts, (2, 1, 0), "{report:?}");
+    let d: Vec<(i32, bool)> = deliveries(&t.db)
+        .await
+        .iter()
+        .map(|d| (d.attempts, d.delivered))
+        .collect();
+    assert_eq!(d, [(1, false), (1, true), (1, true)]);
+    assert_eq!(handoffs(&t.db).await, []);
+}
+
+/// A delivery handed over sends its event as one claimed from the table
+/// does: the fan-out makes the event's columns once, in its stamp, and each
+/// handed delivery of the event carries them (docs/adr/0126). One event for
+/// two endpoints, room for one: the first endpoint's delivery is handed
+/// over, the second's is inserted pending and claimed by the tick's claim
+/// statement; both requests carry the same `webhook-id` and body (type,
+/// event time and payload), and the body is the event's.
+///
+/// Mutation check: the carried event time made in another format (seconds
+/// only) changes the handed request's body and this test fails
+/// (scripts/mutation-check `carried_event_time`).
+#[tokio::test]
+async fn a_handed_delivery_sends_its_event_as_a_claimed_one_does() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/a")).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let offer = (Duration::from_secs(30), 1, 1);
+    let relay = &wake;
+    let report = leading_offered(&t.db, &wake, offer, |tick| async move {
+        assert_eq!(relay.relay().waiting(), 1, "one handed over");
+        w.run_tick(&tick).await
+    })
+    .await;
+    assert_eq!(report.delivered, 2, "{report:?}");
+    let mut requests = rx.requests();
+    requests.sort_by(|a, b| a.path.cmp(&b.path));
+    let [a, b] = &requests[..] else {
+        panic!("{requests:?}")
+    };
+    assert_eq!(a.header("webhook-id"), b.header("webhook-id"));
+    assert_eq!(
+        a.body, b.body,
+        "the handed request's body is the claimed one's"
+    );
+    let body: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(body["data"]["invoice"], "in_0", "{body}");
+    assert_eq!(body["type"], "invoice.finalized", "{body}");
+    let time = body["timestamp"].as_str().unwrap();
+    assert!(time.ends_with('Z') && time.contains('.'), "{time}");
+}
+
 /// A claim statement that comes back full means the table holds a backlog:
 /// the tick closes its relay (no room offered, so the fan-out leaves its
 /// deliveries pending, to be claimed in due order and by tenant) until a
