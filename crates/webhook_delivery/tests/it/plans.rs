@@ -222,3 +222,76 @@ async fn a_ticks_own_claim_and_outcomes_plan_as_these_tests_do() {
         assert_planned_with(&plans, &INDEX_DRIVEN_SETTINGS);
     }
 }
+
+/// How many sequential scans of `webhook_events` the bed's Postgres has
+/// counted so far, after `su`'s own pending counts are flushed.
+async fn event_seq_scans(su: &mut sqlx::PgConnection) -> i64 {
+    // Forces the flush when this session next goes idle: after this
+    // statement, before the next.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *su)
+        .await
+        .unwrap();
+    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'webhook_events'")
+        .fetch_one(&mut *su)
+        .await
+        .unwrap()
+}
+
+/// Guard: the tenant check of inserted deliveries, whose plan a session
+/// keeps from its first insert (migration 0054), still reaches each event by
+/// its key when the session planned it on a table analyzed while it held
+/// one event (as autovacuum may analyze a new database's). One connection
+/// inserts that event's deliveries; 20,000 events later, the same connection
+/// inserts 500 deliveries, and Postgres counts no sequential scan of
+/// `webhook_events` for that insert.
+///
+/// Mutation check: the check's function without its planner settings keeps
+/// the plan made for one event (a nested loop scanning the table for each
+/// event), scans all 20,001 events for each of the 100 events inserted, and
+/// this test fails (scripts/mutation-check `tenant_check_plan_kept`).
+#[tokio::test]
+async fn the_tenant_check_keeps_a_plan_that_reads_events_by_key() {
+    let t = TestDb::new().await;
+    for i in 0..5 {
+        endpoint(&t, "tenant_a", &format!("http://127.0.0.1:9/{i}")).await;
+    }
+    let mut su = t.superuser().await;
+    // Each in a transaction of its own: the plan made in the analyze's
+    // transaction would be dropped at its commit.
+    for step in [
+        "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+         VALUES ('tenant_a', 'invoice.paid', '{}')",
+        "ANALYZE webhook_events",
+        "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+         SELECT 'tenant_a', e.id, ep.id FROM webhook_events e, webhook_endpoints ep",
+    ] {
+        sqlx::raw_sql(step).execute(&mut su).await.unwrap();
+    }
+    t.db.execute(sql(
+        "INSERT INTO webhook_events (tenant_id, event_type, payload) \
+         SELECT 'tenant_a', 'invoice.paid', '{}' FROM generate_series(1, 20000)",
+    ))
+    .await
+    .unwrap();
+    let (events, endpoints): (Vec<i64>, Vec<i64>) = sqlx::query_as(
+        "SELECT array_agg(e.id), array_agg(ep.id) \
+         FROM (SELECT id FROM webhook_events ORDER BY id DESC LIMIT 100) e, webhook_endpoints ep",
+    )
+    .fetch_one(&mut su)
+    .await
+    .unwrap();
+    let before = event_seq_scans(&mut su).await;
+    let inserted = sqlx::query(
+        "INSERT INTO webhook_deliveries (tenant_id, event_id, endpoint_id) \
+         SELECT 'tenant_a', e, ep FROM unnest($1::int8[], $2::int8[]) AS p(e, ep)",
+    )
+    .bind(&events)
+    .bind(&endpoints)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    assert_eq!(inserted.rows_affected(), 500);
+    let after = event_seq_scans(&mut su).await;
+    assert_eq!(after, before, "the check scanned webhook_events");
+}
