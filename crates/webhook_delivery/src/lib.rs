@@ -48,7 +48,7 @@
 //!   `attempts`, and an outcome is written only while the row still holds that
 //!   attempt number and is pending. A result that loses is logged and counted
 //!   as `outcome="stale"`, never applied. Outcomes are buffered and written in
-//!   groups (up to 256, or after 20 ms, or when the batch has nothing left in
+//!   groups (up to 512, or after 20 ms, or when the batch has nothing left in
 //!   flight), one statement per group, each row still its own compare-and-set;
 //!   an outcome that cannot be written leaves its delivery to come due again
 //!   after its claim lease. A handed delivery's first outcome is an insert
