@@ -9,9 +9,10 @@ mod store;
 /// event and its endpoint `$d`, `$e` and `$ep`. The delivery role's claim
 /// and the fan-out's deliveries claimed for that role (docs/adr/0087) both
 /// select them, so the two cannot drift apart. With `carried $e`, the
-/// event's columns are read from `$e` as [`webhook_event_columns!`] already
-/// made them (the fan-out makes them once per event, not once per delivery;
-/// docs/adr/0126).
+/// event's columns are read from `$e` as the statement already made them
+/// (`event_type`, `message_id`, `payload` as JSON text and `event_time` as
+/// [`webhook_event_time!`] makes it): the fan-out makes them once per event,
+/// not once per delivery (docs/adr/0126).
 #[macro_export]
 #[rustfmt::skip]
 macro_rules! webhook_claimed_columns {
@@ -24,7 +25,8 @@ macro_rules! webhook_claimed_columns {
     ($d:literal, $e:literal, $ep:literal) => {
         concat!(
             $crate::webhook_claimed_columns!(@delivery $d, $ep), ", ",
-            $e, ".event_type, ", $crate::webhook_event_columns!($e)
+            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
+            $crate::webhook_event_time!($e), " AS event_time"
         )
     };
     (@delivery $d:literal, $ep:literal) => {
@@ -41,27 +43,15 @@ macro_rules! webhook_claimed_columns {
     };
 }
 
-/// The event's columns of [`webhook_claimed_columns!`] but its type, as
-/// they are made from `webhook_events` named `$e`: `message_id`, `payload`
-/// (its JSON text) and `event_time`. With `when $c`, `payload` and
-/// `event_time` are made only where the SQL condition `$c` holds (NULL
-/// elsewhere).
+/// The event's time as a delivery's body states it (RFC 3339, UTC,
+/// microseconds), from `webhook_events` named `$e`.
 #[macro_export]
 #[rustfmt::skip]
-macro_rules! webhook_event_columns {
-    ($e:literal, when $c:literal) => {
-        concat!(
-            $e, ".message_id, ",
-            "CASE WHEN ", $c, " THEN ", $e, ".payload::text END AS payload, ",
-            "CASE WHEN ", $c, " THEN to_char(", $e, ".created_at AT TIME ZONE 'UTC', ",
-            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') END AS event_time"
-        )
-    };
+macro_rules! webhook_event_time {
     ($e:literal) => {
         concat!(
-            $e, ".message_id, ", $e, ".payload::text AS payload, ",
             "to_char(", $e, ".created_at AT TIME ZONE 'UTC', ",
-            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS event_time"
+            "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
         )
     };
 }

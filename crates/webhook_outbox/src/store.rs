@@ -108,9 +108,13 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
          stamped AS ( \
            UPDATE webhook_events e SET dispatched_at = now() \
            FROM taken WHERE e.id = taken.id \
-           RETURNING e.id, e.tenant_id, e.event_type, ",
-    outbox::webhook_event_columns!("e", when "$8::int8 IS NOT NULL"),
-    ", \
+           RETURNING e.id, e.tenant_id, e.event_type, e.message_id, \
+                     CASE WHEN $8::int8 IS NOT NULL THEN ",
+    outbox::webhook_event_time!("e"),
+    " END AS event_time, \
+                     CASE WHEN $8::int8 IS NOT NULL THEN octet_length(e.payload::text) END AS bytes, \
+                     (SELECT x.t FROM (SELECT e.payload::text AS t) x \
+                      WHERE $8::int8 IS NOT NULL AND octet_length(x.t) <= 4096) AS payload, \
                      $8::int8 IS NOT NULL \
                        AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d \
                                        WHERE d.event_id = e.id OFFSET 0) AS first), \
@@ -120,8 +124,7 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
                   s.event_type, s.message_id, s.payload, s.event_time, \
                   r.leads AND s.first \
-                  AND row_number() OVER w <= $10 \
-                  AND sum(octet_length(s.payload)) OVER w <= $11 AS handed \
+                  AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \
@@ -168,7 +171,9 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            FROM handoff h \
            CROSS JOIN (SELECT 0::int8 AS id, tenant_id, event_id, endpoint_id, \
                               1 AS attempts, 0 AS resent_at_attempt, \
-                              event_type, message_id, payload, event_time \
+                              event_type, message_id, event_time, \
+                              coalesce(payload, (SELECT ev.payload::text FROM webhook_events ev \
+                                                 WHERE ev.id = pairs.event_id)) AS payload \
                        FROM pairs WHERE handed) p \
            JOIN webhook_endpoints ep ON ep.id = p.endpoint_id), \
          wake AS (SELECT pg_notify($4, '') \
@@ -220,6 +225,12 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// attempt needs, in the columns the delivery role's claim returns (`id` 0,
 /// attempt 1), each with its handoff's id and number of pairs. The delivery
 /// role writes each delivery once, with its first outcome.
+///
+/// The handed rows' event columns (type, message id, time, and the payload's
+/// JSON text when it is at most 4 KiB) are made once per event by the stamp
+/// and carried by each of its pairs; a larger payload is read again by key
+/// for each handed row, so no pair carries more than 4 KiB of text
+/// (docs/adr/0126).
 ///
 /// A [`Offer::bounded`] offer (room found within the fan-out's wait) also
 /// bounds the claim: events are taken only while the deliveries before them

@@ -77,14 +77,33 @@ async fn write_outcomes(
     statement_timeout: Duration,
 ) -> Result<HashSet<(i64, i32)>, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let mut applied = if rows.is_empty() {
-        HashSet::new()
-    } else {
-        apply_outcomes(&mut tx, rows).await?
-    };
-    applied.extend(inserted(&mut tx, new, tolerant).await?);
-    tx.commit().await?;
-    Ok(applied)
+    let written = async {
+        let mut applied = if rows.is_empty() {
+            HashSet::new()
+        } else {
+            apply_outcomes(&mut tx, rows).await?
+        };
+        applied.extend(inserted(&mut tx, new, tolerant).await?);
+        Ok(applied)
+    }
+    .await;
+    finish(tx, written).await
+}
+
+/// Commit `tx` after `written`, or roll it back at once after its error: a
+/// write tried again must not wait for this transaction's rows until its
+/// connection is reused.
+async fn finish<T>(tx: Tx, written: Result<T, db::Error>) -> Result<T, db::Error> {
+    match written {
+        Ok(v) => {
+            tx.commit().await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
 }
 
 /// Insert `new` in `tx`; the `(key, attempt)` pairs inserted.
@@ -151,19 +170,22 @@ async fn write_outcome(
     statement_timeout: Duration,
 ) -> Result<bool, db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
-    let applied = match new {
-        Some(new) => !inserted(&mut tx, std::slice::from_ref(new), tolerant)
-            .await?
-            .is_empty(),
-        None => apply_outcomes(&mut tx, std::slice::from_ref(row))
-            .await?
-            .contains(&(row.id, row.attempt)),
-    };
-    if applied && let Some(gone) = disable_endpoint {
-        disable_gone(&mut tx, gone).await?;
+    let written = async {
+        let applied = match new {
+            Some(new) => !inserted(&mut tx, std::slice::from_ref(new), tolerant)
+                .await?
+                .is_empty(),
+            None => apply_outcomes(&mut tx, std::slice::from_ref(row))
+                .await?
+                .contains(&(row.id, row.attempt)),
+        };
+        if applied && let Some(gone) = disable_endpoint {
+            disable_gone(&mut tx, gone).await?;
+        }
+        Ok(applied)
     }
-    tx.commit().await?;
-    Ok(applied)
+    .await;
+    finish(tx, written).await
 }
 
 /// The CTE that keeps each endpoint's `failing_since` (migration 0031) from

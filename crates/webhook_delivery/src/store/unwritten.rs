@@ -107,8 +107,11 @@ pub const INSERT_OUTCOMES_TOLERANT: &str = insert_outcomes_sql!(
 /// written.
 const PAIR_KEY: &str = "webhook_deliveries_event_endpoint_key";
 
-/// Whether `e` is [`INSERT_OUTCOMES`] finding a pair already written: the
-/// group is to be written again with [`INSERT_OUTCOMES_TOLERANT`].
+/// Whether `e` is [`INSERT_OUTCOMES`] finding a pair already written (or
+/// twice in its group: a replayed event handed over again while its first
+/// handoff was unwritten): the group is to be written again with
+/// [`INSERT_OUTCOMES_TOLERANT`]. Postgres logs each such failure as an
+/// ERROR; it is expected and rare.
 pub(crate) fn pair_written(e: &db::Error) -> bool {
     e.code().as_deref() == Some("23505") && e.constraint() == Some(PAIR_KEY)
 }

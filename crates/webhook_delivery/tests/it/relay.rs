@@ -277,12 +277,7 @@ async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
         assert_eq!(relay.relay().waiting(), 3);
         // The last one inserted by the fan-out, as after the lease.
-        db.execute(sql("INSERT INTO webhook_deliveries \
-                 (tenant_id, event_id, endpoint_id, attempts, next_attempt_at) \
-             SELECT tenant_ids[3], event_ids[3], endpoint_ids[3], 1, now() + interval '1 hour' \
-             FROM webhook_handoffs"))
-            .await
-            .unwrap();
+        written_as_after_the_lease(db, 3).await;
         tick.cancel.cancel();
         w.run_tick(&tick).await
     })
@@ -320,12 +315,7 @@ async fn an_outcome_whose_pair_was_written_meanwhile_is_stale_and_its_group_is_w
     let (relay, db) = (&wake, &t.db);
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
         assert_eq!(relay.relay().waiting(), 3);
-        db.execute(sql("INSERT INTO webhook_deliveries \
-                 (tenant_id, event_id, endpoint_id, attempts, next_attempt_at) \
-             SELECT tenant_ids[3], event_ids[3], endpoint_ids[3], 1, now() + interval '1 hour' \
-             FROM webhook_handoffs"))
-            .await
-            .unwrap();
+        written_as_after_the_lease(db, 3).await;
         w.run_tick(&tick).await
     })
     .await;
@@ -341,6 +331,101 @@ async fn an_outcome_whose_pair_was_written_meanwhile_is_stale_and_its_group_is_w
     assert_eq!(handoffs(&t.db).await, []);
 }
 
+/// Insert the `n`th pair of the (only) handoff pending at attempt 1, due in
+/// an hour, as the fan-out inserts a pair after its handoff's lease.
+async fn written_as_after_the_lease(db: &Db, n: i32) {
+    db.execute(
+        sql("INSERT INTO webhook_deliveries \
+                 (tenant_id, event_id, endpoint_id, attempts, next_attempt_at) \
+             SELECT tenant_ids[$1], event_ids[$1], endpoint_ids[$1], 1, now() + interval '1 hour' \
+             FROM webhook_handoffs")
+        .bind(n),
+    )
+    .await
+    .unwrap();
+}
+
+/// A 410 for a handed delivery whose pair the fan-out wrote meanwhile is
+/// stale: its single write (the outcome and the endpoint's disabling in one
+/// transaction) fails on the pair's key, is written again skipping it, and
+/// then applies nothing, so the endpoint stays on (docs/adr/0112, 0126).
+///
+/// Mutation check: without that second write the 410's outcome is not
+/// recorded at all and this test fails (scripts/mutation-check
+/// `gone_conflict_retried`).
+#[tokio::test]
+async fn a_410_whose_pair_was_written_meanwhile_is_stale_and_leaves_the_endpoint_on() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(410).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let offer = (Duration::from_secs(30), 10, 1);
+    let db = &t.db;
+    let report = leading_offered(&t.db, &wake, offer, |tick| async move {
+        written_as_after_the_lease(db, 1).await;
+        w.run_tick(&tick).await
+    })
+    .await;
+    assert_eq!(rx.count(), 1);
+    let counts = (report.dead, report.stale, report.unrecorded);
+    assert_eq!(counts, (0, 1, 0), "{report:?}");
+    let enabled: bool =
+        t.db.fetch_one(sql("SELECT enabled FROM webhook_endpoints"))
+            .await
+            .unwrap()
+            .get("enabled");
+    assert!(enabled, "a stale 410 turns nothing off");
+    let d: Vec<(i32, String)> = deliveries(&t.db)
+        .await
+        .into_iter()
+        .map(|d| (d.attempts, d.status))
+        .collect();
+    assert_eq!(d, [(1, "pending".to_owned())]);
+}
+
+/// A handed delivery of an event whose payload is larger than the fan-out
+/// carries per delivery (4 KiB; docs/adr/0126) sends that payload: its
+/// handed row reads it from the event.
+///
+/// Mutation check: the larger payloads not read (an empty object sent
+/// instead) make this test fail (scripts/mutation-check
+/// `carried_large_payload`).
+#[tokio::test]
+async fn a_handed_delivery_of_a_large_event_sends_its_payload() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let blob = "y".repeat(6 * 1024);
+    let payload = format!(r#"{{"blob": "{blob}"}}"#);
+    let (db, relay) = (&t.db, &wake);
+    let report = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            relay
+                .relay()
+                .lead(tick.fence.token(), Duration::from_secs(30), 10, usize::MAX);
+            payloads_handed_over(db, "tenant_a", &[payload], Some(relay)).await;
+            assert_eq!(relay.relay().waiting(), 1, "handed over");
+            w.run_tick(&tick).await
+        },
+    )
+    .await;
+    assert_eq!(report.delivered, 1, "{report:?}");
+    let requests = rx.requests();
+    let body: serde_json::Value = serde_json::from_slice(&requests[0].body).unwrap();
+    assert_eq!(
+        body["data"]["blob"].as_str().map(str::len),
+        Some(6 * 1024),
+        "{body}"
+    );
+}
+
 /// A delivery handed over sends its event as one claimed from the table
 /// does: the fan-out makes the event's columns once, in its stamp, and each
 /// handed delivery of the event carries them (docs/adr/0126). One event for
@@ -349,9 +434,9 @@ async fn an_outcome_whose_pair_was_written_meanwhile_is_stale_and_its_group_is_w
 /// statement; both requests carry the same `webhook-id` and body (type,
 /// event time and payload), and the body is the event's.
 ///
-/// Mutation check: the carried event time made in another format (seconds
-/// only) changes the handed request's body and this test fails
-/// (scripts/mutation-check `carried_event_time`).
+/// Mutation check: the handed rows' event time made otherwise than the
+/// claim's (`created_at::text`) changes the handed request's body and this
+/// test fails (scripts/mutation-check `carried_event_time`).
 #[tokio::test]
 async fn a_handed_delivery_sends_its_event_as_a_claimed_one_does() {
     let t = TestDb::new().await;
