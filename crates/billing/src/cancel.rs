@@ -49,16 +49,8 @@ pub(crate) async fn cancel_subscription(
 ) -> Result<Canceled, Error> {
     let timeout = biller.inner.config.statement_timeout;
     let mut tx = biller.inner.db.begin_with_timeout(timeout).await?;
-    match cancel_subscription_in(biller, &mut tx, tenant_id, subscription, at).await {
-        Ok(canceled) => {
-            tx.commit().await?;
-            Ok(canceled)
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            Err(e)
-        }
-    }
+    let written = cancel_subscription_in(biller, &mut tx, tenant_id, subscription, at).await;
+    tx.commit_if_ok(written).await
 }
 
 /// The body of [`Biller::cancel_subscription_in`]: the subscription's row

@@ -86,16 +86,8 @@ pub(crate) async fn change_plan(
         .db
         .begin_with_timeout(biller.inner.config.statement_timeout)
         .await?;
-    match change_plan_in(biller, &mut tx, tenant_id, subscription, plan).await {
-        Ok(changed) => {
-            tx.commit().await?;
-            Ok(changed)
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            Err(e)
-        }
-    }
+    let written = change_plan_in(biller, &mut tx, tenant_id, subscription, plan).await;
+    tx.commit_if_ok(written).await
 }
 
 /// The body of [`Biller::change_plan_in`]: the snapshot read (not locked:
@@ -197,16 +189,8 @@ pub(crate) async fn apply_plan_change(
         .db
         .begin_with_timeout(biller.inner.config.statement_timeout)
         .await?;
-    match apply_plan_change_in(biller, &mut tx, change).await {
-        Ok(changed) => {
-            tx.commit().await?;
-            Ok(changed)
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            Err(e)
-        }
-    }
+    let written = apply_plan_change_in(biller, &mut tx, change).await;
+    tx.commit_if_ok(written).await
 }
 
 /// Write `change` in `tx` if its snapshot still holds. On

@@ -492,6 +492,26 @@ impl Tx {
     pub async fn rollback(mut self) -> Result<()> {
         self.conn.finish("ROLLBACK").await
     }
+
+    /// Commit after `written` succeeded; after its error, roll back at once
+    /// (a drop would roll back only when the connection is next used) and
+    /// return that error. A write tried again then does not wait for this
+    /// transaction's rows.
+    pub async fn commit_if_ok<T, E: From<Error>>(
+        self,
+        written: std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        match written {
+            Ok(v) => {
+                self.commit().await?;
+                Ok(v)
+            }
+            Err(e) => {
+                let _ = self.rollback().await;
+                Err(e)
+            }
+        }
+    }
 }
 
 /// What is known of a pooled connection's transaction state.

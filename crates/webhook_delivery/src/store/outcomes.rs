@@ -87,23 +87,7 @@ async fn write_outcomes(
         Ok(applied)
     }
     .await;
-    finish(tx, written).await
-}
-
-/// Commit `tx` after `written`, or roll it back at once after its error: a
-/// write tried again must not wait for this transaction's rows until its
-/// connection is reused.
-async fn finish<T>(tx: Tx, written: Result<T, db::Error>) -> Result<T, db::Error> {
-    match written {
-        Ok(v) => {
-            tx.commit().await?;
-            Ok(v)
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            Err(e)
-        }
-    }
+    tx.commit_if_ok(written).await
 }
 
 /// Insert `new` in `tx`; the `(key, attempt)` pairs inserted.
@@ -185,7 +169,7 @@ async fn write_outcome(
         Ok(applied)
     }
     .await;
-    finish(tx, written).await
+    tx.commit_if_ok(written).await
 }
 
 /// The CTE that keeps each endpoint's `failing_since` (migration 0031) from

@@ -13,12 +13,20 @@ use leader::{Role, Tick};
 use scheduler::Wake;
 use testbed::TestDb;
 use testbed::receiver::{Receiver, Reply};
-use webhook_delivery::WorkerConfig;
+use webhook_delivery::{Worker, WorkerConfig};
 
 use crate::{
     as_leader, config, deliveries, endpoint, enqueue_payloads, events, events_handed_over,
     led_role, manager, payloads_handed_over, tick, worker,
 };
+
+/// A delivery worker of this bed woken by (and taking handed rows from) the
+/// returned wake of its role.
+fn waking_worker(db: &Db) -> (Wake, Worker) {
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(db, config());
+    (wake.clone(), w.with_wake(wake))
+}
 
 /// Offer `wake`'s relay to the fan-out as a delivery tick leading under
 /// `token` would (its lease, its room), then fan out `events` events of
@@ -269,9 +277,7 @@ fn dispatcher(db: &Db) -> webhook_outbox::Dispatcher {
 async fn a_cancelled_tick_hands_back_the_deliveries_it_did_not_take() {
     let t = TestDb::new().await;
     endpoint(&t, "tenant_a", "http://127.0.0.1:9/a").await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_wake(wake.clone());
+    let (wake, w) = waking_worker(&t.db);
     let offer = (Duration::from_secs(30), 10, 3);
     let (relay, db) = (&wake, &t.db);
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
@@ -308,9 +314,7 @@ async fn an_outcome_whose_pair_was_written_meanwhile_is_stale_and_its_group_is_w
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_wake(wake.clone());
+    let (wake, w) = waking_worker(&t.db);
     let offer = (Duration::from_secs(30), 10, 3);
     let (relay, db) = (&wake, &t.db);
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
@@ -358,9 +362,7 @@ async fn a_410_whose_pair_was_written_meanwhile_is_stale_and_leaves_the_endpoint
     let t = TestDb::new().await;
     let rx = Receiver::answering(410).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_wake(wake.clone());
+    let (wake, w) = waking_worker(&t.db);
     let offer = (Duration::from_secs(30), 10, 1);
     let db = &t.db;
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
@@ -397,9 +399,7 @@ async fn a_handed_delivery_of_a_large_event_sends_its_payload() {
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_wake(wake.clone());
+    let (wake, w) = waking_worker(&t.db);
     let blob = "y".repeat(6 * 1024);
     let payload = format!(r#"{{"blob": "{blob}"}}"#);
     let (db, relay) = (&t.db, &wake);
@@ -443,9 +443,7 @@ async fn a_handed_delivery_sends_its_event_as_a_claimed_one_does() {
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url_at("/a")).await;
     endpoint(&t, "tenant_a", &rx.url_at("/b")).await;
-    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
-    let (w, _) = worker(&t.db, config());
-    let w = w.with_wake(wake.clone());
+    let (wake, w) = waking_worker(&t.db);
     let offer = (Duration::from_secs(30), 1, 1);
     let relay = &wake;
     let report = leading_offered(&t.db, &wake, offer, |tick| async move {
