@@ -6,33 +6,24 @@ mod store;
 
 /// The columns a claimed delivery is read with (`webhook_delivery`'s
 /// `ClaimedRow::from_row`), in a statement that names the delivery, its
-/// event and its endpoint `$d`, `$e` and `$ep`. The delivery role's claim
-/// and the fan-out's deliveries claimed for that role (docs/adr/0087) both
-/// select them, so the two cannot drift apart. With `carried $e`, the
-/// event's columns are read from `$e` as the statement already made them
-/// (`event_type`, `message_id`, `payload` as JSON text and `event_time` as
-/// [`webhook_event_time!`] makes it): the fan-out makes them once per event,
-/// not once per delivery (docs/adr/0126).
+/// event and its endpoint `$d`, `$e` and `$ep`. With `endpoint $ep`, only
+/// the endpoint's: the fan-out's deliveries claimed for the delivery role
+/// (docs/adr/0087) read them once per endpoint into a [`HandedEndpoint`]
+/// (docs/adr/0127), so the claim and the hand-over cannot drift apart.
 #[macro_export]
 #[rustfmt::skip]
 macro_rules! webhook_claimed_columns {
-    ($d:literal, carried $e:literal, $ep:literal) => {
-        concat!(
-            $crate::webhook_claimed_columns!(@delivery $d, $ep), ", ",
-            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload, ", $e, ".event_time"
-        )
-    };
     ($d:literal, $e:literal, $ep:literal) => {
         concat!(
-            $crate::webhook_claimed_columns!(@delivery $d, $ep), ", ",
+            $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
+            $d, ".attempts, ", $d, ".resent_at_attempt, ",
+            $crate::webhook_claimed_columns!(endpoint $ep), ", ",
             $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
             $crate::webhook_event_time!($e), " AS event_time"
         )
     };
-    (@delivery $d:literal, $ep:literal) => {
+    (endpoint $ep:literal) => {
         concat!(
-            $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
-            $d, ".attempts, ", $d, ".resent_at_attempt, ",
             $ep, ".url, ", $ep, ".secret_ciphertext, ", $ep, ".secret_key_id, ",
             $ep, ".enabled, ", $ep, ".disabled_reason, ",
             "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
@@ -41,6 +32,52 @@ macro_rules! webhook_claimed_columns {
             $ep, ".previous_secret_key_id END AS previous_secret_key_id"
         )
     };
+}
+
+/// A delivery the fan-out claimed for the delivery role of its process
+/// (docs/adr/0087), not written yet (docs/adr/0124): its pair, the
+/// `webhook_handoffs` row that stands for it, and its event's and endpoint's
+/// columns, made once per event and per endpoint and shared by their pairs
+/// (docs/adr/0127).
+#[derive(Debug, Clone)]
+pub struct HandedDelivery {
+    pub tenant_id: String,
+    pub event_id: i64,
+    pub endpoint_id: i64,
+    /// The `webhook_handoffs` row that holds the pair.
+    pub handoff: i64,
+    /// How many pairs that row holds.
+    pub handoff_pairs: usize,
+    /// When the fan-out handed it over, on the database clock (seconds since
+    /// the epoch): its claim.
+    pub handed_at: f64,
+    pub event: std::sync::Arc<HandedEvent>,
+    pub endpoint: std::sync::Arc<HandedEndpoint>,
+}
+
+/// A handed delivery's event, as its attempt sends it.
+#[derive(Debug)]
+pub struct HandedEvent {
+    pub event_type: String,
+    pub message_id: String,
+    /// As [`webhook_event_time!`] makes it.
+    pub event_time: String,
+    /// The payload's JSON text.
+    pub payload: String,
+}
+
+/// A handed delivery's endpoint, as [`webhook_claimed_columns!`] reads it
+/// (`endpoint`): the secrets sealed, the previous one only while its
+/// rotation overlap lasts.
+#[derive(Debug)]
+pub struct HandedEndpoint {
+    pub url: String,
+    pub secret_ciphertext: Option<Vec<u8>>,
+    pub secret_key_id: Option<String>,
+    pub previous_secret_ciphertext: Option<Vec<u8>>,
+    pub previous_secret_key_id: Option<String>,
+    pub enabled: bool,
+    pub disabled_reason: Option<String>,
 }
 
 /// The event's time as a delivery's body states it (RFC 3339, UTC,

@@ -18,12 +18,12 @@
 //! to take ([`Relay::offer_with_room`], docs/adr/0125) instead of writing what
 //! does not fit where the receiver's claim statement would read it again.
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use db::PgRow;
 use tokio::sync::Notify;
 
 /// What the receiving role lets a sender claim for it now.
@@ -81,7 +81,9 @@ impl Drop for Waiting<'_> {
 struct State {
     lead: Option<Lead>,
     /// Each row with the instant it was claimed at and its size in bytes.
-    rows: VecDeque<(Instant, PgRow, usize)>,
+    /// The relay does not know what the roles hand over: the sender's type
+    /// is the receiver's ([`Relay::take`]).
+    rows: VecDeque<(Instant, Box<dyn Any + Send>, usize)>,
     /// The sum of the waiting rows' sizes.
     bytes: usize,
 }
@@ -195,26 +197,36 @@ impl Relay {
     /// Rows a sender claimed at `at` (an instant taken before its statement
     /// was sent, so no later than the lease's start on the database), each
     /// with its size in bytes.
-    pub fn hand(&self, at: Instant, rows: impl IntoIterator<Item = (PgRow, usize)>) {
+    pub fn hand<T: Send + 'static>(&self, at: Instant, rows: impl IntoIterator<Item = (T, usize)>) {
         let mut s = self.lock();
         for (row, bytes) in rows {
             s.bytes += bytes;
-            s.rows.push_back((at, row, bytes));
+            s.rows.push_back((at, Box::new(row), bytes));
         }
     }
 
     /// Up to `limit` waiting rows, oldest first, each with the instant it was
-    /// claimed at.
-    pub fn take(&self, limit: usize) -> Vec<(Instant, PgRow)> {
+    /// claimed at. A row handed as another type than `T` is taken and
+    /// dropped: one relay serves one kind of row, so that is a defect of the
+    /// caller, and the row is claimed again after its lease as any row that
+    /// is never written.
+    pub fn take<T: 'static>(&self, limit: usize) -> Vec<(Instant, T)> {
         let mut s = self.lock();
         let n = limit.min(s.rows.len());
-        let taken: Vec<(Instant, PgRow, usize)> = s.rows.drain(..n).collect();
+        let taken: Vec<(Instant, Box<dyn Any + Send>, usize)> = s.rows.drain(..n).collect();
         s.bytes -= taken.iter().map(|t| t.2).sum::<usize>();
         drop(s);
         if n > 0 {
             self.changed.notify_waiters();
         }
-        taken.into_iter().map(|(at, row, _)| (at, row)).collect()
+        taken
+            .into_iter()
+            .filter_map(|(at, row, _)| {
+                let row = row.downcast::<T>();
+                debug_assert!(row.is_ok(), "a relay row of another type");
+                row.ok().map(|r| (at, *r))
+            })
+            .collect()
     }
 
     /// Rows waiting to be taken.
@@ -257,7 +269,7 @@ mod tests {
         );
         relay.unlead(8);
         assert_eq!(relay.offer(), None);
-        assert!(relay.take(10).is_empty());
+        assert!(relay.take::<()>(10).is_empty());
     }
 
     /// Without a lead, or with the relay closed (no capacity: the receiver's

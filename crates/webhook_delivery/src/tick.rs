@@ -13,8 +13,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use db::Row;
 use leader::{Fence, Role, Tick, TickEnd};
+use outbox::webhook::HandedDelivery;
 use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Shape, Stop, Wake};
 use tracing::warn;
 
@@ -201,25 +201,21 @@ fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Result<Vec
     };
     let mut handed = wake
         .relay()
-        .take(limit)
+        .take::<HandedDelivery>(limit)
         .into_iter()
-        .map(|(claimed_at, r)| {
-            let mut row = store::ClaimedRow::from_row(&r)?;
-            let handoff: i64 = r.try_get("handoff")?;
-            let pairs: i32 = r.try_get("handoff_pairs")?;
+        .map(|(claimed_at, d)| {
+            let mut row = store::ClaimedRow::from_handed(&d);
             let pair = store::Pair {
-                tenant_id: row.tenant_id.clone(),
-                event_id: row.event_id,
-                endpoint_id: row.endpoint_id,
-                handoff,
-                handed_at: r.try_get("handed_at")?,
+                tenant_id: d.tenant_id,
+                event_id: d.event_id,
+                endpoint_id: d.endpoint_id,
+                handoff: d.handoff,
+                handed_at: d.handed_at,
             };
-            row.id = shared
-                .unwritten
-                .adopt(pair, usize::try_from(pairs).unwrap_or(0), claimed_at);
-            Ok(Claimed { row, claimed_at })
+            row.id = shared.unwritten.adopt(pair, d.handoff_pairs, claimed_at);
+            Claimed { row, claimed_at }
         })
-        .collect::<Result<Vec<_>, db::Error>>()?;
+        .collect::<Vec<_>>();
     handed.sort_by_key(|c| (c.row.event_id, c.row.endpoint_id));
     Ok(handed)
 }

@@ -2,12 +2,15 @@
 //! the dispatcher's fenced claim and set-based fan-out, and the retention
 //! prune of dispatched events (docs/adr/0040).
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
 use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::{Fence, Role};
+use outbox::webhook::{HandedDelivery, HandedEndpoint, HandedEvent};
 use scheduler::{Offer, wake_channel};
 
 use crate::Error;
@@ -124,7 +127,8 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
            SELECT s.tenant_id, s.id AS event_id, ep.id AS endpoint_id, \
                   s.event_type, s.message_id, s.payload, s.event_time, \
                   r.leads AND s.first \
-                  AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed \
+                  AND row_number() OVER w <= $10 AND sum(s.bytes) OVER w <= $11 AS handed, \
+                  lag(s.id) OVER w IS DISTINCT FROM s.id AS opens \
            FROM stamped s \
            JOIN webhook_endpoints ep \
              ON ep.tenant_id = s.tenant_id \
@@ -162,20 +166,30 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                   array_agg(endpoint_id ORDER BY event_id, endpoint_id) \
            FROM pairs WHERE handed \
            HAVING count(*) > 0 \
-           RETURNING id, cardinality(event_ids) AS pairs), \
+           RETURNING id, tenant_ids, event_ids, endpoint_ids), \
          handed AS ( \
-           SELECT h.id AS handoff, h.pairs AS handoff_pairs, \
-                  extract(epoch FROM now())::float8 AS handed_at, ",
-    outbox::webhook_claimed_columns!("p", carried "p", "ep"),
-    " \
+           SELECT 'handoff' AS part, h.id AS handoff, \
+                  extract(epoch FROM now())::float8 AS handed_at, \
+                  h.tenant_ids, h.event_ids, h.endpoint_ids, NULL::int8 AS part_id, \
+                  NULL::text AS event_type, NULL::text AS message_id, NULL::text AS payload, \
+                  NULL::text AS event_time, NULL::text AS url, NULL::bytea AS secret_ciphertext, \
+                  NULL::text AS secret_key_id, NULL::bool AS enabled, \
+                  NULL::text AS disabled_reason, NULL::bytea AS previous_secret_ciphertext, \
+                  NULL::text AS previous_secret_key_id \
            FROM handoff h \
-           CROSS JOIN (SELECT 0::int8 AS id, tenant_id, event_id, endpoint_id, \
-                              1 AS attempts, 0 AS resent_at_attempt, \
-                              event_type, message_id, event_time, \
-                              coalesce(payload, (SELECT ev.payload::text FROM webhook_events ev \
-                                                 WHERE ev.id = pairs.event_id)) AS payload \
-                       FROM pairs WHERE handed) p \
-           JOIN webhook_endpoints ep ON ep.id = p.endpoint_id), \
+           UNION ALL \
+           SELECT 'event', NULL, NULL, NULL, NULL, NULL, p.event_id, \
+                  p.event_type, p.message_id, \
+                  coalesce(p.payload, (SELECT ev.payload::text FROM webhook_events ev \
+                                       WHERE ev.id = p.event_id)), \
+                  p.event_time, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+           FROM pairs p WHERE p.handed AND p.opens \
+           UNION ALL \
+           SELECT 'endpoint', NULL, NULL, NULL, NULL, NULL, ep.id, NULL, NULL, NULL, NULL, ",
+    outbox::webhook_claimed_columns!(endpoint "ep"),
+    " \
+           FROM webhook_endpoints ep \
+           WHERE ep.id IN (SELECT endpoint_id FROM pairs WHERE handed)), \
          wake AS (SELECT pg_notify($4, '') \
                   WHERE EXISTS (SELECT 1 FROM ins) OR EXISTS (SELECT 1 FROM handoff)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
@@ -272,7 +286,7 @@ pub(crate) async fn claim_and_fan_out(
     while let Some(after) = walk.next(cursor) {
         let at = Instant::now();
         let mut tx = db.begin_index_driven(statement_timeout).await?;
-        let mut rows = tx
+        let rows = tx
             .fetch_all(
                 sql(CLAIM_AND_FAN_OUT)
                     .bind(fence.role_name())
@@ -309,18 +323,13 @@ pub(crate) async fn claim_and_fan_out(
             recovered,
         };
         if batch.events > 0 {
-            // The summary row alone when nothing was claimed for the
-            // delivery role (its columns are null).
-            rows.retain(|r| {
-                r.try_get::<Option<i64>, _>("handoff")
-                    .is_ok_and(|id| id.is_some())
-            });
-            // Each row's size as the offer counts it: its payload's text.
-            let rows = rows
+            let rows = handed_deliveries(&rows)?
                 .into_iter()
-                .map(|r| {
-                    let bytes = r.try_get::<&str, _>("payload").map_or(0, str::len);
-                    (r, bytes)
+                .map(|d| {
+                    // Each delivery's size as the offer counts it: its
+                    // payload's text.
+                    let bytes = d.event.payload.len();
+                    (d, bytes)
                 })
                 .collect();
             handed = Handed { at, rows };
@@ -336,8 +345,90 @@ pub(crate) async fn claim_and_fan_out(
 /// start).
 pub(crate) struct Handed {
     pub at: Instant,
-    /// Each row with its payload's size in bytes.
-    pub rows: Vec<(PgRow, usize)>,
+    /// Each delivery with its payload's size in bytes.
+    pub rows: Vec<(HandedDelivery, usize)>,
+}
+
+/// The deliveries of a fan-out's rows (docs/adr/0127): its `handoff` part
+/// holds the pairs, in three arrays, and each handed event and endpoint is
+/// one `event` or `endpoint` part, shared by its pairs. None when the
+/// statement handed nothing (the summary row alone, its parts null).
+fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, db::Error> {
+    let mut handoff = None;
+    let mut events = HashMap::new();
+    let mut endpoints = HashMap::new();
+    for r in rows {
+        match r.try_get::<Option<&str>, _>("part")? {
+            Some("handoff") => {
+                let tenants: Vec<String> = r.try_get("tenant_ids")?;
+                let pairs: Vec<i64> = r.try_get("event_ids")?;
+                let to: Vec<i64> = r.try_get("endpoint_ids")?;
+                handoff = Some((
+                    r.try_get::<i64, _>("handoff")?,
+                    r.try_get::<f64, _>("handed_at")?,
+                    tenants,
+                    pairs,
+                    to,
+                ));
+            }
+            Some("event") => {
+                let event = HandedEvent {
+                    event_type: r.try_get("event_type")?,
+                    message_id: r.try_get("message_id")?,
+                    event_time: r.try_get("event_time")?,
+                    payload: r.try_get("payload")?,
+                };
+                events.insert(r.try_get::<i64, _>("part_id")?, Arc::new(event));
+            }
+            Some("endpoint") => {
+                let endpoint = HandedEndpoint {
+                    url: r.try_get("url")?,
+                    secret_ciphertext: r.try_get("secret_ciphertext")?,
+                    secret_key_id: r.try_get("secret_key_id")?,
+                    previous_secret_ciphertext: r.try_get("previous_secret_ciphertext")?,
+                    previous_secret_key_id: r.try_get("previous_secret_key_id")?,
+                    enabled: r.try_get("enabled")?,
+                    disabled_reason: r.try_get("disabled_reason")?,
+                };
+                endpoints.insert(r.try_get::<i64, _>("part_id")?, Arc::new(endpoint));
+            }
+            _ => {}
+        }
+    }
+    let Some((handoff, handed_at, tenants, event_ids, endpoint_ids)) = handoff else {
+        return Ok(Vec::new());
+    };
+    let handoff_pairs = event_ids.len();
+    let missing = |what: &str, id: i64| {
+        db::Error::from(sqlx::Error::Protocol(format!(
+            "the fan-out handed over a delivery without its {what} {id}"
+        )))
+    };
+    tenants
+        .into_iter()
+        .zip(event_ids)
+        .zip(endpoint_ids)
+        .map(|((tenant_id, event_id), endpoint_id)| {
+            Ok(HandedDelivery {
+                tenant_id,
+                event_id,
+                endpoint_id,
+                handoff,
+                handoff_pairs,
+                handed_at,
+                event: Arc::clone(
+                    events
+                        .get(&event_id)
+                        .ok_or_else(|| missing("event", event_id))?,
+                ),
+                endpoint: Arc::clone(
+                    endpoints
+                        .get(&endpoint_id)
+                        .ok_or_else(|| missing("endpoint", endpoint_id))?,
+                ),
+            })
+        })
+        .collect()
 }
 
 /// The prune statement of [`prune_dispatched`]; `pub` only for the plan test

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::Fence;
+use outbox::webhook::HandedDelivery;
 
 use super::endpoints::sealed_from;
 use crate::sealed::Sealed;
@@ -58,6 +59,33 @@ impl ClaimedRow {
             event_time: r.try_get("event_time")?,
             payload: r.try_get("payload")?,
         })
+    }
+
+    /// A delivery the fan-out handed over (docs/adr/0087, 0127), not written
+    /// yet: its id is given by the caller (docs/adr/0124), its attempt is
+    /// the first.
+    pub(crate) fn from_handed(d: &HandedDelivery) -> ClaimedRow {
+        let ep = &d.endpoint;
+        ClaimedRow {
+            id: 0,
+            tenant_id: d.tenant_id.clone(),
+            event_id: d.event_id,
+            endpoint_id: d.endpoint_id,
+            attempt: 1,
+            resent_at_attempt: 0,
+            url: ep.url.clone(),
+            secret: sealed_from(ep.secret_ciphertext.clone(), ep.secret_key_id.clone()),
+            previous_secret: sealed_from(
+                ep.previous_secret_ciphertext.clone(),
+                ep.previous_secret_key_id.clone(),
+            ),
+            enabled: ep.enabled,
+            disabled_reason: ep.disabled_reason.clone(),
+            event_type: d.event.event_type.clone(),
+            message_id: d.event.message_id.clone(),
+            event_time: d.event.event_time.clone(),
+            payload: d.event.payload.clone(),
+        }
     }
 }
 

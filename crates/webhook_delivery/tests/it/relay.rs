@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use db::{Db, Row, sql};
 use leader::{Role, Tick};
+use outbox::webhook::HandedDelivery;
 use scheduler::Wake;
 use testbed::TestDb;
 use testbed::receiver::{Receiver, Reply};
@@ -213,7 +214,11 @@ async fn handed_deliveries_nobody_wrote_are_inserted_pending_after_their_lease()
     let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
     let offer = (Duration::from_secs(3), 10, 1);
     leading_offered(&t.db, &wake, offer, |_| async {
-        assert_eq!(wake.relay().take(10).len(), 2, "handed, then dropped");
+        assert_eq!(
+            wake.relay().take::<HandedDelivery>(10).len(),
+            2,
+            "handed, then dropped"
+        );
     })
     .await;
     // The second pair was written before the process stopped.
@@ -665,12 +670,12 @@ async fn a_fan_out_waits_for_room_in_the_relay_and_claims_only_what_fits() {
         let taker = relay.clone();
         let taken = tokio::spawn(async move {
             until_a_sender_waits(&taker).await;
-            taker.relay().take(4).len()
+            taker.relay().take::<HandedDelivery>(4).len()
         });
         events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
         assert_eq!(taken.await.unwrap(), 4);
         assert_eq!(relay.relay().waiting(), 4, "handed over once taken");
-        assert_eq!(relay.relay().take(2).len(), 2);
+        assert_eq!(relay.relay().take::<HandedDelivery>(2).len(), 2);
         assert_eq!(
             one_fan_out(&db, &relay, 4).await,
             2,
@@ -721,12 +726,12 @@ async fn a_fan_out_waits_out_a_lead_that_ends_and_after_its_wait_fans_out_as_bef
             // Long enough for the waiting sender to see no lead.
             tokio::time::sleep(Duration::from_millis(100)).await;
             next.relay().lead(token, LEASE, 4, usize::MAX);
-            next.relay().take(3).len()
+            next.relay().take::<HandedDelivery>(3).len()
         });
         events_handed_over(&db, "tenant_a", 4, Some(&relay)).await;
         assert_eq!(ticks.await.unwrap(), 3);
         assert_eq!(relay.relay().waiting(), 4, "handed to the next lead");
-        assert_eq!(relay.relay().take(1).len(), 1);
+        assert_eq!(relay.relay().take::<HandedDelivery>(1).len(), 1);
         assert_eq!(
             one_fan_out(&db, &relay, 4).await,
             4,
