@@ -235,16 +235,18 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
 /// (docs/adr/0124) when the statement also proves that role's token
 /// (`leader_fence('webhook_delivery', $8)`; a stale one hands none): the
 /// statement inserts one `webhook_handoffs` row holding their (tenant, event,
-/// endpoint) pairs and its claim lease, and returns them with what their
-/// attempt needs, in the columns the delivery role's claim returns (`id` 0,
-/// attempt 1), each with its handoff's id and number of pairs. The delivery
-/// role writes each delivery once, with its first outcome.
+/// endpoint) pairs and its claim lease, and returns what their attempts need
+/// in parts (docs/adr/0127): that row (`part` `handoff`: its id and its three
+/// arrays), each handed event once (`event`) and each endpoint once
+/// (`endpoint`, in the columns the delivery role's claim reads), built into
+/// one [`HandedDelivery`] per pair here. The delivery role writes each
+/// delivery once, with its first outcome.
 ///
-/// The handed rows' event columns (type, message id, time, and the payload's
+/// The handed events' columns (type, message id, time, and the payload's
 /// JSON text when it is at most 4 KiB) are made once per event by the stamp
-/// and carried by each of its pairs; a larger payload is read again by key
-/// for each handed row, so no pair carries more than 4 KiB of text
-/// (docs/adr/0126).
+/// and carried by its pairs through the statement; a larger payload is read
+/// again by key for the event's part, so no pair carries more than 4 KiB of
+/// text (docs/adr/0126).
 ///
 /// A [`Offer::bounded`] offer (room found within the fan-out's wait) also
 /// bounds the claim: events are taken only while the deliveries before them
@@ -302,8 +304,11 @@ pub(crate) async fn claim_and_fan_out(
                     .bind(offer.map_or(0, |o| i64::try_from(o.bytes).unwrap_or(i64::MAX))),
             )
             .await?;
+        // Built before the commit: rows that cannot be read roll the
+        // statement back, instead of leaving a handoff nobody holds.
+        let delivered = handed_deliveries(&rows)?;
         tx.commit().await?;
-        // `share` is one row: the summary, beside each delivery handed.
+        // `share` is one row: the summary, beside each part handed.
         let Some(row) = rows.first() else {
             break;
         };
@@ -323,7 +328,7 @@ pub(crate) async fn claim_and_fan_out(
             recovered,
         };
         if batch.events > 0 {
-            let rows = handed_deliveries(&rows)?
+            let rows = delivered
                 .into_iter()
                 .map(|d| {
                     // Each delivery's size as the offer counts it: its

@@ -770,3 +770,69 @@ async fn one_fan_out(db: &Db, wake: &Wake, n: usize) -> usize {
     )
     .await
 }
+
+/// One fan-out hands over the events of two tenants to their endpoints
+/// (two and one): each delivery carries its own event and is sent to its
+/// own endpoint, each pair once, though every event and endpoint comes back
+/// from the statement once and is shared by its pairs (docs/adr/0127).
+///
+/// Mutation check: a pair given another event's part (the first one made)
+/// sends that event's body twice and this one's never, and this test fails
+/// (scripts/mutation-check `handed_event_part`); so does one given another
+/// endpoint's part (`handed_endpoint_part`).
+#[tokio::test]
+async fn each_handed_delivery_carries_its_own_event_to_its_own_endpoint() {
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/a1")).await;
+    endpoint(&t, "tenant_a", &rx.url_at("/a2")).await;
+    endpoint(&t, "tenant_b", &rx.url_at("/b1")).await;
+    let b: Vec<String> = (0..2)
+        .map(|i| format!(r#"{{"invoice": "b_{i}"}}"#))
+        .collect();
+    enqueue_payloads(&t.db, "tenant_b", &b).await;
+    let (wake, w) = waking_worker(&t.db);
+    let relay = &wake;
+    let report = leading_offered(
+        &t.db,
+        &wake,
+        (Duration::from_secs(30), 100, 2),
+        |tick| async move {
+            assert_eq!(relay.relay().waiting(), 6, "all handed over");
+            w.run_tick(&tick).await
+        },
+    )
+    .await;
+    assert_eq!(report.delivered, 6, "{report:?}");
+    let mut sent: Vec<(String, String)> = rx
+        .requests()
+        .iter()
+        .map(|r| {
+            let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            let invoice = body["data"]["invoice"].as_str().unwrap().to_owned();
+            (r.path.clone(), invoice)
+        })
+        .collect();
+    sent.sort();
+    let expected: Vec<(String, String)> = [
+        ("/a1", "in_0"),
+        ("/a1", "in_1"),
+        ("/a2", "in_0"),
+        ("/a2", "in_1"),
+        ("/b1", "b_0"),
+        ("/b1", "b_1"),
+    ]
+    .iter()
+    .map(|(p, i)| ((*p).to_owned(), (*i).to_owned()))
+    .collect();
+    assert_eq!(sent, expected);
+    let ids: std::collections::HashSet<String> = rx
+        .requests()
+        .iter()
+        .map(|r| r.header("webhook-id").to_owned())
+        .collect();
+    assert_eq!(ids.len(), 4, "one message id per event");
+    let d = deliveries(&t.db).await;
+    assert!(d.iter().all(|d| d.delivered && d.attempts == 1), "{d:?}");
+    assert_eq!(handoffs(&t.db).await, [], "the handoff is deleted");
+}
