@@ -13,15 +13,6 @@ mod store;
 #[macro_export]
 #[rustfmt::skip]
 macro_rules! webhook_claimed_columns {
-    ($d:literal, $e:literal, $ep:literal) => {
-        concat!(
-            $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
-            $d, ".attempts, ", $d, ".resent_at_attempt, ",
-            $crate::webhook_claimed_columns!(endpoint $ep), ", ",
-            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
-            $crate::webhook_event_time!($e), " AS event_time"
-        )
-    };
     (endpoint $ep:literal) => {
         concat!(
             $ep, ".url, ", $ep, ".secret_ciphertext, ", $ep, ".secret_key_id, ",
@@ -30,6 +21,15 @@ macro_rules! webhook_claimed_columns {
             $ep, ".previous_secret_ciphertext END AS previous_secret_ciphertext, ",
             "CASE WHEN ", $ep, ".previous_secret_expires_at > now() THEN ",
             $ep, ".previous_secret_key_id END AS previous_secret_key_id"
+        )
+    };
+    ($d:literal, $e:literal, $ep:literal) => {
+        concat!(
+            $d, ".id, ", $d, ".tenant_id, ", $d, ".event_id, ", $d, ".endpoint_id, ",
+            $d, ".attempts, ", $d, ".resent_at_attempt, ",
+            $crate::webhook_claimed_columns!(endpoint $ep), ", ",
+            $e, ".event_type, ", $e, ".message_id, ", $e, ".payload::text AS payload, ",
+            $crate::webhook_event_time!($e), " AS event_time"
         )
     };
 }
