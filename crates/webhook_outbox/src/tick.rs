@@ -24,6 +24,11 @@ use crate::store::{self, Batch, PruneCursor};
 /// than this per batch (docs/adr/0125).
 const ROOM_WAIT: Duration = Duration::from_millis(500);
 
+/// How often a tick that keeps claiming takes the handoffs whose lease has
+/// ended ([`store::recover_handoffs`]); a batch that claims nothing always
+/// does (docs/adr/0127). Their deliveries wait at most this past the lease.
+const RECOVER_EVERY: Duration = Duration::from_secs(1);
+
 /// What one tick did.
 #[derive(Debug)]
 pub struct TickReport {
@@ -53,6 +58,8 @@ pub struct Dispatcher {
     cursor: db::TenantCursor,
     /// Where the event prune's next statement reads from (docs/adr/0108).
     prune_from: Arc<Mutex<PruneCursor>>,
+    /// When expired handoffs were last taken (docs/adr/0127).
+    recovered_at: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Dispatcher {
@@ -74,6 +81,7 @@ impl Dispatcher {
             pruning: None,
             cursor: db::TenantCursor::default(),
             prune_from: Arc::default(),
+            recovered_at: Arc::default(),
         })
     }
 
@@ -190,6 +198,43 @@ impl Dispatcher {
         ROOM_WAIT.min(self.config.tick_budget / 2)
     }
 
+    fn recovery_due(&self) -> bool {
+        let at = *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner());
+        at.is_none_or(|at| at.elapsed() >= RECOVER_EVERY)
+    }
+
+    /// Take the handoffs whose lease has ended ([`store::recover_handoffs`])
+    /// and poke the delivery role of this process for what was inserted. A
+    /// failure is logged and left to the next batch: the fan-out it follows
+    /// has committed.
+    async fn recover(&self, fence: &Fence) -> u64 {
+        match store::recover_handoffs(&self.db, fence, self.config.statement_timeout).await {
+            Ok(n) => {
+                *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                if n > 0 {
+                    warn!(
+                        role = %Role::WebhookOutbox,
+                        deliveries = n,
+                        "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
+                    );
+                    if let Some(delivery) = self.hand_over.as_ref()
+                        && !delivery.is_listening()
+                    {
+                        delivery.poke();
+                    }
+                }
+                n
+            }
+            Err(e) => {
+                warn!(
+                    role = %Role::WebhookOutbox, error = %e,
+                    "could not take the handoffs whose lease has ended; the next batch tries again"
+                );
+                0
+            }
+        }
+    }
+
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
         // A relay more than half full is waited on: with room found within
         // the wait, this statement claims only about what fits and leaves
@@ -200,7 +245,7 @@ impl Dispatcher {
             Some(w) => w.relay().offer_with_room(self.room_wait()).await,
             None => None,
         };
-        let (batch, handed) = store::claim_and_fan_out(
+        let (mut batch, handed) = store::claim_and_fan_out(
             &self.db,
             fence,
             &self.cursor,
@@ -218,17 +263,13 @@ impl Dispatcher {
             // A listening delivery role hears the fan-out's own pg_notify,
             // but it may hear it before the rows claimed for it are handed
             // over here, claim nothing and wait: those are poked for.
-            let inserted = batch.deliveries > claimed_for_delivery as u64 || batch.recovered > 0;
+            let inserted = batch.deliveries > claimed_for_delivery as u64;
             if claimed_for_delivery > 0 || (inserted && !delivery.is_listening()) {
                 delivery.poke();
             }
         }
-        if batch.recovered > 0 {
-            warn!(
-                role = %Role::WebhookOutbox,
-                deliveries = batch.recovered,
-                "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
-            );
+        if batch.events == 0 || self.recovery_due() {
+            batch.recovered = self.recover(fence).await;
         }
         if batch.events > 0 {
             self.telemetry

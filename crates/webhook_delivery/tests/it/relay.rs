@@ -836,3 +836,72 @@ async fn each_handed_delivery_carries_its_own_event_to_its_own_endpoint() {
     assert!(d.iter().all(|d| d.delivered && d.attempts == 1), "{d:?}");
     assert_eq!(handoffs(&t.db).await, [], "the handoff is deleted");
 }
+
+/// An expired handoff of a pair not written: the last event of `tenant_a`
+/// not yet dispatched, stamped dispatched as the fan-out that handed it
+/// over stamped it, and its one endpoint.
+async fn expired_handoff(db: &Db) {
+    db.execute(sql(
+        "WITH ev AS (UPDATE webhook_events SET dispatched_at = now() \
+                     WHERE id = (SELECT max(id) FROM webhook_events WHERE dispatched_at IS NULL) \
+                     RETURNING id) \
+         INSERT INTO webhook_handoffs (until, tenant_ids, event_ids, endpoint_ids) \
+         SELECT now() - interval '1 second', ARRAY['tenant_a'], ARRAY[ev.id], ARRAY[ep.id] \
+         FROM ev, webhook_endpoints ep",
+    ))
+    .await
+    .unwrap();
+}
+
+/// Pairs of expired handoffs inserted pending (at attempt 1).
+async fn recovered(db: &Db) -> i64 {
+    db.fetch_one(sql(
+        "SELECT count(*) AS n FROM webhook_deliveries WHERE attempts = 1 AND status = 'pending'",
+    ))
+    .await
+    .unwrap()
+    .get("n")
+}
+
+/// Expired handoffs are taken by their own statement (docs/adr/0127): by a
+/// dispatcher's first batch even when it claims events, then by a batch that
+/// claims events only once a second has passed since (a batch that claims
+/// nothing always takes them), not by every fan-out statement.
+///
+/// Mutation checks: taking them only in batches that claim nothing leaves
+/// the first handoff to the tick's drain and this test fails
+/// (scripts/mutation-check `recover_only_idle`); taking them in every batch
+/// takes the second one at once and fails it too (`recover_every_batch`).
+#[tokio::test]
+async fn a_fan_out_that_keeps_claiming_takes_expired_handoffs_once_a_second() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/").await;
+    let payloads: Vec<String> = (0..5).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    enqueue_payloads(&t.db, "tenant_a", &payloads).await;
+    let d = dispatcher(&t.db);
+    let one_batch = || {
+        let d = d.clone();
+        let db = t.db.clone();
+        async move {
+            as_leader(
+                &manager(&db, "outbox"),
+                Role::WebhookOutbox,
+                |tick| async move {
+                    assert_eq!(d.dispatch_batch(&tick.fence, 1).await.unwrap(), 1);
+                },
+            )
+            .await;
+        }
+    };
+    expired_handoff(&t.db).await;
+    one_batch().await;
+    assert_eq!(recovered(&t.db).await, 1, "taken by the first batch");
+    expired_handoff(&t.db).await;
+    one_batch().await;
+    assert_eq!(recovered(&t.db).await, 1, "not by every batch");
+    assert_eq!(handoffs(&t.db).await.len(), 1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    one_batch().await;
+    assert_eq!(recovered(&t.db).await, 2, "a second later");
+    assert!(handoffs(&t.db).await.is_empty());
+}
