@@ -12,7 +12,7 @@
 //! wait here with the instant they were claimed at; the receiver takes them
 //! before it claims ([`Relay::take`]), and a row that waits past its lease is
 //! simply claimed again, as a claim whose worker died is (for the webhook
-//! roles: inserted pending by the next fan-out).
+//! roles: inserted pending by the fan-out once its handoff's lease ends).
 //!
 //! A sender that finds the room more than half taken waits for the receiver
 //! to take ([`Relay::offer_with_room`], docs/adr/0125) instead of writing what

@@ -17,8 +17,10 @@
 //! While the delivery role leads in the same process, the statement hands up
 //! to its room of those deliveries to it instead of inserting them: one
 //! `webhook_handoffs` row holds their pairs until the delivery role writes
-//! each with its first outcome, and each statement inserts pending the pairs
-//! of handoffs whose lease ended unwritten (docs/adr/0087, 0124). A batch
+//! each with its first outcome. The pairs of handoffs whose lease ended
+//! unwritten are inserted pending by their own fenced statement, run by a
+//! batch that claims nothing and at most once a second while batches claim
+//! (docs/adr/0087, 0124, 0127). A batch
 //! that finds that role's relay more than half full first waits for room (up
 //! to 500 ms); with room found within the wait it claims about what fits,
 //! leaving the rest undispatched, and after a wait that ran out it fans out
