@@ -221,10 +221,15 @@ impl Relay {
         }
         taken
             .into_iter()
-            .filter_map(|(at, row, _)| {
-                let row = row.downcast::<T>();
-                debug_assert!(row.is_ok(), "a relay row of another type");
-                row.ok().map(|r| (at, *r))
+            .filter_map(|(at, row, _)| match row.downcast::<T>() {
+                Ok(row) => Some((at, *row)),
+                Err(_) => {
+                    debug_assert!(false, "a relay row of another type");
+                    tracing::error!(
+                        "a relay row of another type than its taker's was dropped; it is claimed again after its lease"
+                    );
+                    None
+                }
             })
             .collect()
     }

@@ -195,9 +195,9 @@ fn handed_limit(last: Option<Instant>, now: Instant, limit: usize) -> usize {
 /// fan-out's statement as its claim time. They are not written yet
 /// (docs/adr/0124): each gets a negative id of this process, by which its
 /// outcome or hand-back inserts its row.
-fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Result<Vec<Claimed>, Error> {
+fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Vec<Claimed> {
     let Some(wake) = wake else {
-        return Ok(Vec::new());
+        return Vec::new();
     };
     let mut handed = wake
         .relay()
@@ -217,25 +217,20 @@ fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Result<Vec
         })
         .collect::<Vec<_>>();
     handed.sort_by_key(|c| (c.row.event_id, c.row.endpoint_id));
-    Ok(handed)
+    handed
 }
 
 /// Hand back unsent, due at once, every delivery the fan-out claimed for this
-/// role that no tick took. Those that cannot be read or written come due
-/// when their claim leases end.
+/// role that no tick took. Those that cannot be written come due when their
+/// claim leases end.
 async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
-    match take_handed(shared, Some(wake), usize::MAX) {
-        Ok(left) if !left.is_empty() => {
-            let held: Vec<store::HoldRow> = left
-                .iter()
-                .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
-                .collect();
-            t.holds(crate::outcomes::hold(shared, &held).await);
-        }
-        Ok(_) => {}
-        Err(e) => {
-            warn!(role = %Role::WebhookDelivery, error = %e, "could not read the deliveries handed over; they come due when their claim leases end")
-        }
+    let left = take_handed(shared, Some(wake), usize::MAX);
+    if !left.is_empty() {
+        let held: Vec<store::HoldRow> = left
+            .iter()
+            .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
+            .collect();
+        t.holds(crate::outcomes::hold(shared, &held).await);
     }
 }
 
@@ -356,7 +351,7 @@ impl FencedBatches for Deliveries<'_> {
             self.shared,
             self.wake,
             handed_limit(last, Instant::now(), limit),
-        )?;
+        );
         if claimed.len() < limit {
             *self
                 .claimed_from_table
@@ -381,7 +376,7 @@ impl FencedBatches for Deliveries<'_> {
             }
             // Fill the batch from the relay when the table had less.
             if claimed.len() < limit {
-                claimed.extend(take_handed(self.shared, self.wake, limit - claimed.len())?);
+                claimed.extend(take_handed(self.shared, self.wake, limit - claimed.len()));
             }
         }
         let waits = claimed.is_empty()

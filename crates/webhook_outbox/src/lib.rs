@@ -102,4 +102,9 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error("webhook outbox: {0}")]
     Db(#[from] db::Error),
+    /// A fan-out statement's handed parts did not fit together (a pair
+    /// without its event's or endpoint's part; docs/adr/0127): a defect.
+    /// The statement was rolled back, so nothing was claimed.
+    #[error("webhook outbox: {0}")]
+    Handed(String),
 }

@@ -56,9 +56,6 @@ pub(crate) struct Batch {
     /// Deliveries made: inserted pending (conflicts with existing ones are
     /// not counted) or handed to the delivery role unwritten.
     pub deliveries: u64,
-    /// Deliveries a process that died left unwritten (an expired
-    /// `webhook_handoffs` row), inserted pending by this batch's statements.
-    pub recovered: u64,
 }
 
 /// The statement of [`claim_and_fan_out`]; `pub` only for the plan test
@@ -71,6 +68,15 @@ pub(crate) struct Batch {
 /// `(tenant_id, id)`: with an equality the planner reduced the order to `id`
 /// and, on analyzed statistics, walked the primary key filtering by tenant,
 /// reading every later event of the other tenants (docs/adr/0061).
+///
+/// A pair is `handed` only while `row_number()` and the running byte sum,
+/// both in the window's (event, endpoint) order, stay within the offer, and
+/// `leads` and `first` are the same for every pair of an event: so an
+/// event's handed pairs are always its first ones, and its first pair
+/// (`opens`) is handed whenever any is. The `event` parts rely on that
+/// (docs/adr/0127); a condition on `handed` that varies by endpoint would
+/// leave a handed pair without its event, and `handed_deliveries` would
+/// refuse every such statement.
 pub const CLAIM_AND_FAN_OUT: &str = concat!(
     "WITH RECURSIVE ",
     db::fair_tenants!("webhook_events", "dispatched_at IS NULL", "$6", "$7", "$3"),
@@ -303,7 +309,6 @@ pub(crate) async fn claim_and_fan_out(
         batch = Batch {
             events: usize::try_from(count("events")?).unwrap_or(usize::MAX),
             deliveries: count("inserted")? + count("handed_pairs")?,
-            recovered: 0,
         };
         if batch.events > 0 {
             let rows = delivered
@@ -322,9 +327,8 @@ pub(crate) async fn claim_and_fan_out(
     Ok((batch, handed))
 }
 
-/// The statement of [`recover_handoffs`]; `pub` only for the plan test
-/// (`tests/it/plans.rs`).
-pub const RECOVER_HANDOFFS: &str = "WITH expired AS ( \
+/// The statement of [`recover_handoffs`].
+const RECOVER_HANDOFFS: &str = "WITH expired AS ( \
            DELETE FROM webhook_handoffs h \
            WHERE h.until < now() AND leader_fence($1, $2) \
            RETURNING h.tenant_ids, h.event_ids, h.endpoint_ids), \
@@ -343,8 +347,7 @@ pub const RECOVER_HANDOFFS: &str = "WITH expired AS ( \
            ON CONFLICT (event_id, endpoint_id) DO NOTHING \
            RETURNING 1), \
          wake AS (SELECT pg_notify($3, '') WHERE EXISTS (SELECT 1 FROM ins)) \
-         SELECT (SELECT count(*) FROM expired) AS handoffs, \
-                (SELECT count(*) FROM ins) AS recovered, \
+         SELECT (SELECT count(*) FROM ins) AS recovered, \
                 (SELECT count(*) FROM wake) AS woken";
 
 /// Take the handoffs whose lease has ended (their process died before
@@ -356,9 +359,9 @@ pub const RECOVER_HANDOFFS: &str = "WITH expired AS ( \
 ///
 /// Its own statement, not a part of every fan-out statement: planning it
 /// there cost each fan-out about 0.8 ms for a case that arises only when a
-/// process died or failed its writes (docs/adr/0127). The tick runs it at
-/// most every [`crate::tick`]'s `RECOVER_EVERY` while it claims, and on
-/// every batch that claims nothing.
+/// process died or failed its writes (docs/adr/0127). The tick runs it
+/// about once a second while batches claim, and after every batch that
+/// claims nothing.
 pub(crate) async fn recover_handoffs(
     db: &Db,
     fence: &Fence,
@@ -389,46 +392,59 @@ pub(crate) struct Handed {
 
 /// The deliveries of a fan-out's rows (docs/adr/0127): its `handoff` part
 /// holds the pairs, in three arrays, and each handed event and endpoint is
-/// one `event` or `endpoint` part, shared by its pairs. None when the
-/// statement handed nothing (the summary row alone, its parts null).
-fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, db::Error> {
+/// one `event` or `endpoint` part, shared by its pairs. Empty when the
+/// statement handed nothing (the summary row alone, its `part` null).
+fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, Error> {
     let mut handoff = None;
     let mut events = HashMap::new();
     let mut endpoints = HashMap::new();
     for r in rows {
-        match r.try_get::<Option<&str>, _>("part")? {
+        match r
+            .try_get::<Option<&str>, _>("part")
+            .map_err(db::Error::from)?
+        {
             Some("handoff") => {
-                let tenants: Vec<String> = r.try_get("tenant_ids")?;
-                let pairs: Vec<i64> = r.try_get("event_ids")?;
-                let to: Vec<i64> = r.try_get("endpoint_ids")?;
+                let tenants: Vec<String> = r.try_get("tenant_ids").map_err(db::Error::from)?;
+                let event_ids: Vec<i64> = r.try_get("event_ids").map_err(db::Error::from)?;
+                let endpoint_ids: Vec<i64> = r.try_get("endpoint_ids").map_err(db::Error::from)?;
                 handoff = Some((
-                    r.try_get::<i64, _>("handoff")?,
-                    r.try_get::<f64, _>("handed_at")?,
+                    r.try_get::<i64, _>("handoff").map_err(db::Error::from)?,
+                    r.try_get::<f64, _>("handed_at").map_err(db::Error::from)?,
                     tenants,
-                    pairs,
-                    to,
+                    event_ids,
+                    endpoint_ids,
                 ));
             }
             Some("event") => {
                 let event = HandedEvent {
-                    event_type: r.try_get("event_type")?,
-                    message_id: r.try_get("message_id")?,
-                    event_time: r.try_get("event_time")?,
-                    payload: r.try_get("payload")?,
+                    event_type: r.try_get("event_type").map_err(db::Error::from)?,
+                    message_id: r.try_get("message_id").map_err(db::Error::from)?,
+                    event_time: r.try_get("event_time").map_err(db::Error::from)?,
+                    payload: r.try_get("payload").map_err(db::Error::from)?,
                 };
-                events.insert(r.try_get::<i64, _>("part_id")?, Arc::new(event));
+                events.insert(
+                    r.try_get::<i64, _>("part_id").map_err(db::Error::from)?,
+                    Arc::new(event),
+                );
             }
             Some("endpoint") => {
                 let endpoint = HandedEndpoint {
-                    url: r.try_get("url")?,
-                    secret_ciphertext: r.try_get("secret_ciphertext")?,
-                    secret_key_id: r.try_get("secret_key_id")?,
-                    previous_secret_ciphertext: r.try_get("previous_secret_ciphertext")?,
-                    previous_secret_key_id: r.try_get("previous_secret_key_id")?,
-                    enabled: r.try_get("enabled")?,
-                    disabled_reason: r.try_get("disabled_reason")?,
+                    url: r.try_get("url").map_err(db::Error::from)?,
+                    secret_ciphertext: r.try_get("secret_ciphertext").map_err(db::Error::from)?,
+                    secret_key_id: r.try_get("secret_key_id").map_err(db::Error::from)?,
+                    previous_secret_ciphertext: r
+                        .try_get("previous_secret_ciphertext")
+                        .map_err(db::Error::from)?,
+                    previous_secret_key_id: r
+                        .try_get("previous_secret_key_id")
+                        .map_err(db::Error::from)?,
+                    enabled: r.try_get("enabled").map_err(db::Error::from)?,
+                    disabled_reason: r.try_get("disabled_reason").map_err(db::Error::from)?,
                 };
-                endpoints.insert(r.try_get::<i64, _>("part_id")?, Arc::new(endpoint));
+                endpoints.insert(
+                    r.try_get::<i64, _>("part_id").map_err(db::Error::from)?,
+                    Arc::new(endpoint),
+                );
             }
             _ => {}
         }
@@ -438,9 +454,7 @@ fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, db::Error> {
     };
     let handoff_pairs = event_ids.len();
     let missing = |what: &str, id: i64| {
-        db::Error::from(sqlx::Error::Protocol(format!(
-            "the fan-out handed over a delivery without its {what} {id}"
-        )))
+        Error::Handed(format!("a delivery handed over without its {what} {id}"))
     };
     tenants
         .into_iter()

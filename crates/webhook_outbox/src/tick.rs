@@ -24,9 +24,10 @@ use crate::store::{self, Batch, PruneCursor};
 /// than this per batch (docs/adr/0125).
 const ROOM_WAIT: Duration = Duration::from_millis(500);
 
-/// How often a tick that keeps claiming takes the handoffs whose lease has
-/// ended ([`store::recover_handoffs`]); a batch that claims nothing always
-/// does (docs/adr/0127). Their deliveries wait at most this past the lease.
+/// How often a tick that keeps claiming tries to take the handoffs whose
+/// lease has ended ([`store::recover_handoffs`]), checked after each batch; a
+/// batch that claims nothing always does (docs/adr/0127). Their deliveries
+/// wait about this much past the lease while the outbox is busy.
 const RECOVER_EVERY: Duration = Duration::from_secs(1);
 
 /// What one tick did.
@@ -58,7 +59,7 @@ pub struct Dispatcher {
     cursor: db::TenantCursor,
     /// Where the event prune's next statement reads from (docs/adr/0108).
     prune_from: Arc<Mutex<PruneCursor>>,
-    /// When expired handoffs were last taken (docs/adr/0127).
+    /// When taking expired handoffs was last tried (docs/adr/0127).
     recovered_at: Arc<Mutex<Option<Instant>>>,
 }
 
@@ -205,33 +206,30 @@ impl Dispatcher {
 
     /// Take the handoffs whose lease has ended ([`store::recover_handoffs`])
     /// and poke the delivery role of this process for what was inserted. A
-    /// failure is logged and left to the next batch: the fan-out it follows
-    /// has committed.
-    async fn recover(&self, fence: &Fence) -> u64 {
+    /// failure is logged and tried again after [`RECOVER_EVERY`] (or by the
+    /// next batch that claims nothing): the fan-out it follows has
+    /// committed, and a recovery that times out must not cost every batch
+    /// its statement timeout.
+    async fn recover(&self, fence: &Fence) {
+        *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         match store::recover_handoffs(&self.db, fence, self.config.statement_timeout).await {
+            Ok(0) => {}
             Ok(n) => {
-                *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-                if n > 0 {
-                    warn!(
-                        role = %Role::WebhookOutbox,
-                        deliveries = n,
-                        "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
-                    );
-                    if let Some(delivery) = self.hand_over.as_ref()
-                        && !delivery.is_listening()
-                    {
-                        delivery.poke();
-                    }
-                }
-                n
-            }
-            Err(e) => {
                 warn!(
-                    role = %Role::WebhookOutbox, error = %e,
-                    "could not take the handoffs whose lease has ended; the next batch tries again"
+                    role = %Role::WebhookOutbox,
+                    deliveries = n,
+                    "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
                 );
-                0
+                if let Some(delivery) = self.hand_over.as_ref()
+                    && !delivery.is_listening()
+                {
+                    delivery.poke();
+                }
             }
+            Err(e) => warn!(
+                role = %Role::WebhookOutbox, error = %e,
+                "could not take the handoffs whose lease has ended; tried again within a second"
+            ),
         }
     }
 
@@ -245,7 +243,7 @@ impl Dispatcher {
             Some(w) => w.relay().offer_with_room(self.room_wait()).await,
             None => None,
         };
-        let (mut batch, handed) = store::claim_and_fan_out(
+        let (batch, handed) = store::claim_and_fan_out(
             &self.db,
             fence,
             &self.cursor,
@@ -269,7 +267,7 @@ impl Dispatcher {
             }
         }
         if batch.events == 0 || self.recovery_due() {
-            batch.recovered = self.recover(fence).await;
+            self.recover(fence).await;
         }
         if batch.events > 0 {
             self.telemetry

@@ -35,9 +35,9 @@ pub(crate) struct ClaimedRow {
 }
 
 impl ClaimedRow {
-    /// One row of [`CLAIM_DUE`], or of the fan-out's deliveries claimed for
-    /// this role (`webhook_outbox`'s `CLAIM_AND_FAN_OUT`; docs/adr/0087): both
-    /// select `outbox::webhook_claimed_columns!`.
+    /// One row of [`CLAIM_DUE`] (`outbox::webhook_claimed_columns!`). The
+    /// fan-out's deliveries claimed for this role come as
+    /// [`HandedDelivery`] instead ([`ClaimedRow::from_handed`]; docs/adr/0127).
     pub(crate) fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
         Ok(ClaimedRow {
             id: r.try_get("id")?,

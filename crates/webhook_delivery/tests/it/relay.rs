@@ -792,13 +792,14 @@ async fn each_handed_delivery_carries_its_own_event_to_its_own_endpoint() {
         .collect();
     enqueue_payloads(&t.db, "tenant_b", &b).await;
     let (wake, w) = waking_worker(&t.db);
-    let relay = &wake;
+    let (relay, db) = (&wake, &t.db);
     let report = leading_offered(
         &t.db,
         &wake,
         (Duration::from_secs(30), 100, 2),
         |tick| async move {
             assert_eq!(relay.relay().waiting(), 6, "all handed over");
+            assert_eq!(handoffs(db).await, [(6, true)], "by one statement");
             w.run_tick(&tick).await
         },
     )
