@@ -80,6 +80,37 @@ pub struct HandedEndpoint {
     pub disabled_reason: Option<String>,
 }
 
+impl HandedEvent {
+    /// The event's columns of a row that selects [`webhook_claimed_columns!`]
+    /// (or the same names: the fan-out's `event` parts).
+    pub fn from_row(r: &db::PgRow) -> Result<HandedEvent, db::Error> {
+        use db::Row;
+        Ok(HandedEvent {
+            event_type: r.try_get("event_type")?,
+            message_id: r.try_get("message_id")?,
+            event_time: r.try_get("event_time")?,
+            payload: r.try_get("payload")?,
+        })
+    }
+}
+
+impl HandedEndpoint {
+    /// The endpoint's columns of a row that selects
+    /// [`webhook_claimed_columns!`] (`endpoint`, or the whole list).
+    pub fn from_row(r: &db::PgRow) -> Result<HandedEndpoint, db::Error> {
+        use db::Row;
+        Ok(HandedEndpoint {
+            url: r.try_get("url")?,
+            secret_ciphertext: r.try_get("secret_ciphertext")?,
+            secret_key_id: r.try_get("secret_key_id")?,
+            previous_secret_ciphertext: r.try_get("previous_secret_ciphertext")?,
+            previous_secret_key_id: r.try_get("previous_secret_key_id")?,
+            enabled: r.try_get("enabled")?,
+            disabled_reason: r.try_get("disabled_reason")?,
+        })
+    }
+}
+
 /// The event's time as a delivery's body states it (RFC 3339, UTC,
 /// microseconds), from `webhook_events` named `$e`.
 #[macro_export]

@@ -162,32 +162,33 @@ pub const CLAIM_AND_FAN_OUT: &str = concat!(
                   extract(epoch FROM now())::float8 AS handed_at, \
                   h.tenant_ids, h.event_ids, h.endpoint_ids, NULL::int8 AS part_id, \
                   NULL::text AS event_type, NULL::text AS message_id, NULL::text AS payload, \
-                  NULL::text AS event_time, NULL::text AS url, NULL::bytea AS secret_ciphertext, \
-                  NULL::text AS secret_key_id, NULL::bool AS enabled, \
-                  NULL::text AS disabled_reason, NULL::bytea AS previous_secret_ciphertext, \
-                  NULL::text AS previous_secret_key_id \
+                  NULL::text AS event_time \
            FROM handoff h \
            UNION ALL \
            SELECT 'event', NULL, NULL, NULL, NULL, NULL, p.event_id, \
                   p.event_type, p.message_id, \
                   coalesce(p.payload, (SELECT ev.payload::text FROM webhook_events ev \
                                        WHERE ev.id = p.event_id)), \
-                  p.event_time, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+                  p.event_time \
            FROM pairs p WHERE p.handed AND p.opens \
            UNION ALL \
-           SELECT 'endpoint', NULL, NULL, NULL, NULL, NULL, ep.id, NULL, NULL, NULL, NULL, ",
+           SELECT 'endpoint', NULL, NULL, NULL, NULL, NULL, hp.endpoint_id, NULL, NULL, NULL, NULL \
+           FROM (SELECT DISTINCT endpoint_id FROM pairs WHERE handed) hp), \
+         parts AS ( \
+           SELECT x.*, ",
     outbox::webhook_claimed_columns!(endpoint "ep"),
     " \
-           FROM webhook_endpoints ep \
-           WHERE ep.id IN (SELECT endpoint_id FROM pairs WHERE handed)), \
+           FROM handed x \
+           LEFT JOIN webhook_endpoints ep \
+             ON ep.id = CASE WHEN x.part = 'endpoint' THEN x.part_id END), \
          wake AS (SELECT pg_notify($4, '') \
                   WHERE EXISTS (SELECT 1 FROM ins) OR EXISTS (SELECT 1 FROM handoff)) \
          SELECT (SELECT count(*) FROM stamped) AS events, \
                 (SELECT count(*) FROM ins) AS inserted, \
                 (SELECT count(*) FROM pairs WHERE handed) AS handed_pairs, \
                 (SELECT count(*) FROM wake) AS woken, \
-                share.tenants, share.last_tenant, handed.* \
-         FROM share LEFT JOIN handed ON true"
+                share.tenants, share.last_tenant, parts.* \
+         FROM share LEFT JOIN parts ON true"
 );
 
 /// The fenced funnel: in one transaction and one statement, claim up to
@@ -399,75 +400,37 @@ fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, Error> {
     let mut events = HashMap::new();
     let mut endpoints = HashMap::new();
     for r in rows {
-        match r
-            .try_get::<Option<&str>, _>("part")
-            .map_err(db::Error::from)?
-        {
-            Some("handoff") => {
-                let tenants: Vec<String> = r.try_get("tenant_ids").map_err(db::Error::from)?;
-                let event_ids: Vec<i64> = r.try_get("event_ids").map_err(db::Error::from)?;
-                let endpoint_ids: Vec<i64> = r.try_get("endpoint_ids").map_err(db::Error::from)?;
-                handoff = Some((
-                    r.try_get::<i64, _>("handoff").map_err(db::Error::from)?,
-                    r.try_get::<f64, _>("handed_at").map_err(db::Error::from)?,
-                    tenants,
-                    event_ids,
-                    endpoint_ids,
-                ));
+        match part_of(r)? {
+            (None, _) => {}
+            (Some(part), _) if part == "handoff" => handoff = Some(HandoffPart::from_row(r)?),
+            (Some(part), Some(id)) if part == "event" => {
+                events.insert(id, Arc::new(HandedEvent::from_row(r)?));
             }
-            Some("event") => {
-                let event = HandedEvent {
-                    event_type: r.try_get("event_type").map_err(db::Error::from)?,
-                    message_id: r.try_get("message_id").map_err(db::Error::from)?,
-                    event_time: r.try_get("event_time").map_err(db::Error::from)?,
-                    payload: r.try_get("payload").map_err(db::Error::from)?,
-                };
-                events.insert(
-                    r.try_get::<i64, _>("part_id").map_err(db::Error::from)?,
-                    Arc::new(event),
-                );
+            (Some(part), Some(id)) if part == "endpoint" => {
+                endpoints.insert(id, Arc::new(HandedEndpoint::from_row(r)?));
             }
-            Some("endpoint") => {
-                let endpoint = HandedEndpoint {
-                    url: r.try_get("url").map_err(db::Error::from)?,
-                    secret_ciphertext: r.try_get("secret_ciphertext").map_err(db::Error::from)?,
-                    secret_key_id: r.try_get("secret_key_id").map_err(db::Error::from)?,
-                    previous_secret_ciphertext: r
-                        .try_get("previous_secret_ciphertext")
-                        .map_err(db::Error::from)?,
-                    previous_secret_key_id: r
-                        .try_get("previous_secret_key_id")
-                        .map_err(db::Error::from)?,
-                    enabled: r.try_get("enabled").map_err(db::Error::from)?,
-                    disabled_reason: r.try_get("disabled_reason").map_err(db::Error::from)?,
-                };
-                endpoints.insert(
-                    r.try_get::<i64, _>("part_id").map_err(db::Error::from)?,
-                    Arc::new(endpoint),
-                );
-            }
-            _ => {}
+            (Some(part), _) => return Err(Error::Handed(format!("a part named {part:?}"))),
         }
     }
-    let Some((handoff, handed_at, tenants, event_ids, endpoint_ids)) = handoff else {
+    let Some(h) = handoff else {
         return Ok(Vec::new());
     };
-    let handoff_pairs = event_ids.len();
+    let handoff_pairs = h.event_ids.len();
     let missing = |what: &str, id: i64| {
         Error::Handed(format!("a delivery handed over without its {what} {id}"))
     };
-    tenants
+    h.tenant_ids
         .into_iter()
-        .zip(event_ids)
-        .zip(endpoint_ids)
+        .zip(h.event_ids)
+        .zip(h.endpoint_ids)
         .map(|((tenant_id, event_id), endpoint_id)| {
             Ok(HandedDelivery {
                 tenant_id,
                 event_id,
                 endpoint_id,
-                handoff,
+                handoff: h.id,
                 handoff_pairs,
-                handed_at,
+                handed_at: h.handed_at,
                 event: Arc::clone(
                     events
                         .get(&event_id)
@@ -481,6 +444,33 @@ fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, Error> {
             })
         })
         .collect()
+}
+
+/// A fan-out row's part and the event's or endpoint's id it is for.
+fn part_of(r: &PgRow) -> Result<(Option<String>, Option<i64>), db::Error> {
+    Ok((r.try_get("part")?, r.try_get("part_id")?))
+}
+
+/// The fan-out's `handoff` part: the `webhook_handoffs` row it inserted,
+/// when, and its pairs.
+struct HandoffPart {
+    id: i64,
+    handed_at: f64,
+    tenant_ids: Vec<String>,
+    event_ids: Vec<i64>,
+    endpoint_ids: Vec<i64>,
+}
+
+impl HandoffPart {
+    fn from_row(r: &PgRow) -> Result<HandoffPart, db::Error> {
+        Ok(HandoffPart {
+            id: r.try_get("handoff")?,
+            handed_at: r.try_get("handed_at")?,
+            tenant_ids: r.try_get("tenant_ids")?,
+            event_ids: r.try_get("event_ids")?,
+            endpoint_ids: r.try_get("endpoint_ids")?,
+        })
+    }
 }
 
 /// The prune statement of [`prune_dispatched`]; `pub` only for the plan test

@@ -199,38 +199,33 @@ impl Dispatcher {
         ROOM_WAIT.min(self.config.tick_budget / 2)
     }
 
+    /// Whether a batch that claimed should try to take expired handoffs: a
+    /// second or more since the last try, or none yet.
     fn recovery_due(&self) -> bool {
         let at = *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner());
         at.is_none_or(|at| at.elapsed() >= RECOVER_EVERY)
     }
 
     /// Take the handoffs whose lease has ended ([`store::recover_handoffs`])
-    /// and poke the delivery role of this process for what was inserted. A
-    /// failure is logged and tried again after [`RECOVER_EVERY`] (or by the
-    /// next batch that claims nothing): the fan-out it follows has
-    /// committed, and a recovery that times out must not cost every batch
-    /// its statement timeout.
-    async fn recover(&self, fence: &Fence) {
+    /// and poke the delivery role of this process for what was inserted.
+    /// The try is recorded either way, so [`Dispatcher::recovery_due`] spaces
+    /// a failing one too.
+    async fn recover(&self, fence: &Fence) -> Result<(), Error> {
         *self.recovered_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-        match store::recover_handoffs(&self.db, fence, self.config.statement_timeout).await {
-            Ok(0) => {}
-            Ok(n) => {
-                warn!(
-                    role = %Role::WebhookOutbox,
-                    deliveries = n,
-                    "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
-                );
-                if let Some(delivery) = self.hand_over.as_ref()
-                    && !delivery.is_listening()
-                {
-                    delivery.poke();
-                }
+        let n = store::recover_handoffs(&self.db, fence, self.config.statement_timeout).await?;
+        if n > 0 {
+            warn!(
+                role = %Role::WebhookOutbox,
+                deliveries = n,
+                "deliveries handed to a delivery role that did not write them before its lease ended (its process died, or its writes failed): inserted pending; they are sent again"
+            );
+            if let Some(delivery) = self.hand_over.as_ref()
+                && !delivery.is_listening()
+            {
+                delivery.poke();
             }
-            Err(e) => warn!(
-                role = %Role::WebhookOutbox, error = %e,
-                "could not take the handoffs whose lease has ended; tried again within a second"
-            ),
         }
+        Ok(())
     }
 
     async fn batch(&self, fence: &Fence, limit: usize) -> Result<Batch, Error> {
@@ -266,8 +261,21 @@ impl Dispatcher {
                 delivery.poke();
             }
         }
-        if batch.events == 0 || self.recovery_due() {
-            self.recover(fence).await;
+        if batch.events == 0 {
+            // A failure fails the tick, as it failed the fan-out statement
+            // when the recovery was a part of it: the lease manager's
+            // back-off and the tick metrics see it, and an idle probe that
+            // keeps seeing the expired handoff does not retry it at once.
+            self.recover(fence).await?;
+        } else if self.recovery_due()
+            && let Err(e) = self.recover(fence).await
+        {
+            // The fan-out has committed: its batch stands, and the next
+            // batch that claims nothing, or a second from now, tries again.
+            warn!(
+                role = %Role::WebhookOutbox, error = %e,
+                "could not take the handoffs whose lease has ended; tried again later"
+            );
         }
         if batch.events > 0 {
             self.telemetry

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
 use leader::Fence;
-use outbox::webhook::HandedDelivery;
+use outbox::webhook::{HandedDelivery, HandedEndpoint, HandedEvent};
 
 use super::endpoints::sealed_from;
 use crate::sealed::Sealed;
@@ -39,40 +39,52 @@ impl ClaimedRow {
     /// fan-out's deliveries claimed for this role come as
     /// [`HandedDelivery`] instead ([`ClaimedRow::from_handed`]; docs/adr/0127).
     pub(crate) fn from_row(r: &PgRow) -> Result<ClaimedRow, db::Error> {
-        Ok(ClaimedRow {
-            id: r.try_get("id")?,
-            tenant_id: r.try_get("tenant_id")?,
-            event_id: r.try_get("event_id")?,
-            endpoint_id: r.try_get("endpoint_id")?,
-            attempt: r.try_get("attempts")?,
-            resent_at_attempt: r.try_get("resent_at_attempt")?,
-            url: r.try_get("url")?,
-            secret: sealed_from(r.try_get("secret_ciphertext")?, r.try_get("secret_key_id")?),
-            previous_secret: sealed_from(
-                r.try_get("previous_secret_ciphertext")?,
-                r.try_get("previous_secret_key_id")?,
-            ),
-            enabled: r.try_get("enabled")?,
-            disabled_reason: r.try_get("disabled_reason")?,
-            event_type: r.try_get("event_type")?,
-            message_id: r.try_get("message_id")?,
-            event_time: r.try_get("event_time")?,
-            payload: r.try_get("payload")?,
-        })
+        Ok(ClaimedRow::of(
+            Keys {
+                id: r.try_get("id")?,
+                tenant_id: r.try_get("tenant_id")?,
+                event_id: r.try_get("event_id")?,
+                endpoint_id: r.try_get("endpoint_id")?,
+                attempt: r.try_get("attempts")?,
+                resent_at_attempt: r.try_get("resent_at_attempt")?,
+            },
+            &HandedEndpoint::from_row(r)?,
+            HandedEvent::from_row(r)?,
+        ))
     }
 
     /// A delivery the fan-out handed over (docs/adr/0087, 0127), not written
     /// yet: its id is given by the caller (docs/adr/0124), its attempt is
     /// the first.
     pub(crate) fn from_handed(d: &HandedDelivery) -> ClaimedRow {
-        let ep = &d.endpoint;
+        let e = &d.event;
+        ClaimedRow::of(
+            Keys {
+                id: 0,
+                tenant_id: d.tenant_id.clone(),
+                event_id: d.event_id,
+                endpoint_id: d.endpoint_id,
+                attempt: 1,
+                resent_at_attempt: 0,
+            },
+            &d.endpoint,
+            HandedEvent {
+                event_type: e.event_type.clone(),
+                message_id: e.message_id.clone(),
+                event_time: e.event_time.clone(),
+                payload: e.payload.clone(),
+            },
+        )
+    }
+
+    fn of(pair: Keys, ep: &HandedEndpoint, event: HandedEvent) -> ClaimedRow {
         ClaimedRow {
-            id: 0,
-            tenant_id: d.tenant_id.clone(),
-            event_id: d.event_id,
-            endpoint_id: d.endpoint_id,
-            attempt: 1,
-            resent_at_attempt: 0,
+            id: pair.id,
+            tenant_id: pair.tenant_id,
+            event_id: pair.event_id,
+            endpoint_id: pair.endpoint_id,
+            attempt: pair.attempt,
+            resent_at_attempt: pair.resent_at_attempt,
             url: ep.url.clone(),
             secret: sealed_from(ep.secret_ciphertext.clone(), ep.secret_key_id.clone()),
             previous_secret: sealed_from(
@@ -81,12 +93,22 @@ impl ClaimedRow {
             ),
             enabled: ep.enabled,
             disabled_reason: ep.disabled_reason.clone(),
-            event_type: d.event.event_type.clone(),
-            message_id: d.event.message_id.clone(),
-            event_time: d.event.event_time.clone(),
-            payload: d.event.payload.clone(),
+            event_type: event.event_type,
+            message_id: event.message_id,
+            event_time: event.event_time,
+            payload: event.payload,
         }
     }
+}
+
+/// A claimed row's own columns, beside its endpoint's and event's.
+struct Keys {
+    id: i64,
+    tenant_id: String,
+    event_id: i64,
+    endpoint_id: i64,
+    attempt: i32,
+    resent_at_attempt: i32,
 }
 
 /// The claim statement of [`claim_due`]; `pub` only for the plan tests

@@ -36,6 +36,10 @@ async fn explain_fan_out(t: &TestDb, token: Option<i64>) -> String {
     .await
 }
 
+/// Also: each endpoint of a handed pair is read by its key, once
+/// (docs/adr/0127). Mutation `handed_endpoint_by_key` (the join key written
+/// so that the primary key does not match) reads the endpoints whole for
+/// each part instead: seen failing here.
 #[tokio::test]
 async fn the_fan_out_claims_its_events_in_index_order() {
     let t = TestDb::new().await;
@@ -49,6 +53,9 @@ async fn the_fan_out_claims_its_events_in_index_order() {
         plan.contains("Index Scan using webhook_events_undispatched on webhook_events"),
         "{plan}"
     );
+    // Each handed endpoint's columns are read once, by key (docs/adr/0127).
+    let endpoint = "Index Scan using webhook_endpoints_pkey on webhook_endpoints ep ";
+    assert!(plan.contains(endpoint), "{endpoint} not in\n{plan}");
     for absent in [
         "Bitmap",
         "Sort Key: webhook_events.id",
