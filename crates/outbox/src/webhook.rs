@@ -56,7 +56,7 @@ pub struct HandedDelivery {
 }
 
 /// A handed delivery's event, as its attempt sends it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HandedEvent {
     pub event_type: String,
     pub message_id: String,
@@ -69,7 +69,7 @@ pub struct HandedEvent {
 /// A handed delivery's endpoint, as [`webhook_claimed_columns!`] reads it
 /// (`endpoint`): the secrets sealed, the previous one only while its
 /// rotation overlap lasts.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HandedEndpoint {
     pub url: String,
     pub secret_ciphertext: Option<Vec<u8>>,

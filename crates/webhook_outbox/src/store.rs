@@ -402,11 +402,11 @@ fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, Error> {
     for r in rows {
         match part_of(r)? {
             (None, _) => {}
-            (Some(part), _) if part == "handoff" => handoff = Some(HandoffPart::from_row(r)?),
-            (Some(part), Some(id)) if part == "event" => {
+            (Some("handoff"), _) => handoff = Some(HandoffPart::from_row(r)?),
+            (Some("event"), Some(id)) => {
                 events.insert(id, Arc::new(HandedEvent::from_row(r)?));
             }
-            (Some(part), Some(id)) if part == "endpoint" => {
+            (Some("endpoint"), Some(id)) => {
                 endpoints.insert(id, Arc::new(HandedEndpoint::from_row(r)?));
             }
             (Some(part), _) => return Err(Error::Handed(format!("a part named {part:?}"))),
@@ -447,7 +447,7 @@ fn handed_deliveries(rows: &[PgRow]) -> Result<Vec<HandedDelivery>, Error> {
 }
 
 /// A fan-out row's part and the event's or endpoint's id it is for.
-fn part_of(r: &PgRow) -> Result<(Option<String>, Option<i64>), db::Error> {
+fn part_of(r: &PgRow) -> Result<(Option<&str>, Option<i64>), db::Error> {
     Ok((r.try_get("part")?, r.try_get("part_id")?))
 }
 

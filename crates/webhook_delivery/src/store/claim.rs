@@ -48,7 +48,7 @@ impl ClaimedRow {
                 attempt: r.try_get("attempts")?,
                 resent_at_attempt: r.try_get("resent_at_attempt")?,
             },
-            &HandedEndpoint::from_row(r)?,
+            HandedEndpoint::from_row(r)?,
             HandedEvent::from_row(r)?,
         ))
     }
@@ -57,7 +57,6 @@ impl ClaimedRow {
     /// yet: its id is given by the caller (docs/adr/0124), its attempt is
     /// the first.
     pub(crate) fn from_handed(d: &HandedDelivery) -> ClaimedRow {
-        let e = &d.event;
         ClaimedRow::of(
             Keys {
                 id: 0,
@@ -67,17 +66,12 @@ impl ClaimedRow {
                 attempt: 1,
                 resent_at_attempt: 0,
             },
-            &d.endpoint,
-            HandedEvent {
-                event_type: e.event_type.clone(),
-                message_id: e.message_id.clone(),
-                event_time: e.event_time.clone(),
-                payload: e.payload.clone(),
-            },
+            (*d.endpoint).clone(),
+            (*d.event).clone(),
         )
     }
 
-    fn of(pair: Keys, ep: &HandedEndpoint, event: HandedEvent) -> ClaimedRow {
+    fn of(pair: Keys, ep: HandedEndpoint, event: HandedEvent) -> ClaimedRow {
         ClaimedRow {
             id: pair.id,
             tenant_id: pair.tenant_id,
@@ -85,14 +79,11 @@ impl ClaimedRow {
             endpoint_id: pair.endpoint_id,
             attempt: pair.attempt,
             resent_at_attempt: pair.resent_at_attempt,
-            url: ep.url.clone(),
-            secret: sealed_from(ep.secret_ciphertext.clone(), ep.secret_key_id.clone()),
-            previous_secret: sealed_from(
-                ep.previous_secret_ciphertext.clone(),
-                ep.previous_secret_key_id.clone(),
-            ),
+            url: ep.url,
+            secret: sealed_from(ep.secret_ciphertext, ep.secret_key_id),
+            previous_secret: sealed_from(ep.previous_secret_ciphertext, ep.previous_secret_key_id),
             enabled: ep.enabled,
-            disabled_reason: ep.disabled_reason.clone(),
+            disabled_reason: ep.disabled_reason,
             event_type: event.event_type,
             message_id: event.message_id,
             event_time: event.event_time,
