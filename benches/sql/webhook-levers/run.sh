@@ -11,6 +11,8 @@
 #   no-check       without the tenant check's trigger
 #   no-finished    without webhook_deliveries_finished
 #   fillfactor-50  the events at fillfactor 50
+#   deliveries-ff100  the deliveries at fillfactor 100 (50 since migration 0011, room
+#                  for the claim's HOT update of a pending row)
 # HARDCOUNT_LEVERS picks levers (default: all). Run from the repository root after a build:
 #   scripts/bed run benches/sql/webhook-levers/run.sh [ROUNDS]
 set -euo pipefail
@@ -20,7 +22,7 @@ host=${HARDCOUNT_TEST_PG%:*}
 port=${HARDCOUNT_TEST_PG#*:}
 q() { psql -X -q -v ON_ERROR_STOP=1 -h "$host" -p "$port" -U postgres "$@"; }
 for round in $(seq 1 "${1:-3}"); do
-  for lever in ${HARDCOUNT_LEVERS:-shipped conflict notexists execute-check no-check no-finished fillfactor-50}; do
+  for lever in ${HARDCOUNT_LEVERS:-shipped conflict notexists execute-check no-check no-finished fillfactor-50 deliveries-ff100}; do
     db="levers_${round}_${lever//-/_}"
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"
@@ -32,6 +34,7 @@ for round in $(seq 1 "${1:-3}"); do
       no-check) q -d "$db" -c "DROP TRIGGER webhook_deliveries_same_tenant ON webhook_deliveries" >/dev/null ;;
       no-finished) q -d "$db" -c "DROP INDEX webhook_deliveries_finished" >/dev/null ;;
       fillfactor-50) q -d "$db" -c "ALTER TABLE webhook_events SET (fillfactor = 50)" >/dev/null ;;
+      deliveries-ff100) q -d "$db" -c "ALTER TABLE webhook_deliveries SET (fillfactor = 100)" >/dev/null ;;
     esac
     q -d "$db" -f "$here/setup.sql" >/dev/null
     out=$(q -d "$db" -At <<SQL

@@ -916,3 +916,123 @@ async fn a_fan_out_that_keeps_claiming_takes_expired_handoffs_once_a_second() {
     assert_eq!(recovered(&t.db).await, 2, "a second later");
     assert!(handoffs(&t.db).await.is_empty());
 }
+
+/// A recovery that fails (here a trigger refuses the expired handoff's
+/// delete) fails a batch that claims nothing, as it failed the fan-out
+/// statement when it was a part of it, so the lease manager's back-off and
+/// the tick metrics see it. After a batch that claims it is only logged:
+/// that batch's fan-out has committed and stands (docs/adr/0127).
+///
+/// Mutation checks: a batch that claims nothing and ignores the failure
+/// returns `Ok` and this test fails (scripts/mutation-check
+/// `recover_idle_failure_ignored`); a claiming batch that returns the
+/// failure fails it too (`recover_claiming_failure_fails`).
+#[tokio::test]
+async fn a_failed_recovery_fails_a_batch_that_claims_nothing_and_not_one_that_claims() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/").await;
+    let payloads: Vec<String> = (0..2).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
+    enqueue_payloads(&t.db, "tenant_a", &payloads).await;
+    expired_handoff(&t.db).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_handoff_delete() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN RAISE EXCEPTION 'refused by the test'; END$$; \
+         CREATE TRIGGER refuse_handoff_delete BEFORE DELETE ON webhook_handoffs \
+           FOR EACH ROW EXECUTE FUNCTION refuse_handoff_delete()",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let d = dispatcher(&t.db);
+    let (claiming, idle) = as_leader(
+        &manager(&t.db, "outbox"),
+        Role::WebhookOutbox,
+        |tick| async move {
+            let claiming = d.dispatch_batch(&tick.fence, 10).await;
+            let idle = d.dispatch_batch(&tick.fence, 10).await;
+            (claiming, idle)
+        },
+    )
+    .await;
+    assert_eq!(claiming.unwrap(), 1, "the claiming batch stands");
+    let e = idle.expect_err("the batch that claims nothing fails");
+    assert!(format!("{e:?}").contains("refused by the test"), "{e:?}");
+    assert_eq!(recovered(&t.db).await, 0);
+    assert_eq!(handoffs(&t.db).await.len(), 1, "left for a later try");
+}
+
+/// Pairs of an expired handoff inserted pending wake the delivery role of
+/// this process: by the recovery's `pg_notify` when the role listens, by a
+/// poke when it does not (it would otherwise wait out its interval). A batch
+/// that recovers nothing wakes neither.
+///
+/// Mutation checks: the recovery without its `pg_notify` leaves the
+/// listening role unwoken and this test fails (scripts/mutation-check
+/// `recover_notify`); without the poke the role that does not listen is left
+/// unwoken (`recover_poke`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovered_deliveries_wake_the_delivery_role_listening_or_not() {
+    let t = TestDb::new().await;
+    endpoint(&t, "tenant_a", "http://127.0.0.1:9/").await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let d = dispatcher(&t.db).with_hand_over(wake.clone());
+    // One event, stamped dispatched and handed over by a handoff whose
+    // lease has ended: every batch below claims nothing.
+    let expired = || async {
+        enqueue_payloads(&t.db, "tenant_a", &[r#"{"n": 1}"#.to_string()]).await;
+        expired_handoff(&t.db).await;
+    };
+    let idle_batch = || {
+        let (d, db) = (d.clone(), t.db.clone());
+        async move {
+            as_leader(
+                &manager(&db, "outbox"),
+                Role::WebhookOutbox,
+                |tick| async move {
+                    assert_eq!(d.dispatch_batch(&tick.fence, 10).await.unwrap(), 0);
+                },
+            )
+            .await;
+        }
+    };
+    let woken = |wake: Wake| async move { wake.wait(Duration::from_millis(1500)).await };
+
+    // Not listening: the dispatcher pokes.
+    expired().await;
+    idle_batch().await;
+    assert_eq!(recovered(&t.db).await, 1);
+    assert!(woken(wake.clone()).await, "poked");
+    idle_batch().await;
+    assert!(!woken(wake.clone()).await, "nothing recovered, not poked");
+
+    // Listening: the recovery's notification wakes it.
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let listener = tokio::spawn(scheduler::listen(
+        t.app_url(testbed::Leg::Direct),
+        vec![wake.clone()],
+        Duration::from_millis(200),
+        shutdown.child_token(),
+    ));
+    let started = std::time::Instant::now();
+    while !wake.is_listening() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never listening"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The poke of `set_listening`.
+    woken(wake.clone()).await;
+    idle_batch().await;
+    assert!(
+        !woken(wake.clone()).await,
+        "nothing recovered, not notified"
+    );
+    expired().await;
+    idle_batch().await;
+    assert_eq!(recovered(&t.db).await, 2);
+    assert!(woken(wake.clone()).await, "notified");
+    shutdown.cancel();
+    listener.await.unwrap();
+}
