@@ -1,8 +1,10 @@
--- INSERT_OUTCOMES (crates/webhook_delivery/src/store/unwritten.rs) as a PL/pgSQL
--- function whose plan is kept for the session and made generic at once.
+-- INSERT_OUTCOMES (crates/webhook_delivery/src/store/unwritten.rs, with endpoint_health!
+-- from outcomes.rs, as of 65643ae; keep it in step) as a PL/pgSQL function whose plan is
+-- kept for the session and made generic at once. run.sh's fn_auto variant resets
+-- plan_cache_mode to auto (custom plans first).
 CREATE FUNCTION hc_outcomes(text[], int8[], int8[], int4[], text[], float8[], int4[], text[], int4[], text[], float8[])
 RETURNS TABLE (event_id bigint, endpoint_id bigint) LANGUAGE plpgsql
-SET plan_cache_mode = force_generic_plan SET enable_hashjoin = off SET enable_mergejoin = off SET enable_bitmapscan = off SET enable_material = off AS $f$
+SET plan_cache_mode = force_generic_plan AS $f$
 #variable_conflict use_column
 BEGIN
   RETURN QUERY WITH o AS MATERIALIZED (

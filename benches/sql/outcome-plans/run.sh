@@ -6,7 +6,7 @@
 #   inline      the statement sent as the service sends it, planned at every call
 #   fn_generic  the same statement in a PL/pgSQL function, its plan generic and kept
 #   fn_auto     the same function, the plan cache left to choose
-# VARIANTS picks variants (default: all three). From the repository root after a build:
+# HARDCOUNT_OUTCOME_VARIANTS picks variants (default: all three). From the repository root after a build:
 #   scripts/bed run benches/sql/outcome-plans/run.sh [ROUNDS]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,7 +15,7 @@ host=${HARDCOUNT_TEST_PG%:*}
 port=${HARDCOUNT_TEST_PG#*:}
 q() { psql -X -q -v ON_ERROR_STOP=1 -h "$host" -p "$port" -U postgres "$@"; }
 for round in $(seq 1 "${1:-3}"); do
-  for v in ${VARIANTS:-inline fn_generic fn_auto}; do
+  for v in ${HARDCOUNT_OUTCOME_VARIANTS:-inline fn_generic fn_auto}; do
     db="outcome_plans_${round}_$v"
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"
@@ -23,8 +23,12 @@ for round in $(seq 1 "${1:-3}"); do
     q -d "$db" -f "$here/setup.sql" >/dev/null
     run=$here/run_inline.sql
     if [ "$v" != inline ]; then
-      q -d "$db" -f "$here/$v.sql" >/dev/null
+      q -d "$db" -f "$here/fn_generic.sql" >/dev/null
       run=$here/run_fn.sql
+    fi
+    if [ "$v" = fn_auto ]; then
+      q -d "$db" -c "ALTER FUNCTION hc_outcomes(text[], int8[], int8[], int4[], text[], float8[],
+                       int4[], text[], int4[], text[], float8[]) SET plan_cache_mode = auto" >/dev/null
     fi
     out=$(q -d "$db" -At <<SQL
 SELECT clock_timestamp() AS t0 \gset

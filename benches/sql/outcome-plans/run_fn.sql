@@ -1,8 +1,6 @@
--- As run_inline.sql, the statement called through hc_outcomes (fn_generic.sql or
--- fn_auto.sql), whose plan PL/pgSQL keeps for the session.
-SET enable_hashjoin = off; SET enable_mergejoin = off; SET enable_bitmapscan = off; SET enable_material = off;
+-- As run_inline.sql, the statement called through hc_outcomes (fn_generic.sql), whose
+-- plan PL/pgSQL keeps for the session.
 DO $$ DECLARE ep bigint[]; ev bigint[]; BEGIN
-  SELECT array_agg(id ORDER BY id) INTO ep FROM webhook_endpoints;
   FOR i IN 0..39 LOOP
     SELECT array_agg(e.id ORDER BY e.id, x.ep), array_agg(x.ep ORDER BY e.id, x.ep) INTO ev, ep
       FROM (SELECT id FROM webhook_events ORDER BY id OFFSET i * 102 LIMIT 102) e

@@ -1,10 +1,9 @@
 -- 40 groups of 510 outcomes (102 events x 5 endpoints), each group one statement and
--- one transaction, its arrays passed as parameters, under the index-driven settings
--- of db::Db::begin_index_driven. This file runs the statement itself through EXECUTE
--- (planned at every call, as the service's unnamed statements are).
-SET enable_hashjoin = off; SET enable_mergejoin = off; SET enable_bitmapscan = off; SET enable_material = off;
+-- one transaction, its arrays passed as parameters, at the planner's default settings
+-- (the service sends it in a transaction of db::Db::begin_with_timeout). This file runs
+-- the statement itself through EXECUTE (planned at every call, as the service's
+-- unnamed statements are).
 DO $$ DECLARE ep bigint[]; ev bigint[]; BEGIN
-  SELECT array_agg(id ORDER BY id) INTO ep FROM webhook_endpoints;
   FOR i IN 0..39 LOOP
     SELECT array_agg(e.id ORDER BY e.id, x.ep), array_agg(x.ep ORDER BY e.id, x.ep) INTO ev, ep
       FROM (SELECT id FROM webhook_events ORDER BY id OFFSET i * 102 LIMIT 102) e

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The levers of docs/adr/0126, SQL only, on the bed's Postgres: per round and lever, a
-# freshly migrated database (setup.sql), the dispatched stamp of 2,000 events
-# (stamp.sql), then 10,000 deliveries inserted delivered (insert.sql). Prints the
-# stamp's time per event and the insert's per delivery, with WAL bytes, one backend.
+# The levers of docs/adr/0126 (and deliveries-ff100, docs/adr/0127's addendum), SQL only,
+# on the bed's Postgres: per round and lever, a freshly migrated database (setup.sql),
+# the dispatched stamp of 2,000 events (stamp.sql), then 10,000 deliveries inserted
+# delivered (insert.sql). Prints the stamp's time per event and the insert's per
+# delivery, with WAL bytes, one backend.
 #   shipped        the insert as INSERT_OUTCOMES makes it (no conflict clause), the
 #                  tenant check as migration 0054 plans it
 #   conflict       with ON CONFLICT (event_id, endpoint_id) DO NOTHING (INSERT_OUTCOMES_TOLERANT)

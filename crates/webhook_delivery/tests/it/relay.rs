@@ -955,6 +955,9 @@ async fn a_failed_recovery_fails_a_batch_that_claims_nothing_and_not_one_that_cl
         },
     )
     .await;
+    // That the claiming batch tried the recovery (its first try is due at
+    // once) is pinned by
+    // a_fan_out_that_keeps_claiming_takes_expired_handoffs_once_a_second.
     assert_eq!(claiming.unwrap(), 1, "the claiming batch stands");
     let e = idle.expect_err("the batch that claims nothing fails");
     assert!(format!("{e:?}").contains("refused by the test"), "{e:?}");
@@ -1022,8 +1025,7 @@ async fn recovered_deliveries_wake_the_delivery_role_listening_or_not() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // The poke of `set_listening`.
-    woken(wake.clone()).await;
+    assert!(woken(wake.clone()).await, "set_listening pokes");
     idle_batch().await;
     assert!(
         !woken(wake.clone()).await,
