@@ -1,5 +1,7 @@
 -- As run_inline.sql, the statement called through hc_outcomes (fn_generic.sql), whose
--- plan PL/pgSQL keeps for the session.
+-- plan PL/pgSQL keeps for the session, made under the same settings.
+SET enable_bitmapscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off;
+SET enable_material = off; SET jit = off;
 DO $$ DECLARE ep bigint[]; ev bigint[]; BEGIN
   FOR i IN 0..39 LOOP
     SELECT array_agg(e.id ORDER BY e.id, x.ep), array_agg(x.ep ORDER BY e.id, x.ep) INTO ev, ep

@@ -1,8 +1,10 @@
 -- 40 groups of 510 outcomes (102 events x 5 endpoints), each group one statement and
--- one transaction, its arrays passed as parameters, at the planner's default settings
--- (the service sends it in a transaction of db::Db::begin_with_timeout). This file runs
--- the statement itself through EXECUTE (planned at every call, as the service's
--- unnamed statements are).
+-- one transaction, its arrays passed as parameters, under the planner settings of
+-- db::Db::begin_index_driven, in which the service sends it. This file runs the statement
+-- itself through EXECUTE (planned at every call, as the service's unnamed statements
+-- are); its text is INSERT_OUTCOMES as of 65643ae (keep it in step with fn_generic.sql).
+SET enable_bitmapscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off;
+SET enable_material = off; SET jit = off;
 DO $$ DECLARE ep bigint[]; ev bigint[]; BEGIN
   FOR i IN 0..39 LOOP
     SELECT array_agg(e.id ORDER BY e.id, x.ep), array_agg(x.ep ORDER BY e.id, x.ep) INTO ev, ep
