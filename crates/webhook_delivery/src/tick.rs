@@ -204,15 +204,16 @@ fn take_handed(shared: &Shared, wake: Option<&Wake>, limit: usize) -> Vec<Claime
         .take::<HandedDelivery>(limit)
         .into_iter()
         .map(|(claimed_at, d)| {
-            let mut row = store::ClaimedRow::from_handed(&d);
             let pair = store::Pair {
-                tenant_id: d.tenant_id,
+                tenant_id: d.tenant_id.clone(),
                 event_id: d.event_id,
                 endpoint_id: d.endpoint_id,
                 handoff: d.handoff,
                 handed_at: d.handed_at,
             };
-            row.id = shared.unwritten.adopt(pair, d.handoff_pairs, claimed_at);
+            let pairs = d.handoff_pairs;
+            let mut row = store::ClaimedRow::from_handed(d);
+            row.id = shared.unwritten.adopt(pair, pairs, claimed_at);
             Claimed { row, claimed_at }
         })
         .collect::<Vec<_>>();

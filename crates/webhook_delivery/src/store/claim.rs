@@ -1,6 +1,7 @@
 //! The claim's SQL: the fenced claim of due deliveries (`CLAIM_DUE`) and the
 //! idle probe's read of the same predicate.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use db::{Db, PgRow, Row, TENANTS_PER_CLAIM, TenantCursor, Walk, sql};
@@ -55,19 +56,20 @@ impl ClaimedRow {
 
     /// A delivery the fan-out handed over (docs/adr/0087, 0127), not written
     /// yet: its id is given by the caller (docs/adr/0124), its attempt is
-    /// the first.
-    pub(crate) fn from_handed(d: &HandedDelivery) -> ClaimedRow {
+    /// the first. The last delivery to hold its event or endpoint takes it
+    /// without a copy.
+    pub(crate) fn from_handed(d: HandedDelivery) -> ClaimedRow {
         ClaimedRow::of(
             Keys {
                 id: 0,
-                tenant_id: d.tenant_id.clone(),
+                tenant_id: d.tenant_id,
                 event_id: d.event_id,
                 endpoint_id: d.endpoint_id,
                 attempt: 1,
                 resent_at_attempt: 0,
             },
-            (*d.endpoint).clone(),
-            (*d.event).clone(),
+            Arc::unwrap_or_clone(d.endpoint),
+            Arc::unwrap_or_clone(d.event),
         )
     }
 

@@ -869,6 +869,17 @@ async fn recovered(db: &Db) -> i64 {
     .get("n")
 }
 
+/// One batch of `d` (up to `limit` events) as the webhook_outbox leader of
+/// this bed; the events it dispatched.
+async fn led_batch(db: &Db, d: &webhook_outbox::Dispatcher, limit: usize) -> usize {
+    as_leader(
+        &manager(db, "outbox"),
+        Role::WebhookOutbox,
+        |tick| async move { d.dispatch_batch(&tick.fence, limit).await.unwrap() },
+    )
+    .await
+}
+
 /// Expired handoffs are taken by their own statement (docs/adr/0127): by a
 /// dispatcher's first batch even when it claims events, then by a batch that
 /// claims events only once a second has passed since (a batch that claims
@@ -885,20 +896,7 @@ async fn a_fan_out_that_keeps_claiming_takes_expired_handoffs_once_a_second() {
     let payloads: Vec<String> = (0..5).map(|i| format!(r#"{{"n": {i}}}"#)).collect();
     enqueue_payloads(&t.db, "tenant_a", &payloads).await;
     let d = dispatcher(&t.db);
-    let one_batch = || {
-        let d = d.clone();
-        let db = t.db.clone();
-        async move {
-            as_leader(
-                &manager(&db, "outbox"),
-                Role::WebhookOutbox,
-                |tick| async move {
-                    assert_eq!(d.dispatch_batch(&tick.fence, 1).await.unwrap(), 1);
-                },
-            )
-            .await;
-        }
-    };
+    let one_batch = || async { assert_eq!(led_batch(&t.db, &d, 1).await, 1) };
     expired_handoff(&t.db).await;
     let first = std::time::Instant::now();
     one_batch().await;
@@ -986,19 +984,7 @@ async fn recovered_deliveries_wake_the_delivery_role_listening_or_not() {
         enqueue_payloads(&t.db, "tenant_a", &[r#"{"n": 1}"#.to_string()]).await;
         expired_handoff(&t.db).await;
     };
-    let idle_batch = || {
-        let (d, db) = (d.clone(), t.db.clone());
-        async move {
-            as_leader(
-                &manager(&db, "outbox"),
-                Role::WebhookOutbox,
-                |tick| async move {
-                    assert_eq!(d.dispatch_batch(&tick.fence, 10).await.unwrap(), 0);
-                },
-            )
-            .await;
-        }
-    };
+    let idle_batch = || async { assert_eq!(led_batch(&t.db, &d, 10).await, 0) };
     let woken = |wake: Wake| async move { wake.wait(Duration::from_millis(1500)).await };
 
     // Not listening: the dispatcher pokes.
