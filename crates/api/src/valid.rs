@@ -27,15 +27,17 @@ pub fn event_type(param: &str, value: &str) -> Result<(), ApiError> {
 /// the text: a string holding a backslash and `u0000` is written `\\u0000`
 /// there, and is stored as it is.
 pub fn payload(param: &str, value: &serde_json::Value, json: &str) -> Result<(), ApiError> {
-    if json.len() > outbox::webhook::MAX_PAYLOAD_BYTES {
-        return Err(ApiError::out_of_range(
-            param,
-            format!(
-                "the payload is {} bytes of JSON; at most {} are accepted",
-                json.len(),
-                outbox::webhook::MAX_PAYLOAD_BYTES
-            ),
-        ));
+    // Counted as stored: a number in exponent notation written out
+    // (docs/adr/0129). The written length first, so a text past the bound
+    // is not scanned.
+    let max = outbox::webhook::MAX_PAYLOAD_BYTES;
+    let bytes = if json.len() > max {
+        json.len()
+    } else {
+        outbox::webhook::stored_len(json)
+    };
+    if bytes > max {
+        return Err(ApiError::out_of_range(param, too_large(bytes, max)));
     }
     if outbox::webhook::contains_nul(value) {
         return Err(ApiError::param(
@@ -44,6 +46,15 @@ pub fn payload(param: &str, value: &serde_json::Value, json: &str) -> Result<(),
         ));
     }
     Ok(())
+}
+
+/// The refusal of a payload of `bytes` as stored, over `max`.
+fn too_large(bytes: usize, max: usize) -> String {
+    format!(
+        "the payload is {bytes} bytes of JSON, counting each number in exponent notation \
+         written out as it is stored and delivered (1e300 is 301 digits); at most {max} are \
+         accepted"
+    )
 }
 
 /// A refused event as the caller's 400, or the database's error.
@@ -57,10 +68,9 @@ pub fn enqueue_error(e: outbox::webhook::EnqueueError) -> ApiError {
             "data",
             format!("the payload is not JSON: {problem}"),
         ),
-        E::PayloadTooLarge { bytes, max, .. } => ApiError::out_of_range(
-            "data",
-            format!("the payload is {bytes} bytes of JSON; at most {max} are accepted"),
-        ),
+        E::PayloadTooLarge { bytes, max, .. } => {
+            ApiError::out_of_range("data", too_large(bytes, max))
+        }
         E::Db(e) => ApiError::from_db(&e),
     }
 }

@@ -83,7 +83,7 @@ pub enum ConfigError {
         max: Duration,
     },
     #[error(
-        "billing provider base URL must be an http(s) URL without a path, query or credentials, not {0:?}"
+        "billing provider base URL must be an http(s) URL without a path, query, fragment or credentials, not {0}"
     )]
     ProviderUrl(String),
     #[error("billing provider secret key must be a non-empty `sk_…` key (value not shown)")]

@@ -75,7 +75,9 @@ impl ProviderConfig {
     /// # Errors
     /// The first setting out of range, never echoing the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        // The URL as the error shows it: credentials in it are never echoed.
+        // The URL as the error shows it: its scheme, host and port only. A
+        // key may sit in its credentials, path or query, or be the whole
+        // value (the two variables swapped), so nothing else is echoed.
         let bad = || ConfigError::ProviderUrl(redacted(&self.base_url));
         let url = url::Url::parse(&self.base_url).map_err(|_| bad())?;
         if !matches!(url.scheme(), "http" | "https")
@@ -83,6 +85,7 @@ impl ProviderConfig {
             || !url.username().is_empty()
             || url.password().is_some()
             || url.query().is_some()
+            || url.fragment().is_some()
             || !url.path().trim_end_matches('/').is_empty()
         {
             return Err(bad());
@@ -385,7 +388,22 @@ impl Provider {
                     Some(self.raw(&text)),
                 ));
             };
-            let data = list["data"].as_array().cloned().unwrap_or_default();
+            // Only a page read whole says that no intent carries the key:
+            // `Absent` lets the request be sent again as a first one
+            // (docs/adr/0103), so a body that is not a list page, or a page
+            // that says it has more but names no last intent, is for review
+            // (docs/adr/0128).
+            let (Some(data), Some(has_more)) =
+                (list["data"].as_array(), list["has_more"].as_bool())
+            else {
+                return Err(needs_review(
+                    "the provider's answer to a list of payment intents is not a list page (no \
+                     data array or no has_more): whether this attempt charged cannot be read \
+                     there; check the provider's dashboard"
+                        .into(),
+                    Some(self.raw(&text)),
+                ));
+            };
             if let Some(found) = data
                 .iter()
                 .find(|pi| pi["metadata"]["hardcount_attempt"].as_str() == Some(key))
@@ -393,12 +411,20 @@ impl Provider {
                 return Ok(Listed::Found(intent_outcome(found, || self.raw(&text))));
             }
             read += data.len();
-            match (
-                list["has_more"].as_bool(),
-                data.last().and_then(|pi| pi["id"].as_str()),
-            ) {
-                (Some(true), Some(last)) => after = Some(last.to_owned()),
-                _ => return Ok(Listed::Absent),
+            if !has_more {
+                return Ok(Listed::Absent);
+            }
+            match data.last().and_then(|pi| pi["id"].as_str()) {
+                Some(last) => after = Some(last.to_owned()),
+                None => {
+                    return Err(needs_review(
+                        "the provider's list of payment intents says it has more but ends \
+                         without an intent id: the rest cannot be read; check the provider's \
+                         dashboard"
+                            .into(),
+                        Some(self.raw(&text)),
+                    ));
+                }
             }
         }
         Ok(Listed::Unread { read })
@@ -467,11 +493,32 @@ fn describe(e: reqwest::Error) -> String {
 
 /// `url` with any `user:password@` replaced by `***@`, for an error message.
 fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}***{}", &url[..scheme + 3], &url[at..])
+    match url::Url::parse(url) {
+        Ok(u) if u.host_str().is_some() => {
+            let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+            let hidden = !u.username().is_empty()
+                || u.password().is_some()
+                || !u.path().trim_end_matches('/').is_empty()
+                || u.query().is_some()
+                || u.fragment().is_some();
+            format!(
+                "{:?}{}",
+                format!(
+                    "{}://{}{port}",
+                    u.scheme(),
+                    u.host_str().unwrap_or_default()
+                ),
+                if hidden {
+                    " with credentials, a path, a query or a fragment (not shown)"
+                } else {
+                    ""
+                }
+            )
         }
-        _ => url.to_owned(),
+        _ => format!(
+            "a value of {} characters that is not a URL with a host (not shown)",
+            url.chars().count()
+        ),
     }
 }
 
@@ -492,16 +539,37 @@ mod tests {
         );
     }
 
-    /// A provider URL refused for carrying credentials is named without them.
+    /// A refused provider URL is named by its scheme, host and port alone:
+    /// a key in its credentials, path or query, or a key given as the URL
+    /// (the two variables swapped), is never echoed.
     #[test]
     fn a_refused_provider_url_never_echoes_its_credentials() {
-        let c = ProviderConfig::new(
-            "https://user:hunter2@api.example.com",
-            SecretKey::new("sk_test_1"),
+        let refused = |url: &str| {
+            ProviderConfig::new(url, SecretKey::new("sk_test_1"))
+                .validate()
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refused("https://user:hunter2@api.example.com");
+        assert!(
+            err.contains("\"https://api.example.com\" with credentials"),
+            "{err}"
         );
-        let err = c.validate().unwrap_err().to_string();
-        assert!(err.contains("https://***@api.example.com"), "{err}");
-        assert!(!err.contains("hunter2") && !err.contains("user:"), "{err}");
+        assert!(!err.contains("hunter2") && !err.contains("user"), "{err}");
+        for url in [
+            "sk_live_abcdef0123456789",
+            "https://api.example.com/v1/sk_live_abcdef0123456789",
+            "https://api.example.com/?key=sk_live_abcdef0123456789",
+            "https://api.example.com:8443/#sk_live_abcdef0123456789",
+        ] {
+            let err = refused(url);
+            assert!(!err.contains("sk_live"), "{err}");
+            assert!(err.contains("not shown"), "{err}");
+        }
+        assert!(refused("sk_live_abcdef0123456789").contains("24 characters"));
+        assert!(
+            refused("https://api.example.com:8443/#x").contains("\"https://api.example.com:8443\"")
+        );
     }
 
     #[test]

@@ -128,6 +128,12 @@ pub(crate) async fn run_tick(biller: &Biller, tick: &Tick) -> TickReport {
     if let Some(d) = steps.run("billing/stale_holds", &stale).await {
         reconciled.holds_freed += d.counts.holds_freed;
     }
+    // The gauges once every step has run: an attempt the charges or the
+    // reconciler sent to review is counted by the tick that sent it, not an
+    // interval later (read after the due billing, they missed both).
+    if !tick.cancel.is_cancelled() {
+        biller.refresh_gauges().await;
+    }
     let elapsed = steps.elapsed();
     let (stop, end) = steps.finish();
     if let (Some(plan), Some(pruning)) = (plan, biller.pruning.as_deref())
@@ -397,11 +403,5 @@ impl FencedBatches for DueBilling<'_> {
             .await?;
         self.left_out.extend(left_out);
         Ok(())
-    }
-
-    async fn end_tick(&self, tick: &Tick) {
-        if !tick.cancel.is_cancelled() {
-            self.biller.refresh_gauges().await;
-        }
     }
 }

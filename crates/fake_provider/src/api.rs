@@ -66,6 +66,8 @@ pub(super) enum Effect {
     StoredError { with_intent: bool },
     /// Processing (not charged yet), answered 200.
     Processing,
+    /// Waiting for the customer's action (not charged yet), answered 200.
+    RequiresAction,
 }
 
 /// The body of a 200 for a charge.
@@ -103,6 +105,7 @@ pub(super) fn plan(behaviour: &Behaviour, payment_method: &str) -> Result<Effect
             with_intent: *with_intent,
         },
         Behaviour::Processing => Effect::Processing,
+        Behaviour::RequiresAction => Effect::RequiresAction,
         Behaviour::Malformed(MalformedKind::NotJson) => Effect::Charge(Shape::NotJson),
         Behaviour::Malformed(MalformedKind::NoId) => Effect::Charge(Shape::NoId),
         Behaviour::Malformed(MalformedKind::BadId) => Effect::Charge(Shape::BadId),
@@ -158,6 +161,10 @@ pub(super) fn execute(effect: &Effect, intent: &mut Intent) -> Answer {
         }
         Effect::Processing => {
             intent.status = Status::Processing;
+            Answer::json(StatusCode::OK, &intent.json())
+        }
+        Effect::RequiresAction => {
+            intent.status = Status::RequiresAction;
             Answer::json(StatusCode::OK, &intent.json())
         }
     }
@@ -420,10 +427,19 @@ pub(super) async fn list_payment_intents(
     let listed = list_query(raw.as_deref()).and_then(|q| {
         let mut l = shared.ledger();
         l.list_requests += 1;
-        list(&l, &q)
+        match &l.list_body {
+            Some(body) => Ok(Err(body.clone())),
+            None => list(&l, &q).map(Ok),
+        }
     });
     match listed {
-        Ok(body) => axum::Json(body).into_response(),
+        Ok(Ok(body)) => axum::Json(body).into_response(),
+        Ok(Err(body)) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
         Err(refusal) => *refusal,
     }
 }

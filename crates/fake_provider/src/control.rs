@@ -59,6 +59,7 @@ pub(super) fn behaviour_from(form: &HashMap<String, String>) -> Result<Behaviour
             },
         },
         Some("processing") => Behaviour::Processing,
+        Some("requires_action") => Behaviour::RequiresAction,
         Some("missing_payment_method") => Behaviour::MissingPaymentMethod,
         Some("malformed") => Behaviour::Malformed(match field("kind") {
             Some("not_json") => MalformedKind::NotJson,
@@ -87,26 +88,27 @@ pub(super) fn behaviour_from(form: &HashMap<String, String>) -> Result<Behaviour
                 "parameter_invalid_string",
                 "behaviour",
                 "behaviour is one of succeed, decline, hang, error, stored_error, processing, \
-                 missing_payment_method, malformed, rate_limited"
+                 requires_action, missing_payment_method, malformed, rate_limited"
                     .into(),
             ));
         }
     })
 }
 
-/// Settle the processing intent `id` (see [`FakeProvider::settle_processing`]):
-/// its JSON now, or the 404 / 400 for an unknown or not processing one.
+/// Settle the intent `id`, processing or waiting for the customer's action
+/// (see [`FakeProvider::settle_processing`]): its JSON now, or the 404 / 400
+/// for an unknown or settled one.
 pub(super) fn settle(l: &mut Ledger, id: &str, succeeded: bool) -> Result<Value, Box<Response>> {
     let found = l.by_id.get(id).copied();
     let Some(intent) = found.and_then(|i| l.intents.get_mut(i)) else {
         return Err(Box::new(no_such_intent(id)));
     };
-    if intent.status != Status::Processing {
+    if !matches!(intent.status, Status::Processing | Status::RequiresAction) {
         return Err(refuse(
             "payment_intent_unexpected_state",
             "intent",
             format!(
-                "payment_intent {id} is {}, not processing",
+                "payment_intent {id} is {}, not processing or requires_action",
                 intent.status.as_str()
             ),
         ));

@@ -8,6 +8,7 @@ use super::*;
 pub(crate) enum Status {
     Succeeded,
     Processing,
+    RequiresAction,
     RequiresPaymentMethod,
 }
 
@@ -16,6 +17,7 @@ impl Status {
         match self {
             Status::Succeeded => "succeeded",
             Status::Processing => "processing",
+            Status::RequiresAction => "requires_action",
             Status::RequiresPaymentMethod => "requires_payment_method",
         }
     }
@@ -162,6 +164,9 @@ pub(crate) struct Ledger {
     /// Customers deleted at the provider: a list filtered by one is refused
     /// with 404 `resource_missing` on `customer`.
     pub(crate) deleted_customers: std::collections::HashSet<String>,
+    /// A 200 body every list answers instead of the list (a proxy or
+    /// gateway in the way); `None`: the list.
+    pub(crate) list_body: Option<String>,
     pub(crate) clock_offset_secs: u64,
     /// How long a create request waits before it is handled (zero: none).
     pub(crate) latency: std::time::Duration,

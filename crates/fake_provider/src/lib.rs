@@ -27,6 +27,8 @@
 //!                                        requires_payment_method with last_payment_error
 //!      stored_error                  ──▶ charged, then 500 api_error [with payment_intent]
 //!      processing                    ──▶ 200 status processing (charged only once settled)
+//!      requires_action               ──▶ 200 status requires_action (charged only once the
+//!                                        customer completes it: settled as succeeded)
 //!      malformed not_json|no_id|bad_id ─▶ charged, 200 with a body billing cannot trust
 //!      malformed nul_code            ──▶ 402 card_error, decline_code "gen\u0000eric"
 //!      hang                          ──▶ charged and stored, then no answer ever
@@ -35,14 +37,17 @@
 //!  GET  /v1/payment_intents?customer=cus_…&created[gte]=UNIX&limit=1..100&starting_after=pi_…
 //!                                    counted by list_requests()
 //!                                    {"object":"list","url","has_more","data"} newest first;
+//!                                    (200 with FakeProvider::set_list_body's body instead, if set);
 //!                                    a deleted customer (FakeProvider::delete_customer):
 //!                                    404 resource_missing, param customer
 //!  GET  /_test/charges               {"by_key": {key: n}, "total": n}   (successful charges)
 //!  POST /_test/behaviour             customer=cus_…&behaviour=succeed|decline|hang|error|
-//!                                    stored_error|processing|missing_payment_method|malformed|
+//!                                    stored_error|processing|requires_action|
+//!                                    missing_payment_method|malformed|
 //!                                    rate_limited [&decline_code=…][&with_intent=true]
 //!                                    [&kind=not_json|no_id|bad_id|nul_code][&retry_after=N]
-//!  POST /_test/intents/{id}/settle   status=succeeded|failed   (a processing intent)
+//!  POST /_test/intents/{id}/settle   status=succeeded|failed   (a processing intent, or one
+//!                                    requiring action: the customer completes it or fails)
 //!  POST /_test/prune_keys            forget every stored key (Stripe, 24 h later)
 //!  POST /_test/roll_key              secret_key=…   (only that key is accepted from then on)
 //! ```
@@ -182,6 +187,10 @@ pub enum Behaviour {
     /// Create the intent as `processing` and answer 200 with it; it is charged
     /// once [`FakeProvider::settle_processing`] says it succeeded.
     Processing,
+    /// Create the intent as `requires_action` (the bank asks the customer to
+    /// authenticate) and answer 200 with it: nothing charged until the
+    /// customer completes it, which [`FakeProvider::settle_processing`] plays.
+    RequiresAction,
     /// 404 `resource_missing` on `payment_method`: nothing charged or stored.
     MissingPaymentMethod,
     /// Execute, then answer (and store) a body a client must not trust.
@@ -219,7 +228,8 @@ pub struct IntentView {
     pub amount: u64,
     /// Lower case, as requested.
     pub currency: String,
-    /// `succeeded`, `processing` or `requires_payment_method`, as now.
+    /// `succeeded`, `processing`, `requires_action` or
+    /// `requires_payment_method`, as now.
     pub status: String,
     pub metadata: BTreeMap<String, String>,
 }
@@ -306,6 +316,13 @@ impl FakeProvider {
             .insert(customer.to_owned());
     }
 
+    /// Answer every list of payment intents from now on with 200 and `body`
+    /// instead of the list (a proxy or gateway in the way); `None` lists
+    /// again. Still counted by [`FakeProvider::list_requests`].
+    pub fn set_list_body(&self, body: Option<&str>) {
+        self.shared.ledger().list_body = body.map(str::to_owned);
+    }
+
     /// Whether amounts under the currency's minimum ([`minimum_amount`]) are
     /// refused with `amount_too_small` (the default); off, the floor is 1.
     pub fn set_enforce_minimums(&self, enforce: bool) {
@@ -325,10 +342,11 @@ impl FakeProvider {
         secret_key.clone_into(&mut self.shared.ledger().secret_key);
     }
 
-    /// Move the `processing` intent `intent_id` to `succeeded` (counted in
-    /// [`FakeProvider::charges`] under its key from then on) or, when not
-    /// `succeeded`, to `requires_payment_method` declined for
-    /// `insufficient_funds`. False when no such intent is processing.
+    /// Move the `processing` or `requires_action` intent `intent_id` to
+    /// `succeeded` (counted in [`FakeProvider::charges`] under its key from
+    /// then on) or, when not `succeeded`, to `requires_payment_method`
+    /// declined for `insufficient_funds`. False when no such intent is in
+    /// either state.
     pub fn settle_processing(&self, intent_id: &str, succeeded: bool) -> bool {
         settle(&mut self.shared.ledger(), intent_id, succeeded).is_ok()
     }

@@ -134,12 +134,12 @@ pub enum EnqueueError {
     /// The payload is not one JSON value. The message names the line and column.
     #[error("webhook payload for `{event_type}` is not valid JSON: {problem}")]
     InvalidJson { event_type: String, problem: String },
-    /// The payload's JSON text is larger than [`MAX_PAYLOAD_BYTES`]; nothing was
-    /// sent and `tx` is still usable. (A payload that passes this check but that
-    /// Postgres renders past the `webhook_events_payload_bounded` backstop, e.g.
-    /// `1e300` written out in full, is refused by the insert: [`EnqueueError::Db`].)
+    /// The payload's JSON text, each number counted at its length as stored
+    /// ([`stored_len`]), is larger than [`MAX_PAYLOAD_BYTES`]; nothing was sent
+    /// and `tx` is still usable.
     #[error(
-        "webhook payload for `{event_type}` is {bytes} bytes; at most {max} bytes are accepted"
+        "webhook payload for `{event_type}` is {bytes} bytes (numbers in exponent notation \
+         counted written out, as stored); at most {max} bytes are accepted"
     )]
     PayloadTooLarge {
         event_type: String,
@@ -269,10 +269,16 @@ fn check_event(event_type: &str, payload_json: &str) -> Result<(), EnqueueError>
     if event_type.trim().is_empty() {
         return Err(EnqueueError::EmptyEventType);
     }
-    if payload_json.len() > MAX_PAYLOAD_BYTES {
+    // The written length first: a text past the bound is not scanned.
+    let bytes = if payload_json.len() > MAX_PAYLOAD_BYTES {
+        payload_json.len()
+    } else {
+        stored_len(payload_json)
+    };
+    if bytes > MAX_PAYLOAD_BYTES {
         return Err(EnqueueError::PayloadTooLarge {
             event_type: event_type.to_owned(),
-            bytes: payload_json.len(),
+            bytes,
             max: MAX_PAYLOAD_BYTES,
         });
     }
@@ -289,6 +295,78 @@ fn check_event(event_type: &str, payload_json: &str) -> Result<(), EnqueueError>
         ));
     }
     Ok(())
+}
+
+/// The length of the JSON text `json` with each number counted as Postgres
+/// stores and renders it: jsonb keeps a number as `numeric`, which prints
+/// without an exponent, so `1e300` (5 bytes) is stored, read back and
+/// delivered as 301 digits, and `1e-1000` as 1,002 characters. The
+/// 256 KiB bound holds for that length (docs/adr/0129); the spaces jsonb
+/// adds after `:` and `,` are left to the 1 MiB backstop's headroom
+/// (migration 0007). Strings are skipped; `json` is assumed to be JSON
+/// (a text that is not is refused by its parse).
+pub fn stored_len(json: &str) -> usize {
+    let b = json.as_bytes();
+    let (mut i, mut extra) = (0, 0usize);
+    while i < b.len() {
+        match b[i] {
+            b'"' => {
+                i += 1;
+                while i < b.len() && b[i] != b'"' {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                i += 1;
+                while i < b.len() && matches!(b[i], b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-')
+                {
+                    i += 1;
+                }
+                let token = &json[start..i];
+                extra += numeric_len(token).saturating_sub(token.len());
+            }
+            _ => i += 1,
+        }
+    }
+    json.len().saturating_add(extra)
+}
+
+/// How many characters Postgres's `numeric` prints for the JSON number
+/// `token`: the integer part (at least `0`), then the fraction to the
+/// scale the text gave it (`1.50` keeps two places, `1.5e-3` four).
+fn numeric_len(token: &str) -> usize {
+    let (sign, unsigned) = match token.strip_prefix('-') {
+        Some(rest) => (1, rest),
+        None => (0, token),
+    };
+    let (mantissa, exp) = match unsigned.find(['e', 'E']) {
+        Some(at) => (
+            &unsigned[..at],
+            unsigned[at + 1..]
+                .parse::<i64>()
+                .unwrap_or(0)
+                .clamp(-1_000_000, 1_000_000),
+        ),
+        None => (unsigned, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = int.len() + frac.len();
+    let zeros = int
+        .bytes()
+        .chain(frac.bytes())
+        .take_while(|d| *d == b'0')
+        .count();
+    // Digits before the point once the exponent moved it, less leading
+    // zeros; a zero is `0` whatever its exponent.
+    let int_len = if zeros == digits {
+        1
+    } else {
+        (int.len() as i64 + exp - zeros as i64).max(1)
+    };
+    let scale = (frac.len() as i64 - exp).max(0);
+    sign + usize::try_from(int_len + if scale > 0 { 1 + scale } else { 0 }).unwrap_or(usize::MAX)
 }
 
 /// True if a string or key anywhere in `value` holds a NUL character.

@@ -28,9 +28,12 @@ pub struct NewEvent {
     #[serde(rename = "type")]
     #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
     pub event_type: String,
-    /// The event's payload, any JSON value (at most 256 KiB as JSON text),
-    /// stored and delivered as given: numbers are not read through a 64-bit
-    /// float (a 23-digit integer and `1.10` arrive as sent).
+    /// The event's payload, any JSON value (at most 256 KiB as JSON text,
+    /// a number in exponent notation counted written out), stored and
+    /// delivered with its numbers' digits as sent: they are not read through
+    /// a 64-bit float (a 23-digit integer and `1.10` arrive as sent). A number
+    /// in exponent notation is stored and delivered written out (`1e3` as
+    /// `1000`).
     #[schema(value_type = serde_json::Value)]
     pub data: Box<RawValue>,
 }

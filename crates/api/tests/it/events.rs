@@ -245,3 +245,81 @@ async fn a_payloads_numbers_are_kept_as_written() {
         assert!(text.contains(r#""param":"data""#), "{data}: {text}");
     }
 }
+
+/// A number in exponent notation counts at its length as stored: jsonb keeps
+/// it as `numeric`, which prints it written out, so `1e300` is stored and
+/// delivered as 301 digits and `1e-1000` as 1,002 characters. A payload of
+/// 1,040 such numbers (about 9 KB sent) was stored and delivered as 1 MB, four
+/// times the 256 KiB bound the delivery role's memory is sized by
+/// (docs/adr/0129). Now it is refused with a 400 naming `data`, by both
+/// publish paths, and nothing is written. The count is checked against
+/// Postgres's own rendering of each number, so it cannot drift from it.
+///
+/// Mutation `payload_stored_len_written` (the written length counted, as
+/// before) fails it at the first number; with that check left out, both
+/// payloads were stored (201).
+#[tokio::test]
+async fn numbers_in_exponent_notation_count_at_their_stored_length() {
+    let t = TestDb::new().await;
+    for token in [
+        "1e300",
+        "1e-1000",
+        "-1.5E+3",
+        "0.05e3",
+        "1.50",
+        "0",
+        "-0.0",
+        "0e5",
+        "12345",
+        "1.5e-3",
+        "123.456e1",
+        "9.99e-2",
+        "-7",
+    ] {
+        let row =
+            t.db.fetch_one(
+                db::sql("SELECT octet_length($1::jsonb::text)::int8 AS n").bind(token.to_owned()),
+            )
+            .await
+            .unwrap();
+        let rendered: i64 = db::Row::get(&row, "n");
+        let rendered = usize::try_from(rendered).unwrap();
+        assert_eq!(
+            outbox::webhook::stored_len(token),
+            rendered.max(token.len()),
+            "{token}"
+        );
+    }
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    for number in ["1e-1000", "1e300"] {
+        let data = format!("[{}]", vec![number; 1040].join(","));
+        let body = format!(r#"{{"type": "meter.read", "data": {data}}}"#);
+        for idem in [None, Some(number)] {
+            let mut req = s
+                .client
+                .post(format!("{}/v1/events", s.base))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .body(body.clone());
+            if let Some(idem) = idem {
+                req = req.header("idempotency-key", idem);
+            }
+            let answer = req.send().await.unwrap();
+            assert_eq!(answer.status(), 400, "{number} {idem:?}");
+            let text = answer.text().await.unwrap();
+            assert!(text.contains(r#""param":"data""#), "{number}: {text}");
+            assert!(text.contains("exponent notation"), "{number}: {text}");
+        }
+    }
+    // A few such numbers are well within the bound and kept as written.
+    let small = s
+        .post(
+            "/v1/events",
+            &key,
+            json!({"type": "meter.read", "data": {"n": 1e300}}),
+        )
+        .await;
+    assert_eq!(small.status, 201, "{}", small.text);
+    assert_eq!(events_of(&t, "acme").await, 1);
+}

@@ -109,6 +109,12 @@ fn intent_review(id: String, reason: String, raw: impl Fn() -> String) -> Charge
     }
 }
 
+/// The review reason of an intent in `requires_action` ([`intent_outcome`]).
+const AWAITS_ACTION: &str = "payment intent in status requires_action: it waits for the \
+    customer to authenticate and can still complete and charge without another request; \
+    cancel it at the provider before settling this attempt as not charged, or settle it \
+    paid once the provider shows it succeeded";
+
 /// An intent billing's request did not confirm ([`intent_outcome`]).
 fn unconfirmed(id: String, status: &str, raw: impl Fn() -> String) -> ChargeOutcome {
     let reason = format!(
@@ -150,10 +156,11 @@ pub(super) fn intent_outcome(pi: &serde_json::Value, raw: impl Fn() -> String) -
     match pi["status"].as_str() {
         Some("succeeded") => ChargeOutcome::Succeeded { payment_intent: id },
         Some("processing" | "requires_capture") => ChargeOutcome::Processing { payment_intent: id },
-        Some("requires_action") => ChargeOutcome::Declined {
-            code: "authentication_required".into(),
-            payment_intent: Some(id),
-        },
+        // Waiting for the customer (3-D Secure, a bank's check): not a
+        // decline. The intent can still complete and charge with no request
+        // from billing, so no other key may be sent for this invoice until a
+        // person has seen it (docs/adr/0128).
+        Some("requires_action") => intent_review(id, AWAITS_ACTION.to_owned(), raw),
         // Created and never confirmed, or never tried on the card: billing
         // creates with `confirm=true`, so nothing it asked for happened and
         // nothing was charged. Not a decline: no customer is told their card
@@ -340,7 +347,7 @@ mod tests {
             (200, r#"{"id":"pi_1","status":"succeeded"}"#.into(), false, "succeeded"),
             (200, r#"{"id":"pi_1","status":"processing"}"#.into(), false, "processing"),
             (200, r#"{"id":"pi_1","status":"requires_capture"}"#.into(), false, "processing"),
-            (200, r#"{"id":"pi_1","status":"requires_action"}"#.into(), false, "declined:authentication_required"),
+            (200, r#"{"id":"pi_1","status":"requires_action"}"#.into(), false, "review"),
             (200, r#"{"id":"pi_1","status":"requires_payment_method","last_payment_error":{"code":"card_declined","decline_code":"insufficient_funds"}}"#.into(), false, "declined:insufficient_funds"),
             (200, r#"{"id":"pi_1","status":"canceled"}"#.into(), false, "declined:canceled"),
             (200, r#"{"id":"pi_1","status":"requires_confirmation"}"#.into(), false, "review"),

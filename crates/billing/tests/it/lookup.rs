@@ -239,3 +239,48 @@ async fn a_resend_refused_before_the_key_is_checked_needs_review() {
     );
     assert_eq!(p.total_charges(), 1);
 }
+
+/// A 200 to the listing that is not a list page (a proxy's stub, an empty
+/// page that says it has more) says nothing of whether an intent carries the
+/// key, so it is no proof that the first request never ran (docs/adr/0128).
+/// The charge ran and its answer was a stored 500; the provider then forgot
+/// the key, as a day later. Each body sends the attempt to review with
+/// nothing sent again. Mutation `list_page_unread_absent` (such a body read
+/// as an empty list, as before): the request is sent again as a first one
+/// and the provider counts a second charge.
+#[tokio::test]
+async fn a_listing_that_is_not_a_list_page_needs_review_and_sends_nothing() {
+    for body in [
+        r#"{}"#,
+        r#"{"object":"list","data":[]}"#,
+        r#"{"object":"list","has_more":true,"data":[]}"#,
+    ] {
+        let t = TestDb::new().await;
+        let p = FakeProvider::start().await.unwrap();
+        let open = open_invoices(&t.db, 1).await;
+        p.set_behaviour(
+            &open[0].1,
+            Behaviour::StoredServerError { with_intent: false },
+        );
+        let (b, _) = biller(&t.db, charging(&p));
+        assert_eq!(tick(&t.db, &b).await.charges.unknown, 1, "{body}");
+        p.prune_keys();
+        p.set_behaviour(&open[0].1, Behaviour::Succeed);
+        p.set_list_body(Some(body));
+        after_the_lease().await;
+        let report = tick(&t.db, &b).await;
+        assert_eq!(report.reconciled.needs_review, 1, "{body}: {report:?}");
+        assert_eq!(p.list_requests(), 1, "{body}");
+        assert_eq!(
+            (p.total_charges(), p.create_requests()),
+            (1, 1),
+            "{body}: {:?}",
+            p.charges()
+        );
+        assert_eq!(
+            strings(&t.db, "SELECT provider_status FROM payment_attempts").await,
+            ["needs_review"],
+            "{body}"
+        );
+    }
+}

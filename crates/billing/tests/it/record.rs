@@ -174,6 +174,73 @@ async fn a_processing_intent_is_polled_and_paid_once_it_succeeds() {
     );
 }
 
+/// An intent the bank sent to the customer (`requires_action`) is not a
+/// decline: it can still complete and charge with no request from billing
+/// (docs/adr/0128). The attempt needs review with the intent's id, the
+/// invoice is flagged, nobody is told their card failed (no
+/// `payment.failed`, no email, so no dunning), and nothing sends another
+/// request: when the customer completes it later, the provider counts one
+/// charge and one request. Mutation `intent_requires_action` (booked as the
+/// `authentication_required` decline it was) fails it at the first tick.
+#[tokio::test]
+async fn an_intent_awaiting_the_customers_action_needs_review_not_a_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    p.set_behaviour(&open[0].1, Behaviour::RequiresAction);
+    let (b, metrics) = biller(&t.db, charging(&p));
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.needs_review, 1, "{first:?}");
+    // The ticket's gauge counts it at the end of the tick that sent it to
+    // review. Read at the end of the due billing, before the charges, it
+    // said 0 until the next tick (seen failing so). Mutation
+    // `review_gauge_unread` (the read at the tick's end taken out).
+    assert!(
+        metrics
+            .render()
+            .contains("hardcount_billing_payment_attempts_needing_review 1"),
+        "{}",
+        metrics.render()
+    );
+    let intent = p.intents()[0].id.clone();
+    assert_eq!(
+        strings(
+            &t.db,
+            "SELECT a.provider_status || ' ' || coalesce(a.provider_payment_intent, '-') || ' ' \
+                    || i.status || ' ' || (i.review_since IS NOT NULL) \
+             FROM payment_attempts a JOIN invoices i ON i.id = a.invoice_id"
+        )
+        .await,
+        [format!("needs_review {intent} open true")]
+    );
+    let why: String =
+        t.db.fetch_one(sql("SELECT last_error FROM payment_attempts"))
+            .await
+            .unwrap()
+            .get(0);
+    assert!(why.contains("requires_action"), "{why}");
+    assert_eq!(
+        count(
+            &t.db,
+            "SELECT count(*) FROM webhook_events WHERE event_type = 'payment.failed'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(count(&t.db, "SELECT count(*) FROM email_outbox").await, 0);
+    // The customer authenticates; later ticks send nothing either way.
+    assert!(p.settle_processing(&intent, true));
+    after_the_lease().await;
+    let again = tick(&t.db, &b).await;
+    assert_eq!(again.charge_claimed, 0, "{again:?}");
+    assert_eq!(
+        again.reconciled,
+        billing::ReconcileTally::default(),
+        "{again:?}"
+    );
+    assert_eq!((p.total_charges(), p.create_requests()), (1, 1));
+}
+
 /// A processing intent that fails later is a decline: recorded with its
 /// code and announced, and dunning's hand-off follows.
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! Payment intents read back: every field the client reads, an intent
-//! `processing` until it settles (charged only if it succeeds), the list (by
-//! customer and creation, newest first, in pages), and an unknown intent's
-//! 404.
+//! `processing` or `requires_action` until it settles (charged only if it
+//! succeeds), the list (by customer and creation, newest first, in pages),
+//! and an unknown intent's 404.
 
 use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 
@@ -90,6 +90,38 @@ async fn a_processing_intent_that_fails_needs_a_payment_method_and_is_not_charge
     );
     assert_eq!(p.intents()[0].status, "requires_payment_method");
     assert_eq!(p.total_charges(), 0);
+}
+
+/// An off-session charge whose bank asks the customer to authenticate:
+/// 200 `requires_action`, nothing charged; the customer completing it later
+/// charges it with no request from the client (Stripe's confirm: "after
+/// `next_action`s are handled by the client, no additional confirmation is
+/// required to complete the payment").
+#[tokio::test]
+async fn an_intent_requiring_action_is_charged_only_once_the_customer_completes_it() {
+    let p = FakeProvider::start().await.unwrap();
+    assert_eq!(
+        control(
+            &p,
+            "behaviour",
+            "customer=cus_ada&behaviour=requires_action"
+        )
+        .await,
+        204
+    );
+    let a = charge(&p, "k1", GOOD).await;
+    assert_eq!(
+        (a.status, a.body["status"].as_str()),
+        (200, Some("requires_action"))
+    );
+    assert_eq!(p.total_charges(), 0);
+    let id = a.body["id"].as_str().unwrap().to_owned();
+    assert_eq!(p.intents()[0].status, "requires_action");
+    assert!(p.settle_processing(&id, true));
+    let got = get_v1(&p, &format!("payment_intents/{id}"), TEST_SECRET_KEY).await;
+    assert_eq!(got.body["status"], "succeeded");
+    assert_eq!(p.charges().get("k1"), Some(&1));
+    assert_eq!(p.create_requests(), 1);
 }
 
 #[tokio::test]
