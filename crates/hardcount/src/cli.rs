@@ -157,13 +157,17 @@ pub enum BillingCommand {
     },
 }
 
-/// `--by`, bounded, or `cli@<hostname>` when not given.
+/// `--by`, bounded and not blank (as the operator API requires), or
+/// `cli@<hostname>` when not given.
 fn operator_name(by: Option<String>) -> Result<String> {
     if by
         .as_ref()
         .is_some_and(|b| b.chars().count() > MAX_BY_CHARS)
     {
         bail!("--by is longer than {MAX_BY_CHARS} characters");
+    }
+    if by.as_ref().is_some_and(|b| b.trim().is_empty()) {
+        bail!("--by is blank: name who acts, or leave it out for cli@<hostname>");
     }
     Ok(by.unwrap_or_else(|| {
         format!(
@@ -444,7 +448,19 @@ fn printable(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{printable, status_note};
+    use super::{operator_name, printable, status_note};
+
+    /// A blank `--by` is refused, as the operator API refuses one: a pause
+    /// by nobody read "paused by : …" in `leader status`.
+    #[test]
+    fn a_blank_operator_name_is_refused() {
+        for blank in ["", "  "] {
+            let e = operator_name(Some(blank.into())).unwrap_err().to_string();
+            assert!(e.contains("--by is blank"), "{e}");
+        }
+        assert_eq!(operator_name(Some("oncall".into())).unwrap(), "oncall");
+        assert!(operator_name(None).unwrap().starts_with("cli@"));
+    }
 
     /// `leader status` shows the login that paused beside the declared name,
     /// each escaped like the other fields.

@@ -55,6 +55,33 @@ impl ServeSettings {
     /// the variable and never echo a URL.
     pub(super) fn api(&self, keyring: Option<Keyring>) -> Result<Option<ApiServe>> {
         let Some(addr) = non_empty(&self.api_addr) else {
+            // The API's own settings without its address would be accepted and
+            // do nothing: the tenant API silently not served.
+            let set: Vec<&str> = [
+                (
+                    "HARDCOUNT_API_DATABASE_URL",
+                    Secret::set(&self.api_database_url).is_some(),
+                ),
+                (
+                    "HARDCOUNT_API_RATE_LIMIT",
+                    non_empty(&self.api_rate_limit).is_some(),
+                ),
+                (
+                    "HARDCOUNT_API_RATE_BURST",
+                    non_empty(&self.api_rate_burst).is_some(),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(var, set)| set.then_some(var))
+            .collect();
+            if !set.is_empty() {
+                bail!(
+                    "{} set but HARDCOUNT_API_ADDR is not: the tenant API is served only on \
+                     that address (set it, or unset {})",
+                    set.join(" and "),
+                    if set.len() == 1 { "it" } else { "them" }
+                );
+            }
             return Ok(None);
         };
         let addr: SocketAddr = addr.parse().map_err(|_| {
@@ -160,6 +187,17 @@ impl ServeSettings {
     /// set. Errors name the variable and never echo the key.
     pub(super) fn billing(&self) -> Result<billing::BillingConfig> {
         let mut config = billing::BillingConfig::default();
+        if non_empty(&self.billing_provider_url).is_none()
+            && Secret::set(&self.billing_provider_secret_key).is_some()
+        {
+            // Accepted, the key would leave auto-charge off with only an info
+            // line: no invoice charged, and nothing pages for it.
+            bail!(
+                "BILLING_PROVIDER_SECRET_KEY is set but BILLING_PROVIDER_URL is not: auto-charge \
+                 runs only with the provider's URL (e.g. https://api.stripe.com); set it, or \
+                 unset the key"
+            );
+        }
         if let Some(url) = non_empty(&self.billing_provider_url) {
             let key = Secret::set(&self.billing_provider_secret_key).ok_or_else(|| {
                 anyhow!("BILLING_PROVIDER_SECRET_KEY is required when BILLING_PROVIDER_URL is set")

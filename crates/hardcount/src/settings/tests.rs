@@ -502,3 +502,41 @@ fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
     );
     assert!(check(&[]).unwrap().ignored.is_empty());
 }
+
+/// Settings that would do nothing without the one they depend on are refused
+/// by name, as HARDCOUNT_OPERATOR_TOKEN without HARDCOUNT_API_ADDR is: a
+/// provider key without its URL left auto-charge off with an info line, and
+/// the tenant API's settings without its address left it unserved.
+#[test]
+fn settings_without_the_one_they_need_are_refused() {
+    let e = refusal(&["--billing-provider-secret-key", "sk_test_1"]);
+    assert!(
+        e.contains("BILLING_PROVIDER_SECRET_KEY is set but BILLING_PROVIDER_URL is not"),
+        "{e}"
+    );
+    assert!(!e.contains("sk_test_1"), "{e}");
+    let e = refusal(&["--api-rate-limit", "0"]);
+    assert!(
+        e.contains("HARDCOUNT_API_RATE_LIMIT set but HARDCOUNT_API_ADDR is not"),
+        "{e}"
+    );
+    let e = refusal(&[
+        "--api-database-url",
+        "postgres://hardcount_api:secret@db/x",
+        "--api-rate-burst",
+        "5",
+    ]);
+    assert!(
+        e.contains("HARDCOUNT_API_DATABASE_URL and HARDCOUNT_API_RATE_BURST set"),
+        "{e}"
+    );
+    assert!(!e.contains("secret@"), "{e}");
+    // With what they need, both are taken.
+    check(&[
+        "--billing-provider-url",
+        "https://api.example.com",
+        "--billing-provider-secret-key",
+        "sk_test_1",
+    ])
+    .unwrap();
+}
