@@ -55,6 +55,14 @@ pub fn parse(key: &str) -> Option<Presented> {
     })
 }
 
+/// The credentials of an `Authorization` value in the Bearer scheme, whose
+/// name is case-insensitive (RFC 9110, section 11.1; RFC 6750): `Bearer`,
+/// `bearer` and `BEARER` all carry a token.
+pub fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 pub fn hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
@@ -90,7 +98,7 @@ impl FromRequestParts<Api> for Caller {
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer)
             .and_then(|k| parse(k.trim()))
             .ok_or_else(ApiError::unauthorized)?;
         api.limiter().check(&presented.hash)?;
@@ -101,6 +109,19 @@ impl FromRequestParts<Api> for Caller {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The scheme's name is matched without regard to case, as HTTP says;
+    /// `bearer hc_…` was refused 401. Mutation `bearer_case` (the exact
+    /// `Bearer ` prefix again).
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        for value in ["Bearer k1", "bearer k1", "BEARER k1"] {
+            assert_eq!(bearer(value), Some("k1"), "{value}");
+        }
+        for value in ["Basic k1", "Bearerk1", "k1", ""] {
+            assert_eq!(bearer(value), None, "{value}");
+        }
+    }
 
     #[test]
     fn a_generated_key_parses_to_its_prefix_and_hash() {

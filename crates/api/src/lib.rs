@@ -21,7 +21,9 @@
 //!   statement's own filter says: Postgres enforces it (migration 0024).
 //! - A POST retried with the same `Idempotency-Key` and body within 24 hours
 //!   returns the first answer and does nothing again; with another body, 409.
-//! - Lists page by cursor, newest first; inserts while paging shift nothing.
+//! - Lists page by cursor, newest first; inserts while paging shift nothing
+//!   (a row committed late, below a page already read, is not in that walk:
+//!   `page`).
 
 pub mod auth;
 pub mod error;

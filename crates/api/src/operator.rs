@@ -130,7 +130,7 @@ impl FromRequestParts<Operator> for OperatorCaller {
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(crate::auth::bearer)
             .map(|t| Sha256::digest(t.trim().as_bytes()));
         match presented {
             // Both sides are hashes, compared whole: no early exit on the

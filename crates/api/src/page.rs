@@ -1,7 +1,14 @@
 //! Cursor pagination for every list: newest first, by id. A cursor is the
-//! last id of the page before, so rows inserted while a client pages (all
-//! with higher ids) never shift what it has not read yet: no row is skipped
-//! or shown twice.
+//! last id of the page before, so rows committed while a client pages never
+//! shift what it has not read yet: no row is shown twice, and none that was
+//! committed when the walk began is skipped.
+//!
+//! A known limit: ids are taken at insert and seen at commit, so a row whose
+//! transaction commits after a later id's (billing's batches run for seconds,
+//! an API publish for milliseconds) can appear below a page already read and
+//! is not in that walk. A client that syncs by paging down to the newest id it
+//! has seen should go back over a margin (a minute of ids, or the last page)
+//! or follow the webhooks, which carry every event.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;

@@ -23,7 +23,8 @@ pub struct ApiConfig {
     pub request_timeout: Duration,
     /// Each transaction's statement timeout.
     pub statement_timeout: Duration,
-    /// Requests served at once; the rest wait for a slot within the timeout.
+    /// Requests served at once; the rest wait for a slot, and the request
+    /// timeout starts once they have one (docs/adr/0120).
     pub max_concurrent: usize,
     /// What billing's producers write with (the receipts' sender, the
     /// statement timeout of their own transactions); the provider is unused:

@@ -99,7 +99,7 @@ async fn live(scope: &mut Scope, id: i64) -> Result<Subscription, ApiError> {
         ("id" = i64, Path, description = "The subscription's id.", minimum = 1),
         ("Idempotency-Key" = Option<String>, Header, description = IDEM),
     ),
-    request_body = Cancel,
+    request_body(content = Option<Cancel>, description = "May be left out: cancel now."),
     responses((status = 200, description = "Canceled (or set to end with its period); announced with subscription.canceled or subscription.updated.", body = Subscription), WriteErrors),
 )]
 pub async fn cancel(
