@@ -23,7 +23,9 @@
 //! accepted, and the connection that has waited longest for a request (none
 //! in a handler) is closed to make room, as nginx reuses idle connections:
 //! a flood of idle connections then costs at most the cap in descriptors and
-//! buffers, and a probe, which sends its request as soon as it connects, is
+//! buffers. A request counts as in a handler once its body has arrived, not
+//! from its head, so a head whose body trickles or never comes keeps an idle
+//! place too (docs/adr/0131), and a probe, which sends its request as soon as it connects, is
 //! answered at once instead of waiting in the kernel's backlog behind the
 //! flood (where it would wait a whole [`HEADER_READ_TIMEOUT`] per cap's worth
 //! of idle connections ahead of it) or being refused with them.
@@ -191,11 +193,19 @@ async fn serve_connection(
     stop: CancellationToken,
 ) {
     let service = hyper::service::service_fn(|req: Request<Incoming>| {
-        let in_handler = slot.request_started();
+        // The request holds its connection against eviction from the moment
+        // its body has arrived (at once when it has none), not from its head:
+        // a client that sends a head and then trickles or withholds the body
+        // keeps an idle place that the cap can take back, instead of holding
+        // every place for the request timeout with forged keys that are
+        // checked only once the body is read.
+        let held: Held = Arc::new(Mutex::new(None));
+        let (parts, body) = req.into_parts();
+        let req = Request::from_parts(parts, BodyArrived::new(body, slot.starter(), &held));
         let app = app.clone();
         async move {
             let response = app.oneshot(req).await;
-            drop(in_handler);
+            drop(lock_held(&held).take());
             response
         }
     });
@@ -252,6 +262,72 @@ struct ConnectionSlot {
     open: Arc<OpenConnections>,
     id: u64,
     evict: CancellationToken,
+}
+
+/// What makes a request of one connection count as in a handler.
+#[derive(Clone)]
+struct Starter {
+    open: Arc<OpenConnections>,
+    id: u64,
+}
+
+/// A request's [`InHandler`] once its body has arrived.
+type Held = Arc<Mutex<Option<InHandler>>>;
+
+fn lock_held(held: &Held) -> std::sync::MutexGuard<'_, Option<InHandler>> {
+    held.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A request's body that marks its request in a handler when it has all
+/// arrived (see [`serve_connection`]).
+struct BodyArrived {
+    inner: Incoming,
+    mark: Option<(Starter, Held)>,
+}
+
+impl BodyArrived {
+    fn new(inner: Incoming, starter: Starter, held: &Held) -> Self {
+        let mut body = BodyArrived {
+            inner,
+            mark: Some((starter, held.clone())),
+        };
+        if hyper::body::Body::is_end_stream(&body.inner) {
+            body.arrived();
+        }
+        body
+    }
+
+    fn arrived(&mut self) {
+        if let Some((starter, held)) = self.mark.take() {
+            *lock_held(&held) = Some(starter.request_started());
+        }
+    }
+}
+
+impl hyper::body::Body for BodyArrived {
+    type Data = hyper::body::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None))
+            || hyper::body::Body::is_end_stream(&self.inner)
+        {
+            self.arrived();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A request in a handler: its connection is not evicted until it is dropped.
@@ -323,6 +399,20 @@ impl OpenConnections {
 }
 
 impl ConnectionSlot {
+    fn starter(&self) -> Starter {
+        Starter {
+            open: self.open.clone(),
+            id: self.id,
+        }
+    }
+
+    #[cfg(test)]
+    fn request_started(&self) -> InHandler {
+        self.starter().request_started()
+    }
+}
+
+impl Starter {
     fn request_started(&self) -> InHandler {
         if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
             s.in_handler += 1;
@@ -550,6 +640,65 @@ mod tests {
         assert!(b.evict.is_cancelled());
         drop((a, c));
         assert_eq!(open.len(), 3, "an evicted slot is not counted twice");
+    }
+
+    /// Every place under the cap taken by a request whose head came and whose
+    /// body does not (a forged key is checked only once the body is read)
+    /// does not shut a new client out: those connections are idle until their
+    /// bodies arrive, so the cap takes one back and the newcomer is answered.
+    /// Before, a request counted as in a handler from its head, and the
+    /// newcomer's connection was closed unanswered (seen). Mutation
+    /// `in_handler_at_head` (marked at the head again).
+    #[tokio::test]
+    async fn requests_whose_bodies_do_not_come_hold_no_place_a_new_client_needs() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let app = Router::new().route("/ok", get(|| async { "ok" })).route(
+            "/echo",
+            axum::routing::post(|body: String| async move { body }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve_bounded(listener, app, stop.clone()));
+        let mut withheld = Vec::with_capacity(MAX_CONNECTIONS);
+        for _ in 0..MAX_CONNECTIONS {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
+                .await
+                .unwrap();
+            withheld.push(c);
+        }
+        // Every head read and its request started, as far as the server goes.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /ok HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut answer)).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            matches!(read, Ok(Ok(_)))
+                && answer.starts_with("HTTP/1.1 200")
+                && answer.ends_with("ok"),
+            "{read:?}: {answer:?}"
+        );
+        // A body that does come is still served in full.
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&answer).ends_with("hello"));
+        stop.cancel();
+        drop(withheld);
+        server.await.unwrap();
     }
 
     async fn futures_join3<F: Future<Output = StatusCode>>(a: F, b: F, c: F) -> [StatusCode; 3] {
