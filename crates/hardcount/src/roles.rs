@@ -232,6 +232,7 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
 pub const EVERY_ROLE_ALERTS: &[&str] = &[
     "HardcountRoleStalled",
     "HardcountRoleLastTickUnknown",
+    "HardcountRoleUnassigned",
     "HardcountRolePaused",
     "HardcountTickPanicked",
     "HardcountLeasesLost",
