@@ -67,7 +67,9 @@ async fn body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError
 }
 
 /// [`JsonBody`] for an action whose body may be left out: an empty body
-/// (with or without a content type) is read as `{}`.
+/// (with or without a content type) is read as `{}`, and so is a JSON
+/// `null`, which the OpenAPI document allows for such a body (a generated
+/// client may send its `None` so).
 pub struct OptionalJsonBody<T>(pub JsonBody<T>);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
@@ -84,6 +86,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptionalJsonBody<T>
         }
         if !json {
             return Err(ApiError::unsupported_media_type());
+        }
+        if raw.trim_ascii() == b"null" {
+            let value = parse_json(b"{}")?;
+            return Ok(OptionalJsonBody(JsonBody { value, raw }));
         }
         let value = parse_json(&raw)?;
         Ok(OptionalJsonBody(JsonBody { value, raw }))

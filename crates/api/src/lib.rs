@@ -22,8 +22,8 @@
 //! - A POST retried with the same `Idempotency-Key` and body within 24 hours
 //!   returns the first answer and does nothing again; with another body, 409.
 //! - Lists page by cursor, newest first; inserts while paging shift nothing
-//!   (a row committed late, below a page already read, is not in that walk:
-//!   `page`).
+//!   (a row committed late with an id above the cursor, among the ids
+//!   already passed, is not in that walk: `page`).
 
 pub mod auth;
 pub mod error;

@@ -5,8 +5,8 @@
 //!
 //! A known limit: ids are taken at insert and seen at commit, so a row whose
 //! transaction commits after a later id's (billing's batches run for seconds,
-//! an API publish for milliseconds) can appear below a page already read and
-//! is not in that walk. A client that syncs by paging down to the newest id it
+//! an API publish for milliseconds) can appear with an id above the cursor,
+//! among the ids the walk has already passed, and is not in that walk. A client that syncs by paging down to the newest id it
 //! has seen should go back over a margin (a minute of ids, or the last page)
 //! or follow the webhooks, which carry every event.
 

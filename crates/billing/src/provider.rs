@@ -491,7 +491,9 @@ fn describe(e: reqwest::Error) -> String {
     format!("{kind}: {}", e.without_url())
 }
 
-/// `url` with any `user:password@` replaced by `***@`, for an error message.
+/// What an error message shows of a refused base URL: its scheme, host and
+/// port, never its credentials, path, query or fragment (saying that some
+/// were left out), or only its length when it is not a URL with a host.
 fn redacted(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(u) if u.host_str().is_some() => {

@@ -23,9 +23,9 @@
 //! accepted, and the connection that has waited longest for a request (none
 //! in a handler) is closed to make room, as nginx reuses idle connections:
 //! a flood of idle connections then costs at most the cap in descriptors and
-//! buffers. A request counts as in a handler once its body has arrived, not
-//! from its head, so a head whose body trickles or never comes keeps an idle
-//! place too (docs/adr/0131), and a probe, which sends its request as soon as it connects, is
+//! buffers. A request whose handler waits for body bytes that have not come
+//! leaves its place as idle as one with no request, so heads whose bodies
+//! trickle or never come cannot hold every place (docs/adr/0131), and a probe, which sends its request as soon as it connects, is
 //! answered at once instead of waiting in the kernel's backlog behind the
 //! flood (where it would wait a whole [`HEADER_READ_TIMEOUT`] per cap's worth
 //! of idle connections ahead of it) or being refused with them.
@@ -193,19 +193,25 @@ async fn serve_connection(
     stop: CancellationToken,
 ) {
     let service = hyper::service::service_fn(|req: Request<Incoming>| {
-        // The request holds its connection against eviction from the moment
-        // its body has arrived (at once when it has none), not from its head:
-        // a client that sends a head and then trickles or withholds the body
-        // keeps an idle place that the cap can take back, instead of holding
-        // every place for the request timeout with forged keys that are
-        // checked only once the body is read.
-        let held: Held = Arc::new(Mutex::new(None));
+        // The request holds its connection against eviction from its head
+        // on, except while its handler waits for body bytes that have not
+        // come: a client that sends a head and then trickles or withholds the
+        // body leaves a place the cap can take back, instead of holding every
+        // place for the request timeout with forged keys that are checked only
+        // once the body is read (docs/adr/0131).
+        let in_handler = slot.request_started();
         let (parts, body) = req.into_parts();
-        let req = Request::from_parts(parts, BodyArrived::new(body, slot.starter(), &held));
+        let req = Request::from_parts(
+            parts,
+            BodyWatch {
+                inner: body,
+                conn: slot.conn(),
+            },
+        );
         let app = app.clone();
         async move {
             let response = app.oneshot(req).await;
-            drop(lock_held(&held).take());
+            drop(in_handler);
             response
         }
     });
@@ -253,6 +259,8 @@ struct SlotState {
     /// `clock` when the connection was accepted or last finished a request.
     last_active: u64,
     in_handler: usize,
+    /// Its request's handler waits for body bytes that have not come.
+    awaiting_body: bool,
     evict: CancellationToken,
 }
 
@@ -264,47 +272,21 @@ struct ConnectionSlot {
     evict: CancellationToken,
 }
 
-/// What makes a request of one connection count as in a handler.
+/// One connection's place, as its requests see it.
 #[derive(Clone)]
-struct Starter {
+struct Conn {
     open: Arc<OpenConnections>,
     id: u64,
 }
 
-/// A request's [`InHandler`] once its body has arrived.
-type Held = Arc<Mutex<Option<InHandler>>>;
-
-fn lock_held(held: &Held) -> std::sync::MutexGuard<'_, Option<InHandler>> {
-    held.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A request's body that marks its request in a handler when it has all
-/// arrived (see [`serve_connection`]).
-struct BodyArrived {
+/// A request's body, which marks its connection evictable while the handler
+/// waits for bytes of it that have not come (see [`serve_connection`]).
+struct BodyWatch {
     inner: Incoming,
-    mark: Option<(Starter, Held)>,
+    conn: Conn,
 }
 
-impl BodyArrived {
-    fn new(inner: Incoming, starter: Starter, held: &Held) -> Self {
-        let mut body = BodyArrived {
-            inner,
-            mark: Some((starter, held.clone())),
-        };
-        if hyper::body::Body::is_end_stream(&body.inner) {
-            body.arrived();
-        }
-        body
-    }
-
-    fn arrived(&mut self) {
-        if let Some((starter, held)) = self.mark.take() {
-            *lock_held(&held) = Some(starter.request_started());
-        }
-    }
-}
-
-impl hyper::body::Body for BodyArrived {
+impl hyper::body::Body for BodyWatch {
     type Data = hyper::body::Bytes;
     type Error = hyper::Error;
 
@@ -313,11 +295,7 @@ impl hyper::body::Body for BodyArrived {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
         let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(polled, std::task::Poll::Ready(None))
-            || hyper::body::Body::is_end_stream(&self.inner)
-        {
-            self.arrived();
-        }
+        self.conn.awaiting_body(polled.is_pending());
         polled
     }
 
@@ -327,6 +305,12 @@ impl hyper::body::Body for BodyArrived {
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl Drop for BodyWatch {
+    fn drop(&mut self) {
+        self.conn.awaiting_body(false);
     }
 }
 
@@ -349,15 +333,16 @@ impl OpenConnections {
     }
 
     /// A place for a new connection: a free one, else the one of the
-    /// connection with no request in a handler that was active least
-    /// recently, which is closed. `None` when every connection is in a handler.
+    /// connection with no request in a handler (or whose request waits for
+    /// body bytes) that was active least recently, which is closed. `None`
+    /// when every connection is in a handler and none waits for a body.
     fn admit(self: &Arc<Self>) -> Option<ConnectionSlot> {
         let mut open = self.lock();
         if open.slots.len() >= self.cap {
             let oldest_idle = open
                 .slots
                 .iter()
-                .filter(|(_, s)| s.in_handler == 0)
+                .filter(|(_, s)| s.in_handler == 0 || s.awaiting_body)
                 .min_by_key(|(_, s)| s.last_active)
                 .map(|(id, _)| *id);
             let now = Instant::now();
@@ -382,6 +367,7 @@ impl OpenConnections {
             SlotState {
                 last_active: id,
                 in_handler: 0,
+                awaiting_body: false,
                 evict: evict.clone(),
             },
         );
@@ -399,20 +385,13 @@ impl OpenConnections {
 }
 
 impl ConnectionSlot {
-    fn starter(&self) -> Starter {
-        Starter {
+    fn conn(&self) -> Conn {
+        Conn {
             open: self.open.clone(),
             id: self.id,
         }
     }
 
-    #[cfg(test)]
-    fn request_started(&self) -> InHandler {
-        self.starter().request_started()
-    }
-}
-
-impl Starter {
     fn request_started(&self) -> InHandler {
         if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
             s.in_handler += 1;
@@ -420,6 +399,16 @@ impl Starter {
         InHandler {
             open: self.open.clone(),
             id: self.id,
+        }
+    }
+}
+
+impl Conn {
+    /// Whether the request's handler now waits for body bytes that have not
+    /// come: its connection may then make room at the cap.
+    fn awaiting_body(&self, waiting: bool) {
+        if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
+            s.awaiting_body = waiting;
         }
     }
 }
@@ -642,60 +631,97 @@ mod tests {
         assert_eq!(open.len(), 3, "an evicted slot is not counted twice");
     }
 
-    /// Every place under the cap taken by a request whose head came and whose
-    /// body does not (a forged key is checked only once the body is read)
-    /// does not shut a new client out: those connections are idle until their
-    /// bodies arrive, so the cap takes one back and the newcomer is answered.
-    /// Before, a request counted as in a handler from its head, and the
-    /// newcomer's connection was closed unanswered (seen). Mutation
-    /// `in_handler_at_head` (marked at the head again).
+    /// Every place under the cap but two taken by a request whose head came
+    /// and whose body does not (a forged key is checked only once the body
+    /// is read) does not shut a new client out, and does not cost the two
+    /// requests at work their places. The withheld ones wait for body bytes,
+    /// so the cap takes them back; the two older ones, one whose handler read
+    /// its body and one whose handler ignores the `{}` it was sent, are never
+    /// evicted, though they are the least recently active. Before, every
+    /// request counted as in a handler from its head, and the newcomers were
+    /// closed unanswered (seen). Mutations `awaiting_body_ignored` (the
+    /// newcomers are closed) and `awaiting_body_always` (the two at work are
+    /// evicted).
     #[tokio::test]
     async fn requests_whose_bodies_do_not_come_hold_no_place_a_new_client_needs() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let app = Router::new().route("/ok", get(|| async { "ok" })).route(
-            "/echo",
-            axum::routing::post(|body: String| async move { body }),
-        );
+        use tokio::net::TcpStream;
+        const WORK: Duration = Duration::from_millis(1500);
+        let app = Router::new()
+            .route("/ok", get(|| async { "ok" }))
+            .route(
+                "/read",
+                axum::routing::post(|body: String| async move {
+                    tokio::time::sleep(WORK).await;
+                    body
+                }),
+            )
+            .route(
+                "/ignore",
+                axum::routing::post(|| async {
+                    tokio::time::sleep(WORK).await;
+                    "ignored"
+                }),
+            );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         let server = tokio::spawn(serve_bounded(listener, app, stop.clone()));
-        let mut withheld = Vec::with_capacity(MAX_CONNECTIONS);
-        for _ in 0..MAX_CONNECTIONS {
-            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-            c.write_all(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
-                .await
-                .unwrap();
-            withheld.push(c);
+        async fn send(addr: std::net::SocketAddr, request: &[u8]) -> TcpStream {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            c.write_all(request).await.unwrap();
+            c
         }
-        // Every head read and its request started, as far as the server goes.
+        async fn answer(mut c: TcpStream) -> String {
+            let mut answer = Vec::new();
+            let read =
+                tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer)).await;
+            format!("{read:?} {}", String::from_utf8_lossy(&answer))
+        }
+        let at_work = [
+            send(
+                addr,
+                b"POST /read HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
+            )
+            .await,
+            send(
+                addr,
+                b"POST /ignore HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}",
+            )
+            .await,
+        ];
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut withheld = Vec::with_capacity(MAX_CONNECTIONS);
+        for _ in 2..MAX_CONNECTIONS {
+            withheld.push(
+                send(
+                    addr,
+                    b"POST /read HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n",
+                )
+                .await,
+            );
+        }
+        // Every head read and its handler waiting for the body.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"GET /ok HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut answer = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut answer)).await;
-        let answer = String::from_utf8_lossy(&answer);
-        assert!(
-            matches!(read, Ok(Ok(_)))
-                && answer.starts_with("HTTP/1.1 200")
-                && answer.ends_with("ok"),
-            "{read:?}: {answer:?}"
-        );
-        // A body that does come is still served in full.
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        c.write_all(
-            b"POST /echo HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
-        )
-        .await
-        .unwrap();
-        let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut answer))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(String::from_utf8_lossy(&answer).ends_with("hello"));
+        for _ in 0..2 {
+            let got = answer(
+                send(
+                    addr,
+                    b"GET /ok HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+                )
+                .await,
+            )
+            .await;
+            assert!(
+                got.starts_with("Ok(Ok(") && got.ends_with("\r\n\r\nok"),
+                "{got}"
+            );
+        }
+        let [read, ignored] = at_work;
+        let read = answer(read).await;
+        assert!(read.ends_with("\r\n\r\nhello"), "{read}");
+        let ignored = answer(ignored).await;
+        assert!(ignored.ends_with("\r\n\r\nignored"), "{ignored}");
         stop.cancel();
         drop(withheld);
         server.await.unwrap();

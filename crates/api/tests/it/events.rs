@@ -312,7 +312,8 @@ async fn numbers_in_exponent_notation_count_at_their_stored_length() {
             assert!(text.contains("exponent notation"), "{number}: {text}");
         }
     }
-    // A few such numbers are well within the bound and kept as written.
+    // A few such numbers are well within the bound: accepted, and stored
+    // written out, as counted.
     let small = s
         .post(
             "/v1/events",
@@ -322,4 +323,10 @@ async fn numbers_in_exponent_notation_count_at_their_stored_length() {
         .await;
     assert_eq!(small.status, 201, "{}", small.text);
     assert_eq!(events_of(&t, "acme").await, 1);
+    let row =
+        t.db.fetch_one(db::sql("SELECT payload::text AS p FROM webhook_events"))
+            .await
+            .unwrap();
+    let stored: String = db::Row::get(&row, "p");
+    assert_eq!(stored, format!(r#"{{"n": 1{}}}"#, "0".repeat(300)));
 }

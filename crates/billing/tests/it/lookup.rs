@@ -257,15 +257,10 @@ async fn a_listing_that_is_not_a_list_page_needs_review_and_sends_nothing() {
     ] {
         let t = TestDb::new().await;
         let p = FakeProvider::start().await.unwrap();
-        let open = open_invoices(&t.db, 1).await;
-        p.set_behaviour(
-            &open[0].1,
-            Behaviour::StoredServerError { with_intent: false },
-        );
-        let (b, _) = biller(&t.db, charging(&p));
-        assert_eq!(tick(&t.db, &b).await.charges.unknown, 1, "{body}");
+        let (b, _, first) =
+            first_send(&t, &p, Behaviour::StoredServerError { with_intent: false }).await;
+        assert_eq!(first.charges.unknown, 1, "{body}");
         p.prune_keys();
-        p.set_behaviour(&open[0].1, Behaviour::Succeed);
         p.set_list_body(Some(body));
         after_the_lease().await;
         let report = tick(&t.db, &b).await;

@@ -124,6 +124,25 @@ async fn an_intent_requiring_action_is_charged_only_once_the_customer_completes_
     assert_eq!(p.create_requests(), 1);
 }
 
+/// A body set with `set_list_body` is what every list answers, with 200 and
+/// counted as a list request, until it is unset.
+#[tokio::test]
+async fn a_list_body_set_is_answered_instead_of_the_list_and_counted() {
+    let p = FakeProvider::start().await.unwrap();
+    charge(&p, "k1", GOOD).await;
+    let list = "payment_intents?customer=cus_ada&limit=10";
+    p.set_list_body(Some(r#"{"object":"list"}"#));
+    let stub = get_v1(&p, list, TEST_SECRET_KEY).await;
+    assert_eq!(
+        (stub.status, stub.body.clone()),
+        (200, serde_json::json!({"object": "list"}))
+    );
+    p.set_list_body(None);
+    let real = get_v1(&p, list, TEST_SECRET_KEY).await;
+    assert_eq!(real.body["data"].as_array().map(Vec::len), Some(1));
+    assert_eq!(p.list_requests(), 2);
+}
+
 #[tokio::test]
 async fn the_list_filters_by_customer_and_creation_newest_first_and_pages() {
     let p = FakeProvider::start().await.unwrap();
