@@ -23,9 +23,9 @@
 //! accepted, and the connection that has waited longest for a request (none
 //! in a handler) is closed to make room, as nginx reuses idle connections:
 //! a flood of idle connections then costs at most the cap in descriptors and
-//! buffers. A request whose handler waits for body bytes that have not come
-//! leaves its place as idle as one with no request, so heads whose bodies
-//! trickle or never come cannot hold every place (docs/adr/0131), and a probe, which sends its request as soon as it connects, is
+//! buffers. With no idle connection, a request whose handler has waited
+//! [`BODY_STALL`] for body bytes that have not come makes room, so heads
+//! whose bodies never come cannot hold every place (docs/adr/0131), and a probe, which sends its request as soon as it connects, is
 //! answered at once instead of waiting in the kernel's backlog behind the
 //! flood (where it would wait a whole [`HEADER_READ_TIMEOUT`] per cap's worth
 //! of idle connections ahead of it) or being refused with them.
@@ -84,6 +84,11 @@ pub const MAX_REQUEST_HEAD_BYTES: usize = 16 * 1024;
 /// After an accept error other than a reset (`EMFILE`, `ENFILE`, `ENOMEM`), how
 /// long the accept loop waits before trying again, so it does not spin.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// How long a request's handler must have waited for body bytes before its
+/// connection may make room at the cap (when no connection is idle): far
+/// longer than the pause between two chunks of a body that is coming, far
+/// shorter than the request timeout a withheld body would hold its place for.
+pub const BODY_STALL: Duration = Duration::from_secs(1);
 
 /// What the last background check found.
 #[derive(Debug, Default)]
@@ -194,11 +199,12 @@ async fn serve_connection(
 ) {
     let service = hyper::service::service_fn(|req: Request<Incoming>| {
         // The request holds its connection against eviction from its head
-        // on, except while its handler waits for body bytes that have not
-        // come: a client that sends a head and then trickles or withholds the
-        // body leaves a place the cap can take back, instead of holding every
-        // place for the request timeout with forged keys that are checked only
-        // once the body is read (docs/adr/0131).
+        // on, unless its handler has waited `BODY_STALL` for body bytes that
+        // have not come and no connection is idle: a client that sends a
+        // head and then withholds the body leaves a place the cap can take
+        // back, instead of holding every place for the request timeout with
+        // forged keys that are checked only once the body is read
+        // (docs/adr/0131).
         let in_handler = slot.request_started();
         let (parts, body) = req.into_parts();
         let req = Request::from_parts(
@@ -259,8 +265,9 @@ struct SlotState {
     /// `clock` when the connection was accepted or last finished a request.
     last_active: u64,
     in_handler: usize,
-    /// Its request's handler waits for body bytes that have not come.
-    awaiting_body: bool,
+    /// Since when its request's handler has waited for body bytes that have
+    /// not come (reset by every frame).
+    awaiting_body: Option<Instant>,
     evict: CancellationToken,
 }
 
@@ -333,19 +340,30 @@ impl OpenConnections {
     }
 
     /// A place for a new connection: a free one, else the one of the
-    /// connection with no request in a handler (or whose request waits for
-    /// body bytes) that was active least recently, which is closed. `None`
-    /// when every connection is in a handler and none waits for a body.
+    /// connection with no request in a handler that was active least
+    /// recently, else the one whose request has waited longest for body bytes
+    /// that have not come, if it has waited [`BODY_STALL`] (a body read
+    /// chunk by chunk waits a moment between chunks; a withheld one waits
+    /// until the timeout). That one is closed. `None` when neither exists.
     fn admit(self: &Arc<Self>) -> Option<ConnectionSlot> {
         let mut open = self.lock();
         if open.slots.len() >= self.cap {
-            let oldest_idle = open
+            let now = Instant::now();
+            let idle = open
                 .slots
                 .iter()
-                .filter(|(_, s)| s.in_handler == 0 || s.awaiting_body)
+                .filter(|(_, s)| s.in_handler == 0)
                 .min_by_key(|(_, s)| s.last_active)
                 .map(|(id, _)| *id);
-            let now = Instant::now();
+            let stalled = || {
+                open.slots
+                    .iter()
+                    .filter_map(|(id, s)| s.awaiting_body.map(|since| (*id, since)))
+                    .filter(|(_, since)| now.duration_since(*since) >= BODY_STALL)
+                    .min_by_key(|(_, since)| *since)
+                    .map(|(id, _)| id)
+            };
+            let oldest_idle = idle.or_else(stalled);
             if open
                 .reported_at
                 .is_none_or(|at| now.duration_since(at) > Duration::from_secs(60))
@@ -367,7 +385,7 @@ impl OpenConnections {
             SlotState {
                 last_active: id,
                 in_handler: 0,
-                awaiting_body: false,
+                awaiting_body: None,
                 evict: evict.clone(),
             },
         );
@@ -408,7 +426,11 @@ impl Conn {
     /// come: its connection may then make room at the cap.
     fn awaiting_body(&self, waiting: bool) {
         if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
-            s.awaiting_body = waiting;
+            s.awaiting_body = match (waiting, s.awaiting_body) {
+                (false, _) => None,
+                (true, Some(since)) => Some(since),
+                (true, None) => Some(Instant::now()),
+            };
         }
     }
 }
@@ -634,19 +656,18 @@ mod tests {
     /// Every place under the cap but two taken by a request whose head came
     /// and whose body does not (a forged key is checked only once the body
     /// is read) does not shut a new client out, and does not cost the two
-    /// requests at work their places. The withheld ones wait for body bytes,
-    /// so the cap takes them back; the two older ones, one whose handler read
-    /// its body and one whose handler ignores the `{}` it was sent, are never
-    /// evicted, though they are the least recently active. Before, every
-    /// request counted as in a handler from its head, and the newcomers were
-    /// closed unanswered (seen). Mutations `awaiting_body_ignored` (the
-    /// newcomers are closed) and `awaiting_body_always` (the two at work are
-    /// evicted).
+    /// requests at work their places. The withheld ones have waited for body
+    /// bytes past [`BODY_STALL`], so the cap takes them back; the two older
+    /// ones, one whose handler read its body and one whose handler ignores
+    /// the `{}` it was sent, are never evicted, though they are the least
+    /// recently active. Before, every request counted as in a handler from
+    /// its head, and the newcomers were closed unanswered (seen). Mutation
+    /// `body_stall_never_evicted` (the newcomers are closed).
     #[tokio::test]
     async fn requests_whose_bodies_do_not_come_hold_no_place_a_new_client_needs() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         use tokio::net::TcpStream;
-        const WORK: Duration = Duration::from_millis(1500);
+        const WORK: Duration = Duration::from_millis(3000);
         let app = Router::new()
             .route("/ok", get(|| async { "ok" }))
             .route(
@@ -701,8 +722,8 @@ mod tests {
                 .await,
             );
         }
-        // Every head read and its handler waiting for the body.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Every head read and its handler waiting for the body, past the stall.
+        tokio::time::sleep(BODY_STALL + Duration::from_millis(300)).await;
         for _ in 0..2 {
             let got = answer(
                 send(
@@ -725,6 +746,36 @@ mod tests {
         stop.cancel();
         drop(withheld);
         server.await.unwrap();
+    }
+
+    /// With no idle connection at the cap, a request waiting for body bytes
+    /// only a moment (hyper hands a body over chunk by chunk, and its handler
+    /// waits between two) keeps its place and the newcomer is refused; one
+    /// that has waited [`BODY_STALL`] makes room, the longest waiting first.
+    /// Mutation `body_stall_ignored` (any wait makes room: an upload on its way
+    /// closed).
+    #[test]
+    fn a_request_waiting_for_its_body_makes_room_only_once_stalled() {
+        let open = Arc::new(OpenConnections::new(3));
+        let (a, b, c) = (
+            open.admit().unwrap(),
+            open.admit().unwrap(),
+            open.admit().unwrap(),
+        );
+        let _busy = [
+            a.request_started(),
+            b.request_started(),
+            c.request_started(),
+        ];
+        a.conn().awaiting_body(true);
+        assert!(open.admit().is_none(), "a body on its way keeps its place");
+        let stalled_since = |by: Duration| Instant::now().checked_sub(by).unwrap();
+        for (slot, by) in [(&a, BODY_STALL), (&b, BODY_STALL * 2)] {
+            open.lock().slots.get_mut(&slot.id).unwrap().awaiting_body = Some(stalled_since(by));
+        }
+        let _d = open.admit().unwrap();
+        assert!(b.evict.is_cancelled(), "b has waited longest");
+        assert!(!a.evict.is_cancelled() && !c.evict.is_cancelled());
     }
 
     async fn futures_join3<F: Future<Output = StatusCode>>(a: F, b: F, c: F) -> [StatusCode; 3] {

@@ -16,10 +16,14 @@ const ALERTED_LOSSES: [&str; 4] = [
 /// Create the series that must exist before anything happens, so an alert on
 /// `increase(...[1h]) > 0` fires on the first event after a start (a series
 /// born at 1 has no increase to show): `hardcount_leader_lease_lost_total`
-/// at 0 for every role and every reason an alert counts. (A role's own
-/// series are born where the role is built: billing's key refusal in
-/// `Biller::new`.)
+/// at 0 for every role and every reason an alert counts, and
+/// `hardcount_leader_status_errors_total` at 0 (its first failed read after a
+/// start was not a rate). (A role's own series are born where the role is
+/// built: billing's key refusal in `Biller::new`.)
 pub fn precreate_series(telemetry: &Telemetry) {
+    telemetry
+        .counter("hardcount_leader_status_errors_total", &[])
+        .increment(0);
     for role in Role::ALL {
         for reason in ALERTED_LOSSES {
             telemetry

@@ -213,12 +213,8 @@ async fn an_intent_awaiting_the_customers_action_needs_review_not_a_decline() {
         .await,
         [format!("needs_review {intent} open true")]
     );
-    let why: String =
-        t.db.fetch_one(sql("SELECT last_error FROM payment_attempts"))
-            .await
-            .unwrap()
-            .get(0);
-    assert!(why.contains("requires_action"), "{why}");
+    let why = strings(&t.db, "SELECT last_error FROM payment_attempts").await;
+    assert!(why[0].contains("requires_action"), "{why:?}");
     assert_eq!(
         count(
             &t.db,

@@ -121,6 +121,12 @@ async fn a_batch_with_one_panicking_item_processes_all_the_others() {
             format!("hardcount_leader_lease_lost_total{{role=\"dunning\",reason=\"{reason}\"}} ");
         assert_eq!(series(&handle, &other), Some(0.0), "{reason}");
     }
+    // The status reads' errors too, which HardcountStatusReadErrors takes a
+    // rate of. Mutation `precreate_status_errors`.
+    assert_eq!(
+        series(&handle, "hardcount_leader_status_errors_total "),
+        Some(0.0)
+    );
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
