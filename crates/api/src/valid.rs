@@ -27,17 +27,13 @@ pub fn event_type(param: &str, value: &str) -> Result<(), ApiError> {
 /// the text: a string holding a backslash and `u0000` is written `\\u0000`
 /// there, and is stored as it is.
 pub fn payload(param: &str, value: &serde_json::Value, json: &str) -> Result<(), ApiError> {
-    // Counted as stored: a number in exponent notation written out
-    // (docs/adr/0129). The written length first, so a text past the bound
-    // is not scanned.
+    // The written length, before anything is sent. The length as stored (a
+    // number in exponent notation written out, docs/adr/0129) is counted by
+    // the outbox's own check, which every publish path runs and which
+    // [`enqueue_error`] answers with the same refusal: one scan, not two.
     let max = outbox::webhook::MAX_PAYLOAD_BYTES;
-    let bytes = if json.len() > max {
-        json.len()
-    } else {
-        outbox::webhook::stored_len(json)
-    };
-    if bytes > max {
-        return Err(ApiError::out_of_range(param, too_large(bytes, max)));
+    if json.len() > max {
+        return Err(ApiError::out_of_range(param, too_large(json.len(), max)));
     }
     if outbox::webhook::contains_nul(value) {
         return Err(ApiError::param(

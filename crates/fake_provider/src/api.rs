@@ -424,22 +424,22 @@ pub(super) async fn list_payment_intents(
     if let Some(refusal) = unauthorized(&shared, &headers) {
         return *refusal;
     }
-    let listed = list_query(raw.as_deref()).and_then(|q| {
-        let mut l = shared.ledger();
-        l.list_requests += 1;
-        match &l.list_body {
-            Some(body) => Ok(Err(body.clone())),
-            None => list(&l, &q).map(Ok),
-        }
-    });
-    match listed {
-        Ok(Ok(body)) => axum::Json(body).into_response(),
-        Ok(Err(body)) => (
+    let q = match list_query(raw.as_deref()) {
+        Ok(q) => q,
+        Err(refusal) => return *refusal,
+    };
+    let mut l = shared.ledger();
+    l.list_requests += 1;
+    if let Some(body) = l.list_body.clone() {
+        return (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/json")],
             body,
         )
-            .into_response(),
+            .into_response();
+    }
+    match list(&l, &q) {
+        Ok(body) => axum::Json(body).into_response(),
         Err(refusal) => *refusal,
     }
 }

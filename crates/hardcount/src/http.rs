@@ -212,6 +212,7 @@ async fn serve_connection(
             BodyWatch {
                 inner: body,
                 conn: slot.conn(),
+                waiting: false,
             },
         );
         let app = app.clone();
@@ -291,6 +292,18 @@ struct Conn {
 struct BodyWatch {
     inner: Incoming,
     conn: Conn,
+    /// What the connection was last told, so that the cap's lock is taken
+    /// only when the wait starts or ends, not at every poll.
+    waiting: bool,
+}
+
+impl BodyWatch {
+    fn waiting(&mut self, waiting: bool) {
+        if self.waiting != waiting {
+            self.waiting = waiting;
+            self.conn.awaiting_body(waiting);
+        }
+    }
 }
 
 impl hyper::body::Body for BodyWatch {
@@ -302,7 +315,7 @@ impl hyper::body::Body for BodyWatch {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
         let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
-        self.conn.awaiting_body(polled.is_pending());
+        self.waiting(polled.is_pending());
         polled
     }
 
@@ -317,7 +330,7 @@ impl hyper::body::Body for BodyWatch {
 
 impl Drop for BodyWatch {
     fn drop(&mut self) {
-        self.conn.awaiting_body(false);
+        self.waiting(false);
     }
 }
 
@@ -422,15 +435,12 @@ impl ConnectionSlot {
 }
 
 impl Conn {
-    /// Whether the request's handler now waits for body bytes that have not
-    /// come: its connection may then make room at the cap.
+    /// The request's handler starts (stamped now) or stops waiting for body
+    /// bytes that have not come; while it waits its connection may make room
+    /// at the cap. [`BodyWatch`] calls it only when that changes.
     fn awaiting_body(&self, waiting: bool) {
         if let Some(s) = self.open.lock().slots.get_mut(&self.id) {
-            s.awaiting_body = match (waiting, s.awaiting_body) {
-                (false, _) => None,
-                (true, Some(since)) => Some(since),
-                (true, None) => Some(Instant::now()),
-            };
+            s.awaiting_body = waiting.then(Instant::now);
         }
     }
 }
