@@ -10,6 +10,11 @@
 #           email. The queue's rows are inserted before the clock (in the redesign the
 #           billing closing would insert them); that insert is timed on its own.
 #   today-lean  today without invoices_tenant_created (migration 0040)
+#   hot-FF  today-lean whose claim writes no indexed invoice column (the lease's index and
+#           the never-attempted index dropped, the count moved to the settle), the
+#           invoices at fillfactor FF, so that the claim's version can be HOT
+#   today-nofk  today-lean without the attempts' foreign key to their invoice
+#   today-nocheck  today-lean without the CHECK constraints of the four tables it writes
 #   today-0051  today-lean without payment_attempts_one_paid_intent (the charge path's
 #           schema before migration 0052, docs/adr/0122: 0051's index of operator-settled
 #           attempts, which 0052 drops, takes no entry from a charge; today-lean is the
@@ -49,14 +54,32 @@ for round in $(seq 1 "${1:-3}"); do
     q -d postgres -c "CREATE DATABASE $db" >/dev/null
     url="postgres://postgres@$host:$port/$db"
     DATABASE_URL=$url MIGRATION_DATABASE_URL=$url "$hc" migrate >/dev/null
+    if [ "${shape%%-*}" = hot ]; then
+      # hot-FF: the invoices' fillfactor FF (default 100), set before billing's rows
+      ff=${shape#hot}; ff=${ff#-}
+      q -d "$db" -c "ALTER TABLE invoices SET (fillfactor = ${ff:-100})" >/dev/null
+    fi
     q -d "$db" -v n="$n" -f "$here/setup.sql" >/dev/null
-    if [ "$shape" = today-lean ] || [ "$shape" = today-0051 ]; then
+    if [ "${shape%%-*}" = hot ]; then
+      q -d "$db" -c "DROP INDEX invoices_auto_charge_claims, invoices_charge_pending" >/dev/null
+    fi
+    if [ "$shape" != today ] && [ "$shape" != queue ]; then
       q -d "$db" -c "DROP INDEX IF EXISTS invoices_tenant_created" >/dev/null
     else
       q -d "$db" -c "CREATE INDEX IF NOT EXISTS invoices_tenant_created ON invoices (tenant_id, created_at)" >/dev/null
     fi
     if [ "$shape" = today-0051 ]; then
       q -d "$db" -c "DROP INDEX payment_attempts_one_paid_intent" >/dev/null
+    fi
+    if [ "$shape" = today-nofk ]; then
+      q -d "$db" -c "ALTER TABLE payment_attempts DROP CONSTRAINT payment_attempts_invoice_same_tenant" >/dev/null
+    fi
+    if [ "$shape" = today-nocheck ]; then
+      q -d "$db" -At -c "SELECT format('ALTER TABLE %s DROP CONSTRAINT %I;', conrelid::regclass, conname)
+                         FROM pg_constraint WHERE contype = 'c' AND conrelid IN
+                         ('invoices'::regclass, 'payment_attempts'::regclass,
+                          'webhook_events'::regclass, 'email_outbox'::regclass)" \
+        | q -d "$db" >/dev/null
     fi
     fill=""
     if [ "$shape" = queue ]; then
