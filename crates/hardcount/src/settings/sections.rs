@@ -57,31 +57,24 @@ impl ServeSettings {
         let Some(addr) = non_empty(&self.api_addr) else {
             // The API's own settings without its address would be accepted and
             // do nothing: the tenant API silently not served.
-            let set: Vec<&str> = [
-                (
-                    "HARDCOUNT_API_DATABASE_URL",
-                    Secret::set(&self.api_database_url).is_some(),
-                ),
-                (
-                    "HARDCOUNT_API_RATE_LIMIT",
-                    non_empty(&self.api_rate_limit).is_some(),
-                ),
-                (
-                    "HARDCOUNT_API_RATE_BURST",
-                    non_empty(&self.api_rate_burst).is_some(),
-                ),
-            ]
-            .into_iter()
-            .filter_map(|(var, set)| set.then_some(var))
-            .collect();
-            if !set.is_empty() {
-                bail!(
-                    "{} set but HARDCOUNT_API_ADDR is not: the tenant API is served only on \
-                     that address (set it, or unset {})",
-                    set.join(" and "),
-                    if set.len() == 1 { "it" } else { "them" }
-                );
-            }
+            refuse_companions(
+                "HARDCOUNT_API_ADDR",
+                "the tenant API is served only on that address",
+                &[
+                    (
+                        "HARDCOUNT_API_DATABASE_URL",
+                        Secret::set(&self.api_database_url).is_some(),
+                    ),
+                    (
+                        "HARDCOUNT_API_RATE_LIMIT",
+                        non_empty(&self.api_rate_limit).is_some(),
+                    ),
+                    (
+                        "HARDCOUNT_API_RATE_BURST",
+                        non_empty(&self.api_rate_burst).is_some(),
+                    ),
+                ],
+            )?;
             return Ok(None);
         };
         let addr: SocketAddr = addr.parse().map_err(|_| {
@@ -306,6 +299,26 @@ impl ServeSettings {
     /// variable and never echo the URL (it may hold a password).
     pub(super) fn email(&self) -> Result<Option<EmailConfig>> {
         let Some(text) = Secret::set(&self.smtp_url) else {
+            // Accepted, they would do nothing: the email role refuses to start
+            // without SMTP_URL, and no other part reads them.
+            refuse_companions(
+                "SMTP_URL",
+                "they configure the connection to that SMTP server",
+                &[
+                    (
+                        "HARDCOUNT_SMTP_CA_FILE",
+                        non_empty(&self.smtp_ca_file).is_some(),
+                    ),
+                    (
+                        "HARDCOUNT_SMTP_INSECURE_AUTH",
+                        non_empty(&self.smtp_insecure_auth).is_some(),
+                    ),
+                    (
+                        "HARDCOUNT_EMAIL_CONNECTIONS",
+                        non_empty(&self.email_connections).is_some(),
+                    ),
+                ],
+            )?;
             return Ok(None);
         };
         let url = SmtpUrl::parse(text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
@@ -350,4 +363,22 @@ impl ServeSettings {
             sender,
         }))
     }
+}
+
+/// Refuse the settings of `companions` that are set while `needed`, which
+/// they depend on, is not: accepted, they would do nothing (`why` says what
+/// they are for).
+fn refuse_companions(needed: &str, why: &str, companions: &[(&str, bool)]) -> Result<()> {
+    let set: Vec<&str> = companions
+        .iter()
+        .filter_map(|(var, set)| set.then_some(*var))
+        .collect();
+    if set.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "{} set but {needed} is not: {why} (set it, or unset {})",
+        set.join(" and "),
+        if set.len() == 1 { "it" } else { "them" }
+    )
 }
