@@ -12,6 +12,9 @@ pub struct Queued {
     pub tenant_id: String,
     /// The claim this send proves in its outcome write.
     pub attempt: i32,
+    /// `attempt` when the email was last resent (0 if never): the retry
+    /// schedule counts from there, as the claim's ceiling does.
+    pub resent_at_attempt: i32,
     pub message_id: String,
     pub email: Email,
 }
@@ -82,6 +85,7 @@ mod tests {
             id: 1,
             tenant_id: "t".into(),
             attempt: 1,
+            resent_at_attempt: 0,
             message_id: new_message_id("Billing <billing@example.com>"),
             email: email(),
         };

@@ -37,6 +37,16 @@ pub(crate) async fn send(pool: &Pool, q: &Queued, deadline: Duration) -> Reply {
         },
         Ok(Err(Failure::Connect(why))) => Reply::NoReply(why),
         Ok(Err(Failure::Smtp(e))) => match e.status() {
+            // "Authentication required" (RFC 4954) or "must issue STARTTLS
+            // first" (RFC 3207), to MAIL FROM: the session is refused, not
+            // this message, as a 535 to AUTH is (docs/adr/0079, 0133). As this
+            // email's permanent failure it failed every queued email in one
+            // tick. The server's text stays out: it is the session's.
+            Some(code) if u16::from(code) == 530 => Reply::NoReply(
+                "the server refused the session before any message (530: authentication or \
+                 TLS required)"
+                    .to_owned(),
+            ),
             Some(code) if e.is_permanent() => Reply::Permanent {
                 code: u16::from(code),
                 text: e.to_string(),

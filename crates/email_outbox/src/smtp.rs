@@ -84,6 +84,19 @@ pub enum SmtpUrlError {
     BadCredentials,
     #[error("the SMTP CA file is not a PEM certificate: {0}")]
     BadCa(String),
+    /// Without a password lettre sends no AUTH at all, and a relay that
+    /// requires it refuses each message instead.
+    #[error(
+        "SMTP_URL has a user without a password or a password without a user (an empty \
+         password counts as none): give both, or neither"
+    )]
+    HalfCredentials,
+    #[error(
+        "HARDCOUNT_SMTP_CA_FILE is set but SMTP_URL is plain smtp:// without tls=: the CA \
+         would verify nothing and mail would go in clear; use smtps:// or ?tls=required, or \
+         unset the CA file"
+    )]
+    CaWithoutTls,
 }
 
 impl SmtpUrl {
@@ -129,6 +142,9 @@ impl SmtpUrl {
             None => None,
             Some(p) => Some(percent_decode(p).ok_or(SmtpUrlError::BadCredentials)?),
         };
+        if user.is_some() != password.is_some() {
+            return Err(SmtpUrlError::HalfCredentials);
+        }
         Ok(SmtpUrl {
             host,
             port: explicit_port.unwrap_or(default_port),
@@ -188,6 +204,9 @@ impl Connector {
         ca_pem: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<Connector, SmtpUrlError> {
+        if url.tls == TlsMode::None && ca_pem.is_some() {
+            return Err(SmtpUrlError::CaWithoutTls);
+        }
         let params = || -> Result<TlsParameters, SmtpUrlError> {
             let mut b = TlsParameters::builder(url.host.clone());
             if let Some(pem) = ca_pem {
@@ -401,6 +420,36 @@ mod tests {
         let connector = Connector::new(&url, None, Duration::from_secs(5)).unwrap();
         let conn = connector.connect().await.unwrap();
         assert!(conn.probe.nodelay().unwrap());
+    }
+
+    /// A user without a password (or the reverse) is refused: lettre sent no
+    /// AUTH without both, and the relay refused every message (530) instead.
+    /// A CA with a plain `smtp://` URL is refused: nothing would use it.
+    /// Mutations `smtp_half_credentials`, `smtp_ca_without_tls`; seen failing.
+    #[test]
+    fn half_credentials_and_a_ca_without_tls_are_refused() {
+        for url in [
+            "smtp://mailer@127.0.0.1:25?tls=required",
+            "smtps://mailer:@relay.example.com",
+            "smtps://:hunter2@relay.example.com",
+        ] {
+            assert_eq!(
+                SmtpUrl::parse(url).unwrap_err(),
+                SmtpUrlError::HalfCredentials,
+                "{url}"
+            );
+        }
+        assert!(
+            !SmtpUrlError::HalfCredentials
+                .to_string()
+                .contains("hunter2")
+        );
+        let plain = SmtpUrl::parse("smtp://127.0.0.1:25").unwrap();
+        let err = Connector::new(&plain, Some(b"not pem"), Duration::from_secs(1))
+            .err()
+            .unwrap();
+        assert_eq!(err, SmtpUrlError::CaWithoutTls);
+        assert!(err.to_string().contains("HARDCOUNT_SMTP_CA_FILE"), "{err}");
     }
 
     #[test]

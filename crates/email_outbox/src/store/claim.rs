@@ -13,6 +13,7 @@ fn queued(r: &PgRow) -> Result<Queued, db::Error> {
         id: r.try_get("id")?,
         tenant_id: r.try_get("tenant_id")?,
         attempt: r.try_get("attempts")?,
+        resent_at_attempt: r.try_get("resent_at_attempt")?,
         message_id: r.try_get("message_id")?,
         email: Email {
             from: r.try_get("sender")?,
@@ -71,8 +72,8 @@ pub const CLAIM_DUE: &str = concat!(
                next_attempt_at = now() + make_interval(secs => $4), \
                last_attempt_at = now() \
            FROM due WHERE m.id = due.id AND due.made < $7 \
-           RETURNING m.id, m.tenant_id, m.attempts, m.message_id, m.sender, m.recipients, \
-                     m.subject, m.text_body, m.html_body) \
+           RETURNING m.id, m.tenant_id, m.attempts, m.resent_at_attempt, m.message_id, \
+                     m.sender, m.recipients, m.subject, m.text_body, m.html_body) \
          SELECT claimed.*, share.tenants, share.last_tenant, \
                 (SELECT count(*) FROM exhausted) AS exhausted \
          FROM share LEFT JOIN claimed ON true"

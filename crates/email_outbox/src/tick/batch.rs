@@ -219,7 +219,8 @@ impl Sender {
     }
 
     fn result(&self, q: &Queued, reply: &Reply) -> ResultRow {
-        let attempt = u32::try_from(q.attempt).unwrap_or(u32::MAX);
+        // The schedule starts again at a resend, as the claim's ceiling counts.
+        let attempt = u32::try_from(q.attempt - q.resent_at_attempt).unwrap_or(u32::MAX);
         let jitter = rand::random_range(-1.0..=1.0);
         let next = next_state(reply, attempt, &self.inner.config.retry_delays, jitter);
         let (code, text) = match reply {
@@ -272,7 +273,9 @@ impl Sender {
                             }
                             Next::Failed => {
                                 report.failed += 1;
-                                warn!(role = ROLE, email = r.id, code = ?r.reply_code, reply = %r.reply_text, "email failed for good");
+                                // The code only: a server's text often echoes the recipient
+                                // (a customer's address); it is kept in last_reply_text.
+                                warn!(role = ROLE, email = r.id, code = ?r.reply_code, "email failed for good");
                                 "failed"
                             }
                         }

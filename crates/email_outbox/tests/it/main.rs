@@ -155,6 +155,15 @@ pub async fn take_message(
 /// ended), AUTH with 235, the end of every message with `end_reply` and any
 /// other command with 250. Its port.
 pub async fn scripted_sink(ehlo: &'static str, end_reply: &'static str) -> u16 {
+    scripted_sink_with(ehlo, "250 ok\r\n", end_reply).await
+}
+
+/// [`scripted_sink`], answering MAIL FROM with `mail_reply`.
+pub async fn scripted_sink_with(
+    ehlo: &'static str,
+    mail_reply: &'static str,
+    end_reply: &'static str,
+) -> u16 {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -174,6 +183,7 @@ pub async fn scripted_sink(ehlo: &'static str, end_reply: &'static str) -> u16 {
                     let answer: &str = match verb.as_str() {
                         "EHLO" => ehlo,
                         "AUTH" => "235 2.7.0 accepted\r\n",
+                        "MAIL" => mail_reply,
                         "DATA" => {
                             take_message(&mut r, &mut w).await?;
                             end_reply

@@ -139,6 +139,83 @@ async fn a_server_refusing_the_session_fails_no_email() {
     assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
 }
 
+/// A relay that requires AUTH answers MAIL FROM with 530 when it was given
+/// none (an SMTP_URL without credentials; one with a user and no password,
+/// now refused at start, sent none either): the session's refusal, as a 535
+/// to AUTH is, so the batch's first email counts one attempt and stays
+/// queued, the rest are handed back and the tick fails (docs/adr/0133).
+/// Before, the 530 was each email's permanent failure: one tick failed every
+/// queued email for good. Mutation `mail_530_permanent` (the 530 read as
+/// before) fails it; seen failing.
+#[tokio::test]
+async fn a_relay_requiring_auth_fails_no_email() {
+    let t = TestDb::new().await;
+    let port = crate::scripted_sink_with(
+        "250-scripted relay\r\n250 AUTH PLAIN LOGIN\r\n",
+        "530 5.7.0 Authentication required\r\n",
+        "250 queued\r\n",
+    )
+    .await;
+    let emails: Vec<_> = (0..4)
+        .map(|i| email(&format!("c{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 4;
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (end, report) = tick(&t.db, &s).await;
+    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
+    assert_eq!(report.tally.unreachable, 1, "{report:?}");
+    let seen: Vec<(String, i32)> = rows(&t.db)
+        .await
+        .iter()
+        .map(|r| (r.status.clone(), r.attempts))
+        .collect();
+    let queued = |attempts| ("queued".to_owned(), attempts);
+    assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
+}
+
+/// A resent email gets the whole retry schedule again, as the claim's
+/// ceiling counts from the resend and the runbook promises: with two retry
+/// delays (three attempts), an email failed after its three attempts and
+/// resent by the runbook's statement is retried after a 4xx twice and fails
+/// at the third. Before, the schedule was read from the row's attempts since
+/// it was queued, so the resent email failed at its first 4xx. Mutation
+/// `email_retry_from_resend` (the attempts counted from the start again)
+/// fails it; seen failing.
+#[tokio::test]
+async fn a_resent_email_gets_the_retry_schedule_again() {
+    let t = TestDb::new().await;
+    let port = crate::scripted_sink("250 scripted sink\r\n", "451 4.7.1 greylisted\r\n").await;
+    queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    {
+        use sqlx::Executor as _;
+        let mut su = t.superuser().await;
+        su.execute(
+            "UPDATE email_outbox SET status = 'failed', attempts = 3, last_attempt_at = now()",
+        )
+        .await
+        .unwrap();
+        su.execute(
+            "UPDATE email_outbox SET status = 'queued', next_attempt_at = now(), \
+             attempts = attempts + 1, resent_at_attempt = attempts + 1 \
+             WHERE status = 'failed' AND refused IS NULL",
+        )
+        .await
+        .unwrap();
+    }
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, config());
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        make_due(&t).await;
+        let _ = tick(&t.db, &s).await;
+        let r = &rows(&t.db).await[0];
+        seen.push((r.status.clone(), r.attempts));
+    }
+    let at = |status: &str, attempts| (status.to_owned(), attempts);
+    assert_eq!(seen, [at("queued", 5), at("queued", 6), at("failed", 7)]);
+}
+
 /// The sink stops while ten emails are queued. The tick that meets the dead
 /// server makes one connection attempt (the first email, which counts as a
 /// failed attempt), hands the other nine back unattempted and ends as failed
