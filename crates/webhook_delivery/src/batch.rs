@@ -36,7 +36,9 @@ use crate::attempt::{self, Attempted, Prepared, StartBy};
 use crate::delivery::{Claimed, Outcome};
 use crate::failure::Failure;
 use crate::outcomes::{self, Finished, OUTCOME_GROUP, OutcomeBuffer, Step};
+use crate::sealed::Sealed;
 use crate::shared::Shared;
+use crate::store::ClaimedRow;
 use crate::store::HoldRow;
 use crate::store::{Observed, OutcomeRow};
 
@@ -166,8 +168,11 @@ pub(crate) async fn attempt_batch(
         report.holds(outcomes::hold(shared, &held).await);
     }
     let carry = Carry::new(tokio::time::Instant::now() + carry_after, wake.cloned());
-    // Each endpoint's URL and secrets, prepared once for this batch.
-    let mut targets: HashMap<i64, Arc<Prepared>> = HashMap::new();
+    // Each endpoint's URL and secrets, prepared once for this batch per
+    // version of them: a batch can hold rows handed over by several fan-out
+    // statements and rows of the claim's, so one endpoint can come with its
+    // address or secrets from before and after a change (docs/adr/0133).
+    let mut targets: HashMap<i64, Made> = HashMap::new();
     let running: Running = claimed
         .into_iter()
         .map(|d| {
@@ -182,12 +187,18 @@ pub(crate) async fn attempt_batch(
             };
             let key = (d.row.id, d.row.attempt, d.row.resent_at_attempt);
             let step = format!("{}/delivery {}", Role::WebhookDelivery, d.row.id);
-            let target = d.row.enabled.then(|| {
-                targets
-                    .entry(d.row.endpoint_id)
-                    .or_insert_with(|| Arc::new(attempt::prepare(shared, &d.row)))
-                    .clone()
-            });
+            let target = d
+                .row
+                .enabled
+                .then(|| match targets.get(&d.row.endpoint_id) {
+                    Some(made) if made.is_for(&d.row) => Arc::clone(&made.target),
+                    _ => {
+                        let made = Made::new(shared, &d.row);
+                        let target = Arc::clone(&made.target);
+                        targets.insert(d.row.endpoint_id, made);
+                        target
+                    }
+                });
             let shared = Arc::clone(shared);
             let (moved, wake) = (Arc::clone(&carry.moved), wake.cloned());
             spawn_guarded(key, step, async move {
@@ -477,6 +488,33 @@ async fn sleep_until_some(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+/// An endpoint's target prepared for a batch, with the address and secrets
+/// it was made from.
+struct Made {
+    url: String,
+    secret: Option<Sealed>,
+    previous_secret: Option<Sealed>,
+    target: Arc<Prepared>,
+}
+
+impl Made {
+    fn new(shared: &Shared, row: &ClaimedRow) -> Made {
+        Made {
+            url: row.url.clone(),
+            secret: row.secret.clone(),
+            previous_secret: row.previous_secret.clone(),
+            target: Arc::new(attempt::prepare(shared, row)),
+        }
+    }
+
+    /// Whether `row` came with the address and secrets this was made from.
+    fn is_for(&self, row: &ClaimedRow) -> bool {
+        self.url == row.url
+            && self.secret == row.secret
+            && self.previous_secret == row.previous_secret
     }
 }
 

@@ -17,8 +17,8 @@ use testbed::receiver::{Receiver, Reply};
 use webhook_delivery::{Worker, WorkerConfig};
 
 use crate::{
-    as_leader, config, deliveries, endpoint, enqueue_payloads, events, events_handed_over,
-    led_role, manager, payloads_handed_over, tick, worker,
+    as_leader, config, deliveries, endpoint, endpoint_state, enqueue_payloads, events,
+    events_handed_over, led_role, manager, payloads_handed_over, tick, worker,
 };
 
 /// A delivery worker of this bed woken by (and taking handed rows from) the
@@ -1023,4 +1023,59 @@ async fn recovered_deliveries_wake_the_delivery_role_listening_or_not() {
     assert!(woken(wake.clone()).await, "notified");
     shutdown.cancel();
     listener.await.unwrap();
+}
+
+/// One batch can hold an endpoint's deliveries handed over by fan-out
+/// statements before and after the tenant moved it: each is sent to the
+/// address it was fanned out with, and a 410 from the address left behind
+/// leaves the moved endpoint on (docs/adr/0112, 0133). Before, the batch
+/// prepared each endpoint once, from its first row: the second delivery went
+/// to the old address too, and its 410, written against the new address,
+/// turned the endpoint off with the new address never tried.
+///
+/// Mutation check: a batch that prepares each endpoint once again sends both
+/// to `/old` and this test fails (scripts/mutation-check
+/// `target_per_endpoint`); seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_sends_each_delivery_to_the_address_it_was_fanned_out_with() {
+    let t = TestDb::new().await;
+    let rx = Receiver::start(|req| {
+        if req.path == "/old" {
+            Reply::Status(410)
+        } else {
+            Reply::Status(200)
+        }
+    })
+    .await;
+    let ep = endpoint(&t, "tenant_a", &rx.url_at("/old")).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    let (w, _) = worker(&t.db, config());
+    let w = w.with_wake(wake.clone());
+    let (relay, t_ref, new_url) = (&wake, &t, rx.url_at("/new"));
+    let report = as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            relay
+                .relay()
+                .lead(tick.fence.token(), Duration::from_secs(30), 100, usize::MAX);
+            events_handed_over(&t_ref.db, "tenant_a", 1, Some(relay)).await;
+            sqlx::query("UPDATE webhook_endpoints SET url = $2 WHERE id = $1")
+                .bind(ep.id)
+                .bind(&new_url)
+                .execute(&mut t_ref.superuser().await)
+                .await
+                .unwrap();
+            events_handed_over(&t_ref.db, "tenant_a", 1, Some(relay)).await;
+            assert_eq!(relay.relay().waiting(), 2);
+            w.run_tick(&tick).await
+        },
+    )
+    .await;
+    // Sent at once: in either order.
+    let mut paths: Vec<String> = rx.requests().into_iter().map(|r| r.path).collect();
+    paths.sort();
+    assert_eq!(paths, ["/new", "/old"]);
+    assert_eq!((report.delivered, report.dead), (1, 1), "{report:?}");
+    assert!(endpoint_state(&t.db, ep.id).await.enabled);
 }
