@@ -403,6 +403,8 @@ impl ServeSettings {
             a.config.webhook_ports = webhook_delivery.ports;
             a
         });
+        let (billing, dunning) = (self.billing()?, self.dunning()?);
+        sections::dunning_budget_holds_a_call(&billing, &dunning)?;
         Ok(Config {
             database_url: database_url.into(),
             roles_explicit: roles_explicit(&self.roles),
@@ -410,8 +412,8 @@ impl ServeSettings {
             ignored,
             webhook_delivery,
             email: self.email()?,
-            billing: self.billing()?,
-            dunning: self.dunning()?,
+            billing,
+            dunning,
             listen_url: self.listen_url()?,
             lease_database_url: self.lease_database_url()?,
             api,

@@ -382,3 +382,32 @@ fn refuse_companions(needed: &str, why: &str, companions: &[(&str, bool)]) -> Re
         if set.len() == 1 { "it" } else { "them" }
     )
 }
+
+/// A dunning retry batch starts only while a provider call's timeout is left
+/// in the tick's budget (it keeps that in reserve), so a budget not above it
+/// retried nothing: every tick ended "more work" at once, back to back, and
+/// no alert saw it (`HardcountRoleStalled` waits out ticks that end so).
+/// Refused below twice the call timeout, as webhook_delivery's budget is kept
+/// at twice its request timeout.
+pub(super) fn dunning_budget_holds_a_call(
+    billing: &billing::BillingConfig,
+    dunning: &dunning::DunningConfig,
+) -> Result<()> {
+    let Some(provider) = &billing.provider else {
+        // No provider: dunning retries nothing, whatever its budget.
+        return Ok(());
+    };
+    let floor = provider.timeout * 2;
+    if dunning.tick_budget < floor {
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        bail!(
+            "HARDCOUNT_DUNNING_TICK_BUDGET={}: must be at least {} with a payment provider \
+             (twice its call timeout, {}): a retry batch starts only while a call's timeout \
+             is left in the budget, so a shorter one retries nothing",
+            show(dunning.tick_budget),
+            show(floor),
+            show(provider.timeout)
+        );
+    }
+    Ok(())
+}

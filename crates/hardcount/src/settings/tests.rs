@@ -556,3 +556,31 @@ fn settings_without_the_one_they_need_are_refused() {
     ])
     .unwrap();
 }
+
+/// A dunning tick budget that leaves no room for a provider call is refused
+/// when a provider is set (every retry batch keeps the call's timeout, 30 s,
+/// in reserve: at 30 s or less no run was ever listed again, and nothing
+/// paged); without a provider dunning retries nothing and any budget in range
+/// is taken. Mutation `dunning_budget_below_call`; seen failing.
+#[test]
+fn a_dunning_budget_with_no_room_for_a_call_is_refused() {
+    let provider = [
+        "--billing-provider-url",
+        "https://api.example.com",
+        "--billing-provider-secret-key",
+        "sk_test_1",
+    ];
+    let with = |budget: &'static str| {
+        let mut args = provider.to_vec();
+        args.extend(["--dunning-tick-budget", budget]);
+        args
+    };
+    let e = refusal(&with("30s"));
+    assert!(
+        e.contains("HARDCOUNT_DUNNING_TICK_BUDGET=30s: must be at least 1m"),
+        "{e}"
+    );
+    assert!(!e.contains("sk_test_1"), "{e}");
+    check(&with("1m")).unwrap();
+    check(&["--dunning-tick-budget", "30s"]).unwrap();
+}
