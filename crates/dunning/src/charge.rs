@@ -59,7 +59,7 @@ pub(crate) async fn charge_runs(
             let step = format!("dunning/run {} (tenant {})", run.id, run.tenant_id);
             let plan = scheduler::catch(step, async {
                 run.policy
-                    .after_decline(run.first_declined_at, attempt, Utc::now())
+                    .after_decline(run.first_declined_at, attempt, run.database_now())
             })
             .await;
             match plan {
@@ -229,7 +229,7 @@ pub(crate) async fn charge_runs(
         let prepared = scheduler::catch(step, async {
             let plan = plan.unwrap_or_else(|| {
                 run.policy
-                    .after_decline(run.first_declined_at, attempt, Utc::now())
+                    .after_decline(run.first_declined_at, attempt, run.database_now())
             });
             Decline::planned(ctx, run, (attempt, held[&run.id]), code, plan)
         })

@@ -4,6 +4,7 @@
 //! logged and counted: a policy failing the schedule checks, a row that does
 //! not decode (even by a panic).
 
+use chrono::{DateTime, Utc};
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
@@ -67,6 +68,7 @@ fn run(r: &PgRow) -> Result<Run, String> {
         attempt_count: get!(r, "attempt_count")?,
         first_declined_at: get!(r, "first_declined_at")?,
         next_attempt_at: get!(r, "next_attempt_at")?,
+        clock_skew: get!(r, "listed_at").map(|at: DateTime<Utc>| at - Utc::now())?,
         invoice_status: get!(r, "invoice_status")?,
         amount: get!(r, "amount")?,
         currency: get!(r, "currency")?,
@@ -217,7 +219,7 @@ pub const WINDOW_OPEN_AT: &str = concat!(
 /// than the statement's execution (docs/adr/0056).
 pub const LIST_DUE: &str = concat!(
     "SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
-            r.first_declined_at, r.next_attempt_at, \
+            r.first_declined_at, r.next_attempt_at, now() AS listed_at, \
             i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
             i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
             CASE WHEN r.status <> 'active' THEN NULL \

@@ -81,7 +81,7 @@ pub(crate) async fn count(ctx: &Ctx, runs: Vec<Run>) -> Vec<(Run, Outcome)> {
         let prepared = scheduler::catch(step, async {
             match run
                 .policy
-                .after_decline(run.first_declined_at, attempt, Utc::now())
+                .after_decline(run.first_declined_at, attempt, run.database_now())
             {
                 AfterDecline::Next { at } => {
                     let from = sender(run, &c.email_from);
@@ -229,9 +229,9 @@ fn owed_decline<'a>(ctx: &Ctx, run: &'a Run) -> Decline<'a> {
         .clone()
         .unwrap_or_else(|| "declined".to_owned());
     // Announced now: the next retry no sooner than the policy's gap from now.
-    let plan = run
-        .policy
-        .after_decline(run.first_declined_at, run.attempt_count, Utc::now());
+    let plan =
+        run.policy
+            .after_decline(run.first_declined_at, run.attempt_count, run.database_now());
     let listed = (run.attempt_count, run.next_attempt_at);
     Decline::planned(ctx, run, listed, code, plan)
 }

@@ -3,7 +3,7 @@
 //! ([`NotChargeable`]), the result of one listed run ([`Retry`]) and of its
 //! final action ([`FinalActed`]). Types only.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::Error;
 use crate::policy::Policy;
@@ -23,6 +23,11 @@ pub struct Run {
     pub attempt_count: i32,
     pub first_declined_at: DateTime<Utc>,
     pub next_attempt_at: DateTime<Utc>,
+    /// The database's clock less this replica's when the run was listed: the
+    /// next retry is reckoned on the database's clock ([`Run::database_now`]),
+    /// which every due time is compared with, not on a replica's that may be
+    /// skewed (docs/adr/0045, 0133).
+    pub clock_skew: TimeDelta,
     /// The invoice's status when listed.
     pub invoice_status: String,
     pub amount: i64,
@@ -39,6 +44,13 @@ pub struct Run {
     /// The tenant's sender (`tenant_settings.email_from`), if it set one.
     pub email_from: Option<String>,
     pub policy: Policy,
+}
+
+impl Run {
+    /// Now on the database's clock, as read through this replica's.
+    pub fn database_now(&self) -> DateTime<Utc> {
+        Utc::now() + self.clock_skew
+    }
 }
 
 /// Why a due retry is counted without a provider call.
