@@ -147,7 +147,11 @@ async fn a_replica_behind_the_database_clock_spaces_retries_by_the_database() {
     // A few more ticks (1 s apart): none may charge again.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (count, ahead) = run().await.unwrap();
-    assert_eq!((count, provider.create_requests()), (1, 1), "ahead {ahead} s");
+    assert_eq!(
+        (count, provider.create_requests()),
+        (1, 1),
+        "ahead {ahead} s"
+    );
     assert!(
         ahead > 3500.0,
         "the next retry is {ahead} s ahead on the database clock"
