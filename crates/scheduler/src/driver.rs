@@ -79,6 +79,21 @@ pub async fn drive_until<R: FencedBatches>(
     tick: &Tick,
     deadline: Instant,
 ) -> Driven<R::Counts> {
+    let (driven, panics) = drive_until_kept(role, tick, deadline).await;
+    panics.finish();
+    driven
+}
+
+/// [`drive_until`], with the first panic kept in the returned [`Panics`]
+/// instead of raised: for a role whose tick has work of its own after the
+/// driver that a panic must not skip (webhook_delivery collects the attempts
+/// it carried past their batches, docs/adr/0133). The caller raises it
+/// ([`Panics::finish`]) once that work is done.
+pub async fn drive_until_kept<R: FencedBatches>(
+    role: &R,
+    tick: &Tick,
+    deadline: Instant,
+) -> (Driven<R::Counts>, Panics) {
     let name = role.role();
     let shape = role.shape();
     let started = Instant::now();
@@ -190,6 +205,5 @@ pub async fn drive_until<R: FencedBatches>(
     } else {
         debug!(role = %name, end = driven.end.as_str(), stop = ?driven.stop, "nothing claimed");
     }
-    panics.finish();
-    driven
+    (driven, panics)
 }

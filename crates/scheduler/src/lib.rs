@@ -54,7 +54,7 @@ mod steps;
 mod wake;
 
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
-pub use driver::{drive, drive_until};
+pub use driver::{drive, drive_until, drive_until_kept};
 pub use in_flight::InFlight;
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};

@@ -71,6 +71,10 @@ pub(crate) async fn run_tick(
     // for it (docs/adr/0087).
     let token = tick.fence.token();
     deliveries.open_relay(&tick.fence, true);
+    // Closed however the tick ends: dropped after the cancel grace, a lead
+    // left behind had this process's fan-out wait for room before every
+    // batch until it led again (docs/adr/0133).
+    let _lead = Unlead(wake, token);
     // A tick that prunes holds back the prune's slice of the budget.
     let plan = shared
         .pruning
@@ -80,7 +84,11 @@ pub(crate) async fn run_tick(
         || Instant::now() + shared.config.tick_budget,
         |p| p.work_until,
     );
-    let driven = scheduler::drive_until(&deliveries, tick, work_until).await;
+    // A panic in a batch is raised after the work below, as one among the
+    // carried attempts is: raised at once, it dropped the attempts still
+    // carried (their results, a 2xx among them, never written) and left the
+    // relay's rows to their lease (docs/adr/0133).
+    let (driven, mut panics) = scheduler::drive_until_kept(&deliveries, tick, work_until).await;
     let mut t = driven.counts;
     if let Some(wake) = wake {
         wake.relay().unlead(token);
@@ -93,7 +101,6 @@ pub(crate) async fn run_tick(
     // Collect the attempts carried past their batches; a panic among them
     // is raised after the count, as the driver raises its own.
     let carried = deliveries.take_carried();
-    let mut panics = Panics::new(Role::WebhookDelivery.as_str());
     if !carried.is_empty() {
         collect(
             shared,
@@ -232,6 +239,17 @@ async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
             .map(|c| (c.row.id, c.row.attempt, Duration::ZERO, None))
             .collect();
         t.holds(crate::outcomes::hold(shared, &held).await);
+    }
+}
+
+/// Ends a tick's lead of the relay (`Relay::unlead`) when dropped.
+struct Unlead<'a>(Option<&'a Wake>, i64);
+
+impl Drop for Unlead<'_> {
+    fn drop(&mut self) {
+        if let Some(wake) = self.0 {
+            wake.relay().unlead(self.1);
+        }
     }
 }
 

@@ -114,3 +114,77 @@ async fn a_tick_of_several_steps_stops_at_its_one_budget() {
         "the tick ran {elapsed:?} for a budget of {budget:?}"
     );
 }
+
+/// A role whose every batch panics.
+struct Poisoned;
+
+impl FencedBatches for Poisoned {
+    type Claim = usize;
+    type Counts = usize;
+    type Error = String;
+
+    fn role(&self) -> Role {
+        Role::WebhookDelivery
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            batch_size: 10,
+            budget: Duration::from_secs(5),
+            reserve: Duration::ZERO,
+        }
+    }
+
+    async fn claim(&self, _fence: &Fence, limit: usize) -> Result<usize, String> {
+        Ok(limit)
+    }
+
+    fn claimed(claim: &usize) -> usize {
+        *claim
+    }
+
+    async fn run(
+        &self,
+        _claim: usize,
+        _tick: &Tick,
+        _deadline: Instant,
+        _panics: &mut Panics,
+        _counts: &mut usize,
+    ) -> Result<(), String> {
+        panic!("a poisoned batch");
+    }
+}
+
+/// A drive whose batch panics stops as panicked. `drive_until_kept` hands
+/// the panic back instead of raising it, so that a role's own work after the
+/// driver runs first (webhook_delivery collects the attempts it carried,
+/// docs/adr/0133); raising it is the caller's, and `drive_until` does so at
+/// once. Mutation `drive_kept_raises` (the kept drive raising the panic
+/// itself) fails it; seen failing.
+#[tokio::test]
+async fn a_kept_drive_hands_its_panic_back_to_be_raised_after() {
+    scheduler::install_panic_hook();
+    let t = TestDb::new().await;
+    let (m, _, _) = manager(&t.db);
+    let seen = Arc::new(Mutex::new(None));
+    let s = seen.clone();
+    let led = scheduler::catch(
+        "test".into(),
+        m.lead(
+            Role::WebhookDelivery,
+            Duration::from_secs(60),
+            &CancellationToken::new(),
+            move |tick| async move {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let (driven, panics) =
+                    scheduler::drive_until_kept(&Poisoned, &tick, deadline).await;
+                *s.lock().unwrap() = Some((driven.stop, panics.panicked()));
+                panics.finish();
+                TickEnd::Drained
+            },
+        ),
+    )
+    .await;
+    assert!(led.is_err(), "the kept panic is raised by finish");
+    assert_eq!(*seen.lock().unwrap(), Some((Stop::Panicked, 1)));
+}

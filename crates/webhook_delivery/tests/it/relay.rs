@@ -1079,3 +1079,49 @@ async fn a_batch_sends_each_delivery_to_the_address_it_was_fanned_out_with() {
     assert_eq!((report.delivered, report.dead), (1, 1), "{report:?}");
     assert!(endpoint_state(&t.db, ep.id).await.enabled);
 }
+
+/// A delivery tick dropped mid-request (as the leader manager drops a tick
+/// that outlives its cancel grace) ends its lead of the relay: no fan-out of
+/// the process is offered room for it, nor waits for room it will never
+/// take (docs/adr/0133). Before, the lead was ended only on the tick's
+/// return, and this process's fan-out waited for room before every batch
+/// until it led again.
+///
+/// Mutation check: without the drop guard the dropped tick's lead is still
+/// offered and this test fails (scripts/mutation-check `relay_lead_dropped`);
+/// seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_delivery_tick_ends_its_lead_of_the_relay() {
+    let t = TestDb::new().await;
+    let rx = Receiver::start(|_| Reply::Delayed(Duration::from_secs(5), 200)).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    let wake = Wake::new(Role::WebhookDelivery, Duration::from_secs(5));
+    // A request outlasting the drop.
+    let config = WorkerConfig {
+        request_timeout: Duration::from_secs(10),
+        tick_budget: Duration::from_secs(30),
+        ..config()
+    };
+    let (w, _) = worker(&t.db, config);
+    let w = w.with_wake(wake.clone());
+    let relay = &wake;
+    as_leader(
+        &manager(&t.db, "w"),
+        Role::WebhookDelivery,
+        |tick| async move {
+            let ticking = tokio::time::timeout(Duration::from_millis(1500), w.run_tick(&tick));
+            let rx = &rx;
+            let (dropped, ()) = tokio::join!(ticking, async move {
+                rx.until_count(1, Duration::from_secs(5)).await;
+                assert!(relay.relay().offer().is_some(), "the running tick leads");
+            });
+            assert!(dropped.is_err(), "the tick returned before the drop");
+            assert!(
+                relay.relay().offer().is_none(),
+                "the dropped tick's lead is still offered"
+            );
+        },
+    )
+    .await;
+}
