@@ -179,8 +179,8 @@ impl Manager {
     /// the database clock and is later than the last completed slot. A won
     /// tick covers the latest slot that has come by ACQUIRE's clock; the
     /// slots skipped between the last completed one and it (a downtime) are
-    /// logged and counted in `hardcount_leader_slots_missed_total{role}`,
-    /// and run as that one tick. A tick that completes stamps its slot; any
+    /// logged, counted in `hardcount_leader_slots_missed_total{role}` by the
+    /// tick that completes the slot, and run as that one tick. A tick that completes stamps its slot; any
     /// other end leaves it due, retried after the usual cooldown (the
     /// cooldowns' "interval" is the gap to the slot after).
     ///
@@ -280,12 +280,6 @@ impl Manager {
         if missed > 0 {
             warn!(role = %role, slot = %slot, missed, at_least = missed >= crate::schedule::MISSED_COUNT_LIMIT,
                   since = %since, "slots were missed (the role was down or paused); running the latest once");
-            self.telemetry
-                .counter(
-                    "hardcount_leader_slots_missed_total",
-                    &[("role", role.as_str())],
-                )
-                .increment(missed);
         }
         self.telemetry
             .histogram(
@@ -310,6 +304,17 @@ impl Manager {
         if outcome == TickOutcome::Completed {
             // What the RELEASE stamped: the next poll asks for the slot after.
             self.update_reading(role, |r| r.since = r.since.max(slot));
+            // Counted by the tick that completes the slot, so once: every tick
+            // of a slot not completed (a backlog's more_work, a failure), on
+            // any replica, found the same slots missed since the last stamp.
+            if missed > 0 {
+                self.telemetry
+                    .counter(
+                        "hardcount_leader_slots_missed_total",
+                        &[("role", role.as_str())],
+                    )
+                    .increment(missed);
+            }
         }
         Ok(outcome)
     }
