@@ -411,6 +411,7 @@ fn wire_message(shape: Shape, c: usize, i: usize) -> Result<(String, String)> {
                 id: i64::try_from(i)?,
                 tenant_id: "tenant_bench".into(),
                 attempt: 1,
+                resent_at_attempt: 0,
                 message_id: outbox::email::new_message_id(&email.from),
                 email,
             };
