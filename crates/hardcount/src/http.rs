@@ -54,10 +54,10 @@ use tracing::{debug, info, warn};
 
 /// How often the background task refreshes the snapshot.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(2);
-/// The most one check (schema, then `leader_status`) may take.
+/// The most one check (the schema, writability, then `leader_status`) may take.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// A snapshot older than this is not ready, whatever it says: the refresher is
-/// stuck. Must exceed one refresh cycle (`REFRESH_EVERY + 2 × CHECK_TIMEOUT`).
+/// stuck. Must exceed one refresh cycle (`REFRESH_EVERY + 3 × CHECK_TIMEOUT`).
 pub const STALE_AFTER: Duration = Duration::from_secs(10);
 /// The longest any request is served; past it, 503.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
