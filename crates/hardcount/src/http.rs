@@ -478,38 +478,37 @@ async fn metrics(State(s): State<AppState>) -> String {
     s.metrics.render()
 }
 
-/// One check: the schema, then the cluster facts from `leader_status` into
-/// `telemetry`. `Err` says why it is not ready. A check that cannot read
-/// `leader_status` exports every role's last tick as unknown, never the ages
-/// of the last read (docs/adr/0097); a read-only database is read, so its
-/// ages grow while nothing runs.
-async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result<(), String> {
-    let unknown = |why: String| {
-        scheduler::mark_status_unknown(telemetry, roles);
-        Err(why)
-    };
-    match tokio::time::timeout(CHECK_TIMEOUT, db::check_schema_ready(db)).await {
-        Err(_) => return unknown(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
-        Ok(Err(e)) => return unknown(e.to_string()),
-        Ok(Ok(())) => {}
-    }
-    // A database that takes no writes (turned read-only, a standby after a
-    // failover) runs nothing: every ACQUIRE fails. Not ready, so the operator
-    // and the load balancer see it (issue 27, point 5).
-    let writable = db.fetch_one(db::sql(
-        "SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean) AS writable",
-    ));
-    let ready = match tokio::time::timeout(CHECK_TIMEOUT, writable).await {
-        Err(_) => return unknown(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
-        Ok(Err(e)) => return unknown(e.to_string()),
-        Ok(Ok(row)) => match db::Row::try_get::<bool, _>(&row, "writable") {
-            Ok(true) => Ok(()),
-            _ => Err("the database is read-only: no role can run".to_owned()),
-        },
+/// One check: the schema and writability on the app path (`db`), then the
+/// cluster facts from `leader_status` into `telemetry`. `Err` says why it is
+/// not ready. A check that cannot read `leader_status` exports every role's
+/// last tick as unknown, never the ages of the last read (docs/adr/0097); a
+/// read-only database is read, so its ages grow while nothing runs.
+///
+/// `leader_status` is read on `status_db`, the lease path's check connection
+/// when the leases have a path of their own: a server pool job statements
+/// cannot fill (docs/adr/0036). Read on the app path, a backlog that filled
+/// its server pool made the read wait out its timeout on every replica, so
+/// every role's last tick went unknown, which silences the stall alert and
+/// pages `HardcountRoleLastTickUnknown` while the roles work (docs/adr/0133).
+async fn check(
+    db: &Db,
+    status_db: Option<&Db>,
+    telemetry: &Telemetry,
+    roles: &[leader::Role],
+) -> Result<(), String> {
+    let ready = match app_path_ready(db).await {
+        Ok(ready) => ready,
+        // The app path did not answer: with no other path, neither would
+        // leader_status.
+        Err(why) if status_db.is_none() => {
+            scheduler::mark_status_unknown(telemetry, roles);
+            return Err(why);
+        }
+        Err(why) => Err(why),
     };
     if tokio::time::timeout(
         CHECK_TIMEOUT,
-        scheduler::export_status(db, telemetry, roles),
+        scheduler::export_status(status_db.unwrap_or(db), telemetry, roles),
     )
     .await
     .is_err()
@@ -518,6 +517,31 @@ async fn check(db: &Db, telemetry: &Telemetry, roles: &[leader::Role]) -> Result
         scheduler::mark_status_unknown(telemetry, roles);
     }
     ready
+}
+
+/// The app path's schema, then whether it takes writes. The outer `Err`: it
+/// did not answer (a timeout, an error); the inner: it answered and is not
+/// ready.
+async fn app_path_ready(db: &Db) -> Result<Result<(), String>, String> {
+    match tokio::time::timeout(CHECK_TIMEOUT, db::check_schema_ready(db)).await {
+        Err(_) => return Err(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
+        Ok(Err(e)) => return Err(e.to_string()),
+        Ok(Ok(())) => {}
+    }
+    // A database that takes no writes (turned read-only, a standby after a
+    // failover) runs nothing: every ACQUIRE fails. Not ready, so the operator
+    // and the load balancer see it (issue 27, point 5).
+    let writable = db.fetch_one(db::sql(
+        "SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean) AS writable",
+    ));
+    match tokio::time::timeout(CHECK_TIMEOUT, writable).await {
+        Err(_) => Err(format!("the readiness check took over {CHECK_TIMEOUT:?}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(row)) => Ok(match db::Row::try_get::<bool, _>(&row, "writable") {
+            Ok(true) => Ok(()),
+            _ => Err("the database is read-only: no role can run".to_owned()),
+        }),
+    }
 }
 
 /// The lease path, when it is not DATABASE_URL's: answering within
@@ -559,7 +583,7 @@ pub async fn refresh_status(
         // Side by side, so the lease check adds nothing to a cycle's length
         // (`STALE_AFTER`).
         let (app, lease) = tokio::join!(
-            check(&db, &telemetry, &roles),
+            check(&db, lease_db.as_ref(), &telemetry, &roles),
             check_lease_path(lease_db.as_ref())
         );
         let result = app.and(lease);

@@ -562,3 +562,73 @@ async fn a_cancel_after_a_trial_ended_invoices_the_paid_time_since() {
             .collect();
     assert_eq!(statuses, ["canceled", "canceled"]);
 }
+
+/// A trial that ended two hours ago, whose first paid period (to the anchor,
+/// an hour ago) ended too, before the tick activated it: a resume of a void
+/// pause closes that period first, under the pause it ended in (void), and a
+/// pause set then leaves it as it was used (open), as for an active
+/// subscription behind (docs/adr/0096, 0110, 0133). Before, the pause and the
+/// resume skipped a trialing row: the resumed subscription's ended period
+/// was invoiced open and charged, the paused one's voided. Mutation
+/// `close_ended_skips_trial` fails it; seen failing.
+#[tokio::test]
+async fn a_pause_or_resume_after_a_trial_ended_closes_its_ended_period_first() {
+    let t = TestDb::new().await;
+    let (b, _) = biller(&t.db, config());
+    let daily = plan(&t.db, "tenant_a", "day", 1, 1200).await;
+    let api = testbed::tenant_writer(&t.db, "tenant_a");
+    let ended_trial = || async {
+        api.fetch_one(
+            sql("WITH c AS ( \
+               INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+               VALUES ('tenant_a', 'ada@example.org', 'cus_' || md5(random()::text), \
+                       'pm_card_visa') RETURNING id) \
+             INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                        current_period_start, current_period_end, trial_end) \
+             SELECT 'tenant_a', c.id, $1, 'trialing', now() - interval '1 hour', \
+                    now() - interval '3 hours', now() - interval '2 hours', \
+                    now() - interval '2 hours' FROM c RETURNING id")
+            .bind(daily),
+        )
+        .await
+        .unwrap()
+        .get::<i64, _>("id")
+    };
+    let resumed = ended_trial().await;
+    let paused = ended_trial().await;
+    t.db.execute(
+        sql("UPDATE subscriptions SET pause_collection_behavior = 'void' WHERE id = $1")
+            .bind(resumed),
+    )
+    .await
+    .unwrap();
+    let mut tx = t.db.begin().await.unwrap();
+    b.resume_collection_in(&mut tx, "tenant_a", resumed)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = t.db.begin().await.unwrap();
+    b.pause_collection_in(&mut tx, "tenant_a", paused, "void", None)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // Each subscription's invoices: status and length in seconds.
+    let made =
+        |sub: i64| {
+            let db = t.db.clone();
+            async move {
+                db.fetch_all(
+                sql("SELECT status, extract(epoch FROM period_end - period_start)::int8 AS span \
+                     FROM invoices WHERE subscription_id = $1")
+                .bind(sub),
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<String, _>("status"), r.get::<i64, _>("span")))
+            .collect::<Vec<_>>()
+            }
+        };
+    assert_eq!(made(resumed).await, [("void".to_owned(), 3600)]);
+    assert_eq!(made(paused).await, [("open".to_owned(), 3600)]);
+}

@@ -299,3 +299,67 @@ async fn readyz_is_not_ready_while_the_lease_path_does_not_answer() {
         .await;
     served.stop(Duration::from_secs(25)).await;
 }
+
+/// With a lease path of its own, `leader_status` is read on it: a backlog
+/// that fills the app pool's server connections (here held in open
+/// transactions) makes the replica not ready, but its roles' last ticks stay
+/// known, so the stall alert still sees them and
+/// `HardcountRoleLastTickUnknown` does not page while the roles work
+/// (docs/adr/0134). Before, the read waited out its timeout in PgBouncer's
+/// queue and every role went unknown on every replica. PgBouncer leg only
+/// (the pool held is PgBouncer's). Mutation `status_on_app_path` (the read
+/// on the app path again) fails it; seen failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_app_pool_leaves_the_roles_last_ticks_known() {
+    if Leg::current() == Leg::Direct {
+        return;
+    }
+    let t = TestDb::new().await;
+    let lease_url = testbed::bouncer::lease_path(&t).await;
+    let served = Readyz::serve(&t, &["--lease-database-url", &lease_url]).await;
+    let within = Duration::from_secs(8);
+    served.until(200, within, "never ready").await;
+    let metrics = served.url.replace("/readyz", "/metrics");
+    let known = || async {
+        let text = served
+            .client
+            .get(&metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("hardcount_leader_last_tick_known{role=\"webhook_outbox\"} ")
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default()
+    };
+    // Known once the status read finds a last tick (the role's first tick
+    // stays open probing for work, so one is written here).
+    sqlx::raw_sql(
+        "UPDATE leader_leases SET last_tick_ended_at = now() WHERE role = 'webhook_outbox'",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let deadline = Instant::now() + within;
+    while known().await != "1" {
+        assert!(
+            Instant::now() < deadline,
+            "webhook_outbox's last tick never known"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let held = testbed::bouncer::saturate(&t).await;
+    served
+        .until(503, within, "ready with the app pool held")
+        .await;
+    // One more refresh cycle (2 s, and a check timeout of 2 s) after it.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(known().await, "1", "the roles' last ticks went unknown");
+    testbed::bouncer::release(held).await;
+    served.stop(Duration::from_secs(15)).await;
+}
