@@ -16,29 +16,7 @@ use crate::serve::Serve;
 async fn serve_runs_dunning_and_a_declined_invoice_recovers() {
     let t = TestDb::new().await;
     let provider = FakeProvider::start().await.unwrap();
-    sqlx::raw_sql(
-        "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, is_default) \
-           VALUES ('tenant_a', 'Fast', '{1, 2}', 'pause_collection', true); \
-         INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
-           VALUES ('tenant_a', 'ada@example.org', 'cus_ada', 'pm_card_visa'); \
-         INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
-           VALUES ('tenant_a', 'Pro', 1200, 'EUR', 'month', 1); \
-         INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
-                                    current_period_start, current_period_end, next_billing_at) \
-           SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
-                  now() + interval '30 days' FROM customers c, plans p; \
-         INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
-                               collection_method, attempt_count) \
-           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic', 1 \
-           FROM subscriptions; \
-         INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
-                                       currency, provider_status, decline_code, resolved_at) \
-           SELECT 'tenant_a', id, 1, 'hardcount-invoice-' || id || '-attempt-1', 1200, 'EUR', \
-                  'declined', 'insufficient_funds', now() - interval '1 hour' FROM invoices",
-    )
-    .execute(&mut t.superuser().await)
-    .await
-    .unwrap();
+    declined_an_invoice(&t, "{1, 2}", "pm_card_visa", "1 hour").await;
     let url = provider.base_url();
     let serve = Serve::start(
         &t.app_url(Leg::current()),
@@ -90,29 +68,7 @@ async fn a_replica_behind_the_database_clock_spaces_retries_by_the_database() {
     );
     let t = TestDb::new().await;
     let provider = FakeProvider::start().await.unwrap();
-    sqlx::raw_sql(
-        "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, is_default) \
-           VALUES ('tenant_a', 'Hourly', '{60, 3600, 7200}', 'pause_collection', true); \
-         INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
-           VALUES ('tenant_a', 'ada@example.org', 'cus_ada', 'pm_card_chargeDeclined'); \
-         INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
-           VALUES ('tenant_a', 'Pro', 1200, 'EUR', 'month', 1); \
-         INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
-                                    current_period_start, current_period_end, next_billing_at) \
-           SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
-                  now() + interval '30 days' FROM customers c, plans p; \
-         INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
-                               collection_method, attempt_count) \
-           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic', 1 \
-           FROM subscriptions; \
-         INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
-                                       currency, provider_status, decline_code, resolved_at) \
-           SELECT 'tenant_a', id, 1, 'hardcount-invoice-' || id || '-attempt-1', 1200, 'EUR', \
-                  'declined', 'insufficient_funds', now() - interval '1 day' FROM invoices",
-    )
-    .execute(&mut t.superuser().await)
-    .await
-    .unwrap();
+    declined_an_invoice(&t, "{60, 3600, 7200}", "pm_card_chargeDeclined", "1 day").await;
     let url = provider.base_url();
     let _serve = Serve::start(
         &t.app_url(Leg::current()),
@@ -156,4 +112,48 @@ async fn a_replica_behind_the_database_clock_spaces_retries_by_the_database() {
         ahead > 3500.0,
         "the next retry is {ahead} s ahead on the database clock"
     );
+}
+
+/// Tenant A's default policy retrying at `offsets` (seconds after the first
+/// decline, an SQL array literal), and one automatic invoice whose first
+/// attempt was declined (`insufficient_funds`) `ago` (an SQL interval), its
+/// customer's card now `card`: what billing leaves for dunning to enrol.
+async fn declined_an_invoice(t: &TestDb, offsets: &str, card: &str, ago: &str) {
+    sqlx::query(
+        "WITH p AS ( \
+           INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, is_default) \
+           VALUES ('tenant_a', 'Retries', $1::int4[], 'pause_collection', true)) \
+         INSERT INTO customers (tenant_id, email, provider_customer_id, payment_method_id) \
+         VALUES ('tenant_a', 'ada@example.org', 'cus_ada', $2)",
+    )
+    .bind(offsets)
+    .bind(card)
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO plans (tenant_id, name, amount, currency, interval_unit, interval_count) \
+           VALUES ('tenant_a', 'Pro', 1200, 'EUR', 'month', 1); \
+         INSERT INTO subscriptions (tenant_id, customer_id, plan_id, status, billing_anchor, \
+                                    current_period_start, current_period_end, next_billing_at) \
+           SELECT 'tenant_a', c.id, p.id, 'active', now(), now(), now() + interval '30 days', \
+                  now() + interval '30 days' FROM customers c, plans p; \
+         INSERT INTO invoices (tenant_id, subscription_id, period_start, period_end, amount, currency, \
+                               collection_method, attempt_count) \
+           SELECT 'tenant_a', id, now() - interval '30 days', now(), 1200, 'EUR', 'automatic', 1 \
+           FROM subscriptions",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, amount, \
+                                       currency, provider_status, decline_code, resolved_at) \
+         SELECT 'tenant_a', id, 1, 'hardcount-invoice-' || id || '-attempt-1', 1200, 'EUR', \
+                'declined', 'insufficient_funds', now() - $1::interval FROM invoices",
+    )
+    .bind(ago)
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
 }

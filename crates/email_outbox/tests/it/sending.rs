@@ -120,23 +120,7 @@ async fn a_server_refusing_the_session_fails_no_email() {
             let _ = stream.write_all(b"554 5.3.2 no service here\r\n").await;
         }
     });
-    let emails: Vec<_> = (0..4)
-        .map(|i| email(&format!("c{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
-    let mut c = config();
-    c.batch_size = 4;
-    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
-    let (end, report) = tick(&t.db, &s).await;
-    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
-    assert_eq!(report.tally.unreachable, 1, "{report:?}");
-    let seen: Vec<(String, i32)> = rows(&t.db)
-        .await
-        .iter()
-        .map(|r| (r.status.clone(), r.attempts))
-        .collect();
-    let queued = |attempts| ("queued".to_owned(), attempts);
-    assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
+    a_refused_session_fails_no_email(&t, port).await;
 }
 
 /// A relay that requires AUTH answers MAIL FROM with 530 when it was given
@@ -156,23 +140,7 @@ async fn a_relay_requiring_auth_fails_no_email() {
         "250 queued\r\n",
     )
     .await;
-    let emails: Vec<_> = (0..4)
-        .map(|i| email(&format!("c{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
-    let mut c = config();
-    c.batch_size = 4;
-    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
-    let (end, report) = tick(&t.db, &s).await;
-    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
-    assert_eq!(report.tally.unreachable, 1, "{report:?}");
-    let seen: Vec<(String, i32)> = rows(&t.db)
-        .await
-        .iter()
-        .map(|r| (r.status.clone(), r.attempts))
-        .collect();
-    let queued = |attempts| ("queued".to_owned(), attempts);
-    assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
+    a_refused_session_fails_no_email(&t, port).await;
 }
 
 /// A resent email gets the whole retry schedule again, as the claim's
@@ -464,4 +432,27 @@ async fn a_3xx_to_the_end_of_a_message_is_not_a_send() {
         ("queued", 1, Some(354)),
         "{r:?}"
     );
+}
+
+/// Four emails queued and one tick against the SMTP server on `port`, which
+/// refuses the session: the batch's first email counts one attempt and stays
+/// queued, the rest are handed back, and the tick fails as for a dead server.
+async fn a_refused_session_fails_no_email(t: &TestDb, port: u16) {
+    let emails: Vec<_> = (0..4)
+        .map(|i| email(&format!("c{i}@example.org"), i))
+        .collect();
+    queue(&t.db, "tenant_a", &emails).await;
+    let mut c = config();
+    c.batch_size = 4;
+    let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);
+    let (end, report) = tick(&t.db, &s).await;
+    assert!(matches!(end, TickEnd::Failed(_)), "{end:?}");
+    assert_eq!(report.tally.unreachable, 1, "{report:?}");
+    let seen: Vec<(String, i32)> = rows(&t.db)
+        .await
+        .iter()
+        .map(|r| (r.status.clone(), r.attempts))
+        .collect();
+    let queued = |attempts| ("queued".to_owned(), attempts);
+    assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
 }

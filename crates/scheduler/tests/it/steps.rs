@@ -11,10 +11,11 @@ use tokio_util::sync::CancellationToken;
 use crate::manager;
 
 /// A queue that never drains: every claim is a full batch, every batch
-/// takes `batch_time`.
+/// takes `batch_time`, or panics when `poisoned`.
 struct Endless {
     budget: Duration,
     batch_time: Duration,
+    poisoned: bool,
 }
 
 impl FencedBatches for Endless {
@@ -50,6 +51,7 @@ impl FencedBatches for Endless {
         _panics: &mut Panics,
         batches: &mut usize,
     ) -> Result<(), String> {
+        assert!(!self.poisoned, "a poisoned batch");
         tokio::time::sleep(self.batch_time).await;
         *batches += 1;
         Ok(())
@@ -74,6 +76,7 @@ async fn a_tick_of_several_steps_stops_at_its_one_budget() {
     let step = Endless {
         budget,
         batch_time: Duration::from_millis(100),
+        poisoned: false,
     };
     let seen = Arc::new(Mutex::new(None));
     let s = seen.clone();
@@ -115,46 +118,6 @@ async fn a_tick_of_several_steps_stops_at_its_one_budget() {
     );
 }
 
-/// A role whose every batch panics.
-struct Poisoned;
-
-impl FencedBatches for Poisoned {
-    type Claim = usize;
-    type Counts = usize;
-    type Error = String;
-
-    fn role(&self) -> Role {
-        Role::WebhookDelivery
-    }
-
-    fn shape(&self) -> Shape {
-        Shape {
-            batch_size: 10,
-            budget: Duration::from_secs(5),
-            reserve: Duration::ZERO,
-        }
-    }
-
-    async fn claim(&self, _fence: &Fence, limit: usize) -> Result<usize, String> {
-        Ok(limit)
-    }
-
-    fn claimed(claim: &usize) -> usize {
-        *claim
-    }
-
-    async fn run(
-        &self,
-        _claim: usize,
-        _tick: &Tick,
-        _deadline: Instant,
-        _panics: &mut Panics,
-        _counts: &mut usize,
-    ) -> Result<(), String> {
-        panic!("a poisoned batch");
-    }
-}
-
 /// A drive whose batch panics stops as panicked. `drive_until_kept` hands
 /// the panic back instead of raising it, so that a role's own work after the
 /// driver runs first (webhook_delivery collects the attempts it carried,
@@ -176,8 +139,13 @@ async fn a_kept_drive_hands_its_panic_back_to_be_raised_after() {
             &CancellationToken::new(),
             move |tick| async move {
                 let deadline = Instant::now() + Duration::from_secs(5);
+                let poisoned = Endless {
+                    budget: Duration::from_secs(5),
+                    batch_time: Duration::ZERO,
+                    poisoned: true,
+                };
                 let (driven, panics) =
-                    scheduler::drive_until_kept(&Poisoned, &tick, deadline).await;
+                    scheduler::drive_until_kept(&poisoned, &tick, deadline).await;
                 *s.lock().unwrap() = Some((driven.stop, panics.panicked()));
                 panics.finish();
                 TickEnd::Drained
