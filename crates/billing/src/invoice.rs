@@ -103,6 +103,9 @@ pub(crate) enum Attempt {
 /// A subscription that won its compare-and-set, as the update returned it.
 struct Won {
     customer_id: i64,
+    /// The subscription's plan after the compare-and-set (a plan change's
+    /// new one), which its `subscription.*` event names.
+    plan_id: i64,
     pause: Option<String>,
     resumes_at: Option<DateTime<Utc>>,
 }
@@ -237,7 +240,7 @@ pub(crate) async fn close_in(
                    AND s.current_period_start = i.period_start \
                    AND s.next_billing_at = i.watermark \
                    AND s.cancel_at_period_end = i.cape \
-                 RETURNING s.id, s.customer_id, s.pause_collection_behavior, \
+                 RETURNING s.id, s.customer_id, s.plan_id, s.pause_collection_behavior, \
                            s.pause_collection_resumes_at")
             .bind(heads.iter().map(|c| c.subscription_id).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.status.clone()).collect::<Vec<_>>())
@@ -256,6 +259,7 @@ pub(crate) async fn close_in(
             r.try_get("id").map_err(db::Error::from)?,
             Won {
                 customer_id: r.try_get("customer_id").map_err(db::Error::from)?,
+                plan_id: r.try_get("plan_id").map_err(db::Error::from)?,
                 pause: r
                     .try_get("pause_collection_behavior")
                     .map_err(db::Error::from)?,

@@ -88,7 +88,10 @@ pub(super) async fn announce_subscriptions(
     won: &HashMap<i64, Won>,
 ) -> Result<(), Error> {
     let mut events = Vec::new();
-    for c in last.iter().filter(|c| won.contains_key(&c.subscription_id)) {
+    for c in last.iter() {
+        let Some(w) = won.get(&c.subscription_id) else {
+            continue;
+        };
         let (kind, status) = match c.reason {
             Reason::Cancel => ("subscription.canceled", "canceled"),
             Reason::Period if c.ends => ("subscription.canceled", "canceled"),
@@ -99,7 +102,9 @@ pub(super) async fn announce_subscriptions(
             "object": "subscription",
             "id": c.subscription_id,
             "status": status,
-            "plan": c.plan_id,
+            // The row's plan: a closing that changes none carries no plan
+            // of its own (it announced "plan": null).
+            "plan": w.plan_id,
             "current_period_start": c.next_start.to_rfc3339(),
             "cancel_at_period_end": c.cancel_at_period_end,
         })

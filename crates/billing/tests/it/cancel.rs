@@ -76,6 +76,19 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
             "subscription.canceled"
         ]
     );
+    // The event names the subscription's plan (it said null: a closing
+    // that changes no plan carries none). Mutation `canceled_plan_null`.
+    let (plan, named): (i64, Option<i64>) =
+        t.db.fetch_one(
+            sql("SELECT s.plan_id, (e.payload->>'plan')::int8 AS named \
+             FROM subscriptions s, webhook_events e \
+             WHERE s.id = $1 AND e.event_type = 'subscription.canceled'")
+            .bind(sub),
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(named, Some(plan));
     // Nothing left for the tick.
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }
