@@ -61,7 +61,7 @@ async fn serve_runs_dunning_and_a_declined_invoice_recovers() {
 /// `dunning_replica_clock` (the replica's clock again) fails it; seen failing.
 #[tokio::test]
 async fn a_replica_behind_the_database_clock_spaces_retries_by_the_database() {
-    let faketime = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+    let faketime = crate::chaos::harness::LIBFAKETIME;
     assert!(
         std::path::Path::new(faketime).exists(),
         "{faketime} is missing: apt-get install faketime"

@@ -118,7 +118,7 @@ pub(crate) async fn cancel_now_in(
 /// that takes effect now (a cancel at the period's end, a pause or a resume
 /// of collection) never reaches back into a period that ended before it.
 /// A trial that ended is activated first, as cancel now does (docs/adr/0077,
-/// 0133). Nothing when the subscription is not active or not behind. `source` is
+/// 0134). Nothing when the subscription is not active or not behind. `source` is
 /// the label of `hardcount_billing_invoices_created_total`.
 ///
 /// # Errors
@@ -134,7 +134,7 @@ pub(crate) async fn close_ended_in(
     source: &'static str,
 ) -> Result<(), Error> {
     // A trial that ended is active from its end, as the tick would make it:
-    // its first paid period may have ended too (docs/adr/0133).
+    // its first paid period may have ended too (docs/adr/0134).
     crate::lifecycle::activate_ended_trial_in(tx, tenant_id, subscription).await?;
     match snapshot_in(tx, tenant_id, subscription).await? {
         Some((due, _, now)) => close_snapshot_ended(biller, tx, &due, now, source).await,

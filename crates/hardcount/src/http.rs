@@ -611,7 +611,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_goes_stale_only_after_a_whole_refresh_cycle() {
-        assert!(STALE_AFTER > REFRESH_EVERY + CHECK_TIMEOUT * 2);
+        assert!(STALE_AFTER > REFRESH_EVERY + CHECK_TIMEOUT * 3);
         assert!(REQUEST_TIMEOUT > Duration::ZERO && MAX_CONCURRENT_REQUESTS > 0);
         let s = StatusSnapshot::default();
         assert!(!s.is_ready());

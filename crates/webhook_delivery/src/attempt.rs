@@ -262,7 +262,8 @@ pub(crate) fn prepare(shared: &Shared, row: &ClaimedRow) -> Prepared {
     let url = Url::parse(&row.url)
         .map_err(|e| (Failure::BadUrl, format!("endpoint URL does not parse: {e}")))?;
     let secret = open_secret(keyring, &row.tenant_id, row.secret.as_ref()).map_err(|e| {
-        // Once per endpoint per batch (a batch prepares each endpoint once).
+        // Once per endpoint per batch (a batch prepares each version of an
+        // endpoint once).
         warn!(
             role = %Role::WebhookDelivery,
             endpoint = row.endpoint_id,

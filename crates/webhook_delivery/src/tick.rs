@@ -242,6 +242,19 @@ async fn hand_back_handed(shared: &Shared, wake: &Wake, t: &mut Tally) {
     }
 }
 
+/// The attempts carried past their batches, put back in their slot when
+/// dropped.
+struct PutBack<'a> {
+    slot: &'a Mutex<Running>,
+    running: Running,
+}
+
+impl Drop for PutBack<'_> {
+    fn drop(&mut self) {
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = std::mem::take(&mut self.running);
+    }
+}
+
 /// Ends a tick's lead of the relay (`Relay::unlead`) when dropped.
 struct Unlead<'a>(Option<&'a Wake>, i64);
 
@@ -445,19 +458,24 @@ impl FencedBatches for Deliveries<'_> {
         panics: &mut Panics,
         tally: &mut Tally,
     ) -> Result<(), Error> {
-        let mut carried = self.take_carried();
+        // Put back however the batch ends: a panic in its own code drops
+        // this future, and the attempts carried from earlier batches with
+        // it, which the tick collects after the driver (docs/adr/0133).
+        let mut carried = PutBack {
+            slot: &self.carried,
+            running: self.take_carried(),
+        };
         attempt_batch(
             self.shared,
             batch.claimed,
             deadline,
             &tick.cancel,
             self.wake,
-            &mut carried,
+            &mut carried.running,
             panics,
             tally,
         )
         .await;
-        *self.carried.lock().unwrap_or_else(|p| p.into_inner()) = carried;
         Ok(())
     }
 

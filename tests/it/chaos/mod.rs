@@ -17,7 +17,7 @@
 
 mod checker;
 mod figures;
-mod harness;
+pub(crate) mod harness;
 mod history;
 
 use std::time::{Duration, Instant};

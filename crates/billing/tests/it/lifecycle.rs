@@ -567,7 +567,7 @@ async fn a_cancel_after_a_trial_ended_invoices_the_paid_time_since() {
 /// an hour ago) ended too, before the tick activated it: a resume of a void
 /// pause closes that period first, under the pause it ended in (void), and a
 /// pause set then leaves it as it was used (open), as for an active
-/// subscription behind (docs/adr/0096, 0110, 0133). Before, the pause and the
+/// subscription behind (docs/adr/0096, 0110, 0134). Before, the pause and the
 /// resume skipped a trialing row: the resumed subscription's ended period
 /// was invoiced open and charged, the paused one's voided. Mutation
 /// `close_ended_skips_trial` fails it; seen failing.

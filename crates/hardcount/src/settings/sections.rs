@@ -57,24 +57,31 @@ impl ServeSettings {
         let Some(addr) = non_empty(&self.api_addr) else {
             // The API's own settings without its address would be accepted and
             // do nothing: the tenant API silently not served.
-            refuse_companions(
-                "HARDCOUNT_API_ADDR",
-                "the tenant API is served only on that address",
-                &[
-                    (
-                        "HARDCOUNT_API_DATABASE_URL",
-                        Secret::set(&self.api_database_url).is_some(),
-                    ),
-                    (
-                        "HARDCOUNT_API_RATE_LIMIT",
-                        non_empty(&self.api_rate_limit).is_some(),
-                    ),
-                    (
-                        "HARDCOUNT_API_RATE_BURST",
-                        non_empty(&self.api_rate_burst).is_some(),
-                    ),
-                ],
-            )?;
+            let set: Vec<&str> = [
+                (
+                    "HARDCOUNT_API_DATABASE_URL",
+                    Secret::set(&self.api_database_url).is_some(),
+                ),
+                (
+                    "HARDCOUNT_API_RATE_LIMIT",
+                    non_empty(&self.api_rate_limit).is_some(),
+                ),
+                (
+                    "HARDCOUNT_API_RATE_BURST",
+                    non_empty(&self.api_rate_burst).is_some(),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(var, set)| set.then_some(var))
+            .collect();
+            if !set.is_empty() {
+                bail!(
+                    "{} set but HARDCOUNT_API_ADDR is not: the tenant API is served only on \
+                     that address (set it, or unset {})",
+                    set.join(" and "),
+                    if set.len() == 1 { "it" } else { "them" }
+                );
+            }
             return Ok(None);
         };
         let addr: SocketAddr = addr.parse().map_err(|_| {
@@ -281,7 +288,6 @@ impl ServeSettings {
                 min,
                 max,
             } => {
-                let show = |d: Duration| humantime::format_duration(d).to_string();
                 anyhow!(
                     "HARDCOUNT_DUNNING_{}={}: must be from {} to {}",
                     field.to_ascii_uppercase(),
@@ -299,26 +305,6 @@ impl ServeSettings {
     /// variable and never echo the URL (it may hold a password).
     pub(super) fn email(&self) -> Result<Option<EmailConfig>> {
         let Some(text) = Secret::set(&self.smtp_url) else {
-            // Accepted, they would do nothing: the email role refuses to start
-            // without SMTP_URL, and no other part reads them.
-            refuse_companions(
-                "SMTP_URL",
-                "they configure the connection to that SMTP server",
-                &[
-                    (
-                        "HARDCOUNT_SMTP_CA_FILE",
-                        non_empty(&self.smtp_ca_file).is_some(),
-                    ),
-                    (
-                        "HARDCOUNT_SMTP_INSECURE_AUTH",
-                        non_empty(&self.smtp_insecure_auth).is_some(),
-                    ),
-                    (
-                        "HARDCOUNT_EMAIL_CONNECTIONS",
-                        non_empty(&self.email_connections).is_some(),
-                    ),
-                ],
-            )?;
             return Ok(None);
         };
         let url = SmtpUrl::parse(text).map_err(|e| anyhow!("SMTP_URL: {e}"))?;
@@ -365,24 +351,6 @@ impl ServeSettings {
     }
 }
 
-/// Refuse the settings of `companions` that are set while `needed`, which
-/// they depend on, is not: accepted, they would do nothing (`why` says what
-/// they are for).
-fn refuse_companions(needed: &str, why: &str, companions: &[(&str, bool)]) -> Result<()> {
-    let set: Vec<&str> = companions
-        .iter()
-        .filter_map(|(var, set)| set.then_some(*var))
-        .collect();
-    if set.is_empty() {
-        return Ok(());
-    }
-    bail!(
-        "{} set but {needed} is not: {why} (set it, or unset {})",
-        set.join(" and "),
-        if set.len() == 1 { "it" } else { "them" }
-    )
-}
-
 /// A dunning retry batch starts only while a provider call's timeout is left
 /// in the tick's budget (it keeps that in reserve), so a budget not above it
 /// retried nothing: every tick ended "more work" at once, back to back, and
@@ -399,15 +367,20 @@ pub(super) fn dunning_budget_holds_a_call(
     };
     let floor = provider.timeout * 2;
     if dunning.tick_budget < floor {
-        let show = |d: Duration| humantime::format_duration(d).to_string();
         bail!(
             "HARDCOUNT_DUNNING_TICK_BUDGET={}: must be at least {} with a payment provider \
              (twice its call timeout, {}): a retry batch starts only while a call's timeout \
-             is left in the budget, so a shorter one retries nothing",
+             is left in the budget, so one of the timeout or less retries nothing and a \
+             shorter one loses most of each tick",
             show(dunning.tick_budget),
             show(floor),
             show(provider.timeout)
         );
     }
     Ok(())
+}
+
+/// A duration as the settings are written (`1m 30s`).
+fn show(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
 }

@@ -505,9 +505,8 @@ fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
 
 /// Settings that would do nothing without the one they depend on are refused
 /// by name, as HARDCOUNT_OPERATOR_TOKEN without HARDCOUNT_API_ADDR is: a
-/// provider key without its URL left auto-charge off with an info line, the
-/// tenant API's settings without its address left it unserved, and the SMTP
-/// connection's settings without SMTP_URL configured nothing.
+/// provider key without its URL left auto-charge off with an info line, and
+/// the tenant API's settings without its address left it unserved.
 #[test]
 fn settings_without_the_one_they_need_are_refused() {
     let e = refusal(&["--billing-provider-secret-key", "sk_test_1"]);
@@ -532,22 +531,7 @@ fn settings_without_the_one_they_need_are_refused() {
         "{e}"
     );
     assert!(!e.contains("secret@"), "{e}");
-    let e = refusal(&["--email-connections", "4"]);
-    assert!(
-        e.contains("HARDCOUNT_EMAIL_CONNECTIONS set but SMTP_URL is not"),
-        "{e}"
-    );
-    let e = refusal(&[
-        "--smtp-ca-file",
-        "/etc/ca.pem",
-        "--smtp-insecure-auth",
-        "true",
-    ]);
-    assert!(
-        e.contains("HARDCOUNT_SMTP_CA_FILE and HARDCOUNT_SMTP_INSECURE_AUTH set but SMTP_URL"),
-        "{e}"
-    );
-    // With what they need, they are taken.
+    // With what they need, both are taken.
     check(&[
         "--billing-provider-url",
         "https://api.example.com",
