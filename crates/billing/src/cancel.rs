@@ -244,8 +244,7 @@ async fn cancel_trial_in(
 /// Mark an active subscription to end with its period, announced with
 /// `subscription.updated`; `false` when there is no such subscription. The
 /// period is the one holding now: the periods that ended before it are
-/// closed first, whole, unless it was already marked (then the period that
-/// ended is its last, as the tick will close it).
+/// closed first, whole. Marked already, nothing is written or announced.
 async fn cancel_at_period_end_in(
     biller: &Biller,
     tx: &mut db::Tx,
@@ -256,9 +255,13 @@ async fn cancel_at_period_end_in(
     let Some((due, _, now)) = snapshot_in(tx, tenant_id, subscription).await? else {
         return Ok(false);
     };
-    if !due.cancel_at_period_end {
-        close_snapshot_ended(biller, tx, &due, now, "cancel").await?;
+    // Marked already: nothing changes, so nothing is written or announced
+    // again (docs/adr/0135). The period that ended, if any, is its last, as
+    // the tick will close it.
+    if due.cancel_at_period_end {
+        return Ok(true);
     }
+    close_snapshot_ended(biller, tx, &due, now, "cancel").await?;
     let row = tx
         .fetch_optional(
             sql(

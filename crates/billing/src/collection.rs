@@ -6,6 +6,7 @@
 //!          tick would, before the change (docs/adr/0096)
 //!  pause   SELECT … FOR UPDATE (the row lock serializes every pause writer)
 //!          canceled ─▶ Error::InvalidState; nothing written
+//!          the same pause in force (by the API) ─▶ nothing written or announced
 //!          UPDATE … SET pause_collection_* = (behavior, resumes_at, 'api')
 //!          + subscription.collection_paused (the pause it replaced, if any)
 //!  resume  SELECT … FOR UPDATE
@@ -20,7 +21,7 @@
 //! replaces any other, dunning's included; the tick's resume step clears it
 //! once `resumes_at` passes.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use db::{Row, Tx, sql};
 
 use crate::{Biller, Error};
@@ -114,6 +115,17 @@ pub(crate) async fn pause_collection_in(
             reason,
         });
     }
+    let pause = CollectionPause {
+        behavior: behavior.to_owned(),
+        // As the row keeps it, to the microsecond.
+        resumes_at: resumes_at.map(|t| t.trunc_subsecs(6)),
+        set_by: Some(SET_BY_API.to_owned()),
+    };
+    // The same pause again changes nothing: nothing is written or announced
+    // (docs/adr/0135). The closing above, if any, stands.
+    if replaced.as_ref() == Some(&pause) {
+        return Ok(pause);
+    }
     tx.execute(
         sql("UPDATE subscriptions SET pause_collection_behavior = $3, \
                     pause_collection_resumes_at = $4, pause_collection_set_by = $5, \
@@ -126,11 +138,6 @@ pub(crate) async fn pause_collection_in(
         .bind(SET_BY_API),
     )
     .await?;
-    let pause = CollectionPause {
-        behavior: behavior.to_owned(),
-        resumes_at,
-        set_by: Some(SET_BY_API.to_owned()),
-    };
     let payload = serde_json::json!({
         "object": "subscription",
         "id": subscription,

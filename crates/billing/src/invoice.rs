@@ -219,22 +219,26 @@ pub(crate) async fn close_in(
     // The compare-and-set, the transaction's first write to the subscription
     // (a cancel or a plan change may have locked its row before, reading
     // it): a concurrent closer waits on the row lock,
-    // re-checks against the winner's row and matches nothing.
+    // re-checks against the winner's row and matches nothing. A chain that
+    // ends the subscription leaves it on the chain's last period, cut where
+    // it ended, not on the oldest period the chain closed (docs/adr/0135).
     let rows = tx
         .fetch_all(
             sql("UPDATE subscriptions s \
-                 SET current_period_start = CASE WHEN i.ends THEN s.current_period_start ELSE i.next_start END, \
+                 SET current_period_start = CASE WHEN i.ends THEN i.last_start ELSE i.next_start END, \
                      current_period_end = CASE WHEN NOT i.ends THEN i.next_end \
-                                               WHEN i.next_start > s.current_period_start THEN i.next_start \
-                                               ELSE s.current_period_end END, \
+                                               WHEN i.next_start > i.last_start THEN i.next_start \
+                                               ELSE i.next_end END, \
                      next_billing_at = CASE WHEN i.ends THEN NULL ELSE i.next_end END, \
                      status = CASE WHEN i.ends THEN 'canceled' ELSE s.status END, \
                      canceled_at = CASE WHEN i.ends THEN now() ELSE s.canceled_at END, \
                      plan_id = COALESCE(i.plan_id, s.plan_id), \
                      updated_at = now() \
                  FROM unnest($1::bigint[], $2::text[], $3::timestamptz[], $4::timestamptz[], \
-                             $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::bool[], $9::bool[]) \
-                      AS i(id, status, period_start, watermark, next_start, next_end, plan_id, cape, ends) \
+                             $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::bool[], $9::bool[], \
+                             $10::timestamptz[]) \
+                      AS i(id, status, period_start, watermark, next_start, next_end, plan_id, cape, ends, \
+                           last_start) \
                  WHERE s.id = i.id \
                    AND s.status = i.status \
                    AND s.current_period_start = i.period_start \
@@ -250,7 +254,8 @@ pub(crate) async fn close_in(
             .bind(heads.iter().map(|c| tail(c).next_end).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| tail(c).plan_id).collect::<Vec<_>>())
             .bind(heads.iter().map(|c| c.cancel_at_period_end).collect::<Vec<_>>())
-            .bind(heads.iter().map(|c| tail(c).ends).collect::<Vec<_>>()),
+            .bind(heads.iter().map(|c| tail(c).ends).collect::<Vec<_>>())
+            .bind(heads.iter().map(|c| tail(c).period_start).collect::<Vec<_>>()),
         )
         .await?;
     let mut won: HashMap<i64, Won> = HashMap::with_capacity(rows.len());

@@ -2,7 +2,7 @@
 //! behind closed first) or at its period's end (docs/adr/0025, 0077).
 
 use billing::CancelAt;
-use chrono::{TimeDelta, Utc};
+use chrono::{SubsecRound, TimeDelta, Utc};
 use db::{Db, Row, sql};
 use sqlx::Executor;
 use testbed::TestDb;
@@ -89,8 +89,29 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
         .map(|r| (r.get(0), r.get(1)))
         .unwrap();
     assert_eq!(named, Some(plan));
+    // The canceled row shows its last period, [20 days after the start,
+    // now): it showed the oldest period's start, 25 days ago, as the start of
+    // a period that ended now. Mutation `ended_chain_oldest_start`.
+    assert_eq!(period_of(&t.db, sub).await, (5, 0));
     // Nothing left for the tick.
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
+}
+
+/// `sub`'s current period start and end, in whole days before now (a
+/// start 5 days ago is 5; an end at now is 0).
+async fn period_of(db: &Db, sub: i64) -> (i64, i64) {
+    let r = db
+        .fetch_one(
+            sql(
+                "SELECT round(extract(epoch FROM now() - current_period_start) / 86400)::int8, \
+                        round(extract(epoch FROM now() - current_period_end) / 86400)::int8 \
+                 FROM subscriptions WHERE id = $1",
+            )
+            .bind(sub),
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1))
 }
 
 /// A cancel now, not behind, of a subscription whose pause of collection
@@ -254,5 +275,47 @@ async fn a_cancel_at_period_end_while_behind_ends_with_the_period_holding_now() 
             r.get::<bool, _>(2)
         ),
         ("active".into(), true, true)
+    );
+}
+
+/// A change that changes nothing is not announced (docs/adr/0135; Stripe
+/// sends `customer.subscription.updated` "whenever a subscription changes"):
+/// a second cancel at the period's end, or the same pause again, writes
+/// nothing and enqueues no event. A pause that differs (its resume time) is
+/// written and announced. Before, each repeat announced the change again.
+/// Mutations `repeat_cape_announced` and `same_pause_announced` fail it;
+/// seen failing.
+#[tokio::test]
+async fn a_repeated_cancel_at_period_end_or_the_same_pause_announces_nothing() {
+    let t = TestDb::new().await;
+    let sub = ten_day_subscription(&t.db, "tenant_a", 5).await;
+    let (b, _) = biller(&t.db, config());
+    for _ in 0..2 {
+        b.cancel_subscription("tenant_a", sub, CancelAt::PeriodEnd)
+            .await
+            .unwrap();
+    }
+    assert_eq!(event_types(&t.db).await, ["subscription.updated"]);
+    let resumes = Utc::now() + TimeDelta::days(30);
+    for (behavior, at) in [
+        ("void", Some(resumes)),
+        ("void", Some(resumes)),
+        ("void", Some(resumes + TimeDelta::hours(1))),
+    ] {
+        let mut tx = t.db.begin().await.unwrap();
+        let pause = b
+            .pause_collection_in(&mut tx, "tenant_a", sub, behavior, at)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(pause.resumes_at, at.map(|t| t.trunc_subsecs(6)));
+    }
+    assert_eq!(
+        event_types(&t.db).await,
+        [
+            "subscription.updated",
+            "subscription.collection_paused",
+            "subscription.collection_paused"
+        ]
     );
 }
