@@ -183,6 +183,37 @@ macro_rules! window_open {
     };
 }
 
+/// The tenants whose default policy's business window is closed now: their
+/// runs wait (docs/adr/0045).
+macro_rules! window_closed_tenants {
+    () => {
+        concat!(
+            "SELECT w.tenant_id FROM dunning_policies w \
+             CROSS JOIN LATERAL (SELECT now() AT TIME ZONE w.window_time_zone AS t) l \
+             WHERE w.is_default AND w.window_time_zone IS NOT NULL \
+               AND (",
+            window_open!(),
+            ") IS NOT TRUE"
+        )
+    };
+}
+
+/// The gauges: active runs, and the seconds since the oldest active run's
+/// retry fell due among tenants whose window is open now (0 when none), so
+/// that a run waiting for its window is not late (docs/adr/0135). The age
+/// walks `dunning_runs_due` from its oldest entry and stops at the first run
+/// it keeps.
+pub(crate) const GAUGES: &str = concat!(
+    "SELECT (SELECT count(*) FROM dunning_runs WHERE status = 'active') AS active, \
+            COALESCE((SELECT extract(epoch FROM now() - r.next_attempt_at)::float8 \
+                      FROM dunning_runs r \
+                      WHERE r.status = 'active' AND r.next_attempt_at <= now() \
+                        AND r.tenant_id NOT IN (",
+    window_closed_tenants!(),
+    ") \
+                      ORDER BY r.next_attempt_at LIMIT 1), 0) AS oldest_due_age"
+);
+
 /// The listing's window rule alone, on the instant `$5` for a window `$1`
 /// (zone), `$2` and `$3` (opening and closing times as text), `$4`
 /// (weekdays): the same text as [`LIST_DUE`]'s, for the table test of its
@@ -272,13 +303,9 @@ pub const LIST_DUE: &str = concat!(
             OR (r.status = 'exhausted' AND r.final_action_at IS NULL)) \
        AND r.id <> ALL ($3) \
        AND leader_fence($1, $2) \
-       AND r.tenant_id NOT IN ( \
-             SELECT w.tenant_id FROM dunning_policies w \
-             CROSS JOIN LATERAL (SELECT now() AT TIME ZONE w.window_time_zone AS t) l \
-             WHERE w.is_default AND w.window_time_zone IS NOT NULL \
-               AND (",
-    window_open!(),
-    ") IS NOT TRUE) \
+       AND r.tenant_id NOT IN (",
+    window_closed_tenants!(),
+    ") \
      ORDER BY r.next_attempt_at, r.id \
      LIMIT $4 \
      FOR UPDATE OF r SKIP LOCKED"

@@ -374,27 +374,26 @@ impl Dunner {
     }
 
     async fn refresh_gauges(&self) {
-        match active_runs(&self.ctx.db, self.ctx.config.statement_timeout).await {
-            Ok(n) => self
-                .ctx
-                .telemetry
-                .gauge("hardcount_dunning_active_runs", &[])
-                .set(n as f64),
-            Err(e) => debug!(role = %Role::Dunning, error = %e, "active runs gauge not refreshed"),
+        match gauges(&self.ctx.db, self.ctx.config.statement_timeout).await {
+            Ok((active, oldest_due_age)) => {
+                let t = &self.ctx.telemetry;
+                t.gauge("hardcount_dunning_active_runs", &[])
+                    .set(active as f64);
+                t.gauge("hardcount_dunning_oldest_due_age_seconds", &[])
+                    .set(oldest_due_age);
+            }
+            Err(e) => debug!(role = %Role::Dunning, error = %e, "dunning gauges not refreshed"),
         }
     }
 }
 
-/// Active runs, for the gauge.
-async fn active_runs(db: &Db, statement_timeout: Duration) -> Result<i64, db::Error> {
+/// Active runs, and the age of the oldest retry due in an open window, for
+/// the gauges ([`crate::listing::GAUGES`]).
+async fn gauges(db: &Db, statement_timeout: Duration) -> Result<(i64, f64), db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
-    let row = tx
-        .fetch_one(sql(
-            "SELECT count(*) AS n FROM dunning_runs WHERE status = 'active'",
-        ))
-        .await?;
+    let row = tx.fetch_one(sql(crate::listing::GAUGES)).await?;
     tx.commit().await?;
-    Ok(row.try_get("n")?)
+    Ok((row.try_get("active")?, row.try_get("oldest_due_age")?))
 }
 
 /// Batches of retries in flight at once (docs/adr/0054): while one batch

@@ -85,7 +85,7 @@ pub static REGISTRY: &[RoleEntry] = &[
             "HARDCOUNT_DUNNING_CONCURRENCY",
             "HARDCOUNT_DUNNING_TICK_BUDGET",
         ],
-        alerts: &["HardcountDunningAttemptsFailing"],
+        alerts: &["HardcountDunningAttemptsFailing", "HardcountDunningBacklog"],
         metrics: &[
             "hardcount_dunning_attempts_total",
             "hardcount_dunning_recoveries_total",
@@ -95,6 +95,7 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_dunning_policies_skipped_total",
             "hardcount_dunning_rows_undecodable_total",
             "hardcount_dunning_active_runs",
+            "hardcount_dunning_oldest_due_age_seconds",
         ],
         listens: false,
     },

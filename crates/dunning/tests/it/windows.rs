@@ -345,3 +345,40 @@ async fn a_final_action_and_its_notice_wait_for_the_window() {
         "{emails:?}"
     );
 }
+
+/// `hardcount_dunning_oldest_due_age_seconds` (docs/adr/0135): the age of the
+/// oldest retry due among tenants whose window is open. Tenant A's run has
+/// waited three hours for a window that opens in an hour: it is not late.
+/// Tenant B (no window) meets a provider that answers 500, so its retry,
+/// due about an hour, stays due: the gauge reads B's hour, not A's three.
+/// Mutation `dunning_gauge_window` (the window left out of the gauge) reads
+/// A's three hours; seen failing.
+#[tokio::test]
+async fn the_oldest_due_gauge_leaves_out_runs_waiting_for_their_window() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let closed = around_now(&t.db, "UTC", 3600, 7200).await;
+    windowed_policy(&t.db, "tenant_a", 2, "mark_uncollectible", &closed).await;
+    crate::policy(&t.db, "tenant_b", 2, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let b = declined_invoice(&t.db, "tenant_b").await;
+    p.set_behaviour(&b.customer, Behaviour::ServerError(500));
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(enrol(&t.db, &d).await, 2);
+    t.db.execute(
+        sql("UPDATE dunning_runs SET next_attempt_at = now() - interval '3 hours' WHERE invoice_id = $1")
+            .bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    tick(&t.db, &d).await;
+    assert_eq!(run_of(&t.db, b.invoice).await, ("active".to_owned(), 0));
+    let age: f64 = metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix("hardcount_dunning_oldest_due_age_seconds "))
+        .expect("the gauge is exported")
+        .parse()
+        .unwrap();
+    assert!((3000.0..3700.0).contains(&age), "{age}");
+}
