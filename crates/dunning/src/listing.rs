@@ -199,15 +199,25 @@ macro_rules! window_closed_tenants {
 }
 
 /// The gauges: active runs, and the seconds since the oldest active run's
-/// retry fell due among tenants whose window is open now (0 when none), so
-/// that a run waiting for its window is not late (docs/adr/0135). The age
-/// walks `dunning_runs_due` from its oldest entry and stops at the first run
-/// it keeps.
+/// retry fell due among those the listing would retry now (0 when none):
+/// runs waiting for their tenant's window are not late, nor are runs billing
+/// holds on purpose: collection paused, the invoice under review, or an
+/// attempt still unsettled (billing's retry claim, `retry.rs`, refuses the
+/// same three; each has its own signal). docs/adr/0135. The age walks
+/// `dunning_runs_due` from its oldest entry and stops at the first run it
+/// keeps.
 pub(crate) const GAUGES: &str = concat!(
     "SELECT (SELECT count(*) FROM dunning_runs WHERE status = 'active') AS active, \
             COALESCE((SELECT extract(epoch FROM now() - r.next_attempt_at)::float8 \
                       FROM dunning_runs r \
+                      JOIN invoices i ON i.id = r.invoice_id \
+                      JOIN subscriptions s ON s.id = i.subscription_id \
                       WHERE r.status = 'active' AND r.next_attempt_at <= now() \
+                        AND s.pause_collection_behavior IS NULL \
+                        AND i.review_since IS NULL \
+                        AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                                        WHERE a.invoice_id = i.id \
+                                          AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
                         AND r.tenant_id NOT IN (",
     window_closed_tenants!(),
     ") \

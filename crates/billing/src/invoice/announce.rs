@@ -105,7 +105,9 @@ pub(super) async fn announce_subscriptions(
             // The row's plan: a closing that changes none carries no plan
             // of its own (it announced "plan": null).
             "plan": w.plan_id,
-            "current_period_start": c.next_start.to_rfc3339(),
+            // As the row has it: the period that ended for a closing that
+            // ends the subscription, the new one otherwise (docs/adr/0135).
+            "current_period_start": (if c.ends { c.period_start } else { c.next_start }).to_rfc3339(),
             "cancel_at_period_end": c.cancel_at_period_end,
         })
         .to_string();

@@ -93,6 +93,21 @@ async fn a_cancel_now_of_a_subscription_behind_invoices_every_ended_period_and_t
     // now): it showed the oldest period's start, 25 days ago, as the start of
     // a period that ended now. Mutation `ended_chain_oldest_start`.
     assert_eq!(period_of(&t.db, sub).await, (5, 0));
+    // So does the event (it named the cut, now, as the period's start).
+    // Mutation `ended_event_period_start`.
+    let same: bool =
+        t.db.fetch_one(
+            sql(
+                "SELECT (e.payload->>'current_period_start')::timestamptz = s.current_period_start \
+             FROM subscriptions s, webhook_events e \
+             WHERE s.id = $1 AND e.event_type = 'subscription.canceled'",
+            )
+            .bind(sub),
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(same);
     // Nothing left for the tick.
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
 }

@@ -7,7 +7,7 @@
 //! Guard: the window predicate of `listing::LIST_DUE` (`AND r.tenant_id NOT
 //! IN (…the tenants whose window is closed…)`). Checked by removing it (the
 //! subquery made to match no tenant, `dunning_window` in
-//! `scripts/mutation-check`): all five tests here fail. Seen failing too:
+//! `scripts/mutation-check`): the five tests of the listing here fail. Seen failing too:
 //! the zone test (and the opening's and the final action's) with the local
 //! time taken `AT TIME ZONE 'UTC'` (`dunning_window_zone`); the weekday test
 //! with the weekday dropped from a same-day window (`dunning_window_weekday`);
@@ -347,12 +347,16 @@ async fn a_final_action_and_its_notice_wait_for_the_window() {
 }
 
 /// `hardcount_dunning_oldest_due_age_seconds` (docs/adr/0135): the age of the
-/// oldest retry due among tenants whose window is open. Tenant A's run has
-/// waited three hours for a window that opens in an hour: it is not late.
-/// Tenant B (no window) meets a provider that answers 500, so its retry,
-/// due about an hour, stays due: the gauge reads B's hour, not A's three.
-/// Mutation `dunning_gauge_window` (the window left out of the gauge) reads
-/// A's three hours; seen failing.
+/// oldest retry the listing would make now. Tenant A's run has waited three
+/// hours for a window that opens in an hour: it is not late. Tenant B (no
+/// window) has four runs. Three have waited three hours too, but billing holds
+/// them on purpose: collection paused, the invoice under review, the last
+/// attempt still processing. The fourth's invoice is held by a charge's claim
+/// lease for another hour, so its retry, due about an hour, stays due: the
+/// gauge reads that hour.
+/// Mutations that leave each hold out of the gauge, `dunning_gauge_window`,
+/// `dunning_gauge_paused`, `dunning_gauge_review` and `dunning_gauge_unsettled`,
+/// read three hours; each seen failing.
 #[tokio::test]
 async fn the_oldest_due_gauge_leaves_out_runs_waiting_for_their_window() {
     let t = TestDb::new().await;
@@ -362,15 +366,49 @@ async fn the_oldest_due_gauge_leaves_out_runs_waiting_for_their_window() {
     crate::policy(&t.db, "tenant_b", 2, "mark_uncollectible").await;
     let a = declined_invoice(&t.db, "tenant_a").await;
     let b = declined_invoice(&t.db, "tenant_b").await;
-    p.set_behaviour(&b.customer, Behaviour::ServerError(500));
+    let paused = declined_invoice(&t.db, "tenant_b").await;
+    let review = declined_invoice(&t.db, "tenant_b").await;
+    let processing = declined_invoice(&t.db, "tenant_b").await;
     let (d, metrics) = dunner(&t.db, &p, CALL, config());
-    assert_eq!(enrol(&t.db, &d).await, 2);
-    t.db.execute(
-        sql("UPDATE dunning_runs SET next_attempt_at = now() - interval '3 hours' WHERE invoice_id = $1")
-            .bind(a.invoice),
-    )
-    .await
-    .unwrap();
+    assert_eq!(enrol(&t.db, &d).await, 5);
+    let mut su = t.superuser().await;
+    for held in [&a, &paused, &review, &processing] {
+        sqlx::query(
+            "UPDATE dunning_runs SET next_attempt_at = now() - interval '3 hours' \
+             WHERE invoice_id = $1",
+        )
+        .bind(held.invoice)
+        .execute(&mut su)
+        .await
+        .unwrap();
+    }
+    for (statement, held) in [
+        (
+            "UPDATE invoices SET auto_charge_claimed_until = now() + interval '1 hour' \
+             WHERE id = $1",
+            &b,
+        ),
+        (
+            "UPDATE subscriptions s SET pause_collection_behavior = 'keep_as_draft' \
+             FROM invoices i WHERE i.id = $1 AND s.id = i.subscription_id",
+            &paused,
+        ),
+        (
+            "UPDATE invoices SET review_since = now() WHERE id = $1",
+            &review,
+        ),
+        (
+            "UPDATE payment_attempts SET provider_status = 'processing', decline_code = NULL \
+             WHERE invoice_id = $1",
+            &processing,
+        ),
+    ] {
+        sqlx::query(statement)
+            .bind(held.invoice)
+            .execute(&mut su)
+            .await
+            .unwrap();
+    }
     tick(&t.db, &d).await;
     assert_eq!(run_of(&t.db, b.invoice).await, ("active".to_owned(), 0));
     let age: f64 = metrics

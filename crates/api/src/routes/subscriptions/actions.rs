@@ -100,7 +100,7 @@ async fn live(scope: &mut Scope, id: i64) -> Result<Subscription, ApiError> {
         ("Idempotency-Key" = Option<String>, Header, description = IDEM),
     ),
     request_body(content = Option<Cancel>, description = "May be left out: cancel now."),
-    responses((status = 200, description = "Canceled (or set to end with its period); announced with subscription.canceled or subscription.updated.", body = Subscription), WriteErrors),
+    responses((status = 200, description = "Canceled (or set to end with its period); announced with subscription.canceled or subscription.updated. A cancel at the period's end of a subscription already set to end is announced no more.", body = Subscription), WriteErrors),
 )]
 pub async fn cancel(
     State(api): State<Api>,
@@ -152,7 +152,7 @@ pub async fn cancel(
         ("Idempotency-Key" = Option<String>, Header, description = IDEM),
     ),
     request_body = Pause,
-    responses((status = 200, description = "Paused; announced with subscription.collection_paused.", body = Subscription), WriteErrors),
+    responses((status = 200, description = "Paused; announced with subscription.collection_paused, unless the same pause (behavior and resumes_at) set through the API was already in force.", body = Subscription), WriteErrors),
 )]
 pub async fn pause(
     State(api): State<Api>,
