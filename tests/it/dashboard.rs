@@ -30,6 +30,7 @@ const SHOWN: &[&str] = &[
     "hardcount_billing_payment_attempts_needing_review",
     "hardcount_dunning_attempts_total",
     "hardcount_dunning_active_runs",
+    "hardcount_dunning_oldest_due_age_seconds",
 ];
 
 /// Every `expr` in the dashboard (panels' targets, and any variable's query).
