@@ -382,13 +382,15 @@ impl Dunner {
                 t.gauge("hardcount_dunning_oldest_due_age_seconds", &[])
                     .set(oldest_due_age);
             }
-            Err(e) => debug!(role = %Role::Dunning, error = %e, "dunning gauges not refreshed"),
+            Err(e) => {
+                warn!(role = %Role::Dunning, error = %e, "dunning gauges not refreshed: they keep their last values")
+            }
         }
     }
 }
 
-/// Active runs, and the age of the oldest retry due in an open window, for
-/// the gauges ([`crate::listing::GAUGES`]).
+/// Active runs, and the age of the oldest retry the listing would make now,
+/// for the gauges ([`crate::listing::GAUGES`]).
 async fn gauges(db: &Db, statement_timeout: Duration) -> Result<(i64, f64), db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx.fetch_one(sql(crate::listing::GAUGES)).await?;

@@ -261,8 +261,8 @@ async fn the_window_rule_follows_local_hours_weekdays_and_both_dst_transitions()
 /// hash probe each and no join (docs/adr/0045 has the figures).
 ///
 /// Guard: the window as an uncorrelated `NOT IN`. Seen failing with it
-/// written as a correlated `NOT EXISTS (… w.tenant_id = r.tenant_id …)` (an
-/// anti join on the policies, per due run).
+/// written as a correlated `NOT EXISTS (SELECT 1 FROM (…closed tenants…) c
+/// WHERE c.tenant_id = r.tenant_id)` (an anti join, per due run).
 #[tokio::test]
 async fn the_window_is_one_hashed_lookup_in_the_due_runs_scan() {
     let t = twenty_enrolled_runs().await;
