@@ -370,3 +370,68 @@ async fn a_held_lease_is_polled_every_held_poll_so_a_release_on_shutdown_is_seen
         other => panic!("expected NotLed, got {other:?}"),
     }
 }
+
+/// The gauges a role's leader owns (docs/adr/0136): a replica that finds
+/// another replica's lease live on the role sets them to 0, so a `max()`
+/// across replicas is the leader's; one that finds the role merely not due
+/// (no lease live) keeps them, as it may be the last leader. Mutations
+/// `led_gauges_kept` (never zeroed: the stale value stays) and
+/// `led_gauges_zeroed_when_free` (zeroed on any lost poll) fail it; each
+/// seen failing.
+#[tokio::test]
+async fn a_replica_that_finds_another_leading_zeroes_the_roles_led_gauges() {
+    let t = TestDb::new().await;
+    let hour = Duration::from_secs(3600);
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let metrics = recorder.handle();
+    let telemetry = leader::Telemetry::new(std::sync::Arc::new(recorder));
+    let b = leader::Manager::with_holder_id(t.db.clone(), fast(), telemetry.clone(), "b".into())
+        .with_led_gauges(Role::Dunning, &["hardcount_test_dunning_backlog"])
+        .with_led_gauges(Role::EmailOutbox, &["hardcount_test_email_backlog"]);
+    let value = |name: &str| {
+        metrics.render().lines().find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|v| v.strip_prefix(' '))
+                .map(|v| v.trim().parse::<f64>().unwrap())
+        })
+    };
+    // B led both roles' last ticks and read a backlog of 7 for each.
+    telemetry
+        .gauge("hardcount_test_dunning_backlog", &[])
+        .set(7.0);
+    telemetry
+        .gauge("hardcount_test_email_backlog", &[])
+        .set(7.0);
+    let (a, _) = manager(&t.db, fast(), "a");
+    // Dunning, led by A and released: not due, no lease live. B keeps its value.
+    assert_eq!(
+        drained(&a, Role::Dunning, hour).await,
+        TickOutcome::Completed
+    );
+    let polled = drained(&b, Role::Dunning, hour).await;
+    assert!(matches!(polled, TickOutcome::NotLed { .. }), "{polled:?}");
+    assert_eq!(value("hardcount_test_dunning_backlog"), Some(7.0));
+    // Email, led by A with its tick still running: B finds A's lease live.
+    let (entered, started) = tokio::sync::oneshot::channel();
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let a_tick = tokio::spawn(async move {
+        a.lead(
+            Role::EmailOutbox,
+            hour,
+            &CancellationToken::new(),
+            move |_| async move {
+                let _ = entered.send(());
+                let _ = finished.await;
+                TickEnd::Drained
+            },
+        )
+        .await
+    });
+    started.await.unwrap();
+    let polled = drained(&b, Role::EmailOutbox, hour).await;
+    assert!(matches!(polled, TickOutcome::NotLed { .. }), "{polled:?}");
+    assert_eq!(value("hardcount_test_email_backlog"), Some(0.0));
+    assert_eq!(value("hardcount_test_dunning_backlog"), Some(7.0));
+    finish.send(()).unwrap();
+    assert_eq!(a_tick.await.unwrap().unwrap(), TickOutcome::Completed);
+}
