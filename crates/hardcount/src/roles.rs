@@ -35,10 +35,6 @@ pub struct RoleEntry {
     pub alerts: &'static [&'static str],
     /// The `hardcount_*` series its code registers (besides [`EVERY_ROLE_METRICS`]).
     pub metrics: &'static [&'static str],
-    /// Of those, the gauges its leader reads at a tick's end (backlogs): a
-    /// replica that finds another leading the role sets them to 0, so that a
-    /// `max()` across replicas is the leader's (docs/adr/0136).
-    pub led_gauges: &'static [&'static str],
     /// Woken by its producers' `pg_notify` when `HARDCOUNT_LISTEN_URL` is set
     /// (docs/adr/0014); otherwise it polls.
     pub listens: bool,
@@ -77,12 +73,6 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_billing_payment_method_requests_total",
             "hardcount_billing_rows_undecodable_total",
         ],
-        led_gauges: &[
-            "hardcount_billing_due_subscriptions",
-            "hardcount_billing_oldest_due_age_seconds",
-            "hardcount_billing_payment_attempts_needing_review",
-            "hardcount_billing_payment_attempts_processing",
-        ],
         listens: false,
     },
     RoleEntry {
@@ -107,10 +97,6 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_dunning_active_runs",
             "hardcount_dunning_oldest_due_age_seconds",
         ],
-        led_gauges: &[
-            "hardcount_dunning_active_runs",
-            "hardcount_dunning_oldest_due_age_seconds",
-        ],
         listens: false,
     },
     RoleEntry {
@@ -120,10 +106,6 @@ pub static REGISTRY: &[RoleEntry] = &[
         alerts: &["HardcountWebhookEventsUndispatched"],
         metrics: &[
             "hardcount_webhook_events_dispatched_total",
-            "hardcount_webhook_events_undispatched",
-            "hardcount_webhook_events_oldest_undispatched_age_seconds",
-        ],
-        led_gauges: &[
             "hardcount_webhook_events_undispatched",
             "hardcount_webhook_events_oldest_undispatched_age_seconds",
         ],
@@ -149,11 +131,6 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_email_oldest_queued_age_seconds",
             "hardcount_email_send_duration_seconds",
             "hardcount_email_refused_total",
-        ],
-        led_gauges: &[
-            "hardcount_emails_queued",
-            "hardcount_emails_failed",
-            "hardcount_email_oldest_queued_age_seconds",
         ],
         listens: false,
     },
@@ -192,12 +169,6 @@ pub static REGISTRY: &[RoleEntry] = &[
             "hardcount_webhook_oldest_pending_age_seconds",
             "hardcount_webhook_oldest_due_age_seconds",
             "hardcount_webhook_endpoints_disabled_total",
-        ],
-        led_gauges: &[
-            "hardcount_webhook_deliveries_pending",
-            "hardcount_webhook_deliveries_dead",
-            "hardcount_webhook_oldest_pending_age_seconds",
-            "hardcount_webhook_oldest_due_age_seconds",
         ],
         listens: true,
     },

@@ -353,10 +353,7 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
             .await
             .context("refusing to serve (HARDCOUNT_LEASE_DATABASE_URL)")?;
     }
-    let manager = crate::roles::REGISTRY.iter().fold(
-        Manager::new(lease_db.clone(), config.timing, telemetry.clone()),
-        |m, entry| m.with_led_gauges(entry.role, entry.led_gauges),
-    );
+    let manager = Manager::new(lease_db.clone(), config.timing, telemetry.clone());
     let root = shutdown;
     let tracker = TaskTracker::new();
 

@@ -20,7 +20,6 @@ use crate::schedule::{Due, Schedule};
 use crate::store::{self, Acquire, Release, SlotStamp, StoreError};
 use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutcome, Timing};
 
-mod elsewhere;
 mod reading;
 pub(crate) use reading::Reading;
 
@@ -34,8 +33,6 @@ pub struct Manager {
     announcer: Announcer,
     /// Each scheduled role's last reading of its lease row (docs/adr/0043).
     readings: Arc<Mutex<HashMap<Role, Reading>>>,
-    /// The gauges each role's leader owns (docs/adr/0136, `elsewhere.rs`).
-    led_gauges: Arc<HashMap<Role, &'static [&'static str]>>,
 }
 
 impl Manager {
@@ -62,7 +59,6 @@ impl Manager {
             telemetry,
             announcer: Announcer::default(),
             readings: Arc::default(),
-            led_gauges: Arc::default(),
         }
     }
 
@@ -151,7 +147,6 @@ impl Manager {
                 held,
             } => {
                 let retry_in = due_in.unwrap_or(t.max_poll).min(t.poll_cap(held));
-                self.led_elsewhere(role, held);
                 let outcome = TickOutcome::NotLed { retry_in, paused };
                 self.announcer
                     .announce(role, Heard::Outcome(outcome), false);
@@ -260,7 +255,6 @@ impl Manager {
                 }
             }
             .min(t.poll_cap(a.held));
-            self.led_elsewhere(role, a.held);
             let outcome = TickOutcome::NotLed {
                 retry_in,
                 paused: a.paused,

@@ -265,18 +265,13 @@ fn each_roles_interval_is_read_for_that_role() {
 /// after a `.counter(`, `.gauge(` or `.histogram(` call in its `src/`
 /// (`leader::Telemetry`'s methods, which every crate registers through).
 fn registered_series() -> BTreeMap<String, BTreeSet<String>> {
-    registered(&[".counter(", ".gauge(", ".histogram("])
-}
-
-/// [`registered_series`] of the given calls only.
-fn registered(calls: &[&str]) -> BTreeMap<String, BTreeSet<String>> {
     let mut found: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let crates = repo_root().join("crates");
     for krate in std::fs::read_dir(&crates).unwrap().flatten() {
         let name = krate.file_name().to_string_lossy().into_owned();
         let mut text = String::new();
         sources(&krate.path().join("src"), &mut text);
-        for &call in calls {
+        for call in [".counter(", ".gauge(", ".histogram("] {
             for (at, _) in text.match_indices(call) {
                 let rest = text[at + call.len()..].trim_start();
                 let Some(literal) = rest.strip_prefix('"') else {
@@ -373,26 +368,4 @@ fn each_roles_series_are_the_ones_its_code_registers() {
     let mut stale = REGISTRY.to_vec();
     stale[2].metrics = leak([stale[2].metrics, &["hardcount_webhook_gone_total"]].concat());
     assert!(!check(&stale).is_empty());
-}
-
-/// A role's led gauges (zeroed on a replica that finds another leading it,
-/// docs/adr/0136) are gauges its own code sets, among its metrics: a name
-/// that drifted from the code would zero nothing and leave the stale value.
-#[test]
-fn led_gauges_are_gauges_the_role_sets() {
-    let gauges = registered(&[".gauge("]);
-    for e in REGISTRY {
-        for g in e.led_gauges {
-            assert!(
-                e.metrics.contains(g),
-                "{}: {g} is not among its metrics",
-                e.role
-            );
-            assert!(
-                gauges.contains_key(*g),
-                "{}: {g} is set by no .gauge( call",
-                e.role
-            );
-        }
-    }
 }
