@@ -186,8 +186,13 @@ impl Readyz {
         let url = format!("http://{}/readyz", listener.local_addr().unwrap());
         let shutdown = CancellationToken::new();
         let server = tokio::spawn(hardcount::run(config, listener, shutdown.clone()));
+        // Idle connections are dropped well before the server's keep-alive
+        // (`HEADER_READ_TIMEOUT`, 5 s) closes them: a request on one the server
+        // was closing met a reset (a test that slept 5 s between two requests
+        // failed so, once, in CI).
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(1))
+            .pool_idle_timeout(Duration::from_secs(1))
             .build()
             .unwrap();
         Readyz {
