@@ -317,12 +317,7 @@ async fn a_repeated_cancel_at_period_end_or_the_same_pause_announces_nothing() {
         ("void", Some(resumes)),
         ("void", Some(resumes + TimeDelta::hours(1))),
     ] {
-        let mut tx = t.db.begin().await.unwrap();
-        let pause = b
-            .pause_collection_in(&mut tx, "tenant_a", sub, behavior, at)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
+        let pause = crate::pause_through(&t.db, &b, sub, behavior, at).await;
         assert_eq!(pause.resumes_at, at.map(|t| t.trunc_subsecs(6)));
     }
     assert_eq!(

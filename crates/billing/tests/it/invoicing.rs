@@ -117,24 +117,11 @@ async fn a_pause_or_a_resume_does_not_reach_back_into_a_period_that_ended_before
     let t = TestDb::new().await;
     let (b, _) = biller(&t.db, config());
     let paused = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 15).await;
-    let mut tx = t.db.begin().await.unwrap();
-    b.pause_collection_in(&mut tx, "tenant_a", paused, "void", None)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    crate::pause_through(&t.db, &b, paused, "void", None).await;
     // Paused by hand while behind, then resumed through billing.
     let resumed = crate::cancel::ten_day_subscription(&t.db, "tenant_a", 15).await;
-    t.db.execute(
-        sql("UPDATE subscriptions SET pause_collection_behavior = 'void' WHERE id = $1")
-            .bind(resumed),
-    )
-    .await
-    .unwrap();
-    let mut tx = t.db.begin().await.unwrap();
-    b.resume_collection_in(&mut tx, "tenant_a", resumed)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    crate::lifecycle::void_by_hand(&t.db, resumed).await;
+    crate::resume_through(&t.db, &b, resumed).await;
     assert_eq!(tick(&t.db, &b).await.tally.invoiced, 0);
     let status = |sub: i64| {
         let db = t.db.clone();
@@ -172,12 +159,7 @@ async fn a_resume_of_a_lapsed_pause_while_behind_succeeds() {
     )
     .await
     .unwrap();
-    let mut tx = t.db.begin().await.unwrap();
-    let lifted = b
-        .resume_collection_in(&mut tx, "tenant_a", sub)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    let lifted = crate::resume_through(&t.db, &b, sub).await;
     assert_eq!(lifted.behavior, "void");
     let paused: Option<String> =
         t.db.fetch_one(

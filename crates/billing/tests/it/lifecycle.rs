@@ -183,6 +183,16 @@ pub(crate) async fn pause(db: &Db, sub: i64, resumes_at: DateTime<Utc>) {
     .unwrap();
 }
 
+/// `sub`'s collection paused with `void`, written by hand (no resume time,
+/// no setter).
+pub(crate) async fn void_by_hand(db: &Db, sub: i64) {
+    db.execute(
+        sql("UPDATE subscriptions SET pause_collection_behavior = 'void' WHERE id = $1").bind(sub),
+    )
+    .await
+    .unwrap();
+}
+
 pub(crate) async fn paused(db: &Db, sub: i64) -> Option<String> {
     db.fetch_one(sql("SELECT pause_collection_behavior FROM subscriptions WHERE id = $1").bind(sub))
         .await
@@ -596,22 +606,9 @@ async fn a_pause_or_resume_after_a_trial_ended_closes_its_ended_period_first() {
     };
     let resumed = ended_trial().await;
     let paused = ended_trial().await;
-    t.db.execute(
-        sql("UPDATE subscriptions SET pause_collection_behavior = 'void' WHERE id = $1")
-            .bind(resumed),
-    )
-    .await
-    .unwrap();
-    let mut tx = t.db.begin().await.unwrap();
-    b.resume_collection_in(&mut tx, "tenant_a", resumed)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let mut tx = t.db.begin().await.unwrap();
-    b.pause_collection_in(&mut tx, "tenant_a", paused, "void", None)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    crate::lifecycle::void_by_hand(&t.db, resumed).await;
+    crate::resume_through(&t.db, &b, resumed).await;
+    crate::pause_through(&t.db, &b, paused, "void", None).await;
     // Each subscription's invoices: status and length in seconds.
     let made =
         |sub: i64| {

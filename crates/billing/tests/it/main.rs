@@ -214,6 +214,36 @@ pub async fn period(db: &Db, id: i64) -> (DateTime<Utc>, DateTime<Utc>, DateTime
     )
 }
 
+/// `b` pauses `sub`'s collection (`tenant_a`'s) in a committed transaction
+/// of its own, as the API does.
+pub async fn pause_through(
+    db: &Db,
+    b: &Biller,
+    sub: i64,
+    behavior: &str,
+    resumes_at: Option<DateTime<Utc>>,
+) -> billing::CollectionPause {
+    let mut tx = db.begin().await.unwrap();
+    let pause = b
+        .pause_collection_in(&mut tx, "tenant_a", sub, behavior, resumes_at)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    pause
+}
+
+/// `b` resumes `sub`'s collection (`tenant_a`'s) in a committed
+/// transaction of its own; the pause cleared.
+pub async fn resume_through(db: &Db, b: &Biller, sub: i64) -> billing::CollectionPause {
+    let mut tx = db.begin().await.unwrap();
+    let pause = b
+        .resume_collection_in(&mut tx, "tenant_a", sub)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    pause
+}
+
 /// One tick as the leader of `billing`.
 pub async fn tick(db: &Db, b: &Biller) -> TickReport {
     let b = b.clone();

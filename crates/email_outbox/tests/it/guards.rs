@@ -6,7 +6,9 @@ use std::time::Duration;
 use leader::Role;
 use testbed::{MinimalSink, SmtpSink, TestDb};
 
-use crate::{as_leader, config, drain, email, make_due, manager, queue, rows, sender, tick};
+use crate::{
+    as_leader, config, drain, email, make_due, manager, queue, queue_numbered, rows, sender, tick,
+};
 
 /// A leader replaced by a takeover claims nothing with its old token, while
 /// the new leader's claim takes the due emails.
@@ -147,10 +149,7 @@ async fn sends_not_started_within_the_budget_are_handed_back() {
     let t = TestDb::new().await;
     // Each send takes four replies (MAIL, RCPT, DATA, the message).
     let slow = MinimalSink::start(Duration::from_millis(40)).await;
-    let emails: Vec<_> = (0..12)
-        .map(|i| email(&format!("r{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
+    queue_numbered(&t.db, "tenant_a", "r", 12).await;
     let mut c = config();
     c.max_connections = 1;
     c.tick_budget = Duration::from_millis(300);

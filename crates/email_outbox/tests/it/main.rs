@@ -64,6 +64,15 @@ pub fn email(to: &str, n: usize) -> Email {
     }
 }
 
+/// Queue `n` emails for `tenant`, the `i`th to `{prefix}{i}@example.org`
+/// ([`email`]), in one committed transaction.
+pub async fn queue_numbered(db: &Db, tenant: &str, prefix: &str, n: usize) -> Vec<i64> {
+    let emails: Vec<_> = (0..n)
+        .map(|i| email(&format!("{prefix}{i}@example.org"), i))
+        .collect();
+    queue(db, tenant, &emails).await
+}
+
 /// Queue `emails` for `tenant` in one committed transaction.
 pub async fn queue(db: &Db, tenant: &str, emails: &[Email]) -> Vec<i64> {
     let mut tx = db.begin().await.unwrap();

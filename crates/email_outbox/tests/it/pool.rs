@@ -17,7 +17,7 @@ use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::{Layer, Registry};
 
-use crate::{as_leader, config, drain, email, manager, queue, rows, sender};
+use crate::{as_leader, config, drain, email, manager, queue, queue_numbered, rows, sender};
 
 /// Two batches sent at once through one sender, with
 /// `max_connections = 3`: sends in flight could reach six, but connections
@@ -32,10 +32,7 @@ use crate::{as_leader, config, drain, email, manager, queue, rows, sender};
 async fn open_connections_never_exceed_the_bound() {
     let t = TestDb::new().await;
     let sink = SmtpSink::start();
-    let emails: Vec<_> = (0..60)
-        .map(|i| email(&format!("r{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
+    queue_numbered(&t.db, "tenant_a", "r", 60).await;
     let mut c = config();
     c.max_connections = 3;
     let (s, _) = sender(&t.db, &sink.url(), None, c);

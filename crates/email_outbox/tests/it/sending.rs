@@ -4,7 +4,7 @@ use email_outbox::{EnqueueError, enqueue};
 use leader::TickEnd;
 use testbed::{SmtpSink, TestDb};
 
-use crate::{config, drain, email, make_due, queue, rows, sender, tick};
+use crate::{config, drain, email, make_due, queue, queue_numbered, rows, sender, tick};
 
 #[tokio::test]
 async fn a_queued_email_arrives_with_its_parts_and_its_message_id() {
@@ -192,10 +192,7 @@ async fn a_resent_email_gets_the_retry_schedule_again() {
 async fn a_dead_server_costs_one_connection_and_loses_nothing() {
     let t = TestDb::new().await;
     let mut sink = SmtpSink::start();
-    let emails: Vec<_> = (0..10)
-        .map(|i| email(&format!("c{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
+    queue_numbered(&t.db, "tenant_a", "c", 10).await;
     sink.stop();
     // Batches of 4: the first batch's first send gets no reply, and no second
     // batch is claimed or attempted, though batches are sent two at a time
@@ -284,10 +281,7 @@ async fn bad_input_is_refused_by_field_and_the_transaction_goes_on() {
 async fn the_next_batch_sends_while_the_last_sends_of_one_are_out() {
     let t = TestDb::new().await;
     let port = holding_sink("c3@example.org", "c4@example.org").await;
-    let emails: Vec<_> = (0..8)
-        .map(|i| email(&format!("c{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
+    queue_numbered(&t.db, "tenant_a", "c", 8).await;
     let mut c = config();
     c.batch_size = 4;
     c.max_connections = 4;
@@ -438,10 +432,7 @@ async fn a_3xx_to_the_end_of_a_message_is_not_a_send() {
 /// refuses the session: the batch's first email counts one attempt and stays
 /// queued, the rest are handed back, and the tick fails as for a dead server.
 async fn a_refused_session_fails_no_email(t: &TestDb, port: u16) {
-    let emails: Vec<_> = (0..4)
-        .map(|i| email(&format!("c{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &emails).await;
+    queue_numbered(&t.db, "tenant_a", "c", 4).await;
     let mut c = config();
     c.batch_size = 4;
     let (s, _) = sender(&t.db, &format!("smtp://127.0.0.1:{port}"), None, c);

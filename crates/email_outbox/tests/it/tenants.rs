@@ -7,7 +7,7 @@ use db::{Row, sql};
 use leader::Role;
 use testbed::TestDb;
 
-use crate::{as_leader, config, email, manager, queue, sender, tick};
+use crate::{as_leader, config, email, manager, queue, queue_numbered, sender, tick};
 
 /// Tenant A queued 200 emails before tenant B's 2, yet one claim of 10 takes
 /// B's 2 and gives A the rest of the batch.
@@ -18,10 +18,7 @@ use crate::{as_leader, config, email, manager, queue, sender, tick};
 #[tokio::test]
 async fn a_small_tenant_is_in_the_first_claim_beside_a_backlog() {
     let t = TestDb::new().await;
-    let a: Vec<_> = (0..200)
-        .map(|i| email(&format!("a{i}@example.org"), i))
-        .collect();
-    queue(&t.db, "tenant_a", &a).await;
+    queue_numbered(&t.db, "tenant_a", "a", 200).await;
     queue(
         &t.db,
         "tenant_b",
