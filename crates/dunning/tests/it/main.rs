@@ -21,10 +21,10 @@ use billing::{Biller, BillingConfig, ProviderConfig, SecretKey};
 use db::{Db, Row, sql};
 use dunning::{Dunner, DunningConfig, TickReport};
 use fake_provider::{FakeProvider, TEST_SECRET_KEY};
-use leader::{Role, Telemetry};
+use leader::{Manager, Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-pub use testbed::leadership::{as_leader, manager};
+pub use testbed::leadership::{as_leader, manager, patient_manager};
 
 pub fn config() -> DunningConfig {
     DunningConfig {
@@ -73,10 +73,23 @@ pub fn dunner_with(
 
 /// One tick as the leader of `dunning`.
 pub async fn tick(db: &Db, d: &Dunner) -> TickReport {
+    tick_under(&manager(db, "dunner"), d).await
+}
+
+/// One tick as the leader of `dunning`, under a lease that tolerates
+/// renewals answered seconds late (`testbed::leadership::patient_timing`),
+/// for a test of a heavy tick's work.
+pub async fn patient_tick(db: &Db, d: &Dunner) -> TickReport {
+    tick_under(&patient_manager(db, "dunner"), d).await
+}
+
+async fn tick_under(m: &Manager, d: &Dunner) -> TickReport {
     let d = d.clone();
-    as_leader(&manager(db, "dunner"), Role::Dunning, |tick| async move {
-        d.run_tick(&tick).await
-    })
+    as_leader(
+        m,
+        Role::Dunning,
+        |tick| async move { d.run_tick(&tick).await },
+    )
     .await
 }
 
