@@ -17,12 +17,12 @@ pub fn fast_timing() -> Timing {
     Timing::new(ms(1000), ms(300), ms(200), ms(600), ms(500)).unwrap()
 }
 
-/// Lease timings for a test whose subject is the work of a tick, not its
-/// lease, when that work is heavy for a shared two-core machine (a plan test
-/// over never-analyzed tables with every plan logged): TTL 10 s, heartbeat
-/// 1 s, statement timeout 2 s, abandon after 6 s, max poll 500 ms. Under
-/// `fast_timing` such a tick could lose its lease to a renewal answered more
-/// than 600 ms late while the whole suite ran.
+/// Lease timings for a test whose subject is a tick's work, not its lease
+/// (the roles' `tick` helpers): TTL 10 s, heartbeat 1 s, statement timeout
+/// 2 s, abandon after 6 s, max poll 500 ms. Under `fast_timing` a heavy tick
+/// (a plan test over never-analyzed tables, every plan logged) once lost its
+/// lease to a renewal answered more than 600 ms late while the whole suite
+/// ran on two cores.
 pub fn patient_timing() -> Timing {
     let ms = Duration::from_millis;
     Timing::new(ms(10_000), ms(1000), ms(2000), ms(6000), ms(500)).unwrap()

@@ -28,7 +28,7 @@ use fake_provider::{FakeProvider, TEST_SECRET_KEY};
 use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-pub use testbed::leadership::{as_leader, manager};
+pub use testbed::leadership::{as_leader, manager, patient_manager};
 
 pub fn config() -> BillingConfig {
     BillingConfig {
@@ -244,12 +244,15 @@ pub async fn resume_through(db: &Db, b: &Biller, sub: i64) -> billing::Collectio
     pause
 }
 
-/// One tick as the leader of `billing`.
+/// One tick as the leader of `billing`, under a lease that tolerates renewals
+/// answered seconds late (`testbed::leadership::patient_timing`).
 pub async fn tick(db: &Db, b: &Biller) -> TickReport {
     let b = b.clone();
-    as_leader(&manager(db, "biller"), Role::Billing, |tick| async move {
-        b.run_tick(&tick).await
-    })
+    as_leader(
+        &patient_manager(db, "biller"),
+        Role::Billing,
+        |tick| async move { b.run_tick(&tick).await },
+    )
     .await
 }
 

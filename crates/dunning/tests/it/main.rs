@@ -21,7 +21,7 @@ use billing::{Biller, BillingConfig, ProviderConfig, SecretKey};
 use db::{Db, Row, sql};
 use dunning::{Dunner, DunningConfig, TickReport};
 use fake_provider::{FakeProvider, TEST_SECRET_KEY};
-use leader::{Manager, Role, Telemetry};
+use leader::{Role, Telemetry};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 pub use testbed::leadership::{as_leader, manager, patient_manager};
@@ -71,22 +71,13 @@ pub fn dunner_with(
     (d, handle)
 }
 
-/// One tick as the leader of `dunning`.
-pub async fn tick(db: &Db, d: &Dunner) -> TickReport {
-    tick_under(&manager(db, "dunner"), d).await
-}
-
 /// One tick as the leader of `dunning`, under a lease that tolerates
-/// renewals answered seconds late (`testbed::leadership::patient_timing`),
-/// for a test of a heavy tick's work.
-pub async fn patient_tick(db: &Db, d: &Dunner) -> TickReport {
-    tick_under(&patient_manager(db, "dunner"), d).await
-}
-
-async fn tick_under(m: &Manager, d: &Dunner) -> TickReport {
+/// renewals answered seconds late (`testbed::leadership::patient_timing`):
+/// these tests are about the tick's work, not its lease.
+pub async fn tick(db: &Db, d: &Dunner) -> TickReport {
     let d = d.clone();
     as_leader(
-        m,
+        &patient_manager(db, "dunner"),
         Role::Dunning,
         |tick| async move { d.run_tick(&tick).await },
     )

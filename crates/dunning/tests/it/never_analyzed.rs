@@ -10,7 +10,7 @@ use fake_provider::Behaviour;
 use testbed::TestDb;
 use testbed::plans::{PlansNoticed, keep_tables_unanalyzed, tables_analyzed};
 
-use crate::{dunner, patient_tick};
+use crate::{dunner, tick};
 
 /// Runs seeded, as the dunning benchmark seeds them: 1,000 is a size at which
 /// the planner, without statistics, judged the active runs and the open
@@ -92,9 +92,7 @@ async fn a_ticks_batch_writes_reach_each_row_by_key_on_tables_never_analyzed() {
     }
     let (d, _) = dunner(&t.db, &p, Duration::from_secs(5), crate::config());
     let noticed = PlansNoticed::start();
-    // A lease that tolerates late renewals: under the suite's load the
-    // fast one was once lost mid-tick (a renewal unanswered for 600 ms).
-    let report = patient_tick(&t.db, &d).await;
+    let report = tick(&t.db, &d).await;
     let outcome =
         t.db.fetch_one(sql(
             "SELECT count(*) FILTER (WHERE status = 'recovered') AS recovered, \

@@ -22,7 +22,7 @@ use email_outbox::{Email, Sender, SenderConfig, SmtpUrl, TickReport, enqueue};
 use leader::{Role, Telemetry, TickEnd};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-pub use testbed::leadership::{as_leader, manager};
+pub use testbed::leadership::{as_leader, manager, patient_manager};
 
 /// Fast settings for tests: retries 50 ms apart, three attempts in all.
 pub fn config() -> SenderConfig {
@@ -84,11 +84,12 @@ pub async fn queue(db: &Db, tenant: &str, emails: &[Email]) -> Vec<i64> {
     ids
 }
 
-/// One tick as the leader of `email_outbox`.
+/// One tick as the leader of `email_outbox`, under a lease that tolerates
+/// renewals answered seconds late (`testbed::leadership::patient_timing`).
 pub async fn tick(db: &Db, s: &Sender) -> (TickEnd, TickReport) {
     let s = s.clone();
     let report = as_leader(
-        &manager(db, "sender"),
+        &patient_manager(db, "sender"),
         Role::EmailOutbox,
         |tick| async move { s.run_tick(&tick).await },
     )

@@ -36,7 +36,7 @@ use webhook_delivery::ssrf::Allowlist;
 use webhook_delivery::{Endpoint, Keyring, TickReport, Worker, WorkerConfig, create_endpoint};
 use webhook_outbox::{Dispatcher, DispatcherConfig};
 
-pub use testbed::leadership::{as_leader, fast_timing as fast, manager};
+pub use testbed::leadership::{as_leader, fast_timing as fast, manager, patient_manager};
 /// Verify a received delivery the way a receiver would, independently of this
 /// crate's `signature` module: headers, a timestamp fresh at arrival, the HMAC.
 pub use testbed::webhook_verify::verify;
@@ -175,11 +175,12 @@ pub fn led_role(db: &Db, w: Worker) -> (tokio::task::JoinHandle<()>, Cancellatio
     (role, shutdown)
 }
 
-/// One webhook_delivery tick as leader.
+/// One webhook_delivery tick as leader, under a lease that tolerates renewals
+/// answered seconds late (`testbed::leadership::patient_timing`).
 pub async fn tick(db: &Db, w: &Worker) -> TickReport {
     let w = w.clone();
     as_leader(
-        &manager(db, "worker"),
+        &patient_manager(db, "worker"),
         Role::WebhookDelivery,
         |tick| async move { w.run_tick(&tick).await },
     )
