@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use db::{Db, Row, sql};
 use fake_provider::{FakeProvider, TEST_SECRET_KEY};
 use testbed::{Leg, TestDb};
 
@@ -65,6 +66,13 @@ fn served(body: &str) -> BTreeSet<String> {
 ///
 /// Catches: a panel on a series renamed or never exported (it draws nothing,
 /// silently), a panel naming an alert that was renamed.
+///
+/// The same serve stamps each role's backlog read
+/// (`hardcount_backlog_read_timestamp_seconds{role}`, on the database clock,
+/// within the test's own readings of it), which the rules read each backlog
+/// alert by (docs/adr/0137). Without the stamp of one role, its alert's rule
+/// reads nothing and never fires: mutation `backlog_read_stamped` in
+/// scripts/mutation-check drops the email role's call and is seen failing here.
 #[tokio::test]
 async fn every_dashboard_query_names_a_series_a_real_serve_exports() {
     let root = repo_root();
@@ -81,6 +89,7 @@ async fn every_dashboard_query_names_a_series_a_real_serve_exports() {
     let t = TestDb::new().await;
     let provider = FakeProvider::start().await.unwrap();
     let url = provider.base_url();
+    let started = db_epoch(&t.db).await;
     let serve = Serve::start(
         &t.app_url(Leg::current()),
         &[
@@ -124,6 +133,20 @@ async fn every_dashboard_query_names_a_series_a_real_serve_exports() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let live = served(&body);
+    let ended = db_epoch(&t.db).await;
+    for role in roles {
+        let stamp = format!("hardcount_backlog_read_timestamp_seconds{{role=\"{role}\"}} ");
+        let at: f64 = body
+            .lines()
+            .find_map(|l| l.strip_prefix(stamp.as_str()))
+            .unwrap_or_else(|| panic!("no backlog read stamped for {role}:\n{body}"))
+            .parse()
+            .unwrap();
+        assert!(
+            (started..=ended).contains(&at),
+            "{role}'s backlog read at {at}, not between {started} and {ended}"
+        );
+    }
 
     let mut sources = String::new();
     rust_sources(&root.join("crates"), &mut sources);
@@ -167,4 +190,12 @@ async fn every_dashboard_query_names_a_series_a_real_serve_exports() {
         rest = &rest[at + name.len()..];
     }
     drop(serve);
+}
+
+/// The database clock, in epoch seconds.
+async fn db_epoch(db: &Db) -> f64 {
+    db.fetch_one(sql("SELECT extract(epoch FROM now())::float8 AS now"))
+        .await
+        .unwrap()
+        .get("now")
 }

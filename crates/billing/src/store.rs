@@ -182,13 +182,16 @@ pub(crate) struct Backlog {
     pub needs_review: i64,
     /// Attempts the provider is still processing.
     pub processing: i64,
+    /// When these were read: the transaction's `now()` in epoch seconds.
+    pub read_at: f64,
 }
 
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
         .fetch_one(sql("SELECT count(*) AS due, \
-                    COALESCE(extract(epoch FROM now() - min(next_billing_at)), 0)::float8 AS age \
+                    COALESCE(extract(epoch FROM now() - min(next_billing_at)), 0)::float8 AS age, \
+                    extract(epoch FROM now())::float8 AS read_at \
              FROM subscriptions WHERE status = 'active' AND next_billing_at <= now()"))
         .await?;
     let review = tx
@@ -204,5 +207,6 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         oldest_due_age: row.try_get("age")?,
         needs_review: review.try_get("needs_review")?,
         processing: review.try_get("processing")?,
+        read_at: row.try_get("read_at")?,
     })
 }

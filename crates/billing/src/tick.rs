@@ -321,6 +321,7 @@ pub(crate) async fn refresh_gauges(biller: &Biller) {
                 .set(b.needs_review as f64);
             t.gauge("hardcount_billing_payment_attempts_processing", &[])
                 .set(b.processing as f64);
+            t.backlog_read(Role::Billing, b.read_at);
         }
         Err(e) => {
             debug!(role = %Role::Billing, error = %e, "billing backlog gauges not refreshed")

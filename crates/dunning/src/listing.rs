@@ -221,7 +221,8 @@ pub(crate) const GAUGES: &str = concat!(
                         AND r.tenant_id NOT IN (",
     window_closed_tenants!(),
     ") \
-                      ORDER BY r.next_attempt_at LIMIT 1), 0) AS oldest_due_age"
+                      ORDER BY r.next_attempt_at LIMIT 1), 0) AS oldest_due_age, \
+            extract(epoch FROM now())::float8 AS read_at"
 );
 
 /// The listing's window rule alone, on the instant `$5` for a window `$1`

@@ -375,12 +375,13 @@ impl Dunner {
 
     async fn refresh_gauges(&self) {
         match gauges(&self.ctx.db, self.ctx.config.statement_timeout).await {
-            Ok((active, oldest_due_age)) => {
+            Ok((active, oldest_due_age, read_at)) => {
                 let t = &self.ctx.telemetry;
                 t.gauge("hardcount_dunning_active_runs", &[])
                     .set(active as f64);
                 t.gauge("hardcount_dunning_oldest_due_age_seconds", &[])
                     .set(oldest_due_age);
+                t.backlog_read(Role::Dunning, read_at);
             }
             Err(e) => {
                 warn!(role = %Role::Dunning, error = %e, "dunning gauges not refreshed: they keep their last values")
@@ -389,13 +390,18 @@ impl Dunner {
     }
 }
 
-/// Active runs, and the age of the oldest retry the listing would make now,
-/// for the gauges ([`crate::listing::GAUGES`]).
-async fn gauges(db: &Db, statement_timeout: Duration) -> Result<(i64, f64), db::Error> {
+/// Active runs, the age of the oldest retry the listing would make now, and
+/// when they were read (epoch seconds), for the gauges
+/// ([`crate::listing::GAUGES`]).
+async fn gauges(db: &Db, statement_timeout: Duration) -> Result<(i64, f64, f64), db::Error> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx.fetch_one(sql(crate::listing::GAUGES)).await?;
     tx.commit().await?;
-    Ok((row.try_get("active")?, row.try_get("oldest_due_age")?))
+    Ok((
+        row.try_get("active")?,
+        row.try_get("oldest_due_age")?,
+        row.try_get("read_at")?,
+    ))
 }
 
 /// Batches of retries in flight at once (docs/adr/0054): while one batch

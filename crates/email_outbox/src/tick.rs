@@ -222,6 +222,7 @@ impl Sender {
                 t.gauge("hardcount_emails_failed", &[]).set(b.failed as f64);
                 t.gauge("hardcount_email_oldest_queued_age_seconds", &[])
                     .set(b.oldest_queued_age);
+                t.backlog_read(Role::EmailOutbox, b.read_at);
             }
             Err(e) => debug!(role = ROLE, error = %e, "email backlog gauges not refreshed"),
         }

@@ -226,6 +226,9 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     "hardcount_leader_slot_lateness_seconds",
     // Wake-up notifications received, for a role that `listens` (docs/adr/0014).
     "hardcount_wakeups_total",
+    // When this replica last read the role's backlog gauges, on the database
+    // clock: the rules read each backlog from the newest read (docs/adr/0137).
+    "hardcount_backlog_read_timestamp_seconds",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`

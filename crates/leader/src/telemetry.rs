@@ -42,6 +42,21 @@ impl Telemetry {
         self.recorder
             .register_histogram(&key(name, labels), &METADATA)
     }
+
+    /// Record that this replica has just read `role`'s backlog gauges, at
+    /// `at` (epoch seconds on the database clock, the read's own `now()`):
+    /// `hardcount_backlog_read_timestamp_seconds{role}`. Only the leader of a
+    /// tick reads them, so the rules take each gauge from the replica whose
+    /// read is the newest rather than the `max()` across replicas, which kept
+    /// a stale value of a replica that stopped leading (docs/adr/0137). Call
+    /// it after the gauges are set, and only when the read succeeded.
+    pub fn backlog_read(&self, role: crate::Role, at: f64) {
+        self.gauge(
+            "hardcount_backlog_read_timestamp_seconds",
+            &[("role", role.as_str())],
+        )
+        .set(at);
+    }
 }
 
 fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {

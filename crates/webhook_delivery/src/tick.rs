@@ -293,6 +293,7 @@ async fn refresh_gauges(shared: &Shared) {
                 .set(b.oldest_pending_age);
             t.gauge("hardcount_webhook_oldest_due_age_seconds", &[])
                 .set(b.oldest_due_age);
+            t.backlog_read(Role::WebhookDelivery, b.read_at);
         }
         Err(e) => {
             warn!(role = %Role::WebhookDelivery, error = %e, "could not read the webhook delivery backlog")

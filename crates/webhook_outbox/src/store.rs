@@ -34,18 +34,27 @@ pub(crate) async fn any_undispatched(db: &Db) -> Result<bool, db::Error> {
 /// The statement of [`backlog`]; `pub` only for the plan test
 /// (`tests/it/plans.rs`).
 pub const BACKLOG: &str = "SELECT count(*) AS waiting, \
-            coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest \
+            coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest, \
+            extract(epoch FROM now())::float8 AS read_at \
      FROM webhook_events WHERE dispatched_at IS NULL";
 
-/// Events waiting for the fan-out, and how long the oldest has waited on
-/// the database clock (0 when none): the role's backlog gauges. Through the
+/// Events waiting for the fan-out, how long the oldest has waited on the
+/// database clock (0 when none), and when they were read (epoch seconds):
+/// the role's backlog gauges. Through the
 /// partial index `webhook_events_undispatched`, so dispatched events kept
 /// for retention are not read.
-pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<(i64, f64), db::Error> {
+pub(crate) async fn backlog(
+    db: &Db,
+    statement_timeout: Duration,
+) -> Result<(i64, f64, f64), db::Error> {
     let mut tx = db.begin_index_driven(statement_timeout).await?;
     let row = tx.fetch_one(sql(BACKLOG)).await?;
     tx.commit().await?;
-    Ok((row.try_get("waiting")?, row.try_get("oldest")?))
+    Ok((
+        row.try_get("waiting")?,
+        row.try_get("oldest")?,
+        row.try_get("read_at")?,
+    ))
 }
 
 /// What one batch did.

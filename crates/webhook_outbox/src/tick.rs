@@ -358,7 +358,7 @@ impl FencedBatches for Fanout<'_> {
         }
         let d = self.0;
         match store::backlog(&d.db, d.config.statement_timeout).await {
-            Ok((waiting, oldest)) => {
+            Ok((waiting, oldest, read_at)) => {
                 d.telemetry
                     .gauge("hardcount_webhook_events_undispatched", &[])
                     .set(waiting as f64);
@@ -368,6 +368,7 @@ impl FencedBatches for Fanout<'_> {
                         &[],
                     )
                     .set(oldest);
+                d.telemetry.backlog_read(Role::WebhookOutbox, read_at);
             }
             Err(e) => {
                 warn!(role = %Role::WebhookOutbox, error = %e, "could not read the webhook outbox backlog");

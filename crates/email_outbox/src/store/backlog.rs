@@ -14,6 +14,8 @@ pub(crate) struct Backlog {
     pub failed: i64,
     /// Seconds since the oldest queued email was created; 0 when none.
     pub oldest_queued_age: f64,
+    /// When these were read: the transaction's `now()` in epoch seconds.
+    pub read_at: f64,
 }
 
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
@@ -24,7 +26,8 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
                     (SELECT count(*) FROM email_outbox WHERE status = 'failed') AS failed, \
                     coalesce(extract(epoch FROM now() - \
                         (SELECT min(created_at) FROM email_outbox WHERE status = 'queued')), \
-                        0)::float8 AS oldest",
+                        0)::float8 AS oldest, \
+                    extract(epoch FROM now())::float8 AS read_at",
         ))
         .await?;
     tx.commit().await?;
@@ -32,5 +35,6 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         queued: row.try_get("queued")?,
         failed: row.try_get("failed")?,
         oldest_queued_age: row.try_get("oldest")?,
+        read_at: row.try_get("read_at")?,
     })
 }

@@ -22,6 +22,8 @@ pub(crate) struct Backlog {
     /// not grow while a delivery waits out its retry schedule or a hold: it is
     /// how far the worker is behind.
     pub oldest_due_age: f64,
+    /// When these were read: the transaction's `now()` in epoch seconds.
+    pub read_at: f64,
 }
 
 pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Backlog, db::Error> {
@@ -30,7 +32,8 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         .fetch_one(sql("SELECT p.pending, \
                     (SELECT count(*) FROM webhook_deliveries WHERE status = 'dead') AS dead, \
                     coalesce(extract(epoch FROM now() - p.oldest_created), 0)::float8 AS oldest, \
-                    coalesce(extract(epoch FROM now() - p.oldest_due), 0)::float8 AS oldest_due \
+                    coalesce(extract(epoch FROM now() - p.oldest_due), 0)::float8 AS oldest_due, \
+                    extract(epoch FROM now())::float8 AS read_at \
              FROM (SELECT count(*) AS pending, min(created_at) AS oldest_created, \
                           min(next_attempt_at) FILTER (WHERE next_attempt_at <= now() \
                               AND (claimed_until IS NULL OR claimed_until <= now())) AS oldest_due \
@@ -42,5 +45,6 @@ pub(crate) async fn backlog(db: &Db, statement_timeout: Duration) -> Result<Back
         dead: row.try_get("dead")?,
         oldest_pending_age: row.try_get("oldest")?,
         oldest_due_age: row.try_get("oldest_due")?,
+        read_at: row.try_get("read_at")?,
     })
 }

@@ -13,23 +13,41 @@ struct Rule {
 
 /// The alerts of a rules file (the shape deploy/prometheus/rules.yml has:
 /// `- alert: Name`, then `expr:` up to `for:`, `labels:` or `annotations:`).
+/// A recorded series (`- record: name`, docs/adr/0137) an alert reads is
+/// read through its expression: that text is added to the alert's.
 fn rules(text: &str) -> Vec<Rule> {
     let mut out: Vec<Rule> = Vec::new();
+    let mut records: Vec<Rule> = Vec::new();
     let mut in_expr = false;
+    let mut in_record = false;
     for line in text.lines() {
         let t = line.trim_start();
         if t.starts_with('#') {
             continue;
         }
-        if let Some(name) = t.strip_prefix("- alert:") {
-            out.push(Rule {
+        let (alert, record) = (t.strip_prefix("- alert:"), t.strip_prefix("- record:"));
+        if let Some(name) = alert.or(record) {
+            let rule = Rule {
                 name: name.trim().to_owned(),
                 expr: String::new(),
-            });
+            };
+            in_record = record.is_some();
+            if in_record {
+                records.push(rule);
+            } else {
+                out.push(rule);
+            }
             in_expr = false;
-        } else if let Some(expr) = t.strip_prefix("expr:") {
+            continue;
+        }
+        let current = if in_record {
+            records.last_mut()
+        } else {
+            out.last_mut()
+        };
+        if let Some(expr) = t.strip_prefix("expr:") {
             in_expr = true;
-            if let Some(rule) = out.last_mut() {
+            if let Some(rule) = current {
                 rule.expr.push_str(expr);
             }
         } else if ["for:", "labels:", "annotations:", "- name:"]
@@ -37,9 +55,17 @@ fn rules(text: &str) -> Vec<Rule> {
             .any(|k| t.starts_with(k))
         {
             in_expr = false;
-        } else if in_expr && let Some(rule) = out.last_mut() {
+        } else if in_expr && let Some(rule) = current {
             rule.expr.push('\n');
             rule.expr.push_str(t);
+        }
+    }
+    for rule in &mut out {
+        for record in &records {
+            if rule.expr.contains(record.name.as_str()) {
+                rule.expr.push('\n');
+                rule.expr.push_str(&record.expr);
+            }
         }
     }
     out
