@@ -121,14 +121,19 @@ async fn every_dashboard_query_names_a_series_a_real_serve_exports() {
                 "hardcount_leader_last_tick_known{{role=\"{role}\"}} 1"
             ))
         };
-        if roles.iter().all(|r| ticked(r))
+        let stamped = |role: &str| {
+            body.contains(&format!(
+                "hardcount_backlog_read_timestamp_seconds{{role=\"{role}\"}}"
+            ))
+        };
+        if roles.iter().all(|r| ticked(r) && stamped(r))
             && body.contains("hardcount_webhook_oldest_due_age_seconds")
         {
             break body;
         }
         assert!(
             Instant::now() < deadline,
-            "not every role completed a tick:\n{body}"
+            "not every role completed a tick and stamped its backlog read:\n{body}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };

@@ -14,7 +14,7 @@ use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop};
 use tokio::sync::Semaphore;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use crate::config::SenderConfig;
 use crate::error::Error;
@@ -224,7 +224,9 @@ impl Sender {
                     .set(b.oldest_queued_age);
                 t.backlog_read(Role::EmailOutbox, b.read_at);
             }
-            Err(e) => debug!(role = ROLE, error = %e, "email backlog gauges not refreshed"),
+            Err(e) => {
+                warn!(role = ROLE, error = %e, "email backlog gauges not refreshed: they keep their last values")
+            }
         }
     }
 }

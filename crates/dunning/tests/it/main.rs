@@ -182,12 +182,15 @@ pub async fn declined_invoice(db: &Db, tenant: &str) -> Declined {
     }
 }
 
-/// Enrol as the leader of `dunning` (runs exist, nothing retried).
+/// Enrol as the leader of `dunning` (runs exist, nothing retried), under the
+/// patient lease as [`tick`].
 pub async fn enrol(db: &Db, d: &Dunner) -> usize {
     let d = d.clone();
-    as_leader(&manager(db, "enroller"), Role::Dunning, |tick| async move {
-        d.enrol(&tick.fence).await.unwrap()
-    })
+    as_leader(
+        &patient_manager(db, "enroller"),
+        Role::Dunning,
+        |tick| async move { d.enrol(&tick.fence).await.unwrap() },
+    )
     .await
 }
 

@@ -14,7 +14,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::{
     Declined, as_leader, attempts, billing, config, declined_invoice, due_now, dunner_with,
-    dunning_emails, events, invoice_status, manager, policy, remove_payment_method, run_of, tick,
+    dunning_emails, events, invoice_status, manager, patient_manager, policy,
+    remove_payment_method, run_of, tick,
 };
 
 /// One declined invoice's run on a policy of `retries` retries (pausing
@@ -44,9 +45,11 @@ async fn declined_run(
 async fn reconciler_looks(db: &db::Db, charging: &BillingConfig) {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let biller = Biller::new(db.clone(), charging.clone(), Telemetry::noop()).unwrap();
-    as_leader(&manager(db, "biller"), Role::Billing, |tick| async move {
-        biller.run_tick(&tick).await
-    })
+    as_leader(
+        &patient_manager(db, "biller"),
+        Role::Billing,
+        |tick| async move { biller.run_tick(&tick).await },
+    )
     .await;
 }
 

@@ -149,7 +149,7 @@ pub async fn payloads_handed_over(
         dispatcher = dispatcher.with_hand_over(wake.clone());
     }
     as_leader(
-        &manager(db, "outbox"),
+        &patient_manager(db, "outbox"),
         Role::WebhookOutbox,
         |tick| async move {
             dispatcher.run_tick(&tick).await;

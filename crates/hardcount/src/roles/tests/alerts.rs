@@ -62,13 +62,23 @@ fn rules(text: &str) -> Vec<Rule> {
     }
     for rule in &mut out {
         for record in &records {
-            if rule.expr.contains(record.name.as_str()) {
+            if names_series(&rule.expr, &record.name) {
                 rule.expr.push('\n');
                 rule.expr.push_str(&record.expr);
             }
         }
     }
     out
+}
+
+/// Whether `expr` names the series `name` whole (not as a part of a longer
+/// name).
+fn names_series(expr: &str, name: &str) -> bool {
+    let in_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    expr.match_indices(name).any(|(at, _)| {
+        !expr[..at].chars().next_back().is_some_and(in_name)
+            && !expr[at + name.len()..].chars().next().is_some_and(in_name)
+    })
 }
 
 /// The role names an expression's `role="…"` and `role=~"a|b"` matchers name.
