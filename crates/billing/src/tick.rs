@@ -324,6 +324,7 @@ pub(crate) async fn refresh_gauges(biller: &Biller) {
             t.backlog_read(Role::Billing, b.read_at);
         }
         Err(e) => {
+            biller.inner.telemetry.backlog_read_failed(Role::Billing);
             warn!(role = %Role::Billing, error = %e, "billing backlog gauges not refreshed: they keep their last values")
         }
     }

@@ -384,6 +384,7 @@ impl Dunner {
                 t.backlog_read(Role::Dunning, read_at);
             }
             Err(e) => {
+                self.ctx.telemetry.backlog_read_failed(Role::Dunning);
                 warn!(role = %Role::Dunning, error = %e, "dunning gauges not refreshed: they keep their last values")
             }
         }

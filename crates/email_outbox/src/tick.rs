@@ -225,6 +225,7 @@ impl Sender {
                 t.backlog_read(Role::EmailOutbox, b.read_at);
             }
             Err(e) => {
+                self.inner.telemetry.backlog_read_failed(Role::EmailOutbox);
                 warn!(role = ROLE, error = %e, "email backlog gauges not refreshed: they keep their last values")
             }
         }

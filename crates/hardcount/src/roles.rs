@@ -229,6 +229,8 @@ pub const EVERY_ROLE_METRICS: &[&str] = &[
     // When this replica last read the role's backlog gauges, on the database
     // clock: the rules read each backlog from the newest read (docs/adr/0137).
     "hardcount_backlog_read_timestamp_seconds",
+    // Failed reads of the role's backlog gauges (docs/adr/0137).
+    "hardcount_backlog_read_errors_total",
 ];
 
 /// The alerts on [`EVERY_ROLE_METRICS`]. One that names roles in a `role`
@@ -241,6 +243,7 @@ pub const EVERY_ROLE_ALERTS: &[&str] = &[
     "HardcountTickPanicked",
     "HardcountLeasesLost",
     "HardcountStatusReadErrors",
+    "HardcountBacklogUnread",
     "HardcountNoReplicaReporting",
 ];
 

@@ -57,6 +57,18 @@ impl Telemetry {
         )
         .set(at);
     }
+
+    /// Count a failed read of `role`'s backlog gauges
+    /// (`hardcount_backlog_read_errors_total{role}`): the gauges keep their
+    /// last values, and `HardcountBacklogUnread` warns when reads fail and
+    /// none has succeeded for two hours (docs/adr/0137).
+    pub fn backlog_read_failed(&self, role: crate::Role) {
+        self.counter(
+            "hardcount_backlog_read_errors_total",
+            &[("role", role.as_str())],
+        )
+        .increment(1);
+    }
 }
 
 fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {

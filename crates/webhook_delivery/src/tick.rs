@@ -296,6 +296,7 @@ async fn refresh_gauges(shared: &Shared) {
             t.backlog_read(Role::WebhookDelivery, b.read_at);
         }
         Err(e) => {
+            shared.telemetry.backlog_read_failed(Role::WebhookDelivery);
             warn!(role = %Role::WebhookDelivery, error = %e, "could not read the webhook delivery backlog")
         }
     }

@@ -371,6 +371,7 @@ impl FencedBatches for Fanout<'_> {
                 d.telemetry.backlog_read(Role::WebhookOutbox, read_at);
             }
             Err(e) => {
+                d.telemetry.backlog_read_failed(Role::WebhookOutbox);
                 warn!(role = %Role::WebhookOutbox, error = %e, "could not read the webhook outbox backlog");
             }
         }

@@ -7,6 +7,7 @@ mod batch;
 mod cancel;
 mod charges;
 mod drain;
+mod gauges;
 mod guards;
 mod invoicing;
 mod lifecycle;
