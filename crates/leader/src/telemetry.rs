@@ -63,11 +63,21 @@ impl Telemetry {
     /// last values, and `HardcountBacklogUnread` warns when reads fail and
     /// none has succeeded for two hours (docs/adr/0137).
     pub fn backlog_read_failed(&self, role: crate::Role) {
+        self.backlog_read_errors(role).increment(1);
+    }
+
+    /// `hardcount_backlog_read_errors_total{role}` at 0, created at a start
+    /// (`scheduler::precreate_series`): a series born at 1 shows no
+    /// `increase()`, so a replica's first failed read would raise nothing.
+    pub fn precreate_backlog_read_errors(&self, role: crate::Role) {
+        self.backlog_read_errors(role).increment(0);
+    }
+
+    fn backlog_read_errors(&self, role: crate::Role) -> Counter {
         self.counter(
             "hardcount_backlog_read_errors_total",
             &[("role", role.as_str())],
         )
-        .increment(1);
     }
 }
 

@@ -18,13 +18,15 @@ const ALERTED_LOSSES: [&str; 4] = [
 /// born at 1 has no increase to show): `hardcount_leader_lease_lost_total`
 /// at 0 for every role and every reason an alert counts, and
 /// `hardcount_leader_status_errors_total` at 0 (its first failed read after a
-/// start was not a rate). (A role's own series are born where the role is
-/// built: billing's key refusal in `Biller::new`.)
+/// start was not a rate), and `hardcount_backlog_read_errors_total` at 0 for
+/// every role (`HardcountBacklogUnread`, docs/adr/0137). (A role's own series
+/// are born where the role is built: billing's key refusal in `Biller::new`.)
 pub fn precreate_series(telemetry: &Telemetry) {
     telemetry
         .counter("hardcount_leader_status_errors_total", &[])
         .increment(0);
     for role in Role::ALL {
+        telemetry.precreate_backlog_read_errors(role);
         for reason in ALERTED_LOSSES {
             telemetry
                 .counter(

@@ -127,6 +127,16 @@ async fn a_batch_with_one_panicking_item_processes_all_the_others() {
         series(&handle, "hardcount_leader_status_errors_total "),
         Some(0.0)
     );
+    // And each role's failed backlog reads, which HardcountBacklogUnread
+    // takes an increase of (docs/adr/0137). Mutation
+    // `precreate_backlog_read_errors`.
+    assert_eq!(
+        series(
+            &handle,
+            "hardcount_backlog_read_errors_total{role=\"dunning\"} "
+        ),
+        Some(0.0)
+    );
 
     let done = Arc::new(AtomicUsize::new(0));
     let d = done.clone();
