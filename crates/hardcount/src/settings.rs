@@ -301,6 +301,31 @@ impl ServeSettings {
                 ));
             }
         }
+        // The SMTP settings are read by email_outbox alone; on a replica that
+        // does not run it they do nothing (a companion set without SMTP_URL
+        // was accepted without a word).
+        if !roles.iter().any(|rc| rc.role == Role::EmailOutbox) {
+            let smtp = [
+                ("SMTP_URL", Secret::set(&self.smtp_url).is_some()),
+                (
+                    "HARDCOUNT_SMTP_CA_FILE",
+                    non_empty(&self.smtp_ca_file).is_some(),
+                ),
+                (
+                    "HARDCOUNT_SMTP_INSECURE_AUTH",
+                    non_empty(&self.smtp_insecure_auth).is_some(),
+                ),
+                (
+                    "HARDCOUNT_EMAIL_CONNECTIONS",
+                    non_empty(&self.email_connections).is_some(),
+                ),
+            ];
+            ignored.extend(
+                smtp.iter()
+                    .filter(|(_, set)| *set)
+                    .map(|(v, _)| (*v).to_owned()),
+            );
+        }
         for entry in crate::roles::REGISTRY {
             let Some(text) = non_empty(self.schedule(entry.role)) else {
                 continue;

@@ -503,6 +503,40 @@ fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
     assert!(check(&[]).unwrap().ignored.is_empty());
 }
 
+/// The SMTP settings are email_outbox's alone: on a replica that does not run
+/// it, those set are listed as ignored (`HARDCOUNT_EMAIL_CONNECTIONS` set
+/// without `SMTP_URL` was accepted without a word); on one that runs it they
+/// are not. Mutation `smtp_settings_unlisted`.
+#[test]
+fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
+    let config = check(&[
+        "--roles",
+        "billing,dunning",
+        "--email-connections",
+        "4",
+        "--smtp-insecure-auth",
+        "true",
+    ])
+    .unwrap();
+    assert_eq!(
+        config.ignored,
+        [
+            "HARDCOUNT_SMTP_INSECURE_AUTH",
+            "HARDCOUNT_EMAIL_CONNECTIONS"
+        ]
+    );
+    let config = check(&[
+        "--roles",
+        "email_outbox",
+        "--smtp-url",
+        "smtp://127.0.0.1:2525",
+        "--email-connections",
+        "4",
+    ])
+    .unwrap();
+    assert!(config.ignored.is_empty(), "{:?}", config.ignored);
+}
+
 /// Settings that would do nothing without the one they depend on are refused
 /// by name, as HARDCOUNT_OPERATOR_TOKEN without HARDCOUNT_API_ADDR is: a
 /// provider key without its URL left auto-charge off with an info line, and
