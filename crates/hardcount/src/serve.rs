@@ -38,10 +38,11 @@ pub struct Config {
     pub roles: Vec<RoleConfig>,
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
-    /// Interval and schedule variables set for roles this replica does not
-    /// run (HARDCOUNT_ROLES): they take effect only on a replica that runs
-    /// the role. `run` warns of each at startup.
-    pub ignored: Vec<String>,
+    /// Variables set for roles this replica does not run (HARDCOUNT_ROLES),
+    /// each with its role: intervals, schedules, and email_outbox's SMTP
+    /// settings. They take effect only on a replica that runs the role (they
+    /// are still checked). `run` warns of each at startup.
+    pub ignored: Vec<(String, Role)>,
     pub webhook_delivery: WorkerConfig,
     /// SMTP_URL and the sender's settings; None when SMTP_URL is unset.
     pub email: Option<EmailConfig>,
@@ -251,9 +252,10 @@ fn work_for(
 /// implement named in `HARDCOUNT_ROLES`, an invalid role configuration.
 pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationToken) -> Result<()> {
     scheduler::install_panic_hook();
-    for var in &config.ignored {
+    for (var, role) in &config.ignored {
         warn!(
             setting = %var,
+            %role,
             "ignored: it is set for a role this replica does not run (HARDCOUNT_ROLES); set it on the replicas that run the role"
         );
     }

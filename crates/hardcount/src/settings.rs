@@ -292,12 +292,15 @@ impl ServeSettings {
                 continue;
             }
             if non_empty(self.interval(entry.role)).is_some() {
-                ignored.push(entry.interval.to_owned());
+                ignored.push((entry.interval.to_owned(), entry.role));
             }
             if non_empty(self.schedule(entry.role)).is_some() {
-                ignored.push(format!(
-                    "HARDCOUNT_{}_SCHEDULE",
-                    entry.role.as_str().to_ascii_uppercase()
+                ignored.push((
+                    format!(
+                        "HARDCOUNT_{}_SCHEDULE",
+                        entry.role.as_str().to_ascii_uppercase()
+                    ),
+                    entry.role,
                 ));
             }
         }
@@ -323,7 +326,7 @@ impl ServeSettings {
             ignored.extend(
                 smtp.iter()
                     .filter(|(_, set)| *set)
-                    .map(|(v, _)| (*v).to_owned()),
+                    .map(|(v, _)| ((*v).to_owned(), Role::EmailOutbox)),
             );
         }
         for entry in crate::roles::REGISTRY {

@@ -498,7 +498,10 @@ fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
     .unwrap();
     assert_eq!(
         config.ignored,
-        ["HARDCOUNT_BILLING_SCHEDULE", "HARDCOUNT_DUNNING_INTERVAL"]
+        [
+            ("HARDCOUNT_BILLING_SCHEDULE".to_owned(), Role::Billing),
+            ("HARDCOUNT_DUNNING_INTERVAL".to_owned(), Role::Dunning)
+        ]
     );
     assert!(check(&[]).unwrap().ignored.is_empty());
 }
@@ -521,8 +524,8 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
     assert_eq!(
         config.ignored,
         [
-            "HARDCOUNT_SMTP_INSECURE_AUTH",
-            "HARDCOUNT_EMAIL_CONNECTIONS"
+            ("HARDCOUNT_SMTP_INSECURE_AUTH".to_owned(), Role::EmailOutbox),
+            ("HARDCOUNT_EMAIL_CONNECTIONS".to_owned(), Role::EmailOutbox)
         ]
     );
     let config = check(&[
