@@ -4,6 +4,7 @@ use super::*;
 use clap::Parser;
 
 mod connections;
+mod ignored;
 
 #[derive(Parser)]
 struct Serve {
@@ -476,68 +477,6 @@ fn a_cron_schedule_reaches_its_role_and_a_bad_one_is_refused_by_name() {
         );
         assert!(err.starts_with(&var) && err.contains(says), "{err}");
     }
-}
-
-/// An interval or schedule set for a role this replica does not run is
-/// listed as ignored, for `serve` to warn of at startup (docs/adr/0120); one
-/// for a role it runs is not. It was silently ignored: a daily billing
-/// schedule set on the replicas that run only the outboxes never took
-/// effect, and nothing said so. Mutation `ignored_setting_unlisted`.
-#[test]
-fn a_setting_for_a_role_not_run_is_listed_as_ignored() {
-    let config = check(&[
-        "--roles",
-        "webhook_outbox,webhook_delivery",
-        "--billing-schedule",
-        "@daily",
-        "--dunning-interval",
-        "30s",
-        "--webhook-outbox-schedule",
-        "@hourly",
-    ])
-    .unwrap();
-    assert_eq!(
-        config.ignored,
-        [
-            ("HARDCOUNT_BILLING_SCHEDULE".to_owned(), Role::Billing),
-            ("HARDCOUNT_DUNNING_INTERVAL".to_owned(), Role::Dunning)
-        ]
-    );
-    assert!(check(&[]).unwrap().ignored.is_empty());
-}
-
-/// The SMTP settings are email_outbox's alone: on a replica that does not run
-/// it, those set are listed as ignored (`HARDCOUNT_EMAIL_CONNECTIONS` set
-/// without `SMTP_URL` was accepted without a word); on one that runs it they
-/// are not. Mutation `smtp_settings_unlisted`.
-#[test]
-fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
-    let config = check(&[
-        "--roles",
-        "billing,dunning",
-        "--email-connections",
-        "4",
-        "--smtp-insecure-auth",
-        "true",
-    ])
-    .unwrap();
-    assert_eq!(
-        config.ignored,
-        [
-            ("HARDCOUNT_SMTP_INSECURE_AUTH".to_owned(), Role::EmailOutbox),
-            ("HARDCOUNT_EMAIL_CONNECTIONS".to_owned(), Role::EmailOutbox)
-        ]
-    );
-    let config = check(&[
-        "--roles",
-        "email_outbox",
-        "--smtp-url",
-        "smtp://127.0.0.1:2525",
-        "--email-connections",
-        "4",
-    ])
-    .unwrap();
-    assert!(config.ignored.is_empty(), "{:?}", config.ignored);
 }
 
 /// Settings that would do nothing without the one they depend on are refused
