@@ -19,6 +19,11 @@ pub struct SenderConfig {
     pub statement_timeout: Duration,
     /// Waits between attempts; failed after the last. Default 1m, 5m, 30m, 2h, 6h (6 attempts).
     pub retry_delays: Vec<Duration>,
+    /// A tick ends with the backlog gauges' read at most once per this
+    /// (docs/adr/0138): the read counts every pending row, however few the
+    /// tick took. Default [`scheduler::BACKLOG_READ_EVERY`] (15 s); zero reads
+    /// at every tick's end.
+    pub backlog_read_every: Duration,
 }
 
 impl Default for SenderConfig {
@@ -31,6 +36,7 @@ impl Default for SenderConfig {
             tick_budget: Duration::from_secs(20),
             statement_timeout: Duration::from_secs(5),
             retry_delays: vec![m(1), m(5), m(30), m(120), m(360)],
+            backlog_read_every: scheduler::BACKLOG_READ_EVERY,
         }
     }
 }

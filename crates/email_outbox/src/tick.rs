@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
-use scheduler::{FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop};
+use scheduler::{
+    BacklogReads, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop,
+};
 use tokio::sync::Semaphore;
 use tracing::warn;
 
@@ -94,6 +96,8 @@ struct Inner {
     /// the sends of the batches in flight never wait inside their deadline
     /// for a connection.
     sends: Arc<Semaphore>,
+    /// When a tick's end reads the backlog gauges (docs/adr/0138).
+    backlog_reads: BacklogReads,
 }
 
 impl std::fmt::Debug for Sender {
@@ -121,6 +125,7 @@ impl Sender {
         Ok(Sender {
             inner: Arc::new(Inner {
                 db,
+                backlog_reads: BacklogReads::every(config.backlog_read_every),
                 config,
                 pool,
                 telemetry,
@@ -350,7 +355,9 @@ impl FencedBatches for Sends<'_> {
     async fn end_tick(&self, tick: &Tick) {
         if !tick.cancel.is_cancelled() {
             self.sender.inner.pool.close_idle().await;
-            self.sender.refresh_gauges().await;
+            if self.sender.inner.backlog_reads.due() {
+                self.sender.refresh_gauges().await;
+            }
         }
     }
 }

@@ -38,8 +38,13 @@
 //! holds back a slice of a tick's budget, at most once every [`PRUNE_EVERY`],
 //! and deletes what it finished once old, a fenced batch per statement.
 //!
+//! Backlog reads ([`BacklogReads`], docs/adr/0138): a role that ticks every
+//! second ends a tick with its backlog gauges' read at most once every
+//! [`BACKLOG_READ_EVERY`].
+//!
 //! This crate knows roles and intervals, not invoices.
 
+mod backlog;
 mod config;
 mod driver;
 mod idle;
@@ -53,6 +58,7 @@ mod status;
 mod steps;
 mod wake;
 
+pub use backlog::{BACKLOG_READ_EVERY, BacklogReads};
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{drive, drive_until, drive_until_kept};
 pub use in_flight::InFlight;

@@ -69,6 +69,11 @@ pub struct WorkerConfig {
     /// role's lease history once old, as the tick's last step
     /// (docs/adr/0040); default none, nothing is pruned.
     pub retention: Option<scheduler::Retention>,
+    /// A tick ends with the backlog gauges' read at most once per this
+    /// (docs/adr/0138): the read counts every pending row, however few the
+    /// tick took. Default [`scheduler::BACKLOG_READ_EVERY`] (15 s); zero reads
+    /// at every tick's end.
+    pub backlog_read_every: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -94,6 +99,7 @@ impl Default for WorkerConfig {
             disable_after: Some(Duration::from_secs(5 * 86_400)),
             notice_from: None,
             retention: None,
+            backlog_read_every: scheduler::BACKLOG_READ_EVERY,
         }
     }
 }

@@ -129,8 +129,9 @@
 //!                                                 and held (not sent, due again later)
 //! hardcount_webhook_breakers_open                 gauge, endpoints backed off, at each tick's end
 //! hardcount_webhook_attempt_duration_seconds      histogram, each request made
-//! hardcount_webhook_deliveries_pending            gauges, read at the end of each tick on
-//! hardcount_webhook_deliveries_dead               the database clock; the age counts from
+//! hardcount_webhook_deliveries_pending            gauges, read at a tick's end (at most every
+//! hardcount_webhook_deliveries_dead               15 s, docs/adr/0138) on the database clock;
+//!                                                 the age counts from
 //! hardcount_webhook_oldest_pending_age_seconds    the delivery's creation (retries included)
 //! hardcount_webhook_oldest_due_age_seconds        how long the longest-due unclaimed delivery
 //!                                                 has been due: the worker's lag (0 when none)

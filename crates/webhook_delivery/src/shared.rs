@@ -23,6 +23,8 @@ pub(crate) struct Shared {
     pub disabling: Disabling,
     /// When the tick prunes (`config.retention`), if it does.
     pub pruning: Option<scheduler::Pruning>,
+    /// When a tick's end reads the backlog gauges (docs/adr/0138).
+    pub backlog_reads: scheduler::BacklogReads,
     /// Where the next claim starts among tenants (docs/adr/0048).
     pub cursor: db::TenantCursor,
     /// Deliveries handed over by this process's fan-out, not written yet

@@ -488,7 +488,9 @@ impl FencedBatches for Deliveries<'_> {
             {
                 warn!(role = %Role::WebhookDelivery, error = %e, "could not turn off the failing webhook endpoints; the next look retries");
             }
-            refresh_gauges(self.shared).await;
+            if self.shared.backlog_reads.due() {
+                refresh_gauges(self.shared).await;
+            }
         }
     }
 }

@@ -70,6 +70,7 @@ impl Worker {
                 ),
                 disabling: Disabling::default(),
                 pruning: config.retention.map(scheduler::Pruning::new),
+                backlog_reads: scheduler::BacklogReads::every(config.backlog_read_every),
                 cursor: db::TenantCursor::default(),
                 unwritten: Unwritten::default(),
                 config,

@@ -17,6 +17,11 @@ pub struct DispatcherConfig {
     /// fans out fewer events a statement instead of one statement running
     /// for its whole budget (issue 25, point 4).
     pub max_deliveries_per_statement: usize,
+    /// A tick ends with the backlog gauges' read at most once per this
+    /// (docs/adr/0138): the read counts every pending row, however few the
+    /// tick took. Default [`scheduler::BACKLOG_READ_EVERY`] (15 s); zero reads
+    /// at every tick's end.
+    pub backlog_read_every: Duration,
 }
 
 impl Default for DispatcherConfig {
@@ -26,6 +31,7 @@ impl Default for DispatcherConfig {
             tick_budget: Duration::from_secs(10),
             statement_timeout: Duration::from_secs(10),
             max_deliveries_per_statement: 10_000,
+            backlog_read_every: scheduler::BACKLOG_READ_EVERY,
         }
     }
 }

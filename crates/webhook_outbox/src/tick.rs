@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{
-    FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop, Wake,
+    BacklogReads, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop,
+    Wake,
 };
 use tracing::{debug, warn};
 
@@ -61,6 +62,8 @@ pub struct Dispatcher {
     prune_from: Arc<Mutex<PruneCursor>>,
     /// When taking expired handoffs was last tried (docs/adr/0127).
     recovered_at: Arc<Mutex<Option<Instant>>>,
+    /// When a tick's end reads the backlog gauges (docs/adr/0138).
+    backlog_reads: Arc<BacklogReads>,
 }
 
 impl Dispatcher {
@@ -74,6 +77,7 @@ impl Dispatcher {
         config.validate()?;
         Ok(Dispatcher {
             db,
+            backlog_reads: Arc::new(BacklogReads::every(config.backlog_read_every)),
             config,
             telemetry,
             wake: None,
@@ -348,15 +352,16 @@ impl FencedBatches for Fanout<'_> {
         true
     }
 
-    /// The backlog gauges, read by the leader at each tick's end: a fan-out
+    /// The backlog gauges, read by the leader at a tick's end at most once per
+    /// `backlog_read_every` (docs/adr/0138): a fan-out
     /// that falls behind or stops making progress shows as the age of the
     /// oldest event not yet fanned out (`HardcountWebhookEventsUndispatched`),
     /// which no delivery gauge sees, since its deliveries do not exist yet.
     async fn end_tick(&self, tick: &Tick) {
-        if tick.cancel.is_cancelled() {
+        let d = self.0;
+        if tick.cancel.is_cancelled() || !d.backlog_reads.due() {
             return;
         }
-        let d = self.0;
         match store::backlog(&d.db, d.config.statement_timeout).await {
             Ok((waiting, oldest, read_at)) => {
                 d.telemetry

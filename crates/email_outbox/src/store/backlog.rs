@@ -1,4 +1,5 @@
-//! The gauges' SQL, read at the end of a tick.
+//! The gauges' SQL, read at a tick's end at most once per
+//! `backlog_read_every` (docs/adr/0138).
 
 use std::time::Duration;
 

@@ -5,6 +5,7 @@
 //! that it was seen failing under.
 
 mod addresses;
+mod backlog_reads;
 mod guards;
 mod plans;
 mod pool;

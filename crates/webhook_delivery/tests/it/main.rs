@@ -4,6 +4,7 @@
 //! Each guard test names, in its comment, the mutation that makes it fail and
 //! that it was seen failing under.
 
+mod backlog_reads;
 mod disabling;
 mod endpoints;
 mod fairness;

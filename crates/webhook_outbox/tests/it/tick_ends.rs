@@ -234,3 +234,51 @@ async fn a_tick_exports_the_events_left_and_the_oldest_ones_age() {
         Some(0.0)
     );
 }
+
+/// A tick's end reads the backlog at most once per `backlog_read_every`
+/// (docs/adr/0138): a second tick within the interval leaves the first
+/// tick's read standing, its stamp and its count. With the tick's end
+/// reading without asking (mutation `outbox_backlog_read_ungated`) the second
+/// tick reads the event added between them and stamps again: this fails.
+#[tokio::test]
+async fn a_tick_within_the_backlog_read_interval_does_not_read_again() {
+    let t = TestDb::new().await;
+    let m = manager(&t.db, "a");
+    let hourly = DispatcherConfig {
+        backlog_read_every: Duration::from_secs(3600),
+        tick_budget: Duration::from_millis(1),
+        batch_size: 1,
+        ..DispatcherConfig::default()
+    };
+    let (d, metrics) = dispatcher(&t.db, hourly);
+    let stamp = || {
+        crate::series(
+            &metrics,
+            "hardcount_backlog_read_timestamp_seconds{role=\"webhook_outbox\"}",
+        )
+    };
+    let first = d.clone();
+    as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        first.run_tick(&tick).await
+    })
+    .await;
+    let read = stamp().expect("the first tick reads and stamps");
+    assert_eq!(
+        crate::series(&metrics, "hardcount_webhook_events_undispatched"),
+        Some(0.0)
+    );
+
+    // An event the next tick, with its 1 ms budget, may leave undispatched:
+    // a read would count it or stamp a later time, either way not this.
+    endpoint(&t, "tenant_a", &[], true).await;
+    event(&t.db, "tenant_a", "invoice.paid", "{}").await;
+    as_leader(&m, Role::WebhookOutbox, |tick| async move {
+        d.run_tick(&tick).await
+    })
+    .await;
+    assert_eq!(stamp(), Some(read), "the second tick read again");
+    assert_eq!(
+        crate::series(&metrics, "hardcount_webhook_events_undispatched"),
+        Some(0.0)
+    );
+}
