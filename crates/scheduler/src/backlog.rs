@@ -1,13 +1,14 @@
 //! How often a role reads its backlog gauges (docs/adr/0138).
 //!
 //! The roles that tick every second read their backlog (a count and the
-//! oldest row's age over every pending row) as their tick ends. That read
-//! grows with the backlog, not with the tick's work: a receiver down for
-//! hours leaves a million retries waiting, every tick finds a few due, and
-//! each tick's read counted the million again. [`BacklogReads`] lets a
-//! tick end with the read only when the last one is at least its interval
-//! old, so the read costs the same at any tick rate and the gauges are at
-//! most that interval behind (Prometheus scrapes every 15 s or more).
+//! oldest row's age over every waiting row) as their tick ends. That read
+//! grows with the backlog, not with the tick's work: an SMTP server down for
+//! hours leaves a million emails queued on their retry schedule, the email
+//! role's tick finds none or a few due every second, and each tick's read
+//! counted the million again. [`BacklogReads`] lets a tick end with the read
+//! only when the last one is at least its interval old, so the read costs the
+//! same at any tick rate and the gauges are at most that interval behind the
+//! last tick (`deploy/prometheus/prometheus.yml` scrapes every 15 s).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -35,8 +36,10 @@ impl BacklogReads {
         }
     }
 
-    /// Whether the tick ending now reads: the first tick, then one at least
-    /// `every` after the last that read. It is recorded as read now whatever
+    /// Whether the tick ending now reads: the process's first tick, then one
+    /// at least `every` after the last that read. Not reset when this replica
+    /// leads again after another did: the rules read the newest stamp across
+    /// replicas (docs/adr/0137), so the other's read stands meanwhile. It is recorded as read now whatever
     /// the read then comes to, so a read that times out on a huge backlog is
     /// not tried again at every tick either.
     pub fn due(&self) -> bool {

@@ -41,7 +41,7 @@ async fn a_tick_within_the_interval_leaves_the_last_read_standing() {
     assert_eq!(series(&metrics, PENDING, ""), Some(1.0));
     assert_eq!(series(&metrics, STAMP, ROLE), Some(read));
 
-    // A worker that reads at every tick's end sees all three.
+    // A worker that reads at every tick's end reads again at its second.
     let every_tick = WorkerConfig {
         backlog_read_every: Duration::ZERO,
         ..config()
@@ -49,4 +49,7 @@ async fn a_tick_within_the_interval_leaves_the_last_read_standing() {
     let (w, metrics) = worker(&t.db, every_tick);
     tick(&t.db, &w).await;
     assert_eq!(series(&metrics, PENDING, ""), Some(3.0));
+    events(&t.db, "tenant_a", 1).await;
+    tick(&t.db, &w).await;
+    assert_eq!(series(&metrics, PENDING, ""), Some(4.0));
 }

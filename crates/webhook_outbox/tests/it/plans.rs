@@ -159,7 +159,7 @@ async fn the_fan_out_reaches_each_tenants_events_by_tenant_after_an_analyze() {
     }
 }
 
-/// Guard: the backlog gauges' read (`BACKLOG`, read at every tick's end)
+/// Guard: the backlog gauges' read (`BACKLOG`, read at a tick's end)
 /// reads the undispatched events through their partial index, not the events
 /// kept for retention: 1,000 events of which 990 are dispatched, on a table
 /// never analyzed. Mutation `outbox_backlog_seqscan` (the predicate written

@@ -243,7 +243,8 @@ async fn a_tick_exports_the_events_left_and_the_oldest_ones_age() {
 #[tokio::test]
 async fn a_tick_within_the_backlog_read_interval_does_not_read_again() {
     let t = TestDb::new().await;
-    let m = manager(&t.db, "a");
+    // A patient lease: the test is about the tick's end, not its lease.
+    let m = testbed::leadership::patient_manager(&t.db, "a");
     let hourly = DispatcherConfig {
         backlog_read_every: Duration::from_secs(3600),
         tick_budget: Duration::from_millis(1),
