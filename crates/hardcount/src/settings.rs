@@ -329,6 +329,67 @@ impl ServeSettings {
                     .map(|(v, _)| ((*v).to_owned(), Role::EmailOutbox)),
             );
         }
+        // webhook_delivery's own settings do nothing on a replica that does not
+        // run it. The allowlist and the lowest port are also the API's guard on
+        // endpoint URLs (below), so they are listed only where the API is off too.
+        if !roles.iter().any(|rc| rc.role == Role::WebhookDelivery) {
+            let api = non_empty(&self.api_addr).is_some();
+            let w = [
+                ("HARDCOUNT_WEBHOOK_ALLOWLIST", &self.webhook_allowlist, api),
+                (
+                    "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
+                    &self.webhook_retry_schedule,
+                    false,
+                ),
+                ("HARDCOUNT_WEBHOOK_TIMEOUT", &self.webhook_timeout, false),
+                (
+                    "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT",
+                    &self.webhook_max_in_flight,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT",
+                    &self.webhook_max_in_flight_per_endpoint,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
+                    &self.webhook_max_in_flight_per_tenant,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION",
+                    &self.webhook_max_in_flight_per_destination,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS",
+                    &self.webhook_breaker_timeouts,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
+                    &self.webhook_breaker_cooloff,
+                    false,
+                ),
+                ("HARDCOUNT_WEBHOOK_MIN_PORT", &self.webhook_min_port, api),
+                (
+                    "HARDCOUNT_WEBHOOK_DISABLE_AFTER",
+                    &self.webhook_disable_after,
+                    false,
+                ),
+                (
+                    "HARDCOUNT_WEBHOOK_NOTICE_FROM",
+                    &self.webhook_notice_from,
+                    false,
+                ),
+            ];
+            ignored.extend(
+                w.iter()
+                    .filter(|(_, value, api_reads)| non_empty(value).is_some() && !*api_reads)
+                    .map(|(v, ..)| ((*v).to_owned(), Role::WebhookDelivery)),
+            );
+        }
         for entry in crate::roles::REGISTRY {
             let Some(text) = non_empty(self.schedule(entry.role)) else {
                 continue;

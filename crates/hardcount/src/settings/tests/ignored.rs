@@ -70,3 +70,57 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
     ]);
     assert!(listed.is_empty(), "{listed:?}");
 }
+
+/// webhook_delivery's settings on a replica that does not run it are listed
+/// as ignored; the allowlist and the lowest port only where the API is off
+/// too, since it refuses endpoint URLs by them. On a replica that runs the
+/// role none is listed. Mutation `delivery_settings_unlisted`.
+#[test]
+fn delivery_settings_on_a_replica_without_webhook_delivery_are_listed_as_ignored() {
+    let set = [
+        "--webhook-allowlist",
+        "10.1.0.0/16",
+        "--webhook-timeout",
+        "5s",
+        "--webhook-max-in-flight-per-tenant",
+        "4",
+        "--webhook-min-port",
+        "8000",
+        "--webhook-notice-from",
+        "notices@example.com",
+    ];
+    let listed = ignored(&[&["--roles", "billing,email_outbox"][..], &set[..]].concat());
+    let expected = each(
+        Role::WebhookDelivery,
+        &[
+            "HARDCOUNT_WEBHOOK_ALLOWLIST",
+            "HARDCOUNT_WEBHOOK_TIMEOUT",
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
+            "HARDCOUNT_WEBHOOK_MIN_PORT",
+            "HARDCOUNT_WEBHOOK_NOTICE_FROM",
+        ],
+    );
+    assert_eq!(listed, expected);
+
+    let api = [
+        "--roles",
+        "billing",
+        "--api-addr",
+        "127.0.0.1:8081",
+        "--api-database-url",
+        "postgres://hardcount_api@127.0.0.1/hardcount",
+    ];
+    let with_api = ignored(&[&api[..], &set[..]].concat());
+    let expected = each(
+        Role::WebhookDelivery,
+        &[
+            "HARDCOUNT_WEBHOOK_TIMEOUT",
+            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
+            "HARDCOUNT_WEBHOOK_NOTICE_FROM",
+        ],
+    );
+    assert_eq!(with_api, expected);
+
+    let runs = ignored(&[&["--roles", "webhook_delivery"][..], &set[..]].concat());
+    assert!(runs.is_empty(), "{runs:?}");
+}
