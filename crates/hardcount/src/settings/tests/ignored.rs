@@ -74,7 +74,8 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
 /// webhook_delivery's settings on a replica that does not run it are listed
 /// as ignored; the allowlist and the lowest port only where the API is off
 /// too, since it refuses endpoint URLs by them. On a replica that runs the
-/// role none is listed. Mutation `delivery_settings_unlisted`.
+/// role none is listed. Mutations `delivery_settings_unlisted` and
+/// `delivery_api_settings_listed` (the API's two listed where it runs).
 #[test]
 fn delivery_settings_on_a_replica_without_webhook_delivery_are_listed_as_ignored() {
     let set = [
