@@ -304,92 +304,98 @@ impl ServeSettings {
                 ));
             }
         }
-        // The SMTP settings are read by email_outbox alone; on a replica that
-        // does not run it they do nothing (a companion set without SMTP_URL
-        // was accepted without a word).
-        if !roles.iter().any(|rc| rc.role == Role::EmailOutbox) {
-            let smtp = [
+        // A role's own settings do nothing on a replica that does not run it.
+        // The SMTP settings are email_outbox's (a companion set without
+        // SMTP_URL was accepted without a word). The webhook allowlist and
+        // lowest port are also the API's guard on endpoint URLs (below), so
+        // they are listed only where the API is off too.
+        let set = |value: &Option<String>| non_empty(value).is_some();
+        let api_off = non_empty(&self.api_addr).is_none();
+        ignore_unless_run(
+            &mut ignored,
+            &roles,
+            Role::EmailOutbox,
+            &[
                 ("SMTP_URL", Secret::set(&self.smtp_url).is_some()),
-                (
-                    "HARDCOUNT_SMTP_CA_FILE",
-                    non_empty(&self.smtp_ca_file).is_some(),
-                ),
+                ("HARDCOUNT_SMTP_CA_FILE", set(&self.smtp_ca_file)),
                 (
                     "HARDCOUNT_SMTP_INSECURE_AUTH",
-                    non_empty(&self.smtp_insecure_auth).is_some(),
+                    set(&self.smtp_insecure_auth),
                 ),
+                ("HARDCOUNT_EMAIL_CONNECTIONS", set(&self.email_connections)),
+            ],
+        );
+        ignore_unless_run(
+            &mut ignored,
+            &roles,
+            Role::WebhookDelivery,
+            &[
                 (
-                    "HARDCOUNT_EMAIL_CONNECTIONS",
-                    non_empty(&self.email_connections).is_some(),
+                    "HARDCOUNT_WEBHOOK_ALLOWLIST",
+                    api_off && set(&self.webhook_allowlist),
                 ),
-            ];
-            ignored.extend(
-                smtp.iter()
-                    .filter(|(_, set)| *set)
-                    .map(|(v, _)| ((*v).to_owned(), Role::EmailOutbox)),
-            );
-        }
-        // webhook_delivery's own settings do nothing on a replica that does not
-        // run it. The allowlist and the lowest port are also the API's guard on
-        // endpoint URLs (below), so they are listed only where the API is off too.
-        if !roles.iter().any(|rc| rc.role == Role::WebhookDelivery) {
-            let api = non_empty(&self.api_addr).is_some();
-            let w = [
-                ("HARDCOUNT_WEBHOOK_ALLOWLIST", &self.webhook_allowlist, api),
                 (
                     "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
-                    &self.webhook_retry_schedule,
-                    false,
+                    set(&self.webhook_retry_schedule),
                 ),
-                ("HARDCOUNT_WEBHOOK_TIMEOUT", &self.webhook_timeout, false),
+                ("HARDCOUNT_WEBHOOK_TIMEOUT", set(&self.webhook_timeout)),
                 (
                     "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT",
-                    &self.webhook_max_in_flight,
-                    false,
+                    set(&self.webhook_max_in_flight),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT",
-                    &self.webhook_max_in_flight_per_endpoint,
-                    false,
+                    set(&self.webhook_max_in_flight_per_endpoint),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
-                    &self.webhook_max_in_flight_per_tenant,
-                    false,
+                    set(&self.webhook_max_in_flight_per_tenant),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION",
-                    &self.webhook_max_in_flight_per_destination,
-                    false,
+                    set(&self.webhook_max_in_flight_per_destination),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS",
-                    &self.webhook_breaker_timeouts,
-                    false,
+                    set(&self.webhook_breaker_timeouts),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
-                    &self.webhook_breaker_cooloff,
-                    false,
+                    set(&self.webhook_breaker_cooloff),
                 ),
-                ("HARDCOUNT_WEBHOOK_MIN_PORT", &self.webhook_min_port, api),
+                (
+                    "HARDCOUNT_WEBHOOK_MIN_PORT",
+                    api_off && set(&self.webhook_min_port),
+                ),
                 (
                     "HARDCOUNT_WEBHOOK_DISABLE_AFTER",
-                    &self.webhook_disable_after,
-                    false,
+                    set(&self.webhook_disable_after),
                 ),
                 (
                     "HARDCOUNT_WEBHOOK_NOTICE_FROM",
-                    &self.webhook_notice_from,
-                    false,
+                    set(&self.webhook_notice_from),
                 ),
-            ];
-            ignored.extend(
-                w.iter()
-                    .filter(|(_, value, api_reads)| non_empty(value).is_some() && !*api_reads)
-                    .map(|(v, ..)| ((*v).to_owned(), Role::WebhookDelivery)),
-            );
-        }
+            ],
+        );
+        ignore_unless_run(
+            &mut ignored,
+            &roles,
+            Role::Dunning,
+            &[
+                (
+                    "HARDCOUNT_DUNNING_BATCH_SIZE",
+                    set(&self.dunning_batch_size),
+                ),
+                (
+                    "HARDCOUNT_DUNNING_CONCURRENCY",
+                    set(&self.dunning_concurrency),
+                ),
+                (
+                    "HARDCOUNT_DUNNING_TICK_BUDGET",
+                    set(&self.dunning_tick_budget),
+                ),
+            ],
+        );
         for entry in crate::roles::REGISTRY {
             let Some(text) = non_empty(self.schedule(entry.role)) else {
                 continue;
@@ -510,4 +516,23 @@ impl ServeSettings {
             timing: parse::lease_profile(self.lease_profile.as_deref())?,
         })
     }
+}
+
+/// Each of `role`'s settings that `vars` marks set (variable, set) as
+/// ignored, where this replica's `roles` leave `role` out: `serve` warns of
+/// them at startup, naming the role (docs/adr/0120). They are still checked.
+fn ignore_unless_run(
+    ignored: &mut Vec<(String, Role)>,
+    roles: &[scheduler::RoleConfig],
+    role: Role,
+    vars: &[(&str, bool)],
+) {
+    if roles.iter().any(|rc| rc.role == role) {
+        return;
+    }
+    ignored.extend(
+        vars.iter()
+            .filter(|(_, set)| *set)
+            .map(|(var, _)| ((*var).to_owned(), role)),
+    );
 }

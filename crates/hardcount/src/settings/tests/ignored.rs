@@ -125,3 +125,22 @@ fn delivery_settings_on_a_replica_without_webhook_delivery_are_listed_as_ignored
     let runs = ignored(&[&["--roles", "webhook_delivery"][..], &set[..]].concat());
     assert!(runs.is_empty(), "{runs:?}");
 }
+
+/// dunning's batch settings on a replica that does not run it are listed as
+/// ignored; on one that runs it they are not. Mutation
+/// `dunning_settings_unlisted`.
+#[test]
+fn dunning_settings_on_a_replica_without_dunning_are_listed_as_ignored() {
+    let set = ["--dunning-batch-size", "100", "--dunning-concurrency", "8"];
+    let listed = ignored(&[&["--roles", "billing,webhook_outbox"][..], &set[..]].concat());
+    let expected = each(
+        Role::Dunning,
+        &[
+            "HARDCOUNT_DUNNING_BATCH_SIZE",
+            "HARDCOUNT_DUNNING_CONCURRENCY",
+        ],
+    );
+    assert_eq!(listed, expected);
+    let runs = ignored(&[&["--roles", "dunning"][..], &set[..]].concat());
+    assert!(runs.is_empty(), "{runs:?}");
+}
