@@ -39,9 +39,11 @@ pub struct Config {
     /// True when HARDCOUNT_ROLES was set: naming a role this build cannot run is then an error.
     pub roles_explicit: bool,
     /// Variables set for roles this replica does not run (HARDCOUNT_ROLES),
-    /// each with its role: intervals, schedules, and email_outbox's SMTP
-    /// settings. They take effect only on a replica that runs the role (they
-    /// are still checked). `run` warns of each at startup.
+    /// each with its role: intervals, schedules, and the settings read by
+    /// email_outbox (SMTP), webhook_delivery (the allowlist and lowest port
+    /// only where the tenant API is off) and dunning (docs/adr/0140). They take
+    /// effect only on a replica that runs the role. `run` warns of each at
+    /// startup.
     pub ignored: Vec<(String, Role)>,
     pub webhook_delivery: WorkerConfig,
     /// SMTP_URL and the sender's settings; None when SMTP_URL is unset.

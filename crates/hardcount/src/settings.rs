@@ -311,7 +311,7 @@ impl ServeSettings {
         // they are listed only where the API is off too.
         let set = |value: &Option<String>| non_empty(value).is_some();
         let api_off = non_empty(&self.api_addr).is_none();
-        ignore_unless_run(
+        list_unless_run(
             &mut ignored,
             &roles,
             Role::EmailOutbox,
@@ -325,7 +325,7 @@ impl ServeSettings {
                 ("HARDCOUNT_EMAIL_CONNECTIONS", set(&self.email_connections)),
             ],
         );
-        ignore_unless_run(
+        list_unless_run(
             &mut ignored,
             &roles,
             Role::WebhookDelivery,
@@ -377,7 +377,7 @@ impl ServeSettings {
                 ),
             ],
         );
-        ignore_unless_run(
+        list_unless_run(
             &mut ignored,
             &roles,
             Role::Dunning,
@@ -518,10 +518,10 @@ impl ServeSettings {
     }
 }
 
-/// Each of `role`'s settings that `vars` marks set (variable, set) as
-/// ignored, where this replica's `roles` leave `role` out: `serve` warns of
-/// them at startup, naming the role (docs/adr/0120). They are still checked.
-fn ignore_unless_run(
+/// Lists each of `role`'s settings that `vars` marks set (variable, set) in
+/// `ignored`, where this replica's `roles` leave `role` out: `serve` warns of
+/// them at startup, naming the role (docs/adr/0120, 0140).
+fn list_unless_run(
     ignored: &mut Vec<(String, Role)>,
     roles: &[scheduler::RoleConfig],
     role: Role,

@@ -47,6 +47,8 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
     let listed = ignored(&[
         "--roles",
         "billing,dunning",
+        "--smtp-url",
+        "smtp://127.0.0.1:2525",
         "--email-connections",
         "4",
         "--smtp-insecure-auth",
@@ -55,6 +57,7 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
     let expected = each(
         Role::EmailOutbox,
         &[
+            "SMTP_URL",
             "HARDCOUNT_SMTP_INSECURE_AUTH",
             "HARDCOUNT_EMAIL_CONNECTIONS",
         ],
@@ -74,34 +77,53 @@ fn smtp_settings_on_a_replica_without_email_outbox_are_listed_as_ignored() {
 /// webhook_delivery's settings on a replica that does not run it are listed
 /// as ignored; the allowlist and the lowest port only where the API is off
 /// too, since it refuses endpoint URLs by them. On a replica that runs the
-/// role none is listed. Mutations `delivery_settings_unlisted` and
-/// `delivery_api_settings_listed` (the API's two listed where it runs).
+/// role none is listed. Mutations `delivery_settings_unlisted`,
+/// `delivery_api_settings_listed` (the API's two listed where it runs) and
+/// `ignored_settings_listed_where_run` (listed where the role runs).
 #[test]
 fn delivery_settings_on_a_replica_without_webhook_delivery_are_listed_as_ignored() {
     let set = [
         "--webhook-allowlist",
         "10.1.0.0/16",
+        "--webhook-retry-schedule",
+        "5s,1m",
         "--webhook-timeout",
         "5s",
+        "--webhook-max-in-flight",
+        "16",
+        "--webhook-max-in-flight-per-endpoint",
+        "2",
         "--webhook-max-in-flight-per-tenant",
         "4",
+        "--webhook-max-in-flight-per-destination",
+        "8",
+        "--webhook-breaker-timeouts",
+        "3",
+        "--webhook-breaker-cooloff",
+        "10s",
         "--webhook-min-port",
         "8000",
+        "--webhook-disable-after",
+        "off",
         "--webhook-notice-from",
         "notices@example.com",
     ];
+    let all = [
+        "HARDCOUNT_WEBHOOK_ALLOWLIST",
+        "HARDCOUNT_WEBHOOK_RETRY_SCHEDULE",
+        "HARDCOUNT_WEBHOOK_TIMEOUT",
+        "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT",
+        "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT",
+        "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
+        "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_DESTINATION",
+        "HARDCOUNT_WEBHOOK_BREAKER_TIMEOUTS",
+        "HARDCOUNT_WEBHOOK_BREAKER_COOLOFF",
+        "HARDCOUNT_WEBHOOK_MIN_PORT",
+        "HARDCOUNT_WEBHOOK_DISABLE_AFTER",
+        "HARDCOUNT_WEBHOOK_NOTICE_FROM",
+    ];
     let listed = ignored(&[&["--roles", "billing,email_outbox"][..], &set[..]].concat());
-    let expected = each(
-        Role::WebhookDelivery,
-        &[
-            "HARDCOUNT_WEBHOOK_ALLOWLIST",
-            "HARDCOUNT_WEBHOOK_TIMEOUT",
-            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
-            "HARDCOUNT_WEBHOOK_MIN_PORT",
-            "HARDCOUNT_WEBHOOK_NOTICE_FROM",
-        ],
-    );
-    assert_eq!(listed, expected);
+    assert_eq!(listed, each(Role::WebhookDelivery, &all));
 
     let api = [
         "--roles",
@@ -112,15 +134,13 @@ fn delivery_settings_on_a_replica_without_webhook_delivery_are_listed_as_ignored
         "postgres://hardcount_api@127.0.0.1/hardcount",
     ];
     let with_api = ignored(&[&api[..], &set[..]].concat());
-    let expected = each(
-        Role::WebhookDelivery,
-        &[
-            "HARDCOUNT_WEBHOOK_TIMEOUT",
-            "HARDCOUNT_WEBHOOK_MAX_IN_FLIGHT_PER_TENANT",
-            "HARDCOUNT_WEBHOOK_NOTICE_FROM",
-        ],
-    );
-    assert_eq!(with_api, expected);
+    let read_by_the_api = ["HARDCOUNT_WEBHOOK_ALLOWLIST", "HARDCOUNT_WEBHOOK_MIN_PORT"];
+    let rest: Vec<&str> = all
+        .iter()
+        .copied()
+        .filter(|v| !read_by_the_api.contains(v))
+        .collect();
+    assert_eq!(with_api, each(Role::WebhookDelivery, &rest));
 
     let runs = ignored(&[&["--roles", "webhook_delivery"][..], &set[..]].concat());
     assert!(runs.is_empty(), "{runs:?}");
