@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{
-    BacklogReads, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop,
+    Every, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop,
 };
 use tokio::sync::Semaphore;
 use tracing::warn;
@@ -97,7 +97,7 @@ struct Inner {
     /// for a connection.
     sends: Arc<Semaphore>,
     /// When a tick's end reads the backlog gauges (docs/adr/0138).
-    backlog_reads: BacklogReads,
+    backlog_reads: Every,
 }
 
 impl std::fmt::Debug for Sender {
@@ -125,7 +125,7 @@ impl Sender {
         Ok(Sender {
             inner: Arc::new(Inner {
                 db,
-                backlog_reads: BacklogReads::every(config.backlog_read_every),
+                backlog_reads: Every::new(config.backlog_read_every),
                 config,
                 pool,
                 telemetry,

@@ -38,15 +38,16 @@
 //! holds back a slice of a tick's budget, at most once every [`PRUNE_EVERY`],
 //! and deletes what it finished once old, a fenced batch per statement.
 //!
-//! Backlog reads ([`BacklogReads`], docs/adr/0138): a role that ticks every
-//! second ends a tick with its backlog gauges' read at most once every
-//! [`BACKLOG_READ_EVERY`].
+//! Backlog reads (docs/adr/0138): a role that ticks every second ends a tick
+//! with its backlog gauges' read at most once every [`BACKLOG_READ_EVERY`],
+//! as an [`Every`] says, the gate of the other work done at most once per an
+//! interval.
 //!
 //! This crate knows roles and intervals, not invoices.
 
-mod backlog;
 mod config;
 mod driver;
+mod every;
 mod idle;
 mod in_flight;
 mod panics;
@@ -58,9 +59,9 @@ mod status;
 mod steps;
 mod wake;
 
-pub use backlog::{BACKLOG_READ_EVERY, BacklogReads};
 pub use config::{ConfigError, RoleConfig, default_interval, roles_from_env};
 pub use driver::{drive, drive_until, drive_until_kept};
+pub use every::{BACKLOG_READ_EVERY, Every};
 pub use in_flight::InFlight;
 pub use leader::TickEnd;
 pub use panics::{Panics, Payload, catch, install_panic_hook, panic_message};

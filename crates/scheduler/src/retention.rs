@@ -29,13 +29,13 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use db::Db;
 use leader::{Fence, Telemetry, Tick};
 use tracing::{debug, warn};
 
+use crate::every::Every;
 use crate::panics::{Payload, catch};
 
 /// Run one fenced prune statement in its own index-driven transaction and
@@ -116,7 +116,7 @@ impl Retention {
 #[derive(Debug)]
 pub struct Pruning {
     retention: Retention,
-    last: Mutex<Option<Instant>>,
+    due: Every,
 }
 
 /// One tick's share of the prune: when the role's own work stops, and whether
@@ -132,8 +132,8 @@ pub struct PrunePlan {
 impl Pruning {
     pub fn new(retention: Retention) -> Pruning {
         Pruning {
+            due: Every::new(retention.every),
             retention,
-            last: Mutex::new(None),
         }
     }
 
@@ -147,15 +147,12 @@ impl Pruning {
     pub fn plan(&self, budget: Duration) -> PrunePlan {
         let now = Instant::now();
         let deadline = now + budget;
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let due = last.is_none_or(|at| now.duration_since(at) >= self.retention.every);
-        if !due {
+        if !self.due.due_at(now) {
             return PrunePlan {
                 work_until: deadline,
                 prune_until: None,
             };
         }
-        *last = Some(now);
         PrunePlan {
             work_until: deadline - slice(budget),
             prune_until: Some(deadline),

@@ -10,8 +10,7 @@
 //! endpoints that take that type, as any event) and, when the service has a
 //! notice sender and the tenant a contact, queues an email to the contact.
 
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use db::Row as _;
@@ -30,26 +29,6 @@ pub(crate) const CHECK_EVERY: Duration = Duration::from_secs(60);
 /// The event type a tenant receives when one of its endpoints is turned off.
 pub const ENDPOINT_DISABLED: &str = "endpoint.disabled";
 
-/// When this leader last looked.
-#[derive(Debug, Default)]
-pub(crate) struct Disabling {
-    last: Mutex<Option<Instant>>,
-}
-
-impl Disabling {
-    /// Whether a look is due now; if so, it counts as made.
-    pub(crate) fn due(&self, now: Instant) -> bool {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        match *last {
-            Some(at) if now.duration_since(at) < CHECK_EVERY => false,
-            _ => {
-                *last = Some(now);
-                true
-            }
-        }
-    }
-}
-
 /// One endpoint turned off.
 #[derive(Debug, Clone)]
 pub(crate) struct Disabled {
@@ -64,7 +43,7 @@ pub(crate) struct Disabled {
 
 /// Turn off what has failed for too long, when the setting is on; how many
 /// endpoints were turned off. The tick's end calls it when
-/// [`Disabling::due`].
+/// `Shared::disabling` ([`scheduler::Every`] at [`CHECK_EVERY`]).
 ///
 /// # Errors
 /// A database error, or a notice that could not be queued: nothing was
@@ -168,10 +147,11 @@ mod tests {
 
     #[test]
     fn a_look_is_due_once_a_minute() {
-        let d = Disabling::default();
+        use std::time::Instant;
+        let d = scheduler::Every::new(CHECK_EVERY);
         let t = Instant::now();
-        assert!(d.due(t));
-        assert!(!d.due(t + Duration::from_secs(59)));
-        assert!(d.due(t + CHECK_EVERY));
+        assert!(d.due_at(t));
+        assert!(!d.due_at(t + Duration::from_secs(59)));
+        assert!(d.due_at(t + CHECK_EVERY));
     }
 }

@@ -8,7 +8,6 @@ use leader::Telemetry;
 
 use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
-use crate::disabling::Disabling;
 use crate::fairness::Limits;
 use crate::unwritten::Unwritten;
 
@@ -20,11 +19,11 @@ pub(crate) struct Shared {
     pub limits: Limits,
     pub breakers: Breakers,
     /// When this leader last looked for endpoints to turn off.
-    pub disabling: Disabling,
+    pub disabling: scheduler::Every,
     /// When the tick prunes (`config.retention`), if it does.
     pub pruning: Option<scheduler::Pruning>,
     /// When a tick's end reads the backlog gauges (docs/adr/0138).
-    pub backlog_reads: scheduler::BacklogReads,
+    pub backlog_reads: scheduler::Every,
     /// Where the next claim starts among tenants (docs/adr/0048).
     pub cursor: db::TenantCursor,
     /// Deliveries handed over by this process's fan-out, not written yet

@@ -483,7 +483,7 @@ impl FencedBatches for Deliveries<'_> {
 
     async fn end_tick(&self, tick: &Tick) {
         if !tick.cancel.is_cancelled() {
-            if self.shared.disabling.due(Instant::now())
+            if self.shared.disabling.due()
                 && let Err(e) = disabling::disable_failing(self.shared, &tick.fence).await
             {
                 warn!(role = %Role::WebhookDelivery, error = %e, "could not turn off the failing webhook endpoints; the next look retries");

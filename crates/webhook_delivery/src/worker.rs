@@ -18,7 +18,7 @@ use crate::attempt::{self, Attempted, StartBy};
 use crate::breaker::Breakers;
 use crate::config::WorkerConfig;
 use crate::delivery::{Claimed, Outcome};
-use crate::disabling::{self, Disabling};
+use crate::disabling;
 use crate::error::Error;
 use crate::fairness::Limits;
 use crate::outcomes::{self, Step};
@@ -68,9 +68,9 @@ impl Worker {
                     config.breaker_cooloff,
                     config.request_timeout,
                 ),
-                disabling: Disabling::default(),
+                disabling: scheduler::Every::new(disabling::CHECK_EVERY),
                 pruning: config.retention.map(scheduler::Pruning::new),
-                backlog_reads: scheduler::BacklogReads::every(config.backlog_read_every),
+                backlog_reads: scheduler::Every::new(config.backlog_read_every),
                 cursor: db::TenantCursor::default(),
                 unwritten: Unwritten::default(),
                 config,

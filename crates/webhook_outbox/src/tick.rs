@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use db::Db;
 use leader::{Fence, Role, Telemetry, Tick, TickEnd};
 use scheduler::{
-    BacklogReads, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop,
-    Wake,
+    Every, FencedBatches, Panics, Prune, Pruned, Prunes, Pruning, Retention, Shape, Stop, Wake,
 };
 use tracing::{debug, warn};
 
@@ -63,7 +62,7 @@ pub struct Dispatcher {
     /// When taking expired handoffs was last tried (docs/adr/0127).
     recovered_at: Arc<Mutex<Option<Instant>>>,
     /// When a tick's end reads the backlog gauges (docs/adr/0138).
-    backlog_reads: Arc<BacklogReads>,
+    backlog_reads: Arc<Every>,
 }
 
 impl Dispatcher {
@@ -77,7 +76,7 @@ impl Dispatcher {
         config.validate()?;
         Ok(Dispatcher {
             db,
-            backlog_reads: Arc::new(BacklogReads::every(config.backlog_read_every)),
+            backlog_reads: Arc::new(Every::new(config.backlog_read_every)),
             config,
             telemetry,
             wake: None,

@@ -40,7 +40,7 @@ fn stamp(handle: &PrometheusHandle) -> Option<String> {
     )
 }
 
-/// Pins the gate: with the check in `scheduler::BacklogReads::due_at` taken
+/// Pins the gate: with the check in `scheduler::Every::due_at` taken
 /// out (mutation `backlog_read_every_tick`), or the email tick's end reading
 /// without asking it (mutation `email_backlog_read_ungated`), the second tick
 /// reads 5 and stamps again, and this fails.

@@ -1,11 +1,13 @@
-//! How often a role reads its backlog gauges (docs/adr/0138).
+//! Work done at most once per an interval ([`Every`]): a role's backlog
+//! read (docs/adr/0138), its prune (docs/adr/0040), the delivery role's look
+//! for endpoints to turn off.
 //!
 //! The roles that tick every second read their backlog (a count and the
 //! oldest row's age over every waiting row) as their tick ends. That read
 //! grows with the backlog, not with the tick's work: an SMTP server down for
 //! hours leaves a million emails queued on their retry schedule, the email
 //! role's tick finds none or a few due every second, and each tick's read
-//! counted the million again. [`BacklogReads`] lets a tick end with the read
+//! counted the million again. An [`Every`] lets a tick end with the read
 //! only when the last one is at least its interval old, so the read costs the
 //! same at any tick rate and the gauges are at most that interval behind the
 //! last tick (`deploy/prometheus/prometheus.yml` scrapes every 15 s).
@@ -17,36 +19,37 @@ use std::time::{Duration, Instant};
 /// replica: a scrape interval.
 pub const BACKLOG_READ_EVERY: Duration = Duration::from_secs(15);
 
-/// When a role's tick ends with its backlog read. Shared by the role's
-/// clones.
+/// Whether some work is due now: at most once per an interval, on one
+/// replica. Shared by a role's clones.
 #[derive(Debug)]
-pub struct BacklogReads {
+pub struct Every {
     every: Duration,
     last: Mutex<Option<Instant>>,
 }
 
-impl BacklogReads {
-    /// Reads at most once per `every`; [`Duration::ZERO`] reads at every
-    /// tick's end.
+impl Every {
+    /// Due at most once per `every`; [`Duration::ZERO`] is due at every ask.
     #[must_use]
-    pub fn every(every: Duration) -> BacklogReads {
-        BacklogReads {
+    pub fn new(every: Duration) -> Every {
+        Every {
             every,
             last: Mutex::new(None),
         }
     }
 
-    /// Whether the tick ending now reads: the process's first tick, then one
-    /// at least `every` after the last that read. Not reset when this replica
-    /// leads again after another did: the rules read the newest stamp across
-    /// replicas (docs/adr/0137), so the other's read stands meanwhile. It is recorded as read now whatever
-    /// the read then comes to, so a read that times out on a huge backlog is
-    /// not tried again at every tick either.
+    /// Whether the work is due now: at the first ask, then at least `every`
+    /// after the last ask that was due. A due ask is recorded as done now,
+    /// whatever the work then comes to: a backlog read that times out on a
+    /// huge backlog is not tried again at every tick either. For the backlog
+    /// read, the process's first tick reads, and the gate is not reset when
+    /// this replica leads again after another did: the rules read the newest
+    /// stamp across replicas (docs/adr/0137), so the other's read stands.
     pub fn due(&self) -> bool {
         self.due_at(Instant::now())
     }
 
-    fn due_at(&self, now: Instant) -> bool {
+    /// [`Every::due`] at `now`.
+    pub fn due_at(&self, now: Instant) -> bool {
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         if last.is_some_and(|at| now.duration_since(at) < self.every) {
             return false;
@@ -62,7 +65,7 @@ mod tests {
 
     #[test]
     fn the_first_tick_reads_then_none_until_the_interval_has_passed() {
-        let reads = BacklogReads::every(Duration::from_secs(15));
+        let reads = Every::new(Duration::from_secs(15));
         let start = Instant::now();
         let at = |secs| start + Duration::from_secs(secs);
         assert!(reads.due_at(at(0)));
@@ -76,7 +79,7 @@ mod tests {
 
     #[test]
     fn zero_reads_at_every_tick() {
-        let reads = BacklogReads::every(Duration::ZERO);
+        let reads = Every::new(Duration::ZERO);
         assert!(reads.due());
         assert!(reads.due());
     }
