@@ -188,14 +188,18 @@ impl Sender {
     /// The fenced funnel: claim up to `limit` due emails for one attempt each.
     ///
     /// # Errors
-    /// A database error; nothing was claimed.
+    /// A database error; nothing was claimed. Emails an earlier statement of
+    /// the walk failed at their ceiling stay failed, and are counted.
+    ///
     /// An email the claim fails at its attempt ceiling (every attempt claimed,
     /// none wrote a result: each send's process died) is logged and counted
     /// as any failure, `hardcount_emails_total{outcome="failed",
-    /// smtp_class="none"}` (docs/adr/0109).
+    /// smtp_class="none"}` (docs/adr/0109), also when a later statement of
+    /// the walk errors (docs/adr/0141).
     pub async fn claim_due(&self, fence: &Fence, limit: usize) -> Result<Vec<Queued>, Error> {
         let c = &self.inner.config;
-        let (claimed, exhausted) = store::claim_due(
+        let mut exhausted = 0;
+        let claimed = store::claim_due(
             &self.inner.db,
             fence,
             &self.inner.cursor,
@@ -203,8 +207,9 @@ impl Sender {
             c.claim_lease(),
             c.retry_delays.len() + 1,
             c.statement_timeout,
+            &mut exhausted,
         )
-        .await?;
+        .await;
         if exhausted > 0 {
             warn!(role = %Role::EmailOutbox, emails = exhausted, "emails failed at their attempt ceiling with no result written (attempts_exhausted): the process died at each of their sends");
             self.inner
@@ -215,7 +220,7 @@ impl Sender {
                 )
                 .increment(exhausted);
         }
-        Ok(claimed)
+        Ok(claimed?)
     }
 
     async fn refresh_gauges(&self) {

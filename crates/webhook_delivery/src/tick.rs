@@ -143,10 +143,13 @@ pub(crate) async fn run_tick(
 
 /// The fenced funnel: claim up to `limit` due pending deliveries for one
 /// attempt each (see the crate docs; [`store::claim_due`]). Empty when
-/// nothing is due or `fence` is stale.
+/// nothing is due or `fence` is stale. Deliveries the ceiling marks dead
+/// are logged and counted, also when a later statement of the walk errors
+/// (docs/adr/0141).
 ///
 /// # Errors
-/// A database error; nothing was claimed.
+/// A database error; nothing was claimed. Deliveries an earlier statement of
+/// the walk marked dead at their ceiling stay dead, and are counted.
 pub(crate) async fn claim_due(
     shared: &Shared,
     fence: &Fence,
@@ -154,7 +157,8 @@ pub(crate) async fn claim_due(
 ) -> Result<Vec<Claimed>, Error> {
     let config = &shared.config;
     let claimed_at = Instant::now();
-    let (rows, exhausted) = store::claim_due(
+    let mut exhausted = 0;
+    let rows = store::claim_due(
         &shared.db,
         fence,
         &shared.cursor,
@@ -162,8 +166,9 @@ pub(crate) async fn claim_due(
         config.claim_lease(),
         config.retry_schedule.max_attempts(),
         config.statement_timeout,
+        &mut exhausted,
     )
-    .await?;
+    .await;
     if exhausted > 0 {
         // Claimed as many times as they have attempts with no outcome
         // written: each attempt's worker died (killed, out of memory). Dead
@@ -174,7 +179,7 @@ pub(crate) async fn claim_due(
             .counter("hardcount_webhook_deliveries_total", &[("outcome", "dead")])
             .increment(exhausted);
     }
-    Ok(rows
+    Ok(rows?
         .into_iter()
         .map(|row| Claimed { row, claimed_at })
         .collect())

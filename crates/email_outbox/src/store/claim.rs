@@ -100,7 +100,11 @@ pub const CLAIM_DUE: &str = concat!(
 /// (killed, out of memory) is counted by its claim, so an email that takes the
 /// process down at every send stops after its attempts, as a webhook delivery
 /// does (docs/adr/0072), instead of coming back to every next leader. Returns
-/// the claimed emails and how many the ceiling failed (docs/adr/0109).
+/// the claimed emails; adds to `exhausted` how many the ceiling failed
+/// (docs/adr/0109). Each statement of the walk commits on its own, so those
+/// an earlier statement failed are added even when a later one errors
+/// (docs/adr/0141).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
@@ -109,11 +113,11 @@ pub(crate) async fn claim_due(
     lease: Duration,
     max_attempts: usize,
     statement_timeout: Duration,
-) -> Result<(Vec<Queued>, u64), db::Error> {
+    exhausted: &mut u64,
+) -> Result<Vec<Queued>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
     let mut walk = Walk::default();
-    let mut exhausted = 0u64;
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
         let rows = tx
@@ -132,7 +136,7 @@ pub(crate) async fn claim_due(
         // The statement's one count, on each of its rows.
         if let Some(r) = rows.first() {
             let failed: i64 = r.try_get("exhausted")?;
-            exhausted += u64::try_from(failed).unwrap_or(0);
+            *exhausted += u64::try_from(failed).unwrap_or(0);
         }
         let mut claimed = cursor
             .claimed(rows, bound)?
@@ -141,8 +145,8 @@ pub(crate) async fn claim_due(
             .collect::<Result<Vec<_>, _>>()?;
         if !claimed.is_empty() {
             claimed.sort_by_key(|q| q.id);
-            return Ok((claimed, exhausted));
+            return Ok(claimed);
         }
     }
-    Ok((Vec::new(), exhausted))
+    Ok(Vec::new())
 }

@@ -233,6 +233,59 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
     );
 }
 
+/// The claim walks tenants a statement at a time, each committed on its own
+/// (docs/adr/0048). An email the first statement failed at its ceiling stays
+/// failed when a later statement of the same claim errors, so it is counted
+/// then too (docs/adr/0141): here the claim takes one tenant a statement
+/// (`limit` 1), tenant_a's only due email is at its ceiling, and a trigger
+/// makes the claim of tenant_b's email raise.
+///
+/// Mutation check: the count taken from the walk's result only
+/// (`email_ceiling_lost_on_error`, the `?` back on the store's call) leaves
+/// the failure uncounted; seen failing under it.
+#[tokio::test]
+async fn an_email_failed_at_its_ceiling_is_counted_when_the_claim_then_errors() {
+    use sqlx::Executor as _;
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let spent = queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
+    queue(&t.db, "tenant_b", &[email("bob@example.org", 2)]).await;
+    let mut su = t.superuser().await;
+    su.execute(
+        "CREATE FUNCTION refuse_tenant_b() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN RAISE EXCEPTION 'tenant_b refused by the test'; END $$; \
+         CREATE TRIGGER refuse_tenant_b BEFORE UPDATE ON email_outbox FOR EACH ROW \
+         WHEN (NEW.tenant_id = 'tenant_b') EXECUTE FUNCTION refuse_tenant_b()",
+    )
+    .await
+    .unwrap();
+    sqlx::query("UPDATE email_outbox SET attempts = 3, next_attempt_at = now() WHERE id = $1")
+        .bind(spent[0])
+        .execute(&mut su)
+        .await
+        .unwrap();
+    let (s, metrics) = sender(&t.db, &sink.url(), None, config());
+    let s2 = s.clone();
+    let claimed = as_leader(&manager(&t.db, "a"), Role::EmailOutbox, |tick| async move {
+        s2.claim_due(&tick.fence, 1).await
+    })
+    .await;
+    let error = claimed.expect_err("tenant_b's claim raises").to_string();
+    assert!(error.contains("tenant_b refused"), "{error}");
+    let rows = rows(&t.db).await;
+    assert_eq!(
+        states(&rows),
+        vec![("failed", 3), ("queued", 0)],
+        "tenant_a's statement committed before tenant_b's raised: {rows:?}"
+    );
+    let failed = "hardcount_emails_total{outcome=\"failed\",smtp_class=\"none\"} 1";
+    assert!(
+        metrics.render().lines().any(|l| l == failed),
+        "{}",
+        metrics.render()
+    );
+}
+
 /// A resend (the API's: back to queued, `resent_at_attempt = attempts`) of an
 /// email whose attempts were spent gets its one more attempt: the ceiling
 /// counts the claims since the resend (migration 0041).

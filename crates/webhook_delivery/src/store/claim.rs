@@ -187,7 +187,10 @@ pub const CLAIM_DUE: &str = concat!(
 /// 'attempts_exhausted'` (a worker that dies while attempting, e.g. out of
 /// memory, never writes an outcome, and the claim lease would otherwise bring
 /// the row back to every next leader forever, issue 12). Returns the rows
-/// claimed and how many the ceiling marked dead meanwhile.
+/// claimed; adds to `exhausted` how many the ceiling marked dead meanwhile.
+/// Each statement of the walk commits on its own, so those an earlier
+/// statement marked are added even when a later one errors (docs/adr/0141).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn claim_due(
     db: &Db,
     fence: &Fence,
@@ -196,11 +199,11 @@ pub(crate) async fn claim_due(
     lease: Duration,
     max_attempts: u32,
     statement_timeout: Duration,
-) -> Result<(Vec<ClaimedRow>, u64), db::Error> {
+    exhausted: &mut u64,
+) -> Result<Vec<ClaimedRow>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let bound = TENANTS_PER_CLAIM.min(limit);
     let mut walk = Walk::default();
-    let mut exhausted = 0u64;
     while let Some(after) = walk.next(cursor) {
         let mut tx = db.begin_index_driven(statement_timeout).await?;
         let rows = tx
@@ -218,7 +221,7 @@ pub(crate) async fn claim_due(
         tx.commit().await?;
         if let Some(r) = rows.first() {
             let dead: i64 = r.try_get("exhausted")?;
-            exhausted += u64::try_from(dead).unwrap_or(0);
+            *exhausted += u64::try_from(dead).unwrap_or(0);
         }
         let mut claimed = cursor
             .claimed(rows, bound)?
@@ -227,10 +230,10 @@ pub(crate) async fn claim_due(
             .collect::<Result<Vec<_>, _>>()?;
         if !claimed.is_empty() {
             claimed.sort_by_key(|c| c.id);
-            return Ok((claimed, exhausted));
+            return Ok(claimed);
         }
     }
-    Ok((Vec::new(), exhausted))
+    Ok(Vec::new())
 }
 
 /// Whether any delivery is due: one read of the partial index

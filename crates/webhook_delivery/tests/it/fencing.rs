@@ -332,3 +332,66 @@ async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
     assert_eq!((d[1].status.as_str(), d[1].attempts), ("pending", max));
     assert_eq!(rx.requests().len(), 0);
 }
+
+/// The claim walks tenants a statement at a time, each committed on its own
+/// (docs/adr/0048). A delivery the first statement marked dead at its ceiling
+/// stays dead when a later statement of the same claim errors, so it is
+/// counted then too (docs/adr/0141): here the claim takes one tenant a
+/// statement (`limit` 1), tenant_a's only due delivery is at its ceiling, and
+/// a trigger makes the claim of tenant_b's delivery raise.
+///
+/// Mutation check: the count taken from the walk's result only
+/// (`delivery_ceiling_lost_on_error`, the `?` back on the store's call)
+/// leaves the death uncounted; seen failing under it.
+#[tokio::test]
+async fn a_delivery_dead_at_its_ceiling_is_counted_when_the_claim_then_errors() {
+    use sqlx::Executor as _;
+    let t = TestDb::new().await;
+    let rx = Receiver::answering(200).await;
+    endpoint(&t, "tenant_a", &rx.url()).await;
+    endpoint(&t, "tenant_b", &rx.url()).await;
+    events(&t.db, "tenant_a", 1).await;
+    events(&t.db, "tenant_b", 1).await;
+    let cfg = config();
+    let max = i32::try_from(cfg.retry_schedule.max_attempts()).unwrap();
+    let mut su = t.superuser().await;
+    su.execute(
+        "CREATE FUNCTION refuse_tenant_b() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN RAISE EXCEPTION 'tenant_b refused by the test'; END $$; \
+         CREATE TRIGGER refuse_tenant_b BEFORE UPDATE ON webhook_deliveries FOR EACH ROW \
+         WHEN (NEW.tenant_id = 'tenant_b') EXECUTE FUNCTION refuse_tenant_b()",
+    )
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE webhook_deliveries SET attempts = $1, next_attempt_at = now() - interval '1 second' \
+         WHERE tenant_id = 'tenant_a'",
+    )
+    .bind(max)
+    .execute(&mut su)
+    .await
+    .unwrap();
+    let (w, metrics) = worker(&t.db, cfg);
+    let claimed = as_leader(
+        &manager(&t.db, "worker"),
+        Role::WebhookDelivery,
+        |tick| async move { w.claim_due(&tick.fence, 1).await.map(|c| c.len()) },
+    )
+    .await;
+    let error = claimed.expect_err("tenant_b's claim raises").to_string();
+    assert!(error.contains("tenant_b refused"), "{error}");
+    let d = deliveries(&t.db).await;
+    assert_eq!(
+        d.iter()
+            .map(|d| (d.status.as_str(), d.attempts))
+            .collect::<Vec<_>>(),
+        vec![("dead", max), ("pending", 0)],
+        "tenant_a's statement committed before tenant_b's raised"
+    );
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("hardcount_webhook_deliveries_total{outcome=\"dead\"} 1"),
+        "{rendered}"
+    );
+    assert_eq!(rx.requests().len(), 0);
+}
