@@ -34,6 +34,8 @@ pub async fn run(
 ) -> Result<()> {
     let started = Instant::now();
     let event_every = settings.event_every()?;
+    // The settings as given, before dev fills in its own (docs/adr/0141).
+    let given = settings.serve.clone();
     // Declared first so it is dropped (the server stopped) after everything using it.
     let mut local = None;
     let (owner_url, app_url) = match Secret::set(&common.database_url) {
@@ -113,6 +115,7 @@ pub async fn run(
         None => None,
     };
     let mut config = serve.config(app_url.clone(), Some(keyring.clone()))?;
+    warn_only_of_given(&mut config, &given, &app_url, &keyring);
     // The operator API as `serve` adds it, over the local cluster's
     // hardcount_operator unless HARDCOUNT_OPERATOR_DATABASE_URL says otherwise.
     let operator_url = match (&local, Secret::set(&common.operator_database_url)) {
@@ -169,6 +172,23 @@ pub async fn run(
     served
 }
 
+/// Leaves in `config.ignored` (the settings `serve` warns of, set for a role
+/// this replica does not run) only those the `given` settings list too: the
+/// allowlist, SMTP sink and demo intervals dev fills in are its own, made
+/// whatever `HARDCOUNT_ROLES` says, and no one set them (docs/adr/0141).
+/// Given settings that do not make a configuration alone leave the list as
+/// it is.
+fn warn_only_of_given(
+    config: &mut crate::serve::Config,
+    given: &crate::settings::ServeSettings,
+    database_url: &str,
+    keyring: &Keyring,
+) {
+    if let Ok(own) = given.config(database_url.to_owned(), Some(keyring.clone())) {
+        config.ignored.retain(|entry| own.ignored.contains(entry));
+    }
+}
+
 /// Where `dev` serves the tenant API when HARDCOUNT_API_ADDR is unset.
 const DEV_API_ADDR: &str = "127.0.0.1:8081";
 
@@ -197,4 +217,55 @@ fn dev_key(state_dir: &std::path::Path) -> Result<Keyring> {
 fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf> {
     std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))?;
     std::path::absolute(path).with_context(|| format!("{}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use leader::Role;
+
+    use super::*;
+    use crate::settings::ServeSettings;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        settings: ServeSettings,
+    }
+
+    fn settings(args: &[&str]) -> ServeSettings {
+        Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .unwrap()
+            .settings
+    }
+
+    /// dev on a replica of billing alone fills in the allowlist, an SMTP
+    /// sink's URL and the demo intervals, which are other roles' settings:
+    /// `serve` warned of them as set for roles not run, though no one set
+    /// them. Only a setting given is warned of. Mutation
+    /// `dev_warns_of_its_own` (the list left as it is) fails here.
+    #[test]
+    fn dev_warns_only_of_settings_given_for_roles_not_run() {
+        let url = "postgres://hardcount_app@127.0.0.1:1/none";
+        let keyring = Keyring::parse(&Keyring::generate_entry("t").unwrap()).unwrap();
+        let given = settings(&["--roles", "billing", "--email-connections", "4"]);
+        let mut filled = given.clone();
+        filled.webhook_allowlist = Some("127.0.0.1/32".to_owned());
+        filled.smtp_url = Some("smtp://127.0.0.1:2525".into());
+        filled.dunning_interval = Some("5s".to_owned());
+        let mut config = filled
+            .config(url.to_owned(), Some(keyring.clone()))
+            .unwrap();
+        assert_eq!(
+            config.ignored.len(),
+            4,
+            "the fills are listed before: {:?}",
+            config.ignored
+        );
+        warn_only_of_given(&mut config, &given, url, &keyring);
+        assert_eq!(
+            config.ignored,
+            vec![("HARDCOUNT_EMAIL_CONNECTIONS".to_owned(), Role::EmailOutbox)]
+        );
+    }
 }

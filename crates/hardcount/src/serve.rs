@@ -361,15 +361,20 @@ pub async fn run(config: Config, listener: TcpListener, shutdown: CancellationTo
     let root = shutdown;
     let tracker = TaskTracker::new();
 
-    let allowlist = config.webhook_delivery.allowlist.to_string();
-    info!(
-        webhook_allowlist = if allowlist.is_empty() {
-            "none"
-        } else {
-            allowlist.as_str()
-        },
-        "SSRF allowlist (HARDCOUNT_WEBHOOK_ALLOWLIST): forbidden ranges re-opened for webhook delivery"
-    );
+    // Logged where something reads it: the delivery role, or the tenant API
+    // that refuses endpoint URLs by it (elsewhere it was warned of as ignored,
+    // docs/adr/0141).
+    if config.api.is_some() || specs.iter().any(|s| s.role == Role::WebhookDelivery) {
+        let allowlist = config.webhook_delivery.allowlist.to_string();
+        info!(
+            webhook_allowlist = if allowlist.is_empty() {
+                "none"
+            } else {
+                allowlist.as_str()
+            },
+            "SSRF allowlist (HARDCOUNT_WEBHOOK_ALLOWLIST): forbidden ranges re-opened for webhook delivery"
+        );
+    }
     info!(addr = %listener.local_addr()?, holder = manager.holder_id(), roles = ?specs.iter().map(|s| s.role.as_str()).collect::<Vec<_>>(), "serving");
     // /readyz and /metrics read a snapshot that one task refreshes on its own
     // one-connection pool: no request queries, and a flood of probes cannot take
