@@ -187,7 +187,7 @@ pub use policy::{
     ScheduleInvalid, check_schedule,
 };
 pub use run::{FinalActed, NotChargeable, Retry, Run};
-pub use tick::{Dunner, OUTAGE_UNANSWERED, Tally, TickReport};
+pub use tick::{Dunner, OUTAGE_UNANSWERED, OUTCOMES_ALERTED, Tally, TickReport};
 pub use window::{BusinessWindow, LocalTime, TimeInvalid, WindowInvalid, check_window};
 
 /// Errors of the dunning role.

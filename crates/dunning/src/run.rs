@@ -147,6 +147,11 @@ pub enum FinalActed {
     /// Another call already ran the step, or the pause moved under it:
     /// nothing written (a step not stamped is listed again).
     Lost,
+    /// A write-off whose invoice a charge may be in flight on (billing's
+    /// claim unexpired, or an attempt sent and not settled): nothing
+    /// written and the step not stamped, so a later listing takes it again
+    /// once the charge is settled (docs/adr/0141).
+    Held,
 }
 
 /// What one listed run of a batch came to: `None` when it was not started

@@ -74,6 +74,10 @@ pub struct Dunner {
     pruning: Option<Arc<Pruning>>,
 }
 
+/// The `hardcount_dunning_attempts_total` outcomes that
+/// deploy/prometheus/rules.yml reads, exported at 0 by [`Dunner::new`].
+pub const OUTCOMES_ALERTED: [&str; 5] = ["succeeded", "declined", "processing", "unknown", "error"];
+
 impl Dunner {
     /// `collector` charges the retries (billing, through the collection port).
     ///
@@ -86,6 +90,15 @@ impl Dunner {
         telemetry: Telemetry,
     ) -> Result<Dunner, Error> {
         config.validate()?;
+        // At 0 from the start, the series the alert takes increase() of: a
+        // series born at its first retry had that retry unseen, and a new
+        // leader's first answers did not hold HardcountDunningAttemptsFailing
+        // (docs/adr/0141).
+        for outcome in OUTCOMES_ALERTED {
+            telemetry
+                .counter("hardcount_dunning_attempts_total", &[("outcome", outcome)])
+                .increment(0);
+        }
         if !collector.has_provider() {
             info!(role = %Role::Dunning, "no payment provider configured (BILLING_PROVIDER_URL): dunning enrols declined invoices but retries nothing");
         }

@@ -90,4 +90,4 @@ pub use outbox::email::{
     enqueue_many_or_record, enqueue_or_record,
 };
 pub use smtp::{SmtpUrl, SmtpUrlError, TlsMode};
-pub use tick::{Sender, Tally, TickReport};
+pub use tick::{OUTCOMES_ALERTED, Sender, Tally, TickReport};

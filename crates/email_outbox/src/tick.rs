@@ -108,6 +108,15 @@ impl std::fmt::Debug for Sender {
     }
 }
 
+/// The `hardcount_emails_total` series (outcome, SMTP class) that
+/// deploy/prometheus/rules.yml reads, exported at 0 by [`Sender::new`].
+pub const OUTCOMES_ALERTED: [(&str, &str); 4] = [
+    ("sent", "2xx"),
+    ("failed", "4xx"),
+    ("failed", "5xx"),
+    ("failed", "none"),
+];
+
 impl Sender {
     /// # Errors
     /// A config out of range, or a CA that is not PEM.
@@ -122,6 +131,17 @@ impl Sender {
         let connector = Connector::new(smtp_url, ca_pem, config.send_timeout)?;
         let pool = Pool::new(connector, config.max_connections);
         let sends = Arc::new(Semaphore::new(config.max_connections.max(1) as usize));
+        // At 0 from the start, the series the alerts take increase() of: a
+        // series born at its first send had that send unseen, and a new
+        // leader's sends did not hold HardcountEmailsDelayed (docs/adr/0141).
+        for (outcome, class) in OUTCOMES_ALERTED {
+            telemetry
+                .counter(
+                    "hardcount_emails_total",
+                    &[("outcome", outcome), ("smtp_class", class)],
+                )
+                .increment(0);
+        }
         Ok(Sender {
             inner: Arc::new(Inner {
                 db,

@@ -215,4 +215,4 @@ pub use error::Error;
 pub use failure::Failure;
 pub use sealed::{Keyring, KeyringError, SECRETS_KEY_VAR};
 pub use tick::TickReport;
-pub use worker::Worker;
+pub use worker::{OUTCOMES_ALERTED, Worker};

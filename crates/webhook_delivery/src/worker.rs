@@ -44,6 +44,10 @@ impl fmt::Debug for Worker {
     }
 }
 
+/// The `hardcount_webhook_deliveries_total` outcomes that
+/// deploy/prometheus/rules.yml reads, exported at 0 by [`Worker::new`].
+pub const OUTCOMES_ALERTED: [&str; 4] = ["delivered", "retry", "dead", "refused"];
+
 impl Worker {
     /// A worker with its HTTP client: the SSRF-guarded builder from
     /// [`ssrf::client_builder`], no redirects, no proxy, the configured
@@ -59,6 +63,17 @@ impl Worker {
             .user_agent(concat!("hardcount-webhooks/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::Client(e.to_string()))?;
+        // At 0 from the start, the series the alert takes increase() of: a
+        // series born at its first outcome had that outcome unseen
+        // (docs/adr/0141).
+        for outcome in OUTCOMES_ALERTED {
+            telemetry
+                .counter(
+                    "hardcount_webhook_deliveries_total",
+                    &[("outcome", outcome)],
+                )
+                .increment(0);
+        }
         Ok(Worker {
             shared: Arc::new(Shared {
                 db,

@@ -12,12 +12,44 @@ use std::time::Duration;
 
 use db::{Db, Row, sql};
 use leader::Role;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::Error;
 use crate::ctx::Ctx;
 use crate::policy::FinalAction;
 use crate::run::{FinalActed, Outcome, Retry, Run};
+
+/// The write-off of [`final_action`] and [`final_actions`]: the invoices of
+/// `$1` still open written off, unless a charge of theirs may be in flight
+/// (billing's claim on the invoice unexpired, or an attempt sent and not
+/// settled: unknown, processing or under review, a never-sent one aside). A
+/// charge settles only an open invoice, and the reconciler looks only at
+/// open invoices' attempts: written off under a charge in flight, a paid
+/// answer was never recorded and its attempt stayed unknown for good
+/// (docs/adr/0141). The claim is checked on the invoice's row, so an update
+/// that waited for a claim being taken sees it. Returns each invoice of `$1`
+/// that was open, and whether it was written off (those not were held).
+const WRITE_OFF: &str = "WITH w AS ( \
+       UPDATE invoices i SET status = 'uncollectible', closed_at = now() \
+       WHERE i.id = ANY($1) AND i.status = 'open' \
+         AND coalesce(i.auto_charge_claimed_until, '-infinity') <= now() \
+         AND NOT EXISTS (SELECT 1 FROM payment_attempts a \
+                         WHERE a.invoice_id = i.id \
+                           AND a.provider_status IN ('unknown', 'processing', 'needs_review') \
+                           AND (a.first_sent_at IS NOT NULL OR a.provider_status <> 'unknown')) \
+       RETURNING i.id) \
+     SELECT o.id, EXISTS (SELECT 1 FROM w WHERE w.id = o.id) AS written \
+     FROM invoices o WHERE o.id = ANY($1) AND o.status = 'open'";
+
+/// Each invoice of `invoices` that was open, and whether [`WRITE_OFF`] wrote
+/// it off.
+async fn write_off(tx: &mut db::Tx, invoices: Vec<i64>) -> Result<Vec<(i64, bool)>, Error> {
+    let rows = tx.fetch_all(sql(WRITE_OFF).bind(invoices)).await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get("id")?, r.try_get("written")?)))
+        .collect::<Result<_, db::Error>>()
+        .map_err(Error::from)
+}
 
 /// Final actions of a batch run at once, each its own transaction.
 pub const FINAL_ACTIONS_AT_ONCE: usize = 8;
@@ -75,6 +107,11 @@ pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(
         }
     }
     done
+}
+
+/// A write-off held back by a charge of its invoice that may be in flight.
+fn held(run: &Run) {
+    info!(role = %Role::Dunning, run = run.id, invoice = run.invoice_id, "write-off waits: a charge of the invoice may be in flight (billing's claim, or an attempt not settled); the step is taken again by a later listing");
 }
 
 fn count_exhaustion(ctx: &Ctx, run: &Run) {
@@ -164,22 +201,20 @@ pub(crate) async fn final_action(
             Vec::new()
         }
         FinalAction::MarkUncollectible => {
-            let written = tx
-                .execute(
-                    sql(
-                        "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
-                         WHERE id = $1 AND status = 'open'",
-                    )
-                    .bind(run.invoice_id),
-                )
-                .await?;
+            let open = write_off(&mut tx, vec![run.invoice_id]).await?;
+            if open.iter().any(|(_, written)| !written) {
+                // Not stamped: a later listing takes the step again.
+                tx.rollback().await?;
+                held(run);
+                return Ok(FinalActed::Held);
+            }
             let event = serde_json::json!({"object": "invoice", "id": run.invoice_id,
                                            "subscription": run.subscription_id,
                                            "status": "uncollectible", "dunning_run": run.id});
-            if written == 1 {
-                vec![("invoice.marked_uncollectible", event)]
-            } else {
+            if open.is_empty() {
                 Vec::new()
+            } else {
+                vec![("invoice.marked_uncollectible", event)]
             }
         }
     };
@@ -241,18 +276,17 @@ async fn final_actions(
     };
     // Write-offs.
     let writes_off = of(FinalAction::MarkUncollectible);
+    let mut waiting: HashSet<i64> = HashSet::new();
     if !writes_off.is_empty() {
-        let rows = tx
-            .fetch_all(
-                sql(
-                    "UPDATE invoices SET status = 'uncollectible', closed_at = now() \
-                     WHERE id = ANY($1) AND status = 'open' RETURNING id",
-                )
-                .bind(writes_off.iter().map(|r| r.invoice_id).collect::<Vec<_>>()),
-            )
-            .await?;
-        for row in &rows {
-            let invoice: i64 = row.try_get("id").map_err(db::Error::from)?;
+        let open = write_off(&mut tx, writes_off.iter().map(|r| r.invoice_id).collect()).await?;
+        for &(invoice, written) in &open {
+            if !written {
+                for r in writes_off.iter().filter(|r| r.invoice_id == invoice) {
+                    held(r);
+                    waiting.insert(r.id);
+                }
+                continue;
+            }
             for r in writes_off.iter().filter(|r| r.invoice_id == invoice) {
                 let event = serde_json::json!({"object": "invoice", "id": invoice,
                                                "subscription": r.subscription_id,
@@ -302,12 +336,22 @@ async fn final_actions(
         .filter_map(|(r, n)| n.as_ref().map(|n| (r.tenant_id.as_str(), n)))
         .collect();
     outbox::email::enqueue_many(&mut tx, &notices).await?;
+    if !waiting.is_empty() {
+        // Their stamps taken back: a later listing takes their step again.
+        tx.execute(
+            sql("UPDATE dunning_runs SET final_action_at = NULL WHERE id = ANY($1)")
+                .bind(waiting.iter().copied().collect::<Vec<_>>()),
+        )
+        .await?;
+    }
     tx.commit().await?;
     Ok(runs
         .iter()
         .map(|(r, _)| {
             if !stamped.contains(&r.id) {
                 FinalActed::Lost
+            } else if waiting.contains(&r.id) {
+                FinalActed::Held
             } else if changed.contains_key(&r.id) {
                 FinalActed::Written
             } else {

@@ -520,3 +520,129 @@ async fn a_batch_exhausting_two_invoices_of_one_subscription_pauses_it_once() {
         .get(0);
     assert_eq!(set_by.as_deref(), Some("dunning"));
 }
+
+/// What a charge in flight on `invoice` looks like to the write-off, set by
+/// SQL: billing's claim on the invoice unexpired (`claim`), and its one
+/// attempt's state (`attempt`: `declined` as `declined_invoice` left it,
+/// `sent` for unknown and sent, `never_sent` for unknown and never sent).
+async fn in_flight(t: &TestDb, invoice: i64, claim: bool, attempt: &str) {
+    let claim = if claim {
+        "now() + interval '10 minutes', 'billing-test'"
+    } else {
+        "NULL, NULL"
+    };
+    let attempt = match attempt {
+        "declined" => "'declined', 'insufficient_funds', now(), now()",
+        "sent" => "'unknown', NULL, NULL, now()",
+        "never_sent" => "'unknown', NULL, NULL, NULL",
+        other => panic!("{other}"),
+    };
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "UPDATE invoices SET (auto_charge_claimed_until, auto_charge_claimed_by) = ({claim}) \
+         WHERE id = {invoice}; \
+         UPDATE payment_attempts SET (provider_status, decline_code, resolved_at, first_sent_at) \
+             = ({attempt}) WHERE invoice_id = {invoice}"
+    )))
+    .execute(&mut su)
+    .await
+    .unwrap();
+}
+
+/// (invoice status, `invoice.marked_uncollectible` events, the run's final
+/// action stamped).
+async fn write_off_state(db: &db::Db, invoice: i64) -> (String, i64, bool) {
+    let r = db
+        .fetch_one(
+            sql("SELECT i.status, \
+                        (SELECT count(*) FROM webhook_events \
+                         WHERE event_type = 'invoice.marked_uncollectible') AS events, \
+                        r.final_action_at IS NOT NULL AS stamped \
+                 FROM invoices i JOIN dunning_runs r ON r.invoice_id = i.id WHERE i.id = $1")
+            .bind(invoice),
+        )
+        .await
+        .unwrap();
+    (r.get("status"), r.get("events"), r.get("stamped"))
+}
+
+/// A write-off waits while a charge of its invoice may be in flight (review
+/// of the money path): billing settles a charge only on an open invoice, and
+/// its reconciler looks only at open invoices' attempts, so an invoice
+/// written off under a charge in flight kept a paid answer unrecorded and
+/// its attempt unknown for good, the customer charged and told "we will not
+/// charge you for it again". Here an exhausted run owes its write-off (a
+/// crash came between the two). Under billing's claim, and then with its
+/// attempt sent and unknown, the step writes nothing and stays owed; with
+/// the attempt never sent (the reconciler sends only an open invoice's) and
+/// then declined, it writes the invoice off once (docs/adr/0141).
+///
+/// Mutations `write_off_ignores_claim` and `write_off_ignores_attempts` (each
+/// predicate dropped) write the invoice off at the first or second step;
+/// seen failing under each.
+#[tokio::test]
+async fn a_write_off_waits_for_a_charge_in_flight_on_its_invoice() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    exhausted(&t.db, &d, a.invoice, 1).await;
+    let waits = ("open".to_owned(), 0, false);
+    for (claim, attempt) in [(true, "declined"), (false, "sent")] {
+        in_flight(&t, a.invoice, claim, attempt).await;
+        let r = tick(&t.db, &d).await;
+        assert_eq!(r.tally.final_actions, 1, "{claim} {attempt}: {r:?}");
+        assert_eq!(
+            write_off_state(&t.db, a.invoice).await,
+            waits,
+            "{claim} {attempt}"
+        );
+    }
+    assert_eq!(dunning_emails(&t.db).await, Vec::<String>::new());
+    in_flight(&t, a.invoice, false, "never_sent").await;
+    tick(&t.db, &d).await;
+    assert_eq!(
+        write_off_state(&t.db, a.invoice).await,
+        ("uncollectible".to_owned(), 1, true)
+    );
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+    assert_eq!(p.create_requests(), 0, "nothing charged");
+}
+
+/// The same wait where the batch that exhausts the run acts at once (the
+/// batched final actions, `final_actions`): a run whose retries are spent,
+/// its invoice under billing's claim, is exhausted and its write-off left
+/// owed (the stamp taken back), then written off once the claim is gone.
+/// Mutation `write_off_batch_stamps_held` (the held runs' stamps kept) leaves
+/// the invoice open for good; seen failing under it.
+#[tokio::test]
+async fn a_batch_exhausting_a_run_leaves_a_held_write_off_owed() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    crate::enrol(&t.db, &d).await;
+    t.db.execute(
+        sql("UPDATE dunning_runs SET attempt_count = 1, next_attempt_at = now() WHERE invoice_id = $1")
+            .bind(a.invoice),
+    )
+    .await
+    .unwrap();
+    in_flight(&t, a.invoice, true, "declined").await;
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await.0, "exhausted");
+    assert_eq!(
+        write_off_state(&t.db, a.invoice).await,
+        ("open".to_owned(), 0, false)
+    );
+    in_flight(&t, a.invoice, false, "declined").await;
+    tick(&t.db, &d).await;
+    assert_eq!(
+        write_off_state(&t.db, a.invoice).await,
+        ("uncollectible".to_owned(), 1, true)
+    );
+    assert_eq!(p.create_requests(), 0, "nothing charged");
+}

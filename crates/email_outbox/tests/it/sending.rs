@@ -447,3 +447,21 @@ async fn a_refused_session_fails_no_email(t: &TestDb, port: u16) {
     let queued = |attempts| ("queued".to_owned(), attempts);
     assert_eq!(seen, [queued(1), queued(0), queued(0), queued(0)]);
 }
+
+/// A new sender exports at 0 each outcome and class the email alerts read: a
+/// series made at its first send had that send unseen by the alerts'
+/// `increase()`, so a new leader's first sends did not hold
+/// `HardcountEmailsDelayed` (docs/adr/0141). Mutation
+/// `email_outcomes_not_zeroed` fails here.
+#[tokio::test]
+async fn a_new_sender_exports_the_alerted_outcomes_at_zero() {
+    let t = TestDb::new().await;
+    let sink = SmtpSink::start();
+    let (_, metrics) = sender(&t.db, &sink.url(), None, config());
+    let rendered = metrics.render();
+    for (outcome, class) in email_outbox::OUTCOMES_ALERTED {
+        let line =
+            format!("hardcount_emails_total{{outcome=\"{outcome}\",smtp_class=\"{class}\"}} 0");
+        assert!(rendered.lines().any(|l| l == line), "{line} in {rendered}");
+    }
+}

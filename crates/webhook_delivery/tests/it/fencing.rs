@@ -395,3 +395,18 @@ async fn a_delivery_dead_at_its_ceiling_is_counted_when_the_claim_then_errors() 
     );
     assert_eq!(rx.requests().len(), 0);
 }
+
+/// A new worker exports at 0 each outcome `HardcountWebhookEndpointsFailing`
+/// reads: a series made at its first outcome had that outcome unseen by the
+/// alert's `increase()` (docs/adr/0141). Mutation
+/// `delivery_outcomes_not_zeroed` fails here.
+#[tokio::test]
+async fn a_new_worker_exports_the_alerted_outcomes_at_zero() {
+    let t = TestDb::new().await;
+    let (_, metrics) = worker(&t.db, config());
+    let rendered = metrics.render();
+    for outcome in webhook_delivery::OUTCOMES_ALERTED {
+        let line = format!("hardcount_webhook_deliveries_total{{outcome=\"{outcome}\"}} 0");
+        assert!(rendered.lines().any(|l| l == line), "{line} in {rendered}");
+    }
+}

@@ -257,3 +257,18 @@ async fn a_rolled_key_during_retries_fails_the_tick_and_counts_nothing_against_c
         metrics.render()
     );
 }
+
+/// A new dunner exports at 0 each outcome `HardcountDunningAttemptsFailing`
+/// reads: a series made at its first retry had that retry unseen by the
+/// alert's `increase()`, so a new leader's first answer did not hold the page
+/// (docs/adr/0141). Mutation `dunning_outcomes_not_zeroed` fails here.
+#[tokio::test]
+async fn a_new_dunner_exports_the_alerted_outcomes_at_zero() {
+    let t = TestDb::new().await;
+    let (_, metrics) = crate::dunner_with(&t.db, billing::BillingConfig::default(), config());
+    let rendered = metrics.render();
+    for outcome in dunning::OUTCOMES_ALERTED {
+        let line = format!("hardcount_dunning_attempts_total{{outcome=\"{outcome}\"}} 0");
+        assert!(rendered.lines().any(|l| l == line), "{line} in {rendered}");
+    }
+}
