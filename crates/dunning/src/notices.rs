@@ -58,7 +58,8 @@ pub(crate) fn warning(
         to: vec![run.email.clone()],
         subject,
         text: format!(
-            "We could not charge your saved card for invoice {invoice} ({code}). {ask}\n"
+            "We could not charge your saved card for invoice {invoice} ({}). {ask}\n",
+            payments::customer_facing(code)
         ),
         html: None,
     }

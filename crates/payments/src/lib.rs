@@ -263,6 +263,30 @@ pub fn decline_class(code: &str) -> DeclineClass {
     }
 }
 
+/// Decline codes Stripe's table says not to report to the customer, but to
+/// present as `generic_decline` (the rows of `fraudulent`, `lost_card`,
+/// `merchant_blacklist`, `pickup_card` and `stolen_card`:
+/// https://docs.stripe.com/declines/codes): telling the holder of a card
+/// flagged as lost, stolen or fraudulent that it was flagged is what the
+/// advice guards against. Tenants still see the code (events, attempts).
+pub const HIDDEN_FROM_CUSTOMER: [&str; 5] = [
+    "fraudulent",
+    "lost_card",
+    "merchant_blacklist",
+    "pickup_card",
+    "stolen_card",
+];
+
+/// A decline code as the customer's email shows it: `generic_decline` for
+/// those of [`HIDDEN_FROM_CUSTOMER`], else the code (docs/adr/0141).
+pub fn customer_facing(code: &str) -> &str {
+    if HIDDEN_FROM_CUSTOMER.contains(&code) {
+        "generic_decline"
+    } else {
+        code
+    }
+}
+
 /// Decline codes whose next step in Stripe's table is "the customer should
 /// use another card" or "do not try again", and the provider's
 /// `resource_missing` (no usable payment method).
@@ -292,3 +316,21 @@ pub const HARD_DECLINES: [&str; 24] = [
     "stop_payment_order",
     "resource_missing",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The five codes are shown as `generic_decline`, every other code as
+    /// it is, and each hidden one stays a hard decline.
+    #[test]
+    fn codes_stripe_says_to_hide_are_shown_as_a_generic_decline() {
+        for code in HIDDEN_FROM_CUSTOMER {
+            assert_eq!(customer_facing(code), "generic_decline");
+            assert_eq!(decline_class(code), DeclineClass::Hard, "{code}");
+        }
+        for code in ["insufficient_funds", "expired_card", "generic_decline"] {
+            assert_eq!(customer_facing(code), code);
+        }
+    }
+}

@@ -54,8 +54,9 @@ pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> outbox::e
         to: vec![c.email.clone()],
         subject: format!("Your payment for invoice {} failed", c.label()),
         text: format!(
-            "We could not charge {amount} for invoice {} to your saved card ({code}). {ask}\n",
+            "We could not charge {amount} for invoice {} to your saved card ({}). {ask}\n",
             c.label(),
+            payments::customer_facing(code),
         ),
         html: None,
     }

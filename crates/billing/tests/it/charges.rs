@@ -90,6 +90,36 @@ async fn a_paid_invoice_is_charged_once_announced_and_receipted() {
     assert_eq!((again.charge_claimed, p.total_charges()), (0, 1));
 }
 
+/// A decline Stripe's table says not to report to the customer
+/// (`fraudulent`, `stolen_card`, ...; https://docs.stripe.com/declines/codes)
+/// is emailed as `generic_decline`; the attempt and the tenant's event keep
+/// the code (docs/adr/0141). Mutation `customer_sees_fraud_code` (the code
+/// emailed as it is) fails here.
+#[tokio::test]
+async fn a_fraud_decline_is_emailed_to_the_customer_as_a_generic_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (_, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(&customer, Behaviour::Decline("fraudulent".into()));
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    assert_eq!(tick(&t.db, &b).await.charges.declined, 1);
+    let texts = strings(&t.db, "SELECT text_body FROM email_outbox").await;
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    assert!(texts[0].contains("(generic_decline)"), "{texts:?}");
+    assert!(!texts[0].contains("fraudulent"), "{texts:?}");
+    let a = attempts(&t.db).await;
+    assert_eq!(a[0].1.as_deref(), Some("fraudulent"));
+    let payloads = strings(
+        &t.db,
+        "SELECT payload::text FROM webhook_events WHERE event_type = 'payment.failed'",
+    )
+    .await;
+    assert!(
+        payloads[0].contains("\"decline_code\": \"fraudulent\""),
+        "{payloads:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
     let t = TestDb::new().await;

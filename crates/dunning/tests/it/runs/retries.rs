@@ -334,3 +334,32 @@ async fn a_declined_retry_sends_one_email_that_asks_what_its_decline_needs() {
         "{texts:?}"
     );
 }
+
+/// A retry declined with a code Stripe's table says not to report to the
+/// customer (`stolen_card`; https://docs.stripe.com/declines/codes) is
+/// worded in the warning as `generic_decline`, and still as the hard decline
+/// it is; the tenant's event keeps the code (docs/adr/0141). Mutation
+/// `warning_shows_fraud_code` (the code emailed as it is) fails here.
+#[tokio::test]
+async fn a_retry_declined_as_stolen_warns_the_customer_of_a_generic_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("stolen_card".into()));
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.tally.declined, 1);
+    let texts = crate::strings(&t.db, "SELECT text_body FROM email_outbox").await;
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    assert!(
+        texts[0].contains("(generic_decline). We will not try this card again"),
+        "{texts:?}"
+    );
+    assert!(!texts[0].contains("stolen"), "{texts:?}");
+    let payloads = crate::strings(
+        &t.db,
+        "SELECT payload::text FROM webhook_events WHERE event_type = 'dunning.attempt_failed'",
+    )
+    .await;
+    assert!(payloads[0].contains("stolen_card"), "{payloads:?}");
+}
