@@ -116,6 +116,10 @@ pub enum ScheduleInvalid {
         retry: i32,
         retries: usize,
     },
+    /// A retry named twice: each is warned after at most once, so the list
+    /// holds at most as many entries as the policy has retries (docs/adr/0141).
+    #[error("warn_after names retry {retry} twice; each retry at most once")]
+    WarnAfterRepeated { index: usize, retry: i32 },
 }
 
 impl ScheduleInvalid {
@@ -127,7 +131,8 @@ impl ScheduleInvalid {
             ScheduleInvalid::Offset { index, .. } | ScheduleInvalid::NotLater { index, .. } => {
                 format!("retry_offsets_secs[{index}]")
             }
-            ScheduleInvalid::WarnAfter { index, .. } => format!("warn_after[{index}]"),
+            ScheduleInvalid::WarnAfter { index, .. }
+            | ScheduleInvalid::WarnAfterRepeated { index, .. } => format!("warn_after[{index}]"),
         }
     }
 }
@@ -170,6 +175,16 @@ pub fn check_schedule(offsets_secs: &[i64], warn_after: &[i32]) -> Result<(), Sc
             retry,
             retries,
         });
+    }
+    // Each in range and none twice: at most `retries` (20) entries, where an
+    // unbounded list was stored and read back with every run the listing
+    // returns (docs/adr/0141).
+    if let Some((index, &retry)) = warn_after
+        .iter()
+        .enumerate()
+        .find(|(i, r)| warn_after[..*i].contains(r))
+    {
+        return Err(ScheduleInvalid::WarnAfterRepeated { index, retry });
     }
     Ok(())
 }
@@ -327,6 +342,10 @@ mod tests {
             (&[60, 60], &[], "retry_offsets_secs[1]"),
             (&[60, 120, 90], &[], "retry_offsets_secs[2]"),
             (&[60], &[0], "warn_after[0]"),
+            // Each retry at most once: an unbounded list was stored and read
+            // with every run (docs/adr/0141; mutation `warn_after_repeats`).
+            (&[60, 120], &[2, 1, 2], "warn_after[2]"),
+            (&[60], &[1; 10_000], "warn_after[1]"),
         ];
         for (offsets, warn, field) in bad {
             let e = check_schedule(offsets, warn).unwrap_err();

@@ -114,9 +114,10 @@ pub struct NewPolicy {
     pub final_action: FinalAction,
     /// What `pause_collection` writes; default `keep_as_draft`.
     pub pause_behavior: Option<PauseBehavior>,
-    /// Retries (1-based) whose decline sends the customer a warning email;
-    /// default none.
+    /// Retries (1-based) whose decline sends the customer a warning email,
+    /// each at most once; default none.
     #[serde(default)]
+    #[schema(max_items = 20)]
     pub warn_after: Vec<i32>,
     /// Whether exhaustion sends a final notice; default true.
     pub final_notice: Option<bool>,
@@ -321,9 +322,9 @@ pub async fn put_policy(
     valid::text("name", &name, MAX_NAME_CHARS)?;
     dunning::check_schedule(&p.retry_offsets_secs, &p.warn_after).map_err(|e| {
         let code = match e {
-            dunning::ScheduleInvalid::RetryCount(_) | dunning::ScheduleInvalid::NotLater { .. } => {
-                Code::ParameterInvalid
-            }
+            dunning::ScheduleInvalid::RetryCount(_)
+            | dunning::ScheduleInvalid::NotLater { .. }
+            | dunning::ScheduleInvalid::WarnAfterRepeated { .. } => Code::ParameterInvalid,
             _ => Code::ParameterOutOfRange,
         };
         ApiError::invalid(code, e.field(), e.to_string())

@@ -41,6 +41,9 @@ async fn the_dunning_policy_is_checked_as_the_table_checks_it_and_runs_are_the_t
             (put.clone(), path.clone(), body(json!([86_400, 60]), json!([])), 400, "parameter_invalid", "retry_offsets_secs[1]"),
             (put.clone(), path.clone(), body(json!([60, 60]), json!([])), 400, "parameter_invalid", "retry_offsets_secs[1]"),
             (put.clone(), path.clone(), body(json!([60, 120]), json!([3])), 400, "parameter_out_of_range", "warn_after[0]"),
+            // Each retry warned after at most once, so at most as many
+            // entries as retries (docs/adr/0141).
+            (put.clone(), path.clone(), body(json!([60]), json!(vec![1; 10_000])), 400, "parameter_invalid", "warn_after[1]"),
             (put.clone(), path.clone(), Some(json!({"retry_offsets_secs": [60], "final_action": "refund"})), 400, "parameter_invalid", "final_action"),
             (put.clone(), path.clone(), Some(json!({"retry_offsets_secs": [60], "final_action": "pause_collection", "pause_behavior": "x"})), 400, "parameter_invalid", "pause_behavior"),
         ],
