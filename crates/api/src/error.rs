@@ -287,9 +287,7 @@ impl ApiError {
                 "the request refers to something this tenant does not have",
             ),
             "57014" => ApiError::timeout(),
-            // Lock timeouts, serialization failures, deadlocks, a read-only
-            // database, connection failures: retrying may succeed.
-            "55P03" | "40001" | "40P01" | "25006" | "57P01" | "57P03" | "53300" => {
+            code if retryable(code) => {
                 warn!(sqlstate = %code, "API statement refused; answering 503");
                 ApiError::unavailable("the database is busy or unavailable; retry shortly")
             }
@@ -303,6 +301,28 @@ impl ApiError {
             }
         }
     }
+}
+
+/// SQLSTATEs after which the same request may succeed: lock timeouts,
+/// serialization failures, deadlocks, a read-only database, too many
+/// connections, a server shutting down or restarting, a session ended for
+/// idling, and the connection exceptions (class 08), which PgBouncer also
+/// answers for its own failures (`08P01`; docs/adr/0141).
+fn retryable(code: &str) -> bool {
+    code.starts_with("08")
+        || matches!(
+            code,
+            "55P03"
+                | "40001"
+                | "40P01"
+                | "25006"
+                | "25P03"
+                | "57P01"
+                | "57P02"
+                | "57P03"
+                | "57P05"
+                | "53300"
+        )
 }
 
 impl From<db::Error> for ApiError {
@@ -328,5 +348,26 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod retryable_tests {
+    use super::retryable;
+
+    /// A pooler's or a restarting server's refusal is a 503 with
+    /// `Retry-After`, not a 500 logged as a bug (review of the API):
+    /// PgBouncer answers its own failures with `08P01`. Mutation
+    /// `connection_errors_internal` (class 08 left out) fails here.
+    #[test]
+    fn connection_and_shutdown_refusals_are_retryable() {
+        for code in [
+            "08P01", "08006", "08003", "57P02", "25P03", "57P05", "40001", "53300",
+        ] {
+            assert!(retryable(code), "{code}");
+        }
+        for code in ["23505", "42P01", "XX000", "22P02"] {
+            assert!(!retryable(code), "{code}");
+        }
     }
 }
