@@ -257,6 +257,19 @@ pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> Charge
             after: Duration::from_secs(5),
             in_flight: true,
         },
+        // A 429 the provider replayed was saved for the key, and Stripe saves
+        // a key's answer only after the endpoint's execution began
+        // (https://docs.stripe.com/api/idempotent_requests): the first
+        // request may have charged. Read as "nothing sent", the attempt
+        // stayed never sent and was sent again for good, each time answered
+        // the same (docs/adr/0141). The reconciler looks it up.
+        429 if replayed => ChargeOutcome::Unknown {
+            reason: format!(
+                "stored HTTP 429 {kind} replayed by the provider for this key: the first request began"
+            ),
+            payment_intent: carried(),
+            outage: false,
+        },
         429 => ChargeOutcome::RetryLater {
             reason: format!("HTTP 429 {kind}: rate limited"),
             after: Duration::from_secs(retry_after.unwrap_or(60).clamp(1, 3600)),
@@ -375,6 +388,8 @@ mod tests {
             (409, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "later:5"),
             (429, r(r#"7"#, r#"{"error":{"type":"rate_limit_error"}}"#), false, "later:7"),
             (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), false, "later:60"),
+            // Replayed: saved, so its request began (mutation `replayed_429_not_sent`).
+            (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), true, "unknown"),
             (500, "".into(), false, "unknown:outage"),
             (500, r#"{"error":{"type":"api_error"}}"#.into(), true, "unknown"),
             (500, r#"{"error":{"type":"api_error","payment_intent":{"id":"pi_9","status":"succeeded"}}}"#.into(), true, "unknown:pi"),
