@@ -274,9 +274,7 @@ pub const LIST_DUE: &str = concat!(
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
                  WHEN r.owed_notice_attempt = r.attempt_count \
-                      AND NOT coalesce(la.first_sent_at IS NULL \
-                                       AND la.provider_status IN ('unknown', 'processing', \
-                                                                  'needs_review'), false) \
+                      AND la.provider_status = 'declined' \
                  THEN 'decline_unannounced' \
                  WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
@@ -343,7 +341,10 @@ pub const LIST_DUE: &str = concat!(
 /// `no_payment_method` or `retries_spent` (docs/adr/0116), also when the run
 /// owes that attempt's notices (a retry recorded, refused unread and never
 /// rewound): no decline was made, so none is announced, and the next retry
-/// is counted not attempted. Rows whose
+/// is counted not attempted. Only a last attempt declined is announced as
+/// owed: one refused (`failed`, a 400: not a decline, docs/adr/0024) whose
+/// outcome, fallback and rewind all failed left the mark too, and was
+/// announced to the customer as a decline "(failed)" (docs/adr/0141). Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as
 /// [`LeftOut`]. A run of a tenant whose business window is closed at the

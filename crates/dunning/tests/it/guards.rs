@@ -403,6 +403,44 @@ async fn a_decline_settled_before_a_crash_is_announced_after_the_hold() {
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }
 
+/// A retry refused by the provider (400: not a decline, so nothing is sent
+/// to the customer, docs/adr/0024) whose outcome, fallback and rewind all
+/// failed leaves the run as its record wrote it: counted, owing the
+/// attempt's notices, the attempt `failed` and the invoice under review.
+/// The listing does not take that for a decline to announce: no
+/// `dunning.attempt_failed`, no warning "(failed)", nothing charged
+/// (docs/adr/0141). Mutation `owed_notice_of_a_refusal` (any settled last
+/// attempt announced, as before) fails here.
+#[tokio::test]
+async fn a_refused_retry_left_owing_its_notices_is_not_announced_as_a_decline() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    crate::enrol(&t.db, &d).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                       amount, currency, provider_status, resolved_at, \
+                                       first_sent_at, last_error) \
+         VALUES ('tenant_a', {i}, 2, 'hardcount-invoice-{i}-attempt-2', 1200, 'EUR', 'failed', \
+                 now(), now(), 'HTTP 400 invalid_request_error amount_too_large'); \
+         UPDATE invoices SET attempt_count = 2, review_since = now(), \
+                review_reason = 'HTTP 400 invalid_request_error amount_too_large' WHERE id = {i}; \
+         UPDATE dunning_runs SET attempt_count = 1, owed_notice_attempt = 1, \
+                next_attempt_at = now() - interval '1 minute' WHERE invoice_id = {i}",
+        i = x.invoice
+    )))
+    .execute(&mut su)
+    .await
+    .unwrap();
+    tick(&t.db, &d).await;
+    assert_eq!(events(&t.db).await, ["dunning.started"]);
+    assert_eq!(dunning_emails(&t.db).await, Vec::<String>::new());
+    assert_eq!(p.create_requests(), 0);
+}
+
 /// A retry recorded and then rewound (billing found its invoice held by
 /// another claim, so no call was made) keeps no mark that its decline is
 /// owed: the count goes back, and a mark left at the count it had would, once
