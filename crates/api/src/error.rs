@@ -287,7 +287,7 @@ impl ApiError {
                 "the request refers to something this tenant does not have",
             ),
             "57014" => ApiError::timeout(),
-            code if retryable(code) => {
+            code if retryable(code, &e.to_string()) => {
                 warn!(sqlstate = %code, "API statement refused; answering 503");
                 ApiError::unavailable("the database is busy or unavailable; retry shortly")
             }
@@ -306,11 +306,15 @@ impl ApiError {
 /// SQLSTATEs after which the same request may succeed: lock timeouts,
 /// serialization failures, deadlocks, a read-only database, too many
 /// connections, a server shutting down or restarting, a session ended for
-/// idling, and the connection exceptions (class 08), which PgBouncer also
-/// answers for its own failures (`08P01`; docs/adr/0141).
-fn retryable(code: &str) -> bool {
-    code.starts_with("08")
-        || matches!(
+/// idling, and the connection exceptions (class 08). `08P01` is a protocol
+/// violation, which Postgres answers to a client's bug (a bind with the
+/// wrong number of parameters): retryable only as PgBouncer's own failures,
+/// which it reports under that code ([`POOLER_FAILURES`]; docs/adr/0141).
+fn retryable(code: &str, message: &str) -> bool {
+    match code {
+        "08P01" => POOLER_FAILURES.iter().any(|m| message.contains(m)),
+        code if code.starts_with("08") => true,
+        code => matches!(
             code,
             "55P03"
                 | "40001"
@@ -322,8 +326,20 @@ fn retryable(code: &str) -> bool {
                 | "57P03"
                 | "57P05"
                 | "53300"
-        )
+        ),
+    }
 }
+
+/// What PgBouncer's own `08P01` errors say when a pool cannot serve the
+/// request for now: a wait for a server connection timed out, no client
+/// slot, a server connection lost or not made.
+const POOLER_FAILURES: [&str; 5] = [
+    "query_wait_timeout",
+    "no more connections allowed",
+    "server conn crashed",
+    "pgbouncer cannot connect to server",
+    "server login has been failing",
+];
 
 impl From<db::Error> for ApiError {
     fn from(e: db::Error) -> Self {
@@ -357,17 +373,27 @@ mod retryable_tests {
 
     /// A pooler's or a restarting server's refusal is a 503 with
     /// `Retry-After`, not a 500 logged as a bug (review of the API):
-    /// PgBouncer answers its own failures with `08P01`. Mutation
-    /// `connection_errors_internal` (class 08 left out) fails here.
+    /// PgBouncer answers its own failures with `08P01`. A protocol violation
+    /// of the client's own (a bind that does not fit its statement) stays a
+    /// 500. Mutations `connection_errors_internal` (class 08 left out) and
+    /// `protocol_bugs_retryable` (every `08P01` retried) fail here.
     #[test]
     fn connection_and_shutdown_refusals_are_retryable() {
         for code in [
-            "08P01", "08006", "08003", "57P02", "25P03", "57P05", "40001", "53300",
+            "08006", "08003", "57P02", "25P03", "57P05", "40001", "53300",
         ] {
-            assert!(retryable(code), "{code}");
+            assert!(retryable(code, "whatever it says"), "{code}");
         }
+        assert!(retryable(
+            "08P01",
+            "error returned from database: query_wait_timeout"
+        ));
+        assert!(!retryable(
+            "08P01",
+            "bind message supplies 1 parameters, but prepared statement requires 2"
+        ));
         for code in ["23505", "42P01", "XX000", "22P02"] {
-            assert!(!retryable(code), "{code}");
+            assert!(!retryable(code, "query_wait_timeout"), "{code}");
         }
     }
 }

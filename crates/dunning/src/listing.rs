@@ -274,7 +274,7 @@ pub const LIST_DUE: &str = concat!(
                  THEN 'outcome_pending' \
                  WHEN s.pause_collection_behavior IS NOT NULL THEN NULL \
                  WHEN r.owed_notice_attempt = r.attempt_count \
-                      AND la.provider_status = 'declined' \
+                      AND (la.provider_status = 'declined' OR la.reviewed_at IS NOT NULL) \
                  THEN 'decline_unannounced' \
                  WHEN r.attempt_count >= cardinality(p.retry_offsets_secs) THEN 'retries_spent' \
                  WHEN c.payment_method_id IS NULL THEN 'no_payment_method' \
@@ -305,7 +305,8 @@ pub const LIST_DUE: &str = concat!(
      JOIN dunning_policies p ON p.tenant_id = r.tenant_id AND p.id = r.policy_id \
      LEFT JOIN tenant_settings ts ON ts.tenant_id = r.tenant_id \
      LEFT JOIN LATERAL ( \
-       SELECT a.provider_status, a.first_sent_at, a.decline_code, a.payment_method_id \
+       SELECT a.provider_status, a.first_sent_at, a.decline_code, a.payment_method_id, \
+              a.reviewed_at \
        FROM payment_attempts a WHERE a.invoice_id = r.invoice_id \
        ORDER BY a.attempt_seq DESC LIMIT 1) la ON true \
      WHERE ((r.status = 'active' AND r.next_attempt_at <= now()) \
@@ -341,9 +342,10 @@ pub const LIST_DUE: &str = concat!(
 /// `no_payment_method` or `retries_spent` (docs/adr/0116), also when the run
 /// owes that attempt's notices (a retry recorded, refused unread and never
 /// rewound): no decline was made, so none is announced, and the next retry
-/// is counted not attempted. Only a last attempt declined is announced as
-/// owed: one refused (`failed`, a 400: not a decline, docs/adr/0024) whose
-/// outcome, fallback and rewind all failed left the mark too, and was
+/// is counted not attempted. Only a last attempt declined, or settled by an
+/// operator (`reviewed_at`: docs/adr/0085's `failed`), is announced as owed:
+/// one refused (`failed` unreviewed, a 400: not a decline, docs/adr/0024)
+/// whose outcome, fallback and rewind all failed left the mark too, and was
 /// announced to the customer as a decline "(failed)" (docs/adr/0141). Rows whose
 /// policy fails the schedule checks (`policy_valid`: migration 0021's CHECK
 /// expressions, repeated here), or that do not decode, come back as

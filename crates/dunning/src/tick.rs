@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 use crate::ctx::Ctx;
 use crate::listing::{self, LeftOut, Listing};
 use crate::outcomes::{self, stopped};
-use crate::run::{Outcome, Retry, Run};
+use crate::run::{FinalActed, Outcome, Retry, Run};
 use crate::{DunningConfig, Error, charge, enrol, final_action, not_attempted};
 
 /// A batch with at least this many retries the provider did not answer, and
@@ -353,9 +353,14 @@ impl Dunner {
                     tally.pending += 1;
                     left_out.push(run.id);
                 }
-                Retry::Exhausted { .. } => {
+                Retry::Exhausted { final_action, .. } => {
                     tally.exhausted += 1;
                     answered += 1;
+                    // A held write-off is owed again: not in this tick, which
+                    // would list it first and only hold it (docs/adr/0141).
+                    if final_action == FinalActed::Held {
+                        left_out.push(run.id);
+                    }
                 }
                 Retry::Rewound {
                     why,
@@ -370,7 +375,12 @@ impl Dunner {
                     debug!(role = %Role::Dunning, run = run.id, why = %why, "no definite answer; attempt rewound");
                 }
                 Retry::Stopped { .. } => tally.stopped += 1,
-                Retry::FinalAction(_) => tally.final_actions += 1,
+                Retry::FinalAction(acted) => {
+                    tally.final_actions += 1;
+                    if acted == FinalActed::Held {
+                        left_out.push(run.id);
+                    }
+                }
                 Retry::Lost => {
                     tally.lost += 1;
                     left_out.push(run.id);

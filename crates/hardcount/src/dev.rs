@@ -221,23 +221,10 @@ fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
     use leader::Role;
 
     use super::*;
-    use crate::settings::ServeSettings;
-
-    #[derive(Parser)]
-    struct Serve {
-        #[command(flatten)]
-        settings: ServeSettings,
-    }
-
-    fn settings(args: &[&str]) -> ServeSettings {
-        Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
-            .unwrap()
-            .settings
-    }
+    use crate::settings::tests::serve_settings as settings;
 
     /// dev on a replica of billing alone fills in the allowlist, an SMTP
     /// sink's URL and the demo intervals, which are other roles' settings:

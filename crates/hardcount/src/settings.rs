@@ -23,7 +23,7 @@ mod dev;
 mod parse;
 mod sections;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use bounds::{BREAKER_COOLOFF, DISABLE_AFTER, RETRY_DELAY, WEBHOOK_IN_FLIGHT, WEBHOOK_TIMEOUT};
 pub use common::Common;

@@ -171,6 +171,41 @@ impl TestDb {
     pub async fn superuser(&self) -> PgConnection {
         admin_connection(&self.name).await
     }
+
+    /// A trigger `name` on `table` that makes each UPDATE of a row meeting
+    /// `when` (a condition on `OLD` and `NEW`) raise "refused for the test":
+    /// a statement that fails where the test wants it to, to see what
+    /// survives it. [`TestDb::allow_updates`] takes it away.
+    pub async fn refuse_updates(&self, table: &str, name: &str, when: &str) {
+        let mut su = self.superuser().await;
+        for ddl in [
+            format!(
+                "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN IF {when} THEN RAISE EXCEPTION 'refused for the test'; END IF; \
+                 RETURN NEW; END $$"
+            ),
+            format!(
+                "CREATE TRIGGER {name} BEFORE UPDATE ON {table} \
+                 FOR EACH ROW EXECUTE FUNCTION {name}()"
+            ),
+        ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+                .execute(&mut su)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Take away the trigger [`TestDb::refuse_updates`] made.
+    pub async fn allow_updates(&self, table: &str, name: &str) {
+        let mut su = self.superuser().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TRIGGER {name} ON {table}"
+        )))
+        .execute(&mut su)
+        .await
+        .unwrap();
+    }
 }
 
 impl Drop for TestDb {

@@ -441,6 +441,45 @@ async fn a_refused_retry_left_owing_its_notices_is_not_announced_as_a_decline() 
     assert_eq!(p.create_requests(), 0);
 }
 
+/// An owed decline an operator settled: a retry answered `processing`, sent
+/// to review and settled by an operator as not charged (`failed`, with
+/// `reviewed_at`) owes its notices as docs/adr/0085 says. It is announced,
+/// with the policy's warning and the next retry the policy's gap away, and
+/// not charged at once (docs/adr/0141 keeps it beside the refusal above).
+/// Mutation `owed_notice_of_an_operators_settle` (only `declined` announced)
+/// charges it at once and announces nothing; seen failing under it.
+#[tokio::test]
+async fn an_owed_decline_an_operator_settled_is_announced() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    crate::enrol(&t.db, &d).await;
+    let mut su = t.superuser().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                       amount, currency, provider_status, resolved_at, \
+                                       first_sent_at, reviewed_at, reviewed_by, reviewed_by_role) \
+         VALUES ('tenant_a', {i}, 2, 'hardcount-invoice-{i}-attempt-2', 1200, 'EUR', 'failed', \
+                 now(), now(), now(), 'ops', 'hardcount_operator'); \
+         UPDATE invoices SET attempt_count = 2 WHERE id = {i}; \
+         UPDATE dunning_runs SET attempt_count = 1, owed_notice_attempt = 1, \
+                next_attempt_at = now() - interval '1 minute' WHERE invoice_id = {i}",
+        i = x.invoice
+    )))
+    .execute(&mut su)
+    .await
+    .unwrap();
+    tick(&t.db, &d).await;
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.attempt_failed"]
+    );
+    assert_eq!(dunning_emails(&t.db).await.len(), 1);
+    assert_eq!(p.create_requests(), 0, "not charged at once");
+}
+
 /// A retry recorded and then rewound (billing found its invoice held by
 /// another claim, so no call was made) keeps no mark that its decline is
 /// owed: the count goes back, and a mark left at the count it had would, once

@@ -323,32 +323,10 @@ pub use testbed::payments::attempt_key;
 /// (over `OLD` and `NEW`) holds, standing in for a write that fails or a
 /// process that dies before it; [`allow_run_updates`] takes it away.
 pub async fn refuse_run_updates(t: &testbed::TestDb, name: &str, when: &str) {
-    let mut su = t.superuser().await;
-    for ddl in [
-        format!(
-            "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
-             BEGIN IF {when} THEN RAISE EXCEPTION 'refused for the test'; END IF; \
-             RETURN NEW; END $$"
-        ),
-        format!(
-            "CREATE TRIGGER {name} BEFORE UPDATE ON dunning_runs \
-             FOR EACH ROW EXECUTE FUNCTION {name}()"
-        ),
-    ] {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
-            .execute(&mut su)
-            .await
-            .unwrap();
-    }
+    t.refuse_updates("dunning_runs", name, when).await;
 }
 
 /// Take away the trigger [`refuse_run_updates`] made.
 pub async fn allow_run_updates(t: &testbed::TestDb, name: &str) {
-    let mut su = t.superuser().await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP TRIGGER {name} ON dunning_runs"
-    )))
-    .execute(&mut su)
-    .await
-    .unwrap();
+    t.allow_updates("dunning_runs", name).await;
 }

@@ -349,3 +349,26 @@ pub(super) struct BatchDone {
     /// False when a send got no reply at all: the server is taken as down.
     pub(super) reachable: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::smtp_class;
+    use crate::tick::OUTCOMES_ALERTED;
+
+    /// `HardcountEmailsFailing` sums failures by SMTP class, so each class a
+    /// failure can carry is exported at 0 from the start, and a sent email's
+    /// class too (docs/adr/0141). Mutation `email_class_not_zeroed` (the 5xx
+    /// pair left out) fails here.
+    #[test]
+    fn every_class_an_outcome_can_carry_is_exported_at_zero() {
+        for (outcome, codes) in [("sent", &[250_u16][..]), ("failed", &[0, 421, 550])] {
+            for &code in codes {
+                let class = smtp_class(code);
+                assert!(
+                    OUTCOMES_ALERTED.contains(&(outcome, class)),
+                    "{outcome} {class}"
+                );
+            }
+        }
+    }
+}

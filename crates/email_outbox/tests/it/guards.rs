@@ -240,28 +240,24 @@ async fn an_email_whose_every_attempt_died_is_failed_by_the_claim_not_sent() {
 /// (`limit` 1), tenant_a's only due email is at its ceiling, and a trigger
 /// makes the claim of tenant_b's email raise.
 ///
-/// Mutation check: the count taken from the walk's result only
-/// (`email_ceiling_lost_on_error`, the `?` back on the store's call) leaves
-/// the failure uncounted; seen failing under it.
+/// Mutation check: counted only when the walk returned
+/// (`email_ceiling_lost_on_error`) leaves the failure uncounted; seen
+/// failing under it.
 #[tokio::test]
 async fn an_email_failed_at_its_ceiling_is_counted_when_the_claim_then_errors() {
-    use sqlx::Executor as _;
     let t = TestDb::new().await;
     let sink = SmtpSink::start();
     let spent = queue(&t.db, "tenant_a", &[email("ada@example.org", 1)]).await;
     queue(&t.db, "tenant_b", &[email("bob@example.org", 2)]).await;
-    let mut su = t.superuser().await;
-    su.execute(
-        "CREATE FUNCTION refuse_tenant_b() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN RAISE EXCEPTION 'tenant_b refused by the test'; END $$; \
-         CREATE TRIGGER refuse_tenant_b BEFORE UPDATE ON email_outbox FOR EACH ROW \
-         WHEN (NEW.tenant_id = 'tenant_b') EXECUTE FUNCTION refuse_tenant_b()",
+    t.refuse_updates(
+        "email_outbox",
+        "refuse_tenant_b",
+        "NEW.tenant_id = 'tenant_b'",
     )
-    .await
-    .unwrap();
+    .await;
     sqlx::query("UPDATE email_outbox SET attempts = 3, next_attempt_at = now() WHERE id = $1")
         .bind(spent[0])
-        .execute(&mut su)
+        .execute(&mut t.superuser().await)
         .await
         .unwrap();
     let (s, metrics) = sender(&t.db, &sink.url(), None, config());
@@ -271,7 +267,7 @@ async fn an_email_failed_at_its_ceiling_is_counted_when_the_claim_then_errors() 
     })
     .await;
     let error = claimed.expect_err("tenant_b's claim raises").to_string();
-    assert!(error.contains("tenant_b refused"), "{error}");
+    assert!(error.contains("refused for the test"), "{error}");
     let rows = rows(&t.db).await;
     assert_eq!(
         states(&rows),

@@ -246,21 +246,8 @@ async fn seed(db: &Db, keyring: &webhook_delivery::Keyring, receiver_url: &str) 
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-
-    #[derive(Parser)]
-    struct Serve {
-        #[command(flatten)]
-        settings: ServeSettings,
-    }
-
-    fn settings(args: &[&str]) -> ServeSettings {
-        Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
-            .unwrap()
-            .settings
-    }
+    use crate::settings::tests::serve_settings as settings;
 
     /// README: dev starts the fake provider, ticks billing every 10 s and
     /// seeds the demo subscriptions only when BILLING_PROVIDER_URL is unset.

@@ -12,12 +12,22 @@ struct Serve {
     settings: ServeSettings,
 }
 
+/// The settings `args` (flags standing in for the variables) give, or the
+/// parser's refusal.
+fn parsed(args: &[&str]) -> Result<ServeSettings, String> {
+    Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+        .map(|serve| serve.settings)
+        .map_err(|e| e.to_string())
+}
+
+/// The settings `args` give (for the tests of `dev`, which fills them in).
+pub(crate) fn serve_settings(args: &[&str]) -> ServeSettings {
+    parsed(args).unwrap()
+}
+
 /// The configuration `args` (flags standing in for the variables) give, or the refusal.
 fn check(args: &[&str]) -> Result<Config, String> {
-    let serve = Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
-        .map_err(|e| e.to_string())?;
-    serve
-        .settings
+    parsed(args)?
         .config("postgres://x".into(), None)
         .map_err(|e| format!("{e:#}"))
 }

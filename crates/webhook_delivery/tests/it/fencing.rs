@@ -340,12 +340,11 @@ async fn a_delivery_past_the_attempt_ceiling_is_marked_dead_by_the_claim() {
 /// statement (`limit` 1), tenant_a's only due delivery is at its ceiling, and
 /// a trigger makes the claim of tenant_b's delivery raise.
 ///
-/// Mutation check: the count taken from the walk's result only
-/// (`delivery_ceiling_lost_on_error`, the `?` back on the store's call)
-/// leaves the death uncounted; seen failing under it.
+/// Mutation check: counted only when the walk returned
+/// (`delivery_ceiling_lost_on_error`) leaves the death uncounted; seen
+/// failing under it.
 #[tokio::test]
 async fn a_delivery_dead_at_its_ceiling_is_counted_when_the_claim_then_errors() {
-    use sqlx::Executor as _;
     let t = TestDb::new().await;
     let rx = Receiver::answering(200).await;
     endpoint(&t, "tenant_a", &rx.url()).await;
@@ -354,21 +353,18 @@ async fn a_delivery_dead_at_its_ceiling_is_counted_when_the_claim_then_errors() 
     events(&t.db, "tenant_b", 1).await;
     let cfg = config();
     let max = i32::try_from(cfg.retry_schedule.max_attempts()).unwrap();
-    let mut su = t.superuser().await;
-    su.execute(
-        "CREATE FUNCTION refuse_tenant_b() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN RAISE EXCEPTION 'tenant_b refused by the test'; END $$; \
-         CREATE TRIGGER refuse_tenant_b BEFORE UPDATE ON webhook_deliveries FOR EACH ROW \
-         WHEN (NEW.tenant_id = 'tenant_b') EXECUTE FUNCTION refuse_tenant_b()",
+    t.refuse_updates(
+        "webhook_deliveries",
+        "refuse_tenant_b",
+        "NEW.tenant_id = 'tenant_b'",
     )
-    .await
-    .unwrap();
+    .await;
     sqlx::query(
         "UPDATE webhook_deliveries SET attempts = $1, next_attempt_at = now() - interval '1 second' \
          WHERE tenant_id = 'tenant_a'",
     )
     .bind(max)
-    .execute(&mut su)
+    .execute(&mut t.superuser().await)
     .await
     .unwrap();
     let (w, metrics) = worker(&t.db, cfg);
@@ -379,7 +375,7 @@ async fn a_delivery_dead_at_its_ceiling_is_counted_when_the_claim_then_errors() 
     )
     .await;
     let error = claimed.expect_err("tenant_b's claim raises").to_string();
-    assert!(error.contains("tenant_b refused"), "{error}");
+    assert!(error.contains("refused for the test"), "{error}");
     let d = deliveries(&t.db).await;
     assert_eq!(
         d.iter()
