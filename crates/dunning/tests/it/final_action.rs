@@ -649,10 +649,11 @@ async fn a_batch_exhausting_a_run_leaves_a_held_write_off_owed() {
 /// A write-off held by a charge in flight is left out for the rest of the
 /// tick: its run sorts first (its time is its exhaustion's), so each later
 /// listing took it again and only held it, and with batches of one the tick
-/// never reached the run due after it. Here the other run's retry is
-/// charged in the same tick (docs/adr/0141). Mutation
-/// `held_write_off_listed_again` (the held run not left out) charges
-/// nothing before the budget ends; seen failing under it.
+/// never reached the runs due after it. Here the held step is taken once
+/// and the other run's retry is charged in the same tick (docs/adr/0141).
+/// Mutation `held_write_off_listed_again` (the held run not left out) takes
+/// the held step again and again until the budget ends; seen failing under
+/// it.
 #[tokio::test]
 async fn a_held_write_off_does_not_hold_the_tick_s_other_runs() {
     let t = TestDb::new().await;
@@ -680,6 +681,7 @@ async fn a_held_write_off_does_not_hold_the_tick_s_other_runs() {
     in_flight(&t, a.invoice, true, "declined").await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.recovered, 1, "{r:?}");
+    assert_eq!(r.tally.final_actions, 1, "the held step taken once: {r:?}");
     assert_eq!(p.create_requests(), 1);
     assert_eq!(run_of(&t.db, b.invoice).await.0, "recovered");
     assert_eq!(
