@@ -659,7 +659,12 @@ async fn a_held_write_off_does_not_hold_the_tick_s_other_runs() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     policy(&t.db, "tenant_a", 2, "mark_uncollectible").await;
-    let a = declined_invoice(&t.db, "tenant_a").await;
+    // More held runs than batches in flight (three of one run each), so the
+    // first held batch has ended before the listing is done with them.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(declined_invoice(&t.db, "tenant_a").await.invoice);
+    }
     let b = declined_invoice(&t.db, "tenant_a").await;
     let config = dunning::DunningConfig {
         batch_size: 1,
@@ -667,25 +672,26 @@ async fn a_held_write_off_does_not_hold_the_tick_s_other_runs() {
         ..config()
     };
     let (d, _) = dunner(&t.db, &p, CALL, config);
-    exhausted(&t.db, &d, a.invoice, 2).await;
-    t.db.execute(
-        sql(
-            "UPDATE dunning_runs SET next_attempt_at = now() - interval '1 hour' \
-             WHERE invoice_id = $1",
-        )
-        .bind(a.invoice),
-    )
+    for &invoice in &held {
+        exhausted(&t.db, &d, invoice, 2).await;
+        in_flight(&t, invoice, true, "declined").await;
+    }
+    t.db.execute(sql(
+        "UPDATE dunning_runs SET next_attempt_at = now() - interval '1 hour' \
+             WHERE status = 'exhausted'",
+    ))
     .await
     .unwrap();
     crate::due_now(&t.db).await;
-    in_flight(&t, a.invoice, true, "declined").await;
     let r = tick(&t.db, &d).await;
     assert_eq!(r.tally.recovered, 1, "{r:?}");
-    assert_eq!(r.tally.final_actions, 1, "the held step taken once: {r:?}");
+    assert_eq!(r.tally.final_actions, 4, "each held step taken once: {r:?}");
     assert_eq!(p.create_requests(), 1);
     assert_eq!(run_of(&t.db, b.invoice).await.0, "recovered");
-    assert_eq!(
-        write_off_state(&t.db, a.invoice).await,
-        ("open".to_owned(), 0, false)
-    );
+    for &invoice in &held {
+        assert_eq!(
+            write_off_state(&t.db, invoice).await,
+            ("open".to_owned(), 0, false)
+        );
+    }
 }
