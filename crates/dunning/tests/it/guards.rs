@@ -413,28 +413,12 @@ async fn a_decline_settled_before_a_crash_is_announced_after_the_hold() {
 /// attempt announced, as before) fails here.
 #[tokio::test]
 async fn a_refused_retry_left_owing_its_notices_is_not_announced_as_a_decline() {
-    let t = TestDb::new().await;
-    let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    let x = declined_invoice(&t.db, "tenant_a").await;
-    let (d, _) = dunner(&t.db, &p, CALL, config());
-    crate::enrol(&t.db, &d).await;
-    let mut su = t.superuser().await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                       amount, currency, provider_status, resolved_at, \
-                                       first_sent_at, last_error) \
-         VALUES ('tenant_a', {i}, 2, 'hardcount-invoice-{i}-attempt-2', 1200, 'EUR', 'failed', \
-                 now(), now(), 'HTTP 400 invalid_request_error amount_too_large'); \
-         UPDATE invoices SET attempt_count = 2, review_since = now(), \
-                review_reason = 'HTTP 400 invalid_request_error amount_too_large' WHERE id = {i}; \
-         UPDATE dunning_runs SET attempt_count = 1, owed_notice_attempt = 1, \
-                next_attempt_at = now() - interval '1 minute' WHERE invoice_id = {i}",
-        i = x.invoice
-    )))
-    .execute(&mut su)
-    .await
-    .unwrap();
+    let (t, p, d) = owing_retry_2(
+        "'failed', now(), now(), NULL, NULL, NULL, \
+         'HTTP 400 invalid_request_error amount_too_large'",
+        "review_since = now(), review_reason = 'HTTP 400 invalid_request_error amount_too_large'",
+    )
+    .await;
     tick(&t.db, &d).await;
     assert_eq!(events(&t.db).await, ["dunning.started"]);
     assert_eq!(dunning_emails(&t.db).await, Vec::<String>::new());
@@ -450,27 +434,11 @@ async fn a_refused_retry_left_owing_its_notices_is_not_announced_as_a_decline() 
 /// charges it at once and announces nothing; seen failing under it.
 #[tokio::test]
 async fn an_owed_decline_an_operator_settled_is_announced() {
-    let t = TestDb::new().await;
-    let p = FakeProvider::start().await.unwrap();
-    policy(&t.db, "tenant_a", 3, "pause_collection").await;
-    let x = declined_invoice(&t.db, "tenant_a").await;
-    let (d, _) = dunner(&t.db, &p, CALL, config());
-    crate::enrol(&t.db, &d).await;
-    let mut su = t.superuser().await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
-                                       amount, currency, provider_status, resolved_at, \
-                                       first_sent_at, reviewed_at, reviewed_by, reviewed_by_role) \
-         VALUES ('tenant_a', {i}, 2, 'hardcount-invoice-{i}-attempt-2', 1200, 'EUR', 'failed', \
-                 now(), now(), now(), 'ops', 'hardcount_operator'); \
-         UPDATE invoices SET attempt_count = 2 WHERE id = {i}; \
-         UPDATE dunning_runs SET attempt_count = 1, owed_notice_attempt = 1, \
-                next_attempt_at = now() - interval '1 minute' WHERE invoice_id = {i}",
-        i = x.invoice
-    )))
-    .execute(&mut su)
-    .await
-    .unwrap();
+    let (t, p, d) = owing_retry_2(
+        "'failed', now(), now(), now(), 'ops', 'hardcount_operator', NULL",
+        "review_since = NULL",
+    )
+    .await;
     tick(&t.db, &d).await;
     assert_eq!(
         events(&t.db).await,
@@ -478,6 +446,35 @@ async fn an_owed_decline_an_operator_settled_is_announced() {
     );
     assert_eq!(dunning_emails(&t.db).await.len(), 1);
     assert_eq!(p.create_requests(), 0, "not charged at once");
+}
+
+/// A run whose retry 1 was counted and owes its notices, its attempt 2
+/// settled as `attempt` says (status, resolved, first sent, reviewed at, by,
+/// by role, last error: SQL values) and its invoice updated by `invoice`
+/// (SQL assignments): what a record leaves when what followed it was not
+/// written. Due now; three retries, warning after each.
+async fn owing_retry_2(attempt: &str, invoice: &str) -> (TestDb, FakeProvider, dunning::Dunner) {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 3, "pause_collection").await;
+    let x = declined_invoice(&t.db, "tenant_a").await;
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    crate::enrol(&t.db, &d).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO payment_attempts (tenant_id, invoice_id, attempt_seq, idempotency_key, \
+                                       amount, currency, provider_status, resolved_at, \
+                                       first_sent_at, reviewed_at, reviewed_by, \
+                                       reviewed_by_role, last_error) \
+         VALUES ('tenant_a', {i}, 2, 'hardcount-invoice-{i}-attempt-2', 1200, 'EUR', {attempt}); \
+         UPDATE invoices SET attempt_count = 2, {invoice} WHERE id = {i}; \
+         UPDATE dunning_runs SET attempt_count = 1, owed_notice_attempt = 1, \
+                next_attempt_at = now() - interval '1 minute' WHERE invoice_id = {i}",
+        i = x.invoice
+    )))
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    (t, p, d)
 }
 
 /// A retry recorded and then rewound (billing found its invoice held by
