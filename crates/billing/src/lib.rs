@@ -150,7 +150,7 @@ mod retention;
 #[doc(hidden)]
 pub mod statements {
     pub use crate::batch::START_ATTEMPTS;
-    pub use crate::batch::settle::{SETTLE, SETTLE_OPEN};
+    pub use crate::batch::settle::{SETTLE, SETTLE_CLOSED, SETTLE_OPEN};
     pub use crate::charge::store::{CLAIM_AND_START, CLAIM_CHARGES};
     pub use crate::reconcile::store::{CLAIM_UNKNOWN, FREE_STALE_HOLDS, OPERATOR_SETTLED};
     pub use crate::retention::{CLEAR_RAW_ANSWERS, DELETE_IDEMPOTENCY_KEYS, NO_SEQUENTIAL_SCAN};

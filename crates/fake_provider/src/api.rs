@@ -64,6 +64,8 @@ pub(super) enum Effect {
     Decline(String),
     /// Succeeded (charged), answered 500, with the intent or not.
     StoredError { with_intent: bool },
+    /// Succeeded (charged), answered 429 `lock_timeout`.
+    StoredLockTimeout,
     /// Processing (not charged yet), answered 200.
     Processing,
     /// Waiting for the customer's action (not charged yet), answered 200.
@@ -104,6 +106,7 @@ pub(super) fn plan(behaviour: &Behaviour, payment_method: &str) -> Result<Effect
         Behaviour::StoredServerError { with_intent } => Effect::StoredError {
             with_intent: *with_intent,
         },
+        Behaviour::StoredRateLimited => Effect::StoredLockTimeout,
         Behaviour::Processing => Effect::Processing,
         Behaviour::RequiresAction => Effect::RequiresAction,
         Behaviour::Malformed(MalformedKind::NotJson) => Effect::Charge(Shape::NotJson),
@@ -158,6 +161,17 @@ pub(super) fn execute(effect: &Effect, intent: &mut Intent) -> Answer {
                 e["payment_intent"] = intent.json();
             }
             Answer::json(StatusCode::INTERNAL_SERVER_ERROR, &json!({ "error": e }))
+        }
+        Effect::StoredLockTimeout => {
+            intent.status = Status::Succeeded;
+            let e = error_json(
+                "rate_limit_error",
+                Some("lock_timeout"),
+                None,
+                "This object cannot be accessed right now because another API request or \
+                 Stripe process is currently accessing it.",
+            );
+            Answer::json(StatusCode::TOO_MANY_REQUESTS, &json!({ "error": e }))
         }
         Effect::Processing => {
             intent.status = Status::Processing;

@@ -83,12 +83,14 @@ pub(super) fn behaviour_from(form: &HashMap<String, String>) -> Result<Behaviour
                 )
             })?,
         },
+        Some("stored_rate_limited") => Behaviour::StoredRateLimited,
         _ => {
             return Err(refuse(
                 "parameter_invalid_string",
                 "behaviour",
                 "behaviour is one of succeed, decline, hang, error, stored_error, processing, \
-                 requires_action, missing_payment_method, malformed, rate_limited"
+                 requires_action, missing_payment_method, malformed, rate_limited, \
+                 stored_rate_limited"
                     .into(),
             ));
         }

@@ -26,6 +26,7 @@
 //!                                        for that decline_code), decline_code; intent
 //!                                        requires_payment_method with last_payment_error
 //!      stored_error                  ──▶ charged, then 500 api_error [with payment_intent]
+//!      stored_rate_limited           ──▶ charged, then 429 rate_limit_error, code lock_timeout
 //!      processing                    ──▶ 200 status processing (charged only once settled)
 //!      requires_action               ──▶ 200 status requires_action (charged only once the
 //!                                        customer completes it: settled as succeeded)
@@ -44,7 +45,7 @@
 //!  POST /_test/behaviour             customer=cus_…&behaviour=succeed|decline|hang|error|
 //!                                    stored_error|processing|requires_action|
 //!                                    missing_payment_method|malformed|
-//!                                    rate_limited [&decline_code=…][&with_intent=true]
+//!                                    rate_limited|stored_rate_limited [&decline_code=…][&with_intent=true]
 //!                                    [&kind=not_json|no_id|bad_id|nul_code][&retry_after=N]
 //!  POST /_test/intents/{id}/settle   status=succeeded|failed   (a processing intent, or one
 //!                                    requiring action: the customer completes it or fails)
@@ -63,7 +64,9 @@
 //! `true` (the only flow billing uses), and an injected 5xx
 //! ([`Behaviour::ServerError`]) comes before execution, so it is not stored
 //! and a retry with the same key charges; [`Behaviour::StoredServerError`] is
-//! the 500 Stripe stores.
+//! the 500 Stripe stores, and [`Behaviour::StoredRateLimited`] the 429 it
+//! stores (a lock timeout after execution began) where its rate limiter's
+//! 429 ([`Behaviour::RateLimited`]) stores nothing.
 //!
 //! **Lookup by key** is the replay: billing's payment reconciler asks about an
 //! attempt whose outcome it does not know by sending the same request with the
@@ -199,6 +202,11 @@ pub enum Behaviour {
     RateLimited {
         retry_after_secs: u64,
     },
+    /// Charge, then store and answer 429 `rate_limit_error` with code
+    /// `lock_timeout`: a lock timed out once execution had begun, so the
+    /// answer is saved under the key and replayed (Stripe saves a result once
+    /// an endpoint begins executing, https://docs.stripe.com/api/idempotent_requests).
+    StoredRateLimited,
 }
 
 /// The broken answers of [`Behaviour::Malformed`].

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use tracing::warn;
+use tracing::{error, warn};
 
 use super::messages::{failed_email, paid_payload, payment_payload, receipt};
 use super::{Answer, NOT_SENT, Started};
@@ -114,6 +114,52 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
      WHERE a.id = h.id AND (NOT h.freed OR a.last_checked_at IS NULL) \
        AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
      RETURNING a.id";
+
+/// The settle's statement for a charge answered paid (or processing) whose
+/// invoice is no longer open, so [`SETTLE`] wrote nothing; `pub` only for the
+/// plan test. Money was taken, or may be, for an invoice already paid, written
+/// off or voided: left `unknown`, the attempt was never looked at again (the
+/// reconciler reads open invoices), and the charge stayed unrecorded. The
+/// attempt (still unknown or processing) now needs review with the intent,
+/// and the invoice is flagged, keeping its status: the operator refunds at the
+/// provider and settles the attempt as not charged (`billing_settle_attempt`
+/// refuses to pay a closed invoice). The invoice is locked first, as in
+/// [`SETTLE`], and its claim given back if it is still this row's
+/// (docs/adr/0142). The open status is bound per row (`was`), as in
+/// [`SETTLE`]: as a literal, statistics that saw few closed invoices had the
+/// invoices scanned whole for the batch.
+pub const SETTLE_CLOSED: &str = "WITH u AS ( \
+       SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], \
+                            $6::text[]) \
+              AS u(invoice_id, attempt_id, claimed_by, answer, intent, was) \
+     ), closed AS ( \
+       SELECT i.id, i.status, u.attempt_id, u.claimed_by, u.answer, u.intent \
+       FROM u JOIN invoices i ON i.id = u.invoice_id \
+       WHERE i.status <> u.was \
+       ORDER BY i.id \
+       FOR UPDATE OF i \
+     ), att AS ( \
+       UPDATE payment_attempts a SET provider_status = 'needs_review', \
+              provider_payment_intent = COALESCE(c.intent, a.provider_payment_intent), \
+              resolved_at = NULL, last_checked_at = now(), \
+              last_error = format('%s (%s) after invoice %s became %s: refund it at the \
+                                   provider, then settle this attempt as not charged', \
+                  CASE c.answer WHEN 'succeeded' THEN 'charged' \
+                                ELSE 'accepted as processing' END, \
+                  COALESCE(c.intent, a.provider_payment_intent), c.id, c.status) \
+       FROM closed c \
+       WHERE a.id = c.attempt_id \
+         AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
+       RETURNING a.id, a.invoice_id, a.last_error, c.claimed_by \
+     ) \
+     UPDATE invoices i SET review_since = now(), review_reason = att.last_error, \
+            auto_charge_claimed_until = CASE WHEN i.auto_charge_claimed_by = att.claimed_by \
+                                             THEN NULL ELSE i.auto_charge_claimed_until END, \
+            auto_charge_claimed_by = CASE WHEN i.auto_charge_claimed_by = att.claimed_by \
+                                          THEN NULL ELSE i.auto_charge_claimed_by END \
+     FROM att \
+     WHERE i.id = att.invoice_id \
+     RETURNING att.id, i.id AS invoice_id, att.last_error";
 
 /// Settle every answered attempt of a batch in one transaction (see the
 /// module's diagram). Returns, per row of `answers` and in their order, how it
@@ -343,6 +389,7 @@ async fn settle_once(
             return Ok(Once::RolledBack(bad));
         }
     };
+    review_closed(&mut tx, &done, &won).await?;
     let mut kept_open = HashSet::new();
     if !open.attempt.is_empty() {
         let rows = tx
@@ -442,6 +489,47 @@ async fn settle_once(
         .map(|(s, _)| s.attempt_id)
         .collect();
     Ok(Once::Committed(lost))
+}
+
+/// [`SETTLE_CLOSED`] for the rows answered paid or processing that
+/// [`SETTLE`] did not write (their claim lost, or their invoice closed). They
+/// stay [`Settled::Lost`] to the caller; those sent to review are logged.
+async fn review_closed(tx: &mut db::Tx, done: &Cols, won: &HashSet<i64>) -> Result<(), Error> {
+    let mut rows = Cols::default();
+    for (i, status) in done.status.iter().enumerate() {
+        if matches!(status.as_str(), "succeeded" | "processing") && !won.contains(&done.attempt[i])
+        {
+            rows.invoice.push(done.invoice[i]);
+            rows.attempt.push(done.attempt[i]);
+            rows.claimed_by.push(done.claimed_by[i].clone());
+            rows.status.push(status.clone());
+            rows.intent.push(done.intent[i].clone());
+        }
+    }
+    if rows.attempt.is_empty() {
+        return Ok(());
+    }
+    let was = vec![super::OPEN; rows.attempt.len()];
+    let reviewed = tx
+        .fetch_all(
+            sql(SETTLE_CLOSED)
+                .bind(rows.invoice)
+                .bind(rows.attempt)
+                .bind(rows.claimed_by)
+                .bind(rows.status)
+                .bind(rows.intent)
+                .bind(was),
+        )
+        .await?;
+    for r in reviewed {
+        let (attempt, invoice, why): (i64, i64, String) = (
+            r.try_get(0).map_err(db::Error::from)?,
+            r.try_get(1).map_err(db::Error::from)?,
+            r.try_get(2).map_err(db::Error::from)?,
+        );
+        error!(invoice, attempt, reason = %why, "a charge answered after its invoice was closed needs an operator's review (hardcount billing review)");
+    }
+    Ok(())
 }
 
 /// The attempts whose invoice and attempt were both written; `Err` with the

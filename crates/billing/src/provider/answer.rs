@@ -18,7 +18,8 @@ pub enum ChargeOutcome {
     /// Accepted, not settled (`processing`, `requires_capture`): polled by id.
     Processing { payment_intent: String },
     /// Not known whether it charged: a timeout, a transport error, a 5xx
-    /// (fresh or a stored one replayed), a 4xx Stripe does not document as a
+    /// (fresh or a stored one replayed), a 429 `lock_timeout` or a replayed
+    /// 429, a 4xx Stripe does not document as a
     /// refusal before execution (424, or a proxy's 408). `outage` when it says the provider
     /// is down now (no connection, or a fresh 5xx); a replayed answer says the
     /// provider is up.
@@ -27,10 +28,12 @@ pub enum ChargeOutcome {
         payment_intent: Option<String>,
         outage: bool,
     },
-    /// 409 (the key in flight) or 429: not executed; the same key later,
-    /// not before `after`. `in_flight` for the 409: another request under
-    /// the key has left and may execute; a 429 is refused before execution,
-    /// so nothing under the key was sent by it (docs/adr/0091).
+    /// 409 (the key in flight) or the rate limiter's 429: not executed; the
+    /// same key later, not before `after`. `in_flight` for the 409: another
+    /// request under the key has left and may execute; the limiter's 429 is
+    /// refused before execution, so nothing under the key was sent by it
+    /// (docs/adr/0091; a replayed 429 or a `lock_timeout` is `Unknown`,
+    /// docs/adr/0141, 0142).
     RetryLater {
         reason: String,
         after: Duration,
@@ -270,6 +273,18 @@ pub fn classify(status: u16, body: &str, replayed: bool, secret: &str) -> Charge
             payment_intent: carried(),
             outage: false,
         },
+        // A lock that timed out (`lock_timeout`) may have timed out inside
+        // the execution, after the intent was made: Stripe then saves the
+        // 429 as the key's answer (https://docs.stripe.com/rate-limits,
+        // https://docs.stripe.com/api/idempotent_requests). Only the rate
+        // limiter's 429 comes before execution (docs/adr/0142).
+        429 if code.as_deref() == Some("lock_timeout") => ChargeOutcome::Unknown {
+            reason: format!(
+                "HTTP 429 {kind} lock_timeout: a lock timed out, the request may have begun executing"
+            ),
+            payment_intent: carried(),
+            outage: false,
+        },
         429 => ChargeOutcome::RetryLater {
             reason: format!("HTTP 429 {kind}: rate limited"),
             after: Duration::from_secs(retry_after.unwrap_or(60).clamp(1, 3600)),
@@ -388,6 +403,9 @@ mod tests {
             (409, r#"{"error":{"type":"idempotency_error"}}"#.into(), false, "later:5"),
             (429, r(r#"7"#, r#"{"error":{"type":"rate_limit_error"}}"#), false, "later:7"),
             (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), false, "later:60"),
+            (429, r#"{"error":{"type":"rate_limit_error","code":"rate_limit"}}"#.into(), false, "later:60"),
+            // A lock timeout may come after the intent was made (mutation `fresh_lock_timeout_not_sent`).
+            (429, r#"{"error":{"type":"rate_limit_error","code":"lock_timeout"}}"#.into(), false, "unknown"),
             // Replayed: saved, so its request began (mutation `replayed_429_not_sent`).
             (429, r#"{"error":{"type":"rate_limit_error"}}"#.into(), true, "unknown"),
             (500, "".into(), false, "unknown:outage"),

@@ -318,3 +318,138 @@ async fn a_settle_left_open_after_a_takeover_leaves_the_attempt_to_its_new_claim
         "an attempt looked at since its claim was given back is left as the look left it"
     );
 }
+
+/// The review of a closed invoice's attempt, as the operator reads it:
+/// (attempt status, intent, invoice status, review reason, claim holder).
+async fn closed_row(
+    db: &Db,
+    invoice: i64,
+) -> (
+    String,
+    Option<String>,
+    String,
+    Option<String>,
+    Option<String>,
+) {
+    let r = db
+        .fetch_one(
+            sql(
+                "SELECT a.provider_status, a.provider_payment_intent, i.status, i.review_reason, \
+                        i.auto_charge_claimed_by \
+                 FROM payment_attempts a JOIN invoices i ON i.id = a.invoice_id \
+                 WHERE i.id = $1",
+            )
+            .bind(invoice),
+        )
+        .await
+        .unwrap();
+    (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))
+}
+
+/// Two retries started; before their answers come back, the first's invoice
+/// is written off (as a writer of invoice status that ignored the charge in
+/// flight would). Both are charged. The second is paid as usual; the first's
+/// paid answer finds its invoice closed, so the settle cannot pay it: its
+/// attempt needs review with the intent that charged, its invoice keeps its
+/// status and is flagged with the reason (refund, then settle as not
+/// charged), and the claim is given back. Before, the attempt stayed unknown
+/// on a closed invoice, which the reconciler never reads: the charge was
+/// never recorded (docs/adr/0142).
+///
+/// Mutation check: the settle's review of closed invoices not run
+/// (`closed_paid_left_unknown`) leaves the attempt unknown, and this test
+/// fails. Its predicate on the invoice (`i.status <> 'open'`) is pinned by
+/// `a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row`
+/// (mutation `closed_review_of_open`: a lost claim of an open invoice sent
+/// to review).
+#[tokio::test]
+async fn a_charge_paid_after_its_invoice_was_closed_needs_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let inv = open_invoices(&t.db, 2).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let started = start_retries(&t.db, &b, &inv).await;
+    sqlx::query("UPDATE invoices SET status = 'uncollectible', closed_at = now() WHERE id = $1")
+        .bind(inv[0].0)
+        .execute(&mut t.superuser().await)
+        .await
+        .unwrap();
+    let done = finish_retries(&b, started, false).await;
+    for (s, result) in done {
+        let retried = result.expect("no panic").expect("no error");
+        let paid = matches!(retried, Retried::Paid { .. });
+        assert_eq!(paid, s.claim.invoice_id == inv[1].0, "{retried:?}");
+    }
+    assert_eq!(p.total_charges(), 2);
+    let intents = p.intents();
+    let (status, intent, invoice, reason, holder) = closed_row(&t.db, inv[0].0).await;
+    assert_eq!(
+        (status.as_str(), invoice.as_str(), holder),
+        ("needs_review", "uncollectible", None)
+    );
+    assert!(
+        intents.iter().any(|i| Some(&i.id) == intent.as_ref()),
+        "{intent:?}"
+    );
+    let reason = reason.unwrap_or_default();
+    assert!(
+        reason.contains("after invoice") && reason.contains("refund"),
+        "{reason}"
+    );
+    let listed: Vec<i64> =
+        t.db.fetch_all(sql(
+            "SELECT invoice_id FROM payment_attempts_needing_review",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(listed, [inv[0].0]);
+    assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "paid");
+}
+
+/// A retry's answer comes back after the reconciler took its invoice over
+/// and settled the same attempt paid: the invoice is closed (paid) and the
+/// attempt settled, so the late answer writes nothing and sends nothing to
+/// review.
+///
+/// Mutation check: the review of closed invoices without its guard on the
+/// attempt's open status (`closed_review_of_settled`) turns the settled
+/// attempt into one needing review and flags the paid invoice, and this test
+/// fails.
+#[tokio::test]
+async fn a_late_answer_for_an_attempt_settled_meanwhile_is_not_sent_to_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let inv = open_invoices(&t.db, 1).await;
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let started = start_retries(&t.db, &b, &inv).await;
+    sqlx::raw_sql(
+        "UPDATE payment_attempts SET provider_status = 'succeeded', resolved_at = now(), \
+                provider_payment_intent = 'pi_settled_by_the_reconciler'; \
+         UPDATE invoices SET status = 'paid', paid_at = now(), \
+                auto_charge_claimed_until = NULL, auto_charge_claimed_by = NULL",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let done = finish_retries(&b, started, false).await;
+    let retried = done[0]
+        .1
+        .as_ref()
+        .expect("no panic")
+        .as_ref()
+        .expect("no error");
+    assert!(matches!(retried, Retried::Unknown { .. }), "{retried:?}");
+    assert_eq!(
+        closed_row(&t.db, inv[0].0).await,
+        (
+            "succeeded".to_owned(),
+            Some("pi_settled_by_the_reconciler".to_owned()),
+            "paid".to_owned(),
+            None,
+            None
+        )
+    );
+}

@@ -4,7 +4,8 @@
 //! answers with its stored result; past it, the attempt needs review. Before,
 //! such an attempt stayed unknown at every look, for ever. And a first send
 //! refused with 429 left nothing sent (docs/adr/0091): the attempt stays
-//! never sent, and its next send is made without a listing.
+//! never sent, and its next send is made without a listing; a 429
+//! `lock_timeout` may come after the charge, and is looked up.
 
 use std::time::Duration;
 
@@ -278,4 +279,38 @@ async fn a_listing_that_is_not_a_list_page_needs_review_and_sends_nothing() {
             "{body}"
         );
     }
+}
+
+/// Auto-charge's first send is answered 429 `lock_timeout` after the charge
+/// was made (the fake stores that 429 under the key, as Stripe saves an
+/// answer once execution began). The attempt is unknown, not never sent: the
+/// reconciler lists the customer's intents, finds the succeeded one, and the
+/// invoice is paid with the one charge, no second request under the key.
+///
+/// Mutation check: a fresh `lock_timeout` read as the rate limiter's 429
+/// (`fresh_lock_timeout_not_sent`) leaves the attempt never sent, resent
+/// without a listing at the next look (the replay is then unknown), so this
+/// look pays nothing, and this test fails.
+#[tokio::test]
+async fn a_lock_timeout_after_the_charge_is_looked_up_and_paid_once() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (b, _, first) = first_send(&t, &p, Behaviour::StoredRateLimited).await;
+    assert_eq!(first.charges.unknown, 1, "{first:?}");
+    assert_eq!((p.create_requests(), p.total_charges()), (1, 1));
+    assert!(
+        !never_sent(&t).await,
+        "the 429 came after the request began"
+    );
+    after_the_lease().await;
+    let report = tick(&t.db, &b).await;
+    assert_eq!(report.reconciled.paid, 1, "{report:?}");
+    assert_eq!(
+        (p.list_requests(), p.create_requests(), p.total_charges()),
+        (1, 1, 1)
+    );
+    assert_eq!(
+        strings(&t.db, "SELECT status FROM invoices").await,
+        ["paid"]
+    );
 }

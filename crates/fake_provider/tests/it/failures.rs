@@ -1,7 +1,7 @@
 //! A provider that fails: a call that hangs (charged once), a 5xx (nothing
 //! charged, the key usable again), a stored 500 replayed with or without its
 //! intent, answers that do not parse (stored and replayed as sent), and a 429
-//! with `Retry-After` (nothing stored).
+//! with `Retry-After` (nothing stored) or after execution began (stored).
 
 use std::time::Duration;
 
@@ -213,4 +213,30 @@ async fn a_rate_limited_request_answers_429_with_retry_after_and_is_not_stored()
     let again = charge(&p, "k1", GOOD).await;
     assert_eq!((again.status, again.replayed), (200, false));
     assert_eq!(p.charges().get("k1"), Some(&1));
+}
+
+/// A 429 that came after execution began (a lock timeout) charged and is
+/// stored: the same key answers it again, `Idempotent-Replayed`, without a
+/// second charge, and the form names it.
+#[tokio::test]
+async fn a_stored_429_is_charged_once_and_replayed_with_the_header() {
+    let p = FakeProvider::start().await.unwrap();
+    let form = "customer=cus_ada&behaviour=stored_rate_limited";
+    assert_eq!(control(&p, "behaviour", form).await, 204);
+    let a = charge(&p, "k1", GOOD).await;
+    assert_eq!((a.status, a.replayed), (429, false));
+    assert_eq!(a.body["error"]["type"], "rate_limit_error");
+    assert_eq!(a.body["error"]["code"], "lock_timeout");
+    assert_eq!(
+        p.charges().get("k1"),
+        Some(&1),
+        "it executed before the 429"
+    );
+    assert_eq!(p.intents()[0].status, "succeeded");
+    assert!(p.has_result("k1"));
+    p.set_behaviour("cus_ada", Behaviour::Succeed);
+    let again = charge(&p, "k1", GOOD).await;
+    assert_eq!((again.status, again.replayed), (429, true));
+    assert_eq!(again.body, a.body);
+    assert_eq!(p.total_charges(), 1);
 }

@@ -1,11 +1,12 @@
-//! The charge path's batch writes, the settle (`SETTLE`, `SETTLE_OPEN`) and
+//! The charge path's batch writes, the settle (`SETTLE`, `SETTLE_OPEN`,
+//! `SETTLE_CLOSED`) and
 //! the attempts insert (`START_ATTEMPTS`), reach each invoice and attempt of their batch by
 //! its key, also on statistics gathered while nothing was claimed.
 
 use testbed::TestDb;
 use testbed::plans::explain_index_driven;
 
-use billing::statements::{SETTLE, SETTLE_OPEN, START_ATTEMPTS};
+use billing::statements::{SETTLE, SETTLE_CLOSED, SETTLE_OPEN, START_ATTEMPTS};
 
 use super::{BATCH, claimed};
 
@@ -186,6 +187,29 @@ async fn a_settle_left_open_reaches_its_batch_by_key_when_the_statistics_saw_no_
             .bind(1.0_f64)
             .bind(invoices)
             .bind(vec!["c1".to_owned(); BATCH])
+    })
+    .await;
+    reaches_each_by_key(&plan);
+}
+
+/// The review of paid answers whose invoice was closed (`SETTLE_CLOSED`) on
+/// statistics gathered while nothing was claimed: each invoice and attempt
+/// of the batch reached by its key, though the statement runs only for rows
+/// the settle lost. Guard: the open status bound per row; seen failing with
+/// the literal (mutation `closed_review_literal_status`: the invoices read by
+/// a sequential scan filtered on status, joined to the batch).
+#[tokio::test]
+async fn a_settle_of_closed_invoices_reaches_its_batch_by_key() {
+    let t = TestDb::new().await;
+    let (invoices, attempts) = claimed(&t).await;
+    statistics_without_claims(&t).await;
+    let plan = explain_index_driven(&t.db, SETTLE_CLOSED, move |s| {
+        s.bind(invoices)
+            .bind(attempts)
+            .bind(vec!["c1".to_owned(); BATCH])
+            .bind(vec!["succeeded".to_owned(); BATCH])
+            .bind(vec![Some("pi_1".to_owned()); BATCH])
+            .bind(vec!["open".to_owned(); BATCH])
     })
     .await;
     reaches_each_by_key(&plan);
