@@ -115,11 +115,12 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
        AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
      RETURNING a.id";
 
-/// The settle's statement for a charge answered paid (or processing) whose
-/// invoice is no longer open, so [`SETTLE`] wrote nothing; `pub` only for the
-/// plan test. Money was taken, or may be, for an invoice already paid, written
-/// off or voided: left `unknown`, the attempt was never looked at again (the
-/// reconciler reads open invoices), and the charge stayed unrecorded. The
+/// The settle's statement for a charge answered paid, processing or unknown
+/// whose invoice is no longer open, so [`SETTLE`] could not pay it; `pub`
+/// only for the plan test. Money was taken, or may be, for an invoice already
+/// paid, written off or voided: left `unknown`, the attempt was never looked
+/// at again (the reconciler reads open invoices), and the charge stayed
+/// unrecorded. The
 /// attempt (still unknown or processing) now needs review with the intent,
 /// and the invoice is flagged, keeping its status: the operator refunds at the
 /// provider and settles the attempt as not charged (`billing_settle_attempt`
@@ -142,11 +143,14 @@ pub const SETTLE_CLOSED: &str = "WITH u AS ( \
        UPDATE payment_attempts a SET provider_status = 'needs_review', \
               provider_payment_intent = COALESCE(c.intent, a.provider_payment_intent), \
               resolved_at = NULL, last_checked_at = now(), \
-              last_error = format('%s (%s) after invoice %s became %s: refund it at the \
-                                   provider, then settle this attempt as not charged', \
+              last_error = format('%s (%s) after invoice %s became %s: if it charged, refund \
+                                   it at the provider; then settle this attempt as not \
+                                   charged', \
                   CASE c.answer WHEN 'succeeded' THEN 'charged' \
-                                ELSE 'accepted as processing' END, \
-                  COALESCE(c.intent, a.provider_payment_intent), c.id, c.status) \
+                                WHEN 'processing' THEN 'accepted as processing' \
+                                ELSE 'answered without an outcome' END, \
+                  COALESCE(c.intent, a.provider_payment_intent, \
+                           'key ' || a.idempotency_key), c.id, c.status) \
        FROM closed c \
        WHERE a.id = c.attempt_id \
          AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
@@ -389,7 +393,6 @@ async fn settle_once(
             return Ok(Once::RolledBack(bad));
         }
     };
-    review_closed(&mut tx, &done, &won).await?;
     let mut kept_open = HashSet::new();
     if !open.attempt.is_empty() {
         let rows = tx
@@ -409,6 +412,7 @@ async fn settle_once(
             kept_open.insert(r.try_get::<i64, _>(0).map_err(db::Error::from)?);
         }
     }
+    review_closed(&mut tx, answers, &won).await?;
     if !open.release.is_empty() {
         let (ids, by): (Vec<i64>, Vec<String>) = open.release.into_iter().unzip();
         tx.execute(
@@ -491,19 +495,26 @@ async fn settle_once(
     Ok(Once::Committed(lost))
 }
 
-/// [`SETTLE_CLOSED`] for the rows answered paid or processing that
-/// [`SETTLE`] did not write (their claim lost, or their invoice closed). They
-/// stay [`Settled::Lost`] to the caller; those sent to review are logged.
-async fn review_closed(tx: &mut db::Tx, done: &Cols, won: &HashSet<i64>) -> Result<(), Error> {
+/// [`SETTLE_CLOSED`] for the rows whose answer says the charge was or may
+/// have been made ([`may_have_charged`]) that [`SETTLE`] did not resolve
+/// (their claim lost, or their invoice closed). A paid or processing row
+/// stays [`Settled::Lost`] to the caller, an unknown one as [`SETTLE_OPEN`]
+/// wrote it; those sent to review are logged.
+async fn review_closed(
+    tx: &mut db::Tx,
+    answers: &[(&Started, &Answer)],
+    won: &HashSet<i64>,
+) -> Result<(), Error> {
     let mut rows = Cols::default();
-    for (i, status) in done.status.iter().enumerate() {
-        if matches!(status.as_str(), "succeeded" | "processing") && !won.contains(&done.attempt[i])
+    for (s, a) in answers {
+        if let Some((answer, intent)) = may_have_charged(a)
+            && !won.contains(&s.attempt_id)
         {
-            rows.invoice.push(done.invoice[i]);
-            rows.attempt.push(done.attempt[i]);
-            rows.claimed_by.push(done.claimed_by[i].clone());
-            rows.status.push(status.clone());
-            rows.intent.push(done.intent[i].clone());
+            rows.invoice.push(s.claim.invoice_id);
+            rows.attempt.push(s.attempt_id);
+            rows.claimed_by.push(s.claim.claimed_by.clone());
+            rows.status.push(answer.to_owned());
+            rows.intent.push(intent.map(str::to_owned));
         }
     }
     if rows.attempt.is_empty() {
@@ -530,6 +541,23 @@ async fn review_closed(tx: &mut db::Tx, done: &Cols, won: &HashSet<i64>) -> Resu
         error!(invoice, attempt, reason = %why, "a charge answered after its invoice was closed needs an operator's review (hardcount billing review)");
     }
     Ok(())
+}
+
+/// The answer a charge may have been made under, and its intent if known:
+/// paid, processing, or unknown (a timeout, a 5xx, a `lock_timeout`).
+fn may_have_charged(a: &Answer) -> Option<(&'static str, Option<&str>)> {
+    match a {
+        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
+            Some(("succeeded", Some(payment_intent)))
+        }
+        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
+            Some(("processing", Some(payment_intent)))
+        }
+        Answer::Called(ChargeOutcome::Unknown { payment_intent, .. }) => {
+            Some(("unknown", payment_intent.as_deref()))
+        }
+        _ => None,
+    }
 }
 
 /// The attempts whose invoice and attempt were both written; `Err` with the

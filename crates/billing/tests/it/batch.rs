@@ -346,57 +346,73 @@ async fn closed_row(
     (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))
 }
 
-/// Two retries started; before their answers come back, the first's invoice
-/// is written off (as a writer of invoice status that ignored the charge in
-/// flight would). Both are charged. The second is paid as usual; the first's
-/// paid answer finds its invoice closed, so the settle cannot pay it: its
-/// attempt needs review with the intent that charged, its invoice keeps its
-/// status and is flagged with the reason (refund, then settle as not
-/// charged), and the claim is given back. Before, the attempt stayed unknown
-/// on a closed invoice, which the reconciler never reads: the charge was
-/// never recorded (docs/adr/0142).
+/// Three retries started; before their answers come back, the invoices of
+/// the first and the third are written off (as a writer of invoice status
+/// that ignored the charge in flight would). All three are charged; the third
+/// is answered with a stored 500, so its outcome is unknown. The second is
+/// paid as usual. The first's paid answer finds its invoice closed, so the
+/// settle cannot pay it, and the third's unknown one cannot be looked up (the
+/// reconciler reads open invoices): each attempt needs review, with the
+/// intent that charged or its key, each invoice keeps its status and is
+/// flagged with the reason (refund a charge, then settle as not charged),
+/// and the claims are given back. Before, both attempts stayed unknown on a
+/// closed invoice, and the charges were never recorded (docs/adr/0142).
 ///
 /// Mutation check: the settle's review of closed invoices not run
-/// (`closed_paid_left_unknown`) leaves the attempt unknown, and this test
-/// fails. Its predicate on the invoice (`i.status <> 'open'`) is pinned by
+/// (`closed_paid_left_unknown`) leaves both attempts unknown, and an unknown
+/// answer not taken as one that may have charged
+/// (`closed_unknown_left_unknown`) leaves the third's; this test fails under
+/// each. Its predicate on the invoice (`i.status <> u.was`) is pinned by
 /// `a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row`
 /// (mutation `closed_review_of_open`: a lost claim of an open invoice sent
 /// to review).
 #[tokio::test]
-async fn a_charge_paid_after_its_invoice_was_closed_needs_review() {
+async fn charges_answered_after_their_invoice_was_closed_need_review() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let inv = open_invoices(&t.db, 2).await;
+    let inv = open_invoices(&t.db, 3).await;
+    p.set_behaviour(
+        &inv[2].1,
+        Behaviour::StoredServerError { with_intent: false },
+    );
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let started = start_retries(&t.db, &b, &inv).await;
-    sqlx::query("UPDATE invoices SET status = 'uncollectible', closed_at = now() WHERE id = $1")
-        .bind(inv[0].0)
-        .execute(&mut t.superuser().await)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE invoices SET status = 'uncollectible', closed_at = now() WHERE id = ANY($1)",
+    )
+    .bind(vec![inv[0].0, inv[2].0])
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
     let done = finish_retries(&b, started, false).await;
     for (s, result) in done {
         let retried = result.expect("no panic").expect("no error");
         let paid = matches!(retried, Retried::Paid { .. });
         assert_eq!(paid, s.claim.invoice_id == inv[1].0, "{retried:?}");
     }
-    assert_eq!(p.total_charges(), 2);
+    assert_eq!(p.total_charges(), 3);
     let intents = p.intents();
-    let (status, intent, invoice, reason, holder) = closed_row(&t.db, inv[0].0).await;
-    assert_eq!(
-        (status.as_str(), invoice.as_str(), holder),
-        ("needs_review", "uncollectible", None)
-    );
-    assert!(
-        intents.iter().any(|i| Some(&i.id) == intent.as_ref()),
-        "{intent:?}"
-    );
-    let reason = reason.unwrap_or_default();
-    assert!(
-        reason.contains("after invoice") && reason.contains("refund"),
-        "{reason}"
-    );
-    let listed: Vec<i64> =
+    for (closed, named) in [(inv[0].0, "pi_"), (inv[2].0, "key ")] {
+        let (status, intent, invoice, reason, holder) = closed_row(&t.db, closed).await;
+        assert_eq!(
+            (status.as_str(), invoice.as_str(), holder),
+            ("needs_review", "uncollectible", None)
+        );
+        let reason = reason.unwrap_or_default();
+        assert!(
+            reason.contains("after invoice")
+                && reason.contains("refund")
+                && reason.contains(&format!("({named}")),
+            "{reason}"
+        );
+        if closed == inv[0].0 {
+            assert!(
+                intents.iter().any(|i| Some(&i.id) == intent.as_ref()),
+                "{intent:?}"
+            );
+        }
+    }
+    let mut listed: Vec<i64> =
         t.db.fetch_all(sql(
             "SELECT invoice_id FROM payment_attempts_needing_review",
         ))
@@ -405,7 +421,8 @@ async fn a_charge_paid_after_its_invoice_was_closed_needs_review() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(listed, [inv[0].0]);
+    listed.sort();
+    assert_eq!(listed, [inv[0].0, inv[2].0]);
     assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "paid");
 }
 
