@@ -128,3 +128,65 @@ async fn each_bad_email_field_is_named_and_a_recipient_by_its_index() {
     let list = s.get("/v1/emails", &key).await;
     assert_eq!(list.json["data"], json!([]), "nothing queued");
 }
+
+/// The sender's domain is the tenant's own: that of the deployment's sender
+/// (here `billing@example.com`), any address and any case of it, until the
+/// tenant's `email_from` names another. An address of any other domain, a
+/// subdomain or a look-alike is refused with `from` named, and nothing is
+/// queued: the API relays through the deployment's mail server, which would
+/// send it in that domain's name.
+///
+/// Mutation check: the domain comparison dropped (`any_sender_domain`)
+/// queues the other domains' emails, and the tenant's own setting not read
+/// (`tenant_sender_domain_ignored`) refuses its own domain; this test fails
+/// under each.
+#[tokio::test]
+async fn a_sender_outside_the_tenants_own_domain_is_refused() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let from = |f: &str| {
+        let mut e = email();
+        e["from"] = json!(f);
+        e
+    };
+    for own in ["Shop <shop@Example.COM>", "billing@example.com"] {
+        let a = s.post("/v1/emails", &key, from(own)).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{own}: {}", a.text);
+    }
+    for other in [
+        "billing@example.org",
+        "Billing <billing@example.com.evil.test>",
+        "a@sub.example.com",
+    ] {
+        let a = s.post("/v1/emails", &key, from(other)).await;
+        assert_eq!(
+            (a.status, a.param()),
+            (StatusCode::BAD_REQUEST, "from"),
+            "{other}: {}",
+            a.text
+        );
+        assert!(a.text.contains("example.com"), "{}", a.text);
+    }
+    sqlx::query(
+        "INSERT INTO tenant_settings (tenant_id, email_from) VALUES ('acme', 'Acme <billing@acme.test>') \
+         ON CONFLICT (tenant_id) DO UPDATE SET email_from = EXCLUDED.email_from",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let a = s
+        .post("/v1/emails", &key, from("Acme <hello@acme.test>"))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let a = s
+        .post("/v1/emails", &key, from("billing@example.com"))
+        .await;
+    assert_eq!((a.status, a.param()), (StatusCode::BAD_REQUEST, "from"));
+    let list = s.get("/v1/emails", &key).await;
+    assert_eq!(
+        list.json["data"].as_array().unwrap().len(),
+        3,
+        "only own domains queued"
+    );
+}
