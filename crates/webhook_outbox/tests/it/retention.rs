@@ -290,3 +290,61 @@ async fn a_prune_reads_past_events_kept_back_once_a_pass() {
     );
     assert!(counts_pruned(&metrics, 3), "{}", metrics.render());
 }
+
+/// A handoff whose lease ended with its pair unwritten holds the event prune
+/// while its recovery fails (here a trigger refuses to delete the handoff):
+/// its event, dispatched 40 days ago with no delivery row yet, is kept. Once
+/// the recovery runs, the pair is written pending and the event keeps its
+/// delivery. Before, the prune deleted the event (no delivery of it
+/// remained) and the recovery then skipped the pair as gone: a delivery lost
+/// with no line and no count (docs/adr/0144).
+///
+/// Mutation check: the prune not held (`prune_ignores_handoffs`) deletes the
+/// event in the first tick, and this test fails.
+#[tokio::test]
+async fn an_expired_handoff_holds_the_event_prune_until_it_is_recovered() {
+    let t = TestDb::new().await;
+    let endpoint_id = endpoint(&t, "tenant_a", &[], true).await;
+    let e = event(&t.db, "tenant_a", "invoice.paid", "{}").await;
+    owner(
+        &t,
+        format!(
+            "UPDATE webhook_events SET dispatched_at = now() - interval '40 days' WHERE id = {e}; \
+             INSERT INTO webhook_handoffs (until, tenant_ids, event_ids, endpoint_ids) \
+             VALUES (now() - interval '1 second', ARRAY['tenant_a'], ARRAY[{e}::int8], \
+                     ARRAY[{endpoint_id}::int8]); \
+             CREATE FUNCTION keep_handoffs() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RAISE EXCEPTION 'refused for the test'; END $$; \
+             CREATE TRIGGER keep_handoffs BEFORE DELETE ON webhook_handoffs \
+               FOR EACH ROW EXECUTE FUNCTION keep_handoffs()"
+        ),
+    )
+    .await;
+    let tick = |t: &TestDb| {
+        let (d, _) = pruning(t, Duration::from_millis(300), 1000);
+        let m = manager(&t.db, "d");
+        async move {
+            as_leader(&m, Role::WebhookOutbox, |tick| async move {
+                d.run_tick(&tick).await
+            })
+            .await
+        }
+    };
+    tick(&t).await;
+    assert_eq!(event_ids(&t.db).await, vec![e], "the prune was held");
+    owner(
+        &t,
+        "DROP TRIGGER keep_handoffs ON webhook_handoffs".to_owned(),
+    )
+    .await;
+    tick(&t).await;
+    assert_eq!(event_ids(&t.db).await, vec![e], "kept by its delivery");
+    let written: i64 =
+        t.db.fetch_one(sql(
+            "SELECT count(*) FROM webhook_deliveries WHERE attempts = 1",
+        ))
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(written, 1, "the pair was recovered");
+}
