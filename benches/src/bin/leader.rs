@@ -271,7 +271,7 @@ async fn cycle(db: &Db, samples: Option<&mut Samples>) -> Result<()> {
         t.statement_timeout,
     )
     .await?;
-    ensure!(released, "RELEASE changed no row");
+    ensure!(released.changed, "RELEASE changed no row");
     if let Some(s) = samples {
         s.acquire.push(acquire);
         s.renew.push(renew);

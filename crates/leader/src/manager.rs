@@ -520,18 +520,34 @@ impl Manager {
             ),
         )
         .await;
-        match released {
-            Ok(Ok(changed)) => info!(
-                role = %role, token, outcome = release.as_str(), changed, elapsed = ?started.elapsed(),
-                "lease released"
-            ),
+        let release = match released {
+            Ok(Ok(store::Released {
+                recorded: store::Release::Lost,
+                ..
+            })) if release != store::Release::Lost => {
+                // Its lease expired before the release: its claims proved a
+                // false fence, so "drained" meant nothing claimed (docs/adr/0145).
+                warn!(role = %role, token, outcome = release.as_str(), elapsed = ?started.elapsed(),
+                      "lease expired before the release; recorded lost");
+                self.lease_lost(role, "expired");
+                store::Release::Lost
+            }
+            Ok(Ok(done)) => {
+                info!(
+                    role = %role, token, outcome = release.as_str(), changed = done.changed,
+                    elapsed = ?started.elapsed(), "lease released"
+                );
+                release
+            }
             Ok(Err(e)) => {
-                warn!(role = %role, token, outcome = release.as_str(), error = %e, "release failed; the lease will expire")
+                warn!(role = %role, token, outcome = release.as_str(), error = %e, "release failed; the lease will expire");
+                release
             }
             Err(_) => {
-                warn!(role = %role, token, outcome = release.as_str(), "release timed out; the lease will expire")
+                warn!(role = %role, token, outcome = release.as_str(), "release timed out; the lease will expire");
+                release
             }
-        }
+        };
         self.telemetry
             .histogram(
                 "hardcount_leader_tick_duration_seconds",

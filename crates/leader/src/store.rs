@@ -273,7 +273,11 @@ pub enum Renew {
     Gone { paused: bool },
 }
 
-/// RENEW: extend the lease only for this token and a live holder. The server
+/// RENEW: extend the lease only for this token and a live holder, while it
+/// has not expired: a renewal that arrives after the expiry (a process
+/// suspended past its TTL with nobody taking over) would hide the gap in the
+/// term's history and let the tick go on as if it had held throughout; it is
+/// `Gone`, as after a takeover (docs/adr/0145). The server
 /// cancels the statement after `statement_timeout` (`SET LOCAL`), so a blocked
 /// renewal does not linger after we have given up on it.
 pub async fn renew(
@@ -290,6 +294,7 @@ pub async fn renew(
                 "WITH renewed AS ( \
                    UPDATE leader_leases SET expires_at = statement_timestamp() + make_interval(secs => $3) \
                    WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
+                     AND expires_at > statement_timestamp() \
                    RETURNING role, holder_token, expires_at), \
                  term AS ( \
                    UPDATE leader_terms t SET last_renewed_at = statement_timestamp(), expires_at = r.expires_at \
@@ -372,8 +377,23 @@ impl Release {
     }
 }
 
+/// What a RELEASE wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Whether it changed the row (false after a takeover or pause).
+    pub changed: bool,
+    /// The outcome recorded: the one asked for, or `Lost` for a completed or
+    /// more-work tick whose lease had expired before the release.
+    pub recorded: Release,
+}
+
 /// RELEASE: clear the holder if this term still owns the row, recording the
-/// outcome. Returns whether it changed the row (false after a takeover or pause).
+/// outcome. A tick that says its work is done (completed, completed and due
+/// now, more work) on a lease that expired before the release, with nobody
+/// taking over, is recorded `lost`: no slot or tick time stamped, the lost
+/// cooldown. Its claims ran with a false fence and claimed nothing, which
+/// reads as drained; stamped completed, a cron slot whose work never ran was
+/// done for good (docs/adr/0145).
 #[allow(clippy::too_many_arguments)]
 pub async fn release(
     db: &Db,
@@ -384,38 +404,46 @@ pub async fn release(
     failure_cooldown: Duration,
     stamp: &SlotStamp,
     statement_timeout: Duration,
-) -> Result<bool, StoreError> {
+) -> Result<Released, StoreError> {
     let mut tx = db.begin_with_timeout(statement_timeout).await?;
     let row = tx
         .fetch_one(
-            sql("WITH released AS ( \
-                 UPDATE leader_leases SET holder_id = NULL, expires_at = NULL, \
-                   last_tick_ended_at = CASE $3 \
+            sql("WITH cur AS ( \
+                 SELECT role, CASE WHEN expires_at <= statement_timestamp() \
+                                    AND $3 IN ('completed', 'completed_due_now', 'more_work') \
+                               THEN 'lost' ELSE $3 END AS o \
+                 FROM leader_leases \
+                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
+                 FOR UPDATE), \
+               released AS ( \
+                 UPDATE leader_leases l SET holder_id = NULL, expires_at = NULL, \
+                   last_tick_ended_at = CASE c.o \
                        WHEN 'completed' THEN now() \
                        WHEN 'completed_due_now' THEN now() - make_interval(secs => $4) \
-                       ELSE last_tick_ended_at END, \
-                   last_tick_holder = CASE WHEN $3 IN ('completed', 'completed_due_now') \
-                                           THEN holder_id ELSE last_tick_holder END, \
-                   not_before = CASE $3 \
+                       ELSE l.last_tick_ended_at END, \
+                   last_tick_holder = CASE WHEN c.o IN ('completed', 'completed_due_now') \
+                                           THEN l.holder_id ELSE l.last_tick_holder END, \
+                   not_before = CASE c.o \
                        WHEN 'completed' THEN NULL \
                        WHEN 'completed_due_now' THEN NULL \
                        WHEN 'lost' THEN now() + LEAST(make_interval(secs => $4), interval '60 seconds') \
                        WHEN 'panicked' THEN now() + make_interval(secs => $4) \
                        WHEN 'failed' THEN now() + LEAST(make_interval(secs => $4), make_interval(secs => $5)) \
                        WHEN 'more_work' THEN NULL \
-                       ELSE not_before END, \
-                   schedule = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN NULLIF($6, '') ELSE schedule END, \
-                   last_slot = CASE WHEN $3 IN ('completed', 'completed_due_now') THEN $7 ELSE last_slot END, \
-                   next_slot = CASE $3 \
+                       ELSE l.not_before END, \
+                   schedule = CASE WHEN c.o IN ('completed', 'completed_due_now') THEN NULLIF($6, '') ELSE l.schedule END, \
+                   last_slot = CASE WHEN c.o IN ('completed', 'completed_due_now') THEN $7 ELSE l.last_slot END, \
+                   next_slot = CASE c.o \
                        WHEN 'completed' THEN COALESCE($8, now() + make_interval(secs => $4)) \
                        WHEN 'completed_due_now' THEN now() \
-                       ELSE next_slot END \
-                 WHERE role = $1 AND holder_token = $2 AND holder_id IS NOT NULL \
-                 RETURNING role), \
+                       ELSE l.next_slot END \
+                 FROM cur c WHERE l.role = c.role \
+                 RETURNING l.role, c.o), \
                term AS ( \
-                 UPDATE leader_terms t SET released_at = statement_timestamp(), tick_end = $3 \
+                 UPDATE leader_terms t SET released_at = statement_timestamp(), tick_end = r.o \
                  FROM released r WHERE t.role = r.role AND t.token = $2) \
-               SELECT count(*) AS changed FROM released")
+               SELECT count(*) AS changed, bool_or(o = 'lost' AND $3 <> 'lost') AS downgraded \
+               FROM released")
             .bind(role.as_str())
             .bind(token)
             .bind(outcome.as_str())
@@ -428,7 +456,15 @@ pub async fn release(
         .await?;
     tx.commit().await?;
     let changed: i64 = row.try_get("changed").map_err(StoreError::from_row)?;
-    Ok(changed == 1)
+    let downgraded: Option<bool> = row.try_get("downgraded").map_err(StoreError::from_row)?;
+    Ok(Released {
+        changed: changed == 1,
+        recorded: if downgraded == Some(true) {
+            Release::Lost
+        } else {
+            outcome
+        },
+    })
 }
 
 /// Delete at most `limit` (1 to 10000) terms of the lease history that ended

@@ -6,11 +6,12 @@ use tracing::warn;
 
 /// The lease-lost reasons an alert counts with `increase()`
 /// (`HardcountTickPanicked`, `HardcountLeasesLost`).
-const ALERTED_LOSSES: [&str; 4] = [
+const ALERTED_LOSSES: [&str; 5] = [
     "panicked",
     "heartbeat_failed",
     "superseded",
     "heartbeat_timeout",
+    "expired",
 ];
 
 /// Create the series that must exist before anything happens, so an alert on

@@ -299,3 +299,81 @@ async fn acquire_refuses_a_slot_not_yet_come_on_the_database_clock_or_already_do
         Some(now - chrono::TimeDelta::seconds(5))
     );
 }
+
+/// A slot's tick whose lease expired before its release, with nobody taking
+/// over (a replica suspended past its TTL: its claims then proved a false
+/// fence and claimed nothing, which reads as drained), is recorded `lost`:
+/// the slot is not stamped done, so it is claimed again, and the term's
+/// history says lost. A renewal that arrives after the expiry extends
+/// nothing: the lease is gone, as after a takeover (docs/adr/0145).
+///
+/// Mutation checks: RELEASE without its expiry test (`release_after_expiry`)
+/// stamps the slot done, and RENEW without it (`renew_after_expiry`) extends
+/// the lease; this test fails under each.
+#[tokio::test]
+async fn a_tick_released_after_its_lease_expired_is_lost_and_its_slot_not_done() {
+    let t = TestDb::new().await;
+    let role = Role::EmailOutbox;
+    let timing = fast();
+    let now = db_now(&t).await;
+    let slot = now - chrono::TimeDelta::seconds(5);
+    let token = store::acquire_slot(
+        &t.db,
+        role,
+        "x:1:00000000",
+        timing.ttl,
+        Some(slot),
+        timing.statement_timeout,
+    )
+    .await
+    .unwrap()
+    .token
+    .expect("the slot is claimed");
+    sqlx::query(
+        "UPDATE leader_leases SET expires_at = statement_timestamp() - interval '1 second' \
+         WHERE role = $1",
+    )
+    .bind(role.as_str())
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let renewed = store::renew(&t.db, role, token, timing.ttl, timing.statement_timeout)
+        .await
+        .unwrap();
+    assert!(
+        matches!(renewed, store::Renew::Gone { paused: false }),
+        "{renewed:?}"
+    );
+    let released = store::release(
+        &t.db,
+        role,
+        token,
+        store::Release::Completed,
+        Duration::from_secs(5),
+        timing.failure_cooldown,
+        &SlotStamp {
+            schedule: "*/5 * * * * *".into(),
+            slot: Some(slot),
+            next_slot: Some(now),
+        },
+        timing.statement_timeout,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        released,
+        store::Released {
+            changed: true,
+            recorded: store::Release::Lost
+        }
+    );
+    assert_eq!(last_slot(&t, role).await, None, "the slot is not done");
+    let tick_end: Option<String> =
+        sqlx::query_scalar("SELECT tick_end FROM leader_terms WHERE role = $1 AND token = $2")
+            .bind(role.as_str())
+            .bind(token)
+            .fetch_one(&mut t.superuser().await)
+            .await
+            .unwrap();
+    assert_eq!(tick_end.as_deref(), Some("lost"));
+}
