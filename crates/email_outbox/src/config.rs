@@ -118,8 +118,11 @@ impl SenderConfig {
     }
 
     /// How long a claim keeps an email from other senders: the rest of the
-    /// tick plus a whole send and a margin, so an email is not claimed again
-    /// while its first send can still be running.
+    /// tick plus two command timeouts and a margin, so a send started inside
+    /// the tick's window has two command timeouts of its lease left. A send
+    /// slower than that (its deadline is four) can outlast the lease and be
+    /// claimed again: a second copy, which at-least-once allows
+    /// (docs/adr/0051).
     pub fn claim_lease(&self) -> Duration {
         self.tick_budget + self.send_timeout * 2 + Duration::from_secs(10)
     }
