@@ -285,3 +285,51 @@ async fn the_fenced_prune_deletes_only_its_roles_old_terms_and_a_stale_token_non
         ]
     );
 }
+
+/// An operator's pause that meets an ACQUIRE not yet committed waits for it
+/// and ends the term it began (tick_end `paused`). Here the ACQUIRE's writes
+/// are held open in a transaction while the pause runs, then committed.
+///
+/// Catches: `leader_pause` locking only a row whose committed version has a
+/// holder (mutation `pause_skips_an_acquire_in_flight`, migration 0027's
+/// form): it locks nothing, reads no token, and the racing term keeps no
+/// release, so a later term would be reported as overlapping it.
+#[tokio::test]
+async fn a_pause_racing_an_acquire_ends_the_term_it_began() {
+    let t = TestDb::new().await;
+    let mut acquiring = t.superuser().await;
+    sqlx::raw_sql("BEGIN")
+        .execute(&mut acquiring)
+        .await
+        .unwrap();
+    let token: i64 = sqlx::query_scalar(
+        "WITH won AS ( \
+           UPDATE leader_leases SET holder_id = 'racer:1:00000000', \
+                  holder_token = (extract(epoch FROM clock_timestamp()) * 1000)::int8, \
+                  expires_at = statement_timestamp() + interval '10 seconds' \
+           WHERE role = 'email_outbox' RETURNING holder_token, expires_at) \
+         INSERT INTO leader_terms (role, token, holder_id, acquired_at, expires_at) \
+         SELECT 'email_outbox', holder_token, 'racer:1:00000000', statement_timestamp(), expires_at \
+         FROM won RETURNING token",
+    )
+    .fetch_one(&mut acquiring)
+    .await
+    .unwrap();
+    let op = t.operator();
+    let pause = tokio::spawn(async move {
+        store::pause(&op, Role::EmailOutbox, "ops", "race")
+            .await
+            .unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!pause.is_finished(), "the pause waits for the ACQUIRE");
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut acquiring)
+        .await
+        .unwrap();
+    pause.await.unwrap();
+    let history = terms(&t, Role::EmailOutbox).await;
+    let raced = history.iter().find(|h| h.token == token).unwrap();
+    assert_eq!(raced.tick_end.as_deref(), Some("paused"), "{raced:?}");
+    assert_ne!(raced.state, "held", "{raced:?}");
+}
