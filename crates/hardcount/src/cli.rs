@@ -96,7 +96,7 @@ pub enum LeaderCommand {
         #[arg(long, conflicts_with = "json")]
         watch: bool,
     },
-    /// Pause a role cluster-wide: its holder stops within one heartbeat and no replica acquires it.
+    /// Pause a role cluster-wide: its claims find nothing at once, its holder cancels its work at its next renewal, and no replica acquires it.
     Pause {
         #[arg(value_parser = parse_role)]
         role: Role,
@@ -374,7 +374,9 @@ pub async fn leader_command(command: LeaderCommand, database_url: &str) -> Resul
             leader::store::pause(&db, role, &by, &reason)
                 .await
                 .map_err(operator_denied)?;
-            println!("paused {role} (by {by}: {reason}); its holder stops within one heartbeat");
+            println!(
+                "paused {role} (by {by}: {reason}); its claims find nothing now, and its holder cancels its work at its next renewal (within 3 s)"
+            );
         }
         LeaderCommand::History(args) => history::history(&db, args).await?,
         LeaderCommand::Unpause { role } => {
