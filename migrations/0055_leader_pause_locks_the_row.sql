@@ -4,21 +4,25 @@
 -- for the ACQUIRE in its UPDATE and paused the role: the new term kept no
 -- release in the history, and `hardcount leader history` could later report
 -- two replicas leading at once. Locking the row waits for that ACQUIRE and
--- reads its token. Its stamps are the statement's time, not the start of an
--- operator's open transaction, which could come before the term began.
+-- reads its token. Its stamps are the clock once the lock is held, not the
+-- start of an operator's open transaction (nor of the statement, which may
+-- have begun before the ACQUIRE it waited for), so a term never ends before
+-- it began.
 CREATE OR REPLACE FUNCTION leader_pause(p_role text, p_by text, p_reason text) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp AS $$
 DECLARE
     held bigint;
+    stamp timestamptz;
 BEGIN
     SELECT CASE WHEN holder_id IS NOT NULL THEN holder_token END INTO held
     FROM leader_leases
     WHERE role = p_role
     FOR UPDATE;
+    stamp := clock_timestamp();
     UPDATE leader_leases
     SET holder_id = NULL,
         expires_at = NULL,
-        paused_at = statement_timestamp(),
+        paused_at = stamp,
         paused_by = p_by,
         paused_by_role = session_user,
         pause_reason = p_reason
@@ -28,7 +32,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     UPDATE leader_terms
-    SET released_at = statement_timestamp(), tick_end = 'paused'
+    SET released_at = stamp, tick_end = 'paused'
     WHERE role = p_role AND token = held AND released_at IS NULL;
 END
 $$;

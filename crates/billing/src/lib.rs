@@ -40,6 +40,8 @@
 //!      succeeded ─▶ open → paid (claim still ours, unexpired), attempt succeeded
 //!      declined  ─▶ claim released, attempt declined(code)
 //!      unknown   ─▶ attempt stays unknown with its reason; lease expires; the reconciler's
+//!      any answer that may have charged, its invoice closed meanwhile ─▶ attempt needs
+//!                   review, invoice flagged, keeping its status (docs/adr/0142)
 //!    + invoice.paid, payment.succeeded, payment.failed (enqueue_many) and the receipts
 //!      and payment-failed emails (outbox::email::enqueue_many) of the rows that won
 //!    (failing whole, it is redone one row at a time)
@@ -116,7 +118,8 @@
 //! - **The secret key is never shown**: not in logs, errors or `Debug`.
 //! - **An unknown outcome is settled by its key, once**: the reconciler looks it
 //!   up only after the claim that made the call expired, under its own claim;
-//!   a refusal of the key is not taken for a decline.
+//!   a refusal of the key is not taken for a decline; one answered after its
+//!   invoice was closed is sent to review, not left where no one looks.
 //! - **A provider outage fails the tick** (every call of a batch refused or
 //!   5xx): released as failed, retried after the short cooldown.
 //!

@@ -477,7 +477,7 @@ impl Manager {
             Ok(end) => (Some(end), None),
             Err(payload) => (None, Some(payload)),
         };
-        let (outcome, release) = if let Some(reason) = lost.reason() {
+        let (mut outcome, release) = if let Some(reason) = lost.reason() {
             (TickOutcome::Lost(reason), Release::Lost)
         } else if ending == Ending::Shutdown {
             (TickOutcome::Interrupted, Release::Interrupted)
@@ -529,7 +529,8 @@ impl Manager {
                 // false fence, so "drained" meant nothing claimed (docs/adr/0145).
                 warn!(role = %role, token, outcome = release.as_str(), elapsed = ?started.elapsed(),
                       "lease expired before the release; recorded lost");
-                self.lease_lost(role, "expired");
+                outcome = TickOutcome::Lost(LostReason::Expired);
+                self.lease_lost(role, LostReason::Expired.as_str());
                 store::Release::Lost
             }
             Ok(Ok(done)) => {

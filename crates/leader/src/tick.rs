@@ -72,6 +72,10 @@ pub enum LostReason {
     /// The heartbeat task ended without a verdict (it panicked): nothing
     /// renews the lease, so the tick is abandoned at once.
     HeartbeatFailed,
+    /// The tick ended as done, but its lease had expired before the release
+    /// (nobody took over): its claims proved a false fence, so what read as
+    /// drained was nothing claimed. Recorded lost (docs/adr/0145).
+    Expired,
 }
 
 impl LostReason {
@@ -82,6 +86,7 @@ impl LostReason {
             LostReason::Paused => "paused",
             LostReason::HeartbeatTimeout => "heartbeat_timeout",
             LostReason::HeartbeatFailed => "heartbeat_failed",
+            LostReason::Expired => "expired",
         }
     }
 }

@@ -55,7 +55,7 @@ const CREATES: &[(&str, &str, &str)] = &[
     (
         "/v1/emails",
         "/v1/emails",
-        r#"{"from": "Shop <shop@example.com>", "to": ["ada@example.org"], "subject": "{marker}", "text": "Hello"}"#,
+        r#"{"from": "Shop <billing@example.com>", "to": ["ada@example.org"], "subject": "{marker}", "text": "Hello"}"#,
     ),
 ];
 

@@ -23,9 +23,9 @@ use crate::state::Api;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewEmail {
-    /// `billing@example.com` or `Example Billing <billing@example.com>`, at
-    /// this tenant's sender domain: that of its `email_from` setting, else of
-    /// the deployment's sender (`HARDCOUNT_EMAIL_FROM`).
+    /// `billing@example.com` or `Example Billing <billing@example.com>`: an
+    /// address at the domain of this tenant's `email_from` setting, or, until
+    /// it has one, the deployment's sender itself (`HARDCOUNT_EMAIL_FROM`).
     pub from: String,
     /// 1 to 50 mailboxes, in the same forms as `from`.
     #[schema(min_items = 1, max_items = 50)]
@@ -132,7 +132,7 @@ pub async fn create(
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
     }
-    own_domain(&mut scope, &api.config().billing.email_from, from).await?;
+    own_sender(&mut scope, &api.config().billing.email_from, from).await?;
     let tenant = scope.tenant().to_owned();
     let id = outbox::email::enqueue(scope.tx(), &tenant, &email)
         .await
@@ -261,14 +261,13 @@ async fn read(scope: &mut Scope, id: i64) -> Result<Option<Email>, ApiError> {
     Ok(row.as_ref().map(Email::from_row).transpose()?)
 }
 
-/// The outbox's refusal as a 400 naming the field; a recipient by its index
-/// (`to[2]`). Never echoes a body.
-/// Refuse a sender outside the caller's own sender domain: the domain of
-/// `tenant_settings.email_from`, else of the deployment's sender
-/// (`HARDCOUNT_EMAIL_FROM`, `default_from`). The email leaves through the
-/// deployment's mail server, so an address of any other domain would be
-/// sent in its name: another tenant's, or anyone's (docs/adr/0143).
-async fn own_domain(scope: &mut Scope, default_from: &str, from: &str) -> Result<(), ApiError> {
+/// Refuse a sender this tenant may not use. With its own
+/// `tenant_settings.email_from`, any address at that sender's domain; without
+/// one, only the deployment's sender itself (`HARDCOUNT_EMAIL_FROM`,
+/// `default_from`), whose domain the platform and every other such tenant
+/// share. The email leaves through the deployment's mail server, so any
+/// other address would be sent in someone else's name (docs/adr/0143).
+async fn own_sender(scope: &mut Scope, default_from: &str, from: &str) -> Result<(), ApiError> {
     let tenant = scope.tenant().to_owned();
     let set: Option<String> = scope
         .tx()
@@ -280,27 +279,44 @@ async fn own_domain(scope: &mut Scope, default_from: &str, from: &str) -> Result
         .transpose()
         .map_err(db::Error::from)?
         .flatten();
-    let own = set.as_deref().unwrap_or(default_from);
-    let domain = |m: &str| {
-        outbox::email::mailbox("from", m)
-            .ok()
-            .map(|mb| mb.email.domain().to_ascii_lowercase())
+    // (local part, domain in lower case); a domain is case-insensitive.
+    let address = |m: &str| {
+        outbox::email::mailbox("from", m).ok().map(|mb| {
+            (
+                mb.email.user().to_owned(),
+                mb.email.domain().to_ascii_lowercase(),
+            )
+        })
     };
-    let Some(own_domain) = domain(own) else {
+    let (Some((own_user, own_domain)), Some((user, domain))) = (
+        address(set.as_deref().unwrap_or(default_from)),
+        address(from),
+    ) else {
         return Err(ApiError::internal());
     };
-    if domain(from).as_deref() == Some(own_domain.as_str()) {
+    let allowed = domain == own_domain && (set.is_some() || user == own_user);
+    if allowed {
         return Ok(());
     }
     Err(ApiError::param(
         "from",
-        format!(
-            "from must be an address at {own_domain}, this tenant's sender domain \
-             (tenant_settings.email_from, else the deployment's HARDCOUNT_EMAIL_FROM)"
-        ),
+        if set.is_some() {
+            format!(
+                "from must be an address at {own_domain}, this tenant's sender domain \
+                 (tenant_settings.email_from)"
+            )
+        } else {
+            format!(
+                "from must be {own_user}@{own_domain}, the deployment's sender \
+                 (HARDCOUNT_EMAIL_FROM), until this tenant has a sender of its own \
+                 (tenant_settings.email_from)"
+            )
+        },
     ))
 }
 
+/// The outbox's refusal as a 400 naming the field; a recipient by its index
+/// (`to[2]`). Never echoes a body.
 fn invalid(email: &outbox::email::Email, e: &Invalid) -> ApiError {
     let field = match e {
         Invalid::EmptyTenant => return ApiError::internal(),

@@ -118,7 +118,7 @@ async fn another_tenant_s_ids_are_missing_on_every_route() {
         .post(
             "/v1/emails",
             &theirs,
-            json!({"from": "a@example.com", "to": ["b@example.org"], "subject": "s", "text": "t"}),
+            json!({"from": "billing@example.com", "to": ["b@example.org"], "subject": "s", "text": "t"}),
         )
         .await;
     let e_id = email.json["id"].as_i64().unwrap();

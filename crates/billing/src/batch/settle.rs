@@ -115,28 +115,25 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
        AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
      RETURNING a.id";
 
-/// The settle's statement for a charge answered paid, processing or unknown
-/// whose invoice is no longer open, so [`SETTLE`] could not pay it; `pub`
-/// only for the plan test. Money was taken, or may be, for an invoice already
-/// paid, written off or voided: left `unknown`, the attempt was never looked
-/// at again (the reconciler reads open invoices), and the charge stayed
-/// unrecorded. The
-/// attempt (still unknown or processing) now needs review with the intent,
-/// and the invoice is flagged, keeping its status: the operator refunds at the
-/// provider and settles the attempt as not charged (`billing_settle_attempt`
-/// refuses to pay a closed invoice). The invoice is locked first, as in
-/// [`SETTLE`], and its claim given back if it is still this row's
-/// (docs/adr/0142). The open status is bound per row (`was`), as in
-/// [`SETTLE`]: as a literal, statistics that saw few closed invoices had the
-/// invoices scanned whole for the batch.
+/// The settle's statement for an answer that may have charged (paid,
+/// processing, unknown, or one for review) whose invoice is no longer open,
+/// so [`SETTLE`] could not pay it; `pub` only for the plan test. Money was
+/// taken, or may be, for an invoice already paid, written off or voided: left
+/// `unknown`, the attempt was never looked at again (the reconciler reads open
+/// invoices), and the charge stayed unrecorded. The attempt (still unknown or
+/// processing) now needs review with the intent, and the invoice is flagged,
+/// keeping its status: the operator refunds at the provider and settles the
+/// attempt as not charged (`billing_settle_attempt` refuses to pay a closed
+/// invoice). Each invoice is locked first, by id, and its status tested on
+/// the locked row, so a close in flight is waited for and seen; its claim is
+/// given back if it is still this row's (docs/adr/0142).
 pub const SETTLE_CLOSED: &str = "WITH u AS ( \
        SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], \
-                            $6::text[]) \
-              AS u(invoice_id, attempt_id, claimed_by, answer, intent, was) \
-     ), closed AS ( \
-       SELECT i.id, i.status, u.attempt_id, u.claimed_by, u.answer, u.intent \
+                            $6::text[], $7::text[]) \
+              AS u(invoice_id, attempt_id, claimed_by, answer, intent, was, why) \
+     ), locked AS ( \
+       SELECT i.id, i.status, u.was, u.attempt_id, u.claimed_by, u.answer, u.intent, u.why \
        FROM u JOIN invoices i ON i.id = u.invoice_id \
-       WHERE i.status <> u.was \
        ORDER BY i.id \
        FOR UPDATE OF i \
      ), att AS ( \
@@ -148,11 +145,14 @@ pub const SETTLE_CLOSED: &str = "WITH u AS ( \
                                    charged', \
                   CASE c.answer WHEN 'succeeded' THEN 'charged' \
                                 WHEN 'processing' THEN 'accepted as processing' \
+                                WHEN 'needs_review' THEN 'answered for review: ' \
+                                                         || COALESCE(c.why, 'no reason given') \
                                 ELSE 'answered without an outcome' END, \
                   COALESCE(c.intent, a.provider_payment_intent, \
                            'key ' || a.idempotency_key), c.id, c.status) \
-       FROM closed c \
+       FROM locked c \
        WHERE a.id = c.attempt_id \
+         AND c.status <> c.was \
          AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
        RETURNING a.id, a.invoice_id, a.last_error, c.claimed_by \
      ) \
@@ -393,6 +393,10 @@ async fn settle_once(
             return Ok(Once::RolledBack(bad));
         }
     };
+    // Before the rows left open take their share locks: this takes the
+    // invoices' update locks, and one after the other in the same
+    // transaction could deadlock with another settle of the same attempt.
+    review_closed(&mut tx, answers, &won).await?;
     let mut kept_open = HashSet::new();
     if !open.attempt.is_empty() {
         let rows = tx
@@ -412,7 +416,6 @@ async fn settle_once(
             kept_open.insert(r.try_get::<i64, _>(0).map_err(db::Error::from)?);
         }
     }
-    review_closed(&mut tx, answers, &won).await?;
     if !open.release.is_empty() {
         let (ids, by): (Vec<i64>, Vec<String>) = open.release.into_iter().unzip();
         tx.execute(
@@ -497,9 +500,8 @@ async fn settle_once(
 
 /// [`SETTLE_CLOSED`] for the rows whose answer says the charge was or may
 /// have been made ([`may_have_charged`]) that [`SETTLE`] did not resolve
-/// (their claim lost, or their invoice closed). A paid or processing row
-/// stays [`Settled::Lost`] to the caller, an unknown one as [`SETTLE_OPEN`]
-/// wrote it; those sent to review are logged.
+/// (their claim lost, or their invoice closed). Each stays [`Settled::Lost`]
+/// to the caller; those sent to review are logged.
 async fn review_closed(
     tx: &mut db::Tx,
     answers: &[(&Started, &Answer)],
@@ -507,7 +509,7 @@ async fn review_closed(
 ) -> Result<(), Error> {
     let mut rows = Cols::default();
     for (s, a) in answers {
-        if let Some((answer, intent)) = may_have_charged(a)
+        if let Some((answer, intent, why)) = may_have_charged(a)
             && !won.contains(&s.attempt_id)
         {
             rows.invoice.push(s.claim.invoice_id);
@@ -515,6 +517,7 @@ async fn review_closed(
             rows.claimed_by.push(s.claim.claimed_by.clone());
             rows.status.push(answer.to_owned());
             rows.intent.push(intent.map(str::to_owned));
+            rows.why.push(why.map(str::to_owned));
         }
     }
     if rows.attempt.is_empty() {
@@ -529,7 +532,8 @@ async fn review_closed(
                 .bind(rows.claimed_by)
                 .bind(rows.status)
                 .bind(rows.intent)
-                .bind(was),
+                .bind(was)
+                .bind(rows.why),
         )
         .await?;
     for r in reviewed {
@@ -543,19 +547,26 @@ async fn review_closed(
     Ok(())
 }
 
-/// The answer a charge may have been made under, and its intent if known:
-/// paid, processing, or unknown (a timeout, a 5xx, a `lock_timeout`).
-fn may_have_charged(a: &Answer) -> Option<(&'static str, Option<&str>)> {
+/// The answer a charge may have been made under, its intent if known, and
+/// for one sent to review its reason: paid, processing, unknown (a timeout, a
+/// 5xx, a `lock_timeout`), or for review (an `idempotency_error`, an intent
+/// waiting for the customer's action, an answer that does not parse).
+fn may_have_charged(a: &Answer) -> Option<(&'static str, Option<&str>, Option<&str>)> {
     match a {
         Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
-            Some(("succeeded", Some(payment_intent)))
+            Some(("succeeded", Some(payment_intent), None))
         }
         Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
-            Some(("processing", Some(payment_intent)))
+            Some(("processing", Some(payment_intent), None))
         }
         Answer::Called(ChargeOutcome::Unknown { payment_intent, .. }) => {
-            Some(("unknown", payment_intent.as_deref()))
+            Some(("unknown", payment_intent.as_deref(), None))
         }
+        Answer::Called(ChargeOutcome::NeedsReview {
+            reason,
+            payment_intent,
+            ..
+        }) => Some(("needs_review", payment_intent.as_deref(), Some(reason))),
         _ => None,
     }
 }

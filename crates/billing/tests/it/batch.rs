@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use billing::{BillingConfig, Retried, RetryRequest, StartedRetry};
 use db::{Db, Row, sql};
-use fake_provider::{Behaviour, FakeProvider};
+use fake_provider::{Behaviour, FakeProvider, MalformedKind};
 use testbed::TestDb;
 
 use crate::{biller, charging, open_invoices, tick};
@@ -346,23 +346,25 @@ async fn closed_row(
     (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))
 }
 
-/// Three retries started; before their answers come back, the invoices of
-/// the first and the third are written off (as a writer of invoice status
-/// that ignored the charge in flight would). All three are charged; the third
-/// is answered with a stored 500, so its outcome is unknown. The second is
-/// paid as usual. The first's paid answer finds its invoice closed, so the
-/// settle cannot pay it, and the third's unknown one cannot be looked up (the
-/// reconciler reads open invoices): each attempt needs review, with the
-/// intent that charged or its key, each invoice keeps its status and is
-/// flagged with the reason (refund a charge, then settle as not charged),
-/// and the claims are given back. Before, both attempts stayed unknown on a
-/// closed invoice, and the charges were never recorded (docs/adr/0142).
+/// Four retries started; before their answers come back, the invoices of
+/// the first, third and fourth are written off (as a writer of invoice status
+/// that ignored the charge in flight would). All four are charged; the third
+/// is answered with a stored 500 (its outcome unknown), the fourth with a
+/// body that does not parse (for review). The second is paid as usual. The
+/// first's paid answer finds its invoice closed, so the settle cannot pay it,
+/// and the others cannot be looked up (the reconciler reads open invoices):
+/// each attempt needs review, with the intent that charged or its key, each
+/// invoice keeps its status and is flagged with the reason (refund a charge,
+/// then settle as not charged), and the claims are given back. Before, the
+/// attempts stayed unknown on a closed invoice, and the charges were never
+/// recorded (docs/adr/0142).
 ///
 /// Mutation check: the settle's review of closed invoices not run
-/// (`closed_paid_left_unknown`) leaves both attempts unknown, and an unknown
-/// answer not taken as one that may have charged
-/// (`closed_unknown_left_unknown`) leaves the third's; this test fails under
-/// each. Its predicate on the invoice (`i.status <> u.was`) is pinned by
+/// (`closed_paid_left_unknown`) leaves the three attempts unknown; an unknown
+/// answer, or one for review, not taken as one that may have charged
+/// (`closed_unknown_left_unknown`, `closed_for_review_left_unknown`) leaves
+/// the third's or the fourth's; this test fails under each. Its test of the
+/// invoice's status (`c.status <> c.was`) is pinned by
 /// `a_settle_after_the_claim_lease_expired_writes_nothing_for_that_row`
 /// (mutation `closed_review_of_open`: a lost claim of an open invoice sent
 /// to review).
@@ -370,17 +372,18 @@ async fn closed_row(
 async fn charges_answered_after_their_invoice_was_closed_need_review() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    let inv = open_invoices(&t.db, 3).await;
+    let inv = open_invoices(&t.db, 4).await;
     p.set_behaviour(
         &inv[2].1,
         Behaviour::StoredServerError { with_intent: false },
     );
+    p.set_behaviour(&inv[3].1, Behaviour::Malformed(MalformedKind::NotJson));
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let started = start_retries(&t.db, &b, &inv).await;
     sqlx::query(
         "UPDATE invoices SET status = 'uncollectible', closed_at = now() WHERE id = ANY($1)",
     )
-    .bind(vec![inv[0].0, inv[2].0])
+    .bind(vec![inv[0].0, inv[2].0, inv[3].0])
     .execute(&mut t.superuser().await)
     .await
     .unwrap();
@@ -390,9 +393,13 @@ async fn charges_answered_after_their_invoice_was_closed_need_review() {
         let paid = matches!(retried, Retried::Paid { .. });
         assert_eq!(paid, s.claim.invoice_id == inv[1].0, "{retried:?}");
     }
-    assert_eq!(p.total_charges(), 3);
+    assert_eq!(p.total_charges(), 4);
     let intents = p.intents();
-    for (closed, named) in [(inv[0].0, "pi_"), (inv[2].0, "key ")] {
+    for (closed, named) in [
+        (inv[0].0, "(pi_"),
+        (inv[2].0, "(key "),
+        (inv[3].0, "answered for review: "),
+    ] {
         let (status, intent, invoice, reason, holder) = closed_row(&t.db, closed).await;
         assert_eq!(
             (status.as_str(), invoice.as_str(), holder),
@@ -400,9 +407,7 @@ async fn charges_answered_after_their_invoice_was_closed_need_review() {
         );
         let reason = reason.unwrap_or_default();
         assert!(
-            reason.contains("after invoice")
-                && reason.contains("refund")
-                && reason.contains(&format!("({named}")),
+            reason.contains("after invoice") && reason.contains("refund") && reason.contains(named),
             "{reason}"
         );
         if closed == inv[0].0 {
@@ -422,7 +427,7 @@ async fn charges_answered_after_their_invoice_was_closed_need_review() {
         .map(|r| r.get(0))
         .collect();
     listed.sort();
-    assert_eq!(listed, [inv[0].0, inv[2].0]);
+    assert_eq!(listed, [inv[0].0, inv[2].0, inv[3].0]);
     assert_eq!(status_of(&t.db, "invoices", inv[1].0).await, "paid");
 }
 

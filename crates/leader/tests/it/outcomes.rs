@@ -370,3 +370,52 @@ async fn a_held_lease_is_polled_every_held_poll_so_a_release_on_shutdown_is_seen
         other => panic!("expected NotLed, got {other:?}"),
     }
 }
+
+/// A tick whose lease expires under it, with nobody taking over, and which
+/// then says it drained (its claims, fenced, found nothing), ends lost: the
+/// manager reports `Lost(Expired)`, counts `reason="expired"` and the tick as
+/// `lost`, and the lease keeps no completed tick, so the role is due again
+/// after the lost cooldown instead of its hour (docs/adr/0145).
+///
+/// Mutation check: the manager keeping its own outcome after the release's
+/// downgrade (`expired_reported_completed`) reports `Completed`, and this
+/// test fails.
+#[tokio::test]
+async fn a_tick_whose_lease_expired_under_it_ends_lost_not_completed() {
+    let t = TestDb::new().await;
+    let (m, metrics) = manager(&t.db, fast(), "a");
+    let shutdown = CancellationToken::new();
+    let url = t.superuser_url();
+    let out = m
+        .lead(
+            Role::Billing,
+            Duration::from_secs(3600),
+            &shutdown,
+            |_| async move {
+                let mut su = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+                    .await
+                    .unwrap();
+                sqlx::query(
+                    "UPDATE leader_leases SET expires_at = statement_timestamp() - interval '1 second' \
+                     WHERE role = 'billing'",
+                )
+                .execute(&mut su)
+                .await
+                .unwrap();
+                TickEnd::Drained
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, TickOutcome::Lost(LostReason::Expired));
+    let l = lease(&t.db, Role::Billing).await;
+    assert!(
+        !l.completed && l.holder_id.is_none(),
+        "not completed, released"
+    );
+    assert!(l.cooldown.is_some(), "the lost cooldown");
+    assert_eq!(
+        series(&metrics, LOST, "role=\"billing\",reason=\"expired\""),
+        Some(1.0)
+    );
+}

@@ -129,17 +129,20 @@ async fn each_bad_email_field_is_named_and_a_recipient_by_its_index() {
     assert_eq!(list.json["data"], json!([]), "nothing queued");
 }
 
-/// The sender's domain is the tenant's own: that of the deployment's sender
-/// (here `billing@example.com`), any address and any case of it, until the
-/// tenant's `email_from` names another. An address of any other domain, a
-/// subdomain or a look-alike is refused with `from` named, and nothing is
-/// queued: the API relays through the deployment's mail server, which would
-/// send it in that domain's name.
+/// A tenant without a sender of its own sends only as the deployment's
+/// sender (here `billing@example.com`, its domain in any case, any display
+/// name): another address at that domain is the platform's or another
+/// tenant's. Once the tenant's `email_from` names its own sender, any address
+/// at that domain. An address of any other domain, a subdomain or a
+/// look-alike is refused with `from` named, and nothing is queued: the API
+/// relays through the deployment's mail server, which would send it in that
+/// name.
 ///
-/// Mutation check: the domain comparison dropped (`any_sender_domain`)
-/// queues the other domains' emails, and the tenant's own setting not read
-/// (`tenant_sender_domain_ignored`) refuses its own domain; this test fails
-/// under each.
+/// Mutation check: the check dropped (`any_sender_domain`) queues the other
+/// addresses, the default's local part not compared
+/// (`default_sender_shared`) queues `shop@example.com`, and the tenant's own
+/// setting not read (`tenant_sender_domain_ignored`) refuses its own domain;
+/// this test fails under each.
 #[tokio::test]
 async fn a_sender_outside_the_tenants_own_domain_is_refused() {
     let t = TestDb::new().await;
@@ -150,11 +153,12 @@ async fn a_sender_outside_the_tenants_own_domain_is_refused() {
         e["from"] = json!(f);
         e
     };
-    for own in ["Shop <shop@Example.COM>", "billing@example.com"] {
+    for own in ["Shop <billing@Example.COM>", "billing@example.com"] {
         let a = s.post("/v1/emails", &key, from(own)).await;
         assert_eq!(a.status, StatusCode::CREATED, "{own}: {}", a.text);
     }
     for other in [
+        "shop@example.com",
         "billing@example.org",
         "Billing <billing@example.com.evil.test>",
         "a@sub.example.com",

@@ -69,6 +69,7 @@ async fn settle_plan(t: &TestDb, invoices: Vec<i64>, attempts: Vec<i64>) -> Stri
             .bind(vec!["{}".to_owned(); BATCH])
             .bind(1.0_f64)
             .bind(vec!["open".to_owned(); BATCH])
+            .bind(vec![None::<String>; BATCH])
     })
     .await
 }
@@ -195,9 +196,9 @@ async fn a_settle_left_open_reaches_its_batch_by_key_when_the_statistics_saw_no_
 /// The review of paid answers whose invoice was closed (`SETTLE_CLOSED`) on
 /// statistics gathered while nothing was claimed: each invoice and attempt
 /// of the batch reached by its key, though the statement runs only for rows
-/// the settle lost. Guard: the open status bound per row; seen failing with
-/// the literal (mutation `closed_review_literal_status`: the invoices read by
-/// a sequential scan filtered on status, joined to the batch).
+/// the settle lost. (Its first form filtered the invoices on a literal status
+/// before locking them, and was read by a sequential scan; the status is now
+/// tested on the locked row.)
 #[tokio::test]
 async fn a_settle_of_closed_invoices_reaches_its_batch_by_key() {
     let t = TestDb::new().await;
@@ -210,6 +211,7 @@ async fn a_settle_of_closed_invoices_reaches_its_batch_by_key() {
             .bind(vec!["succeeded".to_owned(); BATCH])
             .bind(vec![Some("pi_1".to_owned()); BATCH])
             .bind(vec!["open".to_owned(); BATCH])
+            .bind(vec![None::<String>; BATCH])
     })
     .await;
     reaches_each_by_key(&plan);
