@@ -6,8 +6,6 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use chrono::{DateTime, Utc};
-
 use db::Db;
 use futures::FutureExt;
 use tokio::sync::watch;
@@ -22,6 +20,7 @@ use crate::{Fence, LostReason, Role, Telemetry, Tick, TickEnd, TickLog, TickOutc
 
 mod reading;
 pub(crate) use reading::Reading;
+use reading::{epoch, until};
 
 /// Runs ticks under leases. One per process; cheap to share by reference.
 #[derive(Debug, Clone)]
@@ -521,23 +520,16 @@ impl Manager {
         )
         .await;
         let release = match released {
-            Ok(Ok(store::Released {
-                recorded: store::Release::Lost,
-                ..
-            })) if release != store::Release::Lost => {
+            Ok(Ok(done)) if done.recorded != release => {
                 // Its lease expired before the release: its claims proved a
                 // false fence, so "drained" meant nothing claimed (docs/adr/0145).
-                warn!(role = %role, token, outcome = release.as_str(), elapsed = ?started.elapsed(),
-                      "lease expired before the release; recorded lost");
+                warn!(role = %role, token, outcome = release.as_str(), "lease expired before the release; recorded lost");
                 outcome = TickOutcome::Lost(LostReason::Expired);
                 self.lease_lost(role, LostReason::Expired.as_str());
-                store::Release::Lost
+                done.recorded
             }
             Ok(Ok(done)) => {
-                info!(
-                    role = %role, token, outcome = release.as_str(), changed = done.changed,
-                    elapsed = ?started.elapsed(), "lease released"
-                );
+                info!(role = %role, token, outcome = release.as_str(), changed = done.changed, elapsed = ?started.elapsed(), "lease released");
                 release
             }
             Ok(Err(e)) => {
@@ -583,15 +575,6 @@ impl Manager {
 /// How soon a due slot that ACQUIRE did not give us is asked for again, when
 /// nothing on the row says how long it is held: not a tight loop.
 const SLOT_REPOLL: Duration = Duration::from_millis(20);
-
-/// `to - from` as a duration, zero when `to` is not later.
-fn until(from: DateTime<Utc>, to: DateTime<Utc>) -> Duration {
-    (to - from).to_std().unwrap_or(Duration::ZERO)
-}
-
-fn epoch(t: DateTime<Utc>) -> f64 {
-    t.timestamp_micros() as f64 / 1e6
-}
 
 /// Which arm ended the wait for the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -63,3 +63,13 @@ impl Reading {
         }
     }
 }
+
+/// `to - from` as a duration, zero when `to` is not later.
+pub(super) fn until(from: DateTime<Utc>, to: DateTime<Utc>) -> std::time::Duration {
+    (to - from).to_std().unwrap_or(std::time::Duration::ZERO)
+}
+
+/// A database-clock instant as epoch seconds.
+pub(super) fn epoch(t: DateTime<Utc>) -> f64 {
+    t.timestamp_micros() as f64 / 1e6
+}
