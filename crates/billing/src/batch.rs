@@ -124,6 +124,10 @@ macro_rules! insert_attempts {
 }
 pub(crate) use insert_attempts;
 
+/// Why an answer reported [`Settled::Reviewed`] was not settled.
+pub(crate) const CLOSED_FOR_REVIEW: &str =
+    "its invoice was closed while the charge was in flight: the attempt needs an operator's review";
+
 /// How a charge's answer was written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
@@ -131,6 +135,10 @@ pub enum Settled {
     /// The claim no longer holds the invoice, or the attempt was settled by
     /// someone else: nothing written (the reconciler settles the attempt).
     Lost,
+    /// The answer says the charge was or may have been made, but its invoice
+    /// was closed meanwhile: the attempt and the invoice are flagged for an
+    /// operator's review, nothing else is written (docs/adr/0142).
+    Reviewed,
 }
 
 /// What the provider said to one started attempt.

@@ -132,6 +132,9 @@ pub(crate) async fn charge(biller: &Biller, claim: &ChargeClaim) -> Result<Charg
         .unwrap_or(Ok(Settled::Lost))?;
     Ok(match (outcome, settled) {
         (_, Settled::Lost) => Charged::ClaimLost,
+        (_, Settled::Reviewed) => Charged::Unknown {
+            reason: batch::CLOSED_FOR_REVIEW.to_owned(),
+        },
         (ChargeOutcome::Succeeded { payment_intent }, _) => Charged::Paid { payment_intent },
         (ChargeOutcome::Declined { code, .. }, _) => Charged::Declined { code },
         (other, _) => Charged::Unknown {
@@ -376,6 +379,10 @@ async fn charge_batch(
             (_, Ok(Settled::Lost)) => {
                 tally.claim_lost += 1;
                 "claim_lost"
+            }
+            (_, Ok(Settled::Reviewed)) => {
+                tally.needs_review += 1;
+                "needs_review"
             }
             (ChargeOutcome::Succeeded { .. }, Ok(Settled::Written)) => {
                 tally.paid += 1;

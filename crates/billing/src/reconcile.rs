@@ -311,6 +311,10 @@ impl FencedBatches for UnknownSweep<'_> {
                     tally.lost += 1;
                     "lost"
                 }
+                (_, Ok(Settled::Reviewed)) => {
+                    tally.needs_review += 1;
+                    "needs_review"
+                }
                 (ChargeOutcome::Succeeded { .. }, _) => {
                     tally.paid += 1;
                     info!(role = %Role::Billing, attempt, "open charge found paid; settled");

@@ -309,6 +309,18 @@ pub(crate) async fn finish_retries(
 /// A settled answer as [`Retried`].
 fn retried(attempt_seq: i32, answer: Answer, settled: Settled) -> Retried {
     match (answer, settled) {
+        (Answer::Called(ChargeOutcome::Unknown { reason, .. }), Settled::Reviewed) => {
+            Retried::Unknown {
+                attempt_seq,
+                reason: format!("{reason}; {}", batch::CLOSED_FOR_REVIEW),
+                unanswered: true,
+            }
+        }
+        (_, Settled::Reviewed) => Retried::Unknown {
+            attempt_seq,
+            reason: batch::CLOSED_FOR_REVIEW.to_owned(),
+            unanswered: false,
+        },
         (Answer::Called(ChargeOutcome::Succeeded { payment_intent }), Settled::Written) => {
             Retried::Paid {
                 attempt_seq,

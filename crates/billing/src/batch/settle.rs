@@ -6,13 +6,16 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use db::{Db, Row, sql};
-use tracing::{error, warn};
+use tracing::warn;
 
 use super::messages::{failed_email, paid_payload, payment_payload, receipt};
 use super::{Answer, NOT_SENT, Started};
 use crate::Error;
 use crate::batch::Settled;
 use crate::provider::ChargeOutcome;
+
+mod closed;
+pub use closed::SETTLE_CLOSED;
 
 /// How answers are written: the settle's settings.
 #[derive(Debug, Clone, Copy)]
@@ -115,56 +118,6 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
        AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
      RETURNING a.id";
 
-/// The settle's statement for an answer that may have charged (paid,
-/// processing, unknown, or one for review) whose invoice is no longer open,
-/// so [`SETTLE`] could not pay it; `pub` only for the plan test. Money was
-/// taken, or may be, for an invoice already paid, written off or voided: left
-/// `unknown`, the attempt was never looked at again (the reconciler reads open
-/// invoices), and the charge stayed unrecorded. The attempt (still unknown or
-/// processing) now needs review with the intent, and the invoice is flagged,
-/// keeping its status: the operator refunds at the provider and settles the
-/// attempt as not charged (`billing_settle_attempt` refuses to pay a closed
-/// invoice). Each invoice is locked first, by id, and its status tested on
-/// the locked row, so a close in flight is waited for and seen; its claim is
-/// given back if it is still this row's (docs/adr/0142).
-pub const SETTLE_CLOSED: &str = "WITH u AS ( \
-       SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], \
-                            $6::text[], $7::text[]) \
-              AS u(invoice_id, attempt_id, claimed_by, answer, intent, was, why) \
-     ), locked AS ( \
-       SELECT i.id, i.status, u.was, u.attempt_id, u.claimed_by, u.answer, u.intent, u.why \
-       FROM u JOIN invoices i ON i.id = u.invoice_id \
-       ORDER BY i.id \
-       FOR UPDATE OF i \
-     ), att AS ( \
-       UPDATE payment_attempts a SET provider_status = 'needs_review', \
-              provider_payment_intent = COALESCE(c.intent, a.provider_payment_intent), \
-              resolved_at = NULL, last_checked_at = now(), \
-              last_error = format('%s (%s) after invoice %s became %s: if it charged, refund \
-                                   it at the provider; then settle this attempt as not \
-                                   charged', \
-                  CASE c.answer WHEN 'succeeded' THEN 'charged' \
-                                WHEN 'processing' THEN 'accepted as processing' \
-                                WHEN 'needs_review' THEN 'answered for review: ' \
-                                                         || COALESCE(c.why, 'no reason given') \
-                                ELSE 'answered without an outcome' END, \
-                  COALESCE(c.intent, a.provider_payment_intent, \
-                           'key ' || a.idempotency_key), c.id, c.status) \
-       FROM locked c \
-       WHERE a.id = c.attempt_id \
-         AND c.status <> c.was \
-         AND coalesce(a.provider_status, '') IN ('unknown', 'processing') \
-       RETURNING a.id, a.invoice_id, a.last_error, c.claimed_by \
-     ) \
-     UPDATE invoices i SET review_since = now(), review_reason = att.last_error, \
-            auto_charge_claimed_until = CASE WHEN i.auto_charge_claimed_by = att.claimed_by \
-                                             THEN NULL ELSE i.auto_charge_claimed_until END, \
-            auto_charge_claimed_by = CASE WHEN i.auto_charge_claimed_by = att.claimed_by \
-                                          THEN NULL ELSE i.auto_charge_claimed_by END \
-     FROM att \
-     WHERE i.id = att.invoice_id \
-     RETURNING att.id, i.id AS invoice_id, att.last_error";
-
 /// Settle every answered attempt of a batch in one transaction (see the
 /// module's diagram). Returns, per row of `answers` and in their order, how it
 /// was written: [`Settled::Lost`] when its claim no longer held the invoice or
@@ -186,17 +139,14 @@ pub(crate) async fn settle_all(
             .filter(|(s, _)| !lost.contains(&s.attempt_id))
             .collect();
         match settle_once(db, &pending, how).await {
-            Ok(Once::Committed(no_write)) => {
+            Ok(Once::Committed {
+                lost: no_write,
+                reviewed,
+            }) => {
                 lost.extend(no_write);
                 return answers
                     .iter()
-                    .map(|(s, _)| {
-                        Ok(if lost.contains(&s.attempt_id) {
-                            Settled::Lost
-                        } else {
-                            Settled::Written
-                        })
-                    })
+                    .map(|(s, _)| Ok(settled(s.attempt_id, &lost, &reviewed)))
                     .collect();
             }
             Ok(Once::RolledBack(bad)) => lost.extend(bad),
@@ -210,8 +160,12 @@ pub(crate) async fn settle_all(
     let mut out = Vec::with_capacity(answers.len());
     for row in answers {
         out.push(match settle_once(db, &[*row], how).await {
-            Ok(Once::Committed(lost)) if lost.is_empty() => Ok(Settled::Written),
-            Ok(_) => Ok(Settled::Lost),
+            Ok(Once::Committed { lost, reviewed }) => Ok(settled(
+                row.0.attempt_id,
+                &lost.into_iter().collect(),
+                &reviewed,
+            )),
+            Ok(Once::RolledBack(_)) => Ok(Settled::Lost),
             Err(e) => Err(e),
         });
     }
@@ -219,11 +173,26 @@ pub(crate) async fn settle_all(
 }
 
 enum Once {
-    /// Committed; these attempts' rows lost their condition and wrote nothing.
-    Committed(Vec<i64>),
+    /// Committed; these attempts' rows lost their condition and wrote nothing
+    /// (`lost`), and of them these were sent to review (`reviewed`).
+    Committed {
+        lost: Vec<i64>,
+        reviewed: HashSet<i64>,
+    },
     /// Rolled back: these attempts' invoices were written but the attempts
     /// were already settled; they are settled `Lost`, the rest again.
     RolledBack(Vec<i64>),
+}
+
+/// How one attempt of a committed settle was written.
+fn settled(attempt: i64, lost: &HashSet<i64>, reviewed: &HashSet<i64>) -> Settled {
+    if reviewed.contains(&attempt) {
+        Settled::Reviewed
+    } else if lost.contains(&attempt) {
+        Settled::Lost
+    } else {
+        Settled::Written
+    }
 }
 
 /// What a resolved answer writes: the attempt's new status, its decline
@@ -302,7 +271,10 @@ async fn settle_once(
     how: Settling<'_>,
 ) -> Result<Once, Error> {
     if answers.is_empty() {
-        return Ok(Once::Committed(Vec::new()));
+        return Ok(Once::Committed {
+            lost: Vec::new(),
+            reviewed: HashSet::new(),
+        });
     }
     let (mut done, mut open) = (Cols::default(), Open::default());
     for (s, a) in answers {
@@ -396,7 +368,7 @@ async fn settle_once(
     // Before the rows left open take their share locks: this takes the
     // invoices' update locks, and one after the other in the same
     // transaction could deadlock with another settle of the same attempt.
-    review_closed(&mut tx, answers, &won).await?;
+    let reviewed = closed::review_closed(&mut tx, answers, &won).await?;
     let mut kept_open = HashSet::new();
     if !open.attempt.is_empty() {
         let rows = tx
@@ -495,80 +467,7 @@ async fn settle_once(
         })
         .map(|(s, _)| s.attempt_id)
         .collect();
-    Ok(Once::Committed(lost))
-}
-
-/// [`SETTLE_CLOSED`] for the rows whose answer says the charge was or may
-/// have been made ([`may_have_charged`]) that [`SETTLE`] did not resolve
-/// (their claim lost, or their invoice closed). Each stays [`Settled::Lost`]
-/// to the caller; those sent to review are logged.
-async fn review_closed(
-    tx: &mut db::Tx,
-    answers: &[(&Started, &Answer)],
-    won: &HashSet<i64>,
-) -> Result<(), Error> {
-    let mut rows = Cols::default();
-    for (s, a) in answers {
-        if let Some((answer, intent, why)) = may_have_charged(a)
-            && !won.contains(&s.attempt_id)
-        {
-            rows.invoice.push(s.claim.invoice_id);
-            rows.attempt.push(s.attempt_id);
-            rows.claimed_by.push(s.claim.claimed_by.clone());
-            rows.status.push(answer.to_owned());
-            rows.intent.push(intent.map(str::to_owned));
-            rows.why.push(why.map(str::to_owned));
-        }
-    }
-    if rows.attempt.is_empty() {
-        return Ok(());
-    }
-    let was = vec![super::OPEN; rows.attempt.len()];
-    let reviewed = tx
-        .fetch_all(
-            sql(SETTLE_CLOSED)
-                .bind(rows.invoice)
-                .bind(rows.attempt)
-                .bind(rows.claimed_by)
-                .bind(rows.status)
-                .bind(rows.intent)
-                .bind(was)
-                .bind(rows.why),
-        )
-        .await?;
-    for r in reviewed {
-        let (attempt, invoice, why): (i64, i64, String) = (
-            r.try_get(0).map_err(db::Error::from)?,
-            r.try_get(1).map_err(db::Error::from)?,
-            r.try_get(2).map_err(db::Error::from)?,
-        );
-        error!(invoice, attempt, reason = %why, "a charge answered after its invoice was closed needs an operator's review (hardcount billing review)");
-    }
-    Ok(())
-}
-
-/// The answer a charge may have been made under, its intent if known, and
-/// for one sent to review its reason: paid, processing, unknown (a timeout, a
-/// 5xx, a `lock_timeout`), or for review (an `idempotency_error`, an intent
-/// waiting for the customer's action, an answer that does not parse).
-fn may_have_charged(a: &Answer) -> Option<(&'static str, Option<&str>, Option<&str>)> {
-    match a {
-        Answer::Called(ChargeOutcome::Succeeded { payment_intent }) => {
-            Some(("succeeded", Some(payment_intent), None))
-        }
-        Answer::Called(ChargeOutcome::Processing { payment_intent }) => {
-            Some(("processing", Some(payment_intent), None))
-        }
-        Answer::Called(ChargeOutcome::Unknown { payment_intent, .. }) => {
-            Some(("unknown", payment_intent.as_deref(), None))
-        }
-        Answer::Called(ChargeOutcome::NeedsReview {
-            reason,
-            payment_intent,
-            ..
-        }) => Some(("needs_review", payment_intent.as_deref(), Some(reason))),
-        _ => None,
-    }
+    Ok(Once::Committed { lost, reviewed })
 }
 
 /// The attempts whose invoice and attempt were both written; `Err` with the

@@ -360,7 +360,9 @@ async fn closed_row(
 /// recorded (docs/adr/0142).
 ///
 /// Mutation check: the settle's review of closed invoices not run
-/// (`closed_paid_left_unknown`) leaves the three attempts unknown; an unknown
+/// (`closed_paid_left_unknown`) leaves the three attempts unknown; the rows
+/// sent to review reported as lost claims (`reviewed_reported_lost`) fail the
+/// reasons' check; an unknown
 /// answer, or one for review, not taken as one that may have charged
 /// (`closed_unknown_left_unknown`, `closed_for_review_left_unknown`) leaves
 /// the third's or the fourth's; this test fails under each. Its test of the
@@ -392,6 +394,14 @@ async fn charges_answered_after_their_invoice_was_closed_need_review() {
         let retried = result.expect("no panic").expect("no error");
         let paid = matches!(retried, Retried::Paid { .. });
         assert_eq!(paid, s.claim.invoice_id == inv[1].0, "{retried:?}");
+        // Reported as sent to review, not as a claim lost.
+        if !paid {
+            assert!(
+                matches!(&retried, Retried::Unknown { reason, .. }
+                    if reason.contains("closed while the charge was in flight")),
+                "{retried:?}"
+            );
+        }
     }
     assert_eq!(p.total_charges(), 4);
     let intents = p.intents();
@@ -463,7 +473,10 @@ async fn a_late_answer_for_an_attempt_settled_meanwhile_is_not_sent_to_review() 
         .expect("no panic")
         .as_ref()
         .expect("no error");
-    assert!(matches!(retried, Retried::Unknown { .. }), "{retried:?}");
+    assert!(
+        matches!(retried, Retried::Unknown { reason, .. } if !reason.contains("review")),
+        "{retried:?}"
+    );
     assert_eq!(
         closed_row(&t.db, inv[0].0).await,
         (
