@@ -163,41 +163,6 @@ pub(crate) async fn list(
     Ok(listing)
 }
 
-/// Whether the business window of the policy row `w` is open at the local
-/// time `l.t` (a `timestamp`: the instant `AT TIME ZONE w.window_time_zone`),
-/// migration 0035's rule: open from `window_opens` (inclusive) to
-/// `window_closes` (exclusive) on a weekday of `window_weekdays`; a window
-/// closing before it opens runs past midnight and belongs to the weekday it
-/// opened on (so after midnight the day before is the one that counts).
-/// NULL when the row has no window.
-macro_rules! window_open {
-    () => {
-        "CASE WHEN w.window_opens < w.window_closes \
-              THEN l.t::time >= w.window_opens AND l.t::time < w.window_closes \
-                   AND extract(isodow FROM l.t)::integer = ANY (w.window_weekdays) \
-              ELSE (l.t::time >= w.window_opens \
-                    AND extract(isodow FROM l.t)::integer = ANY (w.window_weekdays)) \
-                OR (l.t::time < w.window_closes \
-                    AND extract(isodow FROM l.t - interval '1 day')::integer = ANY (w.window_weekdays)) \
-         END"
-    };
-}
-
-/// The tenants whose default policy's business window is closed now: their
-/// runs wait (docs/adr/0045).
-macro_rules! window_closed_tenants {
-    () => {
-        concat!(
-            "SELECT w.tenant_id FROM dunning_policies w \
-             CROSS JOIN LATERAL (SELECT now() AT TIME ZONE w.window_time_zone AS t) l \
-             WHERE w.is_default AND w.window_time_zone IS NOT NULL \
-               AND (",
-            window_open!(),
-            ") IS NOT TRUE"
-        )
-    };
-}
-
 /// The gauges: active runs, and the seconds since the oldest active run's
 /// retry fell due among those the listing would retry now (0 when none):
 /// runs waiting for their tenant's window are not late, nor are runs billing
@@ -219,7 +184,7 @@ pub(crate) const GAUGES: &str = concat!(
                                         WHERE a.invoice_id = i.id \
                                           AND a.provider_status IN ('unknown', 'processing', 'needs_review')) \
                         AND r.tenant_id NOT IN (",
-    window_closed_tenants!(),
+    payments::window_closed_tenants!(),
     ") \
                       ORDER BY r.next_attempt_at LIMIT 1), 0) AS oldest_due_age, \
             extract(epoch FROM now())::float8 AS read_at"
@@ -231,7 +196,7 @@ pub(crate) const GAUGES: &str = concat!(
 /// days and daylight-saving transitions (`tests/it/window_rule.rs`).
 pub const WINDOW_OPEN_AT: &str = concat!(
     "SELECT (",
-    window_open!(),
+    payments::window_open!(),
     ") AS open \
      FROM (VALUES ($1::text, $2::time, $3::time, $4::integer[])) \
           AS w (window_time_zone, window_opens, window_closes, window_weekdays) \
@@ -314,7 +279,7 @@ pub const LIST_DUE: &str = concat!(
        AND r.id <> ALL ($3) \
        AND leader_fence($1, $2) \
        AND r.tenant_id NOT IN (",
-    window_closed_tenants!(),
+    payments::window_closed_tenants!(),
     ") \
      ORDER BY r.next_attempt_at, r.id \
      LIMIT $4 \

@@ -21,6 +21,8 @@
 //! [`Canceled`]) or as [`Error`]; dunning never sees billing's provider,
 //! settings or errors.
 
+mod window;
+
 use std::fmt;
 use std::time::{Duration, Instant};
 

@@ -49,7 +49,9 @@ pub const CLAIM_UNKNOWN: &str = concat!(
         AND COALESCE(a.payment_method_id, c.payment_method_id) IS NOT NULL \
         AND (a.first_sent_at IS NOT NULL OR ( ",
     chargeable_invoice!(),
-    ")) \
+    "   AND (a.attempt_seq = 1 OR a.tenant_id NOT IN (",
+    payments::window_closed_tenants!(),
+    ")))) \
         AND a.id <> ALL ($6) \
         AND NOT EXISTS (SELECT 1 FROM payment_attempts e \
                         WHERE e.invoice_id = a.invoice_id \
@@ -104,7 +106,10 @@ pub const CLAIM_UNKNOWN: &str = concat!(
 /// subscription's final invoice too, docs/adr/0071) and not flagged, and is
 /// stamped as sent now, since the reconciler may send it, with the customer's
 /// payment method as it is now, which the attempt records: the customer may
-/// have replaced the card it was recorded with (docs/adr/0113).
+/// have replaced the card it was recorded with (docs/adr/0113). A dunning
+/// retry's (any attempt after auto-charge's first) waits, besides, for its
+/// tenant's business window, as dunning's funnel does (docs/adr/0147): the
+/// key never reached the provider, so nothing expires while it waits.
 ///
 /// Index-driven (docs/adr/0060): the open attempts in
 /// `payment_attempts_open` order, so the limit stops the walk, each one's

@@ -146,16 +146,17 @@ async fn a_final_action_owed_after_a_crash_runs_once_under_a_race() {
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }
 
-/// A final action owed (cancel the subscription) on an invoice that was paid
-/// in the meantime writes nothing: the subscription stays active, nothing is
-/// announced, no final notice is sent, and the step is stamped so it is not
-/// owed again.
+/// A final action owed (cancel the subscription) on an invoice that was
+/// voided in the meantime writes nothing: the subscription stays active,
+/// nothing is announced, no final notice is sent, and the step is stamped so
+/// it is not owed again. (An invoice paid meanwhile ends the run recovered
+/// instead: `a_held_write_off_then_paid_recovers_the_run`.)
 ///
 /// Mutation check: `dunning_notice_when_changed` (the final action's
 /// transaction queues the notice whether or not the action changed
 /// anything) sends a final notice here; seen failing under it.
 #[tokio::test]
-async fn a_final_action_finds_the_invoice_paid_and_writes_nothing() {
+async fn a_final_action_finds_the_invoice_voided_and_writes_nothing() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
@@ -178,7 +179,7 @@ async fn a_final_action_finds_the_invoice_paid_and_writes_nothing() {
     .await
     .unwrap();
     t.db.execute(
-        sql("UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = $1").bind(a.invoice),
+        sql("UPDATE invoices SET status = 'void', closed_at = now() WHERE id = $1").bind(a.invoice),
     )
     .await
     .unwrap();
@@ -606,6 +607,60 @@ async fn a_write_off_waits_for_a_charge_in_flight_on_its_invoice() {
     assert_eq!(
         write_off_state(&t.db, a.invoice).await,
         ("uncollectible".to_owned(), 1, true)
+    );
+    assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// A write-off held by a charge in flight, which then settles paid (the
+/// reconciler found it, or an operator settled it): the run ends recovered,
+/// with `dunning.recovered` and a recovery counted, and the write-off is not
+/// taken. Before, the next listing took the owed step, found the invoice no
+/// longer open and stamped it: the run stayed `exhausted` beside a paid
+/// invoice, with no `dunning.recovered` (docs/adr/0147).
+///
+/// Mutation `owed_step_paid_left_exhausted` (an exhausted run always takes
+/// its owed step) leaves the run exhausted; seen failing under it.
+#[tokio::test]
+async fn a_held_write_off_then_paid_recovers_the_run() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "mark_uncollectible").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    exhausted(&t.db, &d, a.invoice, 1).await;
+    in_flight(&t, a.invoice, false, "sent").await;
+    tick(&t.db, &d).await;
+    assert_eq!(
+        write_off_state(&t.db, a.invoice).await,
+        ("open".to_owned(), 0, false)
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "UPDATE payment_attempts SET provider_status = 'succeeded', resolved_at = now() \
+         WHERE invoice_id = {0}; \
+         UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = {0}",
+        a.invoice
+    )))
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.stopped, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await.0, "recovered");
+    assert_eq!(
+        write_off_state(&t.db, a.invoice).await,
+        ("paid".to_owned(), 0, false)
+    );
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.recovered"]
+    );
+    assert_eq!(dunning_emails(&t.db).await, Vec::<String>::new());
+    assert!(
+        metrics
+            .render()
+            .contains("hardcount_dunning_recoveries_total 1"),
+        "{}",
+        metrics.render()
     );
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }

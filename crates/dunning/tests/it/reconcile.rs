@@ -460,6 +460,54 @@ async fn a_retry_never_sent_does_not_hold_a_run_whose_customer_has_no_card() {
     assert_eq!(methods, ["pm_card_mastercard"]);
 }
 
+/// A retry refused for load (429: never sent) waits for its tenant's
+/// business window at billing's reconciler too: with the window closed, the
+/// reconciler's look sends nothing and leaves the attempt never sent; once
+/// the window is open, it sends it and the invoice is paid once. Before, the
+/// reconciler sent it whatever the hour: a retry, its receipt and its events
+/// outside the window dunning's funnel keeps (docs/adr/0147).
+///
+/// Mutation `reconcile_unsent_window` (the reconciler's window guard
+/// dropped) sends the retry while the window is closed; seen failing under it.
+#[tokio::test]
+async fn a_never_sent_retry_waits_for_its_window_at_the_reconciler() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let limited = Behaviour::RateLimited {
+        retry_after_secs: 1,
+    };
+    let (a, d, _, charging) = declined_run(&t, &p, 2, limited).await;
+    assert_eq!(tick(&t.db, &d).await.tally.unanswered, 1);
+    assert_eq!(p.create_requests(), 1);
+    p.set_behaviour(&a.customer, Behaviour::Succeed);
+    let mut su = t.superuser().await;
+    // Opens in an hour and closes in two, every day, in UTC: closed now
+    // (whatever the hour; a window past midnight included).
+    for (opens, closes, sent) in [(3600, 7200, 1), (-3600, 3600, 2)] {
+        sqlx::query(
+            "UPDATE dunning_policies SET window_time_zone = 'UTC', \
+                    window_opens = (now() AT TIME ZONE 'UTC' + make_interval(secs => $1))::time, \
+                    window_closes = (now() AT TIME ZONE 'UTC' + make_interval(secs => $2))::time, \
+                    window_weekdays = '{1,2,3,4,5,6,7}' \
+             WHERE tenant_id = 'tenant_a' AND is_default",
+        )
+        .bind(f64::from(opens))
+        .bind(f64::from(closes))
+        .execute(&mut su)
+        .await
+        .unwrap();
+        sqlx::query("UPDATE payment_attempts SET next_check_at = now() WHERE invoice_id = $1")
+            .bind(a.invoice)
+            .execute(&mut su)
+            .await
+            .unwrap();
+        reconciler_looks(&t.db, &charging).await;
+        assert_eq!(p.create_requests(), sent, "window opens in {opens} s");
+    }
+    assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
+    assert_eq!(p.total_charges(), 1);
+}
+
 /// The same retry refused for load, but the process dies before dunning
 /// rewinds it (here a trigger refuses the rewind): the run is left counted,
 /// owing that retry's notices (docs/adr/0115), with the attempt never sent.
