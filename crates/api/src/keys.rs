@@ -7,6 +7,9 @@ use db::{Db, Row as _};
 
 use crate::auth;
 
+mod settings;
+pub use settings::{SettingsChange, TenantSettings, set_tenant_settings, tenant_settings};
+
 #[derive(Debug, thiserror::Error)]
 pub enum KeysError {
     #[error(
@@ -25,6 +28,12 @@ pub enum KeysError {
     BadContactEmail(String),
     #[error("{0}")]
     Invalid(String),
+    /// A tenant setting refused, by name.
+    #[error("{message}")]
+    BadSetting {
+        param: &'static str,
+        message: String,
+    },
     #[error("database: {0}")]
     Db(#[from] db::Error),
 }

@@ -99,6 +99,10 @@ pub fn router(op: Operator) -> Router {
             post(clear_cooldown),
         )
         .route("/operator/v1/tenants", get(tenants).post(create_tenant))
+        .route(
+            "/operator/v1/tenants/{id}/settings",
+            get(tenant_settings).patch(set_tenant_settings),
+        )
         .route("/operator/v1/keys", get(list_keys).post(create_key))
         .route("/operator/v1/keys/{prefix}/revoke", post(revoke_key))
         .route(
@@ -175,6 +179,9 @@ fn keys_error(e: KeysError) -> ApiError {
         KeysError::NoKey(prefix) => ApiError::missing("API key", prefix),
         KeysError::BadContactEmail(_) => ApiError::param("contact_email", e.to_string()),
         KeysError::Invalid(m) => ApiError::invalid(Code::ParameterInvalid, "body", m),
+        KeysError::BadSetting { param, message } => {
+            ApiError::invalid(Code::ParameterInvalid, param, message)
+        }
         KeysError::Db(e) => ApiError::from_db(&e),
     }
 }
@@ -344,6 +351,74 @@ async fn create_tenant(
             created_at: t.created_at,
         },
     ))
+}
+
+#[derive(Serialize)]
+struct SettingsOut {
+    tenant_id: String,
+    invoice_prefix: String,
+    invoice_on_cancel: bool,
+    /// `null`: the deployment's `HARDCOUNT_EMAIL_FROM`.
+    email_from: Option<String>,
+    updated_at: Option<DateTime<Utc>>,
+}
+
+impl From<keys::TenantSettings> for SettingsOut {
+    fn from(s: keys::TenantSettings) -> Self {
+        SettingsOut {
+            tenant_id: s.tenant_id,
+            invoice_prefix: s.invoice_prefix,
+            invoice_on_cancel: s.invoice_on_cancel,
+            email_from: s.email_from,
+            updated_at: s.updated_at,
+        }
+    }
+}
+
+async fn tenant_settings(
+    State(op): State<Operator>,
+    _: OperatorCaller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let s = keys::tenant_settings(&op.db, &id)
+        .await
+        .map_err(keys_error)?;
+    Ok(ok(StatusCode::OK, &SettingsOut::from(s)))
+}
+
+/// A settings change: a field left out is left as it is; `email_from: null`
+/// goes back to the deployment's sender.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettingsPatch {
+    invoice_prefix: Option<String>,
+    invoice_on_cancel: Option<bool>,
+    #[serde(default, deserialize_with = "present")]
+    email_from: Option<Option<String>>,
+}
+
+/// A field that is present, `null` included (`Some(None)`), told from one
+/// left out (`None`, by `default`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
+}
+
+async fn set_tenant_settings(
+    State(op): State<Operator>,
+    _: OperatorCaller,
+    Path(id): Path<String>,
+    body: JsonBody<SettingsPatch>,
+) -> Result<Response, ApiError> {
+    let b = &body.value;
+    let change = keys::SettingsChange {
+        invoice_prefix: b.invoice_prefix.clone(),
+        invoice_on_cancel: b.invoice_on_cancel,
+        email_from: b.email_from.clone(),
+    };
+    let s = keys::set_tenant_settings(&op.db, &id, &change)
+        .await
+        .map_err(keys_error)?;
+    Ok(ok(StatusCode::OK, &SettingsOut::from(s)))
 }
 
 #[derive(Serialize)]

@@ -46,6 +46,8 @@ async fn every_operator_route_wants_the_operator_token() {
         ("POST", "/operator/v1/leaders/billing/clear-cooldown"),
         ("GET", "/operator/v1/tenants"),
         ("POST", "/operator/v1/tenants"),
+        ("GET", "/operator/v1/tenants/acme/settings"),
+        ("PATCH", "/operator/v1/tenants/acme/settings"),
         ("GET", "/operator/v1/keys"),
         ("POST", "/operator/v1/keys"),
         ("POST", "/operator/v1/keys/abcdefgh/revoke"),
@@ -470,4 +472,136 @@ async fn an_operator_body_over_its_limit_or_a_bad_path_is_refused_in_the_one_sha
         "{}",
         status.text
     );
+}
+
+/// A tenant's settings, read and changed by an operator (docs/adr/0148): the
+/// defaults until set; a change leaves the fields it does not name; a sender
+/// set here is the domain the tenant's own emails may come from
+/// (docs/adr/0143), and `null` gives the deployment's back; a bad value is
+/// refused by name and changes nothing; an unknown tenant is 404. The tenant
+/// API's role can no longer write the settings itself (migration 0056).
+///
+/// Catches: the sender's setting not written (the tenant's email refused),
+/// `null` read as "leave it" (its email still accepted after the reset), a
+/// partial change resetting the other fields, the API role's write left.
+#[tokio::test]
+async fn an_operator_sets_a_tenants_settings_and_its_sender_domain_follows() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    let key = tenant(&t, "acme").await;
+    let path = "/operator/v1/tenants/acme/settings";
+    let got = op(&s, "GET", path, None).await;
+    assert_eq!(got.status, StatusCode::OK, "{}", got.text);
+    assert_eq!(
+        (
+            &got.json["invoice_prefix"],
+            &got.json["invoice_on_cancel"],
+            &got.json["email_from"]
+        ),
+        (&json!("INV"), &json!(true), &Value::Null)
+    );
+    let email = |from: &str| json!({"from": from, "to": ["a@example.org"], "subject": "Hello", "text": "Hi"});
+    let refused = s
+        .post("/v1/emails", &key, email("orders@acme.example"))
+        .await;
+    assert_eq!(
+        (refused.status, refused.param()),
+        (StatusCode::BAD_REQUEST, "from")
+    );
+
+    let set = op(
+        &s,
+        "PATCH",
+        path,
+        Some(json!({"email_from": "Acme <billing@acme.example>"})),
+    )
+    .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.text);
+    assert_eq!(set.json["email_from"], json!("Acme <billing@acme.example>"));
+    let sent = s
+        .post("/v1/emails", &key, email("orders@acme.example"))
+        .await;
+    assert_eq!(sent.status, StatusCode::CREATED, "{}", sent.text);
+
+    let prefix = op(
+        &s,
+        "PATCH",
+        path,
+        Some(json!({"invoice_prefix": "ACME", "invoice_on_cancel": false})),
+    )
+    .await;
+    assert_eq!(prefix.status, StatusCode::OK, "{}", prefix.text);
+    assert_eq!(
+        (
+            &prefix.json["invoice_prefix"],
+            &prefix.json["invoice_on_cancel"],
+            &prefix.json["email_from"]
+        ),
+        (
+            &json!("ACME"),
+            &json!(false),
+            &json!("Acme <billing@acme.example>")
+        )
+    );
+    for (body, param) in [
+        (json!({"invoice_prefix": "acme"}), "invoice_prefix"),
+        (json!({"invoice_prefix": ""}), "invoice_prefix"),
+        (json!({"email_from": "not an address"}), "email_from"),
+        (
+            json!({"email_from": "Acme <billing@acme.example>\r\nBcc: x@evil.test"}),
+            "email_from",
+        ),
+    ] {
+        let bad = op(&s, "PATCH", path, Some(body.clone())).await;
+        assert_eq!(
+            (bad.status, bad.param()),
+            (StatusCode::BAD_REQUEST, param),
+            "{body}: {}",
+            bad.text
+        );
+    }
+    let unknown = op(&s, "PATCH", path, Some(json!({"invoce_prefix": "X"}))).await;
+    assert_eq!(unknown.status, StatusCode::BAD_REQUEST, "{}", unknown.text);
+    let after = op(&s, "GET", path, None).await;
+    assert_eq!(
+        after.json["invoice_prefix"],
+        json!("ACME"),
+        "nothing changed by the refusals"
+    );
+
+    let reset = op(&s, "PATCH", path, Some(json!({"email_from": null}))).await;
+    assert_eq!(
+        (reset.status, &reset.json["email_from"]),
+        (StatusCode::OK, &Value::Null),
+        "{}",
+        reset.text
+    );
+    assert_eq!(reset.json["invoice_prefix"], json!("ACME"));
+    let refused = s
+        .post("/v1/emails", &key, email("orders@acme.example"))
+        .await;
+    assert_eq!(
+        (refused.status, refused.param()),
+        (StatusCode::BAD_REQUEST, "from")
+    );
+
+    let missing = op(&s, "GET", "/operator/v1/tenants/nobody/settings", None).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.text);
+    let missing = op(
+        &s,
+        "PATCH",
+        "/operator/v1/tenants/nobody/settings",
+        Some(json!({"invoice_prefix": "X"})),
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND, "{}", missing.text);
+
+    let denied = t
+        .api()
+        .execute(db::sql(
+            "UPDATE tenant_settings SET email_from = 'x@evil.test'",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code().as_deref(), Some("42501"), "{denied}");
 }

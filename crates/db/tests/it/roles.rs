@@ -61,7 +61,8 @@ fn expect(list: &[&str]) -> Vec<String> {
 }
 
 /// hardcount_operator reads leader_status and pauses or unpauses, lists and settles
-/// payment attempts that need review (migration 0019); nothing else.
+/// payment attempts that need review (migration 0019), makes tenants and keys and
+/// sets a tenant's settings; nothing else.
 ///
 /// Catches: leader_pause running as its caller (`pause_security_definer`:
 /// the operator then needs UPDATE on leader_leases and the pause is refused).
@@ -87,6 +88,19 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             // Replaying dead deliveries across tenants (migration 0032).
             "operator_replay_deliveries():EXECUTE",
             "payment_attempts_needing_review:SELECT",
+            // A tenant's settings (migration 0056); the sender's CHECK calls
+            // email_mailbox_valid as the writing role.
+            "email_mailbox_valid():EXECUTE",
+            "tenant_settings:SELECT",
+            "tenant_settings.tenant_id:INSERT",
+            "tenant_settings.invoice_prefix:INSERT",
+            "tenant_settings.invoice_on_cancel:INSERT",
+            "tenant_settings.email_from:INSERT",
+            "tenant_settings.updated_at:INSERT",
+            "tenant_settings.invoice_prefix:UPDATE",
+            "tenant_settings.invoice_on_cancel:UPDATE",
+            "tenant_settings.email_from:UPDATE",
+            "tenant_settings.updated_at:UPDATE",
             "tenants:INSERT",
             "tenants:SELECT",
         ])
@@ -195,18 +209,10 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
     for f in ["email_address_valid", "email_mailbox_valid"] {
         want.push(format!("{f}():EXECUTE"));
     }
-    // Tenant settings and the end of a subscription at its period's end
-    // (migration 0020); the balances are read only.
+    // The end of a subscription at its period's end (migration 0020); the
+    // balances and the tenant settings are read only (operators set those,
+    // migration 0056).
     want.push("tenant_settings:SELECT".into());
-    want.push("tenant_settings:INSERT".into());
-    for c in [
-        "invoice_prefix",
-        "invoice_on_cancel",
-        "email_from",
-        "updated_at",
-    ] {
-        want.push(format!("tenant_settings.{c}:UPDATE"));
-    }
     want.push("customer_balances:SELECT".into());
     for c in [
         "plan_id",

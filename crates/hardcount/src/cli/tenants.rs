@@ -1,4 +1,4 @@
-//! `hardcount tenants create|list` and `hardcount keys create|list|revoke`:
+//! `hardcount tenants create|list|settings` and `hardcount keys create|list|revoke`:
 //! the tenant API's tenants and keys, as `hardcount_operator`
 //! (docs/adr/0035). A key is printed once, when it is made.
 
@@ -24,6 +24,27 @@ pub enum TenantsCommand {
     /// List the tenants.
     List {
         /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a tenant's settings, or change those given (the rest stay as they are).
+    Settings {
+        tenant: String,
+        /// Its invoice numbers' prefix: 1 to 12 of A-Z 0-9 (default INV).
+        #[arg(long)]
+        invoice_prefix: Option<String>,
+        /// Whether a cancel invoices the used part of the period (default true).
+        #[arg(long)]
+        invoice_on_cancel: Option<bool>,
+        /// The sender of its receipts and dunning mail, e.g. "Acme Billing <billing@acme.example>".
+        /// Its tenant-API emails may then come from any address at that domain: set only a
+        /// domain the relay sends for (docs/adr/0143).
+        #[arg(long, conflicts_with = "default_email_from")]
+        email_from: Option<String>,
+        /// Send its mail as HARDCOUNT_EMAIL_FROM again.
+        #[arg(long)]
+        default_email_from: bool,
+        /// Print JSON instead of lines.
         #[arg(long)]
         json: bool,
     },
@@ -108,6 +129,45 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                 );
             }
             println!("{} tenant(s)", tenants.len());
+        }
+        TenantsCommand::Settings {
+            tenant,
+            invoice_prefix,
+            invoice_on_cancel,
+            email_from,
+            default_email_from,
+            json,
+        } => {
+            let change = api::keys::SettingsChange {
+                invoice_prefix,
+                invoice_on_cancel,
+                email_from: if default_email_from {
+                    Some(None)
+                } else {
+                    email_from.map(Some)
+                },
+            };
+            let s = api::keys::set_tenant_settings(&db, &tenant, &change)
+                .await
+                .map_err(operator_only)?;
+            if json {
+                let row = serde_json::json!({
+                    "tenant_id": s.tenant_id, "invoice_prefix": s.invoice_prefix,
+                    "invoice_on_cancel": s.invoice_on_cancel, "email_from": s.email_from,
+                    "updated_at": s.updated_at,
+                });
+                println!("{}", serde_json::to_string_pretty(&row)?);
+                return Ok(());
+            }
+            println!("tenant             {}", s.tenant_id);
+            println!("invoice_prefix     {}", s.invoice_prefix);
+            println!("invoice_on_cancel  {}", s.invoice_on_cancel);
+            println!(
+                "email_from         {}",
+                s.email_from
+                    .as_deref()
+                    .map_or_else(|| "(HARDCOUNT_EMAIL_FROM)".to_owned(), printable)
+            );
         }
     }
     Ok(())

@@ -1,0 +1,163 @@
+//! A tenant's settings, read and set by an operator (`hardcount tenants
+//! settings`, `/operator/v1/tenants/{id}/settings`; docs/adr/0148): its
+//! invoice numbers' prefix, whether a cancel invoices the used part of the
+//! period, and the sender of its mail. The sender's domain is one every
+//! tenant email may then leave from (docs/adr/0143), so it is the operator's
+//! to set, never the tenant's.
+
+use chrono::{DateTime, Utc};
+use db::{Db, Row as _};
+
+use super::KeysError;
+
+/// A tenant's settings; the defaults for a tenant that never set any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantSettings {
+    pub tenant_id: String,
+    pub invoice_prefix: String,
+    pub invoice_on_cancel: bool,
+    /// `None`: `HARDCOUNT_EMAIL_FROM`.
+    pub email_from: Option<String>,
+    /// `None`: never set.
+    pub updated_at: Option<DateTime<Utc>>,
+}
+
+/// What to change; `None` leaves a setting as it is.
+#[derive(Debug, Clone, Default)]
+pub struct SettingsChange {
+    pub invoice_prefix: Option<String>,
+    pub invoice_on_cancel: Option<bool>,
+    /// `Some(None)`: back to `HARDCOUNT_EMAIL_FROM`.
+    pub email_from: Option<Option<String>>,
+}
+
+impl SettingsChange {
+    fn is_empty(&self) -> bool {
+        self.invoice_prefix.is_none()
+            && self.invoice_on_cancel.is_none()
+            && self.email_from.is_none()
+    }
+}
+
+const READ: &str = "SELECT t.id AS tenant_id, \
+            COALESCE(s.invoice_prefix, 'INV') AS invoice_prefix, \
+            COALESCE(s.invoice_on_cancel, true) AS invoice_on_cancel, \
+            s.email_from, s.updated_at \
+     FROM tenants t LEFT JOIN tenant_settings s ON s.tenant_id = t.id \
+     WHERE t.id = $1";
+
+/// `tenant`'s settings.
+///
+/// # Errors
+/// [`KeysError::NoTenant`], a database error.
+pub async fn tenant_settings(db: &Db, tenant: &str) -> Result<TenantSettings, KeysError> {
+    let row = db
+        .fetch_optional(db::sql(READ).bind(tenant.to_owned()))
+        .await?
+        .ok_or_else(|| KeysError::NoTenant(tenant.to_owned()))?;
+    settings(&row)
+}
+
+/// Change `tenant`'s settings as `change` says, in one transaction; the
+/// settings after it.
+///
+/// # Errors
+/// [`KeysError::BadSetting`] naming the setting refused (nothing changed),
+/// [`KeysError::NoTenant`], a database error.
+pub async fn set_tenant_settings(
+    db: &Db,
+    tenant: &str,
+    change: &SettingsChange,
+) -> Result<TenantSettings, KeysError> {
+    if let Some(p) = &change.invoice_prefix
+        && !prefix_valid(p)
+    {
+        return Err(KeysError::BadSetting {
+            param: "invoice_prefix",
+            message: format!(
+                "invoice_prefix {p:?} is not 1 to 12 of A-Z and 0-9; nothing was changed"
+            ),
+        });
+    }
+    if let Some(Some(from)) = &change.email_from
+        && let Err(e) = outbox::email::mailbox("email_from", from)
+    {
+        return Err(KeysError::BadSetting {
+            param: "email_from",
+            message: format!(
+                "{e}: give an address such as billing@acme.example or \
+                 Acme Billing <billing@acme.example>; nothing was changed"
+            ),
+        });
+    }
+    if change.is_empty() {
+        return tenant_settings(db, tenant).await;
+    }
+    let mut tx = db.begin().await?;
+    // The row, with the table's defaults, if the tenant has none yet.
+    tx.execute(
+        db::sql(
+            "INSERT INTO tenant_settings (tenant_id) SELECT id FROM tenants WHERE id = $1 \
+             ON CONFLICT (tenant_id) DO NOTHING",
+        )
+        .bind(tenant.to_owned()),
+    )
+    .await?;
+    let (set_from, from) = match &change.email_from {
+        Some(from) => (true, from.clone()),
+        None => (false, None),
+    };
+    let changed = tx
+        .execute(
+            db::sql(
+                "UPDATE tenant_settings SET \
+                        invoice_prefix = COALESCE($2, invoice_prefix), \
+                        invoice_on_cancel = COALESCE($3, invoice_on_cancel), \
+                        email_from = CASE WHEN $4 THEN $5 ELSE email_from END, \
+                        updated_at = now() \
+                 WHERE tenant_id = $1",
+            )
+            .bind(tenant.to_owned())
+            .bind(change.invoice_prefix.clone())
+            .bind(change.invoice_on_cancel)
+            .bind(set_from)
+            .bind(from),
+        )
+        .await
+        .map_err(|e| match e.constraint() {
+            // The column's rule is stricter than the parser in a few corners
+            // (migrations/0022_email_addresses.sql).
+            Some("tenant_settings_email_from_valid" | "tenant_settings_email_from_length") => {
+                KeysError::BadSetting {
+                    param: "email_from",
+                    message: "email_from is not an address the outbox can send from; \
+                              nothing was changed"
+                        .to_owned(),
+                }
+            }
+            _ => KeysError::Db(e),
+        })?;
+    if changed != 1 {
+        return Err(KeysError::NoTenant(tenant.to_owned()));
+    }
+    let row = tx.fetch_one(db::sql(READ).bind(tenant.to_owned())).await?;
+    tx.commit().await?;
+    settings(&row)
+}
+
+/// Migration 0020's `tenant_settings_invoice_prefix_shape`: `^[A-Z0-9]{1,12}$`.
+fn prefix_valid(p: &str) -> bool {
+    (1..=12).contains(&p.len())
+        && p.bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
+}
+
+fn settings(r: &db::PgRow) -> Result<TenantSettings, KeysError> {
+    Ok(TenantSettings {
+        tenant_id: r.try_get("tenant_id").map_err(db::Error::Sql)?,
+        invoice_prefix: r.try_get("invoice_prefix").map_err(db::Error::Sql)?,
+        invoice_on_cancel: r.try_get("invoice_on_cancel").map_err(db::Error::Sql)?,
+        email_from: r.try_get("email_from").map_err(db::Error::Sql)?,
+        updated_at: r.try_get("updated_at").map_err(db::Error::Sql)?,
+    })
+}
