@@ -65,6 +65,13 @@ pub struct CustomerUpdate {
     #[serde(default, deserialize_with = "given")]
     #[schema(value_type = Option<String>, pattern = r"^pm_[A-Za-z0-9_]+$")]
     pub payment_method: Option<Option<String>>,
+    /// The provider's customer, e.g. `cus_123`, for a customer made without
+    /// one (a payment method may come in the same call). Set once: a
+    /// customer's charges are sent and looked up under it, so another value
+    /// is refused (409) and the same one changes nothing. One customer of
+    /// one tenant in the deployment (docs/adr/0103, 0149).
+    #[schema(pattern = r"^cus_[A-Za-z0-9_]+$")]
+    pub provider_customer_id: Option<String>,
 }
 
 /// A field given (`Some`), `null` included (`Some(None)`), as against left
@@ -194,23 +201,28 @@ pub async fn create(
             .bind(c.provider_customer_id.clone()),
         )
         .await
-        .map_err(|e| match e.constraint() {
-            // The same answer for a customer of another tenant (migration
-            // 0045), which names neither it nor its tenant.
-            Some("customers_provider_customer_key" | "customers_provider_customer_of_one_tenant") => {
-                ApiError::conflict(
-                    Code::AlreadyExists,
-                    "another customer has this provider_customer_id: a provider customer \
-                     belongs to one customer",
-                )
-            }
-            _ => ApiError::from_db(&e),
-        })?;
+        .map_err(|e| provider_customer_taken(&e))?;
     let customer = Customer::from_row(&row)?;
     scope.respond(StatusCode::CREATED, &customer).await
 }
 
-/// Update a customer's email, name or payment method.
+/// A write refused because another customer has its provider customer: the
+/// same answer for a customer of another tenant (migration 0045), which
+/// names neither it nor its tenant.
+fn provider_customer_taken(e: &db::Error) -> ApiError {
+    match e.constraint() {
+        Some("customers_provider_customer_key" | "customers_provider_customer_of_one_tenant") => {
+            ApiError::conflict(
+                Code::AlreadyExists,
+                "another customer has this provider_customer_id: a provider customer \
+                 belongs to one customer",
+            )
+        }
+        _ => ApiError::from_db(e),
+    }
+}
+
+/// Update a customer's email, name, payment method or (once) provider customer.
 #[utoipa::path(
     post, path = "/v1/customers/{id}", tag = "customers",
     params(
@@ -238,6 +250,9 @@ pub async fn update(
     if let Some(Some(pm)) = &u.payment_method {
         valid::provider_id("payment_method", pm, "pm_")?;
     }
+    if let Some(cus) = &u.provider_customer_id {
+        valid::provider_id("provider_customer_id", cus, "cus_")?;
+    }
     let mut scope = Scope::begin(&api, &caller).await?;
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
@@ -258,10 +273,20 @@ pub async fn update(
         .await?
         .ok_or_else(|| ApiError::missing("customer", id))?;
     let current = Customer::from_row(&current)?;
-    if matches!(u.payment_method, Some(Some(_))) && current.provider_customer_id.is_none() {
+    if let (Some(now), Some(given)) = (&current.provider_customer_id, &u.provider_customer_id)
+        && now != given
+    {
+        return Err(ApiError::conflict(
+            Code::InvalidState,
+            "this customer already has a provider_customer_id, which is set once: its charges \
+             were sent and are looked up under it; make a new customer for another",
+        ));
+    }
+    let customer_given = current.provider_customer_id.is_some() || u.provider_customer_id.is_some();
+    if matches!(u.payment_method, Some(Some(_))) && !customer_given {
         return Err(ApiError::param(
             "payment_method",
-            "this customer has no provider_customer_id, which a payment method needs",
+            "this customer has no provider_customer_id, which a payment method needs: give it in the same call",
         ));
     }
     let row = scope
@@ -270,7 +295,8 @@ pub async fn update(
             db::sql(concat!(
                 "UPDATE customers SET email = COALESCE($2, email),
                         name = CASE WHEN $5 THEN $3 ELSE name END,
-                        payment_method_id = CASE WHEN $6 THEN $4 ELSE payment_method_id END
+                        payment_method_id = CASE WHEN $6 THEN $4 ELSE payment_method_id END,
+                        provider_customer_id = COALESCE(provider_customer_id, $7)
                  WHERE tenant_id = api_tenant() AND id = $1
                  RETURNING ",
                 columns!(),
@@ -281,9 +307,11 @@ pub async fn update(
             .bind(u.name.clone().flatten())
             .bind(u.payment_method.clone().flatten())
             .bind(u.name.is_some())
-            .bind(u.payment_method.is_some()),
+            .bind(u.payment_method.is_some())
+            .bind(u.provider_customer_id.clone()),
         )
-        .await?;
+        .await
+        .map_err(|e| provider_customer_taken(&e))?;
     let customer = Customer::from_row(&row)?;
     scope.respond(StatusCode::OK, &customer).await
 }

@@ -215,12 +215,18 @@ async fn a_refused_lookup_is_not_taken_for_a_decline() {
     let p = FakeProvider::start().await.unwrap();
     let (b, _) = charged_then_hung(&t, &p).await;
     let mut su = t.superuser().await;
-    for q in [
-        "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL",
-        "UPDATE customers SET payment_method_id = 'pm_card_mastercard', provider_customer_id = 'cus_moved'",
-    ] {
-        sqlx::query(q).execute(&mut su).await.unwrap();
-    }
+    // A customer moved to another provider id: a row from before migration
+    // 0057, whose trigger now keeps a customer's id.
+    sqlx::raw_sql(
+        "UPDATE payment_attempts SET provider_customer_id = NULL, payment_method_id = NULL; \
+         ALTER TABLE customers DISABLE TRIGGER customers_provider_customer_set_once; \
+         UPDATE customers SET payment_method_id = 'pm_card_mastercard', \
+                provider_customer_id = 'cus_moved'; \
+         ALTER TABLE customers ENABLE TRIGGER customers_provider_customer_set_once",
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(

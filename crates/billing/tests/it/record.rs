@@ -443,15 +443,19 @@ async fn past_the_resend_window_a_lost_attempt_is_never_sent_again() {
     p.prune_keys();
     p.set_behaviour(&open[0].1, Behaviour::Succeed);
     let mut su = t.superuser().await;
-    for q in [
-        // The intent is not findable (another customer id), and the first send
-        // is 13 h old: outside the default 12 h window.
-        "UPDATE customers SET provider_customer_id = 'cus_elsewhere'",
-        "UPDATE payment_attempts SET provider_customer_id = NULL, \
+    // The intent is not findable (another customer id: a row from before
+    // migration 0057, whose trigger now keeps a customer's id), and the first
+    // send is 13 h old: outside the default 12 h window.
+    sqlx::raw_sql(
+        "ALTER TABLE customers DISABLE TRIGGER customers_provider_customer_set_once; \
+         UPDATE customers SET provider_customer_id = 'cus_elsewhere'; \
+         ALTER TABLE customers ENABLE TRIGGER customers_provider_customer_set_once; \
+         UPDATE payment_attempts SET provider_customer_id = NULL, \
                 first_sent_at = now() - interval '13 hours'",
-    ] {
-        sqlx::query(q).execute(&mut su).await.unwrap();
-    }
+    )
+    .execute(&mut su)
+    .await
+    .unwrap();
     after_the_lease().await;
     let report = tick(&t.db, &b).await;
     assert_eq!(report.reconciled.needs_review, 1, "{report:?}");

@@ -200,7 +200,8 @@ async fn the_api_role_writes_what_tenants_write_and_reads_no_secret_in_clear() {
         want.push(format!("{t}:SELECT"));
         want.push(format!("{t}:INSERT"));
     }
-    for c in ["email", "name", "payment_method_id"] {
+    // The provider customer once (migration 0057; a trigger keeps it).
+    for c in ["email", "name", "payment_method_id", "provider_customer_id"] {
         want.push(format!("customers.{c}:UPDATE"));
     }
     want.push("plans.name:UPDATE".into());

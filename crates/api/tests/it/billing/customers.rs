@@ -274,3 +274,92 @@ async fn a_replay_whose_answer_holds_sealed_looking_text_returns_it_as_recorded(
         );
     }
 }
+
+/// A customer made without its provider customer gets one later, with its
+/// card in the same call, and keeps it (docs/adr/0149): a card alone is
+/// refused while there is none; another `cus_…` is refused 409 and the same
+/// one changes nothing; another customer's `cus_…` is `already_exists`; and
+/// the database refuses a change whoever writes it (migration 0057's
+/// trigger), since a customer's charges are sent and looked up under it.
+///
+/// Mutations: `provider_customer_replaced` (the route's check removed: the
+/// change reaches the trigger, a 500 instead of the 409) and
+/// `provider_customer_trigger_off` (the trigger's test removed: the API
+/// role's direct change goes through); this test fails under each.
+#[tokio::test]
+async fn a_customer_gets_its_provider_customer_once() {
+    let b = bed().await;
+    let c = b
+        .created(&b.a, "/v1/customers", json!({"email": "ada@example.org"}))
+        .await;
+    let path = format!("/v1/customers/{}", c["id"]);
+    let card_alone =
+        b.s.post(&path, &b.a, json!({"payment_method": "pm_card_visa"}))
+            .await;
+    assert_eq!(
+        (card_alone.status.as_u16(), card_alone.param()),
+        (400, "payment_method"),
+        "{}",
+        card_alone.text
+    );
+    let bad =
+        b.s.post(&path, &b.a, json!({"provider_customer_id": "ada"}))
+            .await;
+    assert_eq!(
+        (bad.status.as_u16(), bad.param()),
+        (400, "provider_customer_id")
+    );
+    let set =
+        b.s.post(
+            &path,
+            &b.a,
+            json!({"provider_customer_id": "cus_ada", "payment_method": "pm_card_visa"}),
+        )
+        .await;
+    assert_eq!(set.status, 200, "{}", set.text);
+    assert_eq!(
+        (
+            &set.json["provider_customer_id"],
+            &set.json["payment_method"]
+        ),
+        (&json!("cus_ada"), &json!("pm_card_visa"))
+    );
+    let same =
+        b.s.post(&path, &b.a, json!({"provider_customer_id": "cus_ada"}))
+            .await;
+    assert_eq!(same.status, 200, "{}", same.text);
+    let other =
+        b.s.post(&path, &b.a, json!({"provider_customer_id": "cus_eve"}))
+            .await;
+    assert_eq!(
+        (other.status.as_u16(), other.refusal().0.as_str()),
+        (409, "invalid_state"),
+        "{}",
+        other.text
+    );
+    let eve = b
+        .created(&b.b, "/v1/customers", json!({"email": "eve@example.org"}))
+        .await;
+    let taken =
+        b.s.post(
+            &format!("/v1/customers/{}", eve["id"]),
+            &b.b,
+            json!({"provider_customer_id": "cus_ada"}),
+        )
+        .await;
+    assert_eq!(
+        (taken.status.as_u16(), taken.refusal().0.as_str()),
+        (409, "already_exists"),
+        "{}",
+        taken.text
+    );
+    let direct = testbed::tenant_writer(&b.t.db, "tenant_a")
+        .execute(sql(
+            "UPDATE customers SET provider_customer_id = 'cus_eve' WHERE email = 'ada@example.org'",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(direct.code().as_deref(), Some("55000"), "{direct}");
+    let got = b.s.get(&path, &b.a).await;
+    assert_eq!(got.json["provider_customer_id"], "cus_ada");
+}
