@@ -11,3 +11,5 @@ GRANT SELECT, INSERT (tenant_id, invoice_prefix, invoice_on_cancel, email_from, 
 -- `tenant_settings_email_from_valid` calls it (0022 revoked it from PUBLIC).
 GRANT EXECUTE ON FUNCTION email_mailbox_valid(text) TO hardcount_operator;
 REVOKE INSERT, UPDATE ON tenant_settings FROM hardcount_api;
+-- Only that CHECK calls it; the API role no longer writes what it checks.
+REVOKE EXECUTE ON FUNCTION email_mailbox_valid(text) FROM hardcount_api;

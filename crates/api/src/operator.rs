@@ -12,6 +12,7 @@
 //! POST /operator/v1/leaders/{role}/unpause
 //! POST /operator/v1/leaders/{role}/clear-cooldown
 //! GET  /operator/v1/tenants                       POST {"id", "name", "contact_email"}
+//! GET  /operator/v1/tenants/{id}/settings         PATCH {"invoice_prefix", "invoice_on_cancel", "email_from"}
 //! GET  /operator/v1/keys?tenant=                  POST {"tenant_id", "name"}: the key, once
 //! POST /operator/v1/keys/{prefix}/revoke
 //! GET  /operator/v1/payment-attempts/needs-review

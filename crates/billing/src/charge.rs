@@ -49,7 +49,8 @@ pub enum Charged {
     Paid { payment_intent: String },
     /// Declined; recorded with its code and announced.
     Declined { code: String },
-    /// No answer to rely on; the attempt is left unknown for the reconciler.
+    /// No answer to rely on; the attempt is left unknown for the reconciler
+    /// (or, for an invoice closed during the call, for an operator's review).
     Unknown { reason: String },
     /// The claim no longer held the invoice (or the attempt existed): not
     /// charged, or charged but left for the reconciler to settle.

@@ -478,11 +478,7 @@ pub(crate) async fn exhaust(
 
 /// The invoice was settled elsewhere (paid by hand or by billing, voided,
 /// written off): the run ends without a charge, `recovered` if the invoice
-/// is paid (`dunning.recovered`), else `stopped` (`dunning.stopped`). An
-/// exhausted run whose final action is still owed ends `recovered` too when
-/// its invoice was paid (a charge in flight when it exhausted, found paid
-/// later): the step is not taken, and its stamp's predicate
-/// (`final_action_at IS NULL`) makes the two exclusive (docs/adr/0147).
+/// is paid (`dunning.recovered`), else `stopped` (`dunning.stopped`).
 pub(crate) async fn stop(
     db: &Db,
     run: &Run,
@@ -494,14 +490,10 @@ pub(crate) async fn stop(
     } else {
         ("stopped", "dunning.stopped")
     };
-    let update = sql(if run.status == "exhausted" {
+    let update = sql(
         "UPDATE dunning_runs SET status = $3, ended_at = now(), updated_at = now() \
-         WHERE id = $1 AND status = 'exhausted' AND final_action_at IS NULL \
-           AND attempt_count = $2 AND $3 = 'recovered'"
-    } else {
-        "UPDATE dunning_runs SET status = $3, ended_at = now(), updated_at = now() \
-         WHERE id = $1 AND status = 'active' AND attempt_count = $2"
-    })
+                      WHERE id = $1 AND status = 'active' AND attempt_count = $2",
+    )
     .bind(run.id)
     .bind(run.attempt_count)
     .bind(status);

@@ -152,6 +152,11 @@ pub enum FinalActed {
     /// written and the step not stamped, so a later listing takes it again
     /// once the charge is settled (docs/adr/0141).
     Held,
+    /// The invoice was found paid under its row lock (the charge a held
+    /// write-off waited for settled paid, or a payment by hand): the step
+    /// was not taken; the run ended `recovered` with `dunning.recovered`
+    /// (docs/adr/0147).
+    Recovered,
 }
 
 /// What one listed run of a batch came to: `None` when it was not started

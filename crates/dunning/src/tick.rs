@@ -278,20 +278,25 @@ impl Dunner {
     }
 
     /// A run that is not charged: its owed final action, or its end because
-    /// the invoice was settled elsewhere (paid meanwhile, an owed final
-    /// action is not taken: docs/adr/0147).
+    /// the invoice was settled elsewhere.
     async fn settled_elsewhere(&self, run: &Run) -> Result<Retry, Error> {
         let (db, timeout) = (&self.ctx.db, self.ctx.config.statement_timeout);
-        if run.status == "exhausted" && run.invoice_status != "paid" {
+        if run.status == "exhausted" {
             let notice = self.ctx.final_notice(run);
-            return Ok(Retry::FinalAction(
-                final_action::final_action(db, &*self.ctx.collector, run, notice, timeout).await?,
-            ));
+            let acted =
+                final_action::final_action(db, &*self.ctx.collector, run, notice, timeout).await?;
+            // Its invoice paid meanwhile (a held write-off's charge settled
+            // paid): the step was not taken, the run ended recovered
+            // (docs/adr/0147).
+            if acted == FinalActed::Recovered {
+                final_action::count_recovery(&self.ctx);
+                return Ok(stopped(true, "paid"));
+            }
+            return Ok(Retry::FinalAction(acted));
         }
         let applied = outcomes::stop(db, run, &run.invoice_status, timeout).await?;
         // Paid meanwhile (a retry's charge found by billing's reconciler, or
-        // paid by hand), whether still active or owing its final action: the
-        // run ends recovered, and counts as one.
+        // paid by hand): the run ends recovered, and counts as one.
         if applied && run.invoice_status == "paid" {
             self.ctx
                 .telemetry

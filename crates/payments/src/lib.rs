@@ -195,7 +195,9 @@ pub enum Retried {
     },
     /// No answer to rely on (timeout, 5xx, a refusal billing cannot read as
     /// a charge or a decline, an answer whose claim was lost): the attempt is
-    /// left unknown for the reconciler, which settles it by its key.
+    /// left unknown for the reconciler, which settles it by its key; or an
+    /// answer that may have charged for an invoice closed meanwhile, whose
+    /// attempt waits for an operator's review (docs/adr/0147).
     /// `unanswered`: no answer came at all (a timeout, a transport error, a
     /// 5xx) or the provider refused it for load (429), what an outage looks
     /// like; a refusal of the request, or an answer not relied on, is an

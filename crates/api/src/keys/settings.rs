@@ -8,6 +8,8 @@
 use chrono::{DateTime, Utc};
 use db::{Db, Row as _};
 
+use tracing::info;
+
 use super::KeysError;
 
 /// A tenant's settings; the defaults for a tenant that never set any.
@@ -79,21 +81,66 @@ pub async fn set_tenant_settings(
             ),
         });
     }
-    if let Some(Some(from)) = &change.email_from
-        && let Err(e) = outbox::email::mailbox("email_from", from)
-    {
-        return Err(KeysError::BadSetting {
-            param: "email_from",
-            message: format!(
-                "{e}: give an address such as billing@acme.example or \
-                 Acme Billing <billing@acme.example>; nothing was changed"
-            ),
-        });
-    }
+    let domain = match &change.email_from {
+        Some(Some(from)) => match outbox::email::mailbox("email_from", from) {
+            Ok(m) => Some(m.email.domain().to_ascii_lowercase()),
+            Err(e) => {
+                return Err(KeysError::BadSetting {
+                    param: "email_from",
+                    message: format!(
+                        "{e}: give an address such as billing@acme.example or \
+                         Acme Billing <billing@acme.example>; nothing was changed"
+                    ),
+                });
+            }
+        },
+        _ => None,
+    };
     if change.is_empty() {
         return tenant_settings(db, tenant).await;
     }
     let mut tx = db.begin().await?;
+    // A tenant sends from any address at its sender's domain (docs/adr/0143):
+    // two tenants at one domain could each send in the other's name.
+    if let Some(domain) = &domain {
+        let others = tx
+            .fetch_all(
+                db::sql(
+                    "SELECT tenant_id, email_from FROM tenant_settings \
+                     WHERE tenant_id <> $1 AND email_from IS NOT NULL ORDER BY tenant_id",
+                )
+                .bind(tenant.to_owned()),
+            )
+            .await?;
+        for r in others {
+            let (other, from): (String, String) = (
+                r.try_get("tenant_id").map_err(db::Error::Sql)?,
+                r.try_get("email_from").map_err(db::Error::Sql)?,
+            );
+            let taken = outbox::email::mailbox("email_from", &from)
+                .is_ok_and(|m| m.email.domain().eq_ignore_ascii_case(domain));
+            if taken {
+                return Err(KeysError::BadSetting {
+                    param: "email_from",
+                    message: format!(
+                        "{domain} is tenant {other}'s sender domain, and a tenant may send \
+                         from any address at its own: give each tenant a domain of its own; \
+                         nothing was changed"
+                    ),
+                });
+            }
+        }
+    }
+    let before = tx
+        .fetch_optional(
+            db::sql("SELECT email_from FROM tenant_settings WHERE tenant_id = $1")
+                .bind(tenant.to_owned()),
+        )
+        .await?
+        .map(|r| r.try_get::<Option<String>, _>("email_from"))
+        .transpose()
+        .map_err(db::Error::Sql)?
+        .flatten();
     // The row, with the table's defaults, if the tenant has none yet.
     tx.execute(
         db::sql(
@@ -130,8 +177,10 @@ pub async fn set_tenant_settings(
             Some("tenant_settings_email_from_valid" | "tenant_settings_email_from_length") => {
                 KeysError::BadSetting {
                     param: "email_from",
-                    message: "email_from is not an address the outbox can send from; \
-                              nothing was changed"
+                    message: "the tenant's sender (the one given, or the one stored when \
+                              none is given) is not an address the outbox can send from: \
+                              give a new email_from, or null for HARDCOUNT_EMAIL_FROM, with \
+                              the change; nothing was changed"
                         .to_owned(),
                 }
             }
@@ -142,7 +191,21 @@ pub async fn set_tenant_settings(
     }
     let row = tx.fetch_one(db::sql(READ).bind(tenant.to_owned())).await?;
     tx.commit().await?;
-    settings(&row)
+    let after = settings(&row)?;
+    if after.email_from != before {
+        // Who may send as what is worth a line of its own (the operator's
+        // login is the connection's, `hardcount_operator`).
+        info!(
+            tenant,
+            before = before.as_deref().unwrap_or("(HARDCOUNT_EMAIL_FROM)"),
+            after = after
+                .email_from
+                .as_deref()
+                .unwrap_or("(HARDCOUNT_EMAIL_FROM)"),
+            "a tenant's sender changed: its API email may come from any address at its domain"
+        );
+    }
+    Ok(after)
 }
 
 /// Migration 0020's `tenant_settings_invoice_prefix_shape`: `^[A-Z0-9]{1,12}$`.

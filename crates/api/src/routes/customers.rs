@@ -1,5 +1,5 @@
 //! Customers: create one, read one, list them, update its email, name or
-//! payment method. The billing role charges a customer's saved payment
+//! payment method, and give it its provider customer once (docs/adr/0149). The billing role charges a customer's saved payment
 //! method off session; receipts and dunning notices go to its email.
 
 use axum::extract::State;
@@ -68,10 +68,11 @@ pub struct CustomerUpdate {
     /// The provider's customer, e.g. `cus_123`, for a customer made without
     /// one (a payment method may come in the same call). Set once: a
     /// customer's charges are sent and looked up under it, so another value
-    /// is refused (409) and the same one changes nothing. One customer of
-    /// one tenant in the deployment (docs/adr/0103, 0149).
-    #[schema(pattern = r"^cus_[A-Za-z0-9_]+$")]
-    pub provider_customer_id: Option<String>,
+    /// is refused (409) and the same one changes nothing; `null` is refused.
+    /// One customer of one tenant in the deployment (docs/adr/0103, 0149).
+    #[serde(default, deserialize_with = "given")]
+    #[schema(value_type = String, pattern = r"^cus_[A-Za-z0-9_]+$")]
+    pub provider_customer_id: Option<Option<String>>,
 }
 
 /// A field given (`Some`), `null` included (`Some(None)`), as against left
@@ -250,9 +251,18 @@ pub async fn update(
     if let Some(Some(pm)) = &u.payment_method {
         valid::provider_id("payment_method", pm, "pm_")?;
     }
-    if let Some(cus) = &u.provider_customer_id {
-        valid::provider_id("provider_customer_id", cus, "cus_")?;
+    match &u.provider_customer_id {
+        Some(Some(cus)) => valid::provider_id("provider_customer_id", cus, "cus_")?,
+        Some(None) => {
+            return Err(ApiError::param(
+                "provider_customer_id",
+                "provider_customer_id cannot be removed: it is set once, since the \
+                 customer's charges are sent and looked up under it",
+            ));
+        }
+        None => {}
     }
+    let new_provider_customer = u.provider_customer_id.clone().flatten();
     let mut scope = Scope::begin(&api, &caller).await?;
     if let Some(replay) = scope.idempotent(&idem, &body.raw).await? {
         return Ok(replay);
@@ -273,7 +283,7 @@ pub async fn update(
         .await?
         .ok_or_else(|| ApiError::missing("customer", id))?;
     let current = Customer::from_row(&current)?;
-    if let (Some(now), Some(given)) = (&current.provider_customer_id, &u.provider_customer_id)
+    if let (Some(now), Some(given)) = (&current.provider_customer_id, &new_provider_customer)
         && now != given
     {
         return Err(ApiError::conflict(
@@ -282,7 +292,7 @@ pub async fn update(
              were sent and are looked up under it; make a new customer for another",
         ));
     }
-    let customer_given = current.provider_customer_id.is_some() || u.provider_customer_id.is_some();
+    let customer_given = current.provider_customer_id.is_some() || new_provider_customer.is_some();
     if matches!(u.payment_method, Some(Some(_))) && !customer_given {
         return Err(ApiError::param(
             "payment_method",
@@ -308,7 +318,7 @@ pub async fn update(
             .bind(u.payment_method.clone().flatten())
             .bind(u.name.is_some())
             .bind(u.payment_method.is_some())
-            .bind(u.provider_customer_id.clone()),
+            .bind(new_provider_customer),
         )
         .await
         .map_err(|e| provider_customer_taken(&e))?;

@@ -224,7 +224,9 @@ pub struct Run {
     pub id: i64,
     pub invoice: i64,
     pub policy: i64,
-    /// `active`, `recovered`, `exhausted` or `stopped`.
+    /// `active`, `recovered`, `exhausted` or `stopped`. An `exhausted` run
+    /// whose final action was still owed becomes `recovered` if its invoice
+    /// is paid first (`dunning.recovered`).
     pub status: String,
     /// Retries recorded.
     pub attempt_count: i32,

@@ -522,6 +522,23 @@ async fn an_operator_sets_a_tenants_settings_and_its_sender_domain_follows() {
         .post("/v1/emails", &key, email("orders@acme.example"))
         .await;
     assert_eq!(sent.status, StatusCode::CREATED, "{}", sent.text);
+    // Another tenant may not have the same domain: each could send in the
+    // other's name.
+    tenant(&t, "beta").await;
+    let shared = op(
+        &s,
+        "PATCH",
+        "/operator/v1/tenants/beta/settings",
+        Some(json!({"email_from": "billing@ACME.example"})),
+    )
+    .await;
+    assert_eq!(
+        (shared.status, shared.param()),
+        (StatusCode::BAD_REQUEST, "email_from"),
+        "{}",
+        shared.text
+    );
+    assert!(shared.text.contains("tenant acme"), "{}", shared.text);
 
     let prefix = op(
         &s,

@@ -124,7 +124,8 @@ pub const SETTLE_OPEN: &str = "WITH u AS ( \
 /// its attempt was already settled (nothing written for it); an answer that
 /// leaves the attempt open (unknown, later, key refused, not sent) is
 /// `Written` (its reason noted), or `Lost` if another claim has the invoice
-/// ([`SETTLE_OPEN`]). A batch that cannot be written whole is
+/// ([`SETTLE_OPEN`]); an answer that may have charged whose invoice was
+/// closed meanwhile is [`Settled::Reviewed`] ([`SETTLE_CLOSED`]). A batch that cannot be written whole is
 /// settled again one row at a time, so an `Err` is that row's own.
 pub(crate) async fn settle_all(
     db: &Db,

@@ -181,15 +181,29 @@ async fn a_first_send_refused_with_429_leaves_the_attempt_never_sent() {
 /// reconciler without listing the customer's intents first: no request under
 /// its key has left, so none carries it, and a refused or failed listing
 /// would only have left the attempt counted as sent. It is paid by one send.
+/// Its tenant's dunning window is closed: that holds dunning's retries, never
+/// auto-charge's own first attempt (docs/adr/0147).
 ///
 /// Mutation check: the listing made first (`never_sent_listed`: the
 /// reconciler's branch for never-sent attempts removed) makes a list request,
-/// and this test fails.
+/// and this test fails; so does the window held for a first attempt too
+/// (`reconcile_window_holds_auto_charge`).
 #[tokio::test]
 async fn a_never_sent_attempt_is_sent_without_a_listing() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let (b, _, _) = first_send(&t, &p, RATE_LIMITED).await;
+    sqlx::query(
+        "INSERT INTO dunning_policies (tenant_id, name, retry_offsets_secs, final_action, \
+                is_default, window_time_zone, window_opens, window_closes, window_weekdays) \
+         SELECT tenant_id, 'Closed now', '{60}', 'mark_uncollectible', true, 'UTC', \
+                (now() AT TIME ZONE 'UTC' + interval '1 hour')::time, \
+                (now() AT TIME ZONE 'UTC' + interval '2 hours')::time, '{1,2,3,4,5,6,7}' \
+         FROM invoices LIMIT 1",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = tick(&t.db, &b).await;
     assert_eq!(report.reconciled.paid, 1, "{report:?}");

@@ -3,14 +3,16 @@
 //! per-run fallback). The step stamps the run first (`final_action_at`, only
 //! if unset), then writes the write-off, the cancel (billing's) or the pause
 //! ([`pause`]: the pause rules) by a conditional write; its events and the
-//! final notice are queued only if it changed a row.
+//! final notice are queued only if it changed a row. A run whose invoice is
+//! found paid, under the invoice's row lock, takes no step: it ends
+//! `recovered` ([`recover_paid`], docs/adr/0147).
 
 mod pause;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use db::{Db, Row, sql};
+use db::{Db, Row, Tx, sql};
 use leader::Role;
 use tracing::{info, warn};
 
@@ -81,6 +83,9 @@ pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(
                 .zip(acted)
                 .map(|((run, code), final_action)| {
                     count_exhaustion(ctx, run);
+                    if final_action == FinalActed::Recovered {
+                        count_recovery(ctx);
+                    }
                     (
                         run.id,
                         Some(Ok(Ok(Retry::Exhausted { code, final_action }))),
@@ -112,6 +117,79 @@ pub(crate) async fn all_exhausted(ctx: &Ctx, runs: Vec<(&Run, String)>) -> Vec<(
 /// A write-off held back by a charge of its invoice that may be in flight.
 fn held(run: &Run) {
     info!(role = %Role::Dunning, run = run.id, invoice = run.invoice_id, "write-off waits: a charge of the invoice may be in flight (billing's claim, or an attempt not settled); the step is taken again by a later listing");
+}
+
+/// A run recovered in place of its final action, counted as every recovery.
+pub(crate) fn count_recovery(ctx: &Ctx) {
+    ctx.telemetry
+        .counter("hardcount_dunning_recoveries_total", &[])
+        .increment(1);
+}
+
+/// Of `runs`, stamped in `tx`, those whose invoice is paid: each ends
+/// `recovered` (its stamp taken back, `ended_at` now) with
+/// `dunning.recovered`, and takes no step. The invoices are locked first,
+/// after the runs (the order of every dunning write), and read as locked: a
+/// settle in flight is waited for and seen, and none can pay an invoice
+/// while the step that follows runs. Before, a held write-off whose charge
+/// settled paid was stamped with nothing to do, and the run stayed
+/// `exhausted` beside its paid invoice (docs/adr/0147).
+async fn recover_paid(tx: &mut Tx, runs: &[&Run]) -> Result<HashSet<i64>, Error> {
+    if runs.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut invoices: Vec<i64> = runs.iter().map(|r| r.invoice_id).collect();
+    invoices.sort_unstable();
+    let mut paid = HashSet::new();
+    for row in tx
+        .fetch_all(
+            sql("SELECT id, status FROM invoices WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+                .bind(invoices),
+        )
+        .await?
+    {
+        let status: String = row.try_get("status").map_err(db::Error::from)?;
+        if status == "paid" {
+            paid.insert(row.try_get::<i64, _>("id").map_err(db::Error::from)?);
+        }
+    }
+    let ending: Vec<i64> = runs
+        .iter()
+        .filter(|r| paid.contains(&r.invoice_id))
+        .map(|r| r.id)
+        .collect();
+    if ending.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut recovered = HashSet::new();
+    for row in tx
+        .fetch_all(
+            sql(
+                "UPDATE dunning_runs SET status = 'recovered', final_action_at = NULL, \
+                        ended_at = now(), updated_at = now() \
+                 WHERE id = ANY($1) AND status = 'exhausted' RETURNING id",
+            )
+            .bind(ending),
+        )
+        .await?
+    {
+        recovered.insert(row.try_get::<i64, _>("id").map_err(db::Error::from)?);
+    }
+    let events: Vec<(String, String)> = runs
+        .iter()
+        .filter(|r| recovered.contains(&r.id))
+        .map(|r| {
+            let extra = serde_json::json!({"invoice_status": "paid", "settled_elsewhere": true});
+            let payload = crate::outcomes::payload(r, "recovered", r.attempt_count, extra);
+            (r.tenant_id.clone(), payload)
+        })
+        .collect();
+    let refs: Vec<outbox::webhook::NewEvent<'_>> = events
+        .iter()
+        .map(|(t, p)| (t.as_str(), "dunning.recovered", p.as_str()))
+        .collect();
+    outbox::webhook::enqueue_many(tx, &refs).await?;
+    Ok(recovered)
 }
 
 fn count_exhaustion(ctx: &Ctx, run: &Run) {
@@ -167,6 +245,10 @@ pub(crate) async fn final_action(
     if stamped != 1 {
         tx.rollback().await?;
         return Ok(FinalActed::Lost);
+    }
+    if !recover_paid(&mut tx, &[run]).await?.is_empty() {
+        tx.commit().await?;
+        return Ok(FinalActed::Recovered);
     }
     // Billing's cancel writes its own events.
     let mut changed = false;
@@ -267,11 +349,18 @@ async fn final_actions(
         .map(|r| r.try_get::<i64, _>("id"))
         .collect::<Result<_, _>>()
         .map_err(db::Error::from)?;
+    let acting: Vec<&Run> = runs
+        .iter()
+        .map(|(r, _)| *r)
+        .filter(|r| stamped.contains(&r.id))
+        .collect();
+    let recovered = recover_paid(&mut tx, &acting).await?;
     let mut changed: HashMap<i64, Vec<(&'static str, serde_json::Value)>> = HashMap::new();
     let of = |action: FinalAction| -> Vec<&Run> {
-        runs.iter()
-            .map(|(r, _)| *r)
-            .filter(|r| stamped.contains(&r.id) && r.policy.final_action == action)
+        acting
+            .iter()
+            .copied()
+            .filter(|r| !recovered.contains(&r.id) && r.policy.final_action == action)
             .collect()
     };
     // Write-offs.
@@ -350,6 +439,8 @@ async fn final_actions(
         .map(|(r, _)| {
             if !stamped.contains(&r.id) {
                 FinalActed::Lost
+            } else if recovered.contains(&r.id) {
+                FinalActed::Recovered
             } else if waiting.contains(&r.id) {
                 FinalActed::Held
             } else if changed.contains_key(&r.id) {

@@ -611,15 +611,17 @@ async fn a_write_off_waits_for_a_charge_in_flight_on_its_invoice() {
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
 }
 
-/// A write-off held by a charge in flight, which then settles paid (the
-/// reconciler found it, or an operator settled it): the run ends recovered,
-/// with `dunning.recovered` and a recovery counted, and the write-off is not
-/// taken. Before, the next listing took the owed step, found the invoice no
-/// longer open and stamped it: the run stayed `exhausted` beside a paid
-/// invoice, with no `dunning.recovered` (docs/adr/0147).
+/// A write-off held by a charge in flight, which then settles paid after the
+/// run was listed and before its step runs (the reconciler found the charge,
+/// or an operator settled it): the step reads the invoice under its lock,
+/// finds it paid, takes no step, and the run ends recovered, with
+/// `dunning.recovered` and a recovery counted. Before, the step found the
+/// invoice no longer open and stamped itself done: the run stayed
+/// `exhausted` beside a paid invoice, with no `dunning.recovered`
+/// (docs/adr/0147).
 ///
-/// Mutation `owed_step_paid_left_exhausted` (an exhausted run always takes
-/// its owed step) leaves the run exhausted; seen failing under it.
+/// Mutation `owed_step_paid_left_exhausted` (the paid invoices not read)
+/// leaves the run exhausted; seen failing under it.
 #[tokio::test]
 async fn a_held_write_off_then_paid_recovers_the_run() {
     let t = TestDb::new().await;
@@ -634,6 +636,15 @@ async fn a_held_write_off_then_paid_recovers_the_run() {
         write_off_state(&t.db, a.invoice).await,
         ("open".to_owned(), 0, false)
     );
+    // Listed while the invoice is open; paid before the step runs.
+    let d2 = d.clone();
+    let listed = as_leader(
+        &manager(&t.db, "lister"),
+        Role::Dunning,
+        |tick| async move { d2.list_due(&tick.fence, 10).await.unwrap() },
+    )
+    .await;
+    assert_eq!(listed[0].invoice_status, "open");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "UPDATE payment_attempts SET provider_status = 'succeeded', resolved_at = now() \
          WHERE invoice_id = {0}; \
@@ -643,8 +654,8 @@ async fn a_held_write_off_then_paid_recovers_the_run() {
     .execute(&mut t.superuser().await)
     .await
     .unwrap();
-    let r = tick(&t.db, &d).await;
-    assert_eq!(r.tally.stopped, 1, "{r:?}");
+    let done = d.retry(&listed[0]).await.unwrap();
+    assert!(matches!(done, dunning::Retry::Stopped { .. }), "{done:?}");
     assert_eq!(run_of(&t.db, a.invoice).await.0, "recovered");
     assert_eq!(
         write_off_state(&t.db, a.invoice).await,
@@ -663,6 +674,52 @@ async fn a_held_write_off_then_paid_recovers_the_run() {
         metrics.render()
     );
     assert_eq!(tick(&t.db, &d).await.claimed, 0);
+}
+
+/// The same where the batch that exhausts the run takes its step at once
+/// (the batched final actions): the invoice is paid as the run is exhausted
+/// (a trigger pays it in the exhaustion's transaction, standing for a
+/// payment that lands between the two), so the batched step finds it paid
+/// and ends the run recovered instead of stamping a cancel with nothing to
+/// do. Mutation `owed_step_paid_left_exhausted`; seen failing under it.
+#[tokio::test]
+async fn a_run_paid_as_its_batch_exhausts_it_is_recovered() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    policy(&t.db, "tenant_a", 1, "cancel_subscription").await;
+    let a = declined_invoice(&t.db, "tenant_a").await;
+    p.set_behaviour(&a.customer, Behaviour::Decline("expired_card".into()));
+    let (d, metrics) = dunner(&t.db, &p, CALL, config());
+    sqlx::raw_sql(
+        "CREATE FUNCTION pay_on_exhaust() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN UPDATE invoices SET status = 'paid', paid_at = now() WHERE id = NEW.invoice_id; \
+         RETURN NULL; END $$; \
+         CREATE TRIGGER pay_on_exhaust AFTER UPDATE OF status ON dunning_runs \
+         FOR EACH ROW WHEN (NEW.status = 'exhausted') EXECUTE FUNCTION pay_on_exhaust()",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let r = tick(&t.db, &d).await;
+    assert_eq!(r.tally.exhausted, 1, "{r:?}");
+    assert_eq!(run_of(&t.db, a.invoice).await.0, "recovered");
+    let sub: String =
+        t.db.fetch_one(sql("SELECT status FROM subscriptions WHERE id = $1").bind(a.subscription))
+            .await
+            .unwrap()
+            .get("status");
+    assert_eq!(sub, "active", "no cancel");
+    assert_eq!(
+        events(&t.db).await,
+        ["dunning.started", "dunning.exhausted", "dunning.recovered"]
+    );
+    assert!(
+        metrics
+            .render()
+            .contains("hardcount_dunning_recoveries_total 1"),
+        "{}",
+        metrics.render()
+    );
 }
 
 /// The same wait where the batch that exhausts the run acts at once (the

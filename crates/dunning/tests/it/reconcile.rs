@@ -503,6 +503,16 @@ async fn a_never_sent_retry_waits_for_its_window_at_the_reconciler() {
             .unwrap();
         reconciler_looks(&t.db, &charging).await;
         assert_eq!(p.create_requests(), sent, "window opens in {opens} s");
+        // Held, it stays never sent: its resend window has not begun.
+        let unsent: bool = sqlx::query_scalar(
+            "SELECT first_sent_at IS NULL FROM payment_attempts \
+             WHERE invoice_id = $1 AND attempt_seq = 2",
+        )
+        .bind(a.invoice)
+        .fetch_one(&mut su)
+        .await
+        .unwrap();
+        assert_eq!(unsent, sent == 1, "window opens in {opens} s");
     }
     assert_eq!(invoice_status(&t.db, a.invoice).await, "paid");
     assert_eq!(p.total_charges(), 1);

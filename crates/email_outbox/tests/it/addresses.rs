@@ -1,8 +1,8 @@
 //! Addresses checked where they are written (migration 0022, docs/adr/0027):
 //! the database's `email_address_valid` and `email_mailbox_valid` against
 //! lettre, address by address and code point by code point, through a real
-//! connection; and the CHECKs on `customers.email` and
-//! `tenant_settings.email_from` that use them, written as the API role.
+//! connection; and the CHECKs on `customers.email` (written as the API role)
+//! and `tenant_settings.email_from` (as the operator role) that use them.
 
 use std::str::FromStr;
 
@@ -288,12 +288,19 @@ async fn the_database_agrees_with_lettre_on_each_sender_or_is_stricter() {
         ("Billing  <billing@example.com>", OnlyLettre),
         ("\"Bill\u{7}\" <billing@example.com>", OnlyLettre),
     ];
-    check(&t.api(), "email_mailbox_valid", lettre_takes_sender, &table).await;
+    check(
+        &t.operator(),
+        "email_mailbox_valid",
+        lettre_takes_sender,
+        &table,
+    )
+    .await;
 }
 
 /// The CHECKs replace `customers_email_shape` and guard
-/// `tenant_settings.email_from`, written as hardcount_api (which must be able
-/// to call the functions its writes check).
+/// `tenant_settings.email_from`, written as hardcount_api and (since migration
+/// 0056) hardcount_operator respectively, each able to call the function its
+/// writes check.
 ///
 /// Catches: the customers CHECK not calling `email_address_valid`
 /// (`customers_email_check`: `ada@@example.org` is stored), the tenant CHECK

@@ -283,7 +283,7 @@ async fn a_replay_whose_answer_holds_sealed_looking_text_returns_it_as_recorded(
 /// trigger), since a customer's charges are sent and looked up under it.
 ///
 /// Mutations: `provider_customer_replaced` (the route's check removed: the
-/// change reaches the trigger, a 500 instead of the 409) and
+/// statement's `COALESCE` keeps the old id and answers 200, not the 409) and
 /// `provider_customer_trigger_off` (the trigger's test removed: the API
 /// role's direct change goes through); this test fails under each.
 #[tokio::test]
@@ -328,6 +328,15 @@ async fn a_customer_gets_its_provider_customer_once() {
         b.s.post(&path, &b.a, json!({"provider_customer_id": "cus_ada"}))
             .await;
     assert_eq!(same.status, 200, "{}", same.text);
+    let removed =
+        b.s.post(&path, &b.a, json!({"provider_customer_id": null}))
+            .await;
+    assert_eq!(
+        (removed.status.as_u16(), removed.param()),
+        (400, "provider_customer_id"),
+        "{}",
+        removed.text
+    );
     let other =
         b.s.post(&path, &b.a, json!({"provider_customer_id": "cus_eve"}))
             .await;
