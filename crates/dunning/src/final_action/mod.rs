@@ -128,8 +128,10 @@ pub(crate) fn count_recovery(ctx: &Ctx) {
 
 /// Of `runs`, stamped in `tx`, those whose invoice is paid: each ends
 /// `recovered` (its stamp taken back, `ended_at` now) with
-/// `dunning.recovered`, and takes no step. The invoices are locked first,
-/// after the runs (the order of every dunning write), and read as locked: a
+/// `dunning.recovered`, and takes no step. The invoices are locked next
+/// (`FOR NO KEY UPDATE`, the lock a settle's update takes, so an insert
+/// checking a foreign key to one is not held), after the runs (the order of
+/// every dunning write), and read as locked: a
 /// settle in flight is waited for and seen, and none can pay an invoice
 /// while the step that follows runs. Before, a held write-off whose charge
 /// settled paid was stamped with nothing to do, and the run stayed
@@ -143,7 +145,7 @@ async fn recover_paid(tx: &mut Tx, runs: &[&Run]) -> Result<HashSet<i64>, Error>
     let mut paid = HashSet::new();
     for row in tx
         .fetch_all(
-            sql("SELECT id, status FROM invoices WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+            sql("SELECT id, status FROM invoices WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE")
                 .bind(invoices),
         )
         .await?
@@ -161,26 +163,31 @@ async fn recover_paid(tx: &mut Tx, runs: &[&Run]) -> Result<HashSet<i64>, Error>
     if ending.is_empty() {
         return Ok(HashSet::new());
     }
-    let mut recovered = HashSet::new();
+    // The count as written: a run a batch just exhausted counted one more
+    // retry than it was listed with.
+    let mut recovered: HashMap<i64, i32> = HashMap::new();
     for row in tx
         .fetch_all(
             sql(
                 "UPDATE dunning_runs SET status = 'recovered', final_action_at = NULL, \
                         ended_at = now(), updated_at = now() \
-                 WHERE id = ANY($1) AND status = 'exhausted' RETURNING id",
+                 WHERE id = ANY($1) AND status = 'exhausted' RETURNING id, attempt_count",
             )
             .bind(ending),
         )
         .await?
     {
-        recovered.insert(row.try_get::<i64, _>("id").map_err(db::Error::from)?);
+        recovered.insert(
+            row.try_get("id").map_err(db::Error::from)?,
+            row.try_get("attempt_count").map_err(db::Error::from)?,
+        );
     }
     let events: Vec<(String, String)> = runs
         .iter()
-        .filter(|r| recovered.contains(&r.id))
-        .map(|r| {
+        .filter_map(|r| recovered.get(&r.id).map(|n| (*r, *n)))
+        .map(|(r, attempts)| {
             let extra = serde_json::json!({"invoice_status": "paid", "settled_elsewhere": true});
-            let payload = crate::outcomes::payload(r, "recovered", r.attempt_count, extra);
+            let payload = crate::outcomes::payload(r, "recovered", attempts, extra);
             (r.tenant_id.clone(), payload)
         })
         .collect();
@@ -189,7 +196,7 @@ async fn recover_paid(tx: &mut Tx, runs: &[&Run]) -> Result<HashSet<i64>, Error>
         .map(|(t, p)| (t.as_str(), "dunning.recovered", p.as_str()))
         .collect();
     outbox::webhook::enqueue_many(tx, &refs).await?;
-    Ok(recovered)
+    Ok(recovered.into_keys().collect())
 }
 
 fn count_exhaustion(ctx: &Ctx, run: &Run) {
@@ -216,6 +223,9 @@ async fn exhausted(
     scheduler::catch(step, async {
         let notice = ctx.final_notice(run);
         let final_action = final_action(db, &*ctx.collector, run, notice, timeout).await?;
+        if final_action == FinalActed::Recovered {
+            count_recovery(ctx);
+        }
         Ok(Retry::Exhausted { code, final_action })
     })
     .await

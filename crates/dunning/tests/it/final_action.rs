@@ -713,6 +713,18 @@ async fn a_run_paid_as_its_batch_exhausts_it_is_recovered() {
         events(&t.db).await,
         ["dunning.started", "dunning.exhausted", "dunning.recovered"]
     );
+    // The recovery names the count the exhaustion wrote, not the one listed.
+    let counts: Vec<i64> =
+        t.db.fetch_all(sql(
+            "SELECT (payload->>'attempt_count')::bigint AS n FROM webhook_events \
+             WHERE event_type IN ('dunning.exhausted', 'dunning.recovered') ORDER BY id",
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get("n"))
+        .collect();
+    assert_eq!(counts, [1, 1]);
     assert!(
         metrics
             .render()
