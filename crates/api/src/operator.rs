@@ -394,14 +394,8 @@ async fn tenant_settings(
 struct SettingsPatch {
     invoice_prefix: Option<String>,
     invoice_on_cancel: Option<bool>,
-    #[serde(default, deserialize_with = "present")]
+    #[serde(default, deserialize_with = "crate::routes::customers::given")]
     email_from: Option<Option<String>>,
-}
-
-/// A field that is present, `null` included (`Some(None)`), told from one
-/// left out (`None`, by `default`).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
-    Option::<String>::deserialize(d).map(Some)
 }
 
 async fn set_tenant_settings(

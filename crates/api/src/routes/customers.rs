@@ -77,7 +77,7 @@ pub struct CustomerUpdate {
 
 /// A field given (`Some`), `null` included (`Some(None)`), as against left
 /// out (`None`, through `#[serde(default)]`).
-fn given<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+pub(crate) fn given<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: Deserialize<'de>,
