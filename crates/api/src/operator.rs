@@ -12,7 +12,7 @@
 //! POST /operator/v1/leaders/{role}/unpause
 //! POST /operator/v1/leaders/{role}/clear-cooldown
 //! GET  /operator/v1/tenants                       POST {"id", "name", "contact_email"}
-//! GET  /operator/v1/tenants/{id}/settings         PATCH {"invoice_prefix", "invoice_on_cancel", "email_from"}
+//! GET  /operator/v1/tenants/{id}/settings         PATCH {"invoice_prefix", "invoice_on_cancel", "email_from", "payment_page_url"}
 //! GET  /operator/v1/keys?tenant=                  POST {"tenant_id", "name"}: the key, once
 //! POST /operator/v1/keys/{prefix}/revoke
 //! GET  /operator/v1/payment-attempts/needs-review
@@ -361,6 +361,8 @@ struct SettingsOut {
     invoice_on_cancel: bool,
     /// `null`: the deployment's `HARDCOUNT_EMAIL_FROM`.
     email_from: Option<String>,
+    /// `null`: the emails link no payment page.
+    payment_page_url: Option<String>,
     updated_at: Option<DateTime<Utc>>,
 }
 
@@ -371,6 +373,7 @@ impl From<keys::TenantSettings> for SettingsOut {
             invoice_prefix: s.invoice_prefix,
             invoice_on_cancel: s.invoice_on_cancel,
             email_from: s.email_from,
+            payment_page_url: s.payment_page_url,
             updated_at: s.updated_at,
         }
     }
@@ -388,7 +391,8 @@ async fn tenant_settings(
 }
 
 /// A settings change: a field left out is left as it is; `email_from: null`
-/// goes back to the deployment's sender.
+/// goes back to the deployment's sender, `payment_page_url: null` to no
+/// payment page.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SettingsPatch {
@@ -396,6 +400,8 @@ struct SettingsPatch {
     invoice_on_cancel: Option<bool>,
     #[serde(default, deserialize_with = "crate::routes::customers::given")]
     email_from: Option<Option<String>>,
+    #[serde(default, deserialize_with = "crate::routes::customers::given")]
+    payment_page_url: Option<Option<String>>,
 }
 
 async fn set_tenant_settings(
@@ -409,6 +415,7 @@ async fn set_tenant_settings(
         invoice_prefix: b.invoice_prefix.clone(),
         invoice_on_cancel: b.invoice_on_cancel,
         email_from: b.email_from.clone(),
+        payment_page_url: b.payment_page_url.clone(),
     };
     let s = keys::set_tenant_settings(&op.db, &id, &change)
         .await

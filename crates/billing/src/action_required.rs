@@ -126,7 +126,7 @@ async fn ask(
                    RETURNING i.id, i.tenant_id, i.subscription_id, i.number, i.amount, i.currency \
                  ) \
                  SELECT m.id, m.tenant_id, m.subscription_id, m.number, m.amount, m.currency, \
-                        c.email, ts.email_from \
+                        c.email, ts.email_from, ts.payment_page_url \
                  FROM marked m \
                  JOIN subscriptions s ON s.tenant_id = m.tenant_id AND s.id = m.subscription_id \
                  JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
@@ -147,6 +147,7 @@ async fn ask(
         let currency: String = r.try_get("currency").map_err(db::Error::from)?;
         let to: String = r.try_get("email").map_err(db::Error::from)?;
         let from: Option<String> = r.try_get("email_from").map_err(db::Error::from)?;
+        let page: Option<String> = r.try_get("payment_page_url").map_err(db::Error::from)?;
         let label = number.clone().unwrap_or_else(|| id.to_string());
         let payload = serde_json::json!({
             "object": "invoice",
@@ -167,8 +168,9 @@ async fn ask(
                 subject: format!("Please add a payment method for invoice {label}"),
                 text: format!(
                     "Invoice {label} for {} is due, and we have no payment method to charge. \
-                     Please add one; we will charge it as soon as it is saved.\n",
-                    money(amount, &currency)
+                     Please add one; we will charge it as soon as it is saved.\n{}",
+                    money(amount, &currency),
+                    payments::payment_page_line(page.as_deref(), id, &label),
                 ),
                 html: None,
             },

@@ -79,6 +79,7 @@ fn run(r: &PgRow) -> Result<Run, String> {
             .transpose()?,
         owed_code: get!(r, "owed_code")?,
         email_from: get!(r, "email_from")?,
+        payment_page_url: get!(r, "payment_page_url")?,
         policy: Policy {
             offsets_secs: get!(r, "retry_offsets_secs")?,
             // The CHECKs allow only these; anything else is a corrupt row.
@@ -228,7 +229,7 @@ pub const LIST_DUE: &str = concat!(
     "SELECT r.id, r.tenant_id, r.invoice_id, r.policy_id, r.status, r.attempt_count, \
             r.first_declined_at, r.next_attempt_at, now() AS listed_at, \
             i.status AS invoice_status, i.number AS invoice_number, i.subscription_id, \
-            i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, \
+            i.amount, i.currency, c.email, c.payment_method_id, ts.email_from, ts.payment_page_url, \
             CASE WHEN r.status <> 'active' THEN NULL \
                  WHEN (r.attempt_count >= cardinality(p.retry_offsets_secs) \
                        OR r.owed_notice_attempt = r.attempt_count \

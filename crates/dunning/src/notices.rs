@@ -14,6 +14,16 @@ fn invoice(run: &Run) -> String {
         .unwrap_or_else(|| run.invoice_id.to_string())
 }
 
+/// The line that links the tenant's payment page, if it set one
+/// (docs/adr/0150).
+fn page_line(run: &Run) -> String {
+    payments::payment_page_line(
+        run.payment_page_url.as_deref(),
+        run.invoice_id,
+        &invoice(run),
+    )
+}
+
 /// The tenant's sender when it has one, else the configured one.
 pub(crate) fn sender<'a>(run: &'a Run, configured: &'a str) -> &'a str {
     run.email_from.as_deref().unwrap_or(configured)
@@ -40,9 +50,17 @@ pub(crate) fn warning(
             "We will not try this card again: please add a new payment method before {at}, \
              when we will charge it."
         ),
+        // Only the customer can authenticate a payment; without a page to
+        // do it on, the email names no step it cannot link.
+        DeclineClass::AuthenticationRequired if run.payment_page_url.is_some() => format!(
+            "Your bank asks you to authenticate this payment, which only you can do: pay it \
+             on the page below, or add another payment method there before {at}, when we \
+             will try again."
+        ),
         DeclineClass::AuthenticationRequired => format!(
-            "Your bank asks you to authenticate this payment: please confirm it, or add \
-             another payment method before {at}, when we will try again."
+            "Your bank asks you to authenticate this payment, which only you can do, so we \
+             will not charge this card for it again: please add another payment method \
+             before {at}, when we will try again."
         ),
     };
     // The subject ends as every warning's does ("we will retry"); a hard
@@ -58,8 +76,9 @@ pub(crate) fn warning(
         to: vec![run.email.clone()],
         subject,
         text: format!(
-            "We could not charge your saved card for invoice {invoice} ({}). {ask}\n",
-            payments::customer_facing(code)
+            "We could not charge your saved card for invoice {invoice} ({}). {ask}\n{}",
+            payments::customer_facing(code),
+            page_line(run),
         ),
         html: None,
     }
@@ -92,8 +111,9 @@ pub(crate) fn not_attempted(
         subject: format!("Payment for invoice {invoice} needs a new payment method: we will retry"),
         text: format!(
             "We did not try to charge invoice {invoice}: {reason}. \
-             Please add a payment method; we will try again on {}.\n",
-            next.format("%Y-%m-%d %H:%M UTC")
+             Please add a payment method; we will try again on {}.\n{}",
+            next.format("%Y-%m-%d %H:%M UTC"),
+            page_line(run),
         ),
         html: None,
     }
@@ -103,6 +123,12 @@ pub(crate) fn not_attempted(
 /// transaction only when the action changed something.
 pub(crate) fn final_notice(run: &Run, from: &str) -> outbox::email::Email {
     let invoice = invoice(run);
+    // An invoice that stays unpaid and payable links the page; one marked
+    // uncollectible is not asked for again.
+    let page = match run.policy.final_action {
+        FinalAction::CancelSubscription | FinalAction::PauseCollection => page_line(run),
+        FinalAction::MarkUncollectible => String::new(),
+    };
     let done = match run.policy.final_action {
         FinalAction::CancelSubscription => {
             format!("Your subscription has been canceled. Invoice {invoice} remains unpaid.")
@@ -128,7 +154,7 @@ pub(crate) fn final_notice(run: &Run, from: &str) -> outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Final notice for invoice {invoice}"),
-        text: format!("We could not collect payment for invoice {invoice}. {done}\n"),
+        text: format!("We could not collect payment for invoice {invoice}. {done}\n{page}"),
         html: None,
     }
 }

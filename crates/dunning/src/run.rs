@@ -43,6 +43,9 @@ pub struct Run {
     pub owed_code: Option<String>,
     /// The tenant's sender (`tenant_settings.email_from`), if it set one.
     pub email_from: Option<String>,
+    /// The tenant's payment page (`tenant_settings.payment_page_url`, a
+    /// template), if it set one: the warnings link to it (docs/adr/0150).
+    pub payment_page_url: Option<String>,
     pub policy: Policy,
 }
 

@@ -21,7 +21,10 @@
 //! [`Canceled`]) or as [`Error`]; dunning never sees billing's provider,
 //! settings or errors.
 
+mod page;
 mod window;
+
+pub use page::{INVOICE_PLACEHOLDER, payment_page, payment_page_line, payment_pages};
 
 use std::fmt;
 use std::time::{Duration, Instant};

@@ -1,7 +1,8 @@
 //! A tenant's settings, read and set by an operator (`hardcount tenants
 //! settings`, `/operator/v1/tenants/{id}/settings`; docs/adr/0148): its
 //! invoice numbers' prefix, whether a cancel invoices the used part of the
-//! period, and the sender of its mail. The sender's domain is one every
+//! period, the sender of its mail, and the payment page its asking emails
+//! link to (docs/adr/0150). The sender's domain is one every
 //! tenant email may then leave from (docs/adr/0143), so it is the operator's
 //! to set, never the tenant's.
 
@@ -20,6 +21,10 @@ pub struct TenantSettings {
     pub invoice_on_cancel: bool,
     /// `None`: `HARDCOUNT_EMAIL_FROM`.
     pub email_from: Option<String>,
+    /// Where its customers pay an invoice or change their payment method, a
+    /// template in which `{invoice}` stands for the invoice's id; `None`: the
+    /// emails name no page.
+    pub payment_page_url: Option<String>,
     /// `None`: never set.
     pub updated_at: Option<DateTime<Utc>>,
 }
@@ -31,6 +36,8 @@ pub struct SettingsChange {
     pub invoice_on_cancel: Option<bool>,
     /// `Some(None)`: back to `HARDCOUNT_EMAIL_FROM`.
     pub email_from: Option<Option<String>>,
+    /// `Some(None)`: no page.
+    pub payment_page_url: Option<Option<String>>,
 }
 
 impl SettingsChange {
@@ -38,13 +45,14 @@ impl SettingsChange {
         self.invoice_prefix.is_none()
             && self.invoice_on_cancel.is_none()
             && self.email_from.is_none()
+            && self.payment_page_url.is_none()
     }
 }
 
 const READ: &str = "SELECT t.id AS tenant_id, \
             COALESCE(s.invoice_prefix, 'INV') AS invoice_prefix, \
             COALESCE(s.invoice_on_cancel, true) AS invoice_on_cancel, \
-            s.email_from, s.updated_at \
+            s.email_from, s.payment_page_url, s.updated_at \
      FROM tenants t LEFT JOIN tenant_settings s ON s.tenant_id = t.id \
      WHERE t.id = $1";
 
@@ -78,6 +86,18 @@ pub async fn set_tenant_settings(
             param: "invoice_prefix",
             message: format!(
                 "invoice_prefix {p:?} is not 1 to 12 of A-Z and 0-9; nothing was changed"
+            ),
+        });
+    }
+    if let Some(Some(page)) = &change.payment_page_url
+        && let Err(why) = page_valid(page)
+    {
+        return Err(KeysError::BadSetting {
+            param: "payment_page_url",
+            message: format!(
+                "payment_page_url {why}: give an https address such as \
+                 https://acme.example/pay/{{invoice}}, where {{invoice}} stands for the \
+                 invoice's id, or null for none; nothing was changed"
             ),
         });
     }
@@ -154,6 +174,10 @@ pub async fn set_tenant_settings(
         Some(from) => (true, from.clone()),
         None => (false, None),
     };
+    let (set_page, page) = match &change.payment_page_url {
+        Some(page) => (true, page.clone()),
+        None => (false, None),
+    };
     let changed = tx
         .execute(
             db::sql(
@@ -161,6 +185,7 @@ pub async fn set_tenant_settings(
                         invoice_prefix = COALESCE($2, invoice_prefix), \
                         invoice_on_cancel = COALESCE($3, invoice_on_cancel), \
                         email_from = CASE WHEN $4 THEN $5 ELSE email_from END, \
+                        payment_page_url = CASE WHEN $6 THEN $7 ELSE payment_page_url END, \
                         updated_at = now() \
                  WHERE tenant_id = $1",
             )
@@ -168,7 +193,9 @@ pub async fn set_tenant_settings(
             .bind(change.invoice_prefix.clone())
             .bind(change.invoice_on_cancel)
             .bind(set_from)
-            .bind(from),
+            .bind(from)
+            .bind(set_page)
+            .bind(page),
         )
         .await
         .map_err(|e| match e.constraint() {
@@ -184,6 +211,13 @@ pub async fn set_tenant_settings(
                         .to_owned(),
                 }
             }
+            // Only a writer that skipped `page_valid` meets it.
+            Some("tenant_settings_payment_page_url_shape") => KeysError::BadSetting {
+                param: "payment_page_url",
+                message: "payment_page_url is not an https address of at most 2,000 \
+                          characters; nothing was changed"
+                    .to_owned(),
+            },
             _ => KeysError::Db(e),
         })?;
     if changed != 1 {
@@ -208,6 +242,39 @@ pub async fn set_tenant_settings(
     Ok(after)
 }
 
+/// The longest payment page migration 0058 stores.
+const PAGE_MAX: usize = 2000;
+
+/// Why `page` is not a payment page template: an https address with a host,
+/// no credentials, no space or control character, at most [`PAGE_MAX`]
+/// characters (migration 0058's `tenant_settings_payment_page_url_shape`,
+/// which holds any other writer), that parses with its `{invoice}` filled in.
+fn page_valid(page: &str) -> Result<(), String> {
+    if page.chars().count() > PAGE_MAX {
+        return Err(format!("is longer than {PAGE_MAX} characters"));
+    }
+    if page.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("has a space or a control character".to_owned());
+    }
+    let Some(rest) = page.strip_prefix("https://") else {
+        return Err("is not https: a customer types their card on it".to_owned());
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err("carries credentials, which every customer's email would show".to_owned());
+    }
+    if authority.is_empty() {
+        return Err("names no host".to_owned());
+    }
+    // As the emails fill it in (`payments::payment_page`).
+    let filled = page.replace("{invoice}", "1");
+    let url = url::Url::parse(&filled).map_err(|e| format!("is not an address ({e})"))?;
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("names no host".to_owned());
+    }
+    Ok(())
+}
+
 /// Migration 0020's `tenant_settings_invoice_prefix_shape`: `^[A-Z0-9]{1,12}$`.
 fn prefix_valid(p: &str) -> bool {
     (1..=12).contains(&p.len())
@@ -221,6 +288,7 @@ fn settings(r: &db::PgRow) -> Result<TenantSettings, KeysError> {
         invoice_prefix: r.try_get("invoice_prefix").map_err(db::Error::Sql)?,
         invoice_on_cancel: r.try_get("invoice_on_cancel").map_err(db::Error::Sql)?,
         email_from: r.try_get("email_from").map_err(db::Error::Sql)?,
+        payment_page_url: r.try_get("payment_page_url").map_err(db::Error::Sql)?,
         updated_at: r.try_get("updated_at").map_err(db::Error::Sql)?,
     })
 }

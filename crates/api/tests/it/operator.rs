@@ -622,3 +622,81 @@ async fn an_operator_sets_a_tenants_settings_and_its_sender_domain_follows() {
         .unwrap_err();
     assert_eq!(denied.code().as_deref(), Some("42501"), "{denied}");
 }
+
+/// A tenant's payment page (docs/adr/0150), set by an operator: stored as
+/// given and returned; refused by name, nothing changed, when it is not
+/// https, carries credentials, holds a space or does not parse; `null` takes
+/// it away and leaves the other settings. Migration 0058's CHECK holds a
+/// writer that skips the route's rule (the owner here).
+///
+/// Mutation `payment_page_any_scheme` (the route's https rule taken out)
+/// fails here: the CHECK then refuses with its own message, by constraint.
+#[tokio::test]
+async fn an_operator_sets_a_tenants_payment_page() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    tenant(&t, "acme").await;
+    let path = "/operator/v1/tenants/acme/settings";
+    let page = "https://acme.example/billing/pay?invoice={invoice}";
+    let set = op(&s, "PATCH", path, Some(json!({"payment_page_url": page}))).await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.text);
+    assert_eq!(set.json["payment_page_url"], json!(page));
+    for (bad, why) in [
+        ("http://acme.example/pay/{invoice}", "is not https"),
+        ("https://user:pw@acme.example/pay", "carries credentials"),
+        ("https://acme.example/pay me", "has a space"),
+        ("https:///pay", "names no host"),
+        ("https://[acme/pay", "is not an address"),
+        ("acme.example/pay", "is not https"),
+    ] {
+        let refused = op(&s, "PATCH", path, Some(json!({"payment_page_url": bad}))).await;
+        assert_eq!(
+            (refused.status, refused.param()),
+            (StatusCode::BAD_REQUEST, "payment_page_url"),
+            "{bad}: {}",
+            refused.text
+        );
+        assert!(refused.text.contains(why), "{bad}: {}", refused.text);
+    }
+    let after = op(&s, "GET", path, None).await;
+    assert_eq!(
+        after.json["payment_page_url"],
+        json!(page),
+        "nothing changed"
+    );
+    let cleared = op(
+        &s,
+        "PATCH",
+        path,
+        Some(json!({"payment_page_url": null, "invoice_prefix": "ACME"})),
+    )
+    .await;
+    assert_eq!(
+        (
+            cleared.status,
+            &cleared.json["payment_page_url"],
+            &cleared.json["invoice_prefix"]
+        ),
+        (StatusCode::OK, &Value::Null, &json!("ACME")),
+        "{}",
+        cleared.text
+    );
+    let mut su = t.superuser().await;
+    for bad in [
+        "http://acme.example/pay",
+        "https://user@acme.example/pay",
+        "https://acme.example/a b",
+    ] {
+        let refused = sqlx::query("UPDATE tenant_settings SET payment_page_url = $1")
+            .bind(bad)
+            .execute(&mut su)
+            .await
+            .unwrap_err();
+        let refused = refused.as_database_error().map(|e| e.constraint());
+        assert_eq!(
+            refused,
+            Some(Some("tenant_settings_payment_page_url_shape")),
+            "{bad}"
+        );
+    }
+}

@@ -33,20 +33,36 @@ pub(crate) fn receipt(c: &ChargeClaim, from: &str) -> outbox::email::Email {
 }
 
 /// The payment-failed email of a declined charge, asking for what the
-/// decline calls for (its class, `provider::decline_class`).
-pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> outbox::email::Email {
+/// decline calls for (its class, `provider::decline_class`), with a link to
+/// the tenant's payment page when it set one (`page`, docs/adr/0150).
+pub(crate) fn failed_email(
+    c: &ChargeClaim,
+    code: &str,
+    from: &str,
+    page: Option<&str>,
+) -> outbox::email::Email {
     use crate::provider::{DeclineClass, decline_class};
     let amount = money(c.amount, &c.currency);
-    let ask = match decline_class(code) {
-        DeclineClass::Soft => "We will try again in a few days; you can also update your \
-                               payment method now."
+    let ask = match (decline_class(code), page) {
+        (DeclineClass::Soft, _) => "We will try again in a few days; you can also update your \
+                                    payment method now."
             .to_owned(),
-        DeclineClass::Hard => "We will not try this card again: please add a new payment \
-                               method, and we will charge it."
+        (DeclineClass::Hard, _) => "We will not try this card again: please add a new payment \
+                                    method, and we will charge it."
             .to_owned(),
-        DeclineClass::AuthenticationRequired => "Your bank asks you to authenticate this \
-                                                 payment: please confirm it, or add another \
-                                                 payment method."
+        // Only the customer can authenticate a payment (Stripe's
+        // `authentication_required`: retry with the cardholder present);
+        // without a page to do it on, the email names no step it cannot link.
+        (DeclineClass::AuthenticationRequired, Some(_)) => "Your bank asks you to authenticate \
+                                                            this payment, which only you can do: \
+                                                            pay it on the page below, or add \
+                                                            another payment method there."
+            .to_owned(),
+        (DeclineClass::AuthenticationRequired, None) => "Your bank asks you to authenticate \
+                                                         this payment, which only you can do, \
+                                                         so we will not charge this card for it \
+                                                         again: please add another payment \
+                                                         method, and we will charge it."
             .to_owned(),
     };
     outbox::email::Email {
@@ -54,9 +70,10 @@ pub(crate) fn failed_email(c: &ChargeClaim, code: &str, from: &str) -> outbox::e
         to: vec![c.email.clone()],
         subject: format!("Your payment for invoice {} failed", c.label()),
         text: format!(
-            "We could not charge {amount} for invoice {} to your saved card ({}). {ask}\n",
+            "We could not charge {amount} for invoice {} to your saved card ({}). {ask}\n{}",
             c.label(),
             payments::customer_facing(code),
+            payments::payment_page_line(page, c.invoice_id, &c.label()),
         ),
         html: None,
     }

@@ -400,7 +400,19 @@ async fn settle_once(
         )
         .await?;
     }
-    // The effects of the rows that won, each kind with one statement.
+    // The effects of the rows that won, each kind with one statement. The
+    // payment pages are read only when a first attempt's decline asks its
+    // customer to act (docs/adr/0150): a paid batch reads none.
+    let asking: HashSet<String> = answers
+        .iter()
+        .filter(|(s, a)| {
+            won.contains(&s.attempt_id)
+                && s.attempt_seq == crate::charge::AUTO_CHARGE_ATTEMPT
+                && matches!(a, Answer::Called(ChargeOutcome::Declined { .. }))
+        })
+        .map(|(s, _)| s.claim.tenant_id.clone())
+        .collect();
+    let pages = payments::payment_pages(&mut tx, asking.into_iter().collect()).await?;
     let mut payloads: Vec<(&str, &'static str, String)> = Vec::new();
     let mut emails: Vec<(&str, outbox::email::Email)> = Vec::new();
     for (s, a) in answers {
@@ -436,7 +448,8 @@ async fn settle_once(
                 // email, and after the last retry an untrue one
                 // (docs/adr/0114).
                 if s.attempt_seq == crate::charge::AUTO_CHARGE_ATTEMPT {
-                    emails.push((tenant, failed_email(c, code, how.email_from)));
+                    let page = pages.get(tenant).map(String::as_str);
+                    emails.push((tenant, failed_email(c, code, how.email_from, page)));
                 }
             }
             Answer::Called(

@@ -158,6 +158,70 @@ async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
     assert_eq!(attempt_count(&t.db, invoice).await, 2);
 }
 
+/// A first charge declined `authentication_required` (only the customer can
+/// authenticate it: https://docs.stripe.com/declines/codes) emails a link to
+/// the tenant's payment page, its `{invoice}` filled with the invoice's id,
+/// and asks for the step that page is for (docs/adr/0150). The page is read
+/// by the settle only for such declines. Without a page the email asks for
+/// another payment method and never to "confirm" anything
+/// (`an_authentication_decline_without_a_page_asks_for_another_method`,
+/// below). Mutation `payment_page_unread` (the settle reads no page) fails
+/// here.
+#[tokio::test]
+async fn a_declined_charge_links_the_tenants_payment_page() {
+    use sqlx::Executor as _;
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(
+        &customer,
+        Behaviour::Decline("authentication_required".into()),
+    );
+    t.superuser()
+        .await
+        .execute(
+            "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
+             VALUES ('tenant_a', 'https://pay.acme.example/i/{invoice}?via=mail')",
+        )
+        .await
+        .unwrap();
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    assert_eq!(tick(&t.db, &b).await.charges.declined, 1);
+    let texts = strings(&t.db, "SELECT text_body FROM email_outbox").await;
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    assert!(
+        texts[0].ends_with(&format!(
+            "which only you can do: pay it on the page below, or add another payment \
+             method there.\n\nPay invoice INV-{invoice:06} or change your payment method \
+             here: https://pay.acme.example/i/{invoice}?via=mail\n"
+        )),
+        "{texts:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_authentication_decline_without_a_page_asks_for_another_method() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (_, customer) = open_invoice(&t.db).await;
+    p.set_behaviour(
+        &customer,
+        Behaviour::Decline("authentication_required".into()),
+    );
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    assert_eq!(tick(&t.db, &b).await.charges.declined, 1);
+    let texts = strings(&t.db, "SELECT text_body FROM email_outbox").await;
+    assert_eq!(texts.len(), 1, "{texts:?}");
+    assert!(
+        texts[0].ends_with(
+            "which only you can do, so we will not charge this card for it again: please \
+             add another payment method, and we will charge it.\n"
+        ),
+        "{texts:?}"
+    );
+    assert!(!texts[0].contains("confirm"), "{texts:?}");
+}
+
 async fn attempt_count(db: &Db, invoice: i64) -> i32 {
     db.fetch_one(sql("SELECT attempt_count FROM invoices WHERE id = $1").bind(invoice))
         .await

@@ -373,12 +373,21 @@ async fn a_plan_change_before_a_far_anchor_is_refused() {
 
 // Guard: the customer is asked once per invoice. Seen failing with the
 // marker's `AND i.action_required_at IS NULL` removed from the locking
-// listing (mutation `ask_once`): asked again every tick.
+// listing (mutation `ask_once`): asked again every tick. The ask links the
+// tenant's payment page (docs/adr/0150).
 #[tokio::test]
 async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_is_added() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     due_monthly(&t.db, "tenant_a", 1).await;
+    t.superuser()
+        .await
+        .execute(
+            "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
+             VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
+        )
+        .await
+        .unwrap();
     t.api_as("tenant_a")
         .execute(sql("UPDATE customers SET payment_method_id = NULL"))
         .await
@@ -390,6 +399,19 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
     assert_eq!(
         subjects(&t.db).await,
         vec!["Please add a payment method for invoice INV-000001"]
+    );
+    let text = strings(&t.db, "SELECT text_body FROM email_outbox").await;
+    let invoice: i64 =
+        t.db.fetch_one(sql("SELECT id FROM invoices"))
+            .await
+            .unwrap()
+            .get(0);
+    assert!(
+        text[0].ends_with(&format!(
+            "as soon as it is saved.\n\nPay invoice INV-000001 or change your payment method \
+             here: https://acme.example/pay/{invoice}\n"
+        )),
+        "{text:?}"
     );
     assert_eq!(
         event_types(&t.db).await,

@@ -33,6 +33,15 @@ async fn exhaustion_runs_the_final_action_once() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     policy(&t.db, "tenant_a", 2, "pause_collection").await;
+    // The final notice of an invoice left unpaid links the payment page
+    // (docs/adr/0150).
+    sqlx::query(
+        "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
+         VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
     let a = declined_invoice(&t.db, "tenant_a").await;
     p.set_behaviour(&a.customer, Behaviour::Decline("card_declined".into()));
     let (d, metrics) = dunner(&t.db, &p, CALL, config());
@@ -74,6 +83,19 @@ async fn exhaustion_runs_the_final_action_once() {
     // mutation `retry_decline_billing_email`).
     let all = crate::strings(&t.db, "SELECT subject FROM email_outbox ORDER BY id").await;
     assert_eq!(all, dunning_emails(&t.db).await);
+    let last = crate::strings(
+        &t.db,
+        "SELECT text_body FROM email_outbox ORDER BY id DESC LIMIT 1",
+    )
+    .await;
+    assert!(
+        last[0].ends_with(&format!(
+            "remains unpaid.\n\nPay invoice {i} or change your payment method here: \
+             https://acme.example/pay/{i}\n",
+            i = a.invoice
+        )),
+        "{last:?}"
+    );
     assert_eq!(crate::attempts(&t.db, a.invoice).await.len(), 3);
     let rendered = metrics.render();
     assert!(

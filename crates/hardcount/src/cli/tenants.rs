@@ -44,6 +44,14 @@ pub enum TenantsCommand {
         /// Send its mail as HARDCOUNT_EMAIL_FROM again.
         #[arg(long)]
         default_email_from: bool,
+        /// Where its customers pay an invoice or change their payment method, linked from the
+        /// emails that ask them to (a declined charge, dunning's warnings): an https address
+        /// where {invoice} stands for the invoice's id, e.g. "https://acme.example/pay/{invoice}".
+        #[arg(long, conflicts_with = "no_payment_page_url")]
+        payment_page_url: Option<String>,
+        /// Link no payment page from its emails again.
+        #[arg(long)]
+        no_payment_page_url: bool,
         /// Print JSON instead of lines.
         #[arg(long)]
         json: bool,
@@ -136,6 +144,8 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
             invoice_on_cancel,
             email_from,
             default_email_from,
+            payment_page_url,
+            no_payment_page_url,
             json,
         } => {
             let change = api::keys::SettingsChange {
@@ -146,6 +156,11 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                 } else {
                     email_from.map(Some)
                 },
+                payment_page_url: if no_payment_page_url {
+                    Some(None)
+                } else {
+                    payment_page_url.map(Some)
+                },
             };
             let s = api::keys::set_tenant_settings(&db, &tenant, &change)
                 .await
@@ -154,7 +169,7 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                 let row = serde_json::json!({
                     "tenant_id": s.tenant_id, "invoice_prefix": s.invoice_prefix,
                     "invoice_on_cancel": s.invoice_on_cancel, "email_from": s.email_from,
-                    "updated_at": s.updated_at,
+                    "payment_page_url": s.payment_page_url, "updated_at": s.updated_at,
                 });
                 println!("{}", serde_json::to_string_pretty(&row)?);
                 return Ok(());
@@ -167,6 +182,12 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                 s.email_from
                     .as_deref()
                     .map_or_else(|| "(HARDCOUNT_EMAIL_FROM)".to_owned(), printable)
+            );
+            println!(
+                "payment_page_url   {}",
+                s.payment_page_url
+                    .as_deref()
+                    .map_or_else(|| "(none)".to_owned(), printable)
             );
         }
     }

@@ -335,6 +335,58 @@ async fn a_declined_retry_sends_one_email_that_asks_what_its_decline_needs() {
     );
 }
 
+/// A retry declined `authentication_required` (only the customer can
+/// authenticate it: https://docs.stripe.com/declines/codes) warns with a
+/// link to the tenant's payment page, its `{invoice}` filled with the
+/// invoice's id; a tenant without one is asked for another payment method
+/// and never to "confirm" (docs/adr/0150). Mutation
+/// `dunning_payment_page_unlisted` (the listing reads no page) fails here.
+#[tokio::test]
+async fn an_authentication_decline_warns_with_the_tenants_payment_page() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    sqlx::query(
+        "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
+         VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let mut invoices = Vec::new();
+    for tenant in ["tenant_a", "tenant_b"] {
+        policy(&t.db, tenant, 2, "pause_collection").await;
+        let a = declined_invoice(&t.db, tenant).await;
+        p.set_behaviour(
+            &a.customer,
+            Behaviour::Decline("authentication_required".into()),
+        );
+        invoices.push(a.invoice);
+    }
+    let (d, _) = dunner(&t.db, &p, CALL, config());
+    assert_eq!(tick(&t.db, &d).await.tally.declined, 2);
+    let texts = crate::strings(
+        &t.db,
+        "SELECT text_body FROM email_outbox ORDER BY tenant_id",
+    )
+    .await;
+    assert_eq!(texts.len(), 2, "{texts:?}");
+    let a = invoices[0];
+    assert!(
+        texts[0].contains("which only you can do: pay it on the page below, or add another")
+            && texts[0].ends_with(&format!(
+                "\n\nPay invoice {a} or change your payment method here: \
+                 https://acme.example/pay/{a}\n"
+            )),
+        "{texts:?}"
+    );
+    assert!(
+        texts[1].contains("so we will not charge this card for it again: please add another")
+            && !texts[1].contains("here:"),
+        "{texts:?}"
+    );
+    assert!(texts.iter().all(|t| !t.contains("confirm")), "{texts:?}");
+}
+
 /// A retry declined with a code Stripe's table says not to report to the
 /// customer (`stolen_card`; https://docs.stripe.com/declines/codes) is
 /// worded in the warning as `generic_decline`, and still as the hard decline
