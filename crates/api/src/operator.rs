@@ -46,6 +46,9 @@ pub const MIN_TOKEN_CHARS: usize = 32;
 pub struct Operator {
     db: Db,
     token_hash: [u8; 32],
+    /// The deployment's sender (`HARDCOUNT_EMAIL_FROM`), whose domain no
+    /// tenant's sender may have (docs/adr/0151).
+    platform_from: String,
 }
 
 impl std::fmt::Debug for Operator {
@@ -70,7 +73,16 @@ impl Operator {
         Ok(Operator {
             db,
             token_hash: Sha256::digest(token.trim().as_bytes()).into(),
+            platform_from: billing::BillingConfig::default().email_from,
         })
+    }
+
+    /// The deployment's sender, as `HARDCOUNT_EMAIL_FROM` sets it (the
+    /// default's until then).
+    #[must_use]
+    pub fn with_platform_sender(mut self, from: &str) -> Operator {
+        from.clone_into(&mut self.platform_from);
+        self
     }
 }
 
@@ -417,7 +429,7 @@ async fn set_tenant_settings(
         email_from: b.email_from.clone(),
         payment_page_url: b.payment_page_url.clone(),
     };
-    let s = keys::set_tenant_settings(&op.db, &id, &change)
+    let s = keys::set_tenant_settings(&op.db, &id, &change, &op.platform_from)
         .await
         .map_err(keys_error)?;
     Ok(ok(StatusCode::OK, &SettingsOut::from(s)))

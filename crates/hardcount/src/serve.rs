@@ -499,6 +499,7 @@ async fn serve_api(
         .await
         .context("refusing to serve the tenant API (HARDCOUNT_API_DATABASE_URL)")?;
     info!(addr = %listener.local_addr()?, "tenant API listening (HARDCOUNT_API_ADDR)");
+    let platform_from = a.config.billing.email_from.clone();
     let mut app = api::router(api::Api::with_telemetry(
         api_db.clone(),
         a.keyring,
@@ -511,7 +512,8 @@ async fn serve_api(
             api::operator::MAX_CONCURRENT as u32,
         )?;
         let operator = api::operator::Operator::new(operator_db, o.token.expose())
-            .map_err(|e| anyhow::anyhow!("HARDCOUNT_OPERATOR_TOKEN: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("HARDCOUNT_OPERATOR_TOKEN: {e}"))?
+            .with_platform_sender(&platform_from);
         app = app.merge(api::operator::router(operator));
         info!("operator API at /operator/v1 (HARDCOUNT_OPERATOR_TOKEN)");
     }

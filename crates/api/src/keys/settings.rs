@@ -12,6 +12,7 @@ use db::{Db, Row as _};
 use tracing::info;
 
 use super::KeysError;
+use crate::routes::emails::sender_domain;
 
 /// A tenant's settings; the defaults for a tenant that never set any.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,7 +70,8 @@ pub async fn tenant_settings(db: &Db, tenant: &str) -> Result<TenantSettings, Ke
 }
 
 /// Change `tenant`'s settings as `change` says, in one transaction; the
-/// settings after it.
+/// settings after it. `platform_from` is the deployment's sender
+/// (`HARDCOUNT_EMAIL_FROM`), whose domain no tenant's sender may have.
 ///
 /// # Errors
 /// [`KeysError::BadSetting`] naming the setting refused (nothing changed),
@@ -78,6 +80,7 @@ pub async fn set_tenant_settings(
     db: &Db,
     tenant: &str,
     change: &SettingsChange,
+    platform_from: &str,
 ) -> Result<TenantSettings, KeysError> {
     if let Some(p) = &change.invoice_prefix
         && !prefix_valid(p)
@@ -103,7 +106,7 @@ pub async fn set_tenant_settings(
     }
     let domain = match &change.email_from {
         Some(Some(from)) => match outbox::email::mailbox("email_from", from) {
-            Ok(m) => Some(m.email.domain().to_ascii_lowercase()),
+            Ok(m) => Some(sender_domain(m.email.domain())),
             Err(e) => {
                 return Err(KeysError::BadSetting {
                     param: "email_from",
@@ -116,13 +119,36 @@ pub async fn set_tenant_settings(
         },
         _ => None,
     };
+    // A tenant sends from any address at its sender's domain (docs/adr/0143):
+    // at the deployment's own, it could send as the platform.
+    let platform = outbox::email::mailbox("HARDCOUNT_EMAIL_FROM", platform_from)
+        .ok()
+        .map(|m| sender_domain(m.email.domain()));
+    if let Some(domain) = &domain
+        && platform.as_ref() == Some(domain)
+    {
+        return Err(KeysError::BadSetting {
+            param: "email_from",
+            message: format!(
+                "{domain} is the deployment's own sender domain (HARDCOUNT_EMAIL_FROM), and \
+                 a tenant may send from any address at its own, so it could send as the \
+                 platform: give the tenant a domain of its own, or null to send as \
+                 HARDCOUNT_EMAIL_FROM itself; nothing was changed"
+            ),
+        });
+    }
     if change.is_empty() {
         return tenant_settings(db, tenant).await;
     }
     let mut tx = db.begin().await?;
-    // A tenant sends from any address at its sender's domain (docs/adr/0143):
-    // two tenants at one domain could each send in the other's name.
+    // Two tenants at one domain could each send in the other's name. Sender
+    // changes wait for each other (one lock for all: they are rare), so two
+    // at the same domain cannot both find it free.
     if let Some(domain) = &domain {
+        tx.execute(db::sql(
+            "SELECT pg_advisory_xact_lock(hashtextextended('hardcount tenant sender domains', 0))",
+        ))
+        .await?;
         let others = tx
             .fetch_all(
                 db::sql(
@@ -138,7 +164,7 @@ pub async fn set_tenant_settings(
                 r.try_get("email_from").map_err(db::Error::Sql)?,
             );
             let taken = outbox::email::mailbox("email_from", &from)
-                .is_ok_and(|m| m.email.domain().eq_ignore_ascii_case(domain));
+                .is_ok_and(|m| sender_domain(m.email.domain()) == *domain);
             if taken {
                 return Err(KeysError::BadSetting {
                     param: "email_from",

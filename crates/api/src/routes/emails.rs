@@ -261,6 +261,16 @@ async fn read(scope: &mut Scope, id: i64) -> Result<Option<Email>, ApiError> {
     Ok(row.as_ref().map(Email::from_row).transpose()?)
 }
 
+/// A sender's domain as two are compared: its IDNA ASCII form, in lower case
+/// (`bücher.example` and `XN--BCHER-KVA.example` are one domain, the one the
+/// relay sends for; docs/adr/0151); a domain IDNA refuses, in lower case.
+pub(crate) fn sender_domain(domain: &str) -> String {
+    match url::Host::parse(domain) {
+        Ok(url::Host::Domain(ascii)) => ascii,
+        _ => domain.to_ascii_lowercase(),
+    }
+}
+
 /// Refuse a sender this tenant may not use. With its own
 /// `tenant_settings.email_from`, any address at that sender's domain; without
 /// one, only the deployment's sender itself (`HARDCOUNT_EMAIL_FROM`,
@@ -279,14 +289,11 @@ async fn own_sender(scope: &mut Scope, default_from: &str, from: &str) -> Result
         .transpose()
         .map_err(db::Error::from)?
         .flatten();
-    // (local part, domain in lower case); a domain is case-insensitive.
+    // (local part, domain as compared: `sender_domain`).
     let address = |m: &str| {
-        outbox::email::mailbox("from", m).ok().map(|mb| {
-            (
-                mb.email.user().to_owned(),
-                mb.email.domain().to_ascii_lowercase(),
-            )
-        })
+        outbox::email::mailbox("from", m)
+            .ok()
+            .map(|mb| (mb.email.user().to_owned(), sender_domain(mb.email.domain())))
     };
     let (Some((own_user, own_domain)), Some((user, domain))) = (
         address(set.as_deref().unwrap_or(default_from)),

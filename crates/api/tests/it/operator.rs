@@ -700,3 +700,113 @@ async fn an_operator_sets_a_tenants_payment_page() {
         );
     }
 }
+
+/// A tenant's sender domain is refused (by name, nothing changed) when it is
+/// the deployment's own (`HARDCOUNT_EMAIL_FROM`'s: the tenant could send as
+/// the platform), or another tenant's written in another form: IDNA's
+/// Unicode and ASCII forms of one domain are one domain (docs/adr/0151).
+///
+/// Mutations `platform_sender_domain` (the deployment's domain let through)
+/// and `sender_domain_ascii_only` (domains compared in lower case only) each
+/// fail here.
+#[tokio::test]
+async fn a_sender_at_the_platforms_domain_or_another_tenants_in_another_form_is_refused() {
+    let t = TestDb::new().await;
+    let s = serve(&t).await;
+    tenant(&t, "acme").await;
+    tenant(&t, "beta").await;
+    let platform = billing::BillingConfig::default().email_from;
+    assert!(platform.ends_with("@example.com>"), "{platform}");
+    let path = "/operator/v1/tenants/acme/settings";
+    let own = op(
+        &s,
+        "PATCH",
+        path,
+        Some(json!({"email_from": "Acme <acme@EXAMPLE.com>"})),
+    )
+    .await;
+    assert_eq!(
+        (own.status, own.param()),
+        (StatusCode::BAD_REQUEST, "email_from"),
+        "{}",
+        own.text
+    );
+    assert!(own.text.contains("HARDCOUNT_EMAIL_FROM"), "{}", own.text);
+    let set = op(
+        &s,
+        "PATCH",
+        path,
+        Some(json!({"email_from": "Bücher <billing@bücher.example>"})),
+    )
+    .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.text);
+    let shared = op(
+        &s,
+        "PATCH",
+        "/operator/v1/tenants/beta/settings",
+        Some(json!({"email_from": "billing@XN--BCHER-KVA.example"})),
+    )
+    .await;
+    assert_eq!(
+        (shared.status, shared.param()),
+        (StatusCode::BAD_REQUEST, "email_from"),
+        "{}",
+        shared.text
+    );
+    assert!(shared.text.contains("tenant acme"), "{}", shared.text);
+}
+
+/// Two sender changes wait for each other, so two tenants cannot both find
+/// one domain free at the same instant (docs/adr/0151). Here a transaction
+/// holds the settings' lock (the key `set_tenant_settings` takes) while
+/// beta's change to `shared.example` starts; the change waits, acme's sender
+/// at that domain commits, and the change, run after it, is refused.
+///
+/// Mutation `sender_change_unserialized` (no lock taken) fails here: the
+/// change completes while the other transaction is open, and beta gets the
+/// domain acme then also has.
+#[tokio::test]
+async fn two_sender_changes_at_one_domain_wait_for_each_other() {
+    use sqlx::Connection as _;
+    let t = TestDb::new().await;
+    tenant(&t, "acme").await;
+    tenant(&t, "beta").await;
+    let mut su = t.superuser().await;
+    let mut holder = su.begin().await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtextextended('hardcount tenant sender domains', 0))",
+    )
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let db = t.operator();
+    let change = api::keys::SettingsChange {
+        email_from: Some(Some("billing@shared.example".to_owned())),
+        ..Default::default()
+    };
+    let platform = billing::BillingConfig::default().email_from;
+    let beta = tokio::spawn(async move {
+        api::keys::set_tenant_settings(&db, "beta", &change, &platform).await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    assert!(
+        !beta.is_finished(),
+        "beta's change did not wait for the lock"
+    );
+    sqlx::query("INSERT INTO tenant_settings (tenant_id, email_from) VALUES ('acme', 'billing@shared.example')")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder.commit().await.unwrap();
+    let refused = beta.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            api::keys::KeysError::BadSetting {
+                param: "email_from",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+}

@@ -162,7 +162,13 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                     payment_page_url.map(Some)
                 },
             };
-            let s = api::keys::set_tenant_settings(&db, &tenant, &change)
+            // The deployment's sender, as `hardcount serve` reads it, whose
+            // domain no tenant's may have (docs/adr/0151).
+            let platform_from = std::env::var("HARDCOUNT_EMAIL_FROM")
+                .ok()
+                .filter(|f| !f.trim().is_empty())
+                .unwrap_or_else(|| billing::BillingConfig::default().email_from);
+            let s = api::keys::set_tenant_settings(&db, &tenant, &change, &platform_from)
                 .await
                 .map_err(operator_only)?;
             if json {
