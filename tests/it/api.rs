@@ -102,8 +102,14 @@ impl ApiBed {
     }
 
     pub fn cli_output(&self, args: &[&str]) -> std::process::Output {
+        self.cli_output_with(args, &[])
+    }
+
+    /// [`Self::cli_output`] with `env` set as well.
+    pub fn cli_output_with(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
         hardcount()
             .args(args)
+            .envs(env.iter().copied())
             .env(
                 "HARDCOUNT_OPERATOR_DATABASE_URL",
                 self.t.operator_url(Leg::current()),

@@ -170,7 +170,7 @@ async fn ask(
                     "Invoice {label} for {} is due, and we have no payment method to charge. \
                      Please add one; we will charge it as soon as it is saved.\n{}",
                     money(amount, &currency),
-                    payments::payment_page_line(page.as_deref(), id, &label),
+                    payments::payment_page_line(page.as_deref(), id),
                 ),
                 html: None,
             },

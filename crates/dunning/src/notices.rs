@@ -17,11 +17,7 @@ fn invoice(run: &Run) -> String {
 /// The line that links the tenant's payment page, if it set one
 /// (docs/adr/0150).
 fn page_line(run: &Run) -> String {
-    payments::payment_page_line(
-        run.payment_page_url.as_deref(),
-        run.invoice_id,
-        &invoice(run),
-    )
+    payments::payment_page_line(run.payment_page_url.as_deref(), run.invoice_id)
 }
 
 /// The tenant's sender when it has one, else the configured one.
@@ -53,9 +49,9 @@ pub(crate) fn warning(
         // Only the customer can authenticate a payment; without a page to
         // do it on, the email names no step it cannot link.
         DeclineClass::AuthenticationRequired if run.payment_page_url.is_some() => format!(
-            "Your bank asks you to authenticate this payment, which only you can do: pay it \
-             on the page below, or add another payment method there before {at}, when we \
-             will try again."
+            "Your bank asks you to authenticate this card, which only you can do: add it \
+             again on the page below, authenticating it there, or add another payment \
+             method before {at}, when we will try again."
         ),
         DeclineClass::AuthenticationRequired => format!(
             "Your bank asks you to authenticate this payment, which only you can do, so we \
@@ -123,12 +119,6 @@ pub(crate) fn not_attempted(
 /// transaction only when the action changed something.
 pub(crate) fn final_notice(run: &Run, from: &str) -> outbox::email::Email {
     let invoice = invoice(run);
-    // An invoice that stays unpaid and payable links the page; one marked
-    // uncollectible is not asked for again.
-    let page = match run.policy.final_action {
-        FinalAction::CancelSubscription | FinalAction::PauseCollection => page_line(run),
-        FinalAction::MarkUncollectible => String::new(),
-    };
     let done = match run.policy.final_action {
         FinalAction::CancelSubscription => {
             format!("Your subscription has been canceled. Invoice {invoice} remains unpaid.")
@@ -154,7 +144,7 @@ pub(crate) fn final_notice(run: &Run, from: &str) -> outbox::email::Email {
         from: from.to_owned(),
         to: vec![run.email.clone()],
         subject: format!("Final notice for invoice {invoice}"),
-        text: format!("We could not collect payment for invoice {invoice}. {done}\n{page}"),
+        text: format!("We could not collect payment for invoice {invoice}. {done}\n"),
         html: None,
     }
 }

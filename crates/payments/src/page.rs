@@ -1,6 +1,8 @@
 //! A tenant's payment page (`tenant_settings.payment_page_url`,
-//! docs/adr/0150): where its customers pay an invoice or change their
-//! payment method. The emails that ask a customer to act link to it.
+//! docs/adr/0150): where its customers add or update the payment method the
+//! service charges. The emails that ask for one link to it. It is never a
+//! place to pay an invoice: nothing tells the service of a payment made
+//! there, so the emails never ask for one.
 
 use std::collections::HashMap;
 
@@ -15,13 +17,12 @@ pub fn payment_page(template: &str, invoice_id: i64) -> String {
     template.replace(INVOICE_PLACEHOLDER, &invoice_id.to_string())
 }
 
-/// The line an asking email ends with: the page of `invoice_id` under
-/// `label` (the invoice as the customer knows it), or nothing when the
-/// tenant has no page.
-pub fn payment_page_line(template: Option<&str>, invoice_id: i64, label: &str) -> String {
+/// The line an asking email ends with: the page of `invoice_id`, or nothing
+/// when the tenant has no page.
+pub fn payment_page_line(template: Option<&str>, invoice_id: i64) -> String {
     match template {
         Some(t) => format!(
-            "\nPay invoice {label} or change your payment method here: {}\n",
+            "\nAdd or update your payment method here: {}\n",
             payment_page(t, invoice_id)
         ),
         None => String::new(),
@@ -68,11 +69,10 @@ mod tests {
             payment_page("https://acme.example/billing", 42),
             "https://acme.example/billing"
         );
-        assert_eq!(payment_page_line(None, 42, "INV-000042"), "");
+        assert_eq!(payment_page_line(None, 42), "");
         assert_eq!(
-            payment_page_line(Some("https://acme.example/pay/{invoice}"), 42, "INV-000042"),
-            "\nPay invoice INV-000042 or change your payment method here: \
-             https://acme.example/pay/42\n"
+            payment_page_line(Some("https://acme.example/pay/{invoice}"), 42),
+            "\nAdd or update your payment method here: https://acme.example/pay/42\n"
         );
     }
 }

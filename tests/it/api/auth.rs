@@ -133,7 +133,11 @@ async fn an_unfiltered_query_in_the_api_path_sees_only_its_tenant() {
 /// `hardcount tenants settings`: an operator gives a tenant its own sender and
 /// invoice prefix; the tenant's email from that domain is then accepted by the
 /// served API, and a bad prefix is refused by name with nothing changed
-/// (docs/adr/0148).
+/// (docs/adr/0148). A sender is set only with `HARDCOUNT_EMAIL_FROM` in the
+/// CLI's environment, and never at its domain (docs/adr/0151).
+///
+/// Mutation `cli_sender_unchecked` (the shipped default used when the
+/// variable is missing) fails here.
 #[tokio::test]
 async fn an_operator_sets_a_tenants_sender_from_the_cli() {
     let bed = ApiBed::start(&[]).await;
@@ -141,7 +145,7 @@ async fn an_operator_sets_a_tenants_sender_from_the_cli() {
     let email = serde_json::json!({"from": "orders@acme.example", "to": ["a@example.org"],
                                    "subject": "Hello", "text": "Hi"});
     assert_eq!(bed.post("/v1/emails", &key, &email).await.status, 400);
-    let out = bed.cli(&[
+    let set = [
         "tenants",
         "settings",
         "acme",
@@ -149,7 +153,29 @@ async fn an_operator_sets_a_tenants_sender_from_the_cli() {
         "ACME",
         "--email-from",
         "Acme Billing <billing@acme.example>",
-    ]);
+    ];
+    for env in [
+        &[][..],
+        &[("HARDCOUNT_EMAIL_FROM", "Platform <billing@acme.example>")][..],
+    ] {
+        let refused = bed.cli_output_with(&set, env);
+        let said = crate::text(&refused);
+        assert!(
+            !refused.status.success()
+                && said.contains("HARDCOUNT_EMAIL_FROM")
+                && said.contains("nothing was changed"),
+            "{env:?}: {said}"
+        );
+    }
+    let out = bed.cli_output_with(
+        &set,
+        &[(
+            "HARDCOUNT_EMAIL_FROM",
+            "Platform <billing@platform.example>",
+        )],
+    );
+    assert!(out.status.success(), "{}", crate::text(&out));
+    let out = String::from_utf8(out.stdout).unwrap();
     assert!(
         out.contains("invoice_prefix     ACME") && out.contains("<billing@acme.example>"),
         "{out}"

@@ -140,7 +140,9 @@ pub async fn set_tenant_settings(
     if change.is_empty() {
         return tenant_settings(db, tenant).await;
     }
-    let mut tx = db.begin().await?;
+    // Bounded, so a stuck holder of the sender lock (below) fails a change
+    // by its timeout instead of hanging it.
+    let mut tx = db.begin_with_timeout(SETTINGS_TIMEOUT).await?;
     // Two tenants at one domain could each send in the other's name. Sender
     // changes wait for each other (one lock for all: they are rare), so two
     // at the same domain cannot both find it free.
@@ -267,6 +269,10 @@ pub async fn set_tenant_settings(
     }
     Ok(after)
 }
+
+/// How long a settings change may wait on a statement, the sender lock among
+/// them.
+const SETTINGS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// The longest payment page migration 0058 stores.
 const PAGE_MAX: usize = 2000;

@@ -50,13 +50,16 @@ pub(crate) fn failed_email(
         (DeclineClass::Hard, _) => "We will not try this card again: please add a new payment \
                                     method, and we will charge it."
             .to_owned(),
-        // Only the customer can authenticate a payment (Stripe's
-        // `authentication_required`: retry with the cardholder present);
-        // without a page to do it on, the email names no step it cannot link.
+        // Only the customer can authenticate (Stripe's
+        // `authentication_required`: retry with the cardholder present), and
+        // this card is not charged off session again: a card added again on
+        // the page, authenticated there, is a new payment method, charged.
         (DeclineClass::AuthenticationRequired, Some(_)) => "Your bank asks you to authenticate \
-                                                            this payment, which only you can do: \
-                                                            pay it on the page below, or add \
-                                                            another payment method there."
+                                                            this card, which only you can do: \
+                                                            add it again on the page below, \
+                                                            authenticating it there, or add \
+                                                            another payment method, and we will \
+                                                            charge it."
             .to_owned(),
         (DeclineClass::AuthenticationRequired, None) => "Your bank asks you to authenticate \
                                                          this payment, which only you can do, \
@@ -73,7 +76,7 @@ pub(crate) fn failed_email(
             "We could not charge {amount} for invoice {} to your saved card ({}). {ask}\n{}",
             c.label(),
             payments::customer_facing(code),
-            payments::payment_page_line(page, c.invoice_id, &c.label()),
+            payments::payment_page_line(page, c.invoice_id),
         ),
         html: None,
     }

@@ -161,7 +161,8 @@ async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
 /// A first charge declined `authentication_required` (only the customer can
 /// authenticate it: https://docs.stripe.com/declines/codes) emails a link to
 /// the tenant's payment page, its `{invoice}` filled with the invoice's id,
-/// and asks for the step that page is for (docs/adr/0150). The page is read
+/// and asks for the step that page is for: the card added again,
+/// authenticated there, or another (docs/adr/0150). The page is read
 /// by the settle only for such declines. Without a page the email asks for
 /// another payment method and never to "confirm" anything
 /// (`an_authentication_decline_without_a_page_asks_for_another_method`,
@@ -191,9 +192,9 @@ async fn a_declined_charge_links_the_tenants_payment_page() {
     assert_eq!(texts.len(), 1, "{texts:?}");
     assert!(
         texts[0].ends_with(&format!(
-            "which only you can do: pay it on the page below, or add another payment \
-             method there.\n\nPay invoice INV-{invoice:06} or change your payment method \
-             here: https://pay.acme.example/i/{invoice}?via=mail\n"
+            "which only you can do: add it again on the page below, authenticating it there, \
+             or add another payment method, and we will charge it.\n\nAdd or update your \
+             payment method here: https://pay.acme.example/i/{invoice}?via=mail\n"
         )),
         "{texts:?}"
     );

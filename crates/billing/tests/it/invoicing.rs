@@ -408,8 +408,8 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
             .get(0);
     assert!(
         text[0].ends_with(&format!(
-            "as soon as it is saved.\n\nPay invoice INV-000001 or change your payment method \
-             here: https://acme.example/pay/{invoice}\n"
+            "as soon as it is saved.\n\nAdd or update your payment method here: \
+             https://acme.example/pay/{invoice}\n"
         )),
         "{text:?}"
     );

@@ -38,15 +38,17 @@ pub enum TenantsCommand {
         invoice_on_cancel: Option<bool>,
         /// The sender of its receipts and dunning mail, e.g. "Acme Billing <billing@acme.example>".
         /// Its tenant-API emails may then come from any address at that domain: set only a
-        /// domain the relay sends for (docs/adr/0143).
+        /// domain the relay sends for (docs/adr/0143). Needs HARDCOUNT_EMAIL_FROM set as
+        /// serve has it: the deployment's own domain, or another tenant's, is refused.
         #[arg(long, conflicts_with = "default_email_from")]
         email_from: Option<String>,
         /// Send its mail as HARDCOUNT_EMAIL_FROM again.
         #[arg(long)]
         default_email_from: bool,
-        /// Where its customers pay an invoice or change their payment method, linked from the
-        /// emails that ask them to (a declined charge, dunning's warnings): an https address
-        /// where {invoice} stands for the invoice's id, e.g. "https://acme.example/pay/{invoice}".
+        /// The page where its customers add or update a payment method, linked from the emails
+        /// that ask for one (a declined charge, dunning's warnings, the ask for a payment
+        /// method): an https address where {invoice} stands for the invoice's id, e.g.
+        /// "https://acme.example/billing/{invoice}". Never a page that takes a payment.
         #[arg(long, conflicts_with = "no_payment_page_url")]
         payment_page_url: Option<String>,
         /// Link no payment page from its emails again.
@@ -163,11 +165,20 @@ pub async fn tenants_command(command: TenantsCommand, database_url: &str) -> Res
                 },
             };
             // The deployment's sender, as `hardcount serve` reads it, whose
-            // domain no tenant's may have (docs/adr/0151).
+            // domain no tenant's may have (docs/adr/0151): a sender is not
+            // set without it, since the shipped default would check nothing.
             let platform_from = std::env::var("HARDCOUNT_EMAIL_FROM")
                 .ok()
-                .filter(|f| !f.trim().is_empty())
-                .unwrap_or_else(|| billing::BillingConfig::default().email_from);
+                .filter(|f| !f.trim().is_empty());
+            let platform_from = match platform_from {
+                Some(from) => from,
+                None if matches!(change.email_from, Some(Some(_))) => anyhow::bail!(
+                    "--email-from needs HARDCOUNT_EMAIL_FROM set to the deployment's sender, \
+                     as hardcount serve has it, so that a tenant is never given the \
+                     platform's own domain; nothing was changed"
+                ),
+                None => billing::BillingConfig::default().email_from,
+            };
             let s = api::keys::set_tenant_settings(&db, &tenant, &change, &platform_from)
                 .await
                 .map_err(operator_only)?;

@@ -372,10 +372,9 @@ async fn an_authentication_decline_warns_with_the_tenants_payment_page() {
     assert_eq!(texts.len(), 2, "{texts:?}");
     let a = invoices[0];
     assert!(
-        texts[0].contains("which only you can do: pay it on the page below, or add another")
+        texts[0].contains("which only you can do: add it again on the page below")
             && texts[0].ends_with(&format!(
-                "\n\nPay invoice {a} or change your payment method here: \
-                 https://acme.example/pay/{a}\n"
+                "\n\nAdd or update your payment method here: https://acme.example/pay/{a}\n"
             )),
         "{texts:?}"
     );
