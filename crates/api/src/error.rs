@@ -66,7 +66,7 @@ pub struct ErrorDetail {
     /// For people; may change between versions.
     pub message: String,
     /// The request field or parameter at fault, when there is one (a path
-    /// such as `recipients[2]` for a nested field).
+    /// such as `to[2]` for a nested field).
     pub param: Option<String>,
 }
 

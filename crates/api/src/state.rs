@@ -38,6 +38,11 @@ pub struct ApiConfig {
     /// The most dead deliveries one recover puts back to pending; the
     /// answer says whether more may remain (docs/adr/0102).
     pub recover_batch: usize,
+    /// Whether a plan may bill every minute or hour
+    /// (`HARDCOUNT_API_SHORT_PLANS`; `hardcount dev` sets it): demo units,
+    /// refused otherwise, since a plan made with one by mistake would charge
+    /// each customer hundreds of times a month (docs/adr/0152).
+    pub short_plans: bool,
 }
 
 impl Default for ApiConfig {
@@ -52,6 +57,7 @@ impl Default for ApiConfig {
             webhook_allowlist: Allowlist::default(),
             webhook_ports: Ports::default(),
             recover_batch: 10_000,
+            short_plans: false,
         }
     }
 }

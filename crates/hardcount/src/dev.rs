@@ -115,6 +115,13 @@ pub async fn run(
         None => None,
     };
     let mut config = serve.config(app_url.clone(), Some(keyring.clone()))?;
+    // The demo's own plan bills every two minutes; a developer's may too,
+    // unless HARDCOUNT_API_SHORT_PLANS says otherwise (docs/adr/0152).
+    if let Some(api) = &mut config.api
+        && crate::settings::non_empty(&serve.api_short_plans).is_none()
+    {
+        api.config.short_plans = true;
+    }
     warn_only_of_given(&mut config, &given, &app_url, &keyring);
     // The operator API as `serve` adds it, over the local cluster's
     // hardcount_operator unless HARDCOUNT_OPERATOR_DATABASE_URL says otherwise.

@@ -183,6 +183,10 @@ pub struct ServeSettings {
     /// Requests a key may send at once above its rate (1 to 1000000) [default: 2000].
     #[arg(long, env = "HARDCOUNT_API_RATE_BURST")]
     pub api_rate_burst: Option<String>,
+    /// Whether tenants may create plans billed every minute or hour, for demos
+    /// (true or false) [default: false; `hardcount dev`: true].
+    #[arg(long, env = "HARDCOUNT_API_SHORT_PLANS")]
+    pub api_short_plans: Option<String>,
     /// The bearer token of the operator API under `/operator/v1` on the tenant API's
     /// listener (at least 32 characters; needs HARDCOUNT_API_ADDR and
     /// HARDCOUNT_OPERATOR_DATABASE_URL) [default: unset, no operator API].

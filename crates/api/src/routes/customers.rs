@@ -36,11 +36,11 @@ pub struct NewCustomer {
     pub name: Option<String>,
     /// The saved payment method charged off session, e.g. `pm_card_visa`;
     /// needs `provider_customer_id`.
-    #[schema(pattern = r"^pm_[A-Za-z0-9_]+$")]
+    #[schema(pattern = r"^pm_[A-Za-z0-9_]+$", max_length = 255)]
     pub payment_method: Option<String>,
     /// The provider's customer, e.g. `cus_123`; one customer of one tenant
     /// in the deployment (docs/adr/0103).
-    #[schema(pattern = r"^cus_[A-Za-z0-9_]+$")]
+    #[schema(pattern = r"^cus_[A-Za-z0-9_]+$", max_length = 255)]
     pub provider_customer_id: Option<String>,
 }
 
@@ -63,7 +63,7 @@ pub struct CustomerUpdate {
     /// (billing asks the customer for one; dunning counts its retries "not
     /// attempted").
     #[serde(default, deserialize_with = "given")]
-    #[schema(value_type = Option<String>, pattern = r"^pm_[A-Za-z0-9_]+$")]
+    #[schema(value_type = Option<String>, pattern = r"^pm_[A-Za-z0-9_]+$", max_length = 255)]
     pub payment_method: Option<Option<String>>,
     /// The provider's customer, e.g. `cus_123`, for a customer made without
     /// one (a payment method may come in the same call). Set once: a
@@ -71,7 +71,7 @@ pub struct CustomerUpdate {
     /// is refused (409) and the same one changes nothing; `null` is refused.
     /// One customer of one tenant in the deployment (docs/adr/0103, 0149).
     #[serde(default, deserialize_with = "given")]
-    #[schema(value_type = String, pattern = r"^cus_[A-Za-z0-9_]+$")]
+    #[schema(value_type = String, pattern = r"^cus_[A-Za-z0-9_]+$", max_length = 255)]
     pub provider_customer_id: Option<Option<String>>,
 }
 
@@ -160,8 +160,8 @@ fn check_name(name: &Option<String>) -> Result<(), ApiError> {
 
 /// Create a customer.
 #[utoipa::path(
-    post, path = "/v1/customers", tag = "customers",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    post, path = "/v1/customers", tag = "customers", operation_id = "create_customer",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewCustomer,
     responses((status = 201, description = "Created.", body = Customer), WriteErrors),
 )]
@@ -225,10 +225,10 @@ fn provider_customer_taken(e: &db::Error) -> ApiError {
 
 /// Update a customer's email, name, payment method or (once) provider customer.
 #[utoipa::path(
-    post, path = "/v1/customers/{id}", tag = "customers",
+    post, path = "/v1/customers/{id}", tag = "customers", operation_id = "update_customer",
     params(
         ("id" = i64, Path, description = "The customer's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours."),
     ),
     request_body = CustomerUpdate,
     responses((status = 200, description = "Updated.", body = Customer), WriteErrors),
@@ -328,7 +328,7 @@ pub async fn update(
 
 /// Read a customer.
 #[utoipa::path(
-    get, path = "/v1/customers/{id}", tag = "customers",
+    get, path = "/v1/customers/{id}", tag = "customers", operation_id = "get_customer",
     params(("id" = i64, Path, description = "The customer's id.", minimum = 1)),
     responses((status = 200, body = Customer), ReadErrors),
 )]
@@ -352,7 +352,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List customers, newest first.
 #[utoipa::path(
-    get, path = "/v1/customers", tag = "customers",
+    get, path = "/v1/customers", tag = "customers", operation_id = "list_customers",
     params(ListCustomers),
     responses((status = 200, body = List<Customer>), ReadErrors),
 )]

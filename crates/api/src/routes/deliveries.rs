@@ -117,7 +117,7 @@ fn from_row(row: &PgRow) -> Result<(Delivery, Option<Attempt>), db::Error> {
 
 /// Read a delivery and its attempts.
 #[utoipa::path(
-    get, path = "/v1/deliveries/{id}", tag = "deliveries",
+    get, path = "/v1/deliveries/{id}", tag = "deliveries", operation_id = "get_delivery",
     params(("id" = i64, Path, description = "The delivery's id.", minimum = 1)),
     responses((status = 200, body = Delivery), ReadErrors),
 )]
@@ -132,11 +132,14 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 /// List an event's or an endpoint's deliveries, newest first, each with
 /// its attempts.
 ///
+/// One of `event_id` and `endpoint_id` is required: without either, 400
+/// `parameter_missing` on `event_id`.
+///
 /// A delivery is listed once its row is written. A first attempt may be
 /// written with its outcome, and its delivery then listed when that attempt
 /// has ended, not while it is in flight.
 #[utoipa::path(
-    get, path = "/v1/deliveries", tag = "deliveries",
+    get, path = "/v1/deliveries", tag = "deliveries", operation_id = "list_deliveries",
     params(ListDeliveries),
     responses((status = 200, body = List<Delivery>), ReadErrors),
 )]
@@ -212,10 +215,10 @@ macro_rules! reset {
 /// endpoint is disabled would die unsent at its next claim: 409 too, enable
 /// the endpoint first (as its recovery says).
 #[utoipa::path(
-    post, path = "/v1/deliveries/{id}/resend", tag = "deliveries",
+    post, path = "/v1/deliveries/{id}/resend", tag = "deliveries", operation_id = "resend_delivery",
     params(
         ("id" = i64, Path, description = "The delivery's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key returns the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key returns the first answer for 24 hours."),
     ),
     responses((status = 200, description = "Pending again.", body = Delivery), WriteErrors),
 )]

@@ -238,8 +238,9 @@ pub struct Run {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     /// The invoice's payment attempts, oldest first; only on
-    /// `GET /v1/dunning/runs/{id}`.
+    /// `GET /v1/dunning/runs/{id}` (never `null`: absent from lists).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub attempts: Option<Vec<PaymentAttempt>>,
 }
 
@@ -283,7 +284,7 @@ pub struct ListRuns {
 
 /// Read the tenant's policy (the built-in default, id null, until one is written or a first run creates it).
 #[utoipa::path(
-    get, path = "/v1/dunning/policy", tag = "dunning",
+    get, path = "/v1/dunning/policy", tag = "dunning", operation_id = "get_dunning_policy",
     responses((status = 200, body = Policy), ReadErrors),
 )]
 pub async fn get_policy(State(api): State<Api>, caller: Caller) -> Result<Response, ApiError> {
@@ -305,8 +306,8 @@ pub async fn get_policy(State(api): State<Api>, caller: Caller) -> Result<Respon
 
 /// Write the tenant's policy: new runs get it; runs in flight keep theirs.
 #[utoipa::path(
-    put, path = "/v1/dunning/policy", tag = "dunning",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    put, path = "/v1/dunning/policy", tag = "dunning", operation_id = "put_dunning_policy",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewPolicy,
     responses((status = 200, description = "Written.", body = Policy), WriteErrors),
 )]
@@ -398,7 +399,7 @@ fn zone_unknown_to_the_database(e: db::Error, w: Option<&dunning::BusinessWindow
 
 /// Read a dunning run with its invoice's payment attempts.
 #[utoipa::path(
-    get, path = "/v1/dunning/runs/{id}", tag = "dunning",
+    get, path = "/v1/dunning/runs/{id}", tag = "dunning", operation_id = "get_dunning_run",
     params(("id" = i64, Path, description = "The run's id.", minimum = 1)),
     responses((status = 200, body = Run), ReadErrors),
 )]
@@ -427,7 +428,7 @@ pub async fn get_run(
 
 /// List dunning runs, newest first.
 #[utoipa::path(
-    get, path = "/v1/dunning/runs", tag = "dunning",
+    get, path = "/v1/dunning/runs", tag = "dunning", operation_id = "list_dunning_runs",
     params(ListRuns),
     responses((status = 200, body = List<Run>), ReadErrors),
 )]

@@ -102,8 +102,8 @@ impl Email {
 
 /// Queue an email.
 #[utoipa::path(
-    post, path = "/v1/emails", tag = "emails",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    post, path = "/v1/emails", tag = "emails", operation_id = "create_email",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewEmail,
     responses((status = 201, description = "Queued; the email_outbox role sends it.", body = Email), WriteErrors),
 )]
@@ -146,7 +146,7 @@ pub async fn create(
 
 /// Read an email.
 #[utoipa::path(
-    get, path = "/v1/emails/{id}", tag = "emails",
+    get, path = "/v1/emails/{id}", tag = "emails", operation_id = "get_email",
     params(("id" = i64, Path, description = "The email's id.", minimum = 1)),
     responses((status = 200, body = Email), ReadErrors),
 )]
@@ -160,7 +160,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List emails, newest first.
 #[utoipa::path(
-    get, path = "/v1/emails", tag = "emails",
+    get, path = "/v1/emails", tag = "emails", operation_id = "list_emails",
     params(ListEmails),
     responses((status = 200, body = List<Email>), ReadErrors),
 )]
@@ -192,10 +192,10 @@ pub async fn list(
 /// Queue a failed email again, due now. A queued or sent one, or one
 /// refused when it was queued: 409.
 #[utoipa::path(
-    post, path = "/v1/emails/{id}/resend", tag = "emails",
+    post, path = "/v1/emails/{id}/resend", tag = "emails", operation_id = "resend_email",
     params(
         ("id" = i64, Path, description = "The email's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key returns the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key returns the first answer for 24 hours."),
     ),
     responses((status = 200, description = "Queued again.", body = Email), WriteErrors),
 )]

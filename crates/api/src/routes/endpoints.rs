@@ -44,12 +44,14 @@ pub struct NewEndpoint {
     pub event_types: Vec<String>,
 }
 
-/// A change to an endpoint; absent fields stay as they are.
+/// A change to an endpoint; absent fields, and fields given as `null`, stay
+/// as they are.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointUpdate {
+    /// The new URL; `null`: unchanged.
     pub url: Option<String>,
-    /// The new filter; an empty list: every type.
+    /// The new filter; an empty list: every type; `null`: unchanged.
     #[schema(max_items = 100)]
     pub event_types: Option<Vec<String>>,
 }
@@ -153,8 +155,8 @@ impl Endpoint {
 /// Register an endpoint. Its signing secret is generated here and shown in
 /// this answer only.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints", tag = "webhook_endpoints",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    post, path = "/v1/webhook_endpoints", tag = "webhook_endpoints", operation_id = "create_webhook_endpoint",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewEndpoint,
     responses((status = 201, description = "Registered; `secret` is shown this once.", body = EndpointWithSecret), WriteErrors),
 )]
@@ -192,7 +194,7 @@ pub async fn create(
 
 /// Read an endpoint (never its secret).
 #[utoipa::path(
-    get, path = "/v1/webhook_endpoints/{id}", tag = "webhook_endpoints",
+    get, path = "/v1/webhook_endpoints/{id}", tag = "webhook_endpoints", operation_id = "get_webhook_endpoint",
     params(("id" = i64, Path, description = "The endpoint's id.", minimum = 1)),
     responses((status = 200, body = Endpoint), ReadErrors),
 )]
@@ -204,7 +206,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List endpoints, newest first.
 #[utoipa::path(
-    get, path = "/v1/webhook_endpoints", tag = "webhook_endpoints",
+    get, path = "/v1/webhook_endpoints", tag = "webhook_endpoints", operation_id = "list_webhook_endpoints",
     params(ListEndpoints),
     responses((status = 200, body = List<Endpoint>), ReadErrors),
 )]
@@ -235,10 +237,10 @@ pub async fn list(
 
 /// Change an endpoint's URL or event types.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints/{id}", tag = "webhook_endpoints",
+    post, path = "/v1/webhook_endpoints/{id}", tag = "webhook_endpoints", operation_id = "update_webhook_endpoint",
     params(
         ("id" = i64, Path, description = "The endpoint's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours."),
     ),
     request_body = EndpointUpdate,
     responses((status = 200, description = "Changed; deliveries made from now on use it.", body = Endpoint), WriteErrors),
@@ -283,10 +285,10 @@ pub async fn update(
 /// Rotate the signing secret: the new one signs from now on, the previous
 /// one beside it until the overlap ends. The new secret is shown this once.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints/{id}/rotate_secret", tag = "webhook_endpoints",
+    post, path = "/v1/webhook_endpoints/{id}/rotate_secret", tag = "webhook_endpoints", operation_id = "rotate_webhook_endpoint_secret",
     params(
         ("id" = i64, Path, description = "The endpoint's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours."),
     ),
     request_body = Rotation,
     responses((status = 200, description = "Rotated; `secret` is shown this once.", body = RotatedSecret), WriteErrors),
@@ -352,10 +354,10 @@ pub async fn rotate_secret(
 /// Disable an endpoint: its pending deliveries die at their next attempt,
 /// and the fan-out makes it none. Disabling a disabled endpoint changes nothing.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints/{id}/disable", tag = "webhook_endpoints",
+    post, path = "/v1/webhook_endpoints/{id}/disable", tag = "webhook_endpoints", operation_id = "disable_webhook_endpoint",
     params(
         ("id" = i64, Path, description = "The endpoint's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key returns the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key returns the first answer for 24 hours."),
     ),
     responses((status = 200, body = Endpoint), WriteErrors),
 )]
@@ -371,10 +373,10 @@ pub async fn disable(
 /// Enable an endpoint again (after a disable or a 410 Gone). Its dead
 /// deliveries stay dead: recover them.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints/{id}/enable", tag = "webhook_endpoints",
+    post, path = "/v1/webhook_endpoints/{id}/enable", tag = "webhook_endpoints", operation_id = "enable_webhook_endpoint",
     params(
         ("id" = i64, Path, description = "The endpoint's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key returns the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key returns the first answer for 24 hours."),
     ),
     responses((status = 200, body = Endpoint), WriteErrors),
 )]
@@ -392,10 +394,10 @@ pub async fn enable(
 /// counted afresh, at most 10,000 a call (`has_more` says to call again). A
 /// disabled endpoint is refused (409 `invalid_state`): enable it first.
 #[utoipa::path(
-    post, path = "/v1/webhook_endpoints/{id}/recover", tag = "webhook_endpoints",
+    post, path = "/v1/webhook_endpoints/{id}/recover", tag = "webhook_endpoints", operation_id = "recover_webhook_endpoint",
     params(
         ("id" = i64, Path, description = "The endpoint's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours."),
     ),
     request_body = Recovery,
     responses((status = 200, description = "How many went back to pending.", body = Recovered), WriteErrors),

@@ -79,14 +79,14 @@ pub struct ListEvents {
     pub starting_after: Option<String>,
     /// Only events of this type.
     #[serde(rename = "type")]
-    #[param(rename = "type")]
+    #[param(rename = "type", pattern = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
     pub event_type: Option<String>,
 }
 
 /// Publish an event.
 #[utoipa::path(
-    post, path = "/v1/events", tag = "events",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    post, path = "/v1/events", tag = "events", operation_id = "publish_event",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewEvent,
     responses((status = 201, description = "Published; its deliveries follow.", body = Event), WriteErrors),
 )]
@@ -137,7 +137,7 @@ pub async fn publish(
 
 /// Read an event.
 #[utoipa::path(
-    get, path = "/v1/events/{id}", tag = "events",
+    get, path = "/v1/events/{id}", tag = "events", operation_id = "get_event",
     params(("id" = i64, Path, description = "The event's id.", minimum = 1)),
     responses((status = 200, body = Event), ReadErrors),
 )]
@@ -162,7 +162,7 @@ pub const LIST: &str = "SELECT id, event_type, payload, message_id, created_at, 
 
 /// List events, newest first.
 #[utoipa::path(
-    get, path = "/v1/events", tag = "events",
+    get, path = "/v1/events", tag = "events", operation_id = "list_events",
     params(ListEvents),
     responses((status = 200, body = List<Event>), ReadErrors),
 )]

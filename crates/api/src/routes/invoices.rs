@@ -75,8 +75,10 @@ pub struct Invoice {
     pub paid_at: Option<DateTime<Utc>>,
     pub closed_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
-    /// Oldest first; only on `GET /v1/invoices/{id}`.
+    /// Oldest first; only on `GET /v1/invoices/{id}` (never `null`: absent
+    /// from lists).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub payment_attempts: Option<Vec<PaymentAttempt>>,
 }
 
@@ -151,7 +153,7 @@ pub struct ListInvoices {
 
 /// Read an invoice with its payment attempts.
 #[utoipa::path(
-    get, path = "/v1/invoices/{id}", tag = "invoices",
+    get, path = "/v1/invoices/{id}", tag = "invoices", operation_id = "get_invoice",
     params(("id" = i64, Path, description = "The invoice's id.", minimum = 1)),
     responses((status = 200, body = Invoice), ReadErrors),
 )]
@@ -176,7 +178,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List invoices, newest first.
 #[utoipa::path(
-    get, path = "/v1/invoices", tag = "invoices",
+    get, path = "/v1/invoices", tag = "invoices", operation_id = "list_invoices",
     params(ListInvoices),
     responses((status = 200, body = List<Invoice>), ReadErrors),
 )]
@@ -186,6 +188,12 @@ pub async fn list(
     Query(q): Query<ListInvoices>,
 ) -> Result<Response, ApiError> {
     let page = Page::new(q.limit, q.starting_after.as_deref())?;
+    if q.subscription.is_some_and(|id| id < 1) {
+        return Err(ApiError::param(
+            "subscription",
+            "subscription is a positive id",
+        ));
+    }
     let mut scope = Scope::begin(&api, &caller).await?;
     let rows = scope
         .tx()

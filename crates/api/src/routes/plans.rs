@@ -24,8 +24,10 @@ pub const MAX_NAME_CHARS: usize = 200;
 /// The most intervals a period spans (`plans_interval_count_range`).
 pub const MAX_INTERVAL_COUNT: i32 = 1000;
 
-/// A period's unit, as `plans_interval_unit_known` allows (`minute` and
-/// `hour` are for short demo plans).
+/// A period's unit, as `plans_interval_unit_known` allows. `minute` and
+/// `hour` are for demo plans: refused (400 on `interval`) unless the
+/// deployment allows them (`HARDCOUNT_API_SHORT_PLANS`, set by
+/// `hardcount dev`).
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Interval {
@@ -116,8 +118,8 @@ pub struct ListPlans {
 
 /// Create a plan.
 #[utoipa::path(
-    post, path = "/v1/plans", tag = "plans",
-    params(("Idempotency-Key" = Option<String>, Header, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
+    post, path = "/v1/plans", tag = "plans", operation_id = "create_plan",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = "Retry safely: the same key and body return the first answer for 24 hours.")),
     request_body = NewPlan,
     responses((status = 201, description = "Created.", body = Plan), WriteErrors),
 )]
@@ -166,6 +168,18 @@ pub async fn create(
             ),
         ));
     }
+    if matches!(p.interval, Interval::Minute | Interval::Hour) && !api.config().short_plans {
+        return Err(ApiError::param(
+            "interval",
+            format!(
+                "{} plans are for demos, and this deployment does not allow them \
+                 (HARDCOUNT_API_SHORT_PLANS): a plan billed every {} would charge each \
+                 customer that often; use day, week, month or year",
+                p.interval.as_str(),
+                p.interval.as_str()
+            ),
+        ));
+    }
     let count = p.interval_count.unwrap_or(1);
     if !(1..=MAX_INTERVAL_COUNT).contains(&count) {
         return Err(ApiError::out_of_range(
@@ -198,7 +212,7 @@ pub async fn create(
 
 /// Read a plan.
 #[utoipa::path(
-    get, path = "/v1/plans/{id}", tag = "plans",
+    get, path = "/v1/plans/{id}", tag = "plans", operation_id = "get_plan",
     params(("id" = i64, Path, description = "The plan's id.", minimum = 1)),
     responses((status = 200, body = Plan), ReadErrors),
 )]
@@ -222,7 +236,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List plans, newest first.
 #[utoipa::path(
-    get, path = "/v1/plans", tag = "plans",
+    get, path = "/v1/plans", tag = "plans", operation_id = "list_plans",
     params(ListPlans),
     responses((status = 200, body = List<Plan>), ReadErrors),
 )]

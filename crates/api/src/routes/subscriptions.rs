@@ -197,8 +197,8 @@ fn missing_ref(what: &str, param: &str, id: i64) -> ApiError {
 
 /// Create a subscription.
 #[utoipa::path(
-    post, path = "/v1/subscriptions", tag = "subscriptions",
-    params(("Idempotency-Key" = Option<String>, Header, description = IDEM)),
+    post, path = "/v1/subscriptions", tag = "subscriptions", operation_id = "create_subscription",
+    params(("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = IDEM)),
     request_body = NewSubscription,
     responses((status = 201, description = "Created; announced with subscription.created.", body = Subscription), WriteErrors),
 )]
@@ -336,7 +336,7 @@ pub async fn create(
 
 /// Read a subscription.
 #[utoipa::path(
-    get, path = "/v1/subscriptions/{id}", tag = "subscriptions",
+    get, path = "/v1/subscriptions/{id}", tag = "subscriptions", operation_id = "get_subscription",
     params(("id" = i64, Path, description = "The subscription's id.", minimum = 1)),
     responses((status = 200, body = Subscription), ReadErrors),
 )]
@@ -350,7 +350,7 @@ pub async fn get(State(api): State<Api>, caller: Caller, Id(id): Id) -> Result<R
 
 /// List subscriptions, newest first.
 #[utoipa::path(
-    get, path = "/v1/subscriptions", tag = "subscriptions",
+    get, path = "/v1/subscriptions", tag = "subscriptions", operation_id = "list_subscriptions",
     params(ListSubscriptions),
     responses((status = 200, body = List<Subscription>), ReadErrors),
 )]
@@ -360,6 +360,9 @@ pub async fn list(
     Query(q): Query<ListSubscriptions>,
 ) -> Result<Response, ApiError> {
     let page = Page::new(q.limit, q.starting_after.as_deref())?;
+    if q.customer.is_some_and(|id| id < 1) {
+        return Err(ApiError::param("customer", "customer is a positive id"));
+    }
     let mut scope = Scope::begin(&api, &caller).await?;
     let rows = scope
         .tx()

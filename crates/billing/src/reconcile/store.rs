@@ -39,9 +39,9 @@ pub const CLAIM_UNKNOWN: &str = concat!(
               OR a.first_sent_at > now() - make_interval(secs => $7)) AS resend_ok, \
              c.provider_customer_id AS customer_now, c.payment_method_id AS method_now \
       FROM payment_attempts a \
-      JOIN invoices i ON i.tenant_id = a.tenant_id AND i.id = a.invoice_id \
-      JOIN subscriptions s ON s.tenant_id = i.tenant_id AND s.id = i.subscription_id \
-      JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+      JOIN invoices i ON i.id = a.invoice_id \
+      JOIN subscriptions s ON s.id = i.subscription_id \
+      JOIN customers c ON c.id = s.customer_id \
       WHERE a.provider_status IN ('unknown', 'processing') AND i.status = 'open' \
         AND i.review_since IS NULL \
         AND (a.next_check_at IS NULL OR a.next_check_at <= now()) \
@@ -87,8 +87,8 @@ pub const CLAIM_UNKNOWN: &str = concat!(
     FROM claimed k \
     JOIN picked p ON p.id = k.id \
     JOIN payment_attempts a ON a.id = p.attempt_id \
-    JOIN subscriptions s ON s.tenant_id = k.tenant_id AND s.id = k.subscription_id \
-    JOIN customers c ON c.tenant_id = s.tenant_id AND c.id = s.customer_id \
+    JOIN subscriptions s ON s.id = k.subscription_id \
+    JOIN customers c ON c.id = s.customer_id \
     ORDER BY a.last_checked_at NULLS FIRST, a.id"
 );
 
@@ -115,6 +115,13 @@ pub const CLAIM_UNKNOWN: &str = concat!(
 /// `payment_attempts_open` order, so the limit stops the walk, each one's
 /// rows reached by key; planned freely, on tables never analyzed, it read
 /// every open attempt through a bitmap and sorted them, for each batch.
+/// The joins are taken as written (`begin_index_driven_as_written`), each by
+/// the primary key of the row before it: the invoice, subscription and
+/// customer by id alone, since their composite foreign keys already hold
+/// them to the attempt's tenant. With the joins planned freely and the
+/// tenant in each, the planner at times drove the walk from a scan of every
+/// open invoice and reached each subscription by `tenant_id` alone
+/// (docs/adr/0154), as dunning's listing once did (docs/adr/0056).
 pub(crate) async fn claim_unknown(
     db: &Db,
     fence: &Fence,
@@ -125,7 +132,7 @@ pub(crate) async fn claim_unknown(
     statement_timeout: Duration,
 ) -> Result<Vec<UnknownAttempt>, db::Error> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let mut tx = db.begin_index_driven(statement_timeout).await?;
+    let mut tx = db.begin_index_driven_as_written(statement_timeout).await?;
     let rows = tx
         .fetch_all(
             sql(CLAIM_UNKNOWN)

@@ -97,10 +97,13 @@ async fn the_operator_role_reads_leader_status_and_pauses_and_nothing_else() {
             "tenant_settings.invoice_on_cancel:INSERT",
             "tenant_settings.email_from:INSERT",
             "tenant_settings.updated_at:INSERT",
+            // Its payment page (migration 0058).
+            "tenant_settings.payment_page_url:INSERT",
             "tenant_settings.invoice_prefix:UPDATE",
             "tenant_settings.invoice_on_cancel:UPDATE",
             "tenant_settings.email_from:UPDATE",
             "tenant_settings.updated_at:UPDATE",
+            "tenant_settings.payment_page_url:UPDATE",
             "tenants:INSERT",
             "tenants:SELECT",
         ])

@@ -70,6 +70,10 @@ impl ServeSettings {
                     "HARDCOUNT_API_RATE_BURST",
                     non_empty(&self.api_rate_burst).is_some(),
                 ),
+                (
+                    "HARDCOUNT_API_SHORT_PLANS",
+                    non_empty(&self.api_short_plans).is_some(),
+                ),
             ]
             .into_iter()
             .filter_map(|(var, set)| set.then_some(var))
@@ -102,6 +106,13 @@ impl ServeSettings {
         if let Some(text) = non_empty(&self.api_rate_burst) {
             let n = whole("HARDCOUNT_API_RATE_BURST", &text, 1..=1_000_000)?;
             config.rate_burst = NonZeroU32::new(n as u32).unwrap_or(NonZeroU32::MIN);
+        }
+        if let Some(text) = non_empty(&self.api_short_plans) {
+            config.short_plans = match text.trim() {
+                "true" => true,
+                "false" => false,
+                _ => bail!("HARDCOUNT_API_SHORT_PLANS={text:?} is not true or false"),
+            };
         }
         Ok(Some(ApiServe {
             addr,

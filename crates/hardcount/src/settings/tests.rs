@@ -554,3 +554,25 @@ fn a_dunning_budget_with_no_room_for_a_call_is_refused() {
     check(&with("1m")).unwrap();
     check(&["--dunning-tick-budget", "30s"]).unwrap();
 }
+
+/// HARDCOUNT_API_SHORT_PLANS takes `true` or `false` (off by default), and
+/// anything else is refused by name (docs/adr/0152).
+#[test]
+fn short_plans_are_off_unless_set_and_refused_unless_true_or_false() {
+    let api = [
+        "--api-addr",
+        "127.0.0.1:8081",
+        "--api-database-url",
+        "postgres://hardcount_api@db/x",
+    ];
+    let short = |config: Config| config.api.expect("the API is served").config.short_plans;
+    assert!(!short(check(&api).unwrap()));
+    assert!(short(
+        check(&[&api[..], &["--api-short-plans", "true"]].concat()).unwrap()
+    ));
+    let e = refusal(&[&api[..], &["--api-short-plans", "yes"]].concat());
+    assert!(
+        e.contains("HARDCOUNT_API_SHORT_PLANS=\"yes\" is not true or false"),
+        "{e}"
+    );
+}

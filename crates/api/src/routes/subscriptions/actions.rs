@@ -30,9 +30,11 @@ pub struct Cancel {
 }
 
 /// What happens to invoices made while collection is paused
-/// (`subscriptions_pause_behavior_known`; Stripe's three values).
+/// (`subscriptions_pause_behavior_known`; Stripe's three values). Named
+/// apart from dunning's policy setting of the same values in the document.
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
+#[schema(as = SubscriptionPauseBehavior)]
 pub enum PauseBehavior {
     /// Kept as drafts: not finalized, announced or charged.
     KeepAsDraft,
@@ -94,10 +96,10 @@ async fn live(scope: &mut Scope, id: i64) -> Result<Subscription, ApiError> {
 /// Cancel a subscription now (the used part invoiced; a trialing one with
 /// nothing invoiced) or, an active one, at its period's end.
 #[utoipa::path(
-    post, path = "/v1/subscriptions/{id}/cancel", tag = "subscriptions",
+    post, path = "/v1/subscriptions/{id}/cancel", tag = "subscriptions", operation_id = "cancel_subscription",
     params(
         ("id" = i64, Path, description = "The subscription's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = IDEM),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = IDEM),
     ),
     request_body(content = Option<Cancel>, description = "May be left out: cancel now."),
     responses((status = 200, description = "Canceled (or set to end with its period); announced with subscription.canceled or subscription.updated. A cancel at the period's end of a subscription already set to end is announced no more.", body = Subscription), WriteErrors),
@@ -146,10 +148,10 @@ pub async fn cancel(
 
 /// Pause collection: invoices are still made, none is charged.
 #[utoipa::path(
-    post, path = "/v1/subscriptions/{id}/pause", tag = "subscriptions",
+    post, path = "/v1/subscriptions/{id}/pause", tag = "subscriptions", operation_id = "pause_subscription",
     params(
         ("id" = i64, Path, description = "The subscription's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = IDEM),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = IDEM),
     ),
     request_body = Pause,
     responses((status = 200, description = "Paused; announced with subscription.collection_paused, unless the same pause (behavior and resumes_at) set through the API was already in force.", body = Subscription), WriteErrors),
@@ -189,10 +191,10 @@ pub async fn pause(
 /// Resume collection, of a canceled subscription too (its open invoices are
 /// charged again); 409 `invalid_state` when it is not paused.
 #[utoipa::path(
-    post, path = "/v1/subscriptions/{id}/resume", tag = "subscriptions",
+    post, path = "/v1/subscriptions/{id}/resume", tag = "subscriptions", operation_id = "resume_subscription",
     params(
         ("id" = i64, Path, description = "The subscription's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = IDEM),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = IDEM),
     ),
     request_body(content = Option<Resume>, description = "No field; may be left out."),
     responses((status = 200, description = "Resumed; announced with subscription.collection_resumed.", body = Subscription), WriteErrors),
@@ -227,10 +229,10 @@ pub async fn resume(
 /// there, its used part invoiced pro rata on the old plan, and a new period
 /// starts on the new plan (docs/adr/0088).
 #[utoipa::path(
-    post, path = "/v1/subscriptions/{id}/change_plan", tag = "subscriptions",
+    post, path = "/v1/subscriptions/{id}/change_plan", tag = "subscriptions", operation_id = "change_subscription_plan",
     params(
         ("id" = i64, Path, description = "The subscription's id.", minimum = 1),
-        ("Idempotency-Key" = Option<String>, Header, description = IDEM),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = r"^[\x21-\x7E]+$", nullable = false, description = IDEM),
     ),
     request_body = ChangePlan,
     responses((status = 200, description = "Changed; announced with invoice.finalized (each period that had ended and billing had not yet invoiced, then the used part) and subscription.updated. 409 `subscription_period_moved` when billing moved the period meanwhile, or the subscription is further behind than one billing tick closes, or its last period, set to end it, has ended (nothing written), `currency_mismatch` for a plan in another currency.", body = Subscription), WriteErrors),

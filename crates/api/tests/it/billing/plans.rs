@@ -150,6 +150,24 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
                 "parameter_invalid",
                 "interval",
             ),
+            // Demo units, refused unless the deployment allows them
+            // (docs/adr/0152; mutation `short_plans_allowed`).
+            (
+                p.clone(),
+                path.clone(),
+                with("interval", json!("minute")),
+                400,
+                "parameter_invalid",
+                "interval",
+            ),
+            (
+                p.clone(),
+                path.clone(),
+                with("interval", json!("hour")),
+                400,
+                "parameter_invalid",
+                "interval",
+            ),
             (
                 p.clone(),
                 path.clone(),
@@ -197,4 +215,33 @@ async fn plans_are_created_as_the_table_allows_and_refused_by_field() {
         )],
     )
     .await;
+}
+
+/// A deployment that allows short plans (`HARDCOUNT_API_SHORT_PLANS`, as
+/// `hardcount dev` sets it) takes minute and hour plans (docs/adr/0152).
+#[tokio::test]
+async fn minute_and_hour_plans_where_the_deployment_allows_them() {
+    let t = testbed::TestDb::new().await;
+    let keyring = webhook_delivery::Keyring::parse(testbed::SECRETS_KEY).unwrap();
+    let config = api::ApiConfig {
+        short_plans: true,
+        ..crate::config()
+    };
+    let s = crate::serve_api(api::Api::new(t.api(), Some(keyring), config)).await;
+    let key = crate::tenant(&t, "tenant_a").await;
+    for interval in ["minute", "hour"] {
+        let r = s
+            .post(
+                "/v1/plans",
+                &key,
+                json!({"name": "Demo", "amount": 100, "currency": "EUR", "interval": interval, "interval_count": 2}),
+            )
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.json["interval"].as_str()),
+            (201, Some(interval)),
+            "{}",
+            r.text
+        );
+    }
 }

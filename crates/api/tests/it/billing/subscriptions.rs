@@ -74,6 +74,30 @@ async fn a_subscription_starts_as_billing_expects_and_refuses_another_tenants_cu
         ],
     )
     .await;
+    // A list filter is a positive id, as the document says (`minimum: 1`),
+    // not an empty page (mutation `list_filter_any_id`).
+    b.check_refusals(
+        &b.a,
+        &[
+            (
+                Method::GET,
+                "/v1/subscriptions?customer=0".to_owned(),
+                None,
+                400,
+                "parameter_invalid",
+                "customer",
+            ),
+            (
+                Method::GET,
+                "/v1/invoices?subscription=-1".to_owned(),
+                None,
+                400,
+                "parameter_invalid",
+                "subscription",
+            ),
+        ],
+    )
+    .await;
     b.check_refusals(
         &b.b,
         &[

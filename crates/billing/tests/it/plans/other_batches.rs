@@ -138,6 +138,8 @@ async fn the_reconcilers_claim_reaches_each_attempts_rows_by_key() {
         for by_key in [
             "Index Scan using payment_attempts_open on payment_attempts a_1",
             "Index Scan using invoices_pkey on invoices i ",
+            "Index Scan using subscriptions_pkey on subscriptions s_1",
+            "Index Scan using customers_pkey on customers c_1",
         ] {
             assert!(plan.contains(by_key), "{by_key} not in\n{plan}");
         }
