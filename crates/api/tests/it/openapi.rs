@@ -49,11 +49,12 @@ fn the_document_is_openapi_3_1_and_every_route_declares_its_refusals() {
     }
 }
 
-/// Every operation has an `operationId` of its own: a client generator
-/// names a method by it, and two alike (utoipa's default is the handler's
-/// name, `list` eight times) overwrite each other or fail the generation.
-/// Mutation `openapi_ids_by_handler` (the ids taken out of one route
-/// file) fails here.
+/// Every operation has an `operationId` of its own, a verb and what it acts
+/// on (`list_plans`): a client generator names a method by it, and two
+/// alike (utoipa's default is the handler's name, `list` eight times)
+/// overwrite each other or fail the generation. Mutation
+/// `openapi_ids_by_handler` (one route back on its handler's name) fails
+/// here.
 #[test]
 fn every_operation_has_an_id_of_its_own() {
     let doc = serde_json::to_value(api::openapi()).unwrap();
@@ -61,6 +62,10 @@ fn every_operation_has_an_id_of_its_own() {
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, op) in item.as_object().unwrap() {
             let id = op["operationId"].as_str().unwrap_or_default().to_owned();
+            assert!(
+                id.contains('_'),
+                "{method} {path}: operationId {id:?} names no resource"
+            );
             if let Some(other) = seen.insert(id.clone(), format!("{method} {path}")) {
                 panic!("operationId {id:?} is both {other} and {method} {path}");
             }
