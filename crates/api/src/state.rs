@@ -41,7 +41,7 @@ pub struct ApiConfig {
     /// Whether a plan may bill every minute or hour
     /// (`HARDCOUNT_API_SHORT_PLANS`; `hardcount dev` sets it): demo units,
     /// refused otherwise, since a plan made with one by mistake would charge
-    /// each customer hundreds of times a month (docs/adr/0152).
+    /// each customer up to tens of thousands of times a month (docs/adr/0152).
     pub short_plans: bool,
 }
 

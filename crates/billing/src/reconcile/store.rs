@@ -111,7 +111,7 @@ pub const CLAIM_UNKNOWN: &str = concat!(
 /// tenant's business window, as dunning's funnel does (docs/adr/0147): the
 /// key never reached the provider, so nothing expires while it waits.
 ///
-/// Index-driven (docs/adr/0060): the open attempts in
+/// Index-driven (docs/adr/0062): the open attempts in
 /// `payment_attempts_open` order, so the limit stops the walk, each one's
 /// rows reached by key; planned freely, on tables never analyzed, it read
 /// every open attempt through a bitmap and sorted them, for each batch.

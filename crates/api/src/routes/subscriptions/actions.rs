@@ -30,8 +30,9 @@ pub struct Cancel {
 }
 
 /// What happens to invoices made while collection is paused
-/// (`subscriptions_pause_behavior_known`; Stripe's three values). Named
-/// apart from dunning's policy setting of the same values in the document.
+/// (`subscriptions_pause_behavior_known`; Stripe's three values).
+// Named apart from dunning's policy setting of the same values in the
+// OpenAPI document (docs/adr/0153).
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 #[schema(as = SubscriptionPauseBehavior)]

@@ -134,6 +134,11 @@ async fn the_reconcilers_claim_reaches_each_attempts_rows_by_key() {
     let report = tick(&t.db, &b).await;
     let plans = sweep.plans_of(CLAIM_UNKNOWN);
     assert!(!plans.is_empty(), "no plan noticed for the claim");
+    // Its joins as written (docs/adr/0154; mutation `unknown_claim_as_written`).
+    assert_planned_with(
+        &plans,
+        &[&INDEX_DRIVEN_SETTINGS[..], &["join_collapse_limit = '1'"]].concat(),
+    );
     for plan in &plans {
         for by_key in [
             "Index Scan using payment_attempts_open on payment_attempts a_1",
