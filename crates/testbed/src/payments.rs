@@ -30,3 +30,18 @@ pub async fn invoice_created_micros(db: &Db, invoice: i64) -> i64 {
     .expect("reading an invoice's creation instant")
     .get(0)
 }
+
+/// Give `tenant` the payment page `template` (`tenant_settings.payment_page_url`,
+/// docs/adr/0150), as the schema's owner writes it, for the billing and
+/// dunning tests of the emails that link it.
+pub async fn set_payment_page(t: &crate::TestDb, tenant: &str, template: &str) {
+    sqlx::query(
+        "INSERT INTO tenant_settings (tenant_id, payment_page_url) VALUES ($1, $2) \
+         ON CONFLICT (tenant_id) DO UPDATE SET payment_page_url = EXCLUDED.payment_page_url",
+    )
+    .bind(tenant)
+    .bind(template)
+    .execute(&mut t.superuser().await)
+    .await
+    .expect("setting a tenant's payment page");
+}

@@ -170,7 +170,6 @@ async fn a_decline_is_recorded_with_its_code_announced_and_emailed() {
 /// here.
 #[tokio::test]
 async fn a_declined_charge_links_the_tenants_payment_page() {
-    use sqlx::Executor as _;
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let (invoice, customer) = open_invoice(&t.db).await;
@@ -178,14 +177,8 @@ async fn a_declined_charge_links_the_tenants_payment_page() {
         &customer,
         Behaviour::Decline("authentication_required".into()),
     );
-    t.superuser()
-        .await
-        .execute(
-            "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
-             VALUES ('tenant_a', 'https://pay.acme.example/i/{invoice}?via=mail')",
-        )
-        .await
-        .unwrap();
+    let page = "https://pay.acme.example/i/{invoice}?via=mail";
+    testbed::payments::set_payment_page(&t, "tenant_a", page).await;
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     assert_eq!(tick(&t.db, &b).await.charges.declined, 1);
     let texts = strings(&t.db, "SELECT text_body FROM email_outbox").await;

@@ -380,14 +380,7 @@ async fn a_customer_without_a_payment_method_is_asked_once_and_charged_once_one_
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     due_monthly(&t.db, "tenant_a", 1).await;
-    t.superuser()
-        .await
-        .execute(
-            "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
-             VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
-        )
-        .await
-        .unwrap();
+    testbed::payments::set_payment_page(&t, "tenant_a", "https://acme.example/pay/{invoice}").await;
     t.api_as("tenant_a")
         .execute(sql("UPDATE customers SET payment_method_id = NULL"))
         .await

@@ -36,13 +36,7 @@ async fn exhaustion_runs_the_final_action_once() {
     // The final notice links no payment page: nothing charges the invoice
     // after the final action, so a new payment method would not pay it
     // (docs/adr/0150).
-    sqlx::query(
-        "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
-         VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
-    )
-    .execute(&mut t.superuser().await)
-    .await
-    .unwrap();
+    testbed::payments::set_payment_page(&t, "tenant_a", "https://acme.example/pay/{invoice}").await;
     let a = declined_invoice(&t.db, "tenant_a").await;
     p.set_behaviour(&a.customer, Behaviour::Decline("card_declined".into()));
     let (d, metrics) = dunner(&t.db, &p, CALL, config());

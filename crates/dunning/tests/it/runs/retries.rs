@@ -345,13 +345,7 @@ async fn a_declined_retry_sends_one_email_that_asks_what_its_decline_needs() {
 async fn an_authentication_decline_warns_with_the_tenants_payment_page() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
-    sqlx::query(
-        "INSERT INTO tenant_settings (tenant_id, payment_page_url) \
-         VALUES ('tenant_a', 'https://acme.example/pay/{invoice}')",
-    )
-    .execute(&mut t.superuser().await)
-    .await
-    .unwrap();
+    testbed::payments::set_payment_page(&t, "tenant_a", "https://acme.example/pay/{invoice}").await;
     let mut invoices = Vec::new();
     for tenant in ["tenant_a", "tenant_b"] {
         policy(&t.db, tenant, 2, "pause_collection").await;
