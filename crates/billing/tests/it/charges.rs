@@ -216,6 +216,48 @@ async fn an_authentication_decline_without_a_page_asks_for_another_method() {
     assert!(!texts[0].contains("confirm"), "{texts:?}");
 }
 
+/// A charge whose invoice is closed while its call is in flight is paid at
+/// the provider, and its answer goes to an operator's review; auto-charge's
+/// tally counts it `needs_review`, never as a claim lost (docs/adr/0147).
+/// A trigger closes the invoice (uncollectible) as the claim takes it, so
+/// the call is made on an invoice that is no longer open. Mutation
+/// `charge_reviewed_counted_lost` (auto-charge counts it a lost claim) fails
+/// here.
+#[tokio::test]
+async fn a_charge_answered_after_its_invoice_closed_is_counted_for_review() {
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let (invoice, _) = open_invoice(&t.db).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION close_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF NEW.auto_charge_claimed_by IS NOT NULL AND OLD.auto_charge_claimed_by IS NULL THEN \
+             NEW.status := 'uncollectible'; NEW.closed_at := now(); \
+           END IF; \
+           RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER close_on_claim BEFORE UPDATE ON invoices \
+           FOR EACH ROW EXECUTE FUNCTION close_on_claim();",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+    let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
+    let report = tick(&t.db, &b).await;
+    assert_eq!(
+        (
+            report.charges.needs_review,
+            report.charges.claim_lost,
+            report.charges.paid
+        ),
+        (1, 0, 0),
+        "{report:?}"
+    );
+    assert_eq!(p.total_charges(), 1);
+    assert_eq!(attempts(&t.db).await[0].0, "needs_review");
+    assert_eq!(invoice_status(&t.db, invoice).await, "uncollectible");
+}
+
 async fn attempt_count(db: &Db, invoice: i64) -> i32 {
     db.fetch_one(sql("SELECT attempt_count FROM invoices WHERE id = $1").bind(invoice))
         .await

@@ -23,6 +23,61 @@ fn charging(p: &FakeProvider, timeout: Duration, lease: Duration) -> BillingConf
     }
 }
 
+/// The reconciler's look at an unknown attempt whose invoice is closed while
+/// the look is in flight: the stored charge answers paid, and the answer
+/// goes to an operator's review, counted `needs_review` by the reconciler's
+/// tally, never as lost (docs/adr/0147). A trigger, made after the first
+/// tick, closes the invoice (uncollectible) as the reconciler's claim takes
+/// it. Mutation `reconcile_reviewed_counted_lost` (the reconciler counts it
+/// lost) fails here.
+#[tokio::test]
+async fn a_look_answered_after_its_invoice_closed_is_counted_for_review() {
+    use sqlx::Executor as _;
+    let t = TestDb::new().await;
+    let p = FakeProvider::start().await.unwrap();
+    let open = open_invoices(&t.db, 1).await;
+    let (invoice, customer) = open[0].clone();
+    p.set_behaviour(&customer, Behaviour::Hang);
+    let (b, _) = biller(
+        &t.db,
+        charging(&p, Duration::from_millis(300), Duration::from_secs(1)),
+    );
+    let first = tick(&t.db, &b).await;
+    assert_eq!(first.charges.unknown, 1, "{first:?}");
+    t.superuser()
+        .await
+        .execute(
+            "CREATE FUNCTION close_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN \
+               IF NEW.auto_charge_claimed_until > coalesce(OLD.auto_charge_claimed_until, '-infinity') \
+               THEN NEW.status := 'uncollectible'; NEW.closed_at := now(); END IF; \
+               RETURN NEW; \
+             END $$; \
+             CREATE TRIGGER close_on_claim BEFORE UPDATE ON invoices \
+               FOR EACH ROW EXECUTE FUNCTION close_on_claim();",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let second = tick(&t.db, &b).await;
+    assert_eq!(
+        (
+            second.reconciled.needs_review,
+            second.reconciled.lost,
+            second.reconciled.paid
+        ),
+        (1, 0, 0),
+        "{second:?}"
+    );
+    assert_eq!(p.total_charges(), 1);
+    let status: String =
+        t.db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(invoice))
+            .await
+            .unwrap()
+            .get(0);
+    assert_eq!(status, "uncollectible");
+}
+
 /// The provider charges and then hangs: the attempt is unknown, its claim
 /// lease expires, and the reconciler asks the provider by key (the same
 /// request, same key): the stored charge answers, the invoice is settled
