@@ -298,8 +298,8 @@ fn page_valid(page: &str) -> Result<(), String> {
     if authority.is_empty() {
         return Err("names no host".to_owned());
     }
-    // As the emails fill it in (`payments::payment_page`).
-    let filled = page.replace("{invoice}", "1");
+    // As the emails fill it in.
+    let filled = payments::payment_page(page, 1);
     let url = url::Url::parse(&filled).map_err(|e| format!("is not an address ({e})"))?;
     if url.host_str().is_none_or(str::is_empty) {
         return Err("names no host".to_owned());

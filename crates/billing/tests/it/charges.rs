@@ -10,7 +10,9 @@ use fake_provider::{Behaviour, FakeProvider, TEST_SECRET_KEY};
 use leader::Role;
 use testbed::TestDb;
 
-use crate::{as_leader, biller, charging, config, due_monthly, manager, strings, tick};
+use crate::{
+    as_leader, biller, charging, config, due_monthly, invoice_status, manager, strings, tick,
+};
 
 /// One open automatic invoice of 1200 EUR (billed by a tick without a
 /// provider), and its customer's `cus_…`.
@@ -37,13 +39,6 @@ async fn events(db: &Db) -> Vec<String> {
 
 async fn emails(db: &Db) -> Vec<String> {
     strings(db, "SELECT subject FROM email_outbox ORDER BY id").await
-}
-
-async fn invoice_status(db: &Db, id: i64) -> String {
-    db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(id))
-        .await
-        .unwrap()
-        .get("status")
 }
 
 /// (status, decline code, idempotency key) of each attempt.
@@ -228,20 +223,7 @@ async fn a_charge_answered_after_its_invoice_closed_is_counted_for_review() {
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let (invoice, _) = open_invoice(&t.db).await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION close_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN \
-           IF NEW.auto_charge_claimed_by IS NOT NULL AND OLD.auto_charge_claimed_by IS NULL THEN \
-             NEW.status := 'uncollectible'; NEW.closed_at := now(); \
-           END IF; \
-           RETURN NEW; \
-         END $$; \
-         CREATE TRIGGER close_on_claim BEFORE UPDATE ON invoices \
-           FOR EACH ROW EXECUTE FUNCTION close_on_claim();",
-    )
-    .execute(&mut t.superuser().await)
-    .await
-    .unwrap();
+    crate::close_invoices_as_claimed(&t).await;
     let (b, _) = biller(&t.db, charging(&p, Duration::from_secs(5)));
     let report = tick(&t.db, &b).await;
     assert_eq!(

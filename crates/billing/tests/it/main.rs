@@ -276,6 +276,33 @@ pub async fn open_invoices(db: &Db, n: usize) -> Vec<(i64, String)> {
 }
 
 /// The first column of every row of `q`, as the query orders them.
+/// An invoice's status.
+pub async fn invoice_status(db: &Db, id: i64) -> String {
+    db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(id))
+        .await
+        .unwrap()
+        .get("status")
+}
+
+/// Close (uncollectible) every invoice as a claim takes it, by a trigger on
+/// the claim's new lease: its call is then made on an invoice no longer
+/// open, as if an operator closed it mid-call.
+pub async fn close_invoices_as_claimed(t: &testbed::TestDb) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION close_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF NEW.auto_charge_claimed_until > coalesce(OLD.auto_charge_claimed_until, '-infinity') \
+           THEN NEW.status := 'uncollectible'; NEW.closed_at := now(); END IF; \
+           RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER close_on_claim BEFORE UPDATE ON invoices \
+           FOR EACH ROW EXECUTE FUNCTION close_on_claim();",
+    )
+    .execute(&mut t.superuser().await)
+    .await
+    .unwrap();
+}
+
 pub async fn strings(db: &Db, q: &'static str) -> Vec<String> {
     db.fetch_all(sql(q))
         .await

@@ -32,7 +32,6 @@ fn charging(p: &FakeProvider, timeout: Duration, lease: Duration) -> BillingConf
 /// lost) fails here.
 #[tokio::test]
 async fn a_look_answered_after_its_invoice_closed_is_counted_for_review() {
-    use sqlx::Executor as _;
     let t = TestDb::new().await;
     let p = FakeProvider::start().await.unwrap();
     let open = open_invoices(&t.db, 1).await;
@@ -44,20 +43,7 @@ async fn a_look_answered_after_its_invoice_closed_is_counted_for_review() {
     );
     let first = tick(&t.db, &b).await;
     assert_eq!(first.charges.unknown, 1, "{first:?}");
-    t.superuser()
-        .await
-        .execute(
-            "CREATE FUNCTION close_on_claim() RETURNS trigger LANGUAGE plpgsql AS $$ \
-             BEGIN \
-               IF NEW.auto_charge_claimed_until > coalesce(OLD.auto_charge_claimed_until, '-infinity') \
-               THEN NEW.status := 'uncollectible'; NEW.closed_at := now(); END IF; \
-               RETURN NEW; \
-             END $$; \
-             CREATE TRIGGER close_on_claim BEFORE UPDATE ON invoices \
-               FOR EACH ROW EXECUTE FUNCTION close_on_claim();",
-        )
-        .await
-        .unwrap();
+    crate::close_invoices_as_claimed(&t).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let second = tick(&t.db, &b).await;
     assert_eq!(
@@ -70,12 +56,7 @@ async fn a_look_answered_after_its_invoice_closed_is_counted_for_review() {
         "{second:?}"
     );
     assert_eq!(p.total_charges(), 1);
-    let status: String =
-        t.db.fetch_one(sql("SELECT status FROM invoices WHERE id = $1").bind(invoice))
-            .await
-            .unwrap()
-            .get(0);
-    assert_eq!(status, "uncollectible");
+    assert_eq!(crate::invoice_status(&t.db, invoice).await, "uncollectible");
 }
 
 /// The provider charges and then hangs: the attempt is unknown, its claim
